@@ -1,0 +1,1 @@
+"""The persistent MoE decode megakernel (issue: megakernel)."""

@@ -1,0 +1,1 @@
+"""The foundation's reference benchmarks: D2D copy against the copy engine, launch overhead."""

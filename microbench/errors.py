@@ -1,0 +1,34 @@
+"""Errors megabench raises on bad input. Each names the problem and what to do about it."""
+from __future__ import annotations
+
+
+class MegabenchError(Exception):
+    """Base class: anything the user can act on."""
+
+
+class NoGPUError(MegabenchError):
+    """No usable CUDA device (no driver, no device, or CUDA_VISIBLE_DEVICES hides it)."""
+
+
+class UnsupportedArchError(MegabenchError):
+    """The device or requested target architecture is not one this code was written for."""
+
+
+class CompileError(MegabenchError):
+    """NVRTC / nvJitLink rejected a source; the message carries the compiler log."""
+
+
+class KernelDoesNotFitError(MegabenchError):
+    """A launch asks for more than the device gives (co-residency, smem, registers, code budget)."""
+
+
+class ResultsFileError(MegabenchError):
+    """A results or constants file is malformed, of an unknown/future schema, or incompatible."""
+
+
+class SpinTimeoutError(MegabenchError):
+    """A bounded spin-wait on the GPU gave up; the message says what it waited for."""
+
+
+class CorrectnessError(MegabenchError):
+    """A kernel's output did not match its reference; timing is refused."""

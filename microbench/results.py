@@ -1,0 +1,316 @@
+"""Typed benchmark results, serialised to versioned JSON.
+
+Every file carries the environment it was measured in, the raw samples, their summary, which
+timer produced them and the physical bound the benchmark states. Writing is atomic and never
+replaces an existing file; reading a malformed or future-version file raises ResultsFileError
+naming the file and the problem.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ResultsFileError
+from .stats import Summary
+
+SCHEMA = "megabench.result"
+VERSION = 1
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TIMERS = ("cuda_event", "globaltimer", "clock64", "host", "derived", "static")
+
+
+def results_root() -> Path:
+    return Path(os.environ.get("MEGABENCH_RESULTS", REPO_ROOT / "reports" / "results"))
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:
+        return ""
+
+
+@dataclass(frozen=True)
+class Env:
+    gpu: str | None
+    gpu_uuid: str | None
+    cc: str | None
+    sm_count: int | None
+    l2_bytes: int | None
+    sm_clock_max_mhz: int | None
+    mem_clock_max_mhz: int | None
+    driver: str | None
+    nvrtc: str
+    cuda_core: str
+    torch: str
+    python: str
+    git_sha: str
+    git_dirty: bool
+    host: str
+    date: str  # ISO 8601 UTC
+    machine_kind: str | None = None  # e.g. "nvidia-h200" (MEGABENCH_MACHINE_KIND)
+
+    @classmethod
+    def capture(cls, gpu_index: int | None = 0) -> Env:
+        from .compiler import toolchain_versions
+        from .device import gpu_count
+
+        tv = toolchain_versions()
+        try:
+            import torch
+
+            tver = torch.__version__
+        except Exception:
+            tver = "unavailable"
+        info = None
+        if gpu_index is not None and gpu_count() > gpu_index:
+            from .device import device_info
+
+            info = device_info(gpu_index)
+        sha = os.environ.get("MEGABENCH_GIT_SHA") or _git("rev-parse", "HEAD") or "unknown"
+        dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+        return cls(
+            gpu=info.name if info else None,
+            gpu_uuid=info.uuid if info else None,
+            cc=f"{info.cc[0]}.{info.cc[1]}" if info else None,
+            sm_count=info.sm_count if info else None,
+            l2_bytes=info.l2_bytes if info else None,
+            sm_clock_max_mhz=info.sm_clock_max_mhz if info else None,
+            mem_clock_max_mhz=info.mem_clock_max_mhz if info else None,
+            driver=info.driver_version if info else None,
+            nvrtc=tv.get("nvrtc", "?"),
+            cuda_core=tv.get("cuda-core", "?"),
+            torch=tver,
+            python=platform.python_version(),
+            git_sha=sha,
+            git_dirty=dirty,
+            host=socket.gethostname(),
+            date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            machine_kind=os.environ.get("MEGABENCH_MACHINE_KIND"),
+        )
+
+    @property
+    def gpu_key(self) -> str:
+        """Baselines are kept and compared per GPU model and max clock."""
+        return f"{self.gpu or 'cpu'}@{self.sm_clock_max_mhz or 0}MHz"
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The physical limit a benchmark is judged against."""
+
+    kind: str  # "bandwidth" | "latency" | "throughput" | "time"
+    value: float
+    unit: str  # e.g. "B/s", "s", "ns"
+    source: str  # how the value was obtained (measured run, datasheet, fitted)
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str
+    params: Mapping[str, object]
+    timer: str
+    unit: str
+    samples: tuple[float, ...]
+    summary: Summary
+    bound: Bound | None = None
+    achieved: float | None = None  # the summary median expressed in bound.unit
+    fraction_of_bound: float | None = None  # achieved/bound for rates, bound/achieved for times
+    clocks: Mapping[str, float] = field(default_factory=dict)
+    metrics: Mapping[str, object] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.timer not in TIMERS:
+            raise ValueError(f"series {self.name}: timer {self.timer!r} not one of {TIMERS}")
+
+    @classmethod
+    def from_samples(cls, name: str, samples: Iterable[float], *, timer: str, unit: str,
+                     params: Mapping[str, object] | None = None, bound: Bound | None = None,
+                     work: float | None = None, clocks: Mapping[str, float] | None = None,
+                     metrics: Mapping[str, object] | None = None, warnings: Iterable[str] = ()) -> Series:
+        """Summarise samples; with a bound, express the median against it.
+
+        For a bandwidth/throughput bound, `work` (bytes, flops, items per sample) turns the
+        median time into a rate. For a latency/time bound the median itself is compared.
+        """
+        s = tuple(float(v) for v in samples)
+        summ = Summary.of(s)
+        achieved = frac = None
+        if bound is not None:
+            if bound.kind in ("bandwidth", "throughput"):
+                if work is None:
+                    raise ValueError(f"series {name}: a {bound.kind} bound needs `work` per sample")
+                achieved = work / summ.median
+                frac = achieved / bound.value
+            else:
+                achieved = summ.median
+                frac = bound.value / summ.median if summ.median else None
+        return cls(name, dict(params or {}), timer, unit, s, summ, bound, achieved, frac, dict(clocks or {}),
+                   dict(metrics or {}), tuple(warnings))
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A constant derived from series, with its spread and the rule that produced it."""
+
+    value: float
+    unit: str
+    rule: str
+    spread: tuple[float, float] | None = None  # (lo, hi), e.g. a bootstrap interval
+    inputs: tuple[str, ...] = ()  # series names it was derived from
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Result:
+    benchmark: str  # "<class>.<name>", e.g. "icache.capacity"
+    env: Env
+    series: tuple[Series, ...]
+    derived: Mapping[str, Derived] = field(default_factory=dict)
+    quick: bool = True
+    notes: tuple[str, ...] = ()
+
+    def series_named(self, name: str) -> Series:
+        for s in self.series:
+            if s.name == name:
+                return s
+        raise KeyError(f"{self.benchmark}: no series {name!r}")
+
+    # ------------------------------------------------------------------ serialisation
+    def to_json(self) -> dict:
+        def conv(o):
+            if dataclasses.is_dataclass(o) and not isinstance(o, type):
+                if isinstance(o, Summary):
+                    return o.to_dict()
+                return {f.name: conv(getattr(o, f.name)) for f in dataclasses.fields(o)}
+            if isinstance(o, Mapping):
+                return {str(k): conv(v) for k, v in o.items()}
+            if isinstance(o, (list, tuple)):
+                return [conv(v) for v in o]
+            if isinstance(o, float) and not math.isfinite(o):
+                return repr(o)  # 'nan'/'inf' as strings: JSON has no such numbers
+            if hasattr(o, "item") and callable(o.item):  # numpy scalars
+                return conv(o.item())
+            return o
+
+        return {"schema": SCHEMA, "version": VERSION, **conv(self)}
+
+    @classmethod
+    def from_json(cls, d: dict, source: str = "<dict>") -> Result:
+        def bad(msg):
+            return ResultsFileError(f"{source}: {msg}")
+
+        if not isinstance(d, dict):
+            raise bad("top level is not a JSON object")
+        if d.get("schema") != SCHEMA:
+            raise bad(f"schema is {d.get('schema')!r}, expected {SCHEMA!r}")
+        v = d.get("version")
+        if not isinstance(v, int):
+            raise bad(f"version is {v!r}, expected an integer")
+        if v > VERSION:
+            raise bad(f"written by a newer megabench (result version {v}, this reads up to {VERSION}); upgrade")
+        try:
+            env = Env(**d["env"])
+            series = []
+            for s in d["series"]:
+                bound = Bound(**s["bound"]) if s.get("bound") else None
+                series.append(Series(
+                    name=s["name"], params=s.get("params", {}), timer=s["timer"], unit=s["unit"],
+                    samples=tuple(float(x) for x in s["samples"]), summary=Summary.from_dict(s["summary"]),
+                    bound=bound, achieved=_num(s.get("achieved")), fraction_of_bound=_num(s.get("fraction_of_bound")),
+                    clocks=s.get("clocks", {}), metrics=s.get("metrics", {}), warnings=tuple(s.get("warnings", ()))))
+            derived = {}
+            for k, x in d.get("derived", {}).items():
+                sp = x.get("spread")
+                derived[k] = Derived(value=float(x["value"]), unit=x["unit"], rule=x["rule"],
+                                     spread=tuple(float(t) for t in sp) if sp else None,
+                                     inputs=tuple(x.get("inputs", ())), note=x.get("note", ""))
+            return cls(benchmark=d["benchmark"], env=env, series=tuple(series), derived=derived,
+                       quick=bool(d.get("quick", True)), notes=tuple(d.get("notes", ())))
+        except ResultsFileError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"malformed result ({e.__class__.__name__}: {e})") from None
+
+    def save(self, root: Path | None = None) -> Path:
+        """Write atomically under <root>/<class>/; never replaces an existing file."""
+        root = Path(root) if root else results_root()
+        cls_dir = root / self.benchmark.split(".")[0]
+        cls_dir.mkdir(parents=True, exist_ok=True)
+        stamp = self.env.date.replace("-", "").replace(":", "")
+        gpu = re.sub(r"[^A-Za-z0-9]+", "-", self.env.gpu or "cpu").strip("-").lower()
+        base = f"{self.benchmark}-{stamp}-{gpu}-{self.env.git_sha[:7]}"
+        data = json.dumps(self.to_json(), indent=1, sort_keys=False).encode()
+        fd, tmp = tempfile.mkstemp(dir=cls_dir, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            for i in range(1000):
+                path = cls_dir / (base + (f"-{i}" if i else "") + ".json")
+                try:
+                    os.link(tmp, path)  # fails if the name exists: never overwrites
+                    return path
+                except FileExistsError:
+                    continue
+            raise ResultsFileError(f"could not find a free file name for {base} in {cls_dir}")
+        finally:
+            os.unlink(tmp)
+
+
+def _num(x):
+    if x is None:
+        return None
+    return float(x)
+
+
+def load(path: str | Path) -> Result:
+    p = Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ResultsFileError(f"{p}: no such results file") from None
+    except json.JSONDecodeError as e:
+        raise ResultsFileError(f"{p}: not valid JSON ({e})") from None
+    return Result.from_json(d, source=str(p))
+
+
+def find(benchmark: str | None = None, root: Path | None = None, gpu: str | None = None) -> list[Path]:
+    """Result files (oldest first by recorded date), optionally for one benchmark / GPU model."""
+    root = Path(root) if root else results_root()
+    out = []
+    for p in root.rglob("*.json"):
+        if p.name.startswith(".tmp-"):
+            continue
+        if benchmark and not p.name.startswith(benchmark + "-"):
+            continue
+        out.append(p)
+    rows = []
+    for p in out:
+        try:
+            d = json.loads(p.read_text())
+        except Exception:
+            rows.append(("", p))  # malformed files surface when loaded, not silently dropped
+            continue
+        if d.get("schema") != SCHEMA:
+            continue
+        if gpu and (d.get("env") or {}).get("gpu") != gpu:
+            continue
+        rows.append(((d.get("env") or {}).get("date", ""), p))
+    return [p for _, p in sorted(rows, key=lambda r: (r[0], str(r[1])))]
+
+
+def latest(benchmark: str, root: Path | None = None, gpu: str | None = None) -> Result | None:
+    files = find(benchmark, root, gpu)
+    return load(files[-1]) if files else None

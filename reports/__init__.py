@@ -1,0 +1,1 @@
+"""Markdown report of committed/fresh results."""

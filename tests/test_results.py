@@ -1,0 +1,89 @@
+"""Typed results: round trip, atomic no-overwrite writes, clear errors on bad files."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from microbench.errors import ResultsFileError
+from microbench.results import SCHEMA, VERSION, Bound, Derived, Env, Result, Series, find, latest, load
+
+
+def make_result(bench="basics.copy", date="2026-11-29T10:00:00Z", median=1e-3) -> Result:
+    env = Env(gpu="NVIDIA H200", gpu_uuid="x", cc="9.0", sm_count=132, l2_bytes=62914560, sm_clock_max_mhz=1980,
+              mem_clock_max_mhz=3201, driver="580", nvrtc="13.0", cuda_core="1.2.0", torch="2.11", python="3.12",
+              git_sha="abcdef0123", git_dirty=False, host="h", date=date)
+    rng = np.random.default_rng(1)
+    s = Series.from_samples("copy/x", median * (1 + 0.01 * rng.standard_normal(30)), timer="cuda_event", unit="s",
+                            params={"bytes": 1 << 20}, bound=Bound("bandwidth", 4e12, "B/s", "test"), work=2e9)
+    d = {"bw": Derived(2e12, "B/s", "rule", (1.9e12, 2.1e12), ("copy/x",))}
+    return Result(bench, env, (s,), d, quick=True, notes=("n",))
+
+
+def test_roundtrip(tmp_path):
+    r = make_result()
+    p = r.save(tmp_path)
+    assert p.parent.name == "basics"
+    r2 = load(p)
+    assert r2.env == r.env
+    assert r2.series[0].samples == r.series[0].samples
+    assert r2.series[0].summary == r.series[0].summary
+    assert r2.series[0].bound == r.series[0].bound
+    assert r2.derived["bw"] == r.derived["bw"]
+    assert abs(r2.series[0].fraction_of_bound - (2e9 / r.series[0].summary.median) / 4e12) < 1e-12
+
+
+def test_never_overwrites(tmp_path):
+    r = make_result()
+    p1, p2 = r.save(tmp_path), r.save(tmp_path)
+    assert p1 != p2 and p1.exists() and p2.exists()
+    assert not list(tmp_path.rglob(".tmp-*"))
+
+
+def test_latest_by_date(tmp_path):
+    make_result(date="2026-11-01T00:00:00Z", median=2e-3).save(tmp_path)
+    make_result(date="2026-11-29T00:00:00Z", median=1e-3).save(tmp_path)
+    assert len(find("basics.copy", tmp_path)) == 2
+    assert latest("basics.copy", tmp_path).env.date.startswith("2026-11-29")
+    assert latest("icache.capacity", tmp_path) is None
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(schema="other"), "schema"),
+    (lambda d: d.update(version=VERSION + 1), "newer megabench"),
+    (lambda d: d.update(version="1"), "integer"),
+    (lambda d: d.pop("env"), "malformed"),
+    (lambda d: d["series"][0].update(timer="sundial"), "malformed"),
+    (lambda d: d["series"][0].pop("samples"), "malformed"),
+])
+def test_bad_files_are_refused_with_the_file_named(tmp_path, mutate, message):
+    p = make_result().save(tmp_path)
+    d = json.loads(p.read_text())
+    mutate(d)
+    p.write_text(json.dumps(d))
+    with pytest.raises(ResultsFileError, match=message) as e:
+        load(p)
+    assert str(p) in str(e.value)
+
+
+def test_not_json(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text("{not json")
+    with pytest.raises(ResultsFileError, match="not valid JSON"):
+        load(p)
+    with pytest.raises(ResultsFileError, match="no such"):
+        load(tmp_path / "missing.json")
+
+
+def test_series_requires_known_timer_and_work():
+    with pytest.raises(ValueError, match="timer"):
+        Series.from_samples("x", [1.0], timer="wallclock", unit="s")
+    with pytest.raises(ValueError, match="work"):
+        Series.from_samples("x", [1.0], timer="cuda_event", unit="s", bound=Bound("bandwidth", 1, "B/s", "t"))
+    with pytest.raises(ValueError, match="non-finite"):
+        Series.from_samples("x", [1.0, float("nan")], timer="cuda_event", unit="s")
+
+
+def test_schema_constant():
+    assert make_result().to_json()["schema"] == SCHEMA
