@@ -23,9 +23,10 @@ def test_harness_copy_time_is_physically_plausible(harness):
     from microbench.basics.bench import copy_case
     from microbench.datasheet import hbm_peak
     from microbench.harness import run_case
+    from microbench.results import Bound
 
-    s = run_case(harness, copy_case(1 << 30))
     peak = hbm_peak(harness.info.name) or 8e12
+    s = run_case(harness, copy_case(1 << 30, bound=Bound("bandwidth", peak, "B/s", "datasheet")))
     floor = 2 * (1 << 30) / peak
     assert s.summary.n >= 10 and s.timer == "cuda_event"
     assert floor * 0.9 < s.summary.median < 20 * floor, (s.summary.median, floor)
