@@ -1,0 +1,138 @@
+"""Model weights generated from a seed (the real model's weights are not available).
+
+Scales keep every activation O(1) through any depth: projections have std 1/sqrt(fan_in), each
+block adds `residual_scale` times an O(1) vector to the residual stream, norm gains are 1 +- 0.1.
+Expert weights are drawn at the bit level in NVFP4 (random E2M1 codes, random E4M3 block scales,
+a per-expert FP32 tensor scale), so every code and many scale values are exercised.
+
+Predictable structure ("backbone"): a random successor permutation `succ` over the vocabulary,
+built into the LM head (row v leans towards the embedding of succ^-1(v)), so that the model tends
+to continue token t with succ(t) and a drafter that knows the backbone is often, not always,
+right. `backbone` scales that pull; the layers' context-dependent contributions compete with it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .nvfp4 import NVFP4Tensor, random_nvfp4
+
+BF16 = torch.bfloat16
+
+
+@dataclass
+class ExpertBank:
+    """All experts of one layer for one GEMM, stacked: codes [E, N, K/2], scales [E, N, K/16]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor  # float32 [E]
+
+    def expert(self, e: int) -> NVFP4Tensor:
+        n, kh = self.codes.shape[1:]
+        return NVFP4Tensor(self.codes[e], self.scales[e], float(self.tensor_scale[e]), (n, 2 * kh))
+
+    @property
+    def nbytes_per_expert(self) -> int:
+        return self.codes[0].numel() + self.scales[0].numel() + 4
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [d] bf16
+    wqkv: torch.Tensor  # [(Hq + 2 Hkv) hd, d] bf16; rows: q heads, then k heads, then v heads
+    wo: torch.Tensor  # [d, Hq hd] bf16
+    ffn_norm: torch.Tensor  # [d] bf16
+    router: torch.Tensor  # [E, d] bf16
+    pool: torch.Tensor  # [p, d] bf16
+    w1: ExpertBank  # [E][2f, p]: rows 0..f-1 gate, f..2f-1 up
+    w2: ExpertBank  # [E][p, f]
+    unpool: torch.Tensor  # [d, p] bf16
+
+
+@dataclass
+class ModelWeights:
+    cfg: ModelConfig
+    embed: torch.Tensor  # [V, d] bf16
+    final_norm: torch.Tensor  # [d] bf16
+    lm_head: torch.Tensor  # [V, d] bf16
+    layers: list[LayerWeights]
+    rope_cos: torch.Tensor  # [max_context, hd/2] float32
+    rope_sin: torch.Tensor
+    succ: torch.Tensor  # [V] int64, the backbone's successor of each token
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+
+def rope_tables(cfg: ModelConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of pos * theta^(-2i/hd) for every position: computed in float64, stored as float32,
+    read by the reference and the kernels alike (no trig differences between them)."""
+    half = cfg.head_dim // 2
+    inv = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float64) * 2.0 / cfg.head_dim)
+    ang = torch.arange(cfg.max_context, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cos(ang).float().to(device), torch.sin(ang).float().to(device)
+
+
+def _randn(shape, std, g, device):
+    return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * std).to(BF16)
+
+
+def _gain(n, g, device):
+    return (1.0 + 0.1 * torch.randn(n, generator=g, device=device, dtype=torch.float32)).to(BF16)
+
+
+def _bank(cfg: ModelConfig, n: int, k: int, std: float, g, device) -> ExpertBank:
+    codes, scales, ts = [], [], []
+    for _ in range(cfg.n_experts):
+        t = random_nvfp4(n, k, std, g, device=device)
+        codes.append(t.codes)
+        scales.append(t.scales)
+        ts.append(t.tensor_scale)
+    return ExpertBank(torch.stack(codes), torch.stack(scales), torch.tensor(ts, dtype=torch.float32, device=device))
+
+
+def generate(cfg: ModelConfig, device="cpu", seed: int | None = None) -> ModelWeights:
+    """Deterministic weights for `cfg` on `device` (the same seed on another device type draws
+    different numbers: generators are per device type)."""
+    cfg.validate()
+    device = torch.device(device)
+    g = torch.Generator(device=device)
+    g.manual_seed(cfg.seed if seed is None else seed)
+    d, p, f, rs = cfg.d_model, cfg.d_pool, cfg.d_expert, cfg.residual_scale
+    layers = []
+    for _ in range(cfg.n_layers):
+        layers.append(LayerWeights(
+            attn_norm=_gain(d, g, device),
+            wqkv=_randn((cfg.qkv_rows, d), 1 / math.sqrt(d), g, device),
+            wo=_randn((d, cfg.attn_width), rs / math.sqrt(cfg.attn_width), g, device),
+            ffn_norm=_gain(d, g, device),
+            router=_randn((cfg.n_experts, d), 1 / math.sqrt(d), g, device),
+            pool=_randn((p, d), 1 / math.sqrt(d), g, device),
+            w1=_bank(cfg, 2 * f, p, 1 / math.sqrt(p), g, device),
+            w2=_bank(cfg, p, f, 2 / math.sqrt(f), g, device),
+            unpool=_randn((d, p), rs / math.sqrt(p), g, device),
+        ))
+    embed = torch.randn((cfg.vocab, d), generator=g, device=device, dtype=torch.float32)
+    succ = torch.randperm(cfg.vocab, generator=g, device=device)
+    pred = torch.empty_like(succ)
+    pred[succ] = torch.arange(cfg.vocab, device=device)
+    noise = torch.randn((cfg.vocab, d), generator=g, device=device, dtype=torch.float32)
+    lm_head = (cfg.backbone * embed[pred] + noise) / math.sqrt(d)
+    cos, sin = rope_tables(cfg, device)
+    return ModelWeights(cfg, embed.to(BF16), _gain(d, g, device), lm_head.to(BF16), layers, cos, sin, succ)
+
+
+def weight_bytes(w: ModelWeights) -> int:
+    """Bytes of every weight tensor (what must sit in device memory)."""
+    n = w.embed.numel() * 2 + w.final_norm.numel() * 2 + w.lm_head.numel() * 2
+    for lw in w.layers:
+        for t in (lw.attn_norm, lw.wqkv, lw.wo, lw.ffn_norm, lw.router, lw.pool, lw.unpool):
+            n += t.numel() * t.element_size()
+        for b in (lw.w1, lw.w2):
+            n += b.codes.numel() + b.scales.numel() + b.tensor_scale.numel() * 4
+    return n
