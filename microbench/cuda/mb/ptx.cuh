@@ -170,3 +170,77 @@ __device__ __forceinline__ uint32_t ld_cg_u32(const uint32_t* p) {
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
 
 }  // namespace mb
+
+// ---------------------------------------------------------------- appended by microbench/sync
+namespace mb {
+
+// Memory scope as a template parameter, so one kernel body serves SMs of one GPU (gpu) and
+// agents on a peer GPU or the host (sys). Peer memory needs sys: a gpu-scope load of a line
+// another GPU writes may legally never observe the write.
+enum class Scope : int { gpu = 0, sys = 1 };
+
+__device__ __forceinline__ void st_relaxed_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+template <Scope S> __device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
+  if constexpr (S == Scope::gpu) return ld_acquire_gpu(p); else return ld_acquire_sys(p);
+}
+template <Scope S> __device__ __forceinline__ uint32_t ld_relaxed(const uint32_t* p) {
+  if constexpr (S == Scope::gpu) return ld_relaxed_gpu(p); else return ld_relaxed_sys(p);
+}
+template <Scope S> __device__ __forceinline__ void st_release(uint32_t* p, uint32_t v) {
+  if constexpr (S == Scope::gpu) st_release_gpu(p, v); else st_release_sys(p, v);
+}
+template <Scope S> __device__ __forceinline__ void st_relaxed(uint32_t* p, uint32_t v) {
+  if constexpr (S == Scope::gpu) st_relaxed_gpu(p, v); else st_relaxed_sys(p, v);
+}
+template <Scope S> __device__ __forceinline__ void fence_acq_rel() {
+  if constexpr (S == Scope::gpu) fence_acq_rel_gpu(); else fence_acq_rel_sys();
+}
+
+// 16-byte strong (relaxed) accesses: the data path of sentinel slots. Each 32-bit (or 16-bit)
+// element is single-copy atomic; the 16 bytes as a whole are not, so readers check every element.
+__device__ __forceinline__ uint4 ld_relaxed_gpu_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.b32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 ld_relaxed_sys_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.sys.global.v4.b32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_gpu_v4(void* p, uint4 v) {
+  asm volatile("st.relaxed.gpu.global.v4.b32 [%0], {%1,%2,%3,%4};"
+               :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys_v4(void* p, uint4 v) {
+  asm volatile("st.relaxed.sys.global.v4.b32 [%0], {%1,%2,%3,%4};"
+               :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+template <Scope S> __device__ __forceinline__ uint4 ld_relaxed_v4(const void* p) {
+  if constexpr (S == Scope::gpu) return ld_relaxed_gpu_v4(p); else return ld_relaxed_sys_v4(p);
+}
+template <Scope S> __device__ __forceinline__ void st_relaxed_v4(void* p, uint4 v) {
+  if constexpr (S == Scope::gpu) st_relaxed_gpu_v4(p, v); else st_relaxed_sys_v4(p, v);
+}
+
+// Weak accesses, as references for the strong ones (a weak load may hit L1 and never see
+// another SM's write: never poll with these).
+__device__ __forceinline__ void st_weak_u32(uint32_t* p, uint32_t v) {
+  asm volatile("st.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_weak_ca_u32(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.global.ca.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+}  // namespace mb
