@@ -1,4 +1,5 @@
-"""Host side of the bounded spin-waits in microbench/cuda/mb/spin.cuh.
+"""Host side of the bounded spin-waits in microbench/cuda/mb/spin.cuh
+(layout: microbench/cuda/mb/watchdog.cuh).
 
 The record layout is parsed from the header's WD_* enum (the single source), a zeroed record is
 passed to the kernel, and `check()` raises SpinTimeoutError naming what a wait gave up on.
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from .errors import SpinTimeoutError
 
-HEADER = Path(__file__).resolve().parent / "cuda" / "mb" / "spin.cuh"
+HEADER = Path(__file__).resolve().parent / "cuda" / "mb" / "watchdog.cuh"
 
 
 @functools.lru_cache(maxsize=1)

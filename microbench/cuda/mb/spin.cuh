@@ -4,29 +4,13 @@
 // its next check and gives up too, so a broken dependency ends the kernel instead of hanging
 // the GPU. The host reads the record (microbench/watchdog.py) and raises SpinTimeoutError.
 //
-// The record layout is the WD_* enum below; watchdog.py parses this enum, so it is the only copy.
+// The record layout is the WD_* enum in mb/watchdog.cuh (parsed by watchdog.py: the only copy).
 #pragma once
 #include "mb/types.cuh"
 #include "mb/ptx.cuh"
+#include "mb/watchdog.cuh"
 
 namespace mb {
-
-enum WatchdogField : int {
-  WD_TRIPPED = 0,   // 0 = fine, 1 = a wait gave up
-  WD_BLOCK = 1,     // blockIdx.x of the first waiter that gave up
-  WD_THREAD = 2,    // threadIdx.x of it
-  WD_WHAT = 3,      // caller-defined id of what was awaited (an op/flag id)
-  WD_ADDR = 4,      // address polled
-  WD_EXPECTED = 5,  // value it waited for (>= for counters, != sentinel for data)
-  WD_SEEN = 6,      // last value it saw
-  WD_ELAPSED_NS = 7,// how long it waited
-  WD_FIELDS = 8
-};
-
-struct Watchdog {
-  unsigned long long* rec;  // WD_FIELDS u64 in global memory, zeroed by the host
-  uint64_t bound_ns;        // give up after this long (from the tuned spin bound)
-};
 
 __device__ __forceinline__ bool wd_tripped(const Watchdog& w) {
   return *reinterpret_cast<volatile unsigned long long*>(&w.rec[WD_TRIPPED]) != 0ull;
