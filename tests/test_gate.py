@@ -1,0 +1,309 @@
+"""megabench gate: verdict rules, GPU keying, input formats, exit codes, kernel metrics, quality."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from megabench_synth import env, series
+
+from microbench.cli import main
+from microbench.errors import ResultsFileError
+from microbench.gate import (EXIT_GPU, EXIT_INPUT, EXIT_OK, EXIT_REGRESSION, EXIT_UNKNOWN, GateConfig,
+                             GpuMismatchError, KernelThresholds, Measurement, compare, compare_kernels, judge,
+                             kernel_gate, load_kernel_baseline, load_measurements)
+from microbench.gate_quality import Source, estimate, run_quality, wilson
+from microbench.results import REPO_ROOT, Result
+
+KEY = "NVIDIA H200@1980MHz"
+
+
+def meas(median=1e-3, noise=0.01, n=40, seed=0, unit="s", key="k", gpu=KEY, samples=True, date="d", static=False):
+    rng = np.random.default_rng(seed)
+    x = median * (1 + noise * rng.standard_normal(n))
+    return Measurement(key, tuple(x) if samples else None, float(np.median(x)), None, unit,
+                       {"s": "lower", "B/s": "higher", "": "none"}[unit], gpu, "f", date, static)
+
+
+# ----------------------------------------------------------------------------- verdict rule
+def test_same_distribution_is_same():
+    v = judge(meas(seed=1), meas(seed=2))
+    assert v.verdict == "same" and abs(v.slowdown) < 0.01
+
+
+def test_clear_slowdown_is_a_regression():
+    v = judge(meas(seed=1), meas(1.10e-3, seed=2))
+    assert v.verdict == "regression" and 0.08 < v.slowdown < 0.12 and v.p_slower < 1e-6
+    assert v.threshold == pytest.approx(0.05)
+
+
+def test_slowdown_within_noise_is_not_a_regression():
+    v = judge(meas(noise=0.2, seed=1), meas(1.10e-3, noise=0.2, seed=2))
+    assert v.verdict == "same" and v.threshold > 0.2
+
+
+def test_below_floor_is_not_a_regression_even_if_significant():
+    v = judge(meas(noise=0.001, seed=1), meas(1.03e-3, noise=0.001, seed=2))
+    assert v.verdict == "same" and v.p_slower < 1e-6 and "within the threshold" in v.reason
+
+
+def test_rank_test_must_agree():
+    # median 8% higher but the samples overlap: one wild sample pulls nothing, ranks disagree
+    base = Measurement("k", (1.0, 1.0, 1.2, 1.2, 1.0, 1.2, 1.0, 1.2, 1.0, 1.2), 1.1, None, "s", "lower", KEY, "f", "")
+    cand = Measurement("k", (1.0, 1.2, 1.2, 1.2, 1.0, 1.2, 1.0, 1.2, 1.0, 1.2), 1.2, None, "s", "lower", KEY, "f", "")
+    v = judge(base, cand, GateConfig(floor=0.05, k=0.0))
+    assert v.slowdown > 0.05 and v.verdict == "same" and "rank test disagrees" in v.reason
+
+
+def test_improvement_and_rates():
+    assert judge(meas(seed=1), meas(0.8e-3, seed=2)).verdict == "improvement"
+    # bandwidth: a lower rate is the slowdown
+    v = judge(meas(4e12, unit="B/s", seed=1), meas(3.5e12, unit="B/s", seed=2))
+    assert v.verdict == "regression" and v.slowdown == pytest.approx(4 / 3.5 - 1, rel=0.05)
+    assert judge(meas(4e12, unit="B/s", seed=1), meas(4.6e12, unit="B/s", seed=2)).verdict == "improvement"
+
+
+@pytest.mark.parametrize("base_kw, cand_kw, reason", [
+    ({"samples": False}, {}, "baseline has no raw samples"),
+    ({}, {"samples": False}, "candidate has no raw samples"),
+    ({"n": 5}, {}, "baseline has 5 samples"),
+])
+def test_unknown_without_samples(base_kw, cand_kw, reason):
+    v = judge(meas(**base_kw), meas(2e-3, **cand_kw))
+    assert v.verdict == "unknown" and reason in v.reason and v.slowdown == pytest.approx(1.0, rel=0.1)
+
+
+def test_not_gated():
+    assert judge(meas(1.0, unit=""), meas(2.0, unit="")).verdict == "not gated"
+    assert judge(meas(static=True), meas(2e-3, static=True)).verdict == "not gated"
+
+
+def test_run_to_run_spread_raises_the_threshold():
+    base = [meas(1e-3, seed=1, date="a", noise=0.002), meas(1.12e-3, seed=2, date="b", noise=0.002)]
+    cand = [meas(1.18e-3, seed=3, noise=0.002)]  # +5% over the newest baseline run, inside their 12% spread
+    rep = compare(base, cand)
+    assert rep.verdicts[0].verdict == "same" and rep.verdicts[0].threshold > 0.1
+    # against the newest run alone the same candidate is a regression (+5.4% > floor, tiny IQR)
+    assert compare(base[1:], cand).verdicts[0].verdict == "regression"
+
+
+# ----------------------------------------------------------------------------- GPU keying
+def test_cross_gpu_is_refused():
+    with pytest.raises(GpuMismatchError, match="refusing to compare across GPUs.*NVIDIA GB300"):
+        compare([meas(gpu=KEY)], [meas(gpu="NVIDIA GB300@2032MHz")])
+    with pytest.raises(GpuMismatchError, match="does not record|do not record"):
+        compare([meas(gpu=None)], [meas()])
+    with pytest.raises(GpuMismatchError, match="mixes GPUs"):
+        compare([meas()], [meas(), meas(gpu="other@1MHz", key="j")])
+
+
+def test_baseline_other_gpus_ignored_and_listed():
+    rep = compare([meas(gpu="NVIDIA GB300@2032MHz", seed=5), meas(seed=1), meas(key="only_base")],
+                  [meas(seed=2), meas(key="new")])
+    assert [v.key for v in rep.verdicts] == ["k"] and rep.only_baseline == ["only_base"]
+    assert rep.only_candidate == ["new"] and "ignored (other GPUs)" in rep.notes[0]
+    md = rep.to_markdown()
+    assert "| benchmark" in md and "New in the candidate" in md
+
+
+def test_exit_codes():
+    assert compare([meas(seed=1)], [meas(seed=2)]).exit_code() == EXIT_OK
+    assert compare([meas(seed=1)], [meas(1.2e-3, seed=2)]).exit_code() == EXIT_REGRESSION
+    unk = compare([meas(samples=False)], [meas()])
+    assert unk.exit_code() == EXIT_UNKNOWN and unk.exit_code(allow_unknown=True) == EXIT_OK
+    assert compare([meas(key="a")], [meas(key="b")]).exit_code() == EXIT_UNKNOWN  # nothing compared
+
+
+# ----------------------------------------------------------------------------- files and CLI
+def _result(root, bench="basics.copy", median=1e-3, gpu="NVIDIA H200", seed=0, date="2026-11-29T10:00:00Z"):
+    r = Result(bench, env(gpu=gpu, date=date), (series("copy/x", median, seed=seed), series("copy/y", 2e-3, seed=seed + 7)))
+    return r.save(root)
+
+
+def _pytest_json(path: Path, medians: dict, data=True, gpu_key=KEY):
+    rng = np.random.default_rng(0)
+    bs = []
+    for name, med in medians.items():
+        x = (med * (1 + 0.01 * rng.standard_normal(15))).tolist()
+        st = {"median": float(np.median(x)), "iqr": float(np.subtract(*np.percentile(x, [75, 25]))), "min": min(x)}
+        if data:
+            st["data"] = x
+        bs.append({"name": name, "fullname": f"tests/bench/t.py::{name}", "stats": st, "extra_info": {}})
+    mi = {"node": "vm"}
+    if gpu_key:
+        mi["megabench"] = {"gpu_key": gpu_key}
+    path.write_text(json.dumps({"machine_info": mi, "commit_info": {}, "benchmarks": bs,
+                                "datetime": "2026-11-29T10:00:00+00:00", "version": "5.2.3"}))
+    return path
+
+
+def test_cli_result_files(tmp_path, capsys):
+    base = _result(tmp_path / "base")
+    same = _result(tmp_path / "same", seed=3)
+    slow = _result(tmp_path / "slow", median=1.2e-3, seed=4)
+    other = _result(tmp_path / "gb", gpu="NVIDIA GB300")
+    assert main(["gate", str(base), str(same)]) == EXIT_OK
+    md = tmp_path / "summary.md"
+    js = tmp_path / "v.json"
+    assert main(["gate", str(tmp_path / "base"), str(tmp_path / "slow"), "--markdown", str(md), "--json", str(js)]) \
+        == EXIT_REGRESSION
+    assert "REGRESSION" in md.read_text() and "basics.copy:copy/x" in md.read_text()
+    assert json.loads(js.read_text())["verdicts"][0]["verdict"] == "regression"
+    assert main(["gate", str(base), str(other)]) == EXIT_GPU
+    assert "refusing to compare across GPUs" in capsys.readouterr().err
+    assert main(["gate", str(base), str(tmp_path / "missing.json")]) == EXIT_INPUT
+    (tmp_path / "junk.json").write_text('{"hello": 1}')
+    assert main(["gate", str(base), str(tmp_path / "junk.json")]) == EXIT_INPUT
+    (tmp_path / "broken.json").write_text("{")
+    assert main(["gate", str(base), str(tmp_path / "broken.json")]) == EXIT_INPUT
+    assert main(["gate"]) == EXIT_INPUT
+
+
+def test_cli_pytest_benchmark(tmp_path, capsys):
+    a = _pytest_json(tmp_path / "a.json", {"t1": 1e-3, "t2": 2e-3})
+    b = _pytest_json(tmp_path / "b.json", {"t1": 1.3e-3, "t2": 2e-3})
+    assert main(["gate", str(a), str(b)]) == EXIT_REGRESSION
+    nodata = _pytest_json(tmp_path / "c.json", {"t1": 1e-3, "t2": 2e-3}, data=False)
+    assert main(["gate", str(a), str(nodata)]) == EXIT_UNKNOWN
+    assert main(["gate", str(a), str(nodata), "--allow-unknown"]) == EXIT_OK
+    unl = _pytest_json(tmp_path / "d.json", {"t1": 1e-3}, gpu_key=None)
+    capsys.readouterr()
+    assert main(["gate", str(a), str(unl)]) == EXIT_GPU
+    assert "--assume-gpu" in capsys.readouterr().err
+    assert main(["gate", str(a), str(unl), "--assume-gpu", KEY]) == EXIT_OK
+
+
+def test_committed_h200_files_gate_against_themselves():
+    res = REPO_ROOT / "reports" / "results"
+    ms = load_measurements(res)
+    assert ms and all(m.gpu_key == KEY for m in ms if "basics" in m.key)
+    rep = compare([m for m in ms if m.key.startswith("basics.")], [m for m in ms if m.key.startswith("basics.")])
+    assert rep.count("regression") == 0 and rep.count("same") >= 8
+    bench = sorted((REPO_ROOT / "reports" / "benchmarks").glob("*.json"))
+    if bench:
+        pm = load_measurements(bench[0], assume_gpu=KEY)
+        assert all(m.samples for m in pm)
+
+
+def test_load_refuses_malformed_pytest(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"machine_info": {}, "benchmarks": [{"name": "x", "stats": {}}]}))
+    with pytest.raises(ResultsFileError, match="malformed"):
+        load_measurements(p)
+
+
+# ----------------------------------------------------------------------------- kernel metrics
+BASE = {"schema": "megabench.kernel_metrics", "version": 1, "arch": "sm_90a", "builds": [
+    {"source": "a.cu", "defines": {}, "kernels": {"k": {"registers": 32, "spill_store_bytes": 0, "spill_load_bytes": 0,
+                                                       "stack_frame_bytes": 0, "static_smem_bytes": 0, "barriers": 0,
+                                                       "code_bytes": 1000}}}]}
+
+
+def _cur(**changes):
+    b = copy.deepcopy(BASE["builds"][0])
+    b["kernels"]["k"].update(changes)
+    return {"a.cu": b}
+
+
+@pytest.mark.parametrize("changes, fails", [
+    ({}, None),
+    ({"registers": 30}, None),
+    ({"registers": 33}, "registers"),
+    ({"spill_store_bytes": 4}, "spills"),
+    ({"static_smem_bytes": 16}, "smem"),
+    ({"code_bytes": 1090}, None),
+    ({"code_bytes": 1200}, "code bytes"),
+    ({"stack_frame_bytes": 8}, None),
+])
+def test_compare_kernels(changes, fails):
+    rows, failures = compare_kernels(BASE, _cur(**changes))
+    if fails is None:
+        assert not failures
+    else:
+        assert len(failures) == 1 and fails in failures[0]["verdict"]
+    assert bool(rows) == bool(changes)
+
+
+def test_compare_kernels_thresholds_and_new():
+    rows, failures = compare_kernels(BASE, _cur(registers=40), KernelThresholds(max_reg_increase=8))
+    assert not failures and rows[0]["verdict"] == "ok"
+    cur = _cur()
+    cur["b.cu"] = {"source": "b.cu", "defines": {}, "kernels": {"n": BASE["builds"][0]["kernels"]["k"]}}
+    rows, failures = compare_kernels(BASE, cur)
+    assert not failures and rows == [{"build": "b.cu", "kernel": "n", "change": "new kernel", "verdict": "info"}]
+
+
+def test_kernel_gate_on_the_repository(tmp_path):
+    import io
+
+    p = tmp_path / "km.json"
+    buf = io.StringIO()
+    assert kernel_gate(update=True, path=p, out=buf) == EXIT_OK
+    doc = load_kernel_baseline(p)
+    srcs = {b["source"] for b in doc["builds"]}
+    assert "microbench/basics/copy.cu" in srcs
+    assert kernel_gate(path=p, out=io.StringIO()) == EXIT_OK
+    # pretend the baseline was leaner: the current build now "grew"
+    b = next(b for b in doc["builds"] if b["source"] == "microbench/basics/copy.cu")
+    k = next(iter(b["kernels"]))
+    b["kernels"][k]["registers"] -= 8
+    p.write_text(json.dumps(doc))
+    buf = io.StringIO()
+    assert kernel_gate(path=p, out=buf) == EXIT_REGRESSION
+    assert "FAIL: registers" in buf.getvalue() and k in buf.getvalue()
+    doc["schema"] = "x"
+    p.write_text(json.dumps(doc))
+    with pytest.raises(ResultsFileError, match="expected 'megabench.kernel_metrics'"):
+        kernel_gate(path=p, out=io.StringIO())
+
+
+def test_committed_kernel_baseline_is_valid():
+    doc = load_kernel_baseline()
+    assert doc["builds"]
+
+
+# ----------------------------------------------------------------------------- gate quality
+def _src(noise, n=200, seed=0, name="s"):
+    rng = np.random.default_rng(seed)
+    return Source(name, 1e-3 * (1 + noise * rng.standard_normal(n)), "s", "lower", "synthetic")
+
+
+def test_quality_rates_on_known_noise():
+    srcs = [_src(0.01, seed=i, name=f"s{i}") for i in range(3)]
+    t = {(x.mode, x.slowdown): x for x in estimate(srcs, trials=40, seed=1)}
+    assert t[("aa_random_halves", 0.0)].rate <= 0.02
+    assert t[("aa_time_halves", 0.0)].rate == 0.0
+    assert t[("injected", 0.02)].rate <= 0.05  # below the 5% floor: by design not flagged
+    assert t[("injected", 0.10)].rate >= 0.95
+
+
+def test_quality_noisy_series_detects_less():
+    t = {(x.mode, x.slowdown): x for x in estimate([_src(0.2)], trials=40, seed=1)}
+    assert t[("injected", 0.10)].rate < 0.5  # 10% is inside 20% noise: the gate must not claim it
+    assert t[("aa_random_halves", 0.0)].rate <= 0.05
+
+
+def test_quality_detects_drift_in_time_halves():
+    s = _src(0.005)
+    drift = Source("d", np.concatenate([s.samples[:100], s.samples[100:] * 1.15]), "s", "lower", "x")
+    t = {(x.mode, x.slowdown): x for x in estimate([drift], trials=10, seed=1)}
+    assert t[("aa_time_halves", 0.0)].rate == 1.0
+
+
+def test_wilson():
+    lo, hi = wilson(0, 100)
+    assert lo == 0 and 0 < hi < 0.05
+    lo, hi = wilson(50, 100)
+    assert lo < 0.5 < hi
+
+
+def test_quality_result_from_committed_h200_samples(tmp_path):
+    res, text = run_quality(REPO_ROOT / "reports" / "results", REPO_ROOT / "reports" / "benchmarks", trials=10,
+                            save=True, save_root=tmp_path)
+    assert res.benchmark == "gate.quality" and res.env.gpu == "NVIDIA H200"
+    for k in ("false_alarm_rate", "detection_rate_2pct", "detection_rate_5pct", "detection_rate_10pct"):
+        assert 0.0 <= res.derived[k].value <= 1.0 and res.derived[k].spread
+    assert res.derived["detection_rate_10pct"].value > 0.9
+    assert list((tmp_path / "gate").glob("gate.quality-*.json"))
