@@ -1,7 +1,17 @@
-"""Subcommands added by later work (run, tune, report, gate). Each registers itself here."""
+"""The pipeline subcommands: run, tune, report, gate (see README "## Commands").
+
+Each lives in its own module and adds its own parser; imports stay lazy inside the commands so
+`megabench info` does not pay for pandas/matplotlib.
+"""
 from __future__ import annotations
 
 
 def register(sub) -> None:
-    """Hook for the pipeline commands; filled in by the tune/report/gate modules."""
-    return None
+    from . import gate, pipeline, tune
+
+    pipeline.add_parser(sub)
+    tune.add_parser(sub)
+    from reports import cli as report_cli
+
+    report_cli.add_parser(sub)
+    gate.add_parser(sub)

@@ -436,7 +436,8 @@ def measure_kernels(builds: Sequence[tuple[str, Mapping[str, str]]], arch: str =
     return out
 
 
-def planned_builds(baseline: dict | None, tracked_only: bool = False) -> tuple[list[tuple[str, dict]], list[str]]:
+def planned_builds(baseline: dict | None, tracked_only: bool = False,
+                   only: Sequence[str] | None = None) -> tuple[list[tuple[str, dict]], list[str]]:
     """Builds to compile: the baseline's (source, defines) records whose source still exists, plus
     every other .cu with no defines. Returns (builds, baseline sources that vanished)."""
     from .compiler import all_cuda_sources
@@ -446,8 +447,15 @@ def planned_builds(baseline: dict | None, tracked_only: bool = False) -> tuple[l
         tracked = _tracked_cu(REPO_ROOT)
         if tracked is not None:
             present = [p for p in present if p in tracked]
+    if only:
+        missing = sorted(set(only) - set(present))
+        if missing:
+            raise ResultsFileError(f"no such .cu in the repository: {missing}")
+        present = [p for p in present if p in only]
     builds, gone, covered = [], [], set()
     for b in (baseline or {}).get("builds", []):
+        if only and b["source"] not in only:
+            continue
         if b["source"] in present:
             builds.append((b["source"], {str(k): str(v) for k, v in (b.get("defines") or {}).items()}))
             covered.add(b["source"])
@@ -505,7 +513,7 @@ def compare_kernels(baseline: dict, current: Mapping[str, dict], th: KernelThres
 
 
 def kernel_gate(update: bool = False, path: Path | None = None, th: KernelThresholds = KernelThresholds(),
-                tracked_only: bool = False, out=sys.stdout) -> int:
+                tracked_only: bool = False, out=sys.stdout, only: Sequence[str] | None = None) -> int:
     from tabulate import tabulate
 
     from .compiler import DEFAULT_ARCH, toolchain_versions
@@ -514,11 +522,15 @@ def kernel_gate(update: bool = False, path: Path | None = None, th: KernelThresh
     baseline = None
     if p.exists() or not update:
         baseline = load_kernel_baseline(p)
-    builds, gone = planned_builds(baseline, tracked_only)
+    if update and only:
+        raise ResultsFileError("--update rewrites the whole baseline: do not combine it with --source")
+    builds, gone = planned_builds(baseline, tracked_only, only)
     arch = (baseline or {}).get("arch", DEFAULT_ARCH)
     current = measure_kernels(builds, arch)
     tool = toolchain_versions()
     nk = sum(len(b["kernels"]) for b in current.values())
+    if only and baseline:
+        baseline = {**baseline, "builds": [b for b in baseline["builds"] if b["source"] in only]}
     rows, failures = compare_kernels(baseline or {"builds": []}, current, th)
     print(f"kernel metrics: {len(current)} builds, {nk} kernels compiled for {arch} (NVRTC {tool.get('nvrtc')})",
           file=out)
@@ -573,6 +585,8 @@ def add_parser(sub) -> None:
     s.add_argument("--update", action="store_true", help="with --kernels: rewrite the baseline file")
     s.add_argument("--kernel-baseline", type=Path, default=None, help="default reports/kernel_metrics.json")
     s.add_argument("--tracked-only", action="store_true", help="with --kernels: only .cu files git tracks")
+    s.add_argument("--source", action="append", default=None, metavar="PATH.cu",
+                   help="with --kernels: check only this source (repeatable; repository-relative path)")
     s.add_argument("--max-spill-increase", type=int, default=KernelThresholds.max_spill_increase)
     s.add_argument("--max-reg-increase", type=int, default=KernelThresholds.max_reg_increase)
     s.add_argument("--max-smem-increase", type=int, default=KernelThresholds.max_smem_increase)
@@ -591,7 +605,7 @@ def _cmd(args) -> int:
     if args.kernels:
         th = KernelThresholds(args.max_spill_increase, args.max_reg_increase, args.max_smem_increase,
                               args.max_code_increase)
-        return kernel_gate(args.update, args.kernel_baseline, th, args.tracked_only)
+        return kernel_gate(args.update, args.kernel_baseline, th, args.tracked_only, only=args.source)
     if args.quality:
         from .gate_quality import run_quality
 

@@ -251,7 +251,10 @@ def to_result(gpu: str, tallies: Sequence[Tally], cfg: GateConfig, trials: int, 
     notes = (f"Computed from samples recorded on {gpu}; GPU fields of env describe where they were measured, "
              f"date/git/host/python the analysis. Sources: {', '.join(sorted(set(origins)))}.",
              "Random halves of one run share its conditions (optimistic); time-ordered halves and across-runs "
-             "pairs include drift.")
+             "pairs include drift.",
+             "Across-runs pairs put the harness's chunked series beside pytest-benchmark's one-sample rounds of "
+             "the same case: their difference includes the two procedures', so that rate bounds from above what "
+             "repeated runs of one procedure would show.")
     return Result("gate.quality", env, tuple(series), derived, quick=True, notes=notes)
 
 

@@ -81,18 +81,23 @@ class Entry:
 
 
 def default_gpu(root: Path | None = None) -> str | None:
-    """GPU model of the newest result among the constants' benchmarks (None if there are none)."""
-    best = ("", None)
-    for bench in sorted({s.benchmark for s in SPECS}):
-        for p in find(bench, root):
-            try:
-                d = json.loads(Path(p).read_text())
-            except Exception:
-                continue  # a malformed file is reported when tune loads it, not here
-            env = d.get("env") or {}
-            if env.get("gpu") and env.get("date", "") > best[0]:
-                best = (env["date"], env["gpu"])
-    return best[1]
+    """GPU model of the newest result among the constants' benchmarks, else of the newest result
+    of any benchmark (a GPU whose classes have not reported still gets its all-defaults file)."""
+    own = {s.benchmark for s in SPECS}
+    best = {True: ("", None), False: ("", None)}
+    for p in find(None, root):
+        try:
+            d = json.loads(Path(p).read_text())
+        except Exception:
+            continue  # a malformed file is reported when tune loads it, not here
+        env = d.get("env") or {}
+        bench = str(d.get("benchmark", ""))
+        if not env.get("gpu") or bench.startswith("gate."):
+            continue
+        k = bench in own
+        if env.get("date", "") > best[k][0]:
+            best[k] = (env["date"], env["gpu"])
+    return best[True][1] or best[False][1]
 
 
 def _as_value(spec: ConstantSpec, v: float, where: str) -> tuple[float | int, str]:
@@ -212,11 +217,11 @@ def write(doc: dict, out_dir: Path | None = None, force: bool = False) -> tuple[
                 return current, recorded, False
     rev = (revs[-1] + 1) if revs else 1
     rev_path = hist / f"{slug}-r{rev:04d}.json"
-    full = {**{k: doc[k] for k in ("schema", "version")}, "revision": rev,
+    full = {**{k: doc[k] for k in ("schema", "version", "WARNING") if k in doc}, "revision": rev,
             "revision_file": str(rev_path.relative_to(out_dir)),
             "supersedes": prev.get("revision_file") if isinstance(prev, dict) else None,
             "generated": _now(), "generated_by": _git_sha(),
-            **{k: v for k, v in doc.items() if k not in ("schema", "version")}}
+            **{k: v for k, v in doc.items() if k not in ("schema", "version", "WARNING")}}
     data = (json.dumps(full, indent=1) + "\n").encode()
     fd, tmp = tempfile.mkstemp(dir=hist, prefix=".tmp-", suffix=".json")
     with os.fdopen(fd, "wb") as f:

@@ -127,6 +127,7 @@ def test_write_revisions_and_current(tmp_path):
     save_all(class_results(), res)
     doc, cur, rev, created = tune(res, None, out)
     assert created and cur == out / "nvidia-h200.json" and rev.name == "nvidia-h200-r0001.json"
+    assert "WARNING" not in json.loads(cur.read_text())  # every constant measured: nothing to shout about
     assert json.loads(cur.read_text()) == json.loads(rev.read_text())
     # same inputs: no new revision
     _, cur2, rev2, created2 = tune(res, None, out)
@@ -161,6 +162,7 @@ def test_no_results_and_no_gpu_is_an_error(tmp_path):
     doc, cur, _, _ = tune(tmp_path / "empty", "NVIDIA H200", tmp_path / "c")
     assert len(doc["defaults_used"]) == len(SPECS)
     assert load_constants(cur).defaults_used() == tuple(s.name for s in SPECS)
+    assert list(json.loads(cur.read_text()))[:3] == ["schema", "version", "WARNING"]  # loud, at the top
 
 
 # ----------------------------------------------------------------------------- load_constants

@@ -1,0 +1,81 @@
+"""Numbers with units, the way an engineer reads them (1.27 us, 4.28 TB/s, 60 MiB, 73.9%)."""
+from __future__ import annotations
+
+import math
+
+
+def _sig(v: float, digits: int = 4) -> str:
+    return f"{v:.{digits}g}"
+
+
+def fmt(v, unit: str = "", digits: int = 4) -> str:
+    """Format a value in its unit; None/NaN -> an empty cell."""
+    if v is None:
+        return ""
+    if isinstance(v, str):
+        return v
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    if not math.isfinite(v):
+        return str(v)
+    u = (unit or "").strip()
+    if u in ("s", "ns", "us", "ms"):
+        s = v * {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}[u]
+        a = abs(s)
+        for scale, name in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns")):
+            if a >= scale or name == "ns":
+                return f"{_sig(s / scale, digits)} {name}"
+    if u == "B":
+        a = abs(v)
+        if a >= 1e6 and v % 1e6 == 0 and v % 1024:  # a decimal figure (the study's "23 MB"): keep it decimal
+            return f"{_sig(v / 1e6, digits)} MB"
+        for scale, name in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+            if a >= scale:
+                return f"{_sig(v / scale, digits)} {name}"
+        return f"{int(v) if v == int(v) else _sig(v, digits)} B"
+    if u.endswith("/s") and u not in ("tok/s",):
+        base = u[:-2]
+        a = abs(v)
+        for scale, pre in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+            if a >= scale:
+                return f"{_sig(v / scale, digits)} {pre}{base}/s"
+        return f"{_sig(v, digits)} {u}"
+    if u == "Hz":
+        return f"{_sig(v / 1e6, digits)} MHz" if abs(v) >= 1e6 else f"{_sig(v, digits)} Hz"
+    if u == "MHz":
+        return f"{v:.0f} MHz"
+    if u == "fraction":
+        return f"{v:.1%}"
+    if u == "x":
+        return f"{_sig(v, 3)}x"
+    if u == "":
+        return str(int(v)) if v == int(v) and abs(v) < 1e15 else _sig(v, digits)
+    if v == int(v) and abs(v) < 1e15:
+        return f"{int(v):,} {u}"
+    return f"{_sig(v, digits)} {u}"
+
+
+def fmt_range(lo, hi, unit: str = "") -> str:
+    a, b = fmt(lo, unit), fmt(hi, unit)
+    ua, ub = a.rsplit(" ", 1), b.rsplit(" ", 1)
+    if len(ua) == 2 and len(ub) == 2 and ua[1] == ub[1]:
+        return f"{ua[0]}-{ub[0]} {ua[1]}"
+    return f"{a} - {b}"
+
+
+def fmt_spread(spread, unit: str) -> str:
+    if not spread:
+        return ""
+    return fmt_range(spread[0], spread[1], unit)
+
+
+def fmt_params(params) -> str:
+    return ", ".join(f"{k}={fmt(v, 'B') if k.endswith('bytes') and isinstance(v, (int, float)) else v}"
+                     for k, v in params.items())
+
+
+def md_escape(s: str) -> str:
+    """Keep table cells intact: pipes and newlines would break a GitHub table row."""
+    return str(s).replace("|", "\\|").replace("\n", " ")

@@ -1,0 +1,180 @@
+"""What the report reads from the model and megakernel results, and the conventions they follow.
+
+Result names (benchmark field of a megabench Result; files under reports/results/<prefix>/):
+  model.baselines     the torch baselines (eager, CUDA graph, torch.compile)
+  megakernel.step     our chain mode and mega mode (and their variants)
+  megakernel.timeline the in-kernel profiler's per-block phase stamps for one step
+  megakernel.build    per-launch code bytes / registers / spills / smem of the built megakernel
+  megakernel.<other>  anything else (e.g. megakernel.ablation): shown as a generic table
+
+Step series (in model.* and megakernel.* results): any series with `params["impl"]` and unit "s".
+  samples   device seconds per decode step (timer "cuda_event" or "globaltimer")
+  params    impl     "torch_eager" | "torch_graph" | "torch_compile" | "chain" | "mega" | "mega+<variant>"
+                     (an impl starting with "mega" is a megakernel; everything else a baseline)
+            preset   model preset name ("tiny", "small", "shard8")
+            tokens   T, tokens verified per step (1 = plain decode, 16 = the study's verify)
+            context  cached tokens before the step
+            batch    sequences (default 1)
+  metrics   launches_per_step  kernel launches per step, counted by a profiler (int)
+            bytes_per_step     bytes the step must touch (weights routed + KV read + writes)
+            roofline_s         bytes_per_step / measured read ceiling (or give it as the bound:
+                               Bound("time", roofline_s, "s", ...), then fraction_of_bound is the
+                               fraction of roofline)
+            tokens_per_step    tokens the step yields (e.g. measured mean acceptance); when absent
+                               tokens/s counts tokens processed, T x batch, and the table says so
+  The series name is free (e.g. "step/mega/shard8/T16/ctx4096"); the report reads params.
+
+Timeline series (megakernel.timeline): one series per (phase, edge):
+  params    phase (str, e.g. "attention", "gemm1", "gemm2", "combine"), edge "start" | "end",
+            optional layer (int)
+  samples   per-block offsets in seconds from the launch's earliest stamp (timer "globaltimer")
+
+Build record (megakernel.build): derived "launch_code_bytes_max" (B), the largest launch's code.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from microbench.results import Result, Series
+
+PRESET_ORDER = ("shard8", "small", "tiny")
+
+
+@dataclass(frozen=True)
+class StepRow:
+    benchmark: str
+    series: Series
+    impl: str
+    preset: str
+    tokens: int
+    context: int
+    batch: int
+
+    @property
+    def config(self) -> tuple:
+        return (self.preset, self.tokens, self.context, self.batch)
+
+    @property
+    def is_mega(self) -> bool:
+        return self.impl.startswith("mega")
+
+    @property
+    def step_s(self) -> float:
+        return self.series.summary.median
+
+    @property
+    def tokens_per_step(self) -> tuple[float, bool]:
+        """(tokens per step, measured-yield?)"""
+        t = self.series.metrics.get("tokens_per_step")
+        if isinstance(t, (int, float)):
+            return float(t), True
+        return float(self.tokens * self.batch), False
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step[0] / self.step_s
+
+    @property
+    def launches(self) -> int | None:
+        v = self.series.metrics.get("launches_per_step")
+        return int(v) if isinstance(v, (int, float)) else None
+
+    @property
+    def roofline_s(self) -> float | None:
+        b = self.series.bound
+        if b is not None and b.kind == "time" and b.unit == "s":
+            return b.value
+        v = self.series.metrics.get("roofline_s")
+        return float(v) if isinstance(v, (int, float)) else None
+
+    @property
+    def roofline_fraction(self) -> float | None:
+        r = self.roofline_s
+        return r / self.step_s if r else None
+
+
+def step_rows(results: Sequence[Result]) -> list[StepRow]:
+    rows = []
+    for r in results:
+        if not (r.benchmark.startswith("model.") or r.benchmark.startswith("megakernel.")):
+            continue
+        for s in r.series:
+            p = s.params
+            if "impl" not in p or s.unit != "s" or s.timer == "static":
+                continue
+            rows.append(StepRow(r.benchmark, s, str(p["impl"]), str(p.get("preset", "?")), int(p.get("tokens", 1)),
+                                int(p.get("context", 0)), int(p.get("batch", 1))))
+    return rows
+
+
+def _pref(row: StepRow) -> tuple:
+    pi = PRESET_ORDER.index(row.preset) if row.preset in PRESET_ORDER else len(PRESET_ORDER)
+    return (pi, -row.tokens, -row.context, -row.batch)
+
+
+def pick(rows: Sequence[StepRow], impl: str, tokens: int | None = None) -> StepRow | None:
+    """The row the study's figure is compared with: impl 'mega' (fastest megakernel variant),
+    'chain', or 'best_baseline' (fastest non-megakernel); T filtered when given; preferring the
+    shard8 preset, then larger T, longer context."""
+    rs = [r for r in rows if tokens is None or r.tokens == tokens]
+    if not rs:
+        return None
+    cfg = min(rs, key=_pref).config
+    rs = [r for r in rs if r.config == cfg]
+    if impl == "mega":
+        rs = [r for r in rs if r.is_mega]
+    elif impl == "best_baseline":
+        rs = [r for r in rs if not r.is_mega]
+    else:
+        rs = [r for r in rs if r.impl == impl]
+    return min(rs, key=lambda r: r.step_s) if rs else None
+
+
+def figure_value(rows: Sequence[StepRow], timeline: Result | None, ours: dict) -> tuple[float, str, str] | None:
+    """(value, unit, how) for a paper figure whose ours.kind is 'megakernel'; None if not measured."""
+    m = ours.get("metric")
+    tokens = ours.get("tokens")
+    if m in ("tokens_per_s", "step_s", "launches_per_step", "tokens_per_step"):
+        r = pick(rows, ours.get("impl", "mega"), tokens)
+        if r is None:
+            return None
+        how = f"{r.impl}, {r.preset}, T={r.tokens}, ctx={r.context}"
+        if m == "tokens_per_s":
+            measured = r.tokens_per_step[1]
+            return r.tokens_per_s, "tok/s", how + ("" if measured else " (tokens processed, not accepted)")
+        if m == "step_s":
+            return r.step_s, "s", how
+        if m == "launches_per_step":
+            return (float(r.launches), "launches", how) if r.launches is not None else None
+        t, measured = r.tokens_per_step
+        return (t, "tokens", how) if measured else None
+    if m == "speedup_vs_chain":
+        mega, chain = pick(rows, "mega", tokens), pick(rows, "chain", tokens)
+        if mega is None or chain is None or mega.config != chain.config:
+            return None
+        return chain.step_s / mega.step_s, "x", f"chain / mega, {mega.preset}, T={mega.tokens}"
+    if m and m.startswith("timeline_") and timeline is not None:
+        _, edge, q = m.split("_")
+        for s in timeline.series:
+            if s.params.get("phase") == ours.get("phase") and s.params.get("edge") == edge:
+                return float(np.percentile(s.samples, int(q[1:]))), "s", f"{edge} of {ours.get('phase')}, {q}"
+    return None
+
+
+def timeline_phases(result: Result) -> list[dict]:
+    """[{phase, start (median), end (median), end_p10, end_p90, blocks}] ordered by start."""
+    acc: dict[str, dict] = {}
+    for s in result.series:
+        ph, edge = s.params.get("phase"), s.params.get("edge")
+        if ph is None or edge not in ("start", "end"):
+            continue
+        a = acc.setdefault(str(ph), {"phase": str(ph)})
+        x = np.asarray(s.samples)
+        a[edge] = float(np.median(x))
+        a[f"{edge}_p10"], a[f"{edge}_p90"] = (float(v) for v in np.percentile(x, [10, 90]))
+        a["blocks"] = int(x.size)
+    out = [a for a in acc.values() if "start" in a and "end" in a]
+    return sorted(out, key=lambda a: a["start"])

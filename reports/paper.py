@@ -1,0 +1,58 @@
+"""The study's figures as data (reports/paper_figures.json): each number, its setup (the authors'
+8 x GB300 system unless stated), the overhead class it belongs to, and how ours is obtained.
+
+The file is package data: nothing reads the brief's PAPER.md at run time. `validate()` is what the
+tests call: every figure has a value or a range, a known setup and a known class.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from microbench.errors import ResultsFileError
+
+PATH = Path(__file__).with_name("paper_figures.json")
+CLASSES = ("icache", "weights", "sync", "clocks", "megakernel", "model")
+
+
+@functools.lru_cache(maxsize=1)
+def load(path: str | None = None) -> dict:
+    p = Path(path) if path else PATH
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ResultsFileError(f"{p}: cannot read the study's figures ({e})") from None
+    validate(d, str(p))
+    return d
+
+
+def validate(d: dict, source: str = "<paper figures>") -> None:
+    if d.get("schema") != "megabench.paper_figures":
+        raise ResultsFileError(f"{source}: schema {d.get('schema')!r}, expected 'megabench.paper_figures'")
+    setups = d.get("setups") or {}
+    ids = set()
+    for f in d.get("figures", []):
+        fid = f.get("id")
+        if not fid or fid in ids:
+            raise ResultsFileError(f"{source}: figure id {fid!r} missing or duplicated")
+        ids.add(fid)
+        if f.get("setup") not in setups:
+            raise ResultsFileError(f"{source}: {fid}: unknown setup {f.get('setup')!r}")
+        if f.get("class") not in CLASSES:
+            raise ResultsFileError(f"{source}: {fid}: unknown class {f.get('class')!r}")
+        has_value = isinstance(f.get("value"), (int, float))
+        has_range = isinstance(f.get("low"), (int, float)) and isinstance(f.get("high"), (int, float))
+        if has_value == has_range:
+            raise ResultsFileError(f"{source}: {fid}: needs exactly one of value or low/high")
+        ours = f.get("ours")
+        if ours is not None and ours.get("kind") not in (d.get("ours_kinds") or {}):
+            raise ResultsFileError(f"{source}: {fid}: unknown ours.kind {ours.get('kind')!r}")
+
+
+def figures(cls: str | None = None, group: str | None = None) -> list[dict]:
+    return [f for f in load()["figures"] if (cls is None or f["class"] == cls) and (group is None or f["group"] == group)]
+
+
+def setup(name: str) -> dict:
+    return load()["setups"][name]

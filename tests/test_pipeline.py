@@ -1,0 +1,90 @@
+"""`megabench run` on the CPU (committed results, nothing committed overwritten) and, with the GPU
+parts replaced by fakes, the order and hand-offs of the GPU pipeline."""
+from __future__ import annotations
+
+import pytest
+from megabench_synth import class_results
+
+from microbench import pipeline
+from microbench.cli import main
+from microbench.results import REPO_ROOT
+
+
+def _snapshot(d):
+    return sorted((str(p.relative_to(d)), p.stat().st_mtime_ns) for p in d.rglob("*") if p.is_file()) if d.exists() else []
+
+
+def test_run_without_gpu_uses_committed_results(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: "test: no driver")
+    constants = REPO_ROOT / "reports" / "constants"
+    before = _snapshot(constants)
+    rc = main(["run", "--results", str(REPO_ROOT / "reports" / "results"), "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "no GPU here (test: no driver)" in out
+    assert "[1/4] microbenchmarks: skipped (no GPU)" in out and "[2/4] tune ..." in out
+    assert "[3/4] megakernel: skipped" in out and "[4/4] report done" in out
+    assert "megabench-constants-" in out  # tuned into a temporary folder
+    assert _snapshot(constants) == before  # committed constants untouched
+    text = (tmp_path / "REPORT.md").read_text()
+    assert "**Rendered without a GPU**" in text and "basics.copy" in text
+
+
+def test_run_with_gpu_pipeline_order(tmp_path, capsys, monkeypatch):
+    root = tmp_path / "results"
+    calls = []
+    monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: None)
+    monkeypatch.setattr("microbench.harness.Harness", lambda: "H")
+    monkeypatch.setenv("MEGABENCH_RESULTS", str(tmp_path / "elsewhere"))
+
+    def make(bench):
+        def run(h, quick=True, save=True):
+            calls.append(("bench", bench, h, quick))
+            r = next(r for r in class_results() if r.benchmark == bench)
+            r.save()  # where MEGABENCH_RESULTS points: the pipeline must point it at --results
+            return r
+        return run
+
+    def broken(h, quick=True, save=True):
+        raise RuntimeError("spin timed out waiting for flag 3")
+
+    fake = {b: make(b) for b in ("sync.flags", "weights.ring")}
+    fake["sync.publish"] = broken
+    monkeypatch.setattr("microbench.registry.benchmarks", lambda classes=None: fake)
+
+    def mega_run(quick, constants=None):
+        calls.append(("mega", quick, constants.ring_stages, constants.provenance["ring_stages"]["source"]))
+
+    monkeypatch.setattr(pipeline, "megakernel_entry", lambda: mega_run)
+    rc = main(["run", "--full", "--results", str(root), "--out", str(tmp_path / "rep"),
+               "--constants-out", str(tmp_path / "c")])
+    out = capsys.readouterr().out
+    assert rc == 1  # one benchmark failed ...
+    assert "sync.publish FAILED: RuntimeError: spin timed out waiting for flag 3" in out
+    # ... and every later stage still ran, in order
+    order = [line.split("]")[1].split()[0] for line in out.splitlines() if line.startswith("[") and " done in " in line]
+    assert order == ["gate", "tune", "megakernel", "report"]
+    assert ("bench", "sync.flags", "H", False) in calls
+    assert calls[-1] == ("mega", False, 3, "measured")  # fresh constants handed to the megakernel build
+    assert list((root / "sync").glob("sync.flags-*.json")) and list((root / "gate").glob("gate.quality-*.json"))
+    assert (tmp_path / "c" / "nvidia-h200.json").is_file() and (tmp_path / "rep" / "REPORT.md").is_file()
+
+
+def test_unknown_class_is_refused(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: None)
+    monkeypatch.setattr("microbench.harness.Harness", lambda: "H")
+    rc = main(["run", "--classes", "nosuch", "--results", str(tmp_path), "--no-report",
+               "--constants-out", str(tmp_path / "c")])
+    assert rc == 1 and "unknown classes ['nosuch']" in capsys.readouterr().out
+
+
+def test_megakernel_entry_absent_or_present():
+    e = pipeline.megakernel_entry()
+    assert e is None or callable(e)
+
+
+@pytest.mark.parametrize("cmd", ["run", "tune", "report", "gate"])
+def test_help(cmd, capsys):
+    with pytest.raises(SystemExit) as ei:
+        main([cmd, "--help"])
+    assert ei.value.code == 0 and cmd in capsys.readouterr().out

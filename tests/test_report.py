@@ -1,0 +1,219 @@
+"""The report renders from synthetic and committed results, tolerates absent classes, and shows
+the study's figures beside ours; the study's figures are complete, well-formed data."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from megabench_synth import class_results, env, save_all, series
+
+from microbench.results import REPO_ROOT, Bound, Derived, Result, Series
+from reports import megakernel as mk
+from reports import paper
+from reports.build import build
+from reports.fmt import fmt, fmt_range
+
+
+def _icache_curve(date="2026-11-29T10:00:00Z"):
+    ss = []
+    for warps in (1, 4):
+        for kb in (4, 8, 16, 32, 64, 128, 256):
+            level = 1.0 if kb <= 32 else (3.0 if kb <= 128 else 9.0)
+            ss.append(series(f"cpi/{kb}KiB/w{warps}", level, params={"code_bytes": kb * 1024, "warps": warps},
+                             unit="cycles", timer="clock64", seed=kb + warps))
+    der = {"icache_l1_bytes": Derived(32 * 1024 * 1.4, "B", "step fit (BIC)", (40000, 50000), ("cpi",)),
+           "icache_l2_bytes": Derived(128 * 1024 * 1.4, "B", "step fit (BIC)", (170000, 190000), ("cpi",)),
+           "spliced_slowdown_ratio": Derived(1.31, "x", "A+B spliced / A alone, 100+100 KB", (1.28, 1.34))}
+    return Result("icache.capacity", env(date=date), tuple(ss), der)
+
+
+def _skew():
+    rng = np.random.default_rng(0)
+    s = Series.from_samples("skew/globaltimer", rng.normal(300e-9, 80e-9, 132) + 1e-6, timer="globaltimer", unit="s")
+    return Result("clocks.skew", env(), (s,), {"sm_skew_ns": Derived(210.0, "ns", "p90-p10 of stamps", (190, 230))})
+
+
+def _megakernel():
+    out = []
+    rows = []
+    for impl, t, launches in (("torch_eager", 12e-3, 1400), ("torch_graph", 8e-3, 1400), ("chain", 9e-3, 700),
+                              ("mega", 4e-3, 62)):
+        rows.append(series(f"step/{impl}/shard8/T16", t, params={"impl": impl, "preset": "shard8", "tokens": 16,
+                                                                 "context": 4096},
+                           bound=Bound("time", 3e-3, "s", "bytes_per_step / read ceiling"),
+                           metrics={"launches_per_step": launches, "bytes_per_step": int(3e-3 * 4e12)}))
+    out.append(Result("model.baselines", env(), tuple(r for r in rows if not r.params["impl"] in ("chain", "mega"))))
+    out.append(Result("megakernel.step", env(), tuple(r for r in rows if r.params["impl"] in ("chain", "mega"))))
+    tl = []
+    for i, (ph, a, b) in enumerate((("attention", 0, 20e-6), ("gemm1", 20e-6, 40e-6), ("gemm2", 40e-6, 60e-6),
+                                    ("combine", 65e-6, 80e-6))):
+        tl.append(series(f"tl/{ph}/start", a + 1e-6, params={"phase": ph, "edge": "start"}, timer="globaltimer",
+                         n=132, seed=2 * i, rel_noise=0.05))
+        tl.append(series(f"tl/{ph}/end", b, params={"phase": ph, "edge": "end"}, timer="globaltimer", n=132,
+                         seed=2 * i + 1, rel_noise=0.05))
+    out.append(Result("megakernel.timeline", env(), tuple(tl)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("report")
+    root = tmp_path / "results"
+    _icache_curve().save(root)
+    _skew().save(root)
+    save_all(_megakernel(), root)
+    # two runs of basics.copy: the newer one 20% slower -> the changes table shows a regression
+    Result("basics.copy", env(date="2026-11-28T00:00:00Z"), (series("copy/x", 1e-3, seed=1),)).save(root)
+    Result("basics.copy", env(date="2026-11-29T00:00:00Z"), (series("copy/x", 1.2e-3, seed=2),)).save(root)
+    out = tmp_path / "out"
+    p = build(root, out, bench_dir=tmp_path / "nobench", gpu_present=False)
+    return p.read_text(), out
+
+
+def test_banner_and_sections(rendered):
+    text, out = rendered
+    assert text.startswith("# megabench report: NVIDIA H200")
+    assert "**Rendered without a GPU**" in text.split("## Contents")[0]
+    for h in ("## Environment", "Instruction cache (`icache`)", "Weight ring", "Synchronisation", "Clocks, skew",
+              "The megakernel and its baselines", "## What changed since the baseline", "## Tuned constants"):
+        assert h in text, h
+    # absent classes say so instead of failing
+    weights = text.split("(`weights`)")[2].split("\n## ")[0]
+    assert "**Not measured yet**" in weights and "not measured yet" in weights
+
+
+def test_paper_figures_beside_ours(rendered):
+    text, _ = rendered
+    row = next(line for line in text.splitlines() if line.startswith("| spliced / solo slowdown"))
+    assert "1.57x" in row and "1.31x" in row and "spliced_slowdown_ratio" in row
+    assert "8x GB300 (Blackwell Ultra), TP8" in text and "ours (NVIDIA H200)" in text
+    row = next(line for line in text.splitlines() if line.startswith("| instruction cache per SM"))
+    assert "128 KiB" in row and "179.2 KiB" in row  # study's 128 KB; ours 128 KiB x 1.4
+    row = next(line for line in text.splitlines() if line.startswith("| decode step time, megakernel"))
+    assert "5.9 ms" in row and "3.995 ms" in row
+
+
+def test_series_table_and_plots(rendered):
+    text, out = rendered
+    assert "| cpi/4KiB/w1" in text and "clock64" in text
+    figs = sorted(p.name for p in (out / "figures").glob("*.png"))
+    assert any(f.startswith("icache.capacity-code-bytes") for f in figs)
+    assert any(f.startswith("clocks.skew-skew-globaltimer-hist") for f in figs)
+    assert "megakernel-timeline.png" in figs and "megakernel-step-times.png" in figs
+    for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
+        assert (out / link).is_file(), link
+
+
+def test_megakernel_table(rendered):
+    text, _ = rendered
+    row = next(line for line in text.splitlines() if line.startswith("| torch_eager"))
+    assert "11.98 ms" in row and "1400" in row and "3.00x" in row  # 12 / 4 ms
+    row = next(line for line in text.splitlines() if line.startswith("| mega "))
+    assert "75.1%" in row  # roofline 3 ms / 3.995 ms
+    assert "| gemm2" in text
+
+
+def test_changes_table_flags_the_regression(rendered):
+    text, _ = rendered
+    sec = text.split("## What changed since the baseline")[1].split("\n## ")[0]
+    assert "`basics.copy`: newest run vs 1 earlier run(s)" in sec and "REGRESSION" in sec
+
+
+def test_constants_section_loud_defaults(rendered):
+    text, _ = rendered
+    sec = text.split("## Tuned constants")[1]
+    assert "**Warning:" in sec and "`ring_stages`" in sec
+    row = next(line for line in sec.splitlines() if line.startswith("| icache_l1_bytes"))
+    assert "measured" in row and "icache.capacity" in row
+
+
+def test_all_measured_has_no_warning(tmp_path):
+    root = tmp_path / "r"
+    save_all(class_results(), root)
+    text = build(root, tmp_path / "o", bench_dir=tmp_path / "x", gpu_present=True).read_text()
+    assert "Rendered on a machine with a GPU" in text and "**Warning" not in text
+
+
+def test_empty_results_render(tmp_path):
+    text = build(tmp_path / "none", tmp_path / "o", bench_dir=tmp_path / "x", gpu_present=False).read_text()
+    assert text.count("**Not measured yet**") >= 6 and "No results yet" in text
+
+
+def test_report_from_committed_results_is_deterministic(tmp_path):
+    a = build(REPO_ROOT / "reports" / "results", tmp_path / "a", gpu_present=False).read_text()
+    b = build(REPO_ROOT / "reports" / "results", tmp_path / "b", gpu_present=False).read_text()
+    assert a == b
+    assert "`basics.copy`" in a and "memcpy_bandwidth" in a and "NVIDIA H200" in a
+
+
+def test_python_m_reports(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "reports", "--out", str(tmp_path), "--results", str(tmp_path / "none")],
+                       capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "REPORT.md").is_file()
+
+
+# ----------------------------------------------------------------------------- the study's figures
+def test_paper_figures_valid_and_complete():
+    d = paper.load()
+    ids = {f["id"] for f in d["figures"]}
+    # spot checks of numbers the study states (PAPER.md), one per class
+    by = {f["id"]: f for f in d["figures"]}
+    assert by["headline.megakernel_tok_s"]["value"] == 1109 and by["headline.baseline_tok_s"]["value"] == 517
+    assert by["icache.spliced_s"]["value"] == pytest.approx(19.5e-6)
+    assert (by["sync.acquire_poll"]["low"], by["sync.acquire_poll"]["high"]) == (141e-9, 145e-9)
+    assert by["sync.fence_loaded"]["high"] == pytest.approx(4.0e-6)
+    assert by["weights.ring_stages"]["value"] == 5 and by["weights.ring_stage_bytes"]["value"] == 32768
+    assert by["clocks.profiler_cost_fraction"]["value"] == pytest.approx(0.028)
+    assert by["breakdown.next_blocks_land"]["value"] == pytest.approx(84e-6)
+    assert {f["class"] for f in d["figures"]} >= {"icache", "weights", "sync", "clocks", "megakernel", "model"}
+    assert len(ids) == len(d["figures"]) >= 70
+    assert "GB300" in d["setups"]["gb300"]["hardware"] and "144 SMs" in d["setups"]["gb300"]["hardware"]
+
+
+def test_paper_constant_links_exist():
+    from microbench.constants import BY_NAME
+
+    for f in paper.load()["figures"]:
+        o = f.get("ours")
+        if o and o["kind"] == "constant":
+            assert o["name"] in BY_NAME, f["id"]
+
+
+def test_paper_validation_refuses_bad_data():
+    from microbench.errors import ResultsFileError
+
+    d = json.loads(paper.PATH.read_text())
+    d["figures"][0].pop("value")
+    with pytest.raises(ResultsFileError, match="value or low/high"):
+        paper.validate(d)
+
+
+def test_nothing_reads_the_brief_at_run_time():
+    for pkg in ("microbench", "reports", "megakernel"):
+        for p in (REPO_ROOT / pkg).rglob("*.py"):
+            assert "/work/shared" not in p.read_text(), p
+
+
+def test_fmt():
+    assert fmt(1.2656e-6, "s") == "1.266 us" and fmt(4.28e12, "B/s") == "4.28 TB/s"
+    assert fmt(62914560, "B") == "60 MiB" and fmt(23e6, "B") == "23 MB" and fmt(0.5, "fraction") == "50.0%"
+    assert fmt_range(141e-9, 145e-9, "s") == "141-145 ns" and fmt(None) == ""
+
+
+def test_megakernel_pick_rules():
+    rows = mk.step_rows(_megakernel())
+    assert mk.pick(rows, "mega").impl == "mega"
+    assert mk.pick(rows, "best_baseline").impl == "torch_graph"
+    v, unit, how = mk.figure_value(rows, None, {"metric": "speedup_vs_chain"})
+    assert v == pytest.approx(9 / 4, rel=0.05) and unit == "x"
+    v, unit, how = mk.figure_value(rows, None, {"metric": "tokens_per_s", "impl": "mega"})
+    assert v == pytest.approx(16 / 4e-3, rel=0.05) and "tokens processed" in how
+    tl = _megakernel()[2]
+    v, _, _ = mk.figure_value(rows, tl, {"metric": "timeline_end_p90", "phase": "gemm2"})
+    assert 60e-6 < v < 66e-6
