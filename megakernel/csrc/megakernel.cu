@@ -1,0 +1,35 @@
+// The megakernel: one persistent launch runs a range of op instances of the decode step.
+//
+//   mk_run(params, first, n_ops, wait, T, ctx, parity)
+//     wait = 1 (mega mode): one block per SM, all co-resident; units of later ops wait on the
+//              dependency counters of the units they need (program.cuh), never on a grid barrier.
+//     wait = 0 (chain mode): the host launches one op instance per launch, in order; stream order
+//              replaces the counters. Same code, same units, same reduction orders: the two
+//              modes are bitwise equal by construction, and tests check it.
+// Block = WARPS compute warps + 1 loader warp (bulk copies into the shared-memory ring).
+// Constants come from megakernel/plan.py (rendered above this file when built; the committed
+// default_config.cuh — the tiny preset — lets this file compile on its own).
+#ifndef MK_GENERATED
+#include "mk/default_config.cuh"
+#endif
+#include "mk/program.cuh"
+
+extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
+    mk_run(const mk::Params* __restrict__ params, int first, int n_ops, int wait, int T, int ctx, int parity) {
+  using namespace mk;
+  Blk b = make_blk(params, T, ctx, parity, wait);
+  if (tid() == 0) {
+    for (int s = 0; s < RING_STAGES; ++s) {
+      mbar_init(&b.full[s], 1);
+      mbar_init(&b.empty[s], WARPS);
+    }
+    fence_mbar_init();
+    b.misc[MISC_TAG] = -1;
+  }
+  sync_block();
+  if (warp() == WARPS) {
+    loader_loop(b, first, n_ops);
+  } else {
+    compute_loop(b, first, n_ops);
+  }
+}

@@ -1,0 +1,112 @@
+// The megakernel's view of the machine: every instruction it needs, behind one small API.
+// On the GPU these are the PTX wrappers of microbench/cuda/mb/ptx.cuh and a few mma/bf16
+// instructions; under MK_HOST_EMU (CI, no GPU) megakernel/emu/emu.h implements the same API
+// with one fiber per CUDA thread, so the same op code runs on the CPU.
+#pragma once
+#include "mb/types.cuh"
+
+#if defined(MK_HOST_EMU)
+#include "emu.h"
+#else
+#include "mb/ptx.cuh"
+#define MK_DEV __device__ __forceinline__
+
+namespace mk {
+
+MK_DEV int tid() { return threadIdx.x; }
+MK_DEV int warp() { return threadIdx.x >> 5; }
+MK_DEV int lane() { return threadIdx.x & 31; }
+MK_DEV int bid() { return blockIdx.x; }
+MK_DEV int nblocks() { return gridDim.x; }
+
+extern __shared__ __align__(128) unsigned char mk_smem_[];
+MK_DEV unsigned char* smem() { return mk_smem_; }
+
+// Named barrier 1 over the compute warps only: the loader warp never joins it, so it can run
+// ahead (or exit) without stalling the consumers.
+MK_DEV void sync_compute() { asm volatile("bar.sync 1, %0;" :: "n"(COMPUTE_THREADS) : "memory"); }
+// Same barrier, returning the OR of every compute thread's `v`: how a failed bounded wait by
+// one thread becomes everyone's decision to stop, without divergent control flow.
+MK_DEV bool sync_compute_or(bool v) {
+  uint32_t r;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 q, %1, 0;\n bar.red.or.pred p, 1, %2, q;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(r) : "r"(static_cast<uint32_t>(v)), "n"(COMPUTE_THREADS) : "memory");
+  return r != 0;
+}
+MK_DEV void sync_block() { __syncthreads(); }
+MK_DEV void syncwarp() { __syncwarp(); }
+MK_DEV float shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+MK_DEV int shfl_xor_i(int v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+MK_DEV int bcast_i(int v) { return __shfl_sync(0xffffffffu, v, 0); }  // lane 0's value
+
+// bf16 as raw uint16_t bits: the kernels never depend on cuda_bf16.h
+MK_DEV uint16_t f2bf(float f) {
+  uint16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+MK_DEV float bf2f(uint16_t b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
+MK_DEV uint32_t pack_bf2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));  // first source -> upper half
+  return r;
+}
+MK_DEV uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+// D = A(16x16, row) * B(16x8, col) + C, bf16 in, fp32 accumulate (PTX fragment layouts)
+MK_DEV void mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Data other blocks of this launch wrote: read at L2 (.cg), never from a possibly stale L1 line.
+MK_DEV uint4 ldg_cg4(const void* p) { return mb::ld_cg_v4(p); }
+MK_DEV uint32_t ldg_cg(const void* p) { return mb::ld_cg_u32(static_cast<const uint32_t*>(p)); }
+MK_DEV float ldg_cgf(const float* p) { return __uint_as_float(ldg_cg(p)); }
+MK_DEV int ldg_cgi(const int32_t* p) { return static_cast<int>(ldg_cg(p)); }
+// Immutable data (weights, tables): read-only path.
+MK_DEV uint4 ldg_nc4(const void* p) { return mb::ld_nc_v4(p); }
+
+MK_DEV uint32_t ld_acquire(const uint32_t* p) { return mb::ld_acquire_gpu(p); }
+MK_DEV void red_release(uint32_t* p, uint32_t v) { mb::red_add_release_gpu(p, v); }
+MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long cmp, unsigned long long v) {
+  return atomicCAS(p, cmp, v);
+}
+MK_DEV void threadfence() { __threadfence(); }
+MK_DEV uint64_t now_ns() { return mb::globaltimer(); }
+MK_DEV void backoff(unsigned ns) {
+  if (ns) mb::nanosleep(ns);
+}
+
+MK_DEV void mbar_init(uint64_t* b, unsigned count) { mb::mbar_init(b, count); }
+MK_DEV void fence_mbar_init() { mb::fence_mbar_init(); }
+MK_DEV void mbar_expect_tx(uint64_t* b, unsigned bytes) { mb::mbar_arrive_expect_tx(b, bytes); }
+MK_DEV void mbar_arrive(uint64_t* b) { mb::mbar_arrive(b); }
+MK_DEV bool mbar_test(uint64_t* b, unsigned parity) { return mb::mbar_try_wait(b, parity); }
+MK_DEV void bulk_copy(void* dst_smem, const void* src, unsigned bytes, uint64_t* bar) {
+  mb::bulk_g2s(dst_smem, src, bytes, bar);
+}
+
+MK_DEV float fexp(float x) { return expf(x); }
+MK_DEV float frsqrt(float x) { return rsqrtf(x); }
+MK_DEV float fmax_(float a, float b) { return fmaxf(a, b); }
+MK_DEV int popc(uint32_t x) { return __popc(x); }
+MK_DEV float u2f(uint32_t u) { return __uint_as_float(u); }
+MK_DEV uint32_t f2u(float f) { return __float_as_uint(f); }
+
+}  // namespace mk
+#endif
+
+namespace mk {
+MK_DEV float neg_inf() { return u2f(0xff800000u); }
+MK_DEV int imin(int a, int b) { return a < b ? a : b; }
+MK_DEV int imax(int a, int b) { return a > b ? a : b; }
+MK_DEV int cdiv(int a, int b) { return (a + b - 1) / b; }
+}  // namespace mk

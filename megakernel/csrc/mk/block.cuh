@@ -1,0 +1,84 @@
+// Per-block state: the shared-memory carve-up and the weight ring.
+//
+// Shared memory (SMEM_BYTES, rendered by plan.py):
+//   abuf   ABUF_BYTES  activation operand (16 token rows x K bf16, padded) or attention tiles
+//   ring   RING_STAGES x STAGE_BYTES  weight chunks, filled by the loader warp's bulk copies
+//   red    RED_BYTES   per-warp partial sums of a GEMM tile, reduced in fixed warp order
+//   bars   2 x RING_STAGES mbarriers (full: one arrival + tx bytes; empty: one arrival per
+//          compute warp), then small ints (staged-activation tag, top-k scratch)
+// Ring protocol: chunk c lives in stage c % RING_STAGES; the producer waits for `empty` of
+// use (c / RING_STAGES) - 1, announces the bytes on `full` and issues the copies; consumers
+// wait for `full` of use c / RING_STAGES, read, and each warp arrives on `empty`. Producer and
+// consumers walk the same chunk sequence (program.cuh), so c agrees on both sides.
+#pragma once
+#include "mk/wait.cuh"
+
+namespace mk {
+
+constexpr int MISC_TAG = 0;      // which activation operand abuf holds (-1: none)
+constexpr int MISC_SCRATCH = 4;  // top-k / argmax scratch from here (ints)
+// top-k scratch: selections [T_MAX*TOPK], per-slot token counts [MAX_SLOTS], expert bitmap [E/32]
+constexpr int MISC_INTS = MISC_SCRATCH + T_MAX * TOPK + MAX_SLOTS + (E + 31) / 32;
+
+struct Blk {
+  const Params* p;
+  unsigned char* abuf;
+  unsigned char* ring;
+  float* red;
+  uint64_t* full;
+  uint64_t* empty;
+  int* misc;
+  int T, ctx, parity, wait;
+  unsigned chunk;  // consumer's position in the chunk sequence
+  bool failed;     // one of this thread's bounded waits gave up (stop at the next unit boundary)
+};
+
+MK_DEV Blk make_blk(const Params* p, int T, int ctx, int parity, int wait) {
+  Blk b;
+  unsigned char* s = smem();
+  b.p = p;
+  b.abuf = s;
+  b.ring = s + ABUF_BYTES;
+  b.red = reinterpret_cast<float*>(b.ring + RING_STAGES * STAGE_BYTES);
+  b.full = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(b.red) + RED_BYTES);
+  b.empty = b.full + RING_STAGES;
+  b.misc = reinterpret_cast<int*>(b.empty + RING_STAGES);
+  b.T = T;
+  b.ctx = ctx;
+  b.parity = parity;
+  b.wait = wait;
+  b.chunk = 0;
+  b.failed = false;
+  return b;
+}
+static_assert(2 * RING_STAGES * 8 + MISC_INTS * 4 <= MISC_BYTES, "mbarriers + misc fit the tail of SMEM_BYTES");
+
+MK_DEV unsigned char* stage_of(const Blk& b, unsigned c) { return b.ring + (c % RING_STAGES) * STAGE_BYTES; }
+
+// ---------------------------------------------------------------- consumer side
+MK_DEV const unsigned char* ring_consume(Blk& b, uint32_t what) {
+  const unsigned c = b.chunk;
+  if (!wait_mbar(*b.p, &b.full[c % RING_STAGES], (c / RING_STAGES) & 1u, what)) b.failed = true;
+  return stage_of(b, c);
+}
+MK_DEV void ring_release(Blk& b) {
+  syncwarp();  // every lane of this warp has finished reading the stage
+  if (lane() == 0) mbar_arrive(&b.empty[b.chunk % RING_STAGES]);
+  ++b.chunk;
+}
+
+// ---------------------------------------------------------------- producer side (loader warp)
+// All 32 lanes call; lane 0 waits for the stage to be free and announces `tx` bytes; returns
+// false (for every lane) when the wait gave up.
+MK_DEV bool ring_produce_begin(const Blk& b, unsigned c, unsigned tx, uint32_t what) {
+  int ok = 1;
+  if (lane() == 0) {
+    ok = wait_mbar(*b.p, &b.empty[c % RING_STAGES], ((c / RING_STAGES) & 1u) ^ 1u, what) ? 1 : 0;
+    if (ok) mbar_expect_tx(&b.full[c % RING_STAGES], tx);
+  }
+  ok = bcast_i(ok);
+  syncwarp();
+  return ok != 0;
+}
+
+}  // namespace mk

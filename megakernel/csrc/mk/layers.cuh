@@ -1,0 +1,22 @@
+// Facts about layers and steps that several ops need, in one place (program.py mirrors them).
+#pragma once
+#include "mk/arch.cuh"
+
+namespace mk {
+
+
+MK_DEV bool is_global(int layer) { return (GLOBAL_MASK >> layer) & 1ull; }
+MK_DEV int cache_slots(int layer) { return is_global(layer) ? MAX_CTX : RING_SLOTS; }
+MK_DEV int cache_slot(int layer, int seq) { return is_global(layer) ? seq : seq % RING_SLOTS; }
+// Keys of the prefix a layer attends to: all of it (global) or the window's W - 1 older ones.
+MK_DEV int cached_keys(int layer, int ctx) { return is_global(layer) ? ctx : imin(ctx, WINDOW - 1); }
+// Attention splits per kv head: a function of ctx only, so every mode and tree splits alike.
+MK_DEV int attn_splits(int layer, int ctx) {
+  return imax(1, imin(MAX_SPLITS, cdiv(cached_keys(layer, ctx), KEYS_PER_SPLIT)));
+}
+
+// What abuf holds (gemm.cuh staging functions skip re-staging the same operand).
+enum TagKind : int { TAG_ATTN_NORM = 1, TAG_FFN_NORM, TAG_ATT_OUT, TAG_Z, TAG_FINAL_NORM, TAG_EXP1, TAG_EXP2 };
+MK_DEV int tag_of(int kind, int layer, int slot) { return (kind << 24) | (layer << 12) | slot; }
+
+}  // namespace mk

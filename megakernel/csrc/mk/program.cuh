@@ -1,0 +1,210 @@
+// The schedule interpreter: op instances from program.py, how many units each has, which block
+// runs which unit, what a unit waits for, and the two loops every block runs: the compute warps'
+// (wait, run, signal per unit) and the loader warp's (stream each unit's weight chunks).
+// The unit/group rules mirror megakernel/program.py (tests/test_megakernel_program.py compares).
+#pragma once
+#include "mk/layers.cuh"
+#include "ops/argmax.cuh"
+#include "ops/attention.cuh"
+#include "ops/attn_combine.cuh"
+#include "ops/embed.cuh"
+#include "ops/expert_gemm1.cuh"
+#include "ops/expert_gemm2.cuh"
+#include "ops/lm_head.cuh"
+#include "ops/moe_combine.cuh"
+#include "ops/oproj.cuh"
+#include "ops/pool.cuh"
+#include "ops/qkv_rope.cuh"
+#include "ops/router.cuh"
+#include "ops/topk.cuh"
+#include "ops/unpool.cuh"
+
+namespace mk {
+
+struct Op {
+  int kind, layer, counter, group_base, n_groups, rot, assign, n_deps;
+  int dep_op[3], dep_mode[3];
+};
+
+MK_DEV Op load_op(const Params& p, int i) {
+  const int32_t* r = p.program + i * OPINST_INTS;
+  Op o;
+  o.kind = r[0];
+  o.layer = r[1];
+  o.counter = r[2];
+  o.group_base = r[3];
+  o.n_groups = r[4];
+  o.rot = r[5];
+  o.assign = r[6];
+  o.n_deps = r[7];
+  for (int d = 0; d < 3; ++d) {
+    o.dep_op[d] = r[8 + 2 * d];
+    o.dep_mode[d] = r[9 + 2 * d];
+  }
+  return o;
+}
+
+MK_DEV bool has_weights(int kind) {
+  return kind == OP_QKV || kind == OP_OPROJ || kind == OP_ROUTER || kind == OP_POOL || kind == OP_EXPERT1 ||
+         kind == OP_EXPERT2 || kind == OP_UNPOOL || kind == OP_LM_HEAD;
+}
+// Unit count known only after the routing of this layer (its first dependency is top-k).
+MK_DEV bool is_dynamic(int kind) { return kind == OP_EXPERT1 || kind == OP_EXPERT2; }
+
+MK_DEV int n_units(const Blk& b, const Op& o) {
+  switch (o.kind) {
+    case OP_EMBED: return b.T;
+    case OP_QKV: return QKV_ROWS / 8;
+    case OP_ATTN: return HKV * attn_splits(o.layer, b.ctx);
+    case OP_ATTN_COMBINE: return HQ * b.T;
+    case OP_OPROJ: return D / 8;
+    case OP_ROUTER: return E / 8;
+    case OP_POOL: return P / 8;
+    case OP_TOPK: return 1;
+    case OP_EXPERT1: return ldg_cgi(b.p->n_slots) * EXP1_TILES;
+    case OP_EXPERT2: return ldg_cgi(b.p->n_slots) * EXP2_TILES;
+    case OP_MOE_COMBINE: return P / 64;
+    case OP_UNPOOL: return D / 8;
+    case OP_LM_HEAD: return V / 16;
+    case OP_ARGMAX: return 1;
+  }
+  return 0;
+}
+
+// group counter (relative) a unit bumps, -1 if its op has no groups
+MK_DEV int unit_group(const Blk& b, const Op& o, int u) {
+  switch (o.kind) {
+    case OP_QKV: {
+      const int head = u * 8 / HD;
+      return head < HQ ? head / G : (head < HQ + HKV ? head - HQ : head - HQ - HKV);
+    }
+    case OP_ATTN: return u / attn_splits(o.layer, b.ctx);
+    case OP_EXPERT1: return u / EXP1_TILES;
+  }
+  return -1;
+}
+MK_DEV int group_size(const Blk& b, const Op& o) {
+  switch (o.kind) {
+    case OP_QKV: return (G + 2) * HD / 8;
+    case OP_ATTN: return attn_splits(o.layer, b.ctx);
+    case OP_EXPERT1: return EXP1_TILES;
+  }
+  return 0;
+}
+// the group of producer `pr` that unit u of consumer `o` needs
+MK_DEV int needed_group(const Blk& b, const Op& o, const Op& pr, int u) {
+  if (o.kind == OP_ATTN) return u / attn_splits(o.layer, b.ctx);  // <- qkv, by kv head
+  if (o.kind == OP_ATTN_COMBINE) return (u / b.T) / G;             // <- attn, by kv head
+  if (o.kind == OP_EXPERT2) return u / EXP2_TILES;                 // <- expert1, by slot
+  return 0;
+}
+
+MK_DEV uint32_t* counters(const Blk& b) { return b.p->counters + b.parity * b.p->n_counters; }
+
+// Thread 0: wait for dependency d of unit u of op instance i.
+MK_DEV bool wait_dep(const Blk& b, int i, const Op& o, int d, int u, uint32_t what) {
+  const Op pr = load_op(*b.p, o.dep_op[d]);
+  if (o.dep_mode[d] == DEP_ALL)
+    return wait_counter(*b.p, counters(b) + pr.counter, static_cast<uint32_t>(n_units(b, pr)), what);
+  const int g = needed_group(b, o, pr, u);
+  return wait_counter(*b.p, counters(b) + pr.group_base + g, static_cast<uint32_t>(group_size(b, pr)), what);
+}
+MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u) {
+  for (int d = 0; d < o.n_deps; ++d)
+    if (!wait_dep(b, i, o, d, u, static_cast<uint32_t>(i * 16 + d))) return false;
+  return true;
+}
+MK_DEV void signal_unit(const Blk& b, const Op& o, int u) {
+  const int g = unit_group(b, o, u);
+  if (g >= 0) red_release(counters(b) + o.group_base + g, 1u);
+  red_release(counters(b) + o.counter, 1u);
+}
+
+struct UnitRange {
+  int begin, end, step;
+};
+MK_DEV UnitRange my_units(const Op& o, int total) {
+  const int nb = nblocks(), me = bid();
+  if (o.assign == ASSIGN_CONTIG) return UnitRange{me * total / nb, (me + 1) * total / nb, 1};
+  return UnitRange{((me - o.rot) % nb + nb) % nb, total, nb};
+}
+
+MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
+  const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_FULL;
+  switch (o.kind) {
+    case OP_EMBED: run_embed(b, u); break;
+    case OP_QKV: run_qkv(b, o.layer, u, what); break;
+    case OP_ATTN: run_attn(b, o.layer, u); break;
+    case OP_ATTN_COMBINE: run_attn_combine(b, o.layer, u); break;
+    case OP_OPROJ: run_oproj(b, o.layer, u, what); break;
+    case OP_ROUTER: run_router(b, o.layer, u, what); break;
+    case OP_POOL: run_pool(b, o.layer, u, what); break;
+    case OP_TOPK: run_topk(b, o.layer); break;
+    case OP_EXPERT1: run_expert1(b, o.layer, u, what); break;
+    case OP_EXPERT2: run_expert2(b, o.layer, u, what); break;
+    case OP_MOE_COMBINE: run_moe_combine(b, u); break;
+    case OP_UNPOOL: run_unpool(b, o.layer, u, what); break;
+    case OP_LM_HEAD: run_lm_head(b, o.layer, u, what); break;
+    case OP_ARGMAX: run_argmax(b); break;
+  }
+}
+
+MK_DEV bool load_unit(const Blk& b, int i, const Op& o, int u, unsigned& c) {
+  const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_EMPTY;
+  switch (o.kind) {
+    case OP_QKV: return load_qkv(b, o.layer, u, c, what);
+    case OP_OPROJ: return load_oproj(b, o.layer, u, c, what);
+    case OP_ROUTER: return load_router(b, o.layer, u, c, what);
+    case OP_POOL: return load_pool(b, o.layer, u, c, what);
+    case OP_EXPERT1: return load_expert1(b, o.layer, u, c, what);
+    case OP_EXPERT2: return load_expert2(b, o.layer, u, c, what);
+    case OP_UNPOOL: return load_unpool(b, o.layer, u, c, what);
+    case OP_LM_HEAD: return load_lm_head(b, o.layer, u, c, what);
+  }
+  return true;
+}
+
+// The compute warps. Every wait is done by thread 0 and agreed on through a barrier-reduction,
+// and a ring wait that gives up only sets b.failed (control flow never diverges inside a unit),
+// so a broken dependency stops all compute warps at the same unit boundary instead of leaving
+// some of them at a barrier forever.
+MK_DEV void compute_loop(Blk& b, int first, int nops) {
+  for (int i = first; i < first + nops; ++i) {
+    const Op o = load_op(*b.p, i);
+    bool fail = false;
+    if (is_dynamic(o.kind)) {
+      if (b.wait && tid() == 0) fail = !wait_dep(b, i, o, 0, 0, static_cast<uint32_t>(i * 16));
+      if (sync_compute_or(fail)) return;  // the routing is visible to every thread from here
+    }
+    const UnitRange r = my_units(o, n_units(b, o));
+    for (int u = r.begin; u < r.end; u += r.step) {
+      if (b.wait && tid() == 0) fail = !wait_unit(b, i, o, u);
+      if (sync_compute_or(fail || b.failed)) return;
+      run_unit(b, i, o, u);
+      if (sync_compute_or(b.failed)) return;
+      if (b.wait && tid() == 0) signal_unit(b, o, u);
+    }
+  }
+}
+
+// The loader warp: streams, ahead of the compute warps by up to RING_STAGES chunks, the weight
+// chunks of exactly the units this block will run, in the same order. Weights never depend on
+// the previous op, so it runs ahead across op boundaries; only a routed expert's identity does,
+// so before a dynamic op it waits (bounded) for this layer's top-k.
+MK_DEV void loader_loop(Blk& b, int first, int nops) {
+  unsigned c = 0;
+  for (int i = first; i < first + nops; ++i) {
+    const Op o = load_op(*b.p, i);
+    if (!has_weights(o.kind)) continue;
+    if (is_dynamic(o.kind) && b.wait) {
+      int ok = 1;
+      if (lane() == 0) ok = wait_dep(b, i, o, 0, 0, static_cast<uint32_t>(i * 16) + WHAT_LOADER_ROUTE) ? 1 : 0;
+      if (!bcast_i(ok)) return;
+    }
+    const UnitRange r = my_units(o, n_units(b, o));
+    for (int u = r.begin; u < r.end; u += r.step)
+      if (!load_unit(b, i, o, u, c)) return;
+  }
+}
+
+}  // namespace mk

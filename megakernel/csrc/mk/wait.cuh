@@ -1,0 +1,73 @@
+// Bounded waits of the megakernel. Nothing here can hang the GPU: every wait gives up after
+// SPIN_BOUND_NS (tuned: sync.flags), records what it waited for in the watchdog record (first
+// tripper wins, layout in mb/watchdog.cuh), and returns false. A wait also gives up as soon as
+// any other wait in the grid has tripped, so one broken dependency ends the launch quickly.
+//
+// `what` encodes the waiter for the host's message: op_index * 16 + code, code 0..2 = the op's
+// dependency number, WHAT_RING_FULL/EMPTY = a ring stage, WHAT_LOADER_ROUTE = the loader
+// waiting for the routing of a dynamic op. megakernel/runtime.py decodes it.
+#pragma once
+#include "mb/watchdog.cuh"
+#include "mk/arch.cuh"
+
+namespace mk {
+
+constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10;
+
+MK_DEV bool tripped(const Params& p) {
+  return *reinterpret_cast<volatile unsigned long long*>(&p.watchdog[mb::WD_TRIPPED]) != 0ull;
+}
+
+MK_DEV void report(const Params& p, uint32_t what, const void* addr, uint64_t expected, uint64_t seen,
+                   uint64_t elapsed) {
+  if (atomic_cas64(&p.watchdog[mb::WD_TRIPPED], 0ull, 1ull) == 0ull) {
+    p.watchdog[mb::WD_BLOCK] = bid();
+    p.watchdog[mb::WD_THREAD] = tid();
+    p.watchdog[mb::WD_WHAT] = what;
+    p.watchdog[mb::WD_ADDR] = reinterpret_cast<uintptr_t>(addr);
+    p.watchdog[mb::WD_EXPECTED] = expected;
+    p.watchdog[mb::WD_SEEN] = seen;
+    p.watchdog[mb::WD_ELAPSED_NS] = elapsed;
+    threadfence();
+  }
+}
+
+// Wait until a monotonically increasing counter (reset between steps) reaches `target`.
+// Acquire: data the producers released before bumping it is visible afterwards.
+MK_DEV bool wait_counter(const Params& p, const uint32_t* ctr, uint32_t target, uint32_t what) {
+  uint32_t v = ld_acquire(ctr);
+  if (v >= target) return true;
+  const uint64_t t0 = now_ns();
+  for (uint32_t i = 1;; ++i) {
+    backoff(POLL_BACKOFF_NS);
+    v = ld_acquire(ctr);
+    if (v >= target) return true;
+    if ((i & 63u) == 0u) {
+      const uint64_t dt = now_ns() - t0;
+      if (dt > SPIN_BOUND_NS) {
+        report(p, what, ctr, target, v, dt);
+        return false;
+      }
+      if (tripped(p)) return false;
+    }
+  }
+}
+
+// Wait for the completion of the mbarrier phase with the given parity.
+MK_DEV bool wait_mbar(const Params& p, uint64_t* bar, uint32_t parity, uint32_t what) {
+  if (mbar_test(bar, parity)) return true;
+  const uint64_t t0 = now_ns();
+  for (uint32_t i = 1;; ++i) {
+    if (mbar_test(bar, parity)) return true;
+    if ((i & 63u) == 0u) {
+      const uint64_t dt = now_ns() - t0;
+      if (dt > SPIN_BOUND_NS) {
+        report(p, what, bar, parity, 0xFFFFFFFFull, dt);
+        return false;
+      }
+      if (tripped(p)) return false;
+    }
+  }
+}
+
+}  // namespace mk

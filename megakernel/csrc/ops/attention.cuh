@@ -1,0 +1,171 @@
+// attention over the KV cache with the tree mask (flash-decoding split). Unit = (kv head, split).
+//
+// A split scores a contiguous run of the cached prefix (the last split also the T new tree keys,
+// already in the cache at sequence indices ctx..ctx+T-1). Query rows are r = j*16 + t: q head
+// kvh*G + j, token t, so each m16 tile of rows is one q head over all tokens. Warp w takes head
+// j = w % G and key group kg = w / G (WARPS/G groups split each staged block of 64 keys); each
+// (split, key group) writes an unnormalised partial (O, running max m, sum l) that
+// attn_combine merges in fixed order. Masks: a cached key at sequence s is visible to token t
+// in a sliding layer iff s >= ctx + depth(t) - W + 1 (global: always); new key i iff i is an
+// ancestor of t or t itself. Scores and softmax in fp32 (scale 1/sqrt(hd)); P is rounded to bf16
+// for the tensor-core P*V product (FlashAttention-2 practice).
+#pragma once
+#include "mk/gemm.cuh"
+#include "mk/layers.cuh"
+
+namespace mk {
+
+constexpr int ATT_KB = 64;                  // keys staged per round
+constexpr int ATT_KG = WARPS / G;           // key groups per block
+constexpr int ATT_KPW = ATT_KB / ATT_KG;    // keys per warp per round
+constexpr int ATT_QS = HD * 2 + ROW_PAD;    // smem row strides (bytes)
+constexpr int ATT_KS = HD * 2 + ROW_PAD;
+constexpr int ATT_VS = ATT_KB * 2 + ROW_PAD;
+static_assert(ATT_KPW % 16 == 0, "each warp scores whole k16 blocks of keys (G >= 2 with 8 warps)");
+static_assert(G * 16 * ATT_QS + ATT_KB * ATT_KS + HD * ATT_VS <= ABUF_BYTES, "attention tiles fit abuf");
+
+MK_DEV void run_attn(Blk& b, int layer, int unit) {
+  const Params& p = *b.p;
+  const LayerPtrs& L = p.layers[layer];
+  const int nsplit = attn_splits(layer, b.ctx);
+  const int kvh = unit / nsplit, split = unit % nsplit;
+  const int ncached = cached_keys(layer, b.ctx);
+  const int lo = b.ctx - ncached;
+  const int per = cdiv(ncached, nsplit);
+  const int s0 = imin(lo + split * per, b.ctx), s1 = imin(lo + (split + 1) * per, b.ctx);
+  const int ncache_keys = s1 - s0;
+  const int total = ncache_keys + (split == nsplit - 1 ? b.T : 0);
+  const bool glob = is_global(layer);
+
+  unsigned char* Qs = b.abuf;
+  unsigned char* Ks = Qs + G * 16 * ATT_QS;
+  unsigned char* Vt = Ks + ATT_KB * ATT_KS;
+  if (tid() == 0) b.misc[MISC_TAG] = -1;  // abuf no longer holds a GEMM operand
+  for (int i = tid(); i < G * 16 * (HD / 8); i += COMPUTE_THREADS) {
+    const int r = i / (HD / 8), d8 = i % (HD / 8), j = r / 16, t = r % 16;
+    uint4 v = uint4{0, 0, 0, 0};
+    if (t < b.T) v = ldg_cg4(p.q + (t * HQ + kvh * G + j) * HD + 8 * d8);
+    *reinterpret_cast<uint4*>(Qs + r * ATT_QS + 16 * d8) = v;
+  }
+
+  const int w = warp(), j = w % G, kg = w / G, g = lane() >> 2, t4 = lane() & 3;
+  // the two token rows this thread holds: g and g + 8
+  int tok_ok[2], lim[2];
+  uint32_t anc[2];
+  for (int h = 0; h < 2; ++h) {
+    const int t = g + 8 * h;
+    tok_ok[h] = t < b.T;
+    anc[h] = tok_ok[h] ? p.anc[t] : 0u;
+    lim[h] = tok_ok[h] ? b.ctx + p.depth[t] - WINDOW + 1 : 0;  // first visible cached seq (sliding)
+  }
+  float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+  float o[HD / 8][4];
+  for (int dn = 0; dn < HD / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
+
+  for (int kb0 = 0; kb0 < total; kb0 += ATT_KB) {
+    sync_compute();  // Q staged (first round) / everyone done with the previous K, V tiles
+    for (int i = tid(); i < ATT_KB * (HD / 8); i += COMPUTE_THREADS) {
+      const int key = i / (HD / 8), d8 = i % (HD / 8), kidx = kb0 + key;
+      uint4 kv = uint4{0, 0, 0, 0}, vv = uint4{0, 0, 0, 0};
+      if (kidx < total) {
+        const int seq = kidx < ncache_keys ? s0 + kidx : b.ctx + (kidx - ncache_keys);
+        const size_t off = (static_cast<size_t>(kvh) * cache_slots(layer) + cache_slot(layer, seq)) * HD + 8 * d8;
+        kv = ldg_cg4(L.k_cache + off);
+        vv = ldg_cg4(L.v_cache + off);
+      }
+      *reinterpret_cast<uint4*>(Ks + key * ATT_KS + 16 * d8) = kv;
+      const uint32_t vw[4] = {vv.x, vv.y, vv.z, vv.w};
+      for (int q = 0; q < 8; ++q) {
+        const uint16_t e = static_cast<uint16_t>((q & 1) ? (vw[q >> 1] >> 16) : (vw[q >> 1] & 0xffffu));
+        *reinterpret_cast<uint16_t*>(Vt + (8 * d8 + q) * ATT_VS + key * 2) = e;
+      }
+    }
+    sync_compute();
+
+    const int kw0 = kg * ATT_KPW;
+    float s[ATT_KPW / 8][4];
+    for (int nt = 0; nt < ATT_KPW / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    for (int ks = 0; ks < HD / 16; ++ks) {
+      uint32_t a[4];
+      const unsigned char* q0 = Qs + (j * 16 + g) * ATT_QS + (ks * 16 + 2 * t4) * 2;
+      a[0] = *reinterpret_cast<const uint32_t*>(q0);
+      a[1] = *reinterpret_cast<const uint32_t*>(q0 + 8 * ATT_QS);
+      a[2] = *reinterpret_cast<const uint32_t*>(q0 + 16);
+      a[3] = *reinterpret_cast<const uint32_t*>(q0 + 8 * ATT_QS + 16);
+      for (int nt = 0; nt < ATT_KPW / 8; ++nt) {
+        const unsigned char* k0 = Ks + (kw0 + nt * 8 + g) * ATT_KS + (ks * 16 + 2 * t4) * 2;
+        const uint32_t bb[2] = {*reinterpret_cast<const uint32_t*>(k0), *reinterpret_cast<const uint32_t*>(k0 + 16)};
+        mma(s[nt], a, bb);
+      }
+    }
+    // scale, mask, online softmax (rows g and g+8; a row's 8 keys of a tile live in one quad)
+    float mx[2] = {neg_inf(), neg_inf()};
+    for (int nt = 0; nt < ATT_KPW / 8; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1;
+        const int kidx = kb0 + kw0 + nt * 8 + 2 * t4 + (e & 1);
+        bool vis = tok_ok[h] && kidx < total;
+        if (vis) {
+          if (kidx < ncache_keys) vis = glob || (s0 + kidx >= lim[h]);
+          else vis = (anc[h] >> (kidx - ncache_keys)) & 1u;
+        }
+        s[nt][e] = vis ? s[nt][e] * ATT_SCALE : neg_inf();
+        mx[h] = fmax_(mx[h], s[nt][e]);
+      }
+    float alpha[2], muse[2];
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmax_(mx[h], shfl_xor(mx[h], 1));
+      mx[h] = fmax_(mx[h], shfl_xor(mx[h], 2));
+      const float mnew = fmax_(m[h], mx[h]);
+      muse[h] = mnew == neg_inf() ? 0.f : mnew;  // nothing visible yet: keep p = 0, no NaN
+      alpha[h] = fexp(m[h] - muse[h]);
+      m[h] = mnew;
+    }
+    float rs[2] = {0.f, 0.f};
+    for (int nt = 0; nt < ATT_KPW / 8; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1;
+        s[nt][e] = fexp(s[nt][e] - muse[h]);
+        rs[h] += s[nt][e];
+      }
+    for (int h = 0; h < 2; ++h) {
+      rs[h] += shfl_xor(rs[h], 1);
+      rs[h] += shfl_xor(rs[h], 2);
+      l[h] = l[h] * alpha[h] + rs[h];
+    }
+    for (int dn = 0; dn < HD / 8; ++dn) {
+      o[dn][0] *= alpha[0];
+      o[dn][1] *= alpha[0];
+      o[dn][2] *= alpha[1];
+      o[dn][3] *= alpha[1];
+    }
+    for (int kk = 0; kk < ATT_KPW / 16; ++kk) {
+      const uint32_t a[4] = {pack_bf2(s[2 * kk][0], s[2 * kk][1]), pack_bf2(s[2 * kk][2], s[2 * kk][3]),
+                             pack_bf2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_bf2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      for (int dn = 0; dn < HD / 8; ++dn) {
+        const unsigned char* v0 = Vt + (dn * 8 + g) * ATT_VS + (kw0 + kk * 16 + 2 * t4) * 2;
+        const uint32_t bb[2] = {*reinterpret_cast<const uint32_t*>(v0), *reinterpret_cast<const uint32_t*>(v0 + 16)};
+        mma(o[dn], a, bb);
+      }
+    }
+  }
+
+  // partial result of (split, key group): unnormalised O, running max, running sum
+  const int part = split * ATT_KG + kg;
+  for (int h = 0; h < 2; ++h) {
+    const int t = g + 8 * h;
+    if (t >= b.T) continue;
+    const size_t row = (static_cast<size_t>(kvh) * PARTS + part) * (G * 16) + j * 16 + t;
+    for (int dn = 0; dn < HD / 8; ++dn) {
+      float* dst = p.att_o + row * HD + dn * 8 + 2 * t4;
+      dst[0] = o[dn][2 * h];
+      dst[1] = o[dn][2 * h + 1];
+    }
+    if (t4 == 0) {
+      p.att_ml[row * 2] = m[h];
+      p.att_ml[row * 2 + 1] = l[h];
+    }
+  }
+}
+
+}  // namespace mk

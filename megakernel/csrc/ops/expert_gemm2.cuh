@@ -1,0 +1,39 @@
+// expert_gemm2: down projection of one routed expert (NVFP4). Unit = (slot s, 32 output
+// features j*32..). y[s][i][c] = bf16(fp32 accumulator * the expert's tensor scale).
+#pragma once
+#include "mk/gemm.cuh"
+#include "mk/layers.cuh"
+
+namespace mk {
+
+constexpr int EXP2_TILES = P / 32;
+
+MK_DEV bool load_expert2(const Blk& b, int layer, int unit, unsigned& c, uint32_t what) {
+  const Params& p = *b.p;
+  const LayerPtrs& L = p.layers[layer];
+  const int s = unit / EXP2_TILES, j = unit % EXP2_TILES;
+  const int e = ldg_cgi(p.slot_expert + s);
+  const uint8_t* codes = L.w2_codes + static_cast<size_t>(e) * P * (F / 2);
+  const uint8_t* scales = L.w2_scales + static_cast<size_t>(e) * P * (F / 16);
+  auto row = [j](int r) { return j * 32 + r; };
+  return produce_fp4<32, TILE_EXPERT2_KC, F>(b, codes, scales, row, c, what);
+}
+
+MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
+  const Params& p = *b.p;
+  const int s = unit / EXP2_TILES, j = unit % EXP2_TILES;
+  const int e = ldg_cgi(p.slot_expert + s);
+  const int ntok = ldg_cgi(p.slot_ntok + s);
+  const uint16_t* rows = p.act + static_cast<size_t>(s) * 16 * F;
+  stage_gather_perm<F>(b, rows, ntok, [](int i) { return i; }, tag_of(TAG_EXP2, layer, s));
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  gemm_fp4<32, TILE_EXPERT2_KC, F>(b, acc, what);
+  gemm_stash<32>(b, acc);
+  const float ts = p.layers[layer].w2_ts[e];
+  for (int i = tid(); i < 16 * 32; i += COMPUTE_THREADS) {
+    const int r = i / 32, n = i % 32;
+    if (r < ntok) p.yexp[(s * 16 + r) * P + j * 32 + n] = f2bf(gemm_sum<32>(b, r, n) * ts);
+  }
+}
+
+}  // namespace mk

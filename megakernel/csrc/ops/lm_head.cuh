@@ -1,0 +1,39 @@
+// lm_head: logits = rmsnorm(x, final_norm) @ lm_head^T (fp32), plus each unit's argmax per token
+// (value desc, index asc) for the final reduction. Unit = 16 vocabulary rows.
+#pragma once
+#include "mk/gemm.cuh"
+#include "mk/layers.cuh"
+
+namespace mk {
+
+MK_DEV bool load_lm_head(const Blk& b, int layer, int unit, unsigned& c, uint32_t what) {
+  return produce_bf16<16, TILE_LM_HEAD_KC, D>(b, b.p->lm_head, unit * 16, c, what);
+}
+
+MK_DEV void run_lm_head(Blk& b, int layer, int unit, uint32_t what) {
+  const Params& p = *b.p;
+  stage_norm<D>(b, p.x, p.final_norm, tag_of(TAG_FINAL_NORM, layer, 0));
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  gemm_bf16<16, TILE_LM_HEAD_KC, D>(b, acc, what);
+  gemm_stash<16>(b, acc);
+  for (int i = tid(); i < 16 * 16; i += COMPUTE_THREADS) {
+    const int t = i / 16, n = i % 16;
+    if (t < b.T) p.logits[t * V + unit * 16 + n] = gemm_sum<16>(b, t, n);
+  }
+  if (tid() < b.T) {
+    const int t = tid();
+    float best = neg_inf();
+    int bi = 0x7fffffff;
+    for (int n = 0; n < 16; ++n) {
+      const float v = gemm_sum<16>(b, t, n);
+      if (v > best) {  // strict: the first (lowest) index wins ties
+        best = v;
+        bi = unit * 16 + n;
+      }
+    }
+    p.amax_val[unit * T_MAX + t] = best;
+    p.amax_idx[unit * T_MAX + t] = bi;
+  }
+}
+
+}  // namespace mk

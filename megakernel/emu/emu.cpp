@@ -1,0 +1,258 @@
+// Fiber runtime behind emu.h: one ucontext fiber per CUDA thread, random scheduling from a seed.
+#include <stdio.h>
+#include <stdlib.h>
+#include <ucontext.h>
+
+#include <chrono>
+#include <random>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "emu_rt.h"
+
+namespace emu {
+namespace {
+constexpr int kStack = 256 * 1024;
+constexpr int kMaxBarriers = 16;
+
+struct Barrier {
+  int arrived = 0;
+  int expected = 0;
+  unsigned gen = 0;
+  bool acc = false, result = false;  // bar.red.or of the generation in progress / last completed
+};
+struct Warp {
+  Barrier bar;
+  std::vector<unsigned char> slots;
+};
+struct Block {
+  std::vector<unsigned char> smem;
+  Barrier bars[kMaxBarriers];
+  std::vector<Warp> warps;
+};
+struct Fiber {
+  ucontext_t ctx;
+  int block = 0, thread = 0;
+  bool done = false;
+  char* stack = nullptr;
+  const char* where = "running";
+};
+struct MBar {
+  int count = 0, pending = 0;
+  long long tx = 0;
+  unsigned phases = 0;
+};
+
+std::vector<Fiber*> g_fibers, g_live;
+std::vector<Block> g_blocks;
+std::unordered_map<uint64_t*, MBar> g_mbar;
+Fiber* g_cur = nullptr;
+ucontext_t g_sched;
+int g_grid = 0, g_block = 0;
+unsigned long long g_progress = 0;
+std::string g_error;
+bool g_abort = false;
+void (*g_body)(void*) = nullptr;
+void* g_arg = nullptr;
+
+void trampoline() {
+  g_body(g_arg);
+  g_cur->done = true;
+  g_cur->where = "exited";
+  swapcontext(&g_cur->ctx, &g_sched);
+}
+}  // namespace
+
+int cur_thread() { return g_cur->thread; }
+int cur_block() { return g_cur->block; }
+int grid_dim() { return g_grid; }
+int block_dim() { return g_block; }
+unsigned char* cur_smem() { return g_blocks[g_cur->block].smem.data(); }
+
+void yield() {
+  ++g_progress;
+  swapcontext(&g_cur->ctx, &g_sched);
+}
+
+static void wait_gen(Barrier& b, unsigned gen, const char* where) {
+  g_cur->where = where;
+  while (b.gen == gen) swapcontext(&g_cur->ctx, &g_sched);  // no progress credit: deadlock detection
+  g_cur->where = "running";
+}
+
+void fail(const char* what) {
+  char buf[512];
+  snprintf(buf, sizeof buf, "block %d thread %d: %s", g_cur ? g_cur->block : -1, g_cur ? g_cur->thread : -1, what);
+  if (g_error.empty()) g_error = buf;
+  g_abort = true;
+  for (;;) swapcontext(&g_cur->ctx, &g_sched);  // never resumes
+}
+
+bool block_barrier_or(int id, int count, bool v) {
+  Barrier& b = g_blocks[g_cur->block].bars[id];
+  if (b.arrived == 0) b.acc = false;
+  b.acc = b.acc || v;
+  block_barrier(id, count);
+  return b.result;
+}
+
+void block_barrier(int id, int count) {
+  Block& blk = g_blocks[g_cur->block];
+  Barrier& b = blk.bars[id];
+  const int expected = count ? count : g_block;
+  if (b.arrived == 0) {
+    b.expected = expected;
+  } else if (b.expected != expected) {
+    fail("named barrier used with different thread counts");
+  }
+  const unsigned gen = b.gen;
+  if (++b.arrived == expected) {
+    b.arrived = 0;
+    b.result = b.acc;
+    b.acc = false;
+    ++b.gen;
+    ++g_progress;
+    return;
+  }
+  wait_gen(b, gen, id == 0 ? "__syncthreads" : "named barrier");
+}
+
+void warp_barrier() {
+  Warp& w = g_blocks[g_cur->block].warps[g_cur->thread / 32];
+  Barrier& b = w.bar;
+  const unsigned gen = b.gen;
+  if (++b.arrived == 32) {
+    b.arrived = 0;
+    ++b.gen;
+    ++g_progress;
+    return;
+  }
+  wait_gen(b, gen, "warp collective");
+}
+
+void warp_exchange(const void* mine, int bytes, void* all) {
+  Warp& w = g_blocks[g_cur->block].warps[g_cur->thread / 32];
+  if (w.slots.size() < static_cast<size_t>(32 * bytes)) w.slots.resize(32 * bytes);
+  memcpy(w.slots.data() + (g_cur->thread & 31) * bytes, mine, bytes);
+  warp_barrier();
+  memcpy(all, w.slots.data(), 32 * bytes);
+  warp_barrier();
+}
+
+static void mbar_check(MBar& m) {
+  if (m.pending < 0) fail("mbarrier received more arrivals than its count");
+  if (m.pending == 0 && m.tx == 0) {
+    ++m.phases;
+    m.pending = m.count;
+    ++g_progress;
+  }
+}
+void mbar_init(uint64_t* b, unsigned count) { g_mbar[b] = MBar{static_cast<int>(count), static_cast<int>(count), 0, 0}; }
+static MBar& mb(uint64_t* b) {
+  auto it = g_mbar.find(b);
+  if (it == g_mbar.end()) fail("mbarrier used before init");
+  return it->second;
+}
+void mbar_expect_tx(uint64_t* b, unsigned bytes) {
+  MBar& m = mb(b);
+  m.tx += bytes;
+  --m.pending;
+  mbar_check(m);
+}
+void mbar_arrive(uint64_t* b) {
+  MBar& m = mb(b);
+  --m.pending;
+  mbar_check(m);
+}
+void mbar_complete_tx(uint64_t* b, unsigned bytes) {
+  MBar& m = mb(b);
+  m.tx -= bytes;
+  mbar_check(m);
+}
+bool mbar_test(uint64_t* b, unsigned parity) {
+  yield();
+  return (mb(b).phases & 1u) != (parity & 1u);
+}
+uint64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace emu
+
+// Run `body(arg)` as a grid of `grid` blocks x `block` threads. Returns 0, or 1 with `err` set
+// (deadlock: where every live fiber waits; or a failed emulation check).
+extern "C" int emu_launch(void (*body)(void*), void* arg, int grid, int block, int smem_bytes,
+                          unsigned long long seed, char* err, int errlen) {
+  using namespace emu;
+  g_body = body;
+  g_arg = arg;
+  g_grid = grid;
+  g_block = block;
+  g_error.clear();
+  g_abort = false;
+  g_mbar.clear();
+  g_blocks.assign(grid, Block{});
+  for (auto& b : g_blocks) {
+    b.smem.assign(smem_bytes, 0xA5);  // poison: reading smem nobody wrote shows up as garbage
+    b.warps.resize((block + 31) / 32);
+  }
+  g_fibers.clear();
+  g_live.clear();
+  for (int bi = 0; bi < grid; ++bi)
+    for (int t = 0; t < block; ++t) {
+      Fiber* f = new Fiber();
+      f->block = bi;
+      f->thread = t;
+      f->stack = static_cast<char*>(malloc(kStack));
+      getcontext(&f->ctx);
+      f->ctx.uc_stack.ss_sp = f->stack;
+      f->ctx.uc_stack.ss_size = kStack;
+      f->ctx.uc_link = nullptr;
+      makecontext(&f->ctx, trampoline, 0);
+      g_fibers.push_back(f);
+      g_live.push_back(f);
+    }
+  std::mt19937_64 rng(seed);
+  unsigned long long idle_picks = 0, last_progress = g_progress;
+  int rc = 0;
+  while (!g_live.empty()) {
+    const size_t i = seed ? rng() % g_live.size() : 0;
+    Fiber* f = g_live[i];
+    g_cur = f;
+    swapcontext(&g_sched, &f->ctx);
+    g_cur = nullptr;
+    if (g_abort) { rc = 1; break; }
+    if (f->done) {
+      g_live[i] = g_live.back();
+      g_live.pop_back();
+      ++g_progress;
+    } else if (!seed) {  // round-robin when unseeded
+      g_live.erase(g_live.begin() + i);
+      g_live.push_back(f);
+    }
+    if (g_progress != last_progress) {
+      last_progress = g_progress;
+      idle_picks = 0;
+    } else if (++idle_picks > 64 * g_live.size() + 1024) {
+      std::string msg = "deadlock: every live thread waits at a barrier that cannot complete:";
+      int shown = 0;
+      for (Fiber* l : g_live) {
+        if (shown++ < 12) msg += " [b" + std::to_string(l->block) + " t" + std::to_string(l->thread) + ": " + l->where + "]";
+      }
+      msg += " (" + std::to_string(g_live.size()) + " live)";
+      g_error = msg;
+      rc = 1;
+      break;
+    }
+  }
+  for (Fiber* f : g_fibers) {
+    free(f->stack);
+    delete f;
+  }
+  g_fibers.clear();
+  g_live.clear();
+  if (rc && err && errlen > 0) snprintf(err, errlen, "%s", g_error.c_str());
+  return rc;
+}

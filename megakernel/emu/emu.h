@@ -1,0 +1,103 @@
+// The mk:: machine API (csrc/mk/arch.cuh) implemented on the fiber runtime of emu_rt.h.
+#pragma once
+#include "emu_rt.h"
+
+namespace mk {
+
+MK_DEV int tid() { return emu::cur_thread(); }
+MK_DEV int warp() { return emu::cur_thread() >> 5; }
+MK_DEV int lane() { return emu::cur_thread() & 31; }
+MK_DEV int bid() { return emu::cur_block(); }
+MK_DEV int nblocks() { return emu::grid_dim(); }
+MK_DEV unsigned char* smem() { return emu::cur_smem(); }
+MK_DEV void sync_compute() { emu::block_barrier(1, COMPUTE_THREADS); }
+MK_DEV bool sync_compute_or(bool v) { return emu::block_barrier_or(1, COMPUTE_THREADS, v); }
+MK_DEV void sync_block() { emu::block_barrier(0, 0); }
+MK_DEV void syncwarp() { emu::warp_barrier(); }
+
+template <typename T>
+inline T shfl_xor_t(T v, int m) {
+  T all[32];
+  emu::warp_exchange(&v, sizeof(T), all);
+  return all[(tid() & 31) ^ m];
+}
+MK_DEV float shfl_xor(float v, int m) { return shfl_xor_t(v, m); }
+MK_DEV int shfl_xor_i(int v, int m) { return shfl_xor_t(v, m); }
+MK_DEV int bcast_i(int v) {
+  int all[32];
+  emu::warp_exchange(&v, sizeof(int), all);
+  return all[0];
+}
+
+MK_DEV float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+MK_DEV uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+MK_DEV uint16_t f2bf(float f) {  // round to nearest even, as cvt.rn.bf16.f32
+  uint32_t u = f2u(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fff;  // NaN (the GPU's canonical bf16 NaN)
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+MK_DEV float bf2f(uint16_t b) { return u2f(static_cast<uint32_t>(b) << 16); }
+MK_DEV uint32_t pack_bf2(float lo, float hi) { return f2bf(lo) | (static_cast<uint32_t>(f2bf(hi)) << 16); }
+MK_DEV uint32_t hmul2(uint32_t a, uint32_t b) {
+  const float lo = bf2f(a & 0xffff) * bf2f(b & 0xffff);
+  const float hi = bf2f(a >> 16) * bf2f(b >> 16);
+  return pack_bf2(lo, hi);
+}
+MK_DEV void mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  struct Frag { uint32_t a[4]; uint32_t b[2]; } mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}}, all[32];
+  emu::warp_exchange(&mine, sizeof(Frag), all);
+  auto A = [&](int r, int k) {  // element (row r, col k) of the 16x16 A tile
+    const int ln = (r & 7) * 4 + (k & 7) / 2;
+    const int reg = (k >= 8 ? 2 : 0) + (r >= 8 ? 1 : 0);
+    const uint32_t w = all[ln].a[reg];
+    return bf2f((k & 1) ? (w >> 16) : (w & 0xffff));
+  };
+  auto B = [&](int k, int n) {  // element (row k, col n) of the 16x8 B tile
+    const int ln = n * 4 + (k & 7) / 2;
+    const uint32_t w = all[ln].b[k >= 8 ? 1 : 0];
+    return bf2f((k & 1) ? (w >> 16) : (w & 0xffff));
+  };
+  const int g = lane() >> 2, t = lane() & 3;
+  for (int i = 0; i < 4; ++i) {
+    const int r = g + (i >= 2 ? 8 : 0), n = 2 * t + (i & 1);
+    double s = c[i];
+    for (int k = 0; k < 16; ++k) s += static_cast<double>(A(r, k)) * B(k, n);
+    c[i] = static_cast<float>(s);
+  }
+}
+
+MK_DEV uint4 ldg_cg4(const void* p) { uint4 v; memcpy(&v, p, 16); return v; }
+MK_DEV uint32_t ldg_cg(const void* p) { uint32_t v; memcpy(&v, p, 4); return v; }
+MK_DEV float ldg_cgf(const float* p) { return *p; }
+MK_DEV int ldg_cgi(const int32_t* p) { return *p; }
+MK_DEV uint4 ldg_nc4(const void* p) { uint4 v; memcpy(&v, p, 16); return v; }
+MK_DEV uint32_t ld_acquire(const uint32_t* p) { emu::yield(); return *reinterpret_cast<const volatile uint32_t*>(p); }
+MK_DEV void red_release(uint32_t* p, uint32_t v) { *p += v; }
+MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long cmp, unsigned long long v) {
+  const unsigned long long old = *p;
+  if (old == cmp) *p = v;
+  return old;
+}
+MK_DEV void threadfence() {}
+MK_DEV uint64_t now_ns() { return emu::now_ns(); }
+MK_DEV void backoff(unsigned) { emu::yield(); }
+MK_DEV void mbar_init(uint64_t* b, unsigned count) { emu::mbar_init(b, count); }
+MK_DEV void fence_mbar_init() {}
+MK_DEV void mbar_expect_tx(uint64_t* b, unsigned bytes) { emu::mbar_expect_tx(b, bytes); }
+MK_DEV void mbar_arrive(uint64_t* b) { emu::mbar_arrive(b); }
+MK_DEV bool mbar_test(uint64_t* b, unsigned parity) { return emu::mbar_test(b, parity); }
+MK_DEV void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+  // the hardware's rules for cp.async.bulk: 16-byte aligned addresses, size a multiple of 16
+  if ((bytes & 15u) || (reinterpret_cast<uintptr_t>(dst) & 15u) || (reinterpret_cast<uintptr_t>(src) & 15u)) {
+    emu::fail("bulk copy with an address or size that is not a multiple of 16 bytes");
+  }
+  memcpy(dst, src, bytes);
+  emu::mbar_complete_tx(bar, bytes);
+}
+MK_DEV float fexp(float x) { return expf(x); }
+MK_DEV float frsqrt(float x) { return 1.0f / sqrtf(x); }
+MK_DEV float fmax_(float a, float b) { return fmaxf(a, b); }
+MK_DEV int popc(uint32_t x) { return __builtin_popcount(x); }
+
+}  // namespace mk

@@ -1,0 +1,243 @@
+"""Build constants: the model config and the tuned constants turned into one frozen Plan, and
+the Plan rendered into the kernel source as `constexpr` with `static_assert`s.
+
+Everything the CUDA side knows about shapes, tiles, the ring and the op table comes from here
+(`render()`); nothing is typed twice. The cache key of the compiled kernel covers the rendered
+text, so a changed constant recompiles.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from .config import ModelConfig
+
+# op kinds, in the order they run inside a layer (the C++ enum is rendered from this tuple)
+OP_KINDS = ("embed", "qkv", "attn", "attn_combine", "oproj", "router", "pool", "topk", "expert1", "expert2",
+            "moe_combine", "unpool", "lm_head", "argmax")
+OP = {k: i for i, k in enumerate(OP_KINDS)}
+WARPS = 8  # compute warps per block (one mma m16 row tile of tokens each)
+LOADER_WARPS = 1  # the weight-streaming warp (ring producer)
+THREADS = 32 * (WARPS + LOADER_WARPS)
+ROW_PAD = 16  # bytes of padding per staged row: spreads rows over banks for the fragment loads
+MISC_BYTES = 4096  # mbarriers + small ints (block.cuh)
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """One unit = `rows` output features over all of K, streamed in chunks of `kc` columns."""
+
+    rows: int
+    kc: int
+    k: int
+    fp4: bool
+
+    @property
+    def chunks(self) -> int:
+        return self.k // self.kc
+
+    @property
+    def row_stride(self) -> int:
+        """smem bytes per staged row (codes for fp4)."""
+        return (self.kc // 2 if self.fp4 else self.kc * 2) + ROW_PAD
+
+    @property
+    def scale_stride(self) -> int:
+        """smem bytes per row of fp4 block scales. A chunk spanning all of K copies the scales of
+        its consecutive rows in one block (unpadded); a partial chunk copies kc/16 bytes per row,
+        which bulk copies allow only from 16 bytes up (kc >= 256), padded like the codes."""
+        if not self.fp4:
+            return 0
+        return self.k // 16 if self.kc == self.k else self.kc // 16 + ROW_PAD
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.rows * (self.row_stride + self.scale_stride)
+
+    @property
+    def tx_bytes(self) -> int:
+        """Bytes the bulk copies of one chunk move (no padding)."""
+        return self.rows * (self.kc // 2 + self.kc // 16) if self.fp4 else self.rows * self.kc * 2
+
+
+def _tile(rows: int, k: int, fp4: bool, stage_budget: int) -> GemmTile:
+    """Widest power-of-two chunk whose copied bytes fit the stage budget and which divides K."""
+    per_col = (0.5 + 1 / 16) if fp4 else 2.0
+    kc = min(_pow2_floor(int(stage_budget / (rows * per_col))), k)
+    while k % kc:
+        kc //= 2
+    if fp4 and kc != k and kc < 256:
+        raise ValueError(f"fp4 chunk of {kc} columns: per-row scale copies would be under 16 bytes")
+    if kc < 64:
+        raise ValueError(f"chunk of {kc} columns for K={k}: too narrow")
+    return GemmTile(rows, kc, k, fp4)
+
+
+@dataclass(frozen=True)
+class Plan:
+    cfg: ModelConfig
+    n_sm: int
+    ring_stages: int
+    ring_stage_bytes: int  # budget per stage (tuned); actual stage size = max over tiles
+    spin_bound_ns: int
+    poll_backoff_ns: int
+    keys_per_split: int = 256
+    profile: bool = False
+    tiles: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def max_slots(self) -> int:
+        return min(self.cfg.n_experts, self.cfg.max_tree * self.cfg.top_k)
+
+    @property
+    def max_splits(self) -> int:
+        c = self.cfg
+        most_keys = max(c.max_context, c.window)
+        return max(1, min(self.n_sm // c.n_kv_heads if self.n_sm >= c.n_kv_heads else 1,
+                          math.ceil(most_keys / self.keys_per_split)))
+
+    @property
+    def stage_bytes(self) -> int:
+        return max(t.stage_bytes for t in self.tiles.values())
+
+    @property
+    def abuf_bytes(self) -> int:
+        """Activation operand: 16 token rows x the widest K, padded (attention reuses it)."""
+        c = self.cfg
+        kmax = max(c.d_model, c.attn_width, c.d_pool, c.d_expert)
+        a = 16 * (kmax * 2 + ROW_PAD)
+        att = self.attn_smem_bytes
+        return max(a, att)
+
+    @property
+    def attn_smem_bytes(self) -> int:
+        c = self.cfg
+        q = c.group * 16 * (c.head_dim * 2 + ROW_PAD)
+        kv = 64 * (c.head_dim * 2 + ROW_PAD) + c.head_dim * (64 * 2 + ROW_PAD)  # K rows + V transposed
+        return q + kv + WARPS * 16 * 4 * 2  # + per-warp row stats for the intra-block merge
+
+    @property
+    def red_bytes(self) -> int:
+        rows = max(t.rows for t in self.tiles.values())
+        return WARPS * 16 * rows * 4
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.abuf_bytes + self.ring_stages * self.stage_bytes + self.red_bytes + MISC_BYTES
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["cfg"] = self.cfg.name
+        d["tiles"] = {k: asdict(v) for k, v in self.tiles.items()}
+        return d
+
+
+def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_bytes: int = 16384,
+              spin_bound_ns: int = 2_000_000_000, poll_backoff_ns: int = 0, profile: bool = False,
+              smem_limit: int = 232448) -> Plan:
+    cfg.validate()
+    c = cfg
+    budget = ring_stage_bytes
+    tiles = {
+        "qkv": _tile(8, c.d_model, False, budget),
+        "oproj": _tile(8, c.attn_width, False, budget),
+        "router": _tile(8, c.d_model, False, budget),
+        "pool": _tile(8, c.d_model, False, budget),
+        "unpool": _tile(8, c.d_pool, False, budget),
+        "lm_head": _tile(16, c.d_model, False, budget),
+        "expert1": _tile(32, c.d_pool, True, budget),  # 16 gate rows + the 16 matching up rows
+        "expert2": _tile(32, c.d_expert, True, budget),
+    }
+    p = Plan(cfg, n_sm, ring_stages, ring_stage_bytes, spin_bound_ns, poll_backoff_ns, profile=profile, tiles=tiles)
+    if p.smem_bytes > smem_limit:
+        from microbench.errors import KernelDoesNotFitError
+
+        raise KernelDoesNotFitError(
+            f"megakernel for {cfg.name} needs {p.smem_bytes} B of shared memory per block (activations "
+            f"{p.abuf_bytes}, ring {ring_stages} x {p.stage_bytes}, reduction {p.red_bytes}); the device "
+            f"allows {smem_limit}. Use fewer/smaller ring stages.")
+    for name, t in tiles.items():
+        n = {"qkv": c.qkv_rows, "oproj": c.d_model, "router": c.n_experts, "pool": c.d_pool, "unpool": c.d_model,
+             "lm_head": c.vocab, "expert1": 2 * c.d_expert, "expert2": c.d_pool}[name]
+        if n % t.rows:
+            raise ValueError(f"{name}: {n} output rows not a multiple of the {t.rows}-row tile")
+    if c.head_dim % 8 or c.qkv_rows % 8:
+        raise ValueError("head_dim must be a multiple of the 8-row qkv tile (tiles never straddle heads)")
+    return p
+
+
+def render(plan: Plan) -> str:
+    """The C++ constants header (prepended to the kernel source)."""
+    c = plan.cfg
+    lines = [
+        "// GENERATED by megakernel/plan.py:render() from the model config and tuned constants. Do not edit.",
+        "#pragma once",
+        '#include "mb/types.cuh"',
+        "namespace mk {",
+        f"// model {c.name}",
+        f"constexpr int D = {c.d_model};",
+        f"constexpr int V = {c.vocab};",
+        f"constexpr int L = {c.n_layers};",
+        f"constexpr int HQ = {c.n_heads};",
+        f"constexpr int HKV = {c.n_kv_heads};",
+        f"constexpr int HD = {c.head_dim};",
+        f"constexpr int G = {c.group};",
+        f"constexpr int QKV_ROWS = {c.qkv_rows};",
+        f"constexpr int ATT_W = {c.attn_width};",
+        f"constexpr int E = {c.n_experts};",
+        f"constexpr int TOPK = {c.top_k};",
+        f"constexpr int P = {c.d_pool};",
+        f"constexpr int F = {c.d_expert};",
+        f"constexpr int WINDOW = {c.window};",
+        f"constexpr int RING_SLOTS = {c.ring_slots};",
+        f"constexpr int MAX_CTX = {c.max_context};",
+        f"constexpr int T_MAX = {c.max_tree};",
+        f"constexpr float RMS_EPS = {c.rms_eps!r}f;",
+        f"constexpr float ATT_SCALE = {c.head_dim ** -0.5!r}f;",
+        f"constexpr int MAX_SLOTS = {plan.max_slots};",
+        f"constexpr int MAX_SPLITS = {plan.max_splits};",
+        f"constexpr int KEYS_PER_SPLIT = {plan.keys_per_split};",
+        "// launch shape",
+        f"constexpr int WARPS = {WARPS};",
+        f"constexpr int THREADS = {THREADS};",
+        f"constexpr int COMPUTE_THREADS = {32 * WARPS};",
+        f"constexpr int ROW_PAD = {ROW_PAD};",
+        "// ring (tuned constants: weights.ring) and smem carve-up",
+        f"constexpr int RING_STAGES = {plan.ring_stages};",
+        f"constexpr int STAGE_BYTES = {plan.stage_bytes};",
+        f"constexpr int ABUF_BYTES = {plan.abuf_bytes};",
+        f"constexpr int RED_BYTES = {plan.red_bytes};",
+        f"constexpr int SMEM_BYTES = {plan.smem_bytes};",
+        "// synchronisation (tuned constants: sync.flags)",
+        f"constexpr unsigned long long SPIN_BOUND_NS = {plan.spin_bound_ns}ull;",
+        f"constexpr unsigned POLL_BACKOFF_NS = {plan.poll_backoff_ns}u;",
+        "// op kinds",
+        "enum OpKind : int { " + ", ".join(f"OP_{k.upper()} = {i}" for i, k in enumerate(OP_KINDS)) + " };",
+        "// GEMM tiles: rows per unit, K chunk, K",
+    ]
+    for name, t in plan.tiles.items():
+        u = name.upper()
+        lines += [f"constexpr int TILE_{u}_ROWS = {t.rows};", f"constexpr int TILE_{u}_KC = {t.kc};",
+                  f"constexpr int TILE_{u}_K = {t.k};"]
+    lines += [
+        "static_assert(HQ % HKV == 0, \"GQA group\");",
+        "static_assert(HD % 16 == 0 && HD % TILE_QKV_ROWS == 0, \"qkv tiles never straddle heads\");",
+        "static_assert(T_MAX <= 16, \"one m16 tile of tokens\");",
+        "static_assert(D % 64 == 0 && P % 64 == 0 && F % 64 == 0, \"k-steps\");",
+        "static_assert(STAGE_BYTES % 16 == 0 && ABUF_BYTES % 16 == 0, \"bulk-copy alignment\");",
+        "static_assert(G <= WARPS && WARPS % G == 0, \"attention: one warp group per q head\");",
+        "static_assert(TILE_EXPERT1_ROWS == 32 && TILE_EXPERT2_ROWS == 32, \"expert tiles: 16 gate + 16 up rows / 32 rows\");",
+        "static_assert(TILE_QKV_ROWS == 8 && TILE_OPROJ_ROWS == 8 && TILE_ROUTER_ROWS == 8 && TILE_POOL_ROWS == 8 && "
+        "TILE_UNPOOL_ROWS == 8 && TILE_LM_HEAD_ROWS == 16, \"unit rows match program.py's unit counts\");",
+        f"static_assert(SMEM_BYTES <= 232448, \"fits the opt-in shared memory of sm_90\");",
+        f"constexpr int PROFILE = {int(plan.profile)};",
+        f"constexpr int MISC_BYTES = {MISC_BYTES};",
+        f"constexpr unsigned long long GLOBAL_MASK = {sum(1 << g for g in c.global_layers)}ull;  // bit l: layer l is global",
+        f"constexpr int PARTS = MAX_SPLITS * (WARPS / G);  // attention partials per kv head",
+        "}  // namespace mk",
+    ]
+    return "\n".join(lines) + "\n"

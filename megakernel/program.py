@@ -1,0 +1,253 @@
+"""The schedule: which op instances run in which launch, how their units map onto blocks, and
+what each unit waits for. Built here, encoded as an int32 table the kernel interprets, and
+executed by the torch interpreter (interp.py) in any order the dependencies allow.
+
+Units and groups (the same rules are written in csrc/mk/program.cuh; tests cross-check them):
+  op           units                        group of a unit (counter it bumps besides total)
+  embed        T                            -
+  qkv          QKV_ROWS/8                    kv head its rows feed (HKV groups)
+  attn         HKV * splits(layer, ctx)     kv head (HKV groups)
+  attn_combine HQ * T                       -
+  oproj        D/8          router E/8      pool P/8          topk 1
+  expert1      count * F/16 (dynamic)       slot (MAX_SLOTS groups)
+  expert2      count * P/32 (dynamic)       -
+  moe_combine  P/64         unpool D/8      lm_head V/16      argmax 1
+A dependency is ("all", producer): every unit of the producer instance, or ("group", producer):
+the one group of the producer the consumer unit needs (attn <- qkv by kv head, attn_combine <-
+attn by kv head, expert2 <- expert1 by slot). Counters are per step and per parity (the
+argmax unit of step k clears the other parity's counters, which no launch is using).
+
+Deadlock freedom: every block walks the op instances of a launch in the same (topological)
+order, and a unit only waits for units of earlier instances; the earliest unfinished unit of
+the launch therefore never waits, so the launch always progresses (given co-residency).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ModelConfig
+from .plan import OP, OP_KINDS, Plan
+
+OPINST_INTS = 16
+MAX_DEPS = 3
+ASSIGN_STRIDED, ASSIGN_CONTIG = 0, 1
+DEP_ALL, DEP_GROUP = 0, 1
+
+
+@dataclass(frozen=True)
+class Dep:
+    producer: int  # index of the producing op instance
+    mode: int  # DEP_ALL or DEP_GROUP
+
+
+@dataclass(frozen=True)
+class OpInst:
+    index: int
+    kind: str
+    layer: int
+    deps: tuple[Dep, ...]
+    counter: int  # its "units done" counter
+    group_base: int  # first group counter (or -1)
+    n_groups: int
+    rot: int  # block rotation of the strided assignment
+    assign: int
+
+    def encode(self) -> list[int]:
+        row = [OP[self.kind], self.layer, self.counter, self.group_base, self.n_groups, self.rot, self.assign,
+               len(self.deps)]
+        for d in self.deps:
+            row += [d.producer, d.mode]
+        row += [0] * (OPINST_INTS - len(row))
+        return row
+
+
+# ------------------------------------------------------------------ the unit / group rules
+def splits(cfg: ModelConfig, plan: Plan, layer: int, ctx: int) -> int:
+    """Attention splits of one kv head's cached keys (a function of ctx only, so chain and mega
+    modes and every tree shape split identically)."""
+    nkeys = cached_keys(cfg, layer, ctx)
+    return max(1, min(plan.max_splits, math.ceil(nkeys / plan.keys_per_split)))
+
+
+def cached_keys(cfg: ModelConfig, layer: int, ctx: int) -> int:
+    return ctx if cfg.is_global(layer) else min(ctx, cfg.window - 1)
+
+
+def n_units(plan: Plan, kind: str, layer: int, t: int, ctx: int, count: int) -> int:
+    c = plan.cfg
+    return {
+        "embed": t,
+        "qkv": c.qkv_rows // 8,
+        "attn": c.n_kv_heads * splits(c, plan, layer, ctx),
+        "attn_combine": c.n_heads * t,
+        "oproj": c.d_model // 8,
+        "router": c.n_experts // 8,
+        "pool": c.d_pool // 8,
+        "topk": 1,
+        "expert1": count * (c.d_expert // 16),
+        "expert2": count * (c.d_pool // 32),
+        "moe_combine": c.d_pool // 64,
+        "unpool": c.d_model // 8,
+        "lm_head": c.vocab // 16,
+        "argmax": 1,
+    }[kind]
+
+
+def unit_group(plan: Plan, kind: str, layer: int, unit: int, t: int, ctx: int) -> int | None:
+    """Group counter (relative) a unit bumps, or None."""
+    c = plan.cfg
+    if kind == "qkv":
+        head = unit * 8 // c.head_dim
+        if head < c.n_heads:
+            return head // c.group
+        if head < c.n_heads + c.n_kv_heads:
+            return head - c.n_heads
+        return head - c.n_heads - c.n_kv_heads
+    if kind == "attn":
+        return unit // splits(c, plan, layer, ctx)
+    if kind == "expert1":
+        return unit // (c.d_expert // 16)
+    return None
+
+
+def group_size(plan: Plan, kind: str, layer: int, t: int, ctx: int) -> int:
+    c = plan.cfg
+    return {"qkv": (c.group + 2) * c.head_dim // 8, "attn": splits(c, plan, layer, ctx),
+            "expert1": c.d_expert // 16}[kind]
+
+
+def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int, t: int, ctx: int) -> int:
+    """Which group of `producer` the consumer unit waits for."""
+    c = plan.cfg
+    if consumer == "attn" and producer == "qkv":
+        return unit // splits(c, plan, layer, ctx)
+    if consumer == "attn_combine" and producer == "attn":
+        return (unit // t) // c.group
+    if consumer == "expert2" and producer == "expert1":
+        return unit // (c.d_pool // 32)
+    raise ValueError(f"no group dependency rule {consumer} <- {producer}")
+
+
+def n_groups(plan: Plan, kind: str) -> int:
+    c = plan.cfg
+    return {"qkv": c.n_kv_heads, "attn": c.n_kv_heads, "expert1": plan.max_slots}.get(kind, 0)
+
+
+def assigned_units(inst: OpInst, block: int, n_blocks: int, total: int) -> range:
+    """Units of `inst` that `block` runs (same formula as program.cuh)."""
+    if inst.assign == ASSIGN_CONTIG:
+        lo = block * total // n_blocks
+        hi = (block + 1) * total // n_blocks
+        return range(lo, hi)
+    start = (block - inst.rot) % n_blocks
+    return range(start, total, n_blocks)
+
+
+# ------------------------------------------------------------------ building the program
+@dataclass(frozen=True)
+class Program:
+    plan: Plan
+    ops: tuple[OpInst, ...]
+    launches: tuple[tuple[int, int], ...]  # (first op, number of ops) per launch
+    n_counters: int  # per parity
+    mode: str  # "layer" (one launch per layer) or "step" (one launch)
+
+    def encode(self) -> np.ndarray:
+        rows = [o.encode() for o in self.ops]
+        return np.asarray(rows, dtype=np.int32).reshape(-1)
+
+    def encode_launches(self) -> np.ndarray:
+        return np.asarray(self.launches, dtype=np.int32).reshape(-1)
+
+    def describe(self) -> str:
+        out = []
+        for li, (first, n) in enumerate(self.launches):
+            names = ", ".join(f"{o.kind}(L{o.layer})" for o in self.ops[first:first + n])
+            out.append(f"launch {li}: {names}")
+        return "\n".join(out)
+
+
+def build(plan: Plan, mode: str = "layer") -> Program:
+    """Op instances of one decode step, their dependencies, counters and launches.
+
+    mode "layer": launch 0 = embed + qkv(0); launch l+1 = attention(l) .. qkv(l+1) (the study's
+    shape: attention of layer l through the qkv projection and KV write of layer l+1); the last
+    layer's launch ends with the LM head and argmax. mode "step": the whole step in one launch.
+    """
+    if mode not in ("layer", "step"):
+        raise ValueError(f"program mode {mode!r}: 'layer' or 'step'")
+    c = plan.cfg
+    ops: list[OpInst] = []
+    counters = 0
+    last: dict[str, int] = {}
+
+    def add(kind: str, layer: int, deps: list[tuple[str, int]], assign: int = ASSIGN_STRIDED) -> int:
+        nonlocal counters
+        idx = len(ops)
+        ng = n_groups(plan, kind)
+        counter = counters
+        gb = counters + 1 if ng else -1
+        counters += 1 + ng
+        ds = tuple(Dep(last[k], m) for k, m in deps)
+        if len(ds) > MAX_DEPS:
+            raise ValueError(f"{kind}: too many deps")
+        # rotate the strided assignment so consecutive small ops start on different blocks
+        rot = (idx * 17) % plan.n_sm
+        ops.append(OpInst(idx, kind, layer, ds, counter, gb, ng, rot, assign))
+        last[kind] = idx
+        return idx
+
+    launches: list[tuple[int, int]] = []
+    start = 0
+
+    def cut():
+        nonlocal start
+        launches.append((start, len(ops) - start))
+        start = len(ops)
+
+    add("embed", 0, [])
+    add("qkv", 0, [("embed", DEP_ALL)])
+    if mode == "layer":
+        cut()
+    for l in range(c.n_layers):
+        add("attn", l, [("qkv", DEP_GROUP)])
+        add("attn_combine", l, [("attn", DEP_GROUP)])
+        add("oproj", l, [("attn_combine", DEP_ALL)])
+        add("router", l, [("oproj", DEP_ALL)])
+        add("pool", l, [("oproj", DEP_ALL)])
+        add("topk", l, [("router", DEP_ALL)])
+        add("expert1", l, [("topk", DEP_ALL), ("pool", DEP_ALL)], ASSIGN_CONTIG)
+        add("expert2", l, [("topk", DEP_ALL), ("expert1", DEP_GROUP)], ASSIGN_CONTIG)
+        add("moe_combine", l, [("topk", DEP_ALL), ("expert2", DEP_ALL)])
+        add("unpool", l, [("moe_combine", DEP_ALL)])
+        if l + 1 < c.n_layers:
+            add("qkv", l + 1, [("unpool", DEP_ALL)])
+        else:
+            add("lm_head", l, [("unpool", DEP_ALL)])
+            add("argmax", l, [("lm_head", DEP_ALL)])
+        if mode == "layer":
+            cut()
+    if mode == "step":
+        cut()
+    return Program(plan, tuple(ops), tuple(launches), counters, mode)
+
+
+def check(prog: Program) -> None:
+    """Structural checks: deps point backwards within the same launch (a dependency on an
+    earlier launch is satisfied by stream order), kinds and groups are consistent."""
+    launch_of = {}
+    for li, (first, n) in enumerate(prog.launches):
+        for i in range(first, first + n):
+            launch_of[i] = li
+    assert sorted(launch_of) == list(range(len(prog.ops))), "every op in exactly one launch"
+    for o in prog.ops:
+        assert o.kind in OP_KINDS
+        for d in o.deps:
+            assert d.producer < o.index, f"{o.kind}(L{o.layer}) depends on a later op"
+            p = prog.ops[d.producer]
+            if d.mode == DEP_GROUP:
+                needed_group(prog.plan, o.kind, p.kind, o.layer, 0, 1, 0)  # raises if no rule
+                assert p.n_groups > 0

@@ -1,0 +1,280 @@
+"""Running the megakernel: buffers, the parameter block, chain and mega modes, on the GPU or in
+the host emulation.
+
+    eng = Engine(weights, plan, cache, backend="gpu")     # or backend="emu" (CPU tensors)
+    out = eng.step(tokens, parents, ctx, mode="mega")     # or mode="chain"
+    out.logits [T, V] fp32, out.tokens [T] (greedy), cache updated in place like reference.step
+
+Chain mode launches one op instance per kernel launch in program order (the study's baseline
+structure: our own kernel chain); mega mode launches each `Program.launches` range as one
+persistent kernel whose units order themselves through dependency counters. The same kernel
+binary runs both.
+"""
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from microbench.errors import CorrectnessError, SpinTimeoutError
+from microbench.watchdog import Watchdog
+
+from . import abi, tree as treelib
+from .config import ConfigError
+from .plan import THREADS, Plan
+from .program import Program, build as build_program
+from .reference import KVCache
+from .weights import BF16, ModelWeights
+
+WHAT_RING_FULL, WHAT_RING_EMPTY, WHAT_LOADER_ROUTE = 8, 9, 10
+
+
+class EmulationError(RuntimeError):
+    """The host emulation found a deadlock or an illegal operation."""
+
+
+@dataclass
+class StepOut:
+    logits: torch.Tensor  # [T, V] fp32
+    tokens: torch.Tensor  # [T] int64: greedy token after each tree position
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class Engine:
+    def __init__(self, weights: ModelWeights, plan: Plan, cache: KVCache, *, backend: str = "gpu",
+                 program_mode: str = "layer", grid: int | None = None, emu_seed: int = 1,
+                 code_budget: int | None = None):
+        if backend not in ("gpu", "emu"):
+            raise ValueError(f"backend {backend!r}: 'gpu' or 'emu'")
+        if plan.cfg != weights.cfg:
+            raise ConfigError("plan and weights are for different model configs")
+        self.w, self.plan, self.cfg, self.cache = weights, plan, weights.cfg, cache
+        self.backend = backend
+        self.program: Program = build_program(plan, program_mode)
+        self.dev = weights.device
+        if backend == "gpu" and self.dev.type != "cuda":
+            raise ConfigError("backend 'gpu' needs weights on a CUDA device")
+        if backend == "emu" and self.dev.type != "cpu":
+            raise ConfigError("backend 'emu' runs on CPU tensors")
+        self.grid = grid or (plan.n_sm if backend == "gpu" else 4)
+        self.emu_seed = emu_seed
+        self._check_weights()
+        self._alloc()
+        self._layers_blob = self._layer_ptrs()
+        self.wd = Watchdog(plan.spin_bound_ns, device=self.dev)
+        self.parity = 0
+        self._dirty = [False, False]
+        if backend == "gpu":
+            from .build import build_gpu
+
+            self.build = build_gpu(plan, code_budget=code_budget)
+            self.kernel = self.build.kernel()
+        else:
+            from .build import build_emu
+
+            self.dll = build_emu(plan)
+        self._params_dev = None
+
+    # ------------------------------------------------------------------ setup
+    def _check_weights(self):
+        for l, lw in enumerate(self.w.layers):
+            for name, bank in (("w1", lw.w1), ("w2", lw.w2)):
+                if ((bank.scales & 0x7F) == 0x7F).any():
+                    raise ConfigError(f"layer {l} {name}: an E4M3 block scale is NaN (S.1111.111); refusing")
+                if not torch.isfinite(bank.tensor_scale).all():
+                    raise ConfigError(f"layer {l} {name}: non-finite tensor scale")
+
+    def _alloc(self):
+        c, p, dev = self.cfg, self.plan, self.dev
+        tm = c.max_tree
+        parts = p.max_splits * (8 // c.group)
+        z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
+        self.buf = {
+            "x": z(tm, c.d_model), "q": z(tm, c.n_heads, c.head_dim, dt=BF16),
+            "att_o": z(c.n_kv_heads, parts, c.group * 16, c.head_dim),
+            "att_ml": z(c.n_kv_heads, parts, c.group * 16, 2), "att_out": z(tm, c.attn_width, dt=BF16),
+            "router_logits": z(tm, c.n_experts), "route_sel": z(tm, c.top_k, dt=torch.int32),
+            "route_w": z(tm, c.top_k), "route_slot": z(tm, c.top_k, dt=torch.int32),
+            "route_pos": z(tm, c.top_k, dt=torch.int32), "slot_expert": z(p.max_slots, dt=torch.int32),
+            "slot_ntok": z(p.max_slots, dt=torch.int32), "slot_tok": z(p.max_slots, 16, dt=torch.int32),
+            "n_slots": z(1, dt=torch.int32), "pooled": z(tm, c.d_pool, dt=BF16),
+            "act": z(p.max_slots, 16, c.d_expert, dt=BF16), "yexp": z(p.max_slots, 16, c.d_pool, dt=BF16),
+            "z": z(tm, c.d_pool, dt=BF16), "logits": z(tm, c.vocab), "amax_val": z(c.vocab // 16, tm),
+            "amax_idx": z(c.vocab // 16, tm, dt=torch.int32), "out_tokens": z(tm, dt=torch.int32),
+        }
+        self.counters = z(2, self.program.n_counters, dt=torch.int32)
+        self.prog_t = torch.from_numpy(self.program.encode()).to(dev)
+        self.tokens_t = z(tm, dt=torch.int32)
+        self.depth_t = z(tm, dt=torch.int32)
+        self.anc_t = z(tm, dt=torch.int32)
+        self.route_t = z(c.n_layers, tm, c.top_k, dt=torch.int32)
+
+    def _layer_ptrs(self) -> torch.Tensor:
+        arr = (abi.LayerPtrs * self.cfg.n_layers)()
+        for l, lw in enumerate(self.w.layers):
+            s = arr[l]
+            s.attn_norm, s.wqkv, s.wo = _ptr(lw.attn_norm), _ptr(lw.wqkv), _ptr(lw.wo)
+            s.ffn_norm, s.router, s.pool, s.unpool = _ptr(lw.ffn_norm), _ptr(lw.router), _ptr(lw.pool), _ptr(lw.unpool)
+            s.w1_codes, s.w1_scales, s.w1_ts = _ptr(lw.w1.codes), _ptr(lw.w1.scales), _ptr(lw.w1.tensor_scale)
+            s.w2_codes, s.w2_scales, s.w2_ts = _ptr(lw.w2.codes), _ptr(lw.w2.scales), _ptr(lw.w2.tensor_scale)
+            s.k_cache, s.v_cache = _ptr(self.cache.k[l]), _ptr(self.cache.v[l])
+        blob = torch.frombuffer(bytearray(ctypes.string_at(ctypes.addressof(arr), ctypes.sizeof(arr))),
+                                dtype=torch.uint8)
+        return blob.to(self.dev)
+
+    def _params(self, override: bool) -> torch.Tensor:
+        b = self.buf
+        P = abi.Params()
+        P.layers = _ptr(self._layers_blob)
+        P.embed, P.final_norm, P.lm_head = _ptr(self.w.embed), _ptr(self.w.final_norm), _ptr(self.w.lm_head)
+        P.rope_cos, P.rope_sin = _ptr(self.w.rope_cos), _ptr(self.w.rope_sin)
+        P.program = _ptr(self.prog_t)
+        P.tokens, P.depth, P.anc = _ptr(self.tokens_t), _ptr(self.depth_t), _ptr(self.anc_t)
+        P.route_override = _ptr(self.route_t) if override else 0
+        for name in ("x", "q", "att_o", "att_ml", "att_out", "router_logits", "route_sel", "route_w", "route_slot",
+                     "route_pos", "slot_expert", "slot_ntok", "slot_tok", "n_slots", "pooled", "act", "yexp", "z",
+                     "logits", "amax_val", "amax_idx", "out_tokens"):
+            setattr(P, name, _ptr(b[name]))
+        P.counters = _ptr(self.counters)
+        P.watchdog = self.wd.ptr
+        P.profile = 0
+        P.n_counters = self.program.n_counters
+        P.profile_cap = 0
+        blob = torch.frombuffer(bytearray(abi.pack(P)), dtype=torch.uint8)
+        return blob.to(self.dev)
+
+    # ------------------------------------------------------------------ helpers
+    def poison(self) -> None:
+        """NaN in every float scratch buffer (ints 0: an index must never go out of bounds), so a
+        read of data no unit of this step wrote shows up in the result."""
+        for t in self.buf.values():
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            else:
+                t.zero_()
+
+    def describe_wait(self, what: int) -> str:
+        i, code = what >> 4, what & 15
+        if not 0 <= i < len(self.program.ops):
+            return f"wait id {what}"
+        o = self.program.ops[i]
+        name = f"{o.kind}(L{o.layer}) [op {i}]"
+        if code < 8 and code < len(o.deps):
+            pr = self.program.ops[o.deps[code].producer]
+            mode = "all units" if o.deps[code].mode == 0 else "one group"
+            return f"{name} dependency {code}: {mode} of {pr.kind}(L{pr.layer}) [op {pr.index}]"
+        return {WHAT_RING_FULL: f"{name}: a weight chunk in the ring (consumer)",
+                WHAT_RING_EMPTY: f"{name}: a free ring stage (loader)",
+                WHAT_LOADER_ROUTE: f"{name}: the routing of this layer (loader)"}.get(code, f"{name} code {code}")
+
+    def _set_inputs(self, tokens, parents, ctx, routes):
+        c = self.cfg
+        tokens = [int(x) for x in (tokens.tolist() if torch.is_tensor(tokens) else tokens)]
+        t = len(tokens)
+        c.check_step(ctx, t)
+        if len(parents) != t:
+            raise ConfigError(f"{t} tokens but {len(parents)} parents")
+        if any(not 0 <= x < c.vocab for x in tokens):
+            raise ConfigError(f"token ids must be in [0, {c.vocab})")
+        depth = treelib.depths(parents)
+        if ctx + max(depth) >= c.max_context:
+            raise ConfigError(f"position {ctx + max(depth)} outside the RoPE table ({c.max_context})")
+        anc = treelib.ancestor_mask(parents)
+        bits = [int(sum(1 << j for j in range(t) if anc[i, j])) for i in range(t)]
+        pad = c.max_tree - t
+        self.tokens_t.copy_(torch.tensor(tokens + [0] * pad, dtype=torch.int32))
+        self.depth_t.copy_(torch.tensor(depth + [0] * pad, dtype=torch.int32))
+        self.anc_t.copy_(torch.tensor(bits + [0] * pad, dtype=torch.int32))
+        if routes is not None:
+            if len(routes) != c.n_layers:
+                raise ConfigError(f"routes for {len(routes)} layers, model has {c.n_layers}")
+            r = torch.zeros(c.n_layers, c.max_tree, c.top_k, dtype=torch.int32)
+            for l, rl in enumerate(routes):
+                rl = torch.as_tensor(rl).to(torch.int64).cpu()
+                if rl.shape != (t, c.top_k):
+                    raise ConfigError(f"layer {l}: route shape {tuple(rl.shape)} != ({t}, {c.top_k})")
+                if (rl < 0).any() or (rl >= c.n_experts).any():
+                    raise ConfigError(f"layer {l}: expert ids outside [0, {c.n_experts})")
+                if any(len(set(row.tolist())) != c.top_k for row in rl):
+                    raise ConfigError(f"layer {l}: a token is routed to the same expert twice")
+                r[l, :t] = rl.to(torch.int32)
+            self.route_t.copy_(r)
+        return t
+
+    # ------------------------------------------------------------------ running
+    def launches(self, mode: str) -> list[tuple[int, int, int, int]]:
+        """(first op, ops, wait, grid) of each kernel launch of one step."""
+        if mode == "mega":
+            return [(f, n, 1, self.grid) for f, n in self.program.launches]
+        if mode == "chain":
+            out = []
+            for o in self.program.ops:
+                static = {"topk": 1, "argmax": 1}.get(o.kind)
+                out.append((o.index, 1, 0, min(self.grid, static) if static else self.grid))
+            return out
+        raise ValueError(f"mode {mode!r}: 'mega' or 'chain'")
+
+    def enqueue(self, tokens, parents, ctx: int, *, mode: str = "mega", routes=None) -> int:
+        """Set the inputs and enqueue one step (no synchronisation). Returns T."""
+        t = self._set_inputs(tokens, parents, ctx, routes)
+        if mode == "mega":
+            if self._dirty[self.parity]:
+                self.counters[self.parity].zero_()
+        self._params_dev = self._params(routes is not None)
+        for first, n, wait, grid in self.launches(mode):
+            self._launch(first, n, wait, grid, t, ctx)
+        if mode == "mega":
+            self._dirty[self.parity] = True
+            self._dirty[self.parity ^ 1] = False  # the step's argmax cleared it
+            self.parity ^= 1
+        return t
+
+    def _launch(self, first, n, wait, grid, t, ctx):
+        if self.backend == "gpu":
+            from microbench.launch import LaunchSpec, launch
+
+            spec = LaunchSpec(grid=grid, block=THREADS, smem=self.plan.smem_bytes)
+            launch(self.kernel, spec, self._params_dev, np.int32(first), np.int32(n), np.int32(wait), np.int32(t),
+                   np.int32(ctx), np.int32(self.parity), persistent=bool(wait))
+        else:
+            err = ctypes.create_string_buffer(2048)
+            rc = self.dll.mk_emu_run(self._params_dev.data_ptr(), grid, first, n, wait, t, ctx, self.parity,
+                                     self.emu_seed, err, len(err))
+            self.emu_seed += 1
+            if rc:
+                self._check_watchdog(wait)
+                raise EmulationError(f"ops {first}..{first + n - 1}: {err.value.decode(errors='replace')}")
+
+    def _check_watchdog(self, wait):
+        try:
+            self.wd.check(self.describe_wait, context=f"megakernel ({self.cfg.name}, {self.backend})")
+        except SpinTimeoutError:
+            self.wd.reset()
+            self.counters.zero_()
+            self._dirty = [False, False]
+            raise
+
+    def step(self, tokens, parents: Sequence[int], ctx: int, *, mode: str = "mega", routes=None) -> StepOut:
+        t = self.enqueue(tokens, parents, ctx, mode=mode, routes=routes)
+        if self.backend == "gpu":
+            torch.cuda.synchronize()
+        self._check_watchdog(mode == "mega")
+        return StepOut(self.buf["logits"][:t].clone(), self.buf["out_tokens"][:t].to(torch.int64).clone())
+
+
+def check_close(got: torch.Tensor, ref: torch.Tensor, what: str, rel: float = 2e-2) -> float:
+    """||got - ref|| / ||ref||, raising CorrectnessError above `rel` or on any NaN."""
+    g, r = got.double().cpu(), ref.double().cpu()
+    if torch.isnan(g).any():
+        raise CorrectnessError(f"{what}: NaN in the output ({int(torch.isnan(g).sum())} elements)")
+    err = float((g - r).norm() / r.norm().clamp_min(1e-30))
+    if err > rel:
+        raise CorrectnessError(f"{what}: relative error {err:.3e} exceeds {rel:.1e}")
+    return err
+
