@@ -25,6 +25,11 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if config.getoption("--megabench-full"):
         os.environ["MEGABENCH_FULL"] = "1"
+    # The CPU-side work in tests is many tiny tensor ops: intra-op threads only add OpenMP
+    # wake-ups (seen: a 16x128 matmul taking 47 ms with 2 threads on a busy 2-core machine).
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("MEGABENCH_TORCH_THREADS", "1")))
 
 
 def _gpus() -> tuple[int, str | None]:

@@ -1,0 +1,310 @@
+"""A torch interpreter of the megakernel's schedule: the same op instances, the same units, the
+same buffers and the same dependency rules as csrc/mk/program.cuh, each unit computed with torch.
+
+Two uses:
+- `run(order="random")` executes the units of a step in a random order that respects only the
+  declared dependencies (program.py). Every scratch buffer starts as NaN, so a dependency the
+  schedule forgot makes some unit read unwritten data and the result disagrees with the
+  reference: the schedule is checked on the CPU without a GPU.
+- `diff_ops()` replays a chain-mode run op by op against a kernel's buffers (GPU or emulation)
+  and names the first op whose output disagrees, for debugging a kernel change.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import torch
+
+from . import tree as treelib
+from .program import DEP_ALL, Program, cached_keys, group_size, n_units, needed_group, splits, unit_group
+from .reference import KVCache, rmsnorm
+from .weights import BF16, ModelWeights
+
+F32 = torch.float32
+
+
+class Interpreter:
+    def __init__(self, w: ModelWeights, prog: Program, cache: KVCache):
+        self.w, self.prog, self.cache, self.cfg, self.plan = w, prog, cache, w.cfg, prog.plan
+        c, p = self.cfg, self.plan
+        tm, dev = c.max_tree, w.device
+        nan = lambda *s, dt=F32: torch.full(s, float("nan"), dtype=dt, device=dev)  # noqa: E731
+        zi = lambda *s: torch.zeros(s, dtype=torch.int64, device=dev)  # noqa: E731
+        self.parts = p.max_splits * (8 // c.group)
+        self.buf = {
+            "x": nan(tm, c.d_model), "q": nan(tm, c.n_heads, c.head_dim, dt=BF16),
+            "att_o": nan(c.n_kv_heads, self.parts, c.group * 16, c.head_dim),
+            "att_ml": nan(c.n_kv_heads, self.parts, c.group * 16, 2), "att_out": nan(tm, c.attn_width, dt=BF16),
+            "router_logits": nan(tm, c.n_experts), "route_sel": zi(tm, c.top_k), "route_w": nan(tm, c.top_k),
+            "route_slot": zi(tm, c.top_k), "route_pos": zi(tm, c.top_k), "slot_expert": zi(p.max_slots),
+            "slot_ntok": zi(p.max_slots), "slot_tok": zi(p.max_slots, 16), "n_slots": zi(1),
+            "pooled": nan(tm, c.d_pool, dt=BF16), "act": nan(p.max_slots, 16, c.d_expert, dt=BF16),
+            "yexp": nan(p.max_slots, 16, c.d_pool, dt=BF16), "z": nan(tm, c.d_pool, dt=BF16),
+            "logits": nan(tm, c.vocab), "amax_val": nan(c.vocab // 16, tm), "amax_idx": zi(c.vocab // 16, tm),
+            "out_tokens": zi(tm),
+        }
+
+    # ------------------------------------------------------------------ per-op units
+    def _norm(self, gain):
+        return rmsnorm(self.buf["x"][: self.T], gain, self.cfg.rms_eps)
+
+    def unit(self, op_index: int, u: int) -> None:
+        o = self.prog.ops[op_index]
+        getattr(self, "_" + o.kind)(o.layer, u)
+
+    def _embed(self, layer, u):
+        self.buf["x"][u] = self.w.embed[self.tokens[u]].to(F32)
+
+    def _qkv(self, layer, u):
+        c, lw, b = self.cfg, self.w.layers[layer], self.buf
+        r0, head = 8 * u, 8 * u // c.head_dim
+        y = self._norm(lw.attn_norm).to(F32) @ lw.wqkv[r0:r0 + 8].to(F32).T  # [T, 8]
+        d0 = r0 % c.head_dim
+        if head < c.n_heads + c.n_kv_heads:
+            pos = self.ctx + torch.tensor(self.depth, device=y.device)
+            cs = self.w.rope_cos[pos][:, d0 // 2:d0 // 2 + 4]
+            sn = self.w.rope_sin[pos][:, d0 // 2:d0 // 2 + 4]
+            a, bb = y[:, 0::2].clone(), y[:, 1::2].clone()
+            y[:, 0::2], y[:, 1::2] = a * cs - bb * sn, a * sn + bb * cs
+        y = y.to(BF16)
+        if head < c.n_heads:
+            b["q"][: self.T, head, d0:d0 + 8] = y
+        else:
+            is_k = head < c.n_heads + c.n_kv_heads
+            kvh = head - c.n_heads - (0 if is_k else c.n_kv_heads)
+            cache = (self.cache.k if is_k else self.cache.v)[layer]
+            slots = self.cache.slot(layer, torch.arange(self.ctx, self.ctx + self.T, device=y.device))
+            cache[kvh, slots, d0:d0 + 8] = y
+
+    def _attn(self, layer, u):
+        c, b = self.cfg, self.buf
+        ns = splits(c, self.plan, layer, self.ctx)
+        kvh, split = divmod(u, ns)
+        nc = cached_keys(c, layer, self.ctx)
+        lo = self.ctx - nc
+        per = -(-nc // ns)
+        s0, s1 = min(lo + split * per, self.ctx), min(lo + (split + 1) * per, self.ctx)
+        seqs = list(range(s0, s1)) + (list(range(self.ctx, self.ctx + self.T)) if split == ns - 1 else [])
+        kg = 8 // c.group
+        b["att_ml"][kvh, split * kg:(split + 1) * kg, :, 1] = 0.0  # other key groups: empty partials
+        b["att_ml"][kvh, split * kg:(split + 1) * kg, :, 0] = float("-inf")
+        if not seqs:
+            return
+        dev = b["q"].device
+        sl = self.cache.slot(layer, torch.tensor(seqs, device=dev))
+        kk = self.cache.k[layer][kvh, sl].to(F32)  # [n, hd]
+        vv = self.cache.v[layer][kvh, sl].to(F32)
+        pos = [self.ctx + d for d in self.depth]
+        for j in range(c.group):
+            h = kvh * c.group + j
+            q = b["q"][: self.T, h].to(F32)  # [T, hd]
+            s = (q @ kk.T) * (c.head_dim ** -0.5)
+            sq = torch.tensor(seqs, device=dev)
+            cached = sq < self.ctx
+            pos_t = torch.tensor(pos, device=dev)[:, None]
+            win = torch.ones_like(s, dtype=torch.bool) if c.is_global(layer) else sq[None, :] >= pos_t - c.window + 1
+            newi = (sq - self.ctx).clamp(min=0)
+            anc = self.anc.to(dev)[: self.T][:, newi]
+            mask = torch.where(cached[None, :], win, anc)
+            s = s.masked_fill(~mask, float("-inf"))
+            m = s.amax(dim=1)
+            muse = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+            p = torch.exp(s - muse[:, None])
+            row = slice(j * 16, j * 16 + self.T)
+            part = split * kg
+            b["att_o"][kvh, part, row] = p @ vv
+            b["att_ml"][kvh, part, row, 0] = m
+            b["att_ml"][kvh, part, row, 1] = p.sum(dim=1)
+
+    def _attn_combine(self, layer, u):
+        c, b = self.cfg, self.buf
+        h, t = divmod(u, self.T)
+        kvh, j = divmod(h, c.group)
+        n = splits(c, self.plan, layer, self.ctx) * (8 // c.group)
+        ml = b["att_ml"][kvh, :n, j * 16 + t]
+        o = b["att_o"][kvh, :n, j * 16 + t]
+        ok = ml[:, 1] > 0
+        mm = ml[ok, 0].max()
+        sc = torch.exp(ml[ok, 0] - mm)
+        b["att_out"][t, h * c.head_dim:(h + 1) * c.head_dim] = ((sc[:, None] * o[ok]).sum(0) / (sc * ml[ok, 1]).sum()).to(BF16)
+
+    def _oproj(self, layer, u):
+        b = self.buf
+        b["x"][: self.T, 8 * u:8 * u + 8] += b["att_out"][: self.T].to(F32) @ self.w.layers[layer].wo[8 * u:8 * u + 8].to(F32).T
+
+    def _router(self, layer, u):
+        lw = self.w.layers[layer]
+        self.buf["router_logits"][: self.T, 8 * u:8 * u + 8] = self._norm(lw.ffn_norm).to(F32) @ lw.router[8 * u:8 * u + 8].to(F32).T
+
+    def _pool(self, layer, u):
+        lw = self.w.layers[layer]
+        self.buf["pooled"][: self.T, 8 * u:8 * u + 8] = (self._norm(lw.ffn_norm).to(F32) @ lw.pool[8 * u:8 * u + 8].to(F32).T).to(BF16)
+
+    def _topk(self, layer, u):
+        c, b = self.cfg, self.buf
+        lg = b["router_logits"][: self.T]
+        if self.routes is not None:
+            sel = self.routes[layer].to(lg.device).long()
+        else:
+            sel = torch.sort(lg, dim=-1, descending=True, stable=True).indices[:, : c.top_k]
+        w = torch.softmax(lg.gather(1, sel), dim=-1)
+        b["route_sel"][: self.T] = sel
+        b["route_w"][: self.T] = w
+        experts = sorted(set(sel.flatten().tolist()))
+        slot = {e: i for i, e in enumerate(experts)}
+        ntok = [0] * len(experts)
+        for t in range(self.T):
+            for r in range(c.top_k):
+                s = slot[int(sel[t, r])]
+                b["slot_tok"][s, ntok[s]] = t
+                b["route_slot"][t, r] = s
+                b["route_pos"][t, r] = ntok[s]
+                ntok[s] += 1
+        b["slot_expert"][: len(experts)] = torch.tensor(experts)
+        b["slot_ntok"][: len(experts)] = torch.tensor(ntok)
+        b["n_slots"][0] = len(experts)
+
+    def _expert1(self, layer, u):
+        c, b, lw = self.cfg, self.buf, self.w.layers[layer]
+        s, j = divmod(u, c.d_expert // 16)
+        e, nt = int(b["slot_expert"][s]), int(b["slot_ntok"][s])
+        a = b["pooled"][b["slot_tok"][s, :nt]].to(F32)
+        w1 = lw.w1.expert(e)
+        wd = w1.dequant_bf16_exact()
+        rows = list(range(16 * j, 16 * j + 16)) + list(range(c.d_expert + 16 * j, c.d_expert + 16 * j + 16))
+        gu = (a @ wd[rows].T) * w1.tensor_scale
+        g, up = gu[:, :16], gu[:, 16:]
+        b["act"][s, :nt, 16 * j:16 * j + 16] = (g * (1.0 / (1.0 + torch.exp(-g))) * up).to(BF16)
+
+    def _expert2(self, layer, u):
+        c, b, lw = self.cfg, self.buf, self.w.layers[layer]
+        s, j = divmod(u, c.d_pool // 32)
+        e, nt = int(b["slot_expert"][s]), int(b["slot_ntok"][s])
+        w2 = lw.w2.expert(e)
+        y = (b["act"][s, :nt].to(F32) @ w2.dequant_bf16_exact()[32 * j:32 * j + 32].T) * w2.tensor_scale
+        b["yexp"][s, :nt, 32 * j:32 * j + 32] = y.to(BF16)
+
+    def _moe_combine(self, layer, u):
+        c, b = self.cfg, self.buf
+        cols = slice(64 * u, 64 * u + 64)
+        acc = torch.zeros(self.T, 64, dtype=F32, device=b["x"].device)
+        for r in range(c.top_k):
+            s, pos = b["route_slot"][: self.T, r], b["route_pos"][: self.T, r]
+            acc = acc + b["route_w"][: self.T, r:r + 1] * b["yexp"][s, pos, cols].to(F32)
+        b["z"][: self.T, cols] = acc.to(BF16)
+
+    def _unpool(self, layer, u):
+        b = self.buf
+        b["x"][: self.T, 8 * u:8 * u + 8] += b["z"][: self.T].to(F32) @ self.w.layers[layer].unpool[8 * u:8 * u + 8].to(F32).T
+
+    def _lm_head(self, layer, u):
+        b = self.buf
+        lg = self._norm(self.w.final_norm).to(F32) @ self.w.lm_head[16 * u:16 * u + 16].to(F32).T
+        b["logits"][: self.T, 16 * u:16 * u + 16] = lg
+        v, i = lg.max(dim=1)  # first maximal index
+        b["amax_val"][u, : self.T] = v
+        b["amax_idx"][u, : self.T] = i + 16 * u
+
+    def _argmax(self, layer, u):
+        b = self.buf
+        for t in range(self.T):
+            v, i = b["amax_val"][:, t], b["amax_idx"][:, t]
+            best = v.max()
+            b["out_tokens"][t] = i[v == best].min()
+
+    # ------------------------------------------------------------------ executing a step
+    def setup(self, tokens, parents, ctx, routes=None):
+        self.tokens = [int(x) for x in (tokens.tolist() if torch.is_tensor(tokens) else tokens)]
+        self.T, self.ctx = len(self.tokens), ctx
+        self.cfg.check_step(ctx, self.T)
+        self.depth = treelib.depths(parents)
+        self.anc = treelib.ancestor_mask(parents)
+        self.routes = routes
+
+    def _units(self, i: int) -> int:
+        o = self.prog.ops[i]
+        return n_units(self.plan, o.kind, o.layer, self.T, self.ctx, int(self.buf["n_slots"][0]))
+
+    def run(self, tokens, parents, ctx, routes=None, order: str = "random", seed: int = 0,
+            program: Program | None = None) -> torch.Tensor:
+        """Execute a step unit by unit; `order` "program" (op order) or "random" (any order the
+        declared dependencies allow). Returns logits [T, V]."""
+        prog = program or self.prog
+        self.setup(tokens, parents, ctx, routes)
+        rng = random.Random(seed)
+        n_done = [0] * len(prog.ops)
+        group_done: list[dict[int, int]] = [dict() for _ in prog.ops]
+        pending: list[list[int] | None] = [None] * len(prog.ops)  # units, once countable
+
+        def complete(i) -> bool:
+            return pending[i] is not None and n_done[i] >= self._units(i)
+
+        def ready_units(i) -> list[int]:
+            o = prog.ops[i]
+            units = pending[i]
+            for d in o.deps:
+                p = prog.ops[d.producer]
+                if pending[d.producer] is None:
+                    return []
+                if d.mode == DEP_ALL:
+                    if not complete(d.producer):
+                        return []
+                else:
+                    need = group_size(self.plan, p.kind, p.layer, self.T, self.ctx)
+                    units = [u for u in units if group_done[d.producer].get(
+                        needed_group(self.plan, o.kind, p.kind, o.layer, u, self.T, self.ctx), 0) >= need]
+            return units
+
+        def countable(i) -> bool:  # an expert op's unit count is known once top-k (dep 0) is done
+            o = prog.ops[i]
+            return o.kind not in ("expert1", "expert2") or complete(o.deps[0].producer)
+
+        while True:
+            for i in range(len(prog.ops)):
+                if pending[i] is None and countable(i):
+                    pending[i] = list(range(self._units(i)))
+            ops = [(i, r) for i in range(len(prog.ops)) if pending[i] for r in [ready_units(i)] if r]
+            if not ops:
+                break
+            # a random op with runnable units, then a random one of them (op order when asked)
+            i, r = ops[0] if order == "program" else rng.choice(ops)
+            u = r[0] if order == "program" else rng.choice(r)
+            self.unit(i, u)
+            o = prog.ops[i]
+            n_done[i] += 1
+            g = unit_group(self.plan, o.kind, o.layer, u, self.T, self.ctx)
+            if g is not None:
+                group_done[i][g] = group_done[i].get(g, 0) + 1
+            pending[i].remove(u)
+        left = [prog.ops[i].kind for i in range(len(prog.ops)) if pending[i] is None or pending[i]]
+        if left:
+            raise RuntimeError(f"schedule stuck: units of {left[:5]} never became ready")
+        return self.buf["logits"][: self.T].clone()
+
+    def diff_ops(self, run_op: Callable[[int], dict[str, torch.Tensor]], tokens, parents, ctx, routes=None,
+                 rel: float = 2e-2) -> list[tuple[int, str, str, float]]:
+        """Op-by-op comparison with a kernel: `run_op(i)` runs op instance i in the kernel (chain
+        mode) and returns its buffers; after each op the interpreter runs the same op and the
+        buffers it writes are compared (relative L2); the kernel's values are then adopted so the
+        next op starts from the same inputs. Returns [(op index, op, buffer, rel error)] of
+        mismatches (empty = every op agrees)."""
+        self.setup(tokens, parents, ctx, routes)
+        writes = {"embed": ["x"], "qkv": ["q"], "attn": [], "attn_combine": ["att_out"], "oproj": ["x"],
+                  "router": ["router_logits"], "pool": ["pooled"], "topk": ["route_w", "n_slots"],
+                  "expert1": [], "expert2": [], "moe_combine": ["z"], "unpool": ["x"], "lm_head": ["logits"],
+                  "argmax": ["out_tokens"]}
+        bad = []
+        for i, o in enumerate(self.prog.ops):
+            kb = run_op(i)
+            for u in range(self._units(i)):
+                self.unit(i, u)
+            for name in writes[o.kind]:
+                a, r = kb[name][: self.T].double().cpu(), self.buf[name][: self.T].double().cpu()
+                err = float((a - r).norm() / r.norm().clamp_min(1e-30)) if r.numel() else 0.0
+                if not err <= rel:
+                    bad.append((i, f"{o.kind}(L{o.layer})", name, err))
+            for name, t in kb.items():  # adopt the kernel's state
+                self.buf[name].copy_(t.to(self.buf[name].device).to(self.buf[name].dtype))
+        return bad
+
