@@ -175,6 +175,8 @@ def load_measurements(path: str | Path, assume_gpu: str | None = None, ignored: 
         except json.JSONDecodeError as e:
             raise ResultsFileError(f"{f}: not valid JSON ({e})") from None
         kind = _kind(d)
+        if kind == "result" and str(d.get("benchmark", "")).startswith("gate."):
+            kind = None  # the gate's own analyses (gate.quality) are not performance figures
         if kind == "result":
             out += _from_result(f)
         elif kind == "pytest-benchmark":
@@ -182,6 +184,8 @@ def load_measurements(path: str | Path, assume_gpu: str | None = None, ignored: 
         elif p.is_dir():
             if ignored is not None:
                 ignored.append(str(f))
+        elif _kind(d) == "result":
+            raise ResultsFileError(f"{f}: the gate's own analysis ({d.get('benchmark')}), not a performance result")
         else:
             raise ResultsFileError(f"{f}: neither a megabench result nor pytest-benchmark JSON (--benchmark-json)")
     if not out and not p.is_dir():
@@ -283,7 +287,8 @@ class GateReport:
                 "benchmark": v.key,
                 "baseline": fmt_value(v.base_median, v.unit),
                 "candidate": fmt_value(v.cand_median, v.unit),
-                "change": "" if v.slowdown is None else f"{v.slowdown:+.1%} {'slower' if v.slowdown > 0 else 'faster'}",
+                "change": "" if v.slowdown is None else (f"{v.slowdown:+.1%}" + ("" if abs(v.slowdown) < 5e-4 else
+                                                                       " slower" if v.slowdown > 0 else " faster")),
                 "noise (rel. IQR)": "" if v.noise is None else f"{v.noise:.1%}",
                 "threshold": "" if v.threshold is None else f"{v.threshold:.1%}",
                 "p (slower)": "" if v.p_slower is None else f"{v.p_slower:.2g}",
@@ -320,6 +325,8 @@ class GateReport:
 def fmt_value(v: float | None, unit: str) -> str:
     if v is None:
         return ""
+    if unit == "fraction":
+        return f"{v:.1%}"
     if unit == "s":
         for scale, u in ((1, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns")):
             if abs(v) >= scale or u == "ns":
@@ -625,7 +632,8 @@ def _cmd(args) -> int:
         print(f"megabench gate: {e}", file=sys.stderr)
         return EXIT_GPU
     if ignored:
-        rep.notes.append(f"ignored {len(ignored)} JSON file(s) that are neither results nor pytest-benchmark output")
+        rep.notes.append(f"ignored {len(ignored)} JSON file(s) that are not performance results "
+                         "(gate analyses, constants, other JSON)")
     md = rep.to_markdown()
     print(md)
     if args.markdown:
