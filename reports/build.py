@@ -191,15 +191,28 @@ def _paper_rows(ctx: Context, figs: Sequence[dict]) -> list[dict]:
             else:
                 how = f"tuned `{o['name']}` (default {fmt(e.value, e.spec.unit)} until measured)" if e else o["name"]
         elif o["kind"] == "derived":
-            cands = [r for r in latest if (o.get("benchmark") is None or r.benchmark == o["benchmark"])
-                     and o["key"] in r.derived]
-            if cands:
-                r = max(cands, key=lambda r: r.env.date)
-                d = r.derived[o["key"]]
-                ours = fmt(d.value, d.unit) + (f" ({fmt_spread(d.spread, d.unit)})" if d.spread else "")
-                how = f"`{r.benchmark}` derived `{o['key']}`"
+            import re
+
+            found = []
+            for r in latest:
+                if o.get("benchmark") is not None and r.benchmark != o["benchmark"]:
+                    continue
+                for k in sorted(r.derived):
+                    if k == o["key"] or (o.get("key_regex") and re.fullmatch(o["key_regex"], k)):
+                        found.append((k != o["key"], k, r))
+            if found:
+                _, k, r = min(found, key=lambda t: (t[0], t[1]))  # the exact key first, else the first match
+                d = r.derived[k]
+                unit = o.get("unit") or ("fraction" if f["unit"] in ("fraction", "x") and d.unit in ("", "fraction")
+                                         and f["unit"] == "fraction" else ("x" if f["unit"] == "x" and d.unit == ""
+                                                                           else d.unit))
+                ours = fmt(d.value, unit) + (f" ({fmt_spread(d.spread, unit)})" if d.spread else "")
+                how = f"`{r.benchmark}` derived `{k}`"
             else:
-                how = f"expects derived `{o['key']}`" + (f" in `{o['benchmark']}`" if o.get("benchmark") else "")
+                what = o["key"] if not o.get("key_regex") else f"{o['key']}` or `{o['key_regex']}"
+                how = f"expects derived `{what}`" + (f" in `{o['benchmark']}`" if o.get("benchmark") else "")
+            if o.get("unit") or f.get("note_ours"):
+                how += f"; {f['note_ours']}" if f.get("note_ours") else ""
         elif o["kind"] == "env":
             envs = ctx.cat.envs()
             if envs:

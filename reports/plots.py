@@ -27,7 +27,7 @@ PREFERRED_X = {
     "basics": ("bytes",),
     "icache": ("code_bytes", "offset_bytes", "bytes", "block_bytes", "warps"),
     "weights": ("stage_bytes", "working_set_bytes", "prefetch_bytes", "bytes", "overlap", "stages", "experts"),
-    "sync": ("bytes_in_flight", "payload_bytes", "bytes", "blocks", "backoff_ns"),
+    "sync": ("k_bytes", "bytes_in_flight", "payload_bytes", "bytes", "blocks", "backoff_ns"),
     "clocks": ("stamps", "blocks", "launches"),
 }
 MAX_LINES = 10
@@ -66,8 +66,6 @@ def curve_plots(result, cls: str, fig_dir: Path, byte_marks: dict[str, float] | 
         groups[(s.unit, tuple(sorted(s.params)))].append(s)
     out = []
     for (unit, keys), ss in groups.items():
-        if len(out) >= MAX_PLOTS_PER_RESULT:
-            break
         varying = {k: sorted({s.params[k] for s in ss}, key=str) for k in keys}
         numeric = [k for k in keys if all(_num(s.params[k]) for s in ss) and len(varying[k]) >= 3]
         forced = {s.metrics.get("plot_x") for s in ss} - {None}
@@ -77,48 +75,70 @@ def curve_plots(result, cls: str, fig_dir: Path, byte_marks: dict[str, float] | 
             x = pref[0] if pref else (max(numeric, key=lambda k: len(varying[k])) if numeric else None)
         if x is None:
             continue
-        others = [k for k in keys if k != x and len(varying[k]) > 1]
-        lines: dict[tuple, list] = defaultdict(list)
-        for s in ss:
-            lines[tuple((k, s.params[k]) for k in others)].append(s)
-        if len(lines) > MAX_LINES:
-            continue
-        rate = all(s.bound is not None and s.achieved is not None and s.bound.kind in ("bandwidth", "throughput")
-                   for s in ss) and len({s.bound.unit for s in ss}) == 1
-        plt = _plt()
-        fig, ax = plt.subplots(figsize=(6.4, 3.8))
-        for label, pts in sorted(lines.items(), key=lambda kv: str(kv[0])):
-            pts = sorted(pts, key=lambda s: s.params[x])
-            xs = np.array([s.params[x] for s in pts], dtype=float)
-            if rate:
-                ys = np.array([s.achieved for s in pts])
-                ax.plot(xs, ys, marker="o", label=", ".join(f"{k}={v}" for k, v in label) or None)
-            else:
-                ys = np.array([s.summary.median for s in pts])
-                lo = ys - np.array([s.summary.q1 for s in pts])
-                hi = np.array([s.summary.q3 for s in pts]) - ys
-                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=2,
-                            label=", ".join(f"{k}={v}" for k, v in label) or None)
-        xs_all = np.array([s.params[x] for s in ss], dtype=float)
-        if xs_all.min() > 0 and xs_all.max() / xs_all.min() > 20:
-            ax.set_xscale("log", base=2 if x.endswith("bytes") or x == "bytes" else 10)
-        if x.endswith("bytes") or x == "bytes":
-            for name, v in (byte_marks or {}).items():
-                if xs_all.min() / 2 <= v <= xs_all.max() * 2:
-                    ax.axvline(v, color="grey", linestyle="--", linewidth=0.8)
-                    ax.annotate(f"{name}\n{fmt(v, 'B')}", (v, ax.get_ylim()[1]), fontsize=7, ha="left", va="top")
-        ax.set_xlabel(x)
-        yunit = ss[0].bound.unit if rate else unit
-        ax.set_ylabel(("achieved " if rate else "median ") + f"({yunit})")
-        ax.set_title(f"{result.benchmark}: {'achieved' if rate else 'median'} vs {x}", fontsize=10)
-        ax.grid(True, alpha=0.3)
-        if len(lines) > 1:
-            ax.legend(fontsize=7)
-        path = _save(fig, fig_dir / f"{_slug(result.benchmark)}-{_slug(x)}-{_slug(unit or 'unitless')}.png")
-        cap = (f"{result.benchmark}: {'achieved rate' if rate else 'median (IQR bars)'} against {x}"
-               + (f", one line per {', '.join(others)}" if others else ""))
-        out.append((path, cap))
+        # too many lines for one figure: one figure per value of the parameter with fewest values
+        facets, fkeys = [((), ss)], []
+        while True:
+            others = [k for k in keys if k != x and k not in fkeys and len(varying[k]) > 1]
+            nlines = max(len({tuple(s.params[k] for k in others) for s in fs}) for _, fs in facets)
+            if nlines <= MAX_LINES or not others:
+                break
+            f = min(others, key=lambda k: len(varying[k]))
+            fkeys.append(f)
+            facets = [(fv + ((f, v),), [s for s in fs if s.params[f] == v]) for fv, fs in facets
+                      for v in sorted({s.params[f] for s in fs}, key=str)]
+        for fv, fs in facets:
+            if len(out) >= MAX_PLOTS_PER_RESULT:
+                break
+            got = _curve(result, fs, x, others, unit, fv, fig_dir, byte_marks)
+            if got:
+                out.append(got)
     return out
+
+
+def _curve(result, ss, x, others, unit, facet, fig_dir, byte_marks):
+    lines: dict[tuple, list] = defaultdict(list)
+    for s in ss:
+        lines[tuple((k, s.params[k]) for k in others)].append(s)
+    if len(lines) > MAX_LINES or len({s.params[x] for s in ss}) < 3:
+        return None
+    rate = all(s.bound is not None and s.achieved is not None and s.bound.kind in ("bandwidth", "throughput")
+               for s in ss) and len({s.bound.unit for s in ss}) == 1
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for label, pts in sorted(lines.items(), key=lambda kv: str(kv[0])):
+        pts = sorted(pts, key=lambda s: s.params[x])
+        xs = np.array([s.params[x] for s in pts], dtype=float)
+        lab = ", ".join(f"{k}={v}" for k, v in label) or None
+        if rate:
+            ax.plot(xs, np.array([s.achieved for s in pts]), marker="o", label=lab)
+        else:
+            ys = np.array([s.summary.median for s in pts])
+            lo = ys - np.array([s.summary.q1 for s in pts])
+            hi = np.array([s.summary.q3 for s in pts]) - ys
+            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=2, label=lab)
+    xs_all = np.array([s.params[x] for s in ss], dtype=float)
+    is_bytes = x.endswith("bytes") or x == "bytes"
+    if xs_all.min() > 0 and xs_all.max() / xs_all.min() > 20:
+        ax.set_xscale("log", base=2 if is_bytes else 10)
+    if is_bytes:
+        for name, v in (byte_marks or {}).items():
+            if xs_all.min() / 2 <= v <= xs_all.max() * 2:
+                ax.axvline(v, color="grey", linestyle="--", linewidth=0.8)
+                ax.annotate(f"{name}\n{fmt(v, 'B')}", (v, ax.get_ylim()[1]), fontsize=7, ha="left", va="top")
+    ax.set_xlabel(x)
+    yunit = ss[0].bound.unit if rate else unit
+    ax.set_ylabel(("achieved " if rate else "median ") + f"({yunit})")
+    ftxt = ", ".join(f"{k}={v}" for k, v in facet)
+    ax.set_title(f"{result.benchmark}: {'achieved' if rate else 'median'} vs {x}" + (f" [{ftxt}]" if ftxt else ""),
+                 fontsize=10)
+    ax.grid(True, alpha=0.3)
+    if len(lines) > 1:
+        ax.legend(fontsize=6)
+    name = f"{_slug(result.benchmark)}-{_slug(x)}-{_slug(unit or 'unitless')}" + (f"-{_slug(ftxt)}" if ftxt else "")
+    path = _save(fig, fig_dir / f"{name}.png")
+    cap = (f"{result.benchmark}: {'achieved rate' if rate else 'median (IQR bars)'} against {x}"
+           + (f" for {ftxt}" if ftxt else "") + (f", one line per {', '.join(others)}" if others else ""))
+    return path, cap
 
 
 def hist_plots(result, fig_dir: Path):

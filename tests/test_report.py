@@ -25,8 +25,14 @@ def _icache_curve(date="2026-11-29T10:00:00Z"):
                              unit="cycles", timer="clock64", seed=kb + warps))
     der = {"icache_l1_bytes": Derived(32 * 1024 * 1.4, "B", "step fit (BIC)", (40000, 50000), ("cpi",)),
            "icache_l2_bytes": Derived(128 * 1024 * 1.4, "B", "step fit (BIC)", (170000, 190000), ("cpi",)),
-           "spliced_slowdown_ratio": Derived(1.31, "x", "A+B spliced / A alone, 100+100 KB", (1.28, 1.34))}
+           }
     return Result("icache.capacity", env(date=date), tuple(ss), der)
+
+
+def _spliced():
+    der = {f"spliced_ratio_w{w}_100K_{b}K": Derived(v, "", "A+B / (A alone + B alone)", (v - 0.03, v + 0.03))
+           for w, b, v in ((1, 100, 1.31), (4, 100, 1.45), (1, 20, 1.01))}
+    return Result("icache.spliced", env(), (series("spliced/x", 1e-5),), der)
 
 
 def _skew():
@@ -62,6 +68,9 @@ def rendered(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("report")
     root = tmp_path / "results"
     _icache_curve().save(root)
+    _spliced().save(root)
+    Result("clocks.instrumentation", env(), (series("stamp", 1e-6),),
+           {"profiler_cost_fraction": Derived(0.004, "", "cost / step", None)}).save(root)
     _skew().save(root)
     save_all(_megakernel(), root)
     # two runs of basics.copy: the newer one 20% slower -> the changes table shows a regression
@@ -87,7 +96,11 @@ def test_banner_and_sections(rendered):
 def test_paper_figures_beside_ours(rendered):
     text, _ = rendered
     row = next(line for line in text.splitlines() if line.startswith("| spliced / solo slowdown"))
-    assert "1.57x" in row and "1.31x" in row and "spliced_slowdown_ratio" in row
+    assert "1.57x" in row and "1.31x" in row and "spliced_ratio_w1_100K_100K" in row
+    row = next(line for line in text.splitlines() if line.startswith("| shrinking one block"))
+    assert "20 KiB" in row and "1.01x" in row and "100 KB + 20 KB" in row
+    row = next(line for line in text.splitlines() if line.startswith("| profiler cost as a share"))
+    assert "2.8%" in row and "0.4%" in row
     assert "8x GB300 (Blackwell Ultra), TP8" in text and "ours (NVIDIA H200)" in text
     row = next(line for line in text.splitlines() if line.startswith("| instruction cache per SM"))
     assert "128 KiB" in row and "179.2 KiB" in row  # study's 128 KB; ours 128 KiB x 1.4
