@@ -37,6 +37,7 @@ from .results import REPO_ROOT, Derived, Env, Result, Series, find, load, result
 
 SLOWDOWNS = (0.02, 0.05, 0.10)
 MAX_HALF = 200  # cap on samples per side: bounds the cost of a trial, keeps realistic gate sizes
+MAX_SOURCES = 40  # cap on recorded series used: bounds the whole estimate to seconds
 
 
 @dataclass(frozen=True)
@@ -189,11 +190,23 @@ class Tally:
         return self.flagged / self.trials if self.trials else float("nan")
 
 
+def spread_pick(items: Sequence, n: int) -> list:
+    """n items evenly spaced through `items` (deterministic), all of them if there are fewer."""
+    if len(items) <= n:
+        return list(items)
+    idx = np.unique(np.linspace(0, len(items) - 1, n).round().astype(int))
+    return [items[i] for i in idx]
+
+
 def estimate(sources: Sequence[Source], cfg: GateConfig = GateConfig(), trials: int = 200,
              slowdowns: Sequence[float] = SLOWDOWNS, seed: int = 0,
-             pairs: Sequence[tuple[Source, Source]] = ()) -> list[Tally]:
+             pairs: Sequence[tuple[Source, Source]] = (), max_sources: int = MAX_SOURCES) -> list[Tally]:
+    """Tallies per mode. At most `max_sources` series (evenly spaced by name) keep the cost bounded:
+    each trial is one Mann-Whitney test of up to MAX_HALF samples a side (~0.5 ms)."""
     rng = np.random.default_rng(seed)
     sources = [s for s in sources if s.samples.size >= 2 * cfg.min_samples]  # two halves of min_samples
+    sources = spread_pick(sorted(sources, key=lambda s: s.name), max_sources)
+    pairs = spread_pick(sorted(pairs, key=lambda p: p[0].name), max_sources)
     out = [Tally("aa_random_halves", 0.0, {s.name: (aa_random(s, cfg, trials, rng), trials) for s in sources}),
            Tally("aa_time_halves", 0.0, {s.name: (aa_time(s, cfg), 1) for s in sources})]
     if pairs:
@@ -268,7 +281,7 @@ def run_quality(root: Path | None = None, bench_dir: Path | None = None, cfg: Ga
     pairs = pair_runs(res_src, py_src)
     tallies = estimate([*res_src, *py_src], cfg, trials, SLOWDOWNS, seed, pairs)
     res = to_result(gpu, tallies, cfg, trials, envs, [s.origin for s in [*res_src, *py_src]])
-    n_split = sum(s.samples.size >= 2 * cfg.min_samples for s in [*res_src, *py_src])
+    n_split = min(MAX_SOURCES, sum(s.samples.size >= 2 * cfg.min_samples for s in [*res_src, *py_src]))
     lines = [f"gate quality on {gpu}: {n_split} recorded series, {len(pairs)} cross-run pairs, "
              f"{trials} trials each", f"rule: {cfg.describe()}"]
     for k, d in res.derived.items():

@@ -156,7 +156,7 @@ def _with_gpu(args, root: Path) -> int:
 def _quality(root: Path):
     from .gate_quality import run_quality
 
-    _, text = run_quality(root, None, save=True, save_root=root)
+    _, text = run_quality(root, None, trials=100, save=True, save_root=root)  # seconds, not minutes
     print(text)
 
 

@@ -146,6 +146,8 @@ def hist_plots(result, fig_dir: Path):
     for s in result.series:
         if not ("skew" in s.name.lower() or s.metrics.get("plot") == "hist") or len(s.samples) < 5:
             continue
+        if len(out) >= MAX_PLOTS_PER_RESULT:
+            break
         plt = _plt()
         fig, ax = plt.subplots(figsize=(6.4, 3.4))
         ax.hist(np.asarray(s.samples), bins=min(50, max(10, len(s.samples) // 10)))

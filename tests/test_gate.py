@@ -320,3 +320,9 @@ def test_quality_result_from_committed_h200_samples(tmp_path):
         assert 0.0 <= res.derived[k].value <= 1.0 and res.derived[k].spread
     assert res.derived["detection_rate_10pct"].value > 0.9
     assert list((tmp_path / "gate").glob("gate.quality-*.json"))
+
+
+def test_quality_caps_the_number_of_series():
+    srcs = [_src(0.01, n=40, seed=i, name=f"s{i:02d}") for i in range(30)]
+    t = estimate(srcs, trials=2, slowdowns=(0.1,), max_sources=5)
+    assert len(t[0].per_source) == 5 and set(t[0].per_source) >= {"s00", "s29"}
