@@ -24,7 +24,8 @@ Step series (in model.* and megakernel.* results): any series with `params["impl
                                tokens/s counts tokens processed, T x batch, and the table says so
   The series name is free (e.g. "step/mega/shard8/T16/ctx4096"); the report reads params.
 
-Timeline series (megakernel.timeline): one series per (phase, edge):
+Timeline series (megakernel.timeline; failing that, the first result whose series carry phase and
+edge params, e.g. the clocks profiler's demo): one series per (phase, edge):
   params    phase (str, e.g. "attention", "gemm1", "gemm2", "combine"), edge "start" | "end",
             optional layer (int)
   samples   per-block offsets in seconds from the launch's earliest stamp (timer "globaltimer")
