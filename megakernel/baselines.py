@@ -147,8 +147,9 @@ def make_prologue(cfg: ModelConfig, n_tokens: int, r_global: int, r_sliding: int
     return prologue
 
 
-def make_layer(cfg: ModelConfig, n_tokens: int, out_dtype: bool):
-    """One decoder layer: x fp32 [T, d] -> (x, routes [T, k]). Writes the T new K/V rows."""
+def make_layer(cfg: ModelConfig, n_tokens: int, out_dtype: bool, with_routes: bool = False):
+    """One decoder layer: x fp32 [T, d] -> x (and the routes [T, k] when with_routes). Writes the
+    T new K/V rows into the cache in place."""
     mm32, bmm32 = _mm_fns(out_dtype)
     hq, hk, hd, grp = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.group
     d, p, f, k, ne = cfg.d_model, cfg.d_pool, cfg.d_expert, cfg.top_k, cfg.n_experts
@@ -193,7 +194,8 @@ def make_layer(cfg: ModelConfig, n_tokens: int, out_dtype: bool):
         y = (bmm32(a, w2.transpose(1, 2)) * t2.index_select(0, slot_e)[:, None, None]).to(BF16)  # [C, T, p]
         ysel = y[slot_of[sel], ar_tc]  # [T, k, p]
         z = (wts.unsqueeze(-1) * ysel.float()).sum(1).to(BF16)
-        return x + mm32(z, unpool), sel
+        x = x + mm32(z, unpool)
+        return (x, sel) if with_routes else x
 
     return layer
 
@@ -291,7 +293,7 @@ class StepRunner:
         self.ctx: int | None = None
         self.route_log: list[torch.Tensor] | None = None  # eager only: set to [] to collect each layer's routes
         prologue = make_prologue(cfg, t, r_global, r_sliding)
-        layer = make_layer(cfg, t, tm.out_dtype)
+        layer = make_layer(cfg, t, tm.out_dtype, with_routes=mode == "eager")
         epilogue = make_epilogue(cfg, tm.out_dtype)
         self.compile_s: float | None = None
         if mode == "compile":
@@ -343,10 +345,12 @@ class StepRunner:
             tm.rope_sin, tm.embed)
         for l in range(cfg.n_layers):
             idx, neg, wr = (gi, gn, gw) if cfg.is_global(l) else (si, sn, sw)
-            x, sel = self._layer(x, idx, neg, wr, cos, sin, c.k[l], c.v[l], self.routes[l] if self.routed else None,
-                                 tm.lut2, tm.lut_sc, self.ar_c, self.ar_tc, *tm.layers[l])
-            if self.route_log is not None:
-                self.route_log.append(sel)
+            x = self._layer(x, idx, neg, wr, cos, sin, c.k[l], c.v[l], self.routes[l] if self.routed else None,
+                            tm.lut2, tm.lut_sc, self.ar_c, self.ar_tc, *tm.layers[l])
+            if self.mode == "eager":
+                x, sel = x
+                if self.route_log is not None:
+                    self.route_log.append(sel)
         return self._epilogue(x, tm.final_g, tm.lm_head)
 
 
@@ -354,8 +358,16 @@ def _prepare_dynamo() -> None:
     """Fresh dynamo state per compiled runner (earlier runners' shapes must not count towards the
     recompile limit, past which dynamo would silently run eager) and a roomy limit."""
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    try:  # newer torch resets cudagraph trees inside dynamo.reset(); older ones need this
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        reset_cudagraph_trees()
+    except ImportError:
+        pass
+    counters.clear()  # compile_stats() then describes this runner only
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
@@ -440,62 +452,67 @@ def eager_step(w: ModelWeights, cache: KVCache, tokens, parents: Sequence[int], 
 # ---------------------------------------------------------------------- checking against the reference
 @dataclass(frozen=True)
 class Agreement:
-    max_rel_diff: float  # max over logits of |a - b| / (|b| + std of b's row)
+    max_row_rel: float  # max over rows of rms(a - b) / rms(b)
     max_abs_diff: float
     rel_tol: float
     argmax_agree: float  # fraction of rows whose argmax matches the reference's
-    kv_max_rel_diff: float  # the T new K/V rows, every layer: |a - b| / (|b| + 1e-2)
+    kv_max_rel: float  # max over layers and K/V of ||a - b|| / ||b|| on the T new rows
 
     def as_metrics(self) -> dict[str, float]:
-        return {"ref_max_rel_diff": self.max_rel_diff, "ref_max_abs_diff": self.max_abs_diff,
-                "ref_rel_tol": self.rel_tol, "ref_argmax_agree": self.argmax_agree,
-                "ref_kv_max_rel_diff": self.kv_max_rel_diff}
+        return {"ref_max_row_rel": self.max_row_rel, "ref_max_abs_diff": self.max_abs_diff,
+                "ref_rel_tol": self.rel_tol, "ref_argmax_agree": self.argmax_agree, "ref_kv_max_rel": self.kv_max_rel}
 
 
 def compare(logits: torch.Tensor, ref_logits: torch.Tensor, cache: KVCache | None = None,
-            ref_cache: KVCache | None = None, ctx: int = 0, n_tokens: int = 0, rel_tol: float = 2e-2,
-            kv_rel_tol: float = 3e-2, what: str = "baseline") -> Agreement:
+            ref_cache: KVCache | None = None, ctx: int = 0, n_tokens: int = 0, rel_tol: float = 5e-2,
+            what: str = "baseline") -> Agreement:
     """Agreement with the reference to bf16 rounding, else CorrectnessError naming what differs.
 
-    Logits: |a - b| <= rel_tol x (|b| + std of b's row). Two fp32 implementations with the same
-    bf16 rounding points differ only where a reduction-order difference flips a bf16 rounding
-    (1 ulp = 2^-8 relative), and such flips perturb the residual stream by ~1e-3 relative even
-    after many layers; a wrong window, route, scale, slot or position moves logits by O(std).
-    Argmax: must agree on every row whose reference top-2 margin exceeds 4x that row's tolerance.
-    New K/V rows (when caches are given): |a - b| <= kv_rel_tol x (|b| + 1e-2), a few bf16 ulps."""
+    Two fp32 implementations with the same bf16 rounding points differ only where a reduction-
+    order difference flips a bf16 rounding (2^-8 relative), and the flips accumulate down the
+    layers: measured on the CPU for a 62-layer d=1024 model (reference.step fp32 vs fp64), the
+    residual stream drifts ~1e-4 relative per layer (7e-3 after 60), logit rows by 0.7% of their
+    rms and new K/V rows by 0.8%. Sensitivity: one expert of one token changed in one of the 62
+    layers moved them 1.7% (below this tolerance); positions off by one, routing changed in every
+    layer or one wrong new K row fail it (tests/test_model_baselines.py, tests/gpu/test_model_gpu.py).
+    Checks: every row's rms(a - b) <= rel_tol x rms(b); the argmax agrees on every row whose
+    reference top-2 margin exceeds 4 x rel_tol x rms(b); when caches are given, the T new K and V
+    rows of every layer satisfy ||a - b|| <= rel_tol x ||b||."""
     from microbench.errors import CorrectnessError
 
-    a, b = logits.detach().float().cpu(), ref_logits.detach().float().cpu()
+    a, b = logits.detach().double().cpu(), ref_logits.detach().double().cpu()
     if a.shape != b.shape:
         raise CorrectnessError(f"{what}: logits shape {tuple(a.shape)} != reference {tuple(b.shape)}")
     if not torch.isfinite(a).all():
         raise CorrectnessError(f"{what}: non-finite logits at {(~torch.isfinite(a)).nonzero()[0].tolist()}")
-    scale = b.std(dim=-1, keepdim=True) if b.shape[-1] > 1 else torch.ones_like(b)
-    rel = (a - b).abs() / (b.abs() + scale)
-    max_rel = float(rel.max())
+    rms_b = b.pow(2).mean(-1).sqrt().clamp_min(1e-30)
+    row_rel = (a - b).pow(2).mean(-1).sqrt() / rms_b
+    max_rel = float(row_rel.max())
     am, bm = a.argmax(-1), b.argmax(-1)
-    agree = float((am == bm).float().mean())
+    agree = float((am == bm).double().mean())
     top2 = b.topk(min(2, b.shape[-1]), dim=-1).values
-    margin = top2[:, 0] - top2[:, -1]
-    decisive = margin > 4 * rel_tol * (top2[:, 0].abs() + scale[:, 0])
-    kv = 0.0
+    decisive = (top2[:, 0] - top2[:, -1]) > 4 * rel_tol * rms_b
+    kv, kv_where = 0.0, ""
     if cache is not None and ref_cache is not None:
         for l in range(cache.cfg.n_layers):
             slots = cache.slot(l, torch.arange(ctx, ctx + n_tokens, device=cache.k[l].device))
-            for x, y in ((cache.k[l], ref_cache.k[l]), (cache.v[l], ref_cache.v[l])):
-                xs, ys = x[:, slots].float(), y[:, slots].float()
-                kv = max(kv, float(((xs - ys).abs() / (ys.abs() + 1e-2)).max()))
+            for name, x, y in (("K", cache.k[l], ref_cache.k[l]), ("V", cache.v[l], ref_cache.v[l])):
+                xs, ys = x[:, slots].double(), y[:, slots].double()
+                r = float((xs - ys).norm() / ys.norm().clamp_min(1e-30))
+                if r > kv:
+                    kv, kv_where = r, f"{name} of layer {l}"
     ag = Agreement(max_rel, float((a - b).abs().max()), rel_tol, agree, kv)
     if max_rel > rel_tol:
-        worst = int(rel.max(dim=-1).values.argmax())
-        raise CorrectnessError(f"{what}: logits differ from reference.step by {max_rel:.3g} (relative to |ref| + "
-                               f"row std) > {rel_tol:.3g}, worst at row {worst}; argmax agreement {agree:.0%}")
+        worst = int(row_rel.argmax())
+        raise CorrectnessError(f"{what}: logits differ from reference.step: row {worst} rms difference is "
+                               f"{max_rel:.3g} of the row's rms > {rel_tol:.3g}; argmax agreement {agree:.0%}")
     bad = decisive & (am != bm)
     if bool(bad.any()):
         raise CorrectnessError(f"{what}: argmax differs from reference.step on rows {bad.nonzero()[:, 0].tolist()} "
                                f"whose top-2 margin is decisive")
-    if kv > kv_rel_tol:
-        raise CorrectnessError(f"{what}: new K/V rows differ from the reference's by {kv:.3g} (relative) > {kv_rel_tol}")
+    if kv > rel_tol:
+        raise CorrectnessError(f"{what}: new {kv_where} rows differ from the reference's by {kv:.3g} (relative) "
+                               f"> {rel_tol:.3g}")
     return ag
 
 

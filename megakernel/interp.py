@@ -125,6 +125,9 @@ class Interpreter:
         ml = b["att_ml"][kvh, :n, j * 16 + t]
         o = b["att_o"][kvh, :n, j * 16 + t]
         ok = ml[:, 1] > 0
+        if not ok.any():  # the kernel would divide 0 by 0 here
+            b["att_out"][t, h * c.head_dim:(h + 1) * c.head_dim] = float("nan")
+            return
         mm = ml[ok, 0].max()
         sc = torch.exp(ml[ok, 0] - mm)
         b["att_out"][t, h * c.head_dim:(h + 1) * c.head_dim] = ((sc[:, None] * o[ok]).sum(0) / (sc * ml[ok, 1]).sum()).to(BF16)

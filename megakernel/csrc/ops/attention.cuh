@@ -18,10 +18,11 @@ namespace mk {
 constexpr int ATT_KB = 64;                  // keys staged per round
 constexpr int ATT_KG = WARPS / G;           // key groups per block
 constexpr int ATT_KPW = ATT_KB / ATT_KG;    // keys per warp per round
+constexpr int ATT_KSUB = ATT_KPW < 32 ? ATT_KPW : 32;  // keys per online-softmax update (register budget)
 constexpr int ATT_QS = HD * 2 + ROW_PAD;    // smem row strides (bytes)
 constexpr int ATT_KS = HD * 2 + ROW_PAD;
 constexpr int ATT_VS = ATT_KB * 2 + ROW_PAD;
-static_assert(ATT_KPW % 16 == 0, "each warp scores whole k16 blocks of keys (G >= 2 with 8 warps)");
+static_assert(ATT_KPW % 16 == 0 && ATT_KPW % ATT_KSUB == 0, "each warp scores whole k16 blocks of keys (G >= 2 with 8 warps)");
 static_assert(G * 16 * ATT_QS + ATT_KB * ATT_KS + HD * ATT_VS <= ABUF_BYTES, "attention tiles fit abuf");
 
 MK_DEV void run_attn(Blk& b, int layer, int unit) {
@@ -52,6 +53,7 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
   // the two token rows this thread holds: g and g + 8
   int tok_ok[2], lim[2];
   uint32_t anc[2];
+#pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int t = g + 8 * h;
     tok_ok[h] = t < b.T;
@@ -60,6 +62,7 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
   }
   float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
   float o[HD / 8][4];
+#pragma unroll
   for (int dn = 0; dn < HD / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
 
   for (int kb0 = 0; kb0 < total; kb0 += ATT_KB) {
@@ -75,6 +78,7 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
       }
       *reinterpret_cast<uint4*>(Ks + key * ATT_KS + 16 * d8) = kv;
       const uint32_t vw[4] = {vv.x, vv.y, vv.z, vv.w};
+#pragma unroll
       for (int q = 0; q < 8; ++q) {
         const uint16_t e = static_cast<uint16_t>((q & 1) ? (vw[q >> 1] >> 16) : (vw[q >> 1] & 0xffffu));
         *reinterpret_cast<uint16_t*>(Vt + (8 * d8 + q) * ATT_VS + key * 2) = e;
@@ -82,80 +86,96 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
     }
     sync_compute();
 
-    const int kw0 = kg * ATT_KPW;
-    float s[ATT_KPW / 8][4];
-    for (int nt = 0; nt < ATT_KPW / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-    for (int ks = 0; ks < HD / 16; ++ks) {
-      uint32_t a[4];
-      const unsigned char* q0 = Qs + (j * 16 + g) * ATT_QS + (ks * 16 + 2 * t4) * 2;
-      a[0] = *reinterpret_cast<const uint32_t*>(q0);
-      a[1] = *reinterpret_cast<const uint32_t*>(q0 + 8 * ATT_QS);
-      a[2] = *reinterpret_cast<const uint32_t*>(q0 + 16);
-      a[3] = *reinterpret_cast<const uint32_t*>(q0 + 8 * ATT_QS + 16);
-      for (int nt = 0; nt < ATT_KPW / 8; ++nt) {
-        const unsigned char* k0 = Ks + (kw0 + nt * 8 + g) * ATT_KS + (ks * 16 + 2 * t4) * 2;
-        const uint32_t bb[2] = {*reinterpret_cast<const uint32_t*>(k0), *reinterpret_cast<const uint32_t*>(k0 + 16)};
-        mma(s[nt], a, bb);
-      }
-    }
-    // scale, mask, online softmax (rows g and g+8; a row's 8 keys of a tile live in one quad)
-    float mx[2] = {neg_inf(), neg_inf()};
-    for (int nt = 0; nt < ATT_KPW / 8; ++nt)
-      for (int e = 0; e < 4; ++e) {
-        const int h = e >> 1;
-        const int kidx = kb0 + kw0 + nt * 8 + 2 * t4 + (e & 1);
-        bool vis = tok_ok[h] && kidx < total;
-        if (vis) {
-          if (kidx < ncache_keys) vis = glob || (s0 + kidx >= lim[h]);
-          else vis = (anc[h] >> (kidx - ncache_keys)) & 1u;
+    for (int sub = 0; sub < ATT_KPW / ATT_KSUB; ++sub) {
+      const int kw0 = kg * ATT_KPW + sub * ATT_KSUB;
+      float s[ATT_KSUB / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < ATT_KSUB / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < HD / 16; ++ks) {
+        uint32_t a[4];
+        const unsigned char* q0 = Qs + (j * 16 + g) * ATT_QS + (ks * 16 + 2 * t4) * 2;
+        a[0] = *reinterpret_cast<const uint32_t*>(q0);
+        a[1] = *reinterpret_cast<const uint32_t*>(q0 + 8 * ATT_QS);
+        a[2] = *reinterpret_cast<const uint32_t*>(q0 + 16);
+        a[3] = *reinterpret_cast<const uint32_t*>(q0 + 8 * ATT_QS + 16);
+#pragma unroll
+        for (int nt = 0; nt < ATT_KSUB / 8; ++nt) {
+          const unsigned char* k0 = Ks + (kw0 + nt * 8 + g) * ATT_KS + (ks * 16 + 2 * t4) * 2;
+          const uint32_t bb[2] = {*reinterpret_cast<const uint32_t*>(k0), *reinterpret_cast<const uint32_t*>(k0 + 16)};
+          mma(s[nt], a, bb);
         }
-        s[nt][e] = vis ? s[nt][e] * ATT_SCALE : neg_inf();
-        mx[h] = fmax_(mx[h], s[nt][e]);
       }
-    float alpha[2], muse[2];
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmax_(mx[h], shfl_xor(mx[h], 1));
-      mx[h] = fmax_(mx[h], shfl_xor(mx[h], 2));
-      const float mnew = fmax_(m[h], mx[h]);
-      muse[h] = mnew == neg_inf() ? 0.f : mnew;  // nothing visible yet: keep p = 0, no NaN
-      alpha[h] = fexp(m[h] - muse[h]);
-      m[h] = mnew;
-    }
-    float rs[2] = {0.f, 0.f};
-    for (int nt = 0; nt < ATT_KPW / 8; ++nt)
-      for (int e = 0; e < 4; ++e) {
-        const int h = e >> 1;
-        s[nt][e] = fexp(s[nt][e] - muse[h]);
-        rs[h] += s[nt][e];
+      // scale, mask, online softmax (rows g and g+8; a row's 8 keys of a tile live in one quad)
+      float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+      for (int nt = 0; nt < ATT_KSUB / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e >> 1;
+          const int kidx = kb0 + kw0 + nt * 8 + 2 * t4 + (e & 1);
+          bool vis = tok_ok[h] && kidx < total;
+          if (vis) {
+            if (kidx < ncache_keys) vis = glob || (s0 + kidx >= lim[h]);
+            else vis = (anc[h] >> (kidx - ncache_keys)) & 1u;
+          }
+          s[nt][e] = vis ? s[nt][e] * ATT_SCALE : neg_inf();
+          mx[h] = fmax_(mx[h], s[nt][e]);
+        }
+      float alpha[2], muse[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mx[h] = fmax_(mx[h], shfl_xor(mx[h], 1));
+        mx[h] = fmax_(mx[h], shfl_xor(mx[h], 2));
+        const float mnew = fmax_(m[h], mx[h]);
+        muse[h] = mnew == neg_inf() ? 0.f : mnew;  // nothing visible yet: keep p = 0, no NaN
+        alpha[h] = fexp(m[h] - muse[h]);
+        m[h] = mnew;
       }
-    for (int h = 0; h < 2; ++h) {
-      rs[h] += shfl_xor(rs[h], 1);
-      rs[h] += shfl_xor(rs[h], 2);
-      l[h] = l[h] * alpha[h] + rs[h];
-    }
-    for (int dn = 0; dn < HD / 8; ++dn) {
-      o[dn][0] *= alpha[0];
-      o[dn][1] *= alpha[0];
-      o[dn][2] *= alpha[1];
-      o[dn][3] *= alpha[1];
-    }
-    for (int kk = 0; kk < ATT_KPW / 16; ++kk) {
-      const uint32_t a[4] = {pack_bf2(s[2 * kk][0], s[2 * kk][1]), pack_bf2(s[2 * kk][2], s[2 * kk][3]),
-                             pack_bf2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_bf2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < ATT_KSUB / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e >> 1;
+          s[nt][e] = fexp(s[nt][e] - muse[h]);
+          rs[h] += s[nt][e];
+        }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        rs[h] += shfl_xor(rs[h], 1);
+        rs[h] += shfl_xor(rs[h], 2);
+        l[h] = l[h] * alpha[h] + rs[h];
+      }
+#pragma unroll
       for (int dn = 0; dn < HD / 8; ++dn) {
-        const unsigned char* v0 = Vt + (dn * 8 + g) * ATT_VS + (kw0 + kk * 16 + 2 * t4) * 2;
-        const uint32_t bb[2] = {*reinterpret_cast<const uint32_t*>(v0), *reinterpret_cast<const uint32_t*>(v0 + 16)};
-        mma(o[dn], a, bb);
+        o[dn][0] *= alpha[0];
+        o[dn][1] *= alpha[0];
+        o[dn][2] *= alpha[1];
+        o[dn][3] *= alpha[1];
       }
-    }
+#pragma unroll
+      for (int kk = 0; kk < ATT_KSUB / 16; ++kk) {
+        const uint32_t a[4] = {pack_bf2(s[2 * kk][0], s[2 * kk][1]), pack_bf2(s[2 * kk][2], s[2 * kk][3]),
+                               pack_bf2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_bf2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int dn = 0; dn < HD / 8; ++dn) {
+          const unsigned char* v0 = Vt + (dn * 8 + g) * ATT_VS + (kw0 + kk * 16 + 2 * t4) * 2;
+          const uint32_t bb[2] = {*reinterpret_cast<const uint32_t*>(v0), *reinterpret_cast<const uint32_t*>(v0 + 16)};
+          mma(o[dn], a, bb);
+        }
+      }
+    }  // sub-block
   }
 
   // partial result of (split, key group): unnormalised O, running max, running sum
   const int part = split * ATT_KG + kg;
+#pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int t = g + 8 * h;
     if (t >= b.T) continue;
     const size_t row = (static_cast<size_t>(kvh) * PARTS + part) * (G * 16) + j * 16 + t;
+#pragma unroll
     for (int dn = 0; dn < HD / 8; ++dn) {
       float* dst = p.att_o + row * HD + dn * 8 + 2 * t4;
       dst[0] = o[dn][2 * h];

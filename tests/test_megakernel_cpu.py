@@ -1,0 +1,202 @@
+"""The megakernel on the CPU: build constants, the schedule, the torch interpreter in random
+orders, and the kernel itself through the host emulation (same source as the GPU build)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megakernel import tree
+from megakernel.build import CSRC, default_config_text, source
+from megakernel.config import ConfigError, preset
+from megakernel.interp import Interpreter
+from megakernel.plan import make_plan, render
+from megakernel.program import DEP_ALL, OpInst, Program, build, check
+from megakernel.reference import KVCache, step
+from megakernel.routing import synthetic_routes
+from megakernel.runtime import Engine, check_close
+from megakernel.weights import generate
+from microbench.errors import KernelDoesNotFitError, SpinTimeoutError
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = preset("tiny")
+    w = generate(cfg)
+    base = KVCache(cfg).fill_random(torch.Generator().manual_seed(3))
+    return cfg, w, base, make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
+
+
+def _inputs(cfg, t, seed):
+    g = torch.Generator().manual_seed(seed)
+    par = tree.binary_ish(t) if t > 1 else [-1]
+    return torch.randint(0, cfg.vocab, (t,), generator=g), par
+
+
+def test_default_config_header_is_current():
+    assert (CSRC / "mk" / "default_config.cuh").read_text() == default_config_text(), \
+        "regenerate csrc/mk/default_config.cuh with megakernel.build.default_config_text()"
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "shard8"])
+def test_plan_fits_and_renders(name):
+    plan = make_plan(preset(name), 132)
+    assert plan.smem_bytes <= 232448
+    text = render(plan)
+    assert f"constexpr int D = {plan.cfg.d_model};" in text
+    for t in plan.tiles.values():
+        assert t.k % t.kc == 0 and t.stage_bytes <= plan.stage_bytes
+
+
+def test_plan_refuses_what_does_not_fit():
+    with pytest.raises(KernelDoesNotFitError, match="shared memory"):
+        make_plan(preset("shard8"), 132, ring_stages=12, ring_stage_bytes=32768)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["small", "shard8"])
+def test_preset_kernels_compile_for_sm90a_without_spills(name):
+    from microbench.compiler import compile_cuda
+
+    from megakernel.build import MB_INC
+
+    mod = compile_cuda(source(make_plan(preset(name), 132)), name=f"megakernel-{name}", include_dirs=[CSRC, MB_INC])
+    u = mod.usage("mk_run")
+    assert u.spills == 0, u
+    assert u.registers <= 224  # 288 threads, one block per SM: 65536 / 288 rounded to the allocation granule
+
+
+@pytest.mark.parametrize("mode", ["layer", "step"])
+def test_program_structure(tiny, mode):
+    cfg, _, _, plan = tiny
+    prog = build(plan, mode)
+    check(prog)
+    assert len(prog.launches) == (cfg.n_layers + 1 if mode == "layer" else 1)
+    assert sum(n for _, n in prog.launches) == len(prog.ops)
+    kinds = [o.kind for o in prog.ops]
+    assert kinds.count("qkv") == cfg.n_layers and kinds[-2:] == ["lm_head", "argmax"]
+    assert prog.encode().shape == (len(prog.ops) * 16,)
+
+
+def _reference(w, cache, toks, par, ctx):
+    """Reference logits and the routing it chose (forcing that routing on the kernel side keeps
+    a router near-tie, a legitimate fp32 difference, from flipping an expert in a comparison)."""
+    from megakernel.reference import Trace
+
+    tr = Trace()
+    logits = step(w, cache, toks, par, ctx, trace=tr)
+    return logits, [tr.tensors[f"L{l}.route"] for l in range(w.cfg.n_layers)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_interpreter_in_random_orders_matches_program_order_and_reference(tiny, seed):
+    cfg, w, base, plan = tiny
+    toks, par = _inputs(cfg, 16, seed)
+    ref, routes = _reference(w, base.clone(), toks, par, 40)
+    in_order = Interpreter(w, build(plan), base.clone()).run(toks, par, 40, routes=routes, order="program")
+    check_close(in_order, ref, "interpreter", rel=5e-3)
+    shuffled = Interpreter(w, build(plan), base.clone()).run(toks, par, 40, routes=routes, seed=seed)
+    assert torch.equal(in_order, shuffled)  # every unit is deterministic: any valid order, same bits
+
+
+def test_a_missing_dependency_is_caught_by_random_orders(tiny):
+    """Drop oproj's wait for the attention combine: some order then reads unwritten (NaN)
+    attention output, and the check fails. Proves the random-order check can fail."""
+    cfg, w, base, plan = tiny
+    prog = build(plan)
+    ops = list(prog.ops)
+    i = next(o.index for o in ops if o.kind == "oproj")
+    ops[i] = OpInst(**{**ops[i].__dict__, "deps": ()})
+    broken = Program(plan, tuple(ops), prog.launches, prog.n_counters, prog.mode)
+    toks, par = _inputs(cfg, 8, 0)
+    good = Interpreter(w, prog, base.clone()).run(toks, par, 40, order="program")
+    caught = 0
+    for seed in range(6):
+        try:
+            got = Interpreter(w, broken, base.clone()).run(toks, par, 40, seed=seed, program=broken)
+            caught += not torch.equal(got, good)  # NaN (read before written) or a different value
+        except RuntimeError:  # a unit choked on unwritten (NaN) input
+            caught += 1
+    assert caught > 0
+
+
+@pytest.mark.parametrize("ctx,t", [(0, 1), (33, 1), (20, 8), (40, 16)])
+def test_emulated_mega_equals_chain_bitwise_and_matches_reference(tiny, ctx, t):
+    cfg, w, base, plan = tiny
+    toks, par = _inputs(cfg, t, ctx)
+    ref_cache = base.clone()
+    ref, routes = _reference(w, ref_cache, toks, par, ctx)
+    outs = {}
+    for mode in ("chain", "mega"):
+        cache = base.clone()
+        eng = Engine(w, plan, cache, backend="emu", emu_seed=ctx + 7)
+        eng.poison()
+        outs[mode] = (eng.step(toks, par, ctx, mode=mode), cache)
+    (c_out, c_cache), (m_out, m_cache) = outs["chain"], outs["mega"]
+    assert torch.equal(c_out.logits, m_out.logits)  # real routing, both modes
+    assert torch.equal(c_out.tokens, m_out.tokens)
+    assert c_cache.equal(m_cache)
+    forced = Engine(w, plan, base.clone(), backend="emu").step(toks, par, ctx, mode="mega", routes=routes)
+    check_close(forced.logits, ref, "emulated megakernel vs reference", rel=1e-2)
+    assert torch.equal(forced.tokens, ref.argmax(-1))
+    for a, b in zip(m_cache.k + m_cache.v, ref_cache.k + ref_cache.v):  # the KV writes agree too
+        check_close(a, b, "KV cache", rel=1e-2)
+
+
+def test_emulated_synthetic_routing(tiny):
+    cfg, w, base, plan = tiny
+    toks, par = _inputs(cfg, 16, 5)
+    routes = synthetic_routes(cfg, 16, 6, torch.Generator().manual_seed(0))
+    ref = step(w, base.clone(), toks, par, 20, routes=routes)
+    eng = Engine(w, plan, base.clone(), backend="emu")
+    out = eng.step(toks, par, 20, mode="mega", routes=routes)
+    check_close(out.logits, ref, "synthetic routing", rel=1e-2)
+    assert int(eng.buf["n_slots"][0]) == 6  # the last layer's distinct experts
+
+
+def test_emulated_wait_that_can_never_complete_raises_not_hangs(tiny):
+    """The last op made to wait for itself: its bounded wait trips (nothing else is left to
+    wait for anything), the launch ends, and the error names the op and the dependency."""
+    cfg, w, base, plan = tiny
+    plan = make_plan(cfg, 4, spin_bound_ns=300_000_000)
+    eng = Engine(w, plan, base.clone(), backend="emu")
+    i = len(eng.program.ops) - 1
+    enc = eng.program.encode().reshape(-1, 16)
+    enc[i, 7] = 1  # one dependency ...
+    enc[i, 8], enc[i, 9] = i, DEP_ALL  # ... on itself: never satisfiable
+    eng.prog_t.copy_(torch.from_numpy(np.ascontiguousarray(enc.reshape(-1))))
+    toks, par = _inputs(cfg, 4, 1)
+    with pytest.raises(SpinTimeoutError, match=r"argmax\(L2\) \[op \d+\] dependency 0.*expected 1, last saw 0"):
+        eng.step(toks, par, 10, mode="mega")
+
+
+def test_emulated_greedy_decoding_matches_reference(tiny):
+    cfg, w, base, plan = tiny
+    eng = Engine(w, plan, KVCache(cfg), backend="emu")
+    ref_cache = KVCache(cfg)
+    tok, ref_tok = 7, 7
+    for ctx in range(5):
+        out = eng.step([tok], [-1], ctx, mode="mega")
+        ref_tok = int(step(w, ref_cache, [ref_tok], [-1], ctx).argmax(-1)[0])
+        tok = int(out.tokens[0])
+        assert tok == ref_tok
+
+
+def test_bad_step_inputs_are_refused(tiny):
+    cfg, w, base, plan = tiny
+    eng = Engine(w, plan, base.clone(), backend="emu")
+    with pytest.raises(ConfigError, match="verifies 1..16"):
+        eng.enqueue(list(range(17)), [-1] + list(range(16)), 0)
+    with pytest.raises(ConfigError, match="parent"):
+        eng.enqueue([1, 2], [-1, 1], 0)
+    with pytest.raises(ConfigError, match="token ids"):
+        eng.enqueue([cfg.vocab], [-1], 0)
+    with pytest.raises(ConfigError, match="exceeds the cache"):
+        eng.enqueue([1], [-1], cfg.max_context)
+    bad = synthetic_routes(cfg, 2, 2, torch.Generator().manual_seed(0))
+    bad[0] = torch.tensor([[1, 1], [2, 3]])
+    with pytest.raises(ConfigError, match="same expert twice"):
+        eng.enqueue([1, 2], [-1, 0], 0, routes=bad)
+    with pytest.raises(ValueError, match="mode"):
+        eng.launches("fast")
+
