@@ -38,6 +38,8 @@ def check_flags_module(tool):
 
 def test_poll_loops_issue_strong_loads():
     check_flags_module(TOOL)
+    reps = sass.check_sync_poll_loops(TOOL)
+    assert len(reps) == 6 and all(r.strong_in_every_poll_loop for r in reps), reps
 
 
 BROKEN = r'''

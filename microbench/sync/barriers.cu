@@ -45,9 +45,9 @@ enum BRParam : int {
 enum BRMode : int { BM_NONE = 0, BM_GRIDSYNC = 1, BM_ATOMIC = 2, BM_DEPFLAGS = 3, BM_DEPFLAGS_NOWAIT = 4, BM_MODES };
 enum BROut : int { BO_SMID = 0, BO_CYCLES, BO_GT_START, BO_GT_END, BO_STATUS, BO_FIELDS };
 enum BRStatus : int { BS_NOT_RUN = 0, BS_OK = 1, BS_TIMEOUT = 2, BS_BAD_ARGS = 3 };
-constexpr uint32_t BR_MAX_D = 256;
+constexpr uint32_t BR_MAX_D = 1024;  // producers per block (shared-memory list)
 
-extern "C" __global__ void __launch_bounds__(128) sync_grid_wait(const uint64_t* P) {
+extern "C" __global__ void __launch_bounds__(128, 1) sync_grid_wait(const uint64_t* P) {
   __shared__ int fail_s;
   cg::grid_group grid = cg::this_grid();
   const uint32_t mode = static_cast<uint32_t>(P[BR_MODE]), stops = static_cast<uint32_t>(P[BR_STOPS]);
@@ -60,13 +60,19 @@ extern "C" __global__ void __launch_bounds__(128) sync_grid_wait(const uint64_t*
   uint32_t* errors = reinterpret_cast<uint32_t*>(P[BR_ERRORS]);
   uint64_t* out = reinterpret_cast<uint64_t*>(P[BR_OUT]) + static_cast<size_t>(b) * BO_FIELDS;
   const mb::Watchdog w{reinterpret_cast<unsigned long long*>(P[BR_WD]), P[BR_BOUND_NS]};
+  // Everything the loop needs is read once here: a global load inside the loop would be an L2
+  // round trip per stop (every acquire poll invalidates L1), inflating the measured cost.
+  const uint32_t delay_block = static_cast<uint32_t>(P[BR_DELAY_BLOCK]), delay_stop = static_cast<uint32_t>(P[BR_DELAY_STOP]);
+  const uint64_t delay_ns = P[BR_DELAY_NS];
   const bool dep_mode = mode == BM_DEPFLAGS || mode == BM_DEPFLAGS_NOWAIT;
-  if (mode >= BM_MODES || (dep_mode && (D == 0 || D > BR_MAX_D || D > blockDim.x))) {
+  if (mode >= BM_MODES || (dep_mode && (D == 0 || D > BR_MAX_D))) {
     if (tid == 0) out[BO_STATUS] = BS_BAD_ARGS;
     return;  // uniform over the grid: nobody waits for anybody
   }
-  // each of the first D threads owns one producer of this block
-  const uint32_t my_dep = (dep_mode && tid < D) ? static_cast<uint32_t>(reinterpret_cast<const uint32_t*>(P[BR_DEPS])[b * D + tid]) : 0u;
+  // this block's producers, in shared memory (thread t waits for producers t, t + blockDim, ...)
+  __shared__ uint32_t deps_s[BR_MAX_D];
+  if (dep_mode)
+    for (uint32_t j = tid; j < D; j += blockDim.x) deps_s[j] = reinterpret_cast<const uint32_t*>(P[BR_DEPS])[b * D + j];
   if (tid == 0) fail_s = 0;
   __syncthreads();
   uint64_t c0 = 0, g0 = 0;
@@ -78,9 +84,9 @@ extern "C" __global__ void __launch_bounds__(128) sync_grid_wait(const uint64_t*
   for (uint32_t s = 0; s < stops; ++s) {
     const uint32_t e = base + s;
     if (verify && tid == 0) mb::st_relaxed_gpu(&data[(e & 1u) * G + b], e);
-    if (b == static_cast<uint32_t>(P[BR_DELAY_BLOCK]) && s == static_cast<uint32_t>(P[BR_DELAY_STOP]) && tid == 0) {
+    if (b == delay_block && s == delay_stop && tid == 0) {
       const uint64_t t = mb::globaltimer();
-      while (mb::globaltimer() - t < P[BR_DELAY_NS]) mb::nanosleep(1000);  // bounded by BR_DELAY_NS itself
+      while (mb::globaltimer() - t < delay_ns) mb::nanosleep(1000);  // bounded by delay_ns itself
     }
     if (mode == BM_GRIDSYNC) {
       grid.sync();
@@ -94,9 +100,11 @@ extern "C" __global__ void __launch_bounds__(128) sync_grid_wait(const uint64_t*
     } else if (dep_mode) {
       __syncthreads();  // the block's work for stop e is done before the flag says so
       if (tid == 0) mb::st_release_gpu(&flags[static_cast<size_t>(b) * 32], e + 1u);
-      if (mode == BM_DEPFLAGS && tid < D)
-        if (!poll_geq<Scope::gpu, POLL_ACQ>(w, &flags[static_cast<size_t>(my_dep) * 32], e + 1u, what_id(SW_DEP, s), 0, polls))
-          fail_s = 1;
+      if (mode == BM_DEPFLAGS)
+        for (uint32_t j = tid; j < D; j += blockDim.x)
+          if (!poll_geq<Scope::gpu, POLL_ACQ>(w, &flags[static_cast<size_t>(deps_s[j]) * 32], e + 1u, what_id(SW_DEP, s), 0,
+                                              polls))
+            fail_s = 1;
       __syncthreads();
     } else {
       __syncthreads();
@@ -106,9 +114,11 @@ extern "C" __global__ void __launch_bounds__(128) sync_grid_wait(const uint64_t*
       if ((mode == BM_GRIDSYNC || mode == BM_ATOMIC) && tid == 0) {
         v = mb::ld_relaxed_gpu(&data[(e & 1u) * G + (b + 1u) % G]);
         bad = v != e;
-      } else if (dep_mode && tid < D) {
-        v = mb::ld_relaxed_gpu(&data[(e & 1u) * G + my_dep]);
-        bad = static_cast<int32_t>(v - e) < 0;
+      } else if (dep_mode) {
+        for (uint32_t j = tid; j < D && !bad; j += blockDim.x) {
+          v = mb::ld_relaxed_gpu(&data[(e & 1u) * G + deps_s[j]]);
+          bad = static_cast<int32_t>(v - e) < 0;
+        }
       }
       if (bad && atomicAdd(&errors[0], 1u) == 0u) {
         errors[1] = b;

@@ -68,7 +68,7 @@ template <int K> __device__ __forceinline__ void time_kind(uint64_t* out, uint32
   for (uint32_t m = 0; m < loops; ++m) out[(K * 2 + 1) * loops + m] = fence_loop<K, true>(scratch, reps, acc);
 }
 
-extern "C" __global__ void __launch_bounds__(128) sync_fence_cost(const uint64_t* P) {
+extern "C" __global__ void __launch_bounds__(128, 1) sync_fence_cost(const uint64_t* P) {
   __shared__ volatile uint32_t go_s, stop_s;
   extern __shared__ __align__(128) uint8_t dsm[];
   const mb::Watchdog w{reinterpret_cast<unsigned long long*>(P[FC_WD]), P[FC_BOUND_NS]};

@@ -74,6 +74,11 @@ template <class Fmt> __device__ __forceinline__ uint32_t corrupt_word(uint32_t e
 template <int MODE, class Fmt, Scope S> __device__ __forceinline__ void publish_kernel(const uint64_t* P) {
   __shared__ int role_s;
   __shared__ int fail_s;
+  // The agent table, copied into shared memory once: reading it from global memory inside the
+  // round loop would cost an L2 round trip per access (acquire polls and fences invalidate L1).
+  __shared__ uint8_t* slots_s[PB_MAX_AGENTS];
+  __shared__ uint32_t* flags_s[PB_MAX_AGENTS];
+  __shared__ uint32_t* acks_s[PB_MAX_AGENTS];
   extern __shared__ __align__(16) uint64_t rec[];
   const uint64_t* ag = reinterpret_cast<const uint64_t*>(P[PB_AGENTS]);
   const uint32_t N = static_cast<uint32_t>(P[PB_N]);
@@ -81,6 +86,12 @@ template <int MODE, class Fmt, Scope S> __device__ __forceinline__ void publish_
   if (tid == 0) {
     role_s = (N >= 2 && N <= PB_MAX_AGENTS) ? claim_role(ag + AG_SM, AG_FIELDS, N, reinterpret_cast<uint32_t*>(P[PB_CLAIM])) : -1;
     fail_s = 0;
+  }
+  if (tid < PB_MAX_AGENTS) {
+    const bool in = tid < N && N <= PB_MAX_AGENTS;
+    slots_s[tid] = in ? reinterpret_cast<uint8_t*>(ag[tid * AG_FIELDS + AG_SLOTS]) : nullptr;
+    flags_s[tid] = in ? reinterpret_cast<uint32_t*>(ag[tid * AG_FIELDS + AG_FLAGS]) : nullptr;
+    acks_s[tid] = in ? reinterpret_cast<uint32_t*>(ag[tid * AG_FIELDS + AG_ACKS]) : nullptr;
   }
   __syncthreads();
   const int a = role_s;
@@ -110,15 +121,10 @@ template <int MODE, class Fmt, Scope S> __device__ __forceinline__ void publish_
   }
 
   auto slot_of = [&](uint32_t receiver, uint32_t sender, uint32_t r) -> uint8_t* {
-    return reinterpret_cast<uint8_t*>(ag[receiver * AG_FIELDS + AG_SLOTS]) +
-           (static_cast<uint64_t>(sender) * C) * stride + sn::copy_offset(r, C, stride);
+    return slots_s[receiver] + (static_cast<uint64_t>(sender) * C) * stride + sn::copy_offset(r, C, stride);
   };
-  auto flag_of = [&](uint32_t receiver, uint32_t sender) -> uint32_t* {
-    return reinterpret_cast<uint32_t*>(ag[receiver * AG_FIELDS + AG_FLAGS]) + sender * 32u;
-  };
-  auto ack_of = [&](uint32_t sender, uint32_t receiver) -> uint32_t* {
-    return reinterpret_cast<uint32_t*>(ag[sender * AG_FIELDS + AG_ACKS]) + receiver * 32u;
-  };
+  auto flag_of = [&](uint32_t receiver, uint32_t sender) -> uint32_t* { return flags_s[receiver] + sender * 32u; };
+  auto ack_of = [&](uint32_t sender, uint32_t receiver) -> uint32_t* { return acks_s[sender] + receiver * 32u; };
   auto payload = [&](uint32_t it, uint32_t r, uint32_t from, uint32_t to, uint32_t v) -> uint4 {
     if (src) return src[((static_cast<size_t>(it) * N + from) * N + to) * n16 + v];
     const uint32_t h = r * 0x9E3779B1u ^ (from << 20) ^ (to << 26) ^ v * 0x85EBCA77u;
@@ -266,7 +272,7 @@ template <int MODE, class Fmt, Scope S> __device__ __forceinline__ void publish_
 }
 
 #define MB_PUB_KERNEL(NAME, MODE, FMT, SCOPE)                                                      \
-  extern "C" __global__ void __launch_bounds__(PB_THREADS) NAME(const uint64_t* P) {              \
+  extern "C" __global__ void __launch_bounds__(PB_THREADS, 1) NAME(const uint64_t* P) {              \
     publish_kernel<MODE, FMT, SCOPE>(P);                                                            \
   }
 MB_PUB_KERNEL(sync_pub_fence_flag_gpu, PUB_FENCE_FLAG, sn::F32, Scope::gpu)

@@ -135,3 +135,20 @@ def check_poll_loops(insns: list[Insn], kernel: str, scope: str, marker: str | N
     ok = bool(found) and all(f[2] for f in found)
     detail = ", ".join(f"[0x{lo:04x}..0x{hi:04x}] {'strong load' if s else 'NO strong load'}" for lo, hi, s in found)
     return PollLoopReport(kernel, scope, len(found), ok, detail or "no poll loop found")
+
+
+POLL_KERNELS = (("sync_pingpong_gpu_acq", "gpu"), ("sync_pingpong_gpu_rlxacq", "gpu"), ("sync_pingpong_sys_acq", "sys"),
+                ("sync_pingpong_sys_rlxacq", "sys"))
+PROBE_KERNELS = (("sync_poll_probe_gpu", "gpu"), ("sync_poll_probe_sys", "sys"))
+
+
+def check_sync_poll_loops(tool: str, arch: str = "sm_90a") -> list[PollLoopReport]:
+    """Reports for every ping-pong kernel (poll loops = loops with the back-off NANOSLEEP) and the
+    two minimal probes (every loop is the poll) of microbench/sync/flags.cu."""
+    from ..compiler import compile_cuda
+    from .params import source
+
+    d = disassemble(compile_cuda(source("flags.cu"), arch=arch).cubin, tool)
+    out = [check_poll_loops(d[k], k, scope) for k, scope in POLL_KERNELS]
+    out += [check_poll_loops(d[k], k, scope, marker=None) for k, scope in PROBE_KERNELS]
+    return out
