@@ -244,3 +244,43 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
 }
 
 }  // namespace mb
+
+// ---------------------------------------------------------------- appended by microbench/weights
+namespace mb {
+
+// Amount of dynamic shared memory this launch was given (lets a kernel refuse a short carve-out).
+__device__ __forceinline__ uint32_t dynamic_smem_size() {
+  uint32_t r;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint64_t policy_evict_normal() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+// L2-only 16-byte load carrying an L2 eviction-priority policy (from createpolicy above).
+__device__ __forceinline__ uint4 ld_cg_v4_hint(const void* p, uint64_t policy) {
+  uint4 v;
+  asm volatile("ld.global.cg.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
+  return v;
+}
+// L2-only 8-byte load (pointer chase: the next address is the loaded value).
+__device__ __forceinline__ uint64_t ld_cg_u64(const void* p) {
+  uint64_t v;
+  asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+// Resets the eviction priority of the 128-byte L2 line holding `p` to evict_normal (undoes an
+// evict_last marking, which otherwise outlives the kernel and shrinks L2 for everyone after).
+__device__ __forceinline__ void applypriority_l2_normal(const void* p) {
+  asm volatile("applypriority.global.L2::evict_normal [%0], 128;" :: "l"(p) : "memory");
+}
+// Bulk L2 prefetch with an eviction-priority policy.
+__device__ __forceinline__ void bulk_prefetch_l2_hint(const void* gmem_src, uint32_t bytes, uint64_t policy) {
+  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;"
+               :: "l"(gmem_src), "r"(bytes), "l"(policy) : "memory");
+}
+
+}  // namespace mb
