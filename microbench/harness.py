@@ -8,6 +8,10 @@ How a sample is taken (device time, CUDA events):
      stop event; sample = elapsed / batch;
   3. the host releases the stream, synchronises, reads the events.
 Warm-up and sampling are time budgets (seconds of device time), with min/max sample counts.
+`hold=False` drops step 1 for launchers that enqueue more work than the stream's launch queue
+holds (a torch eager step of thousands of kernels would block the host behind the blocking
+kernel until it times out): each sample then starts from an idle device, so its time includes
+the host's submission of the launches, i.e. the latency a caller of that launcher sees.
 The SM clock is read (NVML) before and after each series; a drop below 75% of max, or a
 blocking kernel that timed out, becomes a warning carried into the result.
 
@@ -119,13 +123,15 @@ class Harness:
 
     # ------------------------------------------------------------------ measuring
     def time(self, launch: Callable[[], None], *, batch: int = 1, cold: bool = False,
-             policy: Policy | None = None, before_each: Callable[[], None] | None = None) -> Timing:
+             policy: Policy | None = None, before_each: Callable[[], None] | None = None,
+             hold: bool = True) -> Timing:
         """Device time per call of `launch` (which must only enqueue work on torch's stream).
 
         `batch` > 1 averages back-to-back launches inside one event pair (throughput of
         repeated launches, for kernels shorter than the event resolution). `cold` flushes L2
         before every sample. `before_each` enqueues untimed work before every sample (e.g.
-        rotating inputs or resetting flags); it runs outside the events.
+        rotating inputs or resetting flags); it runs outside the events. `hold=False`: no
+        blocking kernel; every sample starts on an idle device and includes host submission.
         """
         torch = self._torch
         pol = policy or self.policy
@@ -154,19 +160,25 @@ class Harness:
             k = min(chunk, pol.max_samples - len(samples))
             starts = [torch.cuda.Event(enable_timing=True) for _ in range(k)]
             stops = [torch.cuda.Event(enable_timing=True) for _ in range(k)]
-            self._block()
+            if hold:
+                self._block()
             for i in range(k):
+                if not hold:
+                    torch.cuda.synchronize()  # idle device: the sample includes the host's submission
                 if cold:
                     self.flush_l2()
                 if before_each:
                     before_each()
+                if not hold and (cold or before_each):
+                    torch.cuda.synchronize()  # untimed work must not overlap the host's submission
                 starts[i].record()
                 for _ in range(batch):
                     launch()
                 stops[i].record()
-            self._release()
+            if hold:
+                self._release()
             torch.cuda.synchronize()
-            if int(self._status.item()) != 0:
+            if hold and int(self._status.item()) != 0:
                 warnings.append(f"blocking kernel timed out with a chunk of {k}: chunk halved and redone")
                 if chunk == 1:
                     raise RuntimeError("blocking kernel timed out even for a single sample: "
@@ -190,12 +202,14 @@ class Harness:
     def series(self, name: str, launch: Callable[[], None], *, params: Mapping[str, object] | None = None,
                bound: Bound | None = None, work: float | None = None, batch: int = 1, cold: bool = False,
                policy: Policy | None = None, before_each: Callable[[], None] | None = None,
-               metrics: Mapping[str, object] | None = None) -> Series:
+               metrics: Mapping[str, object] | None = None, hold: bool = True) -> Series:
         """time() packaged as a typed Series (samples in seconds, timer 'cuda_event')."""
-        t = self.time(launch, batch=batch, cold=cold, policy=policy, before_each=before_each)
+        t = self.time(launch, batch=batch, cold=cold, policy=policy, before_each=before_each, hold=hold)
         p = dict(params or {})
         p.setdefault("batch", batch)
         p.setdefault("cold", cold)
+        if not hold:
+            p.setdefault("stream_held", False)  # samples include host submission (see time())
         return Series.from_samples(name, t.samples_s, timer="cuda_event", unit="s", params=p, bound=bound,
                                    work=work, clocks=t.clocks, metrics=metrics, warnings=t.warnings)
 
@@ -255,6 +269,7 @@ class Prepared:
     cold: bool = False
     before_each: Callable[[], None] | None = None
     metrics: Mapping[str, object] = field(default_factory=dict)
+    hold: bool = True  # False: time from an idle device without the blocking kernel (Harness.time)
 
 
 @dataclass(frozen=True)
@@ -271,11 +286,11 @@ class Case:
 def run_case(h: Harness, case: Case, policy: Policy | None = None) -> Series:
     p = case.prepare(h)
     return h.series(case.name, p.launch, params=case.params, bound=p.bound, work=p.work, batch=p.batch,
-                    cold=p.cold, policy=policy, before_each=p.before_each, metrics=p.metrics)
+                    cold=p.cold, policy=policy, before_each=p.before_each, metrics=p.metrics, hold=p.hold)
 
 
 def sample_once(h: Harness, p: Prepared) -> float:
     """One blocked, event-timed sample of a prepared case (seconds per launch)."""
     pol = replace(h.policy, warmup_s=0.0, min_samples=1, max_samples=1, chunk=1)
-    t = h.time(p.launch, batch=p.batch, cold=p.cold, policy=pol, before_each=p.before_each)
+    t = h.time(p.launch, batch=p.batch, cold=p.cold, policy=pol, before_each=p.before_each, hold=p.hold)
     return float(t.samples_s[0])
