@@ -152,10 +152,12 @@ def test_persisting_window_leaves_the_device_as_found(harness):
             torch.cuda.synchronize()
             job.check()
     assert persisting_limit() == before
-    assert stream_window(side.cuda_stream) == (0, 0) or stream_window(side.cuda_stream)[1] == 0
+    assert stream_window(side.cuda_stream)[1] == 0
 
 
 def test_evict_last_lines_can_be_reset(harness):
+    """Smoke: lines loaded evict_last, then the applypriority reset kernel over them (priority is
+    not observable directly; the l2 benchmark's protection measurements show its effect)."""
     import torch
 
     from microbench.launch import LaunchSpec, launch
