@@ -188,7 +188,9 @@ def run_flags(h: Harness | None = None, quick: bool | None = None, save: bool = 
         per_pair[(a, b)] = float(np.median(clk.s(ow.rtt))) / 2
         asym.append(float(np.median(ow.a_to_b) - np.median(ow.b_to_a)))
     pm = np.array(list(per_pair.values()))
+    pooled = np.concatenate(waits_s) / 2  # every measured round of every pair, one-way
     met = {"pairs": [[a, b, v] for (a, b), v in per_pair.items()], **A.percentiles(pm),
+           "pooled_rounds_one_way_s": A.percentiles(pooled, (1, 10, 50, 90, 99, 99.9)),
            "a_to_b_minus_b_to_a_cycles_median": float(np.median(asym))}
     tpc_same = [v for (a, b), v in per_pair.items() if a // 2 == b // 2]
     tpc_diff = [v for (a, b), v in per_pair.items() if a // 2 != b // 2]
@@ -399,7 +401,7 @@ def run_fences(h: Harness | None = None, quick: bool | None = None, save: bool =
 PING_SIZES_Q = (16, 64, 256, 1024, 4096, 16384, 65536)
 PING_SIZES_F = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 BULK_SIZES_Q = (1024, 4096, 16384, 65536)
-A2A_SIZES_Q = (16, 256, 4096, 16384)
+A2A_SIZES_Q = (16, 256, 4096, 65536)
 PUB_VARIANTS = (("fence_flag", 2), ("release_flag", 2), ("sentinel_f32", 2), ("sentinel_f32", 3), ("sentinel_bf16", 2))
 VERIFY_BYTES = 2 << 20  # cap on payload bytes moved by one verification launch (the GPU tests go exhaustive)
 
@@ -474,7 +476,7 @@ def run_publish(h: Harness | None = None, quick: bool | None = None, save: bool 
             if c.bytes:
                 bound = Bound("latency", flag_bound, "s", "bare flag ping-pong (release flag, no payload), same run")
             else:
-                fl = R_poll_bound(h)
+                fl = _latest_flag_latency(h)
                 bound = Bound("latency", fl, "s", "flag_latency_s of the latest sync.flags run") if fl else None
             s = _series(_pub_name(c), x, clk, {"mode": c.mode, "copies": c.copies, "bytes": c.bytes, "sms": list(c.sms),
                                               "samples": "round trip / 2"}, bound)
@@ -526,7 +528,7 @@ def run_publish(h: Harness | None = None, quick: bool | None = None, save: bool 
     return res
 
 
-def R_poll_bound(h) -> float | None:
+def _latest_flag_latency(h) -> float | None:
     """flag_latency_s of the latest sync.flags result on this GPU, if any."""
     try:
         r = latest("sync.flags", gpu=h.info.name)
@@ -556,7 +558,7 @@ def run_barriers(h: Harness | None = None, quick: bool | None = None, save: bool
     clk = Clock(nvml, _inkernel_mhz(np.concatenate([r.cycles for r in runs]),
                                     np.concatenate([(r.gt_end - r.gt_start).astype(float) for r in runs])))
     base = float(np.median(A.per_stop_seconds(runs[0].cycles, stops, clk.mhz)))
-    fl = R_poll_bound(h)
+    fl = _latest_flag_latency(h)
     bound = Bound("latency", fl, "s", "one one-way flag latency (flag_latency_s of the latest sync.flags run)") if fl else None
     series, per = [], {}
     for (m, d), r in zip(todo, runs):
