@@ -185,11 +185,15 @@ def compile_cuda(source: str | Path, *, name: str | None = None, arch: str = DEF
     incs += [str(d) for d in PROJECT_INCLUDE_DIRS] + list(cuda_include_dirs())
     incs = list(dict.fromkeys(incs))
     opts = dict(extra_options or {})
+    # The key names content, not locations: project headers by their bytes, toolkit headers by the
+    # NVRTC version that ships them, so a cache built on one machine is valid on another. (Headers
+    # in include dirs outside the repository are not hashed: pass use_cache=False when they change.)
+    tv = toolchain_versions()
     key_material = json.dumps({
         "fmt": CACHE_FORMAT, "src": text, "name": name, "arch": arch, "defines": defs,
         "lineinfo": lineinfo, "maxreg": max_registers, "opts": {k: repr(v) for k, v in sorted(opts.items())},
-        "incs": incs, "headers": _project_header_digest([Path(i) for i in incs[:1]] if src_path else []),
-        "tool": toolchain_versions(),
+        "headers": _project_header_digest([Path(i) for i in incs if Path(i).resolve().is_relative_to(REPO_ROOT)]),
+        "tool": {"nvrtc": tv.get("nvrtc"), "cuda-core": tv.get("cuda-core")},
     }, sort_keys=True).encode()
     key = hashlib.sha256(key_material).hexdigest()[:20]
     base = cache_dir() / f"{name}-{arch}-{key}"
@@ -224,8 +228,10 @@ def compile_cuda(source: str | Path, *, name: str | None = None, arch: str = DEF
 
 def compile_ptx(ptx: str, *, name: str = "ptx", arch: str = DEFAULT_ARCH, use_cache: bool = True) -> CompiledModule:
     """nvJitLink: PTX text -> cubin (for kernels written in PTX directly)."""
+    tv = toolchain_versions()
     key = hashlib.sha256(json.dumps({"fmt": CACHE_FORMAT, "ptx": ptx, "arch": arch,
-                                     "tool": toolchain_versions()}).encode()).hexdigest()[:20]
+                                     "tool": {"nvrtc": tv.get("nvrtc"), "cuda-core": tv.get("cuda-core")}}
+                                    ).encode()).hexdigest()[:20]
     base = cache_dir() / f"{name}-{arch}-{key}"
     cubin_p, meta_p = base.with_suffix(".cubin"), base.with_suffix(".json")
     if use_cache and cubin_p.is_file() and meta_p.is_file():

@@ -1,0 +1,257 @@
+"""The megakernel stage of `megabench run` (and of `python -m megakernel.cli check-and-bench`).
+
+On the GPU, per preset: build with the tuned constants (megakernel.build: code bytes, registers,
+spills, smem against the instruction-cache budget), check correctness (mega == chain bitwise on
+logits and KV caches at several contexts incl. past the sliding window, T=1 and a 16-token tree,
+repeated runs identical, within a bf16 tolerance of the torch reference with the reference's
+routing, greedy decoding equal to the reference's), then time the step (megakernel.step): chain
+mode and mega mode, each replayed from a CUDA graph so the host's launch cost is out of both, in
+device time, with kernel launches per step counted by the profiler and the roofline as the bound.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from microbench.errors import CorrectnessError
+from microbench.results import Bound, Derived, Env, Result, Series
+
+from .config import preset as get_preset
+from .plan import Plan, make_plan
+from .results_names import step_params, step_series_name
+from .runtime import Engine, check_close
+
+QUICK = {"small": [(1, 512), (16, 512)], "shard8": [(1, 2048), (16, 2048)]}
+FULL = {"small": [(t, c) for c in (512, 4096) for t in (1, 16)],
+        "shard8": [(t, c) for c in (2048, 8192) for t in (1, 16)]}
+CHECK_POINTS = {"tiny": [(1, 0), (16, 20), (16, 100)], "small": [(1, 300), (16, 1500)],
+                "shard8": [(1, 300), (16, 2500)]}
+REL_TOL = 1e-2  # bf16 activations between ops, fp32 accumulation: observed ~3e-3 on tiny
+
+
+def plan_for(preset: str, constants=None, n_sm: int | None = None) -> Plan:
+    """Plan from the tuned constants (documented defaults where a class has not reported)."""
+    from microbench.device import device_info
+
+    cfg = get_preset(preset)
+    n_sm = n_sm or device_info().sm_count
+    kw = {}
+    if constants is None:
+        try:
+            from microbench.tune import load_constants
+
+            constants = load_constants()
+        except Exception:
+            constants = None
+    if constants is not None:
+        get = (lambda k: getattr(constants, k)) if not isinstance(constants, dict) else constants.get
+        kw = dict(ring_stages=int(get("ring_stages")), ring_stage_bytes=int(get("ring_stage_bytes")),
+                  spin_bound_ns=int(get("spin_bound_ns")), poll_backoff_ns=int(get("poll_backoff_ns")))
+    try:
+        return make_plan(cfg, n_sm, **kw)
+    except Exception:
+        return make_plan(cfg, n_sm)  # the tuned ring does not fit this preset: conservative default
+
+
+def code_budget(constants=None) -> int | None:
+    try:
+        if constants is None:
+            from microbench.tune import load_constants
+
+            constants = load_constants()
+        return int(getattr(constants, "max_code_bytes_per_launch"))
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------- correctness
+@dataclass
+class Check:
+    preset: str
+    n_tokens: int
+    ctx: int
+    rel_err: float
+    bitwise_chain: bool
+    bitwise_repeat: bool
+    bitwise_kv: bool
+    bitwise_real_routing: bool
+
+
+def check_point(preset: str, n_tokens: int, ctx: int, plan: Plan) -> Check:
+    from .bench_baselines import step_context, weights_for
+
+    sc = step_context(preset, n_tokens, ctx)
+    w = weights_for(preset)
+    routes = [r.cuda() for r in sc.routes]
+    outs, caches = [], []
+    for mode in ("mega", "chain", "mega"):
+        cache = sc.cache0.clone()
+        eng = Engine(w, plan, cache, backend="gpu")
+        eng.poison()
+        outs.append(eng.step(sc.tokens, sc.parents, ctx, mode=mode, routes=routes))
+        caches.append(cache)
+    err = check_close(outs[0].logits, sc.ref_logits, f"{preset} T={n_tokens} ctx={ctx}: megakernel vs reference",
+                      rel=REL_TOL)
+    chain_eq = torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].tokens, outs[1].tokens)
+    rep_eq = torch.equal(outs[0].logits, outs[2].logits)
+    kv_eq = caches[0].equal(caches[1]) and caches[0].equal(caches[2])
+    for a, b in zip(caches[0].k + caches[0].v, sc.ref_cache.k + sc.ref_cache.v):
+        check_close(a, b, f"{preset} T={n_tokens} ctx={ctx}: KV cache vs reference", rel=REL_TOL)
+    real = []
+    for mode in ("mega", "chain"):  # the kernel's own routing (top-k on its logits)
+        eng = Engine(w, plan, sc.cache0.clone(), backend="gpu")
+        real.append(eng.step(sc.tokens, sc.parents, ctx, mode=mode))
+    real_eq = torch.equal(real[0].logits, real[1].logits)
+    c = Check(preset, n_tokens, ctx, err, chain_eq, rep_eq, kv_eq, real_eq)
+    if not (chain_eq and rep_eq and kv_eq and real_eq):
+        raise CorrectnessError(f"{preset} T={n_tokens} ctx={ctx}: mega and chain modes differ bitwise: {c}")
+    return c
+
+
+def greedy_check(preset: str, plan: Plan, steps: int = 64, prompt=(3, 14, 15, 92)) -> int:
+    """Greedy decoding with the megakernel (T=1 steps, prefill token by token) against the
+    reference's greedy tokens. Returns the number of steps compared."""
+    from .bench_baselines import weights_for
+    from .reference import KVCache, greedy
+
+    w = weights_for(preset)
+    ref = greedy(w, KVCache(w.cfg, device="cuda"), list(prompt), steps)
+    eng = Engine(w, plan, KVCache(w.cfg, device="cuda"), backend="gpu")
+    ctx, last, got = 0, None, []
+    for tok in prompt:
+        last = int(eng.step([tok], [-1], ctx, mode="mega").tokens[0])
+        ctx += 1
+    for _ in range(steps):
+        got.append(last)
+        last = int(eng.step([last], [-1], ctx, mode="mega").tokens[0])
+        ctx += 1
+    if got != ref:
+        first = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
+        raise CorrectnessError(f"{preset}: greedy decoding diverges from the reference at step {first}: "
+                               f"{got[first:first + 5]} vs {ref[first:first + 5]}")
+    return steps
+
+
+# ---------------------------------------------------------------------- timing
+def graph_of(eng: Engine, mode: str, pairs: int = 1):
+    """A CUDA graph of 2*pairs steps of `mode` (two, so the dependency counters' parities
+    alternate and every replay starts from clean counters). Returns (graph, steps per replay)."""
+    eng.counters.zero_()
+    eng._dirty = [False, False]
+    eng.parity = 0
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # warm-up (module load, smem attribute, co-residency check) outside capture
+            eng.launch_step(mode)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    eng.counters.zero_()
+    eng._dirty = [False, False]
+    eng.parity = 0
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(2 * pairs):
+            eng.launch_step(mode)
+    eng._dirty = [False, True]  # after an even number of steps (see launch_step)
+    eng.parity = 0
+    return g, 2 * pairs
+
+
+def bench_point(h, preset: str, n_tokens: int, ctx: int, plan: Plan, mode: str, ceiling) -> Series:
+    from .bench_baselines import step_context, weights_for
+    from .kernel_count import count_kernels
+    from .roofline import roofline
+
+    sc = step_context(preset, n_tokens, ctx)
+    w = weights_for(preset)
+    eng = Engine(w, plan, sc.cache0.clone(), backend="gpu")
+    routes = [r.cuda() for r in sc.routes]
+    eng.prepare(sc.tokens, sc.parents, ctx, routes)
+    out = eng.step(sc.tokens, sc.parents, ctx, mode=mode, routes=routes)  # correctness of this very engine
+    check_close(out.logits, sc.ref_logits, f"{preset}/{mode}: before timing", rel=REL_TOL)
+    kc = count_kernels(lambda: eng.launch_step(mode))
+    g, per = graph_of(eng, mode)
+    t = h.time(g.replay)
+    rf = roofline(w.cfg, n_tokens, ctx, sc.distinct, ceiling=ceiling)
+    samples = np.asarray(t.samples_s) / per
+    bound = Bound("time", rf.seconds, "s", f"roofline: {rf.bytes.total} B / {rf.read_ceiling:.3e} B/s ({rf.source})")
+    return Series.from_samples(
+        step_series_name(preset, n_tokens, ctx, mode), samples, timer="cuda_event", unit="s",
+        params=step_params(preset, n_tokens, ctx, mode, sc.distinct, launch="cuda_graph"), bound=bound,
+        clocks=t.clocks, warnings=t.warnings,
+        metrics={"launches_per_step": kc.kernels_per_step, "bytes_per_step": rf.bytes.total, "roofline_s": rf.seconds,
+                 "tokens_per_step": n_tokens, "grid": eng.grid, "smem_bytes": plan.smem_bytes})
+
+
+def build_result(plans: dict[str, Plan], budget: int | None) -> Result:
+    from .build import build_gpu
+
+    series, derived = [], {}
+    worst = 0
+    for name, plan in plans.items():
+        u = build_gpu(plan, code_budget=budget).usage
+        worst = max(worst, u.code_bytes)
+        series.append(Series.from_samples(f"build/{name}", [u.code_bytes], timer="static", unit="B",
+                                          params={"preset": name, "smem_bytes": plan.smem_bytes,
+                                                  "ring_stages": plan.ring_stages, "stage_bytes": plan.stage_bytes},
+                                          metrics={**u.to_dict(), "icache_budget_bytes": budget}))
+    derived["launch_code_bytes_max"] = Derived(worst, "B", "largest per-launch machine code over the presets "
+                                               "(every launch runs the same kernel)")
+    return Result("megakernel.build", Env.capture(), tuple(series), derived, quick=True)
+
+
+def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", "small", "shard8"), log=print):
+    """Checks, then timings; returns the Results (saved unless save=False)."""
+    from microbench.harness import Harness, Policy
+
+    from .bench_baselines import release
+    from .roofline import read_ceiling
+
+    h = Harness(policy=Policy(budget_s=0.3 if quick else 1.0, max_samples=100 if quick else 400, chunk=8))
+    plans = {p: plan_for(p, constants, h.info.sm_count) for p in presets}
+    budget = code_budget(constants)
+    results = [build_result(plans, budget)]
+    checks, notes = [], []
+    ceiling = read_ceiling(h.info.name)
+    series = []
+    for p in presets:
+        t0 = time.perf_counter()
+        for T, ctx in CHECK_POINTS.get(p, []):
+            c = check_point(p, T, ctx, plans[p])
+            checks.append(c)
+            log(f"  check {p} T={T} ctx={ctx}: rel err {c.rel_err:.2e}, mega == chain bitwise (logits, KV), "
+                f"repeat identical, real routing bitwise")
+        if p in ("tiny", "small"):
+            n = greedy_check(p, plans[p])
+            notes.append(f"{p}: greedy decoding over {n} steps equals the reference's tokens")
+            log(f"  greedy {p}: {n} steps equal")
+        for T, ctx in (QUICK if quick else FULL).get(p, []):
+            for mode in ("chain", "mega"):
+                s = bench_point(h, p, T, ctx, plans[p], mode, ceiling)
+                series.append(s)
+                log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms, {s.metrics['launches_per_step']} launches, "
+                    f"{s.fraction_of_bound:.1%} of roofline")
+        log(f"  {p}: {time.perf_counter() - t0:.1f} s")
+        release(p)
+    derived = {}
+    by = {(s.params["preset"], s.params["T"], s.params["ctx"], s.params["impl"]): s for s in series}
+    for (p, T, ctx, impl), s in by.items():
+        if impl == "mega" and (p, T, ctx, "chain") in by:
+            ch = by[(p, T, ctx, "chain")]
+            derived[f"speedup_vs_chain/{p}/T{T}/ctx{ctx}"] = Derived(
+                ch.summary.median / s.summary.median, "x", "median chain step time / median mega step time "
+                "(both replayed from CUDA graphs)", inputs=(ch.name, s.name))
+    derived["max_rel_err_vs_reference"] = Derived(max(c.rel_err for c in checks), "", "max over the checked points "
+                                                  "of ||mega - reference|| / ||reference|| (reference routing forced)")
+    notes += [f"checked {c.preset} T={c.n_tokens} ctx={c.ctx}: rel err {c.rel_err:.2e}; mega == chain bitwise "
+              f"(logits, KV caches), repeated mega run bitwise identical, bitwise with the kernel's own routing"
+              for c in checks]
+    results.append(Result("megakernel.step", Env.capture(), tuple(series), derived, quick=quick, notes=tuple(notes)))
+    if save:
+        for r in results:
+            r.save()
+    return results
