@@ -255,7 +255,11 @@ template <int MODE, class Fmt, Scope S> __device__ __forceinline__ void publish_
     }
     __syncthreads();
     if (tid == 0 && it >= W) rec[it - W] = mb::clock64();
-    if (fail_s) break;
+    // Every thread must take the same decision: read, then a barrier before anyone can set
+    // fail_s in the next round (a split decision would leave threads at a bar.sync forever).
+    const bool failed = fail_s != 0;
+    __syncthreads();
+    if (failed) break;
   }
   __syncthreads();
   if (tid == 0) {
