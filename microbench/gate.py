@@ -449,7 +449,10 @@ def planned_builds(baseline: dict | None, tracked_only: bool = False,
     every other .cu with no defines. Returns (builds, baseline sources that vanished)."""
     from .compiler import all_cuda_sources
 
-    present = [str(p.relative_to(REPO_ROOT)) for p in all_cuda_sources()]
+    # never a virtual environment's or another hidden folder's sources (a CI venv inside the checkout
+    # ships numba/torch .cu files that are not ours)
+    present = [str(p.relative_to(REPO_ROOT)) for p in all_cuda_sources()
+               if not any(part.startswith(".") or part == "site-packages" for part in p.relative_to(REPO_ROOT).parts)]
     if tracked_only:
         tracked = _tracked_cu(REPO_ROOT)
         if tracked is not None:
