@@ -1,0 +1,102 @@
+"""`python -m megakernel.cli <command>`:
+  build [--preset P]      compile for sm_90a (no GPU needed) and print code bytes / registers / spills / smem
+  check-and-bench [--full] [--presets ...]   on a GPU: the pipeline (checks, then timings), results saved
+  sanitize-step           one tiny step in mega and chain mode (run under compute-sanitizer)
+  program [--preset P]    print the launches and op instances of one step
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _build(a) -> int:
+    from .build import build_gpu
+    from .config import preset
+    from .plan import make_plan
+
+    for name in a.preset:
+        plan = make_plan(preset(name), a.sm)
+        u = build_gpu(plan).usage
+        print(f"{name}: {u.code_bytes} B code ({u.sass_instructions} SASS instructions), {u.registers} registers, "
+              f"{u.spill_store_bytes}/{u.spill_load_bytes} B spill stores/loads, {u.stack_frame_bytes} B stack, "
+              f"{plan.smem_bytes} B dynamic smem (ring {plan.ring_stages} x {plan.stage_bytes} B)")
+    return 0
+
+
+def _check_and_bench(a) -> int:
+    from microbench.device import no_gpu_reason
+
+    reason = no_gpu_reason()
+    if reason:
+        print(f"check-and-bench needs a GPU: {reason}", file=sys.stderr)
+        return 2
+    from .pipeline import run
+
+    for r in run(quick=not a.full, presets=tuple(a.presets)):
+        print(f"[{r.benchmark}]")
+        for s in r.series:
+            frac = f"  {s.fraction_of_bound:.1%} of bound" if s.fraction_of_bound else ""
+            print(f"  {s.name:40s} {s.summary.median:.6g} {s.unit}{frac}  {dict(s.metrics)}")
+        for k, d in r.derived.items():
+            print(f"  -> {k} = {d.value:.4g} {d.unit}")
+        for n in r.notes:
+            print(f"  note: {n}")
+    return 0
+
+
+def _sanitize(a) -> int:
+    import torch
+
+    from . import tree
+    from .config import preset
+    from .plan import make_plan
+    from .reference import KVCache
+    from .runtime import Engine
+    from .weights import generate
+
+    cfg = preset("tiny")
+    w = generate(cfg, device="cuda")
+    cache = KVCache(cfg, device="cuda").fill_random(torch.Generator(device="cuda").manual_seed(1))
+    eng = Engine(w, make_plan(cfg, 4), cache, backend="gpu", grid=4)
+    toks = list(range(1, 9))
+    for mode in ("mega", "chain"):
+        out = eng.step(toks, tree.binary_ish(8), 20, mode=mode)
+        print(mode, out.tokens.tolist())
+    return 0
+
+
+def _program(a) -> int:
+    from .config import preset
+    from .plan import make_plan
+    from .program import build
+
+    print(build(make_plan(preset(a.preset), a.sm), a.mode).describe())
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megakernel.cli", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("build")
+    s.add_argument("--preset", nargs="*", default=["tiny", "small", "shard8"])
+    s.add_argument("--sm", type=int, default=132)
+    s.set_defaults(fn=_build)
+    s = sub.add_parser("check-and-bench")
+    s.add_argument("--full", action="store_true")
+    s.add_argument("--presets", nargs="*", default=["tiny", "small", "shard8"])
+    s.set_defaults(fn=_check_and_bench)
+    s = sub.add_parser("sanitize-step")
+    s.set_defaults(fn=_sanitize)
+    s = sub.add_parser("program")
+    s.add_argument("--preset", default="tiny")
+    s.add_argument("--mode", default="layer", choices=["layer", "step"])
+    s.add_argument("--sm", type=int, default=132)
+    s.set_defaults(fn=_program)
+    a = p.parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

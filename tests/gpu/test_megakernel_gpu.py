@@ -1,0 +1,49 @@
+"""The megakernel on the GPU: the bitwise twin property, agreement with the reference, a
+bounded wait that trips instead of hanging. (The full sweep of checks runs in
+megakernel.pipeline, which `megabench run` calls.)"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("preset,T,ctx", [("tiny", 16, 100), ("tiny", 1, 0), ("small", 16, 1500)])
+def test_mega_equals_chain_and_matches_reference(preset, T, ctx):
+    from megakernel.pipeline import check_point, plan_for
+
+    c = check_point(preset, T, ctx, plan_for(preset))
+    assert c.bitwise_chain and c.bitwise_repeat and c.bitwise_kv and c.bitwise_real_routing
+    assert c.rel_err < 1e-2
+
+
+def test_greedy_tokens_equal_reference_tiny():
+    from megakernel.pipeline import greedy_check, plan_for
+
+    assert greedy_check("tiny", plan_for("tiny"), steps=16) == 16
+
+
+def test_wait_that_can_never_complete_trips_the_watchdog():
+    from megakernel import tree
+    from megakernel.config import preset
+    from megakernel.plan import make_plan
+    from megakernel.program import DEP_ALL
+    from megakernel.reference import KVCache
+    from megakernel.runtime import Engine
+    from megakernel.weights import generate
+    from microbench.errors import SpinTimeoutError
+
+    cfg = preset("tiny")
+    w = generate(cfg, device="cuda")
+    eng = Engine(w, make_plan(cfg, 132, spin_bound_ns=50_000_000), KVCache(cfg, device="cuda"), backend="gpu")
+    enc = eng.program.encode().reshape(-1, 16)
+    i = len(enc) - 1
+    enc[i, 7], enc[i, 8], enc[i, 9] = 1, i, DEP_ALL  # the last op waits for itself
+    eng.prog_t.copy_(torch.from_numpy(np.ascontiguousarray(enc.reshape(-1))))
+    with pytest.raises(SpinTimeoutError, match=r"argmax\(L2\).*dependency 0"):
+        eng.step([1, 2, 3], tree.chain(3), 5, mode="mega")
+    eng.prog_t.copy_(torch.from_numpy(eng.program.encode()))  # healthy again: the GPU is not stuck
+    out = eng.step([1, 2, 3], tree.chain(3), 5, mode="mega")
+    assert out.tokens.numel() == 3
