@@ -284,3 +284,26 @@ __device__ __forceinline__ void bulk_prefetch_l2_hint(const void* gmem_src, uint
 }
 
 }  // namespace mb
+
+// ---------------------------------------------------------------- appended by microbench/clocks
+namespace mb {
+
+// Programmatic dependent launch (sm_90). wait: block until the previous grid in the stream has
+// completed and its memory is visible (a no-op when this launch did not opt into PDL).
+// launch_dependents: let the next PDL launch start scheduling its blocks now.
+__device__ __forceinline__ void griddepcontrol_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void griddepcontrol_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+// System-scope release counter (arrivals on a flag that another GPU or the host also reads).
+__device__ __forceinline__ uint32_t atom_add_release_sys(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.add.release.sys.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+// 16-byte streaming store (evict-first): profiler records should not push useful lines out of L2.
+__device__ __forceinline__ void st_cs_v4(void* p, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+}  // namespace mb
