@@ -71,7 +71,9 @@ def static_smem_sizes(image: bytes) -> dict[str, int]:
 _FN = re.compile(r"Function properties for (\S+)")
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
+_USED = re.compile(r"Used (\d+) registers")
+_BARRIERS = re.compile(r"used (\d+) barriers")
+_SMEM = re.compile(r"(\d+) bytes smem")  # anywhere in the line: "cumulative stack size" may come first
 
 
 def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
@@ -88,9 +90,10 @@ def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
         elif current and (m := _STACK.search(line)):
             out[current].update(stack=int(m.group(1)), spill_st=int(m.group(2)), spill_ld=int(m.group(3)))
         elif current and (m := _USED.search(line)):
-            out[current].update(regs=int(m.group(1)), barriers=int(m.group(2) or 0))
-            if m.group(3):
-                out[current]["smem"] = int(m.group(3))
+            b = _BARRIERS.search(line)
+            out[current].update(regs=int(m.group(1)), barriers=int(b.group(1)) if b else 0)
+            if sm := _SMEM.search(line):
+                out[current]["smem"] = int(sm.group(1))
     return {k: v for k, v in out.items() if "regs" in v}
 
 

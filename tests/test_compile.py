@@ -59,6 +59,8 @@ ptxas info    : Used 80 registers, used 1 barriers, 1024 bytes smem
 """
     got = parse_ptxas_log(log)
     assert parse_ptxas_log(log.replace(", 1024 bytes smem", ""))["k"].get("smem") is None
+    stacked = log.replace("1024 bytes smem", "2048 bytes cumulative stack size, 128 bytes smem")
+    assert parse_ptxas_log(stacked)["k"]["smem"] == 128
     assert got == {"k": {"stack": 8, "spill_st": 4, "spill_ld": 12, "regs": 80, "barriers": 1, "smem": 1024}}
 
 
