@@ -167,8 +167,9 @@ def run_flags(h: Harness | None = None, quick: bool | None = None, save: bool = 
     gpc = None
     try:
         gpc = A.gpc_groups(R.probe_clusters(h), smids)
-        notes.append(f"inferred {len(set(gpc.values()))} GPC groups from cluster launches (sizes 2/4/8, one block "
-                     f"per SM): {[sorted(s for s in gpc if gpc[s] == g) for g in sorted(set(gpc.values()))]}")
+        notes.append(f"inferred {len(set(gpc.values()))} SM groups from cluster launches (sizes 2/4/8, one block per "
+                     "SM; a cluster never spans GPCs, so each group lies inside one GPC, and a GPC may show as several "
+                     f"groups): {[sorted(s for s in gpc if gpc[s] == g) for g in sorted(set(gpc.values()))]}")
     except Exception as e:  # cluster launches refused: the SM-distance analysis falls back to TPC only
         notes.append(f"GPC inference skipped: {e.__class__.__name__}: {e}")
 

@@ -154,20 +154,28 @@ template <int MODE, class Fmt, Scope S> __device__ __forceinline__ void publish_
   auto acquire_flag = [&](uint32_t it, uint32_t r, uint32_t from) {  // one thread
     if (!poll_geq<S, POLL_ACQ>(w, flag_of(a, from), r + 1, what_id(SW_FLAG, it), 0, polls)) fail_s = 1;
   };
+  // Reads one message, four 16-byte vectors per thread in flight (the same batching for every
+  // scheme); sentinel slots re-poll only the vectors that were still empty.
   auto get_data = [&](uint32_t it, uint32_t r, uint32_t from) {
-    const uint8_t* slot = slot_of(a, from, r);
-    for (uint32_t v = tid; v < n16; v += T) {
-      uint4 x;
-      if (MODE == PUB_SENTINEL) {
-        if (!sn::wait16<Fmt, S>(w, slot + static_cast<size_t>(v) * 16, x, what_id(SW_SLOT, it))) {
+    const uint4* slot = reinterpret_cast<const uint4*>(slot_of(a, from, r));
+    uint4* d = dst ? dst + ((static_cast<size_t>(it) * N + from) * N + a) * n16 : nullptr;
+    for (uint32_t v0 = tid; v0 < n16; v0 += 4 * T) {
+      uint4 x[4];
+#pragma unroll
+      for (uint32_t u = 0; u < 4; ++u)
+        if (v0 + u * T < n16) x[u] = mb::ld_relaxed_v4<S>(slot + v0 + u * T);
+#pragma unroll
+      for (uint32_t u = 0; u < 4; ++u) {
+        const uint32_t v = v0 + u * T;
+        if (v >= n16) break;
+        if (MODE == PUB_SENTINEL && !sn::ready16<Fmt>(x[u]) &&
+            !sn::wait16<Fmt, S>(w, slot + v, x[u], what_id(SW_SLOT, it))) {
           fail_s = 1;
           return;
         }
-      } else {
-        x = mb::ld_relaxed_v4<S>(slot + static_cast<size_t>(v) * 16);
+        if (d) d[v] = x[u];
+        else sink ^= x[u].x ^ x[u].y ^ x[u].z ^ x[u].w;
       }
-      if (dst) dst[((static_cast<size_t>(it) * N + from) * N + a) * n16 + v] = x;
-      else sink ^= x.x ^ x.y ^ x.z ^ x.w;
     }
   };
   auto reset_data = [&](uint32_t r, uint32_t from) {

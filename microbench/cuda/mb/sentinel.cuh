@@ -135,12 +135,25 @@ __device__ __forceinline__ void put(void* slot, const uint4* raw, uint32_t n16, 
   uint4* d = static_cast<uint4*>(slot);
   for (uint32_t i = tid; i < n16; i += nthr) put16<Fmt, S>(d + i, raw[i]);
 }
+// Four vectors per thread in flight: a batch's loads are issued together and only vectors still
+// empty are re-polled (polling one vector at a time costs an L2 round trip per 16 bytes).
 template <class Fmt, Scope S>
 __device__ __forceinline__ bool wait(const Watchdog& w, const void* slot, uint4* out, uint32_t n16, uint32_t tid,
                                      uint32_t nthr, uint32_t what, uint32_t backoff_ns = 0) {
   const uint4* s = static_cast<const uint4*>(slot);
-  for (uint32_t i = tid; i < n16; i += nthr)
-    if (!wait16<Fmt, S>(w, s + i, out[i], what, backoff_ns)) return false;
+  for (uint32_t i = tid; i < n16; i += 4 * nthr) {
+    uint4 v[4];
+#pragma unroll
+    for (uint32_t u = 0; u < 4; ++u)
+      if (i + u * nthr < n16) v[u] = ld_relaxed_v4<S>(s + i + u * nthr);
+#pragma unroll
+    for (uint32_t u = 0; u < 4; ++u) {
+      const uint32_t j = i + u * nthr;
+      if (j >= n16) break;
+      if (!ready16<Fmt>(v[u]) && !wait16<Fmt, S>(w, s + j, v[u], what, backoff_ns)) return false;
+      out[j] = v[u];
+    }
+  }
   return true;
 }
 template <class Fmt, Scope S>
