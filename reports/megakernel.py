@@ -20,8 +20,9 @@ Step series (in model.* and megakernel.* results): any series with `params["impl
             roofline_s         bytes_per_step / measured read ceiling (or give it as the bound:
                                Bound("time", roofline_s, "s", ...), then fraction_of_bound is the
                                fraction of roofline)
-            tokens_per_step    tokens the step yields (e.g. measured mean acceptance); when absent
-                               tokens/s counts tokens processed, T x batch, and the table says so
+            accepted_tokens_per_step  measured mean tokens a speculative step yields (acceptance);
+                               when absent, tokens/s counts tokens processed (T x batch) and the
+                               table says so (a `tokens_per_step` equal to T is read the same way)
   The series name is free (e.g. "step/mega/shard8/T16/ctx4096"); the report reads params.
 
 Timeline series (megakernel.timeline; failing that, the first result whose series carry phase and
@@ -69,8 +70,8 @@ class StepRow:
     @property
     def tokens_per_step(self) -> tuple[float, bool]:
         """(tokens per step, measured-yield?)"""
-        t = self.series.metrics.get("tokens_per_step")
-        if isinstance(t, (int, float)):
+        t = self.series.metrics.get("accepted_tokens_per_step")
+        if isinstance(t, (int, float)) and not isinstance(t, bool):
             return float(t), True
         return float(self.tokens * self.batch), False
 

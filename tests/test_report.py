@@ -230,3 +230,13 @@ def test_megakernel_pick_rules():
     tl = _megakernel()[2]
     v, _, _ = mk.figure_value(rows, tl, {"metric": "timeline_end_p90", "phase": "gemm2"})
     assert 60e-6 < v < 66e-6
+
+
+def test_tokens_per_s_uses_measured_acceptance_only():
+    r = _megakernel()[1]
+    s = next(x for x in r.series if x.params["impl"] == "mega")
+    row = mk.StepRow("megakernel.step", s, "mega", "shard8", 16, 4096, 1)
+    assert row.tokens_per_step == (16.0, False)
+    s2 = series("m", 4e-3, params=dict(s.params), metrics={"accepted_tokens_per_step": 6.6, "tokens_per_step": 16})
+    row2 = mk.StepRow("megakernel.step", s2, "mega", "shard8", 16, 4096, 1)
+    assert row2.tokens_per_step == (6.6, True) and row2.tokens_per_s == pytest.approx(6.6 / s2.summary.median)
