@@ -272,7 +272,7 @@ def _byte_marks(r: Result) -> dict[str, float]:
     return {k: d.value for k, d in r.derived.items() if d.unit == "B" and d.value > 0}
 
 
-def _result_block(ctx: Context, cls: str, path: Path, r: Result, level: str = "###") -> list[str]:
+def _result_block(ctx: Context, cls: str, path: Path, r: Result, level: str = "###", plot: bool = True) -> list[str]:
     e = r.env
     out = [f"{level} `{r.benchmark}`", "",
            f"Measured {e.date} on {e.gpu} ({'quick' if r.quick else 'full'} sweep), commit `{e.git_sha[:7]}`"
@@ -287,7 +287,7 @@ def _result_block(ctx: Context, cls: str, path: Path, r: Result, level: str = "#
         out += [_table(_derived_rows(r)), ""]
     for note in r.notes:
         out += [f"Note: {note}", ""]
-    figs = plots.curve_plots(r, cls, ctx.fig_dir, _byte_marks(r)) + plots.hist_plots(r, ctx.fig_dir)
+    figs = (plots.curve_plots(r, cls, ctx.fig_dir, _byte_marks(r)) + plots.hist_plots(r, ctx.fig_dir)) if plot else []
     for p, cap in figs:
         out += [ctx.fig_link(p, cap), ""]
     return out
@@ -369,7 +369,7 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
         if figs:
             out += [f"### {title} ({st['short']}) beside ours", "", _table(_paper_rows(ctx, figs)), ""]
     for path, r in mk_results:
-        out += _result_block(ctx, r.benchmark.split(".")[0], path, r, level="###")
+        out += _result_block(ctx, r.benchmark.split(".")[0], path, r, level="###", plot=False)  # own figures above
     return out
 
 

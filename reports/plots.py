@@ -61,7 +61,7 @@ def _num(v) -> bool:
 def curve_plots(result, cls: str, fig_dir: Path, byte_marks: dict[str, float] | None = None):
     groups: dict[tuple, list] = defaultdict(list)
     for s in result.series:
-        if s.metrics.get("plot") in ("none", "hist") or not s.params:
+        if s.metrics.get("plot") in ("none", "hist") or not s.params or s.timer == "static":
             continue
         groups[(s.unit, tuple(sorted(s.params)))].append(s)
     out = []
