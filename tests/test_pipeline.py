@@ -73,6 +73,7 @@ def test_run_with_gpu_pipeline_order(tmp_path, capsys, monkeypatch):
 def test_unknown_class_is_refused(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: None)
     monkeypatch.setattr("microbench.harness.Harness", lambda: "H")
+    monkeypatch.setenv("MEGABENCH_RESULTS", str(tmp_path))  # restored after: the pipeline points it at --results
     rc = main(["run", "--classes", "nosuch", "--results", str(tmp_path), "--no-report",
                "--constants-out", str(tmp_path / "c")])
     assert rc == 1 and "unknown classes ['nosuch']" in capsys.readouterr().out
