@@ -152,7 +152,7 @@ def test_harness_times_long_chains_without_holding_the_stream(harness):
             x.add_(1.0)
 
     t = harness.time(chain, hold=False, policy=quick_policy(min_samples=3, max_samples=5, budget_s=0.01, chunk=2))
-    assert 3 <= len(t.samples_s) <= 5 and not t.warnings
+    assert 3 <= len(t.samples_s) <= 5 and not any("blocking kernel" in x for x in t.warnings)
     assert 3000 * 0.5e-6 < t.median_s < 3000 * 50e-6, t.median_s
 
 
