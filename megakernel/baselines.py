@@ -425,14 +425,15 @@ def make_runner(kind: str, w: ModelWeights, cache: KVCache, parents: Sequence[in
     if kind == "graph":
         return GraphRunner(r)
     if kind == "compile":
-        torch.cuda.synchronize()
+        sync = torch.cuda.synchronize if w.device.type == "cuda" else (lambda: None)
+        sync()
         t0 = time.perf_counter()
         r.run()
-        torch.cuda.synchronize()
+        sync()
         r.compile_s = time.perf_counter() - t0
         for _ in range(2):  # warm-up run, then the run that records the CUDA graphs
             r.run()
-        torch.cuda.synchronize()
+        sync()
     return r
 
 

@@ -45,6 +45,14 @@ FULL_POINTS = {"small": [(t, c) for c in (512, 4096) for t in (1, 16)],
                "shard8": [(t, c) for c in (2048, 8192) for t in (1, 16)]}
 ACCEPT_PROMPTS, ACCEPT_PROMPT_LEN, ACCEPT_NEW = 3, 8, 32
 SEED = 2026
+DEVICE = "cuda"  # the CPU dry run (tests/test_model_bench_dryrun.py) sets "cpu"
+
+
+def _sync() -> None:
+    import torch
+
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def _uniform_distinct(n_experts: int, slots: int) -> float:
@@ -76,11 +84,11 @@ def weights_for(preset: str):
 
     if preset not in _WEIGHTS:
         cfg = get_preset(preset)
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
-        _WEIGHTS[preset] = generate(cfg, device="cuda")
-        torch.cuda.synchronize()
-        _NOTES.append(f"{preset}: weights generated on the GPU in {time.perf_counter() - t0:.1f} s")
+        _WEIGHTS[preset] = generate(cfg, device=DEVICE)
+        _sync()
+        _NOTES.append(f"{preset}: weights generated on {DEVICE} in {time.perf_counter() - t0:.1f} s")
     return _WEIGHTS[preset]
 
 
@@ -92,6 +100,8 @@ def release(preset: str | None = None) -> None:
         del _CONTEXTS[k]
     for k in [k for k in _WEIGHTS if preset is None or k == preset]:
         del _WEIGHTS[k]
+    for k in [k for k in _ACCEPT if preset is None or k == preset]:
+        del _ACCEPT[k]
     try:
         import torch._dynamo
 
@@ -131,18 +141,18 @@ def step_context(preset: str, n_tokens: int, ctx: int) -> StepContext:
         w = weights_for(preset)
         cfg = w.cfg
         g = torch.Generator().manual_seed(SEED + 1000 * n_tokens + ctx)
-        gd = torch.Generator(device="cuda").manual_seed(SEED + ctx)
+        gd = torch.Generator(device=DEVICE).manual_seed(SEED + ctx)
         distinct = study_like_distinct(cfg, n_tokens)
         routes = synthetic_routes(cfg, n_tokens, distinct, g)
         assert distinct_per_layer(routes) == [distinct] * cfg.n_layers
         parents = treelib.binary_ish(n_tokens) if n_tokens > 1 else [-1]
         tokens = torch.randint(0, cfg.vocab, (n_tokens,), generator=g)
-        cache0 = reference.KVCache(cfg, device="cuda").fill_random(gd)
+        cache0 = reference.KVCache(cfg, device=DEVICE).fill_random(gd)
         ref_cache = cache0.clone()
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
-        ref = reference.step(w, ref_cache, tokens, parents, ctx, routes=[r.cuda() for r in routes])
-        torch.cuda.synchronize()
+        ref = reference.step(w, ref_cache, tokens, parents, ctx, routes=[r.to(DEVICE) for r in routes])
+        _sync()
         _CONTEXTS[key] = StepContext(preset, cfg, n_tokens, ctx, tokens, parents, routes, distinct, cache0,
                                      ref, ref_cache, time.perf_counter() - t0)
     return _CONTEXTS[key]
@@ -190,7 +200,7 @@ def baseline_case(preset: str, n_tokens: int, ctx: int, baseline: str, ceiling: 
         cache = sc.cache0.clone()
         runner = B.make_runner(baseline, w, cache, sc.parents, sc.tokens, ctx, routes=sc.routes)
         out = runner.run().clone()
-        torch.cuda.synchronize()
+        _sync()
         ag = B.compare(out, sc.ref_logits, cache, sc.ref_cache, ctx, n_tokens, what=name)
         kc = count_kernels(runner.run)
         launches, launches_src = kc.kernels_per_step, "CUPTI kernel activities of one step"
@@ -308,7 +318,8 @@ def run(h: Harness | None = None, quick: bool | None = None, save: bool = True) 
                     print(msg, file=sys.stderr)
                 finally:
                     gc.collect()
-                    torch.cuda.empty_cache()
+                    if DEVICE.startswith("cuda"):
+                        torch.cuda.empty_cache()
         release(preset)
     notes += _NOTES
     notes.append(f"wall time {time.perf_counter() - t_start:.0f} s")
