@@ -54,6 +54,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_full)
 
 
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """Label pytest-benchmark JSON with the GPU, so `megabench gate` can keep baselines per GPU."""
+    from microbench.device import gpu_count
+
+    if gpu_count() > 0:
+        from microbench.device import device_info
+
+        d = device_info()
+        machine_info["megabench"] = {"gpu": d.name, "gpu_key": f"{d.name}@{d.sm_clock_max_mhz}MHz",
+                                     "sm_count": d.sm_count, "driver": d.driver_version}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _results_dir(tmp_path_factory):
     """Keep test-produced results out of the committed reports/ unless asked otherwise."""

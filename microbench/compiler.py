@@ -294,5 +294,8 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 def all_cuda_sources(root: Path = REPO_ROOT) -> list[Path]:
     """Every .cu file in the repository (the CPU test compiles each one for sm_90a)."""
-    skip = {".git", ".venv", "venv", "build", "node_modules"}
-    return sorted(p for p in root.rglob("*.cu") if not (set(p.relative_to(root).parts) & skip))
+    def skipped(part: str) -> bool:  # virtualenvs (.venv, .venv-ci, ...) carry other projects' .cu files
+        return part.startswith((".venv", ".git", ".carry")) or part in ("venv", "build", "node_modules",
+                                                                          "site-packages")
+
+    return sorted(p for p in root.rglob("*.cu") if not any(skipped(x) for x in p.relative_to(root).parts))

@@ -12,6 +12,7 @@ CLASSES = {
     "weights": "microbench.weights.bench",
     "sync": "microbench.sync.bench",
     "clocks": "microbench.clocks.bench",
+    "model": "megakernel.bench_baselines",  # the torch baselines of the decode step (model.baselines)
 }
 
 
