@@ -436,3 +436,20 @@ def test_plot_writes_a_png(tmp_path):
         p = tl.plot(tmp_path / f"t-{by}.png", by=by, title="test")
         data = p.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_empty_buffer_and_an_external_calibration():
+    ev = demo_events()
+    lay = ProfileLayout(blocks=2, warps=1, cap=4)
+    empty = decode(emulate(lay, {}), lay)
+    for clock in ("globaltimer", "clock64"):
+        tl = Timeline.build(empty, ev, clock=clock)
+        assert len(tl.spans) == 0 and not tl.problems and tl.spans_df().empty
+    # a calibration fitted elsewhere (e.g. by the skew benchmark, keyed by SM) maps these stamps
+    st = {(0, b, 0): [(ev.id("load_begin"), 0, GT0 + 1000 * i, 5_000 + 2000 * i + 77 * b, b) for i in range(2)]
+          for b in range(2)}
+    cal = fit_clock_calibration([0, 0, 1, 1], [5_000, 7_000, 5_077, 7_077], [GT0, GT0 + 1000, GT0, GT0 + 1000])
+    tl = Timeline.build(decode(emulate(lay, st), lay), ev, clock=cal, key_fields=("launch", "sm"))
+    assert tl.calibration is cal and np.allclose(tl.t_ns, [0, 1000, 0, 1000])
+    with pytest.raises(CalibrationError, match="no calibration"):
+        Timeline.build(decode(emulate(lay, {(0, 0, 0): [(1, 0, GT0, 9, 5)]}), lay), ev, clock=cal)

@@ -522,14 +522,12 @@ class Timeline:
             if n and not stamps.has_clock64:
                 raise ProfileFormatError("clock64 timeline requested but the stamps carry no clock64 "
                                          "(compile with MB_PROF_CLOCK64=1)")
-            keys = np.stack([getattr(stamps, f) for f in key_fields], axis=1) if n else np.zeros((0, len(key_fields)))
+            fields = tuple(clock.key_fields) if isinstance(clock, ClockCalibration) else tuple(key_fields)
+            keys = np.stack([getattr(stamps, f) for f in fields], axis=1) if n else np.zeros((0, len(fields)))
             if isinstance(clock, ClockCalibration):
                 cal = clock
-                if tuple(cal.key_fields) != tuple(key_fields):
-                    keys = np.stack([getattr(stamps, f) for f in cal.key_fields], axis=1)
-            else:
-                cal = fit_clock_calibration(keys, stamps.c64, stamps.gt, key_fields=key_fields,
-                                            ns_per_cycle=ns_per_cycle)
+            elif n:
+                cal = fit_clock_calibration(keys, stamps.c64, stamps.gt, key_fields=fields, ns_per_cycle=ns_per_cycle)
             t = cal.to_ns(keys, stamps.c64) + float(cal.origin_gt - origin) if n else np.zeros(0)
             clock_name = CLOCK_CLOCK64
         elif clock == CLOCK_GLOBALTIMER:
