@@ -35,6 +35,7 @@ PARAM_FIELDS = (
     ("rope_cos", "const float*"),  # [MAX_CTX][HD/2]
     ("rope_sin", "const float*"),
     ("program", "const int32_t*"),  # op instances, OPINST_INTS each
+    ("launches", "const int32_t*"),  # (first op, ops) per launch of the step
     ("tokens", "const int32_t*"),  # [T]
     ("depth", "const int32_t*"),  # [T]
     ("anc", "const uint32_t*"),  # [T] ancestor bitmask (bit j: token j is an ancestor or itself)
@@ -63,9 +64,8 @@ PARAM_FIELDS = (
     ("out_tokens", "int32_t*"),  # [T_MAX]
     ("counters", "uint32_t*"),  # [2][n_counters]
     ("watchdog", "unsigned long long*"),  # [WD_FIELDS]
-    ("profile", "unsigned long long*"),  # profiler stamps or null
     ("n_counters", "int32_t"),
-    ("profile_cap", "int32_t"),  # stamps per block
+    ("n_launches", "int32_t"),
 )
 
 

@@ -41,7 +41,9 @@ def program_constants() -> str:
 
 def header(plan: Plan) -> str:
     """Everything generated: included before the kernel source (or as default_config.cuh)."""
-    return render(plan) + abi.render_structs() + program_constants()
+    from .profile_events import EVENTS, render_op_tables
+
+    return render(plan) + abi.render_structs() + program_constants() + EVENTS.header_text() + render_op_tables()
 
 
 def source(plan: Plan) -> str:
@@ -90,15 +92,16 @@ def build_gpu(plan: Plan, *, arch: str = "sm_90a", code_budget: int | None = Non
 
 # ---------------------------------------------------------------------- host emulation
 EMU_GLUE = r"""
-struct MkEmuArgs { const mk::Params* p; int first, n_ops, wait, T, ctx, parity; };
+struct MkEmuArgs { const mk::Params* p; int first, n_ops, wait, T, ctx, parity; unsigned long long* pb, pm; };
 static void mk_emu_body(void* a) {
   const MkEmuArgs* x = static_cast<const MkEmuArgs*>(a);
-  mk_run(x->p, x->first, x->n_ops, x->wait, x->T, x->ctx, x->parity);
+  mk_run(x->p, x->first, x->n_ops, x->wait, x->T, x->ctx, x->parity, x->pb, x->pm);
 }
 extern "C" int emu_launch(void (*)(void*), void*, int, int, int, unsigned long long, char*, int);
 extern "C" int mk_emu_run(const void* p, int grid, int first, int n_ops, int wait, int T, int ctx, int parity,
-                          unsigned long long seed, char* err, int errlen) {
-  MkEmuArgs a{static_cast<const mk::Params*>(p), first, n_ops, wait, T, ctx, parity};
+                          unsigned long long seed, char* err, int errlen, unsigned long long* pb,
+                          unsigned long long pm) {
+  MkEmuArgs a{static_cast<const mk::Params*>(p), first, n_ops, wait, T, ctx, parity, pb, pm};
   return emu_launch(mk_emu_body, &a, grid, mk::THREADS, mk::SMEM_BYTES, seed, err, errlen);
 }
 """
@@ -108,7 +111,7 @@ def build_emu(plan: Plan, opt: str = "-O1") -> ctypes.CDLL:
     """Compile the kernel for the host emulation (g++) and load it. Cached by source hash."""
     src = "#define MK_HOST_EMU 1\n" + source(plan) + EMU_GLUE
     files = [src, (EMU / "emu.cpp").read_text(), (EMU / "emu.h").read_text(), (EMU / "emu_rt.h").read_text()]
-    for p in sorted(CSRC.rglob("*.cuh")) + sorted(MB_INC.rglob("*.cuh")):
+    for p in sorted(CSRC.rglob("*.cuh")) + sorted(MB_INC.rglob("*.cuh")) + sorted((EMU / "shim").rglob("*.cuh")):
         files.append(p.read_text())
     key = hashlib.sha256("\0".join(files + [opt]).encode()).hexdigest()[:20]
     lib = cache_dir() / f"megakernel-emu-{plan.cfg.name}-{key}.so"
@@ -117,7 +120,8 @@ def build_emu(plan: Plan, opt: str = "-O1") -> ctypes.CDLL:
             kpath = Path(td) / "mk_emu.cpp"
             kpath.write_text(src)
             tmp = Path(td) / "mk.so"
-            cmd = ["g++", "-std=c++17", opt, "-g", "-fPIC", "-shared", "-w", f"-I{CSRC}", f"-I{EMU}", f"-I{MB_INC}",
+            cmd = ["g++", "-std=c++17", opt, "-g", "-fPIC", "-shared", "-w", f"-I{EMU / 'shim'}", f"-I{CSRC}",
+                   f"-I{EMU}", f"-I{MB_INC}",
                    str(kpath), str(EMU / "emu.cpp"), "-o", str(tmp)]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
@@ -126,5 +130,6 @@ def build_emu(plan: Plan, opt: str = "-O1") -> ctypes.CDLL:
     dll = ctypes.CDLL(str(lib))
     dll.mk_emu_run.restype = ctypes.c_int
     dll.mk_emu_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_int]
+                               ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_int,
+                               ctypes.c_void_p, ctypes.c_ulonglong]
     return dll

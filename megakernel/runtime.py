@@ -63,6 +63,13 @@ class Engine:
         if backend == "emu" and self.dev.type != "cpu":
             raise ConfigError("backend 'emu' runs on CPU tensors")
         self.grid = grid or (plan.n_sm if backend == "gpu" else 4)
+        self.prof = None
+        if plan.profile:
+            from microbench.clocks.profiler import ProfileBuffer, ProfileLayout
+
+            n = max(len(self.program.launches), len(self.program.ops))  # a slice per launch of either mode
+            self.prof = ProfileBuffer(ProfileLayout(self.grid, 1, plan.profile_cap), launches=n,
+                                      device="cpu" if backend == "emu" else (self.dev.index or 0))
         self.emu_seed = emu_seed
         self._check_weights()
         self._alloc()
@@ -110,6 +117,7 @@ class Engine:
         }
         self.counters = z(2, self.program.n_counters, dt=torch.int32)
         self.prog_t = torch.from_numpy(self.program.encode()).to(dev)
+        self.launches_t = torch.from_numpy(self.program.encode_launches()).to(dev)
         self.tokens_t = z(tm, dt=torch.int32)
         self.depth_t = z(tm, dt=torch.int32)
         self.anc_t = z(tm, dt=torch.int32)
@@ -135,6 +143,8 @@ class Engine:
         P.embed, P.final_norm, P.lm_head = _ptr(self.w.embed), _ptr(self.w.final_norm), _ptr(self.w.lm_head)
         P.rope_cos, P.rope_sin = _ptr(self.w.rope_cos), _ptr(self.w.rope_sin)
         P.program = _ptr(self.prog_t)
+        P.launches = _ptr(self.launches_t)
+        P.n_launches = len(self.program.launches)
         P.tokens, P.depth, P.anc = _ptr(self.tokens_t), _ptr(self.depth_t), _ptr(self.anc_t)
         P.route_override = _ptr(self.route_t) if override else 0
         for name in ("x", "q", "att_o", "att_ml", "att_out", "router_logits", "route_sel", "route_w", "route_slot",
@@ -143,9 +153,7 @@ class Engine:
             setattr(P, name, _ptr(b[name]))
         P.counters = _ptr(self.counters)
         P.watchdog = self.wd.ptr
-        P.profile = 0
         P.n_counters = self.program.n_counters
-        P.profile_cap = 0
         blob = torch.frombuffer(bytearray(abi.pack(P)), dtype=torch.uint8)
         return blob.to(self.dev)
 
@@ -232,8 +240,10 @@ class Engine:
         t, ctx = self._step
         if mode == "mega" and self._dirty[self.parity]:
             self.counters[self.parity].zero_()
-        for first, n, wait, grid in self.launches(mode):
-            self._launch(first, n, wait, grid, t, ctx)
+        if self.prof is not None:
+            self.prof.reset()
+        for li, (first, n, wait, grid) in enumerate(self.launches(mode)):
+            self._launch(first, n, wait, grid, t, ctx, li, pdl=bool(wait) and li > 0 and self.plan.pdl)
         if mode == "mega":
             self._dirty[self.parity] = True
             self._dirty[self.parity ^ 1] = False  # the step's argmax cleared it
@@ -245,21 +255,36 @@ class Engine:
         self.launch_step(mode)
         return t
 
-    def _launch(self, first, n, wait, grid, t, ctx):
+    def _launch(self, first, n, wait, grid, t, ctx, li=0, pdl=False):
+        pb, pm = self.prof.args(li) if self.prof is not None else (0, np.uint64(0))
         if self.backend == "gpu":
             from microbench.launch import LaunchSpec, launch
 
-            spec = LaunchSpec(grid=grid, block=THREADS, smem=self.plan.smem_bytes)
+            spec = LaunchSpec(grid=grid, block=THREADS, smem=self.plan.smem_bytes, pdl=pdl)
             launch(self.kernel, spec, self._params_dev, np.int32(first), np.int32(n), np.int32(wait), np.int32(t),
-                   np.int32(ctx), np.int32(self.parity), persistent=bool(wait))
+                   np.int32(ctx), np.int32(self.parity), pb, pm, persistent=bool(wait))
         else:
             err = ctypes.create_string_buffer(2048)
             rc = self.dll.mk_emu_run(self._params_dev.data_ptr(), grid, first, n, wait, t, ctx, self.parity,
-                                     self.emu_seed, err, len(err))
+                                     self.emu_seed, err, len(err), pb, int(pm))
             self.emu_seed += 1
             if rc:
                 self._check_watchdog(wait)
                 raise EmulationError(f"ops {first}..{first + n - 1}: {err.value.decode(errors='replace')}")
+
+    def timeline(self, mode: str = "mega"):
+        """The profiler's stamps of the last step as a microbench.clocks Timeline (needs a plan
+        built with profile=True)."""
+        from microbench.clocks.profiler import Timeline
+
+        from .profile_events import EVENTS
+
+        if self.prof is None:
+            raise ConfigError("this engine was built without the profiler (make_plan(..., profile=True))")
+        names = [f"launch {i}: ops {f}..{f + n - 1}" for i, (f, n, _, _) in enumerate(self.launches(mode))]
+        n = len(names)
+        stamps = self.prof.read()
+        return Timeline.build(stamps, EVENTS, launch_names=names + [f"unused {i}" for i in range(n, self.prof.launches)])
 
     def _check_watchdog(self, wait):
         try:

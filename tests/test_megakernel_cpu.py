@@ -200,3 +200,28 @@ def test_bad_step_inputs_are_refused(tiny):
     with pytest.raises(ValueError, match="mode"):
         eng.launches("fast")
 
+
+
+def test_every_technique_switch_computes_the_same_bits(tiny):
+    """Profiler on, loader not running ahead, L2 prefetch, PDL: the arithmetic is unchanged, so
+    the outputs are bitwise those of the default build; the profiler's timeline is consistent."""
+    cfg, w, base, _ = tiny
+    toks, par = _inputs(cfg, 8, 2)
+    default = Engine(w, make_plan(cfg, 4), base.clone(), backend="emu").step(toks, par, 40, mode="mega")
+    eng = Engine(w, make_plan(cfg, 4, profile=True, loader_ahead=False, l2_prefetch_bytes=1 << 16, pdl=True),
+                 base.clone(), backend="emu")
+    out = eng.step(toks, par, 40, mode="mega")
+    assert torch.equal(default.logits, out.logits) and torch.equal(default.tokens, out.tokens)
+    tl = eng.timeline("mega")
+    assert not tl.problems
+    phases = set(tl.spans_df()["phase"])
+    assert {"qkv", "attn", "expert1", "expert2", "wait_expert2", "lm_head"} <= phases
+
+
+def test_profiler_event_layout_is_pinned():
+    from megakernel.plan import OP_KINDS
+    from megakernel.profile_events import EVENTS
+
+    base = EVENTS.id("wait_embed_begin")
+    for i, k in enumerate(OP_KINDS):
+        assert EVENTS.id(f"wait_{k}_begin") == base + 4 * i and EVENTS.id(f"{k}_begin") == base + 4 * i + 2

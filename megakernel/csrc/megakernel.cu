@@ -7,6 +7,7 @@
 //              replaces the counters. Same code, same units, same reduction orders: the two
 //              modes are bitwise equal by construction, and tests check it.
 // Block = WARPS compute warps + 1 loader warp (bulk copies into the shared-memory ring).
+// The last two parameters are the profiler's (mb/profile.cuh): (0, 0) records nothing.
 // Constants come from megakernel/plan.py (rendered above this file when built; the committed
 // default_config.cuh — the tiny preset — lets this file compile on its own).
 #ifndef MK_GENERATED
@@ -15,8 +16,14 @@
 #include "mk/program.cuh"
 
 extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
-    mk_run(const mk::Params* __restrict__ params, int first, int n_ops, int wait, int T, int ctx, int parity) {
+    mk_run(const mk::Params* __restrict__ params, int first, int n_ops, int wait, int T, int ctx, int parity,
+           MB_PROF_PARAMS) {
   using namespace mk;
+  // PDL: the next launch may be scheduled as soon as this one runs; its blocks land on SMs as
+  // ours leave (one block per SM), and its compute warps wait for all of this grid below.
+  if (PDL) pdl_launch_dependents();
+  mb::prof::Profiler prof(MB_PROF_ARGS);
+  prof.stamp(MK_EV_LAUNCH_START, first);
   Blk b = make_blk(params, T, ctx, parity, wait);
   if (tid() == 0) {
     for (int s = 0; s < RING_STAGES; ++s) {
@@ -25,11 +32,14 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
     }
     fence_mbar_init();
     b.misc[MISC_TAG] = -1;
+    b.misc[MISC_OPS_DONE] = 0;
   }
   sync_block();
   if (warp() == WARPS) {
-    loader_loop(b, first, n_ops);
+    loader_loop(b, first, n_ops);  // weights only: never waits for the previous launch
   } else {
-    compute_loop(b, first, n_ops);
+    if (PDL) pdl_wait();  // activations, caches and counters of the previous launch are complete
+    compute_loop(b, first, n_ops, prof);
+    prof.stamp(MK_EV_LAUNCH_END, first);
   }
 }

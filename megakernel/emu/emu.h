@@ -95,6 +95,9 @@ MK_DEV void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar)
   memcpy(dst, src, bytes);
   emu::mbar_complete_tx(bar, bytes);
 }
+MK_DEV void prefetch_l2(const void*, unsigned) {}
+MK_DEV void pdl_launch_dependents() {}
+MK_DEV void pdl_wait() {}
 MK_DEV float fexp(float x) { return expf(x); }
 MK_DEV float frsqrt(float x) { return 1.0f / sqrtf(x); }
 MK_DEV float fmax_(float a, float b) { return fmaxf(a, b); }

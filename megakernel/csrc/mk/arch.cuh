@@ -93,6 +93,10 @@ MK_DEV bool mbar_test(uint64_t* b, unsigned parity) { return mb::mbar_try_wait(b
 MK_DEV void bulk_copy(void* dst_smem, const void* src, unsigned bytes, uint64_t* bar) {
   mb::bulk_g2s(dst_smem, src, bytes, bar);
 }
+MK_DEV void prefetch_l2(const void* src, unsigned bytes) { mb::bulk_prefetch_l2(src, bytes); }
+// Programmatic dependent launch: let the next launch start scheduling / wait for the previous one.
+MK_DEV void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+MK_DEV void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 MK_DEV float fexp(float x) { return expf(x); }
 MK_DEV float frsqrt(float x) { return rsqrtf(x); }

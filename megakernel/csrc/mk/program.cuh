@@ -3,6 +3,7 @@
 // (wait, run, signal per unit) and the loader warp's (stream each unit's weight chunks).
 // The unit/group rules mirror megakernel/program.py (tests/test_megakernel_program.py compares).
 #pragma once
+#include "mb/profile.cuh"
 #include "mk/layers.cuh"
 #include "ops/argmax.cuh"
 #include "ops/attention.cuh"
@@ -167,8 +168,13 @@ MK_DEV bool load_unit(const Blk& b, int i, const Op& o, int u, unsigned& c) {
 // The compute warps. Every wait is done by thread 0 and agreed on through a barrier-reduction,
 // and a ring wait that gives up only sets b.failed (control flow never diverges inside a unit),
 // so a broken dependency stops all compute warps at the same unit boundary instead of leaving
-// some of them at a barrier forever.
-MK_DEV void compute_loop(Blk& b, int first, int nops) {
+// some of them at a barrier forever. Thread 0 also stamps the profiler (compiled out unless
+// PROFILE) and, for the loader's LOADER_AHEAD=0 mode, publishes how many ops it has finished.
+MK_DEV uint32_t ev_wait_begin(int kind) { return MK_EV_WAIT_EMBED_BEGIN + 4u * kind; }  // layout: profile_events.py
+MK_DEV uint32_t ev_work_begin(int kind) { return ev_wait_begin(kind) + 2u; }
+
+MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) {
+  volatile int* ops_done = b.misc + MISC_OPS_DONE;
   for (int i = first; i < first + nops; ++i) {
     const Op o = load_op(*b.p, i);
     bool fail = false;
@@ -177,12 +183,85 @@ MK_DEV void compute_loop(Blk& b, int first, int nops) {
       if (sync_compute_or(fail)) return;  // the routing is visible to every thread from here
     }
     const UnitRange r = my_units(o, n_units(b, o));
+    bool first_unit = true;
     for (int u = r.begin; u < r.end; u += r.step) {
+      if (first_unit) prof.stamp(ev_wait_begin(o.kind), i);
       if (b.wait && tid() == 0) fail = !wait_unit(b, i, o, u);
+      if (first_unit) {
+        prof.stamp(ev_wait_begin(o.kind) + 1, i);
+        prof.stamp(ev_work_begin(o.kind), i);
+        first_unit = false;
+      }
       if (sync_compute_or(fail || b.failed)) return;
       run_unit(b, i, o, u);
       if (sync_compute_or(b.failed)) return;
       if (b.wait && tid() == 0) signal_unit(b, o, u);
+    }
+    if (!first_unit) prof.stamp(ev_work_begin(o.kind) + 1, i);
+    if (tid() == 0) *ops_done = i - first + 1;
+  }
+}
+
+// LOADER_AHEAD=0: the loader may not start an op's weights before the compute warps finished
+// the previous op (no cross-op prefetch; the ring still overlaps chunks within an op).
+MK_DEV bool loader_gate(const Blk& b, int i, int first) {
+  if (LOADER_AHEAD) return true;
+  int ok = 1;
+  if (lane() == 0) {
+    volatile int* ops_done = b.misc + MISC_OPS_DONE;
+    const uint64_t t0 = now_ns();
+    for (uint32_t k = 1; *ops_done < i - first; ++k) {
+      backoff(POLL_BACKOFF_NS);
+      if ((k & 63u) == 0u) {
+        const uint64_t dt = now_ns() - t0;
+        if (dt > SPIN_BOUND_NS) {
+          report(*b.p, static_cast<uint32_t>(i * 16) + WHAT_LOADER_GATE, b.misc + MISC_OPS_DONE, i - first,
+                 static_cast<uint64_t>(*ops_done), dt);
+          ok = 0;
+          break;
+        }
+        if (tripped(*b.p)) {
+          ok = 0;
+          break;
+        }
+      }
+    }
+  }
+  return bcast_i(ok) != 0;
+}
+
+// Pull into L2 (no landing in smem) the weights this block's units of the next launch will
+// stream, up to L2_PREFETCH_BYTES: the next layer's first projections are then an L2 hit when
+// its launch starts. Dynamic (expert) ops are skipped: their experts are not known yet.
+MK_DEV void l2_prefetch_next_launch(const Blk& b, int first) {
+  if (L2_PREFETCH_BYTES <= 0) return;
+  const Params& p = *b.p;
+  int li = -1;
+  for (int k = 0; k < p.n_launches; ++k)
+    if (p.launches[2 * k] == first) li = k;
+  if (li < 0 || li + 1 >= p.n_launches) return;
+  const int nf = p.launches[2 * (li + 1)], nn = p.launches[2 * (li + 1) + 1];
+  long long budget = L2_PREFETCH_BYTES;
+  for (int i = nf; i < nf + nn && budget > 0; ++i) {
+    const Op o = load_op(p, i);
+    if (!has_weights(o.kind) || is_dynamic(o.kind)) continue;
+    const uint16_t* w = nullptr;
+    int k = D, rows = 8;
+    const LayerPtrs& L = p.layers[o.layer];
+    switch (o.kind) {
+      case OP_QKV: w = L.wqkv; break;
+      case OP_OPROJ: w = L.wo; k = ATT_W; break;
+      case OP_ROUTER: w = L.router; break;
+      case OP_POOL: w = L.pool; break;
+      case OP_UNPOOL: w = L.unpool; k = P; break;
+      case OP_LM_HEAD: w = p.lm_head; rows = 16; break;
+    }
+    // the next launch's block with this index runs the same units (same grid, same formula)
+    const UnitRange r = my_units(o, n_units(b, o));
+    for (int u = r.begin; u < r.end && budget > 0; u += r.step) {
+      const unsigned bytes = static_cast<unsigned>(rows) * k * 2;  // a unit's rows are contiguous
+      if (lane() == 0) prefetch_l2(w + static_cast<size_t>(u) * rows * k, bytes);
+      budget -= bytes;
     }
   }
 }
@@ -196,6 +275,7 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
   for (int i = first; i < first + nops; ++i) {
     const Op o = load_op(*b.p, i);
     if (!has_weights(o.kind)) continue;
+    if (!loader_gate(b, i, first)) return;
     if (is_dynamic(o.kind) && b.wait) {
       int ok = 1;
       if (lane() == 0) ok = wait_dep(b, i, o, 0, 0, static_cast<uint32_t>(i * 16) + WHAT_LOADER_ROUTE) ? 1 : 0;
@@ -205,6 +285,7 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
     for (int u = r.begin; u < r.end; u += r.step)
       if (!load_unit(b, i, o, u, c)) return;
   }
+  l2_prefetch_next_launch(b, first);
 }
 
 }  // namespace mk

@@ -12,7 +12,7 @@
 
 namespace mk {
 
-constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10;
+constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10, WHAT_LOADER_GATE = 11;
 
 MK_DEV bool tripped(const Params& p) {
   return *reinterpret_cast<volatile unsigned long long*>(&p.watchdog[mb::WD_TRIPPED]) != 0ull;

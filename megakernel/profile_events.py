@@ -1,0 +1,33 @@
+"""The megakernel's profiler events (device API: microbench/cuda/mb/profile.cuh).
+
+Per block, thread 0 (lane 0 of compute warp 0) stamps for every op instance it has units of:
+  wait_<op>   from reaching the op to its first unit's dependencies being satisfied
+  <op>        from then to the end of its last unit (later units' waits fold in here)
+and `launch_start` / `launch_end` instants. arg = the op instance index (program.py), so a
+stamp names its layer too. The rendered header is part of every megakernel build; with
+Plan.profile false the stamps compile to nothing (mb/profile.cuh)."""
+from __future__ import annotations
+
+from microbench.clocks.profiler import ProfileEvents
+
+from .plan import OP_KINDS
+
+EVENTS = ProfileEvents("megakernel", prefix="MK_EV", doc="megakernel: per-block op phases (arg = op index)")
+EVENTS.instant("launch_start", "block entered the kernel (arg = first op of the launch)")
+for _k in OP_KINDS:
+    EVENTS.phase(f"wait_{_k}", f"waiting for the dependencies of the block's first {_k} unit")
+    EVENTS.phase(_k, f"the block's {_k} units")
+EVENTS.instant("launch_end", "block finished its last unit (arg = first op of the launch)")
+
+
+def render_op_tables() -> str:
+    """The device finds an op kind's events by arithmetic (csrc/mk/program.cuh): wait_<k>_begin =
+    wait_embed_begin + 4 k, <k>_begin = wait_<k>_begin + 2, ends one after their begins. These
+    static_asserts pin that layout, so a change in the registry order fails the build."""
+    out = []
+    first = EVENTS.macro("wait_embed_begin")
+    for i, k in enumerate(OP_KINDS):
+        w, b = EVENTS.macro(f"wait_{k}_begin"), EVENTS.macro(f"{k}_begin")
+        out.append(f'static_assert({w} == {first} + 4 * {i} && {b} == {w} + 2 && '
+                   f'{EVENTS.macro(f"{k}_end")} == {b} + 1, "profiler ids of {k}");')
+    return "\n".join(out) + "\n"
