@@ -32,7 +32,7 @@ CHECK_POINTS = {"tiny": [(1, 0), (16, 20), (16, 100)], "small": [(1, 300), (16, 
 REL_TOL = 1e-2  # bf16 activations between ops, fp32 accumulation: observed ~3e-3 on tiny
 
 
-def plan_for(preset: str, constants=None, n_sm: int | None = None) -> Plan:
+def plan_for(preset: str, constants=None, n_sm: int | None = None, **switches) -> Plan:
     """Plan from the tuned constants (documented defaults where a class has not reported)."""
     from microbench.device import device_info
 
@@ -51,9 +51,9 @@ def plan_for(preset: str, constants=None, n_sm: int | None = None) -> Plan:
         kw = dict(ring_stages=int(get("ring_stages")), ring_stage_bytes=int(get("ring_stage_bytes")),
                   spin_bound_ns=int(get("spin_bound_ns")), poll_backoff_ns=int(get("poll_backoff_ns")))
     try:
-        return make_plan(cfg, n_sm, **kw)
+        return make_plan(cfg, n_sm, **kw, **switches)
     except Exception:
-        return make_plan(cfg, n_sm)  # the tuned ring does not fit this preset: conservative default
+        return make_plan(cfg, n_sm, **switches)  # the tuned ring does not fit this preset: default ring
 
 
 def code_budget(constants=None) -> int | None:
@@ -161,14 +161,15 @@ def graph_of(eng: Engine, mode: str, pairs: int = 1):
     return g, 2 * pairs
 
 
-def bench_point(h, preset: str, n_tokens: int, ctx: int, plan: Plan, mode: str, ceiling) -> Series:
+def bench_point(h, preset: str, n_tokens: int, ctx: int, plan: Plan, mode: str, ceiling, impl: str | None = None,
+                program_mode: str = "layer") -> Series:
     from .bench_baselines import step_context, weights_for
     from .kernel_count import count_kernels
     from .roofline import roofline
 
     sc = step_context(preset, n_tokens, ctx)
     w = weights_for(preset)
-    eng = Engine(w, plan, sc.cache0.clone(), backend="gpu")
+    eng = Engine(w, plan, sc.cache0.clone(), backend="gpu", program_mode=program_mode)
     routes = [r.cuda() for r in sc.routes]
     eng.prepare(sc.tokens, sc.parents, ctx, routes)
     out = eng.step(sc.tokens, sc.parents, ctx, mode=mode, routes=routes)  # correctness of this very engine
@@ -179,9 +180,10 @@ def bench_point(h, preset: str, n_tokens: int, ctx: int, plan: Plan, mode: str, 
     rf = roofline(w.cfg, n_tokens, ctx, sc.distinct, ceiling=ceiling)
     samples = np.asarray(t.samples_s) / per
     bound = Bound("time", rf.seconds, "s", f"roofline: {rf.bytes.total} B / {rf.read_ceiling:.3e} B/s ({rf.source})")
+    impl = impl or mode
     return Series.from_samples(
-        step_series_name(preset, n_tokens, ctx, mode), samples, timer="cuda_event", unit="s",
-        params=step_params(preset, n_tokens, ctx, mode, sc.distinct, launch="cuda_graph"), bound=bound,
+        step_series_name(preset, n_tokens, ctx, impl), samples, timer="cuda_event", unit="s",
+        params=step_params(preset, n_tokens, ctx, impl, sc.distinct, launch="cuda_graph"), bound=bound,
         clocks=t.clocks, warnings=t.warnings,
         metrics={"launches_per_step": kc.kernels_per_step, "bytes_per_step": rf.bytes.total, "roofline_s": rf.seconds,
                  "tokens_per_step": n_tokens, "grid": eng.grid, "smem_bytes": plan.smem_bytes})
@@ -204,7 +206,119 @@ def build_result(plans: dict[str, Plan], budget: int | None) -> Result:
     return Result("megakernel.build", Env.capture(), tuple(series), derived, quick=True)
 
 
-def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", "small", "shard8"), log=print):
+# ---------------------------------------------------------------------- techniques
+def technique_switches(constants=None, n_sm: int = 132) -> dict[str, dict]:
+    """Each technique as plan switches. The "all" build uses every one; the ablation switches one
+    on at a time (from none) and one off at a time (from all)."""
+    l2 = 0
+    try:
+        if constants is None:
+            from microbench.tune import load_constants
+
+            constants = load_constants()
+        usable = int(getattr(constants, "l2_usable_bytes"))
+        budget = int(getattr(constants, "l2_prefetch_budget_bytes")) or usable // 2
+        l2 = max(16 * 1024, min(budget, usable // 2) // n_sm)
+    except Exception:
+        l2 = 128 * 1024
+    return {"loader_ahead": {"loader_ahead": True}, "pdl": {"pdl": True}, "l2_prefetch": {"l2_prefetch_bytes": l2}}
+
+
+NONE = {"loader_ahead": False, "pdl": False, "l2_prefetch_bytes": 0}
+
+
+def ablation(h, preset: str, n_tokens: int, ctx: int, constants, ceiling, log=print) -> list[Series]:
+    """Step time with no technique, each one alone, all, all but each one, and all in a single
+    whole-step launch instead of one launch per layer (same bits every time: checked)."""
+    tech = technique_switches(constants, h.info.sm_count)
+    allsw = {k: v for d in tech.values() for k, v in d.items()}
+    variants = {"mega+none": NONE, "mega+all": allsw}
+    for name, sw in tech.items():
+        variants[f"mega+only_{name}"] = {**NONE, **sw}
+        variants[f"mega+all_but_{name}"] = {**allsw, **{k: NONE[k] for k in sw}}
+    out = []
+    for impl, sw in variants.items():
+        s = bench_point(h, preset, n_tokens, ctx, plan_for(preset, constants, h.info.sm_count, **sw), "mega", ceiling,
+                        impl=impl)
+        out.append(s)
+        log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms ({s.fraction_of_bound:.1%} of roofline)")
+    sw = {**allsw, "pdl": False}  # one launch: nothing to chain
+    s = bench_point(h, preset, n_tokens, ctx, plan_for(preset, constants, h.info.sm_count, **sw), "mega", ceiling,
+                    impl="mega+all_single_launch", program_mode="step")
+    out.append(s)
+    log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms ({s.fraction_of_bound:.1%} of roofline)")
+    return out
+
+
+def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, log=print) -> Result:
+    """One profiled step of the best build: per-block op phases as megakernel.timeline series, a
+    Perfetto trace and a PNG, the profiler's cost (profiled vs unprofiled step, same graph method)
+    and the bitwise identity of the profiled outputs."""
+    from pathlib import Path
+
+    from microbench.clocks.profiler import edge_series
+    from microbench.results import results_root
+
+    from .bench_baselines import step_context, weights_for
+
+    tech = technique_switches(constants, h.info.sm_count)
+    allsw = {k: v for d in tech.values() for k, v in d.items()}
+    sc = step_context(preset, n_tokens, ctx)
+    w = weights_for(preset)
+    routes = [r.cuda() for r in sc.routes]
+    outs, times = {}, {}
+    for prof in (False, True):
+        plan = plan_for(preset, constants, h.info.sm_count, **allsw, profile=prof, profile_cap=128)
+        eng = Engine(w, plan, sc.cache0.clone(), backend="gpu")
+        outs[prof] = eng.step(sc.tokens, sc.parents, ctx, mode="mega", routes=routes)
+        g, per = graph_of(eng, "mega")
+        times[prof] = h.time(g.replay)
+        if prof:
+            eng.step(sc.tokens, sc.parents, ctx, mode="mega", routes=routes)  # the step whose stamps we read
+            tl = eng.timeline("mega")
+    same = torch.equal(outs[False].logits, outs[True].logits) and torch.equal(outs[False].tokens, outs[True].tokens)
+    if not same:
+        raise CorrectnessError(f"{preset}: profiled outputs differ from unprofiled ones")
+    off, on = times[False].median_s / 2, times[True].median_s / 2
+    import dataclasses
+
+    n_launch = len(eng.program.launches)
+    mid = n_launch // 2  # a middle layer's launch: attention of layer L through qkv of L+1
+    series = list(edge_series(tl, launch=mid))
+    series.append(Series.from_samples(f"profiler_cost/{preset}/off", np.asarray(times[False].samples_s) / 2,
+                                      timer="cuda_event", unit="s", params={"preset": preset, "profile": 0}))
+    series.append(Series.from_samples(f"profiler_cost/{preset}/on", np.asarray(times[True].samples_s) / 2,
+                                      timer="cuda_event", unit="s", params={"preset": preset, "profile": 1}))
+    df = tl.spans_df()
+    derived = {
+        "profiler_overhead_fraction": Derived((on - off) / off, "", "median profiled step / median unprofiled step - 1 "
+                                              "(CUDA-graph replays; outputs bitwise identical)"),
+        "stamps_per_step": Derived(float(len(tl.stamps)), "", "profiler records of one step"),
+    }
+    span = float(df["end_ns"].max() - df["begin_ns"].min()) if len(df) else float("nan")
+    waits = df[df["phase"].str.startswith("wait_")]
+    for ph, g in waits.groupby("phase"):  # where each block's idle time goes, per op kind, per step
+        per_block = g.groupby("block")["dur_ns"].sum()
+        derived[f"idle_{ph}_s"] = Derived(float(per_block.median()) * 1e-9, "s",
+                                          f"median over blocks of the step's total time in {ph} phases")
+    if len(waits):
+        derived["idle_fraction_of_step"] = Derived(float(waits.groupby("block")["dur_ns"].sum().median() / span), "",
+                                                   "median over blocks of total wait_* time / profiled step span")
+    out_dir = Path(out_dir or results_root() / "megakernel")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    keep = {mid - 1, mid, mid + 1}  # three launches keep the trace file small
+    part = dataclasses.replace(tl, spans=tuple(x for x in tl.spans if x.launch in keep),
+                               instants=tuple(x for x in tl.instants if x.launch in keep))
+    trace = part.write_trace(out_dir / f"timeline-{preset}-T{n_tokens}.trace.json")
+    png = part.plot(out_dir / f"timeline-{preset}-T{n_tokens}.png")
+    log(f"  timeline {preset}: {len(tl.stamps)} stamps, profiler overhead {(on - off) / off:.2%}, trace {trace.name}")
+    notes = (f"Perfetto trace (launches {sorted(keep)} of {n_launch}): {trace.name}; plot: {png.name}",
+             "timer: globaltimer, stamped by thread 0 of each block", f"problems: {list(tl.problems)[:5]}")
+    return Result("megakernel.timeline", Env.capture(), tuple(series), derived, quick=True, notes=notes)
+
+
+def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", "small", "shard8"), log=print,
+        ablate: bool = True):
     """Checks, then timings; returns the Results (saved unless save=False)."""
     from microbench.harness import Harness, Policy
 
@@ -235,14 +349,19 @@ def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", 
                 series.append(s)
                 log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms, {s.metrics['launches_per_step']} launches, "
                     f"{s.fraction_of_bound:.1%} of roofline")
+        if ablate and p in ("small", "shard8"):
+            T, ctx = (QUICK if quick else FULL)[p][-1]
+            series += ablation(h, p, T, ctx, constants, ceiling, log)
+            if p == "shard8":
+                results.append(timeline(h, p, T, ctx, constants, log=log))
         log(f"  {p}: {time.perf_counter() - t0:.1f} s")
         release(p)
     derived = {}
     by = {(s.params["preset"], s.params["T"], s.params["ctx"], s.params["impl"]): s for s in series}
     for (p, T, ctx, impl), s in by.items():
-        if impl == "mega" and (p, T, ctx, "chain") in by:
+        if impl.startswith("mega") and (p, T, ctx, "chain") in by:
             ch = by[(p, T, ctx, "chain")]
-            derived[f"speedup_vs_chain/{p}/T{T}/ctx{ctx}"] = Derived(
+            derived[f"speedup_vs_chain/{p}/T{T}/ctx{ctx}/{impl}"] = Derived(
                 ch.summary.median / s.summary.median, "x", "median chain step time / median mega step time "
                 "(both replayed from CUDA graphs)", inputs=(ch.name, s.name))
     derived["max_rel_err_vs_reference"] = Derived(max(c.rel_err for c in checks), "", "max over the checked points "
