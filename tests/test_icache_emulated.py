@@ -233,6 +233,7 @@ def test_code_vs_data_pipeline(emu):
     res = bench.run_code_vs_data(FakeHarness(emu), quick=True, save=False)
     d = res.derived
     assert d["icache_overflow_stream_slowdown"].value == pytest.approx(3.8 / 3.3, rel=0.01)
+    assert any("cannot confirm" in n for n in res.notes)  # no capacity result for this GPU yet
     fit = res.series_named("stream/16stages")
     assert fit.bound.value == pytest.approx(4.0e12, rel=0.01) and fit.fraction_of_bound == pytest.approx(0.95, rel=0.01)
 
@@ -247,3 +248,29 @@ def test_broken_kernels_are_caught_by_the_checks(emu):
     with pytest.raises(CorrectnessError, match="sums wrong"):
         bench.stream_case(16, stages_per_warp=64, passes_override=3).prepare(h)
     bench.stream_case(16, stages_per_warp=64).prepare(h)
+
+
+def test_note_reads_saved_results(emu, tmp_path):
+    from microbench.icache.note import render
+
+    h = FakeHarness(emu)
+    assert "no icache.capacity result" in render(tmp_path)
+    bench.run_capacity(h, quick=True, save=False).save(tmp_path)
+    bench.run_spliced(h, quick=True, save=False).save(tmp_path)
+    text = render(tmp_path)
+    assert "innermost instruction-cache level" in text and "not measured (no icache.prefetch result)" in text
+    assert "| 100 KiB + 20 KiB spliced / alone, 12 warps/SM | 1" in text
+
+
+def test_bench_cases_prepare_and_launch(emu):
+    """The Cases pytest-benchmark times: prepared (checked) and launchable."""
+    h = FakeHarness(emu)
+    p = bench.loop_case(gen.loop_kernel([1024]), 4, 8).prepare(h)
+    p.launch()
+    assert p.bound.kind == "time" and p.bound.value == pytest.approx(9 * 1024 / (MHZ * 1e6))
+    for state in bench.PREFETCH_STATES:
+        p = bench.probe_case(True, state).prepare(h)
+        p.before_each()
+        p.launch()
+    p = bench.stream_case(16, stages_per_warp=32).prepare(h)
+    assert p.work == 32 * 4 * bench.STREAM_WARPS * 4096

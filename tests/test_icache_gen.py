@@ -166,3 +166,21 @@ def test_compile_many_in_processes_fills_the_cache(tmp_path, monkeypatch):
     mods = compile_many(gs, workers=2)  # spawned workers assemble, the parent checks
     assert all(gen._ptx_cache_hit(g.ptx, g.name, "sm_90a") for g in gs)
     assert {n: m.usage(n).code_bytes > 0 for n, m in mods.items()} == {g.name: True for g in gs}
+
+
+def test_sass_holds_every_generated_instruction():
+    """Where a disassembler exists: the SASS has exactly the generated FADDs, guards and clock
+    reads (the byte check's premise, 16 B per instruction, seen instruction by instruction)."""
+    from microbench.clocks.sass import count_matching, find_disassembler, sass_by_kernel
+
+    if find_disassembler() is None:
+        pytest.skip("no nvdisasm/cuobjdump (set MEGABENCH_NVDISASM)")
+    g = loop_kernel([1500, 700])
+    insns = sass_by_kernel(compile_checked(g).cubin)[g.name]
+    assert count_matching(insns, r"^FADD ") == 2200
+    assert count_matching(insns, r"^FSETP") == g.ptx.count("@%p3 bra") == 2
+    assert count_matching(insns, r"SR_CLOCKLO") == 5  # before the loop, 3 around the two blocks, 1 after
+    s = stream_kernel(30)
+    insns = sass_by_kernel(compile_checked(s).cubin)[s.name]
+    assert count_matching(insns, r"^LDG\.E\.128\.CONSTANT") == 30 * 8
+    assert count_matching(insns, r"^FADD ") == 30 * 32

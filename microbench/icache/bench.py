@@ -337,9 +337,12 @@ def loop_case(gen: Generated, warps: int, passes: int, name: str | None = None) 
         k = GenKernel(h, gen, mod, warps, passes)
         k.run_checked()
         instr = k.passes * gen.body_instructions
-        floor_s = instr * issue_floor_cpi(warps) / (h.info.sm_clock_max_mhz * 1e6)
-        return Prepared(launch=k.launch, bound=Bound("time", floor_s, "s", f"issue floor: {instr} instructions per "
-                                                     f"warp x {issue_floor_cpi(warps)} cycles at the max SM clock"),
+        bound = None
+        if h.info.sm_clock_max_mhz:  # 0 when NVML is unavailable: no clock, no time bound
+            floor_s = instr * issue_floor_cpi(warps) / (h.info.sm_clock_max_mhz * 1e6)
+            bound = Bound("time", floor_s, "s", f"issue floor: {instr} instructions per warp x "
+                          f"{issue_floor_cpi(warps)} cycles at the max SM clock")
+        return Prepared(launch=k.launch, bound=bound,
                         metrics={"code_bytes": k.usage.code_bytes, "body_bytes": gen.body_bytes, "warps_per_sm": warps,
                                  "passes": k.passes})
 
@@ -656,6 +659,22 @@ def stream_case(stages: int, bound: Bound | None = None, warps: int = STREAM_WAR
                                            "stages_per_warp": stages_per_warp}, prepare)
 
 
+def _overflow_note(h: Harness, over_bytes: int, fit_bytes: int) -> str:
+    """Does the 'overflowing' body really exceed the capacity measured on this GPU model?"""
+    from ..results import latest
+
+    cap = latest("icache.capacity", gpu=getattr(h.info, "name", None))
+    levels = {k: d.value for k, d in (cap.derived.items() if cap else ()) if k in ("icache_l1_bytes",
+                                                                                 "icache_l2_bytes")}
+    if not levels:
+        return (f"no icache.capacity result for this GPU yet: cannot confirm the {over_bytes} B body overflows "
+                f"(and the {fit_bytes} B one fits) the instruction cache")
+    top = max(levels.values())
+    return (f"{over_bytes} B body vs the largest measured level ({top:.0f} B, {cap.env.date[:10]}): "
+            + ("overflows" if over_bytes > top else "does NOT overflow it: the comparison shows no capacity effect")
+            + f"; the {fit_bytes} B body " + ("fits" if fit_bytes <= top else "does NOT fit"))
+
+
 def run_code_vs_data(h: Harness | None = None, quick: bool | None = None, save: bool = True) -> Result:
     from ..basics.bench import copy_case
     from ..datasheet import hbm_peak
@@ -687,6 +706,7 @@ def run_code_vs_data(h: Harness | None = None, quick: bool | None = None, save: 
     peak = hbm_peak(h.info.name)
     notes = [f"bound: memcpy {rate / 1e12:.2f} TB/s measured; datasheet HBM peak "
              f"{peak / 1e12 if peak else float('nan'):.2f} TB/s (context only)",
+             _overflow_note(h, over.metrics["body_bytes"], fit.metrics["body_bytes"]),
              f"compile step {compile_s:.1f} s ({len(sw.stream_stages)} kernels, cache hits included)"]
     res = Result("icache.code_vs_data", Env.capture(h.device_index), tuple(series), derived, quick=quick,
                  notes=tuple(notes))

@@ -1,0 +1,63 @@
+"""The instruction-cache note: levels, miss costs, spliced-block ratios, the launch prefetch window
+and the code-vs-data slowdown, read from the latest saved results (never typed in), each with
+the GPU and date it was measured on. `python -m microbench.icache.note [--root DIR]` prints
+markdown; a missing result or constant is said to be missing. The study's own (GB300) figures
+are not repeated here: the report shows them separately, labelled with their hardware."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..results import latest
+
+KiB = 1024
+ROWS = (  # (benchmark, derived key, label, scale, unit shown)
+    ("icache.capacity", "icache_l1_bytes", "innermost instruction-cache level (capacity)", 1 / KiB, "KiB"),
+    ("icache.capacity", "icache_l2_bytes", "next level (capacity)", 1 / KiB, "KiB"),
+    ("icache.capacity", "icache_l1_miss_cpi_w1", "cost of missing level 1, 1 warp/SM", 1, "cycles/instr"),
+    ("icache.capacity", "icache_l2_miss_cpi_w1", "cost of missing level 2, 1 warp/SM", 1, "cycles/instr"),
+    ("icache.capacity", "icache_l2_miss_cpi_w4", "cost of missing level 2, 4 warps/SM", 1, "cycles/instr"),
+    ("icache.capacity", "icache_l2_miss_cpi_w8", "cost of missing level 2, 8 warps/SM", 1, "cycles/instr"),
+    ("icache.spliced", "spliced_ratio_w12_100K_100K", "100 KiB + 100 KiB spliced / alone, 12 warps/SM", 1, "x"),
+    ("icache.spliced", "spliced_ratio_w12_100K_20K", "100 KiB + 20 KiB spliced / alone, 12 warps/SM", 1, "x"),
+    ("icache.spliced", "spliced_ratio_w1_100K_100K", "100 KiB + 100 KiB spliced / alone, 1 warp/SM", 1, "x"),
+    ("icache.spliced", "spliced_ratio_w1_100K_20K", "100 KiB + 20 KiB spliced / alone, 1 warp/SM", 1, "x"),
+    ("icache.spliced", "max_code_bytes_per_launch", "largest code per launch within 5% of its parts", 1 / KiB,
+     "KiB"),
+    ("icache.prefetch", "launch_prefetch_bytes", "launch prefetch window (icache-cold first pass)", 1 / KiB, "KiB"),
+    ("icache.prefetch", "launch_prefetch_bytes_l2_cold", "same, L2-cold", 1 / KiB, "KiB"),
+    ("icache.prefetch", "first_pass_ratio_icache_cold_vs_warm", "first pass, icache-cold / warm", 1, "x"),
+    ("icache.code_vs_data", "icache_overflow_stream_slowdown", "weights stream: overflowing / fitting code", 1, "x"),
+)
+
+
+def render(root: Path | None = None) -> str:
+    lines = ["# Instruction cache: measured values", "",
+             "| quantity | value | spread | measured | GPU |", "|---|---|---|---|---|"]
+    cache = {}
+    for bench, key, label, scale, unit in ROWS:
+        if bench not in cache:
+            cache[bench] = latest(bench, root)
+        r = cache[bench]
+        d = r.derived.get(key) if r else None
+        if d is None:
+            lines.append(f"| {label} | not measured{'' if r else ' (no ' + bench + ' result)'} | | | |")
+            continue
+        sp = f"{d.spread[0] * scale:.4g} .. {d.spread[1] * scale:.4g}" if d.spread else ""
+        lines.append(f"| {label} | {d.value * scale:.4g} {unit} | {sp} | {r.env.date[:10]} | {r.env.gpu} |")
+    lines += ["", "Rules behind each value are in the result files (`Derived.rule`); notes:"]
+    for bench, r in cache.items():
+        for n in (r.notes if r else ()):
+            lines.append(f"- {bench}: {n}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--root", type=Path, default=None, help="results root (default: reports/results)")
+    print(render(ap.parse_args(argv).root), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
