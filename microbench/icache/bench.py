@@ -394,7 +394,7 @@ def run_capacity(h: Harness | None = None, quick: bool | None = None, save: bool
             names.setdefault(w, []).append(name)
     derived, notes = derive.derive_capacity(curves, names)
     notes.append(f"compile step {compile_s:.1f} s ({len(gens)} kernels; the first icache benchmark in a process "
-                 "compiles all four's kernels in one thread pool, cache hits included)")
+                 "compiles all four's kernels in one process pool, cache hits included)")
     res = Result("icache.capacity", Env.capture(h.device_index), tuple(series), derived, quick=quick,
                  notes=tuple(notes))
     if save:
