@@ -1,0 +1,61 @@
+"""Compile, without a GPU, every megakernel build the pipeline and the GPU tests will ask for, into
+the on-disk cache (MEGABENCH_CACHE). The cache key names content, not machine paths, so a cache
+filled here is reused on a GPU machine with the same NVRTC: device time is not spent compiling.
+
+    MEGABENCH_CACHE=.carry/kcache python -m megakernel.precompile [--sm 132] [-j 2]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+
+def plans(n_sm: int = 132):
+    from .config import preset
+    from .pipeline import NONE, plan_for, technique_switches
+    from .plan import make_plan
+
+    out = []
+    tech = technique_switches(None, n_sm)
+    allsw = {k: v for d in tech.values() for k, v in d.items()}
+    for p in ("tiny", "small", "shard8"):
+        out.append(plan_for(p, None, n_sm))
+        if p == "tiny":
+            continue
+        variants = [NONE, allsw, {**allsw, "pdl": False}]
+        for sw in tech.values():
+            variants.append({**NONE, **sw})
+            variants.append({**allsw, **{k: NONE[k] for k in sw}})
+        for sw in variants:
+            out.append(plan_for(p, None, n_sm, **sw))
+        out.append(plan_for(p, None, n_sm, **allsw, profile=False, profile_cap=128))
+        out.append(plan_for(p, None, n_sm, **allsw, profile=True, profile_cap=128))
+    cfg = preset("tiny")
+    out.append(make_plan(cfg, 4))  # sanitize-step
+    out.append(make_plan(cfg, n_sm, spin_bound_ns=50_000_000))  # the GPU watchdog test
+    return list(dict.fromkeys(out))
+
+
+def _one(plan) -> str:
+    from .build import build_gpu
+
+    u = build_gpu(plan).usage
+    return f"{plan.cfg.name}: {u.code_bytes} B, {u.registers} regs, spills {u.spills}"
+
+
+def main(argv=None) -> int:
+    a = argparse.ArgumentParser(description=__doc__)
+    a.add_argument("--sm", type=int, default=132)
+    a.add_argument("-j", type=int, default=2)
+    args = a.parse_args(argv)
+    ps = plans(args.sm)
+    print(f"{len(ps)} builds", flush=True)
+    with ProcessPoolExecutor(args.j) as ex:
+        for line in ex.map(_one, ps):
+            print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
