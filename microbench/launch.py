@@ -139,20 +139,22 @@ def _arg(a):
     return a
 
 
-_CHECKED: set = set()
+_CHECKED: dict = {}
 
 
 def launch(kernel, spec: LaunchSpec, *args, stream=None, persistent: bool = False) -> None:
     """Launch on torch's current stream. Tensors become pointers; ints are 64-bit unless np-typed."""
     from cuda.core import launch as _launch
 
-    key = (id(kernel), spec)
+    # Keyed by the kernel object itself (kept alive by the dict): an id() or a driver handle of a
+    # freed kernel can be reused by a new one, which would then skip its smem opt-in.
+    key = (kernel, spec)
     if key not in _CHECKED:
         if spec.smem > DEFAULT_SMEM_LIMIT:
             set_max_dynamic_smem(kernel, spec.smem)
         if persistent or spec.cooperative:
             check_coresident(kernel, spec)
-        _CHECKED.add(key)
+        _CHECKED[key] = True
     try:
         _launch(stream or current_stream(), spec.config(), kernel, *[_arg(a) for a in args])
     except NoGPUError:

@@ -846,8 +846,14 @@ class Barriers:
         self.counter = torch.zeros(32, dtype=torch.int32, device=DEVICE)
         self.flags = torch.zeros(self.G * 32, dtype=torch.int32, device=DEVICE)
         self.data = torch.zeros(2 * self.G, dtype=torch.int32, device=DEVICE)
-        self.base = 0
+        # Stops count per mode family: the atomic counter advances only in atomic launches and the
+        # flags only in depflags launches, so one shared base would set targets never reached.
+        self.bases = {"gridsync": 0, "atomic": 0, "flags": 0}
         self.wd = Watchdog(bound_ns, device=DEVICE)
+
+    @staticmethod
+    def family(mode: str) -> str:
+        return "atomic" if mode == "atomic" else ("flags" if mode.startswith("depflags") else "gridsync")
 
     def deps(self, d: int, seed: int) -> np.ndarray:
         if not 1 <= d <= self.G - 1:
@@ -872,12 +878,13 @@ class Barriers:
         errors = torch.zeros(4, dtype=torch.int32, device=DEVICE)
         out = torch.zeros((self.G, BO["BO_FIELDS"]), dtype=torch.int64, device=DEVICE)
         pt, ptrs = upload([BR.pack(dict(
-            mode=BM[mode], stops=stops, base=self.base, counter=self.counter, flags=self.flags, deps=deps, d=d if dep else 0,
+            mode=BM[mode], stops=stops, base=self.bases[self.family(mode)], counter=self.counter, flags=self.flags,
+            deps=deps, d=d if dep else 0,
             data=self.data, verify=int(verify), errors=errors, out=out, wd=self.wd.ptr, bound_ns=self.wd.bound_ns,
             delay_block=delay[0], delay_stop=delay[1], delay_ns=delay[2]))])
         launch(self.mod.kernel("sync_grid_wait"),
                LaunchSpec(grid=self.G, block=128, smem=one_per_sm_smem(self.info), cooperative=True), ptrs[0])
-        self.base += stops
+        self.bases[self.family(mode)] += stops
         if keep is not None:
             keep.append((pt, deps))
         return mode, stops, d if dep else 0, out, errors
@@ -924,7 +931,7 @@ class Barriers:
             self.flags.zero_()
             self.data.zero_()
             out.zero_()
-            self.base = 0
+            self.bases = dict.fromkeys(self.bases, 0)
 
         def check():
             self.finish((mode, stops, d if dep else 0, out, errors))

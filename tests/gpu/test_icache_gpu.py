@@ -32,9 +32,9 @@ def test_loop_kernel_checked_and_broken_one_caught(harness):
 
 
 def test_issue_floor_one_block_per_sm_and_clock(harness):
-    """A 16 KiB body cannot beat one instruction per cycle per scheduler; every SM gets a block;
+    """A 16 KiB body cannot beat one instruction per cycle per warp; every SM gets a block;
     %clock64 / %globaltimer over the launch agrees with NVML's SM clock."""
-    from microbench.icache.bench import issue_floor_cpi, measure_loop
+    from microbench.icache.bench import WARP_ISSUE_FLOOR_CPI, issue_floor_cpi, measure_loop
     from microbench.icache.gen import R_TIMED0
 
     for w in (1, 8):
@@ -42,8 +42,8 @@ def test_issue_floor_one_block_per_sm_and_clock(harness):
         recs, clk, distinct = measure_loop(harness, k, 2)
         assert distinct == harness.info.sm_count
         cpi = np.concatenate(recs)[:, R_TIMED0] / (k.iters * k.gen.params["block_sass"][0])
-        floor = issue_floor_cpi(w)
-        assert 0.9 * floor <= np.median(cpi) < 20 * floor, (w, np.median(cpi))
+        # per-warp windows only bound by the warp's own issue limit (warps drift: 1.66 seen at 8)
+        assert 0.9 * WARP_ISSUE_FLOOR_CPI <= np.median(cpi) < 20 * issue_floor_cpi(w), (w, np.median(cpi))
         assert clk.inkernel is not None
         assert abs(clk.inkernel - clk.mhz) < 0.1 * clk.mhz, (clk.inkernel, clk.mhz)
 
