@@ -291,11 +291,17 @@ class ProfileBuffer:
         return self.launches * self.layout.slice_bytes
 
     def _write_headers(self) -> None:
+        """Headers from a device-side template whose epoch word is set by a device fill: no copy
+        from host memory, so reset() is safe inside CUDA-graph capture and behind the harness's
+        blocking kernel (a pageable host-to-device copy would wait for the device there)."""
         import torch
 
-        heads = np.stack([self.layout.header_words(i, self.epoch) for i in range(self.launches)]).view(np.int32)
-        hw = heads.shape[1]
-        self.tensor.view(self.launches, self._words)[:, :hw].copy_(torch.from_numpy(heads))
+        if not hasattr(self, "_heads"):
+            heads = np.stack([self.layout.header_words(i, self.epoch) for i in range(self.launches)]).view(np.int32)
+            self._heads = torch.from_numpy(heads).to(self.tensor.device)
+        self._heads[:, 7].fill_(int(self.epoch))  # header word 7 is the epoch (ProfileLayout.header_words)
+        hw = self._heads.shape[1]
+        self.tensor.view(self.launches, self._words)[:, :hw].copy_(self._heads)
 
     def ptr(self, launch: int = 0) -> int:
         if not 0 <= launch < self.launches:
