@@ -26,30 +26,51 @@ MK_DEV constexpr int a_stride() {
 }
 
 // ---------------------------------------------------------------- activation staging
-// bf16(x * rsqrt(mean(x^2) + eps) * g) for token rows < T; rows >= T are zero.
+// Every staging loop issues its loads in batches of STAGE_BATCH before using any of them: a
+// loop that waits for each L2 load before issuing the next costs ~K/128 round trips per row.
+constexpr int STAGE_BATCH = 8;
+
+// bf16(x * rsqrt(mean(x^2) + eps) * g) for token rows < T; rows >= T are zero. A warp per row.
 template <int K>
 MK_DEV void stage_norm(Blk& b, const float* x, const uint16_t* gain, int tag) {
   static_assert(K % 128 == 0, "norm staging reads float4 per lane");
+  constexpr int NPER = K / 128;  // float4 per lane per row
+  constexpr int NB = NPER < STAGE_BATCH ? NPER : STAGE_BATCH;
+  static_assert(NPER % NB == 0, "batching");
   if (b.misc[MISC_TAG] == tag) return;
   for (int t = warp(); t < 16; t += WARPS) {
     unsigned char* row = b.abuf + t * a_stride<K>();
     if (t < b.T) {
       const float* xr = x + t * D;
       float ss = 0.f;
-      for (int k4 = lane(); k4 < K / 4; k4 += 32) {
-        const uint4 v = ldg_cg4(xr + 4 * k4);
-        const float a0 = u2f(v.x), a1 = u2f(v.y), a2 = u2f(v.z), a3 = u2f(v.w);
-        ss += a0 * a0 + a1 * a1 + a2 * a2 + a3 * a3;
+      for (int i0 = 0; i0 < NPER; i0 += NB) {
+        uint4 v[NB];
+#pragma unroll
+        for (int i = 0; i < NB; ++i) v[i] = ldg_cg4(xr + 4 * (lane() + 32 * (i0 + i)));
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+          const float a0 = u2f(v[i].x), a1 = u2f(v[i].y), a2 = u2f(v[i].z), a3 = u2f(v[i].w);
+          ss += a0 * a0 + a1 * a1 + a2 * a2 + a3 * a3;
+        }
       }
       for (int m = 16; m >= 1; m >>= 1) ss += shfl_xor(ss, m);
       const float r = frsqrt(ss / static_cast<float>(K) + RMS_EPS);
-      for (int k4 = lane(); k4 < K / 4; k4 += 32) {
-        const uint4 v = ldg_cg4(xr + 4 * k4);
-        const uint2 gg = *reinterpret_cast<const uint2*>(gain + 4 * k4);
-        uint2 o;
-        o.x = pack_bf2((u2f(v.x) * r) * bf2f(gg.x & 0xffff), (u2f(v.y) * r) * bf2f(gg.x >> 16));
-        o.y = pack_bf2((u2f(v.z) * r) * bf2f(gg.y & 0xffff), (u2f(v.w) * r) * bf2f(gg.y >> 16));
-        *reinterpret_cast<uint2*>(row + 8 * k4) = o;
+      for (int i0 = 0; i0 < NPER; i0 += NB) {
+        uint4 v[NB];
+        uint2 gg[NB];
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+          const int k4 = lane() + 32 * (i0 + i);
+          v[i] = ldg_cg4(xr + 4 * k4);
+          gg[i] = *reinterpret_cast<const uint2*>(gain + 4 * k4);
+        }
+#pragma unroll
+        for (int i = 0; i < NB; ++i) {
+          uint2 o;
+          o.x = pack_bf2((u2f(v[i].x) * r) * bf2f(gg[i].x & 0xffff), (u2f(v[i].y) * r) * bf2f(gg[i].x >> 16));
+          o.y = pack_bf2((u2f(v[i].z) * r) * bf2f(gg[i].y & 0xffff), (u2f(v[i].w) * r) * bf2f(gg[i].y >> 16));
+          *reinterpret_cast<uint2*>(row + 8 * (lane() + 32 * (i0 + i))) = o;
+        }
       }
     } else {
       for (int k8 = lane(); k8 < K / 8; k8 += 32) *reinterpret_cast<uint4*>(row + 16 * k8) = uint4{0, 0, 0, 0};
@@ -59,39 +80,54 @@ MK_DEV void stage_norm(Blk& b, const float* x, const uint16_t* gain, int tag) {
   if (tid() == 0) b.misc[MISC_TAG] = tag;
 }
 
-// Plain copy of bf16 rows (another block's output: read at L2).
+// Rows of another block's bf16 output (read at L2): `src(r)` is row r's address, r < nrows; rows
+// >= nrows are zero. PERM: store each 8 values in the fp4 fragment order [e0,e4,e1,e5,e2,e6,e3,e7].
+template <int K, bool PERM, typename RowPtr>
+MK_DEV void stage_rows(Blk& b, int nrows, RowPtr src) {
+  constexpr int PER = 16 * (K / 8);  // 16-byte pieces of the 16 rows
+  constexpr int NT = (PER + COMPUTE_THREADS - 1) / COMPUTE_THREADS;
+  constexpr int NB = NT < STAGE_BATCH ? NT : STAGE_BATCH;
+  static_assert(NT % NB == 0, "batching");
+  for (int i0 = 0; i0 < NT; i0 += NB) {
+    uint4 v[NB];
+#pragma unroll
+    for (int i = 0; i < NB; ++i) {
+      const int idx = tid() + COMPUTE_THREADS * (i0 + i), r = idx / (K / 8), k8 = idx % (K / 8);
+      v[i] = (idx < PER && r < nrows) ? ldg_cg4(src(r) + 8 * k8) : uint4{0, 0, 0, 0};
+    }
+#pragma unroll
+    for (int i = 0; i < NB; ++i) {
+      const int idx = tid() + COMPUTE_THREADS * (i0 + i), r = idx / (K / 8), k8 = idx % (K / 8);
+      if (idx >= PER) continue;
+      uint4 o = v[i];
+      if (PERM) {  // (e0,e1)(e2,e3)(e4,e5)(e6,e7) -> (e0,e4)(e1,e5)(e2,e6)(e3,e7)
+        o.x = (v[i].x & 0xffffu) | (v[i].z << 16);
+        o.y = (v[i].x >> 16) | (v[i].z & 0xffff0000u);
+        o.z = (v[i].y & 0xffffu) | (v[i].w << 16);
+        o.w = (v[i].y >> 16) | (v[i].w & 0xffff0000u);
+      }
+      *reinterpret_cast<uint4*>(b.abuf + r * a_stride<K>() + 16 * k8) = o;
+    }
+  }
+  sync_compute();
+}
+
 template <int K>
 MK_DEV void stage_plain(Blk& b, const uint16_t* src, int tag) {
   if (b.misc[MISC_TAG] == tag) return;
-  for (int i = tid(); i < 16 * (K / 8); i += COMPUTE_THREADS) {
-    const int t = i / (K / 8), k8 = i % (K / 8);
-    uint4 v = uint4{0, 0, 0, 0};
-    if (t < b.T) v = ldg_cg4(src + t * K + 8 * k8);
-    *reinterpret_cast<uint4*>(b.abuf + t * a_stride<K>() + 16 * k8) = v;
-  }
-  sync_compute();
+  stage_rows<K, false>(b, b.T, [src](int r) { return src + r * K; });
   if (tid() == 0) b.misc[MISC_TAG] = tag;
 }
 
-// Expert operand: `nrows` rows gathered from src (row i = src + rowidx(i) * K), permuted in
-// groups of 8 for the fp4 fragment order; rows >= nrows are zero.
+// Expert operand: `nrows` rows gathered from src (row i at src + rowidx(i) * K), fp4 order.
+// The row indices are read once into shared memory (not once per 16-byte piece).
 template <int K, typename RowIdx>
 MK_DEV void stage_gather_perm(Blk& b, const uint16_t* src, int nrows, RowIdx rowidx, int tag) {
   if (b.misc[MISC_TAG] == tag) return;
-  for (int i = tid(); i < 16 * (K / 8); i += COMPUTE_THREADS) {
-    const int r = i / (K / 8), k8 = i % (K / 8);
-    uint4 o = uint4{0, 0, 0, 0};
-    if (r < nrows) {
-      const uint4 v = ldg_cg4(src + static_cast<size_t>(rowidx(r)) * K + 8 * k8);
-      // v = (e0,e1)(e2,e3)(e4,e5)(e6,e7) -> (e0,e4)(e1,e5)(e2,e6)(e3,e7)
-      o.x = (v.x & 0xffffu) | (v.z << 16);
-      o.y = (v.x >> 16) | (v.z & 0xffff0000u);
-      o.z = (v.y & 0xffffu) | (v.w << 16);
-      o.w = (v.y >> 16) | (v.w & 0xffff0000u);
-    }
-    *reinterpret_cast<uint4*>(b.abuf + r * a_stride<K>() + 16 * k8) = o;
-  }
+  int* rows = b.misc + MISC_ROWS;
+  if (tid() < nrows) rows[tid()] = rowidx(tid());
   sync_compute();
+  stage_rows<K, true>(b, nrows, [src, rows](int r) { return src + static_cast<size_t>(rows[r]) * K; });
   if (tid() == 0) b.misc[MISC_TAG] = tag;
 }
 
@@ -126,19 +162,24 @@ MK_DEV uint32_t e4m3_to_bf16(uint32_t s) {
   return sign | f2bf(static_cast<float>(m) * 0.001953125f);  // subnormal: m * 2^-9
 }
 
-template <int ROWS, int KC, int K>
-MK_DEV void gemm_fp4(Blk& b, float acc[4], uint32_t what) {
-  constexpr int NT8 = ROWS / 8, WPT = WARPS / NT8, KS32 = KC / 32, CS = KC / 2 + ROW_PAD,
-                SS = (KC == K) ? K / 16 : KC / 16 + ROW_PAD, AS = a_stride<K>();
-  static_assert(WARPS % NT8 == 0 && K % KC == 0 && KC % 32 == 0, "fp4 tile shape");
-  const int w = warp(), tile = w % NT8, ks = w / NT8, g = lane() >> 2, t = lane() & 3;
-  const int n = tile * 8 + g;
-  for (int c = 0; c < K / KC; ++c) {
+// Chunk c holds CR whole rows (tile rows c*CR..): codes [CR][K/2] then scales [CR][K/16], as
+// two bulk copies landed them (unpadded: the code loads of a warp's 8 rows share a bank, an
+// 8-way conflict on one LDS.32 per two mmas, cheap beside the copies it saves).
+// Warp w owns the 8-row tile q = w % (CR/8) of every chunk and every (8/(CR/8))-th k32 step;
+// acc[c] accumulates chunk c.
+template <int ROWS, int CR, int K>
+MK_DEV void gemm_fp4(Blk& b, float acc[][4], uint32_t what) {
+  constexpr int NCH = ROWS / CR, NT8C = CR / 8, WPT = WARPS / NT8C, KS32 = K / 32, AS = a_stride<K>();
+  static_assert(ROWS % CR == 0 && CR % 8 == 0 && WARPS % NT8C == 0 && K % 32 == 0, "fp4 tile shape");
+  const int w = warp(), q = w % NT8C, ks = w / NT8C, g = lane() >> 2, t = lane() & 3;
+  const int r = q * 8 + g;  // row within the chunk
+  for (int c = 0; c < NCH; ++c) {
     const unsigned char* st = ring_consume(b, what);
-    const unsigned char* scales = st + ROWS * CS;
+    const unsigned char* codes = st + r * (K / 2);
+    const unsigned char* scales = st + CR * (K / 2) + r * (K / 16);
     for (int j = ks; j < KS32; j += WPT) {
-      const uint32_t code = *reinterpret_cast<const uint32_t*>(st + n * CS + j * 16 + t * 4);
-      const uint32_t sbf = e4m3_to_bf16(scales[n * SS + 2 * j + (t >> 1)]);
+      const uint32_t code = *reinterpret_cast<const uint32_t*>(codes + j * 16 + t * 4);
+      const uint32_t sbf = e4m3_to_bf16(scales[2 * j + (t >> 1)]);
       const uint32_t s2 = sbf | (sbf << 16);
       uint32_t pr[4];
 #pragma unroll
@@ -147,13 +188,13 @@ MK_DEV void gemm_fp4(Blk& b, float acc[4], uint32_t what) {
         const uint32_t raw = ((y << 6) & 0x01C001C0u) | ((y << 12) & 0x80008000u);
         pr[i] = hmul2(hmul2(raw, 0x7E807E80u), s2);  // * 2^126 (exact), * block scale (exact)
       }
-      const int kb = c * KC + j * 32 + t * 8;
+      const int kb = j * 32 + t * 8;
       const uint4 ra = *reinterpret_cast<const uint4*>(b.abuf + g * AS + kb * 2);
       const uint4 rb = *reinterpret_cast<const uint4*>(b.abuf + (g + 8) * AS + kb * 2);
       const uint32_t a1[4] = {ra.x, rb.x, ra.y, rb.y}, b1[2] = {pr[0], pr[1]};
-      mma(acc, a1, b1);
+      mma(acc[c], a1, b1);
       const uint32_t a2[4] = {ra.z, rb.z, ra.w, rb.w}, b2[2] = {pr[2], pr[3]};
-      mma(acc, a2, b2);
+      mma(acc[c], a2, b2);
     }
     ring_release(b);
   }
@@ -170,6 +211,30 @@ MK_DEV void gemm_stash(Blk& b, const float acc[4]) {
   r[(g + 8) * ROWS + tile * 8 + 2 * t] = acc[2];
   r[(g + 8) * ROWS + tile * 8 + 2 * t + 1] = acc[3];
   sync_compute();
+}
+
+template <int ROWS, int CR>
+MK_DEV void gemm_stash_rows(Blk& b, const float acc[][4]) {
+  constexpr int NT8C = CR / 8;
+  const int w = warp(), q = w % NT8C, g = lane() >> 2, t = lane() & 3;
+  float* r = b.red + w * 16 * ROWS;
+  for (int c = 0; c < ROWS / CR; ++c) {
+    const int col = (c * NT8C + q) * 8 + 2 * t;
+    r[g * ROWS + col] = acc[c][0];
+    r[g * ROWS + col + 1] = acc[c][1];
+    r[(g + 8) * ROWS + col] = acc[c][2];
+    r[(g + 8) * ROWS + col + 1] = acc[c][3];
+  }
+  sync_compute();
+}
+// fp4 output (token t, tile row n): the warps w = q + k*(CR/8) that own its 8-row tile, in order.
+template <int ROWS, int CR>
+MK_DEV float gemm_sum_rows(const Blk& b, int t, int n) {
+  constexpr int NT8C = CR / 8, WPT = WARPS / NT8C;
+  const int q = (n / 8) % NT8C;
+  float s = 0.f;
+  for (int k = 0; k < WPT; ++k) s += b.red[(q + k * NT8C) * 16 * ROWS + t * ROWS + n];
+  return s;
 }
 
 // Output (token t, feature n of the tile): the warps that share its 8-feature tile, in order.
@@ -195,26 +260,19 @@ MK_DEV bool produce_bf16(const Blk& b, const uint16_t* W, int row0, unsigned& c,
   return true;
 }
 
-// `row(r)` maps tile row r to a weight row; rows come in runs of 16 consecutive weight rows.
-template <int ROWS, int KC, int K, typename RowMap>
+// `row(r)` maps tile row r to a weight row; the CR rows of a chunk are consecutive weight rows,
+// so a chunk is two bulk copies: CR x K/2 bytes of codes and CR x K/16 bytes of scales.
+template <int ROWS, int CR, int K, typename RowMap>
 MK_DEV bool produce_fp4(const Blk& b, const uint8_t* codes, const uint8_t* scales, RowMap row, unsigned& c,
                         uint32_t what) {
-  constexpr int CS = KC / 2 + ROW_PAD, SS = (KC == K) ? K / 16 : KC / 16 + ROW_PAD;
-  static_assert(ROWS % 16 == 0, "scale copies move runs of 16 rows");
-  for (int ch = 0; ch < K / KC; ++ch, ++c) {
-    if (!ring_produce_begin(b, c, ROWS * (KC / 2 + KC / 16), what)) return false;
+  static_assert((CR * (K / 16)) % 16 == 0 && (K / 2) % 16 == 0, "bulk copies move multiples of 16 bytes");
+  for (int ch = 0; ch < ROWS / CR; ++ch, ++c) {
+    if (!ring_produce_begin(b, c, CR * (K / 2 + K / 16), what)) return false;
     unsigned char* st = stage_of(b, c);
     uint64_t* bar = &b.full[c % RING_STAGES];
-    for (int r = lane(); r < ROWS; r += 32)
-      bulk_copy(st + r * CS, codes + static_cast<size_t>(row(r)) * (K / 2) + ch * (KC / 2), KC / 2, bar);
-    if (KC == K) {  // whole rows: one copy per run of 16 consecutive rows
-      for (int r0 = 16 * lane(); r0 < ROWS; r0 += 16 * 32)
-        bulk_copy(st + ROWS * CS + r0 * SS, scales + static_cast<size_t>(row(r0)) * (K / 16), 16 * (K / 16), bar);
-    } else {
-      for (int r = lane(); r < ROWS; r += 32)
-        bulk_copy(st + ROWS * CS + r * SS, scales + static_cast<size_t>(row(r)) * (K / 16) + ch * (KC / 16), KC / 16,
-                  bar);
-    }
+    const size_t r0 = static_cast<size_t>(row(ch * CR));
+    if (lane() == 0) bulk_copy(st, codes + r0 * (K / 2), CR * (K / 2), bar);
+    if (lane() == 1) bulk_copy(st + CR * (K / 2), scales + r0 * (K / 16), CR * (K / 16), bar);
   }
   return true;
 }

@@ -42,11 +42,20 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
   unsigned char* Ks = Qs + G * 16 * ATT_QS;
   unsigned char* Vt = Ks + ATT_KB * ATT_KS;
   if (tid() == 0) b.misc[MISC_TAG] = -1;  // abuf no longer holds a GEMM operand
-  for (int i = tid(); i < G * 16 * (HD / 8); i += COMPUTE_THREADS) {
-    const int r = i / (HD / 8), d8 = i % (HD / 8), j = r / 16, t = r % 16;
-    uint4 v = uint4{0, 0, 0, 0};
-    if (t < b.T) v = ldg_cg4(p.q + (t * HQ + kvh * G + j) * HD + 8 * d8);
-    *reinterpret_cast<uint4*>(Qs + r * ATT_QS + 16 * d8) = v;
+  {  // Q rows, loads batched (static_assert below: whole rounds per thread)
+    constexpr int NQ = G * 16 * (HD / 8) / COMPUTE_THREADS;
+    static_assert((G * 16 * (HD / 8)) % COMPUTE_THREADS == 0, "Q staging rounds");
+    uint4 v[NQ];
+#pragma unroll
+    for (int n = 0; n < NQ; ++n) {
+      const int i = tid() + n * COMPUTE_THREADS, r = i / (HD / 8), d8 = i % (HD / 8), jj = r / 16, t = r % 16;
+      v[n] = t < b.T ? ldg_cg4(p.q + (t * HQ + kvh * G + jj) * HD + 8 * d8) : uint4{0, 0, 0, 0};
+    }
+#pragma unroll
+    for (int n = 0; n < NQ; ++n) {
+      const int i = tid() + n * COMPUTE_THREADS, r = i / (HD / 8), d8 = i % (HD / 8);
+      *reinterpret_cast<uint4*>(Qs + r * ATT_QS + 16 * d8) = v[n];
+    }
   }
 
   const int w = warp(), j = w % G, kg = w / G, g = lane() >> 2, t4 = lane() & 3;
@@ -67,17 +76,25 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
 
   for (int kb0 = 0; kb0 < total; kb0 += ATT_KB) {
     sync_compute();  // Q staged (first round) / everyone done with the previous K, V tiles
-    for (int i = tid(); i < ATT_KB * (HD / 8); i += COMPUTE_THREADS) {
-      const int key = i / (HD / 8), d8 = i % (HD / 8), kidx = kb0 + key;
-      uint4 kv = uint4{0, 0, 0, 0}, vv = uint4{0, 0, 0, 0};
+    constexpr int NKV = ATT_KB * (HD / 8) / COMPUTE_THREADS;
+    static_assert((ATT_KB * (HD / 8)) % COMPUTE_THREADS == 0, "K/V staging rounds");
+    uint4 kv[NKV], vv[NKV];
+#pragma unroll
+    for (int n = 0; n < NKV; ++n) {  // all loads of the round in flight before any store
+      const int i = tid() + n * COMPUTE_THREADS, key = i / (HD / 8), d8 = i % (HD / 8), kidx = kb0 + key;
+      kv[n] = vv[n] = uint4{0, 0, 0, 0};
       if (kidx < total) {
         const int seq = kidx < ncache_keys ? s0 + kidx : b.ctx + (kidx - ncache_keys);
         const size_t off = (static_cast<size_t>(kvh) * cache_slots(layer) + cache_slot(layer, seq)) * HD + 8 * d8;
-        kv = ldg_cg4(L.k_cache + off);
-        vv = ldg_cg4(L.v_cache + off);
+        kv[n] = ldg_cg4(L.k_cache + off);
+        vv[n] = ldg_cg4(L.v_cache + off);
       }
-      *reinterpret_cast<uint4*>(Ks + key * ATT_KS + 16 * d8) = kv;
-      const uint32_t vw[4] = {vv.x, vv.y, vv.z, vv.w};
+    }
+#pragma unroll
+    for (int n = 0; n < NKV; ++n) {
+      const int i = tid() + n * COMPUTE_THREADS, key = i / (HD / 8), d8 = i % (HD / 8);
+      *reinterpret_cast<uint4*>(Ks + key * ATT_KS + 16 * d8) = kv[n];
+      const uint32_t vw[4] = {vv[n].x, vv[n].y, vv[n].z, vv[n].w};
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
         const uint16_t e = static_cast<uint16_t>((q & 1) ? (vw[q >> 1] >> 16) : (vw[q >> 1] & 0xffffu));

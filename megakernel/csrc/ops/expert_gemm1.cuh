@@ -18,7 +18,7 @@ MK_DEV bool load_expert1(const Blk& b, int layer, int unit, unsigned& c, uint32_
   const uint8_t* codes = L.w1_codes + static_cast<size_t>(e) * (2 * F) * (P / 2);
   const uint8_t* scales = L.w1_scales + static_cast<size_t>(e) * (2 * F) * (P / 16);
   auto row = [j](int r) { return r < 16 ? j * 16 + r : F + j * 16 + (r - 16); };
-  return produce_fp4<32, TILE_EXPERT1_KC, P>(b, codes, scales, row, c, what);
+  return produce_fp4<32, TILE_EXPERT1_CR, P>(b, codes, scales, row, c, what);
 }
 
 MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
@@ -28,14 +28,14 @@ MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
   const int ntok = ldg_cgi(p.slot_ntok + s);
   const int32_t* toks = p.slot_tok + s * 16;
   stage_gather_perm<P>(b, p.pooled, ntok, [toks](int i) { return ldg_cgi(toks + i); }, tag_of(TAG_EXP1, layer, s));
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  gemm_fp4<32, TILE_EXPERT1_KC, P>(b, acc, what);
-  gemm_stash<32>(b, acc);
+  float acc[32 / TILE_EXPERT1_CR][4] = {};
+  gemm_fp4<32, TILE_EXPERT1_CR, P>(b, acc, what);
+  gemm_stash_rows<32, TILE_EXPERT1_CR>(b, acc);
   const float ts = p.layers[layer].w1_ts[e];
   for (int i = tid(); i < 16 * 16; i += COMPUTE_THREADS) {
     const int r = i / 16, f = i % 16;
     if (r >= ntok) continue;
-    const float g = gemm_sum<32>(b, r, f) * ts, u = gemm_sum<32>(b, r, 16 + f) * ts;
+    const float g = gemm_sum_rows<32, TILE_EXPERT1_CR>(b, r, f) * ts, u = gemm_sum_rows<32, TILE_EXPERT1_CR>(b, r, 16 + f) * ts;
     const float silu = g * (1.f / (1.f + fexp(-g)));
     p.act[(s * 16 + r) * F + j * 16 + f] = f2bf(silu * u);
   }

@@ -16,7 +16,7 @@ MK_DEV bool load_expert2(const Blk& b, int layer, int unit, unsigned& c, uint32_
   const uint8_t* codes = L.w2_codes + static_cast<size_t>(e) * P * (F / 2);
   const uint8_t* scales = L.w2_scales + static_cast<size_t>(e) * P * (F / 16);
   auto row = [j](int r) { return j * 32 + r; };
-  return produce_fp4<32, TILE_EXPERT2_KC, F>(b, codes, scales, row, c, what);
+  return produce_fp4<32, TILE_EXPERT2_CR, F>(b, codes, scales, row, c, what);
 }
 
 MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
@@ -26,13 +26,13 @@ MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
   const int ntok = ldg_cgi(p.slot_ntok + s);
   const uint16_t* rows = p.act + static_cast<size_t>(s) * 16 * F;
   stage_gather_perm<F>(b, rows, ntok, [](int i) { return i; }, tag_of(TAG_EXP2, layer, s));
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  gemm_fp4<32, TILE_EXPERT2_KC, F>(b, acc, what);
-  gemm_stash<32>(b, acc);
+  float acc[32 / TILE_EXPERT2_CR][4] = {};
+  gemm_fp4<32, TILE_EXPERT2_CR, F>(b, acc, what);
+  gemm_stash_rows<32, TILE_EXPERT2_CR>(b, acc);
   const float ts = p.layers[layer].w2_ts[e];
   for (int i = tid(); i < 16 * 32; i += COMPUTE_THREADS) {
     const int r = i / 32, n = i % 32;
-    if (r < ntok) p.yexp[(s * 16 + r) * P + j * 32 + n] = f2bf(gemm_sum<32>(b, r, n) * ts);
+    if (r < ntok) p.yexp[(s * 16 + r) * P + j * 32 + n] = f2bf(gemm_sum_rows<32, TILE_EXPERT2_CR>(b, r, n) * ts);
   }
 }
 

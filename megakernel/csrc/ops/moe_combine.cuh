@@ -7,15 +7,24 @@ namespace mk {
 
 MK_DEV void run_moe_combine(Blk& b, int unit) {
   const Params& p = *b.p;
+  // the step's routing (T x TOPK weights, slots, rows) read once into shared memory
+  float* w_s = reinterpret_cast<float*>(b.abuf);
+  int* row_s = reinterpret_cast<int*>(b.abuf + T_MAX * TOPK * 4);
+  if (tid() == 0) b.misc[MISC_TAG] = -1;  // abuf reused as scratch
+  for (int i = tid(); i < b.T * TOPK; i += COMPUTE_THREADS) {
+    w_s[i] = ldg_cgf(p.route_w + i);
+    row_s[i] = ldg_cgi(p.route_slot + i) * 16 + ldg_cgi(p.route_pos + i);
+  }
+  sync_compute();
   for (int i = tid(); i < b.T * 64; i += COMPUTE_THREADS) {
     const int t = i / 64, col = unit * 64 + i % 64;
+    uint32_t pairs[TOPK];
+#pragma unroll
+    for (int r = 0; r < TOPK; ++r) pairs[r] = ldg_cg(p.yexp + row_s[t * TOPK + r] * P + (col & ~1));
     float acc = 0.f;
-    for (int r = 0; r < TOPK; ++r) {
-      const float w = ldg_cgf(p.route_w + t * TOPK + r);
-      const int s = ldg_cgi(p.route_slot + t * TOPK + r), pos = ldg_cgi(p.route_pos + t * TOPK + r);
-      const uint32_t pair = ldg_cg(p.yexp + (s * 16 + pos) * P + (col & ~1));
-      acc = acc + w * bf2f(static_cast<uint16_t>((col & 1) ? pair >> 16 : pair & 0xffffu));
-    }
+#pragma unroll
+    for (int r = 0; r < TOPK; ++r)
+      acc = acc + w_s[t * TOPK + r] * bf2f(static_cast<uint16_t>((col & 1) ? pairs[r] >> 16 : pairs[r] & 0xffffu));
     p.z[t * P + col] = f2bf(acc);
   }
 }
