@@ -94,7 +94,7 @@ class Plan:
     ring_stage_bytes: int  # budget per stage (tuned); actual stage size = max over tiles
     spin_bound_ns: int
     poll_backoff_ns: int
-    keys_per_split: int = 256
+    keys_per_split: int = 64  # 256 left 8 SMs doing a shard8 layer's attention (41 us, H200 profile)
     profile: bool = False
     # performance techniques (issue: megakernel performance), each a build constant so its
     # contribution can be measured; every combination computes the same bits

@@ -80,6 +80,7 @@ MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long
   return old;
 }
 MK_DEV void threadfence() {}
+MK_DEV void atomic_or_smem(int* p, uint32_t v) { *p = static_cast<int>(static_cast<uint32_t>(*p) | v); }
 MK_DEV uint64_t now_ns() { return emu::now_ns(); }
 MK_DEV void backoff(unsigned) { emu::yield(); }
 MK_DEV void mbar_init(uint64_t* b, unsigned count) { emu::mbar_init(b, count); }

@@ -56,7 +56,7 @@ def test_spliced_small_blocks_cost_their_parts(harness):
     from microbench.icache.gen import R_TIMED0
 
     def per_pass(blocks):
-        k = _kernel(harness, blocks, warps=12, passes=64)
+        k = _kernel(harness, blocks, warps=1, passes=64)
         rec = np.concatenate(measure_loop(harness, k, 2)[0])
         return [np.median(rec[:, R_TIMED0 + i]) / k.iters for i in range(len(blocks))]
 

@@ -80,6 +80,7 @@ MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long
   return atomicCAS(p, cmp, v);
 }
 MK_DEV void threadfence() { __threadfence(); }
+MK_DEV void atomic_or_smem(int* p, uint32_t v) { atomicOr(reinterpret_cast<unsigned*>(p), v); }
 MK_DEV uint64_t now_ns() { return mb::globaltimer(); }
 MK_DEV void backoff(unsigned ns) {
   if (ns) mb::nanosleep(ns);

@@ -18,7 +18,9 @@ namespace mk {
 constexpr int MISC_TAG = 0;      // which activation operand abuf holds (-1: none)
 constexpr int MISC_OPS_DONE = 1;  // ops of this launch the compute warps have finished
 constexpr int MISC_ROWS = 4;     // [16] gathered row indices of an expert operand
-constexpr int MISC_SCRATCH = 20;  // top-k scratch from here (ints)
+constexpr int MISC_DEPS = 20;    // [4] thread 0's DepCache of the current op (program.cuh)
+constexpr int MISC_PEND = 24;    // [3] thread 0's Pending signals of the current op
+constexpr int MISC_SCRATCH = 28;  // top-k scratch from here (ints)
 // top-k scratch: selections [T_MAX*TOPK], per-slot token counts [MAX_SLOTS], expert bitmap [E/32]
 constexpr int MISC_INTS = MISC_SCRATCH + T_MAX * TOPK + MAX_SLOTS + (E + 31) / 32;
 

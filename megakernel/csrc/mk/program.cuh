@@ -110,15 +110,57 @@ MK_DEV bool wait_dep(const Blk& b, int i, const Op& o, int d, int u, uint32_t wh
   const int g = needed_group(b, o, pr, u);
   return wait_counter(*b.p, counters(b) + pr.group_base + g, static_cast<uint32_t>(group_size(b, pr)), what);
 }
-MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u) {
-  for (int d = 0; d < o.n_deps; ++d)
-    if (!wait_dep(b, i, o, d, u, static_cast<uint32_t>(i * 16 + d))) return false;
+// Thread 0: wait for what unit u needs, skipping what an earlier unit of this op instance on this
+// block already waited for (an "all" dependency once; a group dependency once per group). Each
+// skipped wait saves an acquire load (which also invalidates L1) on the unit's critical path.
+struct DepCache {
+  uint32_t all_done;  // bit d: dependency d ("all") satisfied
+  int group_done[3];  // dependency d ("group"): the group last satisfied
+};
+MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u, DepCache& dc) {
+  for (int d = 0; d < o.n_deps; ++d) {
+    const uint32_t what = static_cast<uint32_t>(i * 16 + d);
+    if (o.dep_mode[d] == DEP_ALL) {
+      if ((dc.all_done >> d) & 1u) continue;
+      if (!wait_dep(b, i, o, d, u, what)) return false;
+      dc.all_done |= 1u << d;
+    } else {
+      const Op pr = load_op(*b.p, o.dep_op[d]);
+      const int g = needed_group(b, o, pr, u);
+      if (g == dc.group_done[d]) continue;
+      if (!wait_dep(b, i, o, d, u, what)) return false;
+      dc.group_done[d] = g;
+    }
+  }
   return true;
 }
-MK_DEV void signal_unit(const Blk& b, const Op& o, int u) {
+
+// Thread 0: units finished but not yet published. Counters are bumped once per group run and
+// once per op instance (not per unit): every consumer of an op needs all of it, or all of a
+// group, and a block never waits inside an op for its own pending signals (deps point to earlier
+// ops), so publishing at group change / op end cannot deadlock; it saves a release (which waits
+// for the unit's stores to reach L2) on every unit.
+struct Pending {
+  uint32_t total;
+  int group;
+  uint32_t in_group;
+};
+MK_DEV void flush_group(const Blk& b, const Op& o, Pending& pd) {
+  if (pd.in_group) red_release(counters(b) + o.group_base + pd.group, pd.in_group);
+  pd.in_group = 0;
+}
+MK_DEV void signal_unit(const Blk& b, const Op& o, int u, Pending& pd) {
   const int g = unit_group(b, o, u);
-  if (g >= 0) red_release(counters(b) + o.group_base + g, 1u);
-  red_release(counters(b) + o.counter, 1u);
+  if (g >= 0 && g != pd.group) {
+    flush_group(b, o, pd);
+    pd.group = g;
+  }
+  if (g >= 0) ++pd.in_group;
+  ++pd.total;
+}
+MK_DEV void signal_op_end(const Blk& b, const Op& o, Pending& pd) {
+  flush_group(b, o, pd);
+  if (pd.total) red_release(counters(b) + o.counter, pd.total);
 }
 
 struct UnitRange {
@@ -184,9 +226,17 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
     }
     const UnitRange r = my_units(o, n_units(b, o));
     bool first_unit = true;
+    // thread 0's bookkeeping lives in shared memory: as registers it is live across every op's
+    // code and pushed attention past the register budget (a 16-byte spill in shard8)
+    DepCache& dc = *reinterpret_cast<DepCache*>(b.misc + MISC_DEPS);
+    Pending& pd = *reinterpret_cast<Pending*>(b.misc + MISC_PEND);
+    if (tid() == 0) {
+      dc = DepCache{0u, {-1, -1, -1}};
+      pd = Pending{0u, -1, 0u};
+    }
     for (int u = r.begin; u < r.end; u += r.step) {
       if (first_unit) prof.stamp(ev_wait_begin(o.kind), i);
-      if (b.wait && tid() == 0) fail = !wait_unit(b, i, o, u);
+      if (b.wait && tid() == 0) fail = !wait_unit(b, i, o, u, dc);
       if (first_unit) {
         prof.stamp(ev_wait_begin(o.kind) + 1, i);
         prof.stamp(ev_work_begin(o.kind), i);
@@ -195,8 +245,9 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
       if (sync_compute_or(fail || b.failed)) return;
       run_unit(b, i, o, u);
       if (sync_compute_or(b.failed)) return;
-      if (b.wait && tid() == 0) signal_unit(b, o, u);
+      if (b.wait && tid() == 0) signal_unit(b, o, u, pd);
     }
+    if (b.wait && tid() == 0) signal_op_end(b, o, pd);  // after the last unit's barrier
     if (!first_unit) prof.stamp(ev_work_begin(o.kind) + 1, i);
     if (tid() == 0) *ops_done = i - first + 1;
   }

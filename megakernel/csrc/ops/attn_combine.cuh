@@ -13,21 +13,35 @@ MK_DEV void run_attn_combine(Blk& b, int layer, int unit) {
   const int kvh = h / G, j = h % G;
   const int nparts = attn_splits(layer, b.ctx) * ATT_KG;
   const size_t row0 = static_cast<size_t>(kvh) * PARTS * (G * 16) + j * 16 + t;
-  float mmax = neg_inf();
-  for (int q = 0; q < nparts; ++q) {
+  // (m, l) of every part into shared memory once, then per part the weight exp(m - M) (0 for a
+  // part with nothing visible), so the loop over O below has no branches and keeps loads in flight
+  float* ml = reinterpret_cast<float*>(b.abuf);
+  float* wt = ml + 2 * PARTS;
+  if (tid() == 0) b.misc[MISC_TAG] = -1;  // abuf reused as scratch
+  for (int q = tid(); q < nparts; q += COMPUTE_THREADS) {
     const size_t row = row0 + static_cast<size_t>(q) * (G * 16);
-    if (ldg_cgf(p.att_ml + row * 2 + 1) > 0.f) mmax = fmax_(mmax, ldg_cgf(p.att_ml + row * 2));
+    ml[2 * q] = ldg_cgf(p.att_ml + row * 2);
+    ml[2 * q + 1] = ldg_cgf(p.att_ml + row * 2 + 1);
   }
+  sync_compute();
+  float mmax = neg_inf();
+  for (int q = 0; q < nparts; ++q)
+    if (ml[2 * q + 1] > 0.f) mmax = fmax_(mmax, ml[2 * q]);
+  for (int q = tid(); q < nparts; q += COMPUTE_THREADS) wt[q] = ml[2 * q + 1] > 0.f ? fexp(ml[2 * q] - mmax) : 0.f;
+  sync_compute();
+  float den = 0.f;
+  for (int q = 0; q < nparts; ++q) den += wt[q] * ml[2 * q + 1];  // fixed order
+  constexpr int NB = 8;
   for (int d = tid(); d < HD; d += COMPUTE_THREADS) {
-    float num = 0.f, den = 0.f;
-    for (int q = 0; q < nparts; ++q) {
-      const size_t row = row0 + static_cast<size_t>(q) * (G * 16);
-      const float lq = ldg_cgf(p.att_ml + row * 2 + 1);
-      if (lq > 0.f) {
-        const float sc = fexp(ldg_cgf(p.att_ml + row * 2) - mmax);
-        num += sc * ldg_cgf(p.att_o + row * HD + d);
-        den += sc * lq;
-      }
+    float num = 0.f;
+    for (int q0 = 0; q0 < nparts; q0 += NB) {
+      float o[NB];
+#pragma unroll
+      for (int k = 0; k < NB; ++k)
+        o[k] = q0 + k < nparts ? ldg_cgf(p.att_o + (row0 + static_cast<size_t>(q0 + k) * (G * 16)) * HD + d) : 0.f;
+#pragma unroll
+      for (int k = 0; k < NB; ++k)
+        if (q0 + k < nparts) num += wt[q0 + k] * o[k];
     }
     p.att_out[t * ATT_W + h * HD + d] = f2bf(num / den);
   }

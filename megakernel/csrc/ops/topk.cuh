@@ -12,82 +12,100 @@ constexpr int TOPK_PER_LANE = (E + 31) / 32;
 
 MK_DEV void run_topk(Blk& b, int layer) {
   const Params& p = *b.p;
-  int* sel_s = b.misc + MISC_SCRATCH;      // [T_MAX * TOPK]
-  int* ntok_s = sel_s + T_MAX * TOPK;      // [MAX_SLOTS]
+  int* sel_s = b.misc + MISC_SCRATCH;      // [T_MAX * TOPK] selected expert of (t, rank)
+  int* ntok_s = sel_s + T_MAX * TOPK;      // [MAX_SLOTS] (unused: counts are recomputed per slot)
   int* bitmap = ntok_s + MAX_SLOTS;        // [E / 32]
-  for (int t = warp(); t < b.T; t += WARPS) {
+  if (tid() < (E + 31) / 32) bitmap[tid()] = 0;
+  for (int t = warp(); t < b.T; t += WARPS) {  // a warp per token: selection and weights
     float v[TOPK_PER_LANE];
     uint32_t taken = 0;
+#pragma unroll
     for (int i = 0; i < TOPK_PER_LANE; ++i) {
       const int e = lane() + 32 * i;
       v[i] = e < E ? ldg_cgf(p.router_logits + t * E + e) : neg_inf();
     }
     int sel[TOPK];
+    float selv[TOPK];
+#pragma unroll
     for (int r = 0; r < TOPK; ++r) {
+      int be;
+      float bv;
       if (p.route_override) {
-        sel[r] = p.route_override[(layer * T_MAX + t) * TOPK + r];
-        continue;
-      }
-      float bv = neg_inf();
-      int be = 0x7fffffff;
-      for (int i = 0; i < TOPK_PER_LANE; ++i) {
-        const int e = lane() + 32 * i;
-        if (e < E && !((taken >> i) & 1u) && (v[i] > bv || (v[i] == bv && e < be))) {
-          bv = v[i];
-          be = e;
+        be = p.route_override[(layer * T_MAX + t) * TOPK + r];
+        bv = ldg_cgf(p.router_logits + t * E + be);
+      } else {
+        bv = neg_inf();
+        be = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < TOPK_PER_LANE; ++i) {
+          const int e = lane() + 32 * i;
+          if (e < E && !((taken >> i) & 1u) && (v[i] > bv || (v[i] == bv && e < be))) {
+            bv = v[i];
+            be = e;
+          }
         }
-      }
-      for (int m = 16; m >= 1; m >>= 1) {
-        const float ov = shfl_xor(bv, m);
-        const int oe = shfl_xor_i(be, m);
-        if (ov > bv || (ov == bv && oe < be)) {
-          bv = ov;
-          be = oe;
+        for (int m = 16; m >= 1; m >>= 1) {
+          const float ov = shfl_xor(bv, m);
+          const int oe = shfl_xor_i(be, m);
+          if (ov > bv || (ov == bv && oe < be)) {
+            bv = ov;
+            be = oe;
+          }
         }
+        if ((be & 31) == lane()) taken |= 1u << (be >> 5);
       }
       sel[r] = be;
-      if ((be & 31) == lane()) taken |= 1u << (be >> 5);
+      selv[r] = bv;
     }
-    if (lane() == 0) {
-      float lv[TOPK], mx = neg_inf(), sum = 0.f;
+    if (lane() == 0) {  // softmax over the selected logits, in rank order
+      float mx = neg_inf(), sum = 0.f;
+#pragma unroll
+      for (int r = 0; r < TOPK; ++r) mx = fmax_(mx, selv[r]);
+#pragma unroll
       for (int r = 0; r < TOPK; ++r) {
-        lv[r] = ldg_cgf(p.router_logits + t * E + sel[r]);
-        mx = fmax_(mx, lv[r]);
+        selv[r] = fexp(selv[r] - mx);
+        sum += selv[r];
       }
-      for (int r = 0; r < TOPK; ++r) {
-        lv[r] = fexp(lv[r] - mx);
-        sum += lv[r];
-      }
+#pragma unroll
       for (int r = 0; r < TOPK; ++r) {
         p.route_sel[t * TOPK + r] = sel[r];
-        p.route_w[t * TOPK + r] = lv[r] / sum;
+        p.route_w[t * TOPK + r] = selv[r] / sum;
         sel_s[t * TOPK + r] = sel[r];
       }
     }
   }
   sync_compute();
+  // Distinct experts in ascending order become slots; an entry (t, r) goes to row "number of
+  // earlier tokens routed to the same expert" of its slot (a token never repeats an expert).
+  // Every thread computes its own entries and experts: no serial pass.
+  const int n = b.T * TOPK;
+  for (int i = tid(); i < n; i += COMPUTE_THREADS) atomic_or_smem(&bitmap[sel_s[i] >> 5], 1u << (sel_s[i] & 31));
+  sync_compute();
+  auto slot_of = [bitmap](int e) {
+    int s = 0;
+    for (int i = 0; i < (e >> 5); ++i) s += popc(static_cast<uint32_t>(bitmap[i]));
+    return s + popc(static_cast<uint32_t>(bitmap[e >> 5]) & ((1u << (e & 31)) - 1u));
+  };
+  for (int e = tid(); e < E; e += COMPUTE_THREADS) {
+    if (!((bitmap[e >> 5] >> (e & 31)) & 1)) continue;
+    const int s = slot_of(e);
+    int cnt = 0;
+    for (int i = 0; i < n; ++i) cnt += sel_s[i] == e;
+    p.slot_expert[s] = e;
+    p.slot_ntok[s] = cnt;
+  }
+  for (int i = tid(); i < n; i += COMPUTE_THREADS) {
+    const int e = sel_s[i], t = i / TOPK, s = slot_of(e);
+    int pos = 0;
+    for (int j = 0; j < t * TOPK; ++j) pos += sel_s[j] == e;
+    p.slot_tok[s * 16 + pos] = t;
+    p.route_slot[i] = s;
+    p.route_pos[i] = pos;
+  }
   if (tid() == 0) {
-    for (int i = 0; i < (E + 31) / 32; ++i) bitmap[i] = 0;
-    for (int i = 0; i < b.T * TOPK; ++i) bitmap[sel_s[i] >> 5] |= 1 << (sel_s[i] & 31);
-    int n = 0;
-    for (int e = 0; e < E; ++e)
-      if ((bitmap[e >> 5] >> (e & 31)) & 1) {
-        ntok_s[n] = 0;
-        p.slot_expert[n++] = e;
-      }
-    for (int t = 0; t < b.T; ++t)
-      for (int r = 0; r < TOPK; ++r) {
-        const int e = sel_s[t * TOPK + r];
-        int s = 0;  // rank of e among the selected experts = number of set bits below it
-        for (int i = 0; i < (e >> 5); ++i) s += popc(static_cast<uint32_t>(bitmap[i]));
-        s += popc(static_cast<uint32_t>(bitmap[e >> 5]) & ((1u << (e & 31)) - 1u));
-        const int pos = ntok_s[s]++;
-        p.slot_tok[s * 16 + pos] = t;
-        p.route_slot[t * TOPK + r] = s;
-        p.route_pos[t * TOPK + r] = pos;
-      }
-    for (int s = 0; s < n; ++s) p.slot_ntok[s] = ntok_s[s];
-    *p.n_slots = n;
+    int total = 0;
+    for (int i = 0; i < (E + 31) / 32; ++i) total += popc(static_cast<uint32_t>(bitmap[i]));
+    *p.n_slots = total;
   }
 }
 
