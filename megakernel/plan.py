@@ -165,8 +165,10 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         "pool": _tile(8, c.d_model, False, budget),
         "unpool": _tile(8, c.d_pool, False, budget),
         "lm_head": _tile(16, c.d_model, False, budget),
-        "expert1": _tile(32, c.d_pool, True, budget, run=16),  # 16 gate rows + the 16 matching up rows
-        "expert2": _tile(32, c.d_expert, True, budget),
+        # fp4 chunks may exceed the budget by their scales (1/8 of the codes): 16 whole rows of
+        # K=2048 fill an 18 KB stage, halving the chunk handshakes per expert unit
+        "expert1": _tile(32, c.d_pool, True, budget * 9 // 8, run=16),  # 16 gate + the 16 matching up rows
+        "expert2": _tile(32, c.d_expert, True, budget * 9 // 8),
     }
     p = Plan(cfg, n_sm, ring_stages, ring_stage_bytes, spin_bound_ns, poll_backoff_ns, profile=profile,
              loader_ahead=loader_ahead, pdl=pdl, l2_prefetch_bytes=l2_prefetch_bytes, profile_cap=profile_cap,

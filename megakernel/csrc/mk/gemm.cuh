@@ -132,27 +132,36 @@ MK_DEV void stage_gather_perm(Blk& b, const uint16_t* src, int nrows, RowIdx row
 }
 
 // ---------------------------------------------------------------- consumer: bf16 weights
+// Two accumulators take alternate k-steps (summed in a fixed order at the end): one chain of
+// dependent mmas per warp left the schedulers idle (8 compute warps = 2 per scheduler).
 template <int ROWS, int KC, int K>
 MK_DEV void gemm_bf16(Blk& b, float acc[4], uint32_t what) {
   constexpr int NT8 = ROWS / 8, WPT = WARPS / NT8, KSTEPS = KC / 16, RS = KC * 2 + ROW_PAD, AS = a_stride<K>();
   static_assert(WARPS % NT8 == 0 && K % KC == 0 && KC % 16 == 0, "bf16 tile shape");
   const int w = warp(), tile = w % NT8, ks = w / NT8, g = lane() >> 2, t = lane() & 3;
   const int n = tile * 8 + g;
+  float acc2[4] = {0.f, 0.f, 0.f, 0.f};
+  auto step = [&](const unsigned char* st, int c, int j, float* d) {
+    const int k = c * KC + j * 16;
+    uint32_t a[4], bb[2];
+    a[0] = *reinterpret_cast<const uint32_t*>(b.abuf + g * AS + (k + 2 * t) * 2);
+    a[1] = *reinterpret_cast<const uint32_t*>(b.abuf + (g + 8) * AS + (k + 2 * t) * 2);
+    a[2] = *reinterpret_cast<const uint32_t*>(b.abuf + g * AS + (k + 2 * t + 8) * 2);
+    a[3] = *reinterpret_cast<const uint32_t*>(b.abuf + (g + 8) * AS + (k + 2 * t + 8) * 2);
+    bb[0] = *reinterpret_cast<const uint32_t*>(st + n * RS + (j * 16 + 2 * t) * 2);
+    bb[1] = *reinterpret_cast<const uint32_t*>(st + n * RS + (j * 16 + 2 * t + 8) * 2);
+    mma(d, a, bb);
+  };
   for (int c = 0; c < K / KC; ++c) {
     const unsigned char* st = ring_consume(b, what);
-    for (int j = ks; j < KSTEPS; j += WPT) {
-      const int k = c * KC + j * 16;
-      uint32_t a[4], bb[2];
-      a[0] = *reinterpret_cast<const uint32_t*>(b.abuf + g * AS + (k + 2 * t) * 2);
-      a[1] = *reinterpret_cast<const uint32_t*>(b.abuf + (g + 8) * AS + (k + 2 * t) * 2);
-      a[2] = *reinterpret_cast<const uint32_t*>(b.abuf + g * AS + (k + 2 * t + 8) * 2);
-      a[3] = *reinterpret_cast<const uint32_t*>(b.abuf + (g + 8) * AS + (k + 2 * t + 8) * 2);
-      bb[0] = *reinterpret_cast<const uint32_t*>(st + n * RS + (j * 16 + 2 * t) * 2);
-      bb[1] = *reinterpret_cast<const uint32_t*>(st + n * RS + (j * 16 + 2 * t + 8) * 2);
-      mma(acc, a, bb);
+    for (int j = ks; j < KSTEPS; j += 2 * WPT) {
+      step(st, c, j, acc);
+      if (j + WPT < KSTEPS) step(st, c, j + WPT, acc2);
     }
     ring_release(b);
   }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] += acc2[i];
 }
 
 // ---------------------------------------------------------------- consumer: NVFP4 weights
@@ -173,29 +182,38 @@ MK_DEV void gemm_fp4(Blk& b, float acc[][4], uint32_t what) {
   static_assert(ROWS % CR == 0 && CR % 8 == 0 && WARPS % NT8C == 0 && K % 32 == 0, "fp4 tile shape");
   const int w = warp(), q = w % NT8C, ks = w / NT8C, g = lane() >> 2, t = lane() & 3;
   const int r = q * 8 + g;  // row within the chunk
+  float acc2[4];
+  // one k32 step: 8 E2M1 codes of row r dequantised into two mmas of the fp4 fragment order
+  auto step = [&](const unsigned char* codes, const unsigned char* scales, int j, float* d) {
+    const uint32_t code = *reinterpret_cast<const uint32_t*>(codes + j * 16 + t * 4);
+    const uint32_t sbf = e4m3_to_bf16(scales[2 * j + (t >> 1)]);
+    const uint32_t s2 = sbf | (sbf << 16);
+    uint32_t pr[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t y = code >> (4 * i);  // nibble i at bits 3..0, nibble i+4 at bits 19..16
+      const uint32_t raw = ((y << 6) & 0x01C001C0u) | ((y << 12) & 0x80008000u);
+      pr[i] = hmul2(hmul2(raw, 0x7E807E80u), s2);  // * 2^126 (exact), * block scale (exact)
+    }
+    const int kb = j * 32 + t * 8;
+    const uint4 ra = *reinterpret_cast<const uint4*>(b.abuf + g * AS + kb * 2);
+    const uint4 rb = *reinterpret_cast<const uint4*>(b.abuf + (g + 8) * AS + kb * 2);
+    const uint32_t a1[4] = {ra.x, rb.x, ra.y, rb.y}, b1[2] = {pr[0], pr[1]};
+    mma(d, a1, b1);
+    const uint32_t a2[4] = {ra.z, rb.z, ra.w, rb.w}, b2[2] = {pr[2], pr[3]};
+    mma(d, a2, b2);
+  };
   for (int c = 0; c < NCH; ++c) {
     const unsigned char* st = ring_consume(b, what);
     const unsigned char* codes = st + r * (K / 2);
     const unsigned char* scales = st + CR * (K / 2) + r * (K / 16);
-    for (int j = ks; j < KS32; j += WPT) {
-      const uint32_t code = *reinterpret_cast<const uint32_t*>(codes + j * 16 + t * 4);
-      const uint32_t sbf = e4m3_to_bf16(scales[2 * j + (t >> 1)]);
-      const uint32_t s2 = sbf | (sbf << 16);
-      uint32_t pr[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t y = code >> (4 * i);  // nibble i at bits 3..0, nibble i+4 at bits 19..16
-        const uint32_t raw = ((y << 6) & 0x01C001C0u) | ((y << 12) & 0x80008000u);
-        pr[i] = hmul2(hmul2(raw, 0x7E807E80u), s2);  // * 2^126 (exact), * block scale (exact)
-      }
-      const int kb = j * 32 + t * 8;
-      const uint4 ra = *reinterpret_cast<const uint4*>(b.abuf + g * AS + kb * 2);
-      const uint4 rb = *reinterpret_cast<const uint4*>(b.abuf + (g + 8) * AS + kb * 2);
-      const uint32_t a1[4] = {ra.x, rb.x, ra.y, rb.y}, b1[2] = {pr[0], pr[1]};
-      mma(acc[c], a1, b1);
-      const uint32_t a2[4] = {ra.z, rb.z, ra.w, rb.w}, b2[2] = {pr[2], pr[3]};
-      mma(acc[c], a2, b2);
+    acc2[0] = acc2[1] = acc2[2] = acc2[3] = 0.f;
+    for (int j = ks; j < KS32; j += 2 * WPT) {  // alternate steps on two accumulators (ILP)
+      step(codes, scales, j, acc[c]);
+      if (j + WPT < KS32) step(codes, scales, j + WPT, acc2);
     }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[c][i] += acc2[i];
     ring_release(b);
   }
 }
