@@ -63,7 +63,8 @@ def curve_plots(result, cls: str, fig_dir: Path, byte_marks: dict[str, float] | 
     for s in result.series:
         if s.metrics.get("plot") in ("none", "hist") or not s.params or s.timer == "static":
             continue
-        groups[(s.unit, tuple(sorted(s.params)))].append(s)
+        # list/dict params (a tree's parent list) label a series but are no axis or facet
+        groups[(s.unit, tuple(k for k in sorted(s.params) if not isinstance(s.params[k], (list, dict))))].append(s)
     out = []
     for (unit, keys), ss in groups.items():
         varying = {k: sorted({s.params[k] for s in ss}, key=str) for k in keys}

@@ -240,3 +240,13 @@ def test_tokens_per_s_uses_measured_acceptance_only():
     s2 = series("m", 4e-3, params=dict(s.params), metrics={"accepted_tokens_per_step": 6.6, "tokens_per_step": 16})
     row2 = mk.StepRow("megakernel.step", s2, "mega", "shard8", 16, 4096, 1)
     assert row2.tokens_per_step == (6.6, True) and row2.tokens_per_s == pytest.approx(6.6 / s2.summary.median)
+
+
+def test_curve_plots_ignore_list_valued_params(tmp_path):
+    """A tree's parent list is a label, not an axis: it must neither crash the plot nor facet it."""
+    from reports import plots
+
+    ss = tuple(series(f"step/T{t}", 1e-3 * t, params={"tokens": t, "parents": list(range(-1, t - 1))}, seed=t)
+               for t in (1, 4, 8, 16))
+    figs = plots.curve_plots(Result("megakernel.step", env(), ss), "megakernel", tmp_path)
+    assert len(figs) == 1
