@@ -317,12 +317,15 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
     keep = {mid - 1, mid, mid + 1}  # three launches keep the trace file small
     part = dataclasses.replace(tl, spans=tuple(x for x in tl.spans if x.launch in keep),
                                instants=tuple(x for x in tl.instants if x.launch in keep))
-    trace = part.write_trace(out_dir / f"timeline-{preset}-T{n_tokens}.trace.json")
-    png = part.plot(out_dir / f"timeline-{preset}-T{n_tokens}.png")
+    env = Env.capture()
+    # named like the result (date, commit): a later run never replaces an earlier run's trace
+    stem = f"timeline-{preset}-T{n_tokens}-{env.date.replace('-', '').replace(':', '')}-{env.git_sha[:7]}"
+    trace = part.write_trace(out_dir / f"{stem}.trace.json")
+    png = part.plot(out_dir / f"{stem}.png")
     log(f"  timeline {preset}: {len(tl.stamps)} stamps, profiler overhead {(on - off) / off:.2%}, trace {trace.name}")
     notes = (f"Perfetto trace (launches {sorted(keep)} of {n_launch}): {trace.name}; plot: {png.name}",
              "timer: globaltimer, stamped by thread 0 of each block", f"problems: {list(tl.problems)[:5]}")
-    return Result("megakernel.timeline", Env.capture(), tuple(series), derived, quick=True, notes=notes)
+    return Result("megakernel.timeline", env, tuple(series), derived, quick=True, notes=notes)
 
 
 def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", "small", "shard8"), log=print,

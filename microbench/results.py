@@ -78,7 +78,9 @@ class Env:
             from .device import device_info
 
             info = device_info(gpu_index)
-        sha = os.environ.get("MEGABENCH_GIT_SHA") or _git("rev-parse", "HEAD") or "unknown"
+        # a copy without history answers `rev-parse HEAD` with the word "HEAD": only hex is a sha
+        sha = os.environ.get("MEGABENCH_GIT_SHA") or _git("rev-parse", "--short", "--verify", "-q", "HEAD")
+        sha = sha if re.fullmatch(r"[0-9a-f]{7,40}", sha or "") else "unknown"
         dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
         return cls(
             gpu=info.name if info else None,
