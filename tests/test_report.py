@@ -250,3 +250,13 @@ def test_curve_plots_ignore_list_valued_params(tmp_path):
                for t in (1, 4, 8, 16))
     figs = plots.curve_plots(Result("megakernel.step", env(), ss), "megakernel", tmp_path)
     assert len(figs) == 1
+
+
+def test_paper_timeline_figures_name_phases_the_megakernel_emits():
+    """A phase name the profiler never writes would leave the study's row 'not measured' forever."""
+    from megakernel.plan import OP_KINDS
+
+    figs = json.loads((REPO_ROOT / "reports" / "paper_figures.json").read_text())["figures"]
+    phases = [f["ours"]["phase"] for f in figs
+              if f.get("ours") and str(f["ours"].get("metric", "")).startswith("timeline_")]
+    assert phases and set(phases) <= set(OP_KINDS)
