@@ -44,15 +44,19 @@ def tuned(constants=None):
     defaults (with a warning); a malformed one raises ResultsFileError naming the problem."""
     if constants is not None:
         return constants
+    from microbench.device import device_info, gpu_count
     from microbench.errors import ResultsFileError
     from microbench.tune import TunedConstants, find_constants_file, load_constants
 
+    # with a GPU present, only its own model's file (constants never cross GPU models); without one
+    # (precompiling, CI) the single committed file
+    gpu = device_info().name if gpu_count() else None
     try:
-        path = find_constants_file()
+        path = find_constants_file(gpu)
     except ResultsFileError as e:
         warnings.warn(f"{e}; the megakernel builds with the documented defaults", stacklevel=2)
         return TunedConstants.defaults()
-    return load_constants(path)
+    return load_constants(path, gpu=gpu)
 
 
 def _get(constants, key):

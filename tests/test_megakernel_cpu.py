@@ -242,3 +242,21 @@ def test_profiler_event_layout_is_pinned():
     base = EVENTS.id("wait_embed_begin")
     for i, k in enumerate(OP_KINDS):
         assert EVENTS.id(f"wait_{k}_begin") == base + 4 * i and EVENTS.id(f"{k}_begin") == base + 4 * i + 2
+
+
+def test_plan_reads_tuned_constants_and_refuses_a_malformed_file(tmp_path, monkeypatch):
+    """No constants file: documented defaults, said out loud. A malformed one: an error naming it,
+    never a silent fallback. The tuned spin bound gets the phase allowance added."""
+    import microbench.tune as tune
+    from megakernel.pipeline import PHASE_ALLOWANCE_NS, plan_for
+    from microbench.errors import ResultsFileError
+
+    monkeypatch.delenv("MEGABENCH_CONSTANTS", raising=False)
+    monkeypatch.setattr(tune, "constants_dir", lambda: tmp_path)
+    with pytest.warns(UserWarning, match="documented defaults"):
+        p = plan_for("tiny", None, 4)
+    d = tune.TunedConstants.defaults()
+    assert p.ring_stages == d.ring_stages and p.spin_bound_ns == d.spin_bound_ns + PHASE_ALLOWANCE_NS
+    (tmp_path / "nvidia-h200.json").write_text('{"schema": "megabench.constants", "version": 1}')
+    with pytest.raises(ResultsFileError, match="nvidia-h200.json"):
+        plan_for("tiny", None, 4)
