@@ -259,7 +259,9 @@ def test_note_reads_saved_results(emu, tmp_path):
     bench.run_spliced(h, quick=True, save=False).save(tmp_path)
     text = render(tmp_path)
     assert "innermost instruction-cache level" in text and "not measured (no icache.prefetch result)" in text
-    assert "| 100 KiB + 20 KiB spliced / alone, 12 warps/SM | 1" in text
+    # the emulator models no splice penalty here, so the ratio is 1 within its 0.2% timing noise
+    m = re.search(r"\| 100 KiB \+ 20 KiB spliced / alone, 12 warps/SM \| ([0-9.]+) x", text)
+    assert m and float(m.group(1)) == pytest.approx(1.0, abs=0.01)
 
 
 def test_bench_cases_prepare_and_launch(emu):
