@@ -57,7 +57,7 @@ def test_disabled_profiler_is_no_code_at_all():
 
 
 def test_enabled_profiler_reads_the_timers_in_sass():
-    from microbench.clocks.sass import count_matching, find_disassembler, sass_by_kernel
+    from microbench.sass import count_matching, find_disassembler, sass_by_kernel
 
     if find_disassembler() is None:
         pytest.skip("no nvdisasm/cuobjdump (set MEGABENCH_NVDISASM)")
@@ -89,7 +89,7 @@ def test_benchmark_variants_build_without_spills(name, defines):
 
 
 def test_read_cost_kernel_really_unrolls_the_reads():
-    from microbench.clocks.sass import count_matching, find_disassembler, sass_by_kernel
+    from microbench.sass import count_matching, find_disassembler, sass_by_kernel
 
     if find_disassembler() is None:
         pytest.skip("no nvdisasm/cuobjdump (set MEGABENCH_NVDISASM)")

@@ -171,7 +171,7 @@ def test_compile_many_in_processes_fills_the_cache(tmp_path, monkeypatch):
 def test_sass_holds_every_generated_instruction():
     """Where a disassembler exists: the SASS has exactly the generated FADDs, guards and clock
     reads (the byte check's premise, 16 B per instruction, seen instruction by instruction)."""
-    from microbench.clocks.sass import count_matching, find_disassembler, sass_by_kernel
+    from microbench.sass import count_matching, find_disassembler, sass_by_kernel
 
     if find_disassembler() is None:
         pytest.skip("no nvdisasm/cuobjdump (set MEGABENCH_NVDISASM)")

@@ -59,7 +59,7 @@ def _pcts(x, ps=(10, 50, 90)) -> dict:
 # ====================================================================================== timers
 def run_timers(h: Harness | None = None, quick: bool | None = None, save: bool = True) -> Result:
     from .ncu_tick import tick_under_ncu
-    from .sass import count_matching, find_disassembler, sass_by_kernel
+    from ..sass import count_matching, find_disassembler, sass_by_kernel
 
     h = h or Harness()
     quick = _quick(quick)

@@ -3,10 +3,9 @@ latest saved results (never typed in). `python -m microbench.clocks.note [--root
 markdown; a missing result is said to be missing."""
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from ..results import latest
+from .. import notes
 
 ROWS = (  # (benchmark, derived key, label, scale, unit shown)
     ("clocks.timers", "globaltimer_tick_ns", "%globaltimer tick (no profiler)", 1, "ns"),
@@ -30,31 +29,11 @@ ROWS = (  # (benchmark, derived key, label, scale, unit shown)
 
 
 def render(root: Path | None = None) -> str:
-    lines = ["# Clocks, skew and in-kernel profiling: measured values", "",
-             "| quantity | value | spread | measured | GPU |", "|---|---|---|---|---|"]
-    cache = {}
-    for bench, key, label, scale, unit in ROWS:
-        if bench not in cache:
-            cache[bench] = latest(bench, root)
-        r = cache[bench]
-        d = r.derived.get(key) if r else None
-        if d is None:
-            lines.append(f"| {label} | not measured{'' if r else ' (no ' + bench + ' result)'} | | | |")
-            continue
-        sp = f"{d.spread[0] * scale:.4g} .. {d.spread[1] * scale:.4g}" if d.spread else ""
-        lines.append(f"| {label} | {d.value * scale:.4g} {unit} | {sp} | {r.env.date[:10]} | {r.env.gpu} |")
-    lines += ["", "Rules behind each value are in the result files (`Derived.rule`); notes:"]
-    for bench, r in cache.items():
-        for n in (r.notes if r else ()):
-            lines.append(f"- {bench}: {n}")
-    return "\n".join(lines) + "\n"
+    return notes.render("Clocks, skew and in-kernel profiling", ROWS, root)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--root", type=Path, default=None, help="results root (default: reports/results)")
-    print(render(ap.parse_args(argv).root), end="")
-    return 0
+    return notes.main(__doc__, render, argv)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@
 // `what` encodes the waiter for the host's message: op_index * 16 + code, code 0..2 = the op's
 // dependency number, WHAT_RING_FULL/EMPTY = a ring stage, WHAT_LOADER_ROUTE = the loader
 // waiting for the routing of a dynamic op. megakernel/runtime.py decodes it.
+//
+// Same loop as mb/spin.cuh's spin_geq/mbar_wait, written over mk/arch.cuh's primitives instead:
+// mb/spin.cuh uses CUDA builtins (atomicCAS, blockIdx, __threadfence) that the host emulation
+// (megakernel/emu) does not provide, and CI runs this file there. The record layout stays shared.
 #pragma once
 #include "mb/watchdog.cuh"
 #include "mk/arch.cuh"
