@@ -35,6 +35,8 @@ def program_constants() -> str:
         f"constexpr int OPINST_INTS = {program.OPINST_INTS};",
         f"constexpr int DEP_ALL = {program.DEP_ALL}, DEP_GROUP = {program.DEP_GROUP};",
         f"constexpr int ASSIGN_STRIDED = {program.ASSIGN_STRIDED}, ASSIGN_CONTIG = {program.ASSIGN_CONTIG};",
+        f"constexpr uint32_t WHAT_RING_FULL = {program.WHAT_RING_FULL}, WHAT_RING_EMPTY = {program.WHAT_RING_EMPTY}, "
+        f"WHAT_LOADER_ROUTE = {program.WHAT_LOADER_ROUTE}, WHAT_LOADER_GATE = {program.WHAT_LOADER_GATE};",
         "}  // namespace mk",
     ]) + "\n"
 

@@ -35,6 +35,9 @@ OPINST_INTS = 16
 MAX_DEPS = 3
 ASSIGN_STRIDED, ASSIGN_CONTIG = 0, 1
 DEP_ALL, DEP_GROUP = 0, 1
+# A wait's id for the watchdog record: op index * 16 + code; codes below MAX_DEPS name the op's
+# dependency, these name the ring and the loader (rendered into the kernel by build.py)
+WHAT_RING_FULL, WHAT_RING_EMPTY, WHAT_LOADER_ROUTE, WHAT_LOADER_GATE = 8, 9, 10, 11
 
 
 @dataclass(frozen=True)

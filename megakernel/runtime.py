@@ -25,11 +25,11 @@ from microbench.watchdog import Watchdog
 from . import abi, tree as treelib
 from .config import ConfigError
 from .plan import THREADS, Plan
-from .program import Program, build as build_program
+from .program import (WHAT_LOADER_GATE, WHAT_LOADER_ROUTE, WHAT_RING_EMPTY, WHAT_RING_FULL, Program,
+                      build as build_program)
 from .reference import KVCache
 from .weights import BF16, ModelWeights
 
-WHAT_RING_FULL, WHAT_RING_EMPTY, WHAT_LOADER_ROUTE = 8, 9, 10
 
 
 class EmulationError(RuntimeError):
@@ -173,13 +173,15 @@ class Engine:
             return f"wait id {what}"
         o = self.program.ops[i]
         name = f"{o.kind}(L{o.layer}) [op {i}]"
-        if code < 8 and code < len(o.deps):
+        if code < WHAT_RING_FULL and code < len(o.deps):
             pr = self.program.ops[o.deps[code].producer]
             mode = "all units" if o.deps[code].mode == 0 else "one group"
             return f"{name} dependency {code}: {mode} of {pr.kind}(L{pr.layer}) [op {pr.index}]"
         return {WHAT_RING_FULL: f"{name}: a weight chunk in the ring (consumer)",
                 WHAT_RING_EMPTY: f"{name}: a free ring stage (loader)",
-                WHAT_LOADER_ROUTE: f"{name}: the routing of this layer (loader)"}.get(code, f"{name} code {code}")
+                WHAT_LOADER_ROUTE: f"{name}: the routing of this layer (loader)",
+                WHAT_LOADER_GATE: f"{name}: the compute warps finishing the previous op (loader, no run-ahead)"
+                }.get(code, f"{name} code {code}")
 
     def _set_inputs(self, tokens, parents, ctx, routes):
         c = self.cfg

@@ -260,3 +260,16 @@ def test_plan_reads_tuned_constants_and_refuses_a_malformed_file(tmp_path, monke
     (tmp_path / "nvidia-h200.json").write_text('{"schema": "megabench.constants", "version": 1}')
     with pytest.raises(ResultsFileError, match="nvidia-h200.json"):
         plan_for("tiny", None, 4)
+
+
+def test_every_wait_id_the_kernel_can_report_has_a_message(tiny):
+    """The WHAT_* codes are rendered from megakernel/program.py into the kernel; the host names each."""
+    from megakernel import program
+
+    cfg, w, base, plan = tiny
+    eng = Engine(w, plan, base.clone(), backend="emu")
+    codes = [program.WHAT_RING_FULL, program.WHAT_RING_EMPTY, program.WHAT_LOADER_ROUTE, program.WHAT_LOADER_GATE]
+    for code in codes:
+        msg = eng.describe_wait(3 * 16 + code)
+        assert "[op 3]" in msg and f"code {code}" not in msg, msg
+    assert f"WHAT_LOADER_GATE = {program.WHAT_LOADER_GATE}" in default_config_text()

@@ -4,8 +4,8 @@
 // any other wait in the grid has tripped, so one broken dependency ends the launch quickly.
 //
 // `what` encodes the waiter for the host's message: op_index * 16 + code, code 0..2 = the op's
-// dependency number, WHAT_RING_FULL/EMPTY = a ring stage, WHAT_LOADER_ROUTE = the loader
-// waiting for the routing of a dynamic op. megakernel/runtime.py decodes it.
+// dependency number, WHAT_* (megakernel/program.py, rendered into the generated header) = a ring
+// stage or the loader. megakernel/runtime.py decodes it.
 //
 // Same loop as mb/spin.cuh's spin_geq/mbar_wait, written over mk/arch.cuh's primitives instead:
 // mb/spin.cuh uses CUDA builtins (atomicCAS, blockIdx, __threadfence) that the host emulation
@@ -15,8 +15,6 @@
 #include "mk/arch.cuh"
 
 namespace mk {
-
-constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10, WHAT_LOADER_GATE = 11;
 
 MK_DEV bool tripped(const Params& p) {
   return *reinterpret_cast<volatile unsigned long long*>(&p.watchdog[mb::WD_TRIPPED]) != 0ull;
