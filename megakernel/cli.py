@@ -3,6 +3,8 @@
   check-and-bench [--full] [--presets ...]   on a GPU: the pipeline (checks, then timings), results saved
   sanitize-step           one tiny step in mega and chain mode (run under compute-sanitizer)
   program [--preset P]    print the launches and op instances of one step
+  ncu-op --op K [K ...]   on a GPU: one chain-mode step up to the named ops of one layer, with only
+                          those launches inside cudaProfilerStart/Stop (for `ncu --profile-from-start off`)
 """
 from __future__ import annotations
 
@@ -73,6 +75,49 @@ def _sanitize(a) -> int:
     return 0
 
 
+def _ncu_op(a) -> int:
+    from microbench.device import no_gpu_reason
+
+    reason = no_gpu_reason()
+    if reason:
+        print(f"ncu-op needs a GPU: {reason}", file=sys.stderr)
+        return 2
+    import torch
+
+    from .bench_baselines import step_context, weights_for
+    from .pipeline import plan_for
+    from .runtime import Engine
+
+    sc = step_context(a.preset, a.tokens, a.ctx)
+    eng = Engine(weights_for(a.preset), plan_for(a.preset), sc.cache0.clone(), backend="gpu")
+    routes = [r.cuda() for r in sc.routes]
+    eng.step(sc.tokens, sc.parents, a.ctx, mode="chain", routes=routes)  # module load, warm caches
+    t = eng.prepare(sc.tokens, sc.parents, a.ctx, routes)
+    ops = eng.program.ops
+    unknown = set(a.op) - {o.kind for o in ops}
+    if unknown:
+        print(f"ncu-op: no op kind {sorted(unknown)} in the {a.preset} program", file=sys.stderr)
+        return 2
+    # chain mode launches op instance i as launch i; everything before the last target runs so the
+    # profiled launches see this step's real inputs (routing, activations)
+    targets = {o.index for o in ops if o.kind in a.op and o.layer == a.layer}
+    if not targets:
+        print(f"ncu-op: layer {a.layer} has none of {a.op}", file=sys.stderr)
+        return 2
+    launches = eng.launches("chain")
+    for li, (first, n, wait, grid) in enumerate(launches[:max(targets) + 1]):
+        if li in targets:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+        eng._launch(first, n, wait, grid, t, a.ctx, li)
+        if li in targets:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            print(f"profiled launch {li}: {ops[li].kind} layer {ops[li].layer} (grid {grid})")
+    torch.cuda.synchronize()
+    return 0
+
+
 def _program(a) -> int:
     from .config import preset
     from .plan import make_plan
@@ -101,6 +146,13 @@ def main(argv=None) -> int:
     s.add_argument("--mode", default="layer", choices=["layer", "step"])
     s.add_argument("--sm", type=int, default=132)
     s.set_defaults(fn=_program)
+    s = sub.add_parser("ncu-op")
+    s.add_argument("--preset", default="shard8")
+    s.add_argument("--tokens", type=int, default=16)
+    s.add_argument("--ctx", type=int, default=2048)
+    s.add_argument("--layer", type=int, default=0)
+    s.add_argument("--op", nargs="+", required=True)
+    s.set_defaults(fn=_ncu_op)
     a = p.parse_args(argv)
     return a.fn(a)
 

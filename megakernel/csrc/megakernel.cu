@@ -28,7 +28,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
   if (tid() == 0) {
     for (int s = 0; s < RING_STAGES; ++s) {
       mbar_init(&b.full[s], 1);
-      mbar_init(&b.empty[s], WARPS);
+      mbar_init(&b.empty[s], COMPUTE_THREADS);
     }
     fence_mbar_init();
     b.misc[MISC_TAG] = -1;

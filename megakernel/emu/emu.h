@@ -44,6 +44,32 @@ MK_DEV uint32_t hmul2(uint32_t a, uint32_t b) {
   const float hi = bf2f(a >> 16) * bf2f(b >> 16);
   return pack_bf2(lo, hi);
 }
+MK_DEV void ldsm_x4(uint32_t a[4], const unsigned char* row) {  // lanes 8m..8m+7 address matrix m's rows
+  const unsigned char* all[32];
+  emu::warp_exchange(&row, sizeof(row), all);
+  const int g = lane() >> 2, t = lane() & 3;
+  for (int m = 0; m < 4; ++m) memcpy(&a[m], all[8 * m + g] + 4 * t, 4);
+}
+MK_DEV uint32_t e4m3x2_to_bf16x2_p119(uint32_t v) {
+  auto one = [](uint32_t x) {
+    const uint32_t e = (x >> 3) & 15u, m = x & 7u;
+    if (e == 15u && m == 7u) return f2bf(u2f(0x7fc00000u));  // E4M3 NaN
+    const float mag = e ? ldexpf(1.0f + m / 8.0f, static_cast<int>(e) - 7) : ldexpf(m / 8.0f, -6);
+    return f2bf(ldexpf((x & 0x80u) ? -mag : mag, 119));
+  };
+  return one(v & 0xffu) | (static_cast<uint32_t>(one((v >> 8) & 0xffu)) << 16);
+}
+MK_DEV uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  const uint64_t x = a | (static_cast<uint64_t>(b) << 32);
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t s = (sel >> (4 * i)) & 15u;
+    uint32_t byte = static_cast<uint32_t>(x >> (8 * (s & 7u))) & 0xffu;
+    if (s & 8u) byte = (byte & 0x80u) ? 0xffu : 0u;  // sign-replicate mode
+    r |= byte << (8 * i);
+  }
+  return r;
+}
 MK_DEV void mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
   struct Frag { uint32_t a[4]; uint32_t b[2]; } mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}}, all[32];
   emu::warp_exchange(&mine, sizeof(Frag), all);
@@ -96,6 +122,7 @@ MK_DEV void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar)
   memcpy(dst, src, bytes);
   emu::mbar_complete_tx(bar, bytes);
 }
+MK_DEV void fence_proxy_async_smem() {}
 MK_DEV void prefetch_l2(const void*, unsigned) {}
 MK_DEV void pdl_launch_dependents() {}
 MK_DEV void pdl_wait() {}

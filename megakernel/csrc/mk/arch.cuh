@@ -57,6 +57,25 @@ MK_DEV uint32_t hmul2(uint32_t a, uint32_t b) {
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
+// The mma A fragment of a row-major 16x16 bf16 tile in shared memory (ldmatrix .x4). `row` is
+// this lane's row address: tile + (lane % 16) * stride + (lane / 16) * 16 bytes (16-byte aligned).
+MK_DEV void ldsm_x4(uint32_t a[4], const unsigned char* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(row))));
+}
+// Two E4M3 values (bytes 0 and 1 of v) -> bf16x2 (low, high) of value * 2^119, exactly: E4M3 has
+// <= 4 significant bits and every finite value * 2^119 lies in [2^110, 1.75 * 2^127].
+MK_DEV uint32_t e4m3x2_to_bf16x2_p119(uint32_t v) {
+  uint32_t h;
+  asm("{.reg .b16 t;\n\tcvt.u16.u32 t, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, t;\n\t}" : "=r"(h) : "r"(v));
+  float lo, hi;
+  asm("{.reg .b16 l, u;\n\tmov.b32 {l, u}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, u;\n\t}"
+      : "=f"(lo), "=f"(hi) : "r"(h));
+  return pack_bf2(lo * 0x1p119f, hi * 0x1p119f);
+}
+// Byte permute: result byte i = byte (sel nibble i) of {b:a} (a = bytes 0-3, b = bytes 4-7).
+MK_DEV uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) { return __byte_perm(a, b, sel); }
 // D = A(16x16, row) * B(16x8, col) + C, bf16 in, fp32 accumulate (PTX fragment layouts)
 MK_DEV void mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
   asm volatile(
@@ -94,6 +113,8 @@ MK_DEV bool mbar_test(uint64_t* b, unsigned parity) { return mb::mbar_try_wait(b
 MK_DEV void bulk_copy(void* dst_smem, const void* src, unsigned bytes, uint64_t* bar) {
   mb::bulk_g2s(dst_smem, src, bytes, bar);
 }
+// Orders this thread's view of shared memory (generic proxy) before its next bulk copies (async proxy).
+MK_DEV void fence_proxy_async_smem() { mb::fence_proxy_async_smem(); }
 MK_DEV void prefetch_l2(const void* src, unsigned bytes) { mb::bulk_prefetch_l2(src, bytes); }
 // Programmatic dependent launch: let the next launch start scheduling / wait for the previous one.
 MK_DEV void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }

@@ -5,10 +5,10 @@
 //   ring   RING_STAGES x STAGE_BYTES  weight chunks, filled by the loader warp's bulk copies
 //   red    RED_BYTES   per-warp partial sums of a GEMM tile, reduced in fixed warp order
 //   bars   2 x RING_STAGES mbarriers (full: one arrival + tx bytes; empty: one arrival per
-//          compute warp), then small ints (staged-activation tag, top-k scratch)
+//          compute thread), then small ints (staged-activation tag, top-k scratch)
 // Ring protocol: chunk c lives in stage c % RING_STAGES; the producer waits for `empty` of
 // use (c / RING_STAGES) - 1, announces the bytes on `full` and issues the copies; consumers
-// wait for `full` of use c / RING_STAGES, read, and each warp arrives on `empty`. Producer and
+// wait for `full` of use c / RING_STAGES, read, and each compute thread arrives on `empty`. Producer and
 // consumers walk the same chunk sequence (program.cuh), so c agrees on both sides.
 #pragma once
 #include "mk/wait.cuh"
@@ -20,7 +20,8 @@ constexpr int MISC_OPS_DONE = 1;  // ops of this launch the compute warps have f
 constexpr int MISC_ROWS = 4;     // [16] gathered row indices of an expert operand
 constexpr int MISC_DEPS = 20;    // [4] thread 0's DepCache of the current op (program.cuh)
 constexpr int MISC_PEND = 24;    // [3] thread 0's Pending signals of the current op
-constexpr int MISC_SCRATCH = 28;  // top-k scratch from here (ints)
+constexpr int MISC_SLOT = 28;    // [3] the current expert slot's expert, tokens, tensor scale (slot.cuh)
+constexpr int MISC_SCRATCH = 32;  // top-k scratch from here (ints)
 // top-k scratch: selections [T_MAX*TOPK], per-slot token counts [MAX_SLOTS], expert bitmap [E/32]
 constexpr int MISC_INTS = MISC_SCRATCH + T_MAX * TOPK + MAX_SLOTS + (E + 31) / 32;
 
@@ -65,9 +66,10 @@ MK_DEV const unsigned char* ring_consume(Blk& b, uint32_t what) {
   if (!wait_mbar(*b.p, &b.full[c % RING_STAGES], (c / RING_STAGES) & 1u, what)) b.failed = true;
   return stage_of(b, c);
 }
+// Every thread arrives: an mbarrier arrive releases only the arriving thread's own reads (PTX
+// memory model), and the next bulk copy into this stage must not overtake any of them.
 MK_DEV void ring_release(Blk& b) {
-  syncwarp();  // every lane of this warp has finished reading the stage
-  if (lane() == 0) mbar_arrive(&b.empty[b.chunk % RING_STAGES]);
+  mbar_arrive(&b.empty[b.chunk % RING_STAGES]);
   ++b.chunk;
 }
 
@@ -82,6 +84,9 @@ MK_DEV bool ring_produce_begin(const Blk& b, unsigned c, unsigned tx, uint32_t w
   }
   ok = bcast_i(ok);
   syncwarp();
+  // the consumers' reads of this stage (generic proxy, acquired through `empty`) before the bulk
+  // copies that overwrite it (async proxy): the PTX memory model wants a proxy fence between them
+  fence_proxy_async_smem();
   return ok != 0;
 }
 

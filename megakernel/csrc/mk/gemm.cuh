@@ -9,12 +9,15 @@
 // (chain and mega modes are bitwise equal).
 //
 // NVFP4 (expert GEMMs). Thread t of a quad loads one u32 of codes = 8 consecutive E2M1 values
-// k..k+7 (one 16-wide scale block) and feeds them to two mmas as the pairs (k+i, k+i+4): the
-// k order inside each mma is permuted, which is harmless as long as A is permuted the same way,
-// so the activation rows of the fp4 GEMMs are staged as [e0,e4,e1,e5,e2,e6,e3,e7] per 8 values.
-// Dequantisation is exact: the 3 magnitude bits go to bf16 bits 8..6 (value * 2^-126, a
-// subnormal when the exponent is 0), one bf16 multiply by 2^126 makes the true value, a second
-// multiplies by the E4M3 block scale (the product has <= 6 significant bits: exact in bf16).
+// k..k+7 (half of a 16-wide scale block) and feeds them to two mmas as the pairs (k+i, k+i+4):
+// the k order inside each mma is permuted, which is harmless as long as A is permuted the same
+// way, so the activation rows of the fp4 GEMMs are staged in that order (stage_rows, PERM), laid
+// out per k32 step as the two mmas' row-major 16x16 A tiles, read with ldmatrix.
+// Dequantisation is exact and costs one multiply per pair: the 3 magnitude bits go to bf16 bits
+// 8..6 (value * 2^-126, a subnormal when the exponent is 0) and are multiplied by the E4M3 block
+// scale * 2^119 (exact: <= 6 significant bits, a normal bf16). The missing 2^7 is on the
+// activations, staged * 2^7 (exact; overflows only beyond 2^121), so every mma product equals
+// activation * value * scale exactly, as an unscaled dequantisation would give.
 #pragma once
 #include "mk/block.cuh"
 
@@ -81,13 +84,17 @@ MK_DEV void stage_norm(Blk& b, const float* x, const uint16_t* gain, int tag) {
 }
 
 // Rows of another block's bf16 output (read at L2): `src(r)` is row r's address, r < nrows; rows
-// >= nrows are zero. PERM: store each 8 values in the fp4 fragment order [e0,e4,e1,e5,e2,e6,e3,e7].
+// >= nrows are zero. PERM (fp4 operand): each 16-byte piece k8 = 4 * step + t holds the values
+// e0..e7 of k = 8 * k8..; its u32 words w = (e0,e4), (e1,e5), (e2,e6), (e3,e7), times 2^7, go to
+// word 4 * w + t of the step's 64 bytes: mma m = w / 2's A tile, column half w % 2, pair t.
+constexpr uint32_t FP4_ACT_SCALE_BF2 = 0x43004300u;  // bf16x2 (2^7, 2^7)
 template <int K, bool PERM, typename RowPtr>
 MK_DEV void stage_rows(Blk& b, int nrows, RowPtr src) {
   constexpr int PER = 16 * (K / 8);  // 16-byte pieces of the 16 rows
   constexpr int NT = (PER + COMPUTE_THREADS - 1) / COMPUTE_THREADS;
   constexpr int NB = NT < STAGE_BATCH ? NT : STAGE_BATCH;
   static_assert(NT % NB == 0, "batching");
+  static_assert(!PERM || K % 32 == 0, "fp4 operand: whole k32 steps");
   for (int i0 = 0; i0 < NT; i0 += NB) {
     uint4 v[NB];
 #pragma unroll
@@ -99,14 +106,16 @@ MK_DEV void stage_rows(Blk& b, int nrows, RowPtr src) {
     for (int i = 0; i < NB; ++i) {
       const int idx = tid() + COMPUTE_THREADS * (i0 + i), r = idx / (K / 8), k8 = idx % (K / 8);
       if (idx >= PER) continue;
-      uint4 o = v[i];
-      if (PERM) {  // (e0,e1)(e2,e3)(e4,e5)(e6,e7) -> (e0,e4)(e1,e5)(e2,e6)(e3,e7)
-        o.x = (v[i].x & 0xffffu) | (v[i].z << 16);
-        o.y = (v[i].x >> 16) | (v[i].z & 0xffff0000u);
-        o.z = (v[i].y & 0xffffu) | (v[i].w << 16);
-        o.w = (v[i].y >> 16) | (v[i].w & 0xffff0000u);
+      unsigned char* row = b.abuf + r * a_stride<K>();
+      if (PERM) {  // (e0,e1)(e2,e3)(e4,e5)(e6,e7) -> (e0,e4)(e1,e5)(e2,e6)(e3,e7), scattered
+        const uint32_t wd[4] = {(v[i].x & 0xffffu) | (v[i].z << 16), (v[i].x >> 16) | (v[i].z & 0xffff0000u),
+                                (v[i].y & 0xffffu) | (v[i].w << 16), (v[i].y >> 16) | (v[i].w & 0xffff0000u)};
+        uint32_t* blk = reinterpret_cast<uint32_t*>(row + 64 * (k8 / 4));
+#pragma unroll
+        for (int w = 0; w < 4; ++w) blk[4 * w + k8 % 4] = hmul2(wd[w], FP4_ACT_SCALE_BF2);
+      } else {
+        *reinterpret_cast<uint4*>(row + 16 * k8) = v[i];
       }
-      *reinterpret_cast<uint4*>(b.abuf + r * a_stride<K>() + 16 * k8) = o;
     }
   }
   sync_compute();
@@ -140,14 +149,11 @@ MK_DEV void gemm_bf16(Blk& b, float acc[4], uint32_t what) {
   static_assert(WARPS % NT8 == 0 && K % KC == 0 && KC % 16 == 0, "bf16 tile shape");
   const int w = warp(), tile = w % NT8, ks = w / NT8, g = lane() >> 2, t = lane() & 3;
   const int n = tile * 8 + g;
+  const unsigned char* arow = b.abuf + (lane() & 15) * AS + (lane() >> 4) * 16;  // ldmatrix row of this lane
   float acc2[4] = {0.f, 0.f, 0.f, 0.f};
   auto step = [&](const unsigned char* st, int c, int j, float* d) {
-    const int k = c * KC + j * 16;
     uint32_t a[4], bb[2];
-    a[0] = *reinterpret_cast<const uint32_t*>(b.abuf + g * AS + (k + 2 * t) * 2);
-    a[1] = *reinterpret_cast<const uint32_t*>(b.abuf + (g + 8) * AS + (k + 2 * t) * 2);
-    a[2] = *reinterpret_cast<const uint32_t*>(b.abuf + g * AS + (k + 2 * t + 8) * 2);
-    a[3] = *reinterpret_cast<const uint32_t*>(b.abuf + (g + 8) * AS + (k + 2 * t + 8) * 2);
+    ldsm_x4(a, arow + (c * KC + j * 16) * 2);
     bb[0] = *reinterpret_cast<const uint32_t*>(st + n * RS + (j * 16 + 2 * t) * 2);
     bb[1] = *reinterpret_cast<const uint32_t*>(st + n * RS + (j * 16 + 2 * t + 8) * 2);
     mma(d, a, bb);
@@ -165,57 +171,99 @@ MK_DEV void gemm_bf16(Blk& b, float acc[4], uint32_t what) {
 }
 
 // ---------------------------------------------------------------- consumer: NVFP4 weights
-MK_DEV uint32_t e4m3_to_bf16(uint32_t s) {
-  const uint32_t e = (s >> 3) & 15u, m = s & 7u, sign = (s & 0x80u) << 8;
-  if (e) return sign | ((e + 120u) << 7) | (m << 4);
-  return sign | f2bf(static_cast<float>(m) * 0.001953125f);  // subnormal: m * 2^-9
+// The E4M3 block scales of SPW consecutive k32 steps of one row: bytes 0 .. 2*SPW-1 from p
+// (thread t of the quad uses the odd or even ones: 16 values per scale, 8 per thread).
+template <int SPW, int ALIGN>
+MK_DEV void load_scales(const unsigned char* p, uint32_t (&w)[(SPW + 1) / 2]) {
+  if constexpr (SPW % 8 == 0 && ALIGN % 16 == 0) {
+#pragma unroll
+    for (int v = 0; v < SPW / 8; ++v) {
+      const uint4 x = *reinterpret_cast<const uint4*>(p + 16 * v);
+      w[4 * v] = x.x, w[4 * v + 1] = x.y, w[4 * v + 2] = x.z, w[4 * v + 3] = x.w;
+    }
+  } else if constexpr (SPW % 2 == 0 && ALIGN % 4 == 0) {
+#pragma unroll
+    for (int v = 0; v < SPW / 2; ++v) w[v] = *reinterpret_cast<const uint32_t*>(p + 4 * v);
+  } else {
+#pragma unroll
+    for (int v = 0; v < (SPW + 1) / 2; ++v) {
+      w[v] = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (4 * v + k < 2 * SPW) w[v] |= static_cast<uint32_t>(p[4 * v + k]) << (8 * k);
+    }
+  }
 }
 
 // Chunk c holds CR whole rows (tile rows c*CR..): codes [CR][K/2] then scales [CR][K/16], as
 // two bulk copies landed them (unpadded: the code loads of a warp's 8 rows share a bank, an
-// 8-way conflict on one LDS.32 per two mmas, cheap beside the copies it saves).
-// Warp w owns the 8-row tile q = w % (CR/8) of every chunk and every (8/(CR/8))-th k32 step;
-// acc[c] accumulates chunk c.
+// 8-way conflict on one LDS.32 per two mmas).
+// Warp w owns the 8-row tile q = w % (CR/8) of every chunk and the contiguous range of SPW k32
+// steps number w / (CR/8), walked in groups of GS unrolled steps (compile-time offsets; one load
+// of the group's block scales); odd steps go to a second accumulator (ILP). Each chunk's partial
+// tile is stashed into `red` as soon as it is done (an accumulator array indexed by the runtime
+// chunk would live in local memory), then the compute warps meet at one barrier.
+// Unrolling more than two groups hoists every group's ldmatrix loads and spills (168 registers).
+MK_DEV constexpr int lowbit(int x) { return x & -x; }
 template <int ROWS, int CR, int K>
-MK_DEV void gemm_fp4(Blk& b, float acc[][4], uint32_t what) {
+MK_DEV void gemm_fp4(Blk& b, uint32_t what) {
   constexpr int NCH = ROWS / CR, NT8C = CR / 8, WPT = WARPS / NT8C, KS32 = K / 32, AS = a_stride<K>();
+  constexpr int SPW = (KS32 + WPT - 1) / WPT;
+  constexpr int GS = SPW % 4 == 0 ? 4 : (SPW % 2 == 0 ? 2 : 1);
+  // a group's scale bytes start at row * K/16 + 2 * (SPW * (w / NT8C) + GS * group): their alignment
+  constexpr int SALIGN = lowbit(K / 16) < lowbit(2 * GS) ? lowbit(K / 16) : lowbit(2 * GS);
   static_assert(ROWS % CR == 0 && CR % 8 == 0 && WARPS % NT8C == 0 && K % 32 == 0, "fp4 tile shape");
-  const int w = warp(), q = w % NT8C, ks = w / NT8C, g = lane() >> 2, t = lane() & 3;
+  static_assert((CR * (K / 2)) % 16 == 0, "scales start 16-byte aligned");
+  const int w = warp(), q = w % NT8C, j0 = (w / NT8C) * SPW, g = lane() >> 2, t = lane() & 3;
   const int r = q * 8 + g;  // row within the chunk
-  float acc2[4];
-  // one k32 step: 8 E2M1 codes of row r dequantised into two mmas of the fp4 fragment order
-  auto step = [&](const unsigned char* codes, const unsigned char* scales, int j, float* d) {
-    const uint32_t code = *reinterpret_cast<const uint32_t*>(codes + j * 16 + t * 4);
-    const uint32_t sbf = e4m3_to_bf16(scales[2 * j + (t >> 1)]);
-    const uint32_t s2 = sbf | (sbf << 16);
-    uint32_t pr[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t y = code >> (4 * i);  // nibble i at bits 3..0, nibble i+4 at bits 19..16
-      const uint32_t raw = ((y << 6) & 0x01C001C0u) | ((y << 12) & 0x80008000u);
-      pr[i] = hmul2(hmul2(raw, 0x7E807E80u), s2);  // * 2^126 (exact), * block scale (exact)
-    }
-    const int kb = j * 32 + t * 8;
-    const uint4 ra = *reinterpret_cast<const uint4*>(b.abuf + g * AS + kb * 2);
-    const uint4 rb = *reinterpret_cast<const uint4*>(b.abuf + (g + 8) * AS + kb * 2);
-    const uint32_t a1[4] = {ra.x, rb.x, ra.y, rb.y}, b1[2] = {pr[0], pr[1]};
-    mma(d, a1, b1);
-    const uint32_t a2[4] = {ra.z, rb.z, ra.w, rb.w}, b2[2] = {pr[2], pr[3]};
-    mma(d, a2, b2);
-  };
+  const unsigned char* arow = b.abuf + (lane() & 15) * AS + (lane() >> 4) * 16 + j0 * 64;
+  const uint32_t ssel = (t >> 1) | ((2 + (t >> 1)) << 4) | 0x4400u;  // scale bytes of steps 2i, 2i+1
   for (int c = 0; c < NCH; ++c) {
     const unsigned char* st = ring_consume(b, what);
-    const unsigned char* codes = st + r * (K / 2);
-    const unsigned char* scales = st + CR * (K / 2) + r * (K / 16);
-    acc2[0] = acc2[1] = acc2[2] = acc2[3] = 0.f;
-    for (int j = ks; j < KS32; j += 2 * WPT) {  // alternate steps on two accumulators (ILP)
-      step(codes, scales, j, acc[c]);
-      if (j + WPT < KS32) step(codes, scales, j + WPT, acc2);
-    }
+    const unsigned char* codes = st + r * (K / 2) + j0 * 16 + t * 4;
+    const unsigned char* scales = st + CR * (K / 2) + r * (K / 16) + 2 * j0;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+    for (int jg = 0; jg < SPW; jg += GS) {
+      if constexpr (KS32 % WPT != 0) {
+        if (j0 + jg >= KS32) break;
+      }
+      uint32_t sw[(GS + 1) / 2];
+      load_scales<GS, SALIGN>(scales + 2 * jg, sw);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[c][i] += acc2[i];
+      for (int i = 0; i < GS; ++i) {
+        // this step's block scale * 2^119 in both halves (steps 2m and 2m+1 share a conversion)
+        const uint32_t s12 = e4m3x2_to_bf16x2_p119(prmt(sw[i / 2], 0u, ssel));
+        const uint32_t s2 = prmt(s12, 0u, (i & 1) ? 0x3232u : 0x1010u);
+        const uint32_t code = *reinterpret_cast<const uint32_t*>(codes + (jg + i) * 16);
+        uint32_t pr[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const uint32_t y = code >> (4 * e);  // nibble e at bits 3..0, nibble e+4 at bits 19..16
+          pr[e] = hmul2(((y << 6) & 0x01C001C0u) | ((y << 12) & 0x80008000u), s2);
+        }
+        uint32_t a1[4], a2[4];
+        ldsm_x4(a1, arow + (jg + i) * 64);
+        ldsm_x4(a2, arow + (jg + i) * 64 + 32);
+        const uint32_t b1[2] = {pr[0], pr[1]}, b2[2] = {pr[2], pr[3]};
+        if (i & 1) {
+          mma(acc2, a1, b1);
+          mma(acc2, a2, b2);
+        } else {
+          mma(acc, a1, b1);
+          mma(acc, a2, b2);
+        }
+      }
+    }
     ring_release(b);
+    float* red = b.red + w * 16 * ROWS;
+    const int col = (c * NT8C + q) * 8 + 2 * t;
+    red[g * ROWS + col] = acc[0] + acc2[0];
+    red[g * ROWS + col + 1] = acc[1] + acc2[1];
+    red[(g + 8) * ROWS + col] = acc[2] + acc2[2];
+    red[(g + 8) * ROWS + col + 1] = acc[3] + acc2[3];
   }
+  sync_compute();
 }
 
 // ---------------------------------------------------------------- fixed-order reduction
@@ -231,20 +279,6 @@ MK_DEV void gemm_stash(Blk& b, const float acc[4]) {
   sync_compute();
 }
 
-template <int ROWS, int CR>
-MK_DEV void gemm_stash_rows(Blk& b, const float acc[][4]) {
-  constexpr int NT8C = CR / 8;
-  const int w = warp(), q = w % NT8C, g = lane() >> 2, t = lane() & 3;
-  float* r = b.red + w * 16 * ROWS;
-  for (int c = 0; c < ROWS / CR; ++c) {
-    const int col = (c * NT8C + q) * 8 + 2 * t;
-    r[g * ROWS + col] = acc[c][0];
-    r[g * ROWS + col + 1] = acc[c][1];
-    r[(g + 8) * ROWS + col] = acc[c][2];
-    r[(g + 8) * ROWS + col + 1] = acc[c][3];
-  }
-  sync_compute();
-}
 // fp4 output (token t, tile row n): the warps w = q + k*(CR/8) that own its 8-row tile, in order.
 template <int ROWS, int CR>
 MK_DEV float gemm_sum_rows(const Blk& b, int t, int n) {

@@ -192,15 +192,15 @@ MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
   }
 }
 
-MK_DEV bool load_unit(const Blk& b, int i, const Op& o, int u, unsigned& c) {
+MK_DEV bool load_unit(const Blk& b, int i, const Op& o, int u, unsigned& c, LoaderSlot& ls) {
   const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_EMPTY;
   switch (o.kind) {
     case OP_QKV: return load_qkv(b, o.layer, u, c, what);
     case OP_OPROJ: return load_oproj(b, o.layer, u, c, what);
     case OP_ROUTER: return load_router(b, o.layer, u, c, what);
     case OP_POOL: return load_pool(b, o.layer, u, c, what);
-    case OP_EXPERT1: return load_expert1(b, o.layer, u, c, what);
-    case OP_EXPERT2: return load_expert2(b, o.layer, u, c, what);
+    case OP_EXPERT1: return load_expert1(b, ls, o.layer, u, c, what);
+    case OP_EXPERT2: return load_expert2(b, ls, o.layer, u, c, what);
     case OP_UNPOOL: return load_unpool(b, o.layer, u, c, what);
     case OP_LM_HEAD: return load_lm_head(b, o.layer, u, c, what);
   }
@@ -323,6 +323,7 @@ MK_DEV void l2_prefetch_next_launch(const Blk& b, int first) {
 // so before a dynamic op it waits (bounded) for this layer's top-k.
 MK_DEV void loader_loop(Blk& b, int first, int nops) {
   unsigned c = 0;
+  LoaderSlot ls;
   for (int i = first; i < first + nops; ++i) {
     const Op o = load_op(*b.p, i);
     if (!has_weights(o.kind)) continue;
@@ -334,7 +335,7 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
     }
     const UnitRange r = my_units(o, n_units(b, o));
     for (int u = r.begin; u < r.end; u += r.step)
-      if (!load_unit(b, i, o, u, c)) return;
+      if (!load_unit(b, i, o, u, c, ls)) return;
   }
   l2_prefetch_next_launch(b, first);
 }

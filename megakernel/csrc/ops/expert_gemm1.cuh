@@ -5,16 +5,17 @@
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
+#include "mk/slot.cuh"
 
 namespace mk {
 
 constexpr int EXP1_TILES = F / 16;
 
-MK_DEV bool load_expert1(const Blk& b, int layer, int unit, unsigned& c, uint32_t what) {
+MK_DEV bool load_expert1(const Blk& b, LoaderSlot& ls, int layer, int unit, unsigned& c, uint32_t what) {
   const Params& p = *b.p;
   const LayerPtrs& L = p.layers[layer];
   const int s = unit / EXP1_TILES, j = unit % EXP1_TILES;
-  const int e = ldg_cgi(p.slot_expert + s);
+  const int e = loader_expert(b, ls, layer, s);
   const uint8_t* codes = L.w1_codes + static_cast<size_t>(e) * (2 * F) * (P / 2);
   const uint8_t* scales = L.w1_scales + static_cast<size_t>(e) * (2 * F) * (P / 16);
   auto row = [j](int r) { return r < 16 ? j * 16 + r : F + j * 16 + (r - 16); };
@@ -23,15 +24,13 @@ MK_DEV bool load_expert1(const Blk& b, int layer, int unit, unsigned& c, uint32_
 
 MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
-  const int s = unit / EXP1_TILES, j = unit % EXP1_TILES;
-  const int e = ldg_cgi(p.slot_expert + s);
-  const int ntok = ldg_cgi(p.slot_ntok + s);
+  const int s = unit / EXP1_TILES, j = unit % EXP1_TILES, tag = tag_of(TAG_EXP1, layer, s);
+  const SlotInfo si = slot_info<false>(b, layer, s, tag);
+  const int ntok = si.ntok;
   const int32_t* toks = p.slot_tok + s * 16;
-  stage_gather_perm<P>(b, p.pooled, ntok, [toks](int i) { return ldg_cgi(toks + i); }, tag_of(TAG_EXP1, layer, s));
-  float acc[32 / TILE_EXPERT1_CR][4] = {};
-  gemm_fp4<32, TILE_EXPERT1_CR, P>(b, acc, what);
-  gemm_stash_rows<32, TILE_EXPERT1_CR>(b, acc);
-  const float ts = p.layers[layer].w1_ts[e];
+  stage_gather_perm<P>(b, p.pooled, ntok, [toks](int i) { return ldg_cgi(toks + i); }, tag);
+  gemm_fp4<32, TILE_EXPERT1_CR, P>(b, what);
+  const float ts = si.tscale;
   for (int i = tid(); i < 16 * 16; i += COMPUTE_THREADS) {
     const int r = i / 16, f = i % 16;
     if (r >= ntok) continue;

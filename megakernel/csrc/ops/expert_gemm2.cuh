@@ -3,16 +3,17 @@
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
+#include "mk/slot.cuh"
 
 namespace mk {
 
 constexpr int EXP2_TILES = P / 32;
 
-MK_DEV bool load_expert2(const Blk& b, int layer, int unit, unsigned& c, uint32_t what) {
+MK_DEV bool load_expert2(const Blk& b, LoaderSlot& ls, int layer, int unit, unsigned& c, uint32_t what) {
   const Params& p = *b.p;
   const LayerPtrs& L = p.layers[layer];
   const int s = unit / EXP2_TILES, j = unit % EXP2_TILES;
-  const int e = ldg_cgi(p.slot_expert + s);
+  const int e = loader_expert(b, ls, layer, s);
   const uint8_t* codes = L.w2_codes + static_cast<size_t>(e) * P * (F / 2);
   const uint8_t* scales = L.w2_scales + static_cast<size_t>(e) * P * (F / 16);
   auto row = [j](int r) { return j * 32 + r; };
@@ -21,15 +22,13 @@ MK_DEV bool load_expert2(const Blk& b, int layer, int unit, unsigned& c, uint32_
 
 MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
-  const int s = unit / EXP2_TILES, j = unit % EXP2_TILES;
-  const int e = ldg_cgi(p.slot_expert + s);
-  const int ntok = ldg_cgi(p.slot_ntok + s);
+  const int s = unit / EXP2_TILES, j = unit % EXP2_TILES, tag = tag_of(TAG_EXP2, layer, s);
+  const SlotInfo si = slot_info<true>(b, layer, s, tag);
+  const int ntok = si.ntok;
   const uint16_t* rows = p.act + static_cast<size_t>(s) * 16 * F;
-  stage_gather_perm<F>(b, rows, ntok, [](int i) { return i; }, tag_of(TAG_EXP2, layer, s));
-  float acc[32 / TILE_EXPERT2_CR][4] = {};
-  gemm_fp4<32, TILE_EXPERT2_CR, F>(b, acc, what);
-  gemm_stash_rows<32, TILE_EXPERT2_CR>(b, acc);
-  const float ts = p.layers[layer].w2_ts[e];
+  stage_gather_perm<F>(b, rows, ntok, [](int i) { return i; }, tag);
+  gemm_fp4<32, TILE_EXPERT2_CR, F>(b, what);
+  const float ts = si.tscale;
   for (int i = tid(); i < 16 * 32; i += COMPUTE_THREADS) {
     const int r = i / 32, n = i % 32;
     if (r < ntok) p.yexp[(s * 16 + r) * P + j * 32 + n] = f2bf(gemm_sum_rows<32, TILE_EXPERT2_CR>(b, r, n) * ts);
