@@ -102,3 +102,16 @@ def test_ptx_roundtrip_through_nvjitlink():
     assert ".entry k" in ptx
     mod = compile_ptx(ptx, name="ptxprobe")
     assert "k" in mod.resources and mod.resources["k"].code_bytes > 0
+
+
+def test_racecheck_ring_probe_compiles_for_sm90a():
+    """The ring-protocol probes compute-sanitizer runs on the GPU (microbench/sanitize) build here."""
+    from pathlib import Path
+
+    import microbench.sanitize.ring_probe as rp
+    from microbench.compiler import compile_cuda
+
+    mod = compile_cuda(Path(rp.__file__).with_suffix(".cu"))
+    for k in rp.KERNELS:
+        u = mod.usage(k)
+        assert u.spills == 0 and u.code_bytes > 0, u

@@ -111,7 +111,7 @@ MK_DEV void mbar_expect_tx(uint64_t* b, unsigned bytes) { mb::mbar_arrive_expect
 MK_DEV void mbar_arrive(uint64_t* b) { mb::mbar_arrive(b); }
 MK_DEV bool mbar_test(uint64_t* b, unsigned parity) { return mb::mbar_try_wait(b, parity); }
 MK_DEV void bulk_copy(void* dst_smem, const void* src, unsigned bytes, uint64_t* bar) {
-  mb::bulk_g2s(dst_smem, src, bytes, bar);
+  mb::bulk_g2s_cta(dst_smem, src, bytes, bar);
 }
 // Orders this thread's view of shared memory (generic proxy) before its next bulk copies (async proxy).
 MK_DEV void fence_proxy_async_smem() { mb::fence_proxy_async_smem(); }
