@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -34,7 +35,12 @@ def _bench(args) -> int:
             print(f"    {s.name:50s} median {s.summary.median:.4g} {s.unit}{frac}")
         for k, d in res.derived.items():
             print(f"    -> {k} = {d.value:.4g} {d.unit}")
-    return 0
+    # Everything is saved and printed. Leave without finalizers: tearing down torch.compile's
+    # graphs, CUDA graphs and cuda.core modules in interpreter-exit order aborted the process
+    # ("double free or corruption") after model.baselines had saved its results (H200, 2026-11-29).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def build_parser() -> argparse.ArgumentParser:

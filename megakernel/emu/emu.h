@@ -28,6 +28,13 @@ MK_DEV int bcast_i(int v) {
   emu::warp_exchange(&v, sizeof(int), all);
   return all[0];
 }
+MK_DEV bool warp_all(bool v) {
+  int mine = v ? 1 : 0, all[32];
+  emu::warp_exchange(&mine, sizeof(int), all);
+  for (int x : all)
+    if (!x) return false;
+  return true;
+}
 
 MK_DEV float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 MK_DEV uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }

@@ -5,7 +5,9 @@
 //   arrives on `empty` (count 32).
 // R = 1 has only the read-after-copy edge (completion through complete_tx); R = 3 adds the
 // copy-after-read edge (the ring's reuse). CTA: the .shared::cta destination form (PTX 8.6) in
-// place of .shared::cluster with a CTA address. Every wait is bounded; out[t] = the reads' sum.
+// place of .shared::cluster with a CTA address. OTHER: lane 0 of warp 1 waits, lane 1 issues the
+// copy after __syncwarp (ordered through another lane's wait, as the megakernel's loader did).
+// Every wait is bounded; out[t] = the reads' sum.
 #include "mb/types.cuh"
 #include "mb/ptx.cuh"
 
@@ -28,7 +30,7 @@ __device__ __forceinline__ bool wait(uint64_t* bar, uint32_t parity) {
   return false;
 }
 
-template <bool CTA, int R>
+template <bool CTA, int R, bool OTHER = false>
 __device__ void ring(const float* src, float* out) {
   __shared__ alignas(128) float buf[WORDS];
   __shared__ uint64_t full, empty;
@@ -42,12 +44,17 @@ __device__ void ring(const float* src, float* out) {
   float acc = 0.f;
   bool ok = true;
   for (int r = 0; r < R; ++r) {
-    if (t == 32) {
-      if (r > 0) ok = ok && wait(&empty, (r - 1) & 1);
-      mb::fence_proxy_async_smem();
-      mb::mbar_arrive_expect_tx(&full, WORDS * 4);
-      copy<CTA>(buf, src + WORDS * r, WORDS * 4, &full);
-    } else if (t < 32) {
+    if (t >= 32) {
+      if (t == 32) {
+        if (r > 0) ok = ok && wait(&empty, (r - 1) & 1);
+        mb::mbar_arrive_expect_tx(&full, WORDS * 4);
+      }
+      __syncwarp();
+      if (t == (OTHER ? 33 : 32)) {
+        mb::fence_proxy_async_smem();
+        copy<CTA>(buf, src + WORDS * r, WORDS * 4, &full);
+      }
+    } else {
       ok = ok && wait(&full, r & 1);
       acc += buf[t] + buf[(t * 7 + 3) % WORDS];
       mb::mbar_arrive(&empty);
@@ -61,3 +68,4 @@ extern "C" __global__ void probe_cluster_raw(const float* s, float* o) { ring<fa
 extern "C" __global__ void probe_cluster_ring(const float* s, float* o) { ring<false, 3>(s, o); }
 extern "C" __global__ void probe_cta_raw(const float* s, float* o) { ring<true, 1>(s, o); }
 extern "C" __global__ void probe_cta_ring(const float* s, float* o) { ring<true, 3>(s, o); }
+extern "C" __global__ void probe_cta_ring_otherlane(const float* s, float* o) { ring<true, 3, true>(s, o); }

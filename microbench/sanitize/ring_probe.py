@@ -2,14 +2,15 @@
 once each, checking their sums, so `compute-sanitizer --tool racecheck` can report on each.
 
 Read the racecheck log per kernel name: a hazard on probe_*_raw is on the read-after-copy edge
-(ordered only by the mbarrier's complete_tx), on probe_*_ring also the copy-after-read edge.
+(ordered only by the mbarrier's complete_tx), on probe_*_ring also the copy-after-read edge;
+probe_cta_ring_otherlane issues the copy from a lane other than the one that waited.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-KERNELS = ("probe_cluster_raw", "probe_cluster_ring", "probe_cta_raw", "probe_cta_ring")
+KERNELS = ("probe_cluster_raw", "probe_cluster_ring", "probe_cta_raw", "probe_cta_ring", "probe_cta_ring_otherlane")
 ROUNDS = {"raw": 1, "ring": 3}
 WORDS = 256
 
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
         out = torch.full((32,), float("nan"), device="cuda")
         launch(mod.kernel(name), LaunchSpec(grid=1, block=64, smem=0), src, out)
         torch.cuda.synchronize()
-        want = expected(src, ROUNDS[name.rsplit("_", 1)[1]])
+        want = expected(src, ROUNDS["raw" if name.endswith("_raw") else "ring"])
         ok = torch.allclose(out, want, rtol=0, atol=1e-5)  # same additions in the same order
         bad += not ok
         print(f"{name}: {'sums correct' if ok else f'WRONG: {out[:4].tolist()} vs {want[:4].tolist()}'}")

@@ -39,6 +39,7 @@ MK_DEV void syncwarp() { __syncwarp(); }
 MK_DEV float shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 MK_DEV int shfl_xor_i(int v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 MK_DEV int bcast_i(int v) { return __shfl_sync(0xffffffffu, v, 0); }  // lane 0's value
+MK_DEV bool warp_all(bool v) { return __all_sync(0xffffffffu, v) != 0; }
 
 // bf16 as raw uint16_t bits: the kernels never depend on cuda_bf16.h
 MK_DEV uint16_t f2bf(float f) {

@@ -74,20 +74,18 @@ MK_DEV void ring_release(Blk& b) {
 }
 
 // ---------------------------------------------------------------- producer side (loader warp)
-// All 32 lanes call; lane 0 waits for the stage to be free and announces `tx` bytes; returns
-// false (for every lane) when the wait gave up.
+// All 32 lanes call, and every lane waits for the stage to be free: each lane that issues a copy
+// into it must itself acquire the consumers' release (racecheck reports copies ordered only
+// through another lane's wait, shfl and __syncwarp as races; microbench/sanitize/ring_probe.cu).
+// Lane 0 then announces `tx` bytes. Returns false (for every lane) when a wait gave up.
 MK_DEV bool ring_produce_begin(const Blk& b, unsigned c, unsigned tx, uint32_t what) {
-  int ok = 1;
-  if (lane() == 0) {
-    ok = wait_mbar(*b.p, &b.empty[c % RING_STAGES], ((c / RING_STAGES) & 1u) ^ 1u, what) ? 1 : 0;
-    if (ok) mbar_expect_tx(&b.full[c % RING_STAGES], tx);
-  }
-  ok = bcast_i(ok);
+  const bool ok = warp_all(wait_mbar(*b.p, &b.empty[c % RING_STAGES], ((c / RING_STAGES) & 1u) ^ 1u, what));
+  if (ok && lane() == 0) mbar_expect_tx(&b.full[c % RING_STAGES], tx);
   syncwarp();
   // the consumers' reads of this stage (generic proxy, acquired through `empty`) before the bulk
   // copies that overwrite it (async proxy): the PTX memory model wants a proxy fence between them
   fence_proxy_async_smem();
-  return ok != 0;
+  return ok;
 }
 
 }  // namespace mk
