@@ -13,7 +13,13 @@
 
 namespace mk {
 
-MK_DEV int tid() { return threadIdx.x; }
+// %tid.x read where used (volatile: never hoisted): derived from threadIdx.x, every op's per-thread
+// addresses were computed once at kernel entry and held, or spilled, through the whole op loop
+MK_DEV int tid() {
+  int r;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(r));
+  return r;
+}
 MK_DEV int warp() { return threadIdx.x >> 5; }
 MK_DEV int lane() { return threadIdx.x & 31; }
 MK_DEV int bid() { return blockIdx.x; }
@@ -78,8 +84,9 @@ MK_DEV uint32_t e4m3x2_to_bf16x2_p119(uint32_t v) {
 // Byte permute: result byte i = byte (sel nibble i) of {b:a} (a = bytes 0-3, b = bytes 4-7).
 MK_DEV uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) { return __byte_perm(a, b, sel); }
 // D = A(16x16, row) * B(16x8, col) + C, bf16 in, fp32 accumulate (PTX fragment layouts)
+// Not volatile: registers only, so the compiler may interleave it with the next step's loads.
 MK_DEV void mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])

@@ -203,7 +203,8 @@ MK_DEV void load_scales(const unsigned char* p, uint32_t (&w)[(SPW + 1) / 2]) {
 // of the group's block scales); odd steps go to a second accumulator (ILP). Each chunk's partial
 // tile is stashed into `red` as soon as it is done (an accumulator array indexed by the runtime
 // chunk would live in local memory), then the compute warps meet at one barrier.
-// Unrolling more than two groups hoists every group's ldmatrix loads and spills (168 registers).
+// Two groups are unrolled (the next group's loads overlap this one's math); more hoists every
+// group's ldmatrix loads and spills (168 registers).
 MK_DEV constexpr int lowbit(int x) { return x & -x; }
 template <int ROWS, int CR, int K>
 MK_DEV void gemm_fp4(Blk& b, uint32_t what) {
@@ -223,7 +224,7 @@ MK_DEV void gemm_fp4(Blk& b, uint32_t what) {
     const unsigned char* codes = st + r * (K / 2) + j0 * 16 + t * 4;
     const unsigned char* scales = st + CR * (K / 2) + r * (K / 16) + 2 * j0;
     float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc2[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 1
+#pragma unroll 2
     for (int jg = 0; jg < SPW; jg += GS) {
       if constexpr (KS32 % WPT != 0) {
         if (j0 + jg >= KS32) break;

@@ -13,9 +13,11 @@ constexpr int TOPK_PER_LANE = (E + 31) / 32;
 MK_DEV void run_topk(Blk& b, int layer) {
   const Params& p = *b.p;
   int* sel_s = b.misc + MISC_SCRATCH;      // [T_MAX * TOPK] selected expert of (t, rank)
-  int* ntok_s = sel_s + T_MAX * TOPK;      // [MAX_SLOTS] (unused: counts are recomputed per slot)
-  int* bitmap = ntok_s + MAX_SLOTS;        // [E / 32]
+  int* before = sel_s + T_MAX * TOPK;      // [E / 32] slots of the experts in earlier bitmap words
+  int* bitmap = before + (E + 31) / 32;    // [E / 32] experts selected by any token
+  int* tokmask = bitmap + (E + 31) / 32;   // [E] bit t: token t selected the expert
   if (tid() < (E + 31) / 32) bitmap[tid()] = 0;
+  for (int e = tid(); e < E; e += COMPUTE_THREADS) tokmask[e] = 0;
   for (int t = warp(); t < b.T; t += WARPS) {  // a warp per token: selection and weights
     float v[TOPK_PER_LANE];
     uint32_t taken = 0;
@@ -77,35 +79,41 @@ MK_DEV void run_topk(Blk& b, int layer) {
   sync_compute();
   // Distinct experts in ascending order become slots; an entry (t, r) goes to row "number of
   // earlier tokens routed to the same expert" of its slot (a token never repeats an expert).
-  // Every thread computes its own entries and experts: no serial pass.
+  // Both from bit sets (order-independent ORs, so the result is the same however threads run):
+  // the expert bitmap gives slots by prefix popcount, each expert's token mask gives counts and
+  // rows by popcount. No thread loops over the entries.
   const int n = b.T * TOPK;
-  for (int i = tid(); i < n; i += COMPUTE_THREADS) atomic_or_smem(&bitmap[sel_s[i] >> 5], 1u << (sel_s[i] & 31));
+  for (int i = tid(); i < n; i += COMPUTE_THREADS) {
+    const int e = sel_s[i];
+    atomic_or_smem(&bitmap[e >> 5], 1u << (e & 31));
+    atomic_or_smem(&tokmask[e], 1u << (i / TOPK));
+  }
   sync_compute();
-  auto slot_of = [bitmap](int e) {
-    int s = 0;
-    for (int i = 0; i < (e >> 5); ++i) s += popc(static_cast<uint32_t>(bitmap[i]));
-    return s + popc(static_cast<uint32_t>(bitmap[e >> 5]) & ((1u << (e & 31)) - 1u));
+  if (tid() == 0) {
+    int acc = 0;
+    for (int i = 0; i < (E + 31) / 32; ++i) {
+      before[i] = acc;
+      acc += popc(static_cast<uint32_t>(bitmap[i]));
+    }
+    *p.n_slots = acc;
+  }
+  sync_compute();
+  auto slot_of = [bitmap, before](int e) {
+    return before[e >> 5] + popc(static_cast<uint32_t>(bitmap[e >> 5]) & ((1u << (e & 31)) - 1u));
   };
   for (int e = tid(); e < E; e += COMPUTE_THREADS) {
-    if (!((bitmap[e >> 5] >> (e & 31)) & 1)) continue;
+    const uint32_t m = static_cast<uint32_t>(tokmask[e]);
+    if (!m) continue;
     const int s = slot_of(e);
-    int cnt = 0;
-    for (int i = 0; i < n; ++i) cnt += sel_s[i] == e;
     p.slot_expert[s] = e;
-    p.slot_ntok[s] = cnt;
+    p.slot_ntok[s] = popc(m);
   }
   for (int i = tid(); i < n; i += COMPUTE_THREADS) {
     const int e = sel_s[i], t = i / TOPK, s = slot_of(e);
-    int pos = 0;
-    for (int j = 0; j < t * TOPK; ++j) pos += sel_s[j] == e;
+    const int pos = popc(static_cast<uint32_t>(tokmask[e]) & ((1u << t) - 1u));
     p.slot_tok[s * 16 + pos] = t;
     p.route_slot[i] = s;
     p.route_pos[i] = pos;
-  }
-  if (tid() == 0) {
-    int total = 0;
-    for (int i = 0; i < (E + 31) / 32; ++i) total += popc(static_cast<uint32_t>(bitmap[i]));
-    *p.n_slots = total;
   }
 }
 
