@@ -33,9 +33,11 @@ class GemmTile:
 
     bf16 (dense) tiles stream K in chunks of `kc` columns of all `rows` rows: one bulk copy per
     row segment (>= 2 KB each at the sizes used), padded in smem against bank conflicts.
-    fp4 (expert) tiles stream `chunk_rows` whole consecutive rows per chunk: exactly two bulk
-    copies (codes, scales), unpadded. Many small copies (one per row, 32-byte scale rows) ran the
-    expert GEMMs at ~9% of the read ceiling on the H200 (first run, 2026-11-29).
+    fp4 (expert) tiles stream `chunk_rows` whole consecutive rows per chunk: one bulk copy per row
+    of codes (K/2 >= 512 B at small and shard8), padded like the bf16 rows, and one copy of the
+    chunk's scales. Copying each 32-byte scale row on its own ran the expert GEMMs at ~9% of the
+    read ceiling on the H200 (first run, 2026-11-29); unpadded code rows made every code load an
+    8-way bank conflict (ncu, 2026-11-29).
     """
 
     rows: int
@@ -51,7 +53,7 @@ class GemmTile:
     @property
     def row_stride(self) -> int:
         """smem bytes per staged row (codes for fp4)."""
-        return self.k // 2 if self.fp4 else self.kc * 2 + ROW_PAD
+        return self.k // 2 + ROW_PAD if self.fp4 else self.kc * 2 + ROW_PAD
 
     @property
     def scale_stride(self) -> int:

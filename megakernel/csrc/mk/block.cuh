@@ -21,7 +21,8 @@ constexpr int MISC_ROWS = 4;     // [16] gathered row indices of an expert opera
 constexpr int MISC_DEPS = 20;    // [4] thread 0's DepCache of the current op (program.cuh)
 constexpr int MISC_PEND = 24;    // [3] thread 0's Pending signals of the current op
 constexpr int MISC_SLOT = 28;    // [3] the current expert slot's expert, tokens, tensor scale (slot.cuh)
-constexpr int MISC_SCRATCH = 32;  // top-k scratch from here (ints)
+constexpr int MISC_OP = 32;      // [16] thread 0's copy of the current op record (program.cuh)
+constexpr int MISC_SCRATCH = 48;  // top-k scratch from here (ints)
 // top-k scratch: selections [T_MAX*TOPK], slot prefix [E/32], expert bitmap [E/32], token masks [E]
 constexpr int MISC_INTS = MISC_SCRATCH + T_MAX * TOPK + 2 * ((E + 31) / 32) + E;
 

@@ -27,6 +27,8 @@ struct Op {
   int dep_op[3], dep_mode[3];
 };
 
+static_assert(sizeof(Op) <= 16 * sizeof(int), "thread 0's copy fits MISC_OP (block.cuh)");
+
 MK_DEV Op load_op(const Params& p, int i) {
   const int32_t* r = p.program + i * OPINST_INTS;
   Op o;
@@ -226,17 +228,20 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
     }
     const UnitRange r = my_units(o, n_units(b, o));
     bool first_unit = true;
-    // thread 0's bookkeeping lives in shared memory: as registers it is live across every op's
-    // code and pushed attention past the register budget (a 16-byte spill in shard8)
+    // thread 0's bookkeeping, and the op record its waits and signals read, live in shared
+    // memory: as registers they are live across every op's code (the record alone is 14 ints)
+    // and pushed the kernel past its 168-register budget (spills in shard8)
     DepCache& dc = *reinterpret_cast<DepCache*>(b.misc + MISC_DEPS);
     Pending& pd = *reinterpret_cast<Pending*>(b.misc + MISC_PEND);
+    Op& o0 = *reinterpret_cast<Op*>(b.misc + MISC_OP);
     if (tid() == 0) {
       dc = DepCache{0u, {-1, -1, -1}};
       pd = Pending{0u, -1, 0u};
+      o0 = o;
     }
     for (int u = r.begin; u < r.end; u += r.step) {
       if (first_unit) prof.stamp(ev_wait_begin(o.kind), i);
-      if (b.wait && tid() == 0) fail = !wait_unit(b, i, o, u, dc);
+      if (b.wait && tid() == 0) fail = !wait_unit(b, i, o0, u, dc);
       if (first_unit) {
         prof.stamp(ev_wait_begin(o.kind) + 1, i);
         prof.stamp(ev_work_begin(o.kind), i);
@@ -245,9 +250,9 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
       if (sync_compute_or(fail || b.failed)) return;
       run_unit(b, i, o, u);
       if (sync_compute_or(b.failed)) return;
-      if (b.wait && tid() == 0) signal_unit(b, o, u, pd);
+      if (b.wait && tid() == 0) signal_unit(b, o0, u, pd);
     }
-    if (b.wait && tid() == 0) signal_op_end(b, o, pd);  // after the last unit's barrier
+    if (b.wait && tid() == 0) signal_op_end(b, o0, pd);  // after the last unit's barrier
     if (!first_unit) prof.stamp(ev_work_begin(o.kind) + 1, i);
     if (tid() == 0) *ops_done = i - first + 1;
   }
