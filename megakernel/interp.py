@@ -18,6 +18,7 @@ import torch
 
 from . import tree as treelib
 from .program import DEP_ALL, Program, cached_keys, group_size, n_units, needed_group, splits, unit_group
+from .plan import EXPERT2_ROWS
 from .reference import KVCache, rmsnorm
 from .weights import BF16, ModelWeights
 
@@ -182,11 +183,12 @@ class Interpreter:
 
     def _expert2(self, layer, u):
         c, b, lw = self.cfg, self.buf, self.w.layers[layer]
-        s, j = divmod(u, c.d_pool // 32)
+        n = EXPERT2_ROWS
+        s, j = divmod(u, c.d_pool // n)
         e, nt = int(b["slot_expert"][s]), int(b["slot_ntok"][s])
         w2 = lw.w2.expert(e)
-        y = (b["act"][s, :nt].to(F32) @ w2.dequant_bf16_exact()[32 * j:32 * j + 32].T) * w2.tensor_scale
-        b["yexp"][s, :nt, 32 * j:32 * j + 32] = y.to(BF16)
+        y = (b["act"][s, :nt].to(F32) @ w2.dequant_bf16_exact()[n * j:n * j + n].T) * w2.tensor_scale
+        b["yexp"][s, :nt, n * j:n * j + n] = y.to(BF16)
 
     def _moe_combine(self, layer, u):
         c, b = self.cfg, self.buf

@@ -21,6 +21,8 @@ LOADER_WARPS = 1  # the weight-streaming warp (ring producer)
 THREADS = 32 * (WARPS + LOADER_WARPS)
 ROW_PAD = 16  # bytes of padding per staged row: spreads rows over banks for the fragment loads
 MISC_BYTES = 4096  # mbarriers + small ints (block.cuh)
+EXPERT1_ROWS = 32  # gate/up unit: 16 gate + the 16 matching up rows
+EXPERT2_ROWS = 64  # down-projection unit: two 32-row chunks (one had a third of its time in per-unit overhead, ncu 2026-11-29)
 
 
 def _pow2_floor(x: int) -> int:
@@ -139,8 +141,10 @@ class Plan:
 
     @property
     def red_bytes(self) -> int:
-        rows = max(t.rows for t in self.tiles.values())
-        return WARPS * 16 * rows * 4
+        """Per-warp partial tiles: bf16 tiles [16][rows]; fp4 tiles only the warp's own 8-row tile
+        of each chunk, [16][chunks * 8] (gemm.cuh)."""
+        cols = max(t.chunks * 8 if t.fp4 else t.rows for t in self.tiles.values())
+        return WARPS * 16 * cols * 4
 
     @property
     def smem_bytes(self) -> int:
@@ -169,8 +173,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         "lm_head": _tile(16, c.d_model, False, budget),
         # fp4 chunks may exceed the budget by their scales (1/8 of the codes): 16 whole rows of
         # K=2048 fill an 18 KB stage, halving the chunk handshakes per expert unit
-        "expert1": _tile(32, c.d_pool, True, budget * 9 // 8, run=16),  # 16 gate + the 16 matching up rows
-        "expert2": _tile(32, c.d_expert, True, budget * 9 // 8),
+        "expert1": _tile(EXPERT1_ROWS, c.d_pool, True, budget * 9 // 8, run=16),  # gate and up rows: two runs of 16
+        "expert2": _tile(EXPERT2_ROWS, c.d_expert, True, budget * 9 // 8),
     }
     p = Plan(cfg, n_sm, ring_stages, ring_stage_bytes, spin_bound_ns, poll_backoff_ns, profile=profile,
              loader_ahead=loader_ahead, pdl=pdl, l2_prefetch_bytes=l2_prefetch_bytes, profile_cap=profile_cap,
@@ -253,7 +257,7 @@ def render(plan: Plan) -> str:
         "static_assert(D % 64 == 0 && P % 64 == 0 && F % 64 == 0, \"k-steps\");",
         "static_assert(STAGE_BYTES % 16 == 0 && ABUF_BYTES % 16 == 0, \"bulk-copy alignment\");",
         "static_assert(G <= WARPS && WARPS % G == 0, \"attention: one warp group per q head\");",
-        "static_assert(TILE_EXPERT1_ROWS == 32 && TILE_EXPERT2_ROWS == 32, \"expert tiles: 16 gate + 16 up rows / 32 rows\");",
+        f"static_assert(TILE_EXPERT1_ROWS == {EXPERT1_ROWS} && TILE_EXPERT2_ROWS == {EXPERT2_ROWS}, \"expert unit rows match program.py\");",
         "static_assert(TILE_QKV_ROWS == 8 && TILE_OPROJ_ROWS == 8 && TILE_ROUTER_ROWS == 8 && TILE_POOL_ROWS == 8 && "
         "TILE_UNPOOL_ROWS == 8 && TILE_LM_HEAD_ROWS == 16, \"unit rows match program.py's unit counts\");",
         f"static_assert(SMEM_BYTES <= 232448, \"fits the opt-in shared memory of sm_90\");",

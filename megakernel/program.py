@@ -10,7 +10,7 @@ Units and groups (the same rules are written in csrc/mk/program.cuh; tests cross
   attn_combine HQ * T                       -
   oproj        D/8          router E/8      pool P/8          topk 1
   expert1      count * F/16 (dynamic)       slot (MAX_SLOTS groups)
-  expert2      count * P/32 (dynamic)       -
+  expert2      count * P/64 (dynamic)       -
   moe_combine  P/64         unpool D/8      lm_head V/16      argmax 1
 A dependency is ("all", producer): every unit of the producer instance, or ("group", producer):
 the one group of the producer the consumer unit needs (attn <- qkv by kv head, attn_combine <-
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ModelConfig
-from .plan import OP, OP_KINDS, Plan
+from .plan import EXPERT2_ROWS, OP, OP_KINDS, Plan
 
 OPINST_INTS = 16
 MAX_DEPS = 3
@@ -91,7 +91,7 @@ def n_units(plan: Plan, kind: str, layer: int, t: int, ctx: int, count: int) -> 
         "pool": c.d_pool // 8,
         "topk": 1,
         "expert1": count * (c.d_expert // 16),
-        "expert2": count * (c.d_pool // 32),
+        "expert2": count * (c.d_pool // EXPERT2_ROWS),
         "moe_combine": c.d_pool // 64,
         "unpool": c.d_model // 8,
         "lm_head": c.vocab // 16,
@@ -130,7 +130,7 @@ def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int
     if consumer == "attn_combine" and producer == "attn":
         return (unit // t) // c.group
     if consumer == "expert2" and producer == "expert1":
-        return unit // (c.d_pool // 32)
+        return unit // (c.d_pool // EXPERT2_ROWS)
     raise ValueError(f"no group dependency rule {consumer} <- {producer}")
 
 

@@ -259,12 +259,13 @@ MK_DEV void gemm_fp4(Blk& b, uint32_t what) {
       }
     }
     ring_release(b);
-    float* red = b.red + w * 16 * ROWS;
-    const int col = (c * NT8C + q) * 8 + 2 * t;
-    red[g * ROWS + col] = acc[0] + acc2[0];
-    red[g * ROWS + col + 1] = acc[1] + acc2[1];
-    red[(g + 8) * ROWS + col] = acc[2] + acc2[2];
-    red[(g + 8) * ROWS + col + 1] = acc[3] + acc2[3];
+    // this warp's partial of its 8-row tile of chunk c: red[w][token][c * 8 + row % 8]
+    float* red = b.red + w * 16 * (NCH * 8);
+    const int col = c * 8 + 2 * t;
+    red[g * (NCH * 8) + col] = acc[0] + acc2[0];
+    red[g * (NCH * 8) + col + 1] = acc[1] + acc2[1];
+    red[(g + 8) * (NCH * 8) + col] = acc[2] + acc2[2];
+    red[(g + 8) * (NCH * 8) + col + 1] = acc[3] + acc2[3];
   }
   sync_compute();
 }
@@ -285,10 +286,10 @@ MK_DEV void gemm_stash(Blk& b, const float acc[4]) {
 // fp4 output (token t, tile row n): the warps w = q + k*(CR/8) that own its 8-row tile, in order.
 template <int ROWS, int CR>
 MK_DEV float gemm_sum_rows(const Blk& b, int t, int n) {
-  constexpr int NT8C = CR / 8, WPT = WARPS / NT8C;
-  const int q = (n / 8) % NT8C;
+  constexpr int NT8C = CR / 8, WPT = WARPS / NT8C, RC = (ROWS / CR) * 8;
+  const int q = (n / 8) % NT8C, col = (n / CR) * 8 + n % 8;
   float s = 0.f;
-  for (int k = 0; k < WPT; ++k) s += b.red[(q + k * NT8C) * 16 * ROWS + t * ROWS + n];
+  for (int k = 0; k < WPT; ++k) s += b.red[(q + k * NT8C) * 16 * RC + t * RC + col];
   return s;
 }
 

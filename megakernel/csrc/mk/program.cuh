@@ -239,6 +239,8 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
       pd = Pending{0u, -1, 0u};
       o0 = o;
     }
+    // run_unit reads the record from shared memory (published by the barrier before it), so the
+    // register copy is dead through the units (only profiler builds keep its kind for stamps)
     for (int u = r.begin; u < r.end; u += r.step) {
       if (first_unit) prof.stamp(ev_wait_begin(o.kind), i);
       if (b.wait && tid() == 0) fail = !wait_unit(b, i, o0, u, dc);
@@ -248,7 +250,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
         first_unit = false;
       }
       if (sync_compute_or(fail || b.failed)) return;
-      run_unit(b, i, o, u);
+      run_unit(b, i, o0, u);
       if (sync_compute_or(b.failed)) return;
       if (b.wait && tid() == 0) signal_unit(b, o0, u, pd);
     }

@@ -1,5 +1,5 @@
-// expert_gemm2: down projection of one routed expert (NVFP4). Unit = (slot s, 32 output
-// features j*32..). y[s][i][c] = bf16(fp32 accumulator * the expert's tensor scale).
+// expert_gemm2: down projection of one routed expert (NVFP4). Unit = (slot s, N2 = 64 output
+// features j*N2..), streamed as chunks of TILE_EXPERT2_CR rows. y[s][i][c] = bf16(fp32 accumulator * the expert's tensor scale).
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
@@ -7,7 +7,8 @@
 
 namespace mk {
 
-constexpr int EXP2_TILES = P / 32;
+constexpr int N2 = TILE_EXPERT2_ROWS;
+constexpr int EXP2_TILES = P / N2;
 
 MK_DEV bool load_expert2(const Blk& b, LoaderSlot& ls, int layer, int unit, unsigned& c, uint32_t what) {
   const Params& p = *b.p;
@@ -16,8 +17,8 @@ MK_DEV bool load_expert2(const Blk& b, LoaderSlot& ls, int layer, int unit, unsi
   const int e = loader_expert(b, ls, layer, s);
   const uint8_t* codes = L.w2_codes + static_cast<size_t>(e) * P * (F / 2);
   const uint8_t* scales = L.w2_scales + static_cast<size_t>(e) * P * (F / 16);
-  auto row = [j](int r) { return j * 32 + r; };
-  return produce_fp4<32, TILE_EXPERT2_CR, F>(b, codes, scales, row, c, what);
+  auto row = [j](int r) { return j * N2 + r; };
+  return produce_fp4<N2, TILE_EXPERT2_CR, F>(b, codes, scales, row, c, what);
 }
 
 MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
@@ -27,11 +28,11 @@ MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
   const int ntok = si.ntok;
   const uint16_t* rows = p.act + static_cast<size_t>(s) * 16 * F;
   stage_gather_perm<F>(b, rows, ntok, [](int i) { return i; }, tag);
-  gemm_fp4<32, TILE_EXPERT2_CR, F>(b, what);
+  gemm_fp4<N2, TILE_EXPERT2_CR, F>(b, what);
   const float ts = si.tscale;
-  for (int i = tid(); i < 16 * 32; i += COMPUTE_THREADS) {
-    const int r = i / 32, n = i % 32;
-    if (r < ntok) p.yexp[(s * 16 + r) * P + j * 32 + n] = f2bf(gemm_sum_rows<32, TILE_EXPERT2_CR>(b, r, n) * ts);
+  for (int i = tid(); i < 16 * N2; i += COMPUTE_THREADS) {
+    const int r = i / N2, n = i % N2;
+    if (r < ntok) p.yexp[(s * 16 + r) * P + j * N2 + n] = f2bf(gemm_sum_rows<N2, TILE_EXPERT2_CR>(b, r, n) * ts);
   }
 }
 
