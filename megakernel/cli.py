@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -46,12 +45,9 @@ def _check_and_bench(a) -> int:
             print(f"  -> {k} = {d.value:.4g} {d.unit}")
         for n in r.notes:
             print(f"  note: {n}")
-    # Results are saved and printed. Leave without running finalizers: tearing down CUDA graphs,
-    # cuda.core modules and torch's caching allocator in interpreter-exit order aborted the
-    # process ("free(): invalid pointer") on the H200 after everything had been written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from microbench.cli import leave
+
+    leave(0)  # results saved and printed; interpreter teardown aborted on the H200
 
 
 def _sanitize(a) -> int:

@@ -35,12 +35,17 @@ def _bench(args) -> int:
             print(f"    {s.name:50s} median {s.summary.median:.4g} {s.unit}{frac}")
         for k, d in res.derived.items():
             print(f"    -> {k} = {d.value:.4g} {d.unit}")
-    # Everything is saved and printed. Leave without finalizers: tearing down torch.compile's
-    # graphs, CUDA graphs and cuda.core modules in interpreter-exit order aborted the process
-    # ("double free or corruption") after model.baselines had saved its results (H200, 2026-11-29).
+    leave(0)
+
+
+def leave(code: int) -> None:
+    """Exit without running finalizers, once every result is saved and printed: tearing down
+    torch.compile's graphs, CUDA graphs, cuda.core modules and torch's caching allocator in
+    interpreter-exit order aborted the process ("double free or corruption", "free(): invalid
+    pointer") after everything had been written (H200, 2026-11-29)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def build_parser() -> argparse.ArgumentParser:

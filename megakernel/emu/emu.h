@@ -57,12 +57,13 @@ MK_DEV void ldsm_x4(uint32_t a[4], const unsigned char* row) {  // lanes 8m..8m+
   const int g = lane() >> 2, t = lane() & 3;
   for (int m = 0; m < 4; ++m) memcpy(&a[m], all[8 * m + g] + 4 * t, 4);
 }
-MK_DEV uint32_t e4m3x2_to_bf16x2_p119(uint32_t v) {
+template <int X>
+MK_DEV uint32_t e4m3x2_to_bf16x2_scaled(uint32_t v) {
   auto one = [](uint32_t x) {
     const uint32_t e = (x >> 3) & 15u, m = x & 7u;
     if (e == 15u && m == 7u) return f2bf(u2f(0x7fc00000u));  // E4M3 NaN
     const float mag = e ? ldexpf(1.0f + m / 8.0f, static_cast<int>(e) - 7) : ldexpf(m / 8.0f, -6);
-    return f2bf(ldexpf((x & 0x80u) ? -mag : mag, 119));
+    return f2bf(ldexpf((x & 0x80u) ? -mag : mag, X));
   };
   return one(v & 0xffu) | (static_cast<uint32_t>(one((v >> 8) & 0xffu)) << 16);
 }

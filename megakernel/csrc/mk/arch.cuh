@@ -71,15 +71,19 @@ MK_DEV void ldsm_x4(uint32_t a[4], const unsigned char* row) {
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(row))));
 }
-// Two E4M3 values (bytes 0 and 1 of v) -> bf16x2 (low, high) of value * 2^119, exactly: E4M3 has
-// <= 4 significant bits and every finite value * 2^119 lies in [2^110, 1.75 * 2^127].
-MK_DEV uint32_t e4m3x2_to_bf16x2_p119(uint32_t v) {
+// Two E4M3 values (bytes 0 and 1 of v) -> bf16x2 (low, high) of value * 2^X, exactly: E4M3 has
+// <= 4 significant bits, X <= 119 keeps 448 * 2^X below bf16's max and X >= -117 keeps the
+// smallest subnormal, 2^-9, normal.
+template <int X>
+MK_DEV uint32_t e4m3x2_to_bf16x2_scaled(uint32_t v) {
+  static_assert(X >= -117 && X <= 119, "value * 2^X must stay a normal bf16 for every finite E4M3");
   uint32_t h;
   asm("{.reg .b16 t;\n\tcvt.u16.u32 t, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, t;\n\t}" : "=r"(h) : "r"(v));
   float lo, hi;
   asm("{.reg .b16 l, u;\n\tmov.b32 {l, u}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, u;\n\t}"
       : "=f"(lo), "=f"(hi) : "r"(h));
-  return pack_bf2(lo * 0x1p119f, hi * 0x1p119f);
+  const float f = __uint_as_float(static_cast<uint32_t>(127 + X) << 23);  // 2^X
+  return pack_bf2(lo * f, hi * f);
 }
 // Byte permute: result byte i = byte (sel nibble i) of {b:a} (a = bytes 0-3, b = bytes 4-7).
 MK_DEV uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) { return __byte_perm(a, b, sel); }

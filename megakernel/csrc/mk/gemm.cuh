@@ -15,7 +15,7 @@
 // out per k32 step as the two mmas' row-major 16x16 A tiles, read with ldmatrix.
 // Dequantisation is exact and costs one multiply per pair: the 3 magnitude bits go to bf16 bits
 // 8..6 (value * 2^-126, a subnormal when the exponent is 0) and are multiplied by the E4M3 block
-// scale * 2^119 (exact: <= 6 significant bits, a normal bf16). The missing 2^7 is on the
+// scale * 2^FP4_SCALE_EXP = 2^119 (exact: <= 6 significant bits, a normal bf16). The missing 2^7 is on the
 // activations, staged * 2^7 (exact; overflows only beyond 2^121), so every mma product equals
 // activation * value * scale exactly, as an unscaled dequantisation would give.
 #pragma once
@@ -87,7 +87,10 @@ MK_DEV void stage_norm(Blk& b, const float* x, const uint16_t* gain, int tag) {
 // >= nrows are zero. PERM (fp4 operand): each 16-byte piece k8 = 4 * step + t holds the values
 // e0..e7 of k = 8 * k8..; its u32 words w = (e0,e4), (e1,e5), (e2,e6), (e3,e7), times 2^7, go to
 // word 4 * w + t of the step's 64 bytes: mma m = w / 2's A tile, column half w % 2, pair t.
-constexpr uint32_t FP4_ACT_SCALE_BF2 = 0x43004300u;  // bf16x2 (2^7, 2^7)
+// The block scales are converted * 2^FP4_SCALE_EXP and the staged activations carry the rest of
+// the 2^126 that the E2M1 bit trick leaves out (gemm_fp4).
+constexpr int FP4_SCALE_EXP = 119;
+constexpr uint32_t FP4_ACT_SCALE_BF2 = ((127u + 126u - FP4_SCALE_EXP) << 7) * 0x10001u;  // bf16x2 (2^7, 2^7)
 template <int K, bool PERM, typename RowPtr>
 MK_DEV void stage_rows(Blk& b, int nrows, RowPtr src) {
   constexpr int PER = 16 * (K / 8);  // 16-byte pieces of the 16 rows
@@ -235,8 +238,8 @@ MK_DEV void gemm_fp4(Blk& b, uint32_t what) {
       load_scales<GS, SALIGN>(scales + 2 * jg, sw);
 #pragma unroll
       for (int i = 0; i < GS; ++i) {
-        // this step's block scale * 2^119 in both halves (steps 2m and 2m+1 share a conversion)
-        const uint32_t s12 = e4m3x2_to_bf16x2_p119(prmt(sw[i / 2], 0u, ssel));
+        // this step's block scale * 2^FP4_SCALE_EXP in both halves (steps 2m and 2m+1 share a conversion)
+        const uint32_t s12 = e4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw[i / 2], 0u, ssel));
         const uint32_t s2 = prmt(s12, 0u, (i & 1) ? 0x3232u : 0x1010u);
         const uint32_t code = *reinterpret_cast<const uint32_t*>(codes + (jg + i) * 16);
         uint32_t pr[4];
