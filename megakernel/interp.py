@@ -34,7 +34,7 @@ class Interpreter:
         zi = lambda *s: torch.zeros(s, dtype=torch.int64, device=dev)  # noqa: E731
         self.parts = p.max_splits * (8 // c.group)
         self.buf = {
-            "x": nan(tm, c.d_model), "q": nan(tm, c.n_heads, c.head_dim, dt=BF16),
+            "x": nan(tm, c.d_model), "ss_part": nan(2, tm, c.d_model // 8), "q": nan(tm, c.n_heads, c.head_dim, dt=BF16),
             "att_o": nan(c.n_kv_heads, self.parts, c.group * 16, c.head_dim),
             "att_ml": nan(c.n_kv_heads, self.parts, c.group * 16, 2), "att_out": nan(tm, c.attn_width, dt=BF16),
             "router_logits": nan(tm, c.n_experts), "route_sel": zi(tm, c.top_k), "route_w": nan(tm, c.top_k),

@@ -9,6 +9,7 @@ MK_DEV int warp() { return emu::cur_thread() >> 5; }
 MK_DEV int lane() { return emu::cur_thread() & 31; }
 MK_DEV int bid() { return emu::cur_block(); }
 MK_DEV int nblocks() { return emu::grid_dim(); }
+MK_DEV int nblocks_here() { return emu::grid_dim(); }
 MK_DEV unsigned char* smem() { return emu::cur_smem(); }
 MK_DEV void sync_compute() { emu::block_barrier(1, COMPUTE_THREADS); }
 MK_DEV bool sync_compute_or(bool v) { return emu::block_barrier_or(1, COMPUTE_THREADS, v); }
@@ -23,6 +24,11 @@ inline T shfl_xor_t(T v, int m) {
 }
 MK_DEV float shfl_xor(float v, int m) { return shfl_xor_t(v, m); }
 MK_DEV int shfl_xor_i(int v, int m) { return shfl_xor_t(v, m); }
+MK_DEV float shfl_f(float v, int src) {
+  float all[32];
+  emu::warp_exchange(&v, sizeof(float), all);
+  return all[src & 31];
+}
 MK_DEV int bcast_i(int v) {
   int all[32];
   emu::warp_exchange(&v, sizeof(int), all);
@@ -136,6 +142,8 @@ MK_DEV void pdl_launch_dependents() {}
 MK_DEV void pdl_wait() {}
 MK_DEV float fexp(float x) { return expf(x); }
 MK_DEV float frsqrt(float x) { return 1.0f / sqrtf(x); }
+MK_DEV float fmul_rn(float a, float b) { return a * b; }
+MK_DEV float fadd_rn(float a, float b) { return a + b; }
 MK_DEV float fmax_(float a, float b) { return fmaxf(a, b); }
 MK_DEV int popc(uint32_t x) { return __builtin_popcount(x); }
 

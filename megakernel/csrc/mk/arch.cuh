@@ -24,6 +24,12 @@ MK_DEV int warp() { return threadIdx.x >> 5; }
 MK_DEV int lane() { return threadIdx.x & 31; }
 MK_DEV int bid() { return blockIdx.x; }
 MK_DEV int nblocks() { return gridDim.x; }
+// %nctaid.x the same way, for a loop stride that must not become a register live across the loop
+MK_DEV int nblocks_here() {
+  int r;
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(r));
+  return r;
+}
 
 extern __shared__ __align__(128) unsigned char mk_smem_[];
 MK_DEV unsigned char* smem() { return mk_smem_; }
@@ -45,6 +51,7 @@ MK_DEV void syncwarp() { __syncwarp(); }
 MK_DEV float shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 MK_DEV int shfl_xor_i(int v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 MK_DEV int bcast_i(int v) { return __shfl_sync(0xffffffffu, v, 0); }  // lane 0's value
+MK_DEV float shfl_f(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
 MK_DEV bool warp_all(bool v) { return __all_sync(0xffffffffu, v) != 0; }
 
 // bf16 as raw uint16_t bits: the kernels never depend on cuda_bf16.h
@@ -134,6 +141,9 @@ MK_DEV void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 MK_DEV float fexp(float x) { return expf(x); }
 MK_DEV float frsqrt(float x) { return rsqrtf(x); }
+// rounded separately: never contracted into an fma (sums that several ops must reproduce bitwise)
+MK_DEV float fmul_rn(float a, float b) { return __fmul_rn(a, b); }
+MK_DEV float fadd_rn(float a, float b) { return __fadd_rn(a, b); }
 MK_DEV float fmax_(float a, float b) { return fmaxf(a, b); }
 MK_DEV int popc(uint32_t x) { return __popc(x); }
 MK_DEV float u2f(uint32_t u) { return __uint_as_float(u); }

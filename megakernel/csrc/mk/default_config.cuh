@@ -127,6 +127,7 @@ struct Params {
   const uint32_t* anc;
   const int32_t* route_override;
   float* x;
+  float* ss_part;
   uint16_t* q;
   float* att_o;
   float* att_ml;
@@ -153,7 +154,7 @@ struct Params {
   int32_t n_counters;
   int32_t n_launches;
 };
-static_assert(sizeof(Params) == 296, "abi.py Params");
+static_assert(sizeof(Params) == 304, "abi.py Params");
 }  // namespace mk
 namespace mk {
 constexpr int OPINST_INTS = 16;

@@ -33,50 +33,83 @@ MK_DEV constexpr int a_stride() {
 // loop that waits for each L2 load before issuing the next costs ~K/128 round trips per row.
 constexpr int STAGE_BATCH = 8;
 
-// bf16(x * rsqrt(mean(x^2) + eps) * g) for token rows < T; rows >= T are zero. A warp per row.
+// Sum of squares of 8 consecutive features of x, in one fixed order: ((0+1)+(2+3))+((4+5)+(6+7)),
+// products and sums rounded separately (no fma contraction). The producers of x (embed, oproj,
+// unpool) write it per 8-feature group into ss_part, so a norm reads x once instead of twice
+// (its first pass only summed squares); each producer must give these exact bits.
+MK_DEV float ss8(const float (&v)[8]) {
+  float s[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i] = fmul_rn(v[i], v[i]);
+  return fadd_rn(fadd_rn(fadd_rn(s[0], s[1]), fadd_rn(s[2], s[3])), fadd_rn(fadd_rn(s[4], s[5]), fadd_rn(s[6], s[7])));
+}
+// The same sum when lanes 8j..8j+7 hold the 8 features (each lane gets it; the butterfly pairs
+// exactly as ss8 does, and a + b == b + a bitwise). Every lane of the warp must call.
+MK_DEV float ss8_lanes(float v) {
+  float s = fmul_rn(v, v);
+  s = fadd_rn(s, shfl_xor(s, 1));
+  s = fadd_rn(s, shfl_xor(s, 2));
+  return fadd_rn(s, shfl_xor(s, 4));
+}
+// ss_part[which][t][g]: which 0 = x as the attention and final norms read it (embed, unpool),
+// 1 = as the ffn norm reads it (oproj). Two buffers so a producer never overwrites partials a
+// slower block may still be summing.
+MK_DEV float* ss_part(const Params& p, int which) { return p.ss_part + which * T_MAX * (D / 8); }
+
+// bf16(x * rsqrt(mean(x^2) + eps) * g) for token rows < T; rows >= T are zero. Warp w stages rows
+// w and w + 8 together, in one pass over x: the row's sum of squares is the fixed-order sum of
+// its producers' 8-feature partials `ssp` (lane l adds float4 l, l+32, ..., then a butterfly).
+// Each load batch covers both rows (half the L2 round trips of a row at a time).
 template <int K>
-MK_DEV void stage_norm(Blk& b, const float* x, const uint16_t* gain, int tag) {
+MK_DEV void stage_norm(Blk& b, const float* x, const float* ssp, const uint16_t* gain, int tag) {
   static_assert(K % 128 == 0, "norm staging reads float4 per lane");
-  constexpr int NPER = K / 128;  // float4 per lane per row
-  constexpr int NB = NPER < STAGE_BATCH ? NPER : STAGE_BATCH;
+  static_assert(2 * WARPS == 16, "a warp stages token rows w and w + 8");
+  constexpr int NPER = K / 128;  // float4 of x per lane per row
+  constexpr int NB = NPER < STAGE_BATCH / 2 ? NPER : STAGE_BATCH / 2;  // per row: both rows' batch in flight
+  constexpr int NG4 = K / 32;  // float4 of a row's K/8 partial sums
+  constexpr int NS = (NG4 + 31) / 32;
   static_assert(NPER % NB == 0, "batching");
   if (b.misc[MISC_TAG] == tag) return;
-  for (int t = warp(); t < 16; t += WARPS) {
-    unsigned char* row = b.abuf + t * a_stride<K>();
-    if (t < b.T) {
-      const float* xr = x + t * D;
-      float ss = 0.f;
-      for (int i0 = 0; i0 < NPER; i0 += NB) {
-        uint4 v[NB];
+  const int tr[2] = {warp(), warp() + WARPS};
+  const bool ok[2] = {tr[0] < b.T, tr[1] < b.T};
+  float r[2];
 #pragma unroll
-        for (int i = 0; i < NB; ++i) v[i] = ldg_cg4(xr + 4 * (lane() + 32 * (i0 + i)));
+  for (int h = 0; h < 2; ++h) {
+    uint4 sv[NS];
 #pragma unroll
-        for (int i = 0; i < NB; ++i) {
-          const float a0 = u2f(v[i].x), a1 = u2f(v[i].y), a2 = u2f(v[i].z), a3 = u2f(v[i].w);
-          ss += a0 * a0 + a1 * a1 + a2 * a2 + a3 * a3;
+    for (int i = 0; i < NS; ++i) {
+      const int i4 = lane() + 32 * i;
+      sv[i] = (ok[h] && i4 < NG4) ? ldg_cg4(ssp + tr[h] * (K / 8) + 4 * i4) : uint4{0, 0, 0, 0};
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < NS; ++i) ss = (((ss + u2f(sv[i].x)) + u2f(sv[i].y)) + u2f(sv[i].z)) + u2f(sv[i].w);
+    for (int m = 16; m >= 1; m >>= 1) ss += shfl_xor(ss, m);
+    r[h] = frsqrt(ss / static_cast<float>(K) + RMS_EPS);
+  }
+  for (int i0 = 0; i0 < NPER; i0 += NB) {
+    uint4 v[2][NB];
+    uint2 gg[NB];
+#pragma unroll
+    for (int i = 0; i < NB; ++i) {
+      const int k4 = lane() + 32 * (i0 + i);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) v[h][i] = ok[h] ? ldg_cg4(x + tr[h] * D + 4 * k4) : uint4{0, 0, 0, 0};
+      gg[i] = *reinterpret_cast<const uint2*>(gain + 4 * k4);
+    }
+#pragma unroll
+    for (int i = 0; i < NB; ++i) {
+      const float g0 = bf2f(gg[i].x & 0xffff), g1 = bf2f(gg[i].x >> 16), g2 = bf2f(gg[i].y & 0xffff), g3 = bf2f(gg[i].y >> 16);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint2 o = {0u, 0u};
+        if (ok[h]) {
+          const float rr = r[h];
+          o.x = pack_bf2((u2f(v[h][i].x) * rr) * g0, (u2f(v[h][i].y) * rr) * g1);
+          o.y = pack_bf2((u2f(v[h][i].z) * rr) * g2, (u2f(v[h][i].w) * rr) * g3);
         }
+        *reinterpret_cast<uint2*>(b.abuf + tr[h] * a_stride<K>() + 8 * (lane() + 32 * (i0 + i))) = o;
       }
-      for (int m = 16; m >= 1; m >>= 1) ss += shfl_xor(ss, m);
-      const float r = frsqrt(ss / static_cast<float>(K) + RMS_EPS);
-      for (int i0 = 0; i0 < NPER; i0 += NB) {
-        uint4 v[NB];
-        uint2 gg[NB];
-#pragma unroll
-        for (int i = 0; i < NB; ++i) {
-          const int k4 = lane() + 32 * (i0 + i);
-          v[i] = ldg_cg4(xr + 4 * k4);
-          gg[i] = *reinterpret_cast<const uint2*>(gain + 4 * k4);
-        }
-#pragma unroll
-        for (int i = 0; i < NB; ++i) {
-          uint2 o;
-          o.x = pack_bf2((u2f(v[i].x) * r) * bf2f(gg[i].x & 0xffff), (u2f(v[i].y) * r) * bf2f(gg[i].x >> 16));
-          o.y = pack_bf2((u2f(v[i].z) * r) * bf2f(gg[i].y & 0xffff), (u2f(v[i].w) * r) * bf2f(gg[i].y >> 16));
-          *reinterpret_cast<uint2*>(row + 8 * (lane() + 32 * (i0 + i))) = o;
-        }
-      }
-    } else {
-      for (int k8 = lane(); k8 < K / 8; k8 += 32) *reinterpret_cast<uint4*>(row + 16 * k8) = uint4{0, 0, 0, 0};
     }
   }
   sync_compute();

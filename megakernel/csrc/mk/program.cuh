@@ -241,7 +241,8 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
     }
     // run_unit reads the record from shared memory (published by the barrier before it), so the
     // register copy is dead through the units (only profiler builds keep its kind for stamps)
-    for (int u = r.begin; u < r.end; u += r.step) {
+    const bool contig = o.assign == ASSIGN_CONTIG;
+    for (int u = r.begin; u < r.end; u += contig ? 1 : nblocks_here()) {
       if (first_unit) prof.stamp(ev_wait_begin(o.kind), i);
       if (b.wait && tid() == 0) fail = !wait_unit(b, i, o0, u, dc);
       if (first_unit) {

@@ -1,4 +1,5 @@
-// embed: x[t] = embedding row of token t, as fp32 (the residual stream). Unit = one token.
+// embed: x[t] = embedding row of token t, as fp32 (the residual stream), and the row's sums of
+// squares per 8 features for the first attention norm (gemm.cuh ss8). Unit = one token.
 #pragma once
 #include "mk/gemm.cuh"
 
@@ -7,7 +8,20 @@ namespace mk {
 MK_DEV void run_embed(Blk& b, int unit) {
   const Params& p = *b.p;
   const int tok = p.tokens[unit];
-  for (int k = tid(); k < D; k += COMPUTE_THREADS) p.x[unit * D + k] = bf2f(p.embed[static_cast<size_t>(tok) * D + k]);
+  for (int g = tid(); g < D / 8; g += COMPUTE_THREADS) {
+    const uint4 e = ldg_nc4(p.embed + static_cast<size_t>(tok) * D + 8 * g);
+    const uint32_t w[4] = {e.x, e.y, e.z, e.w};
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = bf2f(static_cast<uint16_t>(w[i] & 0xffffu));
+      v[2 * i + 1] = bf2f(static_cast<uint16_t>(w[i] >> 16));
+    }
+    float* xr = p.x + unit * D + 8 * g;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) xr[i] = v[i];
+    ss_part(p, 0)[unit * (D / 8) + g] = ss8(v);
+  }
 }
 
 }  // namespace mk

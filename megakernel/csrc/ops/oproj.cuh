@@ -1,4 +1,5 @@
-// oproj: x += att_out @ wo^T (fp32 residual add). Unit = 8 rows of wo (8 features of x).
+// oproj: x += att_out @ wo^T (fp32 residual add), and the new x's sums of squares per 8 features
+// for the ffn norm (gemm.cuh ss8). Unit = 8 rows of wo (8 features of x).
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
@@ -12,12 +13,17 @@ MK_DEV bool load_oproj(const Blk& b, int layer, int unit, unsigned& c, uint32_t 
 MK_DEV void run_oproj(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   stage_plain<ATT_W>(b, p.att_out, tag_of(TAG_ATT_OUT, layer, 0));
+  // the residual this unit adds to, loaded before the GEMM so that its L2 round trip overlaps it
+  const int t = tid() / 8, n = tid() % 8;
+  const float xo = (tid() < 16 * 8 && t < b.T) ? ldg_cgf(p.x + t * D + unit * 8 + n) : 0.f;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   gemm_bf16<8, TILE_OPROJ_KC, ATT_W>(b, acc, what);
   gemm_stash<8>(b, acc);
-  for (int i = tid(); i < 16 * 8; i += COMPUTE_THREADS) {
-    const int t = i / 8, n = i % 8;
-    if (t < b.T) p.x[t * D + unit * 8 + n] += gemm_sum<8>(b, t, n);
+  if (tid() < 16 * 8) {  // warps 0-3 whole: the sum of squares shuffles within 8 lanes
+    const float xn = xo + gemm_sum<8>(b, t, n);
+    if (t < b.T) p.x[t * D + unit * 8 + n] = xn;
+    const float ss = ss8_lanes(xn);
+    if (n == 0 && t < b.T) ss_part(p, 1)[t * (D / 8) + unit] = ss;
   }
 }
 

@@ -16,7 +16,7 @@ MK_DEV bool load_qkv(const Blk& b, int layer, int unit, unsigned& c, uint32_t wh
 MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   const LayerPtrs& L = p.layers[layer];
-  stage_norm<D>(b, p.x, L.attn_norm, tag_of(TAG_ATTN_NORM, layer, 0));
+  stage_norm<D>(b, p.x, ss_part(p, 0), L.attn_norm, tag_of(TAG_ATTN_NORM, layer, 0));
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   gemm_bf16<8, TILE_QKV_KC, D>(b, acc, what);
   gemm_stash<8>(b, acc);

@@ -11,7 +11,7 @@ MK_DEV bool load_router(const Blk& b, int layer, int unit, unsigned& c, uint32_t
 
 MK_DEV void run_router(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
-  stage_norm<D>(b, p.x, p.layers[layer].ffn_norm, tag_of(TAG_FFN_NORM, layer, 0));
+  stage_norm<D>(b, p.x, ss_part(p, 1), p.layers[layer].ffn_norm, tag_of(TAG_FFN_NORM, layer, 0));
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   gemm_bf16<8, TILE_ROUTER_KC, D>(b, acc, what);
   gemm_stash<8>(b, acc);

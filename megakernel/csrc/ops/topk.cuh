@@ -9,6 +9,7 @@
 namespace mk {
 
 constexpr int TOPK_PER_LANE = (E + 31) / 32;
+static_assert(TOPK <= 32, "lane r holds the rank-r selection");
 
 MK_DEV void run_topk(Blk& b, int layer) {
   const Params& p = *b.p;
@@ -18,7 +19,10 @@ MK_DEV void run_topk(Blk& b, int layer) {
   int* tokmask = bitmap + (E + 31) / 32;   // [E] bit t: token t selected the expert
   if (tid() < (E + 31) / 32) bitmap[tid()] = 0;
   for (int e = tid(); e < E; e += COMPUTE_THREADS) tokmask[e] = 0;
-  for (int t = warp(); t < b.T; t += WARPS) {  // a warp per token: selection and weights
+  // A warp per token; lane r keeps the rank-r selection. The rank loop is not unrolled: top-k runs
+  // once per layer on one block, from a cold instruction cache, so its code size is its cost
+  // (unrolled over the ranks it was 27 KB of SASS and ~12 us of a shard8 layer).
+  for (int t = warp(); t < b.T; t += WARPS) {
     float v[TOPK_PER_LANE];
     uint32_t taken = 0;
 #pragma unroll
@@ -26,18 +30,18 @@ MK_DEV void run_topk(Blk& b, int layer) {
       const int e = lane() + 32 * i;
       v[i] = e < E ? ldg_cgf(p.router_logits + t * E + e) : neg_inf();
     }
-    int sel[TOPK];
-    float selv[TOPK];
-#pragma unroll
-    for (int r = 0; r < TOPK; ++r) {
-      int be;
-      float bv;
-      if (p.route_override) {
-        be = p.route_override[(layer * T_MAX + t) * TOPK + r];
-        bv = ldg_cgf(p.router_logits + t * E + be);
-      } else {
-        bv = neg_inf();
-        be = 0x7fffffff;
+    int mysel = 0;
+    float myv = 0.f;
+    if (p.route_override) {
+      if (lane() < TOPK) {
+        mysel = p.route_override[(layer * T_MAX + t) * TOPK + lane()];
+        myv = ldg_cgf(p.router_logits + t * E + mysel);
+      }
+    } else {
+#pragma unroll 1
+      for (int r = 0; r < TOPK; ++r) {
+        float bv = neg_inf();
+        int be = 0x7fffffff;
 #pragma unroll
         for (int i = 0; i < TOPK_PER_LANE; ++i) {
           const int e = lane() + 32 * i;
@@ -55,25 +59,24 @@ MK_DEV void run_topk(Blk& b, int layer) {
           }
         }
         if ((be & 31) == lane()) taken |= 1u << (be >> 5);
+        if (lane() == r) {
+          mysel = be;
+          myv = bv;
+        }
       }
-      sel[r] = be;
-      selv[r] = bv;
     }
-    if (lane() == 0) {  // softmax over the selected logits, in rank order
-      float mx = neg_inf(), sum = 0.f;
+    // softmax over the selected logits, summed in rank order
+    float mx = neg_inf();
 #pragma unroll
-      for (int r = 0; r < TOPK; ++r) mx = fmax_(mx, selv[r]);
+    for (int r = 0; r < TOPK; ++r) mx = fmax_(mx, shfl_f(myv, r));
+    const float ev = fexp(myv - mx);
+    float sum = 0.f;
 #pragma unroll
-      for (int r = 0; r < TOPK; ++r) {
-        selv[r] = fexp(selv[r] - mx);
-        sum += selv[r];
-      }
-#pragma unroll
-      for (int r = 0; r < TOPK; ++r) {
-        p.route_sel[t * TOPK + r] = sel[r];
-        p.route_w[t * TOPK + r] = selv[r] / sum;
-        sel_s[t * TOPK + r] = sel[r];
-      }
+    for (int r = 0; r < TOPK; ++r) sum += shfl_f(ev, r);
+    if (lane() < TOPK) {
+      p.route_sel[t * TOPK + lane()] = mysel;
+      p.route_w[t * TOPK + lane()] = ev / sum;
+      sel_s[t * TOPK + lane()] = mysel;
     }
   }
   sync_compute();

@@ -1,4 +1,5 @@
-// unpool (the unpooler): x += z @ unpool^T, p -> d (fp32 residual add). Unit = 8 features of x.
+// unpool (the unpooler): x += z @ unpool^T, p -> d (fp32 residual add), and the new x's sums of
+// squares per 8 features for the next attention (or final) norm (gemm.cuh ss8). Unit = 8 features of x.
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
@@ -12,12 +13,17 @@ MK_DEV bool load_unpool(const Blk& b, int layer, int unit, unsigned& c, uint32_t
 MK_DEV void run_unpool(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   stage_plain<P>(b, p.z, tag_of(TAG_Z, layer, 0));
+  // the residual this unit adds to, loaded before the GEMM so that its L2 round trip overlaps it
+  const int t = tid() / 8, n = tid() % 8;
+  const float xo = (tid() < 16 * 8 && t < b.T) ? ldg_cgf(p.x + t * D + unit * 8 + n) : 0.f;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   gemm_bf16<8, TILE_UNPOOL_KC, P>(b, acc, what);
   gemm_stash<8>(b, acc);
-  for (int i = tid(); i < 16 * 8; i += COMPUTE_THREADS) {
-    const int t = i / 8, n = i % 8;
-    if (t < b.T) p.x[t * D + unit * 8 + n] += gemm_sum<8>(b, t, n);
+  if (tid() < 16 * 8) {  // warps 0-3 whole: the sum of squares shuffles within 8 lanes
+    const float xn = xo + gemm_sum<8>(b, t, n);
+    if (t < b.T) p.x[t * D + unit * 8 + n] = xn;
+    const float ss = ss8_lanes(xn);
+    if (n == 0 && t < b.T) ss_part(p, 0)[t * (D / 8) + unit] = ss;
   }
 }
 
