@@ -80,13 +80,12 @@ class Interpreter:
 
     def _attn(self, layer, u):
         c, b = self.cfg, self.buf
-        ns = splits(c, self.plan, layer, self.ctx)
+        ns = splits(c, self.plan, layer, self.ctx, self.T)
         kvh, split = divmod(u, ns)
         nc = cached_keys(c, layer, self.ctx)
-        lo = self.ctx - nc
-        per = -(-nc // ns)
-        s0, s1 = min(lo + split * per, self.ctx), min(lo + (split + 1) * per, self.ctx)
-        seqs = list(range(s0, s1)) + (list(range(self.ctx, self.ctx + self.T)) if split == ns - 1 else [])
+        allseq = list(range(self.ctx - nc, self.ctx + self.T))  # the cached keys it sees, then the new ones
+        per = -(-len(allseq) // ns)
+        seqs = allseq[split * per:(split + 1) * per]
         kg = 8 // c.group
         b["att_ml"][kvh, split * kg:(split + 1) * kg, :, 1] = 0.0  # other key groups: empty partials
         b["att_ml"][kvh, split * kg:(split + 1) * kg, :, 0] = float("-inf")
@@ -122,7 +121,7 @@ class Interpreter:
         c, b = self.cfg, self.buf
         h, t = divmod(u, self.T)
         kvh, j = divmod(h, c.group)
-        n = splits(c, self.plan, layer, self.ctx) * (8 // c.group)
+        n = splits(c, self.plan, layer, self.ctx, self.T) * (8 // c.group)
         ml = b["att_ml"][kvh, :n, j * 16 + t]
         o = b["att_o"][kvh, :n, j * 16 + t]
         ok = ml[:, 1] > 0

@@ -115,7 +115,7 @@ class Plan:
     @property
     def max_splits(self) -> int:
         c = self.cfg
-        most_keys = max(c.max_context, c.window)
+        most_keys = max(c.max_context, c.window) + c.max_tree  # cached keys seen + the new tree keys
         return max(1, min(self.n_sm // c.n_kv_heads if self.n_sm >= c.n_kv_heads else 1,
                           math.ceil(most_keys / self.keys_per_split)))
 

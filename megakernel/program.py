@@ -6,7 +6,7 @@ Units and groups (the same rules are written in csrc/mk/program.cuh; tests cross
   op           units                        group of a unit (counter it bumps besides total)
   embed        T                            -
   qkv          QKV_ROWS/8                    kv head its rows feed (HKV groups)
-  attn         HKV * splits(layer, ctx)     kv head (HKV groups)
+  attn         HKV * splits(layer, ctx, T)  kv head (HKV groups)
   attn_combine HQ * T                       -
   oproj        D/8          router E/8      pool P/8          topk 1
   expert1      count * F/16 (dynamic)       slot (MAX_SLOTS groups)
@@ -68,10 +68,12 @@ class OpInst:
 
 
 # ------------------------------------------------------------------ the unit / group rules
-def splits(cfg: ModelConfig, plan: Plan, layer: int, ctx: int) -> int:
-    """Attention splits of one kv head's cached keys (a function of ctx only, so chain and mega
-    modes and every tree shape split identically)."""
-    nkeys = cached_keys(cfg, layer, ctx)
+def splits(cfg: ModelConfig, plan: Plan, layer: int, ctx: int, t: int) -> int:
+    """Attention splits of one kv head's keys: the cached prefix it sees followed by the t new tree
+    keys, cut into equal runs (a function of ctx and t only, so chain and mega modes split
+    identically). The new keys are not tacked onto the last split: that split then took two
+    64-key rounds where every other took one (22 vs 15 us, shard8 T=16 profile, 2026-11-29)."""
+    nkeys = cached_keys(cfg, layer, ctx) + t
     return max(1, min(plan.max_splits, math.ceil(nkeys / plan.keys_per_split)))
 
 
@@ -84,7 +86,7 @@ def n_units(plan: Plan, kind: str, layer: int, t: int, ctx: int, count: int) -> 
     return {
         "embed": t,
         "qkv": c.qkv_rows // 8,
-        "attn": c.n_kv_heads * splits(c, plan, layer, ctx),
+        "attn": c.n_kv_heads * splits(c, plan, layer, ctx, t),
         "attn_combine": c.n_heads * t,
         "oproj": c.d_model // 8,
         "router": c.n_experts // 8,
@@ -110,7 +112,7 @@ def unit_group(plan: Plan, kind: str, layer: int, unit: int, t: int, ctx: int) -
             return head - c.n_heads
         return head - c.n_heads - c.n_kv_heads
     if kind == "attn":
-        return unit // splits(c, plan, layer, ctx)
+        return unit // splits(c, plan, layer, ctx, t)
     if kind == "expert1":
         return unit // (c.d_expert // 16)
     return None
@@ -118,7 +120,7 @@ def unit_group(plan: Plan, kind: str, layer: int, unit: int, t: int, ctx: int) -
 
 def group_size(plan: Plan, kind: str, layer: int, t: int, ctx: int) -> int:
     c = plan.cfg
-    return {"qkv": (c.group + 2) * c.head_dim // 8, "attn": splits(c, plan, layer, ctx),
+    return {"qkv": (c.group + 2) * c.head_dim // 8, "attn": splits(c, plan, layer, ctx, t),
             "expert1": c.d_expert // 16}[kind]
 
 
@@ -126,7 +128,7 @@ def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int
     """Which group of `producer` the consumer unit waits for."""
     c = plan.cfg
     if consumer == "attn" and producer == "qkv":
-        return unit // splits(c, plan, layer, ctx)
+        return unit // splits(c, plan, layer, ctx, t)
     if consumer == "attn_combine" and producer == "attn":
         return (unit // t) // c.group
     if consumer == "expert2" and producer == "expert1":
@@ -147,6 +149,28 @@ def assigned_units(inst: OpInst, block: int, n_blocks: int, total: int) -> range
         return range(lo, hi)
     start = (block - inst.rot) % n_blocks
     return range(start, total, n_blocks)
+
+
+def pool_rotation(plan: Plan, router: OpInst) -> int | None:
+    """Rotate the pooler's strided units so that the blocks with one unit fewer than the rest
+    come right after the router's blocks, not on them: then a block runs neither a router unit
+    nor a full share of pool units, and top-k goes there (lightest_block)."""
+    nb, r = plan.n_sm, n_units(plan, "router", router.layer, 1, 0, 0)
+    rem = n_units(plan, "pool", router.layer, 1, 0, 0) % nb
+    return (router.rot + r - rem) % nb if rem else None
+
+
+def lightest_block(plan: Plan, insts: list[OpInst]) -> int:
+    """The block with the fewest units of these (static-size, strided) op instances, lowest index
+    on ties. Top-k (one unit, on the critical path of every layer) goes there: on a block that
+    also runs a router unit and two pool units it started ~7 us after the router finished
+    (shard8 T=16 profile, 2026-11-29)."""
+    load = [0] * plan.n_sm
+    for o in insts:
+        total = n_units(plan, o.kind, o.layer, 1, 0, 0)
+        for b in range(plan.n_sm):
+            load[b] += len(assigned_units(o, b, plan.n_sm, total))
+    return min(range(plan.n_sm), key=lambda b: (load[b], b))
 
 
 # ------------------------------------------------------------------ building the program
@@ -187,7 +211,8 @@ def build(plan: Plan, mode: str = "layer") -> Program:
     counters = 0
     last: dict[str, int] = {}
 
-    def add(kind: str, layer: int, deps: list[tuple[str, int]], assign: int = ASSIGN_STRIDED) -> int:
+    def add(kind: str, layer: int, deps: list[tuple[str, int]], assign: int = ASSIGN_STRIDED,
+            rot: int | None = None) -> int:
         nonlocal counters
         idx = len(ops)
         ng = n_groups(plan, kind)
@@ -197,8 +222,8 @@ def build(plan: Plan, mode: str = "layer") -> Program:
         ds = tuple(Dep(last[k], m) for k, m in deps)
         if len(ds) > MAX_DEPS:
             raise ValueError(f"{kind}: too many deps")
-        # rotate the strided assignment so consecutive small ops start on different blocks
-        rot = (idx * 17) % plan.n_sm
+        if rot is None:  # rotate the strided assignment so consecutive small ops start on different blocks
+            rot = (idx * 17) % plan.n_sm
         ops.append(OpInst(idx, kind, layer, ds, counter, gb, ng, rot, assign))
         last[kind] = idx
         return idx
@@ -220,8 +245,8 @@ def build(plan: Plan, mode: str = "layer") -> Program:
         add("attn_combine", l, [("attn", DEP_GROUP)])
         add("oproj", l, [("attn_combine", DEP_ALL)])
         add("router", l, [("oproj", DEP_ALL)])
-        add("pool", l, [("oproj", DEP_ALL)])
-        add("topk", l, [("router", DEP_ALL)])
+        add("pool", l, [("oproj", DEP_ALL)], rot=pool_rotation(plan, ops[last["router"]]))
+        add("topk", l, [("router", DEP_ALL)], rot=lightest_block(plan, [ops[last["router"]], ops[last["pool"]]]))
         add("expert1", l, [("topk", DEP_ALL), ("pool", DEP_ALL)], ASSIGN_CONTIG)
         add("expert2", l, [("topk", DEP_ALL), ("expert1", DEP_GROUP)], ASSIGN_CONTIG)
         add("moe_combine", l, [("topk", DEP_ALL), ("expert2", DEP_ALL)])

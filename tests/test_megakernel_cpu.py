@@ -235,6 +235,28 @@ def test_any_ring_geometry_keeps_mega_bitwise_equal_to_chain(tiny):
     check_close(chain.logits, ref.logits, "2-stage ring vs default ring", rel=1e-2)
 
 
+def test_attention_splits_that_cut_through_the_new_keys(tiny):
+    """Splits run over "cached keys seen, then the T new keys" in equal runs, so with 16 keys per
+    split a run can start or end inside the new keys (global layers: 20 cached + 16 new = 3 runs
+    of 12; sliding: 15 + 16 = 2 runs of 16, the second all new). Mega == chain bitwise, and both
+    agree with the reference under forced routing."""
+    import dataclasses
+
+    from megakernel.program import splits
+
+    cfg, w, base, _ = tiny
+    plan = dataclasses.replace(make_plan(cfg, 8, spin_bound_ns=3_000_000_000), keys_per_split=16)  # 4 splits max
+    ctx, t = 20, 16
+    assert [splits(cfg, plan, l, ctx, t) for l in range(cfg.n_layers)] == [3 if cfg.is_global(l) else 2
+                                                                           for l in range(cfg.n_layers)]
+    toks, par = _inputs(cfg, t, 11)
+    ref, routes = _reference(w, base.clone(), toks, par, ctx)
+    chain = Engine(w, plan, base.clone(), backend="emu").step(toks, par, ctx, mode="chain", routes=routes)
+    mega = Engine(w, plan, base.clone(), backend="emu", emu_seed=3).step(toks, par, ctx, mode="mega", routes=routes)
+    assert torch.equal(chain.logits, mega.logits)
+    check_close(mega.logits, ref, "16-key attention splits vs reference", rel=1e-2)
+
+
 def test_profiler_event_layout_is_pinned():
     from megakernel.plan import OP_KINDS
     from megakernel.profile_events import EVENTS

@@ -26,7 +26,7 @@ constexpr int T_MAX = 16;
 constexpr float RMS_EPS = 1e-05f;
 constexpr float ATT_SCALE = 0.125f;
 constexpr int MAX_SLOTS = 8;
-constexpr int MAX_SPLITS = 2;
+constexpr int MAX_SPLITS = 3;
 constexpr int KEYS_PER_SPLIT = 64;
 // launch shape
 constexpr int WARPS = 8;

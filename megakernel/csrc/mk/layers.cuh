@@ -10,9 +10,9 @@ MK_DEV int cache_slots(int layer) { return is_global(layer) ? MAX_CTX : RING_SLO
 MK_DEV int cache_slot(int layer, int seq) { return is_global(layer) ? seq : seq % RING_SLOTS; }
 // Keys of the prefix a layer attends to: all of it (global) or the window's W - 1 older ones.
 MK_DEV int cached_keys(int layer, int ctx) { return is_global(layer) ? ctx : imin(ctx, WINDOW - 1); }
-// Attention splits per kv head: a function of ctx only, so every mode and tree splits alike.
-MK_DEV int attn_splits(int layer, int ctx) {
-  return imax(1, imin(MAX_SPLITS, cdiv(cached_keys(layer, ctx), KEYS_PER_SPLIT)));
+// Attention splits per kv head over its cached keys followed by the T new ones (program.py splits).
+MK_DEV int attn_splits(int layer, int ctx, int T) {
+  return imax(1, imin(MAX_SPLITS, cdiv(cached_keys(layer, ctx) + T, KEYS_PER_SPLIT)));
 }
 
 // What abuf holds (gemm.cuh staging functions skip re-staging the same operand).

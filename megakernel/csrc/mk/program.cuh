@@ -58,7 +58,7 @@ MK_DEV int n_units(const Blk& b, const Op& o) {
   switch (o.kind) {
     case OP_EMBED: return b.T;
     case OP_QKV: return QKV_ROWS / 8;
-    case OP_ATTN: return HKV * attn_splits(o.layer, b.ctx);
+    case OP_ATTN: return HKV * attn_splits(o.layer, b.ctx, b.T);
     case OP_ATTN_COMBINE: return HQ * b.T;
     case OP_OPROJ: return D / 8;
     case OP_ROUTER: return E / 8;
@@ -81,7 +81,7 @@ MK_DEV int unit_group(const Blk& b, const Op& o, int u) {
       const int head = u * 8 / HD;
       return head < HQ ? head / G : (head < HQ + HKV ? head - HQ : head - HQ - HKV);
     }
-    case OP_ATTN: return u / attn_splits(o.layer, b.ctx);
+    case OP_ATTN: return u / attn_splits(o.layer, b.ctx, b.T);
     case OP_EXPERT1: return u / EXP1_TILES;
   }
   return -1;
@@ -89,14 +89,14 @@ MK_DEV int unit_group(const Blk& b, const Op& o, int u) {
 MK_DEV int group_size(const Blk& b, const Op& o) {
   switch (o.kind) {
     case OP_QKV: return (G + 2) * HD / 8;
-    case OP_ATTN: return attn_splits(o.layer, b.ctx);
+    case OP_ATTN: return attn_splits(o.layer, b.ctx, b.T);
     case OP_EXPERT1: return EXP1_TILES;
   }
   return 0;
 }
 // the group of producer `pr` that unit u of consumer `o` needs
 MK_DEV int needed_group(const Blk& b, const Op& o, const Op& pr, int u) {
-  if (o.kind == OP_ATTN) return u / attn_splits(o.layer, b.ctx);  // <- qkv, by kv head
+  if (o.kind == OP_ATTN) return u / attn_splits(o.layer, b.ctx, b.T);  // <- qkv, by kv head
   if (o.kind == OP_ATTN_COMBINE) return (u / b.T) / G;             // <- attn, by kv head
   if (o.kind == OP_EXPERT2) return u / EXP2_TILES;                 // <- expert1, by slot
   return 0;

@@ -1,10 +1,10 @@
 // attention over the KV cache with the tree mask (flash-decoding split). Unit = (kv head, split).
 //
-// A split scores a contiguous run of the cached prefix (the last split also the T new tree keys,
-// already in the cache at sequence indices ctx..ctx+T-1). Query rows are r = j*16 + t: q head
-// kvh*G + j, token t, so each m16 tile of rows is one q head over all tokens. Warp w takes head
-// j = w % G and key group kg = w / G (WARPS/G groups split each staged block of 64 keys); each
-// (split, key group) writes an unnormalised partial (O, running max m, sum l) that
+// A split scores a contiguous run of the key sequence "cached prefix seen, then the T new tree
+// keys" (already in the cache at sequence indices ctx..ctx+T-1); the runs have equal length.
+// Query rows are r = j*16 + t: q head kvh*G + j, token t, so each m16 tile of rows is one q head
+// over all tokens. Warp w takes head j = w % G and key group kg = w / G (WARPS/G groups split
+// each staged block of 64 keys); each (split, key group) writes an unnormalised partial (O, running max m, sum l) that
 // attn_combine merges in fixed order. Masks: a cached key at sequence s is visible to token t
 // in a sliding layer iff s >= ctx + depth(t) - W + 1 (global: always); new key i iff i is an
 // ancestor of t or t itself. Scores and softmax in fp32 (scale 1/sqrt(hd)); P is rounded to bf16
@@ -28,14 +28,16 @@ static_assert(G * 16 * ATT_QS + ATT_KB * ATT_KS + HD * ATT_VS <= ABUF_BYTES, "at
 MK_DEV void run_attn(Blk& b, int layer, int unit) {
   const Params& p = *b.p;
   const LayerPtrs& L = p.layers[layer];
-  const int nsplit = attn_splits(layer, b.ctx);
+  const int nsplit = attn_splits(layer, b.ctx, b.T);
   const int kvh = unit / nsplit, split = unit % nsplit;
-  const int ncached = cached_keys(layer, b.ctx);
-  const int lo = b.ctx - ncached;
-  const int per = cdiv(ncached, nsplit);
-  const int s0 = imin(lo + split * per, b.ctx), s1 = imin(lo + (split + 1) * per, b.ctx);
-  const int ncache_keys = s1 - s0;
-  const int total = ncache_keys + (split == nsplit - 1 ? b.T : 0);
+  // this split's run [c0, c1) of the key sequence: the ncached keys seen, then the T new ones
+  const int ncached = cached_keys(layer, b.ctx), nall = ncached + b.T;
+  const int per = cdiv(nall, nsplit);
+  const int c0 = imin(split * per, nall), c1 = imin(c0 + per, nall);
+  const int s0 = b.ctx - ncached + imin(c0, ncached);               // first cached sequence index
+  const int ncache_keys = imin(c1, ncached) - imin(c0, ncached);  // cached keys in the run
+  const int new0 = imax(c0, ncached) - ncached;                     // first new key in the run
+  const int total = c1 - c0;
   const bool glob = is_global(layer);
 
   unsigned char* Qs = b.abuf;
@@ -84,7 +86,7 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
       const int i = tid() + n * COMPUTE_THREADS, key = i / (HD / 8), d8 = i % (HD / 8), kidx = kb0 + key;
       kv[n] = vv[n] = uint4{0, 0, 0, 0};
       if (kidx < total) {
-        const int seq = kidx < ncache_keys ? s0 + kidx : b.ctx + (kidx - ncache_keys);
+        const int seq = kidx < ncache_keys ? s0 + kidx : b.ctx + new0 + (kidx - ncache_keys);
         const size_t off = (static_cast<size_t>(kvh) * cache_slots(layer) + cache_slot(layer, seq)) * HD + 8 * d8;
         kv[n] = ldg_cg4(L.k_cache + off);
         vv[n] = ldg_cg4(L.v_cache + off);
@@ -134,7 +136,7 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
           bool vis = tok_ok[h] && kidx < total;
           if (vis) {
             if (kidx < ncache_keys) vis = glob || (s0 + kidx >= lim[h]);
-            else vis = (anc[h] >> (kidx - ncache_keys)) & 1u;
+            else vis = (anc[h] >> (new0 + kidx - ncache_keys)) & 1u;
           }
           s[nt][e] = vis ? s[nt][e] * ATT_SCALE : neg_inf();
           mx[h] = fmax_(mx[h], s[nt][e]);

@@ -11,7 +11,7 @@ MK_DEV void run_attn_combine(Blk& b, int layer, int unit) {
   const Params& p = *b.p;
   const int h = unit / b.T, t = unit % b.T;
   const int kvh = h / G, j = h % G;
-  const int nparts = attn_splits(layer, b.ctx) * ATT_KG;
+  const int nparts = attn_splits(layer, b.ctx, b.T) * ATT_KG;
   const size_t row0 = static_cast<size_t>(kvh) * PARTS * (G * 16) + j * 16 + t;
   // (m, l) of every part into shared memory once, then per part the weight exp(m - M) (0 for a
   // part with nothing visible), so the loop over O below has no branches and keeps loads in flight
@@ -31,19 +31,29 @@ MK_DEV void run_attn_combine(Blk& b, int layer, int unit) {
   sync_compute();
   float den = 0.f;
   for (int q = 0; q < nparts; ++q) den += wt[q] * ml[2 * q + 1];  // fixed order
-  constexpr int NB = 8;
-  for (int d = tid(); d < HD; d += COMPUTE_THREADS) {
-    float num = 0.f;
-    for (int q0 = 0; q0 < nparts; q0 += NB) {
-      float o[NB];
+  // All compute threads: NSL slices of the parts, each summed by HD threads (one per d), then the
+  // slices added in slice order: half the dependent L2 round trips of one thread per d.
+  constexpr int NSL = COMPUTE_THREADS / HD, NB = 16;
+  static_assert(COMPUTE_THREADS % HD == 0 && (3 * PARTS + NSL * HD) * 4 <= ABUF_BYTES, "combine scratch fits abuf");
+  float* part = wt + PARTS;  // [NSL][HD] slice numerators
+  const int d = tid() % HD, sl = tid() / HD, per = cdiv(nparts, NSL);
+  const int q_lo = imin(nparts, sl * per), q_hi = imin(nparts, q_lo + per);
+  float num = 0.f;
+  for (int q0 = q_lo; q0 < q_hi; q0 += NB) {
+    float o[NB];
 #pragma unroll
-      for (int k = 0; k < NB; ++k)
-        o[k] = q0 + k < nparts ? ldg_cgf(p.att_o + (row0 + static_cast<size_t>(q0 + k) * (G * 16)) * HD + d) : 0.f;
+    for (int k = 0; k < NB; ++k)
+      o[k] = q0 + k < q_hi ? ldg_cgf(p.att_o + (row0 + static_cast<size_t>(q0 + k) * (G * 16)) * HD + d) : 0.f;
 #pragma unroll
-      for (int k = 0; k < NB; ++k)
-        if (q0 + k < nparts) num += wt[q0 + k] * o[k];
-    }
-    p.att_out[t * ATT_W + h * HD + d] = f2bf(num / den);
+    for (int k = 0; k < NB; ++k)
+      if (q0 + k < q_hi) num += wt[q0 + k] * o[k];
+  }
+  part[sl * HD + d] = num;
+  sync_compute();
+  if (tid() < HD) {
+    float s = 0.f;
+    for (int k = 0; k < NSL; ++k) s += part[k * HD + tid()];
+    p.att_out[t * ATT_W + h * HD + tid()] = f2bf(s / den);
   }
 }
 
