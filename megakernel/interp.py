@@ -18,7 +18,7 @@ import torch
 
 from . import tree as treelib
 from .program import DEP_ALL, Program, cached_keys, group_size, n_units, needed_group, splits, unit_group
-from .plan import EXPERT2_ROWS
+from .plan import EXPERT1_ROWS, EXPERT2_ROWS
 from .reference import KVCache, rmsnorm
 from .weights import BF16, ModelWeights
 
@@ -170,15 +170,16 @@ class Interpreter:
 
     def _expert1(self, layer, u):
         c, b, lw = self.cfg, self.buf, self.w.layers[layer]
-        s, j = divmod(u, c.d_expert // 16)
+        h = EXPERT1_ROWS // 2
+        s, j = divmod(u, c.d_expert // h)
         e, nt = int(b["slot_expert"][s]), int(b["slot_ntok"][s])
         a = b["pooled"][b["slot_tok"][s, :nt]].to(F32)
         w1 = lw.w1.expert(e)
         wd = w1.dequant_bf16_exact()
-        rows = list(range(16 * j, 16 * j + 16)) + list(range(c.d_expert + 16 * j, c.d_expert + 16 * j + 16))
+        rows = list(range(h * j, h * j + h)) + list(range(c.d_expert + h * j, c.d_expert + h * j + h))
         gu = (a @ wd[rows].T) * w1.tensor_scale
-        g, up = gu[:, :16], gu[:, 16:]
-        b["act"][s, :nt, 16 * j:16 * j + 16] = (g * (1.0 / (1.0 + torch.exp(-g))) * up).to(BF16)
+        g, up = gu[:, :h], gu[:, h:]
+        b["act"][s, :nt, h * j:h * j + h] = (g * (1.0 / (1.0 + torch.exp(-g))) * up).to(BF16)
 
     def _expert2(self, layer, u):
         c, b, lw = self.cfg, self.buf, self.w.layers[layer]

@@ -21,7 +21,7 @@ LOADER_WARPS = 1  # the weight-streaming warp (ring producer)
 THREADS = 32 * (WARPS + LOADER_WARPS)
 ROW_PAD = 16  # bytes of padding per staged row: spreads rows over banks for the fragment loads
 MISC_BYTES = 4096  # mbarriers + small ints (block.cuh)
-EXPERT1_ROWS = 32  # gate/up unit: 16 gate + the 16 matching up rows
+EXPERT1_ROWS = 64  # gate/up unit: 32 gate + the 32 matching up rows (16 + 16 spent ~15% of the op in per-unit barriers)
 EXPERT2_ROWS = 64  # down-projection unit: two 32-row chunks (one had a third of its time in per-unit overhead, ncu 2026-11-29)
 
 
@@ -173,7 +173,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         "lm_head": _tile(16, c.d_model, False, budget),
         # fp4 chunks may exceed the budget by their scales (1/8 of the codes): 16 whole rows of
         # K=2048 fill an 18 KB stage, halving the chunk handshakes per expert unit
-        "expert1": _tile(EXPERT1_ROWS, c.d_pool, True, budget * 9 // 8, run=16),  # gate and up rows: two runs of 16
+        "expert1": _tile(EXPERT1_ROWS, c.d_pool, True, budget * 9 // 8, run=EXPERT1_ROWS // 2),  # gate and up: two runs
         "expert2": _tile(EXPERT2_ROWS, c.d_expert, True, budget * 9 // 8),
     }
     p = Plan(cfg, n_sm, ring_stages, ring_stage_bytes, spin_bound_ns, poll_backoff_ns, profile=profile,

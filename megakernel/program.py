@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ModelConfig
-from .plan import EXPERT2_ROWS, OP, OP_KINDS, Plan
+from .plan import EXPERT1_ROWS, EXPERT2_ROWS, OP, OP_KINDS, Plan
 
 OPINST_INTS = 16
 MAX_DEPS = 3
@@ -92,7 +92,7 @@ def n_units(plan: Plan, kind: str, layer: int, t: int, ctx: int, count: int) -> 
         "router": c.n_experts // 8,
         "pool": c.d_pool // 8,
         "topk": 1,
-        "expert1": count * (c.d_expert // 16),
+        "expert1": count * (c.d_expert // (EXPERT1_ROWS // 2)),
         "expert2": count * (c.d_pool // EXPERT2_ROWS),
         "moe_combine": c.d_pool // 64,
         "unpool": c.d_model // 8,
@@ -114,14 +114,14 @@ def unit_group(plan: Plan, kind: str, layer: int, unit: int, t: int, ctx: int) -
     if kind == "attn":
         return unit // splits(c, plan, layer, ctx, t)
     if kind == "expert1":
-        return unit // (c.d_expert // 16)
+        return unit // (c.d_expert // (EXPERT1_ROWS // 2))
     return None
 
 
 def group_size(plan: Plan, kind: str, layer: int, t: int, ctx: int) -> int:
     c = plan.cfg
     return {"qkv": (c.group + 2) * c.head_dim // 8, "attn": splits(c, plan, layer, ctx, t),
-            "expert1": c.d_expert // 16}[kind]
+            "expert1": c.d_expert // (EXPERT1_ROWS // 2)}[kind]
 
 
 def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int, t: int, ctx: int) -> int:

@@ -1,6 +1,6 @@
 // expert_gemm1: gate/up projection of one routed expert with NVFP4 dequantisation and the gated
-// activation. Unit = (slot s, 16 intermediate features j*16..): its 32 weight rows are gate rows
-// j*16.. and the matching up rows F + j*16.. Only the slot's routed tokens (<= 16) are staged;
+// activation. Unit = (slot s, H1 intermediate features j*H1..): its 2*H1 weight rows are gate rows
+// j*H1.. and the matching up rows F + j*H1.. Only the slot's routed tokens (<= 16) are staged;
 // act[s][i][f] = bf16(silu(g) * u) with g, u = fp32 accumulators * the expert's tensor scale.
 #pragma once
 #include "mk/gemm.cuh"
@@ -9,7 +9,9 @@
 
 namespace mk {
 
-constexpr int EXP1_TILES = F / 16;
+constexpr int H1 = TILE_EXPERT1_ROWS / 2;  // gate rows (and up rows) per unit
+constexpr int EXP1_TILES = F / H1;
+static_assert(F % H1 == 0 && H1 % TILE_EXPERT1_CR == 0, "a chunk holds gate rows or up rows, never both");
 
 MK_DEV bool load_expert1(const Blk& b, LoaderSlot& ls, int layer, int unit, unsigned& c, uint32_t what) {
   const Params& p = *b.p;
@@ -18,8 +20,8 @@ MK_DEV bool load_expert1(const Blk& b, LoaderSlot& ls, int layer, int unit, unsi
   const int e = loader_expert(b, ls, layer, s);
   const uint8_t* codes = L.w1_codes + static_cast<size_t>(e) * (2 * F) * (P / 2);
   const uint8_t* scales = L.w1_scales + static_cast<size_t>(e) * (2 * F) * (P / 16);
-  auto row = [j](int r) { return r < 16 ? j * 16 + r : F + j * 16 + (r - 16); };
-  return produce_fp4<32, TILE_EXPERT1_CR, P>(b, codes, scales, row, c, what);
+  auto row = [j](int r) { return r < H1 ? j * H1 + r : F + j * H1 + (r - H1); };
+  return produce_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, P>(b, codes, scales, row, c, what);
 }
 
 MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
@@ -29,14 +31,15 @@ MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
   const int ntok = si.ntok;
   const int32_t* toks = p.slot_tok + s * 16;
   stage_gather_perm<P>(b, p.pooled, ntok, [toks](int i) { return ldg_cgi(toks + i); }, tag);
-  gemm_fp4<32, TILE_EXPERT1_CR, P>(b, what);
+  gemm_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, P>(b, what);
   const float ts = si.tscale;
-  for (int i = tid(); i < 16 * 16; i += COMPUTE_THREADS) {
-    const int r = i / 16, f = i % 16;
+  for (int i = tid(); i < 16 * H1; i += COMPUTE_THREADS) {
+    const int r = i / H1, f = i % H1;
     if (r >= ntok) continue;
-    const float g = gemm_sum_rows<32, TILE_EXPERT1_CR>(b, r, f) * ts, u = gemm_sum_rows<32, TILE_EXPERT1_CR>(b, r, 16 + f) * ts;
+    const float g = gemm_sum_rows<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR>(b, r, f) * ts;
+    const float u = gemm_sum_rows<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR>(b, r, H1 + f) * ts;
     const float silu = g * (1.f / (1.f + fexp(-g)));
-    p.act[(s * 16 + r) * F + j * 16 + f] = f2bf(silu * u);
+    p.act[(s * 16 + r) * F + j * H1 + f] = f2bf(silu * u);
   }
 }
 
