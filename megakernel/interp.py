@@ -18,7 +18,7 @@ import torch
 
 from . import tree as treelib
 from .program import DEP_ALL, Program, cached_keys, group_size, n_units, needed_group, splits, unit_group
-from .plan import EXPERT1_ROWS, EXPERT2_ROWS
+from .plan import EXPERT1_ROWS, expert2_rows
 from .reference import KVCache, rmsnorm
 from .weights import BF16, ModelWeights
 
@@ -183,7 +183,7 @@ class Interpreter:
 
     def _expert2(self, layer, u):
         c, b, lw = self.cfg, self.buf, self.w.layers[layer]
-        n = EXPERT2_ROWS
+        n = expert2_rows(c)
         s, j = divmod(u, c.d_pool // n)
         e, nt = int(b["slot_expert"][s]), int(b["slot_ntok"][s])
         w2 = lw.w2.expert(e)

@@ -22,7 +22,13 @@ THREADS = 32 * (WARPS + LOADER_WARPS)
 ROW_PAD = 16  # bytes of padding per staged row: spreads rows over banks for the fragment loads
 MISC_BYTES = 4096  # mbarriers + small ints (block.cuh)
 EXPERT1_ROWS = 64  # gate/up unit: 32 gate + the 32 matching up rows (16 + 16 spent ~15% of the op in per-unit barriers)
-EXPERT2_ROWS = 64  # down-projection unit: two 32-row chunks (one had a third of its time in per-unit overhead, ncu 2026-11-29)
+EXPERT2_ROWS = 128  # down-projection unit: four 32-row chunks (one chunk per unit spent a third of its time in
+#                    per-unit overhead, ncu 2026-11-29; 64 -> 128 rows halves the units again)
+
+
+def expert2_rows(cfg: ModelConfig) -> int:
+    """Rows of a down-projection unit (a model narrower than EXPERT2_ROWS has one unit per slot)."""
+    return min(EXPERT2_ROWS, cfg.d_pool)
 
 
 def _pow2_floor(x: int) -> int:
@@ -174,7 +180,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         # fp4 chunks may exceed the budget by their scales (1/8 of the codes): 16 whole rows of
         # K=2048 fill an 18 KB stage, halving the chunk handshakes per expert unit
         "expert1": _tile(EXPERT1_ROWS, c.d_pool, True, budget * 9 // 8, run=EXPERT1_ROWS // 2),  # gate and up: two runs
-        "expert2": _tile(EXPERT2_ROWS, c.d_expert, True, budget * 9 // 8),
+        "expert2": _tile(expert2_rows(c), c.d_expert, True, budget * 9 // 8),
     }
     p = Plan(cfg, n_sm, ring_stages, ring_stage_bytes, spin_bound_ns, poll_backoff_ns, profile=profile,
              loader_ahead=loader_ahead, pdl=pdl, l2_prefetch_bytes=l2_prefetch_bytes, profile_cap=profile_cap,
@@ -257,7 +263,7 @@ def render(plan: Plan) -> str:
         "static_assert(D % 64 == 0 && P % 64 == 0 && F % 64 == 0, \"k-steps\");",
         "static_assert(STAGE_BYTES % 16 == 0 && ABUF_BYTES % 16 == 0, \"bulk-copy alignment\");",
         "static_assert(G <= WARPS && WARPS % G == 0, \"attention: one warp group per q head\");",
-        f"static_assert(TILE_EXPERT1_ROWS == {EXPERT1_ROWS} && TILE_EXPERT2_ROWS == {EXPERT2_ROWS}, \"expert unit rows match program.py\");",
+        f"static_assert(TILE_EXPERT1_ROWS == {EXPERT1_ROWS} && TILE_EXPERT2_ROWS == {expert2_rows(plan.cfg)}, \"expert unit rows match program.py\");",
         "static_assert(TILE_QKV_ROWS == 8 && TILE_OPROJ_ROWS == 8 && TILE_ROUTER_ROWS == 8 && TILE_POOL_ROWS == 8 && "
         "TILE_UNPOOL_ROWS == 8 && TILE_LM_HEAD_ROWS == 16, \"unit rows match program.py's unit counts\");",
         f"static_assert(SMEM_BYTES <= 232448, \"fits the opt-in shared memory of sm_90\");",

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ModelConfig
-from .plan import EXPERT1_ROWS, EXPERT2_ROWS, OP, OP_KINDS, Plan
+from .plan import EXPERT1_ROWS, OP, OP_KINDS, Plan, expert2_rows
 
 OPINST_INTS = 16
 MAX_DEPS = 3
@@ -93,7 +93,7 @@ def n_units(plan: Plan, kind: str, layer: int, t: int, ctx: int, count: int) -> 
         "pool": c.d_pool // 8,
         "topk": 1,
         "expert1": count * (c.d_expert // (EXPERT1_ROWS // 2)),
-        "expert2": count * (c.d_pool // EXPERT2_ROWS),
+        "expert2": count * (c.d_pool // expert2_rows(c)),
         "moe_combine": c.d_pool // 64,
         "unpool": c.d_model // 8,
         "lm_head": c.vocab // 16,
@@ -132,7 +132,7 @@ def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int
     if consumer == "attn_combine" and producer == "attn":
         return (unit // t) // c.group
     if consumer == "expert2" and producer == "expert1":
-        return unit // (c.d_pool // EXPERT2_ROWS)
+        return unit // (c.d_pool // expert2_rows(c))
     raise ValueError(f"no group dependency rule {consumer} <- {producer}")
 
 

@@ -1,5 +1,5 @@
-// expert_gemm2: down projection of one routed expert (NVFP4). Unit = (slot s, N2 = 64 output
-// features j*N2..), streamed as chunks of TILE_EXPERT2_CR rows. y[s][i][c] = bf16(fp32 accumulator * the expert's tensor scale).
+// expert_gemm2: down projection of one routed expert (NVFP4). Unit = (slot s, N2 output features
+// j*N2..), streamed as chunks of TILE_EXPERT2_CR rows. y[s][i][c] = bf16(fp32 accumulator * the expert's tensor scale).
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
