@@ -59,24 +59,25 @@ class Interpreter:
 
     def _qkv(self, layer, u):
         c, lw, b = self.cfg, self.w.layers[layer], self.buf
-        r0, head = 8 * u, 8 * u // c.head_dim
-        y = self._norm(lw.attn_norm).to(F32) @ lw.wqkv[r0:r0 + 8].to(F32).T  # [T, 8]
+        n = self.plan.tiles["qkv"].rows
+        r0, head = n * u, n * u // c.head_dim
+        y = self._norm(lw.attn_norm).to(F32) @ lw.wqkv[r0:r0 + n].to(F32).T  # [T, n]
         d0 = r0 % c.head_dim
         if head < c.n_heads + c.n_kv_heads:
             pos = self.ctx + torch.tensor(self.depth, device=y.device)
-            cs = self.w.rope_cos[pos][:, d0 // 2:d0 // 2 + 4]
-            sn = self.w.rope_sin[pos][:, d0 // 2:d0 // 2 + 4]
+            cs = self.w.rope_cos[pos][:, d0 // 2:d0 // 2 + n // 2]
+            sn = self.w.rope_sin[pos][:, d0 // 2:d0 // 2 + n // 2]
             a, bb = y[:, 0::2].clone(), y[:, 1::2].clone()
             y[:, 0::2], y[:, 1::2] = a * cs - bb * sn, a * sn + bb * cs
         y = y.to(BF16)
         if head < c.n_heads:
-            b["q"][: self.T, head, d0:d0 + 8] = y
+            b["q"][: self.T, head, d0:d0 + n] = y
         else:
             is_k = head < c.n_heads + c.n_kv_heads
             kvh = head - c.n_heads - (0 if is_k else c.n_kv_heads)
             cache = (self.cache.k if is_k else self.cache.v)[layer]
             slots = self.cache.slot(layer, torch.arange(self.ctx, self.ctx + self.T, device=y.device))
-            cache[kvh, slots, d0:d0 + 8] = y
+            cache[kvh, slots, d0:d0 + n] = y
 
     def _attn(self, layer, u):
         c, b = self.cfg, self.buf
@@ -133,16 +134,16 @@ class Interpreter:
         b["att_out"][t, h * c.head_dim:(h + 1) * c.head_dim] = ((sc[:, None] * o[ok]).sum(0) / (sc * ml[ok, 1]).sum()).to(BF16)
 
     def _oproj(self, layer, u):
-        b = self.buf
-        b["x"][: self.T, 8 * u:8 * u + 8] += b["att_out"][: self.T].to(F32) @ self.w.layers[layer].wo[8 * u:8 * u + 8].to(F32).T
+        b, n = self.buf, self.plan.tiles["oproj"].rows
+        b["x"][: self.T, n * u:n * u + n] += b["att_out"][: self.T].to(F32) @ self.w.layers[layer].wo[n * u:n * u + n].to(F32).T
 
     def _router(self, layer, u):
-        lw = self.w.layers[layer]
-        self.buf["router_logits"][: self.T, 8 * u:8 * u + 8] = self._norm(lw.ffn_norm).to(F32) @ lw.router[8 * u:8 * u + 8].to(F32).T
+        lw, n = self.w.layers[layer], self.plan.tiles["router"].rows
+        self.buf["router_logits"][: self.T, n * u:n * u + n] = self._norm(lw.ffn_norm).to(F32) @ lw.router[n * u:n * u + n].to(F32).T
 
     def _pool(self, layer, u):
-        lw = self.w.layers[layer]
-        self.buf["pooled"][: self.T, 8 * u:8 * u + 8] = (self._norm(lw.ffn_norm).to(F32) @ lw.pool[8 * u:8 * u + 8].to(F32).T).to(BF16)
+        lw, n = self.w.layers[layer], self.plan.tiles["pool"].rows
+        self.buf["pooled"][: self.T, n * u:n * u + n] = (self._norm(lw.ffn_norm).to(F32) @ lw.pool[n * u:n * u + n].to(F32).T).to(BF16)
 
     def _topk(self, layer, u):
         c, b = self.cfg, self.buf
@@ -200,8 +201,8 @@ class Interpreter:
         b["z"][: self.T, cols] = acc.to(BF16)
 
     def _unpool(self, layer, u):
-        b = self.buf
-        b["x"][: self.T, 8 * u:8 * u + 8] += b["z"][: self.T].to(F32) @ self.w.layers[layer].unpool[8 * u:8 * u + 8].to(F32).T
+        b, n = self.buf, self.plan.tiles["unpool"].rows
+        b["x"][: self.T, n * u:n * u + n] += b["z"][: self.T].to(F32) @ self.w.layers[layer].unpool[n * u:n * u + n].to(F32).T
 
     def _lm_head(self, layer, u):
         b = self.buf

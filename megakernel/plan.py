@@ -26,6 +26,10 @@ EXPERT2_ROWS = 128  # down-projection unit: four 32-row chunks (one chunk per un
 #                    per-unit overhead, ncu 2026-11-29; 64 -> 128 rows halves the units again)
 
 
+DENSE_ROWS = 16  # qkv / oproj / pool / unpool unit rows: 8 spent ~2.5 us of per-unit overhead per 16 KB (oproj, 2026-11-29)
+ROUTER_ROWS = 8  # the router stays at 8: top-k waits for it, and 32 units spread it over 32 blocks
+
+
 def expert2_rows(cfg: ModelConfig) -> int:
     """Rows of a down-projection unit (a model narrower than EXPERT2_ROWS has one unit per slot)."""
     return min(EXPERT2_ROWS, cfg.d_pool)
@@ -142,7 +146,7 @@ class Plan:
     def attn_smem_bytes(self) -> int:
         c = self.cfg
         q = c.group * 16 * (c.head_dim * 2 + ROW_PAD)
-        kv = 64 * (c.head_dim * 2 + ROW_PAD) + c.head_dim * (64 * 2 + ROW_PAD)  # K rows + V transposed
+        kv = 2 * 64 * (c.head_dim * 2 + ROW_PAD)  # K rows + V rows
         return q + kv + WARPS * 16 * 4 * 2  # + per-warp row stats for the intra-block merge
 
     @property
@@ -171,11 +175,11 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     c = cfg
     budget = ring_stage_bytes
     tiles = {
-        "qkv": _tile(8, c.d_model, False, budget),
-        "oproj": _tile(8, c.attn_width, False, budget),
-        "router": _tile(8, c.d_model, False, budget),
-        "pool": _tile(8, c.d_model, False, budget),
-        "unpool": _tile(8, c.d_pool, False, budget),
+        "qkv": _tile(DENSE_ROWS, c.d_model, False, budget),
+        "oproj": _tile(DENSE_ROWS, c.attn_width, False, budget),
+        "router": _tile(ROUTER_ROWS, c.d_model, False, budget),
+        "pool": _tile(DENSE_ROWS, c.d_model, False, budget),
+        "unpool": _tile(DENSE_ROWS, c.d_pool, False, budget),
         "lm_head": _tile(16, c.d_model, False, budget),
         # fp4 chunks may exceed the budget by their scales (1/8 of the codes): 16 whole rows of
         # K=2048 fill an 18 KB stage, halving the chunk handshakes per expert unit
@@ -264,8 +268,9 @@ def render(plan: Plan) -> str:
         "static_assert(STAGE_BYTES % 16 == 0 && ABUF_BYTES % 16 == 0, \"bulk-copy alignment\");",
         "static_assert(G <= WARPS && WARPS % G == 0, \"attention: one warp group per q head\");",
         f"static_assert(TILE_EXPERT1_ROWS == {EXPERT1_ROWS} && TILE_EXPERT2_ROWS == {expert2_rows(plan.cfg)}, \"expert unit rows match program.py\");",
-        "static_assert(TILE_QKV_ROWS == 8 && TILE_OPROJ_ROWS == 8 && TILE_ROUTER_ROWS == 8 && TILE_POOL_ROWS == 8 && "
-        "TILE_UNPOOL_ROWS == 8 && TILE_LM_HEAD_ROWS == 16, \"unit rows match program.py's unit counts\");",
+        f"static_assert(TILE_QKV_ROWS == {DENSE_ROWS} && TILE_OPROJ_ROWS == {DENSE_ROWS} && TILE_ROUTER_ROWS == "
+        f"{ROUTER_ROWS} && TILE_POOL_ROWS == {DENSE_ROWS} && TILE_UNPOOL_ROWS == {DENSE_ROWS} && TILE_LM_HEAD_ROWS == 16, "
+        "\"unit rows match program.py's unit counts\");",
         f"static_assert(SMEM_BYTES <= 232448, \"fits the opt-in shared memory of sm_90\");",
         f"constexpr int PROFILE = {int(plan.profile)};",
         f"constexpr int LOADER_AHEAD = {int(plan.loader_ahead)};",

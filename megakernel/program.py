@@ -85,17 +85,17 @@ def n_units(plan: Plan, kind: str, layer: int, t: int, ctx: int, count: int) -> 
     c = plan.cfg
     return {
         "embed": t,
-        "qkv": c.qkv_rows // 8,
+        "qkv": c.qkv_rows // plan.tiles["qkv"].rows,
         "attn": c.n_kv_heads * splits(c, plan, layer, ctx, t),
         "attn_combine": c.n_heads * t,
-        "oproj": c.d_model // 8,
-        "router": c.n_experts // 8,
-        "pool": c.d_pool // 8,
+        "oproj": c.d_model // plan.tiles["oproj"].rows,
+        "router": c.n_experts // plan.tiles["router"].rows,
+        "pool": c.d_pool // plan.tiles["pool"].rows,
         "topk": 1,
         "expert1": count * (c.d_expert // (EXPERT1_ROWS // 2)),
         "expert2": count * (c.d_pool // expert2_rows(c)),
         "moe_combine": c.d_pool // 64,
-        "unpool": c.d_model // 8,
+        "unpool": c.d_model // plan.tiles["unpool"].rows,
         "lm_head": c.vocab // 16,
         "argmax": 1,
     }[kind]
@@ -105,7 +105,7 @@ def unit_group(plan: Plan, kind: str, layer: int, unit: int, t: int, ctx: int) -
     """Group counter (relative) a unit bumps, or None."""
     c = plan.cfg
     if kind == "qkv":
-        head = unit * 8 // c.head_dim
+        head = unit * plan.tiles["qkv"].rows // c.head_dim
         if head < c.n_heads:
             return head // c.group
         if head < c.n_heads + c.n_kv_heads:
@@ -120,7 +120,7 @@ def unit_group(plan: Plan, kind: str, layer: int, unit: int, t: int, ctx: int) -
 
 def group_size(plan: Plan, kind: str, layer: int, t: int, ctx: int) -> int:
     c = plan.cfg
-    return {"qkv": (c.group + 2) * c.head_dim // 8, "attn": splits(c, plan, layer, ctx, t),
+    return {"qkv": (c.group + 2) * c.head_dim // plan.tiles["qkv"].rows, "attn": splits(c, plan, layer, ctx, t),
             "expert1": c.d_expert // (EXPERT1_ROWS // 2)}[kind]
 
 

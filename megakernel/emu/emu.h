@@ -63,6 +63,17 @@ MK_DEV void ldsm_x4(uint32_t a[4], const unsigned char* row) {  // lanes 8m..8m+
   const int g = lane() >> 2, t = lane() & 3;
   for (int m = 0; m < 4; ++m) memcpy(&a[m], all[8 * m + g] + 4 * t, 4);
 }
+MK_DEV void ldsm_x4_trans(uint32_t a[4], const unsigned char* row) {
+  const unsigned char* all[32];
+  emu::warp_exchange(&row, sizeof(row), all);
+  const int g = lane() >> 2, t = lane() & 3;
+  for (int m = 0; m < 4; ++m) {
+    uint16_t lo, hi;
+    memcpy(&lo, all[8 * m + 2 * t] + 2 * g, 2);
+    memcpy(&hi, all[8 * m + 2 * t + 1] + 2 * g, 2);
+    a[m] = lo | (static_cast<uint32_t>(hi) << 16);
+  }
+}
 template <int X>
 MK_DEV uint32_t e4m3x2_to_bf16x2_scaled(uint32_t v) {
   auto one = [](uint32_t x) {

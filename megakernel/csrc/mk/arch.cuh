@@ -78,6 +78,13 @@ MK_DEV void ldsm_x4(uint32_t a[4], const unsigned char* row) {
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(row))));
 }
+// Transposed: matrix m's rows (addressed by lanes 8m..8m+7) are the k index; thread (g, t) gets
+// elements [2t][g] and [2t+1][g] of each matrix (an mma B fragment from row-major [k][n] tiles).
+MK_DEV void ldsm_x4_trans(uint32_t a[4], const unsigned char* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(row))));
+}
 // Two E4M3 values (bytes 0 and 1 of v) -> bf16x2 (low, high) of value * 2^X, exactly: E4M3 has
 // <= 4 significant bits, X <= 119 keeps 448 * 2^X below bf16's max and X >= -117 keeps the
 // smallest subnormal, 2^-9, normal.

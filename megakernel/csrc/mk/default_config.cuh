@@ -35,21 +35,21 @@ constexpr int COMPUTE_THREADS = 256;
 constexpr int ROW_PAD = 16;
 // ring (tuned constants: weights.ring) and smem carve-up
 constexpr int RING_STAGES = 4;
-constexpr int STAGE_BYTES = 4352;
+constexpr int STAGE_BYTES = 8448;
 constexpr int ABUF_BYTES = 24064;
 constexpr int RED_BYTES = 8192;
-constexpr int SMEM_BYTES = 53760;
+constexpr int SMEM_BYTES = 70144;
 // synchronisation (tuned constants: sync.flags)
 constexpr unsigned long long SPIN_BOUND_NS = 2000000000ull;
 constexpr unsigned POLL_BACKOFF_NS = 0u;
 // op kinds
 enum OpKind : int { OP_EMBED = 0, OP_QKV = 1, OP_ATTN = 2, OP_ATTN_COMBINE = 3, OP_OPROJ = 4, OP_ROUTER = 5, OP_POOL = 6, OP_TOPK = 7, OP_EXPERT1 = 8, OP_EXPERT2 = 9, OP_MOE_COMBINE = 10, OP_UNPOOL = 11, OP_LM_HEAD = 12, OP_ARGMAX = 13 };
 // GEMM tiles: rows per unit, K chunk, K
-constexpr int TILE_QKV_ROWS = 8;
+constexpr int TILE_QKV_ROWS = 16;
 constexpr int TILE_QKV_KC = 128;
 constexpr int TILE_QKV_K = 128;
 constexpr int TILE_QKV_CR = 0;
-constexpr int TILE_OPROJ_ROWS = 8;
+constexpr int TILE_OPROJ_ROWS = 16;
 constexpr int TILE_OPROJ_KC = 256;
 constexpr int TILE_OPROJ_K = 256;
 constexpr int TILE_OPROJ_CR = 0;
@@ -57,11 +57,11 @@ constexpr int TILE_ROUTER_ROWS = 8;
 constexpr int TILE_ROUTER_KC = 128;
 constexpr int TILE_ROUTER_K = 128;
 constexpr int TILE_ROUTER_CR = 0;
-constexpr int TILE_POOL_ROWS = 8;
+constexpr int TILE_POOL_ROWS = 16;
 constexpr int TILE_POOL_KC = 128;
 constexpr int TILE_POOL_K = 128;
 constexpr int TILE_POOL_CR = 0;
-constexpr int TILE_UNPOOL_ROWS = 8;
+constexpr int TILE_UNPOOL_ROWS = 16;
 constexpr int TILE_UNPOOL_KC = 64;
 constexpr int TILE_UNPOOL_K = 64;
 constexpr int TILE_UNPOOL_CR = 0;
@@ -84,7 +84,7 @@ static_assert(D % 64 == 0 && P % 64 == 0 && F % 64 == 0, "k-steps");
 static_assert(STAGE_BYTES % 16 == 0 && ABUF_BYTES % 16 == 0, "bulk-copy alignment");
 static_assert(G <= WARPS && WARPS % G == 0, "attention: one warp group per q head");
 static_assert(TILE_EXPERT1_ROWS == 64 && TILE_EXPERT2_ROWS == 64, "expert unit rows match program.py");
-static_assert(TILE_QKV_ROWS == 8 && TILE_OPROJ_ROWS == 8 && TILE_ROUTER_ROWS == 8 && TILE_POOL_ROWS == 8 && TILE_UNPOOL_ROWS == 8 && TILE_LM_HEAD_ROWS == 16, "unit rows match program.py's unit counts");
+static_assert(TILE_QKV_ROWS == 16 && TILE_OPROJ_ROWS == 16 && TILE_ROUTER_ROWS == 8 && TILE_POOL_ROWS == 16 && TILE_UNPOOL_ROWS == 16 && TILE_LM_HEAD_ROWS == 16, "unit rows match program.py's unit counts");
 static_assert(SMEM_BYTES <= 232448, "fits the opt-in shared memory of sm_90");
 constexpr int PROFILE = 0;
 constexpr int LOADER_AHEAD = 1;

@@ -57,17 +57,17 @@ MK_DEV bool is_dynamic(int kind) { return kind == OP_EXPERT1 || kind == OP_EXPER
 MK_DEV int n_units(const Blk& b, const Op& o) {
   switch (o.kind) {
     case OP_EMBED: return b.T;
-    case OP_QKV: return QKV_ROWS / 8;
+    case OP_QKV: return QKV_ROWS / TILE_QKV_ROWS;
     case OP_ATTN: return HKV * attn_splits(o.layer, b.ctx, b.T);
     case OP_ATTN_COMBINE: return HQ * b.T;
-    case OP_OPROJ: return D / 8;
-    case OP_ROUTER: return E / 8;
-    case OP_POOL: return P / 8;
+    case OP_OPROJ: return D / TILE_OPROJ_ROWS;
+    case OP_ROUTER: return E / TILE_ROUTER_ROWS;
+    case OP_POOL: return P / TILE_POOL_ROWS;
     case OP_TOPK: return 1;
     case OP_EXPERT1: return ldg_cgi(b.p->n_slots) * EXP1_TILES;
     case OP_EXPERT2: return ldg_cgi(b.p->n_slots) * EXP2_TILES;
     case OP_MOE_COMBINE: return P / 64;
-    case OP_UNPOOL: return D / 8;
+    case OP_UNPOOL: return D / TILE_UNPOOL_ROWS;
     case OP_LM_HEAD: return V / 16;
     case OP_ARGMAX: return 1;
   }
@@ -78,7 +78,7 @@ MK_DEV int n_units(const Blk& b, const Op& o) {
 MK_DEV int unit_group(const Blk& b, const Op& o, int u) {
   switch (o.kind) {
     case OP_QKV: {
-      const int head = u * 8 / HD;
+      const int head = u * TILE_QKV_ROWS / HD;
       return head < HQ ? head / G : (head < HQ + HKV ? head - HQ : head - HQ - HKV);
     }
     case OP_ATTN: return u / attn_splits(o.layer, b.ctx, b.T);
@@ -88,7 +88,7 @@ MK_DEV int unit_group(const Blk& b, const Op& o, int u) {
 }
 MK_DEV int group_size(const Blk& b, const Op& o) {
   switch (o.kind) {
-    case OP_QKV: return (G + 2) * HD / 8;
+    case OP_QKV: return (G + 2) * HD / TILE_QKV_ROWS;
     case OP_ATTN: return attn_splits(o.layer, b.ctx, b.T);
     case OP_EXPERT1: return EXP1_TILES;
   }
@@ -241,8 +241,11 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
     }
     // run_unit reads the record from shared memory (published by the barrier before it), so the
     // register copy is dead through the units (only profiler builds keep its kind for stamps)
-    const bool contig = o.assign == ASSIGN_CONTIG;
-    for (int u = r.begin; u < r.end; u += contig ? 1 : nblocks_here()) {
+    // the range's end, negated for a strided assignment, carries the stride too (1, or %nctaid.x
+    // read where used): a separate flag or stride was one more value live across every op's code,
+    // and at 168 registers the compiler spilled it
+    const int lim = o.assign == ASSIGN_CONTIG ? r.end : -r.end;
+    for (int u = r.begin; u < (lim < 0 ? -lim : lim); u += lim < 0 ? nblocks_here() : 1) {
       if (first_unit) prof.stamp(ev_wait_begin(o.kind), i);
       if (b.wait && tid() == 0) fail = !wait_unit(b, i, o0, u, dc);
       if (first_unit) {
@@ -305,15 +308,15 @@ MK_DEV void l2_prefetch_next_launch(const Blk& b, int first) {
     const Op o = load_op(p, i);
     if (!has_weights(o.kind) || is_dynamic(o.kind)) continue;
     const uint16_t* w = nullptr;
-    int k = D, rows = 8;
+    int k = D, rows = 0;
     const LayerPtrs& L = p.layers[o.layer];
     switch (o.kind) {
-      case OP_QKV: w = L.wqkv; break;
-      case OP_OPROJ: w = L.wo; k = ATT_W; break;
-      case OP_ROUTER: w = L.router; break;
-      case OP_POOL: w = L.pool; break;
-      case OP_UNPOOL: w = L.unpool; k = P; break;
-      case OP_LM_HEAD: w = p.lm_head; rows = 16; break;
+      case OP_QKV: w = L.wqkv; rows = TILE_QKV_ROWS; break;
+      case OP_OPROJ: w = L.wo; k = ATT_W; rows = TILE_OPROJ_ROWS; break;
+      case OP_ROUTER: w = L.router; rows = TILE_ROUTER_ROWS; break;
+      case OP_POOL: w = L.pool; rows = TILE_POOL_ROWS; break;
+      case OP_UNPOOL: w = L.unpool; k = P; rows = TILE_UNPOOL_ROWS; break;
+      case OP_LM_HEAD: w = p.lm_head; rows = TILE_LM_HEAD_ROWS; break;
     }
     // the next launch's block with this index runs the same units (same grid, same formula)
     const UnitRange r = my_units(o, n_units(b, o));

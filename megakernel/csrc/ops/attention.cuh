@@ -21,9 +21,9 @@ constexpr int ATT_KPW = ATT_KB / ATT_KG;    // keys per warp per round
 constexpr int ATT_KSUB = ATT_KPW < 32 ? ATT_KPW : 32;  // keys per online-softmax update (register budget)
 constexpr int ATT_QS = HD * 2 + ROW_PAD;    // smem row strides (bytes)
 constexpr int ATT_KS = HD * 2 + ROW_PAD;
-constexpr int ATT_VS = ATT_KB * 2 + ROW_PAD;
+static_assert(HD % 16 == 0, "P*V loads two 8-wide d tiles per ldmatrix");
 static_assert(ATT_KPW % 16 == 0 && ATT_KPW % ATT_KSUB == 0, "each warp scores whole k16 blocks of keys (G >= 2 with 8 warps)");
-static_assert(G * 16 * ATT_QS + ATT_KB * ATT_KS + HD * ATT_VS <= ABUF_BYTES, "attention tiles fit abuf");
+static_assert(G * 16 * ATT_QS + 2 * ATT_KB * ATT_KS <= ABUF_BYTES, "attention tiles fit abuf");
 
 MK_DEV void run_attn(Blk& b, int layer, int unit) {
   const Params& p = *b.p;
@@ -42,7 +42,7 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
 
   unsigned char* Qs = b.abuf;
   unsigned char* Ks = Qs + G * 16 * ATT_QS;
-  unsigned char* Vt = Ks + ATT_KB * ATT_KS;
+  unsigned char* Vs = Ks + ATT_KB * ATT_KS;  // V rows like K: P*V reads them transposed (ldmatrix .trans)
   if (tid() == 0) b.misc[MISC_TAG] = -1;  // abuf no longer holds a GEMM operand
   {  // Q rows, loads batched (static_assert below: whole rounds per thread)
     constexpr int NQ = G * 16 * (HD / 8) / COMPUTE_THREADS;
@@ -96,12 +96,7 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
     for (int n = 0; n < NKV; ++n) {
       const int i = tid() + n * COMPUTE_THREADS, key = i / (HD / 8), d8 = i % (HD / 8);
       *reinterpret_cast<uint4*>(Ks + key * ATT_KS + 16 * d8) = kv[n];
-      const uint32_t vw[4] = {vv[n].x, vv[n].y, vv[n].z, vv[n].w};
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const uint16_t e = static_cast<uint16_t>((q & 1) ? (vw[q >> 1] >> 16) : (vw[q >> 1] & 0xffffu));
-        *reinterpret_cast<uint16_t*>(Vt + (8 * d8 + q) * ATT_VS + key * 2) = e;
-      }
+      *reinterpret_cast<uint4*>(Vs + key * ATT_KS + 16 * d8) = vv[n];
     }
     sync_compute();
 
@@ -177,11 +172,16 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
       for (int kk = 0; kk < ATT_KSUB / 16; ++kk) {
         const uint32_t a[4] = {pack_bf2(s[2 * kk][0], s[2 * kk][1]), pack_bf2(s[2 * kk][2], s[2 * kk][3]),
                                pack_bf2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_bf2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        // B fragments of two 8-wide d tiles at once: matrix m of the x4 = keys +8*(m&1), d tile +(m>>1)
+        const int vkey = kw0 + kk * 16 + 8 * ((lane() >> 3) & 1) + (lane() & 7);
+        const unsigned char* vrow = Vs + vkey * ATT_KS + 16 * (lane() >> 4);
 #pragma unroll
-        for (int dn = 0; dn < HD / 8; ++dn) {
-          const unsigned char* v0 = Vt + (dn * 8 + g) * ATT_VS + (kw0 + kk * 16 + 2 * t4) * 2;
-          const uint32_t bb[2] = {*reinterpret_cast<const uint32_t*>(v0), *reinterpret_cast<const uint32_t*>(v0 + 16)};
-          mma(o[dn], a, bb);
+        for (int dn = 0; dn < HD / 8; dn += 2) {
+          uint32_t v4[4];
+          ldsm_x4_trans(v4, vrow + dn * 16);
+          const uint32_t b0[2] = {v4[0], v4[1]}, b1[2] = {v4[2], v4[3]};
+          mma(o[dn], a, b0);
+          mma(o[dn + 1], a, b1);
         }
       }
     }  // sub-block
@@ -196,9 +196,8 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
     const size_t row = (static_cast<size_t>(kvh) * PARTS + part) * (G * 16) + j * 16 + t;
 #pragma unroll
     for (int dn = 0; dn < HD / 8; ++dn) {
-      float* dst = p.att_o + row * HD + dn * 8 + 2 * t4;
-      dst[0] = o[dn][2 * h];
-      dst[1] = o[dn][2 * h + 1];
+      // one 8-byte store per pair (two 4-byte stores filled the LSU queue: "lg" stalls, ncu)
+      *reinterpret_cast<float2*>(p.att_o + row * HD + dn * 8 + 2 * t4) = float2{o[dn][2 * h], o[dn][2 * h + 1]};
     }
     if (t4 == 0) {
       p.att_ml[row * 2] = m[h];

@@ -1,5 +1,5 @@
 // oproj: x += att_out @ wo^T (fp32 residual add), and the new x's sums of squares per 8 features
-// for the ffn norm (gemm.cuh ss8). Unit = 8 rows of wo (8 features of x).
+// for the ffn norm (gemm.cuh ss8). Unit = TILE_OPROJ_ROWS rows of wo (features of x).
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
@@ -7,23 +7,26 @@
 namespace mk {
 
 MK_DEV bool load_oproj(const Blk& b, int layer, int unit, unsigned& c, uint32_t what) {
-  return produce_bf16<8, TILE_OPROJ_KC, ATT_W>(b, b.p->layers[layer].wo, unit * 8, c, what);
+  constexpr int R = TILE_OPROJ_ROWS;
+  return produce_bf16<R, TILE_OPROJ_KC, ATT_W>(b, b.p->layers[layer].wo, unit * R, c, what);
 }
 
 MK_DEV void run_oproj(Blk& b, int layer, int unit, uint32_t what) {
+  constexpr int R = TILE_OPROJ_ROWS;
+  static_assert(R % 8 == 0 && (16 * R) % 32 == 0 && 16 * R <= COMPUTE_THREADS, "epilogue: a thread per output, whole warps");
   const Params& p = *b.p;
   stage_plain<ATT_W>(b, p.att_out, tag_of(TAG_ATT_OUT, layer, 0));
   // the residual this unit adds to, loaded before the GEMM so that its L2 round trip overlaps it
-  const int t = tid() / 8, n = tid() % 8;
-  const float xo = (tid() < 16 * 8 && t < b.T) ? ldg_cgf(p.x + t * D + unit * 8 + n) : 0.f;
+  const int t = tid() / R, n = tid() % R;
+  const float xo = (tid() < 16 * R && t < b.T) ? ldg_cgf(p.x + t * D + unit * R + n) : 0.f;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  gemm_bf16<8, TILE_OPROJ_KC, ATT_W>(b, acc, what);
-  gemm_stash<8>(b, acc);
-  if (tid() < 16 * 8) {  // warps 0-3 whole: the sum of squares shuffles within 8 lanes
-    const float xn = xo + gemm_sum<8>(b, t, n);
-    if (t < b.T) p.x[t * D + unit * 8 + n] = xn;
+  gemm_bf16<R, TILE_OPROJ_KC, ATT_W>(b, acc, what);
+  gemm_stash<R>(b, acc);
+  if (tid() < 16 * R) {  // whole warps: the sum of squares shuffles within 8 lanes
+    const float xn = xo + gemm_sum<R>(b, t, n);
+    if (t < b.T) p.x[t * D + unit * R + n] = xn;
     const float ss = ss8_lanes(xn);
-    if (n == 0 && t < b.T) ss_part(p, 1)[t * (D / 8) + unit] = ss;
+    if (n % 8 == 0 && t < b.T) ss_part(p, 1)[t * (D / 8) + unit * (R / 8) + n / 8] = ss;
   }
 }
 

@@ -1,4 +1,4 @@
-// pool (the pooler): pooled = bf16(rmsnorm(x, ffn_norm) @ pool^T), d -> p. Unit = 8 features.
+// pool (the pooler): pooled = bf16(rmsnorm(x, ffn_norm) @ pool^T), d -> p. Unit = TILE_POOL_ROWS features.
 // Shares its staged operand with the router (same tag) when a block runs both.
 #pragma once
 #include "mk/gemm.cuh"
@@ -7,18 +7,20 @@
 namespace mk {
 
 MK_DEV bool load_pool(const Blk& b, int layer, int unit, unsigned& c, uint32_t what) {
-  return produce_bf16<8, TILE_POOL_KC, D>(b, b.p->layers[layer].pool, unit * 8, c, what);
+  constexpr int R = TILE_POOL_ROWS;
+  return produce_bf16<R, TILE_POOL_KC, D>(b, b.p->layers[layer].pool, unit * R, c, what);
 }
 
 MK_DEV void run_pool(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   stage_norm<D>(b, p.x, ss_part(p, 1), p.layers[layer].ffn_norm, tag_of(TAG_FFN_NORM, layer, 0));
+  constexpr int R = TILE_POOL_ROWS;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  gemm_bf16<8, TILE_POOL_KC, D>(b, acc, what);
-  gemm_stash<8>(b, acc);
-  for (int i = tid(); i < 16 * 8; i += COMPUTE_THREADS) {
-    const int t = i / 8, n = i % 8;
-    if (t < b.T) p.pooled[t * P + unit * 8 + n] = f2bf(gemm_sum<8>(b, t, n));
+  gemm_bf16<R, TILE_POOL_KC, D>(b, acc, what);
+  gemm_stash<R>(b, acc);
+  for (int i = tid(); i < 16 * R; i += COMPUTE_THREADS) {
+    const int t = i / R, n = i % R;
+    if (t < b.T) p.pooled[t * P + unit * R + n] = f2bf(gemm_sum<R>(b, t, n));
   }
 }
 

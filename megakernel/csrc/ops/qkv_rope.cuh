@@ -1,5 +1,5 @@
-// qkv projection with RoPE and the KV-cache write. Unit = 8 output rows of wqkv (rows are q heads,
-// then k heads, then v heads; 8 | head_dim, so a unit never straddles heads).
+// qkv projection with RoPE and the KV-cache write. Unit = TILE_QKV_ROWS output rows of wqkv (rows
+// are q heads, then k heads, then v heads; the rows divide head_dim, so a unit never straddles heads).
 // A = rmsnorm(x, attn_norm); q, k get interleaved RoPE at position ctx + depth(t) from the shared
 // cos/sin tables; q -> p.q, k/v -> the layer's cache at sequence index ctx + t (ring slot in
 // sliding layers). Rounding: fp32 accumulate, RoPE in fp32, one rounding to bf16.
@@ -10,21 +10,23 @@
 namespace mk {
 
 MK_DEV bool load_qkv(const Blk& b, int layer, int unit, unsigned& c, uint32_t what) {
-  return produce_bf16<8, TILE_QKV_KC, D>(b, b.p->layers[layer].wqkv, unit * 8, c, what);
+  constexpr int R = TILE_QKV_ROWS;
+  return produce_bf16<R, TILE_QKV_KC, D>(b, b.p->layers[layer].wqkv, unit * R, c, what);
 }
 
 MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   const LayerPtrs& L = p.layers[layer];
   stage_norm<D>(b, p.x, ss_part(p, 0), L.attn_norm, tag_of(TAG_ATTN_NORM, layer, 0));
+  constexpr int R = TILE_QKV_ROWS;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  gemm_bf16<8, TILE_QKV_KC, D>(b, acc, what);
-  gemm_stash<8>(b, acc);
-  const int row0 = unit * 8, head = row0 / HD;
-  for (int i = tid(); i < 16 * 4; i += COMPUTE_THREADS) {
-    const int t = i / 4, n = 2 * (i % 4);
+  gemm_bf16<R, TILE_QKV_KC, D>(b, acc, what);
+  gemm_stash<R>(b, acc);
+  const int row0 = unit * R, head = row0 / HD;
+  for (int i = tid(); i < 16 * (R / 2); i += COMPUTE_THREADS) {
+    const int t = i / (R / 2), n = 2 * (i % (R / 2));
     if (t >= b.T) continue;
-    float a = gemm_sum<8>(b, t, n), c = gemm_sum<8>(b, t, n + 1);
+    float a = gemm_sum<R>(b, t, n), c = gemm_sum<R>(b, t, n + 1);
     const int d = row0 % HD + n;  // even: the pair (d, d+1) rotates together
     if (head < HQ + HKV) {
       const int pos = b.ctx + p.depth[t];

@@ -1,4 +1,4 @@
-// router: logits = rmsnorm(x, ffn_norm) @ router^T, fp32. Unit = 8 experts.
+// router: logits = rmsnorm(x, ffn_norm) @ router^T, fp32. Unit = TILE_ROUTER_ROWS experts.
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
@@ -6,18 +6,20 @@
 namespace mk {
 
 MK_DEV bool load_router(const Blk& b, int layer, int unit, unsigned& c, uint32_t what) {
-  return produce_bf16<8, TILE_ROUTER_KC, D>(b, b.p->layers[layer].router, unit * 8, c, what);
+  constexpr int R = TILE_ROUTER_ROWS;
+  return produce_bf16<R, TILE_ROUTER_KC, D>(b, b.p->layers[layer].router, unit * R, c, what);
 }
 
 MK_DEV void run_router(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   stage_norm<D>(b, p.x, ss_part(p, 1), p.layers[layer].ffn_norm, tag_of(TAG_FFN_NORM, layer, 0));
+  constexpr int R = TILE_ROUTER_ROWS;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  gemm_bf16<8, TILE_ROUTER_KC, D>(b, acc, what);
-  gemm_stash<8>(b, acc);
-  for (int i = tid(); i < 16 * 8; i += COMPUTE_THREADS) {
-    const int t = i / 8, n = i % 8;
-    if (t < b.T) p.router_logits[t * E + unit * 8 + n] = gemm_sum<8>(b, t, n);
+  gemm_bf16<R, TILE_ROUTER_KC, D>(b, acc, what);
+  gemm_stash<R>(b, acc);
+  for (int i = tid(); i < 16 * R; i += COMPUTE_THREADS) {
+    const int t = i / R, n = i % R;
+    if (t < b.T) p.router_logits[t * E + unit * R + n] = gemm_sum<R>(b, t, n);
   }
 }
 
