@@ -88,7 +88,8 @@ def emulate(mem, broken=()):
             out.zero_()
             out.view(-1, 4)[0] = _i32(s)
         elif n.startswith("mb_ring_stream"):
-            buf, nchunks, _, B, out = a[0], int(a[1]), int(a[2]), int(a[3]), a[4]
+            buf, nchunks, _, B = a[0], int(a[1]), int(a[2]), int(a[3])
+            out = a[5] if n == "mb_ring_stream_pieces" else a[4]
             out.copy_(_i32(cached(buf, ("ring", B, nchunks),
                                   lambda: K.ring_reference(buf, B, out.numel(), nchunks))))
             if "ring" in broken:
@@ -132,6 +133,8 @@ def model_time(name, params, work):
     if name.startswith("read_ceiling"):
         rate = {"nc_u4_maxx512": 3.95e12}.get(params["config"], 3.8e12)
         return work / rate * noise
+    if name.startswith("ring_pieces/"):  # copies of >= 1 KiB stream like one per stage; 512 B lose 20%
+        return work / (3.8e12 * (1.0 if params["copy_bytes"] >= 1024 else 0.8)) * noise
     if name.startswith("ring/"):
         ring = params["stages"] * params["stage_bytes"]
         rate = min(3.8e12, ring * 132 / 2.5e-6)
@@ -251,6 +254,9 @@ def test_every_weights_constant_is_derived_end_to_end(dry):
     # the model saturates above 68 KiB: the cheapest quick ring past that is 3 x 32 KiB
     assert (r["weights.ring"].derived["ring_stages"].value, r["weights.ring"].derived["ring_stage_bytes"].value) \
         == (3, 32 * KiB)
+    # the model keeps copies of >= 1 KiB at full rate: the quick sweep (16 KiB, 1 KiB, 512 B) picks 1 KiB
+    assert r["weights.ring"].derived["ring_min_copy_bytes"].value == 1024
+    assert r["weights.ring"].derived["ring_copies_512B_fraction"].value == pytest.approx(0.8, rel=0.02)
     assert r["weights.l2"].derived["l2_usable_bytes"].value == 5 * MiB
     assert r["weights.l2"].derived["evict_first_pays"].value == 1
     assert r["weights.prefetch"].derived["l2_prefetch_budget_bytes"].value > 0

@@ -178,3 +178,16 @@ def test_persisting_window_refuses_bad_set_aside_before_touching_the_driver():
     with pytest.raises(ValueError, match="at least one byte"):
         with persisting_window(0, 0, 0, set_aside=MiB, max_set_aside=39321600):
             pass
+
+
+def test_min_copy_bytes_is_the_last_size_before_the_drop():
+    rng = np.random.default_rng(1)
+    sizes = [16384, 8192, 4096, 2048, 1024, 512]
+    rates = [4.4e12, 4.4e12, 4.38e12, 4.3e12, 3.6e12, 4.4e12]  # 1 KiB drops; 512 B "recovers" (noise must not win)
+    bw = [r * (1 + 0.002 * rng.standard_normal(40)) for r in rates]
+    c = rules.min_copy_bytes(sizes, bw)
+    assert c.value == 2048 and c.base == pytest.approx(4.4e12, rel=0.01)
+    assert c.spread[0] <= 2048 <= c.spread[1]
+    assert rules.min_copy_bytes(sizes[:1], bw[:1]).value == 16384  # one size: itself
+    with pytest.raises(ValueError):
+        rules.min_copy_bytes(sizes, bw[:2])

@@ -163,6 +163,24 @@ def ring_case(cfg: RingConfig, nbytes: int | None = None, consumer_warps: int = 
                 "ring_bytes": cfg.ring_bytes, "consumer_warps": consumer_warps, "bytes": nbytes}, prepare)
 
 
+# The megakernel fills a stage with one bulk copy per padded weight row (512 B .. 2 KB): does that
+# cost bandwidth against one copy per stage? Swept at 4 x 16 KB (one copy streams within ~2% of
+# the best ring there).
+PIECES_RING = RingConfig(4, 16384)
+PIECES = (1, 2, 4, 8, 16, 32)
+QUICK_PIECES = (1, 16, 32)
+
+
+def ring_pieces_case(cfg: RingConfig, pieces: int, nbytes: int | None = None, bound: Bound | None = None) -> Case:
+    nbytes = nbytes or RING_BYTES
+
+    def prepare(h: Harness):
+        return K.ring_case_prepare(h, cfg, nbytes, CONSUMER_WARPS, bound, pieces=pieces)
+
+    return Case(f"ring_pieces/{cfg.label}/x{pieces}", {"stages": cfg.stages, "stage_bytes": cfg.stage_bytes,
+                "copies_per_stage": pieces, "copy_bytes": cfg.stage_bytes // pieces, "bytes": nbytes}, prepare)
+
+
 def ring_budget(h: Harness) -> plan.SmemBudget:
     k = K.module("ring", h.info.arch).kernel("mb_ring_stream")
     return plan.SmemBudget.from_device(h.info, int(k.attributes.shared_size_bytes))
@@ -196,6 +214,19 @@ def run_ring(h: Harness | None = None, quick: bool | None = None, save: bool = T
         "ring_fraction_of_ceiling": Derived(ch.chosen_bandwidth / bound.value, "", "chosen ring's median bandwidth / "
                                             "read ceiling of this run", None, (*names, bound.source)),
     }
+    pieces = QUICK_PIECES if quick else PIECES
+    ps = [_run(h, ring_pieces_case(PIECES_RING, n, bound=bound)) for n in pieces]
+    cc = rules.min_copy_bytes([PIECES_RING.stage_bytes // n for n in pieces],
+                              [_bw_samples(s, s.metrics["bytes_read"]) for s in ps])
+    worst = ps[-1]
+    derived["ring_min_copy_bytes"] = Derived(
+        cc.value, "B", cc.rule, cc.spread, tuple(s.name for s in ps),
+        f"{PIECES_RING.label}: one copy per stage {cc.base / 1e12:.3f} TB/s; threshold {cc.threshold / 1e12:.3f} TB/s")
+    derived["ring_copies_512B_fraction"] = Derived(
+        float(worst.metrics["bytes_read"] / worst.summary.median) / cc.base, "",
+        f"median bandwidth with {PIECES_RING.stage_bytes // pieces[-1]} B copies / with one copy per stage "
+        f"({PIECES_RING.label})", None, (worst.name, ps[0].name))
+    series.extend(ps)
     if not quick:  # consumer-warp count at the chosen ring (informative; not part of the rule)
         for cw in (2, 8):
             series.append(_run(h, ring_case(chosen, consumer_warps=cw, bound=bound)))

@@ -225,12 +225,19 @@ class RingKernel:
 
 
 class RingJob:
-    """mb_ring_stream (or a broken variant) over fresh random data."""
+    """mb_ring_stream (or a broken variant) over fresh random data; with `pieces`, each stage
+    arrives as that many bulk copies (mb_ring_stream_pieces)."""
 
     def __init__(self, h: Harness, cfg: plan.RingConfig, nbytes: int = 1 << 30, consumer_warps: int = 4,
-                 kernel: str = "mb_ring_stream", bound_ns: int = RING_BOUND_NS):
+                 kernel: str = "mb_ring_stream", bound_ns: int = RING_BOUND_NS, pieces: int | None = None):
         import torch
 
+        if pieces is not None:
+            if not (1 <= pieces <= 32 and cfg.stage_bytes % (16 * pieces) == 0):
+                raise ValueError(f"{pieces} pieces of a {cfg.stage_bytes} B stage: need 1..32 pieces of a multiple "
+                                 "of 16 bytes")
+            kernel = "mb_ring_stream_pieces"
+        self.pieces = pieces
         self.rk = RingKernel(h, cfg, consumer_warps, kernel, bound_ns)
         self.nbytes = plan.ring_buffer_bytes(cfg.stage_bytes, nbytes)
         self.nchunks = self.nbytes // cfg.stage_bytes
@@ -241,7 +248,8 @@ class RingJob:
 
     def __call__(self) -> None:
         c = self.rk.cfg
-        self.rk.launch(self.buf, np.uint64(self.nchunks), np.uint32(c.stages), np.uint32(c.stage_bytes),
+        extra = () if self.pieces is None else (np.uint32(self.pieces),)
+        self.rk.launch(self.buf, np.uint64(self.nchunks), np.uint32(c.stages), np.uint32(c.stage_bytes), *extra,
                        self.rk.out, self.rk.wd.rec, np.uint64(self.rk.wd.bound_ns))
 
     def check(self) -> None:
@@ -260,12 +268,12 @@ class RingJob:
 
 
 def ring_case_prepare(h: Harness, cfg: plan.RingConfig, nbytes: int = 1 << 30, consumer_warps: int = 4,
-                      bound=None, kernel: str = "mb_ring_stream") -> Checked:
-    job = RingJob(h, cfg, nbytes, consumer_warps, kernel)
+                      bound=None, kernel: str = "mb_ring_stream", pieces: int | None = None) -> Checked:
+    job = RingJob(h, cfg, nbytes, consumer_warps, kernel, pieces=pieces)
     job.first_check()
     m = {"stages": cfg.stages, "stage_bytes": cfg.stage_bytes, "ring_bytes": cfg.ring_bytes,
          "smem_bytes": cfg.smem_bytes(), "consumer_warps": consumer_warps, "chunks": job.nchunks,
-         "bytes_read": job.nbytes, "grid": job.rk.grid}
+         "bytes_read": job.nbytes, "grid": job.rk.grid, "copies_per_stage": pieces or 1}
     return Checked(launch=job, bound=bound, work=float(job.nbytes), metrics=m, after=job.check)
 
 

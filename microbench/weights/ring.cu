@@ -7,6 +7,9 @@
 //   mb_ring_stream_skip: consumers skip the last 16 bytes of every slot (the checker must fail).
 //   mb_ring_stream_short: the producer announces 16 bytes more than it copies, so no slot ever
 //   completes (the bounded waits must end in a watchdog record, not a hang).
+//   mb_ring_stream_pieces: the same stream, but each stage arrives as `pieces` bulk copies of
+//   stage_bytes / pieces issued by lanes 0..pieces-1 of the producer warp, each of which waits on
+//   the slot's `empty` itself: how the megakernel fills a stage (one copy per padded weight row).
 //
 // mb_ring_phases: phase A, then phase B, separated by __syncthreads():
 //   A: the producer lane first issues cp.async.bulk.prefetch.L2 for this block's share of the
@@ -111,6 +114,46 @@ __device__ __forceinline__ void ring_stream(const unsigned char* __restrict__ sr
   if (threadIdx.x == 0) out[blockIdx.x] = t;
 }
 
+// Producer warp of mb_ring_stream_pieces: every lane acquires (a lane that copies into the slot
+// must itself have observed the consumers' release), lane 0 announces the stage's bytes, lanes
+// < pieces each copy one piece. Consumers as in ring_stream.
+__device__ __forceinline__ void ring_stream_pieces(const unsigned char* __restrict__ src, unsigned long long nchunks,
+                                                   uint32_t stages, uint32_t stage_bytes, uint32_t pieces,
+                                                   uint32_t* __restrict__ out, unsigned long long* wd_rec,
+                                                   unsigned long long bound_ns) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ uint32_t scratch[32];
+  const mb::Watchdog w{wd_rec, bound_ns};
+  const uint32_t warp = threadIdx.x / 32, lane = mb::lane_id(), piece = stage_bytes / pieces;
+  const mb::Ring r = mb::Ring::carve(smem, stages, stage_bytes);
+  if (threadIdx.x == 0) r.init(blockDim.x / 32 - 1);
+  __syncthreads();
+  uint32_t acc = 0;
+  if (warp == 0) {
+    mb::RingPos p;
+    for (unsigned long long c = blockIdx.x; c < nchunks; c += gridDim.x) {
+      if (!__all_sync(0xFFFFFFFFu, r.acquire(w, p))) break;
+      if (lane == 0) mb::mbar_arrive_expect_tx(&r.full[p.stage], stage_bytes);
+      __syncwarp();
+      mb::fence_proxy_async_smem();  // the consumers' generic-proxy reads before the async-proxy copies
+      if (lane < pieces)
+        mb::bulk_g2s(r.slot(p.stage) + lane * piece, src + c * stage_bytes + lane * piece, piece, &r.full[p.stage]);
+      p.advance(stages);
+    }
+  } else {
+    const uint32_t ct = threadIdx.x - 32, nct = blockDim.x - 32;
+    mb::RingPos p;
+    for (unsigned long long c = blockIdx.x; c < nchunks; c += gridDim.x) {
+      if (!r.wait(w, p)) break;
+      acc += consume_slot<MODE_OK>(r.slot(p.stage), stage_bytes, ct, nct);
+      r.release_warp(p);
+      p.advance(stages);
+    }
+  }
+  const uint32_t t = block_sum(acc, scratch);
+  if (threadIdx.x == 0) out[blockIdx.x] = t;
+}
+
 // Item q of a list of experts: its source address and byte count.
 struct Item {
   const unsigned char* src;
@@ -148,6 +191,13 @@ extern "C" __global__ void __launch_bounds__(RING_MAX_THREADS, 1)
                          uint32_t stage_bytes, uint32_t* __restrict__ out, unsigned long long* wd_rec,
                          unsigned long long bound_ns) {
   ring_stream<MODE_SHORT>(src, nchunks, stages, stage_bytes, out, wd_rec, bound_ns);
+}
+
+extern "C" __global__ void __launch_bounds__(RING_MAX_THREADS, 1)
+    mb_ring_stream_pieces(const unsigned char* __restrict__ src, unsigned long long nchunks, uint32_t stages,
+                          uint32_t stage_bytes, uint32_t pieces, uint32_t* __restrict__ out, unsigned long long* wd_rec,
+                          unsigned long long bound_ns) {
+  ring_stream_pieces(src, nchunks, stages, stage_bytes, pieces, out, wd_rec, bound_ns);
 }
 
 extern "C" __global__ void __launch_bounds__(RING_MAX_THREADS, 1)

@@ -133,6 +133,43 @@ def choose_ring(stages: Sequence[int], stage_bytes: Sequence[int], bw_samples: S
                       f"{N_BOOT} bootstrap resamples of every configuration")
 
 
+# ------------------------------------------------------------------------------- copy size
+@dataclass(frozen=True)
+class CopyChoice:
+    value: int  # smallest bulk-copy size that keeps the stream at >= frac of one copy per stage
+    spread: tuple[float, float]
+    base: float  # median bandwidth with one copy per stage
+    threshold: float
+    rule: str
+
+
+def _min_copy(piece_bytes, meds, frac):
+    base = meds[int(np.argmax(piece_bytes))]
+    thr = frac * base
+    ok = piece_bytes[np.argmax(piece_bytes)]
+    for p in sorted(piece_bytes, reverse=True):  # shrink while every size down to p still qualifies
+        if meds[list(piece_bytes).index(p)] >= thr:
+            ok = p
+        else:
+            break
+    return int(ok), base, thr
+
+
+def min_copy_bytes(piece_bytes: Sequence[int], bw_samples: Sequence[np.ndarray], frac: float = 0.95) -> CopyChoice:
+    """The smallest bulk-copy size such that a stage delivered in copies of that size (and of
+    every larger tested size) streams at >= frac of the bandwidth of one copy per stage."""
+    if len(piece_bytes) == 0 or len(piece_bytes) != len(bw_samples):
+        raise ValueError("min_copy_bytes needs one bandwidth sample set per copy size")
+    bw = [np.asarray(s, dtype=np.float64) for s in bw_samples]
+    v, base, thr = _min_copy(list(piece_bytes), [float(np.median(s)) for s in bw], frac)
+    rng = np.random.default_rng(SEED)
+    boots = [_min_copy(list(piece_bytes), list(_boot_medians(bw, rng)), frac)[0] for _ in range(N_BOOT)]
+    return CopyChoice(v, (float(min(boots)), float(max(boots))), base, thr,
+                      f"smallest bulk-copy size whose stream (and every larger size's) keeps >= {frac:.0%} of the "
+                      "median bandwidth of one copy per stage; spread: range over "
+                      f"{N_BOOT} bootstrap resamples")
+
+
 # ------------------------------------------------------------------------------- L2 capacity
 @dataclass(frozen=True)
 class L2Usable:
