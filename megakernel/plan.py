@@ -26,6 +26,11 @@ EXPERT2_ROWS = 128  # down-projection unit: four 32-row chunks (one chunk per un
 #                    per-unit overhead, ncu 2026-11-29; 64 -> 128 rows halves the units again)
 
 
+# Smallest bulk copy that streams at the ring's full rate: weights.ring ring_min_copy_bytes on the
+# H200, 2026-11-29 (54c0fed; 1 KB copies 76%, 512 B 47.5% of one copy per 16 KB stage). Not yet a
+# tuned constant: adding it to the constants file would re-tune the ring geometry from that same
+# full sweep (3 x 16 KB) without a megakernel run to show it.
+MIN_COPY_BYTES = 2048
 DENSE_ROWS = 16  # qkv / oproj / pool / unpool unit rows: 8 spent ~2.5 us of per-unit overhead per 16 KB (oproj, 2026-11-29)
 ROUTER_ROWS = 8  # the router stays at 8: top-k waits for it, and 32 units spread it over 32 blocks
 
@@ -45,11 +50,14 @@ class GemmTile:
 
     bf16 (dense) tiles stream K in chunks of `kc` columns of all `rows` rows: one bulk copy per
     row segment (>= 2 KB each at the sizes used), padded in smem against bank conflicts.
-    fp4 (expert) tiles stream `chunk_rows` whole consecutive rows per chunk: one bulk copy per row
-    of codes (K/2 >= 512 B at small and shard8), padded like the bf16 rows, and one copy of the
-    chunk's scales. Copying each 32-byte scale row on its own ran the expert GEMMs at ~9% of the
-    read ceiling on the H200 (first run, 2026-11-29); unpadded code rows made every code load an
-    8-way bank conflict (ncu, 2026-11-29).
+    fp4 (expert) tiles stream `chunk_rows` whole consecutive rows per chunk: the codes in groups of
+    `row_group` consecutive rows, one bulk copy per group, each group padded like the bf16 rows,
+    and one copy of the chunk's scales. Copying each 32-byte scale row on its own ran the expert
+    GEMMs at ~9% of the read ceiling on the H200 (first run, 2026-11-29); unpadded code rows made
+    every code load an 8-way bank conflict (ncu, 2026-11-29); one copy per 512-byte code row streams
+    at 47.5% of one copy per stage (weights.ring ring_copies_512B_fraction, H200 2026-11-29), so
+    rows are grouped up to MIN_COPY_BYTES per copy (a group's rows share banks: row_group-way
+    conflicts on the code loads, the price of full-rate copies).
     """
 
     rows: int
@@ -57,6 +65,7 @@ class GemmTile:
     k: int
     fp4: bool
     chunk_rows: int = 0  # fp4: rows per chunk
+    row_group: int = 1  # fp4: consecutive code rows per bulk copy
 
     @property
     def chunks(self) -> int:
@@ -64,16 +73,14 @@ class GemmTile:
 
     @property
     def row_stride(self) -> int:
-        """smem bytes per staged row (codes for fp4)."""
-        return self.k // 2 + ROW_PAD if self.fp4 else self.kc * 2 + ROW_PAD
-
-    @property
-    def scale_stride(self) -> int:
-        return self.k // 16 if self.fp4 else 0
+        """smem bytes per staged row (bf16) or per group of row_group code rows (fp4)."""
+        return self.row_group * (self.k // 2) + ROW_PAD if self.fp4 else self.kc * 2 + ROW_PAD
 
     @property
     def stage_bytes(self) -> int:
-        return (self.chunk_rows if self.fp4 else self.rows) * (self.row_stride + self.scale_stride)
+        if self.fp4:
+            return (self.chunk_rows // self.row_group) * self.row_stride + self.chunk_rows * (self.k // 16)
+        return self.rows * self.row_stride
 
     @property
     def tx_bytes(self) -> int:
@@ -81,9 +88,10 @@ class GemmTile:
         return self.chunk_rows * (self.k // 2 + self.k // 16) if self.fp4 else self.rows * self.kc * 2
 
 
-def _tile(rows: int, k: int, fp4: bool, stage_budget: int, run: int = 32) -> GemmTile:
+def _tile(rows: int, k: int, fp4: bool, stage_budget: int, run: int = 32, min_copy: int = 2048) -> GemmTile:
     """bf16: the widest power-of-two chunk whose bytes fit the stage budget and divides K.
-    fp4: the most whole rows (8, 16 or 32, within a run of consecutive weight rows) that fit."""
+    fp4: the most whole rows (8, 16 or 32, within a run of consecutive weight rows) that fit, the
+    codes copied in groups of consecutive rows of >= min_copy bytes (or the whole chunk)."""
     if fp4:
         per_row = k // 2 + k // 16
         cr = 8
@@ -91,7 +99,10 @@ def _tile(rows: int, k: int, fp4: bool, stage_budget: int, run: int = 32) -> Gem
             cr *= 2
         if cr * per_row > max(stage_budget, 8 * per_row):
             raise ValueError(f"fp4 tile: 8 rows of K={k} exceed the stage")
-        return GemmTile(rows, k, k, True, cr)
+        rg = 1
+        while rg < cr and rg * (k // 2) < min_copy:
+            rg *= 2
+        return GemmTile(rows, k, k, True, cr, rg)
     kc = min(_pow2_floor(int(stage_budget / (rows * 2.0))), k)
     while k % kc:
         kc //= 2
@@ -170,7 +181,7 @@ class Plan:
 def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_bytes: int = 16384,
               spin_bound_ns: int = 2_000_000_000, poll_backoff_ns: int = 0, profile: bool = False,
               smem_limit: int = 232448, loader_ahead: bool = True, pdl: bool = False,
-              l2_prefetch_bytes: int = 0, profile_cap: int = 64) -> Plan:
+              l2_prefetch_bytes: int = 0, profile_cap: int = 64, min_copy_bytes: int = MIN_COPY_BYTES) -> Plan:
     cfg.validate()
     c = cfg
     budget = ring_stage_bytes
@@ -183,8 +194,9 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         "lm_head": _tile(16, c.d_model, False, budget),
         # fp4 chunks may exceed the budget by their scales (1/8 of the codes): 16 whole rows of
         # K=2048 fill an 18 KB stage, halving the chunk handshakes per expert unit
-        "expert1": _tile(EXPERT1_ROWS, c.d_pool, True, budget * 9 // 8, run=EXPERT1_ROWS // 2),  # gate and up: two runs
-        "expert2": _tile(expert2_rows(c), c.d_expert, True, budget * 9 // 8),
+        "expert1": _tile(EXPERT1_ROWS, c.d_pool, True, budget * 9 // 8, run=EXPERT1_ROWS // 2,  # gate, up: two runs
+                         min_copy=min_copy_bytes),
+        "expert2": _tile(expert2_rows(c), c.d_expert, True, budget * 9 // 8, min_copy=min_copy_bytes),
     }
     p = Plan(cfg, n_sm, ring_stages, ring_stage_bytes, spin_bound_ns, poll_backoff_ns, profile=profile,
              loader_ahead=loader_ahead, pdl=pdl, l2_prefetch_bytes=l2_prefetch_bytes, profile_cap=profile_cap,
@@ -259,7 +271,8 @@ def render(plan: Plan) -> str:
     for name, t in plan.tiles.items():
         u = name.upper()
         lines += [f"constexpr int TILE_{u}_ROWS = {t.rows};", f"constexpr int TILE_{u}_KC = {t.kc};",
-                  f"constexpr int TILE_{u}_K = {t.k};", f"constexpr int TILE_{u}_CR = {t.chunk_rows};"]
+                  f"constexpr int TILE_{u}_K = {t.k};", f"constexpr int TILE_{u}_CR = {t.chunk_rows};",
+                  f"constexpr int TILE_{u}_RG = {t.row_group};"]
     lines += [
         "static_assert(HQ % HKV == 0, \"GQA group\");",
         "static_assert(HD % 16 == 0 && HD % TILE_QKV_ROWS == 0, \"qkv tiles never straddle heads\");",

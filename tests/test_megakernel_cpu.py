@@ -235,6 +235,20 @@ def test_any_ring_geometry_keeps_mega_bitwise_equal_to_chain(tiny):
     check_close(chain.logits, ref.logits, "2-stage ring vs default ring", rel=1e-2)
 
 
+def test_fp4_code_row_groups_are_layout_only(tiny):
+    """Code rows copied in groups of 2 (min_copy_bytes=64 at tiny's 32-byte rows) instead of the
+    whole chunk at once: a different smem layout and loader, the same bits (mega and chain)."""
+    cfg, w, base, plan = tiny
+    grouped = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, min_copy_bytes=64)
+    assert grouped.tiles["expert1"].row_group == 2 < grouped.tiles["expert1"].chunk_rows
+    assert plan.tiles["expert1"].row_group == plan.tiles["expert1"].chunk_rows
+    toks, par = _inputs(cfg, 8, 9)
+    ref = Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
+    for mode in ("chain", "mega"):
+        out = Engine(w, grouped, base.clone(), backend="emu", emu_seed=5).step(toks, par, 40, mode=mode)
+        assert torch.equal(out.logits, ref.logits), mode
+
+
 def test_attention_splits_that_cut_through_the_new_keys(tiny):
     """Splits run over "cached keys seen, then the T new keys" in equal runs, so with 16 keys per
     split a run can start or end inside the new keys (global layers: 20 cached + 16 new = 3 runs

@@ -231,10 +231,11 @@ MK_DEV void load_scales(const unsigned char* p, uint32_t (&w)[(SPW + 1) / 2]) {
   }
 }
 
-// Chunk c holds CR whole rows (tile rows c*CR..): codes [CR][K/2 + ROW_PAD] (one bulk copy per
-// row; the pad puts a warp's 8 rows on different banks: unpadded, the code loads were 8-way
-// conflicts, 46% of the expert GEMMs' shared wavefronts under ncu), then scales [CR][K/16] (one
-// copy).
+// Chunk c holds CR whole rows (tile rows c*CR..): codes in groups of RG consecutive rows,
+// [CR/RG][RG*K/2 + ROW_PAD] (one bulk copy per group: copies under ~2 KB cost ring bandwidth,
+// weights.ring; the pad puts the groups on different banks: unpadded, the code loads were 8-way
+// conflicts, 46% of the expert GEMMs' shared wavefronts under ncu; within a group RG-way), then
+// scales [CR][K/16] (one copy).
 // Warp w owns the 8-row tile q = w % (CR/8) of every chunk and the contiguous range of SPW k32
 // steps number w / (CR/8), walked in groups of GS unrolled steps (compile-time offsets; one load
 // of the group's block scales); odd steps go to a second accumulator (ILP). Each chunk's partial
@@ -243,7 +244,7 @@ MK_DEV void load_scales(const unsigned char* p, uint32_t (&w)[(SPW + 1) / 2]) {
 // Two groups are unrolled (the next group's loads overlap this one's math); more hoists every
 // group's ldmatrix loads and spills (168 registers).
 MK_DEV constexpr int lowbit(int x) { return x & -x; }
-template <int ROWS, int CR, int K>
+template <int ROWS, int CR, int RG, int K>
 MK_DEV void gemm_fp4(Blk& b, uint32_t what) {
   constexpr int NCH = ROWS / CR, NT8C = CR / 8, WPT = WARPS / NT8C, KS32 = K / 32, AS = a_stride<K>();
   constexpr int SPW = (KS32 + WPT - 1) / WPT;
@@ -251,16 +252,16 @@ MK_DEV void gemm_fp4(Blk& b, uint32_t what) {
   // a group's scale bytes start at row * K/16 + 2 * (SPW * (w / NT8C) + GS * group): their alignment
   constexpr int SALIGN = lowbit(K / 16) < lowbit(2 * GS) ? lowbit(K / 16) : lowbit(2 * GS);
   static_assert(ROWS % CR == 0 && CR % 8 == 0 && WARPS % NT8C == 0 && K % 32 == 0, "fp4 tile shape");
-  constexpr int CS = K / 2 + ROW_PAD;  // smem bytes per code row
-  static_assert((CR * CS) % 16 == 0, "scales start 16-byte aligned");
+  constexpr int GSZ = RG * (K / 2) + ROW_PAD;  // smem bytes per group of RG code rows
+  static_assert(CR % RG == 0 && ((CR / RG) * GSZ) % 16 == 0, "whole groups; scales start 16-byte aligned");
   const int w = warp(), q = w % NT8C, j0 = (w / NT8C) * SPW, g = lane() >> 2, t = lane() & 3;
   const int r = q * 8 + g;  // row within the chunk
   const unsigned char* arow = b.abuf + (lane() & 15) * AS + (lane() >> 4) * 16 + j0 * 64;
   const uint32_t ssel = (t >> 1) | ((2 + (t >> 1)) << 4) | 0x4400u;  // scale bytes of steps 2i, 2i+1
   for (int c = 0; c < NCH; ++c) {
     const unsigned char* st = ring_consume(b, what);
-    const unsigned char* codes = st + r * CS + j0 * 16 + t * 4;
-    const unsigned char* scales = st + CR * CS + r * (K / 16) + 2 * j0;
+    const unsigned char* codes = st + (r / RG) * GSZ + (r % RG) * (K / 2) + j0 * 16 + t * 4;
+    const unsigned char* scales = st + (CR / RG) * GSZ + r * (K / 16) + 2 * j0;
     float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 2
     for (int jg = 0; jg < SPW; jg += GS) {
@@ -353,9 +354,9 @@ MK_DEV bool produce_bf16(const Blk& b, const uint16_t* W, int row0, unsigned& c,
 }
 
 // `row(r)` maps tile row r to a weight row; the CR rows of a chunk are consecutive weight rows:
-// CR copies of K/2 bytes of codes (lane r: row r, into a padded row) and one of CR x K/16 bytes
-// of scales.
-template <int ROWS, int CR, int K, typename RowMap>
+// CR/RG copies of RG*K/2 bytes of codes (lane i: rows i*RG.., into a padded group) and one of
+// CR x K/16 bytes of scales.
+template <int ROWS, int CR, int RG, int K, typename RowMap>
 MK_DEV bool produce_fp4(const Blk& b, const uint8_t* codes, const uint8_t* scales, RowMap row, unsigned& c,
                         uint32_t what) {
   static_assert((CR * (K / 16)) % 16 == 0 && (K / 2) % 16 == 0, "bulk copies move multiples of 16 bytes");
@@ -364,9 +365,10 @@ MK_DEV bool produce_fp4(const Blk& b, const uint8_t* codes, const uint8_t* scale
     unsigned char* st = stage_of(b, c);
     uint64_t* bar = &b.full[c % RING_STAGES];
     const size_t r0 = static_cast<size_t>(row(ch * CR));
-    constexpr int CS = K / 2 + ROW_PAD;
-    if (lane() < CR) bulk_copy(st + lane() * CS, codes + (r0 + lane()) * (K / 2), K / 2, bar);
-    if (lane() == 0) bulk_copy(st + CR * CS, scales + r0 * (K / 16), CR * (K / 16), bar);
+    constexpr int GSZ = RG * (K / 2) + ROW_PAD;
+    static_assert(CR / RG <= 32, "one lane per code group");
+    if (lane() < CR / RG) bulk_copy(st + lane() * GSZ, codes + (r0 + lane() * RG) * (K / 2), RG * (K / 2), bar);
+    if (lane() == 0) bulk_copy(st + (CR / RG) * GSZ, scales + r0 * (K / 16), CR * (K / 16), bar);
   }
   return true;
 }
