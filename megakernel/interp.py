@@ -18,7 +18,7 @@ import torch
 
 from . import tree as treelib
 from .program import DEP_ALL, Program, cached_keys, group_size, n_units, needed_group, splits, unit_group
-from .plan import EXPERT1_ROWS, expert2_rows
+from .plan import EXPERT1_ROWS, MOE_COMBINE_COLS, expert2_rows
 from .reference import KVCache, rmsnorm
 from .weights import BF16, ModelWeights
 
@@ -193,8 +193,9 @@ class Interpreter:
 
     def _moe_combine(self, layer, u):
         c, b = self.cfg, self.buf
-        cols = slice(64 * u, 64 * u + 64)
-        acc = torch.zeros(self.T, 64, dtype=F32, device=b["x"].device)
+        n = MOE_COMBINE_COLS
+        cols = slice(n * u, n * u + n)
+        acc = torch.zeros(self.T, n, dtype=F32, device=b["x"].device)
         for r in range(c.top_k):
             s, pos = b["route_slot"][: self.T, r], b["route_pos"][: self.T, r]
             acc = acc + b["route_w"][: self.T, r:r + 1] * b["yexp"][s, pos, cols].to(F32)

@@ -31,6 +31,7 @@ EXPERT2_ROWS = 128  # down-projection unit: four 32-row chunks (one chunk per un
 # tuned constant: adding it to the constants file would re-tune the ring geometry from that same
 # full sweep (3 x 16 KB) without a megakernel run to show it.
 MIN_COPY_BYTES = 2048
+MOE_COMBINE_COLS = 16  # moe_combine unit: one output per thread (64 columns took 4 dependent L2 round trips)
 DENSE_ROWS = 16  # qkv / oproj / pool / unpool unit rows: 8 spent ~2.5 us of per-unit overhead per 16 KB (oproj, 2026-11-29)
 ROUTER_ROWS = 8  # the router stays at 8: top-k waits for it, and 32 units spread it over 32 blocks
 
@@ -250,6 +251,7 @@ def render(plan: Plan) -> str:
         f"constexpr int MAX_SLOTS = {plan.max_slots};",
         f"constexpr int MAX_SPLITS = {plan.max_splits};",
         f"constexpr int KEYS_PER_SPLIT = {plan.keys_per_split};",
+        f"constexpr int MOE_COMBINE_COLS = {MOE_COMBINE_COLS};",
         "// launch shape",
         f"constexpr int WARPS = {WARPS};",
         f"constexpr int THREADS = {THREADS};",

@@ -5,13 +5,14 @@ executed by the torch interpreter (interp.py) in any order the dependencies allo
 Units and groups (the same rules are written in csrc/mk/program.cuh; tests cross-check them):
   op           units                        group of a unit (counter it bumps besides total)
   embed        T                            -
-  qkv          QKV_ROWS/8                    kv head its rows feed (HKV groups)
+  qkv          QKV_ROWS/16                   kv head its rows feed (HKV groups)
   attn         HKV * splits(layer, ctx, T)  kv head (HKV groups)
   attn_combine HQ * T                       -
-  oproj        D/8          router E/8      pool P/8          topk 1
-  expert1      count * F/16 (dynamic)       slot (MAX_SLOTS groups)
-  expert2      count * P/64 (dynamic)       -
-  moe_combine  P/64         unpool D/8      lm_head V/16      argmax 1
+  oproj        D/16         router E/8      pool P/16         topk 1
+  expert1      count * F/32 (dynamic)       slot (MAX_SLOTS groups)
+  expert2      count * P/128 (dynamic)      -
+  moe_combine  P/16         unpool D/16     lm_head V/16      argmax 1
+(row counts: the plan's tiles, EXPERT1_ROWS / 2, expert2_rows(), MOE_COMBINE_COLS)
 A dependency is ("all", producer): every unit of the producer instance, or ("group", producer):
 the one group of the producer the consumer unit needs (attn <- qkv by kv head, attn_combine <-
 attn by kv head, expert2 <- expert1 by slot). Counters are per step and per parity (the
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ModelConfig
-from .plan import EXPERT1_ROWS, OP, OP_KINDS, Plan, expert2_rows
+from .plan import EXPERT1_ROWS, MOE_COMBINE_COLS, OP, OP_KINDS, Plan, expert2_rows
 
 OPINST_INTS = 16
 MAX_DEPS = 3
@@ -94,7 +95,7 @@ def n_units(plan: Plan, kind: str, layer: int, t: int, ctx: int, count: int) -> 
         "topk": 1,
         "expert1": count * (c.d_expert // (EXPERT1_ROWS // 2)),
         "expert2": count * (c.d_pool // expert2_rows(c)),
-        "moe_combine": c.d_pool // 64,
+        "moe_combine": c.d_pool // MOE_COMBINE_COLS,
         "unpool": c.d_model // plan.tiles["unpool"].rows,
         "lm_head": c.vocab // 16,
         "argmax": 1,

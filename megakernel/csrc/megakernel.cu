@@ -22,10 +22,14 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
   // PDL: the next launch may be scheduled as soon as this one runs; its blocks land on SMs as
   // ours leave (one block per SM), and its compute warps wait for all of this grid below.
   if (PDL) pdl_launch_dependents();
-  mb::prof::Profiler prof(MB_PROF_ARGS);
-  prof.stamp(MK_EV_LAUNCH_START, first);
+  // The profiler (two pointers, five counters) lives in shared memory and only thread 0 stamps
+  // (the layout records warp 0 lane 0 alone): as registers of every thread it was live through
+  // every op's code and pushed the profiled build past 168 registers (~300 B of spills).
   Blk b = make_blk(params, T, ctx, parity, wait);
+  mb::prof::Profiler& prof = *reinterpret_cast<mb::prof::Profiler*>(b.misc + MISC_PROF);
   if (tid() == 0) {
+    prof = mb::prof::Profiler(MB_PROF_ARGS);
+    prof.stamp(MK_EV_LAUNCH_START, first);
     for (int s = 0; s < RING_STAGES; ++s) {
       mbar_init(&b.full[s], 1);
       mbar_init(&b.empty[s], COMPUTE_THREADS);
@@ -40,6 +44,6 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
   } else {
     if (PDL) pdl_wait();  // activations, caches and counters of the previous launch are complete
     compute_loop(b, first, n_ops, prof);
-    prof.stamp(MK_EV_LAUNCH_END, first);
+    if (tid() == 0) prof.stamp(MK_EV_LAUNCH_END, first);
   }
 }

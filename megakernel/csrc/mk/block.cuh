@@ -11,6 +11,7 @@
 // wait for `full` of use c / RING_STAGES, read, and each compute thread arrives on `empty`. Producer and
 // consumers walk the same chunk sequence (program.cuh), so c agrees on both sides.
 #pragma once
+#include "mb/profile.cuh"
 #include "mk/wait.cuh"
 
 namespace mk {
@@ -22,7 +23,8 @@ constexpr int MISC_DEPS = 20;    // [4] thread 0's DepCache of the current op (p
 constexpr int MISC_PEND = 24;    // [3] thread 0's Pending signals of the current op
 constexpr int MISC_SLOT = 28;    // [3] the current expert slot's expert, tokens, tensor scale (slot.cuh)
 constexpr int MISC_OP = 32;      // [16] thread 0's copy of the current op record (program.cuh)
-constexpr int MISC_SCRATCH = 48;  // top-k scratch from here (ints)
+constexpr int MISC_PROF = 48;     // [10] the profiler's state (megakernel.cu; 8-byte aligned)
+constexpr int MISC_SCRATCH = 58;  // top-k scratch from here (ints)
 // top-k scratch: selections [T_MAX*TOPK], slot prefix [E/32], expert bitmap [E/32], token masks [E]
 constexpr int MISC_INTS = MISC_SCRATCH + T_MAX * TOPK + 2 * ((E + 31) / 32) + E;
 
@@ -58,6 +60,7 @@ MK_DEV Blk make_blk(const Params* p, int T, int ctx, int parity, int wait) {
   return b;
 }
 static_assert(2 * RING_STAGES * 8 + MISC_INTS * 4 <= MISC_BYTES, "mbarriers + misc fit the tail of SMEM_BYTES");
+static_assert(sizeof(mb::prof::Profiler) <= 4 * (MISC_SCRATCH - MISC_PROF) && MISC_PROF % 2 == 0, "profiler fits MISC_PROF");
 
 MK_DEV unsigned char* stage_of(const Blk& b, unsigned c) { return b.ring + (c % RING_STAGES) * STAGE_BYTES; }
 

@@ -66,7 +66,7 @@ MK_DEV int n_units(const Blk& b, const Op& o) {
     case OP_TOPK: return 1;
     case OP_EXPERT1: return ldg_cgi(b.p->n_slots) * EXP1_TILES;
     case OP_EXPERT2: return ldg_cgi(b.p->n_slots) * EXP2_TILES;
-    case OP_MOE_COMBINE: return P / 64;
+    case OP_MOE_COMBINE: return P / MOE_COMBINE_COLS;
     case OP_UNPOOL: return D / TILE_UNPOOL_ROWS;
     case OP_LM_HEAD: return V / 16;
     case OP_ARGMAX: return 1;
@@ -246,11 +246,13 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
     // and at 168 registers the compiler spilled it
     const int lim = o.assign == ASSIGN_CONTIG ? r.end : -r.end;
     for (int u = r.begin; u < (lim < 0 ? -lim : lim); u += lim < 0 ? nblocks_here() : 1) {
-      if (first_unit) prof.stamp(ev_wait_begin(o.kind), i);
+      if (first_unit && tid() == 0) prof.stamp(ev_wait_begin(o.kind), i);
       if (b.wait && tid() == 0) fail = !wait_unit(b, i, o0, u, dc);
       if (first_unit) {
-        prof.stamp(ev_wait_begin(o.kind) + 1, i);
-        prof.stamp(ev_work_begin(o.kind), i);
+        if (tid() == 0) {
+          prof.stamp(ev_wait_begin(o.kind) + 1, i);
+          prof.stamp(ev_work_begin(o.kind), i);
+        }
         first_unit = false;
       }
       if (sync_compute_or(fail || b.failed)) return;
@@ -259,7 +261,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
       if (b.wait && tid() == 0) signal_unit(b, o0, u, pd);
     }
     if (b.wait && tid() == 0) signal_op_end(b, o0, pd);  // after the last unit's barrier
-    if (!first_unit) prof.stamp(ev_work_begin(o.kind) + 1, i);
+    if (!first_unit && tid() == 0) prof.stamp(ev_work_begin(o.kind) + 1, i);
     if (tid() == 0) *ops_done = i - first + 1;
   }
 }

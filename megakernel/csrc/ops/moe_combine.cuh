@@ -1,5 +1,5 @@
 // moe_combine: z[t] = bf16(sum over ranks r, in order, of w[t][r] * y[slot(t,r)][row(t,r)]).
-// Unit = 64 columns of p.
+// Unit = MOE_COMBINE_COLS columns of p.
 #pragma once
 #include "mk/block.cuh"
 
@@ -16,8 +16,9 @@ MK_DEV void run_moe_combine(Blk& b, int unit) {
     row_s[i] = ldg_cgi(p.route_slot + i) * 16 + ldg_cgi(p.route_pos + i);
   }
   sync_compute();
-  for (int i = tid(); i < b.T * 64; i += COMPUTE_THREADS) {
-    const int t = i / 64, col = unit * 64 + i % 64;
+  static_assert(P % MOE_COMBINE_COLS == 0 && MOE_COMBINE_COLS % 2 == 0, "whole bf16 pairs");
+  for (int i = tid(); i < b.T * MOE_COMBINE_COLS; i += COMPUTE_THREADS) {
+    const int t = i / MOE_COMBINE_COLS, col = unit * MOE_COMBINE_COLS + i % MOE_COMBINE_COLS;
     uint32_t pairs[TOPK];
 #pragma unroll
     for (int r = 0; r < TOPK; ++r) pairs[r] = ldg_cg(p.yexp + row_s[t * TOPK + r] * P + (col & ~1));
