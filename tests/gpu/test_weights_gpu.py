@@ -47,6 +47,23 @@ def test_ring_with_more_consumer_warps(harness):
     RingJob(harness, RingConfig(4, 16 * KiB), nbytes=64 * MiB, consumer_warps=8).first_check()
 
 
+@pytest.mark.parametrize("pieces", [1, 16, 32])
+def test_ring_filled_in_pieces_streams_every_byte(harness, pieces):
+    """mb_ring_stream_pieces: each stage as `pieces` bulk copies from that many lanes, same sums."""
+    from microbench.weights.kernels import RingJob
+    from microbench.weights.plan import KiB, MiB, RingConfig
+
+    RingJob(harness, RingConfig(4, 16 * KiB), nbytes=64 * MiB, pieces=pieces).first_check()
+
+
+def test_ring_pieces_refuses_copies_that_are_not_whole_16_byte_units(harness):
+    from microbench.weights.kernels import RingJob
+    from microbench.weights.plan import KiB, MiB, RingConfig
+
+    with pytest.raises(ValueError, match="pieces"):
+        RingJob(harness, RingConfig(4, 16 * KiB), nbytes=16 * MiB, pieces=48)
+
+
 def test_ring_consumer_that_skips_bytes_is_caught(harness):
     from microbench.errors import CorrectnessError
     from microbench.weights.kernels import RingJob
