@@ -13,23 +13,10 @@ MK_DEV void run_attn_combine(Blk& b, int layer, int unit) {
   const int kvh = h / G, j = h % G;
   const int nparts = attn_splits(layer, b.ctx, b.T) * ATT_KG;
   const size_t row0 = static_cast<size_t>(kvh) * PARTS * (G * 16) + j * 16 + t;
-  // All compute threads: NSL slices of the parts, each summed by HD threads (one per d), then the
-  // slices added in slice order: half the dependent L2 round trips of one thread per d.
-  constexpr int NSL = COMPUTE_THREADS / HD, NB = 24;
-  static_assert(COMPUTE_THREADS % HD == 0 && (3 * PARTS + NSL * HD) * 4 <= ABUF_BYTES, "combine scratch fits abuf");
-  const int d = tid() % HD, sl = tid() / HD, per = cdiv(nparts, NSL);
-  const int q_lo = imin(nparts, sl * per), q_hi = imin(nparts, q_lo + per);
-  auto o_at = [&](int q) { return ldg_cgf(p.att_o + (row0 + static_cast<size_t>(q) * (G * 16)) * HD + d); };
-  // the first NB of this thread's O values before anything else: they do not depend on the
-  // weights, so their L2 round trip overlaps the (m, l) loads below instead of following them
-  float o0[NB];
-#pragma unroll
-  for (int k = 0; k < NB; ++k) o0[k] = q_lo + k < q_hi ? o_at(q_lo + k) : 0.f;
   // (m, l) of every part into shared memory once, then per part the weight exp(m - M) (0 for a
   // part with nothing visible), so the loop over O below has no branches and keeps loads in flight
   float* ml = reinterpret_cast<float*>(b.abuf);
   float* wt = ml + 2 * PARTS;
-  float* part = wt + PARTS;  // [NSL][HD] slice numerators
   if (tid() == 0) b.misc[MISC_TAG] = -1;  // abuf reused as scratch
   for (int q = tid(); q < nparts; q += COMPUTE_THREADS) {
     const size_t row = row0 + static_cast<size_t>(q) * (G * 16);
@@ -44,17 +31,21 @@ MK_DEV void run_attn_combine(Blk& b, int layer, int unit) {
   sync_compute();
   float den = 0.f;
   for (int q = 0; q < nparts; ++q) den += wt[q] * ml[2 * q + 1];  // fixed order
-  float num = 0.f;  // in increasing q, the prefetched batch first
+  // All compute threads: NSL slices of the parts, each summed by HD threads (one per d), then the
+  // slices added in slice order: half the dependent L2 round trips of one thread per d.
+  constexpr int NSL = COMPUTE_THREADS / HD, NB = 16;
+  static_assert(COMPUTE_THREADS % HD == 0 && (3 * PARTS + NSL * HD) * 4 <= ABUF_BYTES, "combine scratch fits abuf");
+  float* part = wt + PARTS;  // [NSL][HD] slice numerators
+  const int d = tid() % HD, sl = tid() / HD, per = cdiv(nparts, NSL);
+  const int q_lo = imin(nparts, sl * per), q_hi = imin(nparts, q_lo + per);
+  float num = 0.f;
+  for (int q0 = q_lo; q0 < q_hi; q0 += NB) {
+    float o[NB];
 #pragma unroll
-  for (int k = 0; k < NB; ++k)
-    if (q_lo + k < q_hi) num += wt[q_lo + k] * o0[k];
-  constexpr int NB2 = 8;  // the rest (long contexts only), in smaller batches: less code
-  for (int q0 = q_lo + NB; q0 < q_hi; q0 += NB2) {
-    float o[NB2];
+    for (int k = 0; k < NB; ++k)
+      o[k] = q0 + k < q_hi ? ldg_cgf(p.att_o + (row0 + static_cast<size_t>(q0 + k) * (G * 16)) * HD + d) : 0.f;
 #pragma unroll
-    for (int k = 0; k < NB2; ++k) o[k] = q0 + k < q_hi ? o_at(q0 + k) : 0.f;
-#pragma unroll
-    for (int k = 0; k < NB2; ++k)
+    for (int k = 0; k < NB; ++k)
       if (q0 + k < q_hi) num += wt[q0 + k] * o[k];
   }
   part[sl * HD + d] = num;
