@@ -60,7 +60,8 @@ MK_DEV Blk make_blk(const Params* p, int T, int ctx, int parity, int wait) {
   return b;
 }
 static_assert(2 * RING_STAGES * 8 + MISC_INTS * 4 <= MISC_BYTES, "mbarriers + misc fit the tail of SMEM_BYTES");
-static_assert(sizeof(mb::prof::Profiler) <= 4 * (MISC_SCRATCH - MISC_PROF) && MISC_PROF % 2 == 0, "profiler fits MISC_PROF");
+static_assert(sizeof(mb::prof::Profiler) <= 4 * (MISC_SCRATCH - MISC_PROF) && MISC_PROF % 2 == 0,
+              "the profiler fits MISC_PROF, 8-byte aligned");
 
 MK_DEV unsigned char* stage_of(const Blk& b, unsigned c) { return b.ring + (c % RING_STAGES) * STAGE_BYTES; }
 

@@ -100,7 +100,8 @@ MK_DEV void stage_norm(Blk& b, const float* x, const float* ssp, const uint16_t*
     }
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
-      const float g0 = bf2f(gg[i].x & 0xffff), g1 = bf2f(gg[i].x >> 16), g2 = bf2f(gg[i].y & 0xffff), g3 = bf2f(gg[i].y >> 16);
+      const float g0 = bf2f(gg[i].x & 0xffff), g1 = bf2f(gg[i].x >> 16);
+      const float g2 = bf2f(gg[i].y & 0xffff), g3 = bf2f(gg[i].y >> 16);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         uint2 o = {0u, 0u};
