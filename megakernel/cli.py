@@ -12,6 +12,16 @@ import argparse
 import sys
 
 
+def _no_gpu(command: str) -> bool:
+    """True (after saying why on stderr) when `command` cannot run here for want of a GPU."""
+    from microbench.device import no_gpu_reason
+
+    reason = no_gpu_reason()
+    if reason:
+        print(f"{command} needs a GPU: {reason}", file=sys.stderr)
+    return bool(reason)
+
+
 def _build(a) -> int:
     from .build import build_gpu
     from .config import preset
@@ -27,11 +37,7 @@ def _build(a) -> int:
 
 
 def _check_and_bench(a) -> int:
-    from microbench.device import no_gpu_reason
-
-    reason = no_gpu_reason()
-    if reason:
-        print(f"check-and-bench needs a GPU: {reason}", file=sys.stderr)
+    if _no_gpu("check-and-bench"):
         return 2
     from .pipeline import run
 
@@ -72,11 +78,7 @@ def _sanitize(a) -> int:
 
 
 def _ncu_op(a) -> int:
-    from microbench.device import no_gpu_reason
-
-    reason = no_gpu_reason()
-    if reason:
-        print(f"ncu-op needs a GPU: {reason}", file=sys.stderr)
+    if _no_gpu("ncu-op"):
         return 2
     import torch
 

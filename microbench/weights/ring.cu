@@ -73,6 +73,23 @@ __device__ __forceinline__ uint32_t consume_slot(const unsigned char* slot, uint
   return acc;
 }
 
+// Consumer warps of the stream kernels: this block's chunks (c = b, b+G, ...) in ring order; the
+// sum of this thread's share of every slot.
+template <int MODE>
+__device__ __forceinline__ uint32_t consume_stream(const mb::Ring& r, const mb::Watchdog& w, unsigned long long nchunks,
+                                                   uint32_t stages, uint32_t stage_bytes) {
+  const uint32_t ct = threadIdx.x - 32, nct = blockDim.x - 32;
+  uint32_t acc = 0;
+  mb::RingPos p;
+  for (unsigned long long c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    if (!r.wait(w, p)) break;
+    acc += consume_slot<MODE>(r.slot(p.stage), stage_bytes, ct, nct);
+    r.release_warp(p);
+    p.advance(stages);
+  }
+  return acc;
+}
+
 template <int MODE>
 __device__ __forceinline__ void ring_stream(const unsigned char* __restrict__ src, unsigned long long nchunks,
                                             uint32_t stages, uint32_t stage_bytes, uint32_t* __restrict__ out,
@@ -101,14 +118,7 @@ __device__ __forceinline__ void ring_stream(const unsigned char* __restrict__ sr
     }
     __syncwarp();
   } else {
-    const uint32_t ct = threadIdx.x - 32, nct = blockDim.x - 32;
-    mb::RingPos p;
-    for (unsigned long long c = blockIdx.x; c < nchunks; c += gridDim.x) {
-      if (!r.wait(w, p)) break;
-      acc += consume_slot<MODE>(r.slot(p.stage), stage_bytes, ct, nct);
-      r.release_warp(p);
-      p.advance(stages);
-    }
+    acc = consume_stream<MODE>(r, w, nchunks, stages, stage_bytes);
   }
   const uint32_t t = block_sum(acc, scratch);
   if (threadIdx.x == 0) out[blockIdx.x] = t;
@@ -116,7 +126,7 @@ __device__ __forceinline__ void ring_stream(const unsigned char* __restrict__ sr
 
 // Producer warp of mb_ring_stream_pieces: every lane acquires (a lane that copies into the slot
 // must itself have observed the consumers' release), lane 0 announces the stage's bytes, lanes
-// < pieces each copy one piece. Consumers as in ring_stream.
+// < pieces each copy one piece. Consumers as in ring_stream (consume_stream).
 __device__ __forceinline__ void ring_stream_pieces(const unsigned char* __restrict__ src, unsigned long long nchunks,
                                                    uint32_t stages, uint32_t stage_bytes, uint32_t pieces,
                                                    uint32_t* __restrict__ out, unsigned long long* wd_rec,
@@ -141,14 +151,7 @@ __device__ __forceinline__ void ring_stream_pieces(const unsigned char* __restri
       p.advance(stages);
     }
   } else {
-    const uint32_t ct = threadIdx.x - 32, nct = blockDim.x - 32;
-    mb::RingPos p;
-    for (unsigned long long c = blockIdx.x; c < nchunks; c += gridDim.x) {
-      if (!r.wait(w, p)) break;
-      acc += consume_slot<MODE_OK>(r.slot(p.stage), stage_bytes, ct, nct);
-      r.release_warp(p);
-      p.advance(stages);
-    }
+    acc = consume_stream<MODE_OK>(r, w, nchunks, stages, stage_bytes);
   }
   const uint32_t t = block_sum(acc, scratch);
   if (threadIdx.x == 0) out[blockIdx.x] = t;

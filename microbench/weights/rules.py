@@ -144,15 +144,14 @@ class CopyChoice:
 
 
 def _min_copy(piece_bytes, meds, frac):
-    base = meds[int(np.argmax(piece_bytes))]
-    thr = frac * base
-    ok = piece_bytes[np.argmax(piece_bytes)]
-    for p in sorted(piece_bytes, reverse=True):  # shrink while every size down to p still qualifies
-        if meds[list(piece_bytes).index(p)] >= thr:
-            ok = p
-        else:
+    order = sorted(range(len(piece_bytes)), key=lambda i: -piece_bytes[i])  # one copy per stage first
+    thr = frac * meds[order[0]]
+    ok = piece_bytes[order[0]]
+    for i in order:  # shrink while every size down to this one still qualifies
+        if meds[i] < thr:
             break
-    return int(ok), base, thr
+        ok = piece_bytes[i]
+    return int(ok), meds[order[0]], thr
 
 
 def min_copy_bytes(piece_bytes: Sequence[int], bw_samples: Sequence[np.ndarray], frac: float = 0.95) -> CopyChoice:

@@ -342,6 +342,28 @@ MK_DEV float gemm_sum(const Blk& b, int t, int n) {
   return s;
 }
 
+// ---------------------------------------------------------------- residual projections
+// x[t][unit*R ..+R] += (the staged operand) @ W^T (oproj, unpool), and the new x's sums of squares
+// per 8 features into ss_part(which) for the next norm. The residual is loaded before the GEMM so
+// that its L2 round trip overlaps it.
+template <int R, int KC, int K>
+MK_DEV void gemm_residual_add(Blk& b, int unit, int which, uint32_t what) {
+  static_assert(R % 8 == 0 && (16 * R) % 32 == 0 && 16 * R <= COMPUTE_THREADS,
+                "epilogue: a thread per output, whole warps");
+  const Params& p = *b.p;
+  const int t = tid() / R, n = tid() % R;
+  const float xo = (tid() < 16 * R && t < b.T) ? ldg_cgf(p.x + t * D + unit * R + n) : 0.f;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  gemm_bf16<R, KC, K>(b, acc, what);
+  gemm_stash<R>(b, acc);
+  if (tid() < 16 * R) {  // whole warps: the sum of squares shuffles within 8 lanes
+    const float xn = xo + gemm_sum<R>(b, t, n);
+    if (t < b.T) p.x[t * D + unit * R + n] = xn;
+    const float ss = ss8_lanes(xn);
+    if (n % 8 == 0 && t < b.T) ss_part(p, which)[t * (D / 8) + unit * (R / 8) + n / 8] = ss;
+  }
+}
+
 // ---------------------------------------------------------------- producer: the loader warp
 template <int ROWS, int KC, int K>
 MK_DEV bool produce_bf16(const Blk& b, const uint16_t* W, int row0, unsigned& c, uint32_t what) {
