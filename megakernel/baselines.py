@@ -45,7 +45,8 @@ import torch.nn.functional as F
 
 from . import tree as treelib
 from .config import ConfigError, ModelConfig
-from .nvfp4 import e2m1_table, e4m3_decode
+from .fp4_layout import half_word_table
+from .nvfp4 import e4m3_decode
 from .reference import KVCache
 from .weights import BF16, ModelWeights
 
@@ -54,11 +55,10 @@ IMPL_NAMES = {"eager": "torch_eager", "graph": "torch_graph", "compile": "torch_
 
 
 # ---------------------------------------------------------------------- numerics helpers
-def e2m1_pair_lut(device) -> torch.Tensor:
-    """bf16 [256, 2]: row b = (value of the low nibble, value of the high nibble) of a packed byte."""
-    t = e2m1_table()
-    b = torch.arange(256)
-    return torch.stack([t[b & 0xF], t[b >> 4]], dim=1).to(BF16).to(device)
+def e2m1_half_lut(device) -> torch.Tensor:
+    """bf16 [65536, 4]: the 4 values of every half-word of the experts' kernel-word codes
+    (fp4_layout: a half-word holds 4 whole codes, in k order)."""
+    return half_word_table(device, BF16)
 
 
 def e4m3_lut(device) -> torch.Tensor:
@@ -115,11 +115,12 @@ def _rope(x, cos, sin):
     return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
 
 
-def _dequant(codes, scales, lut2, lut_sc):
-    """Packed NVFP4 [C, N, K/2] codes and [C, N, K/16] E4M3 scales -> bf16 [C, N, K], exact
+def _dequant(codes, scales, lut4, lut_sc):
+    """NVFP4 [C, N, K/2] kernel-word codes and [C, N, K/16] E4M3 scales -> bf16 [C, N, K], exact
     (e2m1 x e4m3 without the tensor scale)."""
     c, n, kh = codes.shape
-    vals = lut2.index_select(0, codes.reshape(-1).to(torch.int32)).view(c, n, kh // 8, 16)
+    half = codes.view(torch.int16).reshape(-1).to(torch.int32) & 0xFFFF
+    vals = lut4.index_select(0, half).view(c, n, kh // 8, 16)
     sc = lut_sc.index_select(0, scales.reshape(-1).to(torch.int32)).view(c, n, kh // 8, 1)
     return (vals * sc).view(c, n, 2 * kh)
 
@@ -156,7 +157,7 @@ def make_layer(cfg: ModelConfig, n_tokens: int, out_dtype: bool, with_routes: bo
     eps, scale, t = cfg.rms_eps, cfg.head_dim ** -0.5, n_tokens
     cap = min(ne, n_tokens * k)
 
-    def layer(x, idx, neg, wr, cos, sin, kc, vc, route, lut2, lut_sc, ar_c, ar_tc,
+    def layer(x, idx, neg, wr, cos, sin, kc, vc, route, lut4, lut_sc, ar_c, ar_tc,
               attn_g, wqkv, wo, ffn_g, router, pool, c1, s1, t1, c2, s2, t2, unpool):
         # ---- attention
         h = F.rms_norm(x, (d,), attn_g, eps).to(BF16)
@@ -187,10 +188,10 @@ def make_layer(cfg: ModelConfig, n_tokens: int, out_dtype: bool, with_routes: bo
         slot_e = torch.where(live, first, first[0])  # padding slots repeat a routed expert
         slot_of = torch.zeros(ne + 1, dtype=torch.long, device=x.device).scatter_(
             0, torch.where(live, first, ne), ar_c)  # expert -> slot; padding writes the dump entry ne
-        w1 = _dequant(c1.index_select(0, slot_e), s1.index_select(0, slot_e), lut2, lut_sc)  # [C, 2f, p]
+        w1 = _dequant(c1.index_select(0, slot_e), s1.index_select(0, slot_e), lut4, lut_sc)  # [C, 2f, p]
         gu = bmm32(pooled.unsqueeze(0).expand(cap, t, p), w1.transpose(1, 2)) * t1.index_select(0, slot_e)[:, None, None]
         a = (F.silu(gu[..., :f]) * gu[..., f:]).to(BF16)
-        w2 = _dequant(c2.index_select(0, slot_e), s2.index_select(0, slot_e), lut2, lut_sc)  # [C, p, f]
+        w2 = _dequant(c2.index_select(0, slot_e), s2.index_select(0, slot_e), lut4, lut_sc)  # [C, p, f]
         y = (bmm32(a, w2.transpose(1, 2)) * t2.index_select(0, slot_e)[:, None, None]).to(BF16)  # [C, T, p]
         ysel = y[slot_of[sel], ar_tc]  # [T, k, p]
         z = (wts.unsqueeze(-1) * ysel.float()).sum(1).to(BF16)
@@ -231,7 +232,7 @@ class TorchModel:
         self.final_g = P(w.final_norm.float())
         self.lm_head = P(w.lm_head)
         self.rope_cos, self.rope_sin = w.rope_cos, w.rope_sin
-        self.lut2, self.lut_sc = e2m1_pair_lut(dev), e4m3_lut(dev)
+        self.lut4, self.lut_sc = e2m1_half_lut(dev), e4m3_lut(dev)
         self.out_dtype = out_dtype_supported(dev)
 
 
@@ -299,7 +300,7 @@ class StepRunner:
         if mode == "compile":
             _prepare_dynamo()
             for buf in (self.tokens, self.ctx_t, self.depth_t, self.anc, self.ar_t, self.ar_g, self.ar_s, self.ar_c,
-                        self.ar_tc, tm.rope_cos, tm.rope_sin, tm.lut2, tm.lut_sc, *cache.k, *cache.v,
+                        self.ar_tc, tm.rope_cos, tm.rope_sin, tm.lut4, tm.lut_sc, *cache.k, *cache.v,
                         *(self.routes or ())):
                 torch._dynamo.mark_static_address(buf, guard=False)  # never copied into graph inputs
             kw = dict(mode="reduce-overhead", dynamic=False, fullgraph=True)
@@ -346,7 +347,7 @@ class StepRunner:
         for l in range(cfg.n_layers):
             idx, neg, wr = (gi, gn, gw) if cfg.is_global(l) else (si, sn, sw)
             x = self._layer(x, idx, neg, wr, cos, sin, c.k[l], c.v[l], self.routes[l] if self.routed else None,
-                            tm.lut2, tm.lut_sc, self.ar_c, self.ar_tc, *tm.layers[l])
+                            tm.lut4, tm.lut_sc, self.ar_c, self.ar_tc, *tm.layers[l])
             if self.mode == "eager":
                 x, sel = x
                 if self.route_log is not None:

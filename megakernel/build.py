@@ -20,7 +20,7 @@ from microbench.compiler import CompiledModule, cache_dir, compile_cuda
 from microbench.cubin import ResourceUsage
 from microbench.errors import CompileError, KernelDoesNotFitError
 
-from . import abi, program
+from . import abi, fp4_layout, program
 from .plan import Plan, render
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -45,7 +45,8 @@ def header(plan: Plan) -> str:
     """Everything generated: included before the kernel source (or as default_config.cuh)."""
     from .profile_events import EVENTS, render_op_tables
 
-    return render(plan) + abi.render_structs() + program_constants() + EVENTS.header_text() + render_op_tables()
+    return (render(plan) + abi.render_structs() + program_constants() + fp4_layout.render_header()
+            + EVENTS.header_text() + render_op_tables())
 
 
 def source(plan: Plan) -> str:

@@ -1,6 +1,6 @@
 """NVFP4: 4-bit E2M1 values, one FP8 E4M3 scale per 16 values along K, one FP32 tensor scale.
 
-Storage layout (what the kernels read):
+Natural storage layout (the megakernel stores expert banks rearranged: fp4_layout.py):
   codes  uint8 [N, K/2]   element k of row n is nibble (k % 2) of byte k // 2: low nibble = even k
   scales uint8 [N, K/16]  E4M3 (the "FN" variant: no infinities, S.1111.111 is NaN) bit patterns
   tensor_scale float32    multiplies everything

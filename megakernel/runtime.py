@@ -24,6 +24,7 @@ from microbench.watchdog import Watchdog
 
 from . import abi, tree as treelib
 from .config import ConfigError
+from .fp4_layout import is_canonical
 from .plan import THREADS, Plan
 from .program import (WHAT_LOADER_GATE, WHAT_LOADER_ROUTE, WHAT_RING_EMPTY, WHAT_RING_FULL, Program,
                       build as build_program)
@@ -92,8 +93,9 @@ class Engine:
     def _check_weights(self):
         for l, lw in enumerate(self.w.layers):
             for name, bank in (("w1", lw.w1), ("w2", lw.w2)):
-                if ((bank.scales & 0x7F) == 0x7F).any():
-                    raise ConfigError(f"layer {l} {name}: an E4M3 block scale is NaN (S.1111.111); refusing")
+                if not is_canonical(bank.scales):
+                    raise ConfigError(f"layer {l} {name}: block scales must be positive, nonzero and finite "
+                                      "(build banks with ExpertBank.from_natural, fp4_layout.canonical_scales)")
                 if not torch.isfinite(bank.tensor_scale).all():
                     raise ConfigError(f"layer {l} {name}: non-finite tensor scale")
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
+from .fp4_layout import canonical_scales, from_kernel_words, to_kernel_words
 from .nvfp4 import NVFP4Tensor, random_nvfp4
 
 BF16 = torch.bfloat16
@@ -25,15 +26,28 @@ BF16 = torch.bfloat16
 
 @dataclass
 class ExpertBank:
-    """All experts of one layer for one GEMM, stacked: codes [E, N, K/2], scales [E, N, K/16]."""
+    """All experts of one layer for one GEMM, stacked, in the megakernel's storage (fp4_layout):
+    codes [E, N, K/2] in kernel words, scales [E, N, K/16] canonical (positive, nonzero). Build it
+    with `from_natural`; `expert(e)` gives expert e back in nvfp4's natural layout."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     tensor_scale: torch.Tensor  # float32 [E]
 
+    @classmethod
+    def from_natural(cls, experts: list[NVFP4Tensor], device) -> "ExpertBank":
+        """Stack natural-layout experts, converting one at a time (no whole-bank temporaries)."""
+        codes, scales = [], []
+        for t in experts:
+            c, s = canonical_scales(t.codes, t.scales)
+            codes.append(to_kernel_words(c))
+            scales.append(s)
+        ts = torch.tensor([t.tensor_scale for t in experts], dtype=torch.float32, device=device)
+        return cls(torch.stack(codes), torch.stack(scales), ts)
+
     def expert(self, e: int) -> NVFP4Tensor:
         n, kh = self.codes.shape[1:]
-        return NVFP4Tensor(self.codes[e], self.scales[e], float(self.tensor_scale[e]), (n, 2 * kh))
+        return NVFP4Tensor(from_kernel_words(self.codes[e]), self.scales[e], float(self.tensor_scale[e]), (n, 2 * kh))
 
     @property
     def nbytes_per_expert(self) -> int:
@@ -87,13 +101,7 @@ def _gain(n, g, device):
 
 
 def _bank(cfg: ModelConfig, n: int, k: int, std: float, g, device) -> ExpertBank:
-    codes, scales, ts = [], [], []
-    for _ in range(cfg.n_experts):
-        t = random_nvfp4(n, k, std, g, device=device)
-        codes.append(t.codes)
-        scales.append(t.scales)
-        ts.append(t.tensor_scale)
-    return ExpertBank(torch.stack(codes), torch.stack(scales), torch.tensor(ts, dtype=torch.float32, device=device))
+    return ExpertBank.from_natural([random_nvfp4(n, k, std, g, device=device) for _ in range(cfg.n_experts)], device)
 
 
 def generate(cfg: ModelConfig, device="cpu", seed: int | None = None) -> ModelWeights:

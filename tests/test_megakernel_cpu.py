@@ -2,6 +2,8 @@
 orders, and the kernel itself through the host emulation (same source as the GPU build)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -9,13 +11,14 @@ import torch
 from megakernel import tree
 from megakernel.build import CSRC, default_config_text, source
 from megakernel.config import ConfigError, preset
+from megakernel.nvfp4 import NVFP4Tensor
 from megakernel.interp import Interpreter
 from megakernel.plan import make_plan, render
 from megakernel.program import DEP_ALL, OpInst, Program, build, check
 from megakernel.reference import KVCache, step
 from megakernel.routing import synthetic_routes
 from megakernel.runtime import Engine, check_close
-from megakernel.weights import generate
+from megakernel.weights import ExpertBank, generate
 from microbench.errors import KernelDoesNotFitError, SpinTimeoutError
 
 
@@ -247,6 +250,33 @@ def test_fp4_code_row_groups_are_layout_only(tiny):
     for mode in ("chain", "mega"):
         out = Engine(w, grouped, base.clone(), backend="emu", emu_seed=5).step(toks, par, 40, mode=mode)
         assert torch.equal(out.logits, ref.logits), mode
+
+
+def test_negative_and_zero_block_scales_are_canonical_and_raw_ones_refused(tiny):
+    """Expert weights with negative and zero E4M3 block scales (a real quantiser writes zeros for
+    all-zero blocks): ExpertBank.from_natural rewrites them without changing a value, so the
+    emulated kernel still matches the reference; a bank that skipped it is refused."""
+    cfg, w, base, plan = tiny
+    lw = w.layers[1]
+    experts = [lw.w1.expert(e) for e in range(cfg.n_experts)]
+    for i, t in enumerate(experts):
+        sc = t.scales.clone()
+        sc[::3, 0] |= 0x80
+        sc[1::5, 1] = 0x80 * (i % 2)
+        experts[i] = NVFP4Tensor(t.codes, sc, t.tensor_scale, t.shape)
+    odd = dataclasses.replace(w, layers=list(w.layers))
+    odd.layers[1] = dataclasses.replace(lw, w1=ExpertBank.from_natural(experts, "cpu"))
+    assert torch.equal(odd.layers[1].w1.expert(2).dequant_bf16_exact(), experts[2].dequant_bf16_exact())
+    toks, par = _inputs(cfg, 8, 4)
+    ref_cache = base.clone()
+    ref, routes = _reference(odd, ref_cache, toks, par, 40)
+    out = Engine(odd, plan, base.clone(), backend="emu").step(toks, par, 40, mode="mega", routes=routes)
+    check_close(out.logits, ref, "emulated megakernel vs reference (canonicalised scales)", rel=1e-2)
+    raw = dataclasses.replace(odd, layers=list(odd.layers))
+    bank = odd.layers[1].w1
+    raw.layers[1] = dataclasses.replace(lw, w1=dataclasses.replace(bank, scales=bank.scales | 0x80))
+    with pytest.raises(ConfigError, match="layer 1 w1: block scales must be positive"):
+        Engine(raw, plan, base.clone(), backend="emu")
 
 
 def test_attention_splits_that_cut_through_the_new_keys(tiny):

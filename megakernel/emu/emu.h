@@ -75,14 +75,17 @@ MK_DEV void ldsm_x4_trans(uint32_t a[4], const unsigned char* row) {
   }
 }
 template <int X>
-MK_DEV uint32_t e4m3x2_to_bf16x2_scaled(uint32_t v) {
-  auto one = [](uint32_t x) {
-    const uint32_t e = (x >> 3) & 15u, m = x & 7u;
-    if (e == 15u && m == 7u) return f2bf(u2f(0x7fc00000u));  // E4M3 NaN
-    const float mag = e ? ldexpf(1.0f + m / 8.0f, static_cast<int>(e) - 7) : ldexpf(m / 8.0f, -6);
-    return f2bf(ldexpf((x & 0x80u) ? -mag : mag, X));
+MK_DEV uint32_t ue4m3x2_to_bf16x2_scaled(uint32_t v) {  // the GPU's integer steps, on exact f16 bits
+  auto f16 = [](uint32_t x) -> uint32_t {  // cvt.rn.f16.e4m3 (exact; NaN -> 0x7fff)
+    const uint32_t s = (x & 0x80u) << 8, e = (x >> 3) & 15u, m = x & 7u;
+    if (e == 15u && m == 7u) return 0x7fffu;
+    if (e) return s | ((e + 8u) << 10) | (m << 7);
+    if (!m) return s;
+    const uint32_t p = m >= 4u ? 2u : (m >= 2u ? 1u : 0u);  // subnormal m * 2^-9: normal in f16
+    return s | ((p + 6u) << 10) | ((m << (10u - p)) & 0x3ffu);
   };
-  return one(v & 0xffu) | (static_cast<uint32_t>(one((v >> 8) & 0xffu)) << 16);
+  const uint32_t h = f16(v & 0xffu) | (f16((v >> 8) & 0xffu) << 16);
+  return (h >> 3) + (static_cast<uint32_t>(112 + X) << 7) * 0x10001u;
 }
 MK_DEV uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   const uint64_t x = a | (static_cast<uint64_t>(b) << 32);

@@ -85,19 +85,17 @@ MK_DEV void ldsm_x4_trans(uint32_t a[4], const unsigned char* row) {
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(row))));
 }
-// Two E4M3 values (bytes 0 and 1 of v) -> bf16x2 (low, high) of value * 2^X, exactly: E4M3 has
-// <= 4 significant bits, X <= 119 keeps 448 * 2^X below bf16's max and X >= -117 keeps the
-// smallest subnormal, 2^-9, normal.
+// Two E4M3 block scales (bytes 0 and 1 of v), positive and nonzero (fp4_layout.canonical_scales)
+// -> bf16x2 (low, high) of value * 2^X, exactly: every such E4M3 is a normal f16 with its 3
+// mantissa bits at 9..7, so f16 bits >> 3 (no bit crosses the halves) + (112 + X) << 7 are the bf16
+// bits of value * 2^X. X <= 119 keeps 448 * 2^X below bf16's max; X >= -117 keeps 2^-9 normal.
+// Danger: a zero or negative scale gives a wrong value, not an error (the runtime refuses them).
 template <int X>
-MK_DEV uint32_t e4m3x2_to_bf16x2_scaled(uint32_t v) {
-  static_assert(X >= -117 && X <= 119, "value * 2^X must stay a normal bf16 for every finite E4M3");
+MK_DEV uint32_t ue4m3x2_to_bf16x2_scaled(uint32_t v) {
+  static_assert(X >= -117 && X <= 119, "value * 2^X must stay a normal bf16 for every positive E4M3");
   uint32_t h;
   asm("{.reg .b16 t;\n\tcvt.u16.u32 t, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, t;\n\t}" : "=r"(h) : "r"(v));
-  float lo, hi;
-  asm("{.reg .b16 l, u;\n\tmov.b32 {l, u}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, u;\n\t}"
-      : "=f"(lo), "=f"(hi) : "r"(h));
-  const float f = __uint_as_float(static_cast<uint32_t>(127 + X) << 23);  // 2^X
-  return pack_bf2(lo * f, hi * f);
+  return (h >> 3) + (static_cast<uint32_t>(112 + X) << 7) * 0x10001u;
 }
 // Byte permute: result byte i = byte (sel nibble i) of {b:a} (a = bytes 0-3, b = bytes 4-7).
 MK_DEV uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) { return __byte_perm(a, b, sel); }

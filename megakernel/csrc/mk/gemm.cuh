@@ -13,11 +13,14 @@
 // the k order inside each mma is permuted, which is harmless as long as A is permuted the same
 // way, so the activation rows of the fp4 GEMMs are staged in that order (stage_rows, PERM), laid
 // out per k32 step as the two mmas' row-major 16x16 A tiles, read with ldmatrix.
-// Dequantisation is exact and costs one multiply per pair: the 3 magnitude bits go to bf16 bits
-// 8..6 (value * 2^-126, a subnormal when the exponent is 0) and are multiplied by the E4M3 block
-// scale * 2^FP4_SCALE_EXP = 2^119 (exact: <= 6 significant bits, a normal bf16). The missing 2^7 is on the
-// activations, staged * 2^7 (exact; overflows only beyond 2^121), so every mma product equals
-// activation * value * scale exactly, as an unscaled dequantisation would give.
+// Dequantisation is exact: a pair's 3 magnitude bits go to bf16 bits 8..6 of each half (value *
+// 2^-126, a subnormal when the exponent is 0) and its sign to bit 15, then one multiply by the
+// E4M3 block scale * 2^FP4_SCALE_EXP = 2^119 (exact: <= 6 significant bits, a normal bf16). The
+// codes are stored in the kernel's word layout (fp4_layout.py, FP4_PAIRS), where a pair is one or
+// two shifted copies of the word under a mask: 15 integer operations for the 4 pairs (20 from
+// the natural nibble order). The missing 2^7 is on the activations, staged * 2^7 (exact;
+// overflows only beyond 2^121), so every mma product equals activation * value * scale exactly,
+// as an unscaled dequantisation would give.
 #pragma once
 #include "mk/block.cuh"
 
@@ -246,6 +249,17 @@ MK_DEV void load_scales(const unsigned char* p, uint32_t (&w)[(SPW + 1) / 2]) {
 // Two groups are unrolled (the next group's loads overlap this one's math); more hoists every
 // group's ldmatrix loads and spills (168 registers).
 MK_DEV constexpr int lowbit(int x) { return x & -x; }
+template <int S>
+MK_DEV uint32_t shift_by(uint32_t x) {
+  if constexpr (S >= 0) return x << S;
+  else return x >> -S;
+}
+// Pair E of a kernel-layout code word, value * 2^-126 as bf16x2 (fp4_layout.PAIRS)
+template <int E>
+MK_DEV uint32_t fp4_pair(uint32_t w) {
+  constexpr Fp4Term a = FP4_PAIRS[E][0], b = FP4_PAIRS[E][1];
+  return (shift_by<a.shift>(w) & a.mask) | (shift_by<b.shift>(w) & b.mask);
+}
 template <int ROWS, int CR, int RG, int K>
 MK_DEV void gemm_fp4(Blk& b, uint32_t what) {
   constexpr int NCH = ROWS / CR, NT8C = CR / 8, WPT = WARPS / NT8C, KS32 = K / 32, AS = a_stride<K>();
@@ -275,15 +289,11 @@ MK_DEV void gemm_fp4(Blk& b, uint32_t what) {
 #pragma unroll
       for (int i = 0; i < GS; ++i) {
         // this step's block scale * 2^FP4_SCALE_EXP in both halves (steps 2m and 2m+1 share a conversion)
-        const uint32_t s12 = e4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw[i / 2], 0u, ssel));
+        const uint32_t s12 = ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw[i / 2], 0u, ssel));
         const uint32_t s2 = prmt(s12, 0u, (i & 1) ? 0x3232u : 0x1010u);
         const uint32_t code = *reinterpret_cast<const uint32_t*>(codes + (jg + i) * 16);
-        uint32_t pr[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const uint32_t y = code >> (4 * e);  // nibble e at bits 3..0, nibble e+4 at bits 19..16
-          pr[e] = hmul2(((y << 6) & 0x01C001C0u) | ((y << 12) & 0x80008000u), s2);
-        }
+        const uint32_t pr[4] = {hmul2(fp4_pair<0>(code), s2), hmul2(fp4_pair<1>(code), s2),
+                                hmul2(fp4_pair<2>(code), s2), hmul2(fp4_pair<3>(code), s2)};
         uint32_t a1[4], a2[4];
         ldsm_x4(a1, arow + (jg + i) * 64);
         ldsm_x4(a2, arow + (jg + i) * 64 + 32);

@@ -1,0 +1,163 @@
+"""How the megakernel stores NVFP4 expert weights: the same bytes as nvfp4's natural layout, with
+the 8 codes of every 32-bit word rearranged and the block scales made positive.
+
+Why. The expert GEMMs feed mma.m16n8k16 with bf16 pairs (value k+e, value k+e+4), e = 0..3, of each
+word of 8 codes k..k+7 (gemm.cuh). A pair is exact in bf16 with its 3 magnitude bits at bf16 bits
+8..6 of each half and its sign at bit 15 (value * 2^-126; the activations carry the 2^126). From the
+natural word (nibble j = code k+j) that took 5 integer operations per pair; in this word a pair is
+one or two shifted copies of the word under a mask (`PAIRS`): 15 operations for the 4 pairs instead
+of 20, 15 of the ~34 instructions of a k32 step.
+
+The word. Pair e's bits come from `PAIRS[e]`: terms (shift, mask), shift > 0 left, < 0 right,
+OR-ed. Every source bit of value k+e (k+e+4) lies in the low (high) 16 bits, so each half-word holds
+4 whole codes, k..k+3 and k+4..k+7 in order: a 65536-entry table decodes a half-word
+(`half_word_table`, the torch baselines' dequantisation). Searched exhaustively: with half-words
+self-contained, no arrangement needs fewer than 15 operations.
+
+Scales. The kernel converts a pair of E4M3 scales with cvt.rn.f16x2.e4m3x2 and one integer add
+(f16 bits >> 3 + a constant = bf16 bits of value * 2^X), which is right for positive, nonzero
+scales only. `canonical_scales` makes every block so without changing a value: a negative scale
+flips the signs of its 16 codes, a zero scale gets scale 1.0 and zero codes; NaN is refused.
+"""
+from __future__ import annotations
+
+import torch
+
+from .nvfp4 import BLOCK, QuantizationError, e2m1_table
+
+# bf16 bits of a pair: 3 magnitude bits at 8..6, sign at 15, in both halves
+PAIR_BITS = 0x81C081C0
+PAIRS: tuple[tuple[tuple[int, int], ...], ...] = (
+    ((6, 0x81C081C0),),
+    ((3, 0x81C081C0),),
+    ((0, 0x01C001C0), (4, 0x80008000)),
+    ((5, 0x80008000), (-7, 0x01C001C0)),
+)
+_NIBBLE_TARGET = (6, 7, 8, 15)  # E2M1 bit b (m, e0, e1, sign) -> bf16 bit in the half
+CANONICAL_ZERO_SCALE = 0x38  # E4M3 1.0: the scale of a block of zeros
+
+
+def _shift(x: int, s: int) -> int:
+    return (x << s) & 0xFFFFFFFF if s >= 0 else x >> -s
+
+
+def _bit_map() -> list[tuple[int, int]]:
+    """(natural bit, kernel bit) for all 32 bits of a word, from PAIRS."""
+    out = []
+    for e, terms in enumerate(PAIRS):
+        for h in (0, 1):  # value k+e (low half of the pair) and k+e+4 (high half)
+            for b, t in enumerate(_NIBBLE_TARGET):
+                tgt = t + 16 * h
+                (s,) = [s for s, m in terms if (m >> tgt) & 1]
+                out.append((4 * (e + 4 * h) + b, tgt - s))
+    nat, ker = zip(*out)
+    assert sorted(nat) == sorted(ker) == list(range(32)), "PAIRS must move every bit exactly once"
+    return out
+
+
+BIT_MAP = _bit_map()
+
+
+def _check_pairs() -> None:
+    for terms in PAIRS:
+        covered = 0
+        for _, m in terms:
+            assert not covered & m, "terms of a pair overlap"
+            covered |= m
+        assert covered == PAIR_BITS, "a pair's terms must give exactly its 8 bits"
+    for nat, ker in BIT_MAP:
+        assert nat // 16 == ker // 16, "a value's bits stay in its half-word"
+
+
+_check_pairs()
+
+
+def _move(words: torch.Tensor, pairs) -> torch.Tensor:
+    """Move bit a of each int64 word to bit b for (a, b) in pairs, grouped by distance."""
+    by_delta: dict[int, int] = {}
+    for a, b in pairs:
+        by_delta[b - a] = by_delta.get(b - a, 0) | (1 << a)
+    out = torch.zeros_like(words)
+    for d, mask in by_delta.items():
+        m = words & mask
+        out |= (m << d) if d >= 0 else (m >> -d)
+    return out
+
+
+def _words(codes: torch.Tensor) -> torch.Tensor:
+    if codes.dtype != torch.uint8 or codes.shape[-1] % 4:
+        raise QuantizationError(f"fp4 words: codes must be uint8 [..., K/2] with K % 8 == 0, got "
+                                f"{codes.dtype} {tuple(codes.shape)}")
+    return codes.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _bytes(words: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    w = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return w.view(torch.uint8).reshape(like.shape)
+
+
+def to_kernel_words(codes: torch.Tensor) -> torch.Tensor:
+    """Natural packed codes uint8 [..., K/2] -> the kernel's word layout (same shape and bytes)."""
+    return _bytes(_move(_words(codes), BIT_MAP), codes)
+
+
+def from_kernel_words(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of to_kernel_words."""
+    return _bytes(_move(_words(codes), [(b, a) for a, b in BIT_MAP]), codes)
+
+
+def canonical_scales(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Natural codes [..., K/2] and E4M3 scales [..., K/16] -> the same values with every scale
+    positive and nonzero (new tensors). NaN scales are refused."""
+    if codes.shape[:-1] != scales.shape[:-1] or codes.shape[-1] != scales.shape[-1] * (BLOCK // 2):
+        raise QuantizationError(f"canonical_scales: codes {tuple(codes.shape)} and scales "
+                                f"{tuple(scales.shape)} do not describe the same blocks")
+    if ((scales & 0x7F) == 0x7F).any():
+        raise QuantizationError("an E4M3 block scale is NaN (S.1111.111); refusing")
+    neg = (scales & 0x80) != 0
+    zero = (scales & 0x7F) == 0
+    blk = codes.reshape(*scales.shape, BLOCK // 2)
+    flip = torch.where(neg & ~zero, 0x88, 0).to(torch.uint8).unsqueeze(-1)  # the codes' sign bits
+    blk = torch.where(zero.unsqueeze(-1), torch.zeros_like(blk), blk ^ flip)
+    sc = torch.where(zero, torch.full_like(scales, CANONICAL_ZERO_SCALE), scales & 0x7F)
+    return blk.reshape(codes.shape), sc
+
+
+def is_canonical(scales: torch.Tensor) -> bool:
+    return not (((scales & 0x80) != 0) | ((scales & 0x7F) == 0) | ((scales & 0x7F) == 0x7F)).any()
+
+
+def half_word_table(device, dtype=torch.bfloat16) -> torch.Tensor:
+    """[65536, 4]: the 4 values (in k order) of every half-word of the kernel layout."""
+    h = torch.arange(65536, dtype=torch.int64)
+    nat = torch.zeros_like(h)
+    for a, b in BIT_MAP:  # natural bit a <- kernel bit b, both within the half
+        if b < 16:
+            nat |= ((h >> b) & 1) << a
+    vals = e2m1_table()
+    return torch.stack([vals[(nat >> (4 * j)) & 0xF] for j in range(4)], dim=1).to(dtype).to(device)
+
+
+def decode_pairs(words: torch.Tensor) -> torch.Tensor:
+    """The kernel's decode of kernel-layout words (int64 [...]) -> int64 [..., 4] bf16x2 bit
+    patterns of the pairs, value * 2^-126 (what gemm.cuh computes before the scale multiply)."""
+    out = []
+    for terms in PAIRS:
+        p = torch.zeros_like(words)
+        for s, m in terms:
+            p |= ((words << s) if s >= 0 else (words >> -s)) & m
+        out.append(p)
+    return torch.stack(out, dim=-1)
+
+
+def render_header() -> str:
+    """The word layout as C++ constants (the kernel's decode reads these; one source of truth)."""
+    rows = []
+    for terms in PAIRS:
+        t = list(terms) + [(0, 0)] * (2 - len(terms))
+        rows.append("{" + ", ".join(f"{{{s}, 0x{m:08X}u}}" for s, m in t) + "}")
+    return ("namespace mk {\n"
+            "// NVFP4 kernel word (megakernel/fp4_layout.py): pair e = OR over terms (shift, mask), shift < 0 right\n"
+            f"struct Fp4Term {{ int shift; uint32_t mask; }};\n"
+            f"constexpr Fp4Term FP4_PAIRS[4][2] = {{{', '.join(rows)}}};\n"
+            "}  // namespace mk\n")
