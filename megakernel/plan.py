@@ -91,15 +91,15 @@ class GemmTile:
 
 def _tile(rows: int, k: int, fp4: bool, stage_budget: int, run: int = 32, min_copy: int = 2048) -> GemmTile:
     """bf16: the widest power-of-two chunk whose bytes fit the stage budget and divides K.
-    fp4: the most whole rows (8, 16 or 32, within a run of consecutive weight rows) that fit, the
+    fp4: the most whole rows (16 or 32, within a run of consecutive weight rows) that fit, the
     codes copied in groups of consecutive rows of >= min_copy bytes (or the whole chunk)."""
     if fp4:
         per_row = k // 2 + k // 16
-        cr = 8
+        cr = 16  # the mma's 16 weight rows (gemm_fp4: weights are the A operand)
         while cr * 2 <= min(rows, run) and cr * 2 * per_row <= stage_budget:
             cr *= 2
-        if cr * per_row > max(stage_budget, 8 * per_row):
-            raise ValueError(f"fp4 tile: 8 rows of K={k} exceed the stage")
+        if cr * per_row > stage_budget or cr > min(rows, run):
+            raise ValueError(f"fp4 tile: 16 rows of K={k} exceed the stage ({stage_budget} B) or the unit")
         rg = 1
         while rg < cr and rg * (k // 2) < min_copy:
             rg *= 2
@@ -163,10 +163,13 @@ class Plan:
 
     @property
     def red_bytes(self) -> int:
-        """Per-warp partial tiles: bf16 tiles [16][rows]; fp4 tiles only the warp's own 8-row tile
-        of each chunk, [16][chunks * 8] (gemm.cuh)."""
-        cols = max(t.chunks * 8 if t.fp4 else t.rows for t in self.tiles.values())
-        return WARPS * 16 * cols * 4
+        """Per-warp partial tiles of the bf16 GEMMs, [16][rows] (gemm.cuh)."""
+        return WARPS * 16 * max(t.rows for t in self.tiles.values() if not t.fp4) * 4
+
+    def fp4_red_bytes(self, t: "GemmTile") -> int:
+        """An fp4 GEMM's per-warp partials, the warp's 16-row tile of each chunk, [16][chunks * 16]:
+        kept in abuf after the staged operand (gemm.cuh fp4_red_of)."""
+        return WARPS * 16 * t.chunks * 16 * 4
 
     @property
     def smem_bytes(self) -> int:
@@ -209,6 +212,15 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
             f"megakernel for {cfg.name} needs {p.smem_bytes} B of shared memory per block (activations "
             f"{p.abuf_bytes}, ring {ring_stages} x {p.stage_bytes}, reduction {p.red_bytes}); the device "
             f"allows {smem_limit}. Use fewer/smaller ring stages.")
+    for name in ("expert1", "expert2"):
+        t = tiles[name]
+        need = 16 * (t.k * 2 + ROW_PAD) + p.fp4_red_bytes(t)
+        if need > p.abuf_bytes:
+            from microbench.errors import KernelDoesNotFitError
+
+            raise KernelDoesNotFitError(
+                f"megakernel for {cfg.name}: {name}'s operand and partials need {need} B of the {p.abuf_bytes} B "
+                f"activation buffer ({t.chunks} chunks of {t.chunk_rows} rows)")
     for name, t in tiles.items():
         n = {"qkv": c.qkv_rows, "oproj": c.d_model, "router": c.n_experts, "pool": c.d_pool, "unpool": c.d_model,
              "lm_head": c.vocab, "expert1": 2 * c.d_expert, "expert2": c.d_pool}[name]

@@ -157,6 +157,19 @@ def test_emulated_synthetic_routing(tiny):
     assert int(eng.buf["n_slots"][0]) == 6  # the last layer's distinct experts
 
 
+def test_experts_with_more_than_8_tokens_use_the_second_token_tile(tiny):
+    """gemm_fp4 multiplies tokens 8..15 only when a slot has more than 8: every token routed to
+    experts 0 and 1 (16 tokens each) next to the default routing (few tokens per expert)."""
+    cfg, w, base, plan = tiny
+    toks, par = _inputs(cfg, 16, 11)
+    crowd = [torch.tensor([[0, 1]] * 16) for _ in range(cfg.n_layers)]
+    ref = step(w, base.clone(), toks, par, 20, routes=crowd)
+    outs = {m: Engine(w, plan, base.clone(), backend="emu").step(toks, par, 20, mode=m, routes=crowd)
+            for m in ("chain", "mega")}
+    assert torch.equal(outs["chain"].logits, outs["mega"].logits)
+    check_close(outs["mega"].logits, ref, "16 tokens per expert", rel=1e-2)
+
+
 def test_emulated_wait_that_can_never_complete_raises_not_hangs(tiny):
     """The last op made to wait for itself: its bounded wait trips (nothing else is left to
     wait for anything), the launch ends, and the error names the op and the dependency."""

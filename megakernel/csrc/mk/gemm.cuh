@@ -241,13 +241,16 @@ MK_DEV void load_scales(const unsigned char* p, uint32_t (&w)[(SPW + 1) / 2]) {
 // weights.ring; the pad puts the groups on different banks: unpadded, the code loads were 8-way
 // conflicts, 46% of the expert GEMMs' shared wavefronts under ncu; within a group RG-way), then
 // scales [CR][K/16] (one copy).
-// Warp w owns the 8-row tile q = w % (CR/8) of every chunk and the contiguous range of SPW k32
-// steps number w / (CR/8), walked in groups of GS unrolled steps (compile-time offsets; one load
-// of the group's block scales); odd steps go to a second accumulator (ILP). Each chunk's partial
-// tile is stashed into `red` as soon as it is done (an accumulator array indexed by the runtime
-// chunk would live in local memory), then the compute warps meet at one barrier.
-// Two groups are unrolled (the next group's loads overlap this one's math); more hoists every
-// group's ldmatrix loads and spills (168 registers).
+// Operands swapped against the bf16 GEMMs: the dequantised weights are the mma's A (16 rows x
+// 16 k, built in registers), the activations its B (8 tokens x 16 k, ldmatrix), so one B load
+// serves 16 weight rows and a second 8-token tile (tokens 8..15) is loaded and multiplied only
+// when the slot has more than 8 tokens (ntok is the same for the whole block). With activations
+// as A every warp re-read a 16-token tile per 8 weight rows: 7x the smem bytes of the weights.
+// Warp w owns the 16-row tile q = w % (CR/16) of every chunk and the contiguous range of SPW k32
+// steps number w / (CR/16), walked in groups of GS unrolled steps (compile-time offsets; one load
+// of the group's block scales); odd steps go to second accumulators (ILP). Each chunk's partial
+// tile is stashed into `fp4_red` (the unused tail of abuf: fp4_red_of) as soon as it is done,
+// then the compute warps meet at one barrier.
 MK_DEV constexpr int lowbit(int x) { return x & -x; }
 template <int S>
 MK_DEV uint32_t shift_by(uint32_t x) {
@@ -260,61 +263,82 @@ MK_DEV uint32_t fp4_pair(uint32_t w) {
   constexpr Fp4Term a = FP4_PAIRS[E][0], b = FP4_PAIRS[E][1];
   return (shift_by<a.shift>(w) & a.mask) | (shift_by<b.shift>(w) & b.mask);
 }
+// The fp4 GEMMs' per-warp partials [WARPS][16 tokens][chunks * 16 rows] live after the staged
+// operand (16 rows of K) in abuf: plan.py checks they fit (Plan.fp4_red_bytes).
+template <int K>
+MK_DEV float* fp4_red_of(const Blk& b) {
+  return reinterpret_cast<float*>(b.abuf + 16 * a_stride<K>());
+}
 template <int ROWS, int CR, int RG, int K>
-MK_DEV void gemm_fp4(Blk& b, uint32_t what) {
-  constexpr int NCH = ROWS / CR, NT8C = CR / 8, WPT = WARPS / NT8C, KS32 = K / 32, AS = a_stride<K>();
+MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
+  constexpr int NCH = ROWS / CR, NT16C = CR / 16, WPT = WARPS / NT16C, KS32 = K / 32, AS = a_stride<K>();
   constexpr int SPW = (KS32 + WPT - 1) / WPT;
   constexpr int GS = SPW % 4 == 0 ? 4 : (SPW % 2 == 0 ? 2 : 1);
-  // a group's scale bytes start at row * K/16 + 2 * (SPW * (w / NT8C) + GS * group): their alignment
+  constexpr int RC = NCH * 16;  // partial columns per warp: its 16-row tile of each chunk
+  // a group's scale bytes start at row * K/16 + 2 * (SPW * (w / NT16C) + GS * group): their alignment
   constexpr int SALIGN = lowbit(K / 16) < lowbit(2 * GS) ? lowbit(K / 16) : lowbit(2 * GS);
-  static_assert(ROWS % CR == 0 && CR % 8 == 0 && WARPS % NT8C == 0 && K % 32 == 0, "fp4 tile shape");
+  static_assert(ROWS % CR == 0 && CR % 16 == 0 && WARPS % NT16C == 0 && K % 32 == 0, "fp4 tile shape");
   constexpr int GSZ = RG * (K / 2) + ROW_PAD;  // smem bytes per group of RG code rows
   static_assert(CR % RG == 0 && ((CR / RG) * GSZ) % 16 == 0, "whole groups; scales start 16-byte aligned");
-  const int w = warp(), q = w % NT8C, j0 = (w / NT8C) * SPW, g = lane() >> 2, t = lane() & 3;
-  const int r = q * 8 + g;  // row within the chunk
-  const unsigned char* arow = b.abuf + (lane() & 15) * AS + (lane() >> 4) * 16 + j0 * 64;
+  const int w = warp(), q = w % NT16C, j0 = (w / NT16C) * SPW, g = lane() >> 2, t = lane() & 3;
+  const int r0 = q * 16 + g, r1 = r0 + 8;  // this thread's two rows within the chunk
+  // ldmatrix x4 of an 8-token B tile: matrix m = the step's 16-byte column block m of tokens 0..7
+  const unsigned char* brow = b.abuf + (lane() & 7) * AS + (lane() >> 3) * 16 + j0 * 64;
+  const bool two = ntok > 8;
   const uint32_t ssel = (t >> 1) | ((2 + (t >> 1)) << 4) | 0x4400u;  // scale bytes of steps 2i, 2i+1
+  float* red = fp4_red_of<K>(b) + w * 16 * RC;
   for (int c = 0; c < NCH; ++c) {
     const unsigned char* st = ring_consume(b, what);
-    const unsigned char* codes = st + (r / RG) * GSZ + (r % RG) * (K / 2) + j0 * 16 + t * 4;
-    const unsigned char* scales = st + (CR / RG) * GSZ + r * (K / 16) + 2 * j0;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc2[4] = {0.f, 0.f, 0.f, 0.f};
+    const unsigned char* codes0 = st + (r0 / RG) * GSZ + (r0 % RG) * (K / 2) + j0 * 16 + t * 4;
+    const unsigned char* codes1 = st + (r1 / RG) * GSZ + (r1 % RG) * (K / 2) + j0 * 16 + t * 4;
+    const unsigned char* scales0 = st + (CR / RG) * GSZ + r0 * (K / 16) + 2 * j0;
+    const unsigned char* scales1 = scales0 + 8 * (K / 16);
+    // acc[h][n]: step parity h (ILP), token tile n
+    float acc[2][2][4] = {};
 #pragma unroll 2
     for (int jg = 0; jg < SPW; jg += GS) {
       if constexpr (KS32 % WPT != 0) {
         if (j0 + jg >= KS32) break;
       }
-      uint32_t sw[(GS + 1) / 2];
-      load_scales<GS, SALIGN>(scales + 2 * jg, sw);
+      uint32_t sw0[(GS + 1) / 2], sw1[(GS + 1) / 2];
+      load_scales<GS, SALIGN>(scales0 + 2 * jg, sw0);
+      load_scales<GS, SALIGN>(scales1 + 2 * jg, sw1);
 #pragma unroll
       for (int i = 0; i < GS; ++i) {
-        // this step's block scale * 2^FP4_SCALE_EXP in both halves (steps 2m and 2m+1 share a conversion)
-        const uint32_t s12 = ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw[i / 2], 0u, ssel));
-        const uint32_t s2 = prmt(s12, 0u, (i & 1) ? 0x3232u : 0x1010u);
-        const uint32_t code = *reinterpret_cast<const uint32_t*>(codes + (jg + i) * 16);
-        const uint32_t pr[4] = {hmul2(fp4_pair<0>(code), s2), hmul2(fp4_pair<1>(code), s2),
-                                hmul2(fp4_pair<2>(code), s2), hmul2(fp4_pair<3>(code), s2)};
-        uint32_t a1[4], a2[4];
-        ldsm_x4(a1, arow + (jg + i) * 64);
-        ldsm_x4(a2, arow + (jg + i) * 64 + 32);
-        const uint32_t b1[2] = {pr[0], pr[1]}, b2[2] = {pr[2], pr[3]};
-        if (i & 1) {
-          mma(acc2, a1, b1);
-          mma(acc2, a2, b2);
-        } else {
-          mma(acc, a1, b1);
-          mma(acc, a2, b2);
+        // this step's block scales * 2^FP4_SCALE_EXP in both halves (steps 2m and 2m+1 share a conversion)
+        const uint32_t sel = (i & 1) ? 0x3232u : 0x1010u;
+        const uint32_t s0 = prmt(ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw0[i / 2], 0u, ssel)), 0u, sel);
+        const uint32_t s1 = prmt(ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw1[i / 2], 0u, ssel)), 0u, sel);
+        const uint32_t w0 = *reinterpret_cast<const uint32_t*>(codes0 + (jg + i) * 16);
+        const uint32_t w1 = *reinterpret_cast<const uint32_t*>(codes1 + (jg + i) * 16);
+        // A fragments: a0 = (row g, k 2t..), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, ...)
+        const uint32_t am1[4] = {hmul2(fp4_pair<0>(w0), s0), hmul2(fp4_pair<0>(w1), s1),
+                                 hmul2(fp4_pair<1>(w0), s0), hmul2(fp4_pair<1>(w1), s1)};
+        const uint32_t am2[4] = {hmul2(fp4_pair<2>(w0), s0), hmul2(fp4_pair<2>(w1), s1),
+                                 hmul2(fp4_pair<3>(w0), s0), hmul2(fp4_pair<3>(w1), s1)};
+        uint32_t bt[4];
+        ldsm_x4(bt, brow + (jg + i) * 64);
+        const uint32_t b1[2] = {bt[0], bt[1]}, b2[2] = {bt[2], bt[3]};
+        mma(acc[i & 1][0], am1, b1);
+        mma(acc[i & 1][0], am2, b2);
+        if (two) {
+          ldsm_x4(bt, brow + 8 * AS + (jg + i) * 64);
+          const uint32_t c1[2] = {bt[0], bt[1]}, c2[2] = {bt[2], bt[3]};
+          mma(acc[i & 1][1], am1, c1);
+          mma(acc[i & 1][1], am2, c2);
         }
       }
     }
     ring_release(b);
-    // this warp's partial of its 8-row tile of chunk c: red[w][token][c * 8 + row % 8]
-    float* red = b.red + w * 16 * (NCH * 8);
-    const int col = c * 8 + 2 * t;
-    red[g * (NCH * 8) + col] = acc[0] + acc2[0];
-    red[g * (NCH * 8) + col + 1] = acc[1] + acc2[1];
-    red[(g + 8) * (NCH * 8) + col] = acc[2] + acc2[2];
-    red[(g + 8) * (NCH * 8) + col + 1] = acc[3] + acc2[3];
+    // this warp's partial of its 16-row tile of chunk c: red[w][token][c * 16 + row % 16]
+    // (C fragment: c0 = (row g, token 2t), c1 = (row g, 2t+1), c2 = (row g+8, 2t), c3 = (row g+8, 2t+1))
+    for (int n = 0; n < (two ? 2 : 1); ++n) {
+      const int tok = 8 * n + 2 * t, col = c * 16 + g;
+      red[tok * RC + col] = acc[0][n][0] + acc[1][n][0];
+      red[(tok + 1) * RC + col] = acc[0][n][1] + acc[1][n][1];
+      red[tok * RC + col + 8] = acc[0][n][2] + acc[1][n][2];
+      red[(tok + 1) * RC + col + 8] = acc[0][n][3] + acc[1][n][3];
+    }
   }
   sync_compute();
 }
@@ -332,13 +356,14 @@ MK_DEV void gemm_stash(Blk& b, const float acc[4]) {
   sync_compute();
 }
 
-// fp4 output (token t, tile row n): the warps w = q + k*(CR/8) that own its 8-row tile, in order.
-template <int ROWS, int CR>
+// fp4 output (token t < ntok, tile row n): the warps w = q + k*(CR/16) that own its 16-row tile, in order.
+template <int ROWS, int CR, int K>
 MK_DEV float gemm_sum_rows(const Blk& b, int t, int n) {
-  constexpr int NT8C = CR / 8, WPT = WARPS / NT8C, RC = (ROWS / CR) * 8;
-  const int q = (n / 8) % NT8C, col = (n / CR) * 8 + n % 8;
+  constexpr int NT16C = CR / 16, WPT = WARPS / NT16C, RC = (ROWS / CR) * 16;
+  const int q = (n % CR) / 16, col = (n / CR) * 16 + n % 16;
+  const float* red = fp4_red_of<K>(b);
   float s = 0.f;
-  for (int k = 0; k < WPT; ++k) s += b.red[(q + k * NT8C) * 16 * RC + t * RC + col];
+  for (int k = 0; k < WPT; ++k) s += red[(q + k * NT16C) * 16 * RC + t * RC + col];
   return s;
 }
 

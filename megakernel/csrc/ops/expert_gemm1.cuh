@@ -31,13 +31,13 @@ MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
   const int ntok = si.ntok;
   const int32_t* toks = p.slot_tok + s * 16;
   stage_gather_perm<P>(b, p.pooled, ntok, [toks](int i) { return ldg_cgi(toks + i); }, tag);
-  gemm_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, TILE_EXPERT1_RG, P>(b, what);
+  gemm_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, TILE_EXPERT1_RG, P>(b, ntok, what);
   const float ts = si.tscale;
   for (int i = tid(); i < 16 * H1; i += COMPUTE_THREADS) {
     const int r = i / H1, f = i % H1;
     if (r >= ntok) continue;
-    const float g = gemm_sum_rows<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR>(b, r, f) * ts;
-    const float u = gemm_sum_rows<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR>(b, r, H1 + f) * ts;
+    const float g = gemm_sum_rows<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, P>(b, r, f) * ts;
+    const float u = gemm_sum_rows<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, P>(b, r, H1 + f) * ts;
     const float silu = g * (1.f / (1.f + fexp(-g)));
     p.act[(s * 16 + r) * F + j * H1 + f] = f2bf(silu * u);
   }
