@@ -281,7 +281,10 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
   constexpr int GSZ = RG * (K / 2) + ROW_PAD;  // smem bytes per group of RG code rows
   static_assert(CR % RG == 0 && ((CR / RG) * GSZ) % 16 == 0, "whole groups; scales start 16-byte aligned");
   const int w = warp(), q = w % NT16C, j0 = (w / NT16C) * SPW, g = lane() >> 2, t = lane() & 3;
-  const int r0 = q * 16 + g, r1 = r0 + 8;  // this thread's two rows within the chunk
+  const int r0 = q * 16 + g;  // this thread's rows within the chunk: r0 and r0 + 8
+  // code bytes from row r0 to r0 + 8: whole groups apart, or (RG >= 16) in the same group
+  constexpr int ROW8 = RG <= 8 ? (8 / RG) * GSZ : 8 * (K / 2);
+  static_assert(RG <= 8 ? 8 % RG == 0 : RG % 16 == 0, "rows r0 and r0 + 8 a fixed distance apart");
   // ldmatrix x4 of an 8-token B tile: matrix m = the step's 16-byte column block m of tokens 0..7
   const unsigned char* brow = b.abuf + (lane() & 7) * AS + (lane() >> 3) * 16 + j0 * 64;
   const bool two = ntok > 8;
@@ -290,7 +293,7 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
   for (int c = 0; c < NCH; ++c) {
     const unsigned char* st = ring_consume(b, what);
     const unsigned char* codes0 = st + (r0 / RG) * GSZ + (r0 % RG) * (K / 2) + j0 * 16 + t * 4;
-    const unsigned char* codes1 = st + (r1 / RG) * GSZ + (r1 % RG) * (K / 2) + j0 * 16 + t * 4;
+    const unsigned char* codes1 = codes0 + ROW8;  // row r0 + 8
     const unsigned char* scales0 = st + (CR / RG) * GSZ + r0 * (K / 16) + 2 * j0;
     const unsigned char* scales1 = scales0 + 8 * (K / 16);
     // acc[h][n]: step parity h (ILP), token tile n
