@@ -119,7 +119,7 @@ def _dequant(codes, scales, lut4, lut_sc):
     """NVFP4 [C, N, K/2] kernel-word codes and [C, N, K/16] E4M3 scales -> bf16 [C, N, K], exact
     (e2m1 x e4m3 without the tensor scale)."""
     c, n, kh = codes.shape
-    half = codes.view(torch.int16).reshape(-1).to(torch.int32) & 0xFFFF
+    half = codes.view(torch.uint16).reshape(-1).to(torch.int32)
     vals = lut4.index_select(0, half).view(c, n, kh // 8, 16)
     sc = lut_sc.index_select(0, scales.reshape(-1).to(torch.int32)).view(c, n, kh // 8, 1)
     return (vals * sc).view(c, n, 2 * kh)

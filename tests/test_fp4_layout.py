@@ -41,7 +41,7 @@ def test_half_word_table_decodes_kernel_words_in_k_order():
     nat = _rand_codes((64, 32), seed=2)
     t = NVFP4Tensor(nat, torch.full((64, 4), 0x38, dtype=torch.uint8), 1.0, (64, 64))
     lut = L.half_word_table("cpu", torch.float32)
-    half = L.to_kernel_words(nat).view(torch.int16).reshape(-1).to(torch.int32) & 0xFFFF
+    half = L.to_kernel_words(nat).view(torch.uint16).reshape(-1).to(torch.int32)
     got = lut.index_select(0, half).view(64, 64)
     assert torch.equal(got, e2m1_table()[t.unpack_codes().long()])
 
