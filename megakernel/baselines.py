@@ -45,8 +45,8 @@ import torch.nn.functional as F
 
 from . import tree as treelib
 from .config import ConfigError, ModelConfig
-from .fp4_layout import byte_unpack_tables, half_word_table
-from .nvfp4 import e2m1_table, e4m3_decode
+from .fp4_layout import half_word_table
+from .nvfp4 import e4m3_decode
 from .reference import KVCache
 from .weights import BF16, ModelWeights
 
@@ -55,21 +55,10 @@ IMPL_NAMES = {"eager": "torch_eager", "graph": "torch_graph", "compile": "torch_
 
 
 # ---------------------------------------------------------------------- numerics helpers
-def e2m1_pair_lut(device) -> torch.Tensor:
-    """bf16 [256, 2]: row b = (value of the low nibble, value of the high nibble) of a natural byte."""
-    t = e2m1_table()
-    b = torch.arange(256)
-    return torch.stack([t[b & 0xF], t[b >> 4]], dim=1).to(BF16).to(device)
-
-
-def dequant_tables(device) -> dict[str, tuple[torch.Tensor, ...]]:
-    """Two ways to decode the experts' kernel-word codes (fp4_layout), each baseline taking the
-    faster for it (H200, 3a77311 vs 86fbd11's natural bytes): "table16", one lookup per half-word
-    in a 512 KB table (fewest kernels: eager, graph); "bytes", natural bytes as lo[b0] | hi[b1]
-    then a 256-entry value table (every table cache-resident once fused: compile, which took
-    139.6 ms per shard8 T=16 step with table16 against 106.5 ms before the layout change)."""
-    return {"table16": (half_word_table(device, BF16),),
-            "bytes": (*byte_unpack_tables(device), e2m1_pair_lut(device))}
+def e2m1_half_lut(device) -> torch.Tensor:
+    """bf16 [65536, 4]: the 4 values of every half-word of the experts' kernel-word codes
+    (fp4_layout: a half-word holds 4 whole codes, in k order)."""
+    return half_word_table(device, BF16)
 
 
 def e4m3_lut(device) -> torch.Tensor:
@@ -126,19 +115,12 @@ def _rope(x, cos, sin):
     return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
 
 
-def _dequant(codes, scales, dq, lut_sc):
+def _dequant(codes, scales, lut4, lut_sc):
     """NVFP4 [C, N, K/2] kernel-word codes and [C, N, K/16] E4M3 scales -> bf16 [C, N, K], exact
-    (e2m1 x e4m3 without the tensor scale). `dq`: one of dequant_tables()."""
+    (e2m1 x e4m3 without the tensor scale)."""
     c, n, kh = codes.shape
-    if len(dq) == 1:
-        half = codes.view(torch.uint16).reshape(-1).to(torch.int32)
-        vals = dq[0].index_select(0, half)
-    else:
-        lo, hi, lut2 = dq
-        b = codes.reshape(-1, 2).to(torch.int32)
-        nat = lo.index_select(0, b[:, 0]) | hi.index_select(0, b[:, 1])
-        vals = lut2.index_select(0, nat.reshape(-1).to(torch.int32))
-    vals = vals.view(c, n, kh // 8, 16)
+    half = codes.view(torch.uint16).reshape(-1).to(torch.int32)
+    vals = lut4.index_select(0, half).view(c, n, kh // 8, 16)
     sc = lut_sc.index_select(0, scales.reshape(-1).to(torch.int32)).view(c, n, kh // 8, 1)
     return (vals * sc).view(c, n, 2 * kh)
 
@@ -175,7 +157,7 @@ def make_layer(cfg: ModelConfig, n_tokens: int, out_dtype: bool, with_routes: bo
     eps, scale, t = cfg.rms_eps, cfg.head_dim ** -0.5, n_tokens
     cap = min(ne, n_tokens * k)
 
-    def layer(x, idx, neg, wr, cos, sin, kc, vc, route, dq, lut_sc, ar_c, ar_tc,
+    def layer(x, idx, neg, wr, cos, sin, kc, vc, route, lut4, lut_sc, ar_c, ar_tc,
               attn_g, wqkv, wo, ffn_g, router, pool, c1, s1, t1, c2, s2, t2, unpool):
         # ---- attention
         h = F.rms_norm(x, (d,), attn_g, eps).to(BF16)
@@ -206,10 +188,10 @@ def make_layer(cfg: ModelConfig, n_tokens: int, out_dtype: bool, with_routes: bo
         slot_e = torch.where(live, first, first[0])  # padding slots repeat a routed expert
         slot_of = torch.zeros(ne + 1, dtype=torch.long, device=x.device).scatter_(
             0, torch.where(live, first, ne), ar_c)  # expert -> slot; padding writes the dump entry ne
-        w1 = _dequant(c1.index_select(0, slot_e), s1.index_select(0, slot_e), dq, lut_sc)  # [C, 2f, p]
+        w1 = _dequant(c1.index_select(0, slot_e), s1.index_select(0, slot_e), lut4, lut_sc)  # [C, 2f, p]
         gu = bmm32(pooled.unsqueeze(0).expand(cap, t, p), w1.transpose(1, 2)) * t1.index_select(0, slot_e)[:, None, None]
         a = (F.silu(gu[..., :f]) * gu[..., f:]).to(BF16)
-        w2 = _dequant(c2.index_select(0, slot_e), s2.index_select(0, slot_e), dq, lut_sc)  # [C, p, f]
+        w2 = _dequant(c2.index_select(0, slot_e), s2.index_select(0, slot_e), lut4, lut_sc)  # [C, p, f]
         y = (bmm32(a, w2.transpose(1, 2)) * t2.index_select(0, slot_e)[:, None, None]).to(BF16)  # [C, T, p]
         ysel = y[slot_of[sel], ar_tc]  # [T, k, p]
         z = (wts.unsqueeze(-1) * ysel.float()).sum(1).to(BF16)
@@ -250,7 +232,7 @@ class TorchModel:
         self.final_g = P(w.final_norm.float())
         self.lm_head = P(w.lm_head)
         self.rope_cos, self.rope_sin = w.rope_cos, w.rope_sin
-        self.dq, self.lut_sc = dequant_tables(dev), e4m3_lut(dev)
+        self.lut4, self.lut_sc = e2m1_half_lut(dev), e4m3_lut(dev)
         self.out_dtype = out_dtype_supported(dev)
 
 
@@ -311,7 +293,6 @@ class StepRunner:
                        if routed else None)
         self.ctx: int | None = None
         self.route_log: list[torch.Tensor] | None = None  # eager only: set to [] to collect each layer's routes
-        self.dq = tm.dq["bytes" if mode == "compile" else "table16"]
         prologue = make_prologue(cfg, t, r_global, r_sliding)
         layer = make_layer(cfg, t, tm.out_dtype, with_routes=mode == "eager")
         epilogue = make_epilogue(cfg, tm.out_dtype)
@@ -319,7 +300,7 @@ class StepRunner:
         if mode == "compile":
             _prepare_dynamo()
             for buf in (self.tokens, self.ctx_t, self.depth_t, self.anc, self.ar_t, self.ar_g, self.ar_s, self.ar_c,
-                        self.ar_tc, tm.rope_cos, tm.rope_sin, *self.dq, tm.lut_sc, *cache.k, *cache.v,
+                        self.ar_tc, tm.rope_cos, tm.rope_sin, tm.lut4, tm.lut_sc, *cache.k, *cache.v,
                         *(self.routes or ())):
                 torch._dynamo.mark_static_address(buf, guard=False)  # never copied into graph inputs
             kw = dict(mode="reduce-overhead", dynamic=False, fullgraph=True)
@@ -366,7 +347,7 @@ class StepRunner:
         for l in range(cfg.n_layers):
             idx, neg, wr = (gi, gn, gw) if cfg.is_global(l) else (si, sn, sw)
             x = self._layer(x, idx, neg, wr, cos, sin, c.k[l], c.v[l], self.routes[l] if self.routed else None,
-                            self.dq, tm.lut_sc, self.ar_c, self.ar_tc, *tm.layers[l])
+                            tm.lut4, tm.lut_sc, self.ar_c, self.ar_tc, *tm.layers[l])
             if self.mode == "eager":
                 x, sel = x
                 if self.route_log is not None:

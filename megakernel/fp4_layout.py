@@ -138,21 +138,6 @@ def half_word_table(device, dtype=torch.bfloat16) -> torch.Tensor:
     return torch.stack([vals[(nat >> (4 * j)) & 0xF] for j in range(4)], dim=1).to(dtype).to(device)
 
 
-def byte_unpack_tables(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lo, hi): uint8 [256, 2] each. A bit permutation is an OR of each byte's share, so the
-    natural bytes of a kernel half-word with bytes (b0, b1) are lo[b0] | hi[b1]: two lookups in
-    256-entry tables (cache-resident, unlike half_word_table's 512 KB)."""
-    v = torch.arange(256, dtype=torch.int64)
-    out = []
-    for byte in (0, 1):
-        nat = torch.zeros_like(v)
-        for a, b in BIT_MAP:
-            if b // 8 == byte:
-                nat |= ((v >> (b - 8 * byte)) & 1) << a
-        out.append(torch.stack([nat & 0xFF, nat >> 8], dim=1).to(torch.uint8).to(device))
-    return out[0], out[1]
-
-
 def decode_pairs(words: torch.Tensor) -> torch.Tensor:
     """The kernel's decode of kernel-layout words (int64 [...]) -> int64 [..., 4] bf16x2 bit
     patterns of the pairs, value * 2^-126 (what gemm.cuh computes before the scale multiply)."""
