@@ -8,11 +8,12 @@
 // partial tiles are summed in warp order afterwards, so the result does not depend on timing
 // (chain and mega modes are bitwise equal).
 //
-// NVFP4 (expert GEMMs). Thread t of a quad loads one u32 of codes = 8 consecutive E2M1 values
-// k..k+7 (half of a 16-wide scale block) and feeds them to two mmas as the pairs (k+i, k+i+4):
-// the k order inside each mma is permuted, which is harmless as long as A is permuted the same
-// way, so the activation rows of the fp4 GEMMs are staged in that order (stage_rows, PERM), laid
-// out per k32 step as the two mmas' row-major 16x16 A tiles, read with ldmatrix.
+// NVFP4 (expert GEMMs; weights are the mma's A operand there, gemm_fp4). Thread t of a quad
+// loads one u32 of codes = 8 consecutive E2M1 values k..k+7 (half of a 16-wide scale block) of
+// each of its two rows and feeds them to two mmas as the pairs (k+i, k+i+4): the k order inside
+// each mma is permuted, which is harmless as long as the activations are permuted the same way,
+// so the activation rows of the fp4 GEMMs are staged in that order (stage_rows, PERM), 64 bytes
+// per token per k32 step (the two mmas' 16 k each), read with ldmatrix as B fragments.
 // Dequantisation is exact: a pair's 3 magnitude bits go to bf16 bits 8..6 of each half (value *
 // 2^-126, a subnormal when the exponent is 0) and its sign to bit 15, then one multiply by the
 // E4M3 block scale * 2^FP4_SCALE_EXP = 2^119 (exact: <= 6 significant bits, a normal bf16). The
