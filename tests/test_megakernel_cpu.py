@@ -54,6 +54,10 @@ def test_plan_fits_and_renders(name):
 def test_plan_refuses_what_does_not_fit():
     with pytest.raises(KernelDoesNotFitError, match="shared memory"):
         make_plan(preset("shard8"), 132, ring_stages=12, ring_stage_bytes=32768)
+    # the fp4 GEMMs keep their partials in abuf's tail: expert widths near d_model leave no room
+    wide = dataclasses.replace(preset("tiny"), d_pool=128, d_expert=128)
+    with pytest.raises(KernelDoesNotFitError, match="expert2's operand and partials need 37120 B of the 24064 B"):
+        make_plan(wide, 4)
 
 
 @pytest.mark.slow
