@@ -25,20 +25,18 @@ import torch
 
 from .nvfp4 import BLOCK, QuantizationError, e2m1_table
 
-# bf16 bits of a pair: 3 magnitude bits at 8..6, sign at 15, in both halves
-PAIR_BITS = 0x81C081C0
-PAIRS: tuple[tuple[tuple[int, int], ...], ...] = (
-    ((6, 0x81C081C0),),
-    ((3, 0x81C081C0),),
-    ((0, 0x01C001C0), (4, 0x80008000)),
-    ((5, 0x80008000), (-7, 0x01C001C0)),
-)
 _NIBBLE_TARGET = (6, 7, 8, 15)  # E2M1 bit b (m, e0, e1, sign) -> bf16 bit in the half
+# bf16 bits of a pair, in both halves: the 3 magnitude bits at 8..6 and the sign at 15
+MAG_BITS = sum(1 << (t + 16 * h) for t in _NIBBLE_TARGET[:3] for h in (0, 1))  # 0x01C001C0
+SIGN_BITS = sum(1 << (_NIBBLE_TARGET[3] + 16 * h) for h in (0, 1))  # 0x80008000
+PAIR_BITS = MAG_BITS | SIGN_BITS
+PAIRS: tuple[tuple[tuple[int, int], ...], ...] = (
+    ((6, PAIR_BITS),),
+    ((3, PAIR_BITS),),
+    ((0, MAG_BITS), (4, SIGN_BITS)),
+    ((5, SIGN_BITS), (-7, MAG_BITS)),
+)
 CANONICAL_ZERO_SCALE = 0x38  # E4M3 1.0: the scale of a block of zeros
-
-
-def _shift(x: int, s: int) -> int:
-    return (x << s) & 0xFFFFFFFF if s >= 0 else x >> -s
 
 
 def _bit_map() -> list[tuple[int, int]]:
@@ -158,6 +156,6 @@ def render_header() -> str:
         rows.append("{" + ", ".join(f"{{{s}, 0x{m:08X}u}}" for s, m in t) + "}")
     return ("namespace mk {\n"
             "// NVFP4 kernel word (megakernel/fp4_layout.py): pair e = OR over terms (shift, mask), shift < 0 right\n"
-            f"struct Fp4Term {{ int shift; uint32_t mask; }};\n"
+            "struct Fp4Term { int shift; uint32_t mask; };\n"
             f"constexpr Fp4Term FP4_PAIRS[4][2] = {{{', '.join(rows)}}};\n"
             "}  // namespace mk\n")
