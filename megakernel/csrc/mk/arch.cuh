@@ -5,6 +5,12 @@
 #pragma once
 #include "mb/types.cuh"
 
+// Loops that run once or twice per unit (epilogues, top-k bookkeeping) stay rolled: an op's code
+// is fetched cold from L2 every layer (the kernel is ~4x the instruction cache), so an unrolled
+// copy costs fetch time and saves no issue slot worth having (shard8 step -1.9%, together with
+// program.cuh's skipped second routing wait, H200 2026-11-29).
+#define MK_COLD_LOOP _Pragma("unroll 1")
+
 #if defined(MK_HOST_EMU)
 #include "emu.h"
 #else

@@ -235,7 +235,9 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
     Pending& pd = *reinterpret_cast<Pending*>(b.misc + MISC_PEND);
     Op& o0 = *reinterpret_cast<Op*>(b.misc + MISC_OP);
     if (tid() == 0) {
-      dc = DepCache{0u, {-1, -1, -1}};
+      // a dynamic op already waited for its first dependency (the routing) above: an "all" wait
+      // is not repeated for its first unit (one acquire round trip less on the critical path)
+      dc = DepCache{is_dynamic(o.kind) && o.dep_mode[0] == DEP_ALL ? 1u : 0u, {-1, -1, -1}};
       pd = Pending{0u, -1, 0u};
       o0 = o;
     }

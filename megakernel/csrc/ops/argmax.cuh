@@ -25,6 +25,7 @@ MK_DEV void run_argmax(Blk& b) {
   }
   if (b.wait) {
     uint32_t* other = p.counters + (b.parity ^ 1) * p.n_counters;
+MK_COLD_LOOP
     for (int i = tid(); i < p.n_counters; i += COMPUTE_THREADS) other[i] = 0u;
   }
 }

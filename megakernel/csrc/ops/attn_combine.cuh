@@ -18,6 +18,7 @@ MK_DEV void run_attn_combine(Blk& b, int layer, int unit) {
   float* ml = reinterpret_cast<float*>(b.abuf);
   float* wt = ml + 2 * PARTS;
   if (tid() == 0) b.misc[MISC_TAG] = -1;  // abuf reused as scratch
+MK_COLD_LOOP
   for (int q = tid(); q < nparts; q += COMPUTE_THREADS) {
     const size_t row = row0 + static_cast<size_t>(q) * (G * 16);
     ml[2 * q] = ldg_cgf(p.att_ml + row * 2);
@@ -27,6 +28,7 @@ MK_DEV void run_attn_combine(Blk& b, int layer, int unit) {
   float mmax = neg_inf();
   for (int q = 0; q < nparts; ++q)
     if (ml[2 * q + 1] > 0.f) mmax = fmax_(mmax, ml[2 * q]);
+MK_COLD_LOOP
   for (int q = tid(); q < nparts; q += COMPUTE_THREADS) wt[q] = ml[2 * q + 1] > 0.f ? fexp(ml[2 * q] - mmax) : 0.f;
   sync_compute();
   float den = 0.f;

@@ -33,6 +33,7 @@ MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
   stage_gather_perm<P>(b, p.pooled, ntok, [toks](int i) { return ldg_cgi(toks + i); }, tag);
   gemm_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, TILE_EXPERT1_RG, P>(b, ntok, what);
   const float ts = si.tscale;
+MK_COLD_LOOP
   for (int i = tid(); i < 16 * H1; i += COMPUTE_THREADS) {
     const int r = i / H1, f = i % H1;
     if (r >= ntok) continue;

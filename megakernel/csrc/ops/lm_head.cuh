@@ -16,6 +16,7 @@ MK_DEV void run_lm_head(Blk& b, int layer, int unit, uint32_t what) {
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   gemm_bf16<16, TILE_LM_HEAD_KC, D>(b, acc, what);
   gemm_stash<16>(b, acc);
+MK_COLD_LOOP
   for (int i = tid(); i < 16 * 16; i += COMPUTE_THREADS) {
     const int t = i / 16, n = i % 16;
     if (t < b.T) p.logits[t * V + unit * 16 + n] = gemm_sum<16>(b, t, n);

@@ -18,6 +18,7 @@ MK_DEV void run_pool(Blk& b, int layer, int unit, uint32_t what) {
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   gemm_bf16<R, TILE_POOL_KC, D>(b, acc, what);
   gemm_stash<R>(b, acc);
+MK_COLD_LOOP
   for (int i = tid(); i < 16 * R; i += COMPUTE_THREADS) {
     const int t = i / R, n = i % R;
     if (t < b.T) p.pooled[t * P + unit * R + n] = f2bf(gemm_sum<R>(b, t, n));

@@ -23,6 +23,7 @@ MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {
   gemm_bf16<R, TILE_QKV_KC, D>(b, acc, what);
   gemm_stash<R>(b, acc);
   const int row0 = unit * R, head = row0 / HD;
+MK_COLD_LOOP
   for (int i = tid(); i < 16 * (R / 2); i += COMPUTE_THREADS) {
     const int t = i / (R / 2), n = 2 * (i % (R / 2));
     if (t >= b.T) continue;

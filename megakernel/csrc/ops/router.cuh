@@ -17,6 +17,7 @@ MK_DEV void run_router(Blk& b, int layer, int unit, uint32_t what) {
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   gemm_bf16<R, TILE_ROUTER_KC, D>(b, acc, what);
   gemm_stash<R>(b, acc);
+MK_COLD_LOOP
   for (int i = tid(); i < 16 * R; i += COMPUTE_THREADS) {
     const int t = i / R, n = i % R;
     if (t < b.T) p.router_logits[t * E + unit * R + n] = gemm_sum<R>(b, t, n);

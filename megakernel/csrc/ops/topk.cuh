@@ -18,10 +18,12 @@ MK_DEV void run_topk(Blk& b, int layer) {
   int* bitmap = before + (E + 31) / 32;    // [E / 32] experts selected by any token
   int* tokmask = bitmap + (E + 31) / 32;   // [E] bit t: token t selected the expert
   if (tid() < (E + 31) / 32) bitmap[tid()] = 0;
+MK_COLD_LOOP
   for (int e = tid(); e < E; e += COMPUTE_THREADS) tokmask[e] = 0;
   // A warp per token; lane r keeps the rank-r selection. The rank loop is not unrolled: top-k runs
   // once per layer on one block, from a cold instruction cache, so its code size is its cost
   // (unrolled over the ranks it was 27 KB of SASS and ~12 us of a shard8 layer).
+MK_COLD_LOOP
   for (int t = warp(); t < b.T; t += WARPS) {
     float v[TOPK_PER_LANE];
     uint32_t taken = 0;
@@ -86,6 +88,7 @@ MK_DEV void run_topk(Blk& b, int layer) {
   // the expert bitmap gives slots by prefix popcount, each expert's token mask gives counts and
   // rows by popcount. No thread loops over the entries.
   const int n = b.T * TOPK;
+MK_COLD_LOOP
   for (int i = tid(); i < n; i += COMPUTE_THREADS) {
     const int e = sel_s[i];
     atomic_or_smem(&bitmap[e >> 5], 1u << (e & 31));
@@ -104,6 +107,7 @@ MK_DEV void run_topk(Blk& b, int layer) {
   auto slot_of = [bitmap, before](int e) {
     return before[e >> 5] + popc(static_cast<uint32_t>(bitmap[e >> 5]) & ((1u << (e & 31)) - 1u));
   };
+MK_COLD_LOOP
   for (int e = tid(); e < E; e += COMPUTE_THREADS) {
     const uint32_t m = static_cast<uint32_t>(tokmask[e]);
     if (!m) continue;
@@ -111,6 +115,7 @@ MK_DEV void run_topk(Blk& b, int layer) {
     p.slot_expert[s] = e;
     p.slot_ntok[s] = popc(m);
   }
+MK_COLD_LOOP
   for (int i = tid(); i < n; i += COMPUTE_THREADS) {
     const int e = sel_s[i], t = i / TOPK, s = slot_of(e);
     const int pos = popc(static_cast<uint32_t>(tokmask[e]) & ((1u << t) - 1u));
