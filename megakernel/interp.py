@@ -18,7 +18,7 @@ import torch
 
 from . import tree as treelib
 from .program import DEP_ALL, Program, cached_keys, group_size, n_units, needed_group, splits, unit_group
-from .plan import EXPERT1_ROWS, MOE_COMBINE_COLS, expert2_rows
+from .plan import MOE_COMBINE_COLS
 from .reference import KVCache, rmsnorm
 from .weights import BF16, ModelWeights
 
@@ -171,7 +171,7 @@ class Interpreter:
 
     def _expert1(self, layer, u):
         c, b, lw = self.cfg, self.buf, self.w.layers[layer]
-        h = EXPERT1_ROWS // 2
+        h = self.plan.tiles["expert1"].rows // 2
         s, j = divmod(u, c.d_expert // h)
         e, nt = int(b["slot_expert"][s]), int(b["slot_ntok"][s])
         a = b["pooled"][b["slot_tok"][s, :nt]].to(F32)
@@ -184,7 +184,7 @@ class Interpreter:
 
     def _expert2(self, layer, u):
         c, b, lw = self.cfg, self.buf, self.w.layers[layer]
-        n = expert2_rows(c)
+        n = self.plan.tiles["expert2"].rows
         s, j = divmod(u, c.d_pool // n)
         e, nt = int(b["slot_expert"][s]), int(b["slot_ntok"][s])
         w2 = lw.w2.expert(e)

@@ -21,9 +21,14 @@ LOADER_WARPS = 1  # the weight-streaming warp (ring producer)
 THREADS = 32 * (WARPS + LOADER_WARPS)
 ROW_PAD = 16  # bytes of padding per staged row: spreads rows over banks for the fragment loads
 MISC_BYTES = 4096  # mbarriers + small ints (block.cuh)
-EXPERT1_ROWS = 64  # gate/up unit: 32 gate + the 32 matching up rows (16 + 16 spent ~15% of the op in per-unit barriers)
-EXPERT2_ROWS = 128  # down-projection unit: four 32-row chunks (one chunk per unit spent a third of its time in
-#                    per-unit overhead, ncu 2026-11-29; 64 -> 128 rows halves the units again)
+# Expert units: fewer, larger units pay the per-unit overhead (barriers, epilogue, signal) less
+# often; the tail (a block's last unit) grows. shard8 T=16 step, H200 2026-11-29: gate/up 64 -> 128
+# rows -2.4%, down 128 -> 256 rows -1.5%, each alone (both: 10.92 ms from 11.34); down 64 rows +2.4%.
+# (16 + 16 gate/up rows spent ~15% of the op in per-unit barriers; 32-row down units a third.)
+# A unit's fp4 partials live in abuf's tail (fp4_abuf_need): make_plan halves a unit that does not
+# fit; for shard8 these fit as they are.
+EXPERT1_ROWS = 128  # gate/up unit: 64 gate + the 64 matching up rows
+EXPERT2_ROWS = 256  # down-projection unit
 
 
 # Smallest bulk copy that streams at the ring's full rate: weights.ring ring_min_copy_bytes on the
@@ -36,9 +41,25 @@ DENSE_ROWS = 16  # qkv / oproj / pool / unpool unit rows: 8 spent ~2.5 us of per
 ROUTER_ROWS = 8  # the router stays at 8: top-k waits for it, and 32 units spread it over 32 blocks
 
 
-def expert2_rows(cfg: ModelConfig) -> int:
-    """Rows of a down-projection unit (a model narrower than EXPERT2_ROWS has one unit per slot)."""
-    return min(EXPERT2_ROWS, cfg.d_pool)
+EXPERT_MIN_ROWS = 32  # the smallest expert unit tried when a larger one's partials do not fit
+
+
+def fp4_abuf_need(t: "GemmTile") -> int:
+    """abuf bytes an fp4 unit needs: its staged operand (16 rows of K) and the per-warp partials,
+    [WARPS][16 tokens][chunks * 16 rows] fp32 (gemm.cuh fp4_red_of)."""
+    return 16 * (t.k * 2 + ROW_PAD) + WARPS * 16 * t.chunks * 16 * 4
+
+
+def _expert_tile(cap: int, k: int, budget: int, abuf: int, paired: bool, min_copy: int) -> GemmTile:
+    """The largest expert unit, from `cap` rows halving down to EXPERT_MIN_ROWS, whose operand and
+    partials fit abuf (make_plan refuses the plan if even the smallest does not). paired: gate/up,
+    the unit's rows are two runs (gate rows, the matching up rows)."""
+    rows = cap
+    while True:
+        t = _tile(rows, k, True, budget, run=rows // 2 if paired else 32, min_copy=min_copy)
+        if fp4_abuf_need(t) <= abuf or rows // 2 < EXPERT_MIN_ROWS:
+            return t
+        rows //= 2
 
 
 def _pow2_floor(x: int) -> int:
@@ -166,11 +187,6 @@ class Plan:
         """Per-warp partial tiles of the bf16 GEMMs, [16][rows] (gemm.cuh)."""
         return WARPS * 16 * max(t.rows for t in self.tiles.values() if not t.fp4) * 4
 
-    def fp4_red_bytes(self, t: "GemmTile") -> int:
-        """An fp4 GEMM's per-warp partials, the warp's 16-row tile of each chunk, [16][chunks * 16]:
-        kept in abuf after the staged operand (gemm.cuh fp4_red_of)."""
-        return WARPS * 16 * t.chunks * 16 * 4
-
     @property
     def smem_bytes(self) -> int:
         return self.abuf_bytes + self.ring_stages * self.stage_bytes + self.red_bytes + MISC_BYTES
@@ -196,12 +212,15 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         "pool": _tile(DENSE_ROWS, c.d_model, False, budget),
         "unpool": _tile(DENSE_ROWS, c.d_pool, False, budget),
         "lm_head": _tile(16, c.d_model, False, budget),
-        # fp4 chunks may exceed the budget by their scales (1/8 of the codes): 16 whole rows of
-        # K=2048 fill an 18 KB stage, halving the chunk handshakes per expert unit
-        "expert1": _tile(EXPERT1_ROWS, c.d_pool, True, budget * 9 // 8, run=EXPERT1_ROWS // 2,  # gate, up: two runs
-                         min_copy=min_copy_bytes),
-        "expert2": _tile(expert2_rows(c), c.d_expert, True, budget * 9 // 8, min_copy=min_copy_bytes),
     }
+    # fp4 chunks may exceed the budget by their scales (1/8 of the codes): 16 whole rows of K=2048
+    # fill an 18 KB stage, halving the chunk handshakes per expert unit. abuf does not depend on
+    # the tiles, so a plan without them gives its size.
+    abuf = Plan(cfg, n_sm, ring_stages, ring_stage_bytes, spin_bound_ns, poll_backoff_ns).abuf_bytes
+    tiles["expert1"] = _expert_tile(min(EXPERT1_ROWS, 2 * c.d_expert), c.d_pool, budget * 9 // 8, abuf, True,
+                                    min_copy_bytes)
+    tiles["expert2"] = _expert_tile(min(EXPERT2_ROWS, c.d_pool), c.d_expert, budget * 9 // 8, abuf, False,
+                                    min_copy_bytes)
     p = Plan(cfg, n_sm, ring_stages, ring_stage_bytes, spin_bound_ns, poll_backoff_ns, profile=profile,
              loader_ahead=loader_ahead, pdl=pdl, l2_prefetch_bytes=l2_prefetch_bytes, profile_cap=profile_cap,
              tiles=tiles)
@@ -214,7 +233,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
             f"allows {smem_limit}. Use fewer/smaller ring stages.")
     for name in ("expert1", "expert2"):
         t = tiles[name]
-        need = 16 * (t.k * 2 + ROW_PAD) + p.fp4_red_bytes(t)
+        need = fp4_abuf_need(t)
         if need > p.abuf_bytes:
             from microbench.errors import KernelDoesNotFitError
 
@@ -294,7 +313,6 @@ def render(plan: Plan) -> str:
         "static_assert(D % 64 == 0 && P % 64 == 0 && F % 64 == 0, \"k-steps\");",
         "static_assert(STAGE_BYTES % 16 == 0 && ABUF_BYTES % 16 == 0, \"bulk-copy alignment\");",
         "static_assert(G <= WARPS && WARPS % G == 0, \"attention: one warp group per q head\");",
-        f"static_assert(TILE_EXPERT1_ROWS == {EXPERT1_ROWS} && TILE_EXPERT2_ROWS == {expert2_rows(plan.cfg)}, \"expert unit rows match program.py\");",
         f"static_assert(TILE_QKV_ROWS == {DENSE_ROWS} && TILE_OPROJ_ROWS == {DENSE_ROWS} && TILE_ROUTER_ROWS == "
         f"{ROUTER_ROWS} && TILE_POOL_ROWS == {DENSE_ROWS} && TILE_UNPOOL_ROWS == {DENSE_ROWS} && TILE_LM_HEAD_ROWS == 16, "
         "\"unit rows match program.py's unit counts\");",

@@ -9,10 +9,10 @@ Units and groups (the same rules are written in csrc/mk/program.cuh; tests cross
   attn         HKV * splits(layer, ctx, T)  kv head (HKV groups)
   attn_combine HQ * T                       -
   oproj        D/16         router E/8      pool P/16         topk 1
-  expert1      count * F/32 (dynamic)       slot (MAX_SLOTS groups)
-  expert2      count * P/128 (dynamic)      -
+  expert1      count * F/(R1/2) (dynamic)   slot (MAX_SLOTS groups)
+  expert2      count * P/R2 (dynamic)       -
   moe_combine  P/16         unpool D/16     lm_head V/16      argmax 1
-(row counts: the plan's tiles, EXPERT1_ROWS / 2, expert2_rows(), MOE_COMBINE_COLS)
+(row counts: the plan's tiles, R1 / R2 its expert units' rows; MOE_COMBINE_COLS)
 A dependency is ("all", producer): every unit of the producer instance, or ("group", producer):
 the one group of the producer the consumer unit needs (attn <- qkv by kv head, attn_combine <-
 attn by kv head, expert2 <- expert1 by slot). Counters are per step and per parity (the
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ModelConfig
-from .plan import EXPERT1_ROWS, MOE_COMBINE_COLS, OP, OP_KINDS, Plan, expert2_rows
+from .plan import MOE_COMBINE_COLS, OP, OP_KINDS, Plan
 
 OPINST_INTS = 16
 MAX_DEPS = 3
@@ -93,8 +93,8 @@ def n_units(plan: Plan, kind: str, layer: int, t: int, ctx: int, count: int) -> 
         "router": c.n_experts // plan.tiles["router"].rows,
         "pool": c.d_pool // plan.tiles["pool"].rows,
         "topk": 1,
-        "expert1": count * (c.d_expert // (EXPERT1_ROWS // 2)),
-        "expert2": count * (c.d_pool // expert2_rows(c)),
+        "expert1": count * (c.d_expert // (plan.tiles["expert1"].rows // 2)),
+        "expert2": count * (c.d_pool // plan.tiles["expert2"].rows),
         "moe_combine": c.d_pool // MOE_COMBINE_COLS,
         "unpool": c.d_model // plan.tiles["unpool"].rows,
         "lm_head": c.vocab // 16,
@@ -115,14 +115,14 @@ def unit_group(plan: Plan, kind: str, layer: int, unit: int, t: int, ctx: int) -
     if kind == "attn":
         return unit // splits(c, plan, layer, ctx, t)
     if kind == "expert1":
-        return unit // (c.d_expert // (EXPERT1_ROWS // 2))
+        return unit // (c.d_expert // (plan.tiles["expert1"].rows // 2))
     return None
 
 
 def group_size(plan: Plan, kind: str, layer: int, t: int, ctx: int) -> int:
     c = plan.cfg
     return {"qkv": (c.group + 2) * c.head_dim // plan.tiles["qkv"].rows, "attn": splits(c, plan, layer, ctx, t),
-            "expert1": c.d_expert // (EXPERT1_ROWS // 2)}[kind]
+            "expert1": c.d_expert // (plan.tiles["expert1"].rows // 2)}[kind]
 
 
 def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int, t: int, ctx: int) -> int:
@@ -133,7 +133,7 @@ def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int
     if consumer == "attn_combine" and producer == "attn":
         return (unit // t) // c.group
     if consumer == "expert2" and producer == "expert1":
-        return unit // (c.d_pool // expert2_rows(c))
+        return unit // (c.d_pool // plan.tiles["expert2"].rows)
     raise ValueError(f"no group dependency rule {consumer} <- {producer}")
 
 

@@ -13,7 +13,7 @@ from megakernel.build import CSRC, default_config_text, source
 from megakernel.config import ConfigError, preset
 from megakernel.nvfp4 import NVFP4Tensor
 from megakernel.interp import Interpreter
-from megakernel.plan import make_plan, render
+from megakernel.plan import fp4_abuf_need, make_plan, render
 from megakernel.program import DEP_ALL, OpInst, Program, build, check
 from megakernel.reference import KVCache, step
 from megakernel.routing import synthetic_routes
@@ -54,10 +54,14 @@ def test_plan_fits_and_renders(name):
 def test_plan_refuses_what_does_not_fit():
     with pytest.raises(KernelDoesNotFitError, match="shared memory"):
         make_plan(preset("shard8"), 132, ring_stages=12, ring_stage_bytes=32768)
-    # the fp4 GEMMs keep their partials in abuf's tail: expert widths near d_model leave no room
+    # the fp4 GEMMs keep their partials in abuf's tail: a unit whose partials do not fit is halved,
+    # and a plan where even the smallest unit does not fit is refused with the sizes named
     wide = dataclasses.replace(preset("tiny"), d_pool=128, d_expert=128)
-    with pytest.raises(KernelDoesNotFitError, match="expert2's operand and partials need 37120 B of the 24064 B"):
-        make_plan(wide, 4)
+    t = make_plan(wide, 4).tiles["expert2"]
+    assert t.rows == 64 and fp4_abuf_need(t) <= make_plan(wide, 4).abuf_bytes  # 128 rows need 37120 B of 24064
+    wider = dataclasses.replace(preset("tiny"), d_pool=128, d_expert=512)
+    with pytest.raises(KernelDoesNotFitError, match="expert2's operand and partials need 24832 B of the 24064 B"):
+        make_plan(wider, 4)
 
 
 @pytest.mark.slow

@@ -265,7 +265,7 @@ MK_DEV uint32_t fp4_pair(uint32_t w) {
   return (shift_by<a.shift>(w) & a.mask) | (shift_by<b.shift>(w) & b.mask);
 }
 // The fp4 GEMMs' per-warp partials [WARPS][16 tokens][chunks * 16 rows] live after the staged
-// operand (16 rows of K) in abuf: plan.py checks they fit (Plan.fp4_red_bytes).
+// operand (16 rows of K) in abuf: plan.py checks they fit (plan.py fp4_abuf_need).
 template <int K>
 MK_DEV float* fp4_red_of(const Blk& b) {
   return reinterpret_cast<float*>(b.abuf + 16 * a_stride<K>());
@@ -279,7 +279,7 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
   // a group's scale bytes start at row * K/16 + 2 * (SPW * (w / NT16C) + GS * group): their alignment
   constexpr int SALIGN = lowbit(K / 16) < lowbit(2 * GS) ? lowbit(K / 16) : lowbit(2 * GS);
   static_assert(ROWS % CR == 0 && CR % 16 == 0 && WARPS % NT16C == 0 && K % 32 == 0, "fp4 tile shape");
-  static_assert(16 * AS + WARPS * 16 * RC * 4 <= ABUF_BYTES, "partials fit abuf's tail (Plan.fp4_red_bytes)");
+  static_assert(16 * AS + WARPS * 16 * RC * 4 <= ABUF_BYTES, "partials fit abuf's tail (plan.py fp4_abuf_need)");
   constexpr int GSZ = RG * (K / 2) + ROW_PAD;  // smem bytes per group of RG code rows
   static_assert(CR % RG == 0 && ((CR / RG) * GSZ) % 16 == 0, "whole groups; scales start 16-byte aligned");
   const int w = warp(), q = w % NT16C, j0 = (w / NT16C) * SPW, g = lane() >> 2, t = lane() & 3;
