@@ -35,7 +35,7 @@ MK_DEV constexpr int a_stride() {
 // ---------------------------------------------------------------- activation staging
 // Every staging loop issues its loads in batches of STAGE_BATCH before using any of them: a
 // loop that waits for each L2 load before issuing the next costs ~K/128 round trips per row.
-constexpr int STAGE_BATCH = 8;
+constexpr int STAGE_BATCH = 8;  // 4 and 16 were slower (shard8 step +0.9%, +2.6%; H200 2026-11-29)
 
 // Sum of squares of 8 consecutive features of x, in one fixed order: ((0+1)+(2+3))+((4+5)+(6+7)),
 // products and sums rounded separately (no fma contraction). The producers of x (embed, oproj,
@@ -92,7 +92,12 @@ MK_DEV void stage_norm(Blk& b, const float* x, const float* ssp, const uint16_t*
     for (int m = 16; m >= 1; m >>= 1) ss += shfl_xor(ss, m);
     r[h] = frsqrt(ss / static_cast<float>(K) + RMS_EPS);
   }
-  for (int i0 = 0; i0 < NPER; i0 += NB) {
+  // Every block reads the same x: each starts at a different batch (by block index) so that they
+  // do not all ask for the same L2 lines at once (shard8 step -1.6%, H200 2026-11-29; the same
+  // rotation in stage_rows measured no better)
+  const int rot = (bid() % (NPER / NB)) * NB;
+  for (int j0 = 0; j0 < NPER; j0 += NB) {
+    const int i0 = (j0 + rot) % NPER;
     uint4 v[2][NB];
     uint2 gg[NB];
 #pragma unroll
@@ -274,7 +279,7 @@ template <int ROWS, int CR, int RG, int K>
 MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
   constexpr int NCH = ROWS / CR, NT16C = CR / 16, WPT = WARPS / NT16C, KS32 = K / 32, AS = a_stride<K>();
   constexpr int SPW = (KS32 + WPT - 1) / WPT;
-  constexpr int GS = SPW % 4 == 0 ? 4 : (SPW % 2 == 0 ? 2 : 1);
+  constexpr int GS = SPW % 4 == 0 ? 4 : (SPW % 2 == 0 ? 2 : 1);  // 8: -0.3%, but the profiled build spilled
   constexpr int RC = NCH * 16;  // partial columns per warp: its 16-row tile of each chunk
   // a group's scale bytes start at row * K/16 + 2 * (SPW * (w / NT16C) + GS * group): their alignment
   constexpr int SALIGN = lowbit(K / 16) < lowbit(2 * GS) ? lowbit(K / 16) : lowbit(2 * GS);
@@ -300,40 +305,47 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
     const unsigned char* scales1 = scales0 + 8 * (K / 16);
     // acc[h][n]: step parity h (ILP), token tile n
     float acc[2][2][4] = {};
+    // The k-loop, inlined twice: with the second token tile (tw) and without. Most slots have <= 8
+    // tokens (T=16 spreads 128 token-slots over ~50 experts); the predicated second tile in one
+    // shared copy cost 1.6% of a shard8 step (H200, 2026-11-29).
+    auto steps = [&](const bool tw) {
 #pragma unroll 2
-    for (int jg = 0; jg < SPW; jg += GS) {
-      if constexpr (KS32 % WPT != 0) {
-        if (j0 + jg >= KS32) break;
-      }
-      uint32_t sw0[(GS + 1) / 2], sw1[(GS + 1) / 2];
-      load_scales<GS, SALIGN>(scales0 + 2 * jg, sw0);
-      load_scales<GS, SALIGN>(scales1 + 2 * jg, sw1);
+      for (int jg = 0; jg < SPW; jg += GS) {
+        if constexpr (KS32 % WPT != 0) {
+          if (j0 + jg >= KS32) break;
+        }
+        uint32_t sw0[(GS + 1) / 2], sw1[(GS + 1) / 2];
+        load_scales<GS, SALIGN>(scales0 + 2 * jg, sw0);
+        load_scales<GS, SALIGN>(scales1 + 2 * jg, sw1);
 #pragma unroll
-      for (int i = 0; i < GS; ++i) {
-        // this step's block scales * 2^FP4_SCALE_EXP in both halves (steps 2m and 2m+1 share a conversion)
-        const uint32_t sel = (i & 1) ? 0x3232u : 0x1010u;
-        const uint32_t s0 = prmt(ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw0[i / 2], 0u, ssel)), 0u, sel);
-        const uint32_t s1 = prmt(ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw1[i / 2], 0u, ssel)), 0u, sel);
-        const uint32_t w0 = *reinterpret_cast<const uint32_t*>(codes0 + (jg + i) * 16);
-        const uint32_t w1 = *reinterpret_cast<const uint32_t*>(codes1 + (jg + i) * 16);
-        // A fragments: a0 = (row g, k 2t..), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, ...)
-        const uint32_t am1[4] = {hmul2(fp4_pair<0>(w0), s0), hmul2(fp4_pair<0>(w1), s1),
-                                 hmul2(fp4_pair<1>(w0), s0), hmul2(fp4_pair<1>(w1), s1)};
-        const uint32_t am2[4] = {hmul2(fp4_pair<2>(w0), s0), hmul2(fp4_pair<2>(w1), s1),
-                                 hmul2(fp4_pair<3>(w0), s0), hmul2(fp4_pair<3>(w1), s1)};
-        uint32_t bt[4];
-        ldsm_x4(bt, brow + (jg + i) * 64);
-        const uint32_t b1[2] = {bt[0], bt[1]}, b2[2] = {bt[2], bt[3]};
-        mma(acc[i & 1][0], am1, b1);
-        mma(acc[i & 1][0], am2, b2);
-        if (two) {
-          ldsm_x4(bt, brow + 8 * AS + (jg + i) * 64);
-          const uint32_t c1[2] = {bt[0], bt[1]}, c2[2] = {bt[2], bt[3]};
-          mma(acc[i & 1][1], am1, c1);
-          mma(acc[i & 1][1], am2, c2);
+        for (int i = 0; i < GS; ++i) {
+          // this step's block scales * 2^FP4_SCALE_EXP in both halves (steps 2m and 2m+1 share a conversion)
+          const uint32_t sel = (i & 1) ? 0x3232u : 0x1010u;
+          const uint32_t s0 = prmt(ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw0[i / 2], 0u, ssel)), 0u, sel);
+          const uint32_t s1 = prmt(ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw1[i / 2], 0u, ssel)), 0u, sel);
+          const uint32_t w0 = *reinterpret_cast<const uint32_t*>(codes0 + (jg + i) * 16);
+          const uint32_t w1 = *reinterpret_cast<const uint32_t*>(codes1 + (jg + i) * 16);
+          // A fragments: a0 = (row g, k 2t..), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, ...)
+          const uint32_t am1[4] = {hmul2(fp4_pair<0>(w0), s0), hmul2(fp4_pair<0>(w1), s1),
+                                   hmul2(fp4_pair<1>(w0), s0), hmul2(fp4_pair<1>(w1), s1)};
+          const uint32_t am2[4] = {hmul2(fp4_pair<2>(w0), s0), hmul2(fp4_pair<2>(w1), s1),
+                                   hmul2(fp4_pair<3>(w0), s0), hmul2(fp4_pair<3>(w1), s1)};
+          uint32_t bt[4];
+          ldsm_x4(bt, brow + (jg + i) * 64);
+          const uint32_t b1[2] = {bt[0], bt[1]}, b2[2] = {bt[2], bt[3]};
+          mma(acc[i & 1][0], am1, b1);
+          mma(acc[i & 1][0], am2, b2);
+          if (tw) {
+            ldsm_x4(bt, brow + 8 * AS + (jg + i) * 64);
+            const uint32_t c1[2] = {bt[0], bt[1]}, c2[2] = {bt[2], bt[3]};
+            mma(acc[i & 1][1], am1, c1);
+            mma(acc[i & 1][1], am2, c2);
+          }
         }
       }
-    }
+    };
+    if (two) steps(true);  // two copies of the loop: see `steps`
+    else steps(false);
     ring_release(b);
     // this warp's partial of its 16-row tile of chunk c: red[w][token][c * 16 + row % 16]
     // (C fragment: c0 = (row g, token 2t), c1 = (row g, 2t+1), c2 = (row g+8, 2t), c3 = (row g+8, 2t+1))
