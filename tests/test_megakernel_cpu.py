@@ -154,6 +154,22 @@ def test_emulated_mega_equals_chain_bitwise_and_matches_reference(tiny, ctx, t):
         check_close(a, b, "KV cache", rel=1e-2)
 
 
+def test_emulated_wide_residual_stages_norm_in_rotated_batches():
+    # d_model 1024: the norms stage x in two batches per row, which blocks start at different
+    # batches (gemm.cuh stage_norm); with 4 blocks both orders run. tiny's 128 is one batch.
+    cfg = dataclasses.replace(preset("tiny"), d_model=1024)
+    w = generate(cfg)
+    base = KVCache(cfg).fill_random(torch.Generator().manual_seed(5))
+    plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
+    toks, par = _inputs(cfg, 16, 9)
+    ref_cache = base.clone()
+    ref, routes = _reference(w, ref_cache, toks, par, 40)
+    outs = {m: Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode=m, routes=routes)
+            for m in ("chain", "mega")}
+    assert torch.equal(outs["chain"].logits, outs["mega"].logits)
+    check_close(outs["mega"].logits, ref, "wide residual vs reference", rel=1e-2)
+
+
 def test_emulated_synthetic_routing(tiny):
     cfg, w, base, plan = tiny
     toks, par = _inputs(cfg, 16, 5)
