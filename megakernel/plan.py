@@ -112,8 +112,8 @@ class GemmTile:
 
 def _tile(rows: int, k: int, fp4: bool, stage_budget: int, run: int = 32, min_copy: int = 2048) -> GemmTile:
     """bf16: the widest power-of-two chunk whose bytes fit the stage budget and divides K.
-    fp4: the most whole rows (16 or 32, within a run of consecutive weight rows) that fit, the
-    codes copied in groups of consecutive rows of >= min_copy bytes (or the whole chunk)."""
+    fp4: the most whole rows (a power of two from 16, within a run of consecutive weight rows) that
+    fit, the codes copied in groups of consecutive rows of >= min_copy bytes (or the whole chunk)."""
     if fp4:
         per_row = k // 2 + k // 16
         cr = 16  # the mma's 16 weight rows (gemm_fp4: weights are the A operand)
