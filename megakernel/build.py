@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import subprocess
 import tempfile
 import warnings
@@ -91,6 +92,27 @@ def build_gpu(plan: Plan, *, arch: str = "sm_90a", code_budget: int | None = Non
             raise KernelDoesNotFitError(msg)
         warnings.warn(msg)
     return Build(plan, mod)
+
+
+def op_of_chain(chain: list[str]) -> str:
+    """The op an instruction belongs to: the innermost csrc/ops/<op>.cuh on its inline chain
+    (helpers inlined into an op count as that op), "schedule" when none (the unit loops, waits,
+    loader loop, kernel entry)."""
+    for f in chain:
+        m = re.search(r"csrc/ops/(\w+)\.cuh:", f)
+        if m:
+            return m.group(1)
+    return "schedule"
+
+
+def code_bytes_by_op(b: Build) -> dict[str, int]:
+    """Machine-code bytes of the kernel per op, largest first. Every op's code is fetched cold
+    from L2 once per layer when the kernel exceeds the instruction cache (icache constants), so
+    this is the per-layer fetch an op can cost. Needs nvdisasm (microbench.sass.find_nvdisasm)."""
+    from microbench.sass import code_bytes_by_source
+
+    by = code_bytes_by_source(b.module.cubin, op_of_chain, kernel=KERNEL)
+    return dict(sorted(by.items(), key=lambda kv: -kv[1]))
 
 
 # ---------------------------------------------------------------------- host emulation

@@ -1,5 +1,6 @@
 """`python -m megakernel.cli <command>`:
-  build [--preset P]      compile for sm_90a (no GPU needed) and print code bytes / registers / spills / smem
+  build [--preset P]      compile for sm_90a (no GPU needed) and print code bytes / registers / spills / smem,
+                          and code bytes per op when nvdisasm is there
   check-and-bench [--full] [--presets ...]   on a GPU: the pipeline (checks, then timings), results saved
   sanitize-step           one tiny step in mega and chain mode (run under compute-sanitizer)
   program [--preset P]    print the launches and op instances of one step
@@ -23,16 +24,24 @@ def _no_gpu(command: str) -> bool:
 
 
 def _build(a) -> int:
-    from .build import build_gpu
+    from microbench.sass import find_nvdisasm
+
+    from .build import build_gpu, code_bytes_by_op
     from .config import preset
     from .plan import make_plan
 
+    per_op = find_nvdisasm() is not None
     for name in a.preset:
         plan = make_plan(preset(name), a.sm)
-        u = build_gpu(plan).usage
+        b = build_gpu(plan)
+        u = b.usage
         print(f"{name}: {u.code_bytes} B code ({u.sass_instructions} SASS instructions), {u.registers} registers, "
               f"{u.spill_store_bytes}/{u.spill_load_bytes} B spill stores/loads, {u.stack_frame_bytes} B stack, "
               f"{plan.smem_bytes} B dynamic smem (ring {plan.ring_stages} x {plan.stage_bytes} B)")
+        if per_op:  # each op's code is fetched cold once per layer when the kernel overflows the icache
+            print("  code by op: " + ", ".join(f"{k} {v / 1024:.1f} KB" for k, v in code_bytes_by_op(b).items()))
+    if not per_op:
+        print("(code bytes per op need nvdisasm: set MEGABENCH_NVDISASM)")
     return 0
 
 

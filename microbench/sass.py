@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,22 @@ def find_disassembler(only_path: bool = False) -> str | None:
             p = Path(d) / name
             if p.is_file() and os.access(p, os.X_OK):
                 return str(p)
+    return None
+
+
+def find_nvdisasm() -> str | None:
+    """nvdisasm, the one disassembler that prints inlined source lines (-gi), or None."""
+    env = os.environ.get("MEGABENCH_NVDISASM")
+    if env and Path(env).name.startswith("nvdisasm") and Path(env).is_file():
+        return env
+    p = shutil.which("nvdisasm")
+    if p:
+        return p
+    dirs = [os.path.join(h, "bin") for h in (os.environ.get("CUDA_HOME"), "/usr/local/cuda") if h] + ["/work/tools"]
+    for d in dirs:
+        p = Path(d) / "nvdisasm"
+        if p.is_file() and os.access(p, os.X_OK):
+            return str(p)
     return None
 
 
@@ -108,3 +125,50 @@ def sass_by_kernel(cubin: bytes, tool: str | None = None) -> dict[str, list[str]
 def count_matching(insns: list[str], pattern: str) -> int:
     r = re.compile(pattern)
     return sum(1 for i in insns if r.search(i))
+
+
+SASS_INSN_BYTES = 16  # every sm_90 instruction
+
+
+def code_bytes_by(lines: Iterable[str], label: Callable[[list[str]], str], kernel: str | None = None) -> dict[str, int]:
+    """Machine-code bytes per label, from `nvdisasm -gi -c` output. nvdisasm annotates an
+    instruction whose source position changed with its whole inline chain, innermost first, one
+    `//## File "f", line n [inlined at ...]` line per level; the instructions after it share that
+    chain. label(["f:n", ...]) names a chain; instructions before any chain count as "?".
+    kernel: only that function's instructions (all functions when None)."""
+    out: dict[str, int] = {}
+    chain: list[str] = []
+    in_chain = False
+    cur, inside = "?", kernel is None
+    for line in lines:
+        m = re.match(r"^\.text\.(\S+):", line)
+        if m:
+            inside = kernel is None or m.group(1) == kernel
+            continue
+        ma = re.search(r'//## File "([^"]+)", line (\d+)', line)
+        if ma:
+            if not in_chain:
+                chain = []
+            chain.append(f"{Path(ma.group(1)).as_posix()}:{ma.group(2)}")
+            in_chain = True
+            continue
+        if in_chain:
+            cur, in_chain = label(chain), False
+        if inside and _LINE.search(line):
+            out[cur] = out.get(cur, 0) + SASS_INSN_BYTES
+    return out
+
+
+def code_bytes_by_source(cubin: bytes, label: Callable[[list[str]], str], kernel: str | None = None,
+                         tool: str | None = None) -> dict[str, int]:
+    """code_bytes_by over the cubin's `nvdisasm -gi -c` listing (the cubin needs line info)."""
+    tool = tool or find_nvdisasm()
+    if tool is None:
+        raise FileNotFoundError("per-source code sizes need nvdisasm (set MEGABENCH_NVDISASM)")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([tool, "-gi", "-c", f.name], capture_output=True, text=True, timeout=300)
+    if res.returncode != 0:
+        raise RuntimeError(f"{tool} -gi -c failed ({res.returncode}): {res.stderr[-500:]}")
+    return code_bytes_by(res.stdout.splitlines(), label, kernel)
