@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+def _tool_dirs() -> list[str]:
+    """Where a disassembler is looked for after PATH."""
+    return [os.path.join(h, "bin") for h in (os.environ.get("CUDA_HOME"), "/usr/local/cuda") if h] + ["/work/tools"]
+
+
 def find_disassembler(only_path: bool = False) -> str | None:
     """A disassembler for sm_90a cubins, or None. `only_path`: PATH only (the GPU machine's own)."""
     if only_path:
@@ -26,8 +31,7 @@ def find_disassembler(only_path: bool = False) -> str | None:
         p = shutil.which(name)
         if p:
             return p
-    dirs = [os.path.join(h, "bin") for h in (os.environ.get("CUDA_HOME"), "/usr/local/cuda") if h] + ["/work/tools"]
-    for d in dirs:
+    for d in _tool_dirs():
         for name in ("cuobjdump", "nvdisasm"):
             p = Path(d) / name
             if p.is_file() and os.access(p, os.X_OK):
@@ -43,8 +47,7 @@ def find_nvdisasm() -> str | None:
     p = shutil.which("nvdisasm")
     if p:
         return p
-    dirs = [os.path.join(h, "bin") for h in (os.environ.get("CUDA_HOME"), "/usr/local/cuda") if h] + ["/work/tools"]
-    for d in dirs:
+    for d in _tool_dirs():
         p = Path(d) / "nvdisasm"
         if p.is_file() and os.access(p, os.X_OK):
             return str(p)
