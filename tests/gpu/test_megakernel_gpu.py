@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 
 # small at ctx 4000: the global layers' 33 splits (the cap) hold ~122 keys each (two staged rounds)
-# and attn_combine sums 33 parts per slice (three load batches)
+# and attn_combine sums 33 parts per slice (its early load round and one more)
 @pytest.mark.parametrize("preset,T,ctx", [("tiny", 16, 100), ("tiny", 1, 0), ("small", 16, 1500), ("small", 16, 4000)])
 def test_mega_equals_chain_and_matches_reference(preset, T, ctx):
     from megakernel.pipeline import check_point, plan_for
