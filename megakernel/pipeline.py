@@ -71,9 +71,11 @@ def plan_for(preset: str, constants=None, n_sm: int | None = None, **switches) -
     cfg = get_preset(preset)
     n_sm = n_sm or device_info().sm_count
     c = tuned(constants)
+    # the tuned ring is the least that streams at full rate; spare shared memory adds stages of
+    # its size (plan.make_plan fill_ring)
     kw = dict(ring_stages=int(_get(c, "ring_stages")), ring_stage_bytes=int(_get(c, "ring_stage_bytes")),
               spin_bound_ns=int(_get(c, "spin_bound_ns")) + PHASE_ALLOWANCE_NS,
-              poll_backoff_ns=int(_get(c, "poll_backoff_ns")))
+              poll_backoff_ns=int(_get(c, "poll_backoff_ns")), fill_ring=True)
     try:
         return make_plan(cfg, n_sm, **kw, **switches)
     except KernelDoesNotFitError as e:

@@ -170,6 +170,45 @@ def test_emulated_wide_residual_stages_norm_in_rotated_batches():
     check_close(outs["mega"].logits, ref, "wide residual vs reference", rel=1e-2)
 
 
+def test_fill_ring_stages_the_normed_operand_in_panels_where_that_buys_a_stage():
+    # shard8 with the tuned H200 ring (2 x 32 KB): 16 rows of d_model 4096 take 131 KB of abuf; in
+    # two panels of 2048 abuf shrinks to the expert GEMMs' need and a third stage fits
+    cfg = preset("shard8")
+    p0 = make_plan(cfg, 132, ring_stages=2, ring_stage_bytes=32768)
+    p = make_plan(cfg, 132, ring_stages=2, ring_stage_bytes=32768, fill_ring=True)
+    assert (p0.ring_stages, p0.norm_k, p0.ring_fill) == (2, 4096, 0)
+    assert (p.ring_stages, p.norm_k, p.ring_fill) == (3, 2048, 1)
+    assert p0.smem_bytes <= p.smem_bytes <= 232448 < p.smem_bytes + p.stage_bytes
+    assert p.abuf_bytes == max(fp4_abuf_need(p.tiles[n]) for n in ("expert1", "expert2")) < p0.abuf_bytes
+    assert "constexpr int NORM_KP = 2048;" in render(p) and "constexpr int RING_STAGES = 3;" in render(p)
+    # small's abuf is already the experts' size: no panels, the spare bytes still give stages
+    s = make_plan(preset("small"), 132, ring_stages=2, ring_stage_bytes=32768, fill_ring=True)
+    assert s.norm_k == s.cfg.d_model and s.ring_stages == 4
+    with pytest.raises(ValueError, match="norm_panel 1000: must divide d_model 4096"):
+        make_plan(cfg, 132, norm_panel=1000)
+
+
+def test_emulated_paneled_norm_operand_gives_the_same_bits():
+    # d_model 1024 staged in four panels of 256 (chunks of 128-256 columns): the GEMMs sum the same
+    # chunks in the same order, so the bits equal the unpaneled build's, in both modes; with 4
+    # blocks a block runs router and pool units back to back (panel 0 restaged, norm factors reused)
+    cfg = dataclasses.replace(preset("tiny"), d_model=1024)
+    w = generate(cfg)
+    base = KVCache(cfg).fill_random(torch.Generator().manual_seed(6))
+    geo = dict(ring_stages=2, ring_stage_bytes=4096, spin_bound_ns=3_000_000_000)
+    whole, paneled = make_plan(cfg, 4, **geo), make_plan(cfg, 4, norm_panel=256, **geo)
+    assert paneled.norm_k == 256 and paneled.abuf_bytes < whole.abuf_bytes
+    toks, par = _inputs(cfg, 16, 4)
+    ref = Engine(w, whole, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
+    for mode in ("chain", "mega"):
+        out = Engine(w, paneled, base.clone(), backend="emu").step(toks, par, 40, mode=mode)
+        assert torch.equal(out.logits, ref.logits) and torch.equal(out.tokens, ref.tokens), mode
+    filled = make_plan(cfg, 4, fill_ring=True, **geo)
+    assert filled.ring_stages > 2
+    out = Engine(w, filled, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
+    assert torch.equal(out.logits, Engine(w, filled, base.clone(), backend="emu").step(toks, par, 40, mode="chain").logits)
+
+
 def test_emulated_synthetic_routing(tiny):
     cfg, w, base, plan = tiny
     toks, par = _inputs(cfg, 16, 5)
@@ -239,7 +278,12 @@ def test_bad_step_inputs_are_refused(tiny):
         eng.enqueue([1, 2], [-1, 0], 0, routes=bad)
     with pytest.raises(ValueError, match="mode"):
         eng.launches("fast")
-
+    # bulk copies need 16-byte aligned sources: a weight view 2 bytes in is refused by name
+    odd = dataclasses.replace(w, layers=list(w.layers))
+    g = torch.cat([w.layers[0].ffn_norm, w.layers[0].ffn_norm[:1]])
+    odd.layers[0] = dataclasses.replace(w.layers[0], ffn_norm=g[1:])
+    with pytest.raises(ConfigError, match="16-byte aligned"):
+        Engine(odd, plan, base.clone(), backend="emu")
 
 
 def test_every_technique_switch_computes_the_same_bits(tiny):
@@ -359,7 +403,7 @@ def test_plan_reads_tuned_constants_and_refuses_a_malformed_file(tmp_path, monke
     with pytest.warns(UserWarning, match="documented defaults"):
         p = plan_for("tiny", None, 4)
     d = tune.TunedConstants.defaults()
-    assert p.ring_stages == d.ring_stages and p.spin_bound_ns == d.spin_bound_ns + PHASE_ALLOWANCE_NS
+    assert p.ring_stages - p.ring_fill == d.ring_stages and p.spin_bound_ns == d.spin_bound_ns + PHASE_ALLOWANCE_NS
     (tmp_path / "nvidia-h200.json").write_text('{"schema": "megabench.constants", "version": 1}')
     with pytest.raises(ResultsFileError, match="nvidia-h200.json"):
         plan_for("tiny", None, 4)

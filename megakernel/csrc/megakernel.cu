@@ -36,6 +36,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
     }
     fence_mbar_init();
     b.misc[MISC_TAG] = -1;
+    b.misc[MISC_RTAG] = -1;
     b.misc[MISC_OPS_DONE] = 0;
   }
   sync_block();

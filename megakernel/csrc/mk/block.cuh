@@ -6,7 +6,7 @@
 //   red    RED_BYTES   per-warp partial sums of a bf16 GEMM tile, reduced in fixed warp order
 //          (the fp4 GEMMs keep theirs in abuf after the staged operand: gemm.cuh fp4_red_of)
 //   bars   2 x RING_STAGES mbarriers (full: one arrival + tx bytes; empty: one arrival per
-//          compute thread), then small ints (staged-activation tag, top-k scratch)
+//          compute thread), then small ints (staged-activation tag, top-k scratch, norm factors)
 // Ring protocol: chunk c lives in stage c % RING_STAGES; the producer waits for `empty` of
 // use (c / RING_STAGES) - 1, announces the bytes on `full` and issues the copies; consumers
 // wait for `full` of use c / RING_STAGES, read, and each compute thread arrives on `empty`. Producer and
@@ -27,7 +27,9 @@ constexpr int MISC_OP = 32;      // [16] thread 0's copy of the current op recor
 constexpr int MISC_PROF = 48;     // [10] the profiler's state (megakernel.cu; 8-byte aligned)
 constexpr int MISC_SCRATCH = 58;  // top-k scratch from here (ints)
 // top-k scratch: selections [T_MAX*TOPK], slot prefix [E/32], expert bitmap [E/32], token masks [E]
-constexpr int MISC_INTS = MISC_SCRATCH + T_MAX * TOPK + 2 * ((E + 31) / 32) + E;
+constexpr int MISC_RTAG = MISC_SCRATCH + T_MAX * TOPK + 2 * ((E + 31) / 32) + E;  // tag of the norm's factors
+constexpr int MISC_RNORM = MISC_RTAG + 1;  // [16] float: a staged norm's rsqrt(mean(x^2) + eps) per token row
+constexpr int MISC_INTS = MISC_RNORM + 16;
 
 struct Blk {
   const Params* p;

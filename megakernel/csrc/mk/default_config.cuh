@@ -38,6 +38,7 @@ constexpr int ROW_PAD = 16;
 constexpr int RING_STAGES = 4;
 constexpr int STAGE_BYTES = 8448;
 constexpr int ABUF_BYTES = 24064;
+constexpr int NORM_KP = 128;  // columns of a normed operand staged at a time
 constexpr int RED_BYTES = 8192;
 constexpr int SMEM_BYTES = 70144;
 // synchronisation (tuned constants: sync.flags)
@@ -135,6 +136,7 @@ struct Params {
   const uint32_t* anc;
   const int32_t* route_override;
   float* x;
+  uint16_t* xb;
   float* ss_part;
   uint16_t* q;
   float* att_o;
@@ -162,7 +164,7 @@ struct Params {
   int32_t n_counters;
   int32_t n_launches;
 };
-static_assert(sizeof(Params) == 304, "abi.py Params");
+static_assert(sizeof(Params) == 312, "abi.py Params");
 }  // namespace mk
 namespace mk {
 constexpr int OPINST_INTS = 16;

@@ -60,52 +60,69 @@ MK_DEV float ss8_lanes(float v) {
 // slower block may still be summing.
 MK_DEV float* ss_part(const Params& p, int which) { return p.ss_part + which * T_MAX * (D / 8); }
 
-// bf16(x * rsqrt(mean(x^2) + eps) * g) for token rows < T; rows >= T are zero. Warp w stages rows
-// w and w + 8 together, in one pass over x: the row's sum of squares is the fixed-order sum of
-// its producers' 8-feature partials `ssp` (lane l adds float4 l, l+32, ..., then a butterfly).
-// Each load batch covers both rows (half the L2 round trips of a row at a time).
-template <int K>
-MK_DEV void stage_norm(Blk& b, const float* x, const float* ssp, const uint16_t* gain, int tag) {
-  static_assert(K % 128 == 0, "norm staging reads float4 per lane");
+// bf16(xb * rsqrt(mean(x^2) + eps) * g) for token rows < T, columns panel * KP ..+KP of K (row
+// stride a_stride<KP>); rows >= T are zero. xb = bf16(x), written beside x by its producers: every
+// block stages the whole operand from L2 (shard8: 132 blocks x 16 rows x 4096), and bf16 halves
+// the bytes of fp32 x (shard8 step 10.77 -> 10.65 ms, H200 2026-11-29, separate runs). Rounding x
+// before the scaling is the numerical cost (<= 2^-9 relative; the sums of squares stay fp32).
+// Warp w stages rows w and w + 8 together, in one pass over xb: the row's sum of squares is the
+// fixed-order sum of its producers' 8-feature partials `ssp` (lane l adds float4 l, l+32, ...,
+// then a butterfly), computed once per operand and kept in shared memory (MISC_RNORM) for its
+// other panels. Each load batch covers both rows (half the L2 round trips of a row at a time).
+// abuf holds one panel at a time: its tag is tag + panel.
+template <int K, int KP>
+MK_DEV void stage_norm(Blk& b, const uint16_t* xb, const float* ssp, const uint16_t* gain, int tag, int panel) {
+  static_assert(KP % 128 == 0 && K % KP == 0, "norm staging reads 4 values per lane, whole panels");
+  static_assert(16 * a_stride<KP>() <= ABUF_BYTES, "a panel of 16 rows fits abuf");
   static_assert(2 * WARPS == 16, "a warp stages token rows w and w + 8");
-  constexpr int NPER = K / 128;  // float4 of x per lane per row
+  constexpr int NPER = KP / 128;  // pieces of 4 values per lane per row
   constexpr int NB = NPER < STAGE_BATCH / 2 ? NPER : STAGE_BATCH / 2;  // per row: both rows' batch in flight
-  // (8 per row measured the same on the H200, e38b6dd vs e47bd5a, for 13 KB more code)
+  // (8 per row: the same with fp32 x, e38b6dd vs e47bd5a; +2.8% with paneled bf16 xb, and
+  // software-pipelined batches of 2 no better; H200 2026-11-29)
   constexpr int NG4 = K / 32;  // float4 of a row's K/8 partial sums
   constexpr int NS = (NG4 + 31) / 32;
   static_assert(NPER % NB == 0, "batching");
-  if (b.misc[MISC_TAG] == tag) return;
+  if (b.misc[MISC_TAG] == tag + panel) return;
   const int tr[2] = {warp(), warp() + WARPS};
   const bool ok[2] = {tr[0] < b.T, tr[1] < b.T};
+  float* rn = reinterpret_cast<float*>(b.misc + MISC_RNORM);
   float r[2];
+  if (K != KP && b.misc[MISC_RTAG] == tag) {  // an earlier panel of this operand computed them
+    r[0] = rn[tr[0]];
+    r[1] = rn[tr[1]];
+  } else {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    uint4 sv[NS];
+    for (int h = 0; h < 2; ++h) {
+      uint4 sv[NS];
 #pragma unroll
-    for (int i = 0; i < NS; ++i) {
-      const int i4 = lane() + 32 * i;
-      sv[i] = (ok[h] && i4 < NG4) ? ldg_cg4(ssp + tr[h] * (K / 8) + 4 * i4) : uint4{0, 0, 0, 0};
+      for (int i = 0; i < NS; ++i) {
+        const int i4 = lane() + 32 * i;
+        sv[i] = (ok[h] && i4 < NG4) ? ldg_cg4(ssp + tr[h] * (K / 8) + 4 * i4) : uint4{0, 0, 0, 0};
+      }
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < NS; ++i) ss = (((ss + u2f(sv[i].x)) + u2f(sv[i].y)) + u2f(sv[i].z)) + u2f(sv[i].w);
+      for (int m = 16; m >= 1; m >>= 1) ss += shfl_xor(ss, m);
+      r[h] = frsqrt(ss / static_cast<float>(K) + RMS_EPS);
+      if (K != KP && lane() == 0) rn[tr[h]] = r[h];
     }
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < NS; ++i) ss = (((ss + u2f(sv[i].x)) + u2f(sv[i].y)) + u2f(sv[i].z)) + u2f(sv[i].w);
-    for (int m = 16; m >= 1; m >>= 1) ss += shfl_xor(ss, m);
-    r[h] = frsqrt(ss / static_cast<float>(K) + RMS_EPS);
   }
+  const uint16_t* xp = xb + panel * KP;
+  const uint16_t* gp = gain + panel * KP;
   // Every block reads the same x: each starts at a different batch (by block index) so that they
   // do not all ask for the same L2 lines at once (shard8 step -1.6%, H200 2026-11-29; the same
   // rotation in stage_rows measured no better)
   const int rot = (bid() % (NPER / NB)) * NB;
   for (int j0 = 0; j0 < NPER; j0 += NB) {
     const int i0 = (j0 + rot) % NPER;
-    uint4 v[2][NB];
+    uint2 v[2][NB];
     uint2 gg[NB];
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
       const int k4 = lane() + 32 * (i0 + i);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) v[h][i] = ok[h] ? ldg_cg4(x + tr[h] * D + 4 * k4) : uint4{0, 0, 0, 0};
-      gg[i] = *reinterpret_cast<const uint2*>(gain + 4 * k4);
+      for (int h = 0; h < 2; ++h) v[h][i] = ok[h] ? ldg_cg2(xp + tr[h] * D + 4 * k4) : uint2{0, 0};
+      gg[i] = *reinterpret_cast<const uint2*>(gp + 4 * k4);
     }
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
@@ -116,15 +133,18 @@ MK_DEV void stage_norm(Blk& b, const float* x, const float* ssp, const uint16_t*
         uint2 o = {0u, 0u};
         if (ok[h]) {
           const float rr = r[h];
-          o.x = pack_bf2((u2f(v[h][i].x) * rr) * g0, (u2f(v[h][i].y) * rr) * g1);
-          o.y = pack_bf2((u2f(v[h][i].z) * rr) * g2, (u2f(v[h][i].w) * rr) * g3);
+          o.x = pack_bf2((bf2f(v[h][i].x & 0xffff) * rr) * g0, (bf2f(v[h][i].x >> 16) * rr) * g1);
+          o.y = pack_bf2((bf2f(v[h][i].y & 0xffff) * rr) * g2, (bf2f(v[h][i].y >> 16) * rr) * g3);
         }
-        *reinterpret_cast<uint2*>(b.abuf + tr[h] * a_stride<K>() + 8 * (lane() + 32 * (i0 + i))) = o;
+        *reinterpret_cast<uint2*>(b.abuf + tr[h] * a_stride<KP>() + 8 * (lane() + 32 * (i0 + i))) = o;
       }
     }
   }
   sync_compute();
-  if (tid() == 0) b.misc[MISC_TAG] = tag;
+  if (tid() == 0) {
+    b.misc[MISC_TAG] = tag + panel;
+    if (K != KP) b.misc[MISC_RTAG] = tag;
+  }
 }
 
 // Rows of another block's bf16 output (read at L2): `src(r)` is row r's address, r < nrows; rows
@@ -190,10 +210,21 @@ MK_DEV void stage_gather_perm(Blk& b, const uint16_t* src, int nrows, RowIdx row
 // ---------------------------------------------------------------- consumer: bf16 weights
 // Two accumulators take alternate k-steps (summed in a fixed order at the end): one chain of
 // dependent mmas per warp left the schedulers idle (8 compute warps = 2 per scheduler).
-template <int ROWS, int KC, int K>
-MK_DEV void gemm_bf16(Blk& b, float acc[4], uint32_t what) {
-  constexpr int NT8 = ROWS / 8, WPT = WARPS / NT8, KSTEPS = KC / 16, RS = KC * 2 + ROW_PAD, AS = a_stride<K>();
+// `restage(n)` stages panel n of the operand before the panel's first chunk (the norm ops stage
+// their operand this way; the others stage before and pass NoRestage). Paneled (KP < K): abuf
+// holds one panel's columns (row stride a_stride<KP>), and the warps meet before each restage.
+// REV: the chunks are walked last to first (the loader streams them in the same order,
+// produce_bf16): the router does, so that it leaves panel 0 staged for the pool unit that often
+// follows it on the same block.
+struct NoRestage {
+  MK_DEV void operator()(int) const {}
+};
+template <int ROWS, int KC, int K, int KP = K, bool REV = false, typename Restage = NoRestage>
+MK_DEV void gemm_bf16(Blk& b, float acc[4], uint32_t what, Restage restage = {}) {
+  constexpr int NT8 = ROWS / 8, WPT = WARPS / NT8, KSTEPS = KC / 16, RS = KC * 2 + ROW_PAD, AS = a_stride<KP>();
+  constexpr int NCH = K / KC, CPP = KP / KC;  // chunks, chunks per panel
   static_assert(WARPS % NT8 == 0 && K % KC == 0 && KC % 16 == 0, "bf16 tile shape");
+  static_assert(K % KP == 0 && KP % KC == 0, "panels of whole chunks");
   const int w = warp(), tile = w % NT8, ks = w / NT8, g = lane() >> 2, t = lane() & 3;
   const int n = tile * 8 + g;
   const unsigned char* arow = b.abuf + (lane() & 15) * AS + (lane() >> 4) * 16;  // ldmatrix row of this lane
@@ -205,11 +236,19 @@ MK_DEV void gemm_bf16(Blk& b, float acc[4], uint32_t what) {
     bb[1] = *reinterpret_cast<const uint32_t*>(st + n * RS + (j * 16 + 2 * t + 8) * 2);
     mma(d, a, bb);
   };
-  for (int c = 0; c < K / KC; ++c) {
+  if constexpr (KP == K) restage(0);
+  for (int i = 0; i < NCH; ++i) {
+    const int c = REV ? NCH - 1 - i : i;  // the weight chunk
+    if constexpr (KP != K) {  // one call site: `restage` (a whole norm staging) is inlined once
+      if (c % CPP == (REV ? CPP - 1 : 0)) {
+        if (i > 0) sync_compute();  // every warp is done with the previous panel
+        restage(c / CPP);
+      }
+    }
     const unsigned char* st = ring_consume(b, what);
     for (int j = ks; j < KSTEPS; j += 2 * WPT) {
-      step(st, c, j, acc);
-      if (j + WPT < KSTEPS) step(st, c, j + WPT, acc2);
+      step(st, c % CPP, j, acc);
+      if (j + WPT < KSTEPS) step(st, c % CPP, j + WPT, acc2);
     }
     ring_release(b);
   }
@@ -395,9 +434,9 @@ MK_DEV float gemm_sum(const Blk& b, int t, int n) {
 }
 
 // ---------------------------------------------------------------- residual projections
-// x[t][unit*R ..+R] += (the staged operand) @ W^T (oproj, unpool), and the new x's sums of squares
-// per 8 features into ss_part(which) for the next norm. The residual is loaded before the GEMM so
-// that its L2 round trip overlaps it.
+// x[t][unit*R ..+R] += (the staged operand) @ W^T (oproj, unpool), its bf16 copy xb, and the new
+// x's sums of squares per 8 features into ss_part(which) for the next norm. The residual is loaded
+// before the GEMM so that its L2 round trip overlaps it.
 template <int R, int KC, int K>
 MK_DEV void gemm_residual_add(Blk& b, int unit, int which, uint32_t what) {
   static_assert(R % 8 == 0 && (16 * R) % 32 == 0 && 16 * R <= COMPUTE_THREADS,
@@ -410,17 +449,21 @@ MK_DEV void gemm_residual_add(Blk& b, int unit, int which, uint32_t what) {
   gemm_stash<R>(b, acc);
   if (tid() < 16 * R) {  // whole warps: the sum of squares shuffles within 8 lanes
     const float xn = xo + gemm_sum<R>(b, t, n);
-    if (t < b.T) p.x[t * D + unit * R + n] = xn;
+    if (t < b.T) {
+      p.x[t * D + unit * R + n] = xn;
+      p.xb[t * D + unit * R + n] = f2bf(xn);
+    }
     const float ss = ss8_lanes(xn);
     if (n % 8 == 0 && t < b.T) ss_part(p, which)[t * (D / 8) + unit * (R / 8) + n / 8] = ss;
   }
 }
 
 // ---------------------------------------------------------------- producer: the loader warp
-template <int ROWS, int KC, int K>
+template <int ROWS, int KC, int K, bool REV = false>  // REV: chunks last to first (gemm_bf16)
 MK_DEV bool produce_bf16(const Blk& b, const uint16_t* W, int row0, unsigned& c, uint32_t what) {
   constexpr int RS = KC * 2 + ROW_PAD;
-  for (int ch = 0; ch < K / KC; ++ch, ++c) {
+  for (int i = 0; i < K / KC; ++i, ++c) {
+    const int ch = REV ? K / KC - 1 - i : i;
     if (!ring_produce_begin(b, c, ROWS * KC * 2, what)) return false;
     unsigned char* st = stage_of(b, c);
     for (int r = lane(); r < ROWS; r += 32)

@@ -1,5 +1,6 @@
 // pool (the pooler): pooled = bf16(rmsnorm(x, ffn_norm) @ pool^T), d -> p. Unit = TILE_POOL_ROWS features.
-// Shares its staged operand with the router (same tag) when a block runs both.
+// Shares its staged operand with the router (same tag) when a block runs both (with a paneled
+// operand, only the norm factors: the router left its last panel in abuf).
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
@@ -13,10 +14,12 @@ MK_DEV bool load_pool(const Blk& b, int layer, int unit, unsigned& c, uint32_t w
 
 MK_DEV void run_pool(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
-  stage_norm<D>(b, p.x, ss_part(p, 1), p.layers[layer].ffn_norm, tag_of(TAG_FFN_NORM, layer, 0));
+  auto stage = [&](int panel) {
+    stage_norm<D, NORM_KP>(b, p.xb, ss_part(p, 1), p.layers[layer].ffn_norm, tag_of(TAG_FFN_NORM, layer, 0), panel);
+  };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_POOL_ROWS;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  gemm_bf16<R, TILE_POOL_KC, D>(b, acc, what);
+  gemm_bf16<R, TILE_POOL_KC, D, NORM_KP>(b, acc, what, stage);
   gemm_stash<R>(b, acc);
 MK_COLD_LOOP
   for (int i = tid(); i < 16 * R; i += COMPUTE_THREADS) {

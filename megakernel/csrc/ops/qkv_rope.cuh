@@ -17,10 +17,12 @@ MK_DEV bool load_qkv(const Blk& b, int layer, int unit, unsigned& c, uint32_t wh
 MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   const LayerPtrs& L = p.layers[layer];
-  stage_norm<D>(b, p.x, ss_part(p, 0), L.attn_norm, tag_of(TAG_ATTN_NORM, layer, 0));
+  auto stage = [&](int panel) {
+    stage_norm<D, NORM_KP>(b, p.xb, ss_part(p, 0), L.attn_norm, tag_of(TAG_ATTN_NORM, layer, 0), panel);
+  };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_QKV_ROWS;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  gemm_bf16<R, TILE_QKV_KC, D>(b, acc, what);
+  gemm_bf16<R, TILE_QKV_KC, D, NORM_KP>(b, acc, what, stage);
   gemm_stash<R>(b, acc);
   const int row0 = unit * R, head = row0 / HD;
 MK_COLD_LOOP

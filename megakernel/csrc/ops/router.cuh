@@ -1,4 +1,5 @@
-// router: logits = rmsnorm(x, ffn_norm) @ router^T, fp32. Unit = TILE_ROUTER_ROWS experts.
+// router: logits = rmsnorm(x, ffn_norm) @ router^T, fp32. Unit = TILE_ROUTER_ROWS experts. Its k-chunks
+// are walked last to first (gemm_bf16 REV): with a paneled operand it leaves panel 0 staged for pool.
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
@@ -7,15 +8,17 @@ namespace mk {
 
 MK_DEV bool load_router(const Blk& b, int layer, int unit, unsigned& c, uint32_t what) {
   constexpr int R = TILE_ROUTER_ROWS;
-  return produce_bf16<R, TILE_ROUTER_KC, D>(b, b.p->layers[layer].router, unit * R, c, what);
+  return produce_bf16<R, TILE_ROUTER_KC, D, true>(b, b.p->layers[layer].router, unit * R, c, what);
 }
 
 MK_DEV void run_router(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
-  stage_norm<D>(b, p.x, ss_part(p, 1), p.layers[layer].ffn_norm, tag_of(TAG_FFN_NORM, layer, 0));
+  auto stage = [&](int panel) {
+    stage_norm<D, NORM_KP>(b, p.xb, ss_part(p, 1), p.layers[layer].ffn_norm, tag_of(TAG_FFN_NORM, layer, 0), panel);
+  };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_ROUTER_ROWS;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  gemm_bf16<R, TILE_ROUTER_KC, D>(b, acc, what);
+  gemm_bf16<R, TILE_ROUTER_KC, D, NORM_KP, true>(b, acc, what, stage);
   gemm_stash<R>(b, acc);
 MK_COLD_LOOP
   for (int i = tid(); i < 16 * R; i += COMPUTE_THREADS) {
