@@ -41,7 +41,6 @@ PARAM_FIELDS = (
     ("anc", "const uint32_t*"),  # [T] ancestor bitmask (bit j: token j is an ancestor or itself)
     ("route_override", "const int32_t*"),  # [L][T_MAX][TOPK] or null
     ("x", "float*"),  # [T_MAX][D] residual stream
-    ("xb", "uint16_t*"),  # [T_MAX][D] bf16(x), written with x: what the norms stage (half of x's L2 bytes)
     ("ss_part", "float*"),  # [2][T_MAX][D/8] sums of squares of x per 8 features (gemm.cuh ss8)
     ("q", "uint16_t*"),  # [T_MAX][HQ][HD]
     ("att_o", "float*"),  # [HKV][PARTS][G*16][HD]

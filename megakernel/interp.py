@@ -34,7 +34,7 @@ class Interpreter:
         zi = lambda *s: torch.zeros(s, dtype=torch.int64, device=dev)  # noqa: E731
         self.parts = p.max_splits * (8 // c.group)
         self.buf = {
-            "x": nan(tm, c.d_model), "xb": nan(tm, c.d_model, dt=BF16), "ss_part": nan(2, tm, c.d_model // 8), "q": nan(tm, c.n_heads, c.head_dim, dt=BF16),
+            "x": nan(tm, c.d_model), "ss_part": nan(2, tm, c.d_model // 8), "q": nan(tm, c.n_heads, c.head_dim, dt=BF16),
             "att_o": nan(c.n_kv_heads, self.parts, c.group * 16, c.head_dim),
             "att_ml": nan(c.n_kv_heads, self.parts, c.group * 16, 2), "att_out": nan(tm, c.attn_width, dt=BF16),
             "router_logits": nan(tm, c.n_experts), "route_sel": zi(tm, c.top_k), "route_w": nan(tm, c.top_k),
@@ -48,13 +48,7 @@ class Interpreter:
 
     # ------------------------------------------------------------------ per-op units
     def _norm(self, gain):
-        """As the kernel stages it: bf16(x) (xb) times the rsqrt of fp32 x's mean square and the gain."""
-        x = self.buf["x"][: self.T]
-        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)
-        return (self.buf["xb"][: self.T].to(F32) * r * gain.to(F32)).to(BF16)
-
-    def _set_xb(self, cols=slice(None)):
-        self.buf["xb"][: self.T, cols] = self.buf["x"][: self.T, cols].to(BF16)
+        return rmsnorm(self.buf["x"][: self.T], gain, self.cfg.rms_eps)
 
     def unit(self, op_index: int, u: int) -> None:
         o = self.prog.ops[op_index]
@@ -62,7 +56,6 @@ class Interpreter:
 
     def _embed(self, layer, u):
         self.buf["x"][u] = self.w.embed[self.tokens[u]].to(F32)
-        self.buf["xb"][u] = self.buf["x"][u].to(BF16)
 
     def _qkv(self, layer, u):
         c, lw, b = self.cfg, self.w.layers[layer], self.buf
@@ -143,7 +136,6 @@ class Interpreter:
     def _oproj(self, layer, u):
         b, n = self.buf, self.plan.tiles["oproj"].rows
         b["x"][: self.T, n * u:n * u + n] += b["att_out"][: self.T].to(F32) @ self.w.layers[layer].wo[n * u:n * u + n].to(F32).T
-        self._set_xb(slice(n * u, n * u + n))
 
     def _router(self, layer, u):
         lw, n = self.w.layers[layer], self.plan.tiles["router"].rows
@@ -212,7 +204,6 @@ class Interpreter:
     def _unpool(self, layer, u):
         b, n = self.buf, self.plan.tiles["unpool"].rows
         b["x"][: self.T, n * u:n * u + n] += b["z"][: self.T].to(F32) @ self.w.layers[layer].unpool[n * u:n * u + n].to(F32).T
-        self._set_xb(slice(n * u, n * u + n))
 
     def _lm_head(self, layer, u):
         b = self.buf

@@ -217,8 +217,9 @@ def _fill_ring(p: Plan, smem_limit: int, norm_panel: int | None) -> Plan:
     """More stages of the tuned size in the shared memory the plan leaves free. Where staging the
     normed operand in panels (d_model halved, whole chunks of every NORM_OPS tile) frees a whole
     stage more, the fewest panels that do. A panel costs a barrier and a staging pass inside the
-    GEMM. shard8 on the H200, 2026-11-29, in-run A/B of the whole change (router chunks walked
-    last-first, gemm.cuh): 3 stages and two 2048-column panels, step 10.65 -> 10.49 ms."""
+    GEMM. shard8 on the H200, 2026-11-29, 3 stages and two 2048-column panels with the router's
+    chunks walked last-first (gemm.cuh), in-run A/B: step 10.77 -> 10.72 ms (two runs); the
+    expert GEMMs gain ~7 us a layer, the restaged panels cost most of it back."""
     if norm_panel is not None:
         cands = [norm_panel]
     else:

@@ -112,7 +112,7 @@ class Engine:
         parts = p.max_splits * (8 // c.group)
         z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
         self.buf = {
-            "x": z(tm, c.d_model), "xb": z(tm, c.d_model, dt=BF16), "ss_part": z(2, tm, c.d_model // 8), "q": z(tm, c.n_heads, c.head_dim, dt=BF16),
+            "x": z(tm, c.d_model), "ss_part": z(2, tm, c.d_model // 8), "q": z(tm, c.n_heads, c.head_dim, dt=BF16),
             "att_o": z(c.n_kv_heads, parts, c.group * 16, c.head_dim),
             "att_ml": z(c.n_kv_heads, parts, c.group * 16, 2), "att_out": z(tm, c.attn_width, dt=BF16),
             "router_logits": z(tm, c.n_experts), "route_sel": z(tm, c.top_k, dt=torch.int32),
@@ -156,7 +156,7 @@ class Engine:
         P.n_launches = len(self.program.launches)
         P.tokens, P.depth, P.anc = _ptr(self.tokens_t), _ptr(self.depth_t), _ptr(self.anc_t)
         P.route_override = _ptr(self.route_t) if override else 0
-        for name in ("x", "xb", "ss_part", "q", "att_o", "att_ml", "att_out", "router_logits", "route_sel", "route_w", "route_slot",
+        for name in ("x", "ss_part", "q", "att_o", "att_ml", "att_out", "router_logits", "route_sel", "route_w", "route_slot",
                      "route_pos", "slot_expert", "slot_ntok", "slot_tok", "n_slots", "pooled", "act", "yexp", "z",
                      "logits", "amax_val", "amax_idx", "out_tokens"):
             setattr(P, name, _ptr(b[name]))

@@ -122,7 +122,6 @@ MK_DEV void mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
 }
 
 MK_DEV uint4 ldg_cg4(const void* p) { uint4 v; memcpy(&v, p, 16); return v; }
-MK_DEV uint2 ldg_cg2(const void* p) { uint2 v; memcpy(&v, p, 8); return v; }
 MK_DEV uint32_t ldg_cg(const void* p) { uint32_t v; memcpy(&v, p, 4); return v; }
 MK_DEV float ldg_cgf(const float* p) { return *p; }
 MK_DEV int ldg_cgi(const int32_t* p) { return *p; }

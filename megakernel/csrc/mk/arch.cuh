@@ -117,11 +117,6 @@ MK_DEV void mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
 
 // Data other blocks of this launch wrote: read at L2 (.cg), never from a possibly stale L1 line.
 MK_DEV uint4 ldg_cg4(const void* p) { return mb::ld_cg_v4(p); }
-MK_DEV uint2 ldg_cg2(const void* p) {
-  uint2 v;
-  asm volatile("ld.global.cg.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
 MK_DEV uint32_t ldg_cg(const void* p) { return mb::ld_cg_u32(static_cast<const uint32_t*>(p)); }
 MK_DEV float ldg_cgf(const float* p) { return __uint_as_float(ldg_cg(p)); }
 MK_DEV int ldg_cgi(const int32_t* p) { return static_cast<int>(ldg_cg(p)); }

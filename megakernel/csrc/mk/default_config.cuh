@@ -136,7 +136,6 @@ struct Params {
   const uint32_t* anc;
   const int32_t* route_override;
   float* x;
-  uint16_t* xb;
   float* ss_part;
   uint16_t* q;
   float* att_o;
@@ -164,7 +163,7 @@ struct Params {
   int32_t n_counters;
   int32_t n_launches;
 };
-static_assert(sizeof(Params) == 312, "abi.py Params");
+static_assert(sizeof(Params) == 304, "abi.py Params");
 }  // namespace mk
 namespace mk {
 constexpr int OPINST_INTS = 16;

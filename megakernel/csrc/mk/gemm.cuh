@@ -60,25 +60,24 @@ MK_DEV float ss8_lanes(float v) {
 // slower block may still be summing.
 MK_DEV float* ss_part(const Params& p, int which) { return p.ss_part + which * T_MAX * (D / 8); }
 
-// bf16(xb * rsqrt(mean(x^2) + eps) * g) for token rows < T, columns panel * KP ..+KP of K (row
-// stride a_stride<KP>); rows >= T are zero. xb = bf16(x), written beside x by its producers: every
-// block stages the whole operand from L2 (shard8: 132 blocks x 16 rows x 4096), and bf16 halves
-// the bytes of fp32 x (shard8 step 10.77 -> 10.65 ms, H200 2026-11-29, separate runs). Rounding x
-// before the scaling is the numerical cost (<= 2^-9 relative; the sums of squares stay fp32).
-// Warp w stages rows w and w + 8 together, in one pass over xb: the row's sum of squares is the
-// fixed-order sum of its producers' 8-feature partials `ssp` (lane l adds float4 l, l+32, ...,
-// then a butterfly), computed once per operand and kept in shared memory (MISC_RNORM) for its
-// other panels. Each load batch covers both rows (half the L2 round trips of a row at a time).
-// abuf holds one panel at a time: its tag is tag + panel.
+// bf16(x * rsqrt(mean(x^2) + eps) * g) for token rows < T, columns panel * KP ..+KP of K (row
+// stride a_stride<KP>); rows >= T are zero. Warp w stages rows w and w + 8 together, in one pass
+// over x: the row's sum of squares is the fixed-order sum of its producers' 8-feature partials
+// `ssp` (lane l adds float4 l, l+32, ..., then a butterfly), computed once per operand and kept in
+// shared memory (MISC_RNORM) for its other panels. Each load batch covers both rows (half the L2
+// round trips of a row at a time). abuf holds one panel at a time: its tag is tag + panel.
+// Staging bf16(x) instead (written beside x by its producers) was 1.1% faster on shard8 but
+// raised the step's error against the fp32 reference from 8.2e-3 to 9.5e-3 of the 1e-2
+// tolerance (H200 2026-11-29): not taken.
 template <int K, int KP>
-MK_DEV void stage_norm(Blk& b, const uint16_t* xb, const float* ssp, const uint16_t* gain, int tag, int panel) {
-  static_assert(KP % 128 == 0 && K % KP == 0, "norm staging reads 4 values per lane, whole panels");
+MK_DEV void stage_norm(Blk& b, const float* x, const float* ssp, const uint16_t* gain, int tag, int panel) {
+  static_assert(KP % 128 == 0 && K % KP == 0, "norm staging reads float4 per lane, whole panels");
   static_assert(16 * a_stride<KP>() <= ABUF_BYTES, "a panel of 16 rows fits abuf");
   static_assert(2 * WARPS == 16, "a warp stages token rows w and w + 8");
-  constexpr int NPER = KP / 128;  // pieces of 4 values per lane per row
+  constexpr int NPER = KP / 128;  // float4 of x per lane per row
   constexpr int NB = NPER < STAGE_BATCH / 2 ? NPER : STAGE_BATCH / 2;  // per row: both rows' batch in flight
-  // (8 per row: the same with fp32 x, e38b6dd vs e47bd5a; +2.8% with paneled bf16 xb, and
-  // software-pipelined batches of 2 no better; H200 2026-11-29)
+  // (8 per row measured the same on the H200, e38b6dd vs e47bd5a, for 13 KB more code;
+  // software-pipelined batches were no better, 2026-11-29)
   constexpr int NG4 = K / 32;  // float4 of a row's K/8 partial sums
   constexpr int NS = (NG4 + 31) / 32;
   static_assert(NPER % NB == 0, "batching");
@@ -107,7 +106,7 @@ MK_DEV void stage_norm(Blk& b, const uint16_t* xb, const float* ssp, const uint1
       if (K != KP && lane() == 0) rn[tr[h]] = r[h];
     }
   }
-  const uint16_t* xp = xb + panel * KP;
+  const float* xp = x + panel * KP;
   const uint16_t* gp = gain + panel * KP;
   // Every block reads the same x: each starts at a different batch (by block index) so that they
   // do not all ask for the same L2 lines at once (shard8 step -1.6%, H200 2026-11-29; the same
@@ -115,13 +114,13 @@ MK_DEV void stage_norm(Blk& b, const uint16_t* xb, const float* ssp, const uint1
   const int rot = (bid() % (NPER / NB)) * NB;
   for (int j0 = 0; j0 < NPER; j0 += NB) {
     const int i0 = (j0 + rot) % NPER;
-    uint2 v[2][NB];
+    uint4 v[2][NB];
     uint2 gg[NB];
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
       const int k4 = lane() + 32 * (i0 + i);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) v[h][i] = ok[h] ? ldg_cg2(xp + tr[h] * D + 4 * k4) : uint2{0, 0};
+      for (int h = 0; h < 2; ++h) v[h][i] = ok[h] ? ldg_cg4(xp + tr[h] * D + 4 * k4) : uint4{0, 0, 0, 0};
       gg[i] = *reinterpret_cast<const uint2*>(gp + 4 * k4);
     }
 #pragma unroll
@@ -133,8 +132,8 @@ MK_DEV void stage_norm(Blk& b, const uint16_t* xb, const float* ssp, const uint1
         uint2 o = {0u, 0u};
         if (ok[h]) {
           const float rr = r[h];
-          o.x = pack_bf2((bf2f(v[h][i].x & 0xffff) * rr) * g0, (bf2f(v[h][i].x >> 16) * rr) * g1);
-          o.y = pack_bf2((bf2f(v[h][i].y & 0xffff) * rr) * g2, (bf2f(v[h][i].y >> 16) * rr) * g3);
+          o.x = pack_bf2((u2f(v[h][i].x) * rr) * g0, (u2f(v[h][i].y) * rr) * g1);
+          o.y = pack_bf2((u2f(v[h][i].z) * rr) * g2, (u2f(v[h][i].w) * rr) * g3);
         }
         *reinterpret_cast<uint2*>(b.abuf + tr[h] * a_stride<KP>() + 8 * (lane() + 32 * (i0 + i))) = o;
       }
@@ -434,9 +433,9 @@ MK_DEV float gemm_sum(const Blk& b, int t, int n) {
 }
 
 // ---------------------------------------------------------------- residual projections
-// x[t][unit*R ..+R] += (the staged operand) @ W^T (oproj, unpool), its bf16 copy xb, and the new
-// x's sums of squares per 8 features into ss_part(which) for the next norm. The residual is loaded
-// before the GEMM so that its L2 round trip overlaps it.
+// x[t][unit*R ..+R] += (the staged operand) @ W^T (oproj, unpool), and the new x's sums of squares
+// per 8 features into ss_part(which) for the next norm. The residual is loaded before the GEMM so
+// that its L2 round trip overlaps it.
 template <int R, int KC, int K>
 MK_DEV void gemm_residual_add(Blk& b, int unit, int which, uint32_t what) {
   static_assert(R % 8 == 0 && (16 * R) % 32 == 0 && 16 * R <= COMPUTE_THREADS,
@@ -449,10 +448,7 @@ MK_DEV void gemm_residual_add(Blk& b, int unit, int which, uint32_t what) {
   gemm_stash<R>(b, acc);
   if (tid() < 16 * R) {  // whole warps: the sum of squares shuffles within 8 lanes
     const float xn = xo + gemm_sum<R>(b, t, n);
-    if (t < b.T) {
-      p.x[t * D + unit * R + n] = xn;
-      p.xb[t * D + unit * R + n] = f2bf(xn);
-    }
+    if (t < b.T) p.x[t * D + unit * R + n] = xn;
     const float ss = ss8_lanes(xn);
     if (n % 8 == 0 && t < b.T) ss_part(p, which)[t * (D / 8) + unit * (R / 8) + n / 8] = ss;
   }

@@ -1,6 +1,5 @@
-// embed: x[t] = embedding row of token t, as fp32 (the residual stream) and as bf16 (xb, what the
-// norms stage), and the row's sums of squares per 8 features for the first attention norm (gemm.cuh
-// ss8). Unit = one token.
+// embed: x[t] = embedding row of token t, as fp32 (the residual stream), and the row's sums of
+// squares per 8 features for the first attention norm (gemm.cuh ss8). Unit = one token.
 #pragma once
 #include "mk/gemm.cuh"
 
@@ -21,7 +20,6 @@ MK_DEV void run_embed(Blk& b, int unit) {
     float* xr = p.x + unit * D + 8 * g;
 #pragma unroll
     for (int i = 0; i < 8; ++i) xr[i] = v[i];
-    *reinterpret_cast<uint4*>(p.xb + unit * D + 8 * g) = e;  // the embedding is bf16: xb is exact
     ss_part(p, 0)[unit * (D / 8) + g] = ss8(v);
   }
 }

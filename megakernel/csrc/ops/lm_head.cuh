@@ -13,7 +13,7 @@ MK_DEV bool load_lm_head(const Blk& b, int layer, int unit, unsigned& c, uint32_
 MK_DEV void run_lm_head(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   auto stage = [&](int panel) {
-    stage_norm<D, NORM_KP>(b, p.xb, ss_part(p, 0), p.final_norm, tag_of(TAG_FINAL_NORM, layer, 0), panel);
+    stage_norm<D, NORM_KP>(b, p.x, ss_part(p, 0), p.final_norm, tag_of(TAG_FINAL_NORM, layer, 0), panel);
   };  // called by the GEMM before each panel's first chunk
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   gemm_bf16<16, TILE_LM_HEAD_KC, D, NORM_KP>(b, acc, what, stage);

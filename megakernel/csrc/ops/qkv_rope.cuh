@@ -18,7 +18,7 @@ MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   const LayerPtrs& L = p.layers[layer];
   auto stage = [&](int panel) {
-    stage_norm<D, NORM_KP>(b, p.xb, ss_part(p, 0), L.attn_norm, tag_of(TAG_ATTN_NORM, layer, 0), panel);
+    stage_norm<D, NORM_KP>(b, p.x, ss_part(p, 0), L.attn_norm, tag_of(TAG_ATTN_NORM, layer, 0), panel);
   };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_QKV_ROWS;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};

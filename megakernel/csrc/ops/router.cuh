@@ -14,7 +14,7 @@ MK_DEV bool load_router(const Blk& b, int layer, int unit, unsigned& c, uint32_t
 MK_DEV void run_router(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   auto stage = [&](int panel) {
-    stage_norm<D, NORM_KP>(b, p.xb, ss_part(p, 1), p.layers[layer].ffn_norm, tag_of(TAG_FFN_NORM, layer, 0), panel);
+    stage_norm<D, NORM_KP>(b, p.x, ss_part(p, 1), p.layers[layer].ffn_norm, tag_of(TAG_FFN_NORM, layer, 0), panel);
   };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_ROUTER_ROWS;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
