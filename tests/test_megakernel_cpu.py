@@ -191,14 +191,20 @@ def test_fill_ring_stages_the_normed_operand_in_panels_where_that_buys_a_stage()
 def test_emulated_paneled_norm_operand_gives_the_same_bits():
     # d_model 1024 staged in four panels of 256 (chunks of 128-256 columns): the GEMMs sum the same
     # chunks in the same order, so the bits equal the unpaneled build's, in both modes; with 4
-    # blocks a block runs router and pool units back to back (panel 0 restaged, norm factors reused)
+    # blocks a block runs router and pool units back to back (panel 0 restaged, norm factors reused).
+    # The router's 4 chunks are walked last-first by loader and consumer alike: against the
+    # reference, a disagreement on that order would multiply chunks by the wrong columns.
     cfg = dataclasses.replace(preset("tiny"), d_model=1024)
     w = generate(cfg)
     base = KVCache(cfg).fill_random(torch.Generator().manual_seed(6))
     geo = dict(ring_stages=2, ring_stage_bytes=4096, spin_bound_ns=3_000_000_000)
     whole, paneled = make_plan(cfg, 4, **geo), make_plan(cfg, 4, norm_panel=256, **geo)
     assert paneled.norm_k == 256 and paneled.abuf_bytes < whole.abuf_bytes
+    assert paneled.tiles["router"].k // paneled.tiles["router"].kc == 4
     toks, par = _inputs(cfg, 16, 4)
+    truth, routes = _reference(w, base.clone(), toks, par, 40)
+    forced = Engine(w, paneled, base.clone(), backend="emu").step(toks, par, 40, mode="mega", routes=routes)
+    check_close(forced.logits, truth, "paneled operand vs reference", rel=1e-2)
     ref = Engine(w, whole, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
     for mode in ("chain", "mega"):
         out = Engine(w, paneled, base.clone(), backend="emu").step(toks, par, 40, mode=mode)
