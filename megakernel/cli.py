@@ -2,6 +2,8 @@
   build [--preset P]      compile for sm_90a (no GPU needed) and print code bytes / registers / spills / smem,
                           and code bytes per op when nvdisasm is there
   check-and-bench [--full] [--presets ...]   on a GPU: the pipeline (checks, then timings), results saved
+  timeline-detail [--preset P]   on a GPU: a profiled step that also stamps staging and ring waits
+                          inside units; each op's time in them (megakernel.timeline_detail)
   sanitize-step           one tiny step in mega and chain mode (run under compute-sanitizer)
   program [--preset P]    print the launches and op instances of one step
   ncu-op --op K [K ...]   on a GPU: one chain-mode step up to the named ops of one layer, with only
@@ -63,6 +65,23 @@ def _check_and_bench(a) -> int:
     from microbench.cli import leave
 
     leave(0)  # results saved and printed; interpreter teardown aborted on the H200
+
+
+def _timeline_detail(a) -> int:
+    if _no_gpu("timeline-detail"):
+        return 2
+    from microbench.harness import Harness, Policy
+
+    from .pipeline import timeline
+
+    h = Harness(policy=Policy(budget_s=0.3, max_samples=100, chunk=8))
+    r = timeline(h, a.preset, a.tokens, a.ctx, None, detail=True)
+    print("saved", r.save())
+    for k, d in r.derived.items():
+        print(f"  -> {k} = {d.value:.4g} {d.unit}")
+    from microbench.cli import leave
+
+    leave(0)
 
 
 def _sanitize(a) -> int:
@@ -146,6 +165,11 @@ def main(argv=None) -> int:
     s.add_argument("--full", action="store_true")
     s.add_argument("--presets", nargs="*", default=["tiny", "small", "shard8"])
     s.set_defaults(fn=_check_and_bench)
+    s = sub.add_parser("timeline-detail")
+    s.add_argument("--preset", default="shard8")
+    s.add_argument("--tokens", type=int, default=16)
+    s.add_argument("--ctx", type=int, default=2048)
+    s.set_defaults(fn=_timeline_detail)
     s = sub.add_parser("sanitize-step")
     s.set_defaults(fn=_sanitize)
     s = sub.add_parser("program")

@@ -264,10 +264,33 @@ def ablation(h, preset: str, n_tokens: int, ctx: int, constants, ceiling, log=pr
     return out
 
 
-def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, log=print) -> Result:
+def detail_by_op(df) -> dict[tuple[str, str], float]:
+    """{(detail phase, op kind): seconds}: the median over blocks of each op kind's total time in
+    each detail phase (profile_events.DETAIL_PHASES) of a step. A detail span belongs to the op
+    phase that began last before it on the same block and launch (units run inside their op's
+    phase). `df`: Timeline.spans_df()."""
+    import pandas as pd
+
+    from .profile_events import DETAIL_PHASES
+
+    det = df[df["phase"].isin(DETAIL_PHASES)].sort_values("begin_ns")
+    ops = df[~df["phase"].isin(DETAIL_PHASES) & ~df["phase"].str.startswith("wait_")]
+    ops = ops[["launch", "block", "begin_ns", "phase"]].rename(columns={"phase": "op"}).sort_values("begin_ns")
+    if det.empty or ops.empty:
+        return {}
+    m = pd.merge_asof(det, ops, on="begin_ns", by=["launch", "block"], direction="backward")
+    m = m.dropna(subset=["op"])
+    per_block = m.groupby(["phase", "op", "block"])["dur_ns"].sum()
+    return {k: float(v) * 1e-9 for k, v in per_block.groupby(level=["phase", "op"]).median().items()}
+
+
+def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, log=print,
+             detail: bool = False) -> Result:
     """One profiled step of the best build: per-block op phases as megakernel.timeline series, a
     Perfetto trace and a PNG, the profiler's cost (profiled vs unprofiled step, same graph method)
-    and the bitwise identity of the profiled outputs."""
+    and the bitwise identity of the profiled outputs. detail: the build also stamps staging and
+    ring waits inside units (megakernel.timeline_detail, with each op's time in them; more
+    stamps, so more overhead than the plain timeline)."""
     from pathlib import Path
 
     from microbench.clocks.profiler import edge_series
@@ -282,7 +305,8 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
     routes = [r.cuda() for r in sc.routes]
     outs, times = {}, {}
     for prof in (False, True):
-        plan = plan_for(preset, constants, h.info.sm_count, **allsw, profile=prof, profile_cap=128)
+        extra = {"profile_detail": True, "profile_cap": 1024} if prof and detail else {"profile_cap": 128}
+        plan = plan_for(preset, constants, h.info.sm_count, **allsw, profile=prof, **extra)
         eng = Engine(w, plan, sc.cache0.clone(), backend="gpu")
         outs[prof] = eng.step(sc.tokens, sc.parents, ctx, mode="mega", routes=routes)
         g, per = graph_of(eng, "mega")
@@ -318,6 +342,8 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
     if len(waits):
         derived["idle_fraction_of_step"] = Derived(float(waits.groupby("block")["dur_ns"].sum().median() / span), "",
                                                    "median over blocks of total wait_* time / profiled step span")
+    for (ph, op), v in sorted(detail_by_op(df).items()):
+        derived[f"{ph}_{op}_s"] = Derived(v, "s", f"median over blocks of the step's total {ph} time inside {op} units")
     out_dir = Path(out_dir or results_root() / "megakernel")
     out_dir.mkdir(parents=True, exist_ok=True)
     keep = {mid - 1, mid, mid + 1}  # three launches keep the trace file small
@@ -325,13 +351,15 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
                                instants=tuple(x for x in tl.instants if x.launch in keep))
     env = Env.capture()
     # named like the result (date, commit): a later run never replaces an earlier run's trace
-    stem = f"timeline-{preset}-T{n_tokens}-{env.date.replace('-', '').replace(':', '')}-{env.git_sha[:7]}"
+    stem = (f"timeline{'-detail' if detail else ''}-{preset}-T{n_tokens}-"
+            f"{env.date.replace('-', '').replace(':', '')}-{env.git_sha[:7]}")
     trace = part.write_trace(out_dir / f"{stem}.trace.json")
     png = part.plot(out_dir / f"{stem}.png")
     log(f"  timeline {preset}: {len(tl.stamps)} stamps, profiler overhead {(on - off) / off:.2%}, trace {trace.name}")
     notes = (f"Perfetto trace (launches {sorted(keep)} of {n_launch}): {trace.name}; plot: {png.name}",
              "timer: globaltimer, stamped by thread 0 of each block", f"problems: {list(tl.problems)[:5]}")
-    return Result("megakernel.timeline", env, tuple(series), derived, quick=True, notes=notes)
+    return Result("megakernel.timeline_detail" if detail else "megakernel.timeline", env, tuple(series), derived,
+                  quick=True, notes=notes)
 
 
 def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", "small", "shard8"), log=print,

@@ -149,6 +149,9 @@ class Plan:
     pdl: bool = False  # programmatic dependent launch between the step's launches
     l2_prefetch_bytes: int = 0  # per block: next launch's weights pulled into L2 (0 = off)
     profile_cap: int = 64  # profiler records per block per launch
+    # the profiler also stamps inside units (staging, ring waits: profile_events.DETAIL_PHASES);
+    # several stamps per weight chunk, so more overhead than the op phases alone
+    profile_detail: bool = False
     # The normed operand of the d_model-K projections (qkv, router, pool, lm_head) is staged in
     # panels of this many columns (0 = all of d_model at once), so that abuf need not hold 16 rows
     # of d_model and its bytes can go to the ring (make_plan fill_ring)
@@ -242,7 +245,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               spin_bound_ns: int = 2_000_000_000, poll_backoff_ns: int = 0, profile: bool = False,
               smem_limit: int = 232448, loader_ahead: bool = True, pdl: bool = False,
               l2_prefetch_bytes: int = 0, profile_cap: int = 64, min_copy_bytes: int = MIN_COPY_BYTES,
-              fill_ring: bool = False, norm_panel: int | None = None) -> Plan:
+              fill_ring: bool = False, norm_panel: int | None = None, profile_detail: bool = False) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -266,9 +269,11 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
                                     min_copy_bytes)
     tiles["expert2"] = _expert_tile(min(EXPERT2_ROWS, c.d_pool), c.d_expert, budget * 9 // 8, abuf, False,
                                     min_copy_bytes)
+    if profile_detail and not profile:
+        raise ValueError("profile_detail needs profile=True (the detail stamps are the profiler's)")
     p = Plan(cfg, n_sm, ring_stages, ring_stage_bytes, spin_bound_ns, poll_backoff_ns, profile=profile,
              loader_ahead=loader_ahead, pdl=pdl, l2_prefetch_bytes=l2_prefetch_bytes, profile_cap=profile_cap,
-             tiles=tiles)
+             profile_detail=profile_detail, tiles=tiles)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -369,6 +374,7 @@ def render(plan: Plan) -> str:
         "\"unit rows match program.py's unit counts\");",
         f"static_assert(SMEM_BYTES <= 232448, \"fits the opt-in shared memory of sm_90\");",
         f"constexpr int PROFILE = {int(plan.profile)};",
+        f"constexpr int PROFILE_DETAIL = {int(plan.profile and plan.profile_detail)};",
         f"constexpr int LOADER_AHEAD = {int(plan.loader_ahead)};",
         f"constexpr int PDL = {int(plan.pdl)};",
         f"constexpr long long L2_PREFETCH_BYTES = {int(plan.l2_prefetch_bytes)}ll;",

@@ -3,7 +3,10 @@
 Per block, thread 0 (lane 0 of compute warp 0) stamps for every op instance it has units of:
   wait_<op>   from reaching the op to its first unit's dependencies being satisfied
   <op>        from then to the end of its last unit (later units' waits fold in here)
-and `launch_start` / `launch_end` instants. arg = the op instance index (program.py), so a
+and `launch_start` / `launch_end` instants. With Plan.profile_detail, also inside the units:
+  stage       staging an activation operand into shared memory (arg: 0 norm, 1 rows)
+  ring_wait   waiting for a weight chunk to land in the ring (arg: the ring chunk number)
+(the op they belong to is the <op> phase around them, matched by time on the host). arg = the op instance index (program.py), so a
 stamp names its layer too. The rendered header is part of every megakernel build; with
 Plan.profile false the stamps compile to nothing (mb/profile.cuh)."""
 from __future__ import annotations
@@ -18,6 +21,10 @@ for _k in OP_KINDS:
     EVENTS.phase(f"wait_{_k}", f"waiting for the dependencies of the block's first {_k} unit")
     EVENTS.phase(_k, f"the block's {_k} units")
 EVENTS.instant("launch_end", "block finished its last unit (arg = first op of the launch)")
+# detail phases (Plan.profile_detail), after the per-op block so its arithmetic layout is unchanged
+EVENTS.phase("stage", "staging an activation operand into shared memory (0 norm, 1 rows)")
+EVENTS.phase("ring_wait", "thread 0 waiting for a weight chunk in the ring (arg = chunk number)")
+DETAIL_PHASES = ("stage", "ring_wait")
 
 
 def render_op_tables() -> str:

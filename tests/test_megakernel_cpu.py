@@ -308,6 +308,41 @@ def test_every_technique_switch_computes_the_same_bits(tiny):
     assert {"qkv", "attn", "expert1", "expert2", "wait_expert2", "lm_head"} <= phases
 
 
+def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
+    """profile_detail: the profiler also stamps each staging pass and each ring wait inside the
+    units; the host assigns them to the op phase around them. The outputs keep their bits."""
+    from megakernel.pipeline import detail_by_op
+
+    cfg, w, base, _ = tiny
+    toks, par = _inputs(cfg, 8, 3)
+    default = Engine(w, make_plan(cfg, 4), base.clone(), backend="emu").step(toks, par, 40, mode="mega")
+    plan = make_plan(cfg, 4, profile=True, profile_detail=True, profile_cap=1024)
+    assert "constexpr int PROFILE_DETAIL = 1;" in render(plan)
+    assert "constexpr int PROFILE_DETAIL = 0;" in render(make_plan(cfg, 4, profile=True))
+    eng = Engine(w, plan, base.clone(), backend="emu")
+    out = eng.step(toks, par, 40, mode="mega")
+    assert torch.equal(default.logits, out.logits) and torch.equal(default.tokens, out.tokens)
+    tl = eng.timeline("mega")
+    assert not tl.problems
+    df = tl.spans_df()
+    by = detail_by_op(df)
+    # every op that stages an operand or streams weights shows up under its own name
+    for op in ("qkv", "oproj", "router", "pool", "expert1", "expert2", "unpool", "lm_head"):
+        assert by.get(("ring_wait", op), -1) >= 0, op
+    for op in ("qkv", "oproj", "pool", "expert1", "expert2", "unpool", "lm_head"):
+        assert by.get(("stage", op), -1) >= 0, op
+    assert ("stage", "attn") not in by and ("ring_wait", "topk") not in by  # they stage nothing
+    # each detail span lies inside the op phase it was assigned to
+    det = df[df["phase"].isin(("stage", "ring_wait"))]
+    ops = df[~df["phase"].isin(("stage", "ring_wait")) & ~df["phase"].str.startswith("wait_")]
+    for _, d in det.head(200).iterrows():
+        host = ops[(ops.launch == d.launch) & (ops.block == d.block) & (ops.begin_ns <= d.begin_ns)
+                   & (ops.end_ns >= d.end_ns)]
+        assert len(host) == 1
+    with pytest.raises(ValueError, match="profile_detail needs profile=True"):
+        make_plan(cfg, 4, profile_detail=True)
+
+
 def test_any_ring_geometry_keeps_mega_bitwise_equal_to_chain(tiny):
     """Two stages of 2 KB (oproj and lm_head then stream in several k-chunks and the ring wraps every
     other chunk, as the tuned H200 ring's 2 stages do). The bits are a function of the plan (each

@@ -68,10 +68,20 @@ static_assert(sizeof(mb::prof::Profiler) <= 4 * (MISC_SCRATCH - MISC_PROF) && MI
 
 MK_DEV unsigned char* stage_of(const Blk& b, unsigned c) { return b.ring + (c % RING_STAGES) * STAGE_BYTES; }
 
+// The profiler's stamps inside units (Plan.profile_detail: staging, ring waits), thread 0 only;
+// nothing at all in other builds. The profiler lives in shared memory (megakernel.cu).
+MK_DEV void detail_stamp(const Blk& b, uint32_t event, uint32_t arg) {
+  if constexpr (PROFILE_DETAIL) {
+    if (tid() == 0) reinterpret_cast<mb::prof::Profiler*>(b.misc + MISC_PROF)->stamp(event, arg);
+  }
+}
+
 // ---------------------------------------------------------------- consumer side
 MK_DEV const unsigned char* ring_consume(Blk& b, uint32_t what) {
   const unsigned c = b.chunk;
+  detail_stamp(b, MK_EV_RING_WAIT_BEGIN, c);
   if (!wait_mbar(*b.p, &b.full[c % RING_STAGES], (c / RING_STAGES) & 1u, what)) b.failed = true;
+  detail_stamp(b, MK_EV_RING_WAIT_END, c);
   return stage_of(b, c);
 }
 // Every thread arrives: an mbarrier arrive releases only the arriving thread's own reads (PTX

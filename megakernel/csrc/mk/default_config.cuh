@@ -96,6 +96,7 @@ static_assert(G <= WARPS && WARPS % G == 0, "attention: one warp group per q hea
 static_assert(TILE_QKV_ROWS == 16 && TILE_OPROJ_ROWS == 16 && TILE_ROUTER_ROWS == 8 && TILE_POOL_ROWS == 16 && TILE_UNPOOL_ROWS == 16 && TILE_LM_HEAD_ROWS == 16, "unit rows match program.py's unit counts");
 static_assert(SMEM_BYTES <= 232448, "fits the opt-in shared memory of sm_90");
 constexpr int PROFILE = 0;
+constexpr int PROFILE_DETAIL = 0;
 constexpr int LOADER_AHEAD = 1;
 constexpr int PDL = 0;
 constexpr long long L2_PREFETCH_BYTES = 0ll;
@@ -239,7 +240,11 @@ constexpr Fp4Term FP4_PAIRS[4][2] = {{{6, 0x81C081C0u}, {0, 0x00000000u}}, {{3, 
 #define MK_EV_ARGMAX_BEGIN            56u  // begin of phase argmax: the block's argmax units
 #define MK_EV_ARGMAX_END              57u  // end of phase argmax: the block's argmax units
 #define MK_EV_LAUNCH_END              58u  // instant: block finished its last unit (arg = first op of the launch)
-#define MK_EV_COUNT                   58u
+#define MK_EV_STAGE_BEGIN             59u  // begin of phase stage: staging an activation operand into shared memory (0 norm, 1 rows)
+#define MK_EV_STAGE_END               60u  // end of phase stage: staging an activation operand into shared memory (0 norm, 1 rows)
+#define MK_EV_RING_WAIT_BEGIN         61u  // begin of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
+#define MK_EV_RING_WAIT_END           62u  // end of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
+#define MK_EV_COUNT                   62u
 
 static_assert(MK_EV_COUNT <= 0xFFFFu, "profiler event ids are 16 bits");
 static_assert(MK_EV_WAIT_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 0 && MK_EV_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 2 && MK_EV_EMBED_END == MK_EV_EMBED_BEGIN + 1, "profiler ids of embed");

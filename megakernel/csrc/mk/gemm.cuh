@@ -82,6 +82,7 @@ MK_DEV void stage_norm(Blk& b, const float* x, const float* ssp, const uint16_t*
   constexpr int NS = (NG4 + 31) / 32;
   static_assert(NPER % NB == 0, "batching");
   if (b.misc[MISC_TAG] == tag + panel) return;
+  detail_stamp(b, MK_EV_STAGE_BEGIN, 0);
   const int tr[2] = {warp(), warp() + WARPS};
   const bool ok[2] = {tr[0] < b.T, tr[1] < b.T};
   float* rn = reinterpret_cast<float*>(b.misc + MISC_RNORM);
@@ -140,6 +141,7 @@ MK_DEV void stage_norm(Blk& b, const float* x, const float* ssp, const uint16_t*
     }
   }
   sync_compute();
+  detail_stamp(b, MK_EV_STAGE_END, 0);
   if (tid() == 0) {
     b.misc[MISC_TAG] = tag + panel;
     if (K != KP) b.misc[MISC_RTAG] = tag;
@@ -161,6 +163,7 @@ MK_DEV void stage_rows(Blk& b, int nrows, RowPtr src) {
   constexpr int NB = NT < STAGE_BATCH ? NT : STAGE_BATCH;
   static_assert(NT % NB == 0, "batching");
   static_assert(!PERM || K % 32 == 0, "fp4 operand: whole k32 steps");
+  detail_stamp(b, MK_EV_STAGE_BEGIN, 1);
   for (int i0 = 0; i0 < NT; i0 += NB) {
     uint4 v[NB];
 #pragma unroll
@@ -185,6 +188,7 @@ MK_DEV void stage_rows(Blk& b, int nrows, RowPtr src) {
     }
   }
   sync_compute();
+  detail_stamp(b, MK_EV_STAGE_END, 1);
 }
 
 template <int K>
