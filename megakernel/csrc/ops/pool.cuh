@@ -1,6 +1,7 @@
 // pool (the pooler): pooled = bf16(rmsnorm(x, ffn_norm) @ pool^T), d -> p. Unit = TILE_POOL_ROWS features.
-// Shares its staged operand with the router (same tag) when a block runs both (with a paneled
-// operand, only the norm factors: the router left its last panel in abuf).
+// Shares its staged operand with the router (same tag) when a block runs both. Paneled, the router
+// walks its chunks last-first and leaves panel 0 staged: pool restages only the later panels, with
+// the norm factors the router kept (gemm.cuh stage_norm).
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
