@@ -3,12 +3,13 @@
 Per block, thread 0 (lane 0 of compute warp 0) stamps for every op instance it has units of:
   wait_<op>   from reaching the op to its first unit's dependencies being satisfied
   <op>        from then to the end of its last unit (later units' waits fold in here)
-and `launch_start` / `launch_end` instants. With Plan.profile_detail, also inside the units:
+and `launch_start` / `launch_end` instants; arg = the op instance index (program.py), so a stamp
+names its layer too. With Plan.profile_detail, thread 0 also stamps inside the units:
   stage       staging an activation operand into shared memory (arg: 0 norm, 1 rows)
   ring_wait   waiting for a weight chunk to land in the ring (arg: the ring chunk number)
-(the op they belong to is the <op> phase around them, matched by time on the host). arg = the op instance index (program.py), so a
-stamp names its layer too. The rendered header is part of every megakernel build; with
-Plan.profile false the stamps compile to nothing (mb/profile.cuh)."""
+which the host assigns to the <op> phase around them (pipeline.detail_by_op). The rendered
+header is part of every megakernel build; with Plan.profile false the stamps compile to nothing
+(mb/profile.cuh)."""
 from __future__ import annotations
 
 from microbench.clocks.profiler import ProfileEvents
