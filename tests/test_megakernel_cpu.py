@@ -191,9 +191,10 @@ def test_fill_ring_stages_the_normed_operand_in_panels_where_that_buys_a_stage()
 def test_emulated_paneled_norm_operand_gives_the_same_bits():
     # d_model 1024 staged in four panels of 256 (chunks of 128-256 columns): the GEMMs sum the same
     # chunks in the same order, so the bits equal the unpaneled build's, in both modes; with 4
-    # blocks a block runs router and pool units back to back (panel 0 restaged, norm factors reused).
-    # The router's 4 chunks are walked last-first by loader and consumer alike: against the
-    # reference, a disagreement on that order would multiply chunks by the wrong columns.
+    # blocks a block runs router and pool units back to back (pool finds the router's last panel,
+    # panel 0, staged and restages the others with the norm factors reused). The router's 4 chunks
+    # are walked last-first by loader and consumer alike: against the reference, a disagreement on
+    # that order would multiply chunks by the wrong columns.
     cfg = dataclasses.replace(preset("tiny"), d_model=1024)
     w = generate(cfg)
     base = KVCache(cfg).fill_random(torch.Generator().manual_seed(6))
