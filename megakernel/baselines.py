@@ -55,12 +55,6 @@ IMPL_NAMES = {"eager": "torch_eager", "graph": "torch_graph", "compile": "torch_
 
 
 # ---------------------------------------------------------------------- numerics helpers
-def e2m1_half_lut(device) -> torch.Tensor:
-    """bf16 [65536, 4]: the 4 values of every half-word of the experts' kernel-word codes
-    (fp4_layout: a half-word holds 4 whole codes, in k order)."""
-    return half_word_table(device, BF16)
-
-
 def e4m3_lut(device) -> torch.Tensor:
     """bf16 [256]: every E4M3 bit pattern's value (exact in bf16; NaN for S.1111.111)."""
     return e4m3_decode(torch.arange(256, dtype=torch.int32).to(torch.uint8)).to(BF16).to(device)
@@ -232,7 +226,8 @@ class TorchModel:
         self.final_g = P(w.final_norm.float())
         self.lm_head = P(w.lm_head)
         self.rope_cos, self.rope_sin = w.rope_cos, w.rope_sin
-        self.lut4, self.lut_sc = e2m1_half_lut(dev), e4m3_lut(dev)
+        # lut4: the 4 values of every half-word of the kernel-word codes (fp4_layout)
+        self.lut4, self.lut_sc = half_word_table(dev, BF16), e4m3_lut(dev)
         self.out_dtype = out_dtype_supported(dev)
 
 

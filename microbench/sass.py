@@ -15,9 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-def _tool_dirs() -> list[str]:
-    """Where a disassembler is looked for after PATH."""
-    return [os.path.join(h, "bin") for h in (os.environ.get("CUDA_HOME"), "/usr/local/cuda") if h] + ["/work/tools"]
+def _find_tool(names: tuple[str, ...]) -> str | None:
+    """The first of `names` on PATH, else in the CUDA bin directories or /work/tools, or None."""
+    for name in names:
+        p = shutil.which(name)
+        if p:
+            return p
+    dirs = [os.path.join(h, "bin") for h in (os.environ.get("CUDA_HOME"), "/usr/local/cuda") if h] + ["/work/tools"]
+    for d in dirs:
+        for name in names:
+            p = Path(d) / name
+            if p.is_file() and os.access(p, os.X_OK):
+                return str(p)
+    return None
 
 
 def find_disassembler(only_path: bool = False) -> str | None:
@@ -27,16 +37,7 @@ def find_disassembler(only_path: bool = False) -> str | None:
     env = os.environ.get("MEGABENCH_NVDISASM")
     if env and Path(env).is_file():
         return env
-    for name in ("cuobjdump", "nvdisasm"):
-        p = shutil.which(name)
-        if p:
-            return p
-    for d in _tool_dirs():
-        for name in ("cuobjdump", "nvdisasm"):
-            p = Path(d) / name
-            if p.is_file() and os.access(p, os.X_OK):
-                return str(p)
-    return None
+    return _find_tool(("cuobjdump", "nvdisasm"))
 
 
 def find_nvdisasm() -> str | None:
@@ -44,14 +45,7 @@ def find_nvdisasm() -> str | None:
     env = os.environ.get("MEGABENCH_NVDISASM")
     if env and Path(env).name.startswith("nvdisasm") and Path(env).is_file():
         return env
-    p = shutil.which("nvdisasm")
-    if p:
-        return p
-    for d in _tool_dirs():
-        p = Path(d) / "nvdisasm"
-        if p.is_file() and os.access(p, os.X_OK):
-            return str(p)
-    return None
+    return _find_tool(("nvdisasm",))
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import torch
 from megakernel import baselines as B
 from megakernel import config, reference, roofline, routing, tree
 from megakernel.config import ConfigError
+from megakernel.fp4_layout import half_word_table
 from megakernel.results_names import parse_step_series_name, step_params, step_series_name
 from megakernel.weights import generate
 from microbench.errors import CorrectnessError
@@ -89,7 +90,7 @@ def test_dequant_tables_reproduce_nvfp4_exactly(model):
     cfg, w = model
     lw = w.layers[1]
     slots = torch.tensor([3, 0, 3])
-    got = B._dequant(lw.w1.codes[slots], lw.w1.scales[slots], B.e2m1_half_lut("cpu"), B.e4m3_lut("cpu"))
+    got = B._dequant(lw.w1.codes[slots], lw.w1.scales[slots], half_word_table("cpu", torch.bfloat16), B.e4m3_lut("cpu"))
     for i, e in enumerate(slots.tolist()):
         assert torch.equal(got[i].float(), lw.w1.expert(e).dequant_bf16_exact())
 
