@@ -56,9 +56,13 @@ def test_plan_refuses_what_does_not_fit():
         make_plan(preset("shard8"), 132, ring_stages=12, ring_stage_bytes=32768)
     # the fp4 GEMMs keep their partials in abuf's tail: a unit whose partials do not fit is halved,
     # and a plan where even the smallest unit does not fit is refused with the sizes named
+    # (2 KB stages: 32-row chunks, so a 128-row unit has 4 chunks of partials)
     wide = dataclasses.replace(preset("tiny"), d_pool=128, d_expert=128)
-    t = make_plan(wide, 4).tiles["expert2"]
-    assert t.rows == 64 and fp4_abuf_need(t) <= make_plan(wide, 4).abuf_bytes  # 128 rows need 37120 B of 24064
+    t = make_plan(wide, 4, ring_stage_bytes=2048).tiles["expert2"]
+    assert t.rows == 64 and t.chunk_rows == 32  # 128 rows need 37120 B of 24064
+    assert fp4_abuf_need(t) <= make_plan(wide, 4, ring_stage_bytes=2048).abuf_bytes
+    # with the default stage a down-projection chunk takes the whole 128-row unit: it fits unhalved
+    assert make_plan(wide, 4).tiles["expert2"].chunk_rows == 128
     wider = dataclasses.replace(preset("tiny"), d_pool=128, d_expert=512)
     with pytest.raises(KernelDoesNotFitError, match="expert2's operand and partials need 24832 B of the 24064 B"):
         make_plan(wider, 4)
