@@ -8,6 +8,8 @@
   program [--preset P]    print the launches and op instances of one step
   ncu-op --op K [K ...]   on a GPU: one chain-mode step up to the named ops of one layer, with only
                           those launches inside cudaProfilerStart/Stop (for `ncu --profile-from-start off`)
+  ncu-stalls CSV [--top N] [--hottest N] [--out FILE.md]   markdown summary of the stall samples in
+                          `ncu --page source --csv --print-source sass` output, by execution count (no GPU)
 """
 from __future__ import annotations
 
@@ -153,6 +155,32 @@ def _program(a) -> int:
     return 0
 
 
+def _ncu_stalls(a) -> int:
+    from pathlib import Path
+
+    from .ncu_stalls import kernels, read_sass_csv, summary_markdown
+
+    kernel = int(a.kernel) if a.kernel and a.kernel.isdigit() else a.kernel  # no C++ name is all digits
+    try:
+        # no --kernel: every profiled launch of the file, each summarised on its own
+        picks = [kernel] if kernel is not None else list(range(len(kernels(a.csv))))
+        parts = []
+        for k in picks:
+            df = read_sass_csv(a.csv, kernel=k)
+            head = f"# Launch {k} of {a.csv}\n\n" if len(picks) > 1 else ""
+            parts.append(head + summary_markdown(df, top=a.top, n=a.hottest))
+    except ValueError as e:  # a user's file: say what is wrong, no traceback
+        print(e, file=sys.stderr)
+        return 2
+    md = "\n".join(parts)
+    if a.out:
+        Path(a.out).write_text(md)
+        print("wrote", a.out)
+    else:
+        print(md)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m megakernel.cli", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,6 +212,13 @@ def main(argv=None) -> int:
     s.add_argument("--layer", type=int, default=0)
     s.add_argument("--op", nargs="+", required=True)
     s.set_defaults(fn=_ncu_op)
+    s = sub.add_parser("ncu-stalls")
+    s.add_argument("csv")
+    s.add_argument("--top", type=int, default=12, help="execution-count classes shown")
+    s.add_argument("--hottest", type=int, default=20, help="instructions shown")
+    s.add_argument("--kernel", help="name or 0-based position, when the file holds several kernels")
+    s.add_argument("--out", help="write the markdown here instead of printing it")
+    s.set_defaults(fn=_ncu_stalls)
     a = p.parse_args(argv)
     return a.fn(a)
 
