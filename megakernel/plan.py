@@ -55,7 +55,8 @@ def _expert_tile(cap: int, k: int, budget: int, abuf: int, paired: bool, min_cop
     partials fit abuf (make_plan refuses the plan if even the smallest does not). paired: gate/up,
     the unit's rows are two runs (gate rows, the matching up rows); otherwise one run, so a chunk
     takes as many rows as the stage holds (down-projection chunks of 64 rows instead of 32 filled
-    shard8's 37 KB stages: step -0.75%, H200 2026-11-29)."""
+    shard8's 37 KB stages: T=16 step -0.75%, H200 2026-11-29; T=1 +0.7%, where a block's single
+    unit pipelines fewer, larger chunks)."""
     rows = cap
     while True:
         t = _tile(rows, k, True, budget, run=rows // 2 if paired else rows, min_copy=min_copy)
