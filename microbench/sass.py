@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cubin import SASS_INSTRUCTION_BYTES
+
 
 def _find_tool(names: tuple[str, ...]) -> str | None:
     """The first of `names` on PATH, else in the CUDA bin directories or /work/tools, or None."""
@@ -55,6 +57,18 @@ class Insn:
     target: int | None  # branch target address, for BRA
 
 
+def _run_on_cubin(tool: str, args: list[str], cubin: bytes, timeout: int) -> subprocess.CompletedProcess:
+    """`tool args <cubin written to a temporary file>`; RuntimeError (with its stderr) if it fails."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        cmd = [tool, *args, f.name]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}): {res.stderr[-500:]}")
+    return res
+
+
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 
@@ -62,13 +76,7 @@ _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 def disassemble(cubin: bytes, tool: str) -> dict[str, list[Insn]]:
     """{function: [Insn]} from cuobjdump -sass or nvdisasm -c output."""
     is_cuobjdump = "cuobjdump" in Path(tool).name
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        cmd = [tool, "-sass", f.name] if is_cuobjdump else [tool, "-c", f.name]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}): {res.stderr[-500:]}")
+    res = _run_on_cubin(tool, ["-sass"] if is_cuobjdump else ["-c"], cubin, timeout=120)
     funcs: dict[str, list[tuple[int, str]]] = {}
     labels: dict[str, dict[str, int]] = {}
     cur = None
@@ -124,9 +132,6 @@ def count_matching(insns: list[str], pattern: str) -> int:
     return sum(1 for i in insns if r.search(i))
 
 
-SASS_INSN_BYTES = 16  # every sm_90 instruction
-
-
 def code_bytes_by(lines: Iterable[str], label: Callable[[list[str]], str], kernel: str | None = None) -> dict[str, int]:
     """Machine-code bytes per label, from `nvdisasm -gi -c` output. nvdisasm annotates an
     instruction whose source position changed with its whole inline chain, innermost first, one
@@ -152,7 +157,7 @@ def code_bytes_by(lines: Iterable[str], label: Callable[[list[str]], str], kerne
         if in_chain:
             cur, in_chain = label(chain), False
         if inside and _LINE.search(line):
-            out[cur] = out.get(cur, 0) + SASS_INSN_BYTES
+            out[cur] = out.get(cur, 0) + SASS_INSTRUCTION_BYTES
     return out
 
 
@@ -162,10 +167,4 @@ def code_bytes_by_source(cubin: bytes, label: Callable[[list[str]], str], kernel
     tool = tool or find_nvdisasm()
     if tool is None:
         raise FileNotFoundError("per-source code sizes need nvdisasm (set MEGABENCH_NVDISASM)")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        res = subprocess.run([tool, "-gi", "-c", f.name], capture_output=True, text=True, timeout=300)
-    if res.returncode != 0:
-        raise RuntimeError(f"{tool} -gi -c failed ({res.returncode}): {res.stderr[-500:]}")
-    return code_bytes_by(res.stdout.splitlines(), label, kernel)
+    return code_bytes_by(_run_on_cubin(tool, ["-gi", "-c"], cubin, timeout=300).stdout.splitlines(), label, kernel)
