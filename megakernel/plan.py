@@ -41,6 +41,20 @@ DENSE_ROWS = 16  # qkv / oproj / pool / unpool unit rows: 8 spent ~2.5 us of per
 ROUTER_ROWS = 8  # the router stays at 8: top-k waits for it, and 32 units spread it over 32 blocks
 
 
+def pool_rows(cfg: ModelConfig, n_sm: int, stage_budget: int) -> int:
+    """Pooler unit rows: DENSE_ROWS, or twice that where only then the router's and the pooler's
+    units fit the grid side by side (program.pool_rotation puts them on different blocks). Top-k
+    waits for the router, expert GEMM 1 for top-k and the pooler: a block that runs a pool unit
+    after its router unit delays every expert. shard8 on 132 SMs (32 router + 128 pool units), H200
+    profile 2026-11-29: the pool units behind the router ended ~6 us after top-k, and expert GEMM 1
+    started after them. The larger unit needs a stage of at least 64 of its columns (_tile)."""
+    r, big = cfg.n_experts // ROUTER_ROWS, 2 * DENSE_ROWS
+    if r + cfg.d_pool // DENSE_ROWS > n_sm and r + cfg.d_pool // big <= n_sm and cfg.d_pool % big == 0 \
+            and big * 64 * 2 <= stage_budget:
+        return 2 * DENSE_ROWS
+    return DENSE_ROWS
+
+
 EXPERT_MIN_ROWS = 32  # the smallest expert unit tried when a larger one's partials do not fit
 
 
@@ -260,7 +274,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         "qkv": _tile(DENSE_ROWS, c.d_model, False, budget),
         "oproj": _tile(DENSE_ROWS, c.attn_width, False, budget),
         "router": _tile(ROUTER_ROWS, c.d_model, False, budget),
-        "pool": _tile(DENSE_ROWS, c.d_model, False, budget),
+        "pool": _tile(pool_rows(c, n_sm, budget), c.d_model, False, budget),
         "unpool": _tile(DENSE_ROWS, c.d_pool, False, budget),
         "lm_head": _tile(16, c.d_model, False, budget),
     }
@@ -373,7 +387,7 @@ def render(plan: Plan) -> str:
         "static_assert(STAGE_BYTES % 16 == 0 && ABUF_BYTES % 16 == 0, \"bulk-copy alignment\");",
         "static_assert(G <= WARPS && WARPS % G == 0, \"attention: one warp group per q head\");",
         f"static_assert(TILE_QKV_ROWS == {DENSE_ROWS} && TILE_OPROJ_ROWS == {DENSE_ROWS} && TILE_ROUTER_ROWS == "
-        f"{ROUTER_ROWS} && TILE_POOL_ROWS == {DENSE_ROWS} && TILE_UNPOOL_ROWS == {DENSE_ROWS} && TILE_LM_HEAD_ROWS == 16, "
+        f"{ROUTER_ROWS} && TILE_POOL_ROWS % {DENSE_ROWS} == 0 && TILE_UNPOOL_ROWS == {DENSE_ROWS} && TILE_LM_HEAD_ROWS == 16, "
         "\"unit rows match program.py's unit counts\");",
         f"static_assert(SMEM_BYTES <= 232448, \"fits the opt-in shared memory of sm_90\");",
         f"constexpr int PROFILE = {int(plan.profile)};",

@@ -153,11 +153,15 @@ def assigned_units(inst: OpInst, block: int, n_blocks: int, total: int) -> range
 
 
 def pool_rotation(plan: Plan, router: OpInst) -> int | None:
-    """Rotate the pooler's strided units so that the blocks with one unit fewer than the rest
-    come right after the router's blocks, not on them: then a block runs neither a router unit
-    nor a full share of pool units, and top-k goes there (lightest_block)."""
+    """Rotate the pooler's strided units off the router's blocks. Where both fit the grid side by
+    side (plan.pool_rows sizes the pool units for that), the pool units start right after the
+    router's: no block runs both, and top-k goes to a block that runs neither (lightest_block).
+    Otherwise the blocks with one pool unit fewer than the rest come right after the router's."""
     nb, r = plan.n_sm, n_units(plan, "router", router.layer, 1, 0, 0)
-    rem = n_units(plan, "pool", router.layer, 1, 0, 0) % nb
+    p = n_units(plan, "pool", router.layer, 1, 0, 0)
+    if r + p <= nb:
+        return (router.rot + r) % nb
+    rem = p % nb
     return (router.rot + r - rem) % nb if rem else None
 
 

@@ -14,7 +14,7 @@ from megakernel.config import ConfigError, preset
 from megakernel.nvfp4 import NVFP4Tensor
 from megakernel.interp import Interpreter
 from megakernel.plan import fp4_abuf_need, make_plan, render
-from megakernel.program import DEP_ALL, OpInst, Program, build, check
+from megakernel.program import DEP_ALL, OpInst, Program, assigned_units, build, check, n_units
 from megakernel.reference import KVCache, step
 from megakernel.routing import synthetic_routes
 from megakernel.runtime import Engine, check_close
@@ -91,6 +91,29 @@ def test_program_structure(tiny, mode):
     kinds = [o.kind for o in prog.ops]
     assert kinds.count("qkv") == cfg.n_layers and kinds[-2:] == ["lm_head", "argmax"]
     assert prog.encode().shape == (len(prog.ops) * 16,)
+
+
+@pytest.mark.parametrize("name,n_sm,rows,apart", [("shard8", 132, 32, True), ("small", 132, 16, True),
+                                                   ("shard8", 80, 16, False)])
+def test_router_pool_and_topk_blocks(name, n_sm, rows, apart):
+    """Top-k waits for the router, expert GEMM 1 for top-k and the pooler. Where the router's and
+    the pooler's units fit the grid side by side (shard8: only with 32-row pool units), no block
+    runs both and top-k runs on a block with neither; on a grid too small for that, pool units stay
+    16 rows and every block runs at most one pool unit more than another."""
+    plan = make_plan(preset(name), n_sm)
+    assert plan.tiles["pool"].rows == rows
+    prog = build(plan)
+    for layer in (0, plan.cfg.n_layers - 1):
+        blocks = {}
+        for o in prog.ops:
+            if o.layer == layer and o.kind in ("router", "pool", "topk"):
+                total = n_units(plan, o.kind, layer, 16, 64, 0)
+                per = [len(assigned_units(o, b, n_sm, total)) for b in range(n_sm)]
+                assert max(per) - min(per) <= 1, o.kind
+                blocks[o.kind] = {b for b in range(n_sm) if per[b]}
+        assert len(blocks["topk"]) == 1
+        assert not blocks["topk"] & (blocks["router"] | blocks["pool"]) or not apart
+        assert bool(blocks["router"] & blocks["pool"]) != apart
 
 
 def _reference(w, cache, toks, par, ctx):
@@ -194,7 +217,7 @@ def test_fill_ring_stages_the_normed_operand_in_panels_where_that_buys_a_stage()
 
 def test_emulated_paneled_norm_operand_gives_the_same_bits():
     # d_model 1024 staged in four panels of 256 (chunks of 128-256 columns): the GEMMs sum the same
-    # chunks in the same order, so the bits equal the unpaneled build's, in both modes; with 4
+    # chunks in the same order, so the bits equal the unpaneled build's, in both modes; with 2
     # blocks a block runs router and pool units back to back (pool finds the router's last panel,
     # panel 0, staged and restages the others with the norm factors reused). The router's 4 chunks
     # are walked last-first by loader and consumer alike: against the reference, a disagreement on
@@ -203,8 +226,11 @@ def test_emulated_paneled_norm_operand_gives_the_same_bits():
     w = generate(cfg)
     base = KVCache(cfg).fill_random(torch.Generator().manual_seed(6))
     geo = dict(ring_stages=2, ring_stage_bytes=4096, spin_bound_ns=3_000_000_000)
-    whole, paneled = make_plan(cfg, 4, **geo), make_plan(cfg, 4, norm_panel=256, **geo)
+    whole, paneled = make_plan(cfg, 2, **geo), make_plan(cfg, 2, norm_panel=256, **geo)
     assert paneled.norm_k == 256 and paneled.abuf_bytes < whole.abuf_bytes
+    prog = build(paneled)
+    router, pool = [next(o for o in prog.ops if o.kind == k) for k in ("router", "pool")]
+    assert any(len(assigned_units(router, b, 2, 1)) and len(assigned_units(pool, b, 2, 4)) for b in range(2))
     assert paneled.tiles["router"].k // paneled.tiles["router"].kc == 4
     toks, par = _inputs(cfg, 16, 4)
     truth, routes = _reference(w, base.clone(), toks, par, 40)
@@ -214,7 +240,7 @@ def test_emulated_paneled_norm_operand_gives_the_same_bits():
     for mode in ("chain", "mega"):
         out = Engine(w, paneled, base.clone(), backend="emu").step(toks, par, 40, mode=mode)
         assert torch.equal(out.logits, ref.logits) and torch.equal(out.tokens, ref.tokens), mode
-    filled = make_plan(cfg, 4, fill_ring=True, **geo)
+    filled = make_plan(cfg, 2, fill_ring=True, **geo)
     assert filled.ring_stages > 2
     out = Engine(w, filled, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
     assert torch.equal(out.logits, Engine(w, filled, base.clone(), backend="emu").step(toks, par, 40, mode="chain").logits)
