@@ -2,6 +2,7 @@
 orders, and the kernel itself through the host emulation (same source as the GPU build)."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -15,7 +16,7 @@ from megakernel.nvfp4 import NVFP4Tensor
 from megakernel.interp import Interpreter
 from megakernel.plan import fp4_abuf_need, make_plan, render
 from megakernel.program import DEP_ALL, OpInst, Program, assigned_units, build, check, n_units
-from megakernel.reference import KVCache, step
+from megakernel.reference import KVCache, step, topk_route
 from megakernel.routing import synthetic_routes
 from megakernel.runtime import Engine, check_close
 from megakernel.weights import ExpertBank, generate
@@ -255,6 +256,29 @@ def test_emulated_synthetic_routing(tiny):
     out = eng.step(toks, par, 20, mode="mega", routes=routes)
     check_close(out.logits, ref, "synthetic routing", rel=1e-2)
     assert int(eng.buf["n_slots"][0]) == 6  # the last layer's distinct experts
+
+
+def test_topk_breaks_exact_ties_toward_the_lower_expert(tiny):
+    """The last layer's router rows 1, 4 and 6 made equal (scaled x4, exact in bf16) and rows 0
+    and 3 zero: bitwise-equal logits compete for the top-2 ranks. The kernel's top-k (redux
+    max, then the lowest expert holding it) must keep the lower experts, as the reference's stable
+    sort does, in both modes."""
+    cfg, w, base, plan = tiny
+    w = copy.deepcopy(w)
+    r = w.layers[-1].router
+    r[1] = r[1] * 4
+    r[4], r[6] = r[1], r[1]
+    r[0], r[3] = 0, 0
+    toks, par = _inputs(cfg, 16, 8)
+    for mode in ("chain", "mega"):
+        eng = Engine(w, plan, base.clone(), backend="emu")
+        eng.step(toks, par, 20, mode=mode)
+        logits = eng.buf["router_logits"][:16].cpu()
+        assert torch.equal(logits[:, 1], logits[:, 4]) and torch.equal(logits[:, 1], logits[:, 6])
+        top = torch.sort(logits, dim=-1, descending=True, stable=True).values
+        ties = (top[:, cfg.top_k - 1] == top[:, cfg.top_k]).sum().item()
+        assert ties >= 4, f"only {ties} tokens with a tie at the top-{cfg.top_k} boundary"
+        assert torch.equal(eng.buf["route_sel"][:16].cpu().long(), topk_route(logits, cfg.top_k)), mode
 
 
 def test_experts_with_more_than_8_tokens_use_the_second_token_tile(tiny):

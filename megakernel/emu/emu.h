@@ -34,6 +34,16 @@ MK_DEV int bcast_i(int v) {
   emu::warp_exchange(&v, sizeof(int), all);
   return all[0];
 }
+template <bool MAX>
+inline uint32_t warp_reduce_u32(uint32_t v) {
+  uint32_t all[32];
+  emu::warp_exchange(&v, sizeof(v), all);
+  uint32_t r = all[0];
+  for (uint32_t x : all) r = MAX ? (x > r ? x : r) : (x < r ? x : r);
+  return r;
+}
+MK_DEV uint32_t warp_max_u32(uint32_t v) { return warp_reduce_u32<true>(v); }
+MK_DEV uint32_t warp_min_u32(uint32_t v) { return warp_reduce_u32<false>(v); }
 MK_DEV bool warp_all(bool v) {
   int mine = v ? 1 : 0, all[32];
   emu::warp_exchange(&mine, sizeof(int), all);

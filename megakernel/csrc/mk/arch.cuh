@@ -59,6 +59,9 @@ MK_DEV int shfl_xor_i(int v, int m) { return __shfl_xor_sync(0xffffffffu, v, m);
 MK_DEV int bcast_i(int v) { return __shfl_sync(0xffffffffu, v, 0); }  // lane 0's value
 MK_DEV float shfl_f(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
 MK_DEV bool warp_all(bool v) { return __all_sync(0xffffffffu, v) != 0; }
+// One redux.sync each (sm_80+): a warp-wide max / min in one instruction instead of 5 shuffle rounds
+MK_DEV uint32_t warp_max_u32(uint32_t v) { return __reduce_max_sync(0xffffffffu, v); }
+MK_DEV uint32_t warp_min_u32(uint32_t v) { return __reduce_min_sync(0xffffffffu, v); }
 
 // bf16 as raw uint16_t bits: the kernels never depend on cuda_bf16.h
 MK_DEV uint16_t f2bf(float f) {

@@ -11,6 +11,15 @@ namespace mk {
 constexpr int TOPK_PER_LANE = (E + 31) / 32;
 static_assert(TOPK <= 32, "lane r holds the rank-r selection");
 
+// Order-preserving key of a logit: a larger float gives a larger key, -0 the key of +0 (equal
+// floats, equal keys: a tie still goes to the lower expert). 0 is no logit's key (NaN aside):
+// it marks an expert already taken or past E.
+MK_DEV uint32_t topk_key(float f) {
+  const uint32_t u = f2u(f == 0.f ? 0.f : f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+MK_DEV float topk_logit(uint32_t k) { return u2f((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); }
+
 MK_DEV void run_topk(Blk& b, int layer) {
   const Params& p = *b.p;
   int* sel_s = b.misc + MISC_SCRATCH;      // [T_MAX * TOPK] selected expert of (t, rank)
@@ -20,65 +29,77 @@ MK_DEV void run_topk(Blk& b, int layer) {
   if (tid() < (E + 31) / 32) bitmap[tid()] = 0;
 MK_COLD_LOOP
   for (int e = tid(); e < E; e += COMPUTE_THREADS) tokmask[e] = 0;
-  // A warp per token; lane r keeps the rank-r selection. The rank loop is not unrolled: top-k runs
-  // once per layer on one block, from a cold instruction cache, so its code size is its cost
+  // A warp per two tokens (w and w + WARPS), both selected together: their logits come in one
+  // L2 round trip and their rank steps interleave. Lane r keeps the rank-r selection. A rank is
+  // each lane's best remaining key, then the warp's largest key (redux.sync max) and, among the
+  // lanes holding it, the lowest expert (redux min). The rank loop is not unrolled: top-k runs
+  // once per layer on one block from a cold instruction cache, so its code size is its cost
   // (unrolled over the ranks it was 27 KB of SASS and ~12 us of a shard8 layer).
-MK_COLD_LOOP
-  for (int t = warp(); t < b.T; t += WARPS) {
-    float v[TOPK_PER_LANE];
-    uint32_t taken = 0;
+  static_assert(T_MAX <= 2 * WARPS, "two tokens per warp");
+  const int tt[2] = {warp(), warp() + WARPS};
+  const bool ok[2] = {tt[0] < b.T, tt[1] < b.T};
+  int mysel[2] = {0, 0};
+  float myv[2] = {0.f, 0.f};
+  if (p.route_override) {  // forced routing: only the selected logits are read
 #pragma unroll
-    for (int i = 0; i < TOPK_PER_LANE; ++i) {
-      const int e = lane() + 32 * i;
-      v[i] = e < E ? ldg_cgf(p.router_logits + t * E + e) : neg_inf();
-    }
-    int mysel = 0;
-    float myv = 0.f;
-    if (p.route_override) {
-      if (lane() < TOPK) {
-        mysel = p.route_override[(layer * T_MAX + t) * TOPK + lane()];
-        myv = ldg_cgf(p.router_logits + t * E + mysel);
+    for (int h = 0; h < 2; ++h)
+      if (ok[h] && lane() < TOPK) mysel[h] = p.route_override[(layer * T_MAX + tt[h]) * TOPK + lane()];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (ok[h] && lane() < TOPK) myv[h] = ldg_cgf(p.router_logits + tt[h] * E + mysel[h]);
+  } else {
+    uint32_t key[2][TOPK_PER_LANE];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < TOPK_PER_LANE; ++i) {
+        const int e = lane() + 32 * i;
+        key[h][i] = ok[h] && e < E ? topk_key(ldg_cgf(p.router_logits + tt[h] * E + e)) : 0u;
       }
-    } else {
 #pragma unroll 1
-      for (int r = 0; r < TOPK; ++r) {
-        float bv = neg_inf();
-        int be = 0x7fffffff;
+    for (int r = 0; r < TOPK; ++r) {
 #pragma unroll
-        for (int i = 0; i < TOPK_PER_LANE; ++i) {
-          const int e = lane() + 32 * i;
-          if (e < E && !((taken >> i) & 1u) && (v[i] > bv || (v[i] == bv && e < be))) {
-            bv = v[i];
-            be = e;
+      for (int h = 0; h < 2; ++h) {
+        uint32_t bk = 0u;
+        int bi = 0;
+#pragma unroll
+        for (int i = 0; i < TOPK_PER_LANE; ++i)
+          if (key[h][i] > bk) {  // strict: the lowest i (expert) of equal keys
+            bk = key[h][i];
+            bi = i;
           }
+        const uint32_t m = warp_max_u32(bk);
+        const uint32_t be = warp_min_u32(bk == m ? static_cast<uint32_t>(lane() + 32 * bi) : 0xffffffffu);
+        if (static_cast<int>(be & 31u) == lane()) {
+#pragma unroll
+          for (int i = 0; i < TOPK_PER_LANE; ++i)
+            if (i == static_cast<int>(be >> 5)) key[h][i] = 0u;
         }
-        for (int m = 16; m >= 1; m >>= 1) {
-          const float ov = shfl_xor(bv, m);
-          const int oe = shfl_xor_i(be, m);
-          if (ov > bv || (ov == bv && oe < be)) {
-            bv = ov;
-            be = oe;
-          }
-        }
-        if ((be & 31) == lane()) taken |= 1u << (be >> 5);
         if (lane() == r) {
-          mysel = be;
-          myv = bv;
+          mysel[h] = static_cast<int>(be);
+          myv[h] = topk_logit(m);
         }
       }
     }
-    // softmax over the selected logits, summed in rank order
+  }
+  // softmax over the selected logits, summed in rank order (one copy of the code for both tokens:
+  // selects, not indexing, so the arrays stay in registers)
+MK_COLD_LOOP
+  for (int h = 0; h < 2; ++h) {
+    const int t = h ? tt[1] : tt[0], sel = h ? mysel[1] : mysel[0];
+    const float v = h ? myv[1] : myv[0];
+    if (t >= b.T) break;
     float mx = neg_inf();
 #pragma unroll
-    for (int r = 0; r < TOPK; ++r) mx = fmax_(mx, shfl_f(myv, r));
-    const float ev = fexp(myv - mx);
+    for (int r = 0; r < TOPK; ++r) mx = fmax_(mx, shfl_f(v, r));
+    const float ev = fexp(v - mx);
     float sum = 0.f;
 #pragma unroll
     for (int r = 0; r < TOPK; ++r) sum += shfl_f(ev, r);
     if (lane() < TOPK) {
-      p.route_sel[t * TOPK + lane()] = mysel;
+      p.route_sel[t * TOPK + lane()] = sel;
       p.route_w[t * TOPK + lane()] = ev / sum;
-      sel_s[t * TOPK + lane()] = mysel;
+      sel_s[t * TOPK + lane()] = sel;
     }
   }
   sync_compute();
