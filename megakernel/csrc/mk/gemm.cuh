@@ -198,16 +198,22 @@ MK_DEV void stage_plain(Blk& b, const uint16_t* src, int tag) {
   if (tid() == 0) b.misc[MISC_TAG] = tag;
 }
 
-// Expert operand: `nrows` rows gathered from src (row i at src + rowidx(i) * K), fp4 order.
-// The row indices are read once into shared memory (not once per 16-byte piece).
+// Expert operand: `nrows` rows gathered from src, row i at src + rows[i] * K with the row indices
+// already in shared memory (MISC_ROWS: slot_info reads them), fp4 order.
+template <int K>
+MK_DEV void stage_gather_rows(Blk& b, const uint16_t* src, int nrows, int tag) {
+  if (b.misc[MISC_TAG] == tag) return;
+  const int* rows = b.misc + MISC_ROWS;
+  stage_rows<K, true>(b, nrows, [src, rows](int r) { return src + static_cast<size_t>(rows[r]) * K; });
+  if (tid() == 0) b.misc[MISC_TAG] = tag;
+}
+// The same with rows[i] = rowidx(i), written to shared memory first (not once per 16-byte piece).
 template <int K, typename RowIdx>
 MK_DEV void stage_gather_perm(Blk& b, const uint16_t* src, int nrows, RowIdx rowidx, int tag) {
   if (b.misc[MISC_TAG] == tag) return;
-  int* rows = b.misc + MISC_ROWS;
-  if (tid() < nrows) rows[tid()] = rowidx(tid());
+  if (tid() < nrows) b.misc[MISC_ROWS + tid()] = rowidx(tid());
   sync_compute();
-  stage_rows<K, true>(b, nrows, [src, rows](int r) { return src + static_cast<size_t>(rows[r]) * K; });
-  if (tid() == 0) b.misc[MISC_TAG] = tag;
+  stage_gather_rows<K>(b, src, nrows, tag);
 }
 
 // ---------------------------------------------------------------- consumer: bf16 weights

@@ -14,13 +14,15 @@ struct SlotInfo {
 
 // Compute warps. Cached in shared memory under the operand tag of the slot (the tag changes
 // exactly when the staged operand does); on a miss thread 0 reads and one barrier publishes.
-// W2: the down projection's tensor scale, else gate/up's.
+// W2: the down projection's tensor scale, else gate/up's; gate/up also reads the slot's token
+// list into MISC_ROWS in the same round trip (its operand is gathered by token: stage_gather_rows).
 template <bool W2>
 MK_DEV SlotInfo slot_info(Blk& b, int layer, int s, int tag) {
   int* info = b.misc + MISC_SLOT;
   if (b.misc[MISC_TAG] != tag) {  // the same value for every thread: written before the last barrier
+    const Params& p = *b.p;
+    if (!W2 && tid() < 16) b.misc[MISC_ROWS + tid()] = ldg_cgi(p.slot_tok + s * 16 + tid());
     if (tid() == 0) {
-      const Params& p = *b.p;
       const int e = ldg_cgi(p.slot_expert + s);
       info[0] = e;
       info[1] = ldg_cgi(p.slot_ntok + s);

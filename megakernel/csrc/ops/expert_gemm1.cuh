@@ -29,8 +29,7 @@ MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
   const int s = unit / EXP1_TILES, j = unit % EXP1_TILES, tag = tag_of(TAG_EXP1, layer, s);
   const SlotInfo si = slot_info<false>(b, layer, s, tag);
   const int ntok = si.ntok;
-  const int32_t* toks = p.slot_tok + s * 16;
-  stage_gather_perm<P>(b, p.pooled, ntok, [toks](int i) { return ldg_cgi(toks + i); }, tag);
+  stage_gather_rows<P>(b, p.pooled, ntok, tag);  // the slot's tokens: read by slot_info
   gemm_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, TILE_EXPERT1_RG, P>(b, ntok, what);
   const float ts = si.tscale;
 MK_COLD_LOOP
