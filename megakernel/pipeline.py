@@ -235,10 +235,11 @@ def technique_switches(constants=None, n_sm: int = 132) -> dict[str, dict]:
     usable = int(_get(c, "l2_usable_bytes"))
     budget = int(_get(c, "l2_prefetch_budget_bytes")) or usable // 2
     l2 = max(16 * 1024, min(budget, usable // 2) // n_sm)  # per block, ahead of its next layer
-    return {"loader_ahead": {"loader_ahead": True}, "pdl": {"pdl": True}, "l2_prefetch": {"l2_prefetch_bytes": l2}}
+    return {"loader_ahead": {"loader_ahead": True}, "pdl": {"pdl": True}, "l2_prefetch": {"l2_prefetch_bytes": l2},
+            "evict_first": {"stream_evict_first": True}}
 
 
-NONE = {"loader_ahead": False, "pdl": False, "l2_prefetch_bytes": 0}
+NONE = {"loader_ahead": False, "pdl": False, "l2_prefetch_bytes": 0, "stream_evict_first": False}
 
 
 def ablation(h, preset: str, n_tokens: int, ctx: int, constants, ceiling, log=print) -> list[Series]:

@@ -348,12 +348,14 @@ def test_bad_step_inputs_are_refused(tiny):
 
 
 def test_every_technique_switch_computes_the_same_bits(tiny):
-    """Profiler on, loader not running ahead, L2 prefetch, PDL: the arithmetic is unchanged, so
-    the outputs are bitwise those of the default build; the profiler's timeline is consistent."""
+    """Profiler on, loader not running ahead, L2 prefetch, PDL, weight copies without the
+    evict-first hint: the arithmetic is unchanged, so the outputs are bitwise those of the default
+    build; the profiler's timeline is consistent."""
     cfg, w, base, _ = tiny
     toks, par = _inputs(cfg, 8, 2)
     default = Engine(w, make_plan(cfg, 4), base.clone(), backend="emu").step(toks, par, 40, mode="mega")
-    eng = Engine(w, make_plan(cfg, 4, profile=True, loader_ahead=False, l2_prefetch_bytes=1 << 16, pdl=True),
+    eng = Engine(w, make_plan(cfg, 4, profile=True, loader_ahead=False, l2_prefetch_bytes=1 << 16, pdl=True,
+                                 stream_evict_first=False),
                  base.clone(), backend="emu")
     out = eng.step(toks, par, 40, mode="mega")
     assert torch.equal(default.logits, out.logits) and torch.equal(default.tokens, out.tokens)

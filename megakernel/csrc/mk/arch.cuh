@@ -143,8 +143,12 @@ MK_DEV void fence_mbar_init() { mb::fence_mbar_init(); }
 MK_DEV void mbar_expect_tx(uint64_t* b, unsigned bytes) { mb::mbar_arrive_expect_tx(b, bytes); }
 MK_DEV void mbar_arrive(uint64_t* b) { mb::mbar_arrive(b); }
 MK_DEV bool mbar_test(uint64_t* b, unsigned parity) { return mb::mbar_try_wait(b, parity); }
+// STREAM_EVICT_FIRST: the streamed weights (read once per step; ~200 MB a shard8 layer, several
+// times the L2) go in as evict-first, so that they do not push the kernel's code, the activations
+// and the KV rows out of L2 (createpolicy is one instruction per copy).
 MK_DEV void bulk_copy(void* dst_smem, const void* src, unsigned bytes, uint64_t* bar) {
-  mb::bulk_g2s_cta(dst_smem, src, bytes, bar);
+  if constexpr (STREAM_EVICT_FIRST) mb::bulk_g2s_cta_hint(dst_smem, src, bytes, bar, mb::policy_evict_first());
+  else mb::bulk_g2s_cta(dst_smem, src, bytes, bar);
 }
 // Orders this thread's view of shared memory (generic proxy) before its next bulk copies (async proxy).
 MK_DEV void fence_proxy_async_smem() { mb::fence_proxy_async_smem(); }

@@ -100,6 +100,7 @@ constexpr int PROFILE_DETAIL = 0;
 constexpr int LOADER_AHEAD = 1;
 constexpr int PDL = 0;
 constexpr long long L2_PREFETCH_BYTES = 0ll;
+constexpr bool STREAM_EVICT_FIRST = true;
 constexpr int MISC_BYTES = 4096;
 constexpr unsigned long long GLOBAL_MASK = 4ull;  // bit l: layer l is global
 constexpr int PARTS = MAX_SPLITS * (WARPS / G);  // attention partials per kv head
