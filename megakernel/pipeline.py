@@ -75,13 +75,16 @@ def plan_for(preset: str, constants=None, n_sm: int | None = None, **switches) -
     # its size (plan.make_plan fill_ring)
     kw = dict(ring_stages=int(_get(c, "ring_stages")), ring_stage_bytes=int(_get(c, "ring_stage_bytes")),
               spin_bound_ns=int(_get(c, "spin_bound_ns")) + PHASE_ALLOWANCE_NS,
-              poll_backoff_ns=int(_get(c, "poll_backoff_ns")), fill_ring=True)
+              poll_backoff_ns=int(_get(c, "poll_backoff_ns")), fill_ring=True,
+              # weights.l2 measured whether an evict-first stream keeps reused data in L2
+              stream_evict_first=bool(int(_get(c, "evict_first_pays"))))
+    kw.update(switches)  # a technique switch overrides the constant
     try:
-        return make_plan(cfg, n_sm, **kw, **switches)
+        return make_plan(cfg, n_sm, **kw)
     except KernelDoesNotFitError as e:
         warnings.warn(f"{preset}: the tuned ring does not fit ({e}); building with the default ring", stacklevel=2)
         kw.pop("ring_stages"), kw.pop("ring_stage_bytes")
-        return make_plan(cfg, n_sm, **kw, **switches)
+        return make_plan(cfg, n_sm, **kw)
 
 
 def code_budget(constants=None) -> int:

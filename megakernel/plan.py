@@ -165,9 +165,10 @@ class Plan:
     loader_ahead: bool = True  # the loader streams the next op's weights before this op ends
     pdl: bool = False  # programmatic dependent launch between the step's launches
     l2_prefetch_bytes: int = 0  # per block: next launch's weights pulled into L2 (0 = off)
-    # the ring's weight copies carry an L2 evict-first hint (arch.cuh bulk_copy): shard8 T=16 step
-    # -7.5% on the H200, in-run A/B 2026-11-29 (10.63 -> 9.83 ms)
-    stream_evict_first: bool = True
+    # the ring's weight copies carry an L2 evict-first hint (arch.cuh bulk_copy); plan_for takes it
+    # from the tuned constant evict_first_pays (weights.l2). shard8 T=16 step -7.5% on the H200,
+    # in-run A/B 2026-11-29 (10.63 -> 9.83 ms)
+    stream_evict_first: bool = False
     profile_cap: int = 64  # profiler records per block per launch
     # the profiler also stamps inside units (staging, ring waits: profile_events.DETAIL_PHASES);
     # several stamps per weight chunk, so more overhead than the op phases alone
@@ -265,7 +266,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               spin_bound_ns: int = 2_000_000_000, poll_backoff_ns: int = 0, profile: bool = False,
               smem_limit: int = 232448, loader_ahead: bool = True, pdl: bool = False,
               l2_prefetch_bytes: int = 0, profile_cap: int = 64, min_copy_bytes: int = MIN_COPY_BYTES,
-              stream_evict_first: bool = True,
+              stream_evict_first: bool = False,
               fill_ring: bool = False, norm_panel: int | None = None, profile_detail: bool = False) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers

@@ -502,6 +502,10 @@ def test_plan_reads_tuned_constants_and_refuses_a_malformed_file(tmp_path, monke
         p = plan_for("tiny", None, 4)
     d = tune.TunedConstants.defaults()
     assert p.ring_stages - p.ring_fill == d.ring_stages and p.spin_bound_ns == d.spin_bound_ns + PHASE_ALLOWANCE_NS
+    assert p.stream_evict_first is (d.evict_first_pays == 1)  # weights.l2's verdict decides the hint
+    measured = dataclasses.replace(d, evict_first_pays=1)
+    assert plan_for("tiny", measured, 4).stream_evict_first
+    assert not plan_for("tiny", measured, 4, stream_evict_first=False).stream_evict_first  # the ablation's switch
     (tmp_path / "nvidia-h200.json").write_text('{"schema": "megabench.constants", "version": 1}')
     with pytest.raises(ResultsFileError, match="nvidia-h200.json"):
         plan_for("tiny", None, 4)
