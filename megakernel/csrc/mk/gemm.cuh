@@ -223,8 +223,8 @@ MK_DEV void stage_gather_perm(Blk& b, const uint16_t* src, int nrows, RowIdx row
 // their operand this way; the others stage before and pass NoRestage). Paneled (KP < K): abuf
 // holds one panel's columns (row stride a_stride<KP>), and the warps meet before each restage.
 // REV: the chunks are walked last to first (the loader streams them in the same order,
-// produce_bf16): the router does, so that it leaves panel 0 staged for the pool unit that often
-// follows it on the same block.
+// produce_bf16): the router does, so that it leaves panel 0 staged for a pool unit that follows it
+// on the same block (on grids too small to keep them apart: plan.pool_rows).
 struct NoRestage {
   MK_DEV void operator()(int) const {}
 };

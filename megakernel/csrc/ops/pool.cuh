@@ -1,5 +1,6 @@
 // pool (the pooler): pooled = bf16(rmsnorm(x, ffn_norm) @ pool^T), d -> p. Unit = TILE_POOL_ROWS features.
-// Shares its staged operand with the router (same tag) when a block runs both. Paneled, the router
+// Shares its staged operand with the router (same tag) when a block runs both (only on grids too
+// small for them to run side by side: plan.pool_rows, program.pool_rotation). Paneled, the router
 // walks its chunks last-first and leaves panel 0 staged: pool restages only the later panels, with
 // the norm factors the router kept (gemm.cuh stage_norm).
 #pragma once
