@@ -39,6 +39,7 @@ MIN_COPY_BYTES = 2048
 MOE_COMBINE_COLS = 16  # moe_combine unit: one output per thread (64 columns took 4 dependent L2 round trips)
 DENSE_ROWS = 16  # qkv / oproj / pool / unpool unit rows: 8 spent ~2.5 us of per-unit overhead per 16 KB (oproj, 2026-11-29)
 ROUTER_ROWS = 8  # the router stays at 8: top-k waits for it, and 32 units spread it over 32 blocks
+MIN_CHUNK_COLS = 64  # the narrowest bf16 weight chunk _tile accepts
 
 
 def pool_rows(cfg: ModelConfig, n_sm: int, stage_budget: int) -> int:
@@ -47,11 +48,11 @@ def pool_rows(cfg: ModelConfig, n_sm: int, stage_budget: int) -> int:
     waits for the router, expert GEMM 1 for top-k and the pooler: a block that runs a pool unit
     after its router unit delays every expert. shard8 on 132 SMs (32 router + 128 pool units), H200
     profile 2026-11-29: the pool units behind the router ended ~6 us after top-k, and expert GEMM 1
-    started after them. The larger unit needs a stage of at least 64 of its columns (_tile)."""
+    started after them. The larger unit needs a stage of at least MIN_CHUNK_COLS of its columns."""
     r, big = cfg.n_experts // ROUTER_ROWS, 2 * DENSE_ROWS
     if r + cfg.d_pool // DENSE_ROWS > n_sm and r + cfg.d_pool // big <= n_sm and cfg.d_pool % big == 0 \
-            and big * 64 * 2 <= stage_budget:
-        return 2 * DENSE_ROWS
+            and big * MIN_CHUNK_COLS * 2 <= stage_budget:
+        return big
     return DENSE_ROWS
 
 
@@ -145,7 +146,7 @@ def _tile(rows: int, k: int, fp4: bool, stage_budget: int, run: int = 32, min_co
     kc = min(_pow2_floor(int(stage_budget / (rows * 2.0))), k)
     while k % kc:
         kc //= 2
-    if kc < 64:
+    if kc < MIN_CHUNK_COLS:
         raise ValueError(f"chunk of {kc} columns for K={k}: too narrow")
     return GemmTile(rows, kc, k, False)
 

@@ -76,7 +76,8 @@ def test_preset_kernels_compile_for_sm90a_without_spills(name):
 
     from megakernel.build import MB_INC
 
-    mod = compile_cuda(source(make_plan(preset(name), 132)), name=f"megakernel-{name}", include_dirs=[CSRC, MB_INC])
+    plan = make_plan(preset(name), 132, stream_evict_first=True)  # as plan_for builds it on the H200
+    mod = compile_cuda(source(plan), name=f"megakernel-{name}", include_dirs=[CSRC, MB_INC])
     u = mod.usage("mk_run")
     assert u.spills == 0, u
     assert u.registers <= 224  # 288 threads, one block per SM: 65536 / 288 rounded to the allocation granule
@@ -348,14 +349,14 @@ def test_bad_step_inputs_are_refused(tiny):
 
 
 def test_every_technique_switch_computes_the_same_bits(tiny):
-    """Profiler on, loader not running ahead, L2 prefetch, PDL, weight copies without the
-    evict-first hint: the arithmetic is unchanged, so the outputs are bitwise those of the default
-    build; the profiler's timeline is consistent."""
+    """Profiler on, loader not running ahead, L2 prefetch, PDL, weight copies with the evict-first
+    hint: the arithmetic is unchanged, so the outputs are bitwise those of the default build; the
+    profiler's timeline is consistent."""
     cfg, w, base, _ = tiny
     toks, par = _inputs(cfg, 8, 2)
     default = Engine(w, make_plan(cfg, 4), base.clone(), backend="emu").step(toks, par, 40, mode="mega")
     eng = Engine(w, make_plan(cfg, 4, profile=True, loader_ahead=False, l2_prefetch_bytes=1 << 16, pdl=True,
-                                 stream_evict_first=False),
+                                 stream_evict_first=True),
                  base.clone(), backend="emu")
     out = eng.step(toks, par, 40, mode="mega")
     assert torch.equal(default.logits, out.logits) and torch.equal(default.tokens, out.tokens)
