@@ -7,7 +7,9 @@ and `launch_start` / `launch_end` instants; arg = the op instance index (program
 names its layer too. With Plan.profile_detail, thread 0 also stamps inside the units:
   stage       staging an activation operand into shared memory (arg: 0 norm, 1 rows)
   ring_wait   waiting for a weight chunk to land in the ring (arg: the ring chunk number)
-which the host assigns to the <op> phase around them (pipeline.detail_by_op). The rendered
+which the host assigns to the <op> phase around them (pipeline.detail_by_op). Without detail
+stamps, thread 0 only saves each op's instants and the compute warps write the op records
+together later (program.cuh prof_flush): same records, off the critical path. The rendered
 header is part of every megakernel build; with Plan.profile false the stamps compile to nothing
 (mb/profile.cuh)."""
 from __future__ import annotations

@@ -366,6 +366,40 @@ def test_every_technique_switch_computes_the_same_bits(tiny):
     assert {"qkv", "attn", "expert1", "expert2", "wait_expert2", "lm_head"} <= phases
 
 
+@pytest.mark.parametrize("program_mode", ["layer", "step"])
+def test_deferred_op_stamps_are_the_immediate_ones(tiny, program_mode):
+    """A profiled build writes its op phase records late (program.cuh prof_flush, every PROF_OPS
+    ops and at launch end); a detail build writes them where they happen. Per block, the op
+    records must be the same events with the same op indices in the same order, and their times
+    nondecreasing. The whole-step launch (~40 ops) also flushes in the middle."""
+    from megakernel.profile_events import DETAIL_PHASES, EVENTS
+
+    detail_ids = {EVENTS.id(f"{ph}_{e}") for ph in DETAIL_PHASES for e in ("begin", "end")}
+    cfg, w, base, _ = tiny
+    toks, par = _inputs(cfg, 8, 4)
+    stamps = {}
+    for detail in (False, True):
+        plan = make_plan(cfg, 4, profile=True, profile_detail=detail, profile_cap=1024)
+        eng = Engine(w, plan, base.clone(), backend="emu", program_mode=program_mode)
+        eng.step(toks, par, 40, mode="mega")
+        assert not eng.timeline("mega").problems
+        st = eng.prof.read()
+        keep = np.array([e not in detail_ids for e in st.event.tolist()], dtype=bool)
+        stamps[detail] = {f: getattr(st, f)[keep] for f in ("launch", "block", "warp", "event", "arg", "gt")}
+    a, b = stamps[False], stamps[True]
+    assert len(a["event"]) > 4 * 3 * 4  # op records of several launches and blocks
+    for f in ("launch", "block", "warp", "event", "arg"):
+        assert np.array_equal(a[f], b[f]), f
+    same = (a["launch"][1:] == a["launch"][:-1]) & (a["block"][1:] == a["block"][:-1])
+    assert (a["gt"][1:][same] >= a["gt"][:-1][same]).all()
+    # a deferred op's wait ends at the instant its work begins (one saved time for both)
+    rel = a["event"].astype(np.int64) - EVENTS.id("wait_embed_begin")
+    wait_end = np.flatnonzero((rel >= 0) & (rel % 4 == 1))
+    assert len(wait_end) and (a["event"][wait_end + 1] == a["event"][wait_end] + 1).all()
+    assert np.array_equal(a["gt"][wait_end], a["gt"][wait_end + 1])
+    assert (a["gt"][wait_end - 1] <= a["gt"][wait_end]).all() and (a["gt"][wait_end + 2] >= a["gt"][wait_end]).all()
+
+
 def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
     """profile_detail: the profiler also stamps each staging pass and each ring wait inside the
     units; the host assigns them to the op phase around them. The outputs keep their bits."""

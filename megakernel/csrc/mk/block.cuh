@@ -29,7 +29,11 @@ constexpr int MISC_SCRATCH = 58;  // top-k scratch from here (ints)
 // top-k scratch: selections [T_MAX*TOPK], slot prefix [E/32], expert bitmap [E/32], token masks [E]
 constexpr int MISC_RTAG = MISC_SCRATCH + T_MAX * TOPK + 2 * ((E + 31) / 32) + E;  // tag of the norm's factors
 constexpr int MISC_RNORM = MISC_RTAG + 1;  // [16] float: a staged norm's rsqrt(mean(x^2) + eps) per token row
-constexpr int MISC_INTS = MISC_RNORM + 16;
+// the profiler's deferred op stamps (program.cuh ProfSlot): PROF_OPS slots of 8 ints, 8-byte aligned
+constexpr int PROF_OPS = 16;
+constexpr int MISC_PSLOT = (MISC_RNORM + 16 + 1) & ~1;
+constexpr int MISC_PBASE = MISC_PSLOT + 8 * PROF_OPS;  // the first record number of a flush
+constexpr int MISC_INTS = MISC_PBASE + 1;
 
 struct Blk {
   const Params* p;

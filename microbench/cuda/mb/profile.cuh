@@ -136,6 +136,25 @@ class Profiler {
     ++n_;
   }
 
+  // Deferred stamps: a kernel that saved the instants itself (a %globaltimer read and a
+  // shared-memory store where they happen, no record written on its critical path) reserves k
+  // consecutive records (the thread that built the profiler), then any thread of the block writes
+  // record `idx` of them with put_at. The overflow count covers reserved records past the capacity.
+  __device__ __forceinline__ uint32_t reserve(uint32_t k) {
+    const uint32_t n = n_;
+    n_ = n + k;
+    if (n_ > cap_ && ovf_ != nullptr) *ovf_ = n_ - cap_;
+    return n;
+  }
+  __device__ __forceinline__ void put_at(uint32_t idx, uint64_t t, uint32_t event, uint32_t arg,
+                                         uint64_t c64 = 0ull) const {
+    if (idx < cap_) {
+      uint32_t* r = rec_ + idx * PROF_RECORD_WORDS;
+      st_cs_v4(r, tag_ | (event & PROF_EVENT_MASK), arg, static_cast<uint32_t>(t), static_cast<uint32_t>(t >> 32));
+      st_cs_v4(r + 4, static_cast<uint32_t>(c64), static_cast<uint32_t>(c64 >> 32), sm_, eb_);
+    }
+  }
+
  private:
   uint32_t* rec_;
   uint32_t* ovf_;
@@ -148,6 +167,8 @@ class Profiler {
  public:
   __device__ __forceinline__ Profiler(unsigned long long*, unsigned long long) {}
   __device__ __forceinline__ void stamp(uint32_t, uint32_t = 0u) {}
+  __device__ __forceinline__ uint32_t reserve(uint32_t) { return 0u; }
+  __device__ __forceinline__ void put_at(uint32_t, uint64_t, uint32_t, uint32_t, uint64_t = 0ull) const {}
 };
 
 #endif
