@@ -77,7 +77,11 @@ def plan_for(preset: str, constants=None, n_sm: int | None = None, **switches) -
               spin_bound_ns=int(_get(c, "spin_bound_ns")) + PHASE_ALLOWANCE_NS,
               poll_backoff_ns=int(_get(c, "poll_backoff_ns")), fill_ring=True,
               # weights.l2 measured whether an evict-first stream keeps reused data in L2
-              stream_evict_first=bool(int(_get(c, "evict_first_pays"))))
+              stream_evict_first=bool(int(_get(c, "evict_first_pays"))),
+              # clocks.launch measured whether PDL shortens a chain of persistent launches (the step's
+              # per-layer launches: megakernel ablation, every H200 run of 2026-11-29, all but PDL
+              # 0.1-1.7% slower than all)
+              pdl=bool(int(_get(c, "pdl_pays"))))
     kw.update(switches)  # a technique switch overrides the constant
     try:
         return make_plan(cfg, n_sm, **kw)

@@ -63,6 +63,9 @@ SPECS: tuple[ConstantSpec, ...] = (
                  "measured %globaltimer resolution", integer=True),
     ConstantSpec("sm_skew_ns", "ns", 1000, "clocks.skew", "sm_skew_ns",
                  "spread of %globaltimer across SMs released by one flag (p90-p10)"),
+    ConstantSpec("pdl_pays", "", 0, "clocks.launch", "pdl_pays",
+                 "1 if programmatic dependent launch shortens a chain of persistent one-block-per-SM launches",
+                 integer=True),
     ConstantSpec("profiler_stamp_cost_s", "s", 1.0e-7, "clocks.instrumentation", "profiler_stamp_cost_s",
                  "cost of one in-kernel profiler stamp (lane 0 of each block)"),
 )

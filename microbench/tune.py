@@ -247,12 +247,43 @@ def _git_sha() -> str:
     return os.environ.get("MEGABENCH_GIT_SHA") or _git("rev-parse", "--short", "HEAD") or "unknown"
 
 
+def _keep_current(gpu: str, entries: dict[str, Entry], only, out_dir: Path | None) -> dict[str, Entry]:
+    """Every constant not named in `only` as the current file has it (re-tuning one constant must
+    not adopt whatever newer results the other classes left behind); a constant the current file
+    lacks (new in microbench/constants.py) is collected too."""
+    unknown = sorted(set(only) - set(BY_NAME))
+    if unknown:
+        raise ResultsFileError(f"tune --only: unknown constants {unknown} (microbench/constants.py has "
+                               f"{', '.join(BY_NAME)})")
+    cur = (Path(out_dir) if out_dir else constants_dir()) / f"{gpu_slug(gpu)}.json"
+    if not cur.exists():
+        raise ResultsFileError(f"tune --only: no current constants file {cur} to keep the others from")
+    try:
+        doc = json.loads(cur.read_text())
+        consts = doc["constants"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ResultsFileError(f"{cur}: not a constants document ({e!r}); tune it whole") from None
+    out = {}
+    for name, e in entries.items():
+        old = consts.get(name)
+        if name in only or old is None:
+            out[name] = e
+            continue
+        prov = {k: v for k, v in old.items() if k not in ("value", "unit", "source", "doc")}
+        out[name] = Entry(e.spec, old["value"], old["source"], prov)
+    return out
+
+
 def tune(root: Path | None = None, gpu: str | None = None, out_dir: Path | None = None,
-         force: bool = False) -> tuple[dict, Path, Path, bool]:
+         force: bool = False, only=None) -> tuple[dict, Path, Path, bool]:
+    """only: re-derive just these constants (and any the current file lacks); the rest keep the
+    current file's values and provenance."""
     gpu, entries = collect(root, gpu)
     if gpu is None:
         raise ResultsFileError(f"no results with a GPU under {root or results_root()} for any constant's benchmark; "
                                "pass --gpu NAME to write an all-defaults file for that GPU")
+    if only:
+        entries = _keep_current(gpu, entries, only, out_dir)
     doc = render(gpu, entries, root)
     cur, rev, created = write(doc, out_dir, force)
     return doc, cur, rev, created
@@ -390,6 +421,8 @@ def add_parser(sub) -> None:
     s.add_argument("--out", type=Path, default=None, help="constants folder (default reports/constants)")
     s.add_argument("--force", action="store_true", help="replace a current file that differs from its revision file")
     s.add_argument("--dry-run", action="store_true", help="print the document, write nothing")
+    s.add_argument("--only", nargs="+", metavar="CONSTANT", default=None,
+                   help="re-derive only these constants (and any new ones); keep the rest from the current file")
     s.set_defaults(fn=_cmd)
 
 
@@ -402,9 +435,11 @@ def _raw():
 def _cmd(args) -> int:
     if args.dry_run:
         gpu, entries = collect(args.results, args.gpu)
+        if args.only and gpu:
+            entries = _keep_current(gpu, entries, args.only, args.out)
         print(json.dumps(render(gpu, entries, args.results), indent=1))
         return 0
-    doc, cur, rev, created = tune(args.results, args.gpu, args.out, args.force)
+    doc, cur, rev, created = tune(args.results, args.gpu, args.out, args.force, only=args.only)
     print(summary(doc, cur, rev, created))
     return 0
 

@@ -541,6 +541,9 @@ def test_plan_reads_tuned_constants_and_refuses_a_malformed_file(tmp_path, monke
     measured = dataclasses.replace(d, evict_first_pays=1)
     assert plan_for("tiny", measured, 4).stream_evict_first
     assert not plan_for("tiny", measured, 4, stream_evict_first=False).stream_evict_first  # the ablation's switch
+    assert p.pdl is (d.pdl_pays == 1)  # clocks.launch's verdict decides programmatic dependent launch
+    assert plan_for("tiny", dataclasses.replace(d, pdl_pays=1), 4).pdl
+    assert not plan_for("tiny", dataclasses.replace(d, pdl_pays=1), 4, pdl=False).pdl
     (tmp_path / "nvidia-h200.json").write_text('{"schema": "megabench.constants", "version": 1}')
     with pytest.raises(ResultsFileError, match="nvidia-h200.json"):
         plan_for("tiny", None, 4)

@@ -236,3 +236,26 @@ def test_write_refuses_current_without_revision(tmp_path, good_doc):
     (out / "nvidia-h200.json").write_text(json.dumps({k: v for k, v in good_doc.items() if k != "revision_file"}))
     with pytest.raises(ResultsFileError, match="no revision file on record"):
         write(good_doc, out)
+
+
+def test_only_rederives_the_named_constants_and_keeps_the_rest(tmp_path):
+    """tune --only: a newer run of every class must not move the constants it does not name."""
+    res, out = tmp_path / "results", tmp_path / "constants"
+    save_all(class_results(date="2026-11-29T10:00:00Z"), res)
+    tune(res, H200, out)
+    before = load_constants(out / f"{gpu_slug(H200)}.json")
+    target = SPECS[0].name
+    other = SPECS[1].name
+    v0 = _values(res)
+    save_all(class_results(date="2026-11-30T10:00:00Z",
+                           overrides={target: 2 * v0[target] + 1, other: 2 * v0[other] + 1}), res)
+    doc, cur, rev, created = tune(res, H200, out, only=[target])
+    after = load_constants(cur)
+    assert created and getattr(after, target) != getattr(before, target)
+    assert getattr(after, other) == getattr(before, other)
+    assert after.provenance[other]["date"] == "2026-11-29T10:00:00Z"
+    assert after.provenance[target]["date"] == "2026-11-30T10:00:00Z"
+    with pytest.raises(ResultsFileError, match="unknown constants"):
+        tune(res, H200, out, only=["no_such_constant"])
+    with pytest.raises(ResultsFileError, match="no current constants file"):
+        tune(res, H200, tmp_path / "empty", only=[target])

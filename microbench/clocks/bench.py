@@ -297,6 +297,11 @@ def _chain_calibrated(tl: Timeline, floor_ns: float):
                                    "per_sm_only_rms_ns": cal.rms_ns}
 
 
+PDL_RULE = ("pdl_pays = 1 if the chain of 8 persistent launches (one block per SM) with programmatic dependent "
+            "launch has its third quartile below the first quartile of the same chain without (cuda_event times); "
+            "spread: (pdl q1 / plain q3 - 1, pdl q3 / plain q1 - 1)")
+
+
 def run_launch(h: Harness | None = None, quick: bool | None = None, save: bool = True) -> Result:
     h = h or Harness()
     quick = _quick(quick)
@@ -340,6 +345,7 @@ def run_launch(h: Harness | None = None, quick: bool | None = None, save: bool =
                     params={"config": config, "pdl": pdl, "launches": 8, "repeats": repeats, "tick_ns": tick,
                             "work_ns": CHAIN_WORK_NS, "jitter_ns": CHAIN_JITTER_NS},
                     metrics={"what": desc, "clock64_calibrated": _pcts(xc), "calibration": cal_info}))
+    chains = {}
     for config in CHAIN_CONFIGS:
         plain = run_case(h, chain_case(False, config))
         series.append(plain)
@@ -349,6 +355,7 @@ def run_launch(h: Harness | None = None, quick: bool | None = None, save: bool =
                                           bound=Bound("time", plain.summary.median, "s",
                                                       "the same chain launched without PDL (this run)"),
                                           clocks=ps.clocks, metrics=ps.metrics, warnings=ps.warnings))
+        chains[config] = (plain, series[-1])
 
     def d(config, mode, k, rule, name):
         key = (config, mode, k)
@@ -374,6 +381,12 @@ def run_launch(h: Harness | None = None, quick: bool | None = None, save: bool =
                                             "median (griddepcontrol.wait returns - previous launch's last exit), "
                                             "PDL, SMs shared", ""),
     }.items() if v is not None}
+    if "exclusive" in chains:  # one block per SM at a time: the megakernel's per-layer launches
+        plain, ps = (c.summary for c in chains["exclusive"])
+        derived["pdl_pays"] = Derived(
+            1.0 if ps.q3 < plain.q1 else 0.0, "", PDL_RULE, (ps.q1 / plain.q3 - 1.0, ps.q3 / plain.q1 - 1.0),
+            tuple(c.name for c in chains["exclusive"]), f"chain of 8: plain {plain.median * 1e6:.1f} us, "
+            f"PDL {ps.median * 1e6:.1f} us (medians)")
     res = Result("clocks.launch", env, tuple(series), derived, quick=quick, notes=tuple(notes))
     if save:
         res.save()
