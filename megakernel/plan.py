@@ -34,7 +34,7 @@ EXPERT2_ROWS = 256  # down-projection unit
 # Smallest bulk copy that streams at the ring's full rate: weights.ring ring_min_copy_bytes on the
 # H200, 2026-11-29 (54c0fed; 1 KB copies 76%, 512 B 47.5% of one copy per 16 KB stage). Not yet a
 # tuned constant: adding it to the constants file would re-tune the ring geometry from that same
-# full sweep (3 x 16 KB) without a megakernel run to show it.
+# full sweep (3 x 16 KB), which made the shard8 step 5.5% slower (in-run A/B, H200 2026-11-29).
 MIN_COPY_BYTES = 2048
 MOE_COMBINE_COLS = 16  # moe_combine unit: one output per thread (64 columns took 4 dependent L2 round trips)
 DENSE_ROWS = 16  # qkv / oproj / pool / unpool unit rows: 8 spent ~2.5 us of per-unit overhead per 16 KB (oproj, 2026-11-29)
