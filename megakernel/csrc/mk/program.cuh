@@ -223,7 +223,9 @@ MK_DEV uint32_t ev_work_begin(int kind) { return ev_wait_begin(kind) + 2u; }
 // the same build with empty stamps: 0.2%). Thread 0 now only saves the instant (a timer read and
 // a shared-memory store at a fixed slot of the op); the compute warps write the records together
 // when PROF_OPS ops are done and at launch end (prof_flush), in op order, the same records as
-// before. Detail builds stamp inside units and keep immediate records (mb/profile.cuh).
+// before: 2.4-2.7%, of which saving the instants and the flush are ~1% each (in-run A/Bs, README
+// "What is not done"; a loader-warp drain instead of the flush was no better). Detail builds
+// stamp inside units and keep immediate records (mb/profile.cuh).
 constexpr bool PROF_DEFER = PROFILE && !PROFILE_DETAIL;
 struct ProfSlot {
   int op, kind1;  // kind1 = kind + 1 once the op ended on this block (0: nothing to write)
