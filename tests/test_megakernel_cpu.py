@@ -311,6 +311,53 @@ def test_emulated_wait_that_can_never_complete_raises_not_hangs(tiny):
         eng.step(toks, par, 10, mode="mega")
 
 
+_ALIGN_PROBE = r"""
+#define MK_HOST_EMU 1
+#include "mk/default_config.cuh"
+#include "mk/arch.cuh"
+#include <stdio.h>
+#include <stdlib.h>
+alignas(16) static unsigned char buf[256];
+static int which, offset;
+static void body(void*) {  // one warp: a 16-byte global load, or an ldmatrix, `offset` bytes in
+  uint32_t a[4] = {0, 0, 0, 0};
+  if (which == 0 && mk::tid() == 0) a[0] = mk::ldg_cg4(buf + offset).x;
+  if (which == 1) mk::ldsm_x4(a, buf + offset + 16 * (mk::lane() & 7));
+  if (a[0] == 12345u) buf[0] = 1;
+}
+extern "C" int emu_launch(void (*)(void*), void*, int, int, int, unsigned long long, char*, int);
+int main(int argc, char** argv) {
+  which = atoi(argv[1]);
+  offset = atoi(argv[2]);
+  char err[512] = {0};
+  const int rc = emu_launch(body, nullptr, 1, 32, 0, 1, err, sizeof err);
+  printf("%d|%s\n", rc, err);
+}
+"""
+
+
+def test_emulator_refuses_misaligned_vector_loads_like_the_gpu(tmp_path):
+    """A 16-byte global load or an ldmatrix row at an address that is not 16-byte aligned faults
+    on the GPU ("misaligned address"); the emulation stops with the reason instead of reading."""
+    import subprocess
+
+    from megakernel.build import CSRC, EMU, MB_INC
+
+    src = tmp_path / "probe.cpp"
+    src.write_text(_ALIGN_PROBE)
+    exe = tmp_path / "probe"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-w", f"-I{EMU / 'shim'}", f"-I{CSRC}", f"-I{EMU}", f"-I{MB_INC}",
+                    str(src), str(EMU / "emu.cpp"), "-o", str(exe)], check=True, capture_output=True, timeout=300)
+
+    def run(which, offset):
+        return subprocess.run([str(exe), str(which), str(offset)], capture_output=True, text=True,
+                              timeout=60).stdout.strip()
+
+    assert run(0, 16) == "0|" and run(1, 32) == "0|"
+    assert run(0, 4) == "1|block 0 thread 0: 16-byte global load not 16-byte aligned"
+    assert run(1, 8).startswith("1|") and "ldmatrix row address not 16-byte aligned" in run(1, 8)
+
+
 def test_emulated_greedy_decoding_matches_reference(tiny):
     cfg, w, base, plan = tiny
     eng = Engine(w, plan, KVCache(cfg), backend="emu")

@@ -67,13 +67,20 @@ MK_DEV uint32_t hmul2(uint32_t a, uint32_t b) {
   const float hi = bf2f(a >> 16) * bf2f(b >> 16);
   return pack_bf2(lo, hi);
 }
+// The hardware's alignment rules for the accesses the kernel makes through these helpers: a
+// misaligned address faults on the GPU ("misaligned address"), so the emulation refuses it too.
+MK_DEV void need_align(const void* p, unsigned n, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % n) emu::fail(what);
+}
 MK_DEV void ldsm_x4(uint32_t a[4], const unsigned char* row) {  // lanes 8m..8m+7 address matrix m's rows
+  need_align(row, 16, "ldmatrix row address not 16-byte aligned");
   const unsigned char* all[32];
   emu::warp_exchange(&row, sizeof(row), all);
   const int g = lane() >> 2, t = lane() & 3;
   for (int m = 0; m < 4; ++m) memcpy(&a[m], all[8 * m + g] + 4 * t, 4);
 }
 MK_DEV void ldsm_x4_trans(uint32_t a[4], const unsigned char* row) {
+  need_align(row, 16, "ldmatrix row address not 16-byte aligned");
   const unsigned char* all[32];
   emu::warp_exchange(&row, sizeof(row), all);
   const int g = lane() >> 2, t = lane() & 3;
@@ -131,11 +138,26 @@ MK_DEV void mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
   }
 }
 
-MK_DEV uint4 ldg_cg4(const void* p) { uint4 v; memcpy(&v, p, 16); return v; }
-MK_DEV uint32_t ldg_cg(const void* p) { uint32_t v; memcpy(&v, p, 4); return v; }
+MK_DEV uint4 ldg_cg4(const void* p) {
+  need_align(p, 16, "16-byte global load not 16-byte aligned");
+  uint4 v;
+  memcpy(&v, p, 16);
+  return v;
+}
+MK_DEV uint32_t ldg_cg(const void* p) {
+  need_align(p, 4, "4-byte global load not 4-byte aligned");
+  uint32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
 MK_DEV float ldg_cgf(const float* p) { return *p; }
 MK_DEV int ldg_cgi(const int32_t* p) { return *p; }
-MK_DEV uint4 ldg_nc4(const void* p) { uint4 v; memcpy(&v, p, 16); return v; }
+MK_DEV uint4 ldg_nc4(const void* p) {
+  need_align(p, 16, "16-byte global load not 16-byte aligned");
+  uint4 v;
+  memcpy(&v, p, 16);
+  return v;
+}
 MK_DEV uint32_t ld_acquire(const uint32_t* p) { emu::yield(); return *reinterpret_cast<const volatile uint32_t*>(p); }
 MK_DEV void red_release(uint32_t* p, uint32_t v) { *p += v; }
 MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long cmp, unsigned long long v) {
