@@ -274,17 +274,22 @@ def _keep_current(gpu: str, entries: dict[str, Entry], only, out_dir: Path | Non
     return out
 
 
+def _document(root, gpu, out_dir, only) -> tuple[str | None, dict]:
+    """collect, `only` applied (tune --only), rendered: what tune writes and --dry-run prints."""
+    gpu, entries = collect(root, gpu)
+    if only and gpu:
+        entries = _keep_current(gpu, entries, only, out_dir)
+    return gpu, render(gpu, entries, root)
+
+
 def tune(root: Path | None = None, gpu: str | None = None, out_dir: Path | None = None,
          force: bool = False, only=None) -> tuple[dict, Path, Path, bool]:
     """only: re-derive just these constants (and any the current file lacks); the rest keep the
     current file's values and provenance."""
-    gpu, entries = collect(root, gpu)
+    gpu, doc = _document(root, gpu, out_dir, only)
     if gpu is None:
         raise ResultsFileError(f"no results with a GPU under {root or results_root()} for any constant's benchmark; "
                                "pass --gpu NAME to write an all-defaults file for that GPU")
-    if only:
-        entries = _keep_current(gpu, entries, only, out_dir)
-    doc = render(gpu, entries, root)
     cur, rev, created = write(doc, out_dir, force)
     return doc, cur, rev, created
 
@@ -434,10 +439,7 @@ def _raw():
 
 def _cmd(args) -> int:
     if args.dry_run:
-        gpu, entries = collect(args.results, args.gpu)
-        if args.only and gpu:
-            entries = _keep_current(gpu, entries, args.only, args.out)
-        print(json.dumps(render(gpu, entries, args.results), indent=1))
+        print(json.dumps(_document(args.results, args.gpu, args.out, args.only)[1], indent=1))
         return 0
     doc, cur, rev, created = tune(args.results, args.gpu, args.out, args.force, only=args.only)
     print(summary(doc, cur, rev, created))
