@@ -158,6 +158,15 @@ MK_DEV uint4 ldg_nc4(const void* p) {
   memcpy(&v, p, 16);
   return v;
 }
+MK_DEV uint32_t ld_relaxed(const void* p) {  // a poll: lets the writer's fiber run
+  need_align(p, 4, "4-byte relaxed load not 4-byte aligned");
+  emu::yield();
+  return *reinterpret_cast<const volatile uint32_t*>(p);
+}
+MK_DEV void st_relaxed(void* p, uint32_t v) {
+  need_align(p, 4, "4-byte relaxed store not 4-byte aligned");
+  *reinterpret_cast<volatile uint32_t*>(p) = v;
+}
 MK_DEV uint32_t ld_acquire(const uint32_t* p) { emu::yield(); return *reinterpret_cast<const volatile uint32_t*>(p); }
 MK_DEV void red_release(uint32_t* p, uint32_t v) { *p += v; }
 MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long cmp, unsigned long long v) {
@@ -183,7 +192,14 @@ MK_DEV void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar)
   emu::mbar_complete_tx(bar, bytes);
 }
 MK_DEV void fence_proxy_async_smem() {}
-MK_DEV void prefetch_l2(const void*, unsigned) {}
+MK_DEV void prefetch_l2(const void* src, unsigned bytes) {
+  // the hardware's rules for cp.async.bulk.prefetch.L2; the range is recorded (emu_prefetches)
+  // so the tests can check it lies inside the buffer it means (outside, it may fault on the GPU)
+  if ((bytes & 15u) || bytes == 0u || (reinterpret_cast<uintptr_t>(src) & 15u)) {
+    emu::fail("L2 prefetch with an address or size that is not a multiple of 16 bytes");
+  }
+  emu::note_prefetch(src, bytes);
+}
 MK_DEV void pdl_launch_dependents() {}
 MK_DEV void pdl_wait() {}
 MK_DEV float fexp(float x) { return expf(x); }

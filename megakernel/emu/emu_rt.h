@@ -47,6 +47,7 @@ void mbar_arrive(uint64_t* b);
 bool mbar_test(uint64_t* b, unsigned parity);
 void mbar_complete_tx(uint64_t* b, unsigned bytes);
 uint64_t now_ns();
+void note_prefetch(const void* src, unsigned bytes);  // an L2 prefetch (recorded for the tests)
 [[noreturn]] void fail(const char* what);
 }  // namespace emu
 
