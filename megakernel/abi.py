@@ -55,6 +55,7 @@ PARAM_FIELDS = (
     ("slot_ntok", "int32_t*"),  # [MAX_SLOTS]
     ("slot_tok", "int32_t*"),  # [MAX_SLOTS][16]
     ("n_slots", "int32_t*"),  # [1]
+    ("hot_experts", "uint32_t*"),  # [L][E/32] experts each layer's top-k selected last step (bitmap)
     ("pooled", "uint16_t*"),  # [T_MAX][P]
     ("act", "uint16_t*"),  # [MAX_SLOTS][16][F]
     ("yexp", "uint16_t*"),  # [MAX_SLOTS][16][P]

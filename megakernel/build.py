@@ -34,10 +34,12 @@ def program_constants() -> str:
     return "\n".join([
         "namespace mk {",
         f"constexpr int OPINST_INTS = {program.OPINST_INTS};",
-        f"constexpr int DEP_ALL = {program.DEP_ALL}, DEP_GROUP = {program.DEP_GROUP};",
+        f"constexpr int DEP_ALL = {program.DEP_ALL}, DEP_GROUP = {program.DEP_GROUP}, "
+        f"DEP_SENTINEL = {program.DEP_SENTINEL};",
         f"constexpr int ASSIGN_STRIDED = {program.ASSIGN_STRIDED}, ASSIGN_CONTIG = {program.ASSIGN_CONTIG};",
         f"constexpr uint32_t WHAT_RING_FULL = {program.WHAT_RING_FULL}, WHAT_RING_EMPTY = {program.WHAT_RING_EMPTY}, "
-        f"WHAT_LOADER_ROUTE = {program.WHAT_LOADER_ROUTE}, WHAT_LOADER_GATE = {program.WHAT_LOADER_GATE};",
+        f"WHAT_LOADER_ROUTE = {program.WHAT_LOADER_ROUTE}, WHAT_LOADER_GATE = {program.WHAT_LOADER_GATE}, "
+        f"WHAT_SENTINEL = {program.WHAT_SENTINEL};",
         "}  // namespace mk",
     ]) + "\n"
 

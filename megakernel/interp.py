@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from . import tree as treelib
-from .program import DEP_ALL, Program, cached_keys, group_size, n_units, needed_group, splits, unit_group
+from .program import DEP_ALL, DEP_SENTINEL, Program, cached_keys, group_size, n_units, needed_group, splits, unit_group
 from .plan import MOE_COMBINE_COLS
 from .reference import KVCache, rmsnorm
 from .weights import BF16, ModelWeights
@@ -254,7 +254,7 @@ class Interpreter:
                 p = prog.ops[d.producer]
                 if pending[d.producer] is None:
                     return []
-                if d.mode == DEP_ALL:
+                if d.mode in (DEP_ALL, DEP_SENTINEL):  # a sentinel edge still orders the data
                     if not complete(d.producer):
                         return []
                 else:

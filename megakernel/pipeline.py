@@ -81,7 +81,14 @@ def plan_for(preset: str, constants=None, n_sm: int | None = None, **switches) -
               # clocks.launch measured whether PDL shortens a chain of persistent launches (the step's
               # per-layer launches: megakernel ablation, every H200 run of 2026-11-29, all but PDL
               # 0.1-1.7% slower than all)
-              pdl=bool(int(_get(c, "pdl_pays"))))
+              pdl=bool(int(_get(c, "pdl_pays"))),
+              # sync.publish measured whether sentinel slots beat a release flag for small payloads
+              # (the router's logits are 512 B per unit at shard8 T=16)
+              sentinel_route=bool(int(_get(c, "sentinel_pays"))),
+              # weights.hot_experts: the share of experts two steps must share for the bet to pay;
+              # 1.0 = never bet
+              hot_prefetch_bytes=hot_prefetch_budget(c, n_sm) if float(_get(c, "hot_expert_break_even_overlap")) < 1.0
+              else 0)
     kw.update(switches)  # a technique switch overrides the constant
     try:
         return make_plan(cfg, n_sm, **kw)
@@ -235,6 +242,12 @@ def build_result(plans: dict[str, Plan], budget: int | None) -> Result:
 
 
 # ---------------------------------------------------------------------- techniques
+def hot_prefetch_budget(c, n_sm: int) -> int:
+    """Per block and layer: the L2 prefetch budget (weights.prefetch: the least prefetched size
+    that keeps paying) shared by the blocks."""
+    return int(_get(c, "l2_prefetch_budget_bytes")) // n_sm
+
+
 def technique_switches(constants=None, n_sm: int = 132) -> dict[str, dict]:
     """Each technique as plan switches. The "all" build uses every one; the ablation switches one
     on at a time (from none) and one off at a time (from all)."""
@@ -243,10 +256,12 @@ def technique_switches(constants=None, n_sm: int = 132) -> dict[str, dict]:
     budget = int(_get(c, "l2_prefetch_budget_bytes")) or usable // 2
     l2 = max(16 * 1024, min(budget, usable // 2) // n_sm)  # per block, ahead of its next layer
     return {"loader_ahead": {"loader_ahead": True}, "pdl": {"pdl": True}, "l2_prefetch": {"l2_prefetch_bytes": l2},
-            "evict_first": {"stream_evict_first": True}}
+            "evict_first": {"stream_evict_first": True}, "sentinel": {"sentinel_route": True},
+            "hot_prefetch": {"hot_prefetch_bytes": max(16 * 1024, hot_prefetch_budget(c, n_sm))}}
 
 
-NONE = {"loader_ahead": False, "pdl": False, "l2_prefetch_bytes": 0, "stream_evict_first": False}
+NONE = {"loader_ahead": False, "pdl": False, "l2_prefetch_bytes": 0, "stream_evict_first": False, "sentinel_route": False,
+        "hot_prefetch_bytes": 0}
 
 
 def ablation(h, preset: str, n_tokens: int, ctx: int, constants, ceiling, log=print) -> list[Series]:

@@ -16,7 +16,10 @@ Units and groups (the same rules are written in csrc/mk/program.cuh; tests cross
 MOE_COMBINE_COLS)
 A dependency is ("all", producer): every unit of the producer instance, or ("group", producer):
 the one group of the producer the consumer unit needs (attn <- qkv by kv head, attn_combine <-
-attn by kv head, expert2 <- expert1 by slot). Counters are per step and per parity (the
+attn by kv head, expert2 <- expert1 by slot), or ("sentinel", producer): every unit of it, but
+the consumer polls the data itself (sentinel slots, plan.sentinel_route: top-k <- router), so no
+counter is waited for. An op whose counter nobody waits for does not bump it (OpInst.signal:
+saves the release fence). Counters are per step and per parity (the
 argmax unit of step k clears the other parity's counters, which no launch is using).
 
 Deadlock freedom: every block walks the op instances of a launch in the same (topological)
@@ -26,7 +29,7 @@ the launch therefore never waits, so the launch always progresses (given co-resi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -36,16 +39,16 @@ from .plan import MOE_COMBINE_COLS, OP, OP_KINDS, Plan
 OPINST_INTS = 16
 MAX_DEPS = 3
 ASSIGN_STRIDED, ASSIGN_CONTIG = 0, 1
-DEP_ALL, DEP_GROUP = 0, 1
+DEP_ALL, DEP_GROUP, DEP_SENTINEL = 0, 1, 2
 # A wait's id for the watchdog record: op index * 16 + code; codes below MAX_DEPS name the op's
 # dependency, these name the ring and the loader (rendered into the kernel by build.py)
-WHAT_RING_FULL, WHAT_RING_EMPTY, WHAT_LOADER_ROUTE, WHAT_LOADER_GATE = 8, 9, 10, 11
+WHAT_RING_FULL, WHAT_RING_EMPTY, WHAT_LOADER_ROUTE, WHAT_LOADER_GATE, WHAT_SENTINEL = 8, 9, 10, 11, 12
 
 
 @dataclass(frozen=True)
 class Dep:
     producer: int  # index of the producing op instance
-    mode: int  # DEP_ALL or DEP_GROUP
+    mode: int  # DEP_ALL, DEP_GROUP or DEP_SENTINEL
 
 
 @dataclass(frozen=True)
@@ -59,12 +62,15 @@ class OpInst:
     n_groups: int
     rot: int  # block rotation of the strided assignment
     assign: int
+    signal: bool = True  # some consumer waits for its counters (else no unit bumps them)
 
     def encode(self) -> list[int]:
         row = [OP[self.kind], self.layer, self.counter, self.group_base, self.n_groups, self.rot, self.assign,
                len(self.deps)]
         for d in self.deps:
             row += [d.producer, d.mode]
+        row += [0] * (2 * (MAX_DEPS - len(self.deps)))
+        row += [int(self.signal)]
         row += [0] * (OPINST_INTS - len(row))
         return row
 
@@ -252,7 +258,7 @@ def build(plan: Plan, mode: str = "layer") -> Program:
         add("oproj", l, [("attn_combine", DEP_ALL)])
         add("router", l, [("oproj", DEP_ALL)])
         add("pool", l, [("oproj", DEP_ALL)], rot=pool_rotation(plan, ops[last["router"]]))
-        add("topk", l, [("router", DEP_ALL)], rot=lightest_block(plan, [ops[last["router"]], ops[last["pool"]]]))
+        add("topk", l, [("router", DEP_SENTINEL if plan.sentinel_route else DEP_ALL)], rot=lightest_block(plan, [ops[last["router"]], ops[last["pool"]]]))
         add("expert1", l, [("topk", DEP_ALL), ("pool", DEP_ALL)], ASSIGN_CONTIG)
         add("expert2", l, [("topk", DEP_ALL), ("expert1", DEP_GROUP)], ASSIGN_CONTIG)
         add("moe_combine", l, [("topk", DEP_ALL), ("expert2", DEP_ALL)])
@@ -266,6 +272,8 @@ def build(plan: Plan, mode: str = "layer") -> Program:
             cut()
     if mode == "step":
         cut()
+    waited = {d.producer for o in ops for d in o.deps if d.mode != DEP_SENTINEL}
+    ops = [o if o.index in waited else replace(o, signal=False) for o in ops]
     return Program(plan, tuple(ops), tuple(launches), counters, mode)
 
 
@@ -282,6 +290,8 @@ def check(prog: Program) -> None:
         for d in o.deps:
             assert d.producer < o.index, f"{o.kind}(L{o.layer}) depends on a later op"
             p = prog.ops[d.producer]
+            if d.mode == DEP_SENTINEL:  # the kernel polls sentinel slots on this edge only (ops/topk.cuh)
+                assert (o.kind, p.kind) == ("topk", "router"), f"{o.kind} <- {p.kind}: no sentinel slots"
             if d.mode == DEP_GROUP:
                 needed_group(prog.plan, o.kind, p.kind, o.layer, 0, 1, 0)  # raises if no rule
                 assert p.n_groups > 0

@@ -26,7 +26,7 @@ from . import abi, tree as treelib
 from .config import ConfigError
 from .fp4_layout import is_canonical
 from .plan import THREADS, Plan
-from .program import (WHAT_LOADER_GATE, WHAT_LOADER_ROUTE, WHAT_RING_EMPTY, WHAT_RING_FULL, Program,
+from .program import (WHAT_LOADER_GATE, WHAT_LOADER_ROUTE, WHAT_RING_EMPTY, WHAT_RING_FULL, WHAT_SENTINEL, Program,
                       build as build_program)
 from .reference import KVCache
 from .weights import BF16, ModelWeights
@@ -119,11 +119,13 @@ class Engine:
             "route_w": z(tm, c.top_k), "route_slot": z(tm, c.top_k, dt=torch.int32),
             "route_pos": z(tm, c.top_k, dt=torch.int32), "slot_expert": z(p.max_slots, dt=torch.int32),
             "slot_ntok": z(p.max_slots, dt=torch.int32), "slot_tok": z(p.max_slots, 16, dt=torch.int32),
-            "n_slots": z(1, dt=torch.int32), "pooled": z(tm, c.d_pool, dt=BF16),
+            "n_slots": z(1, dt=torch.int32), "hot_experts": z(c.n_layers, (c.n_experts + 31) // 32, dt=torch.int32),
+            "pooled": z(tm, c.d_pool, dt=BF16),
             "act": z(p.max_slots, 16, c.d_expert, dt=BF16), "yexp": z(p.max_slots, 16, c.d_pool, dt=BF16),
             "z": z(tm, c.d_pool, dt=BF16), "logits": z(tm, c.vocab), "amax_val": z(c.vocab // 16, tm),
             "amax_idx": z(c.vocab // 16, tm, dt=torch.int32), "out_tokens": z(tm, dt=torch.int32),
         }
+        self.empty_sentinel_slots()
         self.counters = z(2, self.program.n_counters, dt=torch.int32)
         self.prog_t = torch.from_numpy(self.program.encode()).to(dev)
         self.launches_t = torch.from_numpy(self.program.encode_launches()).to(dev)
@@ -157,7 +159,7 @@ class Engine:
         P.tokens, P.depth, P.anc = _ptr(self.tokens_t), _ptr(self.depth_t), _ptr(self.anc_t)
         P.route_override = _ptr(self.route_t) if override else 0
         for name in ("x", "ss_part", "q", "att_o", "att_ml", "att_out", "router_logits", "route_sel", "route_w", "route_slot",
-                     "route_pos", "slot_expert", "slot_ntok", "slot_tok", "n_slots", "pooled", "act", "yexp", "z",
+                     "route_pos", "slot_expert", "slot_ntok", "slot_tok", "n_slots", "hot_experts", "pooled", "act", "yexp", "z",
                      "logits", "amax_val", "amax_idx", "out_tokens"):
             setattr(P, name, _ptr(b[name]))
         P.counters = _ptr(self.counters)
@@ -175,6 +177,14 @@ class Engine:
                 t.fill_(float("nan"))
             else:
                 t.zero_()
+        self.empty_sentinel_slots()  # "not yet written" is the sentinel there, not NaN
+
+    def empty_sentinel_slots(self) -> None:
+        """Sentinel slots (plan.sentinel_route: the router logits) hold -0.0 when empty; their
+        reader resets them after each use. Danger: a slot left written (an aborted step, a poison
+        fill) would be read as fresh data by the next step, so every such path calls this."""
+        if self.plan.sentinel_route:
+            self.buf["router_logits"].view(torch.int32).fill_(-2**31)  # 0x80000000 = -0.0
 
     def describe_wait(self, what: int) -> str:
         i, code = what >> 4, what & 15
@@ -189,7 +199,9 @@ class Engine:
         return {WHAT_RING_FULL: f"{name}: a weight chunk in the ring (consumer)",
                 WHAT_RING_EMPTY: f"{name}: a free ring stage (loader)",
                 WHAT_LOADER_ROUTE: f"{name}: the routing of this layer (loader)",
-                WHAT_LOADER_GATE: f"{name}: the compute warps finishing the previous op (loader, no run-ahead)"
+                WHAT_LOADER_GATE: f"{name}: the compute warps finishing the previous op (loader, no run-ahead)",
+                WHAT_SENTINEL: f"{name}: the router logits in their sentinel slots (still -0.0: a router unit "
+                               "never wrote them, or a slot was not reset)",
                 }.get(code, f"{name} code {code}")
 
     def _set_inputs(self, tokens, parents, ctx, routes):
@@ -303,6 +315,7 @@ class Engine:
         except SpinTimeoutError:
             self.wd.reset()
             self.counters.zero_()
+            self.empty_sentinel_slots()
             self._dirty = [False, False]
             raise
 

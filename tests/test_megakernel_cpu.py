@@ -413,6 +413,118 @@ def test_every_technique_switch_computes_the_same_bits(tiny):
     assert {"qkv", "attn", "expert1", "expert2", "wait_expert2", "lm_head"} <= phases
 
 
+@pytest.mark.parametrize("routing", ["router", "forced"])
+def test_sentinel_route_gives_the_same_bits_and_leaves_the_slots_empty(tiny, routing):
+    """sentinel_route: top-k polls the router logits in sentinel slots instead of waiting for the
+    router's counter, and resets them. Mega and chain keep the default build's bits over two
+    consecutive steps (the second reuses the slots the first reset), with the router's own
+    routing and with forced routing; afterwards every slot is empty (-0.0) again; the program
+    marks the edge and drops the router's unused counter."""
+    from megakernel.program import DEP_SENTINEL
+
+    cfg, w, base, _ = tiny
+    plan = make_plan(cfg, 4, sentinel_route=True)
+    prog = build(plan)
+    topk = [o for o in prog.ops if o.kind == "topk"]
+    assert all(o.deps[0].mode == DEP_SENTINEL and prog.ops[o.deps[0].producer].kind == "router" for o in topk)
+    assert not any(o.signal for o in prog.ops if o.kind == "router")
+    assert all(o.signal for o in prog.ops if o.kind in ("qkv", "oproj", "topk", "pool"))
+    routes = None
+    if routing == "forced":
+        g = torch.Generator().manual_seed(3)
+        routes = [torch.stack([torch.randperm(cfg.n_experts, generator=g)[:cfg.top_k] for _ in range(8)])
+                  for _ in range(cfg.n_layers)]
+    for mode in ("mega", "chain"):
+        ref_eng = Engine(w, make_plan(cfg, 4), base.clone(), backend="emu")
+        eng = Engine(w, plan, base.clone(), backend="emu", emu_seed=5)
+        eng.poison()
+        for ctx, seed in ((30, 1), (38, 2)):
+            toks, par = _inputs(cfg, 8, seed)
+            want = ref_eng.step(toks, par, ctx, mode=mode, routes=routes)
+            got = eng.step(toks, par, ctx, mode=mode, routes=routes)
+            assert torch.equal(want.logits, got.logits) and torch.equal(want.tokens, got.tokens), (mode, ctx)
+            empty = eng.buf["router_logits"].view(torch.int32) == -2**31
+            assert bool(empty.all()), f"{mode}: {int((~empty).sum())} router logit slots left written"
+
+
+def test_sentinel_route_wait_is_bounded_and_named(tiny):
+    """Top-k run alone (chain mode, its router never ran): its poll of the empty slots gives up at
+    the spin bound and the error names the op and the sentinel slots, instead of hanging."""
+    cfg, w, base, _ = tiny
+    plan = make_plan(cfg, 4, sentinel_route=True, spin_bound_ns=200_000_000)
+    eng = Engine(w, plan, base.clone(), backend="emu")
+    toks, par = _inputs(cfg, 4, 1)
+    t = eng.prepare(toks, par, 10)
+    i = next(o.index for o in eng.program.ops if o.kind == "topk")
+    with pytest.raises(SpinTimeoutError, match=r"topk\(L0\) \[op \d+\].*sentinel slots"):
+        eng._launch(i, 1, 0, 4, t, 10)
+        eng._check_watchdog(0)  # what step() does after its launches
+
+
+def _emu_prefetches(eng):
+    """The L2 prefetches the emulator recorded since the last call, as (address, bytes)."""
+    import ctypes
+
+    fn = eng.dll.emu_prefetches
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]
+    n = fn(None, 0)
+    buf = (ctypes.c_ulonglong * (2 * n + 2))()
+    fn(buf, n)
+    fn(None, -1)
+    return list(zip(buf[0:2 * n:2], buf[1:2 * n:2]))
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 4096])
+def test_hot_prefetch_pulls_the_expert_rows_the_next_step_streams(tiny, budget):
+    """hot_prefetch_bytes: the first step has no routing to bet on (nothing prefetched); the
+    second step, routed as the first, prefetches exactly the expert weight rows its blocks then
+    stream (codes and scales of every expert1 and expert2 unit, each block its own units) when
+    the budget covers them, and stops at the budget when it does not. The outputs keep their bits."""
+    cfg, w, base, _ = tiny
+    toks, par = _inputs(cfg, 2, 4)  # 2 tokens x top-2: at most 4 of the 8 experts per layer
+    ref = Engine(w, make_plan(cfg, 4), base.clone(), backend="emu")
+    eng = Engine(w, make_plan(cfg, 4, hot_prefetch_bytes=budget), base.clone(), backend="emu")
+    _emu_prefetches(eng)
+    for k in range(2):  # the same step twice (the same ctx rewrites the same KV rows): the same routing
+        want, got = ref.step(toks, par, 30, mode="mega"), eng.step(toks, par, 30, mode="mega")
+        assert torch.equal(want.logits, got.logits) and torch.equal(want.tokens, got.tokens)
+        pf = _emu_prefetches(eng)
+        if k == 0:
+            assert pf == [], "no routing to bet on in the first step"
+    # what the second step streams: per layer, the experts its top-k chose, all their rows
+    banks = {}
+    for l, lw in enumerate(w.layers):
+        for name, bank in (("w1", lw.w1), ("w2", lw.w2)):
+            for part in ("codes", "scales"):
+                t = getattr(bank, part)
+                banks[(l, name, part)] = (t.data_ptr(), t.numel() * t.element_size(), t[0].numel() * t.element_size())
+    got_bytes = {}
+    for addr, nbytes in pf:
+        where = [k for k, (p0, size, _) in banks.items() if p0 <= addr and addr + nbytes <= p0 + size]
+        assert len(where) == 1, f"prefetch {addr:#x} +{nbytes} is not inside one expert bank"
+        k = where[0]
+        p0, _, per_expert = banks[k]
+        for off in range(addr - p0, addr - p0 + nbytes, 16):
+            key = (*k, off // per_expert, off % per_expert)
+            assert key not in got_bytes, f"{key} prefetched twice"
+            got_bytes[key] = True
+    chosen = [set(_bits(eng.buf["hot_experts"][l])) for l in range(cfg.n_layers)]
+    assert all(0 < len(c) <= 4 for c in chosen)
+    want_bytes = {(l, name, part, e, off) for (l, name, part), (_, _, per) in banks.items() for e in chosen[l]
+                  for off in range(0, per, 16)}
+    if budget >= 1 << 20:
+        assert set(got_bytes) == want_bytes
+    else:  # each of the 4 blocks stops once past its budget (a unit's rows are at most 4 KB here)
+        assert set(got_bytes) < want_bytes
+        for l in range(cfg.n_layers):
+            assert 16 * sum(1 for k in got_bytes if k[0] == l) <= 4 * (budget + 4096)
+
+
+def _bits(row) -> list[int]:
+    words = row.cpu().numpy().view(np.uint32)
+    return [32 * i + b for i, wd in enumerate(words) for b in range(32) if (int(wd) >> b) & 1]
+
+
 @pytest.mark.parametrize("program_mode", ["layer", "step"])
 def test_deferred_op_stamps_are_the_immediate_ones(tiny, program_mode):
     """A profiled build writes its op phase records late (program.cuh prof_flush, every PROF_OPS
@@ -591,6 +703,14 @@ def test_plan_reads_tuned_constants_and_refuses_a_malformed_file(tmp_path, monke
     assert p.pdl is (d.pdl_pays == 1)  # clocks.launch's verdict decides programmatic dependent launch
     assert plan_for("tiny", dataclasses.replace(d, pdl_pays=1), 4).pdl
     assert not plan_for("tiny", dataclasses.replace(d, pdl_pays=1), 4, pdl=False).pdl
+    assert p.sentinel_route is (d.sentinel_pays == 1)  # sync.publish's verdict decides the sentinel edge
+    assert plan_for("tiny", dataclasses.replace(d, sentinel_pays=1), 4).sentinel_route
+    assert not plan_for("tiny", dataclasses.replace(d, sentinel_pays=0), 4).sentinel_route
+    # weights.hot_experts: bet on last step's experts only when some overlap below 1 breaks even;
+    # the budget is weights.prefetch's, shared by the blocks
+    assert plan_for("tiny", dataclasses.replace(d, hot_expert_break_even_overlap=1.0), 4).hot_prefetch_bytes == 0
+    bet = plan_for("tiny", dataclasses.replace(d, hot_expert_break_even_overlap=0.4, l2_prefetch_budget_bytes=4 << 20), 4)
+    assert bet.hot_prefetch_bytes == (4 << 20) // 4
     (tmp_path / "nvidia-h200.json").write_text('{"schema": "megabench.constants", "version": 1}')
     with pytest.raises(ResultsFileError, match="nvidia-h200.json"):
         plan_for("tiny", None, 4)
@@ -602,7 +722,8 @@ def test_every_wait_id_the_kernel_can_report_has_a_message(tiny):
 
     cfg, w, base, plan = tiny
     eng = Engine(w, plan, base.clone(), backend="emu")
-    codes = [program.WHAT_RING_FULL, program.WHAT_RING_EMPTY, program.WHAT_LOADER_ROUTE, program.WHAT_LOADER_GATE]
+    codes = [program.WHAT_RING_FULL, program.WHAT_RING_EMPTY, program.WHAT_LOADER_ROUTE, program.WHAT_LOADER_GATE,
+             program.WHAT_SENTINEL]
     for code in codes:
         msg = eng.describe_wait(3 * 16 + code)
         assert "[op 3]" in msg and f"code {code}" not in msg, msg

@@ -21,6 +21,33 @@ def test_mega_equals_chain_and_matches_reference(preset, T, ctx):
     assert c.rel_err < 1e-2
 
 
+def test_every_technique_keeps_the_bits_on_the_gpu():
+    """small, T=16, real routing: no technique, every technique (sentinel slots and the hot-expert
+    L2 bet included) and the tuned default compute the same logits over two consecutive steps (the
+    second step bets on the first's experts and reuses the sentinel slots), in mega and chain
+    mode, and the sentinel slots are empty (-0.0) after each step."""
+    from megakernel.bench_baselines import step_context, weights_for
+    from megakernel.pipeline import NONE, plan_for, technique_switches
+    from megakernel.runtime import Engine
+
+    sc = step_context("small", 16, 1500)
+    w = weights_for("small")
+    allsw = {k: v for d in technique_switches(None, torch.cuda.get_device_properties(0).multi_processor_count).values()
+             for k, v in d.items()}
+    ref = None
+    for sw in (NONE, allsw, {}):
+        plan = plan_for("small", **sw)
+        for mode in ("mega", "chain"):
+            eng = Engine(w, plan, sc.cache0.clone(), backend="gpu")
+            for _ in range(2):
+                out = eng.step(sc.tokens, sc.parents, 1500, mode=mode)
+                ref = out.logits.clone() if ref is None else ref
+                assert torch.equal(out.logits, ref), (sw, mode)
+                if plan.sentinel_route:
+                    assert bool((eng.buf["router_logits"].view(torch.int32) == -2**31).all()), (sw, mode)
+    assert allsw["sentinel_route"] and allsw["hot_prefetch_bytes"] > 0
+
+
 def test_greedy_tokens_equal_reference_tiny():
     from megakernel.pipeline import greedy_check, plan_for
 

@@ -126,6 +126,10 @@ MK_DEV int ldg_cgi(const int32_t* p) { return static_cast<int>(ldg_cg(p)); }
 // Immutable data (weights, tables): read-only path.
 MK_DEV uint4 ldg_nc4(const void* p) { return mb::ld_nc_v4(p); }
 
+// Sentinel slots (mb/sentinel.cuh): strong relaxed accesses, so a poll racing its writer is a
+// defined read of the old or the new word, never a data race.
+MK_DEV uint32_t ld_relaxed(const void* p) { return mb::ld_relaxed_gpu(static_cast<const uint32_t*>(p)); }
+MK_DEV void st_relaxed(void* p, uint32_t v) { mb::st_relaxed_gpu(static_cast<uint32_t*>(p), v); }
 MK_DEV uint32_t ld_acquire(const uint32_t* p) { return mb::ld_acquire_gpu(p); }
 MK_DEV void red_release(uint32_t* p, uint32_t v) { mb::red_add_release_gpu(p, v); }
 MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long cmp, unsigned long long v) {

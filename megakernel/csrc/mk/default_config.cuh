@@ -101,6 +101,8 @@ constexpr int LOADER_AHEAD = 1;
 constexpr int PDL = 0;
 constexpr long long L2_PREFETCH_BYTES = 0ll;
 constexpr bool STREAM_EVICT_FIRST = false;
+constexpr bool SENTINEL_ROUTE = false;
+constexpr long long HOT_PREFETCH_BYTES = 0ll;
 constexpr int MISC_BYTES = 4096;
 constexpr unsigned long long GLOBAL_MASK = 4ull;  // bit l: layer l is global
 constexpr int PARTS = MAX_SPLITS * (WARPS / G);  // attention partials per kv head
@@ -152,6 +154,7 @@ struct Params {
   int32_t* slot_ntok;
   int32_t* slot_tok;
   int32_t* n_slots;
+  uint32_t* hot_experts;
   uint16_t* pooled;
   uint16_t* act;
   uint16_t* yexp;
@@ -165,13 +168,13 @@ struct Params {
   int32_t n_counters;
   int32_t n_launches;
 };
-static_assert(sizeof(Params) == 304, "abi.py Params");
+static_assert(sizeof(Params) == 312, "abi.py Params");
 }  // namespace mk
 namespace mk {
 constexpr int OPINST_INTS = 16;
-constexpr int DEP_ALL = 0, DEP_GROUP = 1;
+constexpr int DEP_ALL = 0, DEP_GROUP = 1, DEP_SENTINEL = 2;
 constexpr int ASSIGN_STRIDED = 0, ASSIGN_CONTIG = 1;
-constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10, WHAT_LOADER_GATE = 11;
+constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10, WHAT_LOADER_GATE = 11, WHAT_SENTINEL = 12;
 }  // namespace mk
 namespace mk {
 // NVFP4 kernel word (megakernel/fp4_layout.py): pair e = OR over terms (shift, mask), shift < 0 right

@@ -25,6 +25,7 @@ namespace mk {
 struct Op {
   int kind, layer, counter, group_base, n_groups, rot, assign, n_deps;
   int dep_op[3], dep_mode[3];
+  int signal;  // some consumer waits for this op's counters (program.py OpInst.signal)
 };
 
 static_assert(sizeof(Op) <= 16 * sizeof(int), "thread 0's copy fits MISC_OP (block.cuh)");
@@ -44,6 +45,7 @@ MK_DEV Op load_op(const Params& p, int i) {
     o.dep_op[d] = r[8 + 2 * d];
     o.dep_mode[d] = r[9 + 2 * d];
   }
+  o.signal = r[14];
   return o;
 }
 
@@ -122,6 +124,7 @@ struct DepCache {
 MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u, DepCache& dc) {
   for (int d = 0; d < o.n_deps; ++d) {
     const uint32_t what = static_cast<uint32_t>(i * 16 + d);
+    if (o.dep_mode[d] == DEP_SENTINEL) continue;  // the op polls the data itself (ops/topk.cuh)
     if (o.dep_mode[d] == DEP_ALL) {
       if ((dc.all_done >> d) & 1u) continue;
       if (!wait_dep(b, i, o, d, u, what)) return false;
@@ -184,7 +187,7 @@ MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
     case OP_OPROJ: run_oproj(b, o.layer, u, what); break;
     case OP_ROUTER: run_router(b, o.layer, u, what); break;
     case OP_POOL: run_pool(b, o.layer, u, what); break;
-    case OP_TOPK: run_topk(b, o.layer); break;
+    case OP_TOPK: run_topk(b, o.layer, static_cast<uint32_t>(i * 16) + WHAT_SENTINEL); break;
     case OP_EXPERT1: run_expert1(b, o.layer, u, what); break;
     case OP_EXPERT2: run_expert2(b, o.layer, u, what); break;
     case OP_MOE_COMBINE: run_moe_combine(b, u); break;
@@ -311,9 +314,11 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
       if (sync_compute_or(fail || b.failed)) return;
       run_unit(b, i, o0, u);
       if (sync_compute_or(b.failed)) return;
-      if (b.wait && tid() == 0) signal_unit(b, o0, u, pd);
+      if (b.wait && tid() == 0 && o0.signal) signal_unit(b, o0, u, pd);
     }
-    if (b.wait && tid() == 0) signal_op_end(b, o0, pd);  // after the last unit's barrier
+    // after the last unit's barrier; an op nobody waits for skips the release (its fence waits
+    // for the op's stores to drain)
+    if (b.wait && tid() == 0 && o0.signal) signal_op_end(b, o0, pd);
     if (!first_unit && tid() == 0) {
       if (PROF_DEFER) {
         ps.t[2] = now_ns();
@@ -392,6 +397,64 @@ MK_DEV void l2_prefetch_next_launch(const Blk& b, int first) {
   }
 }
 
+// Pull into L2 the 16-byte-aligned part of [p, p + bytes) (an L2 prefetch must be aligned in
+// start and size; rounding inwards never touches memory outside the range). Lane 0.
+MK_DEV long long prefetch_inside(const void* p, size_t bytes) {
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + 15u) & ~uintptr_t{15}, e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~uintptr_t{15};
+  if (e > a) prefetch_l2(reinterpret_cast<const void*>(a), static_cast<unsigned>(e - a));
+  return static_cast<long long>(bytes);
+}
+// HOT_PREFETCH_BYTES: as the loader enters layer `layer`, it bets that the layer routes as it did
+// in the previous step (top-k's bitmap in hot_experts) and pulls into L2, up to the budget, the
+// weights of the expert units this block would then run (expert1's, then expert2's: the same
+// contiguous assignment and slot order as my_units / topk), while the layer's dense ops, which
+// leave DRAM bandwidth unused, run. A lost bet costs bandwidth only. Lane 0.
+MK_DEV void hot_prefetch(const Blk& b, int layer) {
+  constexpr int W = (E + 31) / 32;
+  const Params& p = *b.p;
+  const LayerPtrs& L = p.layers[layer];
+  uint32_t hot[W];
+  int n = 0;
+  for (int w = 0; w < W; ++w) {
+    hot[w] = ld_relaxed(p.hot_experts + layer * W + w);  // racing this step's top-k is harmless: a hint
+    n += popc(hot[w]);
+  }
+  long long budget = HOT_PREFETCH_BYTES;
+  Op contig{};
+  contig.assign = ASSIGN_CONTIG;
+  for (int which = 0; which < 2 && budget > 0; ++which) {
+    const int tiles = which ? EXP2_TILES : EXP1_TILES;
+    const UnitRange r = my_units(contig, n * tiles);
+    for (int u = r.begin; u < r.end && budget > 0; ++u) {
+      int s = u / tiles, e = 0;  // slot s = the s-th expert of the bitmap, ascending
+      for (int w = 0; w < W; ++w) {
+        const int c = popc(hot[w]);
+        if (s >= c) {
+          s -= c;
+          continue;
+        }
+        uint32_t m = hot[w];
+        for (; s > 0; --s) m &= m - 1u;
+        e = 32 * w + popc((m & (0u - m)) - 1u);  // its lowest set bit
+        break;
+      }
+      const int j = u % tiles;
+      if (which == 0) {  // gate rows j*H1.. and up rows F + j*H1.. (load_expert1)
+        const size_t base = static_cast<size_t>(e) * (2 * F);
+        for (int half = 0; half < 2; ++half) {
+          const size_t r0 = base + (half ? F : 0) + static_cast<size_t>(j) * H1;
+          budget -= prefetch_inside(L.w1_codes + r0 * (P / 2), static_cast<size_t>(H1) * (P / 2));
+          budget -= prefetch_inside(L.w1_scales + r0 * (P / 16), static_cast<size_t>(H1) * (P / 16));
+        }
+      } else {  // rows j*N2.. (load_expert2)
+        const size_t r0 = static_cast<size_t>(e) * P + static_cast<size_t>(j) * N2;
+        budget -= prefetch_inside(L.w2_codes + r0 * (F / 2), static_cast<size_t>(N2) * (F / 2));
+        budget -= prefetch_inside(L.w2_scales + r0 * (F / 16), static_cast<size_t>(N2) * (F / 16));
+      }
+    }
+  }
+}
+
 // The loader warp: streams, ahead of the compute warps by up to RING_STAGES chunks, the weight
 // chunks of exactly the units this block will run, in the same order. Weights never depend on
 // the previous op, so it runs ahead across op boundaries; only a routed expert's identity does,
@@ -401,6 +464,7 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
   LoaderSlot ls;
   for (int i = first; i < first + nops; ++i) {
     const Op o = load_op(*b.p, i);
+    if (HOT_PREFETCH_BYTES > 0 && o.kind == OP_ATTN && lane() == 0) hot_prefetch(b, o.layer);
     if (!has_weights(o.kind)) continue;
     if (!loader_gate(b, i, first)) return;
     if (is_dynamic(o.kind) && b.wait) {

@@ -3,6 +3,7 @@
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
+#include "mb/sentinel.cuh"
 
 namespace mk {
 
@@ -23,7 +24,12 @@ MK_DEV void run_router(Blk& b, int layer, int unit, uint32_t what) {
 MK_COLD_LOOP
   for (int i = tid(); i < 16 * R; i += COMPUTE_THREADS) {
     const int t = i / R, n = i % R;
-    if (t < b.T) p.router_logits[t * E + unit * R + n] = gemm_sum<R>(b, t, n);
+    if (t >= b.T) continue;
+    float* dst = p.router_logits + t * E + unit * R + n;
+    // sentinel slots (topk.cuh): -0.0 means "not written yet", so a -0.0 logit is stored as +0.0
+    // (top-k keys them alike); a strong store, polled by top-k's block
+    if constexpr (SENTINEL_ROUTE) st_relaxed(dst, mb::sentinel::f32_encode(f2u(gemm_sum<R>(b, t, n))));
+    else *dst = gemm_sum<R>(b, t, n);
   }
 }
 

@@ -5,6 +5,8 @@
 #pragma once
 #include "mk/block.cuh"
 #include "mk/layers.cuh"
+#include "mk/wait.cuh"
+#include "mb/sentinel.cuh"
 
 namespace mk {
 
@@ -20,7 +22,57 @@ MK_DEV uint32_t topk_key(float f) {
 }
 MK_DEV float topk_logit(uint32_t k) { return u2f((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); }
 
-MK_DEV void run_topk(Blk& b, int layer) {
+// SENTINEL_ROUTE: the router logits arrive in sentinel slots (empty = -0.0, mb/sentinel.cuh;
+// router.cuh stores a -0.0 logit as +0.0), so top-k waits for the data itself instead of the
+// router's counter: no release fence on the router blocks, no acquire round trip here. Lane l of
+// the warp of tokens tt[] polls the words it keys (experts l + 32 i) with all loads in flight,
+// until none is empty, bounded like every wait (wait.cuh). Every word the router
+// wrote (tokens < T, all experts) is polled by exactly one lane, which resets it afterwards.
+MK_DEV bool topk_poll(const Blk& b, const int (&tt)[2], const bool (&ok)[2], uint32_t (&raw)[2][TOPK_PER_LANE],
+                      uint32_t what) {
+  constexpr uint32_t EMPTY = mb::sentinel::F32_FILL_WORD;
+  const float* lg = b.p->router_logits;
+  uint64_t t0 = 0;
+  // One loop body re-reads every word (a written word stays as it is until this op resets it):
+  // top-k's code is fetched cold once per layer, so a second, re-poll-only-the-empty copy of
+  // the 16 loads costs more than the redundant loads (L2 hits) it would save.
+  for (uint32_t it = 0;; ++it) {
+    bool all = true;
+    const float* still = nullptr;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < TOPK_PER_LANE; ++i) {
+        const int e = lane() + 32 * i;
+        const float* a = lg + tt[h] * E + e;
+        raw[h][i] = ok[h] && e < E ? ld_relaxed(a) : 0u;  // 0u: +0.0, for words no lane polls
+        if (raw[h][i] == EMPTY) all = false, still = a;
+      }
+    if (all) return true;
+    if (it == 0) t0 = now_ns();
+    backoff(POLL_BACKOFF_NS);
+    if ((it & 63u) == 63u) {
+      const uint64_t dt = now_ns() - t0;
+      if (dt > SPIN_BOUND_NS) {
+        report(*b.p, what, still, EMPTY, EMPTY, dt);
+        return false;
+      }
+      if (tripped(*b.p)) return false;
+    }
+  }
+}
+// The logit of expert e from the lanes' polled words (warp-wide: every lane takes part).
+MK_DEV float topk_polled(const uint32_t (&raw)[TOPK_PER_LANE], int e) {
+  float v = 0.f;
+#pragma unroll
+  for (int i = 0; i < TOPK_PER_LANE; ++i) {
+    const float x = shfl_f(u2f(raw[i]), e & 31);
+    if (i == (e >> 5)) v = x;
+  }
+  return v;
+}
+
+MK_DEV void run_topk(Blk& b, int layer, uint32_t what) {
   const Params& p = *b.p;
   int* sel_s = b.misc + MISC_SCRATCH;      // [T_MAX * TOPK] selected expert of (t, rank)
   int* before = sel_s + T_MAX * TOPK;      // [E / 32] slots of the experts in earlier bitmap words
@@ -40,13 +92,22 @@ MK_COLD_LOOP
   const bool ok[2] = {tt[0] < b.T, tt[1] < b.T};
   int mysel[2] = {0, 0};
   float myv[2] = {0.f, 0.f};
+  uint32_t raw[2][TOPK_PER_LANE];  // SENTINEL_ROUTE: this lane's polled logits (topk_poll)
+  if constexpr (SENTINEL_ROUTE) {
+    if (!topk_poll(b, tt, ok, raw, what)) b.failed = true;  // garbage from here; the step is reported
+  }
   if (p.route_override) {  // forced routing: only the selected logits are read
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       if (ok[h] && lane() < TOPK) mysel[h] = p.route_override[(layer * T_MAX + tt[h]) * TOPK + lane()];
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (ok[h] && lane() < TOPK) myv[h] = ldg_cgf(p.router_logits + tt[h] * E + mysel[h]);
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (SENTINEL_ROUTE) {
+        if (ok[h]) myv[h] = topk_polled(raw[h], mysel[h]);  // ok[h] is the same on every lane
+      } else {
+        if (ok[h] && lane() < TOPK) myv[h] = ldg_cgf(p.router_logits + tt[h] * E + mysel[h]);
+      }
+    }
   } else {
     uint32_t key[2][TOPK_PER_LANE];
 #pragma unroll
@@ -54,7 +115,8 @@ MK_COLD_LOOP
 #pragma unroll
       for (int i = 0; i < TOPK_PER_LANE; ++i) {
         const int e = lane() + 32 * i;
-        key[h][i] = ok[h] && e < E ? topk_key(ldg_cgf(p.router_logits + tt[h] * E + e)) : 0u;
+        const float v = SENTINEL_ROUTE ? u2f(raw[h][i]) : (ok[h] && e < E ? ldg_cgf(p.router_logits + tt[h] * E + e) : 0.f);
+        key[h][i] = ok[h] && e < E ? topk_key(v) : 0u;
       }
 #pragma unroll 1
     for (int r = 0; r < TOPK; ++r) {
@@ -81,6 +143,16 @@ MK_COLD_LOOP
         }
       }
     }
+  }
+  if constexpr (SENTINEL_ROUTE) {  // empty again for the next layer (this lane's words: read above)
+    // Ordered before the next router's stores: they come after this op's counter release and the
+    // layer's dependency chain (or after a launch boundary). Danger: a reset that lands after them
+    // would erase fresh logits, and the next top-k would wait until the watchdog trips.
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < TOPK_PER_LANE; ++i)
+        if (ok[h] && lane() + 32 * i < E) st_relaxed(p.router_logits + tt[h] * E + lane() + 32 * i, mb::sentinel::F32_FILL_WORD);
   }
   // softmax over the selected logits, summed in rank order (one copy of the code for both tokens:
   // selects, not indexing, so the arrays stay in registers)
@@ -121,6 +193,8 @@ MK_COLD_LOOP
     for (int i = 0; i < (E + 31) / 32; ++i) {
       before[i] = acc;
       acc += popc(static_cast<uint32_t>(bitmap[i]));
+      // the next step's loaders bet that this layer routes the same way (program.cuh hot_prefetch)
+      if (HOT_PREFETCH_BYTES > 0) st_relaxed(p.hot_experts + layer * ((E + 31) / 32) + i, static_cast<uint32_t>(bitmap[i]));
     }
     *p.n_slots = acc;
   }
