@@ -309,7 +309,9 @@ def detail_by_op(df) -> dict[tuple[str, str], float]:
 
 def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, log=print,
              detail: bool = False) -> Result:
-    """One profiled step of the best build: per-block op phases as megakernel.timeline series, a
+    """One profiled step of the default build (the tuned constants' techniques, what the `mega`
+    rows time; every technique on includes the hot-expert bet, which the ablation shows is
+    slower): per-block op phases as megakernel.timeline series, a
     Perfetto trace and a PNG, the profiler's cost (profiled vs unprofiled step, same graph method)
     and the bitwise identity of the profiled outputs. detail: the build also stamps staging and
     ring waits inside units (megakernel.timeline_detail, with each op's time in them; more
@@ -321,15 +323,13 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
 
     from .bench_baselines import step_context, weights_for
 
-    tech = technique_switches(constants, h.info.sm_count)
-    allsw = {k: v for d in tech.values() for k, v in d.items()}
     sc = step_context(preset, n_tokens, ctx)
     w = weights_for(preset)
     routes = [r.cuda() for r in sc.routes]
     outs, graphs, engs = {}, {}, {}
     for prof in (False, True):
         extra = {"profile_detail": True, "profile_cap": 1024} if prof and detail else {"profile_cap": 128}
-        plan = plan_for(preset, constants, h.info.sm_count, **allsw, profile=prof, **extra)
+        plan = plan_for(preset, constants, h.info.sm_count, profile=prof, **extra)
         eng = engs[prof] = Engine(w, plan, sc.cache0.clone(), backend="gpu")
         outs[prof] = eng.step(sc.tokens, sc.parents, ctx, mode="mega", routes=routes)
         graphs[prof] = graph_of(eng, "mega")

@@ -29,10 +29,10 @@ def plans(n_sm: int = 132):
             variants.append({**allsw, **{k: NONE[k] for k in sw}})
         for sw in variants:
             out.append(plan_for(p, None, n_sm, **sw))
-        out.append(plan_for(p, None, n_sm, **allsw, profile=False, profile_cap=128))
-        out.append(plan_for(p, None, n_sm, **allsw, profile=True, profile_cap=128))
+        out.append(plan_for(p, None, n_sm, profile=False, profile_cap=128))  # pipeline.timeline: the default build
+        out.append(plan_for(p, None, n_sm, profile=True, profile_cap=128))
         if p == "shard8":  # cli timeline-detail
-            out.append(plan_for(p, None, n_sm, **allsw, profile=True, profile_detail=True, profile_cap=1024))
+            out.append(plan_for(p, None, n_sm, profile=True, profile_detail=True, profile_cap=1024))
     cfg = preset("tiny")
     out.append(make_plan(cfg, 4))  # sanitize-step
     out.append(make_plan(cfg, n_sm, spin_bound_ns=50_000_000))  # the GPU watchdog test

@@ -559,6 +559,28 @@ def test_deferred_op_stamps_are_the_immediate_ones(tiny, program_mode):
     assert (a["gt"][wait_end - 1] <= a["gt"][wait_end]).all() and (a["gt"][wait_end + 2] >= a["gt"][wait_end]).all()
 
 
+def test_sentinel_topk_wait_ends_when_its_poll_does(tiny):
+    """With sentinel slots top-k has no counter to wait for: its wait is the poll inside the op.
+    The profiler must still show it as top-k's wait, not its work: in each layer top-k's wait
+    ends only after every router unit has begun (the poll cannot finish before they write).
+    Stamped at op start, as for a counter wait, it ended before them."""
+    from megakernel.profile_events import EVENTS
+
+    cfg, w, base, _ = tiny
+    toks, par = _inputs(cfg, 8, 4)
+    eng = Engine(w, make_plan(cfg, 4, profile=True, profile_cap=1024, sentinel_route=True), base.clone(),
+                 backend="emu")
+    eng.step(toks, par, 40, mode="mega")
+    st = eng.prof.read()
+    ev, arg, gt = st.event, st.arg, st.gt.astype(np.int64)
+    for o in (o for o in eng.program.ops if o.kind == "topk"):
+        router = o.deps[0].producer
+        wait_end = gt[(ev == EVENTS.id("wait_topk_end")) & (arg == o.index)]
+        router_begin = gt[(ev == EVENTS.id("router_begin")) & (arg == router)]
+        assert len(wait_end) == 1 and len(router_begin) > 0
+        assert wait_end[0] >= router_begin.max(), f"layer {o.layer}: top-k's wait ended before the router began"
+
+
 def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
     """profile_detail: the profiler also stamps each staging pass and each ring wait inside the
     units; the host assigns them to the op phase around them. The outputs keep their bits."""

@@ -33,7 +33,9 @@ constexpr int MISC_RNORM = MISC_RTAG + 1;  // [16] float: a staged norm's rsqrt(
 constexpr int PROF_OPS = 16;
 constexpr int MISC_PSLOT = (MISC_RNORM + 16 + 1) & ~1;
 constexpr int MISC_PBASE = MISC_PSLOT + 8 * PROF_OPS;  // the first record number of a flush
-constexpr int MISC_INTS = MISC_PBASE + 1;
+// [2] an op's own "wait end" instant, where its wait is inside the op (top-k's sentinel poll)
+constexpr int MISC_PWAIT = MISC_PBASE + 2;
+constexpr int MISC_INTS = MISC_PWAIT + 2;
 
 struct Blk {
   const Params* p;

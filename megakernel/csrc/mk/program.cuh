@@ -321,6 +321,8 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
     if (b.wait && tid() == 0 && o0.signal) signal_op_end(b, o0, pd);
     if (!first_unit && tid() == 0) {
       if (PROF_DEFER) {
+        // top-k with sentinel slots waits inside the op: its wait phase ends when the poll did
+        if (SENTINEL_ROUTE && o.kind == OP_TOPK) ps.t[1] = *reinterpret_cast<const uint64_t*>(b.misc + MISC_PWAIT);
         ps.t[2] = now_ns();
         ps.op = i;
         ps.kind1 = o.kind + 1;

@@ -95,6 +95,10 @@ MK_COLD_LOOP
   uint32_t raw[2][TOPK_PER_LANE];  // SENTINEL_ROUTE: this lane's polled logits (topk_poll)
   if constexpr (SENTINEL_ROUTE) {
     if (!topk_poll(b, tt, ok, raw, what)) b.failed = true;  // garbage from here; the step is reported
+    if constexpr (PROFILE) {  // the poll is this op's wait for the router, not its work (program.cuh)
+      syncwarp();  // warp 0 has polled every expert of tokens 0 and 8: each router unit wrote them
+      if (tid() == 0) *reinterpret_cast<uint64_t*>(b.misc + MISC_PWAIT) = now_ns();
+    }
   }
   if (p.route_override) {  // forced routing: only the selected logits are read
 #pragma unroll
