@@ -257,11 +257,12 @@ def technique_switches(constants=None, n_sm: int = 132) -> dict[str, dict]:
     l2 = max(16 * 1024, min(budget, usable // 2) // n_sm)  # per block, ahead of its next layer
     return {"loader_ahead": {"loader_ahead": True}, "pdl": {"pdl": True}, "l2_prefetch": {"l2_prefetch_bytes": l2},
             "evict_first": {"stream_evict_first": True}, "sentinel": {"sentinel_route": True},
-            "hot_prefetch": {"hot_prefetch_bytes": max(16 * 1024, hot_prefetch_budget(c, n_sm))}}
+            "hot_prefetch": {"hot_prefetch_bytes": max(16 * 1024, hot_prefetch_budget(c, n_sm))},
+            "kv_prefetch": {"kv_prefetch": True}}
 
 
 NONE = {"loader_ahead": False, "pdl": False, "l2_prefetch_bytes": 0, "stream_evict_first": False, "sentinel_route": False,
-        "hot_prefetch_bytes": 0}
+        "hot_prefetch_bytes": 0, "kv_prefetch": False}
 
 
 def ablation(h, preset: str, n_tokens: int, ctx: int, constants, ceiling, log=print) -> list[Series]:

@@ -177,6 +177,9 @@ class Plan:
     # per block and layer: the weights of the expert units this block would run if the layer routed
     # as in the previous step, pulled into L2 as the loader enters the layer (0 = off)
     hot_prefetch_bytes: int = 0
+    # the loader pulls into L2 the cached KV rows its block's units of the layer's attention read,
+    # as it enters the layer (program.cuh kv_prefetch)
+    kv_prefetch: bool = False
     profile_cap: int = 64  # profiler records per block per launch
     # the profiler also stamps inside units (staging, ring waits: profile_events.DETAIL_PHASES);
     # several stamps per weight chunk, so more overhead than the op phases alone
@@ -275,6 +278,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               smem_limit: int = 232448, loader_ahead: bool = True, pdl: bool = False,
               l2_prefetch_bytes: int = 0, profile_cap: int = 64, min_copy_bytes: int = MIN_COPY_BYTES,
               stream_evict_first: bool = False, sentinel_route: bool = False, hot_prefetch_bytes: int = 0,
+              kv_prefetch: bool = False, keys_per_split: int = 64,
               fill_ring: bool = False, norm_panel: int | None = None, profile_detail: bool = False) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
@@ -304,7 +308,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     p = Plan(cfg, n_sm, ring_stages, ring_stage_bytes, spin_bound_ns, poll_backoff_ns, profile=profile,
              loader_ahead=loader_ahead, pdl=pdl, l2_prefetch_bytes=l2_prefetch_bytes, profile_cap=profile_cap,
              stream_evict_first=stream_evict_first, sentinel_route=sentinel_route,
-             hot_prefetch_bytes=hot_prefetch_bytes, profile_detail=profile_detail, tiles=tiles)
+             hot_prefetch_bytes=hot_prefetch_bytes, kv_prefetch=kv_prefetch, keys_per_split=keys_per_split,
+             profile_detail=profile_detail, tiles=tiles)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -412,6 +417,7 @@ def render(plan: Plan) -> str:
         f"constexpr bool STREAM_EVICT_FIRST = {'true' if plan.stream_evict_first else 'false'};",
         f"constexpr bool SENTINEL_ROUTE = {'true' if plan.sentinel_route else 'false'};",
         f"constexpr long long HOT_PREFETCH_BYTES = {int(plan.hot_prefetch_bytes)}ll;",
+        f"constexpr bool KV_PREFETCH = {'true' if plan.kv_prefetch else 'false'};",
         f"constexpr int MISC_BYTES = {MISC_BYTES};",
         f"constexpr unsigned long long GLOBAL_MASK = {sum(1 << g for g in c.global_layers)}ull;  // bit l: layer l is global",
         f"constexpr int PARTS = MAX_SPLITS * (WARPS / G);  // attention partials per kv head",

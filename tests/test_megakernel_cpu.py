@@ -397,13 +397,14 @@ def test_bad_step_inputs_are_refused(tiny):
 
 def test_every_technique_switch_computes_the_same_bits(tiny):
     """Profiler on, loader not running ahead, L2 prefetch, PDL, weight copies with the evict-first
-    hint: the arithmetic is unchanged, so the outputs are bitwise those of the default build; the
-    profiler's timeline is consistent."""
+    hint, sentinel slots, the hot-expert and KV prefetches: the arithmetic is unchanged, so the
+    outputs are bitwise those of the default build; the profiler's timeline is consistent."""
     cfg, w, base, _ = tiny
     toks, par = _inputs(cfg, 8, 2)
     default = Engine(w, make_plan(cfg, 4), base.clone(), backend="emu").step(toks, par, 40, mode="mega")
     eng = Engine(w, make_plan(cfg, 4, profile=True, loader_ahead=False, l2_prefetch_bytes=1 << 16, pdl=True,
-                                 stream_evict_first=True),
+                                 stream_evict_first=True, sentinel_route=True, hot_prefetch_bytes=1 << 16,
+                                 kv_prefetch=True),
                  base.clone(), backend="emu")
     out = eng.step(toks, par, 40, mode="mega")
     assert torch.equal(default.logits, out.logits) and torch.equal(default.tokens, out.tokens)
@@ -523,6 +524,47 @@ def test_hot_prefetch_pulls_the_expert_rows_the_next_step_streams(tiny, budget):
 def _bits(row) -> list[int]:
     words = row.cpu().numpy().view(np.uint32)
     return [32 * i + b for i, wd in enumerate(words) for b in range(32) if (int(wd) >> b) & 1]
+
+
+@pytest.mark.parametrize("keys_per_split", [64, 16])
+def test_kv_prefetch_pulls_exactly_the_cached_rows_attention_reads(tiny, keys_per_split):
+    """kv_prefetch: the loader prefetches into L2, for each of its block's attention units, the
+    cached K and V rows the unit will read, and nothing else. Over all blocks: every cached row
+    each layer attends to (the whole prefix in a global layer, the window's W - 1 older keys,
+    wrapped in the ring, in a sliding one), never a new tree row, never outside the cache, no row
+    twice. The outputs keep their bits. (16 keys per split: splits that end inside the cache.)"""
+    cfg, w, base, _ = tiny
+    toks, par = _inputs(cfg, 8, 5)
+    ctx = 40
+    default = Engine(w, make_plan(cfg, 4, keys_per_split=keys_per_split), base.clone(), backend="emu")
+    want_out = default.step(toks, par, ctx, mode="mega")
+    cache = base.clone()
+    eng = Engine(w, make_plan(cfg, 4, kv_prefetch=True, keys_per_split=keys_per_split), cache, backend="emu")
+    _emu_prefetches(eng)
+    out = eng.step(toks, par, ctx, mode="mega")
+    assert torch.equal(want_out.logits, out.logits) and torch.equal(want_out.tokens, out.tokens)
+    row = cfg.head_dim * 2
+    got = set()
+    for addr, nbytes in _emu_prefetches(eng):
+        assert nbytes % row == 0
+        where = [(l, kv, t) for l in range(cfg.n_layers) for kv, t in (("k", cache.k[l]), ("v", cache.v[l]))
+                 if t.data_ptr() <= addr and addr + nbytes <= t.data_ptr() + t.numel() * 2]
+        assert len(where) == 1, f"prefetch {addr:#x} +{nbytes} is not inside one KV tensor"
+        l, kv, t = where[0]
+        first = (addr - t.data_ptr()) // row
+        for r in range(first, first + nbytes // row):
+            key = (l, kv, r // t.shape[1], r % t.shape[1])  # (layer, k/v, kv head, slot)
+            assert key not in got, f"row {key} prefetched twice"
+            got.add(key)
+    want = set()
+    for l in range(cfg.n_layers):
+        ncached = ctx if cfg.is_global(l) else min(ctx, cfg.window - 1)
+        for seq in range(ctx - ncached, ctx):
+            for h in range(cfg.n_kv_heads):
+                for kv in ("k", "v"):
+                    want.add((l, kv, h, cache.slot(l, seq)))
+    assert got == want
+    assert any(cfg.is_global(l) for l in range(cfg.n_layers)) and not all(cfg.is_global(l) for l in range(cfg.n_layers))
 
 
 @pytest.mark.parametrize("program_mode", ["layer", "step"])

@@ -103,6 +103,7 @@ constexpr long long L2_PREFETCH_BYTES = 0ll;
 constexpr bool STREAM_EVICT_FIRST = false;
 constexpr bool SENTINEL_ROUTE = false;
 constexpr long long HOT_PREFETCH_BYTES = 0ll;
+constexpr bool KV_PREFETCH = false;
 constexpr int MISC_BYTES = 4096;
 constexpr unsigned long long GLOBAL_MASK = 4ull;  // bit l: layer l is global
 constexpr int PARTS = MAX_SPLITS * (WARPS / G);  // attention partials per kv head

@@ -399,6 +399,30 @@ MK_DEV void l2_prefetch_next_launch(const Blk& b, int first) {
   }
 }
 
+// KV_PREFETCH: pull into L2 the cached KV rows that this block's units of attention op `o` will
+// read (the new tree tokens' rows come from this layer's qkv and are left alone). The loader
+// passes the attention op as it enters the layer, ahead of the qkv -> attention dependency;
+// after a layer's ~200 MB of streamed weights the rows are no longer in L2. Lane 0.
+MK_DEV void kv_prefetch(const Blk& b, const Op& o) {
+  const LayerPtrs& L = b.p->layers[o.layer];
+  const int nsplit = attn_splits(o.layer, b.ctx, b.T);
+  const int ncached = cached_keys(o.layer, b.ctx), nall = ncached + b.T, per = cdiv(nall, nsplit);
+  const int slots = cache_slots(o.layer);
+  const UnitRange r = my_units(o, n_units(b, o));
+  for (int u = r.begin; u < r.end; u += r.step) {  // the run of each split as run_attn computes it
+    const int kvh = u / nsplit, c0 = imin((u % nsplit) * per, nall), c1 = imin(c0 + per, nall);
+    int seq = b.ctx - ncached + imin(c0, ncached);
+    for (int n = imin(c1, ncached) - imin(c0, ncached); n > 0;) {  // slot runs: a sliding layer's wrap
+      const int slot = cache_slot(o.layer, seq), run = imin(n, slots - slot);
+      const size_t off = (static_cast<size_t>(kvh) * slots + slot) * HD;
+      prefetch_l2(L.k_cache + off, static_cast<unsigned>(run) * HD * 2);
+      prefetch_l2(L.v_cache + off, static_cast<unsigned>(run) * HD * 2);
+      n -= run;
+      seq += run;
+    }
+  }
+}
+
 // Pull into L2 the 16-byte-aligned part of [p, p + bytes) (an L2 prefetch must be aligned in
 // start and size; rounding inwards never touches memory outside the range). Lane 0.
 MK_DEV long long prefetch_inside(const void* p, size_t bytes) {
@@ -467,6 +491,7 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
   for (int i = first; i < first + nops; ++i) {
     const Op o = load_op(*b.p, i);
     if (HOT_PREFETCH_BYTES > 0 && o.kind == OP_ATTN && lane() == 0) hot_prefetch(b, o.layer);
+    if (KV_PREFETCH && o.kind == OP_ATTN && lane() == 0) kv_prefetch(b, o);
     if (!has_weights(o.kind)) continue;
     if (!loader_gate(b, i, first)) return;
     if (is_dynamic(o.kind) && b.wait) {
