@@ -87,8 +87,8 @@ def plan_for(preset: str, constants=None, n_sm: int | None = None, **switches) -
               sentinel_route=bool(int(_get(c, "sentinel_pays"))),
               # weights.hot_experts: the share of experts two steps must share for the bet to pay;
               # 1.0 = never bet
-              hot_prefetch_bytes=hot_prefetch_budget(c, n_sm) if float(_get(c, "hot_expert_break_even_overlap")) < 1.0
-              else 0)
+              hot_prefetch_bytes=(hot_prefetch_budget(c, n_sm)
+                                  if float(_get(c, "hot_expert_break_even_overlap")) < 1.0 else 0))
     kw.update(switches)  # a technique switch overrides the constant
     try:
         return make_plan(cfg, n_sm, **kw)
@@ -261,8 +261,8 @@ def technique_switches(constants=None, n_sm: int = 132) -> dict[str, dict]:
             "kv_prefetch": {"kv_prefetch": True}}
 
 
-NONE = {"loader_ahead": False, "pdl": False, "l2_prefetch_bytes": 0, "stream_evict_first": False, "sentinel_route": False,
-        "hot_prefetch_bytes": 0, "kv_prefetch": False}
+NONE = {"loader_ahead": False, "pdl": False, "l2_prefetch_bytes": 0, "stream_evict_first": False,
+        "sentinel_route": False, "hot_prefetch_bytes": 0, "kv_prefetch": False}
 
 
 def ablation(h, preset: str, n_tokens: int, ctx: int, constants, ceiling, log=print) -> list[Series]:

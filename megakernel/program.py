@@ -258,7 +258,8 @@ def build(plan: Plan, mode: str = "layer") -> Program:
         add("oproj", l, [("attn_combine", DEP_ALL)])
         add("router", l, [("oproj", DEP_ALL)])
         add("pool", l, [("oproj", DEP_ALL)], rot=pool_rotation(plan, ops[last["router"]]))
-        add("topk", l, [("router", DEP_SENTINEL if plan.sentinel_route else DEP_ALL)], rot=lightest_block(plan, [ops[last["router"]], ops[last["pool"]]]))
+        add("topk", l, [("router", DEP_SENTINEL if plan.sentinel_route else DEP_ALL)],
+            rot=lightest_block(plan, [ops[last["router"]], ops[last["pool"]]]))
         add("expert1", l, [("topk", DEP_ALL), ("pool", DEP_ALL)], ASSIGN_CONTIG)
         add("expert2", l, [("topk", DEP_ALL), ("expert1", DEP_GROUP)], ASSIGN_CONTIG)
         add("moe_combine", l, [("topk", DEP_ALL), ("expert2", DEP_ALL)])

@@ -159,8 +159,8 @@ class Engine:
         P.tokens, P.depth, P.anc = _ptr(self.tokens_t), _ptr(self.depth_t), _ptr(self.anc_t)
         P.route_override = _ptr(self.route_t) if override else 0
         for name in ("x", "ss_part", "q", "att_o", "att_ml", "att_out", "router_logits", "route_sel", "route_w", "route_slot",
-                     "route_pos", "slot_expert", "slot_ntok", "slot_tok", "n_slots", "hot_experts", "pooled", "act", "yexp", "z",
-                     "logits", "amax_val", "amax_idx", "out_tokens"):
+                     "route_pos", "slot_expert", "slot_ntok", "slot_tok", "n_slots", "hot_experts", "pooled", "act",
+                     "yexp", "z", "logits", "amax_val", "amax_idx", "out_tokens"):
             setattr(P, name, _ptr(b[name]))
         P.counters = _ptr(self.counters)
         P.watchdog = self.wd.ptr

@@ -773,7 +773,8 @@ def test_plan_reads_tuned_constants_and_refuses_a_malformed_file(tmp_path, monke
     # weights.hot_experts: bet on last step's experts only when some overlap below 1 breaks even;
     # the budget is weights.prefetch's, shared by the blocks
     assert plan_for("tiny", dataclasses.replace(d, hot_expert_break_even_overlap=1.0), 4).hot_prefetch_bytes == 0
-    bet = plan_for("tiny", dataclasses.replace(d, hot_expert_break_even_overlap=0.4, l2_prefetch_budget_bytes=4 << 20), 4)
+    bet = plan_for("tiny", dataclasses.replace(d, hot_expert_break_even_overlap=0.4,
+                                               l2_prefetch_budget_bytes=4 << 20), 4)
     assert bet.hot_prefetch_bytes == (4 << 20) // 4
     (tmp_path / "nvidia-h200.json").write_text('{"schema": "megabench.constants", "version": 1}')
     with pytest.raises(ResultsFileError, match="nvidia-h200.json"):

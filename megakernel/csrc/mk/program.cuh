@@ -426,7 +426,8 @@ MK_DEV void kv_prefetch(const Blk& b, const Op& o) {
 // Pull into L2 the 16-byte-aligned part of [p, p + bytes) (an L2 prefetch must be aligned in
 // start and size; rounding inwards never touches memory outside the range). Lane 0.
 MK_DEV long long prefetch_inside(const void* p, size_t bytes) {
-  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + 15u) & ~uintptr_t{15}, e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~uintptr_t{15};
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + 15u) & ~uintptr_t{15};
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~uintptr_t{15};
   if (e > a) prefetch_l2(reinterpret_cast<const void*>(a), static_cast<unsigned>(e - a));
   return static_cast<long long>(bytes);
 }

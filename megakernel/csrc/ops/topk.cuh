@@ -92,7 +92,7 @@ MK_COLD_LOOP
   const bool ok[2] = {tt[0] < b.T, tt[1] < b.T};
   int mysel[2] = {0, 0};
   float myv[2] = {0.f, 0.f};
-  uint32_t raw[2][TOPK_PER_LANE];  // SENTINEL_ROUTE: this lane's polled logits (topk_poll)
+  uint32_t raw[2][TOPK_PER_LANE] = {};  // SENTINEL_ROUTE: this lane's polled logits (topk_poll)
   if constexpr (SENTINEL_ROUTE) {
     if (!topk_poll(b, tt, ok, raw, what)) b.failed = true;  // garbage from here; the step is reported
     if constexpr (PROFILE) {  // the poll is this op's wait for the router, not its work (program.cuh)
@@ -119,7 +119,8 @@ MK_COLD_LOOP
 #pragma unroll
       for (int i = 0; i < TOPK_PER_LANE; ++i) {
         const int e = lane() + 32 * i;
-        const float v = SENTINEL_ROUTE ? u2f(raw[h][i]) : (ok[h] && e < E ? ldg_cgf(p.router_logits + tt[h] * E + e) : 0.f);
+        const float v =
+            SENTINEL_ROUTE ? u2f(raw[h][i]) : (ok[h] && e < E ? ldg_cgf(p.router_logits + tt[h] * E + e) : 0.f);
         key[h][i] = ok[h] && e < E ? topk_key(v) : 0u;
       }
 #pragma unroll 1
@@ -156,7 +157,8 @@ MK_COLD_LOOP
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int i = 0; i < TOPK_PER_LANE; ++i)
-        if (ok[h] && lane() + 32 * i < E) st_relaxed(p.router_logits + tt[h] * E + lane() + 32 * i, mb::sentinel::F32_FILL_WORD);
+        if (ok[h] && lane() + 32 * i < E)
+          st_relaxed(p.router_logits + tt[h] * E + lane() + 32 * i, mb::sentinel::F32_FILL_WORD);
   }
   // softmax over the selected logits, summed in rank order (one copy of the code for both tokens:
   // selects, not indexing, so the arrays stay in registers)
@@ -198,7 +200,8 @@ MK_COLD_LOOP
       before[i] = acc;
       acc += popc(static_cast<uint32_t>(bitmap[i]));
       // the next step's loaders bet that this layer routes the same way (program.cuh hot_prefetch)
-      if (HOT_PREFETCH_BYTES > 0) st_relaxed(p.hot_experts + layer * ((E + 31) / 32) + i, static_cast<uint32_t>(bitmap[i]));
+      if (HOT_PREFETCH_BYTES > 0)
+        st_relaxed(p.hot_experts + layer * ((E + 31) / 32) + i, static_cast<uint32_t>(bitmap[i]));
     }
     *p.n_slots = acc;
   }
