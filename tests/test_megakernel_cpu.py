@@ -623,6 +623,33 @@ def test_sentinel_topk_wait_ends_when_its_poll_does(tiny):
         assert wait_end[0] >= router_begin.max(), f"layer {o.layer}: top-k's wait ended before the router began"
 
 
+def test_a_dynamic_ops_routing_wait_is_part_of_its_wait_phase(tiny):
+    """An expert op first waits for the layer's routing, then for its units' inputs. Both are its
+    wait phase: a block's op records leave no gap that long between one op's end and the next
+    op's wait begin (stamped at the first unit, the routing wait fell in such a gap)."""
+    from megakernel.profile_events import EVENTS
+
+    cfg, w, base, _ = tiny
+    toks, par = _inputs(cfg, 8, 4)
+    eng = Engine(w, make_plan(cfg, 4, profile=True, profile_cap=1024), base.clone(), backend="emu")
+    eng.step(toks, par, 40, mode="mega")
+    st = eng.prof.read()
+    ev, gt = st.event.astype(np.int64), st.gt.astype(np.int64)
+    rel = ev - EVENTS.id("wait_embed_begin")
+    topk = EVENTS.id("topk_begin")
+    topk_dur = [gt[i + 1] - gt[i] for i in np.flatnonzero(ev == topk)]
+    worst = 0
+    for launch in np.unique(st.launch):
+        for blk in np.unique(st.block):
+            k = np.flatnonzero((st.launch == launch) & (st.block == blk) & (rel >= 0))
+            ends, begins = k[rel[k] % 4 == 3], k[rel[k] % 4 == 0]
+            for e in ends:  # each op's end -> the next op's wait begin on this block
+                nxt = begins[begins > e]
+                if len(nxt):
+                    worst = max(worst, gt[nxt[0]] - gt[e])
+    assert topk_dur and worst < 0.5 * min(topk_dur), (worst, topk_dur)
+
+
 def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
     """profile_detail: the profiler also stamps each staging pass and each ring wait inside the
     units; the host assigns them to the op phase around them. The outputs keep their bits."""

@@ -268,7 +268,12 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
   for (int i = first; i < first + nops; ++i) {
     const Op o = load_op(*b.p, i);
     bool fail = false;
+    // a dynamic op's wait phase starts before its routing wait (the block may have no unit of it;
+    // the instant is recorded with its first unit): stamped at the first unit, the time a block
+    // spent waiting for top-k fell between two records and counted as neither wait nor work
+    uint64_t t_route = 0;
     if (is_dynamic(o.kind)) {
+      if (PROFILE && tid() == 0) t_route = now_ns();
       if (b.wait && tid() == 0) fail = !wait_dep(b, i, o, 0, 0, static_cast<uint32_t>(i * 16));
       if (sync_compute_or(fail)) return;  // the routing is visible to every thread from here
     }
@@ -296,7 +301,8 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
     ProfSlot& ps = *prof_slot(b, (i - first) % PROF_OPS);
     for (int u = r.begin; u < (lim < 0 ? -lim : lim); u += lim < 0 ? nblocks_here() : 1) {
       if (first_unit && tid() == 0) {
-        if (PROF_DEFER) ps.t[0] = now_ns();
+        if (PROF_DEFER) ps.t[0] = is_dynamic(o.kind) ? t_route : now_ns();
+        else if (is_dynamic(o.kind)) prof.put_at(prof.reserve(1), t_route, ev_wait_begin(o.kind), i);
         else prof.stamp(ev_wait_begin(o.kind), i);
       }
       if (b.wait && tid() == 0) fail = !wait_unit(b, i, o0, u, dc);
