@@ -601,17 +601,19 @@ def test_deferred_op_stamps_are_the_immediate_ones(tiny, program_mode):
     assert (a["gt"][wait_end - 1] <= a["gt"][wait_end]).all() and (a["gt"][wait_end + 2] >= a["gt"][wait_end]).all()
 
 
-def test_sentinel_topk_wait_ends_when_its_poll_does(tiny):
+@pytest.mark.parametrize("detail", [False, True])
+def test_sentinel_topk_wait_ends_when_its_poll_does(tiny, detail):
     """With sentinel slots top-k has no counter to wait for: its wait is the poll inside the op.
     The profiler must still show it as top-k's wait, not its work: in each layer top-k's wait
     ends only after every router unit has begun (the poll cannot finish before they write).
-    Stamped at op start, as for a counter wait, it ended before them."""
+    Stamped at op start, as for a counter wait, it ended before them. Both record kinds: deferred
+    (the timeline's) and immediate (detail builds)."""
     from megakernel.profile_events import EVENTS
 
     cfg, w, base, _ = tiny
     toks, par = _inputs(cfg, 8, 4)
-    eng = Engine(w, make_plan(cfg, 4, profile=True, profile_cap=1024, sentinel_route=True), base.clone(),
-                 backend="emu")
+    eng = Engine(w, make_plan(cfg, 4, profile=True, profile_cap=1024, sentinel_route=True, profile_detail=detail),
+                 base.clone(), backend="emu")
     eng.step(toks, par, 40, mode="mega")
     st = eng.prof.read()
     ev, arg, gt = st.event, st.arg, st.gt.astype(np.int64)

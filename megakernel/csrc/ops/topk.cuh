@@ -98,6 +98,8 @@ MK_COLD_LOOP
     if constexpr (PROFILE) {  // the poll is this op's wait for the router, not its work (program.cuh)
       syncwarp();  // warp 0 has polled every expert of tokens 0 and 8: each router unit wrote them
       if (tid() == 0) *reinterpret_cast<uint64_t*>(b.misc + MISC_PWAIT) = now_ns();
+      detail_stamp(b, MK_EV_WAIT_TOPK_END, what >> 4);  // immediate records (detail builds): here
+      detail_stamp(b, MK_EV_TOPK_BEGIN, what >> 4);
     }
   }
   if (p.route_override) {  // forced routing: only the selected logits are read
