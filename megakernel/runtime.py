@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from microbench.errors import CorrectnessError, SpinTimeoutError
+from microbench.sync.sentinel import F32 as F32_SLOT
 from microbench.watchdog import Watchdog
 
 from . import abi, tree as treelib
@@ -31,6 +32,9 @@ from .program import (WHAT_LOADER_GATE, WHAT_LOADER_ROUTE, WHAT_RING_EMPTY, WHAT
 from .reference import KVCache
 from .weights import BF16, ModelWeights
 
+
+# an empty fp32 sentinel slot as an int32 word (the rule's single source: microbench/sync/sentinel.py)
+_EMPTY_F32_SLOT = F32_SLOT.fill_word - (1 << 32) if F32_SLOT.fill_word >= 1 << 31 else F32_SLOT.fill_word
 
 
 class EmulationError(RuntimeError):
@@ -184,7 +188,13 @@ class Engine:
         reader resets them after each use. Danger: a slot left written (an aborted step, a poison
         fill) would be read as fresh data by the next step, so every such path calls this."""
         if self.plan.sentinel_route:
-            self.buf["router_logits"].view(torch.int32).fill_(-2**31)  # 0x80000000 = -0.0
+            self.buf["router_logits"].view(torch.int32).fill_(_EMPTY_F32_SLOT)
+
+    def unemptied_sentinel_slots(self) -> int:
+        """How many sentinel slots hold data (0 after a step: every reader resets what it read)."""
+        if not self.plan.sentinel_route:
+            return 0
+        return int((self.buf["router_logits"].view(torch.int32) != _EMPTY_F32_SLOT).sum())
 
     def describe_wait(self, what: int) -> str:
         i, code = what >> 4, what & 15
