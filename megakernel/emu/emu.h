@@ -79,6 +79,13 @@ MK_DEV void ldsm_x4(uint32_t a[4], const unsigned char* row) {  // lanes 8m..8m+
   const int g = lane() >> 2, t = lane() & 3;
   for (int m = 0; m < 4; ++m) memcpy(&a[m], all[8 * m + g] + 4 * t, 4);
 }
+MK_DEV void ldsm_x2(uint32_t a[2], const unsigned char* row) {  // lanes 0..15 address matrices 0, 1
+  if (lane() < 16) need_align(row, 16, "ldmatrix row address not 16-byte aligned");
+  const unsigned char* all[32];
+  emu::warp_exchange(&row, sizeof(row), all);
+  const int g = lane() >> 2, t = lane() & 3;
+  for (int m = 0; m < 2; ++m) memcpy(&a[m], all[8 * m + g] + 4 * t, 4);
+}
 MK_DEV void ldsm_x4_trans(uint32_t a[4], const unsigned char* row) {
   need_align(row, 16, "ldmatrix row address not 16-byte aligned");
   const unsigned char* all[32];

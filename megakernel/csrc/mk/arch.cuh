@@ -87,6 +87,12 @@ MK_DEV void ldsm_x4(uint32_t a[4], const unsigned char* row) {
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(row))));
 }
+// Matrices 0 and 1 only (.x2): lanes 0..15 address their rows (the others' addresses are ignored).
+MK_DEV void ldsm_x2(uint32_t a[2], const unsigned char* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+               : "=r"(a[0]), "=r"(a[1])
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(row))));
+}
 // Transposed: matrix m's rows (addressed by lanes 8m..8m+7) are the k index; thread (g, t) gets
 // elements [2t][g] and [2t+1][g] of each matrix (an mma B fragment from row-major [k][n] tiles).
 MK_DEV void ldsm_x4_trans(uint32_t a[4], const unsigned char* row) {

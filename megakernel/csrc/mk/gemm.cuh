@@ -2,13 +2,12 @@
 // weight chunks streamed through the ring (producer side for the loader warp, consumer side for
 // the compute warps), and a fixed-order reduction of the warps' partial tiles.
 //
-// Shapes. A GEMM unit computes a [16 tokens x ROWS features] tile over all of K with
-// mma.m16n8k16 (A = activations, 16 token rows; B = weights, 8 feature rows x 16 k). Warp w
-// owns the 8-feature tile w % (ROWS/8) and every (WARPS/(ROWS/8))-th k-step of each chunk; the
-// partial tiles are summed in warp order afterwards, so the result does not depend on timing
-// (chain and mega modes are bitwise equal).
+// Shapes. A GEMM unit computes a [ROWS features x 16 tokens] tile over all of K with
+// mma.m16n8k16: A = 16 weight rows x 16 k, B = 8 tokens x 16 k (one or two token tiles). Warps
+// split the unit's row tiles and k-steps; their partial tiles are summed in warp order afterwards,
+// so the result does not depend on timing (chain and mega modes are bitwise equal).
 //
-// NVFP4 (expert GEMMs; weights are the mma's A operand there, gemm_fp4). Thread t of a quad
+// NVFP4 (expert GEMMs, gemm_fp4). Thread t of a quad
 // loads one u32 of codes = 8 consecutive E2M1 values k..k+7 (half of a 16-wide scale block) of
 // each of its two rows and feeds them to two mmas as the pairs (k+i, k+i+4): the k order inside
 // each mma is permuted, which is harmless as long as the activations are permuted the same way,
@@ -217,8 +216,15 @@ MK_DEV void stage_gather_perm(Blk& b, const uint16_t* src, int nrows, RowIdx row
 }
 
 // ---------------------------------------------------------------- consumer: bf16 weights
-// Two accumulators take alternate k-steps (summed in a fixed order at the end): one chain of
-// dependent mmas per warp left the schedulers idle (8 compute warps = 2 per scheduler).
+// Operands as in gemm_fp4: a 16-row weight tile is the mma's A (ldmatrix from the ring stage), the
+// activations its B (8 tokens x 16 k, ldmatrix from abuf), and the second token tile (tokens
+// 8..15) is loaded and multiplied only when the block has more than 8 tokens. Warp w owns the
+// 16-row tile w % (ROWS/16) and every (WARPS/(ROWS/16))-th k-step of each chunk. Each weight byte
+// is read from shared memory once and each activation once per 16-row tile, with one ldmatrix per
+// operand per k-step: activations as A (every warp re-reading the 16-token tile for each 8 weight
+// rows) read 96 KB per 32 KB chunk of a 32-row unit instead of 64 KB, in twice the instructions.
+// ROWS = 8 (router units): rows 8..15 of the A tile are zero registers (ldmatrix .x2, rows 0..7).
+// Two accumulators per token tile take alternate k-steps (summed in a fixed order at the end).
 // `restage(n)` stages panel n of the operand before the panel's first chunk (the norm ops stage
 // their operand this way; the others stage before and pass NoRestage). Paneled (KP < K): abuf
 // holds one panel's columns (row stride a_stride<KP>), and the warps meet before each restage.
@@ -228,22 +234,56 @@ MK_DEV void stage_gather_perm(Blk& b, const uint16_t* src, int nrows, RowIdx row
 struct NoRestage {
   MK_DEV void operator()(int) const {}
 };
+// A warp's result: c[n] is the C fragment of token tile n (rows g, g + 8 of its 16-row tile x
+// tokens 8n + 2t, 8n + 2t + 1); tile 1 is zero when the block has <= 8 tokens.
+struct Bf16Acc {
+  float c[2][4];
+};
+template <int ROWS>
+MK_DEV constexpr int bf16_row_tiles() {
+  return ROWS < 16 ? 1 : ROWS / 16;
+}
 template <int ROWS, int KC, int K, int KP = K, bool REV = false, typename Restage = NoRestage>
-MK_DEV void gemm_bf16(Blk& b, float acc[4], uint32_t what, Restage restage = {}) {
-  constexpr int NT8 = ROWS / 8, WPT = WARPS / NT8, KSTEPS = KC / 16, RS = KC * 2 + ROW_PAD, AS = a_stride<KP>();
-  constexpr int NCH = K / KC, CPP = KP / KC;  // chunks, chunks per panel
-  static_assert(WARPS % NT8 == 0 && K % KC == 0 && KC % 16 == 0, "bf16 tile shape");
+MK_DEV Bf16Acc gemm_bf16(Blk& b, uint32_t what, Restage restage = {}) {
+  constexpr int NT16 = bf16_row_tiles<ROWS>(), WPT = WARPS / NT16, KSTEPS = KC / 16, RS = KC * 2 + ROW_PAD;
+  constexpr int AS = a_stride<KP>(), NCH = K / KC, CPP = KP / KC;  // chunks, chunks per panel
+  static_assert((ROWS == 8 || ROWS % 16 == 0) && WARPS % NT16 == 0, "bf16 row tiles: 8 rows, or whole 16-row tiles");
+  static_assert(K % KC == 0 && KC % 16 == 0, "bf16 tile shape");
   static_assert(K % KP == 0 && KP % KC == 0, "panels of whole chunks");
-  const int w = warp(), tile = w % NT8, ks = w / NT8, g = lane() >> 2, t = lane() & 3;
-  const int n = tile * 8 + g;
-  const unsigned char* arow = b.abuf + (lane() & 15) * AS + (lane() >> 4) * 16;  // ldmatrix row of this lane
-  float acc2[4] = {0.f, 0.f, 0.f, 0.f};
-  auto step = [&](const unsigned char* st, int c, int j, float* d) {
-    uint32_t a[4], bb[2];
-    ldsm_x4(a, arow + (c * KC + j * 16) * 2);
-    bb[0] = *reinterpret_cast<const uint32_t*>(st + n * RS + (j * 16 + 2 * t) * 2);
-    bb[1] = *reinterpret_cast<const uint32_t*>(st + n * RS + (j * 16 + 2 * t + 8) * 2);
-    mma(d, a, bb);
+  const int w = warp(), ks = w / NT16;
+  // This lane's ldmatrix rows. A (.x4): lanes 0-15 address rows 0-15 at k 0, lanes 16-31 the same
+  // rows at k 8, giving a0..a3 = (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15); .x2
+  // (ROWS 8): lanes 0-7 rows 0-7 at k 0, lanes 8-15 at k 8 -> a0, a2. B (.x4): lanes 0-7 tokens 0-7
+  // at k 0, lanes 8-15 at k 8, lanes 16-31 the same for tokens 8-15 -> b0, b1 of token tile 0, then
+  // of tile 1 (.x2: tile 0 only).
+  const int ar = ROWS < 16 ? (lane() & 7) : (lane() & 15), ah = ROWS < 16 ? ((lane() >> 3) & 1) : (lane() >> 4);
+  const int aofs = ((w % NT16) * 16 + ar) * RS + ah * 16;
+  const unsigned char* brow = b.abuf + ((lane() & 7) + 8 * (lane() >> 4)) * AS + ((lane() >> 3) & 1) * 16;
+  const bool two = b.T > 8;
+  float acc[2][2][4] = {};  // [k-step parity][token tile]
+  auto steps = [&](const unsigned char* wa, const unsigned char* bb, const bool tw) {
+    auto step = [&](int j, float (&d)[2][4]) {
+      uint32_t a[4], bt[4];
+      if constexpr (ROWS < 16) {
+        uint32_t a2[2];
+        ldsm_x2(a2, wa + j * 32);
+        a[0] = a2[0], a[1] = 0u, a[2] = a2[1], a[3] = 0u;
+      } else {
+        ldsm_x4(a, wa + j * 32);
+      }
+      if (tw) ldsm_x4(bt, bb + j * 32);
+      else ldsm_x2(bt, bb + j * 32);
+      const uint32_t b0[2] = {bt[0], bt[1]};
+      mma(d[0], a, b0);
+      if (tw) {
+        const uint32_t b1[2] = {bt[2], bt[3]};
+        mma(d[1], a, b1);
+      }
+    };
+    for (int j = ks; j < KSTEPS; j += 2 * WPT) {
+      step(j, acc[0]);
+      if (KSTEPS % (2 * WPT) == 0 || j + WPT < KSTEPS) step(j + WPT, acc[1]);
+    }
   };
   if constexpr (KP == K) restage(0);
   for (int i = 0; i < NCH; ++i) {
@@ -255,14 +295,18 @@ MK_DEV void gemm_bf16(Blk& b, float acc[4], uint32_t what, Restage restage = {})
       }
     }
     const unsigned char* st = ring_consume(b, what);
-    for (int j = ks; j < KSTEPS; j += 2 * WPT) {
-      step(st, c % CPP, j, acc);
-      if (j + WPT < KSTEPS) step(st, c % CPP, j + WPT, acc2);
-    }
+    const unsigned char* bb = brow + (c % CPP) * KC * 2;
+    // two copies of the k-loop, with and without the second token tile (as in gemm_fp4)
+    if (two) steps(st + aofs, bb, true);
+    else steps(st + aofs, bb, false);
     ring_release(b);
   }
+  Bf16Acc r;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) acc[i] += acc2[i];
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.c[n][i] = acc[0][n][i] + acc[1][n][i];
+  return r;
 }
 
 // ---------------------------------------------------------------- consumer: NVFP4 weights
@@ -409,15 +453,22 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
 }
 
 // ---------------------------------------------------------------- fixed-order reduction
+// A warp's result into red[w][token][ROWS]; the compute warps meet after it.
 template <int ROWS>
-MK_DEV void gemm_stash(Blk& b, const float acc[4]) {
-  constexpr int NT8 = ROWS / 8;
-  const int w = warp(), tile = w % NT8, g = lane() >> 2, t = lane() & 3;
+MK_DEV void gemm_stash(Blk& b, const Bf16Acc& acc) {
+  constexpr int NT16 = bf16_row_tiles<ROWS>();
+  const int w = warp(), f = (w % NT16) * 16 + (lane() >> 2), t = lane() & 3;
   float* r = b.red + w * 16 * ROWS;
-  r[g * ROWS + tile * 8 + 2 * t] = acc[0];
-  r[g * ROWS + tile * 8 + 2 * t + 1] = acc[1];
-  r[(g + 8) * ROWS + tile * 8 + 2 * t] = acc[2];
-  r[(g + 8) * ROWS + tile * 8 + 2 * t + 1] = acc[3];
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {  // token tile 1 is zeros when not computed: every red word is written
+    const int tok = 8 * n + 2 * t;
+    r[tok * ROWS + f] = acc.c[n][0];
+    r[(tok + 1) * ROWS + f] = acc.c[n][1];
+    if constexpr (ROWS >= 16) {
+      r[tok * ROWS + f + 8] = acc.c[n][2];
+      r[(tok + 1) * ROWS + f + 8] = acc.c[n][3];
+    }
+  }
   sync_compute();
 }
 
@@ -432,13 +483,13 @@ MK_DEV float gemm_sum_rows(const Blk& b, int t, int n) {
   return s;
 }
 
-// Output (token t, feature n of the tile): the warps that share its 8-feature tile, in order.
+// Output (token t, feature n of the unit): the warps that share its 16-row tile, in order.
 template <int ROWS>
 MK_DEV float gemm_sum(const Blk& b, int t, int n) {
-  constexpr int NT8 = ROWS / 8, WPT = WARPS / NT8;
-  const int tile = n / 8;
+  constexpr int NT16 = bf16_row_tiles<ROWS>(), WPT = WARPS / NT16;
+  const int tile = n / 16;
   float s = 0.f;
-  for (int k = 0; k < WPT; ++k) s += b.red[(tile + k * NT8) * 16 * ROWS + t * ROWS + n];
+  for (int k = 0; k < WPT; ++k) s += b.red[(tile + k * NT16) * 16 * ROWS + t * ROWS + n];
   return s;
 }
 
@@ -453,9 +504,7 @@ MK_DEV void gemm_residual_add(Blk& b, int unit, int which, uint32_t what) {
   const Params& p = *b.p;
   const int t = tid() / R, n = tid() % R;
   const float xo = (tid() < 16 * R && t < b.T) ? ldg_cgf(p.x + t * D + unit * R + n) : 0.f;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  gemm_bf16<R, KC, K>(b, acc, what);
-  gemm_stash<R>(b, acc);
+  gemm_stash<R>(b, gemm_bf16<R, KC, K>(b, what));
   if (tid() < 16 * R) {  // whole warps: the sum of squares shuffles within 8 lanes
     const float xn = xo + gemm_sum<R>(b, t, n);
     if (t < b.T) p.x[t * D + unit * R + n] = xn;

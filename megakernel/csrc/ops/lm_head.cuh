@@ -15,9 +15,7 @@ MK_DEV void run_lm_head(Blk& b, int layer, int unit, uint32_t what) {
   auto stage = [&](int panel) {
     stage_norm<D, NORM_KP>(b, p.x, ss_part(p, 0), p.final_norm, tag_of(TAG_FINAL_NORM, layer, 0), panel);
   };  // called by the GEMM before each panel's first chunk
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  gemm_bf16<16, TILE_LM_HEAD_KC, D, NORM_KP>(b, acc, what, stage);
-  gemm_stash<16>(b, acc);
+  gemm_stash<16>(b, gemm_bf16<16, TILE_LM_HEAD_KC, D, NORM_KP>(b, what, stage));
 MK_COLD_LOOP
   for (int i = tid(); i < 16 * 16; i += COMPUTE_THREADS) {
     const int t = i / 16, n = i % 16;

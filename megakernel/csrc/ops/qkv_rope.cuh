@@ -21,9 +21,7 @@ MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {
     stage_norm<D, NORM_KP>(b, p.x, ss_part(p, 0), L.attn_norm, tag_of(TAG_ATTN_NORM, layer, 0), panel);
   };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_QKV_ROWS;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  gemm_bf16<R, TILE_QKV_KC, D, NORM_KP>(b, acc, what, stage);
-  gemm_stash<R>(b, acc);
+  gemm_stash<R>(b, gemm_bf16<R, TILE_QKV_KC, D, NORM_KP>(b, what, stage));
   const int row0 = unit * R, head = row0 / HD;
 MK_COLD_LOOP
   for (int i = tid(); i < 16 * (R / 2); i += COMPUTE_THREADS) {

@@ -18,9 +18,7 @@ MK_DEV void run_router(Blk& b, int layer, int unit, uint32_t what) {
     stage_norm<D, NORM_KP>(b, p.x, ss_part(p, 1), p.layers[layer].ffn_norm, tag_of(TAG_FFN_NORM, layer, 0), panel);
   };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_ROUTER_ROWS;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  gemm_bf16<R, TILE_ROUTER_KC, D, NORM_KP, true>(b, acc, what, stage);
-  gemm_stash<R>(b, acc);
+  gemm_stash<R>(b, gemm_bf16<R, TILE_ROUTER_KC, D, NORM_KP, true>(b, what, stage));
 MK_COLD_LOOP
   for (int i = tid(); i < 16 * R; i += COMPUTE_THREADS) {
     const int t = i / R, n = i % R;
