@@ -39,7 +39,7 @@ def program_constants() -> str:
         f"constexpr int ASSIGN_STRIDED = {program.ASSIGN_STRIDED}, ASSIGN_CONTIG = {program.ASSIGN_CONTIG};",
         f"constexpr uint32_t WHAT_RING_FULL = {program.WHAT_RING_FULL}, WHAT_RING_EMPTY = {program.WHAT_RING_EMPTY}, "
         f"WHAT_LOADER_ROUTE = {program.WHAT_LOADER_ROUTE}, WHAT_LOADER_GATE = {program.WHAT_LOADER_GATE}, "
-        f"WHAT_SENTINEL = {program.WHAT_SENTINEL};",
+        f"WHAT_SENTINEL = {program.WHAT_SENTINEL}, WHAT_NORM_ROWS = {program.WHAT_NORM_ROWS};",
         "}  // namespace mk",
     ]) + "\n"
 

@@ -183,18 +183,24 @@ def test_emulated_mega_equals_chain_bitwise_and_matches_reference(tiny, ctx, t):
         check_close(a, b, "KV cache", rel=1e-2)
 
 
-def test_emulated_wide_residual_stages_norm_in_rotated_batches():
-    # d_model 1024: the norms stage x in two batches per row, which blocks start at different
-    # batches (gemm.cuh stage_norm); with 4 blocks both orders run. tiny's 128 is one batch.
+@pytest.mark.parametrize("t", [16, 5])
+def test_emulated_wide_normed_operand_by_bulk_copies(t):
+    # d_model 1024: the norms' consumers stage bf16(x * g) rows of 2 KB by bulk copies (gemm.cuh
+    # stage_normed), rows >= T zeroed by the compute threads, and scale their fp32 results by the
+    # norm factor; after poison() every buffer is NaN, so a row no producer wrote this step (xg,
+    # ss_part) would show in the result
     cfg = dataclasses.replace(preset("tiny"), d_model=1024)
     w = generate(cfg)
     base = KVCache(cfg).fill_random(torch.Generator().manual_seed(5))
     plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
-    toks, par = _inputs(cfg, 16, 9)
+    toks, par = _inputs(cfg, t, 9)
     ref_cache = base.clone()
     ref, routes = _reference(w, ref_cache, toks, par, 40)
-    outs = {m: Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode=m, routes=routes)
-            for m in ("chain", "mega")}
+    outs = {}
+    for m in ("chain", "mega"):
+        eng = Engine(w, plan, base.clone(), backend="emu")
+        eng.poison()
+        outs[m] = eng.step(toks, par, 40, mode=m, routes=routes)
     assert torch.equal(outs["chain"].logits, outs["mega"].logits)
     check_close(outs["mega"].logits, ref, "wide residual vs reference", rel=1e-2)
 
@@ -817,7 +823,7 @@ def test_every_wait_id_the_kernel_can_report_has_a_message(tiny):
     cfg, w, base, plan = tiny
     eng = Engine(w, plan, base.clone(), backend="emu")
     codes = [program.WHAT_RING_FULL, program.WHAT_RING_EMPTY, program.WHAT_LOADER_ROUTE, program.WHAT_LOADER_GATE,
-             program.WHAT_SENTINEL]
+             program.WHAT_SENTINEL, program.WHAT_NORM_ROWS]
     for code in codes:
         msg = eng.describe_wait(3 * 16 + code)
         assert "[op 3]" in msg and f"code {code}" not in msg, msg

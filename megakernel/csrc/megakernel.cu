@@ -34,6 +34,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
       mbar_init(&b.full[s], 1);
       mbar_init(&b.empty[s], COMPUTE_THREADS);
     }
+    mbar_init(b.xbar, 1);
     fence_mbar_init();
     b.misc[MISC_TAG] = -1;
     b.misc[MISC_RTAG] = -1;

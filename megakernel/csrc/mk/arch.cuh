@@ -160,6 +160,13 @@ MK_DEV void bulk_copy(void* dst_smem, const void* src, unsigned bytes, uint64_t*
   if constexpr (STREAM_EVICT_FIRST) mb::bulk_g2s_cta_hint(dst_smem, src, bytes, bar, mb::policy_evict_first());
   else mb::bulk_g2s_cta(dst_smem, src, bytes, bar);
 }
+// A copy of data this launch wrote and other blocks read again (the normed operand): no hint.
+MK_DEV void bulk_copy_keep(void* dst_smem, const void* src, unsigned bytes, uint64_t* bar) {
+  mb::bulk_g2s_cta(dst_smem, src, bytes, bar);
+}
+// Orders this thread's generic-proxy accesses (global and shared), and what it acquired from other
+// threads, before its next async-proxy ones (bulk copies).
+MK_DEV void fence_proxy_async() { mb::fence_proxy_async(); }
 // Orders this thread's view of shared memory (generic proxy) before its next bulk copies (async proxy).
 MK_DEV void fence_proxy_async_smem() { mb::fence_proxy_async_smem(); }
 MK_DEV void prefetch_l2(const void* src, unsigned bytes) { mb::bulk_prefetch_l2(src, bytes); }

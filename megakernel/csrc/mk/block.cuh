@@ -6,7 +6,8 @@
 //   red    RED_BYTES   per-warp partial sums of a bf16 GEMM tile, reduced in fixed warp order
 //          (the fp4 GEMMs keep theirs in abuf after the staged operand: gemm.cuh fp4_red_of)
 //   bars   2 x RING_STAGES mbarriers (full: one arrival + tx bytes; empty: one arrival per
-//          compute thread), then small ints (staged-activation tag, top-k scratch, norm factors)
+//          compute thread), xbar (the normed operand's copies), then small ints (staged-activation
+//          tag, top-k scratch, norm factors)
 // Ring protocol: chunk c lives in stage c % RING_STAGES; the producer waits for `empty` of
 // use (c / RING_STAGES) - 1, announces the bytes on `full` and issues the copies; consumers
 // wait for `full` of use c / RING_STAGES, read, and each compute thread arrives on `empty`. Producer and
@@ -28,7 +29,7 @@ constexpr int MISC_PROF = 48;     // [10] the profiler's state (megakernel.cu; 8
 constexpr int MISC_SCRATCH = 58;  // top-k scratch from here (ints)
 // top-k scratch: selections [T_MAX*TOPK], slot prefix [E/32], expert bitmap [E/32], token masks [E]
 constexpr int MISC_RTAG = MISC_SCRATCH + T_MAX * TOPK + 2 * ((E + 31) / 32) + E;  // tag of the norm's factors
-constexpr int MISC_RNORM = MISC_RTAG + 1;  // [16] float: a staged norm's rsqrt(mean(x^2) + eps) per token row
+constexpr int MISC_RNORM = MISC_RTAG + 1;  // [16] float: the staged norm's rsqrt(mean(x^2) + eps) per token row
 // the profiler's deferred op stamps (program.cuh ProfSlot): PROF_OPS slots of 8 ints, 8-byte aligned
 constexpr int PROF_OPS = 16;
 constexpr int MISC_PSLOT = (MISC_RNORM + 16 + 1) & ~1;
@@ -44,9 +45,11 @@ struct Blk {
   float* red;
   uint64_t* full;
   uint64_t* empty;
+  uint64_t* xbar;  // the normed operand's bulk copies (gemm.cuh stage_normed): one arrival + tx bytes
   int* misc;
   int T, ctx, parity, wait;
   unsigned chunk;  // consumer's position in the chunk sequence
+  unsigned xuse;   // compute threads: phases of xbar waited for
   bool failed;     // one of this thread's bounded waits gave up (stop at the next unit boundary)
 };
 
@@ -59,16 +62,18 @@ MK_DEV Blk make_blk(const Params* p, int T, int ctx, int parity, int wait) {
   b.red = reinterpret_cast<float*>(b.ring + RING_STAGES * STAGE_BYTES);
   b.full = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(b.red) + RED_BYTES);
   b.empty = b.full + RING_STAGES;
-  b.misc = reinterpret_cast<int*>(b.empty + RING_STAGES);
+  b.xbar = b.empty + RING_STAGES;
+  b.misc = reinterpret_cast<int*>(b.xbar + 1);
   b.T = T;
   b.ctx = ctx;
   b.parity = parity;
   b.wait = wait;
   b.chunk = 0;
+  b.xuse = 0;
   b.failed = false;
   return b;
 }
-static_assert(2 * RING_STAGES * 8 + MISC_INTS * 4 <= MISC_BYTES, "mbarriers + misc fit the tail of SMEM_BYTES");
+static_assert((2 * RING_STAGES + 1) * 8 + MISC_INTS * 4 <= MISC_BYTES, "mbarriers + misc fit the tail of SMEM_BYTES");
 static_assert(sizeof(mb::prof::Profiler) <= 4 * (MISC_SCRATCH - MISC_PROF) && MISC_PROF % 2 == 0,
               "the profiler fits MISC_PROF, 8-byte aligned");
 

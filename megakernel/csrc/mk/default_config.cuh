@@ -142,6 +142,7 @@ struct Params {
   const int32_t* route_override;
   float* x;
   float* ss_part;
+  uint16_t* xg;
   uint16_t* q;
   float* att_o;
   float* att_ml;
@@ -169,13 +170,13 @@ struct Params {
   int32_t n_counters;
   int32_t n_launches;
 };
-static_assert(sizeof(Params) == 312, "abi.py Params");
+static_assert(sizeof(Params) == 320, "abi.py Params");
 }  // namespace mk
 namespace mk {
 constexpr int OPINST_INTS = 16;
 constexpr int DEP_ALL = 0, DEP_GROUP = 1, DEP_SENTINEL = 2;
 constexpr int ASSIGN_STRIDED = 0, ASSIGN_CONTIG = 1;
-constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10, WHAT_LOADER_GATE = 11, WHAT_SENTINEL = 12;
+constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10, WHAT_LOADER_GATE = 11, WHAT_SENTINEL = 12, WHAT_NORM_ROWS = 13;
 }  // namespace mk
 namespace mk {
 // NVFP4 kernel word (megakernel/fp4_layout.py): pair e = OR over terms (shift, mask), shift < 0 right

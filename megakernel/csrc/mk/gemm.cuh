@@ -38,8 +38,8 @@ constexpr int STAGE_BATCH = 8;  // 4 and 16 were slower (shard8 step +0.9%, +2.6
 
 // Sum of squares of 8 consecutive features of x, in one fixed order: ((0+1)+(2+3))+((4+5)+(6+7)),
 // products and sums rounded separately (no fma contraction). The producers of x (embed, oproj,
-// unpool) write it per 8-feature group into ss_part, so a norm reads x once instead of twice
-// (its first pass only summed squares); each producer must give these exact bits.
+// unpool) write it per 8-feature group into ss_part, so a norm's consumers never read x itself
+// (stage_normed); each producer must give these exact bits.
 MK_DEV float ss8(const float (&v)[8]) {
   float s[8];
 #pragma unroll
@@ -58,94 +58,75 @@ MK_DEV float ss8_lanes(float v) {
 // 1 = as the ffn norm reads it (oproj). Two buffers so a producer never overwrites partials a
 // slower block may still be summing.
 MK_DEV float* ss_part(const Params& p, int which) { return p.ss_part + which * T_MAX * (D / 8); }
+// xg[which][t][k] = bf16(x[t][k] * g[k]), g the gain of the norm that reads x next (which as for
+// ss_part): written by x's producers beside x, so that a norm's consumers stage bf16 rows with no
+// math and apply the norm factor to their fp32 result (stage_normed).
+MK_DEV uint16_t* xg_of(const Params& p, int which) { return p.xg + which * T_MAX * D; }
 
-// bf16(x * rsqrt(mean(x^2) + eps) * g) for token rows < T, columns panel * KP ..+KP of K (row
-// stride a_stride<KP>); rows >= T are zero. Warp w stages rows w and w + 8 together, in one pass
-// over x: the row's sum of squares is the fixed-order sum of its producers' 8-feature partials
-// `ssp` (lane l adds float4 l, l+32, ..., then a butterfly), computed once per operand and kept in
-// shared memory (MISC_RNORM) for its other panels. Each load batch covers both rows (half the L2
-// round trips of a row at a time). abuf holds one panel at a time: its tag is tag + panel.
-// Staging bf16(x) instead (written beside x by its producers) was 1.1% faster on shard8 but
-// raised the step's error against the fp32 reference from 8.2e-3 to 9.5e-3 of the 1e-2
-// tolerance (H200 2026-11-29): not taken.
+// The normed operand of a d_model projection (qkv, router, pool, lm_head), columns panel * KP ..+KP
+// of K = D: rows t < T of xg (its producers wrote bf16(x * g)), by bulk copies straight into abuf's
+// row layout (row stride a_stride<KP>); rows >= T zero. The norm factor r[t] = rsqrt(mean(x^2) +
+// eps), the fixed-order sum of the producers' 8-feature partials `ssp` (lane l adds float4 l, l+32,
+// ..., then a butterfly), goes to shared memory (norm_factor) once per operand; the consumer
+// multiplies its fp32 result by it. The operand is rounded once, as bf16((x * r) * g) was, and the
+// bytes staged are half of fp32 x's, with no math: each block read the same 256 KB of fp32 x from
+// L2 in ~6.2 us (detail trace, dd8e4b5), bounded per SM by the bytes in flight; the same 128 KB
+// by ld.cg took ~2.7 us in a scratch microbenchmark and by bulk copies of 8 KB 1.1-1.5 us, with
+// 96 or 132 blocks reading (H200, 2026-11-30). Earlier, staging a bf16(x) written by the producers
+// and then normalising it (two roundings) raised the step's error against the fp32 reference
+// from 8.2e-3 to 9.5e-3 (H200 2026-11-29). abuf holds one panel at a time: its tag is tag + panel.
 template <int K, int KP>
-MK_DEV void stage_norm(Blk& b, const float* x, const float* ssp, const uint16_t* gain, int tag, int panel) {
-  static_assert(KP % 128 == 0 && K % KP == 0, "norm staging reads float4 per lane, whole panels");
+MK_DEV void stage_normed(Blk& b, const uint16_t* xg, const float* ssp, int tag, int panel, uint32_t what) {
+  static_assert(K % KP == 0 && KP % 8 == 0, "whole panels");
   static_assert(16 * a_stride<KP>() <= ABUF_BYTES, "a panel of 16 rows fits abuf");
-  static_assert(2 * WARPS == 16, "a warp stages token rows w and w + 8");
-  constexpr int NPER = KP / 128;  // float4 of x per lane per row
-  constexpr int NB = NPER < STAGE_BATCH / 2 ? NPER : STAGE_BATCH / 2;  // per row: both rows' batch in flight
-  // (8 per row measured the same on the H200, e38b6dd vs e47bd5a, for 13 KB more code;
-  // software-pipelined batches were no better, 2026-11-29)
+  static_assert((KP * 2) % 16 == 0 && a_stride<KP>() % 16 == 0, "bulk copies: 16-byte sizes and addresses");
+  static_assert(2 * WARPS == 16, "a warp computes the factors of token rows w and w + 8");
   constexpr int NG4 = K / 32;  // float4 of a row's K/8 partial sums
   constexpr int NS = (NG4 + 31) / 32;
-  static_assert(NPER % NB == 0, "batching");
   if (b.misc[MISC_TAG] == tag + panel) return;
   detail_stamp(b, MK_EV_STAGE_BEGIN, 0);
-  const int tr[2] = {warp(), warp() + WARPS};
-  const bool ok[2] = {tr[0] < b.T, tr[1] < b.T};
-  float* rn = reinterpret_cast<float*>(b.misc + MISC_RNORM);
-  float r[2];
-  if (K != KP && b.misc[MISC_RTAG] == tag) {  // an earlier panel of this operand computed them
-    r[0] = rn[tr[0]];
-    r[1] = rn[tr[1]];
-  } else {
+  if (tid() == 0) {
+    // xg came from other blocks' generic stores (acquired by this thread's dependency wait), and
+    // abuf was last read through the generic proxy (ordered by the barrier before this call):
+    // both before the async-proxy copies
+    fence_proxy_async();
+    mbar_expect_tx(b.xbar, static_cast<unsigned>(b.T * KP * 2));
+    for (int r = 0; r < b.T; ++r) bulk_copy_keep(b.abuf + r * a_stride<KP>(), xg + r * K + panel * KP, KP * 2, b.xbar);
+  }
+  for (int i = tid(); i < (16 - b.T) * (KP / 8); i += COMPUTE_THREADS) {  // rows the copies leave out
+    const int r = b.T + i / (KP / 8), k8 = i % (KP / 8);
+    *reinterpret_cast<uint4*>(b.abuf + r * a_stride<KP>() + 16 * k8) = uint4{0u, 0u, 0u, 0u};
+  }
+  if (b.misc[MISC_RTAG] != tag) {  // the norm factors, under the copies (an earlier panel kept them)
+    float* rn = reinterpret_cast<float*>(b.misc + MISC_RNORM);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      const int t = warp() + WARPS * h;
       uint4 sv[NS];
 #pragma unroll
       for (int i = 0; i < NS; ++i) {
         const int i4 = lane() + 32 * i;
-        sv[i] = (ok[h] && i4 < NG4) ? ldg_cg4(ssp + tr[h] * (K / 8) + 4 * i4) : uint4{0, 0, 0, 0};
+        sv[i] = (t < b.T && i4 < NG4) ? ldg_cg4(ssp + t * (K / 8) + 4 * i4) : uint4{0, 0, 0, 0};
       }
       float ss = 0.f;
 #pragma unroll
       for (int i = 0; i < NS; ++i) ss = (((ss + u2f(sv[i].x)) + u2f(sv[i].y)) + u2f(sv[i].z)) + u2f(sv[i].w);
       for (int m = 16; m >= 1; m >>= 1) ss += shfl_xor(ss, m);
-      r[h] = frsqrt(ss / static_cast<float>(K) + RMS_EPS);
-      if (K != KP && lane() == 0) rn[tr[h]] = r[h];
+      if (lane() == 0) rn[t] = frsqrt(ss / static_cast<float>(K) + RMS_EPS);
     }
   }
-  const float* xp = x + panel * KP;
-  const uint16_t* gp = gain + panel * KP;
-  // Every block reads the same x: each starts at a different batch (by block index) so that they
-  // do not all ask for the same L2 lines at once (shard8 step -1.6%, H200 2026-11-29; the same
-  // rotation in stage_rows measured no better)
-  const int rot = (bid() % (NPER / NB)) * NB;
-  for (int j0 = 0; j0 < NPER; j0 += NB) {
-    const int i0 = (j0 + rot) % NPER;
-    uint4 v[2][NB];
-    uint2 gg[NB];
-#pragma unroll
-    for (int i = 0; i < NB; ++i) {
-      const int k4 = lane() + 32 * (i0 + i);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) v[h][i] = ok[h] ? ldg_cg4(xp + tr[h] * D + 4 * k4) : uint4{0, 0, 0, 0};
-      gg[i] = *reinterpret_cast<const uint2*>(gp + 4 * k4);
-    }
-#pragma unroll
-    for (int i = 0; i < NB; ++i) {
-      const float g0 = bf2f(gg[i].x & 0xffff), g1 = bf2f(gg[i].x >> 16);
-      const float g2 = bf2f(gg[i].y & 0xffff), g3 = bf2f(gg[i].y >> 16);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        uint2 o = {0u, 0u};
-        if (ok[h]) {
-          const float rr = r[h];
-          o.x = pack_bf2((u2f(v[h][i].x) * rr) * g0, (u2f(v[h][i].y) * rr) * g1);
-          o.y = pack_bf2((u2f(v[h][i].z) * rr) * g2, (u2f(v[h][i].w) * rr) * g3);
-        }
-        *reinterpret_cast<uint2*>(b.abuf + tr[h] * a_stride<KP>() + 8 * (lane() + 32 * (i0 + i))) = o;
-      }
-    }
-  }
+  // every reader of abuf observes the copies' completion itself (as ring_consume does)
+  if (!wait_mbar(*b.p, b.xbar, b.xuse & 1u, (what & ~15u) | WHAT_NORM_ROWS)) b.failed = true;
+  ++b.xuse;
   sync_compute();
   detail_stamp(b, MK_EV_STAGE_END, 0);
   if (tid() == 0) {
     b.misc[MISC_TAG] = tag + panel;
-    if (K != KP) b.misc[MISC_RTAG] = tag;
+    b.misc[MISC_RTAG] = tag;
   }
 }
+// The staged norm's factor of token row t (stage_normed), for the consumer's fp32 result.
+MK_DEV float norm_factor(const Blk& b, int t) { return reinterpret_cast<const float*>(b.misc + MISC_RNORM)[t]; }
 
 // Rows of another block's bf16 output (read at L2): `src(r)` is row r's address, r < nrows; rows
 // >= nrows are zero. PERM (fp4 operand): each 16-byte piece k8 = 4 * step + t holds the values
@@ -494,20 +475,25 @@ MK_DEV float gemm_sum(const Blk& b, int t, int n) {
 }
 
 // ---------------------------------------------------------------- residual projections
-// x[t][unit*R ..+R] += (the staged operand) @ W^T (oproj, unpool), and the new x's sums of squares
-// per 8 features into ss_part(which) for the next norm. The residual is loaded before the GEMM so
-// that its L2 round trip overlaps it.
+// x[t][unit*R ..+R] += (the staged operand) @ W^T (oproj, unpool), and for the next norm (gain
+// gnext) the new x's sums of squares per 8 features into ss_part(which) and bf16(x * gnext) into
+// xg_of(which). The residual and the gain are loaded before the GEMM so that their round trips
+// overlap it.
 template <int R, int KC, int K>
-MK_DEV void gemm_residual_add(Blk& b, int unit, int which, uint32_t what) {
+MK_DEV void gemm_residual_add(Blk& b, int unit, int which, const uint16_t* gnext, uint32_t what) {
   static_assert(R % 8 == 0 && (16 * R) % 32 == 0 && 16 * R <= COMPUTE_THREADS,
                 "epilogue: a thread per output, whole warps");
   const Params& p = *b.p;
   const int t = tid() / R, n = tid() % R;
   const float xo = (tid() < 16 * R && t < b.T) ? ldg_cgf(p.x + t * D + unit * R + n) : 0.f;
+  const float g = tid() < 16 * R ? bf2f(gnext[unit * R + n]) : 0.f;
   gemm_stash<R>(b, gemm_bf16<R, KC, K>(b, what));
   if (tid() < 16 * R) {  // whole warps: the sum of squares shuffles within 8 lanes
     const float xn = xo + gemm_sum<R>(b, t, n);
-    if (t < b.T) p.x[t * D + unit * R + n] = xn;
+    if (t < b.T) {
+      p.x[t * D + unit * R + n] = xn;
+      xg_of(p, which)[t * D + unit * R + n] = f2bf(xn * g);
+    }
     const float ss = ss8_lanes(xn);
     if (n % 8 == 0 && t < b.T) ss_part(p, which)[t * (D / 8) + unit * (R / 8) + n / 8] = ss;
   }

@@ -1,5 +1,5 @@
-// embed: x[t] = embedding row of token t, as fp32 (the residual stream), and the row's sums of
-// squares per 8 features for the first attention norm (gemm.cuh ss8). Unit = one token.
+// embed: x[t] = embedding row of token t, as fp32 (the residual stream), and for the first attention
+// norm the row's sums of squares per 8 features (gemm.cuh ss8) and bf16(x * attn_norm) (xg_of). Unit = one token.
 #pragma once
 #include "mk/gemm.cuh"
 
@@ -21,6 +21,14 @@ MK_DEV void run_embed(Blk& b, int unit) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) xr[i] = v[i];
     ss_part(p, 0)[unit * (D / 8) + g] = ss8(v);
+    const uint4 gg = ldg_nc4(p.layers[0].attn_norm + 8 * g);  // the first attention norm's gain
+    const uint32_t gw[4] = {gg.x, gg.y, gg.z, gg.w};
+    uint32_t o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      o[i] = pack_bf2(v[2 * i] * bf2f(static_cast<uint16_t>(gw[i] & 0xffffu)),
+                      v[2 * i + 1] * bf2f(static_cast<uint16_t>(gw[i] >> 16)));
+    *reinterpret_cast<uint4*>(xg_of(p, 0) + unit * D + 8 * g) = uint4{o[0], o[1], o[2], o[3]};
   }
 }
 

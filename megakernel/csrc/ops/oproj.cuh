@@ -1,5 +1,5 @@
-// oproj: x += att_out @ wo^T (fp32 residual add), and the new x's sums of squares per 8 features
-// for the ffn norm (gemm.cuh ss8). Unit = TILE_OPROJ_ROWS rows of wo (features of x).
+// oproj: x += att_out @ wo^T (fp32 residual add), and for the ffn norm the new x's sums of squares
+// per 8 features (gemm.cuh ss8) and bf16(x * ffn_norm) (xg_of). Unit = TILE_OPROJ_ROWS rows of wo (features of x).
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
@@ -13,7 +13,7 @@ MK_DEV bool load_oproj(const Blk& b, int layer, int unit, unsigned& c, uint32_t 
 
 MK_DEV void run_oproj(Blk& b, int layer, int unit, uint32_t what) {
   stage_plain<ATT_W>(b, b.p->att_out, tag_of(TAG_ATT_OUT, layer, 0));
-  gemm_residual_add<TILE_OPROJ_ROWS, TILE_OPROJ_KC, ATT_W>(b, unit, 1, what);
+  gemm_residual_add<TILE_OPROJ_ROWS, TILE_OPROJ_KC, ATT_W>(b, unit, 1, b.p->layers[layer].ffn_norm, what);
 }
 
 }  // namespace mk

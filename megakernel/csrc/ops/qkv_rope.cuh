@@ -1,6 +1,6 @@
 // qkv projection with RoPE and the KV-cache write. Unit = TILE_QKV_ROWS output rows of wqkv (rows
 // are q heads, then k heads, then v heads; the rows divide head_dim, so a unit never straddles heads).
-// A = rmsnorm(x, attn_norm); q, k get interleaved RoPE at position ctx + depth(t) from the shared
+// A = rmsnorm(x, attn_norm) (the norm factor applied to the fp32 result, gemm.cuh stage_normed); q, k get interleaved RoPE at position ctx + depth(t) from the shared
 // cos/sin tables; q -> p.q, k/v -> the layer's cache at sequence index ctx + t (ring slot in
 // sliding layers). Rounding: fp32 accumulate, RoPE in fp32, one rounding to bf16.
 #pragma once
@@ -18,7 +18,7 @@ MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   const LayerPtrs& L = p.layers[layer];
   auto stage = [&](int panel) {
-    stage_norm<D, NORM_KP>(b, p.x, ss_part(p, 0), L.attn_norm, tag_of(TAG_ATTN_NORM, layer, 0), panel);
+    stage_normed<D, NORM_KP>(b, xg_of(p, 0), ss_part(p, 0), tag_of(TAG_ATTN_NORM, layer, 0), panel, what);
   };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_QKV_ROWS;
   gemm_stash<R>(b, gemm_bf16<R, TILE_QKV_KC, D, NORM_KP>(b, what, stage));
@@ -27,7 +27,8 @@ MK_COLD_LOOP
   for (int i = tid(); i < 16 * (R / 2); i += COMPUTE_THREADS) {
     const int t = i / (R / 2), n = 2 * (i % (R / 2));
     if (t >= b.T) continue;
-    float a = gemm_sum<R>(b, t, n), c = gemm_sum<R>(b, t, n + 1);
+    const float r = norm_factor(b, t);
+    float a = gemm_sum<R>(b, t, n) * r, c = gemm_sum<R>(b, t, n + 1) * r;
     const int d = row0 % HD + n;  // even: the pair (d, d+1) rotates together
     if (head < HQ + HKV) {
       const int pos = b.ctx + p.depth[t];

@@ -1,4 +1,5 @@
-// router: logits = rmsnorm(x, ffn_norm) @ router^T, fp32. Unit = TILE_ROUTER_ROWS experts. Its k-chunks
+// router: logits = rmsnorm(x, ffn_norm) @ router^T, fp32 (the norm factor applied to the fp32 result,
+// gemm.cuh stage_normed). Unit = TILE_ROUTER_ROWS experts. Its k-chunks
 // are walked last to first (gemm_bf16 REV): with a paneled operand it leaves panel 0 staged for pool.
 #pragma once
 #include "mk/gemm.cuh"
@@ -15,7 +16,7 @@ MK_DEV bool load_router(const Blk& b, int layer, int unit, unsigned& c, uint32_t
 MK_DEV void run_router(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   auto stage = [&](int panel) {
-    stage_norm<D, NORM_KP>(b, p.x, ss_part(p, 1), p.layers[layer].ffn_norm, tag_of(TAG_FFN_NORM, layer, 0), panel);
+    stage_normed<D, NORM_KP>(b, xg_of(p, 1), ss_part(p, 1), tag_of(TAG_FFN_NORM, layer, 0), panel, what);
   };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_ROUTER_ROWS;
   gemm_stash<R>(b, gemm_bf16<R, TILE_ROUTER_KC, D, NORM_KP, true>(b, what, stage));
@@ -26,8 +27,9 @@ MK_COLD_LOOP
     float* dst = p.router_logits + t * E + unit * R + n;
     // sentinel slots (topk.cuh): -0.0 means "not written yet", so a -0.0 logit is stored as +0.0
     // (top-k keys them alike); a strong store, polled by top-k's block
-    if constexpr (SENTINEL_ROUTE) st_relaxed(dst, mb::sentinel::f32_encode(f2u(gemm_sum<R>(b, t, n))));
-    else *dst = gemm_sum<R>(b, t, n);
+    const float v = gemm_sum<R>(b, t, n) * norm_factor(b, t);
+    if constexpr (SENTINEL_ROUTE) st_relaxed(dst, mb::sentinel::f32_encode(f2u(v)));
+    else *dst = v;
   }
 }
 

@@ -1,5 +1,5 @@
-// unpool (the unpooler): x += z @ unpool^T, p -> d (fp32 residual add), and the new x's sums of
-// squares per 8 features for the next attention (or final) norm (gemm.cuh ss8). Unit =
+// unpool (the unpooler): x += z @ unpool^T, p -> d (fp32 residual add), and for the next attention
+// (or final) norm the new x's sums of squares per 8 features (gemm.cuh ss8) and bf16(x * gain) (xg_of). Unit =
 // TILE_UNPOOL_ROWS features of x.
 #pragma once
 #include "mk/gemm.cuh"
@@ -14,7 +14,8 @@ MK_DEV bool load_unpool(const Blk& b, int layer, int unit, unsigned& c, uint32_t
 
 MK_DEV void run_unpool(Blk& b, int layer, int unit, uint32_t what) {
   stage_plain<P>(b, b.p->z, tag_of(TAG_Z, layer, 0));
-  gemm_residual_add<TILE_UNPOOL_ROWS, TILE_UNPOOL_KC, P>(b, unit, 0, what);
+  const uint16_t* gnext = layer + 1 < L ? b.p->layers[layer + 1].attn_norm : b.p->final_norm;
+  gemm_residual_add<TILE_UNPOOL_ROWS, TILE_UNPOOL_KC, P>(b, unit, 0, gnext, what);
 }
 
 }  // namespace mk
