@@ -42,7 +42,7 @@ PARAM_FIELDS = (
     ("route_override", "const int32_t*"),  # [L][T_MAX][TOPK] or null
     ("x", "float*"),  # [T_MAX][D] residual stream
     ("ss_part", "float*"),  # [2][T_MAX][D/8] sums of squares of x per 8 features (gemm.cuh ss8)
-    ("xg", "uint16_t*"),  # [2][T_MAX][D] bf16(x * the gain of the norm that reads it next) (gemm.cuh xg_of)
+    ("xg", "uint16_t*"),  # [2][D/NORM_KP][T_MAX][NORM_KP+8] bf16(x * the next norm's gain) (gemm.cuh xg_at)
     ("q", "uint16_t*"),  # [T_MAX][HQ][HD]
     ("att_o", "float*"),  # [HKV][PARTS][G*16][HD]
     ("att_ml", "float*"),  # [HKV][PARTS][G*16][2]

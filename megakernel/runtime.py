@@ -26,7 +26,7 @@ from microbench.watchdog import Watchdog
 from . import abi, tree as treelib
 from .config import ConfigError
 from .fp4_layout import is_canonical
-from .plan import THREADS, Plan
+from .plan import ROW_PAD, THREADS, Plan
 from .program import (WHAT_LOADER_GATE, WHAT_LOADER_ROUTE, WHAT_NORM_ROWS, WHAT_RING_EMPTY, WHAT_RING_FULL,
                       WHAT_SENTINEL, Program, build as build_program)
 from .reference import KVCache
@@ -116,7 +116,8 @@ class Engine:
         parts = p.max_splits * (8 // c.group)
         z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
         self.buf = {
-            "x": z(tm, c.d_model), "ss_part": z(2, tm, c.d_model // 8), "xg": z(2, tm, c.d_model, dt=BF16),
+            "x": z(tm, c.d_model), "ss_part": z(2, tm, c.d_model // 8),
+            "xg": z(2, c.d_model // p.norm_k, tm, p.norm_k + ROW_PAD // 2, dt=BF16),  # gemm.cuh xg_at
             "q": z(tm, c.n_heads, c.head_dim, dt=BF16),
             "att_o": z(c.n_kv_heads, parts, c.group * 16, c.head_dim),
             "att_ml": z(c.n_kv_heads, parts, c.group * 16, 2), "att_out": z(tm, c.attn_width, dt=BF16),
@@ -163,9 +164,9 @@ class Engine:
         P.n_launches = len(self.program.launches)
         P.tokens, P.depth, P.anc = _ptr(self.tokens_t), _ptr(self.depth_t), _ptr(self.anc_t)
         P.route_override = _ptr(self.route_t) if override else 0
-        for name in ("x", "ss_part", "xg", "q", "att_o", "att_ml", "att_out", "router_logits", "route_sel", "route_w",
-                     "route_slot", "route_pos", "slot_expert", "slot_ntok", "slot_tok", "n_slots", "hot_experts", "pooled", "act",
-                     "yexp", "z", "logits", "amax_val", "amax_idx", "out_tokens"):
+        for name in ("x", "ss_part", "xg", "q", "att_o", "att_ml", "att_out", "router_logits", "route_sel",
+                     "route_w", "route_slot", "route_pos", "slot_expert", "slot_ntok", "slot_tok", "n_slots",
+                     "hot_experts", "pooled", "act", "yexp", "z", "logits", "amax_val", "amax_idx", "out_tokens"):
             setattr(P, name, _ptr(b[name]))
         P.counters = _ptr(self.counters)
         P.watchdog = self.wd.ptr

@@ -198,7 +198,9 @@ MK_DEV void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar)
   memcpy(dst, src, bytes);
   emu::mbar_complete_tx(bar, bytes);
 }
-MK_DEV void bulk_copy_keep(void* dst, const void* src, unsigned bytes, uint64_t* bar) { bulk_copy(dst, src, bytes, bar); }
+MK_DEV void bulk_copy_keep(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+  bulk_copy(dst, src, bytes, bar);
+}
 MK_DEV void fence_proxy_async() {}
 MK_DEV void fence_proxy_async_smem() {}
 MK_DEV void prefetch_l2(const void* src, unsigned bytes) {

@@ -58,28 +58,37 @@ MK_DEV float ss8_lanes(float v) {
 // 1 = as the ffn norm reads it (oproj). Two buffers so a producer never overwrites partials a
 // slower block may still be summing.
 MK_DEV float* ss_part(const Params& p, int which) { return p.ss_part + which * T_MAX * (D / 8); }
-// xg[which][t][k] = bf16(x[t][k] * g[k]), g the gain of the norm that reads x next (which as for
-// ss_part): written by x's producers beside x, so that a norm's consumers stage bf16 rows with no
-// math and apply the norm factor to their fp32 result (stage_normed).
-MK_DEV uint16_t* xg_of(const Params& p, int which) { return p.xg + which * T_MAX * D; }
+// bf16(x[t][k] * g[k]), g the gain of the norm that reads x next (which as for ss_part): written by
+// x's producers beside x, so that a norm's consumers stage bf16 rows with no math and apply the
+// norm factor to their fp32 result (stage_normed). Laid out as the consumers stage it, panel-major
+// with abuf's padded rows, [2][D/NORM_KP][T_MAX][a_stride<NORM_KP> bytes], so that the rows < T of
+// a panel are one contiguous bulk copy.
+constexpr int XG_ROW = a_stride<NORM_KP>() / 2;  // bf16 per row, the pad included
+static_assert(a_stride<NORM_KP>() % 16 == 0 && NORM_KP % 8 == 0, "xg rows: 16-byte aligned, 8-feature groups");
+MK_DEV uint16_t* xg_at(const Params& p, int which, int t, int k) {
+  return p.xg + ((which * (D / NORM_KP) + k / NORM_KP) * T_MAX + t) * XG_ROW + k % NORM_KP;
+}
 
 // The normed operand of a d_model projection (qkv, router, pool, lm_head), columns panel * KP ..+KP
-// of K = D: rows t < T of xg (its producers wrote bf16(x * g)), by bulk copies straight into abuf's
-// row layout (row stride a_stride<KP>); rows >= T zero. The norm factor r[t] = rsqrt(mean(x^2) +
-// eps), the fixed-order sum of the producers' 8-feature partials `ssp` (lane l adds float4 l, l+32,
-// ..., then a butterfly), goes to shared memory (norm_factor) once per operand; the consumer
-// multiplies its fp32 result by it. The operand is rounded once, as bf16((x * r) * g) was, and the
-// bytes staged are half of fp32 x's, with no math: each block read the same 256 KB of fp32 x from
-// L2 in ~6.2 us (detail trace, dd8e4b5), bounded per SM by the bytes in flight; the same 128 KB
-// by ld.cg took ~2.7 us in a scratch microbenchmark and by bulk copies of 8 KB 1.1-1.5 us, with
-// 96 or 132 blocks reading (H200, 2026-11-30). Earlier, staging a bf16(x) written by the producers
-// and then normalising it (two roundings) raised the step's error against the fp32 reference
-// from 8.2e-3 to 9.5e-3 (H200 2026-11-29). abuf holds one panel at a time: its tag is tag + panel.
+// of K = D: rows t < T of xg (its producers wrote bf16(x * g)), by one bulk copy straight into
+// abuf's row layout (row stride a_stride<KP>); rows >= T zero. The norm factor r[t] =
+// rsqrt(mean(x^2) + eps), the fixed-order sum of the producers' 8-feature partials `ssp` (lane l
+// adds float4 l, l+32, ..., then a butterfly), goes to shared memory (norm_factor) once per
+// operand; the consumer multiplies its fp32 result by it. The operand is rounded once, as
+// bf16((x * r) * g) was, but at another point than the reference's (shard8 error 8.3e-3 ->
+// 8.7e-3), and the bytes staged are half of fp32 x's, with no math: each block had read the same
+// 256 KB of fp32 x from L2 in ~6.2 us (detail trace, dd8e4b5), bounded per SM by the bytes in
+// flight; the same 128 KB by ld.cg took ~2.7 us in a scratch microbenchmark and by bulk copies of
+// 8 KB 1.1-1.5 us, with 96 or 132 blocks reading (H200, 2026-11-30); one copy per panel instead of
+// one per row: shard8 step -2.8%. Earlier, staging a bf16(x) written by the producers and then
+// normalising it (two roundings) raised that error to 9.5e-3 (H200 2026-11-29). abuf holds one
+// panel at a time: its tag is tag + panel.
 template <int K, int KP>
-MK_DEV void stage_normed(Blk& b, const uint16_t* xg, const float* ssp, int tag, int panel, uint32_t what) {
-  static_assert(K % KP == 0 && KP % 8 == 0, "whole panels");
+MK_DEV void stage_normed(Blk& b, int which, const float* ssp, int tag, int panel, uint32_t what) {
+  static_assert(K == D && KP == NORM_KP, "the normed operand is d_model wide, in xg's panels");
   static_assert(16 * a_stride<KP>() <= ABUF_BYTES, "a panel of 16 rows fits abuf");
   static_assert((KP * 2) % 16 == 0 && a_stride<KP>() % 16 == 0, "bulk copies: 16-byte sizes and addresses");
+  static_assert(16 * a_stride<KP>() < (1 << 20), "a panel's bytes fit the mbarrier's tx-count");
   static_assert(2 * WARPS == 16, "a warp computes the factors of token rows w and w + 8");
   constexpr int NG4 = K / 32;  // float4 of a row's K/8 partial sums
   constexpr int NS = (NG4 + 31) / 32;
@@ -90,8 +99,9 @@ MK_DEV void stage_normed(Blk& b, const uint16_t* xg, const float* ssp, int tag, 
     // abuf was last read through the generic proxy (ordered by the barrier before this call):
     // both before the async-proxy copies
     fence_proxy_async();
-    mbar_expect_tx(b.xbar, static_cast<unsigned>(b.T * KP * 2));
-    for (int r = 0; r < b.T; ++r) bulk_copy_keep(b.abuf + r * a_stride<KP>(), xg + r * K + panel * KP, KP * 2, b.xbar);
+    const unsigned bytes = static_cast<unsigned>(b.T * a_stride<KP>());
+    mbar_expect_tx(b.xbar, bytes);
+    bulk_copy_keep(b.abuf, xg_at(*b.p, which, 0, panel * KP), bytes, b.xbar);
   }
   for (int i = tid(); i < (16 - b.T) * (KP / 8); i += COMPUTE_THREADS) {  // rows the copies leave out
     const int r = b.T + i / (KP / 8), k8 = i % (KP / 8);
@@ -477,7 +487,7 @@ MK_DEV float gemm_sum(const Blk& b, int t, int n) {
 // ---------------------------------------------------------------- residual projections
 // x[t][unit*R ..+R] += (the staged operand) @ W^T (oproj, unpool), and for the next norm (gain
 // gnext) the new x's sums of squares per 8 features into ss_part(which) and bf16(x * gnext) into
-// xg_of(which). The residual and the gain are loaded before the GEMM so that their round trips
+// xg (xg_at). The residual and the gain are loaded before the GEMM so that their round trips
 // overlap it.
 template <int R, int KC, int K>
 MK_DEV void gemm_residual_add(Blk& b, int unit, int which, const uint16_t* gnext, uint32_t what) {
@@ -492,7 +502,7 @@ MK_DEV void gemm_residual_add(Blk& b, int unit, int which, const uint16_t* gnext
     const float xn = xo + gemm_sum<R>(b, t, n);
     if (t < b.T) {
       p.x[t * D + unit * R + n] = xn;
-      xg_of(p, which)[t * D + unit * R + n] = f2bf(xn * g);
+      *xg_at(p, which, t, unit * R + n) = f2bf(xn * g);
     }
     const float ss = ss8_lanes(xn);
     if (n % 8 == 0 && t < b.T) ss_part(p, which)[t * (D / 8) + unit * (R / 8) + n / 8] = ss;

@@ -1,5 +1,6 @@
-// embed: x[t] = embedding row of token t, as fp32 (the residual stream), and for the first attention
-// norm the row's sums of squares per 8 features (gemm.cuh ss8) and bf16(x * attn_norm) (xg_of). Unit = one token.
+// embed: x[t] = embedding row of token t, as fp32 (the residual stream), and for the first
+// attention norm the row's sums of squares per 8 features (gemm.cuh ss8) and bf16(x * attn_norm)
+// (xg_at). Unit = one token.
 #pragma once
 #include "mk/gemm.cuh"
 
@@ -28,7 +29,7 @@ MK_DEV void run_embed(Blk& b, int unit) {
     for (int i = 0; i < 4; ++i)
       o[i] = pack_bf2(v[2 * i] * bf2f(static_cast<uint16_t>(gw[i] & 0xffffu)),
                       v[2 * i + 1] * bf2f(static_cast<uint16_t>(gw[i] >> 16)));
-    *reinterpret_cast<uint4*>(xg_of(p, 0) + unit * D + 8 * g) = uint4{o[0], o[1], o[2], o[3]};
+    *reinterpret_cast<uint4*>(xg_at(p, 0, unit, 8 * g)) = uint4{o[0], o[1], o[2], o[3]};
   }
 }
 

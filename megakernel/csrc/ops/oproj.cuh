@@ -1,5 +1,6 @@
 // oproj: x += att_out @ wo^T (fp32 residual add), and for the ffn norm the new x's sums of squares
-// per 8 features (gemm.cuh ss8) and bf16(x * ffn_norm) (xg_of). Unit = TILE_OPROJ_ROWS rows of wo (features of x).
+// per 8 features (gemm.cuh ss8) and bf16(x * ffn_norm) (xg_at). Unit = TILE_OPROJ_ROWS rows of wo
+// (features of x).
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"

@@ -1,8 +1,9 @@
 // qkv projection with RoPE and the KV-cache write. Unit = TILE_QKV_ROWS output rows of wqkv (rows
 // are q heads, then k heads, then v heads; the rows divide head_dim, so a unit never straddles heads).
-// A = rmsnorm(x, attn_norm) (the norm factor applied to the fp32 result, gemm.cuh stage_normed); q, k get interleaved RoPE at position ctx + depth(t) from the shared
-// cos/sin tables; q -> p.q, k/v -> the layer's cache at sequence index ctx + t (ring slot in
-// sliding layers). Rounding: fp32 accumulate, RoPE in fp32, one rounding to bf16.
+// A = rmsnorm(x, attn_norm) (the norm factor applied to the fp32 result, gemm.cuh stage_normed);
+// q, k get interleaved RoPE at position ctx + depth(t) from the shared cos/sin tables; q -> p.q,
+// k/v -> the layer's cache at sequence index ctx + t (ring slot in sliding layers). Rounding: fp32
+// accumulate, RoPE in fp32, one rounding to bf16.
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
@@ -18,7 +19,7 @@ MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   const LayerPtrs& L = p.layers[layer];
   auto stage = [&](int panel) {
-    stage_normed<D, NORM_KP>(b, xg_of(p, 0), ss_part(p, 0), tag_of(TAG_ATTN_NORM, layer, 0), panel, what);
+    stage_normed<D, NORM_KP>(b, 0, ss_part(p, 0), tag_of(TAG_ATTN_NORM, layer, 0), panel, what);
   };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_QKV_ROWS;
   gemm_stash<R>(b, gemm_bf16<R, TILE_QKV_KC, D, NORM_KP>(b, what, stage));
