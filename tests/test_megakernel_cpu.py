@@ -205,6 +205,28 @@ def test_emulated_wide_normed_operand_by_bulk_copies(t):
     check_close(outs["mega"].logits, ref, "wide residual vs reference", rel=1e-2)
 
 
+def test_xg_holds_the_next_norms_operand_panel_major():
+    # The last unpool writes bf16(x * final_norm) for lm_head into xg[0], laid out as the consumers
+    # stage it (gemm.cuh xg_at): [which][panel][T_MAX][panel + 8 bf16 of pad], so that a panel's
+    # rows < T are one bulk copy. Bitwise: the same fp32 product, rounded once to bf16.
+    cfg = dataclasses.replace(preset("tiny"), d_model=1024)
+    w = generate(cfg)
+    base = KVCache(cfg).fill_random(torch.Generator().manual_seed(6))
+    plan = make_plan(cfg, 2, norm_panel=256, ring_stages=2, ring_stage_bytes=4096, spin_bound_ns=3_000_000_000)
+    t = 5
+    toks, par = _inputs(cfg, t, 4)
+    eng = Engine(w, plan, base.clone(), backend="emu")
+    eng.poison()
+    eng.step(toks, par, 40, mode="mega")
+    xg = eng.buf["xg"]
+    kp = plan.norm_k
+    assert tuple(xg.shape) == (2, cfg.d_model // kp, cfg.max_tree, kp + 8)
+    want = (eng.buf["x"][:t] * w.final_norm.float()).to(torch.bfloat16)
+    got = xg[0, :, :t, :kp].permute(1, 0, 2).reshape(t, cfg.d_model)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.isnan(xg[0, :, t:].float()).all()  # rows >= T: never written (the consumers zero them)
+
+
 def test_fill_ring_stages_the_normed_operand_in_panels_where_that_buys_a_stage():
     # shard8 with the tuned H200 ring (2 x 32 KB): 16 rows of d_model 4096 take 131 KB of abuf; in
     # two panels of 2048 abuf shrinks to the expert GEMMs' need and a third stage fits
