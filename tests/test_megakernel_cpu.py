@@ -185,9 +185,9 @@ def test_emulated_mega_equals_chain_bitwise_and_matches_reference(tiny, ctx, t):
 
 @pytest.mark.parametrize("t", [16, 5])
 def test_emulated_wide_normed_operand_by_bulk_copies(t):
-    # d_model 1024: the norms' consumers stage bf16(x * g) rows of 2 KB by bulk copies (gemm.cuh
-    # stage_normed), rows >= T zeroed by the compute threads, and scale their fp32 results by the
-    # norm factor; after poison() every buffer is NaN, so a row no producer wrote this step (xg,
+    # d_model 1024: the norms' consumers stage the rows < T of bf16(x * g) by one bulk copy
+    # (gemm.cuh stage_normed), zero the other rows, and scale their fp32 results by the norm
+    # factor; after poison() every buffer is NaN, so a row no producer wrote this step (xg,
     # ss_part) would show in the result
     cfg = dataclasses.replace(preset("tiny"), d_model=1024)
     w = generate(cfg)
