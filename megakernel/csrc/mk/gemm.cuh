@@ -64,6 +64,7 @@ MK_DEV float* ss_part(const Params& p, int which) { return p.ss_part + which * T
 // with abuf's padded rows, [2][D/NORM_KP][T_MAX][a_stride<NORM_KP> bytes], so that the rows < T of
 // a panel are one contiguous bulk copy.
 constexpr int XG_ROW = a_stride<NORM_KP>() / 2;  // bf16 per row, the pad included
+// (a panel's copy, T rows of a_stride bytes from a row start, is then 16-byte sized and aligned)
 static_assert(a_stride<NORM_KP>() % 16 == 0 && NORM_KP % 8 == 0, "xg rows: 16-byte aligned, 8-feature groups");
 MK_DEV uint16_t* xg_at(const Params& p, int which, int t, int k) {
   return p.xg + ((which * (D / NORM_KP) + k / NORM_KP) * T_MAX + t) * XG_ROW + k % NORM_KP;
@@ -87,7 +88,6 @@ template <int K, int KP>
 MK_DEV void stage_normed(Blk& b, int which, const float* ssp, int tag, int panel, uint32_t what) {
   static_assert(K == D && KP == NORM_KP, "the normed operand is d_model wide, in xg's panels");
   static_assert(16 * a_stride<KP>() <= ABUF_BYTES, "a panel of 16 rows fits abuf");
-  static_assert((KP * 2) % 16 == 0 && a_stride<KP>() % 16 == 0, "bulk copies: 16-byte sizes and addresses");
   static_assert(16 * a_stride<KP>() < (1 << 20), "a panel's bytes fit the mbarrier's tx-count");
   static_assert(2 * WARPS == 16, "a warp computes the factors of token rows w and w + 8");
   constexpr int NG4 = K / 32;  // float4 of a row's K/8 partial sums
