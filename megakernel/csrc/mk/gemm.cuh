@@ -274,7 +274,7 @@ MK_DEV Bf16Acc gemm_bf16(Blk& b, uint32_t what, Restage restage = {}) {
     // rolled, like the chunk loop below: a dense op runs about once per block and layer, so its
     // code is fetched cold from L2 each time and an unrolled copy buys no issue slot worth that
     // fetch (both rolled: 20 KB less code, shard8 T=16 step -0.45%, T=1 -1.0%, small T=16 -1.0%,
-    // in-run A/B, H200 2026-11-30 03:45Z)
+    // in-run A/B, H200 2026-11-30 03:27Z)
 MK_COLD_LOOP
     for (int j = ks; j < KSTEPS; j += 2 * WPT) {
       step(j, acc[0]);
