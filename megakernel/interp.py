@@ -32,7 +32,7 @@ class Interpreter:
         tm, dev = c.max_tree, w.device
         nan = lambda *s, dt=F32: torch.full(s, float("nan"), dtype=dt, device=dev)  # noqa: E731
         zi = lambda *s: torch.zeros(s, dtype=torch.int64, device=dev)  # noqa: E731
-        self.parts = p.max_splits * (8 // c.group)
+        self.parts = p.attn_parts
         self.buf = {
             "x": nan(tm, c.d_model), "ss_part": nan(2, tm, c.d_model // 8), "q": nan(tm, c.n_heads, c.head_dim, dt=BF16),
             "att_o": nan(c.n_kv_heads, self.parts, c.group * 16, c.head_dim),
@@ -87,7 +87,7 @@ class Interpreter:
         allseq = list(range(self.ctx - nc, self.ctx + self.T))  # the cached keys it sees, then the new ones
         per = -(-len(allseq) // ns)
         seqs = allseq[split * per:(split + 1) * per]
-        kg = 8 // c.group
+        kg = self.plan.attn_key_groups
         b["att_ml"][kvh, split * kg:(split + 1) * kg, :, 1] = 0.0  # other key groups: empty partials
         b["att_ml"][kvh, split * kg:(split + 1) * kg, :, 0] = float("-inf")
         if not seqs:
@@ -122,7 +122,7 @@ class Interpreter:
         c, b = self.cfg, self.buf
         h, t = divmod(u, self.T)
         kvh, j = divmod(h, c.group)
-        n = splits(c, self.plan, layer, self.ctx, self.T) * (8 // c.group)
+        n = splits(c, self.plan, layer, self.ctx, self.T) * self.plan.attn_key_groups
         ml = b["att_ml"][kvh, :n, j * 16 + t]
         o = b["att_o"][kvh, :n, j * 16 + t]
         ok = ml[:, 1] > 0

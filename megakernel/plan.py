@@ -203,6 +203,16 @@ class Plan:
                           math.ceil(most_keys / self.keys_per_split)))
 
     @property
+    def attn_key_groups(self) -> int:
+        """Warps of an attention block per q head (attention.cuh ATT_KG); each writes a partial."""
+        return WARPS // self.cfg.group
+
+    @property
+    def attn_parts(self) -> int:
+        """Attention partials per kv head (PARTS): splits x key groups."""
+        return self.max_splits * self.attn_key_groups
+
+    @property
     def stage_bytes(self) -> int:
         return max(t.stage_bytes for t in self.tiles.values())
 
@@ -420,7 +430,7 @@ def render(plan: Plan) -> str:
         f"constexpr bool KV_PREFETCH = {'true' if plan.kv_prefetch else 'false'};",
         f"constexpr int MISC_BYTES = {MISC_BYTES};",
         f"constexpr unsigned long long GLOBAL_MASK = {sum(1 << g for g in c.global_layers)}ull;  // bit l: layer l is global",
-        f"constexpr int PARTS = MAX_SPLITS * (WARPS / G);  // attention partials per kv head",
+        f"constexpr int PARTS = {plan.attn_parts};  // attention partials per kv head (MAX_SPLITS x WARPS / G)",
         "}  // namespace mk",
     ]
     return "\n".join(lines) + "\n"

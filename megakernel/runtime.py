@@ -113,7 +113,7 @@ class Engine:
     def _alloc(self):
         c, p, dev = self.cfg, self.plan, self.dev
         tm = c.max_tree
-        parts = p.max_splits * (8 // c.group)
+        parts = p.attn_parts
         z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
         self.buf = {
             "x": z(tm, c.d_model), "ss_part": z(2, tm, c.d_model // 8),

@@ -106,7 +106,7 @@ constexpr long long HOT_PREFETCH_BYTES = 0ll;
 constexpr bool KV_PREFETCH = false;
 constexpr int MISC_BYTES = 4096;
 constexpr unsigned long long GLOBAL_MASK = 4ull;  // bit l: layer l is global
-constexpr int PARTS = MAX_SPLITS * (WARPS / G);  // attention partials per kv head
+constexpr int PARTS = 12;  // attention partials per kv head (MAX_SPLITS x WARPS / G)
 }  // namespace mk
 namespace mk {
 struct LayerPtrs {

@@ -84,9 +84,8 @@ MK_DEV uint16_t* xg_at(const Params& p, int which, int t, int k) {
 // one per row: shard8 step -2.8%. Earlier, staging a bf16(x) written by the producers and then
 // normalising it (two roundings) raised that error to 9.5e-3 (H200 2026-11-29). abuf holds one
 // panel at a time: its tag is tag + panel.
-template <int K, int KP>
 MK_DEV void stage_normed(Blk& b, int which, const float* ssp, int tag, int panel, uint32_t what) {
-  static_assert(K == D && KP == NORM_KP, "the normed operand is d_model wide, in xg's panels");
+  constexpr int K = D, KP = NORM_KP;  // the normed operand is d_model wide, in xg's panels
   static_assert(16 * a_stride<KP>() <= ABUF_BYTES, "a panel of 16 rows fits abuf");
   static_assert(16 * a_stride<KP>() < (1 << 20), "a panel's bytes fit the mbarrier's tx-count");
   static_assert(2 * WARPS == 16, "a warp computes the factors of token rows w and w + 8");

@@ -17,6 +17,7 @@ namespace mk {
 
 constexpr int ATT_KB = 64;                  // keys staged per round
 constexpr int ATT_KG = WARPS / G;           // key groups per block
+static_assert(PARTS == MAX_SPLITS * ATT_KG, "PARTS (plan.attn_parts) counts a partial per split and key group");
 constexpr int ATT_KPW = ATT_KB / ATT_KG;    // keys per warp per round
 constexpr int ATT_KSUB = ATT_KPW < 32 ? ATT_KPW : 32;  // keys per online-softmax update (register budget)
 constexpr int ATT_QS = HD * 2 + ROW_PAD;    // smem row strides (bytes)

@@ -19,7 +19,7 @@ MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   const LayerPtrs& L = p.layers[layer];
   auto stage = [&](int panel) {
-    stage_normed<D, NORM_KP>(b, 0, ss_part(p, 0), tag_of(TAG_ATTN_NORM, layer, 0), panel, what);
+    stage_normed(b, 0, ss_part(p, 0), tag_of(TAG_ATTN_NORM, layer, 0), panel, what);
   };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_QKV_ROWS;
   gemm_stash<R>(b, gemm_bf16<R, TILE_QKV_KC, D, NORM_KP>(b, what, stage));

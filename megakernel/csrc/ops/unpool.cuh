@@ -1,7 +1,6 @@
 // unpool (the unpooler): x += z @ unpool^T, p -> d (fp32 residual add), and for the next attention
 // (or final) norm the new x's sums of squares per 8 features (gemm.cuh ss8) and bf16(x * gain)
-// (xg_at). Unit =
-// TILE_UNPOOL_ROWS features of x.
+// (xg_at). Unit = TILE_UNPOOL_ROWS features of x.
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
