@@ -438,6 +438,23 @@ def test_plot_writes_a_png(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+def test_plot_of_a_later_launch_spans_what_it_draws():
+    """The origin is the step's first stamp: a plot of launch 1 alone (10 us later) must not start
+    at 0, where nothing is drawn (the megakernel's middle-launch PNGs were ~90% empty)."""
+    from microbench.clocks.profiler import _x_range
+
+    tl = _rich_timeline()
+    spans = [s for s in tl.spans if s.launch == 1]
+    insts = [s for s in tl.instants if s.launch == 1]
+    lo, hi = _x_range(spans, insts)
+    first = min(s.begin_ns for s in spans) / 1e3
+    last = max(s.end_ns for s in spans) / 1e3
+    assert first >= 9.0  # launch 1 begins ~10 us after the origin
+    assert lo < first and hi > last  # everything drawn is inside
+    assert (first - lo) < 0.1 * (last - first) + 2e-3 and (hi - last) < 0.1 * (last - first) + 2e-3
+    assert _x_range([], []) == (0.0, 1.0)
+
+
 def test_empty_buffer_and_an_external_calibration():
     ev = demo_events()
     lay = ProfileLayout(blocks=2, warps=1, cap=4)

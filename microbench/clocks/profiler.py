@@ -945,6 +945,19 @@ def check_trace(obj) -> None:
 
 
 # ====================================================================================== plot
+def _x_range(spans, insts) -> tuple[float, float]:
+    """The plot's x limits (us since the origin): what is drawn, with a 2% margin. The origin is
+    the earliest stamp of every launch, so a plot of a later launch alone started at 0 and was
+    mostly empty (the megakernel's middle launches of a step)."""
+    xs = [s.begin_ns / 1e3 for s in spans] + [s.t_ns / 1e3 for s in insts]
+    xe = [(s.begin_ns + max(s.dur_ns, 1.0)) / 1e3 for s in spans] + [s.t_ns / 1e3 for s in insts]
+    if not xs:
+        return 0.0, 1.0
+    lo, hi = min(xs), max(xe)
+    pad = 0.02 * (hi - lo) + 1e-3
+    return lo - pad, hi + pad
+
+
 def plot_timeline(tl: Timeline, path: str | Path, *, by: str = "sm", title: str | None = None,
                   max_rows: int = 160, launches: Iterable[int] | None = None) -> Path:
     """PNG of the spans: one row per SM (by="sm") or per launch/block (by="block"), x in
@@ -978,7 +991,6 @@ def plot_timeline(tl: Timeline, path: str | Path, *, by: str = "sm", title: str 
     from matplotlib.patches import Patch
 
     handles = []
-    xmax = 0.0
     for pi, ph in enumerate(phases):
         mine = [s for s in spans if s.phase == ph and row_key(s) in ypos]
         if not mine:
@@ -986,7 +998,6 @@ def plot_timeline(tl: Timeline, path: str | Path, *, by: str = "sm", title: str 
         y = np.array([ypos[row_key(s)] for s in mine], dtype=np.float64)
         x0 = np.array([s.begin_ns for s in mine]) / 1e3
         x1 = x0 + np.maximum(np.array([s.dur_ns for s in mine]) / 1e3, 1e-3)
-        xmax = max(xmax, float(x1.max()))
         even = np.array([s.launch % 2 == 0 for s in mine])
         color = cmap(pi % cmap.N)
         # one collection per phase and launch parity (consecutive launches on an SM stay distinguishable)
@@ -996,7 +1007,7 @@ def plot_timeline(tl: Timeline, path: str | Path, *, by: str = "sm", title: str 
                                   np.stack([x1[sel], y[sel] + 0.4], 1), np.stack([x1[sel], y[sel] - 0.4], 1)], 1)
                 ax.add_collection(PolyCollection(verts, facecolors=[color], alpha=alpha, linewidths=0))
         handles.append(Patch(color=color, label=ph))
-    ax.set_xlim(0, max(xmax, max((s.t_ns / 1e3 for s in insts), default=0.0)) * 1.02 + 1e-3)
+    ax.set_xlim(*_x_range(spans, insts))
     ax.set_ylim(-1, max(len(rows), 1))
     if insts:
         m = [s for s in insts if row_key(s) in ypos]
