@@ -7,6 +7,8 @@ and `launch_start` / `launch_end` instants; arg = the op instance index (program
 names its layer too. With Plan.profile_detail, thread 0 also stamps inside the units:
   stage       staging an activation operand into shared memory (arg: 0 norm, 1 rows)
   ring_wait   waiting for a weight chunk to land in the ring (arg: the ring chunk number)
+  attn_load   attention's Q and K/V loads of a round, to the barrier after them (arg: round)
+  publish     releasing a done-counter (the release waits for the block's stores to drain)
 which the host assigns to the <op> phase around them (pipeline.detail_by_op). Without detail
 stamps, thread 0 only saves each op's instants and the compute warps write the op records
 together later (program.cuh prof_flush): same records, off the critical path. The rendered
@@ -27,7 +29,11 @@ EVENTS.instant("launch_end", "block finished its last unit (arg = first op of th
 # detail phases (Plan.profile_detail), after the per-op block so its arithmetic layout is unchanged
 EVENTS.phase("stage", "staging an activation operand into shared memory (0 norm, 1 rows)")
 EVENTS.phase("ring_wait", "thread 0 waiting for a weight chunk in the ring (arg = chunk number)")
-DETAIL_PHASES = ("stage", "ring_wait")
+EVENTS.phase("attn_load", "attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared "
+                          "memory, to the barrier after (arg = round)")
+EVENTS.phase("publish", "thread 0 releasing an op's or group's done-counter: waits for the block's stores "
+                        "to reach L2 (arg: 0 the op's counter, 1 a group's)")
+DETAIL_PHASES = ("stage", "ring_wait", "attn_load", "publish")
 
 
 def render_op_tables() -> str:

@@ -250,7 +250,11 @@ constexpr Fp4Term FP4_PAIRS[4][2] = {{{6, 0x81C081C0u}, {0, 0x00000000u}}, {{3, 
 #define MK_EV_STAGE_END               60u  // end of phase stage: staging an activation operand into shared memory (0 norm, 1 rows)
 #define MK_EV_RING_WAIT_BEGIN         61u  // begin of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
 #define MK_EV_RING_WAIT_END           62u  // end of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
-#define MK_EV_COUNT                   62u
+#define MK_EV_ATTN_LOAD_BEGIN         63u  // begin of phase attn_load: attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared memory, to the barrier after (arg = round)
+#define MK_EV_ATTN_LOAD_END           64u  // end of phase attn_load: attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared memory, to the barrier after (arg = round)
+#define MK_EV_PUBLISH_BEGIN           65u  // begin of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
+#define MK_EV_PUBLISH_END             66u  // end of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
+#define MK_EV_COUNT                   66u
 
 static_assert(MK_EV_COUNT <= 0xFFFFu, "profiler event ids are 16 bits");
 static_assert(MK_EV_WAIT_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 0 && MK_EV_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 2 && MK_EV_EMBED_END == MK_EV_EMBED_BEGIN + 1, "profiler ids of embed");

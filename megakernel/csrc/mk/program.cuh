@@ -151,7 +151,11 @@ struct Pending {
   uint32_t in_group;
 };
 MK_DEV void flush_group(const Blk& b, const Op& o, Pending& pd) {
-  if (pd.in_group) red_release(counters(b) + o.group_base + pd.group, pd.in_group);
+  if (pd.in_group) {
+    detail_stamp(b, MK_EV_PUBLISH_BEGIN, 1);
+    red_release(counters(b) + o.group_base + pd.group, pd.in_group);
+    detail_stamp(b, MK_EV_PUBLISH_END, 1);
+  }
   pd.in_group = 0;
 }
 MK_DEV void signal_unit(const Blk& b, const Op& o, int u, Pending& pd) {
@@ -165,7 +169,11 @@ MK_DEV void signal_unit(const Blk& b, const Op& o, int u, Pending& pd) {
 }
 MK_DEV void signal_op_end(const Blk& b, const Op& o, Pending& pd) {
   flush_group(b, o, pd);
-  if (pd.total) red_release(counters(b) + o.counter, pd.total);
+  if (pd.total) {
+    detail_stamp(b, MK_EV_PUBLISH_BEGIN, 0);
+    red_release(counters(b) + o.counter, pd.total);
+    detail_stamp(b, MK_EV_PUBLISH_END, 0);
+  }
 }
 
 struct UnitRange {

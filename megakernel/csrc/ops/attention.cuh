@@ -45,6 +45,7 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
   unsigned char* Ks = Qs + G * 16 * ATT_QS;
   unsigned char* Vs = Ks + ATT_KB * ATT_KS;  // V rows like K: P*V reads them transposed (ldmatrix .trans)
   if (tid() == 0) b.misc[MISC_TAG] = -1;  // abuf no longer holds a GEMM operand
+  detail_stamp(b, MK_EV_ATTN_LOAD_BEGIN, 0);  // round 0's load phase includes the Q rows
   {  // Q rows, loads batched (static_assert below: whole rounds per thread)
     constexpr int NQ = G * 16 * (HD / 8) / COMPUTE_THREADS;
     static_assert((G * 16 * (HD / 8)) % COMPUTE_THREADS == 0, "Q staging rounds");
@@ -79,6 +80,7 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
 
   for (int kb0 = 0; kb0 < total; kb0 += ATT_KB) {
     sync_compute();  // Q staged (first round) / everyone done with the previous K, V tiles
+    if (kb0) detail_stamp(b, MK_EV_ATTN_LOAD_BEGIN, kb0 / ATT_KB);
     constexpr int NKV = ATT_KB * (HD / 8) / COMPUTE_THREADS;
     static_assert((ATT_KB * (HD / 8)) % COMPUTE_THREADS == 0, "K/V staging rounds");
     uint4 kv[NKV], vv[NKV];
@@ -100,6 +102,7 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
       *reinterpret_cast<uint4*>(Vs + key * ATT_KS + 16 * d8) = vv[n];
     }
     sync_compute();
+    detail_stamp(b, MK_EV_ATTN_LOAD_END, kb0 / ATT_KB);
 
     for (int sub = 0; sub < ATT_KPW / ATT_KSUB; ++sub) {
       const int kw0 = kg * ATT_KPW + sub * ATT_KSUB;
