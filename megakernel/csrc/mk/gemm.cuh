@@ -138,7 +138,9 @@ MK_DEV void stage_normed(Blk& b, int which, const float* ssp, int tag, int panel
 MK_DEV float norm_factor(const Blk& b, int t) { return reinterpret_cast<const float*>(b.misc + MISC_RNORM)[t]; }
 
 // Rows of another block's bf16 output (read at L2): `src(r)` is row r's address, r < nrows; rows
-// >= nrows are zero. PERM (fp4 operand): each 16-byte piece k8 = 4 * step + t holds the values
+// >= nrows are zero, except for PERM, where they are not written at all: they only feed token
+// columns of the mma that no epilogue reads (an expert slot has ~3 of its 16 rows at shard8 T=16,
+// and zeroing the rest was most of the staging's stores). PERM (fp4 operand): each 16-byte piece k8 = 4 * step + t holds the values
 // e0..e7 of k = 8 * k8..; its u32 words w = (e0,e4), (e1,e5), (e2,e6), (e3,e7), times 2^7, go to
 // word 4 * w + t of the step's 64 bytes: mma m = w / 2's A tile, column half w % 2, pair t.
 // The block scales are converted * 2^FP4_SCALE_EXP and the staged activations carry the rest of
@@ -153,7 +155,8 @@ MK_DEV void stage_rows(Blk& b, int nrows, RowPtr src) {
   static_assert(NT % NB == 0, "batching");
   static_assert(!PERM || K % 32 == 0, "fp4 operand: whole k32 steps");
   detail_stamp(b, MK_EV_STAGE_BEGIN, 1);
-  for (int i0 = 0; i0 < NT; i0 += NB) {
+  const int live = PERM ? nrows * (K / 8) : PER;  // pieces written
+  for (int i0 = 0; i0 < NT && COMPUTE_THREADS * i0 < live; i0 += NB) {
     uint4 v[NB];
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
@@ -163,7 +166,7 @@ MK_DEV void stage_rows(Blk& b, int nrows, RowPtr src) {
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
       const int idx = tid() + COMPUTE_THREADS * (i0 + i), r = idx / (K / 8), k8 = idx % (K / 8);
-      if (idx >= PER) continue;
+      if (idx >= live) continue;
       unsigned char* row = b.abuf + r * a_stride<K>();
       if (PERM) {  // (e0,e1)(e2,e3)(e4,e5)(e6,e7) -> (e0,e4)(e1,e5)(e2,e6)(e3,e7), scattered
         const uint32_t wd[4] = {(v[i].x & 0xffffu) | (v[i].z << 16), (v[i].x >> 16) | (v[i].z & 0xffff0000u),
