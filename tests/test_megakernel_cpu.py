@@ -442,6 +442,30 @@ def test_every_technique_switch_computes_the_same_bits(tiny):
     assert {"qkv", "attn", "expert1", "expert2", "wait_expert2", "lm_head"} <= phases
 
 
+@pytest.mark.parametrize("sentinel", [False, True])
+def test_an_op_bumps_exactly_the_counters_its_consumers_wait_for(tiny, sentinel):
+    """OpInst.signal: the total counter only where some consumer waits for all of the op, the
+    group counters only where one waits for a group (each bump is a release fence on its block's
+    critical path). The by-group producers (qkv, attn, expert1) must not release their total;
+    a consumer whose counter were skipped would hang, which the emulated steps elsewhere catch."""
+    from megakernel.program import DEP_ALL, DEP_GROUP, SIGNAL_GROUPS, SIGNAL_TOTAL
+
+    cfg = tiny[0]
+    prog = build(make_plan(cfg, 4, sentinel_route=sentinel))
+    for o in prog.ops:
+        modes = {d.mode for c in prog.ops for d in c.deps if d.producer == o.index}
+        want = (SIGNAL_TOTAL if DEP_ALL in modes else 0) | (SIGNAL_GROUPS if DEP_GROUP in modes else 0)
+        assert o.signal == want, (o.kind, o.layer, o.signal, modes)
+    by_kind = {}
+    for o in prog.ops:
+        by_kind.setdefault(o.kind, set()).add(o.signal)
+    for k in ("qkv", "attn", "expert1"):
+        assert by_kind[k] == {SIGNAL_GROUPS}, k
+    for k in ("attn_combine", "oproj", "pool", "topk", "expert2", "moe_combine", "unpool"):
+        assert by_kind[k] == {SIGNAL_TOTAL}, k
+    assert by_kind["router"] == ({0} if sentinel else {SIGNAL_TOTAL})
+
+
 @pytest.mark.parametrize("routing", ["router", "forced"])
 def test_sentinel_route_gives_the_same_bits_and_leaves_the_slots_empty(tiny, routing):
     """sentinel_route: top-k polls the router logits in sentinel slots instead of waiting for the
