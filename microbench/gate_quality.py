@@ -23,6 +23,7 @@ import dataclasses
 import datetime as _dt
 import json
 import math
+import os
 import platform
 import socket
 from collections.abc import Sequence
@@ -254,12 +255,12 @@ def to_result(gpu: str, tallies: Sequence[Tally], cfg: GateConfig, trials: int, 
     if not envs:
         raise ResultsFileError(f"no recorded results for {gpu}: nothing to estimate the gate's quality from")
     src_env = max(envs, key=lambda e: e.date)
-    from .results import _git
+    from .results import _dirty, _git
 
     env = dataclasses.replace(
         src_env, date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        git_sha=_git("rev-parse", "HEAD") or "unknown", git_dirty=bool(_git("status", "--porcelain",
-                                                                             "--untracked-files=no")),
+        git_sha=os.environ.get("MEGABENCH_GIT_SHA") or _git("rev-parse", "HEAD") or "unknown",
+        git_dirty=_dirty(os.environ.get("MEGABENCH_SOURCE_TREE")),
         host=socket.gethostname(), python=platform.python_version(), machine_kind="analysis of recorded samples")
     notes = (f"Computed from samples recorded on {gpu}; GPU fields of env describe where they were measured, "
              f"date/git/host/python the analysis. Sources: {', '.join(sorted(set(origins)))}.",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -34,11 +35,43 @@ def results_root() -> Path:
     return Path(os.environ.get("MEGABENCH_RESULTS", REPO_ROOT / "reports" / "results"))
 
 
-def _git(*args: str) -> str:
+def _git(*args: str, env: Mapping[str, str] | None = None) -> str:
     try:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30,
+                              env={**os.environ, **env} if env else None).stdout.strip()
     except Exception:
         return ""
+
+
+# What a measurement depends on: the code, the tests that drive it and the tuned constants (not
+# the results and reports a run writes beside them).
+SOURCE_PATHS = ("megakernel", "microbench", "tests", "conftest.py", "pyproject.toml", ".ci", "reports/constants")
+
+
+@functools.lru_cache(maxsize=None)
+def source_tree_id() -> str:
+    """The git tree id of SOURCE_PATHS as they are on disk (tracked or not, unless git ignores
+    them), through a throwaway index; "" without git. Writes blobs into the object store, nothing
+    else. Cached per process: a run does not edit its own sources."""
+    paths = [p for p in SOURCE_PATHS if (REPO_ROOT / p).exists()]
+    with tempfile.TemporaryDirectory() as d:
+        env = {"GIT_INDEX_FILE": os.path.join(d, "index")}
+        _git("add", "-A", "--", *paths, env=env)
+        tree = _git("write-tree", env=env)
+    return tree if re.fullmatch(r"[0-9a-f]{40,64}", tree) else ""
+
+
+def _dirty(expected: str | None) -> bool:
+    """Whether the sources differ from the commit the results are credited to. With
+    MEGABENCH_SOURCE_TREE (`python -m microbench.results source-tree` at that commit) the sources'
+    tree id on disk is compared with it, so a copy whose .git lags behind its files is judged by
+    its files: the GPU machine receives the caller's files beside the .git of an earlier commit,
+    and `git status` there had made every H200 result until 2026-11-30 say dirty. Without it,
+    `git status` of the tracked files."""
+    if expected:
+        got = source_tree_id()
+        return not got or got != expected.strip()
+    return bool(_git("status", "--porcelain", "--untracked-files=no"))
 
 
 @dataclass(frozen=True)
@@ -81,7 +114,7 @@ class Env:
         # a copy without history answers `rev-parse HEAD` with the word "HEAD": only hex is a sha
         sha = os.environ.get("MEGABENCH_GIT_SHA") or _git("rev-parse", "--short", "--verify", "-q", "HEAD")
         sha = sha if re.fullmatch(r"[0-9a-f]{7,40}", sha or "") else "unknown"
-        dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+        dirty = _dirty(os.environ.get("MEGABENCH_SOURCE_TREE"))
         return cls(
             gpu=info.name if info else None,
             gpu_uuid=info.uuid if info else None,
@@ -316,3 +349,26 @@ def find(benchmark: str | None = None, root: Path | None = None, gpu: str | None
 def latest(benchmark: str, root: Path | None = None, gpu: str | None = None) -> Result | None:
     files = find(benchmark, root, gpu)
     return load(files[-1]) if files else None
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """`python -m microbench.results source-tree`: the tree id to pass as MEGABENCH_SOURCE_TREE
+    (with MEGABENCH_GIT_SHA) to a run on a copy of this checkout."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if args != ["source-tree"]:
+        print("usage: python -m microbench.results source-tree", file=sys.stderr)
+        return 2
+    tree = source_tree_id()
+    if not tree:
+        print("source-tree: no git repository (or git) here", file=sys.stderr)
+        return 1
+    if _git("status", "--porcelain", "--", *[p for p in SOURCE_PATHS if (REPO_ROOT / p).exists()]):
+        print("source-tree: warning: the sources differ from HEAD; the id is of the files on disk", file=sys.stderr)
+    print(tree)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -87,3 +87,48 @@ def test_series_requires_known_timer_and_work():
 
 def test_schema_constant():
     assert make_result().to_json()["schema"] == SCHEMA
+
+
+def test_dirty_is_judged_by_the_sources_on_disk(tmp_path, monkeypatch):
+    """A copy whose .git lags behind its files (the GPU machine gets the caller's files beside an
+    earlier commit's .git) is clean when its sources' tree id is the caller's
+    (MEGABENCH_SOURCE_TREE), whatever `git status` says; results written beside the sources do not
+    count; a changed source does."""
+    import shutil
+    import subprocess
+
+    import microbench.results as res
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+
+    def git(*a):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *a], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "megakernel").mkdir()
+    (tmp_path / "megakernel" / "k.cu").write_text("v1\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "one")
+    (tmp_path / "megakernel" / "k.cu").write_text("v2\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "two")
+    monkeypatch.setattr(res, "REPO_ROOT", tmp_path)
+    res.source_tree_id.cache_clear()
+    want = res.source_tree_id()  # at commit two, clean
+    assert want and not res._dirty(want) and not res._dirty(None)
+    git("reset", "-q", "--soft", "HEAD~1")  # .git one commit behind its files
+    res.source_tree_id.cache_clear()
+    assert res._dirty(None)  # git status: "modified"
+    assert not res._dirty(want)
+    (tmp_path / "reports" / "results").mkdir(parents=True)
+    (tmp_path / "reports" / "results" / "r.json").write_text("{}")  # a run's own output
+    res.source_tree_id.cache_clear()
+    assert not res._dirty(want)
+    (tmp_path / "megakernel" / "k.cu").write_text("v3\n")
+    res.source_tree_id.cache_clear()
+    assert res._dirty(want)
+    monkeypatch.setenv("MEGABENCH_SOURCE_TREE", want)
+    assert Env.capture().git_dirty
+    res.source_tree_id.cache_clear()
