@@ -138,6 +138,12 @@ MK_DEV uint32_t ld_relaxed(const void* p) { return mb::ld_relaxed_gpu(static_cas
 MK_DEV void st_relaxed(void* p, uint32_t v) { mb::st_relaxed_gpu(static_cast<uint32_t*>(p), v); }
 MK_DEV uint32_t ld_acquire(const uint32_t* p) { return mb::ld_acquire_gpu(p); }
 MK_DEV void red_release(uint32_t* p, uint32_t v) { mb::red_add_release_gpu(p, v); }
+// A release of several counters: one fence, then relaxed adds (each a release pattern with the
+// fence, PTX memory model), instead of a fence per red.release.
+MK_DEV void fence_release() { mb::fence_acq_rel_gpu(); }
+MK_DEV void red_relaxed(uint32_t* p, uint32_t v) {
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long cmp, unsigned long long v) {
   return atomicCAS(p, cmp, v);
 }

@@ -147,11 +147,17 @@ MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u, DepCache& dc) {
 // group, and a block never waits inside an op for its own pending signals (deps point to earlier
 // ops), so publishing at group change / op end cannot deadlock; it saves a release (which waits
 // for the unit's stores to reach L2) on every unit.
+// A group the block finished inside an op (not its last) is held and released with the op's end,
+// under the same fence: its release had stalled the block ~0.7 us in the middle of expert GEMM 1
+// (detail trace 2026-11-30), and its consumers (expert GEMM 2 units of that slot, on this block and
+// its neighbours) wait for the slot's other blocks, which end their GEMM 1 about when this one does.
 struct Pending {
   uint32_t total;
   int group;
   uint32_t in_group;
+  uint32_t held;  // a finished earlier group, (group << 16) | units; 0: none
 };
+static_assert(sizeof(Pending) == 4 * 4, "block.cuh MISC_PEND reserves 4 ints");
 MK_DEV void flush_group(const Blk& b, const Op& o, Pending& pd) {
   if (pd.in_group) {
     detail_stamp(b, MK_EV_PUBLISH_BEGIN, 1);
@@ -163,19 +169,27 @@ MK_DEV void flush_group(const Blk& b, const Op& o, Pending& pd) {
 MK_DEV void signal_unit(const Blk& b, const Op& o, int u, Pending& pd) {
   const int g = o.signal & SIGNAL_GROUPS ? unit_group(b, o, u) : -1;
   if (g >= 0 && g != pd.group) {
-    flush_group(b, o, pd);
+    if (pd.in_group && !pd.held) {
+      pd.held = (static_cast<uint32_t>(pd.group) << 16) | pd.in_group;
+      pd.in_group = 0;
+    }
+    flush_group(b, o, pd);  // a third group: the second is released now
     pd.group = g;
   }
   if (g >= 0) ++pd.in_group;
   ++pd.total;
 }
 MK_DEV void signal_op_end(const Blk& b, const Op& o, Pending& pd) {
-  flush_group(b, o, pd);
-  if (pd.total && (o.signal & SIGNAL_TOTAL)) {
-    detail_stamp(b, MK_EV_PUBLISH_BEGIN, 0);
-    red_release(counters(b) + o.counter, pd.total);
-    detail_stamp(b, MK_EV_PUBLISH_END, 0);
-  }
+  const bool total = pd.total && (o.signal & SIGNAL_TOTAL);
+  if (!pd.held && !pd.in_group && !total) return;
+  detail_stamp(b, MK_EV_PUBLISH_BEGIN, 0);
+  fence_release();  // one fence for every counter the op still owes
+  uint32_t* ctr = counters(b);
+  if (pd.held) red_relaxed(ctr + o.group_base + (pd.held >> 16), pd.held & 0xffffu);
+  if (pd.in_group) red_relaxed(ctr + o.group_base + pd.group, pd.in_group);
+  if (total) red_relaxed(ctr + o.counter, pd.total);
+  detail_stamp(b, MK_EV_PUBLISH_END, 0);
+  pd.held = pd.in_group = 0;
 }
 
 struct UnitRange {
@@ -299,7 +313,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
       // a dynamic op already waited for its first dependency (the routing) above: an "all" wait
       // is not repeated for its first unit (one acquire round trip less on the critical path)
       dc = DepCache{is_dynamic(o.kind) && o.dep_mode[0] == DEP_ALL ? 1u : 0u, {-1, -1, -1}};
-      pd = Pending{0u, -1, 0u};
+      pd = Pending{0u, -1, 0u, 0u};
       o0 = o;
     }
     // run_unit reads the record from shared memory (published by the barrier before it), so the
