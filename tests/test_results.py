@@ -132,3 +132,12 @@ def test_dirty_is_judged_by_the_sources_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGABENCH_SOURCE_TREE", want)
     assert Env.capture().git_dirty
     res.source_tree_id.cache_clear()
+
+
+def test_source_tree_command(capsys):
+    import microbench.results as res
+
+    assert res._main(["nonsense"]) == 2
+    rc = res._main(["source-tree"])
+    out = capsys.readouterr().out.strip()
+    assert (rc == 0 and len(out) >= 40 and out == res.source_tree_id()) or (rc == 1 and not out)

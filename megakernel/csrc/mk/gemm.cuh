@@ -139,10 +139,11 @@ MK_DEV float norm_factor(const Blk& b, int t) { return reinterpret_cast<const fl
 
 // Rows of another block's bf16 output (read at L2): `src(r)` is row r's address, r < nrows; rows
 // >= nrows are zero, except for PERM, where they are not written at all: they only feed token
-// columns of the mma that no epilogue reads (an expert slot has ~3 of its 16 rows at shard8 T=16,
-// and zeroing the rest was most of the staging's stores). PERM (fp4 operand): each 16-byte piece k8 = 4 * step + t holds the values
-// e0..e7 of k = 8 * k8..; its u32 words w = (e0,e4), (e1,e5), (e2,e6), (e3,e7), times 2^7, go to
-// word 4 * w + t of the step's 64 bytes: mma m = w / 2's A tile, column half w % 2, pair t.
+// columns of the mma that no epilogue reads (an expert slot has ~3 of its 16 rows at shard8
+// T=16, and zeroing the rest was most of the staging's stores). PERM (fp4 operand): each 16-byte
+// piece k8 = 4 * step + t holds the values e0..e7 of k = 8 * k8..; its u32 words w = (e0,e4),
+// (e1,e5), (e2,e6), (e3,e7), times 2^7, go to word 4 * w + t of the step's 64 bytes: mma
+// m = w / 2's A tile, column half w % 2, pair t.
 // The block scales are converted * 2^FP4_SCALE_EXP and the staged activations carry the rest of
 // the 2^126 that the E2M1 bit trick leaves out (gemm_fp4).
 constexpr int FP4_SCALE_EXP = 119;

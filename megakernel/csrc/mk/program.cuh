@@ -141,12 +141,12 @@ MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u, DepCache& dc) {
 }
 
 // Thread 0: units finished but not yet published. Counters are bumped once per group run and
-// once per op instance (not per unit), and only those some consumer waits for (Op.signal: an op
-// waited for by group skips its total's release, which came last, on the critical path, ~0.5 us
-// of fence after the group's; detail trace 2026-11-30): every consumer of an op needs all of it, or all of a
+// once per op instance (not per unit): every consumer of an op needs all of it, or all of a
 // group, and a block never waits inside an op for its own pending signals (deps point to earlier
 // ops), so publishing at group change / op end cannot deadlock; it saves a release (which waits
-// for the unit's stores to reach L2) on every unit.
+// for the unit's stores to reach L2) on every unit. Only the counters some consumer waits for are
+// bumped (Op.signal): an op waited for by group skips its total, whose release came last, ~0.5 us
+// of fence after the group's on the op's critical path (detail trace 2026-11-30).
 // A group the block finished inside an op (not its last) is held and released with the op's end,
 // under the same fence: its release had stalled the block ~0.7 us in the middle of expert GEMM 1
 // (detail trace 2026-11-30), and its consumers (expert GEMM 2 units of that slot, on this block and
