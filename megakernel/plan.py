@@ -222,6 +222,12 @@ class Plan:
         return self.norm_panel or self.cfg.d_model
 
     @property
+    def xg_row(self) -> int:
+        """bf16 per row of xg, the producers' bf16(x * g) in the consumers' staged layout: a panel
+        of norm_k columns and abuf's pad (gemm.cuh XG_ROW, xg_at; runtime's xg buffer)."""
+        return self.norm_k + ROW_PAD // 2
+
+    @property
     def abuf_bytes(self) -> int:
         """Activation operand: 16 token rows x the widest K staged at once, padded (attention and
         the fp4 GEMMs' partials reuse it)."""
@@ -394,6 +400,7 @@ def render(plan: Plan) -> str:
         f"constexpr int STAGE_BYTES = {plan.stage_bytes};",
         f"constexpr int ABUF_BYTES = {plan.abuf_bytes};",
         f"constexpr int NORM_KP = {plan.norm_k};  // columns of a normed operand staged at a time",
+        f"constexpr int XG_ROW = {plan.xg_row};  // bf16 per row of xg (gemm.cuh xg_at), the pad included",
         f"constexpr int RED_BYTES = {plan.red_bytes};",
         f"constexpr int SMEM_BYTES = {plan.smem_bytes};",
         "// synchronisation (tuned constants: sync.flags)",

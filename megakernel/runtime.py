@@ -26,7 +26,7 @@ from microbench.watchdog import Watchdog
 from . import abi, tree as treelib
 from .config import ConfigError
 from .fp4_layout import is_canonical
-from .plan import ROW_PAD, THREADS, Plan
+from .plan import THREADS, Plan
 from .program import (WHAT_LOADER_GATE, WHAT_LOADER_ROUTE, WHAT_NORM_ROWS, WHAT_RING_EMPTY, WHAT_RING_FULL,
                       WHAT_SENTINEL, Program, build as build_program)
 from .reference import KVCache
@@ -117,7 +117,7 @@ class Engine:
         z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
         self.buf = {
             "x": z(tm, c.d_model), "ss_part": z(2, tm, c.d_model // 8),
-            "xg": z(2, c.d_model // p.norm_k, tm, p.norm_k + ROW_PAD // 2, dt=BF16),  # gemm.cuh xg_at
+            "xg": z(2, c.d_model // p.norm_k, tm, p.xg_row, dt=BF16),  # gemm.cuh xg_at
             "q": z(tm, c.n_heads, c.head_dim, dt=BF16),
             "att_o": z(c.n_kv_heads, parts, c.group * 16, c.head_dim),
             "att_ml": z(c.n_kv_heads, parts, c.group * 16, 2), "att_out": z(tm, c.attn_width, dt=BF16),

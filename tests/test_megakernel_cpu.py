@@ -220,7 +220,7 @@ def test_xg_holds_the_next_norms_operand_panel_major():
     eng.step(toks, par, 40, mode="mega")
     xg = eng.buf["xg"]
     kp = plan.norm_k
-    assert tuple(xg.shape) == (2, cfg.d_model // kp, cfg.max_tree, kp + 8)
+    assert tuple(xg.shape) == (2, cfg.d_model // kp, cfg.max_tree, kp + 8) and plan.xg_row == kp + 8
     want = (eng.buf["x"][:t] * w.final_norm.float()).to(torch.bfloat16)
     got = xg[0, :, :t, :kp].permute(1, 0, 2).reshape(t, cfg.d_model)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))

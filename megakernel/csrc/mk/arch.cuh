@@ -162,13 +162,13 @@ MK_DEV bool mbar_test(uint64_t* b, unsigned parity) { return mb::mbar_try_wait(b
 // STREAM_EVICT_FIRST: the streamed weights (read once per step; ~200 MB a shard8 layer, several
 // times the L2) go in as evict-first, so that they do not push the kernel's code, the activations
 // and the KV rows out of L2 (createpolicy is one instruction per copy).
-MK_DEV void bulk_copy(void* dst_smem, const void* src, unsigned bytes, uint64_t* bar) {
-  if constexpr (STREAM_EVICT_FIRST) mb::bulk_g2s_cta_hint(dst_smem, src, bytes, bar, mb::policy_evict_first());
-  else mb::bulk_g2s_cta(dst_smem, src, bytes, bar);
-}
 // A copy of data this launch wrote and other blocks read again (the normed operand): no hint.
 MK_DEV void bulk_copy_keep(void* dst_smem, const void* src, unsigned bytes, uint64_t* bar) {
   mb::bulk_g2s_cta(dst_smem, src, bytes, bar);
+}
+MK_DEV void bulk_copy(void* dst_smem, const void* src, unsigned bytes, uint64_t* bar) {
+  if constexpr (STREAM_EVICT_FIRST) mb::bulk_g2s_cta_hint(dst_smem, src, bytes, bar, mb::policy_evict_first());
+  else bulk_copy_keep(dst_smem, src, bytes, bar);
 }
 // Orders this thread's generic-proxy accesses (global and shared), and what it acquired from other
 // threads, before its next async-proxy ones (bulk copies).

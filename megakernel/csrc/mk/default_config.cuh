@@ -39,6 +39,7 @@ constexpr int RING_STAGES = 4;
 constexpr int STAGE_BYTES = 8448;
 constexpr int ABUF_BYTES = 24064;
 constexpr int NORM_KP = 128;  // columns of a normed operand staged at a time
+constexpr int XG_ROW = 136;  // bf16 per row of xg (gemm.cuh xg_at), the pad included
 constexpr int RED_BYTES = 8192;
 constexpr int SMEM_BYTES = 70144;
 // synchronisation (tuned constants: sync.flags)

@@ -63,8 +63,9 @@ MK_DEV float* ss_part(const Params& p, int which) { return p.ss_part + which * T
 // norm factor to their fp32 result (stage_normed). Laid out as the consumers stage it, panel-major
 // with abuf's padded rows, [2][D/NORM_KP][T_MAX][a_stride<NORM_KP> bytes], so that the rows < T of
 // a panel are one contiguous bulk copy.
-constexpr int XG_ROW = a_stride<NORM_KP>() / 2;  // bf16 per row, the pad included
-// (a panel's copy, T rows of a_stride bytes from a row start, is then 16-byte sized and aligned)
+// XG_ROW (rendered from plan.xg_row) is abuf's row: a panel's copy, T rows of a_stride bytes from a
+// row start, is then 16-byte sized and aligned
+static_assert(2 * XG_ROW == a_stride<NORM_KP>(), "xg rows are abuf's padded rows (plan.xg_row)");
 static_assert(a_stride<NORM_KP>() % 16 == 0 && NORM_KP % 8 == 0, "xg rows: 16-byte aligned, 8-feature groups");
 MK_DEV uint16_t* xg_at(const Params& p, int which, int t, int k) {
   return p.xg + ((which * (D / NORM_KP) + k / NORM_KP) * T_MAX + t) * XG_ROW + k % NORM_KP;
