@@ -14,7 +14,7 @@ from megakernel.build import CSRC, default_config_text, source
 from megakernel.config import ConfigError, preset
 from megakernel.nvfp4 import NVFP4Tensor
 from megakernel.interp import Interpreter
-from megakernel.plan import fp4_abuf_need, make_plan, render
+from megakernel.plan import WARPS, fp4_abuf_need, make_plan, render
 from megakernel.program import DEP_ALL, OpInst, Program, assigned_units, build, check, n_units
 from megakernel.reference import KVCache, step, topk_route
 from megakernel.routing import synthetic_routes
@@ -203,6 +203,33 @@ def test_emulated_wide_normed_operand_by_bulk_copies(t):
         outs[m] = eng.step(toks, par, 40, mode=m, routes=routes)
     assert torch.equal(outs["chain"].logits, outs["mega"].logits)
     check_close(outs["mega"].logits, ref, "wide residual vs reference", rel=1e-2)
+
+
+def test_emulated_fp4_gemms_with_two_and_four_steps_per_code_load():
+    # gemm_fp4 brings a warp's code words by ldmatrix in runs of GS k32 steps (x2: one step, x4:
+    # two). tiny has one step per warp (GS 1); d_pool = d_expert = 128 gives the gate/up GEMM two
+    # steps per warp (GS 2) and the down projection four (GS 4, the shard8/small loop), so a word
+    # taken from the wrong matrix, row or step changes the logits here
+    cfg = dataclasses.replace(preset("tiny"), d_pool=128, d_expert=128)
+    w = generate(cfg)
+    base = KVCache(cfg).fill_random(torch.Generator().manual_seed(8))
+    plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
+    spw = {}
+    for name in ("expert1", "expert2"):
+        tl = plan.tiles[name]
+        spw[name] = (tl.k // 32) // (WARPS // (tl.chunk_rows // 16))
+    assert spw == {"expert1": 2, "expert2": 4}
+    t = 9  # two token tiles: the k-loop copy with the second B tile
+    toks, par = _inputs(cfg, t, 12)
+    ref_cache = base.clone()
+    ref, routes = _reference(w, ref_cache, toks, par, 30)
+    outs = {}
+    for m in ("chain", "mega"):
+        eng = Engine(w, plan, base.clone(), backend="emu")
+        eng.poison()
+        outs[m] = eng.step(toks, par, 30, mode=m, routes=routes)
+    assert torch.equal(outs["chain"].logits, outs["mega"].logits)
+    check_close(outs["mega"].logits, ref, "fp4 runs of 2 and 4 steps vs reference", rel=1e-2)
 
 
 def test_xg_holds_the_next_norms_operand_panel_major():

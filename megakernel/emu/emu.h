@@ -67,11 +67,21 @@ MK_DEV uint32_t hmul2(uint32_t a, uint32_t b) {
   const float hi = bf2f(a >> 16) * bf2f(b >> 16);
   return pack_bf2(lo, hi);
 }
+template <int H>
+MK_DEV uint32_t hmul2_bcast(uint32_t a, uint32_t b) {
+  const uint32_t h = H ? b >> 16 : b & 0xffffu;
+  return hmul2(a, h | (h << 16));
+}
 // The hardware's alignment rules for the accesses the kernel makes through these helpers: a
 // misaligned address faults on the GPU ("misaligned address"), so the emulation refuses it too.
 MK_DEV void need_align(const void* p, unsigned n, const char* what) {
   if (reinterpret_cast<uintptr_t>(p) % n) emu::fail(what);
 }
+struct SAddr {  // the GPU's 32-bit shared address, here the pointer itself
+  const unsigned char* p;
+  MK_DEV SAddr operator+(int off) const { return SAddr{p + off}; }
+};
+MK_DEV SAddr saddr(const void* p) { return SAddr{static_cast<const unsigned char*>(p)}; }
 MK_DEV void ldsm_x4(uint32_t a[4], const unsigned char* row) {  // lanes 8m..8m+7 address matrix m's rows
   need_align(row, 16, "ldmatrix row address not 16-byte aligned");
   const unsigned char* all[32];
@@ -98,6 +108,9 @@ MK_DEV void ldsm_x4_trans(uint32_t a[4], const unsigned char* row) {
     a[m] = lo | (static_cast<uint32_t>(hi) << 16);
   }
 }
+MK_DEV void ldsm_x4(uint32_t a[4], SAddr row) { ldsm_x4(a, row.p); }
+MK_DEV void ldsm_x2(uint32_t a[2], SAddr row) { ldsm_x2(a, row.p); }
+MK_DEV void ldsm_x4_trans(uint32_t a[4], SAddr row) { ldsm_x4_trans(a, row.p); }
 template <int X>
 MK_DEV uint32_t ue4m3x2_to_bf16x2_scaled(uint32_t v) {  // the GPU's integer steps, on exact f16 bits
   auto f16 = [](uint32_t x) -> uint32_t {  // cvt.rn.f16.e4m3 (exact; NaN -> 0x7fff)

@@ -80,25 +80,45 @@ MK_DEV uint32_t hmul2(uint32_t a, uint32_t b) {
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
+// a * (half H of b in both halves): ptxas folds the broadcast into HMUL2's operand selector
+// (.H0_H0 / .H1_H1), where a prmt before the multiply was one more ALU instruction
+template <int H>
+MK_DEV uint32_t hmul2_bcast(uint32_t a, uint32_t b) {
+  static_assert(H == 0 || H == 1, "half 0 (low) or 1 (high)");
+  uint32_t r;
+  if constexpr (H == 0)
+    asm("{.reg .b16 l, h;\n\t.reg .b32 t;\n\tmov.b32 {l, h}, %2;\n\tmov.b32 t, {l, l};\n\tmul.rn.bf16x2 %0, %1, t;\n\t}"
+        : "=r"(r) : "r"(a), "r"(b));
+  else
+    asm("{.reg .b16 l, h;\n\t.reg .b32 t;\n\tmov.b32 {l, h}, %2;\n\tmov.b32 t, {h, h};\n\tmul.rn.bf16x2 %0, %1, t;\n\t}"
+        : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+// A shared-memory address as ldmatrix takes it, converted from the generic pointer once: byte
+// offsets added to it (not to the pointer before each conversion) are folded by ptxas into the
+// instruction's immediate, where each converted pointer cost an IADD3 and often a VIADD.
+struct SAddr {
+  uint32_t a;
+  MK_DEV SAddr operator+(int off) const { return SAddr{a + static_cast<uint32_t>(off)}; }
+};
+MK_DEV SAddr saddr(const void* p) { return SAddr{static_cast<uint32_t>(__cvta_generic_to_shared(p))}; }
 // The mma A fragment of a row-major 16x16 bf16 tile in shared memory (ldmatrix .x4). `row` is
-// this lane's row address: tile + (lane % 16) * stride + (lane / 16) * 16 bytes (16-byte aligned).
-MK_DEV void ldsm_x4(uint32_t a[4], const unsigned char* row) {
+// this lane's row address (saddr): tile + (lane % 16) * stride + (lane / 16) * 16 bytes (16-byte aligned).
+MK_DEV void ldsm_x4(uint32_t a[4], SAddr row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(row))));
+               : "r"(row.a));
 }
 // Matrices 0 and 1 only (.x2): lanes 0..15 address their rows (the others' addresses are ignored).
-MK_DEV void ldsm_x2(uint32_t a[2], const unsigned char* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
-               : "=r"(a[0]), "=r"(a[1])
-               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(row))));
+MK_DEV void ldsm_x2(uint32_t a[2], SAddr row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(a[0]), "=r"(a[1]) : "r"(row.a));
 }
 // Transposed: matrix m's rows (addressed by lanes 8m..8m+7) are the k index; thread (g, t) gets
 // elements [2t][g] and [2t+1][g] of each matrix (an mma B fragment from row-major [k][n] tiles).
-MK_DEV void ldsm_x4_trans(uint32_t a[4], const unsigned char* row) {
+MK_DEV void ldsm_x4_trans(uint32_t a[4], SAddr row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(row))));
+               : "r"(row.a));
 }
 // Two E4M3 block scales (bytes 0 and 1 of v), positive and nonzero (fp4_layout.canonical_scales)
 // -> bf16x2 (low, high) of value * 2^X, exactly: every such E4M3 is a normal f16 with its 3

@@ -178,7 +178,7 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
                                pack_bf2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_bf2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
         // B fragments of two 8-wide d tiles at once: matrix m of the x4 = keys +8*(m&1), d tile +(m>>1)
         const int vkey = kw0 + kk * 16 + 8 * ((lane() >> 3) & 1) + (lane() & 7);
-        const unsigned char* vrow = Vs + vkey * ATT_KS + 16 * (lane() >> 4);
+        const SAddr vrow = saddr(Vs + vkey * ATT_KS + 16 * (lane() >> 4));
 #pragma unroll
         for (int dn = 0; dn < HD / 8; dn += 2) {
           uint32_t v4[4];
