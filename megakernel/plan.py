@@ -159,7 +159,10 @@ class Plan:
     ring_stage_bytes: int  # budget per stage (tuned); actual stage size = max over tiles
     spin_bound_ns: int
     poll_backoff_ns: int
-    keys_per_split: int = 64  # 256 left 8 SMs doing a shard8 layer's attention (41 us, H200 profile)
+    # keys per attention split: 256 left 8 SMs doing a shard8 layer's attention (41 us, H200 profile);
+    # 64 -> 48: shard8 T=16 -0.43%, T=1 -0.74%, small T=16 -0.08%; 32: +0.65% / -0.18% / +0.47%
+    # (in-run A/B, H200 2026-11-30 05:53Z)
+    keys_per_split: int = 48
     profile: bool = False
     # performance techniques (issue: megakernel performance), each a build constant so its
     # contribution can be measured; every combination computes the same bits
@@ -294,7 +297,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               smem_limit: int = 232448, loader_ahead: bool = True, pdl: bool = False,
               l2_prefetch_bytes: int = 0, profile_cap: int = 64, min_copy_bytes: int = MIN_COPY_BYTES,
               stream_evict_first: bool = False, sentinel_route: bool = False, hot_prefetch_bytes: int = 0,
-              kv_prefetch: bool = False, keys_per_split: int = 64,
+              kv_prefetch: bool = False, keys_per_split: int = 48,
               fill_ring: bool = False, norm_panel: int | None = None, profile_detail: bool = False) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers

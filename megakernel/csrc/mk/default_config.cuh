@@ -27,7 +27,7 @@ constexpr float RMS_EPS = 1e-05f;
 constexpr float ATT_SCALE = 0.125f;
 constexpr int MAX_SLOTS = 8;
 constexpr int MAX_SPLITS = 3;
-constexpr int KEYS_PER_SPLIT = 64;
+constexpr int KEYS_PER_SPLIT = 48;
 constexpr int MOE_COMBINE_COLS = 16;
 // launch shape
 constexpr int WARPS = 8;
