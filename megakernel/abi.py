@@ -11,12 +11,12 @@ import ctypes
 
 LAYER_FIELDS = (
     ("attn_norm", "const uint16_t*"),  # [D] bf16
-    ("wqkv", "const uint16_t*"),  # [QKV_ROWS][D]
-    ("wo", "const uint16_t*"),  # [D][ATT_W]
+    ("wqkv", "const uint16_t*"),  # [QKV_ROWS][D], tiled (tiling.py) like the dense weights below
+    ("wo", "const uint16_t*"),  # [D][ATT_W], tiled
     ("ffn_norm", "const uint16_t*"),  # [D]
-    ("router", "const uint16_t*"),  # [E][D]
-    ("pool", "const uint16_t*"),  # [P][D]
-    ("unpool", "const uint16_t*"),  # [D][P]
+    ("router", "const uint16_t*"),  # [E][D], tiled
+    ("pool", "const uint16_t*"),  # [P][D], tiled
+    ("unpool", "const uint16_t*"),  # [D][P], tiled
     ("w1_codes", "const uint8_t*"),  # [E][2F][P/2]
     ("w1_scales", "const uint8_t*"),  # [E][2F][P/16]
     ("w1_ts", "const float*"),  # [E]
@@ -31,7 +31,7 @@ PARAM_FIELDS = (
     ("layers", "const LayerPtrs*"),
     ("embed", "const uint16_t*"),  # [V][D]
     ("final_norm", "const uint16_t*"),
-    ("lm_head", "const uint16_t*"),  # [V][D]
+    ("lm_head", "const uint16_t*"),  # [V][D], tiled
     ("rope_cos", "const float*"),  # [MAX_CTX][HD/2]
     ("rope_sin", "const float*"),
     ("program", "const int32_t*"),  # op instances, OPINST_INTS each

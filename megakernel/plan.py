@@ -88,8 +88,8 @@ def _pow2_floor(x: int) -> int:
 class GemmTile:
     """One unit = `rows` output features over all of K.
 
-    bf16 (dense) tiles stream K in chunks of `kc` columns of all `rows` rows: one bulk copy per
-    row segment (>= 2 KB each at the sizes used), padded in smem against bank conflicts.
+    bf16 (dense) tiles stream K in chunks of `kc` columns of all `rows` rows, padded in smem against
+    bank conflicts; the weights are stored tiled (tiling.py), so a chunk is one bulk copy.
     fp4 (expert) tiles stream `chunk_rows` whole consecutive rows per chunk: the codes in groups of
     `row_group` consecutive rows, one bulk copy per group, each group padded like the bf16 rows,
     and one copy of the chunk's scales. Copying each 32-byte scale row on its own ran the expert
@@ -125,7 +125,7 @@ class GemmTile:
     @property
     def tx_bytes(self) -> int:
         """Bytes the bulk copies of one chunk move."""
-        return self.chunk_rows * (self.k // 2 + self.k // 16) if self.fp4 else self.rows * self.kc * 2
+        return self.chunk_rows * (self.k // 2 + self.k // 16) if self.fp4 else self.rows * self.row_stride
 
 
 def _tile(rows: int, k: int, fp4: bool, stage_budget: int, run: int = 32, min_copy: int = 2048) -> GemmTile:

@@ -23,7 +23,7 @@ from microbench.errors import CorrectnessError, SpinTimeoutError
 from microbench.sync.sentinel import F32 as F32_SLOT
 from microbench.watchdog import Watchdog
 
-from . import abi, tree as treelib
+from . import abi, tiling, tree as treelib
 from .config import ConfigError
 from .fp4_layout import is_canonical
 from .plan import THREADS, Plan
@@ -85,6 +85,7 @@ class Engine:
         self.emu_seed = emu_seed
         self._check_weights()
         self._alloc()
+        self._keep: list[torch.Tensor] = []  # the tiled dense weights the kernel points into
         self._layers_blob = self._layer_ptrs()
         self.wd = Watchdog(plan.spin_bound_ns, device=self.dev)
         self.parity = 0
@@ -140,12 +141,20 @@ class Engine:
         self.anc_t = z(tm, dt=torch.int32)
         self.route_t = z(c.n_layers, tm, c.top_k, dt=torch.int32)
 
+    def _tiled(self, w: torch.Tensor, field: str) -> torch.Tensor:
+        """The kernel's copy of dense weight `w` (tiling.py), kept alive with this engine."""
+        t = tiling.tiled(w, tiling.weight_tile(self.plan, field))
+        self._keep.append(t)
+        return t
+
     def _layer_ptrs(self) -> torch.Tensor:
+        self._lm_head = self._tiled(self.w.lm_head, "lm_head")
         arr = (abi.LayerPtrs * self.cfg.n_layers)()
         for l, lw in enumerate(self.w.layers):
             s = arr[l]
-            s.attn_norm, s.wqkv, s.wo = _ptr(lw.attn_norm), _ptr(lw.wqkv), _ptr(lw.wo)
-            s.ffn_norm, s.router, s.pool, s.unpool = _ptr(lw.ffn_norm), _ptr(lw.router), _ptr(lw.pool), _ptr(lw.unpool)
+            s.attn_norm, s.ffn_norm = _ptr(lw.attn_norm), _ptr(lw.ffn_norm)
+            for field in ("wqkv", "wo", "router", "pool", "unpool"):  # tiled: a ring chunk is one copy
+                setattr(s, field, _ptr(self._tiled(getattr(lw, field), field)))
             s.w1_codes, s.w1_scales, s.w1_ts = _ptr(lw.w1.codes), _ptr(lw.w1.scales), _ptr(lw.w1.tensor_scale)
             s.w2_codes, s.w2_scales, s.w2_ts = _ptr(lw.w2.codes), _ptr(lw.w2.scales), _ptr(lw.w2.tensor_scale)
             s.k_cache, s.v_cache = _ptr(self.cache.k[l]), _ptr(self.cache.v[l])
@@ -157,7 +166,8 @@ class Engine:
         b = self.buf
         P = abi.Params()
         P.layers = _ptr(self._layers_blob)
-        P.embed, P.final_norm, P.lm_head = _ptr(self.w.embed), _ptr(self.w.final_norm), _ptr(self.w.lm_head)
+        P.embed, P.final_norm = _ptr(self.w.embed), _ptr(self.w.final_norm)
+        P.lm_head = _ptr(self._lm_head)
         P.rope_cos, P.rope_sin = _ptr(self.w.rope_cos), _ptr(self.w.rope_sin)
         P.program = _ptr(self.prog_t)
         P.launches = _ptr(self.launches_t)

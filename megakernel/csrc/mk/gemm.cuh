@@ -535,15 +535,23 @@ MK_DEV void gemm_residual_add(Blk& b, int unit, int which, const uint16_t* gnext
 }
 
 // ---------------------------------------------------------------- producer: the loader warp
+// W is tiled (megakernel/tiling.py): chunk ch of unit u is stored as the stage holds it, ROWS rows
+// of KC bf16 and their ROW_PAD, so it is one copy (one per row was 2 KB copies, 1 KB for the
+// pooler's 32-row units, which stream at ~79% of one copy per stage: weights.ring).
+template <int ROWS, int KC>
+MK_DEV constexpr size_t dense_tile_elems() {
+  return static_cast<size_t>(ROWS) * (KC + ROW_PAD / 2);
+}
 template <int ROWS, int KC, int K, bool REV = false>  // REV: chunks last to first (gemm_bf16)
-MK_DEV bool produce_bf16(const Blk& b, const uint16_t* W, int row0, unsigned& c, uint32_t what) {
-  constexpr int RS = KC * 2 + ROW_PAD;
+MK_DEV bool produce_bf16(const Blk& b, const uint16_t* W, int unit, unsigned& c, uint32_t what) {
+  constexpr unsigned BYTES = ROWS * (KC * 2 + ROW_PAD);
+  static_assert(BYTES % 16 == 0, "bulk copies move multiples of 16 bytes");
   for (int i = 0; i < K / KC; ++i, ++c) {
     const int ch = REV ? K / KC - 1 - i : i;
-    if (!ring_produce_begin(b, c, ROWS * KC * 2, what)) return false;
-    unsigned char* st = stage_of(b, c);
-    for (int r = lane(); r < ROWS; r += 32)
-      bulk_copy(st + r * RS, W + static_cast<size_t>(row0 + r) * K + ch * KC, KC * 2, &b.full[c % RING_STAGES]);
+    if (!ring_produce_begin(b, c, BYTES, what)) return false;
+    if (lane() == 0)
+      bulk_copy(stage_of(b, c), W + (static_cast<size_t>(unit) * (K / KC) + ch) * dense_tile_elems<ROWS, KC>(), BYTES,
+                &b.full[c % RING_STAGES]);
   }
   return true;
 }

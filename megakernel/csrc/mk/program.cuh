@@ -409,22 +409,23 @@ MK_DEV void l2_prefetch_next_launch(const Blk& b, int first) {
     const Op o = load_op(p, i);
     if (!has_weights(o.kind) || is_dynamic(o.kind)) continue;
     const uint16_t* w = nullptr;
-    int k = D, rows = 0;
+    int k = D, rows = 0, kc = 0;
     const LayerPtrs& L = p.layers[o.layer];
     switch (o.kind) {
-      case OP_QKV: w = L.wqkv; rows = TILE_QKV_ROWS; break;
-      case OP_OPROJ: w = L.wo; k = ATT_W; rows = TILE_OPROJ_ROWS; break;
-      case OP_ROUTER: w = L.router; rows = TILE_ROUTER_ROWS; break;
-      case OP_POOL: w = L.pool; rows = TILE_POOL_ROWS; break;
-      case OP_UNPOOL: w = L.unpool; k = P; rows = TILE_UNPOOL_ROWS; break;
-      case OP_LM_HEAD: w = p.lm_head; rows = TILE_LM_HEAD_ROWS; break;
+      case OP_QKV: w = L.wqkv; rows = TILE_QKV_ROWS; kc = TILE_QKV_KC; break;
+      case OP_OPROJ: w = L.wo; k = ATT_W; rows = TILE_OPROJ_ROWS; kc = TILE_OPROJ_KC; break;
+      case OP_ROUTER: w = L.router; rows = TILE_ROUTER_ROWS; kc = TILE_ROUTER_KC; break;
+      case OP_POOL: w = L.pool; rows = TILE_POOL_ROWS; kc = TILE_POOL_KC; break;
+      case OP_UNPOOL: w = L.unpool; k = P; rows = TILE_UNPOOL_ROWS; kc = TILE_UNPOOL_KC; break;
+      case OP_LM_HEAD: w = p.lm_head; rows = TILE_LM_HEAD_ROWS; kc = TILE_LM_HEAD_KC; break;
     }
     // the next launch's block with this index runs the same units (same grid, same formula)
     const UnitRange r = my_units(o, n_units(b, o));
     for (int u = r.begin; u < r.end && budget > 0; u += r.step) {
-      const unsigned bytes = static_cast<unsigned>(rows) * k * 2;  // a unit's rows are contiguous
-      if (lane() == 0) prefetch_l2(w + static_cast<size_t>(u) * rows * k, bytes);
-      budget -= bytes;
+      // a unit's chunks are contiguous in the tiled weights (tiling.py), their pads included
+      const size_t elems = static_cast<size_t>(k / kc) * rows * (kc + ROW_PAD / 2);
+      if (lane() == 0) prefetch_l2(w + u * elems, static_cast<unsigned>(elems * 2));
+      budget -= static_cast<long long>(elems * 2);
     }
   }
 }

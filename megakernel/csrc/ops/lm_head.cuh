@@ -8,7 +8,7 @@
 namespace mk {
 
 MK_DEV bool load_lm_head(const Blk& b, int layer, int unit, unsigned& c, uint32_t what) {
-  return produce_bf16<16, TILE_LM_HEAD_KC, D>(b, b.p->lm_head, unit * 16, c, what);
+  return produce_bf16<16, TILE_LM_HEAD_KC, D>(b, b.p->lm_head, unit, c, what);
 }
 
 MK_DEV void run_lm_head(Blk& b, int layer, int unit, uint32_t what) {

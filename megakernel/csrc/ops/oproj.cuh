@@ -9,7 +9,7 @@ namespace mk {
 
 MK_DEV bool load_oproj(const Blk& b, int layer, int unit, unsigned& c, uint32_t what) {
   constexpr int R = TILE_OPROJ_ROWS;
-  return produce_bf16<R, TILE_OPROJ_KC, ATT_W>(b, b.p->layers[layer].wo, unit * R, c, what);
+  return produce_bf16<R, TILE_OPROJ_KC, ATT_W>(b, b.p->layers[layer].wo, unit, c, what);
 }
 
 MK_DEV void run_oproj(Blk& b, int layer, int unit, uint32_t what) {

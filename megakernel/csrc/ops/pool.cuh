@@ -12,7 +12,7 @@ namespace mk {
 
 MK_DEV bool load_pool(const Blk& b, int layer, int unit, unsigned& c, uint32_t what) {
   constexpr int R = TILE_POOL_ROWS;
-  return produce_bf16<R, TILE_POOL_KC, D>(b, b.p->layers[layer].pool, unit * R, c, what);
+  return produce_bf16<R, TILE_POOL_KC, D>(b, b.p->layers[layer].pool, unit, c, what);
 }
 
 MK_DEV void run_pool(Blk& b, int layer, int unit, uint32_t what) {

@@ -12,7 +12,7 @@ namespace mk {
 
 MK_DEV bool load_qkv(const Blk& b, int layer, int unit, unsigned& c, uint32_t what) {
   constexpr int R = TILE_QKV_ROWS;
-  return produce_bf16<R, TILE_QKV_KC, D>(b, b.p->layers[layer].wqkv, unit * R, c, what);
+  return produce_bf16<R, TILE_QKV_KC, D>(b, b.p->layers[layer].wqkv, unit, c, what);
 }
 
 MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {

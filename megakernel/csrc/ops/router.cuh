@@ -10,7 +10,7 @@ namespace mk {
 
 MK_DEV bool load_router(const Blk& b, int layer, int unit, unsigned& c, uint32_t what) {
   constexpr int R = TILE_ROUTER_ROWS;
-  return produce_bf16<R, TILE_ROUTER_KC, D, true>(b, b.p->layers[layer].router, unit * R, c, what);
+  return produce_bf16<R, TILE_ROUTER_KC, D, true>(b, b.p->layers[layer].router, unit, c, what);
 }
 
 MK_DEV void run_router(Blk& b, int layer, int unit, uint32_t what) {

@@ -9,7 +9,7 @@ namespace mk {
 
 MK_DEV bool load_unpool(const Blk& b, int layer, int unit, unsigned& c, uint32_t what) {
   constexpr int R = TILE_UNPOOL_ROWS;
-  return produce_bf16<R, TILE_UNPOOL_KC, P>(b, b.p->layers[layer].unpool, unit * R, c, what);
+  return produce_bf16<R, TILE_UNPOOL_KC, P>(b, b.p->layers[layer].unpool, unit, c, what);
 }
 
 MK_DEV void run_unpool(Blk& b, int layer, int unit, uint32_t what) {

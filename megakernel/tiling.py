@@ -1,0 +1,71 @@
+"""How the megakernel stores its dense (bf16) weights: pre-tiled, so that a ring chunk is one bulk copy.
+
+A dense GEMM unit streams `rows` weight rows in chunks of `kc` columns, and the ring stage holds
+them as rows of kc bf16 plus ROW_PAD bytes (the pad spreads the rows over the banks for the
+fragment loads). From row-major [N, K] weights a chunk was one bulk copy per row: 2 KB copies for
+most ops and 1 KB for the pooler's 32-row units, where weights.ring measured 1 KB pieces at ~79% of
+the stream rate of one copy per stage (512 B: 47.5%). Here the chunk is stored exactly as the stage
+holds it, pad included, so the loader moves it with one copy of rows x (2 kc + ROW_PAD) bytes:
+
+    tiled[u][c][r][j] = w[u * rows + r][c * kc + j]   for j < kc;  zero for kc <= j < kc + ROW_PAD/2
+
+[N/rows][K/kc][rows][kc + ROW_PAD/2], contiguous. The pad costs ROW_PAD / (2 kc) more bytes
+(0.8% at kc = 1024, 1.6% for the pooler's kc = 512). The kernel never reads the pad.
+
+Only the megakernel's copy is tiled (runtime.Engine builds it from the plan's tiles and keeps it
+while the source tensor lives); the reference and the torch baselines read the natural weights.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .config import ConfigError
+from .plan import ROW_PAD, GemmTile
+
+# the kernel's weight pointer (abi LayerPtrs / Params field) -> the op whose tile it is stored for
+WEIGHT_TILE = {"wqkv": "qkv", "wo": "oproj", "router": "router", "pool": "pool", "unpool": "unpool",
+               "lm_head": "lm_head"}
+# id(source tensor) -> (weak reference to it, {tile shape: tiled copy}); an entry goes with its
+# source (weakref.finalize). Not a WeakKeyDictionary: that compares keys with ==, elementwise for tensors.
+_CACHE: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def tile_dense(w: torch.Tensor, t: GemmTile) -> torch.Tensor:
+    """Row-major bf16 [N, K] -> the tiled layout above (a new tensor on w's device)."""
+    if t.fp4:
+        raise ConfigError("tile_dense: an fp4 tile (expert weights keep fp4_layout's storage)")
+    if w.dim() != 2 or w.dtype != torch.bfloat16:
+        raise ConfigError(f"tile_dense: want bf16 [N, K], got {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    if k != t.k or n % t.rows or k % t.kc:
+        raise ConfigError(f"tile_dense: [{n}, {k}] is not whole tiles of {t.rows} rows x {t.kc} of K={t.k}")
+    out = torch.zeros(n // t.rows, k // t.kc, t.rows, t.kc + ROW_PAD // 2, dtype=w.dtype, device=w.device)
+    out[..., :t.kc] = w.reshape(n // t.rows, t.rows, k // t.kc, t.kc).permute(0, 2, 1, 3)
+    return out
+
+
+def untile_dense(tiled: torch.Tensor, t: GemmTile) -> torch.Tensor:
+    """Inverse of tile_dense: [N, K] row-major (tests)."""
+    u, c, r, _ = tiled.shape
+    return tiled[..., :t.kc].permute(0, 2, 1, 3).reshape(u * r, c * t.kc)
+
+
+def tiled(w: torch.Tensor, t: GemmTile) -> torch.Tensor:
+    """tile_dense(w, t), built once per source tensor and tile shape (engines of one model share it)."""
+    entry = _CACHE.get(id(w))
+    if entry is None or entry[0]() is not w:
+        entry = (weakref.ref(w), {})
+        _CACHE[id(w)] = entry
+        weakref.finalize(w, _CACHE.pop, id(w), None)
+    per = entry[1]
+    key = (t.rows, t.kc, t.k)
+    if key not in per:
+        per[key] = tile_dense(w, t)
+    return per[key]
+
+
+def weight_tile(plan, field: str) -> GemmTile:
+    """The plan's tile for the dense weight behind pointer `field` (WEIGHT_TILE)."""
+    return plan.tiles[WEIGHT_TILE[field]]

@@ -1,0 +1,67 @@
+"""The megakernel's tiled dense weights (megakernel/tiling.py): layout, pad, refusals, sharing."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from megakernel import tiling
+from megakernel.config import ConfigError, preset
+from megakernel.plan import ROW_PAD, GemmTile, make_plan
+
+
+def _w(n, k, seed=0):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def test_a_chunk_is_stored_as_the_stage_holds_it():
+    t = GemmTile(rows=16, kc=64, k=256, fp4=False)
+    w = _w(48, 256)
+    x = tiling.tile_dense(w, t)
+    assert tuple(x.shape) == (3, 4, 16, 64 + ROW_PAD // 2) and x.is_contiguous()
+    # chunk (u, c) row r = weight row u*16 + r, columns c*64.. (what produce_bf16 copies in one piece)
+    for u, c, r in [(0, 0, 0), (1, 2, 5), (2, 3, 15)]:
+        assert torch.equal(x[u, c, r, :64], w[u * 16 + r, c * 64:(c + 1) * 64])
+    assert not x[..., 64:].any()  # the pad: zeros, never read by the kernel
+    assert torch.equal(tiling.untile_dense(x, t), w)
+    # a unit's chunks are contiguous: program.cuh's L2 prefetch of a unit is one range
+    flat = x.reshape(-1)
+    unit1 = flat[1 * 4 * 16 * 72:2 * 4 * 16 * 72].reshape(4, 16, 72)
+    assert torch.equal(unit1, x[1])
+
+
+def test_every_dense_weight_of_a_preset_tiles_for_its_op():
+    plan = make_plan(preset("tiny"), 4)
+    shapes = {"wqkv": (plan.cfg.qkv_rows, plan.cfg.d_model), "wo": (plan.cfg.d_model, plan.cfg.attn_width),
+              "router": (plan.cfg.n_experts, plan.cfg.d_model), "pool": (plan.cfg.d_pool, plan.cfg.d_model),
+              "unpool": (plan.cfg.d_model, plan.cfg.d_pool), "lm_head": (plan.cfg.vocab, plan.cfg.d_model)}
+    assert set(shapes) == set(tiling.WEIGHT_TILE)
+    for field, (n, k) in shapes.items():
+        t = tiling.weight_tile(plan, field)
+        w = _w(n, k, 1)
+        assert torch.equal(tiling.untile_dense(tiling.tile_dense(w, t), t), w), field
+
+
+def test_bad_weights_are_refused_by_name():
+    t = GemmTile(rows=16, kc=64, k=256, fp4=False)
+    with pytest.raises(ConfigError, match="not whole tiles"):
+        tiling.tile_dense(_w(40, 256), t)  # 40 rows: not whole 16-row units
+    with pytest.raises(ConfigError, match="not whole tiles"):
+        tiling.tile_dense(_w(32, 128), t)  # K differs from the tile's
+    with pytest.raises(ConfigError, match="bf16"):
+        tiling.tile_dense(torch.zeros(32, 256), t)
+    with pytest.raises(ConfigError, match="fp4"):
+        tiling.tile_dense(_w(32, 256), GemmTile(rows=128, kc=256, k=256, fp4=True, chunk_rows=32, row_group=2))
+
+
+def test_engines_of_one_model_share_the_tiled_copy_and_it_goes_with_its_source():
+    t = GemmTile(rows=16, kc=64, k=256, fp4=False)
+    w = _w(32, 256)
+    a = tiling.tiled(w, t)
+    assert tiling.tiled(w, t) is a  # built once
+    assert tiling.tiled(w.clone(), t) is not a  # another tensor, another copy
+    key = id(w)
+    del w, a
+    gc.collect()
+    assert key not in tiling._CACHE
