@@ -190,19 +190,24 @@ def test_emulated_wide_normed_operand_by_bulk_copies(t):
     # factor; after poison() every buffer is NaN, so a row no producer wrote this step (xg,
     # ss_part) would show in the result
     cfg = dataclasses.replace(preset("tiny"), d_model=1024)
+    _poisoned_modes_match_reference(cfg, make_plan(cfg, 4, spin_bound_ns=3_000_000_000), 5, t, 9, 40,
+                                    "wide residual vs reference")
+
+
+def _poisoned_modes_match_reference(cfg, plan, cache_seed, t, input_seed, ctx, what):
+    """Emulated chain and mega steps from poisoned buffers, reference routing forced: bitwise
+    equal to each other and close to the reference."""
     w = generate(cfg)
-    base = KVCache(cfg).fill_random(torch.Generator().manual_seed(5))
-    plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
-    toks, par = _inputs(cfg, t, 9)
-    ref_cache = base.clone()
-    ref, routes = _reference(w, ref_cache, toks, par, 40)
+    base = KVCache(cfg).fill_random(torch.Generator().manual_seed(cache_seed))
+    toks, par = _inputs(cfg, t, input_seed)
+    ref, routes = _reference(w, base.clone(), toks, par, ctx)
     outs = {}
     for m in ("chain", "mega"):
         eng = Engine(w, plan, base.clone(), backend="emu")
         eng.poison()
-        outs[m] = eng.step(toks, par, 40, mode=m, routes=routes)
+        outs[m] = eng.step(toks, par, ctx, mode=m, routes=routes)
     assert torch.equal(outs["chain"].logits, outs["mega"].logits)
-    check_close(outs["mega"].logits, ref, "wide residual vs reference", rel=1e-2)
+    check_close(outs["mega"].logits, ref, what, rel=1e-2)
 
 
 def test_emulated_fp4_gemms_with_two_and_four_steps_per_code_load():
@@ -211,25 +216,14 @@ def test_emulated_fp4_gemms_with_two_and_four_steps_per_code_load():
     # steps per warp (GS 2) and the down projection four (GS 4, the shard8/small loop), so a word
     # taken from the wrong matrix, row or step changes the logits here
     cfg = dataclasses.replace(preset("tiny"), d_pool=128, d_expert=128)
-    w = generate(cfg)
-    base = KVCache(cfg).fill_random(torch.Generator().manual_seed(8))
     plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
     spw = {}
     for name in ("expert1", "expert2"):
         tl = plan.tiles[name]
         spw[name] = (tl.k // 32) // (WARPS // (tl.chunk_rows // 16))
     assert spw == {"expert1": 2, "expert2": 4}
-    t = 9  # two token tiles: the k-loop copy with the second B tile
-    toks, par = _inputs(cfg, t, 12)
-    ref_cache = base.clone()
-    ref, routes = _reference(w, ref_cache, toks, par, 30)
-    outs = {}
-    for m in ("chain", "mega"):
-        eng = Engine(w, plan, base.clone(), backend="emu")
-        eng.poison()
-        outs[m] = eng.step(toks, par, 30, mode=m, routes=routes)
-    assert torch.equal(outs["chain"].logits, outs["mega"].logits)
-    check_close(outs["mega"].logits, ref, "fp4 runs of 2 and 4 steps vs reference", rel=1e-2)
+    # t = 9: two token tiles, the k-loop copy with the second B tile
+    _poisoned_modes_match_reference(cfg, plan, 8, 9, 12, 30, "fp4 runs of 2 and 4 steps vs reference")
 
 
 def test_xg_holds_the_next_norms_operand_panel_major():
