@@ -10,6 +10,9 @@
                           those launches inside cudaProfilerStart/Stop (for `ncu --profile-from-start off`)
   ncu-stalls CSV [--top N] [--hottest N] [--out FILE.md]   markdown summary of the stall samples in
                           `ncu --page source --csv --print-source sass` output, by execution count (no GPU)
+  ab --variant NAME[=CSRC_DIR][:KEY=VALUE,...] ... [--point PRESET:T:CTX ...] [--rounds N]
+     [--build-only] [--out FILE.md]   in-run A/B of kernel variants (megakernel/ab.py): checks, then
+                          interleaved timing rounds on a GPU; --build-only compiles them here
 """
 from __future__ import annotations
 
@@ -181,6 +184,36 @@ def _ncu_stalls(a) -> int:
     return 0
 
 
+def _ab(a) -> int:
+    from .ab import build_variants, parse_point, parse_variant, run_ab, table
+    from .config import ConfigError
+
+    try:
+        variants = [parse_variant(v) for v in a.variant]
+        points = [parse_point(p) for p in (a.point or AB_POINTS)]
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if a.build_only:
+        for preset, name, u in build_variants(points, variants, a.sm):
+            print(f"{preset} {name}: {u.registers} registers, {u.spill_store_bytes} B spill stores, "
+                  f"{u.code_bytes} B code")
+        return 0
+    if _no_gpu("ab"):
+        return 2
+    from pathlib import Path
+
+    md = table(run_ab(points, variants, rounds=a.rounds))
+    if a.out:
+        Path(a.out).write_text(md + "\n")
+        print("wrote", a.out)
+    print(md)
+    return 0
+
+
+AB_POINTS = ("shard8:16:2048", "shard8:1:2048", "small:16:512")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m megakernel.cli", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -219,6 +252,15 @@ def main(argv=None) -> int:
     s.add_argument("--kernel", help="name or 0-based position, when the file holds several kernels")
     s.add_argument("--out", help="write the markdown here instead of printing it")
     s.set_defaults(fn=_ncu_stalls)
+    s = sub.add_parser("ab")
+    s.add_argument("--variant", action="append", required=True,
+                   help="NAME[=CSRC_DIR][:KEY=VALUE,...]; the first is the baseline")
+    s.add_argument("--point", action="append", help=f"PRESET:T:CTX (default {' '.join(AB_POINTS)})")
+    s.add_argument("--rounds", type=int, default=5)
+    s.add_argument("--sm", type=int, default=132, help="--build-only: the grid to plan for")
+    s.add_argument("--build-only", action="store_true", help="compile every variant into the kernel cache")
+    s.add_argument("--out", help="also write the markdown table here")
+    s.set_defaults(fn=_ab)
     a = p.parse_args(argv)
     return a.fn(a)
 

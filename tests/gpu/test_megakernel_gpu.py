@@ -75,3 +75,20 @@ def test_wait_that_can_never_complete_trips_the_watchdog():
     eng.prog_t.copy_(torch.from_numpy(eng.program.encode()))  # healthy again: the GPU is not stuck
     out = eng.step([1, 2, 3], tree.chain(3), 5, mode="mega")
     assert out.tokens.numel() == 3
+
+
+def test_ab_tool_checks_and_times_variants_on_the_gpu(tmp_path):
+    """megakernel/ab.py's GPU path (step contexts, CUDA-graph timer): tiny, the repository's tree
+    against a copy of it and a plan switch, two rounds; the copy gives the same bits."""
+    import shutil
+
+    from megakernel import ab
+    from megakernel.build import CSRC
+
+    copy = tmp_path / "csrc"
+    shutil.copytree(CSRC, copy)
+    variants = [ab.Variant("base"), ab.Variant("copy", copy), ab.Variant("k16", None, (("keys_per_split", 16),))]
+    (r,) = ab.run_ab([("tiny", 16, 100)], variants, rounds=2, log=lambda s: None)
+    assert r.checks["copy"].same_as_first and all(c.rel_err < 1e-2 for c in r.checks.values())
+    assert all(len(x) == 2 and all(0 < s < 0.1 for s in x) for x in r.rounds.values())
+    assert "| tiny T=16 ctx=100 | copy" in ab.table([r])

@@ -1,0 +1,234 @@
+"""In-run A/B of megakernel variants: how every kept or dropped change of this project was measured.
+
+A variant is a kernel source tree (a copy of megakernel/csrc with an edit: `cp -r megakernel/csrc
+/tmp/v && $EDITOR /tmp/v/...`) and/or Plan switches (`keys_per_split=48`). For each point (preset,
+T, ctx) every variant is built and checked, then timed:
+
+- checks first, on the point's fresh random inputs: mega == chain bitwise, close to the fp32
+  reference with the reference's routing forced (`runtime.check_close`), and whether its logits
+  equal the first variant's bitwise (a pure speed change must say True);
+- then `rounds` rounds; a round times every variant once (a CUDA graph of two steps, replayed
+  under the harness's budget) and the order alternates between rounds, so drift over the minutes
+  of a run falls on all variants alike. A variant's figure is the median of its round medians,
+  its change is against the first variant's, and the rounds are kept: their spread is the noise
+  a difference must clear (a layout placebo moved shard8 by -0.3..+0.7%, README).
+
+Variants differing only in code layout move the step by that much; a change is worth keeping when
+it clears the placebo at the point it targets and does not lose beyond it elsewhere.
+
+`build_variants` compiles every (preset, variant) into the kernel cache on a machine without a
+GPU (`MEGABENCH_CACHE`), so the GPU's minutes go to timing.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from .config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    csrc: Path | None = None  # None: the repository's megakernel/csrc
+    switches: tuple[tuple[str, object], ...] = ()  # Plan switches (plan_for keyword arguments)
+
+    @property
+    def switch_dict(self) -> dict:
+        return dict(self.switches)
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_variant(text: str) -> Variant:
+    """NAME[=CSRC_DIR][:KEY=VALUE[,KEY=VALUE...]], e.g. `base`, `edit=/tmp/v`, `k48:keys_per_split=48`."""
+    head, _, sw = text.partition(":")
+    name, _, tree = head.partition("=")
+    if not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise ConfigError(f"variant {text!r}: want NAME[=CSRC_DIR][:KEY=VALUE,...] with a plain name")
+    csrc = None
+    if tree:
+        csrc = Path(tree).expanduser().resolve()
+        if not (csrc / "megakernel.cu").is_file():
+            raise ConfigError(f"variant {name}: {csrc} is not a kernel source tree (no megakernel.cu; "
+                              "copy megakernel/csrc and edit the copy)")
+    switches = []
+    for item in filter(None, sw.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"variant {name}: switch {item!r} is not KEY=VALUE")
+        switches.append((key, _value(val)))
+    return Variant(name, csrc, tuple(switches))
+
+
+def parse_point(text: str) -> tuple[str, int, int]:
+    """PRESET:T:CTX, e.g. shard8:16:2048."""
+    try:
+        preset, t, ctx = text.split(":")
+        return preset, int(t), int(ctx)
+    except ValueError:
+        raise ConfigError(f"point {text!r}: want PRESET:T:CTX, e.g. shard8:16:2048") from None
+
+
+@contextlib.contextmanager
+def kernel_tree(csrc: Path | None) -> Iterator[None]:
+    """Build from `csrc` (None: the repository's) inside the block."""
+    from . import build
+
+    old = build.CSRC
+    build.CSRC = csrc or old
+    try:
+        yield
+    finally:
+        build.CSRC = old
+
+
+@dataclasses.dataclass
+class Checked:
+    rel_err: float
+    same_as_first: bool
+
+
+@dataclasses.dataclass
+class PointResult:
+    preset: str
+    n_tokens: int
+    ctx: int
+    checks: dict[str, Checked]
+    rounds: dict[str, list[float]]  # seconds per step, one median per round
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.rounds[name])
+
+    def change(self, name: str) -> float:
+        """Relative change of `name` against the first variant (negative: faster)."""
+        first = next(iter(self.rounds))
+        return self.median(name) / self.median(first) - 1.0
+
+
+def _plan(preset: str, v: Variant, n_sm: int | None):
+    from .pipeline import plan_for
+
+    return plan_for(preset, None, n_sm, **v.switch_dict)
+
+
+def build_variants(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], n_sm: int = 132,
+                   plan_of: Callable | None = None) -> list[tuple[str, str, object]]:
+    """Compile every (preset, variant) for sm_90a into the kernel cache; no GPU needed.
+    Returns (preset, variant name, ResourceUsage)."""
+    from .build import build_gpu
+
+    plan_of = plan_of or (lambda preset, v: _plan(preset, v, n_sm))
+    out = []
+    for preset in sorted({p[0] for p in points}):
+        for v in variants:
+            with kernel_tree(v.csrc):
+                out.append((preset, v.name, build_gpu(plan_of(preset, v)).usage))
+    return out
+
+
+def _gpu_context(preset: str, n_tokens: int, ctx: int):
+    from .bench_baselines import step_context, weights_for
+
+    sc = step_context(preset, n_tokens, ctx)
+    return weights_for(preset), sc.cache0, sc.tokens, sc.parents, [r.cuda() for r in sc.routes], sc.ref_logits
+
+
+def _gpu_timer(policy=None):
+    import numpy as np
+
+    from microbench.harness import Harness, Policy
+
+    from .pipeline import graph_of
+
+    h = Harness(policy=policy or Policy(budget_s=0.3, max_samples=100, chunk=8))
+    graphs = {}
+
+    def time_one(name: str, eng) -> float:
+        if name not in graphs:
+            graphs[name] = graph_of(eng, "mega")
+        g, per = graphs[name]
+        return float(np.median(h.time(g.replay).samples_s)) / per
+
+    return time_one
+
+
+def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], rounds: int = 5,
+           n_sm: int | None = None, backend: str = "gpu", context: Callable | None = None,
+           timer: Callable | None = None, plan_of: Callable | None = None,
+           log: Callable[[str], None] = print) -> list[PointResult]:
+    """Check, then time, every variant at every point (module docstring). `context(preset, T, ctx)`
+    -> (weights, cache0, tokens, parents, routes, reference logits); `timer()` -> a function
+    (variant name, engine) -> seconds per step; both default to the GPU's. A failed check raises."""
+    import torch
+
+    from microbench.errors import CorrectnessError
+
+    from .runtime import Engine, check_close
+
+    if len({v.name for v in variants}) != len(variants) or not variants:
+        raise ConfigError("A/B: give one or more variants with distinct names")
+    if rounds < 1:
+        raise ConfigError(f"A/B: rounds must be >= 1, got {rounds}")
+    context = context or _gpu_context
+    plan_of = plan_of or (lambda preset, v: _plan(preset, v, n_sm))
+    results = []
+    for preset, t, ctx in points:
+        w, cache0, tokens, parents, routes, ref = context(preset, t, ctx)
+        engines, checks, first_logits = {}, {}, None
+        for v in variants:
+            with kernel_tree(v.csrc):
+                plan = plan_of(preset, v)
+                out = {}
+                for mode in ("mega", "chain"):
+                    eng = Engine(w, plan, cache0.clone(), backend=backend)
+                    out[mode] = eng.step(tokens, parents, ctx, mode=mode, routes=routes).logits.clone()
+                    if mode == "mega":
+                        engines[v.name] = eng
+            if not torch.equal(out["mega"], out["chain"]):
+                raise CorrectnessError(f"A/B {preset} T={t} ctx={ctx}: variant {v.name}: mega != chain bitwise")
+            err = check_close(out["mega"], ref, f"A/B variant {v.name}", rel=1e-2)
+            first_logits = out["mega"] if first_logits is None else first_logits
+            checks[v.name] = Checked(err, torch.equal(out["mega"], first_logits))
+            log(f"{preset} T={t} ctx={ctx} {v.name}: mega == chain bitwise, rel err {err:.3e}, "
+                f"logits == {variants[0].name}'s: {checks[v.name].same_as_first}")
+        time_one = (timer or _gpu_timer)()
+        times: dict[str, list[float]] = {v.name: [] for v in variants}
+        for r in range(rounds):
+            for v in (variants if r % 2 == 0 else list(reversed(variants))):
+                times[v.name].append(time_one(v.name, engines[v.name]))
+        res = PointResult(preset, t, ctx, checks, times)
+        for v in variants:
+            log(f"{preset} T={t} ctx={ctx} {v.name:10s} {res.median(v.name) * 1e3:.3f} ms "
+                f"{100 * res.change(v.name):+.2f}%  rounds {[round(x * 1e3, 3) for x in times[v.name]]}")
+        results.append(res)
+    return results
+
+
+def table(results: Sequence[PointResult]) -> str:
+    """Markdown: one row per (point, variant)."""
+    import pandas as pd
+
+    rows = []
+    for r in results:
+        for name, ck in r.checks.items():
+            xs = r.rounds[name]
+            rows.append({"point": f"{r.preset} T={r.n_tokens} ctx={r.ctx}", "variant": name,
+                         "step (median of rounds)": f"{r.median(name) * 1e3:.3f} ms",
+                         "change": f"{100 * r.change(name):+.2f}%",
+                         "rounds spread": f"{100 * (max(xs) - min(xs)) / r.median(name):.2f}%",
+                         "rel err": f"{ck.rel_err:.2e}", "same bits as first": ck.same_as_first})
+    return pd.DataFrame(rows).to_markdown(index=False)

@@ -1,0 +1,101 @@
+"""megakernel/ab.py: variant parsing, and a whole A/B on the host emulation with a stand-in timer."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from megakernel import ab, tree
+from megakernel.build import CSRC
+from megakernel.cli import main
+from megakernel.config import ConfigError, preset
+from megakernel.plan import make_plan
+from megakernel.reference import KVCache, Trace, step
+from megakernel.weights import generate
+from microbench.errors import CorrectnessError
+
+
+def test_variants_and_points_parse_or_are_refused_by_name(tmp_path):
+    assert ab.parse_variant("base") == ab.Variant("base")
+    v = ab.parse_variant("k48:keys_per_split=48,kv_prefetch=true,note=x,f=0.5")
+    assert v.switch_dict == {"keys_per_split": 48, "kv_prefetch": True, "note": "x", "f": 0.5} and v.csrc is None
+    tree_dir = tmp_path / "csrc"
+    shutil.copytree(CSRC, tree_dir)
+    assert ab.parse_variant(f"edit={tree_dir}:pdl=false") == ab.Variant("edit", tree_dir.resolve(), (("pdl", False),))
+    with pytest.raises(ConfigError, match="not a kernel source tree"):
+        ab.parse_variant(f"x={tmp_path}")
+    with pytest.raises(ConfigError, match="not KEY=VALUE"):
+        ab.parse_variant("x:keys_per_split")
+    with pytest.raises(ConfigError, match="plain name"):
+        ab.parse_variant("=foo")
+    assert ab.parse_point("shard8:16:2048") == ("shard8", 16, 2048)
+    with pytest.raises(ConfigError, match="PRESET:T:CTX"):
+        ab.parse_point("shard8:16")
+    assert main(["ab", "--variant", "x:oops", "--build-only"]) == 2  # a bad variant: exit 2, no traceback
+
+
+def _tiny_context(cfg, w):
+    def context(preset_name, t, ctx):
+        cache0 = KVCache(cfg).fill_random(torch.Generator().manual_seed(4))
+        g = torch.Generator().manual_seed(t + ctx)
+        toks = torch.randint(0, cfg.vocab, (t,), generator=g)
+        par = tree.binary_ish(t) if t > 1 else [-1]
+        tr = Trace()
+        ref = step(w, cache0.clone(), toks, par, ctx, trace=tr)
+        routes = [tr.tensors[f"L{l}.route"] for l in range(cfg.n_layers)]
+        return w, cache0, toks, par, routes, ref
+    return context
+
+
+def test_a_whole_ab_on_the_emulation_checks_then_times_in_alternating_rounds(tmp_path):
+    cfg = preset("tiny")
+    w = generate(cfg)
+    copy = tmp_path / "csrc"
+    shutil.copytree(CSRC, copy)  # the same source in another tree: same bits expected
+    variants = [ab.Variant("a"), ab.Variant("same", copy), ab.Variant("k16", None, (("keys_per_split", 16),))]
+    calls = []
+    speed = {"a": 1.0, "same": 1.01, "k16": 0.9}
+
+    def timer():
+        def time_one(name, eng):
+            calls.append(name)
+            return speed[name] * 1e-3 * (1 + 0.001 * len(calls))
+        return time_one
+
+    plan_of = lambda p, v: make_plan(cfg, 4, spin_bound_ns=3_000_000_000, **v.switch_dict)  # noqa: E731
+    res = ab.run_ab([("tiny", 8, 40)], variants, rounds=3, backend="emu", context=_tiny_context(cfg, w),
+                    timer=timer, plan_of=plan_of, log=lambda s: None)
+    (r,) = res
+    assert calls == ["a", "same", "k16", "k16", "same", "a", "a", "same", "k16"]
+    assert r.checks["a"].same_as_first and r.checks["same"].same_as_first
+    assert all(c.rel_err < 1e-2 for c in r.checks.values())
+    assert len(r.rounds["k16"]) == 3 and r.change("k16") == pytest.approx(-0.1, abs=0.01)
+    assert r.change("a") == 0.0
+    md = ab.table(res)
+    assert "| tiny T=8 ctx=40 | k16" in md and "-10." in md
+
+
+def test_a_variant_that_breaks_the_result_stops_the_ab(tmp_path):
+    cfg = preset("tiny")
+    w = generate(cfg)
+    bad = tmp_path / "csrc"
+    shutil.copytree(CSRC, bad)
+    g = bad / "mk" / "gemm.cuh"
+    src = g.read_text()
+    scaled = "blk[4 * w + k8 % 4] = hmul2(wd[w], FP4_ACT_SCALE_BF2);"
+    assert scaled in src
+    g.write_text(src.replace(scaled, "blk[4 * w + k8 % 4] = wd[w];"))  # experts' operand 2^7 too small
+    plan_of = lambda p, v: make_plan(cfg, 4, spin_bound_ns=3_000_000_000)  # noqa: E731
+    with pytest.raises(CorrectnessError, match="A/B variant bad"):
+        ab.run_ab([("tiny", 4, 20)], [ab.Variant("ok"), ab.Variant("bad", bad)], rounds=1, backend="emu",
+                  context=_tiny_context(cfg, w), timer=lambda: (lambda n, e: 1.0), plan_of=plan_of,
+                  log=lambda s: None)
+
+
+def test_build_only_compiles_every_variant_without_a_gpu(capsys):
+    assert main(["ab", "--variant", "a", "--variant", "k16:keys_per_split=16", "--point", "tiny:1:8",
+                 "--build-only", "--sm", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out] == ["tiny a", "tiny k16"]
+    assert all("0 B spill stores" in line for line in out)
