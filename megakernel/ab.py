@@ -8,10 +8,12 @@ T, ctx) every variant is built and checked, then timed:
   reference with the reference's routing forced (`runtime.check_close`), and whether its logits
   equal the first variant's bitwise (a pure speed change must say True);
 - then `rounds` rounds; a round times every variant once (a CUDA graph of two steps, replayed
-  under the harness's budget) and the order alternates between rounds, so drift over the minutes
-  of a run falls on all variants alike. A variant's figure is the median of its round medians,
-  its change is against the first variant's, and the rounds are kept: their spread is the noise
-  a difference must clear (a layout placebo moved shard8 by -0.3..+0.7%, README).
+  under the harness's budget; timer: CUDA events around each replay, microbench.harness, the
+  stream held so host submission is not counted) and the order alternates between rounds, so
+  drift over the minutes of a run falls on all variants alike. A variant's figure is the median
+  of its round medians, its change is against the first variant's, and the rounds are kept: their
+  spread is the noise a difference must clear (a layout placebo moved shard8 by -0.3..+0.7%,
+  README).
 
 Variants differing only in code layout move the step by that much; a change is worth keeping when
 it clears the placebo at the point it targets and does not lose beyond it elsewhere.
