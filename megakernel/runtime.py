@@ -153,7 +153,7 @@ class Engine:
         for l, lw in enumerate(self.w.layers):
             s = arr[l]
             s.attn_norm, s.ffn_norm = _ptr(lw.attn_norm), _ptr(lw.ffn_norm)
-            for field in ("wqkv", "wo", "router", "pool", "unpool"):  # tiled: a ring chunk is one copy
+            for field in tiling.LAYER_WEIGHTS:  # tiled: a ring chunk is one copy
                 setattr(s, field, _ptr(self._tiled(getattr(lw, field), field)))
             s.w1_codes, s.w1_scales, s.w1_ts = _ptr(lw.w1.codes), _ptr(lw.w1.scales), _ptr(lw.w1.tensor_scale)
             s.w2_codes, s.w2_scales, s.w2_ts = _ptr(lw.w2.codes), _ptr(lw.w2.scales), _ptr(lw.w2.tensor_scale)

@@ -27,6 +27,7 @@ from .plan import ROW_PAD, GemmTile
 # the kernel's weight pointer (abi LayerPtrs / Params field) -> the op whose tile it is stored for
 WEIGHT_TILE = {"wqkv": "qkv", "wo": "oproj", "router": "router", "pool": "pool", "unpool": "unpool",
                "lm_head": "lm_head"}
+LAYER_WEIGHTS = tuple(f for f in WEIGHT_TILE if f != "lm_head")  # per-layer fields (LayerPtrs)
 # id(source tensor) -> (weak reference to it, {tile shape: tiled copy}); an entry goes with its
 # source (weakref.finalize). Not a WeakKeyDictionary: that compares keys with ==, elementwise for tensors.
 _CACHE: dict[int, tuple[weakref.ref, dict]] = {}

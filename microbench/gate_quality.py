@@ -255,11 +255,11 @@ def to_result(gpu: str, tallies: Sequence[Tally], cfg: GateConfig, trials: int, 
     if not envs:
         raise ResultsFileError(f"no recorded results for {gpu}: nothing to estimate the gate's quality from")
     src_env = max(envs, key=lambda e: e.date)
-    from .results import _dirty, _git
+    from .results import _dirty, git_sha
 
     env = dataclasses.replace(
         src_env, date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        git_sha=os.environ.get("MEGABENCH_GIT_SHA") or _git("rev-parse", "HEAD") or "unknown",
+        git_sha=git_sha(full=True),
         git_dirty=_dirty(os.environ.get("MEGABENCH_SOURCE_TREE")),
         host=socket.gethostname(), python=platform.python_version(), machine_kind="analysis of recorded samples")
     notes = (f"Computed from samples recorded on {gpu}; GPU fields of env describe where they were measured, "

@@ -61,6 +61,15 @@ def source_tree_id() -> str:
     return tree if re.fullmatch(r"[0-9a-f]{40,64}", tree) else ""
 
 
+def git_sha(full: bool = False) -> str:
+    """The commit results are credited to: MEGABENCH_GIT_SHA when set (a run on a copy of the
+    checkout), else HEAD (short unless `full`); "unknown" when neither is a hex sha (a copy without
+    history answers `rev-parse HEAD` with the word "HEAD")."""
+    sha = os.environ.get("MEGABENCH_GIT_SHA") or _git("rev-parse", *(() if full else ("--short",)), "--verify", "-q",
+                                                       "HEAD")
+    return sha if re.fullmatch(r"[0-9a-f]{7,64}", sha or "") else "unknown"
+
+
 def _dirty(expected: str | None) -> bool:
     """Whether the sources differ from the commit the results are credited to. With
     MEGABENCH_SOURCE_TREE (`python -m microbench.results source-tree` at that commit) the sources'
@@ -111,9 +120,7 @@ class Env:
             from .device import device_info
 
             info = device_info(gpu_index)
-        # a copy without history answers `rev-parse HEAD` with the word "HEAD": only hex is a sha
-        sha = os.environ.get("MEGABENCH_GIT_SHA") or _git("rev-parse", "--short", "--verify", "-q", "HEAD")
-        sha = sha if re.fullmatch(r"[0-9a-f]{7,40}", sha or "") else "unknown"
+        sha = git_sha()
         dirty = _dirty(os.environ.get("MEGABENCH_SOURCE_TREE"))
         return cls(
             gpu=info.name if info else None,

@@ -242,9 +242,9 @@ def write(doc: dict, out_dir: Path | None = None, force: bool = False) -> tuple[
 
 
 def _git_sha() -> str:
-    from .results import _git
+    from .results import git_sha
 
-    return os.environ.get("MEGABENCH_GIT_SHA") or _git("rev-parse", "--short", "HEAD") or "unknown"
+    return git_sha()
 
 
 def _keep_current(gpu: str, entries: dict[str, Entry], only, out_dir: Path | None) -> dict[str, Entry]:

@@ -538,10 +538,8 @@ MK_DEV void gemm_residual_add(Blk& b, int unit, int which, const uint16_t* gnext
 // W is tiled (megakernel/tiling.py): chunk ch of unit u is stored as the stage holds it, ROWS rows
 // of KC bf16 and their ROW_PAD, so it is one copy (one per row was 2 KB copies, 1 KB for the
 // pooler's 32-row units, which stream at ~79% of one copy per stage: weights.ring).
-template <int ROWS, int KC>
-MK_DEV constexpr size_t dense_tile_elems() {
-  return static_cast<size_t>(ROWS) * (KC + ROW_PAD / 2);
-}
+// bf16 elements of one stored chunk (rows of kc and their pad; tiling.tile_dense)
+MK_DEV constexpr size_t dense_tile_elems(int rows, int kc) { return static_cast<size_t>(rows) * (kc + ROW_PAD / 2); }
 template <int ROWS, int KC, int K, bool REV = false>  // REV: chunks last to first (gemm_bf16)
 MK_DEV bool produce_bf16(const Blk& b, const uint16_t* W, int unit, unsigned& c, uint32_t what) {
   constexpr unsigned BYTES = ROWS * (KC * 2 + ROW_PAD);
@@ -550,7 +548,7 @@ MK_DEV bool produce_bf16(const Blk& b, const uint16_t* W, int unit, unsigned& c,
     const int ch = REV ? K / KC - 1 - i : i;
     if (!ring_produce_begin(b, c, BYTES, what)) return false;
     if (lane() == 0)
-      bulk_copy(stage_of(b, c), W + (static_cast<size_t>(unit) * (K / KC) + ch) * dense_tile_elems<ROWS, KC>(), BYTES,
+      bulk_copy(stage_of(b, c), W + (static_cast<size_t>(unit) * (K / KC) + ch) * dense_tile_elems(ROWS, KC), BYTES,
                 &b.full[c % RING_STAGES]);
   }
   return true;

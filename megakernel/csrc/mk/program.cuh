@@ -423,7 +423,7 @@ MK_DEV void l2_prefetch_next_launch(const Blk& b, int first) {
     const UnitRange r = my_units(o, n_units(b, o));
     for (int u = r.begin; u < r.end && budget > 0; u += r.step) {
       // a unit's chunks are contiguous in the tiled weights (tiling.py), their pads included
-      const size_t elems = static_cast<size_t>(k / kc) * rows * (kc + ROW_PAD / 2);
+      const size_t elems = static_cast<size_t>(k / kc) * dense_tile_elems(rows, kc);
       if (lane() == 0) prefetch_l2(w + u * elems, static_cast<unsigned>(elems * 2));
       budget -= static_cast<long long>(elems * 2);
     }
