@@ -104,6 +104,55 @@ def from_kernel_words(codes: torch.Tensor) -> torch.Tensor:
     return _bytes(_move(_words(codes), [(b, a) for a, b in BIT_MAP]), codes)
 
 
+# Row swizzle (an option of the plan: Plan.fp4_swizzle). An expert GEMM reads one k32 step of 8
+# consecutive code rows with one ldmatrix matrix: 16 bytes (a "unit") of each row. Rows K/2 bytes
+# apart start on the same banks (K/2 is a multiple of 128 at every preset), so unswizzled rows must
+# be padded in smem, which takes one bulk copy per padded group of rows (plan.GemmTile.row_group).
+# Stored with unit u of row r at u ^ (r % width), the 8 rows of a matrix hit 8 different 16-byte
+# bank groups when width is 8, and a chunk's code rows are one copy of the rows as they lie. XOR
+# is its own inverse: the same function swizzles and unswizzles.
+SWIZZLE_MAX = 8  # 8 rows of an ldmatrix matrix x 16 bytes = the 128 bytes of the 32 banks
+
+
+def swizzle_width(units: int, steps_per_warp: int) -> int:
+    """The swizzle period for rows of `units` 16-byte units read by warps that each walk
+    `steps_per_warp` consecutive units: the largest power of two <= SWIZZLE_MAX dividing both (a
+    warp's units then start on a whole period, so the kernel's XOR is a per-lane constant)."""
+    w = SWIZZLE_MAX
+    while units % w or steps_per_warp % w:
+        w //= 2
+    return w
+
+
+def swizzle_units(codes: torch.Tensor, width: int, row_div: int = 1) -> torch.Tensor:
+    """Rows [..., N, B] of 16-byte units -> a new tensor with unit u of row r moved to
+    u ^ ((r // row_div) % width)."""
+    n, kh = codes.shape[-2:]
+    if kh % 16:
+        raise QuantizationError(f"fp4 swizzle: rows of {kh} bytes are not whole 16-byte units")
+    units = kh // 16
+    if width < 1 or width & (width - 1) or units % width:
+        raise QuantizationError(f"fp4 swizzle: width {width} is not a power of two dividing {units} units")
+    sx = (torch.arange(n, device=codes.device) // row_div) % width
+    v = codes.reshape(*codes.shape[:-1], units, 16)
+    idx = torch.arange(units, device=codes.device)[None, :] ^ sx[:, None]
+    idx = idx[:, :, None].expand(*v.shape[:-3], n, units, 16)
+    return torch.gather(v, -2, idx).reshape(codes.shape)
+
+
+def scale_swizzle(k: int, code_width: int) -> tuple[int, int]:
+    """(width, row_div) of the block-scale rows' swizzle (swizzle_units) for rows of K values whose
+    codes are swizzled with period code_width; (1, 1) = none. Only with code_width 8: the expert
+    GEMM then reads a row's scales of 8 steps (one 16-byte unit) in one load, and the 8 rows of a
+    load must fill the 8 bank groups: unit u of row r at u ^ ((r // (8 / P)) % P), P = min(units
+    per row, 8) (rows of fewer than 8 units share 128 bytes; row_div spreads the rest by XOR)."""
+    units = k // 256  # K/16 scale bytes a row
+    if code_width != SWIZZLE_MAX or units < 1:
+        return 1, 1
+    p = min(units, SWIZZLE_MAX)
+    return p, SWIZZLE_MAX // p
+
+
 def canonical_scales(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Natural codes [..., K/2] and E4M3 scales [..., K/16] -> the same values with every scale
     positive and nonzero (new tensors). NaN scales are refused."""

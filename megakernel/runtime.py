@@ -147,6 +147,14 @@ class Engine:
         self._keep.append(t)
         return t
 
+    def _swizzled(self, bank, op: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's copies of an expert bank's codes and scales for op's tile (tiling.swizzled,
+        swizzled_scales), kept with this engine."""
+        t = self.plan.tiles[op]
+        out = tiling.swizzled(bank.codes, t), tiling.swizzled_scales(bank.scales, t)
+        self._keep.extend(out)
+        return out
+
     def _layer_ptrs(self) -> torch.Tensor:
         self._lm_head = self._tiled(self.w.lm_head, "lm_head")
         arr = (abi.LayerPtrs * self.cfg.n_layers)()
@@ -155,8 +163,10 @@ class Engine:
             s.attn_norm, s.ffn_norm = _ptr(lw.attn_norm), _ptr(lw.ffn_norm)
             for field in tiling.LAYER_WEIGHTS:  # tiled: a ring chunk is one copy
                 setattr(s, field, _ptr(self._tiled(getattr(lw, field), field)))
-            s.w1_codes, s.w1_scales, s.w1_ts = _ptr(lw.w1.codes), _ptr(lw.w1.scales), _ptr(lw.w1.tensor_scale)
-            s.w2_codes, s.w2_scales, s.w2_ts = _ptr(lw.w2.codes), _ptr(lw.w2.scales), _ptr(lw.w2.tensor_scale)
+            w1c, w1s = self._swizzled(lw.w1, "expert1")
+            w2c, w2s = self._swizzled(lw.w2, "expert2")
+            s.w1_codes, s.w1_scales, s.w1_ts = _ptr(w1c), _ptr(w1s), _ptr(lw.w1.tensor_scale)
+            s.w2_codes, s.w2_scales, s.w2_ts = _ptr(w2c), _ptr(w2s), _ptr(lw.w2.tensor_scale)
             s.k_cache, s.v_cache = _ptr(self.cache.k[l]), _ptr(self.cache.v[l])
         blob = torch.frombuffer(bytearray(ctypes.string_at(ctypes.addressof(arr), ctypes.sizeof(arr))),
                                 dtype=torch.uint8)

@@ -14,6 +14,12 @@ holds it, pad included, so the loader moves it with one copy of rows x (2 kc + R
 
 Only the megakernel's copy is tiled (runtime.Engine builds it from the plan's tiles and keeps it
 while the source tensor lives); the reference and the torch baselines read the natural weights.
+
+Expert codes: with Plan.fp4_swizzle the engine hands the kernel a copy of each layer's codes with
+the rows swizzled in 16-byte units (`swizzled`, fp4_layout.swizzle_units), so that a chunk's code
+rows need no pads and are one bulk copy, and of its block scales likewise (`swizzled_scales`), so
+that the scale loads are conflict-free. The copies are as large as the originals (~0.87 GB a
+shard8 layer).
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import weakref
 import torch
 
 from .config import ConfigError
+from .fp4_layout import SWIZZLE_MAX, swizzle_units
 from .plan import ROW_PAD, GemmTile
 
 # the kernel's weight pointer (abi LayerPtrs / Params field) -> the op whose tile it is stored for
@@ -53,18 +60,48 @@ def untile_dense(tiled: torch.Tensor, t: GemmTile) -> torch.Tensor:
     return tiled[..., :t.kc].permute(0, 2, 1, 3).reshape(u * r, c * t.kc)
 
 
-def tiled(w: torch.Tensor, t: GemmTile) -> torch.Tensor:
-    """tile_dense(w, t), built once per source tensor and tile shape (engines of one model share it)."""
+def _cached(w: torch.Tensor, key: tuple, build) -> torch.Tensor:
+    """build(), once per source tensor and key (engines of one model share the copy)."""
     entry = _CACHE.get(id(w))
     if entry is None or entry[0]() is not w:
         entry = (weakref.ref(w), {})
         _CACHE[id(w)] = entry
         weakref.finalize(w, _CACHE.pop, id(w), None)
     per = entry[1]
-    key = (t.rows, t.kc, t.k)
     if key not in per:
-        per[key] = tile_dense(w, t)
+        per[key] = build()
     return per[key]
+
+
+def tiled(w: torch.Tensor, t: GemmTile) -> torch.Tensor:
+    """tile_dense(w, t), built once per source tensor and tile shape."""
+    return _cached(w, ("dense", t.rows, t.kc, t.k), lambda: tile_dense(w, t))
+
+
+def swizzled(codes: torch.Tensor, t: GemmTile) -> torch.Tensor:
+    """The kernel's copy of expert codes [E, N, K/2] for fp4 tile t: the codes themselves for
+    padded row groups (swizzle 0) or a period of 1, else their rows swizzled (built once)."""
+    if not t.fp4:
+        raise ConfigError("swizzled: a bf16 tile (dense weights are tiled: tile_dense)")
+    if codes.dtype != torch.uint8 or codes.shape[-1] * 2 != t.k:
+        raise ConfigError(f"swizzled: want uint8 codes [..., N, {t.k // 2}], got {codes.dtype} {tuple(codes.shape)}")
+    if t.swizzle <= 1:
+        return codes
+    return _cached(codes, ("swizzle", t.swizzle), lambda: swizzle_units(codes, t.swizzle))
+
+
+def swizzled_scales(scales: torch.Tensor, t: GemmTile) -> torch.Tensor:
+    """The kernel's copy of E4M3 block scales [E, N, K/16] for fp4 tile t: the scales themselves,
+    or with rows swizzled (GemmTile.scale_swizzle, fp4_layout.scale_swizzle)."""
+    if not t.fp4:
+        raise ConfigError("swizzled_scales: a bf16 tile")
+    if scales.dtype != torch.uint8 or scales.shape[-1] * 16 != t.k:
+        raise ConfigError(f"swizzled_scales: want uint8 scales [..., N, {t.k // 16}], got {scales.dtype} "
+                          f"{tuple(scales.shape)}")
+    if t.scale_swizzle <= 1:
+        return scales
+    width, row_div = t.scale_swizzle, SWIZZLE_MAX // t.scale_swizzle
+    return _cached(scales, ("swizzle", width, row_div), lambda: swizzle_units(scales, width, row_div))
 
 
 def weight_tile(plan, field: str) -> GemmTile:

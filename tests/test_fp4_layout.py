@@ -85,3 +85,16 @@ def test_scale_conversion_integer_steps_are_exact_on_canonical_scales(x):
 def test_header_renders_the_pairs():
     h = L.render_header()
     assert "FP4_PAIRS[4][2]" in h and "{-7, 0x01C001C0u}" in h
+
+
+def test_swizzle_width_and_refusals():
+    # the largest power of two <= 8 dividing both the row's units and a warp's steps
+    assert L.swizzle_width(64, 16) == 8 and L.swizzle_width(32, 8) == 8
+    assert L.swizzle_width(4, 2) == 2 and L.swizzle_width(4, 4) == 4 and L.swizzle_width(2, 1) == 1
+    c = torch.zeros(2, 8, 64, dtype=torch.uint8)
+    assert torch.equal(L.swizzle_units(c, 1), c)
+    for bad in (0, 3, 8):  # not a power of two, or not dividing the row's 4 units
+        with pytest.raises(QuantizationError, match="width"):
+            L.swizzle_units(c, bad)
+    with pytest.raises(QuantizationError, match="16-byte units"):
+        L.swizzle_units(torch.zeros(2, 8, 24, dtype=torch.uint8), 2)

@@ -208,6 +208,7 @@ def _poisoned_modes_match_reference(cfg, plan, cache_seed, t, input_seed, ctx, w
         outs[m] = eng.step(toks, par, ctx, mode=m, routes=routes)
     assert torch.equal(outs["chain"].logits, outs["mega"].logits)
     check_close(outs["mega"].logits, ref, what, rel=1e-2)
+    return outs["mega"].logits
 
 
 def test_emulated_fp4_gemms_with_two_and_four_steps_per_code_load():
@@ -224,6 +225,33 @@ def test_emulated_fp4_gemms_with_two_and_four_steps_per_code_load():
     assert spw == {"expert1": 2, "expert2": 4}
     # t = 9: two token tiles, the k-loop copy with the second B tile
     _poisoned_modes_match_reference(cfg, plan, 8, 9, 12, 30, "fp4 runs of 2 and 4 steps vs reference")
+
+
+@pytest.mark.parametrize("dims, widths", [((128, 128, 128), {"expert1": (2, 0), "expert2": (4, 0)}),
+                                          ((1024, 512, 512), {"expert1": (8, 2), "expert2": (8, 2)})])
+def test_swizzled_expert_rows_give_the_same_bits(dims, widths):
+    # Plan.fp4_swizzle: the kernel's copy of the expert codes has unit u of row r at u ^ (r % period)
+    # (one copy per chunk, no pads) and gemm_fp4 reads it through per-lane ldmatrix bases. Periods 2
+    # and 4 (runs of 2 and 4 steps) and 8 (a period spans two runs of 4). With period 8 the scale
+    # rows are swizzled too (fp4_scale_swizzle; here rows of 2 units: width 2, every 4 rows). A base
+    # of the wrong unit, row or period changes the logits; padded rows must give the same bits.
+    cfg = dataclasses.replace(preset("tiny"), d_model=dims[0], d_pool=dims[1], d_expert=dims[2])
+    plans = {"padded": make_plan(cfg, 4, spin_bound_ns=3_000_000_000, fp4_swizzle=False),
+             "codes": make_plan(cfg, 4, spin_bound_ns=3_000_000_000, fp4_scale_swizzle=False),
+             "codes+scales": make_plan(cfg, 4, spin_bound_ns=3_000_000_000)}
+    swz = plans["codes+scales"]
+    assert {n: (swz.tiles[n].swizzle, swz.tiles[n].scale_swizzle) for n in widths} == widths
+    for n in widths:
+        t = swz.tiles[n]
+        assert t.row_group == t.chunk_rows and t.row_stride == t.chunk_rows * t.k // 2
+        assert plans["padded"].tiles[n].swizzle == 0 and plans["codes"].tiles[n].scale_swizzle == 0
+    if all(s for _, s in widths.values()):
+        runs = plans
+    else:  # no scale swizzle at these shapes: "codes" is the same plan
+        runs = {k: v for k, v in plans.items() if k != "codes"}
+    out = {k: _poisoned_modes_match_reference(cfg, p, 8, 9, 12, 30, f"{k} expert rows {dims}") for k, p in runs.items()}
+    for k, v in out.items():
+        assert torch.equal(v, out["padded"]), k
 
 
 def test_xg_holds_the_next_norms_operand_panel_major():
@@ -781,7 +809,7 @@ def test_fp4_code_row_groups_are_layout_only(tiny):
     """Code rows copied in groups of 2 (min_copy_bytes=64 at tiny's 32-byte rows) instead of the
     whole chunk at once: a different smem layout and loader, the same bits (mega and chain)."""
     cfg, w, base, plan = tiny
-    grouped = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, min_copy_bytes=64)
+    grouped = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, min_copy_bytes=64, fp4_swizzle=False)
     assert grouped.tiles["expert1"].row_group == 2 < grouped.tiles["expert1"].chunk_rows
     assert plan.tiles["expert1"].row_group == plan.tiles["expert1"].chunk_rows
     toks, par = _inputs(cfg, 8, 9)

@@ -65,3 +65,51 @@ def test_engines_of_one_model_share_the_tiled_copy_and_it_goes_with_its_source()
     del w, a
     gc.collect()
     assert key not in tiling._CACHE
+
+
+def test_swizzled_expert_codes_move_whole_units_within_a_row_and_are_shared():
+    t = GemmTile(rows=128, kc=512, k=512, fp4=True, chunk_rows=64, row_group=64, swizzle=8)
+    codes = torch.randint(0, 256, (3, 128, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    x = tiling.swizzled(codes, t)
+    assert x.shape == codes.shape and not torch.equal(x, codes)
+    # unit u (16 bytes) of row r lies at u ^ (r % 8): what gemm_fp4's ldmatrix bases read back
+    for e, r, u in [(0, 0, 3), (1, 5, 2), (2, 13, 15), (2, 127, 9)]:
+        v = u ^ (r % 8)
+        assert torch.equal(x[e, r, 16 * v:16 * v + 16], codes[e, r, 16 * u:16 * u + 16])
+    assert tiling.swizzled(codes, t) is x  # one copy per source tensor and period
+    # no swizzle, or a period of 1: the codes themselves, no copy
+    for sw in (0, 1):
+        plain = GemmTile(rows=128, kc=512, k=512, fp4=True, chunk_rows=64, row_group=64, swizzle=sw)
+        assert tiling.swizzled(codes, plain) is codes
+
+
+def test_swizzled_refuses_dense_tiles_and_codes_of_another_k():
+    codes = torch.zeros(2, 16, 128, dtype=torch.uint8)
+    with pytest.raises(ConfigError, match="bf16 tile"):
+        tiling.swizzled(codes, GemmTile(rows=16, kc=64, k=256, fp4=False))
+    with pytest.raises(ConfigError, match=r"want uint8 codes \[..., N, 64\]"):
+        tiling.swizzled(codes, GemmTile(rows=16, kc=128, k=128, fp4=True, chunk_rows=16, row_group=16, swizzle=2))
+
+
+def test_swizzled_scales_fill_the_banks_of_a_16_byte_load():
+    # gemm_fp4 loads one 16-byte scale unit of rows g = 0..7 (and g + 8) at once: swizzled, the 8
+    # rows' units must lie in 8 different 16-byte bank groups (of 128 bytes) for every unit
+    for k, width in [(2048, 8), (1024, 4), (512, 2)]:
+        t = GemmTile(rows=64, kc=k, k=k, fp4=True, chunk_rows=32, row_group=32, swizzle=8, scale_swizzle=width)
+        sc = torch.arange(2 * 64 * (k // 16), dtype=torch.int64).to(torch.uint8).reshape(2, 64, k // 16)
+        x = tiling.swizzled_scales(sc, t)
+        assert tiling.swizzled_scales(sc, t) is x
+        rb = k // 16
+        for u in range(rb // 16):
+            slots = set()
+            for r in range(8):
+                # where unit u of row r lies now: find it by content
+                row = x[1, r].reshape(-1, 16)
+                (pos,) = [i for i in range(rb // 16) if torch.equal(row[i], sc[1, r, 16 * u:16 * u + 16])]
+                slots.add((r * rb + 16 * pos) // 16 % 8)
+            assert len(slots) == 8, (k, u, slots)
+    plain = GemmTile(rows=64, kc=2048, k=2048, fp4=True, chunk_rows=32, row_group=32, swizzle=8, scale_swizzle=0)
+    sc = torch.zeros(1, 64, 128, dtype=torch.uint8)
+    assert tiling.swizzled_scales(sc, plain) is sc
+    with pytest.raises(ConfigError, match=r"want uint8 scales \[..., N, 128\]"):
+        tiling.swizzled_scales(torch.zeros(1, 64, 64, dtype=torch.uint8), plain)

@@ -339,7 +339,9 @@ MK_DEV void load_scales(const unsigned char* p, uint32_t (&w)[(SPW + 1) / 2]) {
 // [CR/RG][RG*K/2 + ROW_PAD] (one bulk copy per group: copies under ~2 KB cost ring bandwidth,
 // weights.ring; the pad puts the groups on different banks: unpadded, the code loads were 8-way
 // conflicts, 46% of the expert GEMMs' shared wavefronts under ncu; within a group RG-way), then
-// scales [CR][K/16] (one copy).
+// scales [CR][K/16] (one copy). With SW > 0 (plan fp4_swizzle) the rows lie swizzled, 16-byte
+// unit u of row r at u ^ (r % SW) (fp4_layout.swizzle_units), RG == CR and no pad: one copy of the
+// codes, and with SW = 8 the 8 rows of a code load on 8 different bank groups.
 // Operands swapped against the bf16 GEMMs: the dequantised weights are the mma's A (16 rows x
 // 16 k, built in registers), the activations its B (8 tokens x 16 k, ldmatrix), so one B load
 // serves 16 weight rows and a second 8-token tile (tokens 8..15) is loaded and multiplied only
@@ -368,7 +370,9 @@ template <int K>
 MK_DEV float* fp4_red_of(const Blk& b) {
   return reinterpret_cast<float*>(b.abuf + 16 * a_stride<K>());
 }
-template <int ROWS, int CR, int RG, int K>
+template <int K, int RG, int SW>
+MK_DEV constexpr int fp4_group_bytes() { return RG * (K / 2) + (SW > 0 ? 0 : ROW_PAD); }
+template <int ROWS, int CR, int RG, int SW, int SP, int K>
 MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
   constexpr int NCH = ROWS / CR, NT16C = CR / 16, WPT = WARPS / NT16C, KS32 = K / 32, AS = a_stride<K>();
   constexpr int SPW = (KS32 + WPT - 1) / WPT;
@@ -378,8 +382,23 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
   constexpr int SALIGN = lowbit(K / 16) < lowbit(2 * GS) ? lowbit(K / 16) : lowbit(2 * GS);
   static_assert(ROWS % CR == 0 && CR % 16 == 0 && WARPS % NT16C == 0 && K % 32 == 0, "fp4 tile shape");
   static_assert(16 * AS + WARPS * 16 * RC * 4 <= ABUF_BYTES, "partials fit abuf's tail (plan.py fp4_abuf_need)");
-  constexpr int GSZ = RG * (K / 2) + ROW_PAD;  // smem bytes per group of RG code rows
+  constexpr int GSZ = fp4_group_bytes<K, RG, SW>();  // smem bytes per group of RG code rows
   static_assert(CR % RG == 0 && ((CR / RG) * GSZ) % 16 == 0, "whole groups; scales start 16-byte aligned");
+  // Swizzled rows (SW > 0): a lane's unit j0 + y (+ ls) lies at (y % PER + ls) ^ (lr % PER) within its
+  // period, a per-lane constant for each y % PER, since a warp's steps start on a whole period
+  // (fp4_layout.swizzle_width divides SPW). NB such bases per lane; the k-loop walks super-groups of
+  // SG steps (whole periods and whole groups) so that each load's base and offset are constants.
+  constexpr int PER = SW > 0 ? SW : 1, SG = GS > PER ? GS : PER;
+  constexpr int NB = GS == 1 ? PER : (PER > 2 ? PER / 2 : 1);
+  static_assert(SW == 0 || (RG == CR && SPW % PER == 0 && (K / 32) % PER == 0 && PER <= 8 && (PER & (PER - 1)) == 0),
+                "swizzled rows: one code copy per chunk, whole periods per warp (fp4_layout.swizzle_width)");
+  // SP > 0: the scale rows (K/16 bytes: 16-byte units of 8 steps) are swizzled too, unit u of
+  // scale row r at u ^ ((r / (8 / SP)) % SP) (fp4_layout.scale_swizzle), so that the 8 rows g of a
+  // 16-byte scale load fill the 8 bank groups; a super-group (8 steps) is one unit, one load.
+  // Unswizzled, rows K/16 = 128 bytes apart made each scale load an 8-way conflict.
+  constexpr int SPD = SP ? 8 / SP : 1, SPM = SP ? SP : 1;
+  static_assert(SP == 0 || (SG == 8 && GS == 4 && 8 % SP == 0 && SP <= K / 256),
+                "a swizzled scale unit is one super-group (two groups of 4 steps) of whole units");
   const int w = warp(), q = w % NT16C, j0 = (w / NT16C) * SPW, g = lane() >> 2, t = lane() & 3;
   const int r0 = q * 16 + g;  // this thread's rows within the chunk: r0 and r0 + 8
   // The code words come by ldmatrix: a step's 16 code bytes of a row are one 8x8-b16 matrix row,
@@ -397,57 +416,79 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
   float* red = fp4_red_of<K>(b) + w * 16 * RC;
   for (int c = 0; c < NCH; ++c) {
     const unsigned char* st = ring_consume(b, what);
-    const SAddr crow = saddr(st + (lr / RG) * GSZ + (lr % RG) * (K / 2) + (j0 + ls) * 16);
-    const unsigned char* scales0 = st + (CR / RG) * GSZ + r0 * (K / 16) + 2 * j0;
+    const unsigned char* lrow = st + (lr / RG) * GSZ + (lr % RG) * (K / 2) + j0 * 16;
+    SAddr crow[NB];  // crow[z]: this lane's address of unit z (GS == 1) or pair z (+ ls) of a period
+#pragma unroll
+    for (int z = 0; z < NB; ++z) crow[z] = saddr(lrow + ((GS == 1 ? z : 2 * z + ls) ^ (lr % PER)) * 16);
+    const unsigned char* scales0 = st + (CR / RG) * GSZ + r0 * (K / 16) + (SP ? 0 : 2 * j0);
     const unsigned char* scales1 = scales0 + 8 * (K / 16);
+    const int sx = (g / SPD) % SPM;  // scale swizzle of rows r0 and r0 + 8 (r0 % 8 == g); 0 when SP == 0
     // acc[h][n]: step parity h (ILP), token tile n
     float acc[2][2][4] = {};
     // The k-loop, inlined twice: with the second token tile (tw) and without. Most slots have <= 8
     // tokens (T=16 spreads 128 token-slots over ~50 experts); the predicated second tile in one
     // shared copy cost 1.6% of a shard8 step (H200, 2026-11-29).
     auto steps = [&](const bool tw) {
-#pragma unroll 2
-      for (int jg = 0; jg < SPW; jg += GS) {
-        if constexpr (KS32 % WPT != 0) {
-          if (j0 + jg >= KS32) break;
-        }
-        uint32_t sw0[(GS + 1) / 2], sw1[(GS + 1) / 2];
-        load_scales<GS, SALIGN>(scales0 + 2 * jg, sw0);
-        load_scales<GS, SALIGN>(scales1 + 2 * jg, sw1);
-        // cw[4p + 2h + r]: row r0 + 8r, step jg + 2p + h (GS = 1: cw[r], step jg)
-        uint32_t cw[GS == 1 ? 2 : 2 * GS];
-        if constexpr (GS == 1) {
-          ldsm_x2(cw, crow + jg * 16);
-        } else {
-#pragma unroll
-          for (int p = 0; p < GS / 2; ++p) ldsm_x4(cw + 4 * p, crow + (jg + 2 * p) * 16);
+#pragma unroll(2 * GS > SG ? 2 * GS / SG : 1)
+      for (int js = 0; js < SPW; js += SG) {
+        uint4 su0{}, su1{};  // SP: the super-group's scale unit of rows r0 and r0 + 8
+        if constexpr (SP != 0) {
+          const int u = ((j0 + js) >> 3) ^ sx;
+          su0 = *reinterpret_cast<const uint4*>(scales0 + 16 * u);
+          su1 = *reinterpret_cast<const uint4*>(scales1 + 16 * u);
         }
 #pragma unroll
-        for (int i = 0; i < GS; ++i) {
-          // the block scales * 2^FP4_SCALE_EXP of steps 2m (low half) and 2m+1 (high half): one
-          // conversion for both steps, and each multiply takes its step's half by operand selector
-          const uint32_t s0 = ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw0[i / 2], 0u, ssel));
-          const uint32_t s1 = ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw1[i / 2], 0u, ssel));
-          auto scaled = [&](uint32_t pair, uint32_t s) {
-            return (i & 1) ? hmul2_bcast<1>(pair, s) : hmul2_bcast<0>(pair, s);
-          };
-          const uint32_t w0 = cw[GS == 1 ? 0 : 4 * (i / 2) + 2 * (i & 1)];
-          const uint32_t w1 = cw[GS == 1 ? 1 : 4 * (i / 2) + 2 * (i & 1) + 1];
-          // A fragments: a0 = (row g, k 2t..), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, ...)
-          const uint32_t am1[4] = {scaled(fp4_pair<0>(w0), s0), scaled(fp4_pair<0>(w1), s1),
-                                   scaled(fp4_pair<1>(w0), s0), scaled(fp4_pair<1>(w1), s1)};
-          const uint32_t am2[4] = {scaled(fp4_pair<2>(w0), s0), scaled(fp4_pair<2>(w1), s1),
-                                   scaled(fp4_pair<3>(w0), s0), scaled(fp4_pair<3>(w1), s1)};
-          uint32_t bt[4];
-          ldsm_x4(bt, brow + (jg + i) * 64);
-          const uint32_t b1[2] = {bt[0], bt[1]}, b2[2] = {bt[2], bt[3]};
-          mma(acc[i & 1][0], am1, b1);
-          mma(acc[i & 1][0], am2, b2);
-          if (tw) {
-            ldsm_x4(bt, brow + 8 * AS + (jg + i) * 64);
-            const uint32_t c1[2] = {bt[0], bt[1]}, c2[2] = {bt[2], bt[3]};
-            mma(acc[i & 1][1], am1, c1);
-            mma(acc[i & 1][1], am2, c2);
+        for (int gi = 0; gi < SG / GS; ++gi) {
+          const int jg = js + gi * GS;
+          if constexpr (KS32 % WPT != 0) {
+            if (j0 + jg >= KS32) break;
+          }
+          uint32_t sw0[(GS + 1) / 2], sw1[(GS + 1) / 2];
+          if constexpr (SP != 0) {  // GS == 4: group gi is words 2gi, 2gi + 1 of the unit
+            sw0[0] = gi ? su0.z : su0.x, sw0[1] = gi ? su0.w : su0.y;
+            sw1[0] = gi ? su1.z : su1.x, sw1[1] = gi ? su1.w : su1.y;
+          } else {
+            load_scales<GS, SALIGN>(scales0 + 2 * jg, sw0);
+            load_scales<GS, SALIGN>(scales1 + 2 * jg, sw1);
+          }
+          // cw[4p + 2h + r]: row r0 + 8r, step jg + 2p + h (GS = 1: cw[r], step jg)
+          uint32_t cw[GS == 1 ? 2 : 2 * GS];
+          if constexpr (GS == 1) {
+            ldsm_x2(cw, crow[gi % PER] + (js + gi / PER * PER) * 16);
+          } else {
+#pragma unroll
+            for (int p = 0; p < GS / 2; ++p) {
+              const int y = gi * GS + 2 * p;  // the pair's first step within the super-group
+              ldsm_x4(cw + 4 * p, crow[y % PER / 2] + (js + y / PER * PER) * 16);
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < GS; ++i) {
+            // the block scales * 2^FP4_SCALE_EXP of steps 2m (low half) and 2m+1 (high half): one
+            // conversion for both steps, and each multiply takes its step's half by operand selector
+            const uint32_t s0 = ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw0[i / 2], 0u, ssel));
+            const uint32_t s1 = ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw1[i / 2], 0u, ssel));
+            auto scaled = [&](uint32_t pair, uint32_t s) {
+              return (i & 1) ? hmul2_bcast<1>(pair, s) : hmul2_bcast<0>(pair, s);
+            };
+            const uint32_t w0 = cw[GS == 1 ? 0 : 4 * (i / 2) + 2 * (i & 1)];
+            const uint32_t w1 = cw[GS == 1 ? 1 : 4 * (i / 2) + 2 * (i & 1) + 1];
+            // A fragments: a0 = (row g, k 2t..), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, ...)
+            const uint32_t am1[4] = {scaled(fp4_pair<0>(w0), s0), scaled(fp4_pair<0>(w1), s1),
+                                     scaled(fp4_pair<1>(w0), s0), scaled(fp4_pair<1>(w1), s1)};
+            const uint32_t am2[4] = {scaled(fp4_pair<2>(w0), s0), scaled(fp4_pair<2>(w1), s1),
+                                     scaled(fp4_pair<3>(w0), s0), scaled(fp4_pair<3>(w1), s1)};
+            uint32_t bt[4];
+            ldsm_x4(bt, brow + (jg + i) * 64);
+            const uint32_t b1[2] = {bt[0], bt[1]}, b2[2] = {bt[2], bt[3]};
+            mma(acc[i & 1][0], am1, b1);
+            mma(acc[i & 1][0], am2, b2);
+            if (tw) {
+              ldsm_x4(bt, brow + 8 * AS + (jg + i) * 64);
+              const uint32_t c1[2] = {bt[0], bt[1]}, c2[2] = {bt[2], bt[3]};
+              mma(acc[i & 1][1], am1, c1);
+              mma(acc[i & 1][1], am2, c2);
+            }
           }
         }
       }
@@ -555,9 +596,9 @@ MK_DEV bool produce_bf16(const Blk& b, const uint16_t* W, int unit, unsigned& c,
 }
 
 // `row(r)` maps tile row r to a weight row; the CR rows of a chunk are consecutive weight rows:
-// CR/RG copies of RG*K/2 bytes of codes (lane i: rows i*RG.., into a padded group) and one of
-// CR x K/16 bytes of scales.
-template <int ROWS, int CR, int RG, int K, typename RowMap>
+// CR/RG copies of RG*K/2 bytes of codes (lane i: rows i*RG.., into a padded group; swizzled rows,
+// SW > 0: one copy, no pad) and one of CR x K/16 bytes of scales (by the next lane).
+template <int ROWS, int CR, int RG, int SW, int K, typename RowMap>
 MK_DEV bool produce_fp4(const Blk& b, const uint8_t* codes, const uint8_t* scales, RowMap row, unsigned& c,
                         uint32_t what) {
   static_assert((CR * (K / 16)) % 16 == 0 && (K / 2) % 16 == 0, "bulk copies move multiples of 16 bytes");
@@ -566,10 +607,10 @@ MK_DEV bool produce_fp4(const Blk& b, const uint8_t* codes, const uint8_t* scale
     unsigned char* st = stage_of(b, c);
     uint64_t* bar = &b.full[c % RING_STAGES];
     const size_t r0 = static_cast<size_t>(row(ch * CR));
-    constexpr int GSZ = RG * (K / 2) + ROW_PAD;
-    static_assert(CR / RG <= 32, "one lane per code group");
+    constexpr int GSZ = fp4_group_bytes<K, RG, SW>();
+    static_assert(CR / RG <= 32 && (SW == 0 || RG == CR), "one lane per code group");
     if (lane() < CR / RG) bulk_copy(st + lane() * GSZ, codes + (r0 + lane() * RG) * (K / 2), RG * (K / 2), bar);
-    if (lane() == 0) bulk_copy(st + (CR / RG) * GSZ, scales + r0 * (K / 16), CR * (K / 16), bar);
+    if (lane() == (CR / RG) % 32) bulk_copy(st + (CR / RG) * GSZ, scales + r0 * (K / 16), CR * (K / 16), bar);
   }
   return true;
 }

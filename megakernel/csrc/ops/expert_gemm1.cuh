@@ -21,7 +21,7 @@ MK_DEV bool load_expert1(const Blk& b, LoaderSlot& ls, int layer, int unit, unsi
   const uint8_t* codes = L.w1_codes + static_cast<size_t>(e) * (2 * F) * (P / 2);
   const uint8_t* scales = L.w1_scales + static_cast<size_t>(e) * (2 * F) * (P / 16);
   auto row = [j](int r) { return r < H1 ? j * H1 + r : F + j * H1 + (r - H1); };
-  return produce_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, TILE_EXPERT1_RG, P>(b, codes, scales, row, c, what);
+  return produce_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, TILE_EXPERT1_RG, TILE_EXPERT1_SW, P>(b, codes, scales, row, c, what);
 }
 
 MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
@@ -30,7 +30,7 @@ MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
   const SlotInfo si = slot_info<false>(b, layer, s, tag);
   const int ntok = si.ntok;
   stage_gather_rows<P>(b, p.pooled, ntok, tag);  // the slot's tokens: read by slot_info
-  gemm_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, TILE_EXPERT1_RG, P>(b, ntok, what);
+  gemm_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, TILE_EXPERT1_RG, TILE_EXPERT1_SW, TILE_EXPERT1_SSW, P>(b, ntok, what);
   const float ts = si.tscale;
 MK_COLD_LOOP
   for (int i = tid(); i < 16 * H1; i += COMPUTE_THREADS) {

@@ -18,7 +18,7 @@ MK_DEV bool load_expert2(const Blk& b, LoaderSlot& ls, int layer, int unit, unsi
   const uint8_t* codes = L.w2_codes + static_cast<size_t>(e) * P * (F / 2);
   const uint8_t* scales = L.w2_scales + static_cast<size_t>(e) * P * (F / 16);
   auto row = [j](int r) { return j * N2 + r; };
-  return produce_fp4<N2, TILE_EXPERT2_CR, TILE_EXPERT2_RG, F>(b, codes, scales, row, c, what);
+  return produce_fp4<N2, TILE_EXPERT2_CR, TILE_EXPERT2_RG, TILE_EXPERT2_SW, F>(b, codes, scales, row, c, what);
 }
 
 MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
@@ -28,7 +28,7 @@ MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
   const int ntok = si.ntok;
   const uint16_t* rows = p.act + static_cast<size_t>(s) * 16 * F;
   stage_gather_perm<F>(b, rows, ntok, [](int i) { return i; }, tag);
-  gemm_fp4<N2, TILE_EXPERT2_CR, TILE_EXPERT2_RG, F>(b, ntok, what);
+  gemm_fp4<N2, TILE_EXPERT2_CR, TILE_EXPERT2_RG, TILE_EXPERT2_SW, TILE_EXPERT2_SSW, F>(b, ntok, what);
   const float ts = si.tscale;
 MK_COLD_LOOP
   for (int i = tid(); i < 16 * N2; i += COMPUTE_THREADS) {
