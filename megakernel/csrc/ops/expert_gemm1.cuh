@@ -32,10 +32,10 @@ MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
   stage_gather_rows<P>(b, p.pooled, ntok, tag);  // the slot's tokens: read by slot_info
   gemm_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, TILE_EXPERT1_RG, TILE_EXPERT1_SW, TILE_EXPERT1_SSW, P>(b, ntok, what);
   const float ts = si.tscale;
+  // only the slot's token rows (a slot has ~3 of its 16 at T=16): no pass over rows it lacks
 MK_COLD_LOOP
-  for (int i = tid(); i < 16 * H1; i += COMPUTE_THREADS) {
+  for (int i = tid(); i < ntok * H1; i += COMPUTE_THREADS) {
     const int r = i / H1, f = i % H1;
-    if (r >= ntok) continue;
     const float g = gemm_sum_rows<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, P>(b, r, f) * ts;
     const float u = gemm_sum_rows<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, P>(b, r, H1 + f) * ts;
     const float silu = g * (1.f / (1.f + fexp(-g)));

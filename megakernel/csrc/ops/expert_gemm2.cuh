@@ -30,10 +30,11 @@ MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
   stage_gather_perm<F>(b, rows, ntok, [](int i) { return i; }, tag);
   gemm_fp4<N2, TILE_EXPERT2_CR, TILE_EXPERT2_RG, TILE_EXPERT2_SW, TILE_EXPERT2_SSW, F>(b, ntok, what);
   const float ts = si.tscale;
+  // only the slot's token rows (a slot has ~3 of its 16 at T=16): no pass over rows it lacks
 MK_COLD_LOOP
-  for (int i = tid(); i < 16 * N2; i += COMPUTE_THREADS) {
+  for (int i = tid(); i < ntok * N2; i += COMPUTE_THREADS) {
     const int r = i / N2, n = i % N2;
-    if (r < ntok) p.yexp[(s * 16 + r) * P + j * N2 + n] = f2bf(gemm_sum_rows<N2, TILE_EXPERT2_CR, F>(b, r, n) * ts);
+    p.yexp[(s * 16 + r) * P + j * N2 + n] = f2bf(gemm_sum_rows<N2, TILE_EXPERT2_CR, F>(b, r, n) * ts);
   }
 }
 
