@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from .config import ModelConfig
 from . import fp4_layout
+from .config import ModelConfig
 
 # op kinds, in the order they run inside a layer (the C++ enum is rendered from this tuple)
 OP_KINDS = ("embed", "qkv", "attn", "attn_combine", "oproj", "router", "pool", "topk", "expert1", "expert2",
@@ -104,6 +104,8 @@ class GemmTile:
     With `swizzle` > 0 (Plan.fp4_swizzle) the code rows are stored swizzled in 16-byte units
     (fp4_layout.swizzle_units with period `swizzle`): no pads, so a chunk's codes are one copy
     (row_group = chunk_rows), and the 8 rows of a code load hit different banks when swizzle is 8.
+    With `scale_swizzle` > 0 (Plan.fp4_scale_swizzle, period 8 only) the scale rows are swizzled
+    too (fp4_layout.scale_swizzle), so the kernel's 16-byte scale loads are conflict-free.
     """
 
     rows: int

@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from .config import ConfigError
-from .fp4_layout import SWIZZLE_MAX, swizzle_units
+from .fp4_layout import scale_swizzle, swizzle_units
 from .plan import ROW_PAD, GemmTile
 
 # the kernel's weight pointer (abi LayerPtrs / Params field) -> the op whose tile it is stored for
@@ -100,7 +100,10 @@ def swizzled_scales(scales: torch.Tensor, t: GemmTile) -> torch.Tensor:
                           f"{tuple(scales.shape)}")
     if t.scale_swizzle <= 1:
         return scales
-    width, row_div = t.scale_swizzle, SWIZZLE_MAX // t.scale_swizzle
+    width, row_div = scale_swizzle(t.k, t.swizzle)
+    if width != t.scale_swizzle:
+        raise ConfigError(f"swizzled_scales: tile scale swizzle {t.scale_swizzle}, but rows of K={t.k} with code "
+                          f"period {t.swizzle} take {width} (fp4_layout.scale_swizzle)")
     return _cached(scales, ("swizzle", width, row_div), lambda: swizzle_units(scales, width, row_div))
 
 

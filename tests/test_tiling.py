@@ -113,3 +113,6 @@ def test_swizzled_scales_fill_the_banks_of_a_16_byte_load():
     assert tiling.swizzled_scales(sc, plain) is sc
     with pytest.raises(ConfigError, match=r"want uint8 scales \[..., N, 128\]"):
         tiling.swizzled_scales(torch.zeros(1, 64, 64, dtype=torch.uint8), plain)
+    wrong = GemmTile(rows=64, kc=2048, k=2048, fp4=True, chunk_rows=32, row_group=32, swizzle=8, scale_swizzle=4)
+    with pytest.raises(ConfigError, match="take 8"):
+        tiling.swizzled_scales(sc, wrong)
