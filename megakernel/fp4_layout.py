@@ -207,4 +207,6 @@ def render_header() -> str:
             "// NVFP4 kernel word (megakernel/fp4_layout.py): pair e = OR over terms (shift, mask), shift < 0 right\n"
             "struct Fp4Term { int shift; uint32_t mask; };\n"
             f"constexpr Fp4Term FP4_PAIRS[4][2] = {{{', '.join(rows)}}};\n"
+            "// code and scale rows swizzle in periods of at most this many 16-byte units (swizzle_width)\n"
+            f"constexpr int FP4_SWIZZLE_MAX = {SWIZZLE_MAX};\n"
             "}  // namespace mk\n")

@@ -390,14 +390,16 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
   // SG steps (whole periods and whole groups) so that each load's base and offset are constants.
   constexpr int PER = SW > 0 ? SW : 1, SG = GS > PER ? GS : PER;
   constexpr int NB = GS == 1 ? PER : (PER > 2 ? PER / 2 : 1);
-  static_assert(SW == 0 || (RG == CR && SPW % PER == 0 && (K / 32) % PER == 0 && PER <= 8 && (PER & (PER - 1)) == 0),
+  static_assert(SW == 0 || (RG == CR && SPW % PER == 0 && (K / 32) % PER == 0 && PER <= FP4_SWIZZLE_MAX &&
+                            (PER & (PER - 1)) == 0),
                 "swizzled rows: one code copy per chunk, whole periods per warp (fp4_layout.swizzle_width)");
   // SP > 0: the scale rows (K/16 bytes: 16-byte units of 8 steps) are swizzled too, unit u of
-  // scale row r at u ^ ((r / (8 / SP)) % SP) (fp4_layout.scale_swizzle), so that the 8 rows g of a
-  // 16-byte scale load fill the 8 bank groups; a super-group (8 steps) is one unit, one load.
-  // Unswizzled, rows K/16 = 128 bytes apart made each scale load an 8-way conflict.
-  constexpr int SPD = SP ? 8 / SP : 1, SPM = SP ? SP : 1;
-  static_assert(SP == 0 || (SG == 8 && GS == 4 && 8 % SP == 0 && SP <= K / 256),
+  // scale row r at u ^ ((r / (MAX / SP)) % SP), MAX = FP4_SWIZZLE_MAX (fp4_layout.scale_swizzle),
+  // so that the 8 rows g of a 16-byte scale load fill the 8 bank groups; a super-group (8 steps)
+  // is one unit, one load. Unswizzled, rows K/16 = 128 bytes apart made each scale load an 8-way
+  // conflict.
+  constexpr int SPD = SP ? FP4_SWIZZLE_MAX / SP : 1, SPM = SP ? SP : 1;
+  static_assert(SP == 0 || (SG == 8 && SG == FP4_SWIZZLE_MAX && GS == 4 && FP4_SWIZZLE_MAX % SP == 0 && SP <= K / 256),
                 "a swizzled scale unit is one super-group (two groups of 4 steps) of whole units");
   const int w = warp(), q = w % NT16C, j0 = (w / NT16C) * SPW, g = lane() >> 2, t = lane() & 3;
   const int r0 = q * 16 + g;  // this thread's rows within the chunk: r0 and r0 + 8
