@@ -448,6 +448,7 @@ def render(plan: Plan) -> str:
         f"constexpr unsigned POLL_BACKOFF_NS = {plan.poll_backoff_ns}u;",
         "// op kinds",
         "enum OpKind : int { " + ", ".join(f"OP_{k.upper()} = {i}" for i, k in enumerate(OP_KINDS)) + " };",
+        f"constexpr int OP_KINDS = {len(OP_KINDS)};",
         "// GEMM tiles: rows per unit, K chunk, K",
     ]
     for name, t in plan.tiles.items():

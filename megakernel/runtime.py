@@ -61,7 +61,7 @@ def _ptr(t: torch.Tensor | None) -> int:
 class Engine:
     def __init__(self, weights: ModelWeights, plan: Plan, cache: KVCache, *, backend: str = "gpu",
                  program_mode: str = "layer", grid: int | None = None, emu_seed: int = 1,
-                 code_budget: int | None = None):
+                 code_budget: int | None = None, profile_launches=None):
         if backend not in ("gpu", "emu"):
             raise ValueError(f"backend {backend!r}: 'gpu' or 'emu'")
         if plan.cfg != weights.cfg:
@@ -82,6 +82,7 @@ class Engine:
             n = max(len(self.program.launches), len(self.program.ops))  # a slice per launch of either mode
             self.prof = ProfileBuffer(ProfileLayout(self.grid, 1, plan.profile_cap), launches=n,
                                       device="cpu" if backend == "emu" else (self.dev.index or 0))
+        self.profile_launches = profile_launches
         self.emu_seed = emu_seed
         self._check_weights()
         self._alloc()
@@ -100,6 +101,27 @@ class Engine:
 
             self.dll = build_emu(plan)
         self._params_dev = None
+
+    @property
+    def profile_launches(self) -> frozenset[int] | None:
+        """The launch indices the profiler records (None: every launch). A launch that is not
+        recorded gets no buffer, and its blocks skip the profiler's timer reads too: it costs only
+        the profiled code's presence, so sampling launches lowers the profiler's share of a step.
+        Set it before capturing a graph (the buffer pointers are baked into the graph)."""
+        return self._prof_launches
+
+    @profile_launches.setter
+    def profile_launches(self, launches) -> None:
+        if launches is None:
+            self._prof_launches = None
+            return
+        if self.prof is None:
+            raise ConfigError("profile_launches needs a plan built with profile=True")
+        sel = frozenset(int(i) for i in launches)
+        bad = sorted(i for i in sel if not 0 <= i < self.prof.launches)
+        if bad:
+            raise ConfigError(f"profile_launches {bad[:8]}: launch indices run 0..{self.prof.launches - 1}")
+        self._prof_launches = sel
 
     # ------------------------------------------------------------------ setup
     def _check_weights(self):
@@ -312,7 +334,8 @@ class Engine:
         return t
 
     def _launch(self, first, n, wait, grid, t, ctx, li=0, pdl=False):
-        pb, pm = self.prof.args(li) if self.prof is not None else (0, np.uint64(0))
+        recorded = self.prof is not None and (self._prof_launches is None or li in self._prof_launches)
+        pb, pm = self.prof.args(li) if recorded else (0, np.uint64(0))
         if self.backend == "gpu":
             from microbench.launch import LaunchSpec, launch
 

@@ -702,6 +702,39 @@ def test_deferred_op_stamps_are_the_immediate_ones(tiny, program_mode):
     assert (a["gt"][wait_end - 1] <= a["gt"][wait_end]).all() and (a["gt"][wait_end + 2] >= a["gt"][wait_end]).all()
 
 
+def test_profile_launches_records_only_the_chosen_launches(tiny):
+    """Engine.profile_launches samples launches: the others get no buffer and skip the timer
+    reads. The recorded launches hold the same op records (events, op indices, order) as when
+    every launch is recorded, the rest hold none, and the outputs keep their bits."""
+    cfg, w, base, _ = tiny
+    toks, par = _inputs(cfg, 8, 4)
+    plan = make_plan(cfg, 4, profile=True, profile_cap=1024)
+    full = Engine(w, plan, base.clone(), backend="emu")
+    out_full = full.step(toks, par, 40, mode="mega")
+    n = len(full.program.launches)
+    assert n >= 3
+    pick = {1, n - 1}
+    some = Engine(w, plan, base.clone(), backend="emu", profile_launches=pick)
+    out_some = some.step(toks, par, 40, mode="mega")
+    assert torch.equal(out_full.logits, out_some.logits) and torch.equal(out_full.tokens, out_some.tokens)
+    a, b = full.prof.read(), some.prof.read()
+    assert set(np.unique(b.launch).tolist()) == pick
+    assert set(np.unique(a.launch).tolist()) == set(range(n))
+    for li in pick:
+        ka, kb = a.launch == li, b.launch == li
+        assert kb.sum() > 4
+        for f in ("block", "warp", "slot", "event", "arg"):
+            assert np.array_equal(getattr(a, f)[ka], getattr(b, f)[kb]), (li, f)
+    assert not some.timeline("mega").problems
+    some.profile_launches = None  # every launch again
+    some.step(toks, par, 40, mode="mega")
+    assert set(np.unique(some.prof.read().launch).tolist()) == set(range(n))
+    with pytest.raises(ConfigError, match="launch indices run 0"):
+        some.profile_launches = [some.prof.launches]
+    with pytest.raises(ConfigError, match="profile=True"):
+        Engine(w, make_plan(cfg, 4), base.clone(), backend="emu", profile_launches=[0])
+
+
 @pytest.mark.parametrize("detail", [False, True])
 def test_sentinel_topk_wait_ends_when_its_poll_does(tiny, detail):
     """With sentinel slots top-k has no counter to wait for: its wait is the poll inside the op.

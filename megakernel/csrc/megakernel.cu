@@ -39,16 +39,20 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
     b.misc[MISC_TAG] = -1;
     b.misc[MISC_RTAG] = -1;
     b.misc[MISC_OPS_DONE] = 0;
-    if (PROF_DEFER)
-      for (int k = 0; k < PROF_OPS; ++k) prof_slot(b, k)->kind1 = 0;
+    if (PROF_DEFER) {
+      for (int k = 0; k < PROF_OPS; ++k) prof_slot(b, k)->op = -1;
+      b.misc[MISC_PWIN] = first;
+    }
   }
   sync_block();
   if (warp() == WARPS) {
     loader_loop(b, first, n_ops);  // weights only: never waits for the previous launch
   } else {
     if (PDL) pdl_wait();  // activations, caches and counters of the previous launch are complete
-    compute_loop(b, first, n_ops, prof);
-    prof_flush(b, prof);  // the ops since the last flush (all of them after an early stop, too)
+    // launches the host does not record (no buffer) skip the instants and the flush too
+    const bool rec = mb_prof_buf != nullptr;
+    compute_loop(b, first, n_ops, prof, rec);
+    if (rec) prof_flush(b, prof, false);  // the ops since the last flush (all of them after an early stop, too)
     if (tid() == 0) prof.stamp(MK_EV_LAUNCH_END, first);
   }
 }

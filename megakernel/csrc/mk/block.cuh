@@ -33,9 +33,9 @@ constexpr int MISC_RNORM = MISC_RTAG + 1;  // [16] float: the staged norm's rsqr
 // the profiler's deferred op stamps (program.cuh ProfSlot): PROF_OPS slots of 8 ints, 8-byte aligned
 constexpr int PROF_OPS = 16;
 constexpr int MISC_PSLOT = (MISC_RNORM + 16 + 1) & ~1;
-constexpr int MISC_PBASE = MISC_PSLOT + 8 * PROF_OPS;  // the first record number of a flush
+constexpr int MISC_PWIN = MISC_PSLOT + 8 * PROF_OPS;  // the first op of the slots' current window
 // [2] an op's own "wait end" instant, where its wait is inside the op (top-k's sentinel poll)
-constexpr int MISC_PWAIT = MISC_PBASE + 2;
+constexpr int MISC_PWAIT = MISC_PWIN + 2;
 constexpr int MISC_INTS = MISC_PWAIT + 2;
 
 struct Blk {

@@ -47,6 +47,7 @@ constexpr unsigned long long SPIN_BOUND_NS = 2000000000ull;
 constexpr unsigned POLL_BACKOFF_NS = 0u;
 // op kinds
 enum OpKind : int { OP_EMBED = 0, OP_QKV = 1, OP_ATTN = 2, OP_ATTN_COMBINE = 3, OP_OPROJ = 4, OP_ROUTER = 5, OP_POOL = 6, OP_TOPK = 7, OP_EXPERT1 = 8, OP_EXPERT2 = 9, OP_MOE_COMBINE = 10, OP_UNPOOL = 11, OP_LM_HEAD = 12, OP_ARGMAX = 13 };
+constexpr int OP_KINDS = 14;
 // GEMM tiles: rows per unit, K chunk, K
 constexpr int TILE_QKV_ROWS = 16;
 constexpr int TILE_QKV_KC = 128;

@@ -247,47 +247,48 @@ MK_DEV uint32_t ev_work_begin(int kind) { return ev_wait_begin(kind) + 2u; }
 // Op phase stamps, deferred (profiled builds without detail stamps). A record written where the
 // phase changes cost ~180 ns of thread 0's time there, with the other warps waiting at the next
 // barrier: ~2,000 stamps per block per shard8 step were 3.8% of it (H200 in-run A/B, 2026-11-29;
-// the same build with empty stamps: 0.2%). Thread 0 now only saves the instant (a timer read and
-// a shared-memory store at a fixed slot of the op); the compute warps write the records together
-// when PROF_OPS ops are done and at launch end (prof_flush), in op order, the same records as
-// before: 2.4-2.7%, of which saving the instants and the flush are ~1% each (in-run A/Bs, README
-// "What is not done"; a loader-warp drain instead of the flush was no better). Detail builds
-// stamp inside units and keep immediate records (mb/profile.cuh).
+// the same build with empty stamps: 0.2%). Thread 0 only saves the instants (a timer read and a
+// shared-memory store at the op's slot) and, when the op ends, reserves its four records; the
+// compute warps write them together when PROF_OPS ops are done and at launch end (prof_flush),
+// one record per thread, in op order. Detail builds stamp inside units and keep immediate
+// records (mb/profile.cuh). `rec` (the host passed a buffer for this launch) gates all of it
+// (Engine.profile_launches). Danger, measured (H200 A/Bs, 2026-11-30): a profiled build that
+// records nothing is already 2.2-2.4% slower than the unprofiled one, with the same hot loops;
+// recording adds ~0.7%. The code's presence changes ptxas's output elsewhere (README).
 constexpr bool PROF_DEFER = PROFILE && !PROFILE_DETAIL;
 struct ProfSlot {
-  int op, kind1;  // kind1 = kind + 1 once the op ended on this block (0: nothing to write)
+  int op;        // the op whose instants these are (valid in the window that holds op; -1: none)
+  uint32_t rec;  // its first reserved record << 8 | kind + 1, set when the op ended on this block
   uint64_t t[3];  // wait begin, wait end = work begin, work end
 };
 static_assert(sizeof(ProfSlot) == 8 * 4, "block.cuh MISC_PSLOT reserves 8 ints per op");
+static_assert(OP_KINDS < 255, "ProfSlot.rec keeps kind + 1 in 8 bits");
 MK_DEV ProfSlot* prof_slot(const Blk& b, int k) { return reinterpret_cast<ProfSlot*>(b.misc + MISC_PSLOT) + k; }
 
-// Every compute thread calls (a barrier inside). Thread 0 numbers the ended ops' records.
-MK_DEV void prof_flush(Blk& b, mb::prof::Profiler& prof) {
+// Every compute thread calls (barriers inside). Thread 4k + r writes record r of slot k when the
+// slot's op lies in the current window (MISC_PWIN), so nothing is counted or cleared here: a
+// slot left from an earlier window, or by an op this block had no unit of, names another op.
+// `more`: the launch goes on, so thread 0 may reuse the slots only after every writer read them.
+MK_DEV void prof_flush(Blk& b, mb::prof::Profiler& prof, bool more) {
   if constexpr (PROF_DEFER) {
     sync_compute();  // thread 0's last slot writes
-    if (tid() == 0) {
-      int n = 0;
-      for (int k = 0; k < PROF_OPS; ++k) n += prof_slot(b, k)->kind1 ? 1 : 0;
-      b.misc[MISC_PBASE] = static_cast<int>(prof.reserve(4u * n));
-    }
-    sync_compute();
+    const int w0 = b.misc[MISC_PWIN];
     if (tid() < 4 * PROF_OPS) {
       const int k = tid() / 4, r = tid() % 4;
       const ProfSlot& s = *prof_slot(b, k);
-      if (s.kind1) {
-        int rank = 0;
-        for (int j = 0; j < k; ++j) rank += prof_slot(b, j)->kind1 ? 1 : 0;
-        const uint32_t ev = ev_wait_begin(s.kind1 - 1) + static_cast<uint32_t>(r);
-        prof.put_at(static_cast<uint32_t>(b.misc[MISC_PBASE] + 4 * rank + r), s.t[(r + 1) / 2], ev,
-                    static_cast<uint32_t>(s.op));
+      if (s.op == w0 + k) {
+        const uint32_t ev = ev_wait_begin(static_cast<int>(s.rec & 0xFFu) - 1) + static_cast<uint32_t>(r);
+        prof.put_at((s.rec >> 8) + static_cast<uint32_t>(r), s.t[(r + 1) / 2], ev, static_cast<uint32_t>(s.op));
       }
     }
-    sync_compute();
-    if (tid() < PROF_OPS) prof_slot(b, tid())->kind1 = 0;
+    if (more) {
+      sync_compute();
+      if (tid() == 0) b.misc[MISC_PWIN] = w0 + PROF_OPS;
+    }
   }
 }
 
-MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) {
+MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, bool rec) {
   volatile int* ops_done = b.misc + MISC_OPS_DONE;
   for (int i = first; i < first + nops; ++i) {
     const Op o = load_op(*b.p, i);
@@ -297,7 +298,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
     // spent waiting for top-k fell between two records and counted as neither wait nor work
     uint64_t t_route = 0;
     if (is_dynamic(o.kind)) {
-      if (PROFILE && tid() == 0) t_route = now_ns();
+      if (PROFILE && rec && tid() == 0) t_route = now_ns();
       if (b.wait && tid() == 0) fail = !wait_dep(b, i, o, 0, 0, static_cast<uint32_t>(i * 16));
       if (sync_compute_or(fail)) return;  // the routing is visible to every thread from here
     }
@@ -325,15 +326,19 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
     ProfSlot& ps = *prof_slot(b, (i - first) % PROF_OPS);
     for (int u = r.begin; u < (lim < 0 ? -lim : lim); u += lim < 0 ? nblocks_here() : 1) {
       if (first_unit && tid() == 0) {
-        if (PROF_DEFER) ps.t[0] = is_dynamic(o.kind) ? t_route : now_ns();
-        else if (is_dynamic(o.kind)) prof.put_at(prof.reserve(1), t_route, ev_wait_begin(o.kind), i);
-        else prof.stamp(ev_wait_begin(o.kind), i);
+        if (PROF_DEFER) {
+          if (rec) ps.t[0] = is_dynamic(o.kind) ? t_route : now_ns();
+        } else if (is_dynamic(o.kind)) {
+          prof.put_at(prof.reserve(1), t_route, ev_wait_begin(o.kind), i);
+        } else {
+          prof.stamp(ev_wait_begin(o.kind), i);
+        }
       }
       if (b.wait && tid() == 0) fail = !wait_unit(b, i, o0, u, dc);
       if (first_unit) {
         if (tid() == 0) {
           if (PROF_DEFER) {
-            ps.t[1] = now_ns();
+            if (rec) ps.t[1] = now_ns();
           } else if (!(SENTINEL_ROUTE && o.kind == OP_TOPK)) {  // top-k stamps these after its poll
             prof.stamp(ev_wait_begin(o.kind) + 1, i);
             prof.stamp(ev_work_begin(o.kind), i);
@@ -351,17 +356,19 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof) 
     if (b.wait && tid() == 0 && o0.signal) signal_op_end(b, o0, pd);
     if (!first_unit && tid() == 0) {
       if (PROF_DEFER) {
-        // top-k with sentinel slots waits inside the op: its wait phase ends when the poll did
-        if (SENTINEL_ROUTE && o.kind == OP_TOPK) ps.t[1] = *reinterpret_cast<const uint64_t*>(b.misc + MISC_PWAIT);
-        ps.t[2] = now_ns();
-        ps.op = i;
-        ps.kind1 = o.kind + 1;
+        if (rec) {
+          // top-k with sentinel slots waits inside the op: its wait phase ends when the poll did
+          if (SENTINEL_ROUTE && o.kind == OP_TOPK) ps.t[1] = *reinterpret_cast<const uint64_t*>(b.misc + MISC_PWAIT);
+          ps.t[2] = now_ns();
+          ps.op = i;
+          ps.rec = prof.reserve(4u) << 8 | static_cast<uint32_t>(o.kind + 1);
+        }
       } else {
         prof.stamp(ev_work_begin(o.kind) + 1, i);
       }
     }
     if (tid() == 0) *ops_done = i - first + 1;
-    if (PROF_DEFER && (i - first + 1) % PROF_OPS == 0) prof_flush(b, prof);  // uniform: every compute thread
+    if (PROF_DEFER && rec && (i - first + 1) % PROF_OPS == 0) prof_flush(b, prof, true);  // every compute thread
   }
 }
 
