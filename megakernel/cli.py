@@ -8,6 +8,9 @@
   program [--preset P]    print the launches and op instances of one step
   ncu-op --op K [K ...]   on a GPU: one chain-mode step up to the named ops of one layer, with only
                           those launches inside cudaProfilerStart/Stop (for `ncu --profile-from-start off`)
+  ncu-mega [--launch L] [--variant NAME[=CSRC_DIR][:KEY=VALUE,...] ...]   on a GPU: per variant, one
+                          mega-mode step up to launch L (PDL off), only launch L inside
+                          cudaProfilerStart/Stop: the same layer of several builds in one ncu report
   ncu-stalls CSV [--top N] [--hottest N] [--out FILE.md]   markdown summary of the stall samples in
                           `ncu --page source --csv --print-source sass` output, by execution count (no GPU)
   ab --variant NAME[=CSRC_DIR][:KEY=VALUE,...] ... [--point PRESET:T:CTX ...] [--rounds N]
@@ -149,6 +152,51 @@ def _ncu_op(a) -> int:
     return 0
 
 
+def _ncu_mega(a) -> int:
+    if _no_gpu("ncu-mega"):
+        return 2
+    import torch
+
+    from .ab import _plan, kernel_tree, parse_variant
+    from .bench_baselines import step_context, weights_for
+    from .config import ConfigError
+    from .runtime import Engine
+
+    try:
+        variants = [parse_variant(v) for v in (a.variant or ["base"])]
+    except ConfigError as e:
+        print(f"ncu-mega: {e}", file=sys.stderr)
+        return 2
+    sc = step_context(a.preset, a.tokens, a.ctx)
+    w = weights_for(a.preset)
+    routes = [r.cuda() for r in sc.routes]
+    for v in variants:
+        with kernel_tree(v.csrc):
+            eng = Engine(w, _plan(a.preset, v, None), sc.cache0.clone(), backend="gpu")
+        eng.step(sc.tokens, sc.parents, a.ctx, mode="mega", routes=routes)  # module load, warm caches
+        t = eng.prepare(sc.tokens, sc.parents, a.ctx, routes)
+        launches = eng.launches("mega")
+        if not 0 <= a.launch < len(launches):
+            print(f"ncu-mega: launch {a.launch} outside 0..{len(launches) - 1} ({a.preset})", file=sys.stderr)
+            return 2
+        # the step's own launches up to L, in order (L's waits are on counters they bump); PDL off,
+        # so the profiled launch runs alone, as ncu runs it anyway
+        eng.counters[eng.parity].zero_()
+        for li, (first, n, wait, grid) in enumerate(launches[:a.launch + 1]):
+            if li == a.launch:
+                torch.cuda.synchronize()
+                torch.cuda.profiler.start()
+            eng._launch(first, n, wait, grid, t, a.ctx, li)
+            if li == a.launch:
+                torch.cuda.synchronize()
+                torch.cuda.profiler.stop()
+                print(f"{v.name}: profiled mega launch {li} (ops {first}..{first + n - 1}, grid {grid})")
+        torch.cuda.synchronize()
+        eng._check_watchdog(True)  # a wait that gave up would make the profile a partial launch's
+        del eng
+    return 0
+
+
 def _program(a) -> int:
     from .config import preset
     from .plan import make_plan
@@ -245,6 +293,13 @@ def main(argv=None) -> int:
     s.add_argument("--layer", type=int, default=0)
     s.add_argument("--op", nargs="+", required=True)
     s.set_defaults(fn=_ncu_op)
+    s = sub.add_parser("ncu-mega")
+    s.add_argument("--preset", default="shard8")
+    s.add_argument("--tokens", type=int, default=16)
+    s.add_argument("--ctx", type=int, default=2048)
+    s.add_argument("--launch", type=int, default=31, help="the mega launch to profile (31: a middle layer of shard8)")
+    s.add_argument("--variant", action="append", help="as for `ab`; default: the repository's kernel")
+    s.set_defaults(fn=_ncu_mega)
     s = sub.add_parser("ncu-stalls")
     s.add_argument("csv")
     s.add_argument("--top", type=int, default=12, help="execution-count classes shown")
