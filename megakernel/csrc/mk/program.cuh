@@ -253,9 +253,9 @@ MK_DEV uint32_t ev_work_begin(int kind) { return ev_wait_begin(kind) + 2u; }
 // one record per thread, in op order. Detail builds stamp inside units and keep immediate
 // records (mb/profile.cuh). `rec` (the host passed a buffer for this launch) gates all of it
 // (Engine.profile_launches). Danger, measured (H200, 2026-11-30): a profiled build that records
-// nothing is already 2.2-2.4% slower than the unprofiled one. ptxas adds address arithmetic to
-// the op and unit loops and to a level of the expert GEMM, +1.6% instructions (Nsight Compute,
-// README). Recording adds ~0.7%. Keep what the profiler needs out of registers across loops.
+// nothing is already 2.2-2.4% slower than the unprofiled one: the flag tests and slot arithmetic
+// below run per op and per unit even then, and the expert GEMM gets extra address arithmetic
+// (+1.6% instructions, Nsight Compute, README). Recording adds ~0.7%.
 constexpr bool PROF_DEFER = PROFILE && !PROFILE_DETAIL;
 struct ProfSlot {
   int op;        // the op whose instants these are (valid in the window that holds op; -1: none)
