@@ -15,8 +15,10 @@ T, ctx) every variant is built and checked, then timed:
   spread is the noise a difference must clear (a layout placebo moved shard8 by -0.3..+0.7%,
   README).
 
-Variants differing only in code layout move the step by that much; a change is worth keeping when
-it clears the placebo at the point it targets and does not lose beyond it elsewhere.
+Variants differing only in code layout move the step by that much. Edits that do little or no
+work move it further through code generation: -0.6% to +5.8% on 2026-11-30, e.g. the profiler
+compiled in but idle +2.2-2.4% (README). So an A/B measures the compiled kernel truthfully, but a
+difference of a few percent does not show the mechanism an edit was meant to exercise.
 
 `build_variants` compiles every (preset, variant) into the kernel cache on a machine without a
 GPU (`MEGABENCH_CACHE`), so the GPU's minutes go to timing.

@@ -113,11 +113,27 @@ def _sanitize(a) -> int:
     return 0
 
 
+def _launches_profiled(eng, launches, targets, t: int, ctx: int, label) -> None:
+    """Run `launches` of the prepared step in order, the indices in `targets` alone inside
+    cudaProfilerStart/Stop (for `ncu --profile-from-start off`); label(li, first, n, grid) names
+    each profiled launch on stdout."""
+    import torch
+
+    for li, (first, n, wait, grid) in enumerate(launches):
+        if li in targets:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+        eng._launch(first, n, wait, grid, t, ctx, li)
+        if li in targets:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            print(label(li, first, n, grid))
+    torch.cuda.synchronize()
+
+
 def _ncu_op(a) -> int:
     if _no_gpu("ncu-op"):
         return 2
-    import torch
-
     from .bench_baselines import step_context, weights_for
     from .pipeline import plan_for
     from .runtime import Engine
@@ -138,25 +154,15 @@ def _ncu_op(a) -> int:
     if not targets:
         print(f"ncu-op: layer {a.layer} has none of {a.op}", file=sys.stderr)
         return 2
-    launches = eng.launches("chain")
-    for li, (first, n, wait, grid) in enumerate(launches[:max(targets) + 1]):
-        if li in targets:
-            torch.cuda.synchronize()
-            torch.cuda.profiler.start()
-        eng._launch(first, n, wait, grid, t, a.ctx, li)
-        if li in targets:
-            torch.cuda.synchronize()
-            torch.cuda.profiler.stop()
-            print(f"profiled launch {li}: {ops[li].kind} layer {ops[li].layer} (grid {grid})")
-    torch.cuda.synchronize()
+    _launches_profiled(eng, eng.launches("chain")[:max(targets) + 1], targets, t, a.ctx,
+                       lambda li, first, n, grid: f"profiled launch {li}: {ops[li].kind} layer {ops[li].layer} "
+                                                  f"(grid {grid})")
     return 0
 
 
 def _ncu_mega(a) -> int:
     if _no_gpu("ncu-mega"):
         return 2
-    import torch
-
     from .ab import _plan, kernel_tree, parse_variant
     from .bench_baselines import step_context, weights_for
     from .config import ConfigError
@@ -182,16 +188,9 @@ def _ncu_mega(a) -> int:
         # the step's own launches up to L, in order (L's waits are on counters they bump); PDL off,
         # so the profiled launch runs alone, as ncu runs it anyway
         eng.counters[eng.parity].zero_()
-        for li, (first, n, wait, grid) in enumerate(launches[:a.launch + 1]):
-            if li == a.launch:
-                torch.cuda.synchronize()
-                torch.cuda.profiler.start()
-            eng._launch(first, n, wait, grid, t, a.ctx, li)
-            if li == a.launch:
-                torch.cuda.synchronize()
-                torch.cuda.profiler.stop()
-                print(f"{v.name}: profiled mega launch {li} (ops {first}..{first + n - 1}, grid {grid})")
-        torch.cuda.synchronize()
+        _launches_profiled(eng, launches[:a.launch + 1], {a.launch}, t, a.ctx,
+                           lambda li, first, n, grid: f"{v.name}: profiled mega launch {li} "
+                                                      f"(ops {first}..{first + n - 1}, grid {grid})")
         eng._check_watchdog(True)  # a wait that gave up would make the profile a partial launch's
         del eng
     return 0

@@ -99,3 +99,24 @@ def test_build_only_compiles_every_variant_without_a_gpu(capsys):
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out] == ["tiny a", "tiny k16"]
     assert all("0 B spill stores" in line for line in out)
+
+
+def test_ncu_commands_put_only_the_target_launches_inside_the_profiler_range(monkeypatch, capsys):
+    """ncu-op and ncu-mega share _launches_profiled: every launch up to the target runs, in
+    order, and only the targets sit between cudaProfilerStart and Stop (what `ncu
+    --profile-from-start off` profiles)."""
+    from megakernel import cli
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: calls.append("start"))
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: calls.append("stop"))
+
+    class Eng:
+        def _launch(self, first, n, wait, grid, t, ctx, li):
+            calls.append(li)
+
+    launches = [(10 * i, 1, 1, 132) for i in range(5)]
+    cli._launches_profiled(Eng(), launches, {1, 3}, 16, 2048, lambda li, first, n, grid: f"launch {li} op {first}")
+    assert calls == [0, "start", 1, "stop", 2, "start", 3, "stop", 4]
+    assert capsys.readouterr().out.split("\n")[:2] == ["launch 1 op 10", "launch 3 op 30"]
