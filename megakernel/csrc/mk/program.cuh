@@ -252,10 +252,13 @@ MK_DEV uint32_t ev_work_begin(int kind) { return ev_wait_begin(kind) + 2u; }
 // compute warps write them together when PROF_OPS ops are done and at launch end (prof_flush),
 // one record per thread, in op order. Detail builds stamp inside units and keep immediate
 // records (mb/profile.cuh). `rec` (the host passed a buffer for this launch) gates all of it
-// (Engine.profile_launches). Danger, measured (H200, 2026-11-30): a profiled build that records
-// nothing is already 2.2-2.4% slower than the unprofiled one: the flag tests and slot arithmetic
-// below run per op and per unit even then, and the expert GEMM gets extra address arithmetic
-// (+1.6% instructions, Nsight Compute, README). Recording adds ~0.7%.
+// (Engine.profile_launches), tested once per op, and the slots are indexed by mask (in-run A/B,
+// H200 2026-11-30 10:02Z: shard8 T=16 +2.86 -> +2.77% over unprofiled, small +3.63 -> +2.88%).
+// Danger, measured (H200, 2026-11-30): a profiled build that records nothing is already 2.2-2.4%
+// slower than the unprofiled one: the flag tests and slot arithmetic below run per op and per unit
+// even then, and the expert GEMM gets extra address arithmetic (+1.6% instructions, Nsight
+// Compute, README). Recording adds ~0.7%. Not better: an observer warp writing the records from
+// instants thread 0 saves unconditionally (+3.31 / +4.38%, 10:13Z).
 constexpr bool PROF_DEFER = PROFILE && !PROFILE_DETAIL;
 struct ProfSlot {
   int op;        // the op whose instants these are (valid in the window that holds op; -1: none)
@@ -265,6 +268,11 @@ struct ProfSlot {
 static_assert(sizeof(ProfSlot) == 8 * 4, "block.cuh MISC_PSLOT reserves 8 ints per op");
 static_assert(OP_KINDS < 255, "ProfSlot.rec keeps kind + 1 in 8 bits");
 MK_DEV ProfSlot* prof_slot(const Blk& b, int k) { return reinterpret_cast<ProfSlot*>(b.misc + MISC_PSLOT) + k; }
+// op i's slot: i - first >= 0, so an unsigned mask (PROF_OPS a power of two) instead of signed %
+MK_DEV ProfSlot* prof_slot_of(const Blk& b, int i, int first) {
+  return prof_slot(b, static_cast<int>(static_cast<unsigned>(i - first) & (PROF_OPS - 1u)));
+}
+static_assert((PROF_OPS & (PROF_OPS - 1)) == 0, "prof_slot_of masks with PROF_OPS - 1");
 
 // Every compute thread calls (barriers inside). Thread 4k + r writes record r of slot k when the
 // slot's op lies in the current window (MISC_PWIN), so nothing is counted or cleared here: a
@@ -297,9 +305,11 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
     // a dynamic op's wait phase starts before its routing wait (the block may have no unit of it;
     // the instant is recorded with its first unit): stamped at the first unit, the time a block
     // spent waiting for top-k fell between two records and counted as neither wait nor work
+    // thread 0 of a recorded launch stamps: one test per op, not per unit
+    const bool stamp = PROFILE && rec && tid() == 0;
     uint64_t t_route = 0;
     if (is_dynamic(o.kind)) {
-      if (PROFILE && rec && tid() == 0) t_route = now_ns();
+      if (stamp) t_route = now_ns();
       if (b.wait && tid() == 0) fail = !wait_dep(b, i, o, 0, 0, static_cast<uint32_t>(i * 16));
       if (sync_compute_or(fail)) return;  // the routing is visible to every thread from here
     }
@@ -324,11 +334,10 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
     // read where used): a separate flag or stride was one more value live across every op's code,
     // and at 168 registers the compiler spilled it
     const int lim = o.assign == ASSIGN_CONTIG ? r.end : -r.end;
-    ProfSlot& ps = *prof_slot(b, (i - first) % PROF_OPS);
     for (int u = r.begin; u < (lim < 0 ? -lim : lim); u += lim < 0 ? nblocks_here() : 1) {
       if (first_unit && tid() == 0) {
         if (PROF_DEFER) {
-          if (rec) ps.t[0] = is_dynamic(o.kind) ? t_route : now_ns();
+          if (stamp) prof_slot_of(b, i, first)->t[0] = is_dynamic(o.kind) ? t_route : now_ns();
         } else if (is_dynamic(o.kind)) {
           prof.put_at(prof.reserve(1), t_route, ev_wait_begin(o.kind), i);
         } else {
@@ -339,7 +348,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
       if (first_unit) {
         if (tid() == 0) {
           if (PROF_DEFER) {
-            if (rec) ps.t[1] = now_ns();
+            if (stamp) prof_slot_of(b, i, first)->t[1] = now_ns();
           } else if (!(SENTINEL_ROUTE && o.kind == OP_TOPK)) {  // top-k stamps these after its poll
             prof.stamp(ev_wait_begin(o.kind) + 1, i);
             prof.stamp(ev_work_begin(o.kind), i);
@@ -357,7 +366,8 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
     if (b.wait && tid() == 0 && o0.signal) signal_op_end(b, o0, pd);
     if (!first_unit && tid() == 0) {
       if (PROF_DEFER) {
-        if (rec) {
+        if (stamp) {
+          ProfSlot& ps = *prof_slot_of(b, i, first);
           // top-k with sentinel slots waits inside the op: its wait phase ends when the poll did
           if (SENTINEL_ROUTE && o.kind == OP_TOPK) ps.t[1] = *reinterpret_cast<const uint64_t*>(b.misc + MISC_PWAIT);
           ps.t[2] = now_ns();
@@ -369,7 +379,8 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
       }
     }
     if (tid() == 0) *ops_done = i - first + 1;
-    if (PROF_DEFER && rec && (i - first + 1) % PROF_OPS == 0) prof_flush(b, prof, true);  // every compute thread
+    // every compute thread
+    if (PROF_DEFER && rec && ((i - first + 1) & (PROF_OPS - 1)) == 0) prof_flush(b, prof, true);
   }
 }
 
