@@ -50,11 +50,16 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
     constexpr int NQ = G * 16 * (HD / 8) / COMPUTE_THREADS;
     static_assert((G * 16 * (HD / 8)) % COMPUTE_THREADS == 0, "Q staging rounds");
     uint4 v[NQ];
+    // i = tid + n * COMPUTE_THREADS: row r = i / (HD / 8) is token tq of q head kvh * G + jq + n *
+    // QH, the same token for every n, so one base and constant offsets (a 64-bit address per load
+    // was 3 KB of code)
+    constexpr int QR = COMPUTE_THREADS / (HD / 8), QH = QR / 16;  // rows, q heads per round
+    static_assert(COMPUTE_THREADS % (HD / 8) == 0 && QR % 16 == 0, "a Q round is whole q heads of 16 tokens");
+    const int tq = (tid() / (HD / 8)) % 16, jq = tid() / (HD / 8) / 16;
+    // (an absent token's address is clamped to a real row and not loaded)
+    const uint16_t* qb = p.q + (imin(tq, b.T - 1) * HQ + kvh * G + jq) * HD + 8 * (tid() % (HD / 8));
 #pragma unroll
-    for (int n = 0; n < NQ; ++n) {
-      const int i = tid() + n * COMPUTE_THREADS, r = i / (HD / 8), d8 = i % (HD / 8), jj = r / 16, t = r % 16;
-      v[n] = t < b.T ? ldg_cg4(p.q + (t * HQ + kvh * G + jj) * HD + 8 * d8) : uint4{0, 0, 0, 0};
-    }
+    for (int n = 0; n < NQ; ++n) v[n] = tq < b.T ? ldg_cg4(qb + n * QH * HD) : uint4{0, 0, 0, 0};
 #pragma unroll
     for (int n = 0; n < NQ; ++n) {
       const int i = tid() + n * COMPUTE_THREADS, r = i / (HD / 8), d8 = i % (HD / 8);
@@ -104,6 +109,11 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
     sync_compute();
     detail_stamp(b, MK_EV_ATTN_LOAD_END, kb0 / ATT_KB);
 
+    // rolled: the sub-blocks share one copy of the score / softmax / P*V code, fetched cold once
+    // a layer (with the Q loads' constant offsets above: shard8 T=16 -0.43%, T=1 -0.82%, small
+    // T=16 -0.30%, same bits, in-run A/B, H200 2026-11-30 10:19Z; rolling the k-loop of the
+    // scores too gave +0.10 / -0.53 / -0.01%: its mma chain is latency-bound)
+MK_COLD_LOOP
     for (int sub = 0; sub < ATT_KPW / ATT_KSUB; ++sub) {
       const int kw0 = kg * ATT_KPW + sub * ATT_KSUB;
       float s[ATT_KSUB / 8][4];
