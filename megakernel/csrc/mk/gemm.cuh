@@ -156,19 +156,28 @@ MK_DEV void stage_rows(Blk& b, int nrows, RowPtr src) {
   constexpr int NB = NT < STAGE_BATCH ? NT : STAGE_BATCH;
   static_assert(NT % NB == 0, "batching");
   static_assert(!PERM || K % 32 == 0, "fp4 operand: whole k32 steps");
+  // piece idx = tid + COMPUTE_THREADS * n is column k8 = tid % (K / 8) of row r0 + RPR * n: the
+  // same column for every n, so each load's row is a constant step from the thread's first.
+  // Dividing idx per piece was ~2 KB of cold code per operand kind (oproj, unpool, both expert
+  // GEMMs); without it (in-run A/B, H200 2026-11-30 10:28Z, same bits) shard8 T=16 -1.55%, T=1
+  // -2.75%, small T=16 -1.49%. The same split in attention's K/V staging cost +1.0% (not kept).
+  constexpr int RPR = COMPUTE_THREADS / (K / 8);  // rows per round of pieces
+  static_assert(COMPUTE_THREADS % (K / 8) == 0, "whole rows per round");
+  const int r0 = tid() / (K / 8), k8 = tid() % (K / 8);
   detail_stamp(b, MK_EV_STAGE_BEGIN, 1);
   const int live = PERM ? nrows * (K / 8) : PER;  // pieces written
   for (int i0 = 0; i0 < NT && COMPUTE_THREADS * i0 < live; i0 += NB) {
     uint4 v[NB];
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
-      const int idx = tid() + COMPUTE_THREADS * (i0 + i), r = idx / (K / 8), k8 = idx % (K / 8);
-      v[i] = (idx < PER && r < nrows) ? ldg_cg4(src(r) + 8 * k8) : uint4{0, 0, 0, 0};
+      const int r = r0 + RPR * (i0 + i);
+      v[i] = r < nrows ? ldg_cg4(src(r) + 8 * k8) : uint4{0, 0, 0, 0};
     }
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
-      const int idx = tid() + COMPUTE_THREADS * (i0 + i), r = idx / (K / 8), k8 = idx % (K / 8);
-      if (idx >= live) continue;
+      const int r = r0 + RPR * (i0 + i);
+      // PERM: rows past the slot's are not written; else r >= 16 only when 16 rows are < one round
+      if (PERM ? r >= nrows : (PER % COMPUTE_THREADS != 0 && r >= 16)) continue;
       unsigned char* row = b.abuf + r * a_stride<K>();
       if (PERM) {  // (e0,e1)(e2,e3)(e4,e5)(e6,e7) -> (e0,e4)(e1,e5)(e2,e6)(e3,e7), scattered
         const uint32_t wd[4] = {(v[i].x & 0xffffu) | (v[i].z << 16), (v[i].x >> 16) | (v[i].z & 0xffff0000u),
