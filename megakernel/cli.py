@@ -12,7 +12,8 @@
                           mega-mode step up to launch L (PDL off), only launch L inside
                           cudaProfilerStart/Stop: the same layer of several builds in one ncu report
   ncu-stalls CSV [--top N] [--hottest N] [--out FILE.md]   markdown summary of the stall samples in
-                          `ncu --page source --csv --print-source sass` output, by execution count (no GPU)
+                          `ncu --page source --csv --print-source sass` output, by execution count (no GPU);
+                          with --listing FILE or --preset P [--variant SPEC] also by source line
   ab --variant NAME[=CSRC_DIR][:KEY=VALUE,...] ... [--point PRESET:T:CTX ...] [--rounds N]
      [--build-only] [--out FILE.md]   in-run A/B of kernel variants (megakernel/ab.py): checks, then
                           interleaved timing rounds on a GPU; --build-only compiles them here
@@ -205,6 +206,55 @@ def _program(a) -> int:
     return 0
 
 
+def _source_label(chain: list[str]) -> str:
+    """"expert_gemm1 mk/gemm.cuh:367": the op an instruction belongs to and its innermost source line."""
+    from .build import op_of_chain
+
+    inner = chain[0]
+    for root in ("csrc/", "cuda/"):  # megakernel/csrc/..., microbench/cuda/mb/...
+        if root in inner:
+            inner = inner.split(root, 1)[1]
+            break
+    return f"{op_of_chain(chain)} {inner}"
+
+
+def _sass_chains(a):
+    """The profiled kernel's SASS with inline chains (microbench.sass.instruction_chains): from a
+    saved `nvdisasm -gi -c` listing, or by rebuilding the kernel here (build_gpu keeps line info,
+    and the same source, plan and NVRTC give the same cubin: by_source checks every opcode)."""
+    from pathlib import Path
+
+    from microbench.sass import _run_on_cubin, find_nvdisasm, instruction_chains
+
+    if a.listing:
+        p = Path(a.listing)
+        if not p.is_file():
+            raise ValueError(f"{p}: no such listing (want `nvdisasm -gi -c` output)")
+        chains = instruction_chains(p.read_text().splitlines(), kernel="mk_run")
+        if not chains:
+            raise ValueError(f"{p}: no instructions of mk_run (not an `nvdisasm -gi -c` listing of the megakernel?)")
+        return chains
+    from .ab import _plan, kernel_tree, parse_variant
+    from .build import KERNEL, build_gpu
+
+    tool = find_nvdisasm()
+    if tool is None:
+        raise FileNotFoundError("--preset needs nvdisasm to read the rebuilt kernel (set MEGABENCH_NVDISASM), "
+                                "or pass --listing")
+    v = parse_variant(a.variant or "base")
+    with kernel_tree(v.csrc):
+        cubin = build_gpu(_plan(a.preset, v, a.sm)).module.cubin
+    return instruction_chains(_run_on_cubin(tool, ["-gi", "-c"], cubin, timeout=300).stdout.splitlines(), KERNEL)
+
+
+def _by_source_markdown(df, chains, top: int) -> str:
+    from .ncu_stalls import by_source
+
+    t = by_source(df, chains, _source_label, top=top)
+    return "\n".join([f"## Top {top} source positions (op and innermost line; no_inst = instruction-fetch stalls)",
+                      "", t.to_markdown(index=False), ""])
+
+
 def _ncu_stalls(a) -> int:
     from pathlib import Path
 
@@ -212,14 +262,18 @@ def _ncu_stalls(a) -> int:
 
     kernel = int(a.kernel) if a.kernel and a.kernel.isdigit() else a.kernel  # no C++ name is all digits
     try:
+        chains = _sass_chains(a) if (a.listing or a.preset) else None
         # no --kernel: every profiled launch of the file, each summarised on its own
         picks = [kernel] if kernel is not None else list(range(len(kernels(a.csv))))
         parts = []
         for k in picks:
             df = read_sass_csv(a.csv, kernel=k)
             head = f"# Launch {k} of {a.csv}\n\n" if len(picks) > 1 else ""
-            parts.append(head + summary_markdown(df, top=a.top, n=a.hottest))
-    except ValueError as e:  # a user's file: say what is wrong, no traceback
+            md = summary_markdown(df, top=a.top, n=a.hottest)
+            if chains is not None:
+                md += _by_source_markdown(df, chains, a.top_source)
+            parts.append(head + md)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # a user's input: say what is wrong
         print(e, file=sys.stderr)
         return 2
     md = "\n".join(parts)
@@ -305,6 +359,13 @@ def main(argv=None) -> int:
     s.add_argument("--hottest", type=int, default=20, help="instructions shown")
     s.add_argument("--kernel", help="name or 0-based position, when the file holds several kernels")
     s.add_argument("--out", help="write the markdown here instead of printing it")
+    s.add_argument("--listing", help="`nvdisasm -gi -c` output of the profiled build: adds samples per source line")
+    s.add_argument("--preset", help="rebuild the profiled megakernel here (needs nvdisasm): adds samples per "
+                                     "source line")
+    s.add_argument("--variant", help="with --preset: the profiled build as an `ab` variant spec (default: the "
+                                      "repository's kernel)")
+    s.add_argument("--sm", type=int, default=132, help="with --preset: the profiled GPU's SM count")
+    s.add_argument("--top-source", type=int, default=25, help="source positions shown")
     s.set_defaults(fn=_ncu_stalls)
     s = sub.add_parser("ab")
     s.add_argument("--variant", action="append", required=True,

@@ -15,11 +15,17 @@ code without needing the control-flow graph. (Two unrelated regions can share a 
 
 A file holding several kernels is refused unless `kernel=` picks one (by name or by position):
 summing samples or execution counts over different kernels would mix unrelated loop levels.
+
+By source position (`by_source`): joined instruction by instruction with the same build's
+`nvdisasm -gi -c` listing (its inline chains: microbench.sass.instruction_chains), so the samples,
+and the instruction-fetch stalls among them, land on the source lines whose code they hit. Every
+opcode is compared, so a listing of another build is refused rather than misattributed.
 """
 from __future__ import annotations
 
 import csv
 import gzip
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -169,6 +175,44 @@ def hottest(df: pd.DataFrame, n: int = 20) -> pd.DataFrame:
     top = [next(iter(_ranked(r).index), "") for _, r in h[reasons(df)].iterrows()]
     return pd.DataFrame({"address": [f"{a:#x}" for a in h.address], "source": [s.strip() for s in h.source],
                          "samples": h.samples.to_numpy(), "executed": h.executed.to_numpy(), "top_stall": top})
+
+
+def _opcode(text: str) -> str:
+    """The opcode of a SASS instruction text, without its predicate ("@!P0 BRA ..." -> "BRA")."""
+    words = text.split()
+    return words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "")
+
+
+def by_source(df: pd.DataFrame, chains: list[tuple[int, str, list[str]]], label: Callable[[list[str]], str],
+              top: int = 25) -> pd.DataFrame:
+    """Samples per source position: df (read_sass_csv) joined with instruction_chains
+    (microbench.sass) of the same build, instruction by instruction (offset = address - the
+    kernel's first address), grouped by label(chain) ("?" where nvdisasm gave no chain). The `top`
+    groups with most samples: source, instructions (those executed at all), executed (warp
+    instructions), samples, no_inst (instruction-fetch stall samples; 0 if ncu had no such column),
+    top3. Raises ValueError when the listing is not the profiled build: an offset missing from the
+    listing, or another opcode there."""
+    at = {off: (text, chain) for off, text, chain in chains}
+    base = int(df.address.min()) if len(df) else 0
+    keys = []
+    for addr, src in zip(df.address, df.source):
+        hit = at.get(int(addr) - base)
+        if hit is None or _opcode(hit[0]) != _opcode(src):
+            got = "nothing" if hit is None else repr(hit[0])
+            raise ValueError(f"the SASS listing is not the profiled build: offset {int(addr) - base:#x} is "
+                             f"{src.strip()!r} in the profile and {got} in the listing")
+        keys.append(label(hit[1]) if hit[1] else "?")
+    rs = reasons(df)
+    d = df.assign(source_pos=keys, ran=(df.executed > 0).astype("int64"))
+    if "no_inst" not in d.columns:
+        d = d.assign(no_inst=0)
+    g = d.groupby("source_pos")
+    t = g[["ran", "executed", "samples", "no_inst", *[r for r in rs if r != "no_inst"]]].sum()
+    t = t[t.samples > 0].reset_index()
+    t = t.sort_values(["samples", "source_pos"], ascending=[False, True], ignore_index=True).head(top)
+    t["top3"] = [_top3(r[rs], int(r.samples)) for _, r in t.iterrows()]
+    return t.rename(columns={"source_pos": "source", "ran": "instructions"})[
+        ["source", "instructions", "executed", "samples", "no_inst", "top3"]]
 
 
 def summary_markdown(df: pd.DataFrame, top: int = 12, n: int = 20) -> str:

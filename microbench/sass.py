@@ -132,16 +132,16 @@ def count_matching(insns: list[str], pattern: str) -> int:
     return sum(1 for i in insns if r.search(i))
 
 
-def code_bytes_by(lines: Iterable[str], label: Callable[[list[str]], str], kernel: str | None = None) -> dict[str, int]:
-    """Machine-code bytes per label, from `nvdisasm -gi -c` output. nvdisasm annotates an
-    instruction whose source position changed with its whole inline chain, innermost first, one
-    `//## File "f", line n [inlined at ...]` line per level; the instructions after it share that
-    chain. label(["f:n", ...]) names a chain; instructions before any chain count as "?".
+def instruction_chains(lines: Iterable[str], kernel: str | None = None) -> list[tuple[int, str, list[str]]]:
+    """(offset, instruction text, inline chain) of each instruction in a `nvdisasm -gi -c` listing, in
+    order. nvdisasm annotates an instruction whose source position changed with its whole inline
+    chain, innermost first, one `//## File "f", line n [inlined at ...]` line per level; the
+    instructions after it share that chain (["f:n", ...]; [] before any annotation).
     kernel: only that function's instructions (all functions when None)."""
-    out: dict[str, int] = {}
+    out: list[tuple[int, str, list[str]]] = []
     chain: list[str] = []
-    in_chain = False
-    cur, inside = "?", kernel is None
+    cur: list[str] = []
+    in_chain, inside = False, kernel is None
     for line in lines:
         m = re.match(r"^\.text\.(\S+):", line)
         if m:
@@ -155,9 +155,20 @@ def code_bytes_by(lines: Iterable[str], label: Callable[[list[str]], str], kerne
             in_chain = True
             continue
         if in_chain:
-            cur, in_chain = label(chain), False
-        if inside and _LINE.search(line):
-            out[cur] = out.get(cur, 0) + SASS_INSTRUCTION_BYTES
+            cur, in_chain = chain, False
+        mi = _LINE.search(line)
+        if inside and mi:
+            out.append((int(mi.group(1), 16), mi.group(2), cur))
+    return out
+
+
+def code_bytes_by(lines: Iterable[str], label: Callable[[list[str]], str], kernel: str | None = None) -> dict[str, int]:
+    """Machine-code bytes per label(chain) of instruction_chains (instructions before any chain
+    count as "?")."""
+    out: dict[str, int] = {}
+    for _, _, chain in instruction_chains(lines, kernel):
+        k = label(chain) if chain else "?"
+        out[k] = out.get(k, 0) + SASS_INSTRUCTION_BYTES
     return out
 
 

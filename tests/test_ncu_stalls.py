@@ -10,6 +10,7 @@ import pytest
 from megakernel import cli
 from megakernel.ncu_stalls import (
     by_execution_count,
+    by_source,
     hottest,
     read_sass_csv,
     stall_totals,
@@ -165,3 +166,62 @@ def test_cli_writes_markdown(sample, tmp_path, capsys):
     assert out.read_text() == summary_markdown(read_sass_csv(sample), top=2, n=3)
     assert cli.main(["ncu-stalls", str(tmp_path / "missing.csv")]) == 2
     assert "missing.csv: no such file" in capsys.readouterr().err
+
+
+# The same build's `nvdisasm -gi -c` listing (offsets = ROWS' addresses - 0x100): LDC before any
+# annotation, the FFMAs and IADD3 in an expert GEMM's k-loop, LDG and BAR in a wait, the rest in
+# the schedule. The short NOP row is not in the profile; its listing line is never asked for.
+LISTING = """\
+.text.mk_run:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+\t//## File "/r/megakernel/csrc/mk/gemm.cuh", line 367 inlined at "/r/megakernel/csrc/ops/expert_gemm1.cuh", line 30
+\t//## File "/r/megakernel/csrc/ops/expert_gemm1.cuh", line 30
+        /*0010*/                   FFMA R4, R5, R6, R4 ;
+        /*0020*/                   FFMA R7, R8, R6, R7 ;
+        /*0030*/                   IADD3 R2, R2, 0x1, RZ ;
+\t//## File "/r/megakernel/csrc/mk/wait.cuh", line 60 inlined at "/r/megakernel/csrc/mk/program.cuh", line 206
+\t//## File "/r/megakernel/csrc/mk/program.cuh", line 206
+        /*0040*/                   LDG.E R9, [R2.64] ;
+        /*0050*/                   BAR.SYNC 0x0 ;
+\t//## File "/r/megakernel/csrc/mk/program.cuh", line 400
+        /*0060*/                   EXIT ;
+        /*0070*/              @!P0 BRA 0x70 ;
+        /*0080*/                   NOP ;
+"""
+
+
+def test_samples_by_source_position(sample):
+    from microbench.sass import instruction_chains
+
+    df = read_sass_csv(sample)
+    chains = instruction_chains(LISTING.splitlines(), kernel="mk_run")
+    assert [c[0] for c in chains] == list(range(0, 0x90, 0x10)) and chains[0][2] == []
+    t = by_source(df, chains, lambda ch: ch[0].rsplit("/", 1)[-1])
+    # the k-loop's 3 instructions (50 samples), the wait's 2 (30), the unannotated LDC (10); the
+    # schedule's EXIT and BRA have no samples and are dropped; no stall_no_inst column: 0
+    assert t.source.tolist() == ["gemm.cuh:367", "wait.cuh:60", "?"]
+    assert t.instructions.tolist() == [3, 2, 1] and t.executed.tolist() == [192, 16, 1]
+    assert t.samples.tolist() == [50, 30, 10] and t.no_inst.tolist() == [0, 0, 0]
+    assert t.top3[0] == "selected 40%, wait 32%, math 28%"
+
+
+def test_a_listing_of_another_build_is_refused(sample):
+    from microbench.sass import instruction_chains
+
+    other = LISTING.replace("LDG.E R9, [R2.64]", "LDS R9, [R2]")
+    with pytest.raises(ValueError, match=r"not the profiled build: offset 0x40 is 'LDG.E R9, \[R2.64\]'"):
+        by_source(read_sass_csv(sample), instruction_chains(other.splitlines(), "mk_run"), str)
+    short = LISTING.split("\t//## File \"/r/megakernel/csrc/mk/wait.cuh\"")[0]  # no LDG, BAR, ...
+    with pytest.raises(ValueError, match="offset 0x40 .* nothing in the listing"):
+        by_source(read_sass_csv(sample), instruction_chains(short.splitlines(), "mk_run"), str)
+
+
+def test_cli_adds_the_source_table_from_a_listing(sample, tmp_path, capsys):
+    lst = tmp_path / "mk.sass"
+    lst.write_text(LISTING)
+    assert cli.main(["ncu-stalls", str(sample), "--listing", str(lst), "--top-source", "2"]) == 0
+    md = capsys.readouterr().out
+    assert "## Top 2 source positions" in md
+    assert "| expert_gemm1 mk/gemm.cuh:367 |" in md and "| schedule mk/wait.cuh:60 " in md and "| ? " not in md
+    assert cli.main(["ncu-stalls", str(sample), "--listing", str(tmp_path / "none.sass")]) == 2
+    assert "none.sass: no such listing" in capsys.readouterr().err
