@@ -224,7 +224,7 @@ def _sass_chains(a):
     and the same source, plan and NVRTC give the same cubin: by_source checks every opcode)."""
     from pathlib import Path
 
-    from microbench.sass import _run_on_cubin, find_nvdisasm, instruction_chains
+    from microbench.sass import cubin_instruction_chains, instruction_chains
 
     if a.listing:
         p = Path(a.listing)
@@ -237,14 +237,10 @@ def _sass_chains(a):
     from .ab import _plan, kernel_tree, parse_variant
     from .build import KERNEL, build_gpu
 
-    tool = find_nvdisasm()
-    if tool is None:
-        raise FileNotFoundError("--preset needs nvdisasm to read the rebuilt kernel (set MEGABENCH_NVDISASM), "
-                                "or pass --listing")
     v = parse_variant(a.variant or "base")
     with kernel_tree(v.csrc):
         cubin = build_gpu(_plan(a.preset, v, a.sm)).module.cubin
-    return instruction_chains(_run_on_cubin(tool, ["-gi", "-c"], cubin, timeout=300).stdout.splitlines(), KERNEL)
+    return cubin_instruction_chains(cubin, KERNEL)  # FileNotFoundError without nvdisasm: said, exit 2
 
 
 def _by_source_markdown(df, chains, top: int) -> str:

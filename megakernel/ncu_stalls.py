@@ -199,8 +199,10 @@ def by_source(df: pd.DataFrame, chains: list[tuple[int, str, list[str]]], label:
         hit = at.get(int(addr) - base)
         if hit is None or _opcode(hit[0]) != _opcode(src):
             got = "nothing" if hit is None else repr(hit[0])
+            skipped = df.attrs.get("skipped", 0)  # a skipped first row would shift every offset
             raise ValueError(f"the SASS listing is not the profiled build: offset {int(addr) - base:#x} is "
-                             f"{src.strip()!r} in the profile and {got} in the listing")
+                             f"{src.strip()!r} in the profile and {got} in the listing"
+                             + (f" ({skipped} malformed profile rows were skipped)" if skipped else ""))
         keys.append(label(hit[1]) if hit[1] else "?")
     rs = reasons(df)
     d = df.assign(source_pos=keys, ran=(df.executed > 0).astype("int64"))

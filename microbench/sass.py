@@ -172,6 +172,15 @@ def code_bytes_by(lines: Iterable[str], label: Callable[[list[str]], str], kerne
     return out
 
 
+def cubin_instruction_chains(cubin: bytes, kernel: str | None = None,
+                             tool: str | None = None) -> list[tuple[int, str, list[str]]]:
+    """instruction_chains over the cubin's `nvdisasm -gi -c` listing (the cubin needs line info)."""
+    tool = tool or find_nvdisasm()
+    if tool is None:
+        raise FileNotFoundError("source positions of SASS need nvdisasm (set MEGABENCH_NVDISASM)")
+    return instruction_chains(_run_on_cubin(tool, ["-gi", "-c"], cubin, timeout=300).stdout.splitlines(), kernel)
+
+
 def code_bytes_by_source(cubin: bytes, label: Callable[[list[str]], str], kernel: str | None = None,
                          tool: str | None = None) -> dict[str, int]:
     """code_bytes_by over the cubin's `nvdisasm -gi -c` listing (the cubin needs line info)."""
