@@ -162,14 +162,18 @@ def instruction_chains(lines: Iterable[str], kernel: str | None = None) -> list[
     return out
 
 
-def code_bytes_by(lines: Iterable[str], label: Callable[[list[str]], str], kernel: str | None = None) -> dict[str, int]:
-    """Machine-code bytes per label(chain) of instruction_chains (instructions before any chain
-    count as "?")."""
+def _bytes_by(chains: Iterable[tuple[int, str, list[str]]], label: Callable[[list[str]], str]) -> dict[str, int]:
     out: dict[str, int] = {}
-    for _, _, chain in instruction_chains(lines, kernel):
+    for _, _, chain in chains:
         k = label(chain) if chain else "?"
         out[k] = out.get(k, 0) + SASS_INSTRUCTION_BYTES
     return out
+
+
+def code_bytes_by(lines: Iterable[str], label: Callable[[list[str]], str], kernel: str | None = None) -> dict[str, int]:
+    """Machine-code bytes per label(chain) of instruction_chains (instructions before any chain
+    count as "?")."""
+    return _bytes_by(instruction_chains(lines, kernel), label)
 
 
 def cubin_instruction_chains(cubin: bytes, kernel: str | None = None,
@@ -184,7 +188,4 @@ def cubin_instruction_chains(cubin: bytes, kernel: str | None = None,
 def code_bytes_by_source(cubin: bytes, label: Callable[[list[str]], str], kernel: str | None = None,
                          tool: str | None = None) -> dict[str, int]:
     """code_bytes_by over the cubin's `nvdisasm -gi -c` listing (the cubin needs line info)."""
-    tool = tool or find_nvdisasm()
-    if tool is None:
-        raise FileNotFoundError("per-source code sizes need nvdisasm (set MEGABENCH_NVDISASM)")
-    return code_bytes_by(_run_on_cubin(tool, ["-gi", "-c"], cubin, timeout=300).stdout.splitlines(), label, kernel)
+    return _bytes_by(cubin_instruction_chains(cubin, kernel, tool), label)
