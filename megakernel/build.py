@@ -49,7 +49,7 @@ def header(plan: Plan) -> str:
     """Everything generated: included before the kernel source (or as default_config.cuh)."""
     from .profile_events import EVENTS, render_op_tables
 
-    return (render(plan) + abi.render_structs() + program_constants() + fp4_layout.render_header()
+    return (render(plan) + abi.render_structs() + program_constants() + fp4_layout.render_header(plan.fp4_rotated)
             + EVENTS.header_text() + render_op_tables())
 
 

@@ -14,6 +14,17 @@ OR-ed. Every source bit of value k+e (k+e+4) lies in the low (high) 16 bits, so 
 (`half_word_table`, the torch baselines' dequantisation). Searched exhaustively: with half-words
 self-contained, no arrangement needs fewer than 15 operations.
 
+Device words (`ROT_PAIRS`, Plan.fp4_rotated). The kernel's own copy of the codes (tiling.swizzled)
+may use a second arrangement in which a pair's bits may come from either half-word: pair e is the
+word rotated left by r under a mask, OR-ed over terms (rotation, mask). Three pairs are one term
+each (rotations 0, 6 and 12) and the fourth two (2 and 26 = a right shift by 6): 4 shifts and 5
+logic operations, 9 SASS per word instead of 10 (sm_90a, nvcc 13.0), and of the shifts only the
+rotation by 12 wraps, so the others can run as IMAD on the FMA pipe, off the ALU pipe that the
+logic operations fill. No arrangement needs fewer: a single-term pair needs its own rotation, and
+4 rotations of the 8 pair bits cannot tile the word (an exhaustive search; 5 terms need 5
+rotations, one of which wraps). Half-words are not self-contained, so the table decode of the torch
+baselines does not apply: they keep reading the storage words.
+
 Scales. The kernel converts a pair of E4M3 scales with cvt.rn.f16x2.e4m3x2 and one integer add
 (f16 bits >> 3 + a constant = bf16 bits of value * 2^X), which is right for positive, nonzero
 scales only. `canonical_scales` makes every block so without changing a value: a negative scale
@@ -36,38 +47,45 @@ PAIRS: tuple[tuple[tuple[int, int], ...], ...] = (
     ((0, MAG_BITS), (4, SIGN_BITS)),
     ((5, SIGN_BITS), (-7, MAG_BITS)),
 )
+# The device words: terms (rotation left, mask); see the module docstring
+ROT_PAIRS: tuple[tuple[tuple[int, int], ...], ...] = (
+    ((0, PAIR_BITS),),
+    ((6, PAIR_BITS),),
+    ((12, PAIR_BITS),),
+    ((2, PAIR_BITS & ~0x01000100), (26, 0x01000100)),
+)
 CANONICAL_ZERO_SCALE = 0x38  # E4M3 1.0: the scale of a block of zeros
 
 
-def _bit_map() -> list[tuple[int, int]]:
-    """(natural bit, kernel bit) for all 32 bits of a word, from PAIRS."""
+def _rotations(pairs) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Terms as (rotation left, mask): a shift s under its mask moves the same bits as a rotation
+    by s mod 32 (the masks keep only bits that do not wrap)."""
+    return tuple(tuple((s % 32, m) for s, m in terms) for terms in pairs)
+
+
+def _bit_map(pairs) -> list[tuple[int, int]]:
+    """(natural bit, word bit) for all 32 bits of a word, from pairs of (rotation, mask) terms."""
     out = []
-    for e, terms in enumerate(PAIRS):
-        for h in (0, 1):  # value k+e (low half of the pair) and k+e+4 (high half)
-            for b, t in enumerate(_NIBBLE_TARGET):
-                tgt = t + 16 * h
-                (s,) = [s for s, m in terms if (m >> tgt) & 1]
-                out.append((4 * (e + 4 * h) + b, tgt - s))
-    nat, ker = zip(*out)
-    assert sorted(nat) == sorted(ker) == list(range(32)), "PAIRS must move every bit exactly once"
-    return out
-
-
-BIT_MAP = _bit_map()
-
-
-def _check_pairs() -> None:
-    for terms in PAIRS:
+    for e, terms in enumerate(pairs):
         covered = 0
         for _, m in terms:
             assert not covered & m, "terms of a pair overlap"
             covered |= m
         assert covered == PAIR_BITS, "a pair's terms must give exactly its 8 bits"
-    for nat, ker in BIT_MAP:
-        assert nat // 16 == ker // 16, "a value's bits stay in its half-word"
+        for h in (0, 1):  # value k+e (low half of the pair) and k+e+4 (high half)
+            for b, t in enumerate(_NIBBLE_TARGET):
+                tgt = t + 16 * h
+                (r,) = [r for r, m in terms if (m >> tgt) & 1]
+                out.append((4 * (e + 4 * h) + b, (tgt - r) % 32))
+    nat, ker = zip(*out)
+    assert sorted(nat) == sorted(ker) == list(range(32)), "pairs must move every bit exactly once"
+    return out
 
 
-_check_pairs()
+BIT_MAP = _bit_map(_rotations(PAIRS))  # storage words
+ROT_BIT_MAP = _bit_map(ROT_PAIRS)  # device words
+# the storage words' half-words decode on their own (half_word_table)
+assert all(nat // 16 == ker // 16 for nat, ker in BIT_MAP), "a value's bits stay in its half-word"
 
 
 def _move(words: torch.Tensor, pairs) -> torch.Tensor:
@@ -104,6 +122,28 @@ def from_kernel_words(codes: torch.Tensor) -> torch.Tensor:
     return _bytes(_move(_words(codes), [(b, a) for a, b in BIT_MAP]), codes)
 
 
+# storage bit -> device bit, for to_rotated_words
+_STORAGE_TO_DEVICE = [(dict(BIT_MAP)[nat], dev) for nat, dev in ROT_BIT_MAP]
+
+
+def to_rotated_words(codes: torch.Tensor, *, in_place: bool = False, rows_per_pass: int = 1 << 14) -> torch.Tensor:
+    """Storage words (to_kernel_words) uint8 [..., N, K/2] -> the device words (ROT_PAIRS): a new
+    tensor, or `codes` itself rewritten (in_place; a contiguous copy the caller owns, as
+    tiling.swizzled's: another full copy of a shard8 bank would not fit beside it). Converted in
+    passes of `rows_per_pass` rows: the int64 words of a whole bank would take 8x its bytes."""
+    if codes.dtype != torch.uint8 or codes.shape[-1] % 4:
+        raise QuantizationError(f"fp4 words: codes must be uint8 [..., K/2] with K % 8 == 0, got "
+                                f"{codes.dtype} {tuple(codes.shape)}")
+    if in_place and not codes.is_contiguous():
+        raise QuantizationError("to_rotated_words in place: codes must be contiguous")
+    flat = codes.reshape(-1, codes.shape[-1])
+    out = flat if in_place else torch.empty_like(flat)
+    for i in range(0, flat.shape[0], rows_per_pass):
+        part = flat[i:i + rows_per_pass]
+        out[i:i + rows_per_pass] = _bytes(_move(_words(part), _STORAGE_TO_DEVICE), part)
+    return codes if in_place else out.reshape(codes.shape)
+
+
 # Row swizzle (an option of the plan: Plan.fp4_swizzle). An expert GEMM reads one k32 step of 8
 # consecutive code rows with one ldmatrix matrix: 16 bytes (a "unit") of each row. Rows K/2 bytes
 # apart start on the same banks (K/2 is a multiple of 128 at every preset), so unswizzled rows must
@@ -138,6 +178,17 @@ def swizzle_units(codes: torch.Tensor, width: int, row_div: int = 1) -> torch.Te
     idx = torch.arange(units, device=codes.device)[None, :] ^ sx[:, None]
     idx = idx[:, :, None].expand(*v.shape[:-3], n, units, 16)
     return torch.gather(v, -2, idx).reshape(codes.shape)
+
+
+def scale_planes(scales: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales [..., K/16] -> a new tensor with each 16-byte unit (8 k32 steps x 2 k16
+    halves) in two planes: byte 2s + h moves to 8h + s. An expert GEMM thread uses one half of every
+    step (gemm.cuh SPL), so it loads its plane alone and finds two steps' scales side by side."""
+    if scales.dtype != torch.uint8 or scales.shape[-1] % 16:
+        raise QuantizationError(f"scale planes: want uint8 scales [..., K/16] of whole 16-byte units, got "
+                                f"{scales.dtype} {tuple(scales.shape)}")
+    v = scales.reshape(*scales.shape[:-1], scales.shape[-1] // 16, 8, 2)
+    return v.transpose(-1, -2).contiguous().reshape(scales.shape)
 
 
 def scale_swizzle(k: int, code_width: int) -> tuple[int, int]:
@@ -185,27 +236,30 @@ def half_word_table(device, dtype=torch.bfloat16) -> torch.Tensor:
     return torch.stack([vals[(nat >> (4 * j)) & 0xF] for j in range(4)], dim=1).to(dtype).to(device)
 
 
-def decode_pairs(words: torch.Tensor) -> torch.Tensor:
-    """The kernel's decode of kernel-layout words (int64 [...]) -> int64 [..., 4] bf16x2 bit
-    patterns of the pairs, value * 2^-126 (what gemm.cuh computes before the scale multiply)."""
+def decode_pairs(words: torch.Tensor, rotated: bool = False) -> torch.Tensor:
+    """The kernel's decode of storage (or, rotated, device) words (int64 [...]) -> int64 [..., 4]
+    bf16x2 bit patterns of the pairs, value * 2^-126 (what gemm.cuh computes before the scale
+    multiply)."""
     out = []
-    for terms in PAIRS:
+    for terms in (ROT_PAIRS if rotated else _rotations(PAIRS)):
         p = torch.zeros_like(words)
-        for s, m in terms:
-            p |= ((words << s) if s >= 0 else (words >> -s)) & m
+        for r, m in terms:
+            p |= (((words << r) | (words >> (32 - r))) & 0xFFFFFFFF if r else words) & m
         out.append(p)
     return torch.stack(out, dim=-1)
 
 
-def render_header() -> str:
-    """The word layout as C++ constants (the kernel's decode reads these; one source of truth)."""
+def render_header(rotated: bool = False) -> str:
+    """The word layout the kernel reads (device words when `rotated`, else the storage words) as
+    C++ constants (the kernel's decode reads these; one source of truth)."""
     rows = []
-    for terms in PAIRS:
+    for terms in (ROT_PAIRS if rotated else _rotations(PAIRS)):
         t = list(terms) + [(0, 0)] * (2 - len(terms))
-        rows.append("{" + ", ".join(f"{{{s}, 0x{m:08X}u}}" for s, m in t) + "}")
+        rows.append("{" + ", ".join(f"{{{r}, 0x{m:08X}u}}" for r, m in t) + "}")
     return ("namespace mk {\n"
-            "// NVFP4 kernel word (megakernel/fp4_layout.py): pair e = OR over terms (shift, mask), shift < 0 right\n"
-            "struct Fp4Term { int shift; uint32_t mask; };\n"
+            f"// NVFP4 {'device' if rotated else 'storage'} word (megakernel/fp4_layout.py): pair e = OR over\n"
+            "// terms (rotation left, mask)\n"
+            "struct Fp4Term { int rot; uint32_t mask; };\n"
             f"constexpr Fp4Term FP4_PAIRS[4][2] = {{{', '.join(rows)}}};\n"
             "// code and scale rows swizzle in periods of at most this many 16-byte units (swizzle_width)\n"
             f"constexpr int FP4_SWIZZLE_MAX = {SWIZZLE_MAX};\n"

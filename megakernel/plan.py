@@ -116,6 +116,8 @@ class GemmTile:
     row_group: int = 1  # fp4: consecutive code rows per bulk copy
     swizzle: int = 0  # fp4: 0 = padded row groups; else the rows' unit swizzle period (one copy a chunk)
     scale_swizzle: int = 0  # fp4: 0 = scale rows as they are; else their swizzle width (fp4_layout.scale_swizzle)
+    rotated: bool = False  # fp4: the kernel's codes are device words (fp4_layout.ROT_PAIRS; Plan.fp4_rotated)
+    scale_planes: bool = False  # fp4, with scale_swizzle: each 16-byte scale unit in planes (fp4_layout.scale_planes)
 
     @property
     def chunks(self) -> int:
@@ -222,6 +224,17 @@ class Plan:
     # that the expert GEMMs' 16-byte scale loads are conflict-free (8-way conflicts before): with
     # both, -2.55 / -0.92 / -0.91% against padded groups, same bits (same run)
     fp4_scale_swizzle: bool = True
+    # the kernel's copy of the expert codes is in device words (fp4_layout.ROT_PAIRS: 9 SASS per
+    # code word to decode instead of 10, fewer of them on the ALU pipe; GemmTile.rotated, the
+    # engine keeps the copy: tiling.swizzled). Same values, same bits. In-run A/B (H200
+    # 2026-11-30 11:49Z, 5 rounds): small T=16 -0.51%, T=1 -1.65%; shard8 without the swizzle
+    # (two codes copies of shard8 do not fit beside its bank) T=16 -1.22%, T=1 -0.16%
+    fp4_rotated: bool = True
+    # and, where the scale rows are swizzled, each 16-byte unit of them in two planes of 8 steps
+    # (fp4_layout.scale_planes), so a thread loads the 8 bytes it uses and converts them in
+    # place: one byte permute per two steps and row less (GemmTile.scale_planes). Same bits.
+    # Over the rotated words (same run): shard8 T=16 -1.02%, T=1 0.00%; small T=16 -0.98%, T=1 -0.57%
+    fp4_scale_planes: bool = True
     # The normed operand of the d_model-K projections (qkv, router, pool, lm_head) is staged in
     # panels of this many columns (0 = all of d_model at once), so that abuf need not hold 16 rows
     # of d_model and its bytes can go to the ring (make_plan fill_ring)
@@ -333,7 +346,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               l2_prefetch_bytes: int = 0, profile_cap: int = 64, min_copy_bytes: int = MIN_COPY_BYTES,
               stream_evict_first: bool = False, sentinel_route: bool = False, hot_prefetch_bytes: int = 0,
               kv_prefetch: bool = False, keys_per_split: int = 48, fp4_swizzle: bool = True,
-              fp4_scale_swizzle: bool = True,
+              fp4_scale_swizzle: bool = True, fp4_rotated: bool = True, fp4_scale_planes: bool = True,
               fill_ring: bool = False, norm_panel: int | None = None, profile_detail: bool = False) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
@@ -358,13 +371,17 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
                                     min_copy_bytes, fp4_swizzle, fp4_scale_swizzle)
     tiles["expert2"] = _expert_tile(min(EXPERT2_ROWS, c.d_pool), c.d_expert, budget * 9 // 8, abuf, False,
                                     min_copy_bytes, fp4_swizzle, fp4_scale_swizzle)
+    for op in ("expert1", "expert2"):
+        tiles[op] = replace(tiles[op], rotated=fp4_rotated,
+                            scale_planes=fp4_scale_planes and tiles[op].scale_swizzle > 0)
     if profile_detail and not profile:
         raise ValueError("profile_detail needs profile=True (the detail stamps are the profiler's)")
     p = Plan(cfg, n_sm, ring_stages, ring_stage_bytes, spin_bound_ns, poll_backoff_ns, profile=profile,
              loader_ahead=loader_ahead, pdl=pdl, l2_prefetch_bytes=l2_prefetch_bytes, profile_cap=profile_cap,
              stream_evict_first=stream_evict_first, sentinel_route=sentinel_route,
              hot_prefetch_bytes=hot_prefetch_bytes, kv_prefetch=kv_prefetch, keys_per_split=keys_per_split,
-             profile_detail=profile_detail, fp4_swizzle=fp4_swizzle,
+             profile_detail=profile_detail, fp4_swizzle=fp4_swizzle, fp4_rotated=fp4_rotated,
+             fp4_scale_planes=fp4_scale_planes,
              fp4_scale_swizzle=fp4_scale_swizzle, tiles=tiles)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
@@ -456,7 +473,8 @@ def render(plan: Plan) -> str:
         lines += [f"constexpr int TILE_{u}_ROWS = {t.rows};", f"constexpr int TILE_{u}_KC = {t.kc};",
                   f"constexpr int TILE_{u}_K = {t.k};", f"constexpr int TILE_{u}_CR = {t.chunk_rows};",
                   f"constexpr int TILE_{u}_RG = {t.row_group};", f"constexpr int TILE_{u}_SW = {t.swizzle};",
-                  f"constexpr int TILE_{u}_SSW = {t.scale_swizzle};"]
+                  f"constexpr int TILE_{u}_SSW = {t.scale_swizzle};",
+                  f"constexpr bool TILE_{u}_SPL = {'true' if t.scale_planes else 'false'};"]
     lines += [
         "static_assert(HQ % HKV == 0, \"GQA group\");",
         "static_assert(HD % 16 == 0 && HD % TILE_QKV_ROWS == 0, \"qkv tiles never straddle heads\");",

@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from .config import ConfigError
-from .fp4_layout import scale_swizzle, swizzle_units
+from .fp4_layout import scale_planes, scale_swizzle, swizzle_units, to_rotated_words
 from .plan import ROW_PAD, GemmTile
 
 # the kernel's weight pointer (abi LayerPtrs / Params field) -> the op whose tile it is stored for
@@ -80,31 +80,41 @@ def tiled(w: torch.Tensor, t: GemmTile) -> torch.Tensor:
 
 def swizzled(codes: torch.Tensor, t: GemmTile) -> torch.Tensor:
     """The kernel's copy of expert codes [E, N, K/2] for fp4 tile t: the codes themselves for
-    padded row groups (swizzle 0) or a period of 1, else their rows swizzled (built once)."""
+    padded row groups (swizzle 0) or a period of 1, else their rows swizzled, and with t.rotated
+    in device words (fp4_layout.to_rotated_words); built once per source tensor and layout."""
     if not t.fp4:
         raise ConfigError("swizzled: a bf16 tile (dense weights are tiled: tile_dense)")
     if codes.dtype != torch.uint8 or codes.shape[-1] * 2 != t.k:
         raise ConfigError(f"swizzled: want uint8 codes [..., N, {t.k // 2}], got {codes.dtype} {tuple(codes.shape)}")
     if t.swizzle <= 1:
-        return codes
-    return _cached(codes, ("swizzle", t.swizzle), lambda: swizzle_units(codes, t.swizzle))
+        return _cached(codes, ("rotated",), lambda: to_rotated_words(codes)) if t.rotated else codes
+    # swizzling moves whole 16-byte units, rotating rewrites each word: the order does not matter,
+    # and rotating the fresh swizzled copy in place needs no second copy of the bank
+    build = ((lambda: to_rotated_words(swizzle_units(codes, t.swizzle), in_place=True)) if t.rotated
+             else (lambda: swizzle_units(codes, t.swizzle)))
+    return _cached(codes, ("swizzle", t.swizzle, t.rotated), build)
 
 
 def swizzled_scales(scales: torch.Tensor, t: GemmTile) -> torch.Tensor:
     """The kernel's copy of E4M3 block scales [E, N, K/16] for fp4 tile t: the scales themselves,
-    or with rows swizzled (GemmTile.scale_swizzle, fp4_layout.scale_swizzle)."""
+    or with rows swizzled (GemmTile.scale_swizzle, fp4_layout.scale_swizzle) and, with
+    t.scale_planes, each unit in planes (fp4_layout.scale_planes)."""
     if not t.fp4:
         raise ConfigError("swizzled_scales: a bf16 tile")
     if scales.dtype != torch.uint8 or scales.shape[-1] * 16 != t.k:
         raise ConfigError(f"swizzled_scales: want uint8 scales [..., N, {t.k // 16}], got {scales.dtype} "
                           f"{tuple(scales.shape)}")
     if t.scale_swizzle <= 1:
+        if t.scale_planes:
+            raise ConfigError("swizzled_scales: scale planes come with swizzled scale rows (GemmTile.scale_planes)")
         return scales
     width, row_div = scale_swizzle(t.k, t.swizzle)
     if width != t.scale_swizzle:
         raise ConfigError(f"swizzled_scales: tile scale swizzle {t.scale_swizzle}, but rows of K={t.k} with code "
                           f"period {t.swizzle} take {width} (fp4_layout.scale_swizzle)")
-    return _cached(scales, ("swizzle", width, row_div), lambda: swizzle_units(scales, width, row_div))
+    # planes permute bytes within a unit, the swizzle moves whole units: either order
+    src = (lambda: scale_planes(scales)) if t.scale_planes else (lambda: scales)
+    return _cached(scales, ("swizzle", width, row_div, t.scale_planes), lambda: swizzle_units(src(), width, row_div))
 
 
 def weight_tile(plan, field: str) -> GemmTile:

@@ -82,9 +82,39 @@ def test_scale_conversion_integer_steps_are_exact_on_canonical_scales(x):
     assert torch.equal((v.double() * 2.0 ** x).to(torch.bfloat16).double(), v.double() * 2.0 ** x)  # exact
 
 
-def test_header_renders_the_pairs():
-    h = L.render_header()
-    assert "FP4_PAIRS[4][2]" in h and "{-7, 0x01C001C0u}" in h
+def test_header_renders_the_pairs_as_rotations():
+    h = L.render_header()  # storage words: the right shift by 7 is a rotation by 25
+    assert "FP4_PAIRS[4][2]" in h and "{25, 0x01C001C0u}" in h and "storage word" in h
+    d = L.render_header(rotated=True)
+    assert "device word" in d and "{12, 0x81C081C0u}" in d and "{26, 0x01000100u}" in d
+
+
+def test_device_words_decode_to_the_same_pairs_and_cross_half_words():
+    """to_rotated_words keeps every value: the kernel's decode of the device words (ROT_PAIRS)
+    gives the same bf16x2 pairs as that of the storage words, in passes or in place."""
+    nat = _rand_codes((300, 64), seed=4)
+    k = L.to_kernel_words(nat)
+    d = L.to_rotated_words(k, rows_per_pass=7)  # passes that do not divide the rows
+    assert d.shape == k.shape and not torch.equal(d, k)
+    assert torch.equal(L.decode_pairs(L._words(d), rotated=True), L.decode_pairs(L._words(k)))
+    kk = k.clone()
+    assert L.to_rotated_words(kk, in_place=True) is kk and torch.equal(kk, d)
+    # the device words are not self-contained per half-word (why the baselines keep the storage)
+    assert any(nat_bit // 16 != dev_bit // 16 for nat_bit, dev_bit in L.ROT_BIT_MAP)
+    with pytest.raises(QuantizationError, match="contiguous"):
+        L.to_rotated_words(k.t(), in_place=True)
+
+
+def test_device_words_take_fewer_terms_than_the_storage_words():
+    """9 SASS per word: 4 single-term pairs need 4 rotations that tile the word, which none do,
+    so the best is 5 terms with 4 nonzero rotations (the storage words: 6 terms, 5 shifts)."""
+    n_terms = sum(len(t) for t in L.ROT_PAIRS)
+    rotations = {r for t in L.ROT_PAIRS for r, _ in t if r}
+    assert (n_terms, len(rotations)) == (5, 4)
+    S = [t for t in range(32) if (L.PAIR_BITS >> t) & 1]
+    tiles = [R for R in __import__("itertools").combinations(range(32), 4)
+             if len({(t - r) % 32 for r in R for t in S}) == 32]
+    assert tiles == []
 
 
 def test_swizzle_width_and_refusals():
@@ -98,3 +128,17 @@ def test_swizzle_width_and_refusals():
             L.swizzle_units(c, bad)
     with pytest.raises(QuantizationError, match="16-byte units"):
         L.swizzle_units(torch.zeros(2, 8, 24, dtype=torch.uint8), 2)
+
+
+def test_scale_planes_put_each_k16_half_of_8_steps_together():
+    """scale_planes: byte 2s + h of a 16-byte unit (step s, k16 half h) moves to 8h + s, so gemm.cuh
+    (SPL) finds the 8 scales thread t uses (half t >> 1) in one 8-byte load, steps 2m and 2m + 1
+    side by side."""
+    sc = _rand_codes((3, 5, 32), seed=5)  # rows of 2 units
+    pl = L.scale_planes(sc)
+    for u in range(2):
+        for s_ in range(8):
+            for h in range(2):
+                assert torch.equal(pl[..., 16 * u + 8 * h + s_], sc[..., 16 * u + 2 * s_ + h])
+    with pytest.raises(QuantizationError, match="16-byte units"):
+        L.scale_planes(_rand_codes((2, 8)))

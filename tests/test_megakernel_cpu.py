@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megakernel import tree
+from megakernel import tiling, tree
 from megakernel.build import CSRC, default_config_text, source
 from megakernel.config import ConfigError, preset
 from megakernel.nvfp4 import NVFP4Tensor
@@ -593,12 +593,13 @@ def test_hot_prefetch_pulls_the_expert_rows_the_next_step_streams(tiny, budget):
         pf = _emu_prefetches(eng)
         if k == 0:
             assert pf == [], "no routing to bet on in the first step"
-    # what the second step streams: per layer, the experts its top-k chose, all their rows
+    # what the second step streams: per layer, the experts its top-k chose, all their rows (of the
+    # kernel's copies of the banks: tiling.swizzled, the copy the engine keeps)
     banks = {}
     for l, lw in enumerate(w.layers):
-        for name, bank in (("w1", lw.w1), ("w2", lw.w2)):
-            for part in ("codes", "scales"):
-                t = getattr(bank, part)
+        for name, bank, op in (("w1", lw.w1, "expert1"), ("w2", lw.w2, "expert2")):
+            tile = eng.plan.tiles[op]
+            for part, t in (("codes", tiling.swizzled(bank.codes, tile)), ("scales", tiling.swizzled_scales(bank.scales, tile))):
                 banks[(l, name, part)] = (t.data_ptr(), t.numel() * t.element_size(), t[0].numel() * t.element_size())
     got_bytes = {}
     for addr, nbytes in pf:

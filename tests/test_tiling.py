@@ -83,6 +83,38 @@ def test_swizzled_expert_codes_move_whole_units_within_a_row_and_are_shared():
         assert tiling.swizzled(codes, plain) is codes
 
 
+def test_rotated_expert_codes_are_the_device_words_of_each_layout():
+    """GemmTile.rotated: the kernel's copy is in device words (fp4_layout.to_rotated_words), with
+    or without the swizzle, one copy per source tensor and layout."""
+    from dataclasses import replace
+
+    from megakernel.fp4_layout import swizzle_units, to_rotated_words
+
+    codes = torch.randint(0, 256, (3, 128, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    for sw in (0, 8):
+        t = GemmTile(rows=128, kc=512, k=512, fp4=True, chunk_rows=64, row_group=64, swizzle=sw)
+        x = tiling.swizzled(codes, replace(t, rotated=True))
+        want = to_rotated_words(swizzle_units(codes, sw) if sw else codes)
+        assert torch.equal(x, want) and x is not codes
+        assert tiling.swizzled(codes, replace(t, rotated=True)) is x
+        assert not torch.equal(tiling.swizzled(codes, t), x)  # the storage words stay a layout of their own
+
+
+def test_scale_planes_come_with_the_scale_swizzle():
+    from dataclasses import replace
+
+    from megakernel.fp4_layout import scale_planes, scale_swizzle, swizzle_units
+
+    sc = torch.randint(0, 256, (2, 64, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    t = GemmTile(rows=64, kc=1024, k=1024, fp4=True, chunk_rows=32, row_group=32, swizzle=8, scale_swizzle=4)
+    width, row_div = scale_swizzle(1024, 8)
+    x = tiling.swizzled_scales(sc, replace(t, scale_planes=True))
+    assert torch.equal(x, swizzle_units(scale_planes(sc), width, row_div))
+    assert not torch.equal(x, tiling.swizzled_scales(sc, t))  # its own copy
+    with pytest.raises(ConfigError, match="scale planes"):
+        tiling.swizzled_scales(sc, replace(t, scale_swizzle=0, scale_planes=True))
+
+
 def test_swizzled_refuses_dense_tiles_and_codes_of_another_k():
     codes = torch.zeros(2, 16, 128, dtype=torch.uint8)
     with pytest.raises(ConfigError, match="bf16 tile"):

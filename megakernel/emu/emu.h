@@ -111,8 +111,9 @@ MK_DEV void ldsm_x4_trans(uint32_t a[4], const unsigned char* row) {
 MK_DEV void ldsm_x4(uint32_t a[4], SAddr row) { ldsm_x4(a, row.p); }
 MK_DEV void ldsm_x2(uint32_t a[2], SAddr row) { ldsm_x2(a, row.p); }
 MK_DEV void ldsm_x4_trans(uint32_t a[4], SAddr row) { ldsm_x4_trans(a, row.p); }
-template <int X>
+template <int X, int H = 0>
 MK_DEV uint32_t ue4m3x2_to_bf16x2_scaled(uint32_t v) {  // the GPU's integer steps, on exact f16 bits
+  v >>= 16 * H;
   auto f16 = [](uint32_t x) -> uint32_t {  // cvt.rn.f16.e4m3 (exact; NaN -> 0x7fff)
     const uint32_t s = (x & 0x80u) << 8, e = (x >> 3) & 15u, m = x & 7u;
     if (e == 15u && m == 7u) return 0x7fffu;
@@ -124,6 +125,7 @@ MK_DEV uint32_t ue4m3x2_to_bf16x2_scaled(uint32_t v) {  // the GPU's integer ste
   const uint32_t h = f16(v & 0xffu) | (f16((v >> 8) & 0xffu) << 16);
   return (h >> 3) + (static_cast<uint32_t>(112 + X) << 7) * 0x10001u;
 }
+MK_DEV uint32_t rotl(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }  // 0 < r < 32, as arch.cuh
 MK_DEV uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   const uint64_t x = a | (static_cast<uint64_t>(b) << 32);
   uint32_t r = 0;

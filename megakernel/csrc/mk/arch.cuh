@@ -125,15 +125,22 @@ MK_DEV void ldsm_x4_trans(uint32_t a[4], SAddr row) {
 // mantissa bits at 9..7, so f16 bits >> 3 (no bit crosses the halves) + (112 + X) << 7 are the bf16
 // bits of value * 2^X. X <= 119 keeps 448 * 2^X below bf16's max; X >= -117 keeps 2^-9 normal.
 // Danger: a zero or negative scale gives a wrong value, not an error (the runtime refuses them).
-template <int X>
+// H = 1: the two scales are bytes 2 and 3 (the conversion reads the high half-word for free: F2FP .H1).
+template <int X, int H = 0>
 MK_DEV uint32_t ue4m3x2_to_bf16x2_scaled(uint32_t v) {
   static_assert(X >= -117 && X <= 119, "value * 2^X must stay a normal bf16 for every positive E4M3");
+  static_assert(H == 0 || H == 1, "half-word 0 or 1");
   uint32_t h;
-  asm("{.reg .b16 t;\n\tcvt.u16.u32 t, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, t;\n\t}" : "=r"(h) : "r"(v));
+  if constexpr (H == 0)
+    asm("{.reg .b16 t;\n\tcvt.u16.u32 t, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, t;\n\t}" : "=r"(h) : "r"(v));
+  else
+    asm("{.reg .b16 l, t;\n\tmov.b32 {l, t}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, t;\n\t}" : "=r"(h) : "r"(v));
   return (h >> 3) + (static_cast<uint32_t>(112 + X) << 7) * 0x10001u;
 }
 // Byte permute: result byte i = byte (sel nibble i) of {b:a} (a = bytes 0-3, b = bytes 4-7).
 MK_DEV uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) { return __byte_perm(a, b, sel); }
+// x rotated left by r (0 < r < 32): one funnel shift (ALU pipe)
+MK_DEV uint32_t rotl(uint32_t x, int r) { return __funnelshift_l(x, x, r); }
 // D = A(16x16, row) * B(16x8, col) + C, bf16 in, fp32 accumulate (PTX fragment layouts)
 // Not volatile: registers only, so the compiler may interleave it with the next step's loads.
 MK_DEV void mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {

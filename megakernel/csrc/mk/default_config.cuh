@@ -56,6 +56,7 @@ constexpr int TILE_QKV_CR = 0;
 constexpr int TILE_QKV_RG = 1;
 constexpr int TILE_QKV_SW = 0;
 constexpr int TILE_QKV_SSW = 0;
+constexpr bool TILE_QKV_SPL = false;
 constexpr int TILE_OPROJ_ROWS = 16;
 constexpr int TILE_OPROJ_KC = 256;
 constexpr int TILE_OPROJ_K = 256;
@@ -63,6 +64,7 @@ constexpr int TILE_OPROJ_CR = 0;
 constexpr int TILE_OPROJ_RG = 1;
 constexpr int TILE_OPROJ_SW = 0;
 constexpr int TILE_OPROJ_SSW = 0;
+constexpr bool TILE_OPROJ_SPL = false;
 constexpr int TILE_ROUTER_ROWS = 8;
 constexpr int TILE_ROUTER_KC = 128;
 constexpr int TILE_ROUTER_K = 128;
@@ -70,6 +72,7 @@ constexpr int TILE_ROUTER_CR = 0;
 constexpr int TILE_ROUTER_RG = 1;
 constexpr int TILE_ROUTER_SW = 0;
 constexpr int TILE_ROUTER_SSW = 0;
+constexpr bool TILE_ROUTER_SPL = false;
 constexpr int TILE_POOL_ROWS = 16;
 constexpr int TILE_POOL_KC = 128;
 constexpr int TILE_POOL_K = 128;
@@ -77,6 +80,7 @@ constexpr int TILE_POOL_CR = 0;
 constexpr int TILE_POOL_RG = 1;
 constexpr int TILE_POOL_SW = 0;
 constexpr int TILE_POOL_SSW = 0;
+constexpr bool TILE_POOL_SPL = false;
 constexpr int TILE_UNPOOL_ROWS = 16;
 constexpr int TILE_UNPOOL_KC = 64;
 constexpr int TILE_UNPOOL_K = 64;
@@ -84,6 +88,7 @@ constexpr int TILE_UNPOOL_CR = 0;
 constexpr int TILE_UNPOOL_RG = 1;
 constexpr int TILE_UNPOOL_SW = 0;
 constexpr int TILE_UNPOOL_SSW = 0;
+constexpr bool TILE_UNPOOL_SPL = false;
 constexpr int TILE_LM_HEAD_ROWS = 16;
 constexpr int TILE_LM_HEAD_KC = 128;
 constexpr int TILE_LM_HEAD_K = 128;
@@ -91,6 +96,7 @@ constexpr int TILE_LM_HEAD_CR = 0;
 constexpr int TILE_LM_HEAD_RG = 1;
 constexpr int TILE_LM_HEAD_SW = 0;
 constexpr int TILE_LM_HEAD_SSW = 0;
+constexpr bool TILE_LM_HEAD_SPL = false;
 constexpr int TILE_EXPERT1_ROWS = 128;
 constexpr int TILE_EXPERT1_KC = 64;
 constexpr int TILE_EXPERT1_K = 64;
@@ -98,6 +104,7 @@ constexpr int TILE_EXPERT1_CR = 64;
 constexpr int TILE_EXPERT1_RG = 64;
 constexpr int TILE_EXPERT1_SW = 1;
 constexpr int TILE_EXPERT1_SSW = 0;
+constexpr bool TILE_EXPERT1_SPL = false;
 constexpr int TILE_EXPERT2_ROWS = 64;
 constexpr int TILE_EXPERT2_KC = 64;
 constexpr int TILE_EXPERT2_K = 64;
@@ -105,6 +112,7 @@ constexpr int TILE_EXPERT2_CR = 64;
 constexpr int TILE_EXPERT2_RG = 64;
 constexpr int TILE_EXPERT2_SW = 1;
 constexpr int TILE_EXPERT2_SSW = 0;
+constexpr bool TILE_EXPERT2_SPL = false;
 static_assert(HQ % HKV == 0, "GQA group");
 static_assert(HD % 16 == 0 && HD % TILE_QKV_ROWS == 0, "qkv tiles never straddle heads");
 static_assert(T_MAX <= 16, "one m16 tile of tokens");
@@ -198,9 +206,10 @@ constexpr int SIGNAL_TOTAL = 1, SIGNAL_GROUPS = 2;
 constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10, WHAT_LOADER_GATE = 11, WHAT_SENTINEL = 12, WHAT_NORM_ROWS = 13;
 }  // namespace mk
 namespace mk {
-// NVFP4 kernel word (megakernel/fp4_layout.py): pair e = OR over terms (shift, mask), shift < 0 right
-struct Fp4Term { int shift; uint32_t mask; };
-constexpr Fp4Term FP4_PAIRS[4][2] = {{{6, 0x81C081C0u}, {0, 0x00000000u}}, {{3, 0x81C081C0u}, {0, 0x00000000u}}, {{0, 0x01C001C0u}, {4, 0x80008000u}}, {{5, 0x80008000u}, {-7, 0x01C001C0u}}};
+// NVFP4 device word (megakernel/fp4_layout.py): pair e = OR over
+// terms (rotation left, mask)
+struct Fp4Term { int rot; uint32_t mask; };
+constexpr Fp4Term FP4_PAIRS[4][2] = {{{0, 0x81C081C0u}, {0, 0x00000000u}}, {{6, 0x81C081C0u}, {0, 0x00000000u}}, {{12, 0x81C081C0u}, {0, 0x00000000u}}, {{2, 0x80C080C0u}, {26, 0x01000100u}}};
 // code and scale rows swizzle in periods of at most this many 16-byte units (swizzle_width)
 constexpr int FP4_SWIZZLE_MAX = 8;
 }  // namespace mk

@@ -362,16 +362,23 @@ MK_DEV void load_scales(const unsigned char* p, uint32_t (&w)[(SPW + 1) / 2]) {
 // tile is stashed into `fp4_red` (the unused tail of abuf: fp4_red_of) as soon as it is done,
 // then the compute warps meet at one barrier.
 MK_DEV constexpr int lowbit(int x) { return x & -x; }
-template <int S>
-MK_DEV uint32_t shift_by(uint32_t x) {
-  if constexpr (S >= 0) return x << S;
-  else return x >> -S;
+// Term I of pair E (T): the word rotated left by T.rot under T.mask. Where no masked bit wraps, a
+// plain shift does it, which nvcc may issue as an IMAD on the FMA pipe: the k-loop's logic
+// operations keep the (half-rate) ALU pipe busy, and a funnel shift would add to them.
+template <int E, int I>
+MK_DEV uint32_t fp4_term(uint32_t w) {
+  constexpr Fp4Term T = FP4_PAIRS[E][I];
+  constexpr uint32_t below = T.rot ? (1u << T.rot) - 1u : 0u;  // targets a left shift leaves empty
+  if constexpr (T.mask == 0u) return 0u;
+  else if constexpr (T.rot == 0 || (T.mask & below) == 0u) return (w << T.rot) & T.mask;
+  else if constexpr ((T.mask & ~below) == 0u) return (w >> (32 - T.rot)) & T.mask;
+  else return rotl(w, T.rot) & T.mask;
 }
-// Pair E of a kernel-layout code word, value * 2^-126 as bf16x2 (fp4_layout.PAIRS)
+// Pair E of a code word, value * 2^-126 as bf16x2 (fp4_layout: the storage words' PAIRS, or with
+// Plan.fp4_rotated the device words' ROT_PAIRS)
 template <int E>
 MK_DEV uint32_t fp4_pair(uint32_t w) {
-  constexpr Fp4Term a = FP4_PAIRS[E][0], b = FP4_PAIRS[E][1];
-  return (shift_by<a.shift>(w) & a.mask) | (shift_by<b.shift>(w) & b.mask);
+  return fp4_term<E, 0>(w) | fp4_term<E, 1>(w);
 }
 // The fp4 GEMMs' per-warp partials [WARPS][16 tokens][chunks * 16 rows] live after the staged
 // operand (16 rows of K) in abuf: plan.py checks they fit (plan.py fp4_abuf_need).
@@ -381,7 +388,7 @@ MK_DEV float* fp4_red_of(const Blk& b) {
 }
 template <int K, int RG, int SW>
 MK_DEV constexpr int fp4_group_bytes() { return RG * (K / 2) + (SW > 0 ? 0 : ROW_PAD); }
-template <int ROWS, int CR, int RG, int SW, int SP, int K>
+template <int ROWS, int CR, int RG, int SW, int SP, bool SPL, int K>
 MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
   constexpr int NCH = ROWS / CR, NT16C = CR / 16, WPT = WARPS / NT16C, KS32 = K / 32, AS = a_stride<K>();
   constexpr int SPW = (KS32 + WPT - 1) / WPT;
@@ -410,6 +417,11 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
   constexpr int SPD = SP ? FP4_SWIZZLE_MAX / SP : 1, SPM = SP ? SP : 1;
   static_assert(SP == 0 || (SG == 8 && SG == FP4_SWIZZLE_MAX && GS == 4 && FP4_SWIZZLE_MAX % SP == 0 && SP <= K / 256),
                 "a swizzled scale unit is one super-group (two groups of 4 steps) of whole units");
+  // SPL (fp4_layout.scale_planes): the unit's bytes are two planes, byte 8h + s = step s's scale of
+  // k16 half h. Thread t uses half t >> 1 alone (its code word's 8 values lie in it), so it loads
+  // its 8 bytes, and steps (2m, 2m+1) are half-word m % 2 of word m / 2: converted where they lie,
+  // where the interleaved unit needed a byte permute per two steps and row.
+  static_assert(!SPL || SP != 0, "scale planes come with swizzled scale rows");
   const int w = warp(), q = w % NT16C, j0 = (w / NT16C) * SPW, g = lane() >> 2, t = lane() & 3;
   const int r0 = q * 16 + g;  // this thread's rows within the chunk: r0 and r0 + 8
   // The code words come by ldmatrix: a step's 16 code bytes of a row are one 8x8-b16 matrix row,
@@ -418,7 +430,9 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
   // where 32-bit loads took four. Lane l addresses row (l & 7) of matrix l >> 3. With the
   // addresses converted once (SAddr) and the scale halves taken by operand selector, the shard8
   // k-loop went from 43.4 to 37.9 SASS per k32 step and the step from 8.85 to 8.60 ms (in-run
-  // A/B, H200 2026-11-30 05:43Z; T=1 -1.2%, small -0.7%).
+  // A/B, H200 2026-11-30 05:43Z; T=1 -1.2%, small -0.7%). The device words and scale planes
+  // (Plan.fp4_rotated, fp4_scale_planes) took the loop without the second tile from 39.4 to 34.4
+  // SASS per step (reports/results/megakernel/ab-device-words-20261130T1149Z-f83889e.md).
   const int lr = q * 16 + (lane() & 7) + 8 * ((lane() >> 3) & 1), ls = lane() >> 4;
   // ldmatrix x4 of an 8-token B tile: matrix m = the step's 16-byte column block m of tokens 0..7
   const SAddr brow = saddr(b.abuf + (lane() & 7) * AS + (lane() >> 3) * 16 + j0 * 64);
@@ -442,11 +456,17 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
     auto steps = [&](const bool tw) {
 #pragma unroll(2 * GS > SG ? 2 * GS / SG : 1)
       for (int js = 0; js < SPW; js += SG) {
-        uint4 su0{}, su1{};  // SP: the super-group's scale unit of rows r0 and r0 + 8
+        uint4 su0{}, su1{};  // SP: the super-group's scale unit of rows r0 and r0 + 8 (SPL: its plane t >> 1)
         if constexpr (SP != 0) {
           const int u = ((j0 + js) >> 3) ^ sx;
-          su0 = *reinterpret_cast<const uint4*>(scales0 + 16 * u);
-          su1 = *reinterpret_cast<const uint4*>(scales1 + 16 * u);
+          if constexpr (SPL) {
+            const uint2 p0 = *reinterpret_cast<const uint2*>(scales0 + 16 * u + 8 * (t >> 1));
+            const uint2 p1 = *reinterpret_cast<const uint2*>(scales1 + 16 * u + 8 * (t >> 1));
+            su0.x = p0.x, su0.y = p0.y, su1.x = p1.x, su1.y = p1.y;
+          } else {
+            su0 = *reinterpret_cast<const uint4*>(scales0 + 16 * u);
+            su1 = *reinterpret_cast<const uint4*>(scales1 + 16 * u);
+          }
         }
 #pragma unroll
         for (int gi = 0; gi < SG / GS; ++gi) {
@@ -455,7 +475,10 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
             if (j0 + jg >= KS32) break;
           }
           uint32_t sw0[(GS + 1) / 2], sw1[(GS + 1) / 2];
-          if constexpr (SP != 0) {  // GS == 4: group gi is words 2gi, 2gi + 1 of the unit
+          if constexpr (SPL) {  // group gi is word gi of the plane (steps 4gi..4gi + 3)
+            sw0[0] = sw0[1] = gi ? su0.y : su0.x;
+            sw1[0] = sw1[1] = gi ? su1.y : su1.x;
+          } else if constexpr (SP != 0) {  // GS == 4: group gi is words 2gi, 2gi + 1 of the unit
             sw0[0] = gi ? su0.z : su0.x, sw0[1] = gi ? su0.w : su0.y;
             sw1[0] = gi ? su1.z : su1.x, sw1[1] = gi ? su1.w : su1.y;
           } else {
@@ -477,8 +500,16 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
           for (int i = 0; i < GS; ++i) {
             // the block scales * 2^FP4_SCALE_EXP of steps 2m (low half) and 2m+1 (high half): one
             // conversion for both steps, and each multiply takes its step's half by operand selector
-            const uint32_t s0 = ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw0[i / 2], 0u, ssel));
-            const uint32_t s1 = ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw1[i / 2], 0u, ssel));
+            uint32_t s0, s1;
+            if constexpr (SPL) {  // half-word i / 2 of the group's word
+              s0 = (i & 2) ? ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 1>(sw0[0])
+                           : ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 0>(sw0[0]);
+              s1 = (i & 2) ? ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 1>(sw1[0])
+                           : ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 0>(sw1[0]);
+            } else {
+              s0 = ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw0[i / 2], 0u, ssel));
+              s1 = ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw1[i / 2], 0u, ssel));
+            }
             auto scaled = [&](uint32_t pair, uint32_t s) {
               return (i & 1) ? hmul2_bcast<1>(pair, s) : hmul2_bcast<0>(pair, s);
             };

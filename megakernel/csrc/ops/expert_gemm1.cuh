@@ -30,7 +30,7 @@ MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
   const SlotInfo si = slot_info<false>(b, layer, s, tag);
   const int ntok = si.ntok;
   stage_gather_rows<P>(b, p.pooled, ntok, tag);  // the slot's tokens: read by slot_info
-  gemm_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, TILE_EXPERT1_RG, TILE_EXPERT1_SW, TILE_EXPERT1_SSW, P>(b, ntok, what);
+  gemm_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, TILE_EXPERT1_RG, TILE_EXPERT1_SW, TILE_EXPERT1_SSW, TILE_EXPERT1_SPL, P>(b, ntok, what);
   const float ts = si.tscale;
   // only the slot's token rows (a slot has ~3 of its 16 at T=16): no pass over rows it lacks
 MK_COLD_LOOP

@@ -28,7 +28,7 @@ MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
   const int ntok = si.ntok;
   const uint16_t* rows = p.act + static_cast<size_t>(s) * 16 * F;
   stage_gather_perm<F>(b, rows, ntok, [](int i) { return i; }, tag);
-  gemm_fp4<N2, TILE_EXPERT2_CR, TILE_EXPERT2_RG, TILE_EXPERT2_SW, TILE_EXPERT2_SSW, F>(b, ntok, what);
+  gemm_fp4<N2, TILE_EXPERT2_CR, TILE_EXPERT2_RG, TILE_EXPERT2_SW, TILE_EXPERT2_SSW, TILE_EXPERT2_SPL, F>(b, ntok, what);
   const float ts = si.tscale;
   // only the slot's token rows (a slot has ~3 of its 16 at T=16): no pass over rows it lacks
 MK_COLD_LOOP
