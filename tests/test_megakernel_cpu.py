@@ -235,12 +235,20 @@ def test_swizzled_expert_rows_give_the_same_bits(dims, widths):
     # and 4 (runs of 2 and 4 steps) and 8 (a period spans two runs of 4). With period 8 the scale
     # rows are swizzled too (fp4_scale_swizzle; here rows of 2 units: width 2, every 4 rows). A base
     # of the wrong unit, row or period changes the logits; padded rows must give the same bits.
+    # The kernel's copy is in device words (Plan.fp4_rotated) and, with swizzled scale rows, its
+    # scale units in planes (fp4_scale_planes, the SPL k-loop); the storage words, decoded by the
+    # storage PAIRS with interleaved scales, must give the same bits too.
     cfg = dataclasses.replace(preset("tiny"), d_model=dims[0], d_pool=dims[1], d_expert=dims[2])
     plans = {"padded": make_plan(cfg, 4, spin_bound_ns=3_000_000_000, fp4_swizzle=False),
              "codes": make_plan(cfg, 4, spin_bound_ns=3_000_000_000, fp4_scale_swizzle=False),
-             "codes+scales": make_plan(cfg, 4, spin_bound_ns=3_000_000_000)}
+             "codes+scales": make_plan(cfg, 4, spin_bound_ns=3_000_000_000),
+             "storage words": make_plan(cfg, 4, spin_bound_ns=3_000_000_000, fp4_rotated=False,
+                                        fp4_scale_planes=False)}
     swz = plans["codes+scales"]
     assert {n: (swz.tiles[n].swizzle, swz.tiles[n].scale_swizzle) for n in widths} == widths
+    assert all(swz.tiles[n].rotated and swz.tiles[n].scale_planes == (widths[n][1] > 0) for n in widths)
+    assert not any(plans["storage words"].tiles[n].rotated or plans["storage words"].tiles[n].scale_planes
+                   for n in widths)
     for n in widths:
         t = swz.tiles[n]
         assert t.row_group == t.chunk_rows and t.row_stride == t.chunk_rows * t.k // 2
