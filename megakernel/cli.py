@@ -2,6 +2,8 @@
   build [--preset P]      compile for sm_90a (no GPU needed) and print code bytes / registers / spills / smem,
                           and code bytes per op when nvdisasm is there
   check-and-bench [--full] [--presets ...]   on a GPU: the pipeline (checks, then timings), results saved
+  timeline [--preset P]   on a GPU: one profiled step (megakernel.timeline: the trace, the idle time
+                          per op, the profiler's cost recording every launch and one in 7)
   timeline-detail [--preset P]   on a GPU: a profiled step that also stamps staging and ring waits
                           inside units; each op's time in them (megakernel.timeline_detail)
   sanitize-step           one tiny step in mega and chain mode (run under compute-sanitizer)
@@ -76,15 +78,15 @@ def _check_and_bench(a) -> int:
     leave(0)  # results saved and printed; interpreter teardown aborted on the H200
 
 
-def _timeline_detail(a) -> int:
-    if _no_gpu("timeline-detail"):
+def _timeline(a) -> int:
+    if _no_gpu(a.cmd):
         return 2
     from microbench.harness import Harness, Policy
 
     from .pipeline import timeline
 
     h = Harness(policy=Policy(budget_s=0.3, max_samples=100, chunk=8))
-    r = timeline(h, a.preset, a.tokens, a.ctx, None, detail=True)
+    r = timeline(h, a.preset, a.tokens, a.ctx, None, detail=a.detail)
     print("saved", r.save())
     for k, d in r.derived.items():
         print(f"  -> {k} = {d.value:.4g} {d.unit}")
@@ -323,11 +325,12 @@ def main(argv=None) -> int:
     s.add_argument("--full", action="store_true")
     s.add_argument("--presets", nargs="*", default=["tiny", "small", "shard8"])
     s.set_defaults(fn=_check_and_bench)
-    s = sub.add_parser("timeline-detail")
-    s.add_argument("--preset", default="shard8")
-    s.add_argument("--tokens", type=int, default=16)
-    s.add_argument("--ctx", type=int, default=2048)
-    s.set_defaults(fn=_timeline_detail)
+    for name in ("timeline", "timeline-detail"):
+        s = sub.add_parser(name)
+        s.add_argument("--preset", default="shard8")
+        s.add_argument("--tokens", type=int, default=16)
+        s.add_argument("--ctx", type=int, default=2048)
+        s.set_defaults(fn=_timeline, detail=name == "timeline-detail")
     s = sub.add_parser("sanitize-step")
     s.set_defaults(fn=_sanitize)
     s = sub.add_parser("program")

@@ -344,7 +344,8 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
     if not same:
         raise CorrectnessError(f"{preset}: profiled outputs differ from unprofiled ones")
     # the same profiled engine recording one launch in PROFILE_SAMPLE_EVERY (the middle one among
-    # them); its graph bakes in which launches get a buffer
+    # them); its graph bakes in which launches get a buffer and the profiled kernel (the others
+    # run the unprofiled build: Engine.profile_launches)
     n_launch = len(engs[True].program.launches)
     mid = n_launch // 2  # a middle layer's launch: attention of layer L through qkv of L+1
     sampled = tuple(range(mid % PROFILE_SAMPLE_EVERY, n_launch, PROFILE_SAMPLE_EVERY))
@@ -382,8 +383,8 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
                                               f"recorded - median unprofiled step) / {n_launch} launches"),
         "profiler_overhead_fraction_sampled": Derived(
             (smp - off) / off, "", f"as profiler_overhead_fraction, recording {len(sampled)} of {n_launch} launches "
-            f"(one in {PROFILE_SAMPLE_EVERY}, Engine.profile_launches); the others run the profiled build "
-            "without a buffer"),
+            f"(one in {PROFILE_SAMPLE_EVERY}, Engine.profile_launches); the others run the unprofiled build of "
+            "the same plan"),
         "stamps_per_step": Derived(float(len(tl.stamps)), "", "profiler records of one step"),
     }
     span = float(df["end_ns"].max() - df["begin_ns"].min()) if len(df) else float("nan")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -82,7 +82,9 @@ class Engine:
             n = max(len(self.program.launches), len(self.program.ops))  # a slice per launch of either mode
             self.prof = ProfileBuffer(ProfileLayout(self.grid, 1, plan.profile_cap), launches=n,
                                       device="cpu" if backend == "emu" else (self.dev.index or 0))
-        self.profile_launches = profile_launches
+        self._prof_launches = None
+        self._plain = None  # the unprofiled build's kernel (gpu) or library (emu): see profile_launches
+        self._code_budget = code_budget
         self.emu_seed = emu_seed
         self._check_weights()
         self._alloc()
@@ -100,15 +102,17 @@ class Engine:
             from .build import build_emu
 
             self.dll = build_emu(plan)
+        self.profile_launches = profile_launches  # after the build: a sample also loads the plain one
         self._params_dev = None
 
     @property
     def profile_launches(self) -> frozenset[int] | None:
         """The launch indices the profiler records (None: every launch). A launch that is not
-        recorded gets no buffer, and its blocks skip the profiler's timer reads and records. The
-        profiled code's presence still costs: at d733e53, 2.92% of a shard8 step recording one
-        launch in 7 against 3.43% recording all (README). Set it before capturing a graph (the
-        buffer pointers are baked into the graph)."""
+        recorded runs the unprofiled build of the same plan (the same op code, so the same bits),
+        loaded when a sample is first set: the profiled code costs even where it records nothing
+        (at 336b0b5, 1.99% of a shard8 step recording one launch in 7 with the profiled build for
+        every launch, 2.60% recording all; README). Set it before capturing a graph (the kernels
+        and buffer pointers are baked into the graph)."""
         return self._prof_launches
 
     @profile_launches.setter
@@ -122,6 +126,17 @@ class Engine:
         bad = sorted(i for i in sel if not 0 <= i < self.prof.launches)
         if bad:
             raise ConfigError(f"profile_launches {bad[:8]}: launch indices run 0..{self.prof.launches - 1}")
+        if self._plain is None:
+            plain = replace(self.plan, profile=False, profile_detail=False)
+            if self.backend == "gpu":
+                from .build import build_gpu
+
+                self._plain_build = build_gpu(plain, code_budget=self._code_budget)
+                self._plain = self._plain_build.kernel()
+            else:
+                from .build import build_emu
+
+                self._plain = build_emu(plain)
         self._prof_launches = sel
 
     # ------------------------------------------------------------------ setup
@@ -337,16 +352,20 @@ class Engine:
     def _launch(self, first, n, wait, grid, t, ctx, li=0, pdl=False):
         recorded = self.prof is not None and (self._prof_launches is None or li in self._prof_launches)
         pb, pm = self.prof.args(li) if recorded else (0, np.uint64(0))
+        plain = self.prof is not None and not recorded  # a sampled profile: the unprofiled build
         if self.backend == "gpu":
             from microbench.launch import LaunchSpec, launch
 
+            # smem_bytes does not depend on the profiler: one size for both builds
             spec = LaunchSpec(grid=grid, block=THREADS, smem=self.plan.smem_bytes, pdl=pdl)
-            launch(self.kernel, spec, self._params_dev, np.int32(first), np.int32(n), np.int32(wait), np.int32(t),
+            kernel = self._plain if plain else self.kernel
+            launch(kernel, spec, self._params_dev, np.int32(first), np.int32(n), np.int32(wait), np.int32(t),
                    np.int32(ctx), np.int32(self.parity), pb, pm, persistent=bool(wait))
         else:
             err = ctypes.create_string_buffer(2048)
-            rc = self.dll.mk_emu_run(self._params_dev.data_ptr(), grid, first, n, wait, t, ctx, self.parity,
-                                     self.emu_seed, err, len(err), pb, int(pm))
+            dll = self._plain if plain else self.dll
+            rc = dll.mk_emu_run(self._params_dev.data_ptr(), grid, first, n, wait, t, ctx, self.parity,
+                                self.emu_seed, err, len(err), pb, int(pm))
             self.emu_seed += 1
             if rc:
                 self._check_watchdog(wait)

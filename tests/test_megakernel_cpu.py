@@ -712,20 +712,25 @@ def test_deferred_op_stamps_are_the_immediate_ones(tiny, program_mode):
 
 
 def test_profile_launches_records_only_the_chosen_launches(tiny):
-    """Engine.profile_launches samples launches: the others get no buffer and skip the timer
-    reads. The recorded launches hold the same op records (events, op indices, order) as when
-    every launch is recorded, the rest hold none, and the outputs keep their bits."""
+    """Engine.profile_launches samples launches: the others run the unprofiled build of the same
+    plan (no buffer, no profiler code). The recorded launches hold the same op records (events,
+    op indices, order) as when every launch is recorded, the rest hold none, and the outputs keep
+    the bits of an unprofiled engine's."""
     cfg, w, base, _ = tiny
     toks, par = _inputs(cfg, 8, 4)
     plan = make_plan(cfg, 4, profile=True, profile_cap=1024)
     full = Engine(w, plan, base.clone(), backend="emu")
     out_full = full.step(toks, par, 40, mode="mega")
+    assert full._plain is None  # every launch recorded: no second build
     n = len(full.program.launches)
     assert n >= 3
     pick = {1, n - 1}
     some = Engine(w, plan, base.clone(), backend="emu", profile_launches=pick)
+    assert some._plain is not None and some._plain is not some.dll
     out_some = some.step(toks, par, 40, mode="mega")
+    out_plain = Engine(w, make_plan(cfg, 4), base.clone(), backend="emu").step(toks, par, 40, mode="mega")
     assert torch.equal(out_full.logits, out_some.logits) and torch.equal(out_full.tokens, out_some.tokens)
+    assert torch.equal(out_plain.logits, out_some.logits)
     a, b = full.prof.read(), some.prof.read()
     assert set(np.unique(b.launch).tolist()) == pick
     assert set(np.unique(a.launch).tolist()) == set(range(n))
