@@ -349,18 +349,22 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
     n_launch = len(engs[True].program.launches)
     mid = n_launch // 2  # a middle layer's launch: attention of layer L through qkv of L+1
     sampled = tuple(range(mid % PROFILE_SAMPLE_EVERY, n_launch, PROFILE_SAMPLE_EVERY))
-    engs[True].profile_launches = sampled
-    graphs["sampled"] = graph_of(engs[True], "mega")
+    # and as many launches in one window around the middle: 2 switches between the builds a step
+    # instead of 2 per recorded launch (each ~2.6 us, scratch run of 2026-11-30 12:31Z)
+    window = tuple(range(mid - len(sampled) // 2, mid - len(sampled) // 2 + len(sampled)))
+    for k, sel in (("sampled", sampled), ("window", window)):
+        engs[True].profile_launches = sel
+        graphs[k] = graph_of(engs[True], "mega")
     engs[True].profile_launches = None
     # interleaved passes, rotating which goes first: timed one after the other, a drift of the
     # clocks between passes would count as the profiler's cost
-    kinds = (False, True, "sampled")
+    kinds = (False, True, "sampled", "window")
     samples = {k: [] for k in kinds}
     for rnd in range(6):
-        for k in kinds[rnd % 3:] + kinds[:rnd % 3]:
+        for k in kinds[rnd % len(kinds):] + kinds[:rnd % len(kinds)]:
             g, per = graphs[k]
             samples[k] += [x / per for x in h.time(g.replay).samples_s]
-    off, on, smp = (float(np.median(samples[k])) for k in kinds)
+    off, on, smp, win = (float(np.median(samples[k])) for k in kinds)
     eng = engs[True]  # after the replays, as graph_of wants: the step whose stamps we read
     eng.step(sc.tokens, sc.parents, ctx, mode="mega", routes=routes)
     tl = eng.timeline("mega")
@@ -374,6 +378,10 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
     series.append(Series.from_samples(f"profiler_cost/{preset}/sampled", np.asarray(samples["sampled"]),
                                       timer="cuda_event", unit="s",
                                       params={"preset": preset, "profile": 1, "recorded_launches": len(sampled)}))
+    series.append(Series.from_samples(f"profiler_cost/{preset}/window", np.asarray(samples["window"]),
+                                      timer="cuda_event", unit="s",
+                                      params={"preset": preset, "profile": 1, "recorded_launches": len(window),
+                                              "first_recorded": window[0]}))
     df = tl.spans_df()
     derived = {
         "profiler_overhead_fraction": Derived((on - off) / off, "", "median profiled step, every launch recorded / "
@@ -385,6 +393,9 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
             (smp - off) / off, "", f"as profiler_overhead_fraction, recording {len(sampled)} of {n_launch} launches "
             f"(one in {PROFILE_SAMPLE_EVERY}, Engine.profile_launches); the others run the unprofiled build of "
             "the same plan"),
+        "profiler_overhead_fraction_window": Derived(
+            (win - off) / off, "", f"as profiler_overhead_fraction_sampled, recording {len(window)} consecutive "
+            f"launches ({window[0]}..{window[-1]} of {n_launch})"),
         "stamps_per_step": Derived(float(len(tl.stamps)), "", "profiler records of one step"),
     }
     span = float(df["end_ns"].max() - df["begin_ns"].min()) if len(df) else float("nan")
@@ -410,7 +421,8 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
     trace = part.write_trace(out_dir / f"{stem}.trace.json")
     png = part.plot(out_dir / f"{stem}.png")
     log(f"  timeline {preset}: {len(tl.stamps)} stamps, profiler overhead {(on - off) / off:.2%} "
-        f"({(smp - off) / off:.2%} recording {len(sampled)} of {n_launch} launches), trace {trace.name}")
+        f"({(smp - off) / off:.2%} recording {len(sampled)} of {n_launch} launches one in {PROFILE_SAMPLE_EVERY}, "
+        f"{(win - off) / off:.2%} recording {len(window)} consecutive), trace {trace.name}")
     notes = (f"Perfetto trace (launches {sorted(keep)} of {n_launch}): {trace.name}; plot: {png.name}",
              "timer: globaltimer, stamped by thread 0 of each block", f"problems: {list(tl.problems)[:5]}")
     return Result("megakernel.timeline_detail" if detail else "megakernel.timeline", env, tuple(series), derived,
