@@ -89,3 +89,16 @@ def test_help(cmd, capsys):
     with pytest.raises(SystemExit) as ei:
         main([cmd, "--help"])
     assert ei.value.code == 0 and cmd in capsys.readouterr().out
+
+
+def test_profile_samples_spread_and_window_hold_the_same_launch_count():
+    from megakernel.pipeline import PROFILE_SAMPLE_EVERY, profile_samples
+
+    spread, window = profile_samples(63)  # shard8: 63 launches, the middle one 31
+    assert spread == tuple(range(3, 63, PROFILE_SAMPLE_EVERY)) and 31 in spread and len(spread) == 9
+    assert window == tuple(range(27, 36))  # 9 consecutive launches centred on the middle one
+    assert profile_samples(13) == ((6,), (6,))  # small
+    for n in (1, 2, 7, 8, 100):  # always inside the step, as many launches in both
+        s, w = profile_samples(n)
+        assert len(s) == len(w) >= 1 and all(0 <= i < n for i in s + w)
+        assert w == tuple(range(w[0], w[0] + len(w)))
