@@ -3,7 +3,8 @@
                           and code bytes per op when nvdisasm is there
   check-and-bench [--full] [--presets ...]   on a GPU: the pipeline (checks, then timings), results saved
   timeline [--preset P]   on a GPU: one profiled step (megakernel.timeline: the trace, the idle time
-                          per op, the profiler's cost recording every launch and one in 7)
+                          per op, the profiler's cost recording every launch, one in 7, and as many
+                          consecutive ones)
   timeline-detail [--preset P]   on a GPU: a profiled step that also stamps staging and ring waits
                           inside units; each op's time in them (megakernel.timeline_detail)
   sanitize-step           one tiny step in mega and chain mode (run under compute-sanitizer)

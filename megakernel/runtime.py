@@ -128,6 +128,9 @@ class Engine:
             raise ConfigError(f"profile_launches {bad[:8]}: launch indices run 0..{self.prof.launches - 1}")
         if self._plain is None:
             plain = replace(self.plan, profile=False, profile_detail=False)
+            if plain.smem_bytes != self.plan.smem_bytes:  # _launch gives both builds one size
+                raise ConfigError(f"profile_launches: the unprofiled build needs {plain.smem_bytes} B of shared "
+                                  f"memory, the profiled one {self.plan.smem_bytes} B")
             if self.backend == "gpu":
                 from .build import build_gpu
 
@@ -356,7 +359,7 @@ class Engine:
         if self.backend == "gpu":
             from microbench.launch import LaunchSpec, launch
 
-            # smem_bytes does not depend on the profiler: one size for both builds
+            # one shared-memory size for both builds (the profile_launches setter checks it)
             spec = LaunchSpec(grid=grid, block=THREADS, smem=self.plan.smem_bytes, pdl=pdl)
             kernel = self._plain if plain else self.kernel
             launch(kernel, spec, self._params_dev, np.int32(first), np.int32(n), np.int32(wait), np.int32(t),
