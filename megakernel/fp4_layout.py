@@ -82,7 +82,12 @@ def _bit_map(pairs) -> list[tuple[int, int]]:
     return out
 
 
-BIT_MAP = _bit_map(_rotations(PAIRS))  # storage words
+def _pairs(rotated: bool):
+    """The terms the kernel decodes, as (rotation, mask): the device words or the storage words."""
+    return ROT_PAIRS if rotated else _rotations(PAIRS)
+
+
+BIT_MAP = _bit_map(_pairs(False))  # storage words
 ROT_BIT_MAP = _bit_map(ROT_PAIRS)  # device words
 # the storage words' half-words decode on their own (half_word_table)
 assert all(nat // 16 == ker // 16 for nat, ker in BIT_MAP), "a value's bits stay in its half-word"
@@ -241,7 +246,7 @@ def decode_pairs(words: torch.Tensor, rotated: bool = False) -> torch.Tensor:
     bf16x2 bit patterns of the pairs, value * 2^-126 (what gemm.cuh computes before the scale
     multiply)."""
     out = []
-    for terms in (ROT_PAIRS if rotated else _rotations(PAIRS)):
+    for terms in _pairs(rotated):
         p = torch.zeros_like(words)
         for r, m in terms:
             p |= (((words << r) | (words >> (32 - r))) & 0xFFFFFFFF if r else words) & m
@@ -253,7 +258,7 @@ def render_header(rotated: bool = False) -> str:
     """The word layout the kernel reads (device words when `rotated`, else the storage words) as
     C++ constants (the kernel's decode reads these; one source of truth)."""
     rows = []
-    for terms in (ROT_PAIRS if rotated else _rotations(PAIRS)):
+    for terms in _pairs(rotated):
         t = list(terms) + [(0, 0)] * (2 - len(terms))
         rows.append("{" + ", ".join(f"{{{r}, 0x{m:08X}u}}" for r, m in t) + "}")
     return ("namespace mk {\n"

@@ -314,13 +314,19 @@ def detail_by_op(df) -> dict[tuple[str, str], float]:
 PROFILE_SAMPLE_EVERY = 7
 
 
+def middle_launch(n_launch: int) -> int:
+    """A middle layer's launch (attention of layer L through qkv of L + 1): the one the timeline
+    traces and samples around."""
+    return n_launch // 2
+
+
 def profile_samples(n_launch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The two sampled profiles the timeline times (Engine.profile_launches): one launch in
     PROFILE_SAMPLE_EVERY through the middle launch, and as many consecutive launches around it.
     The window switches between the profiled and the unprofiled build twice a step instead of
     twice per recorded launch (each switch ~2.6 us: scratch run of 2026-11-30 12:31Z,
     reports/results/megakernel/diag-profiler-sampling-20261130T1231Z-a87fec0.md)."""
-    mid = n_launch // 2  # a middle layer's launch: attention of layer L through qkv of L+1
+    mid = middle_launch(n_launch)
     spread = tuple(range(mid % PROFILE_SAMPLE_EVERY, n_launch, PROFILE_SAMPLE_EVERY))
     lo = max(0, min(mid - len(spread) // 2, n_launch - len(spread)))
     return spread, tuple(range(lo, lo + len(spread)))
@@ -359,7 +365,7 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
     # them); its graph bakes in which launches get a buffer and the profiled kernel (the others
     # run the unprofiled build: Engine.profile_launches)
     n_launch = len(engs[True].program.launches)
-    mid = n_launch // 2  # a middle layer's launch: attention of layer L through qkv of L+1
+    mid = middle_launch(n_launch)
     sampled, window = profile_samples(n_launch)
     for k, sel in (("sampled", sampled), ("window", window)):
         engs[True].profile_launches = sel

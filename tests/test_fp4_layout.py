@@ -1,5 +1,7 @@
 """The megakernel's NVFP4 storage (fp4_layout): a value-preserving rearrangement of nvfp4's
 natural layout, decoded by the kernel's shift-and-mask pairs."""
+import itertools
+
 import pytest
 import torch
 
@@ -112,7 +114,7 @@ def test_device_words_take_fewer_terms_than_the_storage_words():
     rotations = {r for t in L.ROT_PAIRS for r, _ in t if r}
     assert (n_terms, len(rotations)) == (5, 4)
     S = [t for t in range(32) if (L.PAIR_BITS >> t) & 1]
-    tiles = [R for R in __import__("itertools").combinations(range(32), 4)
+    tiles = [R for R in itertools.combinations(range(32), 4)
              if len({(t - r) % 32 for r in R for t in S}) == 32]
     assert tiles == []
 

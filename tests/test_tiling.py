@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 
 import pytest
 import torch
 
 from megakernel import tiling
 from megakernel.config import ConfigError, preset
+from megakernel.fp4_layout import scale_planes, scale_swizzle, swizzle_units, to_rotated_words
 from megakernel.plan import ROW_PAD, GemmTile, make_plan
 
 
@@ -86,10 +88,6 @@ def test_swizzled_expert_codes_move_whole_units_within_a_row_and_are_shared():
 def test_rotated_expert_codes_are_the_device_words_of_each_layout():
     """GemmTile.rotated: the kernel's copy is in device words (fp4_layout.to_rotated_words), with
     or without the swizzle, one copy per source tensor and layout."""
-    from dataclasses import replace
-
-    from megakernel.fp4_layout import swizzle_units, to_rotated_words
-
     codes = torch.randint(0, 256, (3, 128, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     for sw in (0, 8):
         t = GemmTile(rows=128, kc=512, k=512, fp4=True, chunk_rows=64, row_group=64, swizzle=sw)
@@ -101,10 +99,6 @@ def test_rotated_expert_codes_are_the_device_words_of_each_layout():
 
 
 def test_scale_planes_come_with_the_scale_swizzle():
-    from dataclasses import replace
-
-    from megakernel.fp4_layout import scale_planes, scale_swizzle, swizzle_units
-
     sc = torch.randint(0, 256, (2, 64, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     t = GemmTile(rows=64, kc=1024, k=1024, fp4=True, chunk_rows=32, row_group=32, swizzle=8, scale_swizzle=4)
     width, row_div = scale_swizzle(1024, 8)
