@@ -11,7 +11,8 @@ from microbench.clocks.profiler import ProfileLayout, layout_constants
 
 def emulate(layout: ProfileLayout, stamps: dict, launches: int = 1, epoch: int = 1,
             buf: np.ndarray | None = None) -> np.ndarray:
-    """stamps: {(launch, block, warp): [(event, arg, gt, c64, sm), ...]} in program order."""
+    """stamps: {(launch, block, warp): [(event, arg, gt, c64, sm), ...]} in program order; every
+    key is a recording warp that built its Profiler (an empty list: one that stamped nothing)."""
     c = layout_constants()
     sw = layout.slice_bytes // 4
     if buf is None:
@@ -23,6 +24,9 @@ def emulate(layout: ProfileLayout, stamps: dict, launches: int = 1, epoch: int =
         base = L * sw
         ovf = base + c["HEADER_BYTES"] // 4 + b * W + w
         rec0 = base + layout.records_offset // 4 + (b * W + w) * C * c["RECORD_WORDS"]
+        buf[ovf] = 0  # the Profiler's construction resets its counter ...
+        if b == 0 and w == 0:
+            buf[base + c["H_EPOCH"]] = epoch  # ... and block 0's warp 0 the slice's header epoch
         for n, (ev, arg, gt, c64, sm) in enumerate(recs):
             if n < C:
                 r = rec0 + n * c["RECORD_WORDS"]

@@ -196,10 +196,46 @@ def test_decode_refuses_overflow_without_full_records():
 def test_stale_records_of_an_earlier_epoch_are_not_read_as_new():
     lay = ProfileLayout(blocks=1, warps=1, cap=6)
     old = emulate(lay, {(0, 0, 0): [(1, i, GT0 + i, 1, 0) for i in range(5)]}, epoch=1)
-    old[:16] = lay.header_words(0, 2)  # the host's reset: new epoch in the header
     new = emulate(lay, {(0, 0, 0): [(2, 100 + i, GT0 + 10 + i, 1, 0) for i in range(2)]}, epoch=2, buf=old)
     s = decode(new, lay)
     assert s.event.tolist() == [2, 2] and s.arg.tolist() == [100, 101] and s.stale == 3
+
+
+def test_the_device_resets_a_slice_and_unrecorded_slices_yield_nothing():
+    """ProfileBuffer.reset() writes nothing: a recording launch zeroes its counters and stamps its
+    slice's header epoch (profile.cuh). A slice no launch of the epoch was handed keeps an older
+    epoch and decodes as not recorded; one that was handed out must carry the epoch."""
+    lay = ProfileLayout(blocks=2, warps=1, cap=2)
+    first = {(L, b, 0): [(1, L, GT0 + b, 1, 0)] * 3 for L in range(2) for b in range(2)}  # all overflow
+    buf = emulate(lay, first, launches=2, epoch=1)
+    # epoch 2: only slice 1 recorded, and only by block 0 (block 1 keeps epoch 1's overflow count)
+    buf = emulate(lay, {(1, 0, 0): [(2, 7, GT0 + 50, 1, 0)]}, launches=2, epoch=2, buf=buf)
+    s = decode(buf, lay, 2, epoch=2, recorded={1})
+    assert s.launch.tolist() == [1] and s.arg.tolist() == [7] and s.stale == 4 + 1 + 2  # slice 0; block 0, 1 of slice 1
+    assert s.overflow.sum() == 0  # slice 0 not recorded; block 1 of slice 1 did not run
+    with pytest.raises(ProfileFormatError, match="header epoch 1, reader expected 2"):
+        decode(buf, lay, 2, epoch=2)  # without `recorded` every slice must carry the epoch
+    with pytest.raises(ProfileFormatError, match="did not record"):
+        decode(buf, lay, 2, epoch=2, recorded={0, 1})
+    bad = buf.copy()
+    bad[(lay.slice_bytes + 64) // 4] = 5  # block 0 of slice 1 ran (1 of 2 records) yet claims overflow
+    with pytest.raises(ProfileFormatError, match="overflow counter 5"):
+        decode(bad, lay, 2, epoch=2, recorded={1})
+
+
+def test_buffer_reset_bumps_the_epoch_and_enqueues_nothing():
+    from microbench.clocks.profiler import ProfileBuffer
+
+    pb = ProfileBuffer(ProfileLayout(blocks=2, warps=1, cap=4), launches=3, device="cpu")
+    before = pb.tensor.clone()
+    pb.args(2)
+    assert pb.armed == {2}
+    pb.reset()
+    assert pb.epoch == 2 and pb.armed == set() and bool((pb.tensor == before).all())
+    assert len(pb.read()) == 0  # nothing handed out: no slice must carry epoch 2
+    pb.args(1)
+    with pytest.raises(ProfileFormatError, match="slice 1: header epoch 1, reader expected 2"):
+        pb.read()  # handed out, but no launch recorded into it
 
 
 # ------------------------------------------------------------------------------------ timeline

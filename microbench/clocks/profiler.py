@@ -47,7 +47,7 @@ def layout_constants() -> dict[str, int]:
     body = text[text.index("enum ProfLayout"):]
     body = body[:body.index("};")]
     out = {m.group(1): int(m.group(2), 0) for m in re.finditer(r"PROF_([A-Z0-9_]+)\s*=\s*(0x[0-9A-Fa-f]+|\d+)u?", body)}
-    need = {"MAGIC", "VERSION", "HEADER_BYTES", "RECORD_WORDS", "VALID", "TAG_WARP_SHIFT", "EVENT_MASK",
+    need = {"MAGIC", "VERSION", "HEADER_BYTES", "RECORD_WORDS", "VALID", "TAG_WARP_SHIFT", "EVENT_MASK", "H_EPOCH",
             "META_BLOCKS_MASK", "META_WARPS_SHIFT", "META_WARPS_MASK", "META_CAP_SHIFT", "META_CAP_MASK",
             "META_EPOCH_SHIFT", "META_EPOCH_MASK", "W_TAG", "W_ARG", "W_GT_LO", "W_GT_HI", "W_CLK_LO", "W_CLK_HI",
             "W_SM", "W_EPOCH_BLOCK", "EPOCH_BLOCK_SHIFT", "BLOCK_LOW_MASK"}
@@ -256,8 +256,9 @@ class ProfileLayout:
     def header_words(self, launch: int, epoch: int) -> np.ndarray:
         c = layout_constants()
         h = np.zeros(c["HEADER_BYTES"] // 4, dtype=np.uint32)
-        h[:9] = [c["MAGIC"], c["VERSION"], self.blocks, self.warps, self.cap, self.record_bytes, launch, epoch,
+        h[:9] = [c["MAGIC"], c["VERSION"], self.blocks, self.warps, self.cap, self.record_bytes, launch, 0,
                  self.slice_bytes]
+        h[c["H_EPOCH"]] = epoch
         return h
 
 
@@ -267,8 +268,11 @@ PROFILE_OFF = (0, np.uint64(0))  # kernel arguments that record nothing (a null 
 class ProfileBuffer:
     """Device buffer with one slice per launch. Pass `*buf.args(i)` as the kernel's MB_PROF_PARAMS.
 
-    Call reset() between uses of the same slices: it zeroes the overflow counters and bumps the
-    epoch, so records of the previous use are recognised as stale instead of read as new.
+    Call reset() between uses of the same slices: it bumps the epoch, so records of the previous
+    use are recognised as stale instead of read as new. It enqueues nothing: a launch given
+    args(i) zeroes slice i's overflow counters and writes its header epoch itself (profile.cuh).
+    read() expects the slices handed out since the last reset to carry the new epoch and treats
+    the others as not recorded.
     """
 
     def __init__(self, layout: ProfileLayout, launches: int = 1, device: int | str = 0):
@@ -281,6 +285,7 @@ class ProfileBuffer:
         self.launches = int(launches)
         self.device = device
         self.epoch = 1
+        self.armed: set[int] = set()  # slices handed out by args() since the last reset
         self._words = layout.slice_bytes // 4
         dev = device if isinstance(device, str) else f"cuda:{device}"
         self.tensor = torch.zeros(self.launches * self._words, dtype=torch.int32, device=dev)
@@ -291,17 +296,12 @@ class ProfileBuffer:
         return self.launches * self.layout.slice_bytes
 
     def _write_headers(self) -> None:
-        """Headers from a device-side template whose epoch word is set by a device fill: no copy
-        from host memory, so reset() is safe inside CUDA-graph capture and behind the harness's
-        blocking kernel (a pageable host-to-device copy would wait for the device there)."""
+        """Every slice's header, once, when the buffer is made (later epochs: the device, profile.cuh)."""
         import torch
 
-        if not hasattr(self, "_heads"):
-            heads = np.stack([self.layout.header_words(i, self.epoch) for i in range(self.launches)]).view(np.int32)
-            self._heads = torch.from_numpy(heads).to(self.tensor.device)
-        self._heads[:, 7].fill_(int(self.epoch))  # header word 7 is the epoch (ProfileLayout.header_words)
-        hw = self._heads.shape[1]
-        self.tensor.view(self.launches, self._words)[:, :hw].copy_(self._heads)
+        heads = np.stack([self.layout.header_words(i, self.epoch) for i in range(self.launches)]).view(np.int32)
+        hw = heads.shape[1]
+        self.tensor.view(self.launches, self._words)[:, :hw].copy_(torch.from_numpy(heads))
 
     def ptr(self, launch: int = 0) -> int:
         if not 0 <= launch < self.launches:
@@ -309,24 +309,26 @@ class ProfileBuffer:
         return self.tensor.data_ptr() + launch * self.layout.slice_bytes
 
     def args(self, launch: int = 0) -> tuple[int, np.uint64]:
-        """(buffer pointer, meta) for MB_PROF_PARAMS of launch slice `launch`."""
-        return self.ptr(launch), np.uint64(self.layout.meta(self.epoch))
+        """(buffer pointer, meta) for MB_PROF_PARAMS of launch slice `launch`, which read() then
+        expects to be recorded in this epoch."""
+        p = self.ptr(launch)
+        self.armed.add(int(launch))
+        return p, np.uint64(self.layout.meta(self.epoch))
 
     def reset(self) -> None:
-        """Zero headers + overflow counters of every slice and start a new epoch (enqueued on
-        torch's current stream, so it orders with the launches around it)."""
+        """Start a new epoch (host only: the launches given args() reset their slices, profile.cuh).
+        Danger: a kernel built without the profiler, given args(), writes nothing, and read()
+        then refuses its slice as not recorded in this epoch."""
         c = layout_constants()
-        end = self.layout.records_offset // 4
-        self.tensor.view(self.launches, self._words)[:, :end].zero_()
         self.epoch = self.epoch % c["META_EPOCH_MASK"] + 1
-        self._write_headers()
+        self.armed = set()
 
     def raw(self) -> np.ndarray:
         """Host copy of the whole buffer as uint32 words (synchronises with the device)."""
         return self.tensor.cpu().numpy().view(np.uint32)
 
     def read(self) -> Stamps:
-        return decode(self.raw(), self.layout, self.launches, epoch=self.epoch)
+        return decode(self.raw(), self.layout, self.launches, epoch=self.epoch, recorded=self.armed)
 
 
 # ====================================================================================== decoding
@@ -377,9 +379,16 @@ def _concat(parts: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
 
 
-def decode(raw: np.ndarray, layout: ProfileLayout, launches: int = 1, epoch: int | None = None) -> Stamps:
-    """Validate and decode a raw buffer (uint32 words, as from ProfileBuffer.raw())."""
+def decode(raw: np.ndarray, layout: ProfileLayout, launches: int = 1, epoch: int | None = None,
+           recorded: Iterable[int] | None = None) -> Stamps:
+    """Validate and decode a raw buffer (uint32 words, as from ProfileBuffer.raw()).
+
+    epoch: the reader's epoch (default: each slice's own header). recorded: the slices a launch of this
+    epoch was given (ProfileBuffer.args); any other slice whose header names an older epoch was not
+    recorded and yields no records. Without it every slice must carry the epoch. A (block, warp)
+    slot with no record of the epoch did not run, so its overflow counter is an older epoch's."""
     c = layout_constants()
+    armed = None if recorded is None else {int(L) for L in recorded}
     words = np.ascontiguousarray(raw)
     if words.dtype.kind not in "iu":
         raise ProfileFormatError(f"raw profile buffer must be integer words, got dtype {words.dtype}")
@@ -398,17 +407,20 @@ def decode(raw: np.ndarray, layout: ProfileLayout, launches: int = 1, epoch: int
     for L in range(launches):
         s = words[L * sw:(L + 1) * sw]
         h = s[: c["HEADER_BYTES"] // 4]
-        expect = layout.header_words(L, int(h[7]))
+        he = int(h[c["H_EPOCH"]])
+        expect = layout.header_words(L, he)
         if h[0] != c["MAGIC"]:
             raise ProfileFormatError(f"launch slice {L}: header magic 0x{int(h[0]):08x}, expected 0x{c['MAGIC']:08x} "
                                      "(not a profile buffer, or the slice was overwritten)")
-        if not np.array_equal(h[:7], expect[:7]) or h[8] != expect[8]:
+        if not np.array_equal(h[:9], expect[:9]):
             raise ProfileFormatError(f"launch slice {L}: header {h[:9].tolist()} does not match the layout "
                                      f"{layout} (expected {expect[:9].tolist()} apart from the epoch)")
-        ep = int(h[7]) if epoch is None else int(epoch)
+        ep = he if epoch is None else int(epoch)
         epoch0 = ep if epoch0 is None else epoch0
-        if int(h[7]) != ep:
-            raise ProfileFormatError(f"launch slice {L}: header epoch {int(h[7])}, reader expected {ep}")
+        if he != ep and (armed is None or L in armed):
+            raise ProfileFormatError(f"launch slice {L}: header epoch {he}, reader expected {ep}"
+                                     + (" (the slice was handed to a launch that did not record: a kernel built "
+                                        "without the profiler, or a launch that never ran?)" if armed else ""))
         ovf = s[c["HEADER_BYTES"] // 4: c["HEADER_BYTES"] // 4 + B * W].astype(np.int64).reshape(B, W)
         off = layout.records_offset // 4
         rec = s[off: off + B * W * C * rw].reshape(B * W, C, rw)
@@ -416,7 +428,10 @@ def decode(raw: np.ndarray, layout: ProfileLayout, launches: int = 1, epoch: int
         eb = rec[:, :, c["W_EPOCH_BLOCK"]]
         marked = (tag & np.uint32(c["VALID"])) != 0
         current = marked & ((eb >> np.uint32(c["EPOCH_BLOCK_SHIFT"])) == np.uint32(ep))
+        if he != ep:  # not recorded in this epoch (checked above): every record is older
+            current[:] = False
         n = current.sum(axis=1)
+        ovf = np.where(n.reshape(B, W) > 0, ovf, 0)  # slots that did not run keep an older count
         prefix = np.arange(C)[None, :] < n[:, None]
         if not np.array_equal(current, prefix):
             row = int(np.argwhere(current != prefix)[0][0])

@@ -74,12 +74,18 @@ def test_profiler_round_trip_bounds_and_overflow(harness):
             assert np.all(np.diff(st.gt[m].astype(np.int64)) >= 0) and np.all(np.diff(st.c64[m].astype(np.int64)) > 0)
     assert len(tl.spans) == 0 and sum("never ended" in p for p in tl.problems) == 10
     assert sum("overflowed" in p for p in tl.problems) == 10
-    # a reset buffer reused: new epoch, records of the first use are stale, not read as new
+    # a reset buffer reused: new epoch, records of the first use are stale, not read as new. The
+    # reset writes nothing; the launch resets its slice: counters of the blocks that ran, the
+    # header epoch (blocks 2-4 did not run: their old overflow counts are not read as this epoch's)
+    kept = pb.tensor.clone()
     pb.reset()
+    torch.cuda.synchronize()
+    assert torch.equal(pb.tensor, kept), "ProfileBuffer.reset() wrote to the device"
     launch(k, LaunchSpec(grid=2, block=32), sm, *pb.args(0))
     torch.cuda.synchronize()
     st2 = pb.read()
     assert st2.counts()[0].sum() == 2 * 3 and st2.stale == 5 * 2 * 3 - 2 * 3
+    assert st2.overflow[0].tolist() == [[2, 0], [2, 0], [0, 0], [0, 0], [0, 0]]  # warp 1 of blocks 0-1 did not exist
     # null buffer: records nothing, touches nothing
     before = pb.tensor.clone()
     launch(k, spec, sm, *PROFILE_OFF)

@@ -20,8 +20,9 @@
 //
 // Who records: lane 0 of warps 0..W-1 of blocks 0..B-1 (W, B from the layout). stamp() may be
 // called by the whole warp or by lane 0 alone; a call that lane 0 does not make records nothing.
-// Cost when enabled: one %globaltimer read (+ one %clock64 read with MB_PROF_CLOCK64=1), two
-// 16-byte streaming stores, a compare and an add. The timer reads carry a "memory" clobber, so
+// Cost when enabled: per stamp one %globaltimer read (+ one %clock64 read with MB_PROF_CLOCK64=1),
+// two 16-byte streaming stores, a compare and an add; per recording warp and launch one store (two
+// for block 0's warp 0) when the Profiler is built. The timer reads carry a "memory" clobber, so
 // the compiler keeps the stamp in program order with the surrounding loads and stores; the
 // stamp marks when the warp *issued* past that point, not when earlier loads completed.
 //
@@ -30,12 +31,18 @@
 //
 // Buffer layout for one launch (every offset follows from the 64-bit `meta` parameter, so the
 // device loads nothing to find its slot):
-//   [0, HEADER_BYTES)                 header written by the host (the device never reads it)
+//   [0, HEADER_BYTES)                 header written by the host (the device never reads it),
+//                                     except word H_EPOCH, which the recording launch writes
 //   [HEADER_BYTES, +align32(4*B*W))   overflow counters, u32 per (block, warp slot)
 //   then B*W*C records of RECORD_WORDS u32; (block b, warp w) owns records [(b*W+w)*C, +C)
 // meta = B | W << META_WARPS_SHIFT | C << META_CAP_SHIFT | epoch << META_EPOCH_SHIFT.
 // A record's last word is the epoch, so records left over from an earlier use of the buffer
 // are recognised (the host bumps the epoch on every reset instead of clearing the records).
+// The reset itself happens here, on the device: each recording lane zeroes its overflow counter
+// and block 0's warp 0 stamps the epoch into the slice's header, so ProfileBuffer.reset() enqueues
+// nothing: the host's reset was three small kernels per use (per megakernel step: three CUDA-graph
+// nodes ahead of its persistent launches). A slice no launch of the epoch recorded keeps its older
+// header epoch, and the reader treats it as not recorded.
 // Never out of bounds: blocks >= B, warps >= W and lanes != 0 touch nothing; a stamp past C
 // only stores the running overflow count into its counter.
 //
@@ -83,7 +90,8 @@ enum ProfLayout : uint32_t {
   PROF_W_SM = 6u,
   PROF_W_EPOCH_BLOCK = 7u,   // epoch << EPOCH_BLOCK_SHIFT | (block & BLOCK_LOW_MASK): staleness + a check
   PROF_EPOCH_BLOCK_SHIFT = 18u,
-  PROF_BLOCK_LOW_MASK = 0x3FFFFu
+  PROF_BLOCK_LOW_MASK = 0x3FFFFu,
+  PROF_H_EPOCH = 7u          // header word of the epoch (the only one the device writes)
 };
 
 #if MB_PROFILE
@@ -115,6 +123,8 @@ class Profiler {
       sm_ = smid();  // blocks do not migrate between SMs, so once is enough
       const uint32_t epoch = static_cast<uint32_t>(meta >> PROF_META_EPOCH_SHIFT) & PROF_META_EPOCH_MASK;
       eb_ = (epoch << PROF_EPOCH_BLOCK_SHIFT) | (blk & PROF_BLOCK_LOW_MASK);
+      *ovf_ = 0u;  // the reset (see the layout above); a later overflow overwrites it in order
+      if (slot == 0ull) reinterpret_cast<uint32_t*>(base)[PROF_H_EPOCH] = epoch;
     }
   }
 
