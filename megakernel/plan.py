@@ -57,6 +57,20 @@ def pool_rows(cfg: ModelConfig, n_sm: int, stage_budget: int) -> int:
     return DENSE_ROWS
 
 
+def residual_rows(cfg: ModelConfig, n_sm: int, stage_budget: int) -> int:
+    """oproj / unpool unit rows (d_model outputs each): DENSE_ROWS, or twice that where the grid
+    does not hold every DENSE_ROWS unit at once. A block's second unit costs a whole epilogue and
+    unit boundary: shard8 on 132 SMs (256 units, 124 blocks with two), H200 detail trace 2026-11-30
+    12:05Z, 3.1 us between oproj's two units' chunks against ~0.9 us between two chunks of one unit,
+    2.5 us in unpool. 32 rows against 16 there, in-run A/B, H200 2026-11-30 13:25-13:27Z (two calls,
+    each build twice): shard8 T=16 -1.1 to -1.6%, T=1 -2.9 to -3.3%, 9.6 KB more code. The larger
+    unit needs a stage of at least MIN_CHUNK_COLS of its columns."""
+    big = 2 * DENSE_ROWS
+    if cfg.d_model // DENSE_ROWS > n_sm and cfg.d_model % big == 0 and big * MIN_CHUNK_COLS * 2 <= stage_budget:
+        return big
+    return DENSE_ROWS
+
+
 EXPERT_MIN_ROWS = 32  # the smallest expert unit tried when a larger one's partials do not fit
 
 
@@ -347,20 +361,26 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               stream_evict_first: bool = False, sentinel_route: bool = False, hot_prefetch_bytes: int = 0,
               kv_prefetch: bool = False, keys_per_split: int = 48, fp4_swizzle: bool = True,
               fp4_scale_swizzle: bool = True, fp4_rotated: bool = True, fp4_scale_planes: bool = True,
-              fill_ring: bool = False, norm_panel: int | None = None, profile_detail: bool = False) -> Plan:
+              fill_ring: bool = False, norm_panel: int | None = None, profile_detail: bool = False,
+              residual_unit_rows: int | None = None) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
-    stage. norm_panel: force that panel width (tests), 0 = unpaneled."""
+    stage. norm_panel: force that panel width (tests), 0 = unpaneled. residual_unit_rows: force the
+    oproj / unpool unit rows (A/Bs, tests; default residual_rows)."""
     cfg.validate()
     c = cfg
     budget = ring_stage_bytes
+    rr = residual_unit_rows or residual_rows(c, n_sm, budget)
+    if c.d_model % rr or rr % DENSE_ROWS or (32 * WARPS) % rr:  # gemm_residual_add: one feature per thread
+        raise ValueError(f"residual_unit_rows {rr}: must be a multiple of {DENSE_ROWS} dividing d_model "
+                         f"{c.d_model} and the {32 * WARPS} compute threads")
     tiles = {
         "qkv": _tile(DENSE_ROWS, c.d_model, False, budget),
-        "oproj": _tile(DENSE_ROWS, c.attn_width, False, budget),
+        "oproj": _tile(rr, c.attn_width, False, budget),
         "router": _tile(ROUTER_ROWS, c.d_model, False, budget),
         "pool": _tile(pool_rows(c, n_sm, budget), c.d_model, False, budget),
-        "unpool": _tile(DENSE_ROWS, c.d_pool, False, budget),
+        "unpool": _tile(rr, c.d_pool, False, budget),
         "lm_head": _tile(16, c.d_model, False, budget),
     }
     # fp4 chunks may exceed the budget by their scales (1/8 of the codes): 16 whole rows of K=2048
@@ -482,8 +502,9 @@ def render(plan: Plan) -> str:
         "static_assert(D % 64 == 0 && P % 64 == 0 && F % 64 == 0, \"k-steps\");",
         "static_assert(STAGE_BYTES % 16 == 0 && ABUF_BYTES % 16 == 0, \"bulk-copy alignment\");",
         "static_assert(G <= WARPS && WARPS % G == 0, \"attention: one warp group per q head\");",
-        f"static_assert(TILE_QKV_ROWS == {DENSE_ROWS} && TILE_OPROJ_ROWS == {DENSE_ROWS} && TILE_ROUTER_ROWS == "
-        f"{ROUTER_ROWS} && TILE_POOL_ROWS % {DENSE_ROWS} == 0 && TILE_UNPOOL_ROWS == {DENSE_ROWS} && TILE_LM_HEAD_ROWS == 16, "
+        f"static_assert(TILE_QKV_ROWS == {DENSE_ROWS} && TILE_OPROJ_ROWS % {DENSE_ROWS} == 0 && TILE_ROUTER_ROWS == "
+        f"{ROUTER_ROWS} && TILE_POOL_ROWS % {DENSE_ROWS} == 0 && TILE_UNPOOL_ROWS % {DENSE_ROWS} == 0 && "
+        "TILE_LM_HEAD_ROWS == 16, "
         "\"unit rows match program.py's unit counts\");",
         f"static_assert(SMEM_BYTES <= 232448, \"fits the opt-in shared memory of sm_90\");",
         f"constexpr int PROFILE = {int(plan.profile)};",

@@ -8,11 +8,12 @@ Units and groups (the same rules are written in csrc/mk/program.cuh; tests cross
   qkv          QKV_ROWS/16                   kv head its rows feed (HKV groups)
   attn         HKV * splits(layer, ctx, T)  kv head (HKV groups)
   attn_combine HQ * T                       -
-  oproj        D/16         router E/8      pool P/Rp         topk 1
+  oproj        D/Rr         router E/8      pool P/Rp         topk 1
   expert1      count * F/(R1/2) (dynamic)   slot (MAX_SLOTS groups)
   expert2      count * P/R2 (dynamic)       -
-  moe_combine  P/16         unpool D/16     lm_head V/16      argmax 1
-(row counts: the plan's tiles, R1 / R2 its expert units' rows, Rp the pooler's (plan.pool_rows);
+  moe_combine  P/16         unpool D/Rr     lm_head V/16      argmax 1
+(row counts: the plan's tiles, R1 / R2 its expert units' rows, Rp the pooler's (plan.pool_rows),
+Rr oproj's and unpool's (plan.residual_rows);
 MOE_COMBINE_COLS)
 A dependency is ("all", producer): every unit of the producer instance, or ("group", producer):
 the one group of the producer the consumer unit needs (attn <- qkv by kv head, attn_combine <-

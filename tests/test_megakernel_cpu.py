@@ -194,6 +194,23 @@ def test_emulated_wide_normed_operand_by_bulk_copies(t):
                                     "wide residual vs reference")
 
 
+def test_residual_units_of_two_row_tiles_where_one_round_needs_them():
+    # oproj / unpool units (plan.residual_rows): 16 rows, or 32 where the grid does not hold every
+    # 16-row unit at once; a 32-row unit's epilogue gives each thread two outputs of one feature.
+    # tiny on 4 blocks (8 units of 16) takes 32 rows, so every emulated tiny test runs that path;
+    # here the forced 16-row build too, both poisoned, bitwise chain == mega, close to the reference
+    assert make_plan(preset("shard8"), 132).tiles["oproj"].rows == 32  # 256 units of 16 on 132 SMs
+    assert make_plan(preset("shard8"), 132).tiles["unpool"].rows == 32
+    assert make_plan(preset("small"), 132).tiles["unpool"].rows == 16  # 128 units of 16 fit
+    cfg = preset("tiny")
+    with pytest.raises(ValueError, match="residual_unit_rows 48: must be a multiple of 16 dividing d_model 128"):
+        make_plan(cfg, 4, residual_unit_rows=48)
+    for rows in (32, 16):
+        plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, residual_unit_rows=None if rows == 32 else rows)
+        assert plan.tiles["oproj"].rows == plan.tiles["unpool"].rows == rows
+        _poisoned_modes_match_reference(cfg, plan, 5, 7, 12, 40, f"{rows}-row residual units vs reference")
+
+
 def _poisoned_modes_match_reference(cfg, plan, cache_seed, t, input_seed, ctx, what):
     """Emulated chain and mega steps from poisoned buffers, reference routing forced: bitwise
     equal to each other and close to the reference."""

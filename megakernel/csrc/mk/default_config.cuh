@@ -119,7 +119,7 @@ static_assert(T_MAX <= 16, "one m16 tile of tokens");
 static_assert(D % 64 == 0 && P % 64 == 0 && F % 64 == 0, "k-steps");
 static_assert(STAGE_BYTES % 16 == 0 && ABUF_BYTES % 16 == 0, "bulk-copy alignment");
 static_assert(G <= WARPS && WARPS % G == 0, "attention: one warp group per q head");
-static_assert(TILE_QKV_ROWS == 16 && TILE_OPROJ_ROWS == 16 && TILE_ROUTER_ROWS == 8 && TILE_POOL_ROWS % 16 == 0 && TILE_UNPOOL_ROWS == 16 && TILE_LM_HEAD_ROWS == 16, "unit rows match program.py's unit counts");
+static_assert(TILE_QKV_ROWS == 16 && TILE_OPROJ_ROWS % 16 == 0 && TILE_ROUTER_ROWS == 8 && TILE_POOL_ROWS % 16 == 0 && TILE_UNPOOL_ROWS % 16 == 0 && TILE_LM_HEAD_ROWS == 16, "unit rows match program.py's unit counts");
 static_assert(SMEM_BYTES <= 232448, "fits the opt-in shared memory of sm_90");
 constexpr int PROFILE = 0;
 constexpr int PROFILE_DETAIL = 0;

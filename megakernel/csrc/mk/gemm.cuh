@@ -597,23 +597,36 @@ MK_DEV float gemm_sum(const Blk& b, int t, int n) {
 // gnext) the new x's sums of squares per 8 features into ss_part(which) and bf16(x * gnext) into
 // xg (xg_at). The residual and the gain are loaded before the GEMM so that their round trips
 // overlap it.
+// Output o = tid + COMPUTE_THREADS * j of the 16 x R is (token o / R, feature o % R): with R > 16
+// (plan.residual_rows) a thread has NO = 16R / COMPUTE_THREADS outputs of one feature.
 template <int R, int KC, int K>
 MK_DEV void gemm_residual_add(Blk& b, int unit, int which, const uint16_t* gnext, uint32_t what) {
-  static_assert(R % 8 == 0 && (16 * R) % 32 == 0 && 16 * R <= COMPUTE_THREADS,
-                "epilogue: a thread per output, whole warps");
+  constexpr int NO = (16 * R + COMPUTE_THREADS - 1) / COMPUTE_THREADS;
+  static_assert(R % 8 == 0 && (16 * R) % 32 == 0 && (NO == 1 || (16 * R) % COMPUTE_THREADS == 0),
+                "epilogue: whole warps, and with several outputs a thread every one of them");
+  static_assert(NO == 1 || COMPUTE_THREADS % R == 0, "a thread's outputs share its feature (one gain)");
   const Params& p = *b.p;
-  const int t = tid() / R, n = tid() % R;
-  const float xo = (tid() < 16 * R && t < b.T) ? ldg_cgf(p.x + t * D + unit * R + n) : 0.f;
+  const int n = tid() % R;
+  float xo[NO];
+#pragma unroll
+  for (int j = 0; j < NO; ++j) {
+    const int o = tid() + COMPUTE_THREADS * j, t = o / R;
+    xo[j] = (o < 16 * R && t < b.T) ? ldg_cgf(p.x + t * D + unit * R + n) : 0.f;
+  }
   const float g = tid() < 16 * R ? bf2f(gnext[unit * R + n]) : 0.f;
   gemm_stash<R>(b, gemm_bf16<R, KC, K>(b, what));
-  if (tid() < 16 * R) {  // whole warps: the sum of squares shuffles within 8 lanes
-    const float xn = xo + gemm_sum<R>(b, t, n);
-    if (t < b.T) {
-      p.x[t * D + unit * R + n] = xn;
-      *xg_at(p, which, t, unit * R + n) = f2bf(xn * g);
+#pragma unroll
+  for (int j = 0; j < NO; ++j) {
+    const int o = tid() + COMPUTE_THREADS * j, t = o / R;
+    if (o < 16 * R) {  // whole warps: the sum of squares shuffles within 8 lanes
+      const float xn = xo[j] + gemm_sum<R>(b, t, n);
+      if (t < b.T) {
+        p.x[t * D + unit * R + n] = xn;
+        *xg_at(p, which, t, unit * R + n) = f2bf(xn * g);
+      }
+      const float ss = ss8_lanes(xn);
+      if (n % 8 == 0 && t < b.T) ss_part(p, which)[t * (D / 8) + unit * (R / 8) + n / 8] = ss;
     }
-    const float ss = ss8_lanes(xn);
-    if (n % 8 == 0 && t < b.T) ss_part(p, which)[t * (D / 8) + unit * (R / 8) + n / 8] = ss;
   }
 }
 
