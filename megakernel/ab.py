@@ -20,8 +20,9 @@ work move it further through code generation: -0.6% to +5.8% on 2026-11-30, e.g.
 compiled in but idle +2.2-2.4% (README). So an A/B measures the compiled kernel truthfully, but a
 difference of a few percent does not show the mechanism an edit was meant to exercise.
 
-`build_variants` compiles every (preset, variant) into the kernel cache on a machine without a
-GPU (`MEGABENCH_CACHE`), so the GPU's minutes go to timing.
+`build_variants` compiles every (preset, T, variant) into the kernel cache on a machine without a
+GPU (`MEGABENCH_CACHE`), so the GPU's minutes go to timing. Each point runs the build for its T
+(plan_for tokens=T: the expert units follow the tree size, plan.expert1_unit_rows).
 """
 from __future__ import annotations
 
@@ -123,24 +124,25 @@ class PointResult:
         return self.median(name) / self.median(first) - 1.0
 
 
-def _plan(preset: str, v: Variant, n_sm: int | None):
+def _plan(preset: str, v: Variant, n_sm: int | None, n_tokens: int):
     from .pipeline import plan_for
 
-    return plan_for(preset, None, n_sm, **v.switch_dict)
+    return plan_for(preset, None, n_sm, **{"tokens": n_tokens, **v.switch_dict})  # the build for the point's T
 
 
 def build_variants(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], n_sm: int = 132,
-                   plan_of: Callable | None = None) -> list[tuple[str, str, object]]:
-    """Compile every (preset, variant) for sm_90a into the kernel cache; no GPU needed.
-    Returns (preset, variant name, ResourceUsage)."""
+                   plan_of: Callable | None = None) -> list[tuple[str, int, str, object]]:
+    """Compile every (preset, T, variant) of the points for sm_90a into the kernel cache; no GPU
+    needed (the plan may depend on T: plan.expert1_unit_rows). Returns (preset, T, variant name,
+    ResourceUsage)."""
     from .build import build_gpu
 
-    plan_of = plan_of or (lambda preset, v: _plan(preset, v, n_sm))
+    plan_of = plan_of or (lambda preset, v, t: _plan(preset, v, n_sm, t))
     out = []
-    for preset in sorted({p[0] for p in points}):
+    for preset, t in sorted({(p[0], p[1]) for p in points}):
         for v in variants:
             with kernel_tree(v.csrc):
-                out.append((preset, v.name, build_gpu(plan_of(preset, v)).usage))
+                out.append((preset, t, v.name, build_gpu(plan_of(preset, v, t)).usage))
     return out
 
 
@@ -188,14 +190,14 @@ def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], 
     if rounds < 1:
         raise ConfigError(f"A/B: rounds must be >= 1, got {rounds}")
     context = context or _gpu_context
-    plan_of = plan_of or (lambda preset, v: _plan(preset, v, n_sm))
+    plan_of = plan_of or (lambda preset, v, t: _plan(preset, v, n_sm, t))
     results = []
     for preset, t, ctx in points:
         w, cache0, tokens, parents, routes, ref = context(preset, t, ctx)
         engines, checks, first_logits = {}, {}, None
         for v in variants:
             with kernel_tree(v.csrc):
-                plan = plan_of(preset, v)
+                plan = plan_of(preset, v, t)
                 out = {}
                 for mode in ("mega", "chain"):
                     eng = Engine(w, plan, cache0.clone(), backend=backend)

@@ -143,7 +143,7 @@ def _ncu_op(a) -> int:
     from .runtime import Engine
 
     sc = step_context(a.preset, a.tokens, a.ctx)
-    eng = Engine(weights_for(a.preset), plan_for(a.preset), sc.cache0.clone(), backend="gpu")
+    eng = Engine(weights_for(a.preset), plan_for(a.preset, tokens=a.tokens), sc.cache0.clone(), backend="gpu")
     routes = [r.cuda() for r in sc.routes]
     eng.step(sc.tokens, sc.parents, a.ctx, mode="chain", routes=routes)  # module load, warm caches
     t = eng.prepare(sc.tokens, sc.parents, a.ctx, routes)
@@ -182,7 +182,7 @@ def _ncu_mega(a) -> int:
     routes = [r.cuda() for r in sc.routes]
     for v in variants:
         with kernel_tree(v.csrc):
-            eng = Engine(w, _plan(a.preset, v, None), sc.cache0.clone(), backend="gpu")
+            eng = Engine(w, _plan(a.preset, v, None, a.tokens), sc.cache0.clone(), backend="gpu")
         eng.step(sc.tokens, sc.parents, a.ctx, mode="mega", routes=routes)  # module load, warm caches
         t = eng.prepare(sc.tokens, sc.parents, a.ctx, routes)
         launches = eng.launches("mega")
@@ -295,8 +295,8 @@ def _ab(a) -> int:
         print(e, file=sys.stderr)
         return 2
     if a.build_only:
-        for preset, name, u in build_variants(points, variants, a.sm):
-            print(f"{preset} {name}: {u.registers} registers, {u.spill_store_bytes} B spill stores, "
+        for preset, t, name, u in build_variants(points, variants, a.sm):
+            print(f"{preset} T={t} {name}: {u.registers} registers, {u.spill_store_bytes} B spill stores, "
                   f"{u.code_bytes} B code")
         return 0
     if _no_gpu("ab"):

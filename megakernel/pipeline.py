@@ -276,13 +276,13 @@ def ablation(h, preset: str, n_tokens: int, ctx: int, constants, ceiling, log=pr
         variants[f"mega+all_but_{name}"] = {**allsw, **{k: NONE[k] for k in sw}}
     out = []
     for impl, sw in variants.items():
-        s = bench_point(h, preset, n_tokens, ctx, plan_for(preset, constants, h.info.sm_count, **sw), "mega", ceiling,
-                        impl=impl)
+        s = bench_point(h, preset, n_tokens, ctx, plan_for(preset, constants, h.info.sm_count, tokens=n_tokens, **sw),
+                        "mega", ceiling, impl=impl)
         out.append(s)
         log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms ({s.fraction_of_bound:.1%} of roofline)")
     sw = {**allsw, "pdl": False}  # one launch: nothing to chain
-    s = bench_point(h, preset, n_tokens, ctx, plan_for(preset, constants, h.info.sm_count, **sw), "mega", ceiling,
-                    impl="mega+all_single_launch", program_mode="step")
+    s = bench_point(h, preset, n_tokens, ctx, plan_for(preset, constants, h.info.sm_count, tokens=n_tokens, **sw),
+                    "mega", ceiling, impl="mega+all_single_launch", program_mode="step")
     out.append(s)
     log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms ({s.fraction_of_bound:.1%} of roofline)")
     return out
@@ -354,7 +354,7 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
     outs, graphs, engs = {}, {}, {}
     for prof in (False, True):
         extra = {"profile_detail": True, "profile_cap": 1024} if prof and detail else {"profile_cap": 128}
-        plan = plan_for(preset, constants, h.info.sm_count, profile=prof, **extra)
+        plan = plan_for(preset, constants, h.info.sm_count, tokens=n_tokens, profile=prof, **extra)
         eng = engs[prof] = Engine(w, plan, sc.cache0.clone(), backend="gpu")
         outs[prof] = eng.step(sc.tokens, sc.parents, ctx, mode="mega", routes=routes)
         graphs[prof] = graph_of(eng, "mega")
@@ -453,7 +453,11 @@ def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", 
     from .roofline import read_ceiling
 
     h = Harness(policy=Policy(budget_s=0.3 if quick else 1.0, max_samples=100 if quick else 400, chunk=8))
-    plans = {p: plan_for(p, constants, h.info.sm_count) for p in presets}
+    plans = {p: plan_for(p, constants, h.info.sm_count) for p in presets}  # the builds for max_tree tokens
+
+    def plan_at(p: str, T: int):  # the build a T-token step runs (plan.expert1_unit_rows)
+        return plan_for(p, constants, h.info.sm_count, tokens=T)
+
     budget = code_budget(constants)
     results = [build_result(plans, budget)]
     checks, notes = [], []
@@ -462,7 +466,7 @@ def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", 
     for p in presets:
         t0 = time.perf_counter()
         for T, ctx in CHECK_POINTS.get(p, []):
-            c = check_point(p, T, ctx, plans[p])
+            c = check_point(p, T, ctx, plan_at(p, T))
             checks.append(c)
             log(f"  check {p} T={T} ctx={ctx}: rel err {c.rel_err:.2e}, mega == chain bitwise (logits, KV), "
                 f"repeat identical, real routing bitwise")
@@ -472,7 +476,7 @@ def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", 
             log(f"  greedy {p}: {n} steps equal")
         for T, ctx in (QUICK if quick else FULL).get(p, []):
             for mode in ("chain", "mega"):
-                s = bench_point(h, p, T, ctx, plans[p], mode, ceiling)
+                s = bench_point(h, p, T, ctx, plan_at(p, T), mode, ceiling)
                 series.append(s)
                 log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms, {s.metrics['launches_per_step']} launches, "
                     f"{s.fraction_of_bound:.1%} of roofline")

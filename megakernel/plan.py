@@ -71,6 +71,28 @@ def residual_rows(cfg: ModelConfig, n_sm: int, stage_budget: int) -> int:
     return DENSE_ROWS
 
 
+def expert1_unit_rows(cfg: ModelConfig, n_sm: int, tokens: int) -> int:
+    """Gate/up unit rows to try first (_expert_tile halves them while the partials do not fit abuf):
+    twice EXPERT1_ROWS where even then a step of `tokens` tree tokens, at most tokens x top_k distinct
+    experts, has units for two rounds of the grid, else EXPERT1_ROWS. Half the units pay half the
+    per-unit barriers, epilogues and signals; the larger partials take the unpaneled operand's
+    abuf (2 ring stages instead of 3 at shard8). In-run A/B, H200 2026-11-30 13:31Z, same bits:
+    256 rows shard8 T=16 -3.59%, small T=16 -2.04%, but shard8 T=1 +3.86% (64 units on 132 SMs
+    where 128 rows give 128)."""
+    big = 2 * EXPERT1_ROWS
+    slots = min(cfg.n_experts, tokens * cfg.top_k)
+    return big if slots * (2 * cfg.d_expert // big) >= 2 * n_sm else EXPERT1_ROWS
+
+
+def expert2_unit_rows(cfg: ModelConfig, n_sm: int, tokens: int) -> int:
+    """Down-projection unit rows to try first: EXPERT2_ROWS, or half where a step of `tokens` tree
+    tokens (at most tokens x top_k distinct experts) would not have a unit for every block at
+    EXPERT2_ROWS (shard8 T=1: 64 units on 132 SMs). In-run A/B, H200 2026-11-30 13:36Z, same bits:
+    128 rows against 256 at T=1, shard8 -2.6%, small -2.4% (its duplicate build -1.3%)."""
+    slots = min(cfg.n_experts, tokens * cfg.top_k)
+    return EXPERT2_ROWS if slots * (cfg.d_pool // EXPERT2_ROWS) >= n_sm else EXPERT2_ROWS // 2
+
+
 EXPERT_MIN_ROWS = 32  # the smallest expert unit tried when a larger one's partials do not fit
 
 
@@ -362,12 +384,15 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               kv_prefetch: bool = False, keys_per_split: int = 48, fp4_swizzle: bool = True,
               fp4_scale_swizzle: bool = True, fp4_rotated: bool = True, fp4_scale_planes: bool = True,
               fill_ring: bool = False, norm_panel: int | None = None, profile_detail: bool = False,
-              residual_unit_rows: int | None = None) -> Plan:
+              residual_unit_rows: int | None = None, tokens: int | None = None,
+              expert1_rows: int | None = None, expert2_rows: int | None = None) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
     stage. norm_panel: force that panel width (tests), 0 = unpaneled. residual_unit_rows: force the
-    oproj / unpool unit rows (A/Bs, tests; default residual_rows)."""
+    oproj / unpool unit rows (A/Bs, tests; default residual_rows). tokens: the tree size the build is
+    for (default the config's max_tree; any step of up to max_tree tokens runs on it, same bits, only
+    the unit sizes of expert1_unit_rows follow it); expert1_rows forces those."""
     cfg.validate()
     c = cfg
     budget = ring_stage_bytes
@@ -387,9 +412,11 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     # fill an 18 KB stage, halving the chunk handshakes per expert unit. The expert units must fit
     # the unpaneled abuf (a plan without tiles gives its size); panels never shrink abuf below them.
     abuf = Plan(cfg, n_sm, ring_stages, ring_stage_bytes, spin_bound_ns, poll_backoff_ns).abuf_bytes
-    tiles["expert1"] = _expert_tile(min(EXPERT1_ROWS, 2 * c.d_expert), c.d_pool, budget * 9 // 8, abuf, True,
+    e1 = expert1_rows or expert1_unit_rows(c, n_sm, tokens or c.max_tree)
+    tiles["expert1"] = _expert_tile(min(e1, 2 * c.d_expert), c.d_pool, budget * 9 // 8, abuf, True,
                                     min_copy_bytes, fp4_swizzle, fp4_scale_swizzle)
-    tiles["expert2"] = _expert_tile(min(EXPERT2_ROWS, c.d_pool), c.d_expert, budget * 9 // 8, abuf, False,
+    e2 = expert2_rows or expert2_unit_rows(c, n_sm, tokens or c.max_tree)
+    tiles["expert2"] = _expert_tile(min(e2, c.d_pool), c.d_expert, budget * 9 // 8, abuf, False,
                                     min_copy_bytes, fp4_swizzle, fp4_scale_swizzle)
     for op in ("expert1", "expert2"):
         tiles[op] = replace(tiles[op], rotated=fp4_rotated,

@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 def plans(n_sm: int = 132):
     from .config import preset
-    from .pipeline import NONE, plan_for, technique_switches
+    from .pipeline import CHECK_POINTS, FULL, NONE, QUICK, plan_for, technique_switches
     from .plan import make_plan
 
     out = []
@@ -21,6 +21,8 @@ def plans(n_sm: int = 132):
     allsw = {k: v for d in tech.values() for k, v in d.items()}
     for p in ("tiny", "small", "shard8"):
         out.append(plan_for(p, None, n_sm))
+        for t in sorted({t for pts in (CHECK_POINTS, QUICK, FULL) for t, _ in pts.get(p, [])}):
+            out.append(plan_for(p, None, n_sm, tokens=t))  # the build each checked / timed T runs
         if p == "tiny":
             continue
         variants = [NONE, allsw, {**allsw, "pdl": False}]

@@ -63,7 +63,7 @@ def test_a_whole_ab_on_the_emulation_checks_then_times_in_alternating_rounds(tmp
             return speed[name] * 1e-3 * (1 + 0.001 * len(calls))
         return time_one
 
-    plan_of = lambda p, v: make_plan(cfg, 4, spin_bound_ns=3_000_000_000, **v.switch_dict)  # noqa: E731
+    plan_of = lambda p, v, t: make_plan(cfg, 4, spin_bound_ns=3_000_000_000, **v.switch_dict)  # noqa: E731
     res = ab.run_ab([("tiny", 8, 40)], variants, rounds=3, backend="emu", context=_tiny_context(cfg, w),
                     timer=timer, plan_of=plan_of, log=lambda s: None)
     (r,) = res
@@ -86,7 +86,7 @@ def test_a_variant_that_breaks_the_result_stops_the_ab(tmp_path):
     scaled = "blk[4 * w + k8 % 4] = hmul2(wd[w], FP4_ACT_SCALE_BF2);"
     assert scaled in src
     g.write_text(src.replace(scaled, "blk[4 * w + k8 % 4] = wd[w];"))  # experts' operand 2^7 too small
-    plan_of = lambda p, v: make_plan(cfg, 4, spin_bound_ns=3_000_000_000)  # noqa: E731
+    plan_of = lambda p, v, t: make_plan(cfg, 4, spin_bound_ns=3_000_000_000)  # noqa: E731
     with pytest.raises(CorrectnessError, match="A/B variant bad"):
         ab.run_ab([("tiny", 4, 20)], [ab.Variant("ok"), ab.Variant("bad", bad)], rounds=1, backend="emu",
                   context=_tiny_context(cfg, w), timer=lambda: (lambda n, e: 1.0), plan_of=plan_of,
@@ -95,9 +95,10 @@ def test_a_variant_that_breaks_the_result_stops_the_ab(tmp_path):
 
 def test_build_only_compiles_every_variant_without_a_gpu(capsys):
     assert main(["ab", "--variant", "a", "--variant", "k16:keys_per_split=16", "--point", "tiny:1:8",
-                 "--build-only", "--sm", "4"]) == 0
+                 "--point", "tiny:16:8", "--build-only", "--sm", "4"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in out] == ["tiny a", "tiny k16"]
+    # one build per (preset, T, variant): the plan follows T (plan_for tokens)
+    assert [line.split(":")[0] for line in out] == ["tiny T=1 a", "tiny T=1 k16", "tiny T=16 a", "tiny T=16 k16"]
     assert all("0 B spill stores" in line for line in out)
 
 

@@ -31,6 +31,11 @@ def tiny():
     return cfg, w, base, make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
 
 
+# the expert unit sizes the fp4 geometry tests were written for (on 4 blocks plan.expert1_unit_rows
+# and expert2_unit_rows would pick others, with other chunks and k-runs per warp)
+UNITS_128_256 = dict(expert1_rows=128, expert2_rows=256)
+
+
 def _inputs(cfg, t, seed):
     g = torch.Generator().manual_seed(seed)
     par = tree.binary_ish(t) if t > 1 else [-1]
@@ -211,6 +216,29 @@ def test_residual_units_of_two_row_tiles_where_one_round_needs_them():
         _poisoned_modes_match_reference(cfg, plan, 5, 7, 12, 40, f"{rows}-row residual units vs reference")
 
 
+def test_expert_units_follow_the_tree_size_of_the_build():
+    # plan.expert1_unit_rows: 256-row gate/up units for a build whose step has units for two rounds
+    # of the grid even then (shard8 T=16 on 132 SMs), 128 rows otherwise (T=1: 8 experts); the
+    # larger partials take the unpaneled abuf, so the norm operands are staged whole
+    cfg, ring = preset("shard8"), dict(ring_stages=2, ring_stage_bytes=32768, fill_ring=True)  # the H200's
+    t16, t1 = make_plan(cfg, 132, tokens=16, **ring), make_plan(cfg, 132, tokens=1, **ring)
+    assert make_plan(cfg, 132, **ring).tiles["expert1"] == t16.tiles["expert1"]  # default: max_tree tokens
+    assert (t16.tiles["expert1"].rows, t1.tiles["expert1"].rows) == (256, 128)
+    # down projection: 256 rows, halved where a step's units would not reach every block (T=1: 8 x 8)
+    assert (t16.tiles["expert2"].rows, t1.tiles["expert2"].rows) == (256, 128)
+    assert (t16.norm_k, t16.ring_stages, t1.norm_k, t1.ring_stages) == (cfg.d_model, 2, cfg.d_model // 2, 3)
+    assert fp4_abuf_need(t16.tiles["expert1"]) <= t16.abuf_bytes
+    assert make_plan(cfg, 132, tokens=1, expert1_rows=256, **ring).tiles["expert1"].rows == 256  # forced (A/Bs)
+    # 16 KB stages: 16-row chunks, whose 256-row partials do not fit: halved back to 128
+    assert make_plan(cfg, 132, tokens=16).tiles["expert1"].rows == 128
+    # emulated, both unit sizes (tiny's 64-column rows: 128-row chunks for 256-row units)
+    wide = dataclasses.replace(preset("tiny"), d_expert=256)
+    for r in (256, 128):
+        plan = make_plan(wide, 4, spin_bound_ns=3_000_000_000, expert1_rows=r)
+        assert plan.tiles["expert1"].rows == r
+        _poisoned_modes_match_reference(wide, plan, 5, 16, 13, 40, f"{r}-row gate/up units vs reference")
+
+
 def _poisoned_modes_match_reference(cfg, plan, cache_seed, t, input_seed, ctx, what):
     """Emulated chain and mega steps from poisoned buffers, reference routing forced: bitwise
     equal to each other and close to the reference."""
@@ -234,7 +262,7 @@ def test_emulated_fp4_gemms_with_two_and_four_steps_per_code_load():
     # steps per warp (GS 2) and the down projection four (GS 4, the shard8/small loop), so a word
     # taken from the wrong matrix, row or step changes the logits here
     cfg = dataclasses.replace(preset("tiny"), d_pool=128, d_expert=128)
-    plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
+    plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, **UNITS_128_256)
     spw = {}
     for name in ("expert1", "expert2"):
         tl = plan.tiles[name]
@@ -256,11 +284,12 @@ def test_swizzled_expert_rows_give_the_same_bits(dims, widths):
     # scale units in planes (fp4_scale_planes, the SPL k-loop); the storage words, decoded by the
     # storage PAIRS with interleaved scales, must give the same bits too.
     cfg = dataclasses.replace(preset("tiny"), d_model=dims[0], d_pool=dims[1], d_expert=dims[2])
-    plans = {"padded": make_plan(cfg, 4, spin_bound_ns=3_000_000_000, fp4_swizzle=False),
-             "codes": make_plan(cfg, 4, spin_bound_ns=3_000_000_000, fp4_scale_swizzle=False),
-             "codes+scales": make_plan(cfg, 4, spin_bound_ns=3_000_000_000),
+    u = UNITS_128_256
+    plans = {"padded": make_plan(cfg, 4, spin_bound_ns=3_000_000_000, fp4_swizzle=False, **u),
+             "codes": make_plan(cfg, 4, spin_bound_ns=3_000_000_000, fp4_scale_swizzle=False, **u),
+             "codes+scales": make_plan(cfg, 4, spin_bound_ns=3_000_000_000, **u),
              "storage words": make_plan(cfg, 4, spin_bound_ns=3_000_000_000, fp4_rotated=False,
-                                        fp4_scale_planes=False)}
+                                        fp4_scale_planes=False, **u)}
     swz = plans["codes+scales"]
     assert {n: (swz.tiles[n].swizzle, swz.tiles[n].scale_swizzle) for n in widths} == widths
     assert all(swz.tiles[n].rotated and swz.tiles[n].scale_planes == (widths[n][1] > 0) for n in widths)
@@ -302,16 +331,19 @@ def test_xg_holds_the_next_norms_operand_panel_major():
 
 
 def test_fill_ring_stages_the_normed_operand_in_panels_where_that_buys_a_stage():
-    # shard8 with the tuned H200 ring (2 x 32 KB): 16 rows of d_model 4096 take 131 KB of abuf; in
-    # two panels of 2048 abuf shrinks to the expert GEMMs' need and a third stage fits
+    # shard8's T=1 build with the tuned H200 ring (2 x 32 KB): 16 rows of d_model 4096 take 131 KB
+    # of abuf; in two panels of 2048 abuf shrinks to the expert GEMMs' need and a third stage fits
     cfg = preset("shard8")
-    p0 = make_plan(cfg, 132, ring_stages=2, ring_stage_bytes=32768)
-    p = make_plan(cfg, 132, ring_stages=2, ring_stage_bytes=32768, fill_ring=True)
+    p0 = make_plan(cfg, 132, ring_stages=2, ring_stage_bytes=32768, tokens=1)
+    p = make_plan(cfg, 132, ring_stages=2, ring_stage_bytes=32768, fill_ring=True, tokens=1)
     assert (p0.ring_stages, p0.norm_k, p0.ring_fill) == (2, 4096, 0)
     assert (p.ring_stages, p.norm_k, p.ring_fill) == (3, 2048, 1)
     assert p0.smem_bytes <= p.smem_bytes <= 232448 < p.smem_bytes + p.stage_bytes
     assert p.abuf_bytes == max(fp4_abuf_need(p.tiles[n]) for n in ("expert1", "expert2")) < p0.abuf_bytes
     assert "constexpr int NORM_KP = 2048;" in render(p) and "constexpr int RING_STAGES = 3;" in render(p)
+    # the T=16 build's 256-row gate/up units need the whole 131 KB: panels would buy nothing
+    p16 = make_plan(cfg, 132, ring_stages=2, ring_stage_bytes=32768, fill_ring=True, tokens=16)
+    assert (p16.ring_stages, p16.norm_k) == (2, 4096) and p16.abuf_bytes == p0.abuf_bytes
     # small's abuf is already the experts' size: no panels, the spare bytes still give stages
     s = make_plan(preset("small"), 132, ring_stages=2, ring_stage_bytes=32768, fill_ring=True)
     assert s.norm_k == s.cfg.d_model and s.ring_stages == 4

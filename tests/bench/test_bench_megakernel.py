@@ -20,7 +20,7 @@ def _case(preset, T, ctx, mode):
     def prepare(h):
         sc = step_context(preset, T, ctx)
         w = weights_for(preset)
-        eng = Engine(w, plan_for(preset), sc.cache0.clone(), backend="gpu")
+        eng = Engine(w, plan_for(preset, tokens=T), sc.cache0.clone(), backend="gpu")  # the build for T
         routes = [r.cuda() for r in sc.routes]
         out = eng.step(sc.tokens, sc.parents, ctx, mode=mode, routes=routes)
         check_close(out.logits, sc.ref_logits, f"{preset}/{mode}", rel=REL_TOL)
