@@ -391,8 +391,9 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     also compute, so deeper helps), staging the normed operand in panels where that frees a
     stage. norm_panel: force that panel width (tests), 0 = unpaneled. residual_unit_rows: force the
     oproj / unpool unit rows (A/Bs, tests; default residual_rows). tokens: the tree size the build is
-    for (default the config's max_tree; any step of up to max_tree tokens runs on it, same bits, only
-    the unit sizes of expert1_unit_rows follow it); expert1_rows forces those."""
+    for (default the config's max_tree; any step of up to max_tree tokens runs on it with the same
+    bits: only the expert units follow it, expert1_unit_rows / expert2_unit_rows); expert1_rows /
+    expert2_rows force those."""
     cfg.validate()
     c = cfg
     budget = ring_stage_bytes
