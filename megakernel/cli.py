@@ -242,7 +242,7 @@ def _sass_chains(a):
 
     v = parse_variant(a.variant or "base")
     with kernel_tree(v.csrc):
-        cubin = build_gpu(_plan(a.preset, v, a.sm)).module.cubin
+        cubin = build_gpu(_plan(a.preset, v, a.sm, a.tokens)).module.cubin
     return cubin_instruction_chains(cubin, KERNEL)  # FileNotFoundError without nvdisasm: said, exit 2
 
 
@@ -365,6 +365,8 @@ def main(argv=None) -> int:
     s.add_argument("--variant", help="with --preset: the profiled build as an `ab` variant spec (default: the "
                                       "repository's kernel)")
     s.add_argument("--sm", type=int, default=132, help="with --preset: the profiled GPU's SM count")
+    s.add_argument("--tokens", type=int, default=16, help="with --preset: the tree size the profiled build is "
+                                                         "for (ncu-mega's --tokens)")
     s.add_argument("--top-source", type=int, default=25, help="source positions shown")
     s.set_defaults(fn=_ncu_stalls)
     s = sub.add_parser("ab")

@@ -225,3 +225,23 @@ def test_cli_adds_the_source_table_from_a_listing(sample, tmp_path, capsys):
     assert "| expert_gemm1 mk/gemm.cuh:367 |" in md and "| schedule mk/wait.cuh:60 " in md and "| ? " not in md
     assert cli.main(["ncu-stalls", str(sample), "--listing", str(tmp_path / "none.sass")]) == 2
     assert "none.sass: no such listing" in capsys.readouterr().err
+
+
+def test_cli_rebuilds_the_profiled_build_for_its_tree_size(sample, monkeypatch, capsys):
+    # --preset rebuilds the profiled kernel here: the build ncu-mega profiled, i.e. the plan for
+    # --tokens (the expert units follow the tree size: plan.expert1_unit_rows)
+    import types
+
+    import megakernel.build
+    import microbench.sass
+    from microbench.sass import instruction_chains
+
+    built = []
+    monkeypatch.setattr(megakernel.build, "build_gpu", lambda plan: built.append(plan) or types.SimpleNamespace(
+        module=types.SimpleNamespace(cubin=b"")))
+    monkeypatch.setattr(microbench.sass, "cubin_instruction_chains",
+                        lambda cubin, kernel: instruction_chains(LISTING.splitlines(), kernel))
+    for t, rows in ((16, 256), (1, 128)):
+        assert cli.main(["ncu-stalls", str(sample), "--preset", "shard8", "--tokens", str(t), "--top-source", "2"]) == 0
+        assert "## Top 2 source positions" in capsys.readouterr().out
+        assert built[-1].tiles["expert1"].rows == rows
