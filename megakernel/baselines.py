@@ -241,7 +241,7 @@ def torch_model(w: ModelWeights) -> TorchModel:
 
 def expert_slots(cfg: ModelConfig, n_tokens: int) -> int:
     """C: the static size of the padded distinct-expert set."""
-    return min(cfg.n_experts, n_tokens * cfg.top_k)
+    return cfg.max_distinct_experts(n_tokens)
 
 
 def dequant_bytes_per_step(cfg: ModelConfig, n_tokens: int) -> int:

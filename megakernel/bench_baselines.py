@@ -66,7 +66,7 @@ def study_like_distinct(cfg: ModelConfig, n_tokens: int) -> int:
     shape allows (k..min(E, T k)). 49 at shard8 T=16; 27 at small T=16; k at T=1."""
     ratio = STUDY_DISTINCT / _uniform_distinct(STUDY_EXPERTS, STUDY_TOKENS * STUDY_TOP_K)
     d = round(ratio * _uniform_distinct(cfg.n_experts, n_tokens * cfg.top_k))
-    return int(min(max(d, cfg.top_k), cfg.n_experts, n_tokens * cfg.top_k))
+    return int(min(max(d, cfg.top_k), cfg.max_distinct_experts(n_tokens)))
 
 
 # ---------------------------------------------------------------------- per-process state

@@ -84,6 +84,10 @@ class ModelConfig:
         n = self.expert_params
         return n // 2 + n // NVFP4_BLOCK + 8
 
+    def max_distinct_experts(self, n_tokens: int) -> int:
+        """The most experts a step of n_tokens tokens can route to (each token picks top_k)."""
+        return min(self.n_experts, n_tokens * self.top_k)
+
     def dense_layer_bytes(self) -> int:
         """bf16 weights of one layer outside the experts (norms, qkv, o, router, pooler, unpooler)."""
         d = self.d_model

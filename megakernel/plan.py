@@ -80,8 +80,7 @@ def expert1_unit_rows(cfg: ModelConfig, n_sm: int, tokens: int) -> int:
     256 rows shard8 T=16 -3.59%, small T=16 -2.04%, but shard8 T=1 +3.86% (64 units on 132 SMs
     where 128 rows give 128)."""
     big = 2 * EXPERT1_ROWS
-    slots = min(cfg.n_experts, tokens * cfg.top_k)
-    return big if slots * (2 * cfg.d_expert // big) >= 2 * n_sm else EXPERT1_ROWS
+    return big if cfg.max_distinct_experts(tokens) * (2 * cfg.d_expert // big) >= 2 * n_sm else EXPERT1_ROWS
 
 
 def expert2_unit_rows(cfg: ModelConfig, n_sm: int, tokens: int) -> int:
@@ -89,8 +88,8 @@ def expert2_unit_rows(cfg: ModelConfig, n_sm: int, tokens: int) -> int:
     tokens (at most tokens x top_k distinct experts) would not have a unit for every block at
     EXPERT2_ROWS (shard8 T=1: 64 units on 132 SMs). In-run A/B, H200 2026-11-30 13:36Z, same bits:
     128 rows against 256 at T=1, shard8 -2.6%, small -2.4% (its duplicate build -1.3%)."""
-    slots = min(cfg.n_experts, tokens * cfg.top_k)
-    return EXPERT2_ROWS if slots * (cfg.d_pool // EXPERT2_ROWS) >= n_sm else EXPERT2_ROWS // 2
+    fills = cfg.max_distinct_experts(tokens) * (cfg.d_pool // EXPERT2_ROWS) >= n_sm
+    return EXPERT2_ROWS if fills else EXPERT2_ROWS // 2
 
 
 EXPERT_MIN_ROWS = 32  # the smallest expert unit tried when a larger one's partials do not fit
@@ -280,7 +279,7 @@ class Plan:
 
     @property
     def max_slots(self) -> int:
-        return min(self.cfg.n_experts, self.cfg.max_tree * self.cfg.top_k)
+        return self.cfg.max_distinct_experts(self.cfg.max_tree)
 
     @property
     def max_splits(self) -> int:
