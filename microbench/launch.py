@@ -14,9 +14,19 @@ from .errors import KernelDoesNotFitError, NoGPUError
 DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in (cuKernelSetAttribute)
 
 
+def ensure_context(index: int | None = None):
+    """Make device `index` current for cuda.core, sharing torch's primary context. Without an
+    index: the device torch already works on (0 before torch's CUDA starts), so a process that
+    drives GPU 1 (one process per GPU) is not switched back to GPU 0 by a later lookup."""
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    return _ensure_context(index)
+
+
 @functools.lru_cache(maxsize=None)
-def ensure_context(index: int = 0):
-    """Make device `index` current for cuda.core, sharing torch's primary context."""
+def _ensure_context(index: int):
     from .device import require_gpu
 
     require_gpu(index)
@@ -148,12 +158,16 @@ def launch(kernel, spec: LaunchSpec, *args, stream=None, persistent: bool = Fals
 
     # Keyed by the kernel object itself (kept alive by the dict): an id() or a driver handle of a
     # freed kernel can be reused by a new one, which would then skip its smem opt-in.
-    key = (kernel, spec)
+    # The opt-in is per device: a process driving GPU 1 (one process per GPU) must set it there.
+    import torch
+
+    index = torch.cuda.current_device()
+    key = (kernel, spec, index)
     if key not in _CHECKED:
         if spec.smem > DEFAULT_SMEM_LIMIT:
-            set_max_dynamic_smem(kernel, spec.smem)
+            set_max_dynamic_smem(kernel, spec.smem, index)
         if persistent or spec.cooperative:
-            check_coresident(kernel, spec)
+            check_coresident(kernel, spec, index)
         _CHECKED[key] = True
     try:
         _launch(stream or current_stream(), spec.config(), kernel, *[_arg(a) for a in args])
