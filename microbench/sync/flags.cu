@@ -222,7 +222,9 @@ template <Scope S, int POLL> __device__ __forceinline__ void pingpong(const uint
   m[PM_CYC_END] = c1;
   m[PM_POLLS] = polls;
   m[PM_STATUS] = ok ? ST_OK : ST_TIMEOUT;
-  if (role == 0 && P[PP_BYST_MODE] != BY_NONE) {  // release every bystander (also after a failure)
+  // Release this GPU's bystanders (also after a failure): the initiator does, or the responder
+  // where the initiator plays on another GPU (its lines are in that GPU's memory).
+  if ((role == 0 || static_cast<uint32_t>(P[PP_SM_INIT]) == NONE) && P[PP_BYST_MODE] != BY_NONE) {
     uint32_t* lines = reinterpret_cast<uint32_t*>(P[PP_BYST_FLAGS]);
     const uint32_t n = gridDim.x * BYST_LINES_PER_BLOCK, target = static_cast<uint32_t>(P[PP_BYST_TARGET]);
     for (uint32_t q = 0; q < n; ++q) mb::st_relaxed<S>(lines + static_cast<size_t>(q) * 32, target);
