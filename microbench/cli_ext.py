@@ -1,4 +1,4 @@
-"""The pipeline subcommands: run, tune, report, gate (see README "## Commands").
+"""The pipeline subcommands: run, tune, report, gate, xgpu (see README "## Commands").
 
 Each lives in its own module and adds its own parser; imports stay lazy inside the commands so
 `megabench info` does not pay for pandas/matplotlib.
@@ -15,3 +15,6 @@ def register(sub) -> None:
 
     report_cli.add_parser(sub)
     gate.add_parser(sub)
+    from .xgpu import launcher
+
+    launcher.add_parser(sub)

@@ -1,10 +1,11 @@
 """`megabench run`: the whole pipeline, one command.
 
 With a GPU:    1 microbenchmarks (registry, quick or full; results saved as new files)
-               2 gate quality from the recorded samples (gate.quality result)
-               3 tune (a new constants revision when anything changed)
-               4 megakernel build + benchmarks, if `megakernel.pipeline` exists
-               5 report
+               2 cross-GPU microbenchmarks (microbench/xgpu under torchrun) with 2+ GPUs, else skipped
+               3 gate quality from the recorded samples (gate.quality result)
+               4 tune (a new constants revision when anything changed)
+               5 megakernel build + benchmarks, if `megakernel.pipeline` exists
+               6 report
 Without a GPU: says so, tunes from the committed results into a temporary folder (the committed
                constants stay untouched unless --write-constants), skips the GPU stages and
                renders the report from the committed H200 results.
@@ -121,8 +122,9 @@ def _cmd(args) -> int:
           f"Running the CPU part only: tune from the committed results in {root} (into a temporary folder"
           f"{'' if not args.write_constants else ' -- no: into reports/constants, as asked'}) and render the report "
           "from them. Microbenchmarks and the megakernel need a GPU.", flush=True)
-    st = _Stages(4)
+    st = _Stages(5)
     st.skip("microbenchmarks", "no GPU")
+    st.skip("cross-GPU microbenchmarks", "no GPU; they need 2 or more")
     out_c = args.constants_out or (None if args.write_constants else Path(tempfile.mkdtemp(prefix="megabench-constants-")))
     st.run("tune", _tune, root, out_c)
     st.skip("megakernel", "no GPU" if megakernel_entry() is not None else "no GPU; megakernel.pipeline not available yet")
@@ -137,8 +139,15 @@ def _with_gpu(args, root: Path) -> int:
     import os
 
     os.environ["MEGABENCH_RESULTS"] = str(root)  # benchmarks save where tune and report read
-    st = _Stages(5)
+    st = _Stages(6)
     st.run("microbenchmarks", _microbenchmarks, args.classes, args.full)
+    from .xgpu import launcher
+
+    _, why = launcher.gpus_or_reason()
+    if why:
+        st.skip("cross-GPU microbenchmarks", why)
+    else:
+        st.run("cross-GPU microbenchmarks", _xgpu, args.full)
     st.run("gate quality", _quality, root)
     cur = st.run("tune", _tune, root, args.constants_out)
     entry = megakernel_entry()
@@ -151,6 +160,14 @@ def _with_gpu(args, root: Path) -> int:
     else:
         st.run("report", _report, root, args.out)
     return _finish(st)
+
+
+def _xgpu(full: bool) -> None:
+    from .xgpu import launcher
+
+    rc = launcher.run(full=full)
+    if rc:
+        raise RuntimeError(f"torchrun exited with {rc} (the ranks' output above names the failure)")
 
 
 def _quality(root: Path):

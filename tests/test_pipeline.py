@@ -22,8 +22,9 @@ def test_run_without_gpu_uses_committed_results(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "no GPU here (test: no driver)" in out
-    assert "[1/4] microbenchmarks: skipped (no GPU)" in out and "[2/4] tune ..." in out
-    assert "[3/4] megakernel: skipped" in out and "[4/4] report done" in out
+    assert "[1/5] microbenchmarks: skipped (no GPU)" in out and "[3/5] tune ..." in out
+    assert "[2/5] cross-GPU microbenchmarks: skipped (no GPU; they need 2 or more)" in out
+    assert "[4/5] megakernel: skipped" in out and "[5/5] report done" in out
     assert "megabench-constants-" in out  # tuned into a temporary folder
     assert _snapshot(constants) == before  # committed constants untouched
     text = (tmp_path / "REPORT.md").read_text()
