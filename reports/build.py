@@ -43,8 +43,27 @@ CLASS_INFO = {
     "clocks": ("Clocks, skew and in-kernel profiling",
                "%globaltimer tick and %clock64 rate, SM-to-SM skew and its calibration, launch-to-launch "
                "gaps, and what an in-kernel profiler stamp costs."),
+    "xgpu": ("Between GPUs: flags, sentinel collectives, clocks",
+             "One process per GPU (`megabench xgpu`, torchrun, NVLink multicast off): one-way flags between SMs of "
+             "two GPUs, idle and with bulk copies in flight; sentinel all-reduce / all-gather over peer memory "
+             "against NCCL; each GPU's %globaltimer against the host and the other GPUs; how far apart the GPUs "
+             "reach common sync stops. Needs a node with 2 or more GPUs."),
 }
 SPECIAL = ("gate", "model", "megakernel")
+# Classes measured outside `megabench bench` (their own launcher) that always get a section, so the
+# study's figures for them show even before they are measured.
+EXTRA_CLASSES = ("xgpu",)
+# One GPU beside several: (quantity, (benchmark, derived key) on one GPU, (benchmark, key) between GPUs)
+XGPU_BESIDE = (
+    ("one-way flag", ("sync.flags", "flag_latency_s"), ("xgpu.flags", "flag_latency_gpu_to_gpu_s")),
+    ("one-way flag, bulk copies in flight (worst case measured)", ("sync.flags", "flag_latency_all_sms_loaded_s"),
+     ("xgpu.flags", "flag_latency_gpu_to_gpu_loaded_s")),
+    ("sync stop (one GPU: per-dependency flag stop; GPUs: wait from arrival to every GPU's flag)",
+     ("sync.barriers", "sync_stop_cost_s"), ("xgpu.clocks", "stop_wait_hbm_s")),
+    ("skew (one GPU: SM clocks p90-p10; GPUs: arrival spread at stops, p99)", ("clocks.skew", "sm_skew_ns"),
+     ("xgpu.clocks", "gpu_drift_s")),
+    ("%globaltimer step", ("clocks.timers", "globaltimer_tick_ns"), ("xgpu.clocks", "globaltimer_step_ns")),
+)
 MAX_SERIES_ROWS = 40
 
 
@@ -99,8 +118,8 @@ class Catalog:
     def classes(self) -> list[str]:
         from microbench.registry import CLASSES
 
-        present = sorted({b.split(".")[0] for b in self.runs} - set(CLASSES) - set(SPECIAL))
-        return list(CLASSES) + present
+        present = sorted({b.split(".")[0] for b in self.runs} - set(CLASSES) - set(SPECIAL) - set(EXTRA_CLASSES))
+        return list(CLASSES) + list(EXTRA_CLASSES) + present
 
     def envs(self):
         return [r.env for rs in self.runs.values() for _, r in rs if not r.benchmark.startswith("gate.")]
@@ -301,16 +320,37 @@ def section_class(ctx: Context, cls: str, n: int) -> list[str]:
     figs = paper.figures(cls)
     results = ctx.cat.of_class(cls)
     if not results:
+        how = ("Run `megabench xgpu` on a node with 2 or more GPUs (`megabench run` does when it finds them)"
+               if cls in EXTRA_CLASSES else f"Run `megabench bench {cls}` on a GPU, or `megabench run`")
         out += [f"**Not measured yet** on {ctx.cat.gpu or 'any GPU'}: no `{cls}.*` results under "
-                f"`{_rel(ctx.cat.root)}`. Run `megabench bench {cls}` on a GPU, or `megabench run`.", ""]
+                f"`{_rel(ctx.cat.root)}`. {how}.", ""]
     if figs:
         st = paper.setup("gb300")
         out += [f"The study's figures ({st['hardware']}; {st['config']}) beside ours ({ctx.cat.gpu or 'not measured'}); "
                 "different hardware, so read them side by side, never as one series:", "",
                 _table(_paper_rows(ctx, figs)), ""]
+    if cls == "xgpu" and results:
+        out += ["One GPU beside several (latest results of each; the machines are named in each result's "
+                "environment):", "", _table(_xgpu_beside_rows(ctx)), ""]
     for path, r in results:
         out += _result_block(ctx, cls, path, r)
     return out
+
+
+def _xgpu_beside_rows(ctx: Context) -> list[dict]:
+    rows = []
+    for what, one, many in XGPU_BESIDE:
+        cells = []
+        for bench, key in (one, many):
+            got = ctx.cat.latest(bench)
+            d = got[1].derived.get(key) if got else None
+            if d is None:
+                cells.append("not measured")
+            else:
+                kind = got[1].env.machine_kind or "?"
+                cells.append(f"{fmt(d.value, d.unit)} (`{bench}` `{key}`, {kind})")
+        rows.append({"quantity": what, "one GPU": cells[0], "between GPUs": cells[1]})
+    return rows
 
 
 def section_megakernel(ctx: Context, n: int) -> list[str]:

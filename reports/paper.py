@@ -13,7 +13,7 @@ from pathlib import Path
 from microbench.errors import ResultsFileError
 
 PATH = Path(__file__).with_name("paper_figures.json")
-CLASSES = ("icache", "weights", "sync", "clocks", "megakernel", "model")
+CLASSES = ("icache", "weights", "sync", "clocks", "xgpu", "megakernel", "model")
 
 
 @functools.lru_cache(maxsize=1)
