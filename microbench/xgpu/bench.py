@@ -299,7 +299,9 @@ def flags_result(run: Run, runs, mhz, mhz_end, floor_s) -> Result:
         m = slice(c.calib + c.settle, c.nrec)
         ow = A.one_way_ns(r.init[m], m0) * 1e-9
         metrics = {"rtt_median_s": float(np.median(ow) * 2), "sm_pair": [c.sm0, c.sm1], "polls": list(r.polls),
-                   "globaltimer_rtt_s": r.gt_ns / c.rounds * 1e-9}
+                   "globaltimer_rtt_s": r.gt_ns / c.rounds * 1e-9,
+                   # configurations, not an axis: histograms of the idle pair and the peer-loaded case
+                   "plot": "hist" if c.name.endswith(("pair0/idle/acq", "load-all-both/peer")) else "none"}
         if c.load_sides:
             # clocks of two GPUs: bring the responder's cycles to rank 0's rate before splitting
             ratio = m0 / mhz[c.peer] if mhz[c.peer] > 0 else 1.0
@@ -349,15 +351,17 @@ def collectives_result(run: Run, coll_runs, checks, nccl, flag_s, bw, mhz) -> Re
                           f"measured peer-copy bandwidth ({bw / 1e9:.0f} GB/s)")
         metrics = {"blocks": r.blocks, "globaltimer_per_round_s": r.gt_ns / max(len(x), 1) * 1e-9,
                    **{f"check_{k}": v for k, v in checks[(op, nb)].items()}}
+        # one parameter set for every implementation, so the report draws them as lines of one figure
         series.append(_series(f"sentinel/{op}/{nb}", x, "clock64", {**run.common_params(), "op": op, "bytes": nb,
-                                                                     "copies": 2, "samples": "per round, rank 0"},
-                              bound, metrics=metrics, clocks={"sm_mhz_rank0": m0}))
+                                                                     "impl": "sentinel (2 copies)"},
+                              bound, metrics={**metrics, "samples": "per round of one persistent launch, rank 0"},
+                              clocks={"sm_mhz_rank0": m0}))
         for mode, ts in nccl[(op, nb)]["times"].items():
             series.append(_series(f"nccl/{op}/{nb}/{mode}", ts, "cuda_event",
-                                  {**run.common_params(), "op": op, "bytes": nb, "mode": mode,
-                                   "samples": "CUDA events over 50 back-to-back calls / 50"
-                                   + (" (includes the host's submission)" if mode == "eager" else "")},
-                                  bound, warnings=nccl[(op, nb)]["warnings"]))
+                                  {**run.common_params(), "op": op, "bytes": nb, "impl": f"NCCL {mode}"},
+                                  bound, warnings=nccl[(op, nb)]["warnings"],
+                                  metrics={"samples": "CUDA events over 50 back-to-back calls / 50"
+                                           + (" (includes the host's submission)" if mode == "eager" else "")}))
         g = nccl[(op, nb)]["times"].get("graph")
         if g is not None:
             pays[(op, nb)] = float(np.median(g) / np.median(x))
@@ -420,7 +424,7 @@ def clocks_result(run: Run, c0, c1, stop_runs, offsets_mid, flag_s) -> Result:
              "offsets_ns": offs}
         series.append(_series(f"stops/{work}/gpu_spread", st.gpu_spread_ns * 1e-9, "globaltimer",
                               {**p, "samples": "per stop: latest - earliest GPU arrival (a GPU's last block)"},
-                              metrics={"p99_s": float(np.percentile(st.gpu_spread_ns, 99) * 1e-9),
+                              metrics={"plot": "hist", "p99_s": float(np.percentile(st.gpu_spread_ns, 99) * 1e-9),
                                        "max_s": float(st.gpu_spread_ns.max() * 1e-9),
                                        "slowest_rank_share": np.bincount(st.slowest, minlength=n).tolist()}))
         series.append(_series(f"stops/{work}/block_spread", st.block_spread_ns * 1e-9, "globaltimer",
