@@ -330,3 +330,12 @@ def test_results_assemble_and_round_trip(tmp_path):
         p = res.save(tmp_path)
         back = load(p)
         assert back.benchmark == res.benchmark and len(back.series) == len(res.series)
+
+
+def test_local_cases_keep_copies_in_step():
+    from microbench.xgpu import local
+
+    cs = local.cases()
+    assert len({c.name for c in cs}) == len(cs) == 4
+    assert local.ROUNDS % 2 == 0  # every timed launch starts on copy 0 and leaves every slot empty
+    assert all(c.params["rounds"] == local.ROUNDS for c in cs)
