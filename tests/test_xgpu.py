@@ -284,7 +284,7 @@ def _fake_run(n=2):
     from microbench.results import Env
 
     env = Env.capture(None)
-    return SimpleNamespace(w=W.World(0, n, 0), quick=True, notes=["synthetic"], gpus=[],
+    return SimpleNamespace(w=W.World(0, n, 0), quick=True, notes=["synthetic"], gpus=[], info_sm_count=132,
                            common_params=lambda: {"ranks": n}, env=lambda: env)
 
 
@@ -299,12 +299,15 @@ def test_results_assemble_and_round_trip(tmp_path):
     for c in B.ping_configs(run.w, [[0, 1], [2, 3]], quick=True):
         k = c.nrec
         send = np.cumsum(rng.integers(4000, 6000, k))
-        init = np.stack([send, send + 2 * 2600 + rng.integers(0, 50, k)], 1)
+        # every SM pulling over the link: the flag waits behind what is in flight (1 ns per 100 B)
+        extra = c.load_bytes * 131 // 100 * 2 * 1980 // 1000 if (c.byst_sides == 3 and c.load_from_peer) else 0
+        init = np.stack([send, send + 2 * 2600 + extra + rng.integers(0, 50, k)], 1)
         resp = np.stack([send + 2600 + 10_000, send + 2620 + 10_000], 1)
         runs.append(X.XPPRun(c, init, resp, 1e6, 2e6, (10, 10), (c.load_bytes, c.load_bytes)))
     fl = B.flags_result(run, runs, [1980.0, 1980.0], [1980.0, 1980.0], 5.5e-7)
     assert fl.derived["flag_latency_gpu_to_gpu_s"].value == pytest.approx(2600 / 1980e6, rel=0.02)
     assert "flag_latency_gpu_to_gpu_loaded_s" in fl.derived
+    assert fl.derived["poll_delay_per_inflight_byte_gpu_to_gpu_s"].value == pytest.approx(1e-11, rel=0.02)
     coll_runs, checks, nccl = {}, {}, {}
     for op in ("allreduce", "allgather"):
         for nb in (1024, 65536):

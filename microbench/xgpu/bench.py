@@ -45,6 +45,7 @@ from .world import MULTICAST_OFF, PeerBuffer, World, all_gather_object
 KiB, MiB = 1024, 1 << 20
 PAPER = {"flag_one_way_s": 1.9e-6, "poll_behind_copies_s": (1.0e-6, 2.6e-6), "gpu_drift_s": 4e-6}
 LOAD_BYTES = 64 * KiB
+PEER_SWEEP_BYTES = (4 * KiB, 16 * KiB)  # with LOAD_BYTES: bulk copies in flight per SM, every SM pulling over the link
 CLOCK_SPAN_S = {True: 10.0, False: 60.0}  # least host time between the opening and closing clock offsets
 
 
@@ -84,6 +85,10 @@ def ping_configs(w: World, smids: list[list[int]], quick: bool) -> list[X.XPP]:
             out.append(X.XPP(f"r0-r{d}/load-pair-{who}/peer", d, a, b, load_sides=sides, load_bytes=k,
                              load_from_peer=True))
         out.append(X.XPP(f"r0-r{d}/load-all-both/peer", d, a, b, byst_sides=3, load_bytes=k, load_from_peer=True))
+        # the same with less in flight per SM: how the flag's delay grows with the bytes ahead of it
+        for kk in PEER_SWEEP_BYTES:
+            out.append(X.XPP(f"r0-r{d}/load-all-both/peer/k={kk}", d, a, b, byst_sides=3, load_bytes=kk,
+                             load_from_peer=True))
     return out
 
 
@@ -119,6 +124,10 @@ class Run:
 
     def env(self) -> Env:
         return Env.capture(self.w.device)
+
+    @property
+    def info_sm_count(self) -> int:
+        return self.info.sm_count
 
     def common_params(self) -> dict:
         return {"ranks": self.w.size}  # the GPUs themselves are named in the notes
@@ -322,6 +331,18 @@ def flags_result(run: Run, runs, mhz, mhz_end, floor_s) -> Result:
         elif c.load_bytes:
             loaded[c.name] = float(np.median(ow))
     derived = {}
+    sweep = sorted((r.config.load_bytes, r) for r in runs
+                   if r.config.byst_sides == 3 and r.config.load_from_peer and r.config.peer == 1)
+    if len(sweep) >= 2:
+        # bytes in flight over the link ahead of the flag: every other SM of both GPUs keeps k bytes
+        per_gpu = np.array([k * (run.info_sm_count - 1) for k, _ in sweep], dtype=np.float64)
+        med = np.array([loaded.get(r.config.name, np.nan) for _, r in sweep])
+        slope, icpt = np.polyfit(per_gpu, med, 1)
+        derived["poll_delay_per_inflight_byte_gpu_to_gpu_s"] = Derived(
+            float(slope), "s/B", "least-squares slope of the median one-way flag against the bytes of bulk copies in "
+            "flight per GPU (every other SM of both GPUs reading the other GPU's memory, k bytes each)", None,
+            tuple(r.config.name for _, r in sweep),
+            f"intercept {icpt * 1e6:.2f} us; 1/slope = {1 / slope / 1e9:.0f} GB/s" if slope > 0 else "")
     derived["flag_latency_gpu_to_gpu_s"] = Derived(float(np.median(idle)), "s",
                                              "median over SM pairs of each pair's median one-way latency (round trip "
                                              "/ 2, st.release.sys + ld.acquire.sys) between two GPUs",
