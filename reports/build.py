@@ -58,7 +58,8 @@ XGPU_BESIDE = (
     ("one-way flag", ("sync.flags", "flag_latency_s"), ("xgpu.flags", "flag_latency_gpu_to_gpu_s")),
     ("one-way flag, bulk copies in flight (worst case measured)", ("sync.flags", "flag_latency_all_sms_loaded_s"),
      ("xgpu.flags", "flag_latency_gpu_to_gpu_loaded_s")),
-    ("flag delay per byte of bulk copies in flight (every other SM loading; GPUs: reading over the link)",
+    ("flag delay per byte of bulk copies in flight (one GPU: per byte each SM keeps in flight; GPUs: per byte in "
+     "flight per GPU, every other SM reading over the link)",
      ("sync.flags", "poll_delay_per_inflight_byte_all_sms_loaded_s"),
      ("xgpu.flags", "poll_delay_per_inflight_byte_gpu_to_gpu_s")),
     ("sync stop (one GPU: per-dependency flag stop; GPUs: wait from arrival to every GPU's flag)",
