@@ -284,7 +284,7 @@ def _fake_run(n=2):
     from microbench.results import Env
 
     env = Env.capture(None)
-    return SimpleNamespace(w=W.World(0, n, 0), quick=True, notes=["synthetic"], gpus=[], info_sm_count=132,
+    return SimpleNamespace(w=W.World(0, n, 0), quick=True, notes=["synthetic"], gpus=[], info=SimpleNamespace(sm_count=132),
                            common_params=lambda: {"ranks": n}, env=lambda: env)
 
 
@@ -342,3 +342,12 @@ def test_local_cases_keep_copies_in_step():
     assert len({c.name for c in cs}) == len(cs) == 4
     assert local.ROUNDS % 2 == 0  # every timed launch starts on copy 0 and leaves every slot empty
     assert all(c.params["rounds"] == local.ROUNDS for c in cs)
+
+
+def test_study_figures_come_from_the_one_copy():
+    from microbench.xgpu import bench as B
+
+    assert B._study("sync.flag_gpu_to_gpu") == "about 1.9 us"
+    assert B._study("xgpu.poll_behind_bulk") == "1.0-2.6 us"
+    assert B._study("sync.gpu_drift") == "about 4.0 us"
+    assert "unavailable" in B._study("no.such.figure")

@@ -40,13 +40,25 @@ from ..sync import runners as SR
 from ..sync.sentinel import BF16
 from . import analysis as A
 from . import runners as X
-from .world import MULTICAST_OFF, PeerBuffer, World, all_gather_object
+from .world import MULTICAST_OFF, PeerBuffer, World, WorldError, all_gather_object
 
 KiB, MiB = 1024, 1 << 20
-PAPER = {"flag_one_way_s": 1.9e-6, "poll_behind_copies_s": (1.0e-6, 2.6e-6), "gpu_drift_s": 4e-6}
 LOAD_BYTES = 64 * KiB
 PEER_SWEEP_BYTES = (4 * KiB, 16 * KiB)  # with LOAD_BYTES: bulk copies in flight per SM, every SM pulling over the link
 CLOCK_SPAN_S = {True: 10.0, False: 60.0}  # least host time between the opening and closing clock offsets
+
+
+def _study(fid: str) -> str:
+    """The study's figure `fid` as text, from reports/paper_figures.json (the one copy of them)."""
+    try:
+        from reports import paper
+
+        f = next(x for x in paper.load()["figures"] if x["id"] == fid)
+    except Exception as e:  # a note, not a measurement: say what is missing instead of failing the run
+        return f"(study figure {fid} unavailable: {type(e).__name__})"
+    if "value" in f:
+        return f"about {f['value'] * 1e6:.1f} us" if f["unit"] == "s" else f"{f['value']} {f['unit']}"
+    return f"{f['low'] * 1e6:.1f}-{f['high'] * 1e6:.1f} us"
 
 
 def sizes(quick: bool) -> list[int]:
@@ -108,7 +120,7 @@ class Run:
         self.gpus = all_gather_object(dict(rank=w.rank, gpu=self.info.name, uuid=self.info.uuid, arch=self.info.arch,
                                            sm_count=self.info.sm_count))
         if len({g["arch"] for g in self.gpus}) != 1:
-            raise CorrectnessError(f"ranks run different GPU architectures: {self.gpus}")
+            raise WorldError(f"ranks run different GPU architectures (one cubin serves all): {self.gpus}")
         self.flags = PeerBuffer(w, 64 * KiB)
         self.flags.fill32(0, self.stream)
         self.src = PeerBuffer(w, 256 * MiB)
@@ -124,10 +136,6 @@ class Run:
 
     def env(self) -> Env:
         return Env.capture(self.w.device)
-
-    @property
-    def info_sm_count(self) -> int:
-        return self.info.sm_count
 
     def common_params(self) -> dict:
         return {"ranks": self.w.size}  # the GPUs themselves are named in the notes
@@ -271,7 +279,7 @@ def nccl_time(w: World, op: str, nbytes: int, reps: int = 50, samples: int = 15)
     for _ in range(5):
         call()
     res = {"eager": timed(lambda: [call() for _ in range(reps)])}
-    warn = []
+    warn, g = [], None
     try:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -283,14 +291,15 @@ def nccl_time(w: World, op: str, nbytes: int, reps: int = 50, samples: int = 15)
         with torch.cuda.graph(g):
             for _ in range(reps):
                 call()
+    except Exception as e:  # recorded, never silent: the eager series stands alone then
+        g = None
+        warn.append(f"NCCL {op} could not be captured in a CUDA graph ({type(e).__name__}: {e}); eager only")
+    # a graph's collectives wait for every rank's: replay only where every rank captured one
+    if all(all_gather_object(g is not None)):
         g.replay()
         res["graph"] = timed(g.replay)
-    except Exception as e:  # recorded, never silent: the eager series stands alone then
-        warn.append(f"NCCL {op} could not be captured in a CUDA graph ({type(e).__name__}: {e}); eager only")
-    ok = all_gather_object(not warn)
-    if not all(ok) and "graph" in res:
-        del res["graph"]
-        warn.append("another rank could not capture NCCL in a graph: graph timing dropped on every rank")
+    elif g is not None:
+        warn.append("another rank could not capture NCCL in a graph: graph timing skipped on every rank")
     return {"times": res, "warnings": warn}
 
 
@@ -317,9 +326,7 @@ def flags_result(run: Run, runs, mhz, mhz_end, floor_s) -> Result:
             sp = SA.split_one_way(r.init, np.rint(r.resp * ratio).astype(np.int64), c.calib, c.settle)
             metrics.update({"r0_to_peer_s": float(np.median(sp.a_to_b) / (m0 * 1e6)),
                             "peer_to_r0_s": float(np.median(sp.b_to_a) / (m0 * 1e6)),
-                            "offset_iqr_cycles": sp.offset_iqr})
-        if c.load_sides:
-            metrics["load_bytes_landed"] = list(r.load_bytes)
+                            "offset_iqr_cycles": sp.offset_iqr, "load_bytes_landed": list(r.load_bytes)})
         params = {**run.common_params(), "peer": c.peer, "poll": c.poll, "scope": "sys", "load_sides": c.load_sides,
                   "load_from_peer": c.load_from_peer, "bystander_sides": c.byst_sides, "load_bytes": c.load_bytes,
                   "rounds": c.rounds, "samples": "round trip / 2 on rank 0's %clock64"}
@@ -331,11 +338,11 @@ def flags_result(run: Run, runs, mhz, mhz_end, floor_s) -> Result:
         elif c.load_bytes:
             loaded[c.name] = float(np.median(ow))
     derived = {}
-    sweep = sorted((r.config.load_bytes, r) for r in runs
-                   if r.config.byst_sides == 3 and r.config.load_from_peer and r.config.peer == 1)
+    sweep = sorted(((r.config.load_bytes, r) for r in runs
+                    if r.config.byst_sides == 3 and r.config.load_from_peer and r.config.peer == 1), key=lambda t: t[0])
     if len(sweep) >= 2:
         # bytes in flight over the link ahead of the flag: every other SM of both GPUs keeps k bytes
-        per_gpu = np.array([k * (run.info_sm_count - 1) for k, _ in sweep], dtype=np.float64)
+        per_gpu = np.array([k * (run.info.sm_count - 1) for k, _ in sweep], dtype=np.float64)
         med = np.array([loaded.get(r.config.name, np.nan) for _, r in sweep])
         slope, icpt = np.polyfit(per_gpu, med, 1)
         derived["poll_delay_per_inflight_byte_gpu_to_gpu_s"] = Derived(
@@ -347,15 +354,14 @@ def flags_result(run: Run, runs, mhz, mhz_end, floor_s) -> Result:
                                              "median over SM pairs of each pair's median one-way latency (round trip "
                                              "/ 2, st.release.sys + ld.acquire.sys) between two GPUs",
                                              (min(idle), max(idle)), tuple(s.name for s in series if "/idle/acq" in s.name),
-                                             f"the study: about {PAPER['flag_one_way_s'] * 1e6:.1f} us")
+                                             f"the study: {_study('sync.flag_gpu_to_gpu')}")
     if loaded:
         worst = max(loaded, key=loaded.get)
         derived["flag_latency_gpu_to_gpu_loaded_s"] = Derived(
             loaded[worst], "s", "the largest median one-way latency among the loaded configurations (k bytes of "
             "bulk copies in flight on the pair's SM or on every other SM, local or peer source)",
             (min(loaded.values()), max(loaded.values())), tuple(loaded),
-            f"worst: {worst}; the study: {PAPER['poll_behind_copies_s'][0] * 1e6:.1f}-"
-            f"{PAPER['poll_behind_copies_s'][1] * 1e6:.1f} us")
+            f"worst: {worst}; the study: {_study('xgpu.poll_behind_bulk')}")
     return Result("xgpu.flags", run.env(), tuple(series), derived, quick=run.quick, notes=tuple(run.notes))
 
 
@@ -459,7 +465,7 @@ def clocks_result(run: Run, c0, c1, stop_runs, offsets_mid, flag_s) -> Result:
                                                         float(np.percentile(st.gpu_spread_ns, 99) * 1e-9)),
                                                        (f"stops/{work}/gpu_spread",),
                                                        f"max {st.gpu_spread_ns.max() * 1e-3:.2f} us over "
-                                                       f"{st.gpu_spread_ns.size} stops; the study: up to 4 us")
+                                                       f"{st.gpu_spread_ns.size} stops; the study: up to {_study('sync.gpu_drift').removeprefix('about ')}")
         derived[f"stop_wait_{work}_s"] = Derived(float(np.median(st.wait_ns) * 1e-9), "s",
                                                  "median over GPUs and stops of the time from a GPU's arrival at a "
                                                  "common stop until it had seen every GPU's flag",
