@@ -194,15 +194,16 @@ def _payload(op: str, rounds: int, nbytes: int, seed: int) -> np.ndarray:
     return SR.special_bf16(rng, rounds * nbytes // 2).view(np.uint8).reshape(rounds, nbytes)
 
 
-def verify_collective(run: Run, coll: X.Collectives, op: str, nbytes: int, rounds: int = 3) -> dict:
-    """Bit-exact check of one size against the Python rule, and against NCCL on the same data."""
+def verify_collective(run: Run, coll: X.Collectives, op: str, nbytes: int, rounds: int = 7, copies: int = 2) -> dict:
+    """Bit-exact check of one size against the Python rule, and against NCCL on the same data
+    (7 rounds: every copy of 2 or 3 is reused at least twice)."""
     import torch
     import torch.distributed as dist
 
     w = run.w
     src_np = _payload(op, rounds, nbytes, seed=1000 * w.rank + nbytes % 997)
     src = torch.from_numpy(src_np.copy()).cuda()
-    r = coll.run(op, nbytes, 0, rounds, src=src)
+    r = coll.run(op, nbytes, 0, rounds, src=src, copies=copies)
     everyone = X.gather(src)  # [ranks, rounds, nbytes]
     if op == "allreduce":
         ref = np.stack([A.allreduce_reference(everyone[:, j].view(np.uint32)) for j in range(rounds)])
@@ -365,10 +366,10 @@ def flags_result(run: Run, runs, mhz, mhz_end, floor_s) -> Result:
     return Result("xgpu.flags", run.env(), tuple(series), derived, quick=run.quick, notes=tuple(run.notes))
 
 
-def collectives_result(run: Run, coll_runs, checks, nccl, flag_s, bw, mhz) -> Result:
+def collectives_result(run: Run, coll_runs, checks, nccl, flag_s, bw, mhz, runs3=None, checks3=None) -> Result:
     m0 = mhz[0]
     n = run.w.size
-    series, pays = [], {}
+    series, pays, gain3 = [], {}, {}
     for (op, nb), r in coll_runs.items():
         x = r.round_cycles / (m0 * 1e6)
         bound = None
@@ -389,6 +390,15 @@ def collectives_result(run: Run, coll_runs, checks, nccl, flag_s, bw, mhz) -> Re
                                   bound, warnings=nccl[(op, nb)]["warnings"],
                                   metrics={"samples": "CUDA events over 50 back-to-back calls / 50"
                                            + (" (includes the host's submission)" if mode == "eager" else "")}))
+        if runs3 and (op, nb) in runs3:
+            x3 = runs3[(op, nb)].round_cycles / (m0 * 1e6)
+            series.append(_series(f"sentinel3/{op}/{nb}", x3, "clock64",
+                                  {**run.common_params(), "op": op, "bytes": nb, "impl": "sentinel (3 copies)"},
+                                  bound, clocks={"sm_mhz_rank0": m0},
+                                  metrics={"blocks": runs3[(op, nb)].blocks,
+                                           "samples": "per round of one persistent launch, rank 0",
+                                           **{f"check_{k}": v for k, v in (checks3 or {}).get((op, nb), {}).items()}}))
+            gain3[(op, nb)] = float(np.median(x) / np.median(x3))
         g = nccl[(op, nb)]["times"].get("graph")
         if g is not None:
             pays[(op, nb)] = float(np.median(g) / np.median(x))
@@ -403,6 +413,12 @@ def collectives_result(run: Run, coll_runs, checks, nccl, flag_s, bw, mhz) -> Re
                 "per-round time", (min(sp.values()), max(sp.values())),
                 tuple(f"sentinel/{op}/{nb}" for nb in sp), "per size: " + ", ".join(f"{nb} B {v:.1f}x" for nb, v in
                                                                                       sorted(sp.items())))
+    if gain3:
+        derived["xgpu_sentinel_3copy_gain"] = Derived(
+            float(np.median(list(gain3.values()))), "x", "median over ops and payloads of the 2-copy round time / "
+            "the 3-copy round time (3 copies: the reuse fence comes before the resets, which have a round to drain)",
+            (min(gain3.values()), max(gain3.values())), tuple(f"sentinel3/{op}/{nb}" for op, nb in gain3),
+            "per op and size: " + ", ".join(f"{op} {nb} B {v:.2f}x" for (op, nb), v in sorted(gain3.items())))
     if bw:
         derived["xgpu_peer_copy_bw"] = Derived(bw, "B/s", "median of 5 copy-engine copies of 128 MiB from rank 0 "
                                                "into rank 1's memory (CUDA events)", None, ())
@@ -511,14 +527,16 @@ def run_all(w: World, quick: bool = True, save: bool = True) -> dict[str, Result
     bw = run.peer_bandwidth() if w.size >= 2 else 0.0
     _say(w, f"peer copy {bw / 1e9:.0f} GB/s")
     coll = X.Collectives(w, run.info, max(sizes(quick)))
-    checks, coll_runs = {}, {}
+    checks, coll_runs, checks3, runs3 = {}, {}, {}, {}
     mhz_c = run.heat()
     for op in ("allreduce", "allgather"):
         for nb in sizes(quick):
             checks[(op, nb)] = verify_collective(run, coll, op, nb)
             coll_runs[(op, nb)] = coll.run(op, nb, warmup=16, rounds=200 if quick else 1000)
-            _say(w, f"sentinel {op} {nb} B: {np.median(coll_runs[(op, nb)].round_cycles) / mhz_c[0]:.2f} us/round, "
-                    f"bit-exact")
+            checks3[(op, nb)] = verify_collective(run, coll, op, nb, copies=3)
+            runs3[(op, nb)] = coll.run(op, nb, warmup=16, rounds=200 if quick else 1000, copies=3)
+            _say(w, f"sentinel {op} {nb} B: {np.median(coll_runs[(op, nb)].round_cycles) / mhz_c[0]:.2f} us/round "
+                    f"(3 copies {np.median(runs3[(op, nb)].round_cycles) / mhz_c[0]:.2f}), bit-exact")
     coll.close()
     offsets_mid = run.clock_pair.measure()
     work_src = SR.random_src(1 << 30, 77)
@@ -538,7 +556,7 @@ def run_all(w: World, quick: bool = True, save: bool = True) -> dict[str, Result
         for nb in sizes(quick):
             nccl[(op, nb)] = nccl_time(w, op, nb)
     if w.rank == 0:
-        keep(collectives_result(run, coll_runs, checks, nccl, flag_s, bw, mhz_c))
+        keep(collectives_result(run, coll_runs, checks, nccl, flag_s, bw, mhz_c, runs3, checks3))
     run.close()
     torch.cuda.synchronize()
     return out

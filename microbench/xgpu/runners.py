@@ -339,13 +339,14 @@ class CollRun:
 class Collectives:
     """Sentinel slots of every rank ([2 copies][N][max_bytes]) and the two collective kernels."""
 
-    COPIES = 2
+    COPIES = 2  # double buffering, as the study's slots (and the default of every run)
+    MAX_COPIES = 3  # the triple-buffered variant the slots are sized for
 
     def __init__(self, w: World, info, max_bytes: int):
         from ..watchdog import Watchdog
 
         self.w, self.info, self.max_bytes = w, info, int(max_bytes)
-        self.slots = PeerBuffer(w, self.COPIES * w.size * self.max_bytes)
+        self.slots = PeerBuffer(w, self.MAX_COPIES * w.size * self.max_bytes)
         self.mod = module(info.arch)
         self.base = 0
         self.filled = None
@@ -357,15 +358,18 @@ class Collectives:
             self.filled = op
             sync_all()  # every rank's slots are empty before anyone writes into them
 
-    def run(self, op: str, nbytes: int, warmup: int, rounds: int, src=None) -> CollRun:
+    def run(self, op: str, nbytes: int, warmup: int, rounds: int, src=None, copies: int = COPIES) -> CollRun:
         """One launch on every rank. `src` (uint8 CUDA tensor [rounds, nbytes]) switches to verify
-        mode: every round's result is written out and returned."""
+        mode: every round's result is written out and returned. Every launch leaves every slot
+        empty, so launches with 2 and 3 copies may follow each other."""
         import torch
 
         from ..launch import LaunchSpec, launch
 
         if op not in OPS:
             raise ValueError(f"unknown collective {op!r} (one of {sorted(OPS)})")
+        if copies not in (2, 3):
+            raise ValueError(f"{copies} copies: the slot-reuse rule is written for 2 or 3")
         if nbytes > self.max_bytes:
             raise ValueError(f"{nbytes} B per rank exceeds the slots' {self.max_bytes} B")
         nb = blocks_for(nbytes)
@@ -382,7 +386,7 @@ class Collectives:
         # slot bases of every rank as this rank addresses them (copy stride is n * nbytes inside
         # the kernel, so the layout adapts to the payload size)
         table = torch.tensor(np.array(self.slots.ptrs, dtype=np.uint64).view(np.int64), device="cuda")
-        keep, (p,) = _upload([XC.pack(dict(rank=self.w.rank, n=n, slots=table, bytes=nbytes, copies=self.COPIES,
+        keep, (p,) = _upload([XC.pack(dict(rank=self.w.rank, n=n, slots=table, bytes=nbytes, copies=copies,
                                            warmup=warmup, rounds=rounds, base=self.base,
                                            src=src if src is not None else 0, dst=dst if dst is not None else 0,
                                            out=out, meta=meta, wd=self.wd.ptr, bound_ns=self.wd.bound_ns, sink=sink))])

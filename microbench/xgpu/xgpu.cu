@@ -7,7 +7,7 @@
 //   [copies][N senders][bytes]; every rank pushes its payload (canonicalised, mb/sentinel.cuh)
 //   into slot [round % copies][r] of every rank (itself included), then polls its own memory
 //   until all N senders' elements are not the sentinel, then resets the consumed copy and
-//   fences once (2-copy reuse rule of mb/sentinel.cuh) before the next round. The reduction
+//   fences once a round (mb/sentinel.cuh's reuse rule for 2 or 3 copies). The reduction
 //   adds in rank order 0..N-1 on every rank, so all ranks hold the same bits. Block b owns
 //   bytes [b*chunk, (b+1)*chunk) of every payload and waits only for its own chunks: blocks
 //   never wait for each other. Timer: %clock64 of block 0 at the end of each round, and
@@ -55,7 +55,7 @@ enum XCParam : int {
   XC_N,          // ranks (2..MAX_RANKS)
   XC_SLOTS,      // u64 [N]: rank d's slot base as this GPU addresses it (own rank: local memory)
   XC_BYTES,      // payload bytes per rank (a multiple of 16 * blocks)
-  XC_COPIES,     // 2 (the reuse rule below assumes 2)
+  XC_COPIES,     // 2 or 3 (the slot-reuse order differs, see below)
   XC_WARMUP,     // unrecorded rounds
   XC_ROUNDS,     // recorded rounds
   XC_BASE,       // absolute number of the first round (copies alternate across launches)
@@ -165,11 +165,22 @@ template <class Fmt, bool REDUCE> __device__ __forceinline__ void collective(con
       }
     }
     if (!ok) failed_s = 1;
-    // reset the consumed copy (each thread the vectors it consumed), then the one reuse fence
+    // Slot reuse (mb/sentinel.cuh). 2 copies: reset the consumed copy, then the one fence, which
+    // releases the resets before this rank's next publication. 3 copies: the fence first (it
+    // orders the resets of the round before, long drained, and acquires this round's data), then
+    // the resets, which the next round's fence releases before the copy comes round again.
+    // Each thread resets the vectors it consumed itself.
+    if (copies == 3) {
+      __syncthreads();
+      if (tid == 0) sn::reuse_fence<Scope::sys>();
+      __syncthreads();
+    }
     for (uint32_t i = tid; i < n16; i += XC_THREADS)
       for (uint32_t s = 0; s < n; ++s) sn::reset16<Fmt, Scope::sys>(mine + copy + s * bytes + off0 + 16u * i);
-    __syncthreads();
-    if (tid == 0) sn::reuse_fence<Scope::sys>();
+    if (copies != 3) {
+      __syncthreads();
+      if (tid == 0) sn::reuse_fence<Scope::sys>();
+    }
     __syncthreads();
     if (failed_s) break;  // block-uniform: every thread read it after the same barrier
     if (tid == 0 && blockIdx.x == 0 && j >= 0) reinterpret_cast<uint64_t*>(P[XC_OUT])[j] = mb::clock64();
