@@ -311,14 +311,18 @@ def test_results_assemble_and_round_trip(tmp_path):
     coll_runs, checks, nccl = {}, {}, {}
     for op in ("allreduce", "allgather"):
         for nb in (1024, 65536):
-            coll_runs[(op, nb)] = X.CollRun(op, nb, X.blocks_for(nb), rng.uniform(4000, 5000, 50), 1e5, 2e5, None)
+            rc = rng.uniform(4000, 5000, 50)
+            phases = np.stack([rc * 0.1, rc * 0.6, rc * 0.3], 1)
+            coll_runs[(op, nb)] = X.CollRun(op, nb, X.blocks_for(nb), rc, phases, 1e5, 2e5, None)
             checks[(op, nb)] = {"verified_rounds": 3, "nccl": {"differ": 0}}
             nccl[(op, nb)] = {"times": {"graph": rng.uniform(9e-6, 11e-6, 5), "eager": rng.uniform(2e-5, 3e-5, 5)},
                               "warnings": []}
-    runs3 = {k: X.CollRun(v.op, v.nbytes, v.blocks, v.round_cycles * 0.8, 1e5, 2e5, None) for k, v in coll_runs.items()}
+    runs3 = {k: X.CollRun(v.op, v.nbytes, v.blocks, v.round_cycles * 0.8, v.phase_cycles * 0.8, 1e5, 2e5, None)
+             for k, v in coll_runs.items()}
     co = B.collectives_result(run, coll_runs, checks, nccl, 1.3e-6, 3.8e11, [1980.0, 1980.0], runs3, checks)
     assert co.derived["xgpu_sentinel_allreduce_speedup"].value == pytest.approx(10e-6 / (4500 / 1980e6), rel=0.1)
     assert co.derived["xgpu_sentinel_3copy_gain"].value == pytest.approx(1.25)
+    assert co.derived["xgpu_sentinel_wait_share"].value == pytest.approx(0.6, rel=0.05)
     assert {s.params["impl"] for s in co.series} == {"sentinel (2 copies)", "sentinel (3 copies)", "NCCL graph",
                                                       "NCCL eager"}
 

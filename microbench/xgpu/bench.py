@@ -377,7 +377,10 @@ def collectives_result(run: Run, coll_runs, checks, nccl, flag_s, bw, mhz, runs3
             bound = Bound("time", flag_s + (n - 1) * nb / bw, "s",
                           f"one cross-GPU one-way flag ({flag_s * 1e6:.2f} us, this run) + (N-1) x payload at the "
                           f"measured peer-copy bandwidth ({bw / 1e9:.0f} GB/s)")
+        ph = np.median(r.phase_cycles, axis=0) / (m0 * 1e6)
         metrics = {"blocks": r.blocks, "globaltimer_per_round_s": r.gt_ns / max(len(x), 1) * 1e-9,
+                   # where a round goes (block 0 thread 0, medians): its publication, its waits, slot reuse
+                   "publish_s": float(ph[0]), "wait_s": float(ph[1]), "reuse_s": float(ph[2]),
                    **{f"check_{k}": v for k, v in checks[(op, nb)].items()}}
         # one parameter set for every implementation, so the report draws them as lines of one figure
         series.append(_series(f"sentinel/{op}/{nb}", x, "clock64", {**run.common_params(), "op": op, "bytes": nb,
@@ -413,6 +416,15 @@ def collectives_result(run: Run, coll_runs, checks, nccl, flag_s, bw, mhz, runs3
                 "per-round time", (min(sp.values()), max(sp.values())),
                 tuple(f"sentinel/{op}/{nb}" for nb in sp), "per size: " + ", ".join(f"{nb} B {v:.1f}x" for nb, v in
                                                                                       sorted(sp.items())))
+    small = [r for (op, nb), r in coll_runs.items() if nb <= 4 * KiB]
+    if small:
+        ph = np.median(np.concatenate([r.phase_cycles for r in small]), axis=0) / (m0 * 1e6)
+        derived["xgpu_sentinel_wait_share"] = Derived(
+            float(ph[1] / ph.sum()), "fraction", "share of a sentinel round (payloads up to 4 KB, both ops, 2 copies; "
+            "block 0 thread 0's %clock64, medians) spent waiting for every sender's data", None,
+            tuple(f"sentinel/{op}/{nb}" for (op, nb) in coll_runs if nb <= 4 * KiB),
+            f"publish {ph[0] * 1e6:.2f} us, wait {ph[1] * 1e6:.2f} us, slot reuse (resets, fence, barriers) "
+            f"{ph[2] * 1e6:.2f} us" + (f"; one-way flag {flag_s * 1e6:.2f} us" if flag_s else ""))
     if gain3:
         derived["xgpu_sentinel_3copy_gain"] = Derived(
             float(np.median(list(gain3.values()))), "x", "median over ops and payloads of the 2-copy round time / "

@@ -73,7 +73,7 @@ class LocalCollective:
 
         out = []
         for d in range(self.n):
-            o = torch.zeros(max(rounds, 1), dtype=torch.int64, device=f"cuda:{d}")
+            o = torch.zeros((max(rounds, 1), 3), dtype=torch.int64, device=f"cuda:{d}")
             m = torch.zeros(X.XM["XM_FIELDS"], dtype=torch.int64, device=f"cuda:{d}")
             t, (p,) = upload([X.XC.pack(dict(
                 rank=d, n=self.n, slots=self.tables[d], bytes=self.nbytes, copies=X.Collectives.COPIES,

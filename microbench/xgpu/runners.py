@@ -331,6 +331,7 @@ class CollRun:
     nbytes: int
     blocks: int
     round_cycles: np.ndarray  # rank 0 block 0: %clock64 per recorded round
+    phase_cycles: np.ndarray  # [rounds, 3] of those: publishing, waiting for every sender, slot reuse (thread 0)
     gt_ns: float
     cycles: float
     dst: np.ndarray | None  # verify: this rank's received bytes
@@ -380,7 +381,7 @@ class Collectives:
         dst = None
         if src is not None:
             dst = torch.zeros(rounds * (nbytes if op == "allreduce" else n * nbytes), dtype=torch.uint8, device="cuda")
-        out = torch.zeros(max(rounds, 1), dtype=torch.int64, device="cuda")
+        out = torch.zeros((max(rounds, 1), 3), dtype=torch.int64, device="cuda")
         meta = torch.zeros(XM["XM_FIELDS"], dtype=torch.int64, device="cuda")
         sink = torch.zeros(1, dtype=torch.int32, device="cuda")
         # slot bases of every rank as this rank addresses them (copy stride is n * nbytes inside
@@ -401,9 +402,11 @@ class Collectives:
         g_out = gather(out)
         g_meta = gather(meta)
         c0 = int(g_meta[0, XM["XM_CYC_START"]])
-        stamps = np.concatenate([[c0], g_out[0, :rounds].astype(np.int64)])
+        o = g_out[0, :rounds].astype(np.int64)  # [rounds, 3]
+        ends = np.concatenate([[c0], o[:, 2]])
+        phases = np.stack([o[:, 0] - ends[:-1], o[:, 1] - o[:, 0], o[:, 2] - o[:, 1]], 1).astype(np.float64)
         del keep
-        return CollRun(op, nbytes, nb, np.diff(stamps).astype(np.float64),
+        return CollRun(op, nbytes, nb, np.diff(ends).astype(np.float64), phases,
                        float(g_meta[0, XM["XM_GT_END"]] - g_meta[0, XM["XM_GT_START"]]),
                        float(g_meta[0, XM["XM_CYC_END"]] - g_meta[0, XM["XM_CYC_START"]]),
                        dst.cpu().numpy() if dst is not None else None)

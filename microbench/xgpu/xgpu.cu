@@ -61,7 +61,8 @@ enum XCParam : int {
   XC_BASE,       // absolute number of the first round (copies alternate across launches)
   XC_SRC,        // u8 [rounds][bytes] this rank's payloads (verify), or 0 (generated payloads)
   XC_DST,        // verify: all-reduce u8 [rounds][bytes], all-gather u8 [rounds][N][bytes]; or 0
-  XC_OUT,        // u64 [rounds] block 0's %clock64 at the end of each recorded round
+  XC_OUT,        // u64 [rounds][3] block 0 thread 0's %clock64 when its share of the round's publication,
+                 //   its waits and the whole round (slot reuse included) were done
   XC_META,       // u64 [XM_FIELDS]
   XC_WD,
   XC_BOUND_NS,
@@ -123,6 +124,13 @@ template <class Fmt, bool REDUCE> __device__ __forceinline__ void collective(con
       for (uint32_t d = 0; d < n; ++d)
         sn::put16<Fmt, Scope::sys>(reinterpret_cast<uint8_t*>(slots[d]) + copy + rank * bytes + o, raw);
     }
+    // recomputed at each use, not held: a pointer live across the waits' out-of-line watchdog call
+    // is spilled (108 B of spills when it was a variable)
+    auto mark = [&](uint32_t k) {
+      if (tid == 0 && blockIdx.x == 0 && j >= 0)
+        reinterpret_cast<uint64_t*>(P[XC_OUT])[3u * static_cast<uint32_t>(j) + k] = mb::clock64();
+    };
+    mark(0);
     // consume every sender's chunk from local memory, in rank order. A thread's vectors go in
     // groups of VEC: one sender's VEC loads are issued together and only the vectors still empty
     // are re-polled (one vector at a time cost a local round trip per extra vector: +1.2 us a
@@ -165,6 +173,7 @@ template <class Fmt, bool REDUCE> __device__ __forceinline__ void collective(con
       }
     }
     if (!ok) failed_s = 1;
+    mark(1);
     // Slot reuse (mb/sentinel.cuh). 2 copies: reset the consumed copy, then the one fence, which
     // releases the resets before this rank's next publication. 3 copies: the fence first (it
     // orders the resets of the round before, long drained, and acquires this round's data), then
@@ -183,7 +192,7 @@ template <class Fmt, bool REDUCE> __device__ __forceinline__ void collective(con
     }
     __syncthreads();
     if (failed_s) break;  // block-uniform: every thread read it after the same barrier
-    if (tid == 0 && blockIdx.x == 0 && j >= 0) reinterpret_cast<uint64_t*>(P[XC_OUT])[j] = mb::clock64();
+    mark(2);
   }
   if (tid == 0 && blockIdx.x == 0) {
     meta[XM_CYC_END] = mb::clock64();
@@ -198,10 +207,10 @@ template <class Fmt, bool REDUCE> __device__ __forceinline__ void collective(con
   if (sink == 0x12345679u) reinterpret_cast<uint32_t*>(P[XC_SINK])[0] = sink;
 }
 
-extern "C" __global__ void __launch_bounds__(XC_THREADS) xgpu_allreduce_f32(const uint64_t* P) {
+extern "C" __global__ void __launch_bounds__(XC_THREADS, 1) xgpu_allreduce_f32(const uint64_t* P) {
   collective<sn::F32, true>(P);
 }
-extern "C" __global__ void __launch_bounds__(XC_THREADS) xgpu_allgather_bf16(const uint64_t* P) {
+extern "C" __global__ void __launch_bounds__(XC_THREADS, 1) xgpu_allgather_bf16(const uint64_t* P) {
   collective<sn::BF16, false>(P);
 }
 
