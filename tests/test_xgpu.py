@@ -359,3 +359,15 @@ def test_study_figures_come_from_the_one_copy():
     assert B._study("xgpu.poll_behind_bulk") == "1.0-2.6 us"
     assert B._study("sync.gpu_drift") == "about 4.0 us"
     assert "unavailable" in B._study("no.such.figure")
+
+
+def test_rank0_clock_falls_back_and_warns():
+    from microbench.errors import CorrectnessError
+    from microbench.xgpu import bench as B
+
+    assert B._rank0_mhz(1980.0, [(1_980_000, 1_000_000)]) == (1980.0, ())
+    mhz, warn = B._rank0_mhz(0.0, [(1_755_000, 1_000_000), (10, 5)])  # the short span is ignored
+    assert mhz == pytest.approx(1755.0) and "in-kernel" in warn[0]
+    assert "disagree" in B._rank0_mhz(1980.0, [(1_500_000, 1_000_000)])[1][0]
+    with pytest.raises(CorrectnessError, match="no SM clock"):
+        B._rank0_mhz(0.0, [(10, 5)])

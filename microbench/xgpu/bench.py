@@ -305,10 +305,28 @@ def nccl_time(w: World, op: str, nbytes: int, reps: int = 50, samples: int = 15)
 
 
 # ============================================================================ results
+CLOCK_DISAGREE = 0.05  # NVML against %clock64 / %globaltimer over the same launches: warn beyond 5%
+
+
+def _rank0_mhz(nvml_mhz: float, spans) -> tuple[float, tuple[str, ...]]:
+    """The SM clock that converts rank 0's %clock64 cycles: NVML's reading after warm-up, checked
+    against cycles / %globaltimer ns over the launches' own spans (> 10 us); the in-kernel rate
+    where NVML gave none. Returns (MHz, warnings)."""
+    r = [c / ns * 1e3 for c, ns in spans if ns > 10_000 and c > 0]
+    ink = float(np.median(r)) if r else 0.0
+    if nvml_mhz > 0:
+        if ink > 0 and abs(ink / nvml_mhz - 1) > CLOCK_DISAGREE:
+            return nvml_mhz, (f"NVML SM clock {nvml_mhz:.0f} MHz and in-kernel {ink:.0f} MHz disagree by more "
+                              f"than {CLOCK_DISAGREE:.0%}",)
+        return nvml_mhz, ()
+    if ink > 0:
+        return ink, ("no NVML SM clock on rank 0: cycles converted with the in-kernel clock64/globaltimer ratio",)
+    raise CorrectnessError("no SM clock on rank 0 (neither NVML nor an in-kernel span over 10 us): cycles cannot "
+                           "be converted")
+
+
 def flags_result(run: Run, runs, mhz, mhz_end, floor_s) -> Result:
-    m0 = mhz[0] if mhz[0] > 0 else 0.0
-    if m0 <= 0:
-        raise CorrectnessError("no NVML SM clock on rank 0: cycles cannot be converted")
+    m0, warn = _rank0_mhz(mhz[0], [(r.cycles, r.gt_ns) for r in runs])
     bound = Bound("latency", floor_s, "s", "one-way flag between two SMs of one GPU (flag_latency_s of the latest "
                                            "sync.flags run on this GPU model): the protocol without the link") \
         if floor_s else None
@@ -331,7 +349,7 @@ def flags_result(run: Run, runs, mhz, mhz_end, floor_s) -> Result:
         params = {**run.common_params(), "peer": c.peer, "poll": c.poll, "scope": "sys", "load_sides": c.load_sides,
                   "load_from_peer": c.load_from_peer, "bystander_sides": c.byst_sides, "load_bytes": c.load_bytes,
                   "rounds": c.rounds, "samples": "round trip / 2 on rank 0's %clock64"}
-        s = _series(c.name, ow, "clock64", params, bound, metrics=metrics,
+        s = _series(c.name, ow, "clock64", params, bound, metrics=metrics, warnings=warn,
                     clocks={"sm_mhz_rank0": m0, "sm_mhz_peer": mhz[c.peer], "sm_mhz_rank0_after": mhz_end[0]})
         series.append(s)
         if "/idle/acq" in c.name:
@@ -367,7 +385,7 @@ def flags_result(run: Run, runs, mhz, mhz_end, floor_s) -> Result:
 
 
 def collectives_result(run: Run, coll_runs, checks, nccl, flag_s, bw, mhz, runs3=None, checks3=None) -> Result:
-    m0 = mhz[0]
+    m0, warn = _rank0_mhz(mhz[0], [(r.cycles, r.gt_ns) for r in coll_runs.values()])
     n = run.w.size
     series, pays, gain3 = [], {}, {}
     for (op, nb), r in coll_runs.items():
@@ -386,7 +404,7 @@ def collectives_result(run: Run, coll_runs, checks, nccl, flag_s, bw, mhz, runs3
         series.append(_series(f"sentinel/{op}/{nb}", x, "clock64", {**run.common_params(), "op": op, "bytes": nb,
                                                                      "impl": "sentinel (2 copies)"},
                               bound, metrics={**metrics, "samples": "per round of one persistent launch, rank 0"},
-                              clocks={"sm_mhz_rank0": m0}))
+                              clocks={"sm_mhz_rank0": m0}, warnings=warn))
         for mode, ts in nccl[(op, nb)]["times"].items():
             series.append(_series(f"nccl/{op}/{nb}/{mode}", ts, "cuda_event",
                                   {**run.common_params(), "op": op, "bytes": nb, "impl": f"NCCL {mode}"},
