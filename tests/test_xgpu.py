@@ -317,14 +317,15 @@ def test_results_assemble_and_round_trip(tmp_path):
             checks[(op, nb)] = {"verified_rounds": 3, "nccl": {"differ": 0}}
             nccl[(op, nb)] = {"times": {"graph": rng.uniform(9e-6, 11e-6, 5), "eager": rng.uniform(2e-5, 3e-5, 5)},
                               "warnings": []}
-    runs3 = {k: X.CollRun(v.op, v.nbytes, v.blocks, v.round_cycles * 0.8, v.phase_cycles * 0.8, 1e5, 2e5, None)
+    runs8 = {k: X.CollRun(v.op, v.nbytes, v.blocks, v.round_cycles * 0.8, v.phase_cycles * 0.8, 1e5, 2e5, None)
              for k, v in coll_runs.items()}
-    co = B.collectives_result(run, coll_runs, checks, nccl, 1.3e-6, 3.8e11, [1980.0, 1980.0], runs3, checks)
+    co = B.collectives_result(run, coll_runs, checks, nccl, 1.3e-6, 3.8e11, [1980.0, 1980.0],
+                              {"sentinel8f4": (runs8, checks)})
     assert co.derived["xgpu_sentinel_allreduce_speedup"].value == pytest.approx(10e-6 / (4500 / 1980e6), rel=0.1)
-    assert co.derived["xgpu_sentinel_3copy_gain"].value == pytest.approx(1.25)
+    assert co.derived["xgpu_sentinel8f4_gain"].value == pytest.approx(1.25)
     assert co.derived["xgpu_sentinel_wait_share"].value == pytest.approx(0.6, rel=0.05)
-    assert {s.params["impl"] for s in co.series} == {"sentinel (2 copies)", "sentinel (3 copies)", "NCCL graph",
-                                                      "NCCL eager"}
+    assert {s.params["impl"] for s in co.series} == {"sentinel (2 copies)", "sentinel (8 copies, fence every 4 rounds)",
+                                                      "NCCL graph", "NCCL eager"}
 
     def offs(mu):
         return A.exchange_offset(np.arange(8) * 3000.0, np.arange(8) * 3000.0 + 2304, np.arange(8) * 3000.0 + 1152 + mu)
@@ -371,3 +372,13 @@ def test_rank0_clock_falls_back_and_warns():
     assert "disagree" in B._rank0_mhz(1980.0, [(1_500_000, 1_000_000)])[1][0]
     with pytest.raises(CorrectnessError, match="no SM clock"):
         B._rank0_mhz(0.0, [(10, 5)])
+
+
+def test_reuse_schedules():
+    from microbench.xgpu import runners as X
+
+    for copies, every in ((2, 1), (3, 1), (4, 2), (8, 4), (8, 2)):
+        X.check_reuse(copies, every, 8)
+    for copies, every in ((3, 2), (2, 2), (6, 4), (16, 8), (1, 1)):
+        with pytest.raises(ValueError, match="reuse rule"):
+            X.check_reuse(copies, every, 8)

@@ -45,7 +45,11 @@ from .world import MULTICAST_OFF, PeerBuffer, World, WorldError, all_gather_obje
 KiB, MiB = 1024, 1 << 20
 LOAD_BYTES = 64 * KiB
 PEER_SWEEP_BYTES = (4 * KiB, 16 * KiB)  # with LOAD_BYTES: bulk copies in flight per SM, every SM pulling over the link
-CLOCK_SPAN_S = {True: 10.0, False: 60.0}  # least host time between the opening and closing clock offsets
+CLOCK_SPAN_S = {True: 10.0, False: 60.0}
+# slot-reuse variants timed beside the double-buffered slots: name -> (copies, fence every m rounds, label)
+REUSE_VARIANTS = {"sentinel3": (3, 1, "sentinel (3 copies)"),
+                  "sentinel4f2": (4, 2, "sentinel (4 copies, fence every 2 rounds)"),
+                  "sentinel8f4": (8, 4, "sentinel (8 copies, fence every 4 rounds)")}  # least host time between the opening and closing clock offsets
 
 
 def _study(fid: str) -> str:
@@ -194,16 +198,18 @@ def _payload(op: str, rounds: int, nbytes: int, seed: int) -> np.ndarray:
     return SR.special_bf16(rng, rounds * nbytes // 2).view(np.uint8).reshape(rounds, nbytes)
 
 
-def verify_collective(run: Run, coll: X.Collectives, op: str, nbytes: int, rounds: int = 7, copies: int = 2) -> dict:
+def verify_collective(run: Run, coll: X.Collectives, op: str, nbytes: int, copies: int = 2,
+                      fence_every: int = 1) -> dict:
     """Bit-exact check of one size against the Python rule, and against NCCL on the same data
-    (7 rounds: every copy of 2 or 3 is reused at least twice)."""
+    (2 x copies + 1 rounds, at least 7: every copy is reused at least twice)."""
+    rounds = max(7, 2 * copies + 1)
     import torch
     import torch.distributed as dist
 
     w = run.w
     src_np = _payload(op, rounds, nbytes, seed=1000 * w.rank + nbytes % 997)
     src = torch.from_numpy(src_np.copy()).cuda()
-    r = coll.run(op, nbytes, 0, rounds, src=src, copies=copies)
+    r = coll.run(op, nbytes, 0, rounds, src=src, copies=copies, fence_every=fence_every)
     everyone = X.gather(src)  # [ranks, rounds, nbytes]
     if op == "allreduce":
         ref = np.stack([A.allreduce_reference(everyone[:, j].view(np.uint32)) for j in range(rounds)])
@@ -384,10 +390,11 @@ def flags_result(run: Run, runs, mhz, mhz_end, floor_s) -> Result:
     return Result("xgpu.flags", run.env(), tuple(series), derived, quick=run.quick, notes=tuple(run.notes))
 
 
-def collectives_result(run: Run, coll_runs, checks, nccl, flag_s, bw, mhz, runs3=None, checks3=None) -> Result:
+def collectives_result(run: Run, coll_runs, checks, nccl, flag_s, bw, mhz, variants=None) -> Result:
+    """variants: {name in REUSE_VARIANTS: ({(op, bytes): CollRun}, {(op, bytes): checks})}."""
     m0, warn = _rank0_mhz(mhz[0], [(r.cycles, r.gt_ns) for r in coll_runs.values()])
     n = run.w.size
-    series, pays, gain3 = [], {}, {}
+    series, pays, gains = [], {}, {}
     for (op, nb), r in coll_runs.items():
         x = r.round_cycles / (m0 * 1e6)
         bound = None
@@ -411,15 +418,20 @@ def collectives_result(run: Run, coll_runs, checks, nccl, flag_s, bw, mhz, runs3
                                   bound, warnings=nccl[(op, nb)]["warnings"],
                                   metrics={"samples": "CUDA events over 50 back-to-back calls / 50"
                                            + (" (includes the host's submission)" if mode == "eager" else "")}))
-        if runs3 and (op, nb) in runs3:
-            x3 = runs3[(op, nb)].round_cycles / (m0 * 1e6)
-            series.append(_series(f"sentinel3/{op}/{nb}", x3, "clock64",
-                                  {**run.common_params(), "op": op, "bytes": nb, "impl": "sentinel (3 copies)"},
+        for name, (vruns, vchecks) in (variants or {}).items():
+            if (op, nb) not in vruns:
+                continue
+            vr = vruns[(op, nb)]
+            xv = vr.round_cycles / (m0 * 1e6)
+            phv = np.median(vr.phase_cycles, axis=0) / (m0 * 1e6)
+            series.append(_series(f"{name}/{op}/{nb}", xv, "clock64",
+                                  {**run.common_params(), "op": op, "bytes": nb, "impl": REUSE_VARIANTS[name][2]},
                                   bound, clocks={"sm_mhz_rank0": m0},
-                                  metrics={"blocks": runs3[(op, nb)].blocks,
-                                           "samples": "per round of one persistent launch, rank 0",
-                                           **{f"check_{k}": v for k, v in (checks3 or {}).get((op, nb), {}).items()}}))
-            gain3[(op, nb)] = float(np.median(x) / np.median(x3))
+                                  metrics={"blocks": vr.blocks, "samples": "per round of one persistent launch, rank 0",
+                                           "publish_s": float(phv[0]), "wait_s": float(phv[1]),
+                                           "reuse_s": float(phv[2]),
+                                           **{f"check_{k}": v for k, v in vchecks.get((op, nb), {}).items()}}))
+            gains.setdefault(name, {})[(op, nb)] = float(np.median(x) / np.median(xv))
         g = nccl[(op, nb)]["times"].get("graph")
         if g is not None:
             pays[(op, nb)] = float(np.median(g) / np.median(x))
@@ -443,12 +455,12 @@ def collectives_result(run: Run, coll_runs, checks, nccl, flag_s, bw, mhz, runs3
             tuple(f"sentinel/{op}/{nb}" for (op, nb) in coll_runs if nb <= 4 * KiB),
             f"publish {ph[0] * 1e6:.2f} us, wait {ph[1] * 1e6:.2f} us, slot reuse (resets, fence, barriers) "
             f"{ph[2] * 1e6:.2f} us" + (f"; one-way flag {flag_s * 1e6:.2f} us" if flag_s else ""))
-    if gain3:
-        derived["xgpu_sentinel_3copy_gain"] = Derived(
-            float(np.median(list(gain3.values()))), "x", "median over ops and payloads of the 2-copy round time / "
-            "the 3-copy round time (3 copies: the reuse fence comes before the resets, which have a round to drain)",
-            (min(gain3.values()), max(gain3.values())), tuple(f"sentinel3/{op}/{nb}" for op, nb in gain3),
-            "per op and size: " + ", ".join(f"{op} {nb} B {v:.2f}x" for (op, nb), v in sorted(gain3.items())))
+    for name, g in gains.items():
+        derived[f"xgpu_{name}_gain"] = Derived(
+            float(np.median(list(g.values()))), "x", "median over ops and payloads of the double-buffered round "
+            f"time / the round time of {REUSE_VARIANTS[name][2]}", (min(g.values()), max(g.values())),
+            tuple(f"{name}/{op}/{nb}" for op, nb in g),
+            "per op and size: " + ", ".join(f"{op} {nb} B {v:.2f}x" for (op, nb), v in sorted(g.items())))
     if bw:
         derived["xgpu_peer_copy_bw"] = Derived(bw, "B/s", "median of 5 copy-engine copies of 128 MiB from rank 0 "
                                                "into rank 1's memory (CUDA events)", None, ())
@@ -557,16 +569,20 @@ def run_all(w: World, quick: bool = True, save: bool = True) -> dict[str, Result
     bw = run.peer_bandwidth() if w.size >= 2 else 0.0
     _say(w, f"peer copy {bw / 1e9:.0f} GB/s")
     coll = X.Collectives(w, run.info, max(sizes(quick)))
-    checks, coll_runs, checks3, runs3 = {}, {}, {}, {}
+    checks, coll_runs = {}, {}
+    variants = {name: ({}, {}) for name in REUSE_VARIANTS}
     mhz_c = run.heat()
     for op in ("allreduce", "allgather"):
         for nb in sizes(quick):
             checks[(op, nb)] = verify_collective(run, coll, op, nb)
             coll_runs[(op, nb)] = coll.run(op, nb, warmup=16, rounds=200 if quick else 1000)
-            checks3[(op, nb)] = verify_collective(run, coll, op, nb, copies=3)
-            runs3[(op, nb)] = coll.run(op, nb, warmup=16, rounds=200 if quick else 1000, copies=3)
-            _say(w, f"sentinel {op} {nb} B: {np.median(coll_runs[(op, nb)].round_cycles) / mhz_c[0]:.2f} us/round "
-                    f"(3 copies {np.median(runs3[(op, nb)].round_cycles) / mhz_c[0]:.2f}), bit-exact")
+            for name, (copies, every, _) in REUSE_VARIANTS.items():
+                variants[name][1][(op, nb)] = verify_collective(run, coll, op, nb, copies=copies, fence_every=every)
+                variants[name][0][(op, nb)] = coll.run(op, nb, warmup=16, rounds=200 if quick else 1000,
+                                                       copies=copies, fence_every=every)
+            _say(w, f"sentinel {op} {nb} B: {np.median(coll_runs[(op, nb)].round_cycles) / mhz_c[0]:.2f} us/round ("
+                    + ", ".join(f"{name} {np.median(v[0][(op, nb)].round_cycles) / mhz_c[0]:.2f}"
+                                for name, v in variants.items()) + "), bit-exact")
     coll.close()
     offsets_mid = run.clock_pair.measure()
     work_src = SR.random_src(1 << 30, 77)
@@ -586,7 +602,7 @@ def run_all(w: World, quick: bool = True, save: bool = True) -> dict[str, Result
         for nb in sizes(quick):
             nccl[(op, nb)] = nccl_time(w, op, nb)
     if w.rank == 0:
-        keep(collectives_result(run, coll_runs, checks, nccl, flag_s, bw, mhz_c, runs3, checks3))
+        keep(collectives_result(run, coll_runs, checks, nccl, flag_s, bw, mhz_c, variants))
     run.close()
     torch.cuda.synchronize()
     return out

@@ -76,7 +76,7 @@ class LocalCollective:
             o = torch.zeros((max(rounds, 1), 3), dtype=torch.int64, device=f"cuda:{d}")
             m = torch.zeros(X.XM["XM_FIELDS"], dtype=torch.int64, device=f"cuda:{d}")
             t, (p,) = upload([X.XC.pack(dict(
-                rank=d, n=self.n, slots=self.tables[d], bytes=self.nbytes, copies=X.Collectives.COPIES,
+                rank=d, n=self.n, slots=self.tables[d], bytes=self.nbytes, copies=X.Collectives.COPIES, fence_every=1,
                 warmup=warmup, rounds=rounds, base=0, src=srcs[d] if srcs else 0, dst=dsts[d] if dsts else 0,
                 out=o, meta=m, wd=self.wds[d].ptr, bound_ns=self.wds[d].bound_ns, sink=self.sinks[d]))],
                 device=f"cuda:{d}")

@@ -315,6 +315,15 @@ class PingPongX:
 OPS = {"allreduce": ("xgpu_allreduce_f32", 0x80000000), "allgather": ("xgpu_allgather_bf16", 0xFFFFFFFF)}
 
 
+def check_reuse(copies: int, fence_every: int, max_copies: int) -> None:
+    """The slot-reuse schedules xgpu.cu implements: 3 copies fenced every round before the resets,
+    or 2m copies fenced every m rounds after them (m = 1: double buffering)."""
+    ok = (copies == 3 and fence_every == 1) or (fence_every >= 1 and copies >= 2 * fence_every and copies != 3)
+    if not ok or copies > max_copies:
+        raise ValueError(f"{copies} copies fenced every {fence_every} rounds: the reuse rule needs 3 copies fenced "
+                         f"every round, or at least 2m copies fenced every m rounds (at most {max_copies} copies)")
+
+
 def blocks_for(nbytes: int) -> int:
     """Blocks of a collective: 8 KB chunks up to 32 blocks (a chunk is a multiple of 16 B)."""
     if nbytes <= 0 or nbytes % 16:
@@ -341,7 +350,7 @@ class Collectives:
     """Sentinel slots of every rank ([2 copies][N][max_bytes]) and the two collective kernels."""
 
     COPIES = 2  # double buffering, as the study's slots (and the default of every run)
-    MAX_COPIES = 3  # the triple-buffered variant the slots are sized for
+    MAX_COPIES = 8  # the variants the slots are sized for: 3 copies, and 2m copies fenced every m rounds
 
     def __init__(self, w: World, info, max_bytes: int):
         from ..watchdog import Watchdog
@@ -359,7 +368,8 @@ class Collectives:
             self.filled = op
             sync_all()  # every rank's slots are empty before anyone writes into them
 
-    def run(self, op: str, nbytes: int, warmup: int, rounds: int, src=None, copies: int = COPIES) -> CollRun:
+    def run(self, op: str, nbytes: int, warmup: int, rounds: int, src=None, copies: int = COPIES,
+            fence_every: int = 1) -> CollRun:
         """One launch on every rank. `src` (uint8 CUDA tensor [rounds, nbytes]) switches to verify
         mode: every round's result is written out and returned. Every launch leaves every slot
         empty, so launches with 2 and 3 copies may follow each other."""
@@ -369,8 +379,7 @@ class Collectives:
 
         if op not in OPS:
             raise ValueError(f"unknown collective {op!r} (one of {sorted(OPS)})")
-        if copies not in (2, 3):
-            raise ValueError(f"{copies} copies: the slot-reuse rule is written for 2 or 3")
+        check_reuse(copies, fence_every, self.MAX_COPIES)
         if nbytes > self.max_bytes:
             raise ValueError(f"{nbytes} B per rank exceeds the slots' {self.max_bytes} B")
         nb = blocks_for(nbytes)
@@ -387,7 +396,7 @@ class Collectives:
         # slot bases of every rank as this rank addresses them (copy stride is n * nbytes inside
         # the kernel, so the layout adapts to the payload size)
         table = torch.tensor(np.array(self.slots.ptrs, dtype=np.uint64).view(np.int64), device="cuda")
-        keep, (p,) = _upload([XC.pack(dict(rank=self.w.rank, n=n, slots=table, bytes=nbytes, copies=copies,
+        keep, (p,) = _upload([XC.pack(dict(rank=self.w.rank, n=n, slots=table, bytes=nbytes, copies=copies, fence_every=fence_every,
                                            warmup=warmup, rounds=rounds, base=self.base,
                                            src=src if src is not None else 0, dst=dst if dst is not None else 0,
                                            out=out, meta=meta, wd=self.wd.ptr, bound_ns=self.wd.bound_ns, sink=sink))])

@@ -55,7 +55,8 @@ enum XCParam : int {
   XC_N,          // ranks (2..MAX_RANKS)
   XC_SLOTS,      // u64 [N]: rank d's slot base as this GPU addresses it (own rank: local memory)
   XC_BYTES,      // payload bytes per rank (a multiple of 16 * blocks)
-  XC_COPIES,     // 2 or 3 (the slot-reuse order differs, see below)
+  XC_COPIES,     // 2, 3, or 2 x XC_FENCE_EVERY (the slot-reuse order, below)
+  XC_FENCE_EVERY,  // the reuse fence every this many rounds (1, or with copies >= 2 x it)
   XC_WARMUP,     // unrecorded rounds
   XC_ROUNDS,     // recorded rounds
   XC_BASE,       // absolute number of the first round (copies alternate across launches)
@@ -93,7 +94,7 @@ template <class Fmt, bool REDUCE> __device__ __forceinline__ void collective(con
   // 32-bit offsets inside the slots (the host keeps copies x N x bytes under 4 GB): 64-bit
   // divisions are calls on the GPU and their register traffic spilled in the round loop.
   const uint32_t bytes = static_cast<uint32_t>(P[XC_BYTES]);
-  const uint32_t copies = static_cast<uint32_t>(P[XC_COPIES]);
+  const uint32_t copies = static_cast<uint32_t>(P[XC_COPIES]), every = static_cast<uint32_t>(P[XC_FENCE_EVERY]);
   const uint32_t warm = static_cast<uint32_t>(P[XC_WARMUP]), rounds = static_cast<uint32_t>(P[XC_ROUNDS]);
   const uint64_t base = P[XC_BASE];
   const uint8_t* src = reinterpret_cast<const uint8_t*>(P[XC_SRC]);
@@ -174,11 +175,15 @@ template <class Fmt, bool REDUCE> __device__ __forceinline__ void collective(con
     }
     if (!ok) failed_s = 1;
     mark(1);
-    // Slot reuse (mb/sentinel.cuh). 2 copies: reset the consumed copy, then the one fence, which
-    // releases the resets before this rank's next publication. 3 copies: the fence first (it
-    // orders the resets of the round before, long drained, and acquires this round's data), then
-    // the resets, which the next round's fence releases before the copy comes round again.
-    // Each thread resets the vectors it consumed itself.
+    // Slot reuse (mb/sentinel.cuh). Each thread resets the vectors it consumed itself. A reset of
+    // copy c in round r must be visible before a sender writes c again in round r + copies; the
+    // sender does so after seeing this rank's later publication and fencing (acquire) itself.
+    //   fence every m rounds (after the resets; m = XC_FENCE_EVERY, copies >= 2m): a reset of
+    //     round r is released by a fence within m - 1 rounds, the sender acquires the publication
+    //     after it with its own fence within m more rounds, which precedes its write of round
+    //     r + 2m <= r + copies. m = 1, 2 copies: the double-buffered rule, a fence a round.
+    //   3 copies, m = 1: the fence before the resets (it releases the round before's, which had a
+    //     round to drain), mb/sentinel.cuh's triple-buffered rule.
     if (copies == 3) {
       __syncthreads();
       if (tid == 0) sn::reuse_fence<Scope::sys>();
@@ -188,7 +193,7 @@ template <class Fmt, bool REDUCE> __device__ __forceinline__ void collective(con
       for (uint32_t s = 0; s < n; ++s) sn::reset16<Fmt, Scope::sys>(mine + copy + s * bytes + off0 + 16u * i);
     if (copies != 3) {
       __syncthreads();
-      if (tid == 0) sn::reuse_fence<Scope::sys>();
+      if (tid == 0 && (static_cast<uint32_t>(r) + 1u) % every == 0) sn::reuse_fence<Scope::sys>();  // r: across launches
     }
     __syncthreads();
     if (failed_s) break;  // block-uniform: every thread read it after the same barrier
