@@ -348,9 +348,11 @@ def test_local_cases_keep_copies_in_step():
     from microbench.xgpu import local
 
     cs = local.cases()
-    assert len({c.name for c in cs}) == len(cs) == 4
-    assert local.ROUNDS % 2 == 0  # every timed launch starts on copy 0 and leaves every slot empty
-    assert all(c.params["rounds"] == local.ROUNDS for c in cs)
+    assert len({c.name for c in cs}) == len(cs) == 6
+    # every timed launch starts on copy 0 and the fence schedule, and leaves every slot empty
+    assert all(c.params["rounds"] % c.params["copies"] == 0 for c in cs)
+    with pytest.raises(ValueError, match="multiple"):
+        local.collective_case("allreduce", 1024, rounds=100, copies=8, fence_every=4)
 
 
 def test_study_figures_come_from_the_one_copy():

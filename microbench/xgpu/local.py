@@ -5,9 +5,10 @@ class (tests/bench/test_bench_xgpu.py, marked multigpu).
 The reference measurement is the torchrun suite (bench.py: one process per GPU, as a
 tensor-parallel program runs, and NCCL beside it). Here the same kernel runs on every GPU from one
 host thread: a sample is one launch of ROUNDS rounds on every GPU, timed with CUDA events on GPU 0's
-stream (GPU 0's kernel ends only once every GPU's last round has reached it). Each launch runs an
-even number of rounds, so every launch starts on copy 0 of the slots and ends with all of them
-empty: the parameter blocks are uploaded once and nothing is reset between samples.
+stream (GPU 0's kernel ends only once every GPU's last round has reached it). Each launch runs a
+multiple of the slots' copies in rounds, so every launch starts on copy 0 and on the fence schedule
+and ends with every slot empty: the parameter blocks are uploaded once and nothing is reset between
+samples.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from . import analysis as A
 from . import runners as X
 from .world import WorldError
 
-ROUNDS = 100  # rounds per timed launch (even: see the module docstring)
+ROUNDS = 96  # rounds per timed launch: a multiple of every copy count used here (module docstring)
 
 
 def enable_peer_access(n: int) -> None:
@@ -42,7 +43,7 @@ def enable_peer_access(n: int) -> None:
 class LocalCollective:
     """Slots, watchdogs and parameter blocks of one collective on GPUs 0..n-1."""
 
-    def __init__(self, op: str, nbytes: int, n: int = 2):
+    def __init__(self, op: str, nbytes: int, n: int = 2, copies: int = 2, fence_every: int = 1):
         import torch
 
         from ..device import device_info
@@ -50,12 +51,13 @@ class LocalCollective:
 
         if op not in X.OPS:
             raise ValueError(f"unknown collective {op!r} (one of {sorted(X.OPS)})")
-        self.op, self.nbytes, self.n = op, int(nbytes), n
+        X.check_reuse(copies, fence_every, X.Collectives.MAX_COPIES)
+        self.op, self.nbytes, self.n, self.copies, self.fence_every = op, int(nbytes), n, copies, fence_every
         self.blocks = X.blocks_for(self.nbytes)
         enable_peer_access(n)
         self.mod = X.module(device_info(0).arch)
         fill = np.array([X.OPS[op][1]], dtype=np.uint32).view(np.int32)[0]
-        self.slots = [torch.full((X.Collectives.COPIES * n * self.nbytes // 4,), int(fill), dtype=torch.int32,
+        self.slots = [torch.full((copies * n * self.nbytes // 4,), int(fill), dtype=torch.int32,
                                  device=f"cuda:{d}") for d in range(n)]
         ptrs = np.array([s.data_ptr() for s in self.slots], dtype=np.uint64).view(np.int64)
         self.tables = [torch.tensor(ptrs, device=f"cuda:{d}") for d in range(n)]
@@ -76,7 +78,7 @@ class LocalCollective:
             o = torch.zeros((max(rounds, 1), 3), dtype=torch.int64, device=f"cuda:{d}")
             m = torch.zeros(X.XM["XM_FIELDS"], dtype=torch.int64, device=f"cuda:{d}")
             t, (p,) = upload([X.XC.pack(dict(
-                rank=d, n=self.n, slots=self.tables[d], bytes=self.nbytes, copies=X.Collectives.COPIES, fence_every=1,
+                rank=d, n=self.n, slots=self.tables[d], bytes=self.nbytes, copies=self.copies, fence_every=self.fence_every,
                 warmup=warmup, rounds=rounds, base=0, src=srcs[d] if srcs else 0, dst=dsts[d] if dsts else 0,
                 out=o, meta=m, wd=self.wds[d].ptr, bound_ns=self.wds[d].bound_ns, sink=self.sinks[d]))],
                 device=f"cuda:{d}")
@@ -105,12 +107,14 @@ class LocalCollective:
         for d, wd in enumerate(self.wds):
             wd.check(X.describe_what, context=f"GPU {d}: {context}")
 
-    def verify(self, rounds: int = 4, seed: int = 0) -> None:
-        """Random payloads with every special class through slot reuse, compared bit-for-bit."""
+    def verify(self, rounds: int | None = None, seed: int = 0) -> None:
+        """Random payloads with every special class through slot reuse (every copy used twice by
+        default), compared bit-for-bit."""
         import torch
 
-        if rounds % 2:
-            raise ValueError("an even number of rounds keeps the slots' copies in step across launches")
+        rounds = rounds or 2 * self.copies
+        if rounds % self.copies:
+            raise ValueError(f"{rounds} rounds: a multiple of the {self.copies} copies keeps launches in step")
         from .bench import _payload
 
         host = [_payload(self.op, rounds, self.nbytes, seed=seed + 1000 * d) for d in range(self.n)]
@@ -134,13 +138,16 @@ class LocalCollective:
                                        f"{ref.size} elements differ from the rule's reference")
 
 
-def collective_case(op: str, nbytes: int, rounds: int = ROUNDS) -> Case:
+def collective_case(op: str, nbytes: int, rounds: int = ROUNDS, copies: int = 2, fence_every: int = 1) -> Case:
+    if rounds % copies:
+        raise ValueError(f"{rounds} rounds a launch: a multiple of the {copies} copies keeps launches in step")
+
     def prepare(h) -> Prepared:
         import torch
 
         if torch.cuda.device_count() < 2:
             raise WorldError(f"the cross-GPU cases need 2 GPUs; this process sees {torch.cuda.device_count()}")
-        lc = LocalCollective(op, nbytes)
+        lc = LocalCollective(op, nbytes, copies=copies, fence_every=fence_every)
         lc.verify()
         ptrs = lc.params(0, rounds)
         lc.launch(ptrs)
@@ -162,9 +169,12 @@ def collective_case(op: str, nbytes: int, rounds: int = ROUNDS) -> Case:
 
         return Prepared(go, bound=bound, metrics={"gpus": lc.n, "blocks": lc.blocks, "rounds_per_launch": rounds})
 
-    return Case(f"xgpu.local/{op}/{nbytes}", {"op": op, "bytes": nbytes, "rounds": rounds, "impl": "sentinel"},
-                prepare)
+    tag = "" if (copies, fence_every) == (2, 1) else f"/c{copies}f{fence_every}"
+    return Case(f"xgpu.local/{op}/{nbytes}{tag}", {"op": op, "bytes": nbytes, "rounds": rounds, "copies": copies,
+                                                   "fence_every": fence_every, "impl": "sentinel"}, prepare)
 
 
 def cases() -> list[Case]:
-    return [collective_case(op, nb) for op in ("allreduce", "allgather") for nb in (1024, 65536)]
+    """Double-buffered slots for both ops, and the batched reuse (8 copies, a fence every 4 rounds)."""
+    return ([collective_case(op, nb) for op in ("allreduce", "allgather") for nb in (1024, 65536)]
+            + [collective_case("allreduce", nb, copies=8, fence_every=4) for nb in (1024, 65536)])
