@@ -69,6 +69,8 @@ XGPU_BESIDE = (
     ("%globaltimer step", ("clocks.timers", "globaltimer_tick_ns"), ("xgpu.clocks", "globaltimer_step_ns")),
 )
 MAX_SERIES_ROWS = 40
+# results whose every series is a comparison point the text refers to (every size x implementation)
+SERIES_ROWS = {"xgpu.collectives": 100}
 
 
 def _rel(p) -> str:
@@ -256,10 +258,14 @@ def _paper_rows(ctx: Context, figs: Sequence[dict]) -> list[dict]:
     return rows
 
 
+def _row_limit(r: Result) -> int:
+    return SERIES_ROWS.get(r.benchmark, MAX_SERIES_ROWS)
+
+
 def _series_rows(r: Result) -> tuple[list[dict], list[str]]:
     rows, sources = [], []
     any_warn = any(s.warnings for s in r.series)
-    for s in r.series[:MAX_SERIES_ROWS]:
+    for s in r.series[:_row_limit(r)]:
         b = s.bound
         btxt = ""
         if b is not None:
@@ -302,8 +308,8 @@ def _result_block(ctx: Context, cls: str, path: Path, r: Result, level: str = "#
            f"{' (dirty)' if e.git_dirty else ''}; file `{_rel(path)}`.", ""]
     rows, sources = _series_rows(r)
     out += [_table(rows), ""]
-    if len(r.series) > MAX_SERIES_ROWS:
-        out += [f"({len(r.series) - MAX_SERIES_ROWS} more series in the JSON file.)", ""]
+    if len(r.series) > _row_limit(r):
+        out += [f"({len(r.series) - _row_limit(r)} more series in the JSON file.)", ""]
     if sources:
         out += ["Bounds: " + "; ".join(f"[{i + 1}] {md_escape(s)}" for i, s in enumerate(sources)) + ".", ""]
     if r.derived:
