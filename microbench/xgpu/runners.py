@@ -355,6 +355,8 @@ class Collectives:
     def __init__(self, w: World, info, max_bytes: int):
         from ..watchdog import Watchdog
 
+        if not 2 <= w.size <= 255:
+            raise ValueError(f"{w.size} ranks: the collectives take 2..255 (a watchdog id holds the sender in 8 bits)")
         self.w, self.info, self.max_bytes = w, info, int(max_bytes)
         self.slots = PeerBuffer(w, self.MAX_COPIES * w.size * self.max_bytes)
         self.mod = module(info.arch)

@@ -6,12 +6,14 @@
 // xgpu_allreduce_f32 / xgpu_allgather_bf16: sentinel collectives. Rank r's slots hold
 //   [copies][N senders][bytes]; every rank pushes its payload (canonicalised, mb/sentinel.cuh)
 //   into slot [round % copies][r] of every rank (itself included), then polls its own memory
-//   until all N senders' elements are not the sentinel, then resets the consumed copy and
-//   fences once a round (mb/sentinel.cuh's reuse rule for 2 or 3 copies). The reduction
+//   until all N senders' elements are not the sentinel, then resets the consumed copy; a sys
+//   fence makes the copy reusable (every round with 2 or 3 copies, every m rounds with 2m: the
+//   slot-reuse comment below). The reduction
 //   adds in rank order 0..N-1 on every rank, so all ranks hold the same bits. Block b owns
 //   bytes [b*chunk, (b+1)*chunk) of every payload and waits only for its own chunks: blocks
-//   never wait for each other. Timer: %clock64 of block 0 at the end of each round, and
-//   %globaltimer around the recorded rounds (cross-check).
+//   never wait for each other. Timer: block 0 thread 0's %clock64 after its share of each
+//   round's publication, after its waits and at the round's end; %globaltimer around the
+//   recorded rounds (cross-check).
 // xgpu_gt_pingpong: %globaltimer offset between two GPUs. The initiator stamps send and
 //   receive, the responder its receive; offset = t_resp - (t_send + t_recv) / 2 (symmetric trips
 //   assumed; error at most half the round trip). A nanosleep of varying length between rounds
@@ -52,7 +54,7 @@ constexpr uint32_t VEC = 4;  // vectors a collective thread has in flight per se
 // ------------------------------------------------------------------ sentinel collectives
 enum XCParam : int {
   XC_RANK = 0,   // this GPU's rank
-  XC_N,          // ranks (2..MAX_RANKS)
+  XC_N,          // ranks (2..255: a watchdog id holds the sender in 8 bits)
   XC_SLOTS,      // u64 [N]: rank d's slot base as this GPU addresses it (own rank: local memory)
   XC_BYTES,      // payload bytes per rank (a multiple of 16 * blocks)
   XC_COPIES,     // 2, 3, or 2 x XC_FENCE_EVERY (the slot-reuse order, below)
