@@ -384,3 +384,16 @@ def test_reuse_schedules():
     for copies, every in ((3, 2), (2, 2), (6, 4), (16, 8), (1, 1)):
         with pytest.raises(ValueError, match="reuse rule"):
             X.check_reuse(copies, every, 8)
+
+
+def test_collective_expected_shapes_and_rules():
+    rng = np.random.default_rng(9)
+    pay = rng.integers(0, 256, (2, 3, 16), dtype=np.uint8)  # 2 ranks, 3 rounds, 16 bytes
+    ref, got = A.collective_expected("allreduce", pay, np.zeros(3 * 16, np.uint8))
+    assert ref.shape == got.shape == (3, 4)
+    assert (ref[1] == A.allreduce_reference(pay[:, 1].view(np.uint32))).all()
+    ref, got = A.collective_expected("allgather", pay, np.zeros(3 * 2 * 16, np.uint8))
+    assert ref.shape == got.shape == (3, 2, 8)
+    assert (ref[2, 1] == A.allgather_reference(pay[1, 2].view(np.uint16))).all()
+    with pytest.raises(ValueError, match="unknown collective"):
+        A.collective_expected("scatter", pay, np.zeros(48, np.uint8))

@@ -132,6 +132,22 @@ def allgather_reference(payloads) -> np.ndarray:
     return BF16.encode(np.asarray(payloads, dtype=np.uint16))
 
 
+def collective_expected(op: str, payloads, received) -> tuple[np.ndarray, np.ndarray]:
+    """(expected, got) element arrays of a verify launch: payloads [ranks, rounds, bytes] (uint8, as
+    each rank sent them), received: one rank's output bytes. all-reduce: [rounds, words] fp32 bit
+    patterns; all-gather: [rounds, ranks, elements] bf16 patterns."""
+    p = np.asarray(payloads, dtype=np.uint8)
+    ranks, rounds = p.shape[:2]
+    got = np.asarray(received, dtype=np.uint8)
+    if op == "allreduce":
+        ref = np.stack([allreduce_reference(p[:, j].view(np.uint32)) for j in range(rounds)])
+        return ref, got.view(np.uint32).reshape(rounds, -1)
+    if op == "allgather":
+        ref = np.stack([allgather_reference(p[:, j].view(np.uint16)) for j in range(rounds)])
+        return ref, got.view(np.uint16).reshape(rounds, ranks, -1)
+    raise ValueError(f"unknown collective {op!r}")
+
+
 def finite_f32_payload(rng, n: int) -> np.ndarray:
     """fp32 words for the all-reduce check: normal values over many exponents, exact zeros of
     both signs (-0.0 is the slot's sentinel), subnormals. No NaN or infinity: NaN payloads after an

@@ -36,6 +36,7 @@ import numpy as np
 from ..errors import CorrectnessError
 from ..results import Bound, Derived, Env, Result, Series, latest
 from ..sync import analysis as SA
+from ..sync import bench as SB
 from ..sync import runners as SR
 from ..sync.sentinel import BF16
 from . import analysis as A
@@ -73,10 +74,6 @@ def sizes(quick: bool) -> list[int]:
 def _series(name, samples_s, timer, params=None, bound=None, work=None, metrics=None, clocks=None, warnings=()):
     return Series.from_samples(name, samples_s, timer=timer, unit="s", params=params or {}, bound=bound, work=work,
                                metrics=metrics or {}, clocks=clocks or {}, warnings=tuple(warnings))
-
-
-def _sm_ids(h) -> list[int]:
-    return sorted(SR.run_poll_load(h, naddr=1, chain=1).smids.tolist())
 
 
 def ping_configs(w: World, smids: list[list[int]], quick: bool) -> list[X.XPP]:
@@ -154,7 +151,7 @@ class Run:
 
     # ------------------------------------------------------------------ flags
     def flags_bench(self):
-        smids = all_gather_object(_sm_ids(self.h))
+        smids = all_gather_object(SB.sm_ids(self.h))
         pp = X.PingPongX(self.w, self.info, self.flags, 64, self.src)
         runs = []
         mhz = self.heat()
@@ -211,12 +208,7 @@ def verify_collective(run: Run, coll: X.Collectives, op: str, nbytes: int, copie
     src = torch.from_numpy(src_np.copy()).cuda()
     r = coll.run(op, nbytes, 0, rounds, src=src, copies=copies, fence_every=fence_every)
     everyone = X.gather(src)  # [ranks, rounds, nbytes]
-    if op == "allreduce":
-        ref = np.stack([A.allreduce_reference(everyone[:, j].view(np.uint32)) for j in range(rounds)])
-        got = r.dst.view(np.uint32).reshape(rounds, -1)
-    else:
-        ref = np.stack([A.allgather_reference(everyone[:, j].view(np.uint16)) for j in range(rounds)])
-        got = r.dst.view(np.uint16).reshape(rounds, w.size, -1)
+    ref, got = A.collective_expected(op, everyone, r.dst)
     bad = np.flatnonzero((got != ref).ravel())
     if bad.size:
         raise CorrectnessError(f"sentinel {op} of {nbytes} B on rank {w.rank}: {bad.size} of {ref.size} elements "
@@ -311,24 +303,15 @@ def nccl_time(w: World, op: str, nbytes: int, reps: int = 50, samples: int = 15)
 
 
 # ============================================================================ results
-CLOCK_DISAGREE = 0.05  # NVML against %clock64 / %globaltimer over the same launches: warn beyond 5%
-
-
 def _rank0_mhz(nvml_mhz: float, spans) -> tuple[float, tuple[str, ...]]:
-    """The SM clock that converts rank 0's %clock64 cycles: NVML's reading after warm-up, checked
-    against cycles / %globaltimer ns over the launches' own spans (> 10 us); the in-kernel rate
-    where NVML gave none. Returns (MHz, warnings)."""
-    r = [c / ns * 1e3 for c, ns in spans if ns > 10_000 and c > 0]
-    ink = float(np.median(r)) if r else 0.0
-    if nvml_mhz > 0:
-        if ink > 0 and abs(ink / nvml_mhz - 1) > CLOCK_DISAGREE:
-            return nvml_mhz, (f"NVML SM clock {nvml_mhz:.0f} MHz and in-kernel {ink:.0f} MHz disagree by more "
-                              f"than {CLOCK_DISAGREE:.0%}",)
-        return nvml_mhz, ()
-    if ink > 0:
-        return ink, ("no NVML SM clock on rank 0: cycles converted with the in-kernel clock64/globaltimer ratio",)
-    raise CorrectnessError("no SM clock on rank 0 (neither NVML nor an in-kernel span over 10 us): cycles cannot "
-                           "be converted")
+    """The SM clock that converts rank 0's %clock64 cycles: sync.bench's Clock (NVML after warm-up,
+    checked against cycles / %globaltimer over the launches' own spans; the in-kernel rate where
+    NVML gave none). Returns (MHz, warnings)."""
+    clk = SB.Clock(nvml_mhz, SB._inkernel_mhz([c for c, _ in spans], [ns for _, ns in spans]))
+    if clk.mhz <= 0:
+        raise CorrectnessError("no SM clock on rank 0 (neither NVML nor an in-kernel span over 10 us): cycles "
+                               "cannot be converted")
+    return clk.mhz, clk.warnings()
 
 
 def flags_result(run: Run, runs, mhz, mhz_end, floor_s) -> Result:

@@ -125,13 +125,7 @@ class LocalCollective:
         self.check(f"sentinel {self.op} of {self.nbytes} B (verify)")
         everyone = np.stack(host)  # [ranks, rounds, bytes]
         for d in range(self.n):
-            got = dsts[d].cpu().numpy()
-            if self.op == "allreduce":
-                ref = np.stack([A.allreduce_reference(everyone[:, j].view(np.uint32)) for j in range(rounds)])
-                got = got.view(np.uint32).reshape(rounds, -1)
-            else:
-                ref = np.stack([A.allgather_reference(everyone[:, j].view(np.uint16)) for j in range(rounds)])
-                got = got.view(np.uint16).reshape(rounds, self.n, -1)
+            ref, got = A.collective_expected(self.op, everyone, dsts[d].cpu().numpy())
             bad = int((got != ref).sum())
             if bad:
                 raise CorrectnessError(f"sentinel {self.op} of {self.nbytes} B on GPU {d} (one process): {bad} of "

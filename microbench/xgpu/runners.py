@@ -21,6 +21,7 @@ from ..errors import CorrectnessError, SpinTimeoutError
 from ..sync import runners as SR
 from ..sync.params import Layout, parse_enum
 from ..sync.params import upload as _upload
+from ..sync.sentinel import BF16, F32
 from . import analysis as A
 from .world import PeerBuffer, World
 
@@ -28,7 +29,6 @@ SRC = Path(__file__).resolve().parent / "xgpu.cu"
 # The first wait of a launch covers the other processes' launch skew (they start after a host
 # barrier, within milliseconds); 2 s still ends a lost partner's launch long before anyone waits.
 BOUND_NS = 2_000_000_000
-LINE = 128
 XC = Layout(SRC, "XCParam", "XC_", "XC_NPARAMS")
 XT = Layout(SRC, "XTParam", "XT_", "XT_NPARAMS")
 XH = Layout(SRC, "XHParam", "XH_", "XH_NPARAMS")
@@ -36,7 +36,9 @@ XS = Layout(SRC, "XSParam", "XS_", "XS_NPARAMS")
 XM = parse_enum(SRC, "XCMeta")
 XSTAT = {v: k for k, v in parse_enum(SRC, "XStatus").items()}
 XWAIT = {v: k for k, v in parse_enum(SRC, "XWait").items()}
-XC_THREADS = 256
+_SHAPE = parse_enum(SRC, "XShape")
+XC_THREADS = _SHAPE["XC_THREADS"]
+LINE = 4 * _SHAPE["XS_LINE_WORDS"]  # bytes per flag line
 _WAIT_TEXT = {
     "XW_SLOT": "a collective slot chunk (sender {hi}, round {lo} mod 65536)",
     "XW_GT_PING": "the clock ping-pong's ping of round {i}",
@@ -312,7 +314,8 @@ class PingPongX:
 
 
 # ------------------------------------------------------------------ sentinel collectives
-OPS = {"allreduce": ("xgpu_allreduce_f32", 0x80000000), "allgather": ("xgpu_allgather_bf16", 0xFFFFFFFF)}
+# op -> (kernel, the 32-bit word an empty slot holds: the sentinel rules' single source)
+OPS = {"allreduce": ("xgpu_allreduce_f32", F32.fill_word), "allgather": ("xgpu_allgather_bf16", BF16.fill_word)}
 
 
 def check_reuse(copies: int, fence_every: int, max_copies: int) -> None:

@@ -48,7 +48,11 @@ enum XWait : int {
 };
 __device__ __forceinline__ uint32_t xwhat(uint32_t kind, uint32_t index) { return (kind << 24) | (index & 0xFFFFFFu); }
 
-constexpr uint32_t XC_THREADS = 256;
+// Launch shape and flag-line layout; microbench/xgpu/runners.py reads this enum (one source).
+enum XShape : int {
+  XC_THREADS = 256,    // threads of a collective block and of a stops block
+  XS_LINE_WORDS = 32   // u32 words per flag line (128 B: one line per sender, counter, release)
+};
 constexpr uint32_t VEC = 4;  // vectors a collective thread has in flight per sender
 
 // ------------------------------------------------------------------ sentinel collectives
@@ -327,8 +331,8 @@ extern "C" __global__ void __launch_bounds__(XC_THREADS, 1) xgpu_stops(const uin
   const uint32_t stops = static_cast<uint32_t>(P[XS_STOPS]), base = static_cast<uint32_t>(P[XS_BASE]);
   const uint64_t* flags = reinterpret_cast<const uint64_t*>(P[XS_FLAGS]);
   uint32_t* mine = reinterpret_cast<uint32_t*>(flags[rank]);
-  uint32_t* arrive_ctr = mine + 32u * n;
-  uint32_t* release = mine + 32u * (n + 1u);
+  uint32_t* arrive_ctr = mine + XS_LINE_WORDS * n;
+  uint32_t* release = mine + XS_LINE_WORDS * (n + 1u);
   const uint4* wsrc = reinterpret_cast<const uint4*>(P[XS_WORK_SRC]);
   const uint64_t wsrc16 = P[XS_WORK_SRC_BYTES] / 16, wn16 = P[XS_WORK_BYTES] / 16;
   const uint64_t work_ns = P[XS_WORK_NS];
@@ -362,8 +366,8 @@ extern "C" __global__ void __launch_bounds__(XC_THREADS, 1) xgpu_stops(const uin
       if (blockIdx.x == 0) {
         ok = mb::spin_geq(w, arrive_ctr, t * gridDim.x, xwhat(XW_ARRIVE, s));
         const uint64_t here = mb::globaltimer();
-        if (ok) for (uint32_t d = 0; d < n; ++d) mb::st_release_sys(reinterpret_cast<uint32_t*>(flags[d]) + 32u * rank, t);
-        for (uint32_t d = 0; d < n && ok; ++d) ok = mb::spin_geq_sys(w, mine + 32u * d, t, xwhat(XW_PEER, d * 65536u + s));
+        if (ok) for (uint32_t d = 0; d < n; ++d) mb::st_release_sys(reinterpret_cast<uint32_t*>(flags[d]) + XS_LINE_WORDS * rank, t);
+        for (uint32_t d = 0; d < n && ok; ++d) ok = mb::spin_geq_sys(w, mine + XS_LINE_WORDS * d, t, xwhat(XW_PEER, d * 65536u + s));
         gpu[2 * s] = here;
         gpu[2 * s + 1] = mb::globaltimer();
         if (ok) mb::st_release_gpu(release, t);
