@@ -14,7 +14,7 @@ OR-ed. Every source bit of value k+e (k+e+4) lies in the low (high) 16 bits, so 
 (`half_word_table`, the torch baselines' dequantisation). Searched exhaustively: with half-words
 self-contained, no arrangement needs fewer than 15 operations.
 
-Device words (`ROT_PAIRS`, Plan.fp4_rotated). The kernel's own copy of the codes (tiling.swizzled)
+Device words (`ROT_PAIRS`, Plan.fp4_rotated). The kernel's own copy of the codes (tiling.tile_fp4_codes)
 may use a second arrangement in which a pair's bits may come from either half-word: pair e is the
 word rotated left by r under a mask, OR-ed over terms (rotation, mask). Three pairs are one term
 each (rotations 0, 6 and 12) and the fourth two (2 and 26 = a right shift by 6): 4 shifts and 5
@@ -134,7 +134,7 @@ _STORAGE_TO_DEVICE = [(dict(BIT_MAP)[nat], dev) for nat, dev in ROT_BIT_MAP]
 def to_rotated_words(codes: torch.Tensor, *, in_place: bool = False, rows_per_pass: int = 1 << 14) -> torch.Tensor:
     """Storage words (to_kernel_words) uint8 [..., N, K/2] -> the device words (ROT_PAIRS): a new
     tensor, or `codes` itself rewritten (in_place; a contiguous copy the caller owns, as
-    tiling.swizzled's: another full copy of a shard8 bank would not fit beside it). Converted in
+    tiling.tile_fp4_codes': another full copy of a shard8 bank would not fit beside it). Converted in
     passes of `rows_per_pass` rows: the int64 words of a whole bank would take 8x its bytes."""
     if codes.dtype != torch.uint8 or codes.shape[-1] % 4:
         raise QuantizationError(f"fp4 words: codes must be uint8 [..., K/2] with K % 8 == 0, got "
@@ -149,64 +149,45 @@ def to_rotated_words(codes: torch.Tensor, *, in_place: bool = False, rows_per_pa
     return codes if in_place else out.reshape(codes.shape)
 
 
-# Row swizzle (an option of the plan: Plan.fp4_swizzle). An expert GEMM reads one k32 step of 8
-# consecutive code rows with one ldmatrix matrix: 16 bytes (a "unit") of each row. Rows K/2 bytes
-# apart start on the same banks (K/2 is a multiple of 128 at every preset), so unswizzled rows must
-# be padded in smem, which takes one bulk copy per padded group of rows (plan.GemmTile.row_group).
-# Stored with unit u of row r at u ^ (r % width), the 8 rows of a matrix hit 8 different 16-byte
-# bank groups when width is 8, and a chunk's code rows are one copy of the rows as they lie. XOR
-# is its own inverse: the same function swizzles and unswizzles.
+def from_rotated_words(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of to_rotated_words (tests): device words -> storage words, a new tensor."""
+    return _bytes(_move(_words(codes), [(b, a) for a, b in _STORAGE_TO_DEVICE]), codes)
+
+
+# Row swizzle. An expert GEMM reads one k32 step of 8 consecutive code rows with one ldmatrix
+# matrix: 16 bytes (a "unit") of each row. A chunk's rows kc/2 bytes apart (a multiple of 128 at
+# every preset's chunk width) start on the same banks, so they are stored with unit u of row r at
+# u ^ (r % width): with width 8 the 8 rows of a matrix hit 8 different 16-byte bank groups, and a
+# chunk's code rows are still one copy of the rows as they lie. XOR is its own inverse: the same
+# function swizzles and unswizzles.
 SWIZZLE_MAX = 8  # 8 rows of an ldmatrix matrix x 16 bytes = the 128 bytes of the 32 banks
 
 
-def swizzle_width(units: int, steps_per_warp: int) -> int:
-    """The swizzle period for rows of `units` 16-byte units read by warps that each walk
-    `steps_per_warp` consecutive units: the largest power of two <= SWIZZLE_MAX dividing both (a
-    warp's units then start on a whole period, so the kernel's XOR is a per-lane constant)."""
-    w = SWIZZLE_MAX
-    while units % w or steps_per_warp % w:
-        w //= 2
-    return w
-
-
-def swizzle_units(codes: torch.Tensor, width: int, row_div: int = 1) -> torch.Tensor:
-    """Rows [..., N, B] of 16-byte units -> a new tensor with unit u of row r moved to
-    u ^ ((r // row_div) % width)."""
+def swizzle_units(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows [..., N, B] of 16-byte units -> a new tensor with unit u of row r moved to u ^ (r % width)."""
     n, kh = codes.shape[-2:]
     if kh % 16:
         raise QuantizationError(f"fp4 swizzle: rows of {kh} bytes are not whole 16-byte units")
     units = kh // 16
     if width < 1 or width & (width - 1) or units % width:
         raise QuantizationError(f"fp4 swizzle: width {width} is not a power of two dividing {units} units")
-    sx = (torch.arange(n, device=codes.device) // row_div) % width
+    sx = torch.arange(n, device=codes.device) % width
     v = codes.reshape(*codes.shape[:-1], units, 16)
     idx = torch.arange(units, device=codes.device)[None, :] ^ sx[:, None]
     idx = idx[:, :, None].expand(*v.shape[:-3], n, units, 16)
     return torch.gather(v, -2, idx).reshape(codes.shape)
 
 
-def scale_planes(scales: torch.Tensor) -> torch.Tensor:
-    """E4M3 block scales [..., K/16] -> a new tensor with each 16-byte unit (8 k32 steps x 2 k16
-    halves) in two planes: byte 2s + h moves to 8h + s. An expert GEMM thread uses one half of every
-    step (gemm.cuh SPL), so it loads its plane alone and finds two steps' scales side by side."""
-    if scales.dtype != torch.uint8 or scales.shape[-1] % 16:
-        raise QuantizationError(f"scale planes: want uint8 scales [..., K/16] of whole 16-byte units, got "
+def scale_planes(scales: torch.Tensor, steps: int) -> torch.Tensor:
+    """E4M3 block scales [..., B], B a multiple of 2 x steps -> a new tensor with each run of
+    `steps` k32 steps (2 x steps bytes: step s, k16 half h at byte 2s + h) in two planes: byte
+    2s + h moves to steps * h + s. An expert GEMM thread uses one half of every step (gemm.cuh
+    gemm_fp4), so it loads its plane alone and finds consecutive steps' scales side by side."""
+    if scales.dtype != torch.uint8 or steps < 1 or scales.shape[-1] % (2 * steps):
+        raise QuantizationError(f"scale planes: want uint8 scales [..., B] of whole runs of {steps} steps, got "
                                 f"{scales.dtype} {tuple(scales.shape)}")
-    v = scales.reshape(*scales.shape[:-1], scales.shape[-1] // 16, 8, 2)
+    v = scales.reshape(*scales.shape[:-1], scales.shape[-1] // (2 * steps), steps, 2)
     return v.transpose(-1, -2).contiguous().reshape(scales.shape)
-
-
-def scale_swizzle(k: int, code_width: int) -> tuple[int, int]:
-    """(width, row_div) of the block-scale rows' swizzle (swizzle_units) for rows of K values whose
-    codes are swizzled with period code_width; (1, 1) = none. Only with code_width 8: the expert
-    GEMM then reads a row's scales of 8 steps (one 16-byte unit) in one load, and the 8 rows of a
-    load must fill the 8 bank groups: unit u of row r at u ^ ((r // (8 / P)) % P), P = min(units
-    per row, 8) (rows of fewer than 8 units share 128 bytes; row_div spreads the rest by XOR)."""
-    units = k // 256  # K/16 scale bytes a row
-    if code_width != SWIZZLE_MAX or units < 1:
-        return 1, 1
-    p = min(units, SWIZZLE_MAX)
-    return p, SWIZZLE_MAX // p
 
 
 def canonical_scales(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,6 +247,6 @@ def render_header(rotated: bool = False) -> str:
             "// terms (rotation left, mask)\n"
             "struct Fp4Term { int rot; uint32_t mask; };\n"
             f"constexpr Fp4Term FP4_PAIRS[4][2] = {{{', '.join(rows)}}};\n"
-            "// code and scale rows swizzle in periods of at most this many 16-byte units (swizzle_width)\n"
+            "// code rows swizzle in periods of at most this many 16-byte units (swizzle_units)\n"
             f"constexpr int FP4_SWIZZLE_MAX = {SWIZZLE_MAX};\n"
             "}  // namespace mk\n")

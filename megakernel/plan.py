@@ -26,17 +26,8 @@ MISC_BYTES = 4096  # mbarriers + small ints (block.cuh)
 # often; the tail (a block's last unit) grows. shard8 T=16 step, H200 2026-11-29: gate/up 64 -> 128
 # rows -2.4%, down 128 -> 256 rows -1.5%, each alone (both: 10.92 ms from 11.34); down 64 rows +2.4%.
 # (16 + 16 gate/up rows spent ~15% of the op in per-unit barriers; 32-row down units a third.)
-# A unit's fp4 partials live in abuf's tail (fp4_abuf_need): make_plan halves a unit that does not
-# fit; for shard8 these fit as they are.
 EXPERT1_ROWS = 128  # gate/up unit: 64 gate + the 64 matching up rows
 EXPERT2_ROWS = 256  # down-projection unit
-
-
-# Smallest bulk copy that streams at the ring's full rate: weights.ring ring_min_copy_bytes on the
-# H200, 2026-11-29 (54c0fed; 1 KB copies 76%, 512 B 47.5% of one copy per 16 KB stage). Not yet a
-# tuned constant: adding it to the constants file would re-tune the ring geometry from that same
-# full sweep (3 x 16 KB), which made the shard8 step 5.5% slower (in-run A/B, H200 2026-11-29).
-MIN_COPY_BYTES = 2048
 MOE_COMBINE_COLS = 16  # moe_combine unit: one output per thread (64 columns took 4 dependent L2 round trips)
 DENSE_ROWS = 16  # qkv / oproj / pool / unpool unit rows: 8 spent ~2.5 us of per-unit overhead per 16 KB (oproj, 2026-11-29)
 ROUTER_ROWS = 8  # the router stays at 8: top-k waits for it, and 32 units spread it over 32 blocks
@@ -72,11 +63,10 @@ def residual_rows(cfg: ModelConfig, n_sm: int, stage_budget: int) -> int:
 
 
 def expert1_unit_rows(cfg: ModelConfig, n_sm: int, tokens: int) -> int:
-    """Gate/up unit rows to try first (_expert_tile halves them while the partials do not fit abuf):
+    """Gate/up unit rows to try first (_expert_tile halves them while a chunk does not fit the stage):
     twice EXPERT1_ROWS where even then a step of `tokens` tree tokens, at most tokens x top_k distinct
     experts, has units for two rounds of the grid, else EXPERT1_ROWS. Half the units pay half the
-    per-unit barriers, epilogues and signals; the larger partials take the unpaneled operand's
-    abuf (2 ring stages instead of 3 at shard8). In-run A/B, H200 2026-11-30 13:31Z, same bits:
+    per-unit barriers, epilogues and signals. In-run A/B, H200 2026-11-30 13:31Z, same bits:
     256 rows shard8 T=16 -3.59%, small T=16 -2.04%, but shard8 T=1 +3.86% (64 units on 132 SMs
     where 128 rows give 128)."""
     big = 2 * EXPERT1_ROWS
@@ -92,30 +82,45 @@ def expert2_unit_rows(cfg: ModelConfig, n_sm: int, tokens: int) -> int:
     return EXPERT2_ROWS if fills else EXPERT2_ROWS // 2
 
 
-EXPERT_MIN_ROWS = 32  # the smallest expert unit tried when a larger one's partials do not fit
+EXPERT_MIN_ROWS = 32  # the smallest expert unit: 16 gate + 16 up rows (a row tile never mixes them)
+EXPERT_MAX_ROWS = 2 * 16 * WARPS  # gemm_fp4: at most two 16-row tiles per compute warp
+# An fp4 chunk's columns: the kernel's copy of the expert banks is stored in blocks of this many
+# columns of all rows (tiling.tile_fp4_*), one copy per model that every build reads (T=1 and T=16
+# builds alike: a second copy of shard8's ~54 GB of banks does not fit beside the first), so the
+# chunk width is the model's, not the unit's: 256 columns (128-byte code rows, which the 8-row
+# swizzle spreads over all banks) or the largest power of two dividing K below that.
+FP4_KC = 256
+FP4_MIN_KC = 64  # whole pairs of k32 steps (one code ldmatrix.x4 brings two)
 
 
-def fp4_abuf_need(t: "GemmTile") -> int:
-    """abuf bytes an fp4 unit needs: its staged operand (16 rows of K) and the per-warp partials,
-    [WARPS][16 tokens][chunks * 16 rows] fp32 (gemm.cuh fp4_red_of)."""
-    return 16 * (t.k * 2 + ROW_PAD) + WARPS * 16 * t.chunks * 16 * 4
+def fp4_kc(k: int) -> int:
+    """The chunk (and storage block) columns of an fp4 matrix of K columns."""
+    kc = FP4_KC
+    while k % kc:
+        kc //= 2
+    if kc < FP4_MIN_KC:
+        raise ValueError(f"fp4 K={k}: no chunk of >= {FP4_MIN_KC} columns divides it")
+    return kc
 
 
-def _expert_tile(cap: int, k: int, budget: int, abuf: int, paired: bool, min_copy: int,
-                 swizzle: bool = False, scale_swizzle: bool = False) -> GemmTile:
-    """The largest expert unit, from `cap` rows halving down to EXPERT_MIN_ROWS, whose operand and
-    partials fit abuf (make_plan refuses the plan if even the smallest does not). paired: gate/up,
-    the unit's rows are two runs (gate rows, the matching up rows); otherwise one run, so a chunk
-    takes as many rows as the stage holds (down-projection chunks of 64 rows instead of 32 filled
-    shard8's 37 KB stages: T=16 step -0.75%, H200 2026-11-29; T=1 +0.7%, where a block's single
-    unit pipelines fewer, larger chunks)."""
-    rows = cap
-    while True:
-        t = _tile(rows, k, True, budget, run=rows // 2 if paired else rows, min_copy=min_copy, swizzle=swizzle,
-                  scale_swizzle=scale_swizzle)
-        if fp4_abuf_need(t) <= abuf or rows // 2 < EXPERT_MIN_ROWS:
-            return t
+def _expert_tile(cap: int, k: int, budget: int, paired: bool) -> GemmTile:
+    """The largest expert unit, from `cap` rows halving down to EXPERT_MIN_ROWS, whose chunk
+    (fp4_kc(k) columns of all its rows) fits the stage budget; refused when even the smallest does
+    not. paired: gate/up, half the rows gate rows (a 16-row tile is all gate or all up rows)."""
+    kc = fp4_kc(k)
+    need = lambda r: r * kc * 9 // 16  # noqa: E731 (codes and scales of r rows)
+    rows = min(cap, EXPERT_MAX_ROWS)
+    while need(rows) > budget and rows // 2 >= EXPERT_MIN_ROWS:
         rows //= 2
+    if need(rows) > budget:
+        from microbench.errors import KernelDoesNotFitError
+
+        raise KernelDoesNotFitError(
+            f"expert unit of {rows} rows x {kc} columns of K={k}: a chunk needs {need(rows)} B, the ring "
+            f"stage holds {budget} B of fp4 weights")
+    if paired and (rows // 2) % 16:
+        raise ValueError(f"gate/up unit of {rows} rows: {rows // 2} gate rows are not whole 16-row tiles")
+    return GemmTile(rows, kc, k, True, min(fp4_layout.SWIZZLE_MAX, kc // 32))
 
 
 def _pow2_floor(x: int) -> int:
@@ -124,88 +129,49 @@ def _pow2_floor(x: int) -> int:
 
 @dataclass(frozen=True)
 class GemmTile:
-    """One unit = `rows` output features over all of K.
+    """One unit = `rows` output features over all of K, streamed in chunks of `kc` columns of all
+    `rows` rows (one ring stage each).
 
-    bf16 (dense) tiles stream K in chunks of `kc` columns of all `rows` rows, padded in smem against
-    bank conflicts; the weights are stored tiled (tiling.py), so a chunk is one bulk copy.
-    fp4 (expert) tiles stream `chunk_rows` whole consecutive rows per chunk: the codes in groups of
-    `row_group` consecutive rows, one bulk copy per group, each group padded like the bf16 rows,
-    and one copy of the chunk's scales. Copying each 32-byte scale row on its own ran the expert
-    GEMMs at ~9% of the read ceiling on the H200 (first run, 2026-11-29); unpadded code rows made
-    every code load an 8-way bank conflict (ncu, 2026-11-29); one copy per 512-byte code row streams
-    at 47.5% of one copy per stage (weights.ring ring_copies_512B_fraction, H200 2026-11-29), so
-    rows are grouped up to MIN_COPY_BYTES per copy (a group's rows share banks: row_group-way
-    conflicts on the code loads, the price of full-rate copies).
-    With `swizzle` > 0 (Plan.fp4_swizzle) the code rows are stored swizzled in 16-byte units
-    (fp4_layout.swizzle_units with period `swizzle`): no pads, so a chunk's codes are one copy
-    (row_group = chunk_rows), and the 8 rows of a code load hit different banks when swizzle is 8.
-    With `scale_swizzle` > 0 (Plan.fp4_scale_swizzle, period 8 only) the scale rows are swizzled
-    too (fp4_layout.scale_swizzle), so the kernel's 16-byte scale loads are conflict-free.
+    bf16 (dense): a chunk is rows of kc bf16, padded in smem against bank conflicts; the weights are
+    stored tiled (tiling.tile_dense), so a chunk is one bulk copy.
+    fp4 (expert): a chunk is the rows' kc/2 code bytes, then their kc/16 E4M3 scale bytes; the
+    kernel's copy of the codes and scales is stored in blocks of kc columns of all rows
+    (tiling.tile_fp4_*), so a run of consecutive rows is one bulk copy (a gate/up unit's chunk is
+    two runs). kc is the model's (fp4_kc), the rows the build's. Each compute warp owns whole
+    16-row tiles over all of K (gemm.cuh gemm_fp4), so no warp's partial sum meets another's. Code rows kc/2 bytes apart would put the 8 rows of a code
+    ldmatrix on the same banks: they are stored swizzled, 16-byte unit u of row r at
+    u ^ (r % swizzle) (fp4_layout.swizzle_units), and each row's scales in two planes, one per k16
+    half (fp4_layout.scale_planes), so a thread loads only the bytes of its half.
     """
 
     rows: int
     kc: int
     k: int
     fp4: bool
-    chunk_rows: int = 0  # fp4: rows per chunk
-    row_group: int = 1  # fp4: consecutive code rows per bulk copy
-    swizzle: int = 0  # fp4: 0 = padded row groups; else the rows' unit swizzle period (one copy a chunk)
-    scale_swizzle: int = 0  # fp4: 0 = scale rows as they are; else their swizzle width (fp4_layout.scale_swizzle)
+    swizzle: int = 0  # fp4: the code rows' 16-byte unit swizzle period (min(8, kc / 32))
     rotated: bool = False  # fp4: the kernel's codes are device words (fp4_layout.ROT_PAIRS; Plan.fp4_rotated)
-    scale_planes: bool = False  # fp4, with scale_swizzle: each 16-byte scale unit in planes (fp4_layout.scale_planes)
 
     @property
     def chunks(self) -> int:
-        return self.rows // self.chunk_rows if self.fp4 else self.k // self.kc
+        return self.k // self.kc
 
     @property
     def row_stride(self) -> int:
-        """smem bytes per staged row (bf16) or per group of row_group code rows (fp4)."""
-        if self.fp4:
-            return self.row_group * (self.k // 2) + (0 if self.swizzle else ROW_PAD)
-        return self.kc * 2 + ROW_PAD
+        """smem bytes per staged row: kc bf16 and the pad (bf16), kc/2 code bytes (fp4)."""
+        return self.kc // 2 if self.fp4 else self.kc * 2 + ROW_PAD
 
     @property
     def stage_bytes(self) -> int:
-        if self.fp4:
-            return (self.chunk_rows // self.row_group) * self.row_stride + self.chunk_rows * (self.k // 16)
-        return self.rows * self.row_stride
+        return self.rows * (self.row_stride + (self.kc // 16 if self.fp4 else 0))
 
     @property
     def tx_bytes(self) -> int:
         """Bytes the bulk copies of one chunk move."""
-        return self.chunk_rows * (self.k // 2 + self.k // 16) if self.fp4 else self.rows * self.row_stride
+        return self.stage_bytes
 
 
-def fp4_steps_per_warp(k: int, chunk_rows: int) -> int:
-    """k32 steps of a chunk row each compute warp walks (gemm.cuh gemm_fp4 SPW): the warps split
-    into chunk_rows / 16 row tiles, each tile's warps split K."""
-    wpt = WARPS // (chunk_rows // 16)
-    return -(-(k // 32) // wpt)
-
-
-def _tile(rows: int, k: int, fp4: bool, stage_budget: int, run: int = 32, min_copy: int = 2048,
-          swizzle: bool = False, scale_swizzle: bool = False) -> GemmTile:
-    """bf16: the widest power-of-two chunk whose bytes fit the stage budget and divides K.
-    fp4: the most whole rows (a power of two from 16, within a run of consecutive weight rows) that
-    fit, the codes copied in groups of consecutive rows of >= min_copy bytes (or the whole chunk);
-    swizzled, in one copy."""
-    if fp4:
-        per_row = k // 2 + k // 16
-        cr = 16  # the mma's 16 weight rows (gemm_fp4: weights are the A operand)
-        # at most one 16-row tile per compute warp (gemm_fp4: the warps split into cr / 16 tiles)
-        while cr * 2 <= min(rows, run, 16 * WARPS) and cr * 2 * per_row <= stage_budget:
-            cr *= 2
-        if cr * per_row > stage_budget or cr > min(rows, run):
-            raise ValueError(f"fp4 tile: 16 rows of K={k} exceed the stage ({stage_budget} B) or the unit")
-        if swizzle:
-            sw = fp4_layout.swizzle_width(k // 32, fp4_steps_per_warp(k, cr))
-            ssw = fp4_layout.scale_swizzle(k, sw)[0] if scale_swizzle else 1
-            return GemmTile(rows, k, k, True, cr, cr, sw, ssw if ssw > 1 else 0)
-        rg = 1
-        while rg < cr and rg * (k // 2) < min_copy:
-            rg *= 2
-        return GemmTile(rows, k, k, True, cr, rg)
+def _tile(rows: int, k: int, stage_budget: int) -> GemmTile:
+    """bf16: the widest power-of-two chunk whose bytes fit the stage budget and divides K."""
     kc = min(_pow2_floor(int(stage_budget / (rows * 2.0))), k)
     while k % kc:
         kc //= 2
@@ -250,26 +216,12 @@ class Plan:
     # the profiler also stamps inside units (staging, ring waits: profile_events.DETAIL_PHASES);
     # several stamps per weight chunk, so more overhead than the op phases alone
     profile_detail: bool = False
-    # the expert code rows are stored swizzled in 16-byte units, so a chunk's codes are one bulk copy
-    # with conflict-free code loads (GemmTile.swizzle; the engine keeps the swizzled copy: tiling.py).
-    # Against padded groups of 2 KB: shard8 T=16 -1.17%, T=1 -0.48%, small T=16 -0.94%, same bits
-    # (in-run A/B, H200 2026-11-30 07:15Z; 06:58Z: -1.30 / -0.59 / -1.91%)
-    fp4_swizzle: bool = True
-    # and their block-scale rows where the code swizzle has period 8 (GemmTile.scale_swizzle), so
-    # that the expert GEMMs' 16-byte scale loads are conflict-free (8-way conflicts before): with
-    # both, -2.55 / -0.92 / -0.91% against padded groups, same bits (same run)
-    fp4_scale_swizzle: bool = True
     # the kernel's copy of the expert codes is in device words (fp4_layout.ROT_PAIRS: 9 SASS per
     # code word to decode instead of 10, fewer of them on the ALU pipe; GemmTile.rotated, the
-    # engine keeps the copy: tiling.swizzled). Same values, same bits. In-run A/B (H200
+    # engine keeps the copy: tiling.tile_fp4). Same values, same bits. In-run A/B (H200
     # 2026-11-30 11:49Z, 5 rounds): small T=16 -0.51%, T=1 -1.65%; shard8 without the swizzle
     # (two codes copies of shard8 do not fit beside its bank) T=16 -1.22%, T=1 -0.16%
     fp4_rotated: bool = True
-    # and, where the scale rows are swizzled, each 16-byte unit of them in two planes of 8 steps
-    # (fp4_layout.scale_planes), so a thread loads the 8 bytes it uses and converts them in
-    # place: one byte permute per two steps and row less (GemmTile.scale_planes). Same bits.
-    # Over the rotated words (same run): shard8 T=16 -1.02%, T=1 0.00%; small T=16 -0.98%, T=1 -0.57%
-    fp4_scale_planes: bool = True
     # The normed operand of the d_model-K projections (qkv, router, pool, lm_head) is staged in
     # panels of this many columns (0 = all of d_model at once), so that abuf need not hold 16 rows
     # of d_model and its bytes can go to the ring (make_plan fill_ring)
@@ -315,13 +267,11 @@ class Plan:
 
     @property
     def abuf_bytes(self) -> int:
-        """Activation operand: 16 token rows x the widest K staged at once, padded (attention and
-        the fp4 GEMMs' partials reuse it)."""
+        """Activation operand: 16 token rows x the widest K staged at once, padded (attention
+        reuses it)."""
         c = self.cfg
         kmax = max(self.norm_k, c.attn_width, c.d_pool, c.d_expert)
-        a = 16 * (kmax * 2 + ROW_PAD)
-        fp4 = max((fp4_abuf_need(t) for t in self.tiles.values() if t.fp4), default=0)
-        return max(a, self.attn_smem_bytes, fp4)
+        return max(16 * (kmax * 2 + ROW_PAD), self.attn_smem_bytes)
 
     @property
     def attn_smem_bytes(self) -> int:
@@ -332,8 +282,10 @@ class Plan:
 
     @property
     def red_bytes(self) -> int:
-        """Per-warp partial tiles of the bf16 GEMMs, [16][rows] (gemm.cuh)."""
-        return WARPS * 16 * max(t.rows for t in self.tiles.values() if not t.fp4) * 4
+        """Per-warp partial tiles of the bf16 GEMMs, [WARPS][16][rows] fp32, and the fp4 GEMMs'
+        results, [16][rows] fp32 (gemm.cuh gemm_stash, gemm_fp4)."""
+        dense = WARPS * 16 * max(t.rows for t in self.tiles.values() if not t.fp4) * 4
+        return max([dense] + [16 * t.rows * 4 for t in self.tiles.values() if t.fp4])
 
     @property
     def smem_bytes(self) -> int:
@@ -378,10 +330,9 @@ def _fill_ring(p: Plan, smem_limit: int, norm_panel: int | None) -> Plan:
 def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_bytes: int = 16384,
               spin_bound_ns: int = 2_000_000_000, poll_backoff_ns: int = 0, profile: bool = False,
               smem_limit: int = 232448, loader_ahead: bool = True, pdl: bool = False,
-              l2_prefetch_bytes: int = 0, profile_cap: int = 64, min_copy_bytes: int = MIN_COPY_BYTES,
+              l2_prefetch_bytes: int = 0, profile_cap: int = 64,
               stream_evict_first: bool = False, sentinel_route: bool = False, hot_prefetch_bytes: int = 0,
-              kv_prefetch: bool = False, keys_per_split: int = 48, fp4_swizzle: bool = True,
-              fp4_scale_swizzle: bool = True, fp4_rotated: bool = True, fp4_scale_planes: bool = True,
+              kv_prefetch: bool = False, keys_per_split: int = 48, fp4_rotated: bool = True,
               fill_ring: bool = False, norm_panel: int | None = None, profile_detail: bool = False,
               residual_unit_rows: int | None = None, tokens: int | None = None,
               expert1_rows: int | None = None, expert2_rows: int | None = None) -> Plan:
@@ -401,35 +352,28 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         raise ValueError(f"residual_unit_rows {rr}: must be a multiple of {DENSE_ROWS} dividing d_model "
                          f"{c.d_model} and the {32 * WARPS} compute threads")
     tiles = {
-        "qkv": _tile(DENSE_ROWS, c.d_model, False, budget),
-        "oproj": _tile(rr, c.attn_width, False, budget),
-        "router": _tile(ROUTER_ROWS, c.d_model, False, budget),
-        "pool": _tile(pool_rows(c, n_sm, budget), c.d_model, False, budget),
-        "unpool": _tile(rr, c.d_pool, False, budget),
-        "lm_head": _tile(16, c.d_model, False, budget),
+        "qkv": _tile(DENSE_ROWS, c.d_model, budget),
+        "oproj": _tile(rr, c.attn_width, budget),
+        "router": _tile(ROUTER_ROWS, c.d_model, budget),
+        "pool": _tile(pool_rows(c, n_sm, budget), c.d_model, budget),
+        "unpool": _tile(rr, c.d_pool, budget),
+        "lm_head": _tile(16, c.d_model, budget),
     }
-    # fp4 chunks may exceed the budget by their scales (1/8 of the codes): 16 whole rows of K=2048
-    # fill an 18 KB stage, halving the chunk handshakes per expert unit. The expert units must fit
-    # the unpaneled abuf (a plan without tiles gives its size); panels never shrink abuf below them.
-    abuf = Plan(cfg, n_sm, ring_stages, ring_stage_bytes, spin_bound_ns, poll_backoff_ns).abuf_bytes
+    # fp4 chunks may exceed the budget by their scales (1/8 of the codes): 256 rows x 256 columns of
+    # codes fill a 36 KB stage at a 32 KB budget
     e1 = expert1_rows or expert1_unit_rows(c, n_sm, tokens or c.max_tree)
-    tiles["expert1"] = _expert_tile(min(e1, 2 * c.d_expert), c.d_pool, budget * 9 // 8, abuf, True,
-                                    min_copy_bytes, fp4_swizzle, fp4_scale_swizzle)
+    tiles["expert1"] = _expert_tile(min(e1, 2 * c.d_expert), c.d_pool, budget * 9 // 8, True)
     e2 = expert2_rows or expert2_unit_rows(c, n_sm, tokens or c.max_tree)
-    tiles["expert2"] = _expert_tile(min(e2, c.d_pool), c.d_expert, budget * 9 // 8, abuf, False,
-                                    min_copy_bytes, fp4_swizzle, fp4_scale_swizzle)
+    tiles["expert2"] = _expert_tile(min(e2, c.d_pool), c.d_expert, budget * 9 // 8, False)
     for op in ("expert1", "expert2"):
-        tiles[op] = replace(tiles[op], rotated=fp4_rotated,
-                            scale_planes=fp4_scale_planes and tiles[op].scale_swizzle > 0)
+        tiles[op] = replace(tiles[op], rotated=fp4_rotated)
     if profile_detail and not profile:
         raise ValueError("profile_detail needs profile=True (the detail stamps are the profiler's)")
     p = Plan(cfg, n_sm, ring_stages, ring_stage_bytes, spin_bound_ns, poll_backoff_ns, profile=profile,
              loader_ahead=loader_ahead, pdl=pdl, l2_prefetch_bytes=l2_prefetch_bytes, profile_cap=profile_cap,
              stream_evict_first=stream_evict_first, sentinel_route=sentinel_route,
              hot_prefetch_bytes=hot_prefetch_bytes, kv_prefetch=kv_prefetch, keys_per_split=keys_per_split,
-             profile_detail=profile_detail, fp4_swizzle=fp4_swizzle, fp4_rotated=fp4_rotated,
-             fp4_scale_planes=fp4_scale_planes,
-             fp4_scale_swizzle=fp4_scale_swizzle, tiles=tiles)
+             profile_detail=profile_detail, fp4_rotated=fp4_rotated, tiles=tiles)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -442,15 +386,6 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
             f"megakernel for {cfg.name} needs {p.smem_bytes} B of shared memory per block (activations "
             f"{p.abuf_bytes}, ring {p.ring_stages} x {p.stage_bytes}, reduction {p.red_bytes}); the device "
             f"allows {smem_limit}. Use fewer/smaller ring stages.")
-    for name in ("expert1", "expert2"):
-        t = tiles[name]
-        need = fp4_abuf_need(t)
-        if need > abuf:
-            from microbench.errors import KernelDoesNotFitError
-
-            raise KernelDoesNotFitError(
-                f"megakernel for {cfg.name}: {name}'s operand and partials need {need} B of the {abuf} B "
-                f"activation buffer ({t.chunks} chunks of {t.chunk_rows} rows)")
     for name, t in tiles.items():
         n = {"qkv": c.qkv_rows, "oproj": c.d_model, "router": c.n_experts, "pool": c.d_pool, "unpool": c.d_model,
              "lm_head": c.vocab, "expert1": 2 * c.d_expert, "expert2": c.d_pool}[name]
@@ -518,10 +453,7 @@ def render(plan: Plan) -> str:
     for name, t in plan.tiles.items():
         u = name.upper()
         lines += [f"constexpr int TILE_{u}_ROWS = {t.rows};", f"constexpr int TILE_{u}_KC = {t.kc};",
-                  f"constexpr int TILE_{u}_K = {t.k};", f"constexpr int TILE_{u}_CR = {t.chunk_rows};",
-                  f"constexpr int TILE_{u}_RG = {t.row_group};", f"constexpr int TILE_{u}_SW = {t.swizzle};",
-                  f"constexpr int TILE_{u}_SSW = {t.scale_swizzle};",
-                  f"constexpr bool TILE_{u}_SPL = {'true' if t.scale_planes else 'false'};"]
+                  f"constexpr int TILE_{u}_K = {t.k};", f"constexpr int TILE_{u}_SW = {t.swizzle};"]
     lines += [
         "static_assert(HQ % HKV == 0, \"GQA group\");",
         "static_assert(HD % 16 == 0 && HD % TILE_QKV_ROWS == 0, \"qkv tiles never straddle heads\");",

@@ -188,11 +188,10 @@ class Engine:
         self._keep.append(t)
         return t
 
-    def _swizzled(self, bank, op: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel's copies of an expert bank's codes and scales for op's tile (tiling.swizzled,
-        swizzled_scales), kept with this engine."""
-        t = self.plan.tiles[op]
-        out = tiling.swizzled(bank.codes, t), tiling.swizzled_scales(bank.scales, t)
+    def _fp4_copies(self, bank, op: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's copies of an expert bank's codes and scales for op's tile (tiling.fp4_copies),
+        kept with this engine."""
+        out = tiling.fp4_copies(bank.codes, bank.scales, self.plan.tiles[op])
         self._keep.extend(out)
         return out
 
@@ -204,8 +203,8 @@ class Engine:
             s.attn_norm, s.ffn_norm = _ptr(lw.attn_norm), _ptr(lw.ffn_norm)
             for field in tiling.LAYER_WEIGHTS:  # tiled: a ring chunk is one copy
                 setattr(s, field, _ptr(self._tiled(getattr(lw, field), field)))
-            w1c, w1s = self._swizzled(lw.w1, "expert1")
-            w2c, w2s = self._swizzled(lw.w2, "expert2")
+            w1c, w1s = self._fp4_copies(lw.w1, "expert1")
+            w2c, w2s = self._fp4_copies(lw.w2, "expert2")
             s.w1_codes, s.w1_scales, s.w1_ts = _ptr(w1c), _ptr(w1s), _ptr(lw.w1.tensor_scale)
             s.w2_codes, s.w2_scales, s.w2_ts = _ptr(w2c), _ptr(w2s), _ptr(lw.w2.tensor_scale)
             s.k_cache, s.v_cache = _ptr(self.cache.k[l]), _ptr(self.cache.v[l])

@@ -15,11 +15,17 @@ holds it, pad included, so the loader moves it with one copy of rows x (2 kc + R
 Only the megakernel's copy is tiled (runtime.Engine builds it from the plan's tiles and keeps it
 while the source tensor lives); the reference and the torch baselines read the natural weights.
 
-Expert codes: with Plan.fp4_swizzle the engine hands the kernel a copy of each layer's codes with
-the rows swizzled in 16-byte units (`swizzled`, fp4_layout.swizzle_units), so that a chunk's code
-rows need no pads and are one bulk copy, and of its block scales likewise (`swizzled_scales`), so
-that the scale loads are conflict-free. The copies are as large as the originals (~0.87 GB a
-shard8 layer).
+Expert weights: the engine hands the kernel a copy of each layer's codes and block scales stored
+in blocks of kc columns (`tile_fp4_codes`, `tile_fp4_scales`; kc = plan.fp4_kc(K), the model's):
+
+    tiled[e][c][r] = row r of expert e, columns c * kc .. + kc
+
+[E][K/kc][N][kc/2 code bytes] and [E][K/kc][N][kc/16 scale bytes], so that a chunk's run of
+consecutive rows is one bulk copy. The code rows are swizzled in 16-byte units
+(fp4_layout.swizzle_units, period GemmTile.swizzle) and, with GemmTile.rotated, in device words;
+each row's kc/16 scale bytes are in two planes (fp4_layout.scale_planes). The copy does not depend
+on a build's unit rows, so every build of a model shares one; it is as large as the bank (~0.87 GB
+a shard8 layer).
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ import weakref
 import torch
 
 from .config import ConfigError
-from .fp4_layout import scale_planes, scale_swizzle, swizzle_units, to_rotated_words
+from .fp4_layout import scale_planes, swizzle_units, to_rotated_words
 from .plan import ROW_PAD, GemmTile
 
 # the kernel's weight pointer (abi LayerPtrs / Params field) -> the op whose tile it is stored for
@@ -78,43 +84,49 @@ def tiled(w: torch.Tensor, t: GemmTile) -> torch.Tensor:
     return _cached(w, ("dense", t.rows, t.kc, t.k), lambda: tile_dense(w, t))
 
 
-def swizzled(codes: torch.Tensor, t: GemmTile) -> torch.Tensor:
-    """The kernel's copy of expert codes [E, N, K/2] for fp4 tile t: the codes themselves for
-    padded row groups (swizzle 0) or a period of 1, else their rows swizzled, and with t.rotated
-    in device words (fp4_layout.to_rotated_words); built once per source tensor and layout."""
+def _check_fp4(x: torch.Tensor, t: GemmTile, per: int, what: str) -> None:
     if not t.fp4:
-        raise ConfigError("swizzled: a bf16 tile (dense weights are tiled: tile_dense)")
-    if codes.dtype != torch.uint8 or codes.shape[-1] * 2 != t.k:
-        raise ConfigError(f"swizzled: want uint8 codes [..., N, {t.k // 2}], got {codes.dtype} {tuple(codes.shape)}")
-    if t.swizzle <= 1:
-        return _cached(codes, ("rotated",), lambda: to_rotated_words(codes)) if t.rotated else codes
-    # swizzling moves whole 16-byte units, rotating rewrites each word: the order does not matter,
-    # and rotating the fresh swizzled copy in place needs no second copy of the bank
-    build = ((lambda: to_rotated_words(swizzle_units(codes, t.swizzle), in_place=True)) if t.rotated
-             else (lambda: swizzle_units(codes, t.swizzle)))
-    return _cached(codes, ("swizzle", t.swizzle, t.rotated), build)
+        raise ConfigError(f"tile_fp4_{what}: a bf16 tile (dense weights are tiled: tile_dense)")
+    if x.dtype != torch.uint8 or x.dim() != 3 or x.shape[-1] * per != t.k:
+        raise ConfigError(f"tile_fp4_{what}: want uint8 {what} [E, N, {t.k // per}], got {x.dtype} {tuple(x.shape)}")
 
 
-def swizzled_scales(scales: torch.Tensor, t: GemmTile) -> torch.Tensor:
-    """The kernel's copy of E4M3 block scales [E, N, K/16] for fp4 tile t: the scales themselves,
-    or with rows swizzled (GemmTile.scale_swizzle, fp4_layout.scale_swizzle) and, with
-    t.scale_planes, each unit in planes (fp4_layout.scale_planes)."""
-    if not t.fp4:
-        raise ConfigError("swizzled_scales: a bf16 tile")
-    if scales.dtype != torch.uint8 or scales.shape[-1] * 16 != t.k:
-        raise ConfigError(f"swizzled_scales: want uint8 scales [..., N, {t.k // 16}], got {scales.dtype} "
-                          f"{tuple(scales.shape)}")
-    if t.scale_swizzle <= 1:
-        if t.scale_planes:
-            raise ConfigError("swizzled_scales: scale planes come with swizzled scale rows (GemmTile.scale_planes)")
-        return scales
-    width, row_div = scale_swizzle(t.k, t.swizzle)
-    if width != t.scale_swizzle:
-        raise ConfigError(f"swizzled_scales: tile scale swizzle {t.scale_swizzle}, but rows of K={t.k} with code "
-                          f"period {t.swizzle} take {width} (fp4_layout.scale_swizzle)")
-    # planes permute bytes within a unit, the swizzle moves whole units: either order
-    src = (lambda: scale_planes(scales)) if t.scale_planes else (lambda: scales)
-    return _cached(scales, ("swizzle", width, row_div, t.scale_planes), lambda: swizzle_units(src(), width, row_div))
+def tile_fp4_codes(codes: torch.Tensor, t: GemmTile) -> torch.Tensor:
+    """Expert codes uint8 [E, N, K/2] -> the kernel's copy [E, K/kc, N, kc/2] (above), swizzled,
+    in device words when t.rotated."""
+    _check_fp4(codes, t, 2, "codes")
+    e, n, _ = codes.shape
+    out = codes.reshape(e, n, t.chunks, t.kc // 2).permute(0, 2, 1, 3).contiguous()
+    out = swizzle_units(out, t.swizzle)
+    # rotating rewrites each word in place: no second copy of the bank beside this one
+    return to_rotated_words(out, in_place=True) if t.rotated else out
+
+
+def tile_fp4_scales(scales: torch.Tensor, t: GemmTile) -> torch.Tensor:
+    """E4M3 block scales uint8 [E, N, K/16] -> the kernel's copy [E, K/kc, N, kc/16], each row's
+    block in planes (fp4_layout.scale_planes)."""
+    _check_fp4(scales, t, 16, "scales")
+    e, n, _ = scales.shape
+    out = scales.reshape(e, n, t.chunks, t.kc // 16).permute(0, 2, 1, 3).contiguous()
+    return scale_planes(out, t.kc // 32)
+
+
+def untile_fp4(codes: torch.Tensor, scales: torch.Tensor, t: GemmTile) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of tile_fp4_codes / tile_fp4_scales: storage words [E, N, K/2] and [E, N, K/16] (tests)."""
+    from .fp4_layout import from_rotated_words
+
+    e, c, n, _ = codes.shape
+    x = swizzle_units(from_rotated_words(codes) if t.rotated else codes, t.swizzle)
+    s = scales.reshape(e, c, n, 2, t.kc // 32).transpose(-1, -2).reshape(e, c, n, t.kc // 16)
+    return x.permute(0, 2, 1, 3).reshape(e, n, t.k // 2), s.permute(0, 2, 1, 3).reshape(e, n, t.k // 16)
+
+
+def fp4_copies(codes: torch.Tensor, scales: torch.Tensor, t: GemmTile) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's copies of an expert bank for fp4 tile t (tile_fp4_codes / tile_fp4_scales),
+    built once per source tensor and layout (the unit rows are not part of it)."""
+    key = ("fp4", t.kc, t.k, t.swizzle, t.rotated)
+    return (_cached(codes, key, lambda: tile_fp4_codes(codes, t)),
+            _cached(scales, key, lambda: tile_fp4_scales(scales, t)))
 
 
 def weight_tile(plan, field: str) -> GemmTile:

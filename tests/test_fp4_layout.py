@@ -119,10 +119,7 @@ def test_device_words_take_fewer_terms_than_the_storage_words():
     assert tiles == []
 
 
-def test_swizzle_width_and_refusals():
-    # the largest power of two <= 8 dividing both the row's units and a warp's steps
-    assert L.swizzle_width(64, 16) == 8 and L.swizzle_width(32, 8) == 8
-    assert L.swizzle_width(4, 2) == 2 and L.swizzle_width(4, 4) == 4 and L.swizzle_width(2, 1) == 1
+def test_swizzle_refusals():
     c = torch.zeros(2, 8, 64, dtype=torch.uint8)
     assert torch.equal(L.swizzle_units(c, 1), c)
     for bad in (0, 3, 8):  # not a power of two, or not dividing the row's 4 units
@@ -132,15 +129,15 @@ def test_swizzle_width_and_refusals():
         L.swizzle_units(torch.zeros(2, 8, 24, dtype=torch.uint8), 2)
 
 
-def test_scale_planes_put_each_k16_half_of_8_steps_together():
-    """scale_planes: byte 2s + h of a 16-byte unit (step s, k16 half h) moves to 8h + s, so gemm.cuh
-    (SPL) finds the 8 scales thread t uses (half t >> 1) in one 8-byte load, steps 2m and 2m + 1
-    side by side."""
-    sc = _rand_codes((3, 5, 32), seed=5)  # rows of 2 units
-    pl = L.scale_planes(sc)
+def test_scale_planes_put_each_k16_half_of_a_run_of_steps_together():
+    """scale_planes: byte 2s + h of a run of 8 steps (step s, k16 half h) moves to 8h + s, so
+    gemm_fp4 finds the scales thread t uses (half t >> 1) side by side, steps 2m and 2m + 1 in one
+    half-word."""
+    sc = _rand_codes((3, 5, 32), seed=5)  # rows of 2 runs
+    pl = L.scale_planes(sc, 8)
     for u in range(2):
         for s_ in range(8):
             for h in range(2):
                 assert torch.equal(pl[..., 16 * u + 8 * h + s_], sc[..., 16 * u + 2 * s_ + h])
-    with pytest.raises(QuantizationError, match="16-byte units"):
-        L.scale_planes(_rand_codes((2, 8)))
+    with pytest.raises(QuantizationError, match="whole runs of 8 steps"):
+        L.scale_planes(_rand_codes((2, 8)), 8)

@@ -14,7 +14,8 @@ from megakernel.build import CSRC, default_config_text, source
 from megakernel.config import ConfigError, preset
 from megakernel.nvfp4 import NVFP4Tensor
 from megakernel.interp import Interpreter
-from megakernel.plan import WARPS, fp4_abuf_need, make_plan, render
+from megakernel import plan as plan_mod
+from megakernel.plan import make_plan, render
 from megakernel.program import DEP_ALL, OpInst, Program, assigned_units, build, check, n_units
 from megakernel.reference import KVCache, step, topk_route
 from megakernel.routing import synthetic_routes
@@ -60,18 +61,16 @@ def test_plan_fits_and_renders(name):
 def test_plan_refuses_what_does_not_fit():
     with pytest.raises(KernelDoesNotFitError, match="shared memory"):
         make_plan(preset("shard8"), 132, ring_stages=12, ring_stage_bytes=32768)
-    # the fp4 GEMMs keep their partials in abuf's tail: a unit whose partials do not fit is halved,
-    # and a plan where even the smallest unit does not fit is refused with the sizes named
-    # (2 KB stages: 32-row chunks, so a 128-row unit has 4 chunks of partials)
+    # an expert unit whose chunk (the model's fp4_kc columns of all its rows) does not fit the stage
+    # is halved, and a plan where even the smallest unit does not fit is refused with the sizes named
     wide = dataclasses.replace(preset("tiny"), d_pool=128, d_expert=128)
-    t = make_plan(wide, 4, ring_stage_bytes=2048).tiles["expert2"]
-    assert t.rows == 64 and t.chunk_rows == 32  # 128 rows need 37120 B of 24064
-    assert fp4_abuf_need(t) <= make_plan(wide, 4, ring_stage_bytes=2048).abuf_bytes
-    # with the default stage a down-projection chunk takes the whole 128-row unit: it fits unhalved
-    assert make_plan(wide, 4).tiles["expert2"].chunk_rows == 128
-    wider = dataclasses.replace(preset("tiny"), d_pool=128, d_expert=512)
-    with pytest.raises(KernelDoesNotFitError, match="expert2's operand and partials need 24832 B of the 24064 B"):
-        make_plan(wider, 4)
+    t = make_plan(wide, 4, ring_stage_bytes=2048).tiles["expert2"]  # 2304 B of fp4 a stage: 32 rows x 128
+    assert (t.rows, t.kc, t.stage_bytes) == (32, 128, 2304)
+    assert make_plan(wide, 4).tiles["expert2"].rows == 128  # the default stage takes the whole unit
+    # (unreachable through make_plan today: a dense chunk refuses a smaller stage first)
+    with pytest.raises(KernelDoesNotFitError, match="expert unit of 32 rows x 128 columns of K=128: a chunk needs "
+                                                    "2304 B, the ring stage holds 576 B"):
+        plan_mod._expert_tile(128, 128, 576, False)
 
 
 @pytest.mark.slow
@@ -218,20 +217,24 @@ def test_residual_units_of_two_row_tiles_where_one_round_needs_them():
 
 def test_expert_units_follow_the_tree_size_of_the_build():
     # plan.expert1_unit_rows: 256-row gate/up units for a build whose step has units for two rounds
-    # of the grid even then (shard8 T=16 on 132 SMs), 128 rows otherwise (T=1: 8 experts); the
-    # larger partials take the unpaneled abuf, so the norm operands are staged whole
+    # of the grid even then (shard8 T=16 on 132 SMs), 128 rows otherwise (T=1: 8 experts)
     cfg, ring = preset("shard8"), dict(ring_stages=2, ring_stage_bytes=32768, fill_ring=True)  # the H200's
     t16, t1 = make_plan(cfg, 132, tokens=16, **ring), make_plan(cfg, 132, tokens=1, **ring)
     assert make_plan(cfg, 132, **ring).tiles["expert1"] == t16.tiles["expert1"]  # default: max_tree tokens
     assert (t16.tiles["expert1"].rows, t1.tiles["expert1"].rows) == (256, 128)
     # down projection: 256 rows, halved where a step's units would not reach every block (T=1: 8 x 8)
     assert (t16.tiles["expert2"].rows, t1.tiles["expert2"].rows) == (256, 128)
-    assert (t16.norm_k, t16.ring_stages, t1.norm_k, t1.ring_stages) == (cfg.d_model, 2, cfg.d_model // 2, 3)
-    assert fp4_abuf_need(t16.tiles["expert1"]) <= t16.abuf_bytes
+    # chunks of the model's 256 columns (one copy of the banks for every build): a 36 KB stage holds
+    # 256 rows of them; the units keep no partials in abuf, so both builds stage the norm operand
+    # in panels and take more stages (T=1: the dense chunks set the stage size, 33 KB)
+    assert {(t.tiles[n].kc, t.tiles[n].stage_bytes) for t in (t16, t1) for n in ("expert1", "expert2")} == \
+        {(256, 36864), (256, 18432)}
+    assert (t16.norm_k, t16.ring_stages, t1.norm_k, t1.ring_stages) == (2048, 3, 2048, 4)
     assert make_plan(cfg, 132, tokens=1, expert1_rows=256, **ring).tiles["expert1"].rows == 256  # forced (A/Bs)
-    # 16 KB stages: 16-row chunks, whose 256-row partials do not fit: halved back to 128
-    assert make_plan(cfg, 132, tokens=16).tiles["expert1"].rows == 128
-    # emulated, both unit sizes (tiny's 64-column rows: 128-row chunks for 256-row units)
+    # 16 KB stages: 128-row units (256 rows of 256 columns do not fit), 7 stages
+    p = make_plan(cfg, 132, tokens=16, ring_stages=2, ring_stage_bytes=16384, fill_ring=True)
+    assert (p.tiles["expert1"].rows, p.tiles["expert1"].kc, p.ring_stages) == (128, 256, 7)
+    # emulated, both unit sizes (tiny's 64-column rows: one chunk a unit)
     wide = dataclasses.replace(preset("tiny"), d_expert=256)
     for r in (256, 128):
         plan = make_plan(wide, 4, spin_bound_ns=3_000_000_000, expert1_rows=r)
@@ -256,56 +259,39 @@ def _poisoned_modes_match_reference(cfg, plan, cache_seed, t, input_seed, ctx, w
     return outs["mega"].logits
 
 
-def test_emulated_fp4_gemms_with_two_and_four_steps_per_code_load():
-    # gemm_fp4 brings a warp's code words by ldmatrix in runs of GS k32 steps (x2: one step, x4:
-    # two). tiny has one step per warp (GS 1); d_pool = d_expert = 128 gives the gate/up GEMM two
-    # steps per warp (GS 2) and the down projection four (GS 4, the shard8/small loop), so a word
-    # taken from the wrong matrix, row or step changes the logits here
-    cfg = dataclasses.replace(preset("tiny"), d_pool=128, d_expert=128)
-    plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, **UNITS_128_256)
-    spw = {}
-    for name in ("expert1", "expert2"):
-        tl = plan.tiles[name]
-        spw[name] = (tl.k // 32) // (WARPS // (tl.chunk_rows // 16))
-    assert spw == {"expert1": 2, "expert2": 4}
-    # t = 9: two token tiles, the k-loop copy with the second B tile
-    _poisoned_modes_match_reference(cfg, plan, 8, 9, 12, 30, "fp4 runs of 2 and 4 steps vs reference")
+# gemm_fp4's chunk shapes: (d_pool, d_expert, gate/up rows, down rows) -> the tiles' (rows, kc,
+# swizzle). kc = plan.fp4_kc(K): steps per chunk kc/32 in groups of 4 (one group of 2 at kc = 64,
+# two groups at kc = 256), swizzle period min(8, kc/32); tiles per warp rows / 128 (256: two
+# tiles on one B fragment; 128: one, two step-parity chains; 64: warps 4-7 idle)
+FP4_SHAPES = {"kc64+kc128": ((64, 128, 256, 64), {"expert1": (256, 64, 2), "expert2": (64, 128, 4)}),
+              "kc128+kc64": ((128, 64, 128, 128), {"expert1": (128, 128, 4), "expert2": (128, 64, 2)}),
+              "kc256 two tiles": ((512, 512, 256, 256), {"expert1": (256, 256, 8), "expert2": (256, 256, 8)}),
+              "kc256 four chunks": ((256, 1024, 128, 256), {"expert1": (128, 256, 8), "expert2": (256, 256, 8)})}
 
 
-@pytest.mark.parametrize("dims, widths", [((128, 128, 128), {"expert1": (2, 0), "expert2": (4, 0)}),
-                                          ((1024, 512, 512), {"expert1": (8, 2), "expert2": (8, 2)})])
-def test_swizzled_expert_rows_give_the_same_bits(dims, widths):
-    # Plan.fp4_swizzle: the kernel's copy of the expert codes has unit u of row r at u ^ (r % period)
-    # (one copy per chunk, no pads) and gemm_fp4 reads it through per-lane ldmatrix bases. Periods 2
-    # and 4 (runs of 2 and 4 steps) and 8 (a period spans two runs of 4). With period 8 the scale
-    # rows are swizzled too (fp4_scale_swizzle; here rows of 2 units: width 2, every 4 rows). A base
-    # of the wrong unit, row or period changes the logits; padded rows must give the same bits.
-    # The kernel's copy is in device words (Plan.fp4_rotated) and, with swizzled scale rows, its
-    # scale units in planes (fp4_scale_planes, the SPL k-loop); the storage words, decoded by the
-    # storage PAIRS with interleaved scales, must give the same bits too.
-    cfg = dataclasses.replace(preset("tiny"), d_model=dims[0], d_pool=dims[1], d_expert=dims[2])
-    u = UNITS_128_256
-    plans = {"padded": make_plan(cfg, 4, spin_bound_ns=3_000_000_000, fp4_swizzle=False, **u),
-             "codes": make_plan(cfg, 4, spin_bound_ns=3_000_000_000, fp4_scale_swizzle=False, **u),
-             "codes+scales": make_plan(cfg, 4, spin_bound_ns=3_000_000_000, **u),
-             "storage words": make_plan(cfg, 4, spin_bound_ns=3_000_000_000, fp4_rotated=False,
-                                        fp4_scale_planes=False, **u)}
-    swz = plans["codes+scales"]
-    assert {n: (swz.tiles[n].swizzle, swz.tiles[n].scale_swizzle) for n in widths} == widths
-    assert all(swz.tiles[n].rotated and swz.tiles[n].scale_planes == (widths[n][1] > 0) for n in widths)
-    assert not any(plans["storage words"].tiles[n].rotated or plans["storage words"].tiles[n].scale_planes
-                   for n in widths)
-    for n in widths:
-        t = swz.tiles[n]
-        assert t.row_group == t.chunk_rows and t.row_stride == t.chunk_rows * t.k // 2
-        assert plans["padded"].tiles[n].swizzle == 0 and plans["codes"].tiles[n].scale_swizzle == 0
-    if all(s for _, s in widths.values()):
-        runs = plans
-    else:  # no scale swizzle at these shapes: "codes" is the same plan
-        runs = {k: v for k, v in plans.items() if k != "codes"}
-    out = {k: _poisoned_modes_match_reference(cfg, p, 8, 9, 12, 30, f"{k} expert rows {dims}") for k, p in runs.items()}
-    for k, v in out.items():
-        assert torch.equal(v, out["padded"]), k
+@pytest.mark.parametrize("shape", sorted(FP4_SHAPES))
+def test_emulated_fp4_gemm_chunk_shapes(shape):
+    # each chunk shape of gemm_fp4 (a code word from the wrong matrix, row, step, swizzle unit,
+    # group, chunk or tile changes the logits), with both token tiles (t = 9), mega == chain
+    # bitwise and close to the reference
+    (dp, de, r1, r2), want = FP4_SHAPES[shape]
+    cfg = dataclasses.replace(preset("tiny"), d_model=512, d_pool=dp, d_expert=de)
+    plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, ring_stage_bytes=32768, expert1_rows=r1, expert2_rows=r2)
+    assert {n: (plan.tiles[n].rows, plan.tiles[n].kc, plan.tiles[n].swizzle) for n in want} == want
+    _poisoned_modes_match_reference(cfg, plan, 8, 9, 12, 30, f"fp4 chunks {shape} vs reference")
+
+
+def test_device_words_give_the_storage_words_bits():
+    # Plan.fp4_rotated: the kernel's copy of the codes in device words (ROT_PAIRS) or as stored
+    # (PAIRS): the same values through another decode, so the same bits
+    cfg = dataclasses.replace(preset("tiny"), d_model=512, d_pool=512, d_expert=512)
+    out = {}
+    for rot in (True, False):
+        plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, ring_stage_bytes=32768, fp4_rotated=rot,
+                         expert1_rows=256, expert2_rows=256)
+        assert all(plan.tiles[n].rotated == rot for n in ("expert1", "expert2"))
+        out[rot] = _poisoned_modes_match_reference(cfg, plan, 8, 9, 12, 30, f"fp4 words rotated={rot} vs reference")
+    assert torch.equal(out[True], out[False])
 
 
 def test_xg_holds_the_next_norms_operand_panel_major():
@@ -331,22 +317,21 @@ def test_xg_holds_the_next_norms_operand_panel_major():
 
 
 def test_fill_ring_stages_the_normed_operand_in_panels_where_that_buys_a_stage():
-    # shard8's T=1 build with the tuned H200 ring (2 x 32 KB): 16 rows of d_model 4096 take 131 KB
-    # of abuf; in two panels of 2048 abuf shrinks to the expert GEMMs' need and a third stage fits
+    # shard8 with the tuned H200 ring (2 x 32 KB): 16 rows of d_model 4096 take 131 KB of abuf; in
+    # two panels of 2048 abuf shrinks to attention's need and a third stage fits (a fourth of the
+    # T=1 build's 33 KB stages; the expert units keep nothing in abuf but their operand)
     cfg = preset("shard8")
-    p0 = make_plan(cfg, 132, ring_stages=2, ring_stage_bytes=32768, tokens=1)
-    p = make_plan(cfg, 132, ring_stages=2, ring_stage_bytes=32768, fill_ring=True, tokens=1)
-    assert (p0.ring_stages, p0.norm_k, p0.ring_fill) == (2, 4096, 0)
-    assert (p.ring_stages, p.norm_k, p.ring_fill) == (3, 2048, 1)
-    assert p0.smem_bytes <= p.smem_bytes <= 232448 < p.smem_bytes + p.stage_bytes
-    assert p.abuf_bytes == max(fp4_abuf_need(p.tiles[n]) for n in ("expert1", "expert2")) < p0.abuf_bytes
-    assert "constexpr int NORM_KP = 2048;" in render(p) and "constexpr int RING_STAGES = 3;" in render(p)
-    # the T=16 build's 256-row gate/up units need the whole 131 KB: panels would buy nothing
-    p16 = make_plan(cfg, 132, ring_stages=2, ring_stage_bytes=32768, fill_ring=True, tokens=16)
-    assert (p16.ring_stages, p16.norm_k) == (2, 4096) and p16.abuf_bytes == p0.abuf_bytes
+    for tokens, stages in ((1, 4), (16, 3)):
+        p0 = make_plan(cfg, 132, ring_stages=2, ring_stage_bytes=32768, tokens=tokens)
+        p = make_plan(cfg, 132, ring_stages=2, ring_stage_bytes=32768, fill_ring=True, tokens=tokens)
+        assert (p0.ring_stages, p0.norm_k, p0.ring_fill) == (2, 4096, 0)
+        assert (p.ring_stages, p.norm_k, p.ring_fill) == (stages, 2048, stages - 2)
+        assert p.smem_bytes <= 232448 < p.smem_bytes + p.stage_bytes
+        assert p.abuf_bytes == p.attn_smem_bytes < p0.abuf_bytes
+        assert "constexpr int NORM_KP = 2048;" in render(p) and f"constexpr int RING_STAGES = {stages};" in render(p)
     # small's abuf is already the experts' size: no panels, the spare bytes still give stages
     s = make_plan(preset("small"), 132, ring_stages=2, ring_stage_bytes=32768, fill_ring=True)
-    assert s.norm_k == s.cfg.d_model and s.ring_stages == 4
+    assert s.norm_k == s.cfg.d_model and s.ring_stages == 3
     with pytest.raises(ValueError, match="norm_panel 1000: must divide d_model 4096"):
         make_plan(cfg, 132, norm_panel=1000)
 
@@ -651,12 +636,13 @@ def test_hot_prefetch_pulls_the_expert_rows_the_next_step_streams(tiny, budget):
         if k == 0:
             assert pf == [], "no routing to bet on in the first step"
     # what the second step streams: per layer, the experts its top-k chose, all their rows (of the
-    # kernel's copies of the banks: tiling.swizzled, the copy the engine keeps)
+    # kernel's copies of the banks: tiling.fp4_copies, the copy the engine keeps)
     banks = {}
     for l, lw in enumerate(w.layers):
         for name, bank, op in (("w1", lw.w1, "expert1"), ("w2", lw.w2, "expert2")):
             tile = eng.plan.tiles[op]
-            for part, t in (("codes", tiling.swizzled(bank.codes, tile)), ("scales", tiling.swizzled_scales(bank.scales, tile))):
+            copies = tiling.fp4_copies(bank.codes, bank.scales, tile)
+            for part, t in zip(("codes", "scales"), copies):
                 banks[(l, name, part)] = (t.data_ptr(), t.numel() * t.element_size(), t[0].numel() * t.element_size())
     got_bytes = {}
     for addr, nbytes in pf:
@@ -899,20 +885,6 @@ def test_any_ring_geometry_keeps_mega_bitwise_equal_to_chain(tiny):
     assert torch.equal(chain.logits, mega.logits) and torch.equal(chain.tokens, mega.tokens)
     assert not torch.equal(ref.logits, chain.logits)  # the geometry really changed the summation
     check_close(chain.logits, ref.logits, "2-stage ring vs default ring", rel=1e-2)
-
-
-def test_fp4_code_row_groups_are_layout_only(tiny):
-    """Code rows copied in groups of 2 (min_copy_bytes=64 at tiny's 32-byte rows) instead of the
-    whole chunk at once: a different smem layout and loader, the same bits (mega and chain)."""
-    cfg, w, base, plan = tiny
-    grouped = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, min_copy_bytes=64, fp4_swizzle=False)
-    assert grouped.tiles["expert1"].row_group == 2 < grouped.tiles["expert1"].chunk_rows
-    assert plan.tiles["expert1"].row_group == plan.tiles["expert1"].chunk_rows
-    toks, par = _inputs(cfg, 8, 9)
-    ref = Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
-    for mode in ("chain", "mega"):
-        out = Engine(w, grouped, base.clone(), backend="emu", emu_seed=5).step(toks, par, 40, mode=mode)
-        assert torch.equal(out.logits, ref.logits), mode
 
 
 def test_negative_and_zero_block_scales_are_canonical_and_raw_ones_refused(tiny):

@@ -1,4 +1,4 @@
-"""The megakernel's tiled dense weights (megakernel/tiling.py): layout, pad, refusals, sharing."""
+"""The megakernel's tiled weights (megakernel/tiling.py): dense and expert layouts, pad, refusals, sharing."""
 from __future__ import annotations
 
 import gc
@@ -9,7 +9,7 @@ import torch
 
 from megakernel import tiling
 from megakernel.config import ConfigError, preset
-from megakernel.fp4_layout import scale_planes, scale_swizzle, swizzle_units, to_rotated_words
+from megakernel.fp4_layout import from_rotated_words, scale_planes, swizzle_units, to_rotated_words
 from megakernel.plan import ROW_PAD, GemmTile, make_plan
 
 
@@ -54,7 +54,7 @@ def test_bad_weights_are_refused_by_name():
     with pytest.raises(ConfigError, match="bf16"):
         tiling.tile_dense(torch.zeros(32, 256), t)
     with pytest.raises(ConfigError, match="fp4"):
-        tiling.tile_dense(_w(32, 256), GemmTile(rows=128, kc=256, k=256, fp4=True, chunk_rows=32, row_group=2))
+        tiling.tile_dense(_w(32, 256), GemmTile(rows=128, kc=256, k=256, fp4=True, swizzle=8))
 
 
 def test_engines_of_one_model_share_the_tiled_copy_and_it_goes_with_its_source():
@@ -69,76 +69,59 @@ def test_engines_of_one_model_share_the_tiled_copy_and_it_goes_with_its_source()
     assert key not in tiling._CACHE
 
 
-def test_swizzled_expert_codes_move_whole_units_within_a_row_and_are_shared():
-    t = GemmTile(rows=128, kc=512, k=512, fp4=True, chunk_rows=64, row_group=64, swizzle=8)
-    codes = torch.randint(0, 256, (3, 128, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    x = tiling.swizzled(codes, t)
-    assert x.shape == codes.shape and not torch.equal(x, codes)
-    # unit u (16 bytes) of row r lies at u ^ (r % 8): what gemm_fp4's ldmatrix bases read back
-    for e, r, u in [(0, 0, 3), (1, 5, 2), (2, 13, 15), (2, 127, 9)]:
-        v = u ^ (r % 8)
-        assert torch.equal(x[e, r, 16 * v:16 * v + 16], codes[e, r, 16 * u:16 * u + 16])
-    assert tiling.swizzled(codes, t) is x  # one copy per source tensor and period
-    # no swizzle, or a period of 1: the codes themselves, no copy
-    for sw in (0, 1):
-        plain = GemmTile(rows=128, kc=512, k=512, fp4=True, chunk_rows=64, row_group=64, swizzle=sw)
-        assert tiling.swizzled(codes, plain) is codes
+def _bank(e, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g),
+            torch.randint(0, 256, (e, n, k // 16), dtype=torch.uint8, generator=g))
 
 
-def test_rotated_expert_codes_are_the_device_words_of_each_layout():
-    """GemmTile.rotated: the kernel's copy is in device words (fp4_layout.to_rotated_words), with
-    or without the swizzle, one copy per source tensor and layout."""
-    codes = torch.randint(0, 256, (3, 128, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
-    for sw in (0, 8):
-        t = GemmTile(rows=128, kc=512, k=512, fp4=True, chunk_rows=64, row_group=64, swizzle=sw)
-        x = tiling.swizzled(codes, replace(t, rotated=True))
-        want = to_rotated_words(swizzle_units(codes, sw) if sw else codes)
-        assert torch.equal(x, want) and x is not codes
-        assert tiling.swizzled(codes, replace(t, rotated=True)) is x
-        assert not torch.equal(tiling.swizzled(codes, t), x)  # the storage words stay a layout of their own
+def test_expert_codes_and_scales_lie_in_column_blocks_as_gemm_fp4_reads_them():
+    # tile_fp4_*: [E][K/kc][N][kc/2 | kc/16]: a run of consecutive rows of a column block is one
+    # copy; code unit u of row r at u ^ (r % 8), in device words; scale byte h * (kc/32) + s =
+    # step s's scale of k16 half h
+    t = GemmTile(rows=64, kc=256, k=1024, fp4=True, swizzle=8, rotated=True)
+    codes, scales = _bank(3, 256, 1024, 1)
+    tc, ts = tiling.tile_fp4_codes(codes, t), tiling.tile_fp4_scales(scales, t)
+    assert tc.shape == (3, 4, 256, 128) and ts.shape == (3, 4, 256, 16) and tc.is_contiguous()
+    words = from_rotated_words(tc)
+    for e, c, r, unit in [(0, 0, 0, 3), (1, 3, 5, 2), (2, 1, 37, 7), (2, 2, 255, 0)]:
+        v = unit ^ (r % 8)
+        assert torch.equal(words[e, c, r, 16 * v:16 * v + 16], codes[e, r, c * 128 + 16 * unit:c * 128 + 16 * unit + 16])
+        for s in range(8):
+            for h in range(2):
+                assert ts[e, c, r, 8 * h + s] == scales[e, r, c * 16 + 2 * s + h]
+    back = tiling.untile_fp4(tc, ts, t)
+    assert torch.equal(back[0], codes) and torch.equal(back[1], scales)
+    # the storage words as they are without `rotated`
+    assert torch.equal(tiling.tile_fp4_codes(codes, replace(t, rotated=False)), words)
 
 
-def test_scale_planes_come_with_the_scale_swizzle():
-    sc = torch.randint(0, 256, (2, 64, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
-    t = GemmTile(rows=64, kc=1024, k=1024, fp4=True, chunk_rows=32, row_group=32, swizzle=8, scale_swizzle=4)
-    width, row_div = scale_swizzle(1024, 8)
-    x = tiling.swizzled_scales(sc, replace(t, scale_planes=True))
-    assert torch.equal(x, swizzle_units(scale_planes(sc), width, row_div))
-    assert not torch.equal(x, tiling.swizzled_scales(sc, t))  # its own copy
-    with pytest.raises(ConfigError, match="scale planes"):
-        tiling.swizzled_scales(sc, replace(t, scale_swizzle=0, scale_planes=True))
+def test_every_build_of_a_model_shares_one_expert_copy():
+    # the copy depends on the columns, swizzle and words, not on a build's unit rows (T=1 and T=16
+    # builds of shard8 must share it: two copies of its banks do not fit the GPU)
+    t = GemmTile(rows=64, kc=128, k=256, fp4=True, swizzle=4, rotated=True)
+    codes, scales = _bank(2, 128, 256, 2)
+    c1, s1 = tiling.fp4_copies(codes, scales, t)
+    c2, s2 = tiling.fp4_copies(codes, scales, replace(t, rows=32))
+    assert c1 is c2 and s1 is s2
+    c3, _ = tiling.fp4_copies(codes, scales, replace(t, rotated=False))
+    assert c3 is not c1 and not torch.equal(c3, c1)  # other words, another copy
 
 
-def test_swizzled_refuses_dense_tiles_and_codes_of_another_k():
-    codes = torch.zeros(2, 16, 128, dtype=torch.uint8)
+def test_scale_planes_of_a_run_of_steps():
+    sc = torch.arange(2 * 32, dtype=torch.int64).to(torch.uint8).reshape(2, 32)
+    x = scale_planes(sc, 4)  # runs of 4 steps = 8 bytes: byte 2s + h -> 4h + s
+    assert x[0, :8].tolist() == [0, 2, 4, 6, 1, 3, 5, 7] and x[1, 8:16].tolist() == [40, 42, 44, 46, 41, 43, 45, 47]
+    with pytest.raises(Exception, match="whole runs of 16 steps"):
+        scale_planes(sc[:, :24], 16)
+
+
+def test_tile_fp4_refuses_dense_tiles_and_banks_of_another_shape():
+    codes, scales = _bank(2, 64, 128, 3)
+    t = GemmTile(rows=32, kc=64, k=128, fp4=True, swizzle=2)
     with pytest.raises(ConfigError, match="bf16 tile"):
-        tiling.swizzled(codes, GemmTile(rows=16, kc=64, k=256, fp4=False))
-    with pytest.raises(ConfigError, match=r"want uint8 codes \[..., N, 64\]"):
-        tiling.swizzled(codes, GemmTile(rows=16, kc=128, k=128, fp4=True, chunk_rows=16, row_group=16, swizzle=2))
-
-
-def test_swizzled_scales_fill_the_banks_of_a_16_byte_load():
-    # gemm_fp4 loads one 16-byte scale unit of rows g = 0..7 (and g + 8) at once: swizzled, the 8
-    # rows' units must lie in 8 different 16-byte bank groups (of 128 bytes) for every unit
-    for k, width in [(2048, 8), (1024, 4), (512, 2)]:
-        t = GemmTile(rows=64, kc=k, k=k, fp4=True, chunk_rows=32, row_group=32, swizzle=8, scale_swizzle=width)
-        sc = torch.arange(2 * 64 * (k // 16), dtype=torch.int64).to(torch.uint8).reshape(2, 64, k // 16)
-        x = tiling.swizzled_scales(sc, t)
-        assert tiling.swizzled_scales(sc, t) is x
-        rb = k // 16
-        for u in range(rb // 16):
-            slots = set()
-            for r in range(8):
-                # where unit u of row r lies now: find it by content
-                row = x[1, r].reshape(-1, 16)
-                (pos,) = [i for i in range(rb // 16) if torch.equal(row[i], sc[1, r, 16 * u:16 * u + 16])]
-                slots.add((r * rb + 16 * pos) // 16 % 8)
-            assert len(slots) == 8, (k, u, slots)
-    plain = GemmTile(rows=64, kc=2048, k=2048, fp4=True, chunk_rows=32, row_group=32, swizzle=8, scale_swizzle=0)
-    sc = torch.zeros(1, 64, 128, dtype=torch.uint8)
-    assert tiling.swizzled_scales(sc, plain) is sc
-    with pytest.raises(ConfigError, match=r"want uint8 scales \[..., N, 128\]"):
-        tiling.swizzled_scales(torch.zeros(1, 64, 64, dtype=torch.uint8), plain)
-    wrong = GemmTile(rows=64, kc=2048, k=2048, fp4=True, chunk_rows=32, row_group=32, swizzle=8, scale_swizzle=4)
-    with pytest.raises(ConfigError, match="take 8"):
-        tiling.swizzled_scales(sc, wrong)
+        tiling.tile_fp4_codes(codes, GemmTile(rows=16, kc=64, k=128, fp4=False))
+    with pytest.raises(ConfigError, match=r"want uint8 codes \[E, N, 128\]"):
+        tiling.tile_fp4_codes(codes, replace(t, k=256, kc=128))
+    with pytest.raises(ConfigError, match=r"want uint8 scales \[E, N, 16\]"):
+        tiling.tile_fp4_scales(scales, replace(t, k=256, kc=128))

@@ -3,8 +3,8 @@
 // Shared memory (SMEM_BYTES, rendered by plan.py):
 //   abuf   ABUF_BYTES  activation operand (16 token rows x K bf16, padded) or attention tiles
 //   ring   RING_STAGES x STAGE_BYTES  weight chunks, filled by the loader warp's bulk copies
-//   red    RED_BYTES   per-warp partial sums of a bf16 GEMM tile, reduced in fixed warp order
-//          (the fp4 GEMMs keep theirs in abuf after the staged operand: gemm.cuh fp4_red_of)
+//   red    RED_BYTES   per-warp partial sums of a bf16 GEMM tile, reduced in fixed warp order,
+//          or an fp4 GEMM unit's results (gemm.cuh gemm_fp4)
 //   bars   2 x RING_STAGES mbarriers (full: one arrival + tx bytes; empty: one arrival per
 //          compute thread), xbar (the normed operand's copies), then small ints (staged-activation
 //          tag, top-k scratch, norm factors)

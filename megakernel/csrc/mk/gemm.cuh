@@ -3,9 +3,10 @@
 // the compute warps), and a fixed-order reduction of the warps' partial tiles.
 //
 // Shapes. A GEMM unit computes a [ROWS features x 16 tokens] tile over all of K with
-// mma.m16n8k16: A = 16 weight rows x 16 k, B = 8 tokens x 16 k (one or two token tiles). Warps
-// split the unit's row tiles and k-steps; their partial tiles are summed in warp order afterwards,
-// so the result does not depend on timing (chain and mega modes are bitwise equal).
+// mma.m16n8k16: A = 16 weight rows x 16 k, B = 8 tokens x 16 k (one or two token tiles). In the
+// bf16 GEMMs warps split the unit's row tiles and k-steps and their partial tiles are summed in
+// warp order afterwards; in the fp4 GEMMs each warp owns whole row tiles over all of K. Either
+// way the result does not depend on timing (chain and mega modes are bitwise equal).
 //
 // NVFP4 (expert GEMMs, gemm_fp4). Thread t of a quad
 // decodes one u32 of codes = 8 consecutive E2M1 values k..k+7 (half of a 16-wide scale block) of
@@ -320,48 +321,6 @@ MK_COLD_LOOP
 }
 
 // ---------------------------------------------------------------- consumer: NVFP4 weights
-// The E4M3 block scales of SPW consecutive k32 steps of one row: bytes 0 .. 2*SPW-1 from p
-// (thread t of the quad uses the odd or even ones: 16 values per scale, 8 per thread).
-template <int SPW, int ALIGN>
-MK_DEV void load_scales(const unsigned char* p, uint32_t (&w)[(SPW + 1) / 2]) {
-  if constexpr (SPW % 8 == 0 && ALIGN % 16 == 0) {
-#pragma unroll
-    for (int v = 0; v < SPW / 8; ++v) {
-      const uint4 x = *reinterpret_cast<const uint4*>(p + 16 * v);
-      w[4 * v] = x.x, w[4 * v + 1] = x.y, w[4 * v + 2] = x.z, w[4 * v + 3] = x.w;
-    }
-  } else if constexpr (SPW % 2 == 0 && ALIGN % 4 == 0) {
-#pragma unroll
-    for (int v = 0; v < SPW / 2; ++v) w[v] = *reinterpret_cast<const uint32_t*>(p + 4 * v);
-  } else {
-#pragma unroll
-    for (int v = 0; v < (SPW + 1) / 2; ++v) {
-      w[v] = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (4 * v + k < 2 * SPW) w[v] |= static_cast<uint32_t>(p[4 * v + k]) << (8 * k);
-    }
-  }
-}
-
-// Chunk c holds CR whole rows (tile rows c*CR..): codes in groups of RG consecutive rows,
-// [CR/RG][RG*K/2 + ROW_PAD] (one bulk copy per group: copies under ~2 KB cost ring bandwidth,
-// weights.ring; the pad puts the groups on different banks: unpadded, the code loads were 8-way
-// conflicts, 46% of the expert GEMMs' shared wavefronts under ncu; within a group RG-way), then
-// scales [CR][K/16] (one copy). With SW > 0 (plan fp4_swizzle) the rows lie swizzled, 16-byte
-// unit u of row r at u ^ (r % SW) (fp4_layout.swizzle_units), RG == CR and no pad: one copy of the
-// codes, and with SW = 8 the 8 rows of a code load on 8 different bank groups.
-// Operands swapped against the bf16 GEMMs: the dequantised weights are the mma's A (16 rows x
-// 16 k, built in registers), the activations its B (8 tokens x 16 k, ldmatrix), so one B load
-// serves 16 weight rows and a second 8-token tile (tokens 8..15) is loaded and multiplied only
-// when the slot has more than 8 tokens (ntok is the same for the whole block). With activations
-// as A every warp re-read a 16-token tile per 8 weight rows: 7x the smem bytes of the weights.
-// Warp w owns the 16-row tile q = w % (CR/16) of every chunk and the contiguous range of SPW k32
-// steps number w / (CR/16), walked in groups of GS unrolled steps (compile-time offsets; one load
-// of the group's block scales); odd steps go to second accumulators (ILP). Each chunk's partial
-// tile is stashed into `fp4_red` (the unused tail of abuf: fp4_red_of) as soon as it is done,
-// then the compute warps meet at one barrier.
-MK_DEV constexpr int lowbit(int x) { return x & -x; }
 // Term I of pair E (T): the word rotated left by T.rot under T.mask. Where no masked bit wraps, a
 // plain shift does it, which nvcc may issue as an IMAD on the FMA pipe: the k-loop's logic
 // operations keep the (half-rate) ALU pipe busy, and a funnel shift would add to them.
@@ -380,172 +339,140 @@ template <int E>
 MK_DEV uint32_t fp4_pair(uint32_t w) {
   return fp4_term<E, 0>(w) | fp4_term<E, 1>(w);
 }
-// The fp4 GEMMs' per-warp partials [WARPS][16 tokens][chunks * 16 rows] live after the staged
-// operand (16 rows of K) in abuf: plan.py checks they fit (plan.py fp4_abuf_need).
-template <int K>
-MK_DEV float* fp4_red_of(const Blk& b) {
-  return reinterpret_cast<float*>(b.abuf + 16 * a_stride<K>());
+// The 32-bit word of a scale plane holding steps 4G..4G+3 (SR == 2: the plane's one half-word).
+template <int SR>
+MK_DEV uint32_t plane_word(const unsigned char* plane, int G) {
+  if constexpr (SR >= 4) return *reinterpret_cast<const uint32_t*>(plane + 4 * G);
+  else return *reinterpret_cast<const uint16_t*>(plane);
 }
-template <int K, int RG, int SW>
-MK_DEV constexpr int fp4_group_bytes() { return RG * (K / 2) + (SW > 0 ? 0 : ROW_PAD); }
-template <int ROWS, int CR, int RG, int SW, int SP, bool SPL, int K>
+// A unit's results, [16 tokens][ROWS] fp32 in `red` (gemm_fp4; only the slot's token rows are written)
+template <int ROWS>
+MK_DEV float fp4_out(const Blk& b, int t, int n) {
+  return b.red[t * ROWS + n];
+}
+// Chunk c of a unit (tiling.tile_fp4_*): the ROWS rows' KC/2 code bytes ([ROWS][KC/2], 16-byte
+// unit u of row r at u ^ (r % SW)), then their KC/16 scale bytes ([ROWS][2][KC/32]: plane h holds
+// k16 half h of each of the chunk's SR = KC/32 steps), each one bulk copy.
+// Warp w owns the 16-row tiles w + NTW * i (i < RT) over all of K: its accumulators run through
+// every chunk, so no warp's partial meets another's (a k-split across warps left [WARPS][16]
+// partial tiles per chunk in shared memory, 64 KB for a 256-row gate/up unit, which took the
+// ring's third stage at shard8). Per k32 step a warp loads the step's activation B fragment once
+// and multiplies both its tiles by it. Warps w >= NTW (units of fewer than 16 * WARPS rows, tiny
+// configs only) only pass the chunks through.
+// The code words come by ldmatrix: a step's 16 code bytes of a row are one 8x8-b16 matrix row,
+// and thread (g, t) receives word t of row g of each matrix, the word it decodes. Matrix m of an
+// x4 is (row r0 + 8 (m & 1), step m >> 1), so one instruction brings two steps of both rows.
+// Lane l addresses row (l & 7) + 8 ((l >> 3) & 1) of matrix l >> 3; the rows of a tile are
+// multiples of 8 apart, so the swizzle of a lane's row, (l & 7) % SW, is a per-lane constant.
+// Steps go in groups of GS (unrolled: constant offsets, one scale word per row) and the groups of
+// a chunk in a rolled loop.
+template <int ROWS, int KC, int K, int SW>
 MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
-  constexpr int NCH = ROWS / CR, NT16C = CR / 16, WPT = WARPS / NT16C, KS32 = K / 32, AS = a_stride<K>();
-  constexpr int SPW = (KS32 + WPT - 1) / WPT;
-  constexpr int GS = SPW % 4 == 0 ? 4 : (SPW % 2 == 0 ? 2 : 1);  // 8: -0.3%, but the profiled build spilled
-  constexpr int RC = NCH * 16;  // partial columns per warp: its 16-row tile of each chunk
-  // a group's scale bytes start at row * K/16 + 2 * (SPW * (w / NT16C) + GS * group): their alignment
-  constexpr int SALIGN = lowbit(K / 16) < lowbit(2 * GS) ? lowbit(K / 16) : lowbit(2 * GS);
-  static_assert(ROWS % CR == 0 && CR % 16 == 0 && WARPS % NT16C == 0 && K % 32 == 0, "fp4 tile shape");
-  static_assert(16 * AS + WARPS * 16 * RC * 4 <= ABUF_BYTES, "partials fit abuf's tail (plan.py fp4_abuf_need)");
-  constexpr int GSZ = fp4_group_bytes<K, RG, SW>();  // smem bytes per group of RG code rows
-  static_assert(CR % RG == 0 && ((CR / RG) * GSZ) % 16 == 0, "whole groups; scales start 16-byte aligned");
-  // Swizzled rows (SW > 0): a lane's unit j0 + y (+ ls) lies at (y % PER + ls) ^ (lr % PER) within its
-  // period, a per-lane constant for each y % PER, since a warp's steps start on a whole period
-  // (fp4_layout.swizzle_width divides SPW). NB such bases per lane; the k-loop walks super-groups of
-  // SG steps (whole periods and whole groups) so that each load's base and offset are constants.
-  constexpr int PER = SW > 0 ? SW : 1, SG = GS > PER ? GS : PER;
-  constexpr int NB = GS == 1 ? PER : (PER > 2 ? PER / 2 : 1);
-  static_assert(SW == 0 || (RG == CR && SPW % PER == 0 && (K / 32) % PER == 0 && PER <= FP4_SWIZZLE_MAX &&
-                            (PER & (PER - 1)) == 0),
-                "swizzled rows: one code copy per chunk, whole periods per warp (fp4_layout.swizzle_width)");
-  // SP > 0: the scale rows (K/16 bytes: 16-byte units of 8 steps) are swizzled too, unit u of
-  // scale row r at u ^ ((r / (MAX / SP)) % SP), MAX = FP4_SWIZZLE_MAX (fp4_layout.scale_swizzle),
-  // so that the 8 rows g of a 16-byte scale load fill the 8 bank groups; a super-group (8 steps)
-  // is one unit, one load. Unswizzled, rows K/16 = 128 bytes apart made each scale load an 8-way
-  // conflict.
-  constexpr int SPD = SP ? FP4_SWIZZLE_MAX / SP : 1, SPM = SP ? SP : 1;
-  static_assert(SP == 0 || (SG == 8 && SG == FP4_SWIZZLE_MAX && GS == 4 && FP4_SWIZZLE_MAX % SP == 0 && SP <= K / 256),
-                "a swizzled scale unit is one super-group (two groups of 4 steps) of whole units");
-  // SPL (fp4_layout.scale_planes): the unit's bytes are two planes, byte 8h + s = step s's scale of
-  // k16 half h. Thread t uses half t >> 1 alone (its code word's 8 values lie in it), so it loads
-  // its 8 bytes, and steps (2m, 2m+1) are half-word m % 2 of word m / 2: converted where they lie,
-  // where the interleaved unit needed a byte permute per two steps and row.
-  static_assert(!SPL || SP != 0, "scale planes come with swizzled scale rows");
-  const int w = warp(), q = w % NT16C, j0 = (w / NT16C) * SPW, g = lane() >> 2, t = lane() & 3;
-  const int r0 = q * 16 + g;  // this thread's rows within the chunk: r0 and r0 + 8
-  // The code words come by ldmatrix: a step's 16 code bytes of a row are one 8x8-b16 matrix row,
-  // and thread (g, t) receives word t of row g of each matrix, the word it decodes. Matrix m of an
-  // x4 is (row r0 + 8 (m & 1), step m >> 1), so one instruction brings two steps of both rows,
-  // where 32-bit loads took four. Lane l addresses row (l & 7) of matrix l >> 3. With the
-  // addresses converted once (SAddr) and the scale halves taken by operand selector, the shard8
-  // k-loop went from 43.4 to 37.9 SASS per k32 step and the step from 8.85 to 8.60 ms (in-run
-  // A/B, H200 2026-11-30 05:43Z; T=1 -1.2%, small -0.7%). The device words and scale planes
-  // (Plan.fp4_rotated, fp4_scale_planes) took the loop without the second tile from 39.4 to 34.4
-  // SASS per step (reports/results/megakernel/ab-device-words-20261130T1149Z-f83889e.md).
-  const int lr = q * 16 + (lane() & 7) + 8 * ((lane() >> 3) & 1), ls = lane() >> 4;
+  constexpr int NT16 = ROWS / 16, NTW = NT16 < WARPS ? NT16 : WARPS, RT = NT16 / NTW;
+  constexpr int SR = KC / 32, NCH = K / KC, AS = a_stride<K>();
+  constexpr int GS = SR < 4 ? SR : 4, NG = SR / GS;  // steps per group, groups per chunk
+  static_assert(ROWS % 16 == 0 && NT16 % NTW == 0 && RT <= 2, "whole 16-row tiles, at most two per warp");
+  static_assert(K % KC == 0 && SR >= 2 && (SR & (SR - 1)) == 0, "chunks of a power of two >= 2 of k32 steps");
+  static_assert(SW == (SR < FP4_SWIZZLE_MAX ? SR : FP4_SWIZZLE_MAX), "code swizzle period min(8, KC/32) (plan._tile)");
+  static_assert(16 * ROWS * 4 <= RED_BYTES, "the unit's results fit red (plan.red_bytes)");
+  const int w = warp(), g = lane() >> 2, t = lane() & 3;
+  if (w >= NTW) {  // no tile: pass each chunk (its stage is freed when every compute thread arrived)
+    for (int c = 0; c < NCH; ++c) {
+      ring_consume(b, what);
+      ring_release(b);
+    }
+    sync_compute();
+    return;
+  }
+  // this lane's code ldmatrix rows: tile row lr of tile w, steps 2p + ls; swizzle x = lr % SW
+  const int lr = (lane() & 7) + 8 * ((lane() >> 3) & 1), ls = lane() >> 4, x = (lane() & 7) % SW;
+  // lane offset of pair p < GS/2 of group 0 (the low two bits of the unit swizzle; with SW = 8 a
+  // group G's 4 units lie at 4G ^ (x & 4): one XOR per group, gx below)
+  int cofs[GS / 2];
+#pragma unroll
+  for (int p = 0; p < GS / 2; ++p) cofs[p] = (w * 16 + lr) * (KC / 2) + 16 * ((2 * p + ls) ^ (x & 3));
+  const int gx = SW == 8 ? 16 * (x & 4) : 0;
+  // this thread's rows of tile i: w * 16 + g (+ 8) + NTW * 16 * i; its scale plane: k16 half t >> 1
+  const int sofs = ROWS * (KC / 2) + (w * 16 + g) * (KC / 16) + (t >> 1) * SR;
   // ldmatrix x4 of an 8-token B tile: matrix m = the step's 16-byte column block m of tokens 0..7
-  const SAddr brow = saddr(b.abuf + (lane() & 7) * AS + (lane() >> 3) * 16 + j0 * 64);
+  const SAddr brow = saddr(b.abuf + (lane() & 7) * AS + (lane() >> 3) * 16);
   const bool two = ntok > 8;
-  const uint32_t ssel = (t >> 1) | ((2 + (t >> 1)) << 4) | 0x4400u;  // scale bytes of steps 2i, 2i+1
-  float* red = fp4_red_of<K>(b) + w * 16 * RC;
-  for (int c = 0; c < NCH; ++c) {
-    const unsigned char* st = ring_consume(b, what);
-    const unsigned char* lrow = st + (lr / RG) * GSZ + (lr % RG) * (K / 2) + j0 * 16;
-    SAddr crow[NB];  // crow[z]: this lane's address of unit z (GS == 1) or pair z (+ ls) of a period
+  // acc[a][n]: tile a (RT == 2) or step parity a (RT == 1: two chains for ILP), token tile n
+  float acc[2][2][4] = {};
+  auto chunk = [&](const unsigned char* st, int c, const bool tw) {
+    const SAddr cbase = saddr(st);
+    const SAddr bc = brow + c * SR * 64;
+MK_COLD_LOOP
+    for (int G = 0; G < NG; ++G) {
+      const int go = SW == 8 ? (64 * G) ^ gx : 64 * G;  // byte offset of group G's units in a row
+      uint32_t cw[RT][2 * GS];  // cw[i][4p + 2h + r]: tile i, row g + 8r, step 2p + h of the group
+      uint32_t sw[RT][2];       // scale words of tile i, rows g and g + 8
 #pragma unroll
-    for (int z = 0; z < NB; ++z) crow[z] = saddr(lrow + ((GS == 1 ? z : 2 * z + ls) ^ (lr % PER)) * 16);
-    const unsigned char* scales0 = st + (CR / RG) * GSZ + r0 * (K / 16) + (SP ? 0 : 2 * j0);
-    const unsigned char* scales1 = scales0 + 8 * (K / 16);
-    const int sx = (g / SPD) % SPM;  // scale swizzle of rows r0 and r0 + 8 (r0 % 8 == g); 0 when SP == 0
-    // acc[h][n]: step parity h (ILP), token tile n
-    float acc[2][2][4] = {};
-    // The k-loop, inlined twice: with the second token tile (tw) and without. Most slots have <= 8
-    // tokens (T=16 spreads 128 token-slots over ~50 experts); the predicated second tile in one
-    // shared copy cost 1.6% of a shard8 step (H200, 2026-11-29).
-    auto steps = [&](const bool tw) {
-#pragma unroll(2 * GS > SG ? 2 * GS / SG : 1)
-      for (int js = 0; js < SPW; js += SG) {
-        uint4 su0{}, su1{};  // SP: the super-group's scale unit of rows r0 and r0 + 8 (SPL: its plane t >> 1)
-        if constexpr (SP != 0) {
-          const int u = ((j0 + js) >> 3) ^ sx;
-          if constexpr (SPL) {
-            const uint2 p0 = *reinterpret_cast<const uint2*>(scales0 + 16 * u + 8 * (t >> 1));
-            const uint2 p1 = *reinterpret_cast<const uint2*>(scales1 + 16 * u + 8 * (t >> 1));
-            su0.x = p0.x, su0.y = p0.y, su1.x = p1.x, su1.y = p1.y;
-          } else {
-            su0 = *reinterpret_cast<const uint4*>(scales0 + 16 * u);
-            su1 = *reinterpret_cast<const uint4*>(scales1 + 16 * u);
-          }
-        }
+      for (int i = 0; i < RT; ++i) {
 #pragma unroll
-        for (int gi = 0; gi < SG / GS; ++gi) {
-          const int jg = js + gi * GS;
-          if constexpr (KS32 % WPT != 0) {
-            if (j0 + jg >= KS32) break;
-          }
-          uint32_t sw0[(GS + 1) / 2], sw1[(GS + 1) / 2];
-          if constexpr (SPL) {  // group gi is word gi of the plane (steps 4gi..4gi + 3)
-            sw0[0] = sw0[1] = gi ? su0.y : su0.x;
-            sw1[0] = sw1[1] = gi ? su1.y : su1.x;
-          } else if constexpr (SP != 0) {  // GS == 4: group gi is words 2gi, 2gi + 1 of the unit
-            sw0[0] = gi ? su0.z : su0.x, sw0[1] = gi ? su0.w : su0.y;
-            sw1[0] = gi ? su1.z : su1.x, sw1[1] = gi ? su1.w : su1.y;
-          } else {
-            load_scales<GS, SALIGN>(scales0 + 2 * jg, sw0);
-            load_scales<GS, SALIGN>(scales1 + 2 * jg, sw1);
-          }
-          // cw[4p + 2h + r]: row r0 + 8r, step jg + 2p + h (GS = 1: cw[r], step jg)
-          uint32_t cw[GS == 1 ? 2 : 2 * GS];
-          if constexpr (GS == 1) {
-            ldsm_x2(cw, crow[gi % PER] + (js + gi / PER * PER) * 16);
-          } else {
+        for (int p = 0; p < GS / 2; ++p) ldsm_x4(cw[i] + 4 * p, cbase + (cofs[p] + go + i * NTW * 16 * (KC / 2)));
+        const unsigned char* sp = st + sofs + i * NTW * 16 * (KC / 16);
+        sw[i][0] = plane_word<SR>(sp, G);
+        sw[i][1] = plane_word<SR>(sp + 8 * (KC / 16), G);
+      }
 #pragma unroll
-            for (int p = 0; p < GS / 2; ++p) {
-              const int y = gi * GS + 2 * p;  // the pair's first step within the super-group
-              ldsm_x4(cw + 4 * p, crow[y % PER / 2] + (js + y / PER * PER) * 16);
-            }
-          }
+      for (int s = 0; s < GS; ++s) {
+        uint32_t bt[4], bu[4];
+        ldsm_x4(bt, bc + (G * GS + s) * 64);
+        if (tw) ldsm_x4(bu, bc + 8 * AS + (G * GS + s) * 64);
 #pragma unroll
-          for (int i = 0; i < GS; ++i) {
-            // the block scales * 2^FP4_SCALE_EXP of steps 2m (low half) and 2m+1 (high half): one
-            // conversion for both steps, and each multiply takes its step's half by operand selector
-            uint32_t s0, s1;
-            if constexpr (SPL) {  // half-word i / 2 of the group's word
-              s0 = (i & 2) ? ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 1>(sw0[0])
-                           : ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 0>(sw0[0]);
-              s1 = (i & 2) ? ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 1>(sw1[0])
-                           : ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 0>(sw1[0]);
-            } else {
-              s0 = ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw0[i / 2], 0u, ssel));
-              s1 = ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP>(prmt(sw1[i / 2], 0u, ssel));
-            }
-            auto scaled = [&](uint32_t pair, uint32_t s) {
-              return (i & 1) ? hmul2_bcast<1>(pair, s) : hmul2_bcast<0>(pair, s);
-            };
-            const uint32_t w0 = cw[GS == 1 ? 0 : 4 * (i / 2) + 2 * (i & 1)];
-            const uint32_t w1 = cw[GS == 1 ? 1 : 4 * (i / 2) + 2 * (i & 1) + 1];
-            // A fragments: a0 = (row g, k 2t..), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, ...)
-            const uint32_t am1[4] = {scaled(fp4_pair<0>(w0), s0), scaled(fp4_pair<0>(w1), s1),
-                                     scaled(fp4_pair<1>(w0), s0), scaled(fp4_pair<1>(w1), s1)};
-            const uint32_t am2[4] = {scaled(fp4_pair<2>(w0), s0), scaled(fp4_pair<2>(w1), s1),
-                                     scaled(fp4_pair<3>(w0), s0), scaled(fp4_pair<3>(w1), s1)};
-            uint32_t bt[4];
-            ldsm_x4(bt, brow + (jg + i) * 64);
-            const uint32_t b1[2] = {bt[0], bt[1]}, b2[2] = {bt[2], bt[3]};
-            mma(acc[i & 1][0], am1, b1);
-            mma(acc[i & 1][0], am2, b2);
-            if (tw) {
-              ldsm_x4(bt, brow + 8 * AS + (jg + i) * 64);
-              const uint32_t c1[2] = {bt[0], bt[1]}, c2[2] = {bt[2], bt[3]};
-              mma(acc[i & 1][1], am1, c1);
-              mma(acc[i & 1][1], am2, c2);
-            }
+        for (int i = 0; i < RT; ++i) {
+          // the block scales * 2^FP4_SCALE_EXP of steps 2m (low half) and 2m+1 (high half) of the
+          // group: one conversion for both, and each multiply takes its step's half by selector
+          const uint32_t s0 = (s & 2) ? ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 1>(sw[i][0])
+                                      : ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 0>(sw[i][0]);
+          const uint32_t s1 = (s & 2) ? ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 1>(sw[i][1])
+                                      : ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 0>(sw[i][1]);
+          auto scaled = [&](uint32_t pair, uint32_t sc) {
+            return (s & 1) ? hmul2_bcast<1>(pair, sc) : hmul2_bcast<0>(pair, sc);
+          };
+          const uint32_t w0 = cw[i][4 * (s / 2) + 2 * (s & 1)], w1 = cw[i][4 * (s / 2) + 2 * (s & 1) + 1];
+          // A fragments: a0 = (row g, k 2t..), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, ...)
+          const uint32_t am1[4] = {scaled(fp4_pair<0>(w0), s0), scaled(fp4_pair<0>(w1), s1),
+                                   scaled(fp4_pair<1>(w0), s0), scaled(fp4_pair<1>(w1), s1)};
+          const uint32_t am2[4] = {scaled(fp4_pair<2>(w0), s0), scaled(fp4_pair<2>(w1), s1),
+                                   scaled(fp4_pair<3>(w0), s0), scaled(fp4_pair<3>(w1), s1)};
+          float (&d)[2][4] = acc[RT == 2 ? i : (s & 1)];
+          const uint32_t b1[2] = {bt[0], bt[1]}, b2[2] = {bt[2], bt[3]};
+          mma(d[0], am1, b1);
+          mma(d[0], am2, b2);
+          if (tw) {
+            const uint32_t c1[2] = {bu[0], bu[1]}, c2[2] = {bu[2], bu[3]};
+            mma(d[1], am1, c1);
+            mma(d[1], am2, c2);
           }
         }
       }
-    };
-    if (two) steps(true);  // two copies of the loop: see `steps`
-    else steps(false);
+    }
+  };
+MK_COLD_LOOP
+  for (int c = 0; c < NCH; ++c) {
+    const unsigned char* st = ring_consume(b, what);
+    // two copies of the k-loop, with and without the second token tile. Most slots have <= 8
+    // tokens (T=16 spreads 128 token-slots over ~50 experts); the predicated second tile in one
+    // shared copy cost 1.6% of a shard8 step (H200, 2026-11-29).
+    if (two) chunk(st, c, true);
+    else chunk(st, c, false);
     ring_release(b);
-    // this warp's partial of its 16-row tile of chunk c: red[w][token][c * 16 + row % 16]
-    // (C fragment: c0 = (row g, token 2t), c1 = (row g, 2t+1), c2 = (row g+8, 2t), c3 = (row g+8, 2t+1))
-    for (int n = 0; n < (two ? 2 : 1); ++n) {
-      const int tok = 8 * n + 2 * t, col = c * 16 + g;
-      red[tok * RC + col] = acc[0][n][0] + acc[1][n][0];
-      red[(tok + 1) * RC + col] = acc[0][n][1] + acc[1][n][1];
-      red[tok * RC + col + 8] = acc[0][n][2] + acc[1][n][2];
-      red[(tok + 1) * RC + col + 8] = acc[0][n][3] + acc[1][n][3];
+  }
+  // results of the slot's token rows: red[token][row] (C fragment: c0 = (row g, token 2t), c1 =
+  // (row g, 2t+1), c2 = (row g+8, 2t), c3 = (row g+8, 2t+1)); RT == 1 sums its two chains in order
+#pragma unroll
+  for (int i = 0; i < RT; ++i) {
+    const int row = (w + NTW * i) * 16 + g;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      float v[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) v[k] = RT == 2 ? acc[i][n][k] : acc[0][n][k] + acc[1][n][k];
+      const int tok = 8 * n + 2 * t;
+      if (tok < ntok) b.red[tok * ROWS + row] = v[0], b.red[tok * ROWS + row + 8] = v[2];
+      if (tok + 1 < ntok) b.red[(tok + 1) * ROWS + row] = v[1], b.red[(tok + 1) * ROWS + row + 8] = v[3];
     }
   }
   sync_compute();
@@ -569,17 +496,6 @@ MK_DEV void gemm_stash(Blk& b, const Bf16Acc& acc) {
     }
   }
   sync_compute();
-}
-
-// fp4 output (token t < ntok, tile row n): the warps w = q + k*(CR/16) that own its 16-row tile, in order.
-template <int ROWS, int CR, int K>
-MK_DEV float gemm_sum_rows(const Blk& b, int t, int n) {
-  constexpr int NT16C = CR / 16, WPT = WARPS / NT16C, RC = (ROWS / CR) * 16;
-  const int q = (n % CR) / 16, col = (n / CR) * 16 + n % 16;
-  const float* red = fp4_red_of<K>(b);
-  float s = 0.f;
-  for (int k = 0; k < WPT; ++k) s += red[(q + k * NT16C) * 16 * RC + t * RC + col];
-  return s;
 }
 
 // Output (token t, feature n of the unit): the warps that share its 16-row tile, in order.
@@ -650,22 +566,27 @@ MK_DEV bool produce_bf16(const Blk& b, const uint16_t* W, int unit, unsigned& c,
   return true;
 }
 
-// `row(r)` maps tile row r to a weight row; the CR rows of a chunk are consecutive weight rows:
-// CR/RG copies of RG*K/2 bytes of codes (lane i: rows i*RG.., into a padded group; swizzled rows,
-// SW > 0: one copy, no pad) and one of CR x K/16 bytes of scales (by the next lane).
-template <int ROWS, int CR, int RG, int SW, int K, typename RowMap>
-MK_DEV bool produce_fp4(const Blk& b, const uint8_t* codes, const uint8_t* scales, RowMap row, unsigned& c,
+// The chunks of an fp4 unit from the kernel's copy of its expert's [N, K] matrix
+// (tiling.tile_fp4_*: blocks of KC columns of all N rows, [K/KC][N][KC/2] codes, [K/KC][N][KC/16]
+// scales): the unit's rows are RUNS runs of ROWS/RUNS consecutive rows, run r from row run0(r)
+// (a gate/up unit: its gate rows and the matching up rows), each run's codes and scales of a
+// chunk one bulk copy (lanes r and RUNS + r), landing as gemm_fp4 reads them: [ROWS][KC/2] codes,
+// then [ROWS][KC/16] scales.
+template <int ROWS, int KC, int K, int N, int RUNS, typename Run0>
+MK_DEV bool produce_fp4(const Blk& b, const uint8_t* codes, const uint8_t* scales, Run0 run0, unsigned& c,
                         uint32_t what) {
-  static_assert((CR * (K / 16)) % 16 == 0 && (K / 2) % 16 == 0, "bulk copies move multiples of 16 bytes");
-  for (int ch = 0; ch < ROWS / CR; ++ch, ++c) {
-    if (!ring_produce_begin(b, c, CR * (K / 2 + K / 16), what)) return false;
+  constexpr int RR = ROWS / RUNS;
+  constexpr unsigned CB = RR * (KC / 2), SB = RR * (KC / 16);  // one run's bytes
+  static_assert(ROWS % RUNS == 0 && CB % 16 == 0 && SB % 16 == 0, "bulk copies move multiples of 16 bytes");
+  static_assert(2 * RUNS <= 32, "a lane per copy");
+  for (int ch = 0; ch < K / KC; ++ch, ++c) {
+    if (!ring_produce_begin(b, c, RUNS * (CB + SB), what)) return false;
     unsigned char* st = stage_of(b, c);
     uint64_t* bar = &b.full[c % RING_STAGES];
-    const size_t r0 = static_cast<size_t>(row(ch * CR));
-    constexpr int GSZ = fp4_group_bytes<K, RG, SW>();
-    static_assert(CR / RG <= 32 && (SW == 0 || RG == CR), "one lane per code group");
-    if (lane() < CR / RG) bulk_copy(st + lane() * GSZ, codes + (r0 + lane() * RG) * (K / 2), RG * (K / 2), bar);
-    if (lane() == (CR / RG) % 32) bulk_copy(st + (CR / RG) * GSZ, scales + r0 * (K / 16), CR * (K / 16), bar);
+    const int l = lane() % RUNS;
+    const size_t row = static_cast<size_t>(ch) * N + run0(l);  // the run's first row in block ch
+    if (lane() < RUNS) bulk_copy(st + l * CB, codes + row * (KC / 2), CB, bar);
+    else if (lane() < 2 * RUNS) bulk_copy(st + ROWS * (KC / 2) + l * SB, scales + row * (KC / 16), SB, bar);
   }
   return true;
 }

@@ -516,17 +516,20 @@ MK_DEV void hot_prefetch(const Blk& b, int layer) {
         break;
       }
       const int j = u % tiles;
+      // the unit's runs of rows in each column block of the kernel's copy (produce_fp4)
       if (which == 0) {  // gate rows j*H1.. and up rows F + j*H1.. (load_expert1)
-        const size_t base = static_cast<size_t>(e) * (2 * F);
-        for (int half = 0; half < 2; ++half) {
-          const size_t r0 = base + (half ? F : 0) + static_cast<size_t>(j) * H1;
-          budget -= prefetch_inside(L.w1_codes + r0 * (P / 2), static_cast<size_t>(H1) * (P / 2));
-          budget -= prefetch_inside(L.w1_scales + r0 * (P / 16), static_cast<size_t>(H1) * (P / 16));
-        }
+        for (int ch = 0; ch < P / TILE_EXPERT1_KC; ++ch)
+          for (int half = 0; half < 2; ++half) {
+            const size_t r0 = (static_cast<size_t>(e) * P / TILE_EXPERT1_KC + ch) * (2 * F) + half * F + j * H1;
+            budget -= prefetch_inside(L.w1_codes + r0 * (TILE_EXPERT1_KC / 2), static_cast<size_t>(H1) * (TILE_EXPERT1_KC / 2));
+            budget -= prefetch_inside(L.w1_scales + r0 * (TILE_EXPERT1_KC / 16), static_cast<size_t>(H1) * (TILE_EXPERT1_KC / 16));
+          }
       } else {  // rows j*N2.. (load_expert2)
-        const size_t r0 = static_cast<size_t>(e) * P + static_cast<size_t>(j) * N2;
-        budget -= prefetch_inside(L.w2_codes + r0 * (F / 2), static_cast<size_t>(N2) * (F / 2));
-        budget -= prefetch_inside(L.w2_scales + r0 * (F / 16), static_cast<size_t>(N2) * (F / 16));
+        for (int ch = 0; ch < F / TILE_EXPERT2_KC; ++ch) {
+          const size_t r0 = (static_cast<size_t>(e) * F / TILE_EXPERT2_KC + ch) * P + j * N2;
+          budget -= prefetch_inside(L.w2_codes + r0 * (TILE_EXPERT2_KC / 2), static_cast<size_t>(N2) * (TILE_EXPERT2_KC / 2));
+          budget -= prefetch_inside(L.w2_scales + r0 * (TILE_EXPERT2_KC / 16), static_cast<size_t>(N2) * (TILE_EXPERT2_KC / 16));
+        }
       }
     }
   }

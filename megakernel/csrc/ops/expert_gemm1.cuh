@@ -11,7 +11,7 @@ namespace mk {
 
 constexpr int H1 = TILE_EXPERT1_ROWS / 2;  // gate rows (and up rows) per unit
 constexpr int EXP1_TILES = F / H1;
-static_assert(F % H1 == 0 && H1 % TILE_EXPERT1_CR == 0, "a chunk holds gate rows or up rows, never both");
+static_assert(F % H1 == 0 && H1 % 16 == 0, "a 16-row tile holds gate rows or up rows, never both");
 
 MK_DEV bool load_expert1(const Blk& b, LoaderSlot& ls, int layer, int unit, unsigned& c, uint32_t what) {
   const Params& p = *b.p;
@@ -20,8 +20,8 @@ MK_DEV bool load_expert1(const Blk& b, LoaderSlot& ls, int layer, int unit, unsi
   const int e = loader_expert(b, ls, layer, s);
   const uint8_t* codes = L.w1_codes + static_cast<size_t>(e) * (2 * F) * (P / 2);
   const uint8_t* scales = L.w1_scales + static_cast<size_t>(e) * (2 * F) * (P / 16);
-  auto row = [j](int r) { return r < H1 ? j * H1 + r : F + j * H1 + (r - H1); };
-  return produce_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, TILE_EXPERT1_RG, TILE_EXPERT1_SW, P>(b, codes, scales, row, c, what);
+  auto run0 = [j](int r) { return r * F + j * H1; };  // run 0: gate rows j*H1.., run 1: the up rows F + j*H1..
+  return produce_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_KC, P, 2 * F, 2>(b, codes, scales, run0, c, what);
 }
 
 MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
@@ -30,14 +30,14 @@ MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
   const SlotInfo si = slot_info<false>(b, layer, s, tag);
   const int ntok = si.ntok;
   stage_gather_rows<P>(b, p.pooled, ntok, tag);  // the slot's tokens: read by slot_info
-  gemm_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, TILE_EXPERT1_RG, TILE_EXPERT1_SW, TILE_EXPERT1_SSW, TILE_EXPERT1_SPL, P>(b, ntok, what);
+  gemm_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_KC, P, TILE_EXPERT1_SW>(b, ntok, what);
   const float ts = si.tscale;
   // only the slot's token rows (a slot has ~3 of its 16 at T=16): no pass over rows it lacks
 MK_COLD_LOOP
   for (int i = tid(); i < ntok * H1; i += COMPUTE_THREADS) {
     const int r = i / H1, f = i % H1;
-    const float g = gemm_sum_rows<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, P>(b, r, f) * ts;
-    const float u = gemm_sum_rows<TILE_EXPERT1_ROWS, TILE_EXPERT1_CR, P>(b, r, H1 + f) * ts;
+    const float g = fp4_out<TILE_EXPERT1_ROWS>(b, r, f) * ts;
+    const float u = fp4_out<TILE_EXPERT1_ROWS>(b, r, H1 + f) * ts;
     const float silu = g * (1.f / (1.f + fexp(-g)));
     p.act[(s * 16 + r) * F + j * H1 + f] = f2bf(silu * u);
   }

@@ -1,5 +1,5 @@
 // expert_gemm2: down projection of one routed expert (NVFP4). Unit = (slot s, N2 output features
-// j*N2..), streamed as chunks of TILE_EXPERT2_CR rows. y[s][i][c] = bf16(fp32 accumulator * the expert's tensor scale).
+// j*N2..), streamed in chunks of TILE_EXPERT2_KC columns. y[s][i][c] = bf16(fp32 accumulator * the expert's tensor scale).
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
@@ -17,8 +17,7 @@ MK_DEV bool load_expert2(const Blk& b, LoaderSlot& ls, int layer, int unit, unsi
   const int e = loader_expert(b, ls, layer, s);
   const uint8_t* codes = L.w2_codes + static_cast<size_t>(e) * P * (F / 2);
   const uint8_t* scales = L.w2_scales + static_cast<size_t>(e) * P * (F / 16);
-  auto row = [j](int r) { return j * N2 + r; };
-  return produce_fp4<N2, TILE_EXPERT2_CR, TILE_EXPERT2_RG, TILE_EXPERT2_SW, F>(b, codes, scales, row, c, what);
+  return produce_fp4<N2, TILE_EXPERT2_KC, F, P, 1>(b, codes, scales, [j](int) { return j * N2; }, c, what);
 }
 
 MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
@@ -28,13 +27,13 @@ MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
   const int ntok = si.ntok;
   const uint16_t* rows = p.act + static_cast<size_t>(s) * 16 * F;
   stage_gather_perm<F>(b, rows, ntok, [](int i) { return i; }, tag);
-  gemm_fp4<N2, TILE_EXPERT2_CR, TILE_EXPERT2_RG, TILE_EXPERT2_SW, TILE_EXPERT2_SSW, TILE_EXPERT2_SPL, F>(b, ntok, what);
+  gemm_fp4<N2, TILE_EXPERT2_KC, F, TILE_EXPERT2_SW>(b, ntok, what);
   const float ts = si.tscale;
   // only the slot's token rows (a slot has ~3 of its 16 at T=16): no pass over rows it lacks
 MK_COLD_LOOP
   for (int i = tid(); i < ntok * N2; i += COMPUTE_THREADS) {
     const int r = i / N2, n = i % N2;
-    p.yexp[(s * 16 + r) * P + j * N2 + n] = f2bf(gemm_sum_rows<N2, TILE_EXPERT2_CR, F>(b, r, n) * ts);
+    p.yexp[(s * 16 + r) * P + j * N2 + n] = f2bf(fp4_out<N2>(b, r, n) * ts);
   }
 }
 
