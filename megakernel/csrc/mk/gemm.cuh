@@ -350,15 +350,15 @@ template <int ROWS>
 MK_DEV float fp4_out(const Blk& b, int t, int n) {
   return b.red[t * ROWS + n];
 }
-// Chunk c of a unit (tiling.tile_fp4_*): the ROWS rows' KC/2 code bytes ([ROWS][KC/2], 16-byte
+// Chunk c of a unit, as produce_fp4 lands it: the ROWS rows' KC/2 code bytes ([ROWS][KC/2], 16-byte
 // unit u of row r at u ^ (r % SW)), then their KC/16 scale bytes ([ROWS][2][KC/32]: plane h holds
-// k16 half h of each of the chunk's SR = KC/32 steps), each one bulk copy.
+// k16 half h of each of the chunk's SR = KC/32 steps).
 // Warp w owns the 16-row tiles w + NTW * i (i < RT) over all of K: its accumulators run through
 // every chunk, so no warp's partial meets another's (a k-split across warps left [WARPS][16]
 // partial tiles per chunk in shared memory, 64 KB for a 256-row gate/up unit, which took the
 // ring's third stage at shard8). Per k32 step a warp loads the step's activation B fragment once
 // and multiplies both its tiles by it. Warps w >= NTW (units of fewer than 16 * WARPS rows, tiny
-// configs only) only pass the chunks through.
+// configs only) have no tile.
 // The code words come by ldmatrix: a step's 16 code bytes of a row are one 8x8-b16 matrix row,
 // and thread (g, t) receives word t of row g of each matrix, the word it decodes. Matrix m of an
 // x4 is (row r0 + 8 (m & 1), step m >> 1), so one instruction brings two steps of both rows.
@@ -376,14 +376,10 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
   static_assert(SW == (SR < FP4_SWIZZLE_MAX ? SR : FP4_SWIZZLE_MAX), "code swizzle period min(8, KC/32) (plan._tile)");
   static_assert(16 * ROWS * 4 <= RED_BYTES, "the unit's results fit red (plan.red_bytes)");
   const int w = warp(), g = lane() >> 2, t = lane() & 3;
-  if (w >= NTW) {  // no tile: pass each chunk (its stage is freed when every compute thread arrived)
-    for (int c = 0; c < NCH; ++c) {
-      ring_consume(b, what);
-      ring_release(b);
-    }
-    sync_compute();
-    return;
-  }
+  // a warp without a tile still passes each chunk (a stage is freed when every compute thread
+  // arrived) and meets the others at the same barrier instruction (synccheck: a block's threads
+  // at different bar.sync sites are divergent)
+  const bool has_tile = NTW == WARPS || w < NTW;
   // this lane's code ldmatrix rows: tile row lr of tile w, steps 2p + ls; swizzle x = lr % SW
   const int lr = (lane() & 7) + 8 * ((lane() >> 3) & 1), ls = lane() >> 4, x = (lane() & 7) % SW;
   // lane offset of pair p < GS/2 of group 0 (the low two bits of the unit swizzle; with SW = 8 a
@@ -456,14 +452,17 @@ MK_COLD_LOOP
     // two copies of the k-loop, with and without the second token tile. Most slots have <= 8
     // tokens (T=16 spreads 128 token-slots over ~50 experts); the predicated second tile in one
     // shared copy cost 1.6% of a shard8 step (H200, 2026-11-29).
-    if (two) chunk(st, c, true);
-    else chunk(st, c, false);
+    if (has_tile) {
+      if (two) chunk(st, c, true);
+      else chunk(st, c, false);
+    }
     ring_release(b);
   }
   // results of the slot's token rows: red[token][row] (C fragment: c0 = (row g, token 2t), c1 =
   // (row g, 2t+1), c2 = (row g+8, 2t), c3 = (row g+8, 2t+1)); RT == 1 sums its two chains in order
 #pragma unroll
   for (int i = 0; i < RT; ++i) {
+    if (!has_tile) break;
     const int row = (w + NTW * i) * 16 + g;
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
