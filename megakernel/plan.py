@@ -138,10 +138,11 @@ class GemmTile:
     kernel's copy of the codes and scales is stored in blocks of kc columns of all rows
     (tiling.tile_fp4_*), so a run of consecutive rows is one bulk copy (a gate/up unit's chunk is
     two runs). kc is the model's (fp4_kc), the rows the build's. Each compute warp owns whole
-    16-row tiles over all of K (gemm.cuh gemm_fp4), so no warp's partial sum meets another's. Code rows kc/2 bytes apart would put the 8 rows of a code
-    ldmatrix on the same banks: they are stored swizzled, 16-byte unit u of row r at
-    u ^ (r % swizzle) (fp4_layout.swizzle_units), and each row's scales in two planes, one per k16
-    half (fp4_layout.scale_planes), so a thread loads only the bytes of its half.
+    16-row tiles over all of K (gemm.cuh gemm_fp4), so no warp's partial sum meets another's.
+    Code rows kc/2 bytes apart would put the 8 rows of a code ldmatrix on the same banks: they are
+    stored swizzled, 16-byte unit u of row r at u ^ (r % swizzle) (fp4_layout.swizzle_units), and
+    each row's scales in two planes, one per k16 half (fp4_layout.scale_planes), so a thread loads
+    only the bytes of its half.
     """
 
     rows: int

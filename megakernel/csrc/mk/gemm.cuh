@@ -373,7 +373,7 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
   constexpr int GS = SR < 4 ? SR : 4, NG = SR / GS;  // steps per group, groups per chunk
   static_assert(ROWS % 16 == 0 && NT16 % NTW == 0 && RT <= 2, "whole 16-row tiles, at most two per warp");
   static_assert(K % KC == 0 && SR >= 2 && (SR & (SR - 1)) == 0, "chunks of a power of two >= 2 of k32 steps");
-  static_assert(SW == (SR < FP4_SWIZZLE_MAX ? SR : FP4_SWIZZLE_MAX), "code swizzle period min(8, KC/32) (plan._tile)");
+  static_assert(SW == (SR < FP4_SWIZZLE_MAX ? SR : FP4_SWIZZLE_MAX), "code swizzle period min(8, KC/32) (plan._expert_tile)");
   static_assert(16 * ROWS * 4 <= RED_BYTES, "the unit's results fit red (plan.red_bytes)");
   const int w = warp(), g = lane() >> 2, t = lane() & 3;
   // a warp without a tile still passes each chunk (a stage is freed when every compute thread
