@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -455,26 +456,72 @@ int main(int argc, char** argv) {
 """
 
 
-def test_emulator_refuses_misaligned_vector_loads_like_the_gpu(tmp_path):
-    """A 16-byte global load or an ldmatrix row at an address that is not 16-byte aligned faults
-    on the GPU ("misaligned address"); the emulation stops with the reason instead of reading."""
+def _emu_probe(tmp_path, source: str):
+    """Compile a probe program against the emulator; returns run(*args) -> its stdout, stripped."""
     import subprocess
 
     from megakernel.build import CSRC, EMU, MB_INC
 
     src = tmp_path / "probe.cpp"
-    src.write_text(_ALIGN_PROBE)
+    src.write_text(source)
     exe = tmp_path / "probe"
     subprocess.run(["g++", "-std=c++17", "-O1", "-w", f"-I{EMU / 'shim'}", f"-I{CSRC}", f"-I{EMU}", f"-I{MB_INC}",
                     str(src), str(EMU / "emu.cpp"), "-o", str(exe)], check=True, capture_output=True, timeout=300)
+    return lambda *args: subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True,
+                                        timeout=60).stdout.strip()
 
-    def run(which, offset):
-        return subprocess.run([str(exe), str(which), str(offset)], capture_output=True, text=True,
-                              timeout=60).stdout.strip()
 
+def test_emulator_refuses_misaligned_vector_loads_like_the_gpu(tmp_path):
+    """A 16-byte global load or an ldmatrix row at an address that is not 16-byte aligned faults
+    on the GPU ("misaligned address"); the emulation stops with the reason instead of reading."""
+    run = _emu_probe(tmp_path, _ALIGN_PROBE)
     assert run(0, 16) == "0|" and run(1, 32) == "0|"
     assert run(0, 4) == "1|block 0 thread 0: 16-byte global load not 16-byte aligned"
     assert run(1, 8).startswith("1|") and "ldmatrix row address not 16-byte aligned" in run(1, 8)
+
+
+_BARRIER_PROBE = r"""
+#define MK_HOST_EMU 1
+#include "mk/default_config.cuh"
+#include "mk/arch.cuh"
+#include <stdio.h>
+#include <stdlib.h>
+static int which;
+static void body(void*) {  // the compute warps meet at barrier 1 twice
+  const bool low = mk::warp() < mk::WARPS / 2;
+  if (which == 0) {  // one instruction each time
+    mk::sync_compute();
+    mk::sync_compute_or(low);
+  } else if (which == 1) {  // half the warps at another bar.sync (an early return with its own barrier)
+    if (low) mk::sync_compute();
+    else mk::sync_compute();
+  } else {  // half the warps at a bar.red.or where the others are at a bar.sync
+    if (low) mk::sync_compute();
+    else mk::sync_compute_or(true);
+  }
+}
+extern "C" int emu_launch(void (*)(void*), void*, int, int, int, unsigned long long, char*, int);
+int main(int argc, char** argv) {
+  which = atoi(argv[1]);
+  char err[600] = {0};
+  const int rc = emu_launch(body, nullptr, 2, mk::COMPUTE_THREADS, 0, 3, err, sizeof err);
+  printf("%d|%s\n", rc, err);
+}
+"""
+
+
+def test_emulator_refuses_a_barrier_reached_at_two_instructions(tmp_path):
+    """compute-sanitizer synccheck reports the threads of a block at different bar.sync (or
+    bar.red) instructions of one barrier as divergent (the H200's sanitize-step of d33beb1: warps
+    without a tile had left gemm_fp4 through a barrier of their own); the emulation stops there
+    too, naming both source lines."""
+    run = _emu_probe(tmp_path, _BARRIER_PROBE)
+    assert run(0) == "0|"
+    for which, kinds in ((1, ("", "")), (2, ("", "bar.red.or at "))):
+        out = run(which)
+        assert out.startswith("1|block ") and "threads of a block at different barrier instructions" in out, out
+        sites = re.findall(r"(bar\.red\.or at )?\S*probe\.cpp:(\d+)", out)
+        assert len(sites) == 2 and sites[0][1] != sites[1][1] and {k for k, _ in sites} == set(kinds), out
 
 
 def test_emulated_greedy_decoding_matches_reference(tiny):

@@ -22,6 +22,8 @@ struct Barrier {
   int expected = 0;
   unsigned gen = 0;
   bool acc = false, result = false;  // bar.red.or of the generation in progress / last completed
+  Site site{nullptr, 0};              // the barrier instruction of the generation in progress
+  bool reduce = false;                // ... and whether it is bar.red.or
 };
 struct Warp {
   Barrier bar;
@@ -106,25 +108,26 @@ void fail(const char* what) {
   for (;;) to_scheduler();  // never resumes
 }
 
-bool block_barrier_or(int id, int count, bool v) {
-  Barrier& b = g_blocks[g_cur->block].bars[id];
-  if (b.arrived == 0) b.acc = false;
-  b.acc = b.acc || v;
-  block_barrier(id, count);
-  return b.result;
+static void arrive_at(Barrier& b, int expected, Site site, bool reduce) {
+  if (b.arrived == 0) {
+    b.expected = expected, b.site = site, b.reduce = reduce;
+    return;
+  }
+  if (b.expected != expected) fail("named barrier used with different thread counts");
+  if (b.reduce != reduce || b.site.line != site.line || strcmp(b.site.file, site.file) != 0) {
+    char buf[600];
+    snprintf(buf, sizeof buf,
+             "threads of a block at different barrier instructions for one barrier: %s%s:%d and %s%s:%d "
+             "(compute-sanitizer synccheck reports this as divergent threads)",
+             b.reduce ? "bar.red.or at " : "", b.site.file, b.site.line, reduce ? "bar.red.or at " : "", site.file,
+             site.line);
+    fail(buf);
+  }
 }
 
-void block_barrier(int id, int count) {
-  Block& blk = g_blocks[g_cur->block];
-  Barrier& b = blk.bars[id];
-  const int expected = count ? count : g_block;
-  if (b.arrived == 0) {
-    b.expected = expected;
-  } else if (b.expected != expected) {
-    fail("named barrier used with different thread counts");
-  }
+static void barrier_wait(Barrier& b, int id) {
   const unsigned gen = b.gen;
-  if (++b.arrived == expected) {
+  if (++b.arrived == b.expected) {
     b.arrived = 0;
     b.result = b.acc;
     b.acc = false;
@@ -133,6 +136,21 @@ void block_barrier(int id, int count) {
     return;
   }
   wait_gen(b, gen, id == 0 ? "__syncthreads" : "named barrier");
+}
+
+bool block_barrier_or(int id, int count, bool v, Site site) {
+  Barrier& b = g_blocks[g_cur->block].bars[id];
+  arrive_at(b, count ? count : g_block, site, true);
+  if (b.arrived == 0) b.acc = false;
+  b.acc = b.acc || v;
+  barrier_wait(b, id);
+  return b.result;
+}
+
+void block_barrier(int id, int count, Site site) {
+  Barrier& b = g_blocks[g_cur->block].bars[id];
+  arrive_at(b, count ? count : g_block, site, false);
+  barrier_wait(b, id);
 }
 
 void warp_barrier() {

@@ -11,9 +11,14 @@ MK_DEV int bid() { return emu::cur_block(); }
 MK_DEV int nblocks() { return emu::grid_dim(); }
 MK_DEV int nblocks_here() { return emu::grid_dim(); }
 MK_DEV unsigned char* smem() { return emu::cur_smem(); }
-MK_DEV void sync_compute() { emu::block_barrier(1, COMPUTE_THREADS); }
-MK_DEV bool sync_compute_or(bool v) { return emu::block_barrier_or(1, COMPUTE_THREADS, v); }
-MK_DEV void sync_block() { emu::block_barrier(0, 0); }
+// the caller's file:line (GCC/Clang builtins as default arguments) names the barrier instruction
+MK_DEV void sync_compute(const char* f = __builtin_FILE(), int l = __builtin_LINE()) {
+  emu::block_barrier(1, COMPUTE_THREADS, {f, l});
+}
+MK_DEV bool sync_compute_or(bool v, const char* f = __builtin_FILE(), int l = __builtin_LINE()) {
+  return emu::block_barrier_or(1, COMPUTE_THREADS, v, {f, l});
+}
+MK_DEV void sync_block(const char* f = __builtin_FILE(), int l = __builtin_LINE()) { emu::block_barrier(0, 0, {f, l}); }
 MK_DEV void syncwarp() { emu::warp_barrier(); }
 
 template <typename T>

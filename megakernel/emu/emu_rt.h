@@ -37,8 +37,12 @@ int grid_dim();
 int block_dim();
 unsigned char* cur_smem();
 void yield();
-void block_barrier(int id, int count);  // count 0: every thread of the block
-bool block_barrier_or(int id, int count, bool v);  // bar.red.or
+// `site` names the barrier instruction (its file:line in the kernel source): every arrival of
+// one generation must come from the same one, as compute-sanitizer synccheck wants on the GPU
+// (threads of a block at different bar.sync instructions for one barrier are "divergent")
+struct Site { const char* file; int line; };
+void block_barrier(int id, int count, Site site);  // count 0: every thread of the block
+bool block_barrier_or(int id, int count, bool v, Site site);  // bar.red.or
 void warp_barrier();
 void warp_exchange(const void* mine, int bytes, void* all);  // all = 32 * bytes, lane order
 void mbar_init(uint64_t* b, unsigned count);
