@@ -345,7 +345,9 @@ MK_DEV uint32_t plane_word(const unsigned char* plane, int G) {
   if constexpr (SR >= 4) return *reinterpret_cast<const uint32_t*>(plane + 4 * G);
   else return *reinterpret_cast<const uint16_t*>(plane);
 }
-// A unit's results, [16 tokens][ROWS] fp32 in `red` (gemm_fp4; only the slot's token rows are written)
+// A unit's results, [16 tokens][ROWS] fp32 in `red` (gemm_fp4; only the slot's token rows are
+// written). Danger: the next unit's gemm_fp4 overwrites them; its epilogue is safe only because
+// compute_loop puts a barrier between units.
 template <int ROWS>
 MK_DEV float fp4_out(const Blk& b, int t, int n) {
   return b.red[t * ROWS + n];
