@@ -33,11 +33,6 @@ def tiny():
     return cfg, w, base, make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
 
 
-# the expert unit sizes the fp4 geometry tests were written for (on 4 blocks plan.expert1_unit_rows
-# and expert2_unit_rows would pick others, with other chunks and k-runs per warp)
-UNITS_128_256 = dict(expert1_rows=128, expert2_rows=256)
-
-
 def _inputs(cfg, t, seed):
     g = torch.Generator().manual_seed(seed)
     par = tree.binary_ish(t) if t > 1 else [-1]

@@ -9,7 +9,7 @@ import torch
 
 from megakernel import tiling
 from megakernel.config import ConfigError, preset
-from megakernel.fp4_layout import from_rotated_words, scale_planes, swizzle_units, to_rotated_words
+from megakernel.fp4_layout import from_rotated_words, scale_planes
 from megakernel.plan import ROW_PAD, GemmTile, make_plan
 
 
