@@ -108,7 +108,10 @@ def _expert_tile(cap: int, k: int, budget: int, paired: bool) -> GemmTile:
     (fp4_kc(k) columns of all its rows) fits the stage budget; refused when even the smallest does
     not. paired: gate/up, half the rows gate rows (a 16-row tile is all gate or all up rows)."""
     kc = fp4_kc(k)
-    need = lambda r: r * kc * 9 // 16  # noqa: E731 (codes and scales of r rows)
+
+    def need(r: int) -> int:  # a chunk's bytes: codes and scales of r rows
+        return GemmTile(r, kc, k, True).stage_bytes
+
     rows = min(cap, EXPERT_MAX_ROWS)
     while need(rows) > budget and rows // 2 >= EXPERT_MIN_ROWS:
         rows //= 2
@@ -164,11 +167,6 @@ class GemmTile:
     @property
     def stage_bytes(self) -> int:
         return self.rows * (self.row_stride + (self.kc // 16 if self.fp4 else 0))
-
-    @property
-    def tx_bytes(self) -> int:
-        """Bytes the bulk copies of one chunk move."""
-        return self.stage_bytes
 
 
 def _tile(rows: int, k: int, stage_budget: int) -> GemmTile:
