@@ -106,13 +106,26 @@ MK_DEV int needed_group(const Blk& b, const Op& o, const Op& pr, int u) {
 
 MK_DEV uint32_t* counters(const Blk& b) { return b.p->counters + b.parity * b.p->n_counters; }
 
-// Thread 0: wait for dependency d of unit u of op instance i.
-MK_DEV bool wait_dep(const Blk& b, int i, const Op& o, int d, int u, uint32_t what) {
-  const Op pr = load_op(*b.p, o.dep_op[d]);
-  if (o.dep_mode[d] == DEP_ALL)
-    return wait_counter(*b.p, counters(b) + pr.counter, static_cast<uint32_t>(n_units(b, pr)), what);
+// Top-k's counter carries the layer's slot count above ROUTE_SHIFT (it has one unit, so its
+// waiters' target of 1 is unchanged): a routed op learns its unit count from the load that ends
+// its routing wait instead of reading n_slots in a second round trip after it.
+constexpr int ROUTE_SHIFT = 16;
+static_assert(T_MAX * TOPK < (1 << (32 - ROUTE_SHIFT)), "the slot count fits above ROUTE_SHIFT");
+static_assert(WARPS >= 3, "a routed op's dependencies (at most 3) are waited for by one warp each");
+MK_DEV int slot_tiles(int kind) { return kind == OP_EXPERT1 ? EXP1_TILES : EXP2_TILES; }
+
+// Thread 0: wait for dependency d of unit u of op instance i (the counter value that satisfied it:
+// wait_counter_seen).
+// The dependency is given as its producer's op index and its mode (Op.dep_op[d], dep_mode[d]).
+MK_DEV Seen wait_dep_seen(const Blk& b, const Op& o, int dep_op, int dep_mode, int u, uint32_t what) {
+  const Op pr = load_op(*b.p, dep_op);
+  if (dep_mode == DEP_ALL)
+    return wait_counter_seen(*b.p, counters(b) + pr.counter, static_cast<uint32_t>(n_units(b, pr)), what);
   const int g = needed_group(b, o, pr, u);
-  return wait_counter(*b.p, counters(b) + pr.group_base + g, static_cast<uint32_t>(group_size(b, pr)), what);
+  return wait_counter_seen(*b.p, counters(b) + pr.group_base + g, static_cast<uint32_t>(group_size(b, pr)), what);
+}
+MK_DEV bool wait_dep(const Blk& b, int i, const Op& o, int d, int u, uint32_t what) {
+  return wait_dep_seen(b, o, o.dep_op[d], o.dep_mode[d], u, what).ok;
 }
 // Thread 0: wait for what unit u needs, skipping what an earlier unit of this op instance on this
 // block already waited for (an "all" dependency once; a group dependency once per group). Each
@@ -187,7 +200,9 @@ MK_DEV void signal_op_end(const Blk& b, const Op& o, Pending& pd) {
   uint32_t* ctr = counters(b);
   if (pd.held) red_relaxed(ctr + o.group_base + (pd.held >> 16), pd.held & 0xffffu);
   if (pd.in_group) red_relaxed(ctr + o.group_base + pd.group, pd.in_group);
-  if (total) red_relaxed(ctr + o.counter, pd.total);
+  // top-k (one unit, so pd.total is 1) adds its slot count above ROUTE_SHIFT
+  const uint32_t route = o.kind == OP_TOPK ? static_cast<uint32_t>(b.misc[MISC_NSLOTS]) << ROUTE_SHIFT : 0u;
+  if (total) red_relaxed(ctr + o.counter, pd.total + route);
   detail_stamp(b, MK_EV_PUBLISH_END, 0);
   pd.held = pd.in_group = 0;
 }
@@ -308,12 +323,33 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
     // thread 0 of a recorded launch stamps: one test per op, not per unit
     const bool stamp = PROFILE && rec && tid() == 0;
     uint64_t t_route = 0;
+    // a routed op's "all" dependencies are all waited for here, at once: dependency d by lane 0
+    // of warp d, the routing (d = 0) by thread 0, whose counter carries the slot count. Waited
+    // for in turn, each after the routing had cost one more acquire round trip between top-k's
+    // signal and the op. One call site: the wait's code is inlined once.
+    uint32_t pre = 0u;  // bit d: dependency d is satisfied from here (DepCache)
     if (is_dynamic(o.kind)) {
       if (stamp) t_route = now_ns();
-      if (b.wait && tid() == 0) fail = !wait_dep(b, i, o, 0, 0, static_cast<uint32_t>(i * 16));
+      if (b.wait) {
+        // this warp's dependency from the op's record in global memory: indexing the register
+        // copy `o` by warp would put it on the stack
+        const int d = warp();
+        const int32_t* rec_d = b.p->program + i * OPINST_INTS + 8 + 2 * d;
+        if (lane() == 0 && d < o.n_deps && rec_d[1] == DEP_ALL) {
+          const Seen w = wait_dep_seen(b, o, rec_d[0], DEP_ALL, 0, static_cast<uint32_t>(i * 16 + d));
+          fail = !w.ok;
+          if (d == 0) b.misc[MISC_NSLOTS] = static_cast<int>(w.v >> ROUTE_SHIFT);
+        }
+#pragma unroll
+        for (int k = 0; k < 3; ++k)  // constant indices: `o` stays in registers
+          if (k < o.n_deps && o.dep_mode[k] == DEP_ALL) pre |= 1u << k;
+      } else if (tid() == 0) {
+        b.misc[MISC_NSLOTS] = ldg_cgi(b.p->n_slots);  // chain mode: top-k's launch has ended
+      }
       if (sync_compute_or(fail)) return;  // the routing is visible to every thread from here
     }
-    const UnitRange r = my_units(o, n_units(b, o));
+    const UnitRange r =
+        my_units(o, is_dynamic(o.kind) ? b.misc[MISC_NSLOTS] * slot_tiles(o.kind) : n_units(b, o));
     bool first_unit = true;
     // thread 0's bookkeeping, and the op record its waits and signals read, live in shared
     // memory: as registers they are live across every op's code (the record alone is 14 ints)
@@ -322,9 +358,8 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
     Pending& pd = *reinterpret_cast<Pending*>(b.misc + MISC_PEND);
     Op& o0 = *reinterpret_cast<Op*>(b.misc + MISC_OP);
     if (tid() == 0) {
-      // a dynamic op already waited for its first dependency (the routing) above: an "all" wait
-      // is not repeated for its first unit (one acquire round trip less on the critical path)
-      dc = DepCache{is_dynamic(o.kind) && o.dep_mode[0] == DEP_ALL ? 1u : 0u, {-1, -1, -1}};
+      // a dynamic op already waited for its "all" dependencies above: not repeated for its units
+      dc = DepCache{pre, {-1, -1, -1}};
       pd = Pending{0u, -1, 0u, 0u};
       o0 = o;
     }
@@ -548,12 +583,16 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
     if (KV_PREFETCH && o.kind == OP_ATTN && lane() == 0) kv_prefetch(b, o);
     if (!has_weights(o.kind)) continue;
     if (!loader_gate(b, i, first)) return;
+    int nslots = 0;  // a routed op's: from top-k's counter (compute_loop)
     if (is_dynamic(o.kind) && b.wait) {
-      int ok = 1;
-      if (lane() == 0) ok = wait_dep(b, i, o, 0, 0, static_cast<uint32_t>(i * 16) + WHAT_LOADER_ROUTE) ? 1 : 0;
-      if (!bcast_i(ok)) return;
+      Seen w{true, 0u};
+      if (lane() == 0) w = wait_dep_seen(b, o, o.dep_op[0], o.dep_mode[0], 0, static_cast<uint32_t>(i * 16) + WHAT_LOADER_ROUTE);
+      if (!bcast_i(w.ok ? 1 : 0)) return;
+      nslots = bcast_i(static_cast<int>(w.v >> ROUTE_SHIFT));
+    } else if (is_dynamic(o.kind)) {
+      nslots = ldg_cgi(b.p->n_slots);
     }
-    const UnitRange r = my_units(o, n_units(b, o));
+    const UnitRange r = my_units(o, is_dynamic(o.kind) ? nslots * slot_tiles(o.kind) : n_units(b, o));
     for (int u = r.begin; u < r.end; u += r.step)
       if (!load_unit(b, i, o, u, c, ls)) return;
   }

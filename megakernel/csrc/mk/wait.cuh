@@ -35,24 +35,32 @@ MK_DEV void report(const Params& p, uint32_t what, const void* addr, uint64_t ex
 }
 
 // Wait until a monotonically increasing counter (reset between steps) reaches `target`.
-// Acquire: data the producers released before bumping it is visible afterwards.
-MK_DEV bool wait_counter(const Params& p, const uint32_t* ctr, uint32_t target, uint32_t what) {
+// Acquire: data the producers released before bumping it is visible afterwards. Returns the value
+// that satisfied the wait (top-k's carries its slot count), and ok = false when it gave up.
+struct Seen {
+  bool ok;
+  uint32_t v;
+};
+MK_DEV Seen wait_counter_seen(const Params& p, const uint32_t* ctr, uint32_t target, uint32_t what) {
   uint32_t v = ld_acquire(ctr);
-  if (v >= target) return true;
+  if (v >= target) return Seen{true, v};
   const uint64_t t0 = now_ns();
   for (uint32_t i = 1;; ++i) {
     backoff(POLL_BACKOFF_NS);
     v = ld_acquire(ctr);
-    if (v >= target) return true;
+    if (v >= target) return Seen{true, v};
     if ((i & 63u) == 0u) {
       const uint64_t dt = now_ns() - t0;
       if (dt > SPIN_BOUND_NS) {
         report(p, what, ctr, target, v, dt);
-        return false;
+        return Seen{false, v};
       }
-      if (tripped(p)) return false;
+      if (tripped(p)) return Seen{false, v};
     }
   }
+}
+MK_DEV bool wait_counter(const Params& p, const uint32_t* ctr, uint32_t target, uint32_t what) {
+  return wait_counter_seen(p, ctr, target, what).ok;
 }
 
 // Wait for the completion of the mbarrier phase with the given parity.

@@ -23,12 +23,12 @@ MK_DEV bool load_expert2(const Blk& b, LoaderSlot& ls, int layer, int unit, unsi
 MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   const int s = unit / EXP2_TILES, j = unit % EXP2_TILES, tag = tag_of(TAG_EXP2, layer, s);
-  const SlotInfo si = slot_info<true>(b, layer, s, tag);
+  const SlotInfo si = slot_info<true>(b, s, tag);
   const int ntok = si.ntok;
+  const float ts = ldg_cgf(p.layers[layer].w2_ts + si.expert);  // waited for in the epilogue (slot.cuh)
   const uint16_t* rows = p.act + static_cast<size_t>(s) * 16 * F;
   stage_gather_perm<F>(b, rows, ntok, [](int i) { return i; }, tag);
   gemm_fp4<N2, TILE_EXPERT2_KC, F, TILE_EXPERT2_SW>(b, ntok, what);
-  const float ts = si.tscale;
   // only the slot's token rows (a slot has ~3 of its 16 at T=16): no pass over rows it lacks
 MK_COLD_LOOP
   for (int i = tid(); i < ntok * N2; i += COMPUTE_THREADS) {

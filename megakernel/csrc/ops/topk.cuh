@@ -206,6 +206,7 @@ MK_COLD_LOOP
         st_relaxed(p.hot_experts + layer * ((E + 31) / 32) + i, static_cast<uint32_t>(bitmap[i]));
     }
     *p.n_slots = acc;
+    b.misc[MISC_NSLOTS] = acc;  // published in top-k's counter (program.cuh signal_op_end)
   }
   sync_compute();
   auto slot_of = [bitmap, before](int e) {
