@@ -37,6 +37,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
     mbar_init(b.xbar, 1);
     fence_mbar_init();
     b.misc[MISC_TAG] = -1;
+    b.misc[MISC_SLOT + 2] = -1;  // no slot record (program.cuh slot_fetch)
     b.misc[MISC_RTAG] = -1;
     b.misc[MISC_OPS_DONE] = 0;
     if (PROF_DEFER) {

@@ -203,7 +203,7 @@ MK_DEV void stage_plain(Blk& b, const uint16_t* src, int tag) {
 }
 
 // Expert operand: `nrows` rows gathered from src, row i at src + rows[i] * K with the row indices
-// already in shared memory (MISC_ROWS: slot_info reads them), fp4 order.
+// already in shared memory (MISC_ROWS: program.cuh slot_fetch reads them), fp4 order.
 template <int K>
 MK_DEV void stage_gather_rows(Blk& b, const uint16_t* src, int nrows, int tag) {
   if (b.misc[MISC_TAG] == tag) return;

@@ -153,6 +153,28 @@ MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u, DepCache& dc) {
   return true;
 }
 
+// Warp 1, before the barrier that starts unit u of a routed op, while thread 0 waits for the
+// unit's dependencies: the unit's slot record (expert, token count; gate/up: its token list into
+// MISC_ROWS), tagged with the slot's operand tag, unless it is there already. Fetched after that
+// barrier (thread 0, then one more barrier), its round trip came after expert GEMM 2's wait for
+// the slot's gate/up group. Safe: every reader of the previous record passed the barrier after
+// the previous unit.
+MK_DEV void slot_fetch(Blk& b, int kind, int layer, int u) {
+  const int s = u / slot_tiles(kind), tag = tag_of(kind == OP_EXPERT1 ? TAG_EXP1 : TAG_EXP2, layer, s);
+  int* info = b.misc + MISC_SLOT;
+  const bool have = info[2] == tag;  // written by this warp before the last barrier
+  // Danger: lane 0 rewrites the tag below; a lane that read it afterwards would skip its row
+  syncwarp();
+  if (have) return;
+  const Params& p = *b.p;
+  if (kind == OP_EXPERT1 && lane() < 16) b.misc[MISC_ROWS + lane()] = ldg_cgi(p.slot_tok + s * 16 + lane());
+  if (lane() == 0) {
+    info[0] = ldg_cgi(p.slot_expert + s);
+    info[1] = ldg_cgi(p.slot_ntok + s);
+    info[2] = tag;
+  }
+}
+
 // Thread 0: units finished but not yet published. Counters are bumped once per group run and
 // once per op instance (not per unit): every consumer of an op needs all of it, or all of a
 // group, and a block never waits inside an op for its own pending signals (deps point to earlier
@@ -379,6 +401,8 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
           prof.stamp(ev_wait_begin(o.kind), i);
         }
       }
+      // the register copy of the op: o0 is published only by the barrier below
+      if (is_dynamic(o.kind) && warp() == 1) slot_fetch(b, o.kind, o.layer, u);
       if (b.wait && tid() == 0) fail = !wait_unit(b, i, o0, u, dc);
       if (first_unit) {
         if (tid() == 0) {

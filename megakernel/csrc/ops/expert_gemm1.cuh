@@ -27,10 +27,10 @@ MK_DEV bool load_expert1(const Blk& b, LoaderSlot& ls, int layer, int unit, unsi
 MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   const int s = unit / EXP1_TILES, j = unit % EXP1_TILES, tag = tag_of(TAG_EXP1, layer, s);
-  const SlotInfo si = slot_info<false>(b, s, tag);
+  const SlotInfo si = slot_info(b);
   const int ntok = si.ntok;
   const float ts = ldg_cgf(p.layers[layer].w1_ts + si.expert);  // waited for in the epilogue (slot.cuh)
-  stage_gather_rows<P>(b, p.pooled, ntok, tag);  // the slot's tokens: read by slot_info
+  stage_gather_rows<P>(b, p.pooled, ntok, tag);  // the slot's tokens: MISC_ROWS (slot_fetch)
   gemm_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_KC, P, TILE_EXPERT1_SW>(b, ntok, what);
   // only the slot's token rows (a slot has ~3 of its 16 at T=16): no pass over rows it lacks
 MK_COLD_LOOP

@@ -23,7 +23,7 @@ MK_DEV bool load_expert2(const Blk& b, LoaderSlot& ls, int layer, int unit, unsi
 MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   const int s = unit / EXP2_TILES, j = unit % EXP2_TILES, tag = tag_of(TAG_EXP2, layer, s);
-  const SlotInfo si = slot_info<true>(b, s, tag);
+  const SlotInfo si = slot_info(b);
   const int ntok = si.ntok;
   const float ts = ldg_cgf(p.layers[layer].w2_ts + si.expert);  // waited for in the epilogue (slot.cuh)
   const uint16_t* rows = p.act + static_cast<size_t>(s) * 16 * F;
