@@ -183,6 +183,24 @@ def test_emulated_mega_equals_chain_bitwise_and_matches_reference(tiny, ctx, t):
         check_close(a, b, "KV cache", rel=1e-2)
 
 
+def test_emulated_top_k_counter_carries_the_slot_count(tiny):
+    # program.cuh ROUTE_SHIFT: top-k adds 1 + (slots << 16) to its counter and the routed ops take
+    # their unit count from the value that ends their routing wait; the low half stays the units-
+    # done count every other waiter compares with top-k's one unit
+    cfg, w, base, plan = tiny
+    toks, par = _inputs(cfg, 16, 3)
+    _, routes = _reference(w, base.clone(), toks, par, 40)
+    eng = Engine(w, plan, base.clone(), backend="emu")
+    eng.step(toks, par, 40, mode="mega", routes=routes)
+    row = eng.counters[eng._dirty.index(True)]  # the step's parity (its argmax cleared the other)
+    topk = [o for o in eng.program.ops if o.kind == "topk"]
+    assert len(topk) == cfg.n_layers
+    for o in topk:
+        v = int(row[o.counter])
+        assert v & 0xFFFF == 1, (o.layer, hex(v))
+        assert v >> 16 == len(torch.unique(routes[o.layer])), (o.layer, hex(v))
+
+
 @pytest.mark.parametrize("t", [16, 5])
 def test_emulated_wide_normed_operand_by_bulk_copies(t):
     # d_model 1024: the norms' consumers stage the rows < T of bf16(x * g) by one bulk copy

@@ -30,6 +30,7 @@ struct Op {
 
 static_assert(sizeof(Op) <= 16 * sizeof(int), "thread 0's copy fits MISC_OP (block.cuh)");
 
+constexpr int OPREC_DEPS = 8;  // an op record's (producer, mode) pairs start here (program.py OpInst.encode)
 MK_DEV Op load_op(const Params& p, int i) {
   const int32_t* r = p.program + i * OPINST_INTS;
   Op o;
@@ -42,8 +43,8 @@ MK_DEV Op load_op(const Params& p, int i) {
   o.assign = r[6];
   o.n_deps = r[7];
   for (int d = 0; d < 3; ++d) {
-    o.dep_op[d] = r[8 + 2 * d];
-    o.dep_mode[d] = r[9 + 2 * d];
+    o.dep_op[d] = r[OPREC_DEPS + 2 * d];
+    o.dep_mode[d] = r[OPREC_DEPS + 1 + 2 * d];
   }
   o.signal = r[14];
   return o;
@@ -114,9 +115,8 @@ static_assert(T_MAX * TOPK < (1 << (32 - ROUTE_SHIFT)), "the slot count fits abo
 static_assert(WARPS >= 3, "a routed op's dependencies (at most 3) are waited for by one warp each");
 MK_DEV int slot_tiles(int kind) { return kind == OP_EXPERT1 ? EXP1_TILES : EXP2_TILES; }
 
-// Thread 0: wait for dependency d of unit u of op instance i (the counter value that satisfied it:
-// wait_counter_seen).
-// The dependency is given as its producer's op index and its mode (Op.dep_op[d], dep_mode[d]).
+// Wait for a dependency of unit u of op o, given as its producer's op index and its mode
+// (Op.dep_op[d], dep_mode[d]); returns the counter value that satisfied it (wait_counter_seen).
 MK_DEV Seen wait_dep_seen(const Blk& b, const Op& o, int dep_op, int dep_mode, int u, uint32_t what) {
   const Op pr = load_op(*b.p, dep_op);
   if (dep_mode == DEP_ALL)
@@ -124,6 +124,7 @@ MK_DEV Seen wait_dep_seen(const Blk& b, const Op& o, int dep_op, int dep_mode, i
   const int g = needed_group(b, o, pr, u);
   return wait_counter_seen(*b.p, counters(b) + pr.group_base + g, static_cast<uint32_t>(group_size(b, pr)), what);
 }
+// Thread 0: wait for dependency d of unit u of op instance i.
 MK_DEV bool wait_dep(const Blk& b, int i, const Op& o, int d, int u, uint32_t what) {
   return wait_dep_seen(b, o, o.dep_op[d], o.dep_mode[d], u, what).ok;
 }
@@ -356,7 +357,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
         // this warp's dependency from the op's record in global memory: indexing the register
         // copy `o` by warp would put it on the stack
         const int d = warp();
-        const int32_t* rec_d = b.p->program + i * OPINST_INTS + 8 + 2 * d;
+        const int32_t* rec_d = b.p->program + i * OPINST_INTS + OPREC_DEPS + 2 * d;
         if (lane() == 0 && d < o.n_deps && rec_d[1] == DEP_ALL) {
           const Seen w = wait_dep_seen(b, o, rec_d[0], DEP_ALL, 0, static_cast<uint32_t>(i * 16 + d));
           fail = !w.ok;

@@ -1,10 +1,10 @@
 // A routed slot's expert and token count, read once per slot instead of once per unit: a block
 // runs consecutive units of the same slot (contiguous assignment), and each of these reads is an
 // L2 round trip (the routing is written by another block in this launch). They are read while
-// thread 0 waits for the unit's dependencies, not after (program.cuh slot_fetch). The expert's tensor
-// scale is not read here: it depends on the expert (a second round trip before the barrier, on
-// the unit's critical path), and only the epilogue needs it, so the ops load it per thread
-// before their GEMM and wait for it after.
+// thread 0 waits for the unit's dependencies, not after (program.cuh slot_fetch). The expert's
+// tensor scale is not read here: it depends on the expert (a second round trip before the
+// barrier, on the unit's critical path), and only the epilogue needs it, so the ops load it per
+// thread before their GEMM and wait for it after.
 #pragma once
 #include "mk/block.cuh"
 #include "mk/layers.cuh"
