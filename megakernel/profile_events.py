@@ -9,6 +9,9 @@ names its layer too. With Plan.profile_detail, thread 0 also stamps inside the u
   ring_wait   waiting for a weight chunk to land in the ring (arg: the ring chunk number)
   attn_load   attention's Q and K/V loads of a round, to the barrier after them (arg: round)
   publish     releasing a done-counter (the release waits for the block's stores to drain)
+  fp4_tail    an expert GEMM unit's last chunk done (thread 0) to the barrier after every warp's
+              results (the slowest warp's lag)
+  epilogue    an expert unit's epilogue, to its stores issued
 which the host assigns to the <op> phase around them (pipeline.detail_by_op). Without detail
 stamps, thread 0 only saves each op's instants and the compute warps write the op records
 together later (program.cuh prof_flush): same records, off the critical path. The rendered
@@ -33,7 +36,11 @@ EVENTS.phase("attn_load", "attention: a round's K/V rows (and, in round 0, the Q
                           "memory, to the barrier after (arg = round)")
 EVENTS.phase("publish", "thread 0 releasing an op's or group's done-counter: waits for the block's stores "
                         "to reach L2 (arg: 0 the op's counter, 1 a group's)")
-DETAIL_PHASES = ("stage", "ring_wait", "attn_load", "publish")
+EVENTS.phase("fp4_tail", "expert GEMM: thread 0's last chunk done to every warp's results in shared memory "
+                         "(the barrier after them: the slowest warp's lag)")
+EVENTS.phase("epilogue", "expert GEMM: the unit's epilogue, from the results in shared memory to its stores "
+                         "issued (before the unit's closing barrier)")
+DETAIL_PHASES = ("stage", "ring_wait", "attn_load", "publish", "fp4_tail", "epilogue")
 
 
 def render_op_tables() -> str:

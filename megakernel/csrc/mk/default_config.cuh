@@ -252,7 +252,11 @@ constexpr int FP4_SWIZZLE_MAX = 8;
 #define MK_EV_ATTN_LOAD_END           64u  // end of phase attn_load: attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared memory, to the barrier after (arg = round)
 #define MK_EV_PUBLISH_BEGIN           65u  // begin of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
 #define MK_EV_PUBLISH_END             66u  // end of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
-#define MK_EV_COUNT                   66u
+#define MK_EV_FP4_TAIL_BEGIN          67u  // begin of phase fp4_tail: expert GEMM: thread 0's last chunk done to every warp's results in shared memory (the barrier after them: the slowest warp's lag)
+#define MK_EV_FP4_TAIL_END            68u  // end of phase fp4_tail: expert GEMM: thread 0's last chunk done to every warp's results in shared memory (the barrier after them: the slowest warp's lag)
+#define MK_EV_EPILOGUE_BEGIN          69u  // begin of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
+#define MK_EV_EPILOGUE_END            70u  // end of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
+#define MK_EV_COUNT                   70u
 
 static_assert(MK_EV_COUNT <= 0xFFFFu, "profiler event ids are 16 bits");
 static_assert(MK_EV_WAIT_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 0 && MK_EV_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 2 && MK_EV_EMBED_END == MK_EV_EMBED_BEGIN + 1, "profiler ids of embed");

@@ -460,6 +460,7 @@ MK_COLD_LOOP
     }
     ring_release(b);
   }
+  detail_stamp(b, MK_EV_FP4_TAIL_BEGIN, 0);
   // results of the slot's token rows: red[token][row] (C fragment: c0 = (row g, token 2t), c1 =
   // (row g, 2t+1), c2 = (row g+8, 2t), c3 = (row g+8, 2t+1)); RT == 1 sums its two chains in order
 #pragma unroll
@@ -477,6 +478,7 @@ MK_COLD_LOOP
     }
   }
   sync_compute();
+  detail_stamp(b, MK_EV_FP4_TAIL_END, 0);
 }
 
 // ---------------------------------------------------------------- fixed-order reduction

@@ -32,6 +32,7 @@ MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {
   const float ts = ldg_cgf(p.layers[layer].w1_ts + si.expert);  // waited for in the epilogue (slot.cuh)
   stage_gather_rows<P>(b, p.pooled, ntok, tag);  // the slot's tokens: MISC_ROWS (slot_fetch)
   gemm_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_KC, P, TILE_EXPERT1_SW>(b, ntok, what);
+  detail_stamp(b, MK_EV_EPILOGUE_BEGIN, 0);
   // only the slot's token rows (a slot has ~3 of its 16 at T=16): no pass over rows it lacks
 MK_COLD_LOOP
   for (int i = tid(); i < ntok * H1; i += COMPUTE_THREADS) {
@@ -41,6 +42,7 @@ MK_COLD_LOOP
     const float silu = g * (1.f / (1.f + fexp(-g)));
     p.act[(s * 16 + r) * F + j * H1 + f] = f2bf(silu * u);
   }
+  detail_stamp(b, MK_EV_EPILOGUE_END, 0);
 }
 
 }  // namespace mk

@@ -29,12 +29,14 @@ MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
   const uint16_t* rows = p.act + static_cast<size_t>(s) * 16 * F;
   stage_gather_perm<F>(b, rows, ntok, [](int i) { return i; }, tag);
   gemm_fp4<N2, TILE_EXPERT2_KC, F, TILE_EXPERT2_SW>(b, ntok, what);
+  detail_stamp(b, MK_EV_EPILOGUE_BEGIN, 0);
   // only the slot's token rows (a slot has ~3 of its 16 at T=16): no pass over rows it lacks
 MK_COLD_LOOP
   for (int i = tid(); i < ntok * N2; i += COMPUTE_THREADS) {
     const int r = i / N2, n = i % N2;
     p.yexp[(s * 16 + r) * P + j * N2 + n] = f2bf(fp4_out<N2>(b, r, n) * ts);
   }
+  detail_stamp(b, MK_EV_EPILOGUE_END, 0);
 }
 
 }  // namespace mk
