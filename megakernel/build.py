@@ -33,7 +33,9 @@ KERNEL = "mk_run"
 def program_constants() -> str:
     return "\n".join([
         "namespace mk {",
-        f"constexpr int OPINST_INTS = {program.OPINST_INTS};",
+        f"constexpr int OPINST_INTS = {program.OPINST_INTS}, MAX_DEPS = {program.MAX_DEPS}, "
+        f"OPREC_DEPS = {program.OPREC_DEPS};",
+        f"constexpr int ROUTE_SHIFT = {program.ROUTE_SHIFT};",
         f"constexpr int DEP_ALL = {program.DEP_ALL}, DEP_GROUP = {program.DEP_GROUP}, "
         f"DEP_SENTINEL = {program.DEP_SENTINEL};",
         f"constexpr int ASSIGN_STRIDED = {program.ASSIGN_STRIDED}, ASSIGN_CONTIG = {program.ASSIGN_CONTIG};",

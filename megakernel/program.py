@@ -41,6 +41,10 @@ from .plan import MOE_COMBINE_COLS, OP, OP_KINDS, Plan
 
 OPINST_INTS = 16
 MAX_DEPS = 3
+OPREC_DEPS = 8  # an encoded op record's (producer, mode) pairs start at this int (OpInst.encode)
+# top-k's done-counter carries the layer's slot count above this bit (it has one unit, so the
+# low half is its units-done count): program.cuh signal_op_end and the routed ops' waits
+ROUTE_SHIFT = 16
 ASSIGN_STRIDED, ASSIGN_CONTIG = 0, 1
 SIGNAL_TOTAL, SIGNAL_GROUPS = 1, 2  # OpInst.signal bits: its total counter / its group counters are waited for
 DEP_ALL, DEP_GROUP, DEP_SENTINEL = 0, 1, 2
@@ -71,6 +75,7 @@ class OpInst:
     def encode(self) -> list[int]:
         row = [OP[self.kind], self.layer, self.counter, self.group_base, self.n_groups, self.rot, self.assign,
                len(self.deps)]
+        assert len(row) == OPREC_DEPS
         for d in self.deps:
             row += [d.producer, d.mode]
         row += [0] * (2 * (MAX_DEPS - len(self.deps)))

@@ -17,7 +17,7 @@ from megakernel.nvfp4 import NVFP4Tensor
 from megakernel.interp import Interpreter
 from megakernel import plan as plan_mod
 from megakernel.plan import make_plan, render
-from megakernel.program import DEP_ALL, OpInst, Program, assigned_units, build, check, n_units
+from megakernel.program import DEP_ALL, ROUTE_SHIFT, OpInst, Program, assigned_units, build, check, n_units
 from megakernel.reference import KVCache, step, topk_route
 from megakernel.routing import synthetic_routes
 from megakernel.runtime import Engine, check_close
@@ -184,7 +184,7 @@ def test_emulated_mega_equals_chain_bitwise_and_matches_reference(tiny, ctx, t):
 
 
 def test_emulated_top_k_counter_carries_the_slot_count(tiny):
-    # program.cuh ROUTE_SHIFT: top-k adds 1 + (slots << 16) to its counter and the routed ops take
+    # program.ROUTE_SHIFT: top-k adds 1 + (slots << 16) to its counter and the routed ops take
     # their unit count from the value that ends their routing wait; the low half stays the units-
     # done count every other waiter compares with top-k's one unit
     cfg, w, base, plan = tiny
@@ -197,8 +197,8 @@ def test_emulated_top_k_counter_carries_the_slot_count(tiny):
     assert len(topk) == cfg.n_layers
     for o in topk:
         v = int(row[o.counter])
-        assert v & 0xFFFF == 1, (o.layer, hex(v))
-        assert v >> 16 == len(torch.unique(routes[o.layer])), (o.layer, hex(v))
+        assert v & ((1 << ROUTE_SHIFT) - 1) == 1, (o.layer, hex(v))
+        assert v >> ROUTE_SHIFT == len(torch.unique(routes[o.layer])), (o.layer, hex(v))
 
 
 @pytest.mark.parametrize("t", [16, 5])

@@ -167,7 +167,8 @@ struct Params {
 static_assert(sizeof(Params) == 320, "abi.py Params");
 }  // namespace mk
 namespace mk {
-constexpr int OPINST_INTS = 16;
+constexpr int OPINST_INTS = 16, MAX_DEPS = 3, OPREC_DEPS = 8;
+constexpr int ROUTE_SHIFT = 16;
 constexpr int DEP_ALL = 0, DEP_GROUP = 1, DEP_SENTINEL = 2;
 constexpr int ASSIGN_STRIDED = 0, ASSIGN_CONTIG = 1;
 constexpr int SIGNAL_TOTAL = 1, SIGNAL_GROUPS = 2;

@@ -24,13 +24,12 @@ namespace mk {
 
 struct Op {
   int kind, layer, counter, group_base, n_groups, rot, assign, n_deps;
-  int dep_op[3], dep_mode[3];
+  int dep_op[MAX_DEPS], dep_mode[MAX_DEPS];
   int signal;  // which of its counters some consumer waits for: SIGNAL_TOTAL | SIGNAL_GROUPS (program.py OpInst.signal)
 };
 
 static_assert(sizeof(Op) <= 16 * sizeof(int), "thread 0's copy fits MISC_OP (block.cuh)");
 
-constexpr int OPREC_DEPS = 8;  // an op record's (producer, mode) pairs start here (program.py OpInst.encode)
 MK_DEV Op load_op(const Params& p, int i) {
   const int32_t* r = p.program + i * OPINST_INTS;
   Op o;
@@ -42,7 +41,7 @@ MK_DEV Op load_op(const Params& p, int i) {
   o.rot = r[5];
   o.assign = r[6];
   o.n_deps = r[7];
-  for (int d = 0; d < 3; ++d) {
+  for (int d = 0; d < MAX_DEPS; ++d) {
     o.dep_op[d] = r[OPREC_DEPS + 2 * d];
     o.dep_mode[d] = r[OPREC_DEPS + 1 + 2 * d];
   }
@@ -107,12 +106,11 @@ MK_DEV int needed_group(const Blk& b, const Op& o, const Op& pr, int u) {
 
 MK_DEV uint32_t* counters(const Blk& b) { return b.p->counters + b.parity * b.p->n_counters; }
 
-// Top-k's counter carries the layer's slot count above ROUTE_SHIFT (it has one unit, so its
-// waiters' target of 1 is unchanged): a routed op learns its unit count from the load that ends
-// its routing wait instead of reading n_slots in a second round trip after it.
-constexpr int ROUTE_SHIFT = 16;
+// Top-k's counter carries the layer's slot count above ROUTE_SHIFT (program.py; it has one unit,
+// so its waiters' target of 1 is unchanged): a routed op learns its unit count from the load that
+// ends its routing wait instead of reading n_slots in a second round trip after it.
 static_assert(T_MAX * TOPK < (1 << (32 - ROUTE_SHIFT)), "the slot count fits above ROUTE_SHIFT");
-static_assert(WARPS >= 3, "a routed op's dependencies (at most 3) are waited for by one warp each");
+static_assert(WARPS >= MAX_DEPS, "a routed op's dependencies are waited for by one warp each");
 MK_DEV int slot_tiles(int kind) { return kind == OP_EXPERT1 ? EXP1_TILES : EXP2_TILES; }
 
 // Wait for a dependency of unit u of op o, given as its producer's op index and its mode
@@ -133,8 +131,9 @@ MK_DEV bool wait_dep(const Blk& b, int i, const Op& o, int d, int u, uint32_t wh
 // skipped wait saves an acquire load (which also invalidates L1) on the unit's critical path.
 struct DepCache {
   uint32_t all_done;  // bit d: dependency d ("all") satisfied
-  int group_done[3];  // dependency d ("group"): the group last satisfied
+  int group_done[MAX_DEPS];  // dependency d ("group"): the group last satisfied
 };
+static_assert(MAX_DEPS == 3, "compute_loop initialises DepCache.group_done with three -1s");
 MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u, DepCache& dc) {
   for (int d = 0; d < o.n_deps; ++d) {
     const uint32_t what = static_cast<uint32_t>(i * 16 + d);
@@ -364,7 +363,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
           if (d == 0) b.misc[MISC_NSLOTS] = static_cast<int>(w.v >> ROUTE_SHIFT);
         }
 #pragma unroll
-        for (int k = 0; k < 3; ++k)  // constant indices: `o` stays in registers
+        for (int k = 0; k < MAX_DEPS; ++k)  // constant indices: `o` stays in registers
           if (k < o.n_deps && o.dep_mode[k] == DEP_ALL) pre |= 1u << k;
       } else if (tid() == 0) {
         b.misc[MISC_NSLOTS] = ldg_cgi(b.p->n_slots);  // chain mode: top-k's launch has ended
