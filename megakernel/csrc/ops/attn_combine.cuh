@@ -44,14 +44,26 @@ MK_COLD_LOOP
     ml[2 * q + 1] = ldg_cgf(p.att_ml + row * 2 + 1);
   }
   sync_compute();
+  // the max and the denominator over the parts, each warp for itself: lanes take every 32nd
+  // part, then a butterfly (the max is exact in any order; the sum's order is fixed, so every
+  // warp, and chain mode, gets the same bits). Walked by every thread in turn, each was nparts
+  // (43 at shard8 T=16) dependent shared-memory loads on the unit's critical path; in-run A/B,
+  // H200 2026-11-30 19:30Z: shard8 T=16 -0.21%, T=1 -0.37%, small T=16 -1.30% (the sum's bits
+  // changed: error against the fp32 reference 8.74e-3 -> 8.76e-3 at shard8 T=16)
   float mmax = neg_inf();
-  for (int q = 0; q < nparts; ++q)
+MK_COLD_LOOP
+  for (int q = lane(); q < nparts; q += 32)
     if (ml[2 * q + 1] > 0.f) mmax = fmax_(mmax, ml[2 * q]);
+#pragma unroll
+  for (int x = 16; x > 0; x >>= 1) mmax = fmax_(mmax, shfl_xor(mmax, x));
 MK_COLD_LOOP
   for (int q = tid(); q < nparts; q += COMPUTE_THREADS) wt[q] = ml[2 * q + 1] > 0.f ? fexp(ml[2 * q] - mmax) : 0.f;
   sync_compute();
   float den = 0.f;
-  for (int q = 0; q < nparts; ++q) den += wt[q] * ml[2 * q + 1];  // fixed order
+MK_COLD_LOOP
+  for (int q = lane(); q < nparts; q += 32) den += wt[q] * ml[2 * q + 1];
+#pragma unroll
+  for (int x = 16; x > 0; x >>= 1) den += shfl_xor(den, x);
   float* part = wt + PARTS;  // [NSL][HD] slice numerators
   float num = 0.f;
   for (int q0 = q_lo; q0 < q_hi; q0 += NB) {
