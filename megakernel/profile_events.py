@@ -12,7 +12,8 @@ names its layer too. With Plan.profile_detail, thread 0 also stamps inside the u
   fp4_tail    an expert GEMM unit's last chunk done (thread 0) to the barrier after every warp's
               results (the slowest warp's lag)
   epilogue    an expert unit's epilogue, to its stores issued
-  unit_open   a unit's dependency wait (thread 0) and the barrier that starts the unit
+  unit_open   a unit's dependency wait (thread 0) and the barrier that starts the unit; not for an
+              op's first unit on the block (that opening is the op's wait phase)
   unit_close  the barrier that ends a unit and thread 0's signal bookkeeping after it
 which the host assigns to the <op> phase around them (pipeline.detail_by_op). Without detail
 stamps, thread 0 only saves each op's instants and the compute warps write the op records
@@ -42,7 +43,8 @@ EVENTS.phase("fp4_tail", "expert GEMM: thread 0's last chunk done to every warp'
                          "(the barrier after them: the slowest warp's lag)")
 EVENTS.phase("epilogue", "expert GEMM: the unit's epilogue, from the results in shared memory to its stores "
                          "issued (before the unit's closing barrier)")
-EVENTS.phase("unit_open", "a unit's dependency wait on thread 0 and the barrier that starts the unit (arg = unit)")
+EVENTS.phase("unit_open", "a unit's dependency wait on thread 0 and the barrier that starts the unit, from the "
+                          "block's second unit of an op on (the first's is the op's wait phase; arg = unit)")
 EVENTS.phase("unit_close", "the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)")
 DETAIL_PHASES = ("stage", "ring_wait", "attn_load", "publish", "fp4_tail", "epilogue", "unit_open", "unit_close")
 

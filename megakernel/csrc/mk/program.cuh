@@ -401,7 +401,10 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
           prof.stamp(ev_wait_begin(o.kind), i);
         }
       }
-      detail_stamp(b, MK_EV_UNIT_OPEN_BEGIN, static_cast<uint32_t>(u));
+      // the first unit's opening is the op's wait phase, stamped above; stamped as unit_open too,
+      // it fell before the op's phase and was counted as the previous op's (pipeline.detail_by_op)
+      const bool open_stamp = !first_unit;
+      if (open_stamp) detail_stamp(b, MK_EV_UNIT_OPEN_BEGIN, static_cast<uint32_t>(u));
       // the register copy of the op: o0 is published only by the barrier below
       if (is_dynamic(o.kind) && warp() == 1) slot_fetch(b, o.kind, o.layer, u);
       if (b.wait && tid() == 0) fail = !wait_unit(b, i, o0, u, dc);
@@ -417,7 +420,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
         first_unit = false;
       }
       if (sync_compute_or(fail || b.failed)) return;
-      detail_stamp(b, MK_EV_UNIT_OPEN_END, static_cast<uint32_t>(u));
+      if (open_stamp) detail_stamp(b, MK_EV_UNIT_OPEN_END, static_cast<uint32_t>(u));
       run_unit(b, i, o0, u);
       detail_stamp(b, MK_EV_UNIT_CLOSE_BEGIN, static_cast<uint32_t>(u));
       if (sync_compute_or(b.failed)) return;
