@@ -919,13 +919,23 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
     for op in ("qkv", "oproj", "pool", "expert1", "expert2", "unpool", "lm_head"):
         assert by.get(("stage", op), -1) >= 0, op
     assert ("stage", "attn") not in by and ("ring_wait", "topk") not in by  # they stage nothing
-    # each detail span lies inside the op phase it was assigned to
-    det = df[df["phase"].isin(("stage", "ring_wait"))]
-    ops = df[~df["phase"].isin(("stage", "ring_wait")) & ~df["phase"].str.startswith("wait_")]
-    for _, d in det.head(200).iterrows():
-        host = ops[(ops.launch == d.launch) & (ops.block == d.block) & (ops.begin_ns <= d.begin_ns)
-                   & (ops.end_ns >= d.end_ns)]
-        assert len(host) == 1
+    # each detail span lies inside the op phase it was assigned to; a unit's opening is stamped
+    # from a block's second unit of an op on (the first's is the op's wait phase, before it)
+    from megakernel.profile_events import DETAIL_PHASES
+
+    ops = df[~df["phase"].isin(DETAIL_PHASES) & ~df["phase"].str.startswith("wait_")]
+    for phases in (("stage", "ring_wait"), ("unit_open",), ("unit_close",)):
+        det = df[df["phase"].isin(phases)]
+        assert len(det), phases
+        for _, d in det.head(200).iterrows():
+            host = ops[(ops.launch == d.launch) & (ops.block == d.block) & (ops.begin_ns <= d.begin_ns)
+                       & (ops.end_ns >= d.end_ns)]
+            assert len(host) == 1, (phases, d.launch, d.block, d.begin_ns)
+    # one closing per unit, one opening per unit but the first of each op on each block
+    n_units = df[df["phase"] == "unit_close"].groupby(["launch", "block"]).size()
+    n_ops = ops.groupby(["launch", "block"]).size()
+    n_open = df[df["phase"] == "unit_open"].groupby(["launch", "block"]).size()
+    assert (n_open.reindex(n_units.index, fill_value=0) == n_units - n_ops.reindex(n_units.index)).all()
     with pytest.raises(ValueError, match="profile_detail needs profile=True"):
         make_plan(cfg, 4, profile_detail=True)
 
