@@ -288,11 +288,10 @@ def ablation(h, preset: str, n_tokens: int, ctx: int, constants, ceiling, log=pr
     return out
 
 
-def detail_by_op(df) -> dict[tuple[str, str], float]:
-    """{(detail phase, op kind): seconds}: the median over blocks of each op kind's total time in
-    each detail phase (profile_events.DETAIL_PHASES) of a step. A detail span belongs to the op
-    phase that began last before it on the same block and launch (units run inside their op's
-    phase). `df`: Timeline.spans_df()."""
+def _detail_spans(df):
+    """The detail spans (profile_events.DETAIL_PHASES) of `df` (Timeline.spans_df()), each with
+    the op it belongs to: the op phase that began last before it on the same block and launch
+    (units run inside their op's phase)."""
     import pandas as pd
 
     from .profile_events import DETAIL_PHASES
@@ -301,11 +300,54 @@ def detail_by_op(df) -> dict[tuple[str, str], float]:
     ops = df[~df["phase"].isin(DETAIL_PHASES) & ~df["phase"].str.startswith("wait_")]
     ops = ops[["launch", "block", "begin_ns", "phase"]].rename(columns={"phase": "op"}).sort_values("begin_ns")
     if det.empty or ops.empty:
+        return det.iloc[0:0].assign(op=None)
+    return pd.merge_asof(det, ops, on="begin_ns", by=["launch", "block"], direction="backward").dropna(subset=["op"])
+
+
+def detail_by_op(df) -> dict[tuple[str, str], float]:
+    """{(detail phase, op kind): seconds}: the median over blocks of each op kind's total time in
+    each detail phase of a step. `df`: Timeline.spans_df()."""
+    m = _detail_spans(df)
+    if m.empty:
         return {}
-    m = pd.merge_asof(det, ops, on="begin_ns", by=["launch", "block"], direction="backward")
-    m = m.dropna(subset=["op"])
     per_block = m.groupby(["phase", "op", "block"])["dur_ns"].sum()
     return {k: float(v) * 1e-9 for k, v in per_block.groupby(level=["phase", "op"]).median().items()}
+
+
+# the segments of a unit boundary (unit_boundaries), in order
+BOUNDARY_SEGMENTS = {
+    "close": "the closing barrier of the unit before and thread 0's signal bookkeeping (unit_close)",
+    "loop": "from the end of that to the next unit's opening (the unit loop)",
+    "open": "the next unit's opening: its dependency wait and the barrier after it (unit_open)",
+    "start": "from the opening to the unit's first staging pass or ring wait",
+}
+
+
+def unit_boundaries(df) -> dict[tuple[str, str], float]:
+    """{(segment, op kind): seconds}: the median over a step's inner unit boundaries of each op
+    (a block's second and later units of an op instance) of each BOUNDARY_SEGMENTS segment, from
+    the detail phases unit_close, unit_open, stage and ring_wait (builds since 06e76fe, which stamp
+    unit_open from a block's second unit of an op on). "start" only where the unit stages or
+    streams. `df`: Timeline.spans_df()."""
+    m = _detail_spans(df)
+    m = m[m["phase"].isin(("unit_close", "unit_open", "stage", "ring_wait"))]
+    seg: dict[tuple[str, str], list[float]] = {}
+    for _, g in m.sort_values("begin_ns").groupby(["launch", "block"], sort=False):
+        close = opened = None
+        for ph, op, b, e in zip(g["phase"], g["op"], g["begin_ns"], g["end_ns"]):
+            if ph == "unit_close":
+                close, opened = (op, b, e), None
+            elif ph == "unit_open":
+                if close is not None and close[0] == op:
+                    seg.setdefault(("close", op), []).append(close[2] - close[1])
+                    seg.setdefault(("loop", op), []).append(b - close[2])
+                    seg.setdefault(("open", op), []).append(e - b)
+                    opened = (op, e)
+                close = None
+            elif opened is not None and opened[0] == op:  # the unit's first stage or ring wait
+                seg.setdefault(("start", op), []).append(b - opened[1])
+                opened = None
+    return {k: float(np.median(v)) * 1e-9 for k, v in sorted(seg.items())}
 
 
 # the sampled profile the timeline also times: one launch in this many. A prime, so the sample
@@ -424,6 +466,10 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
                                                    "median over blocks of total wait_* time / profiled step span")
     for (ph, op), v in sorted(detail_by_op(df).items()):
         derived[f"{ph}_{op}_s"] = Derived(v, "s", f"median over blocks of the step's total {ph} time inside {op} units")
+    for (sg, op), v in unit_boundaries(df).items():
+        derived[f"boundary_{sg}_{op}_s"] = Derived(
+            v, "s", f"median over the step's inner {op} unit boundaries (a block's second and later units of an op) "
+                    f"of {BOUNDARY_SEGMENTS[sg]}")
     out_dir = Path(out_dir or results_root() / "megakernel")
     out_dir.mkdir(parents=True, exist_ok=True)
     keep = {mid - 1, mid, mid + 1}  # three launches keep the trace file small

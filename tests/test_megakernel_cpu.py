@@ -897,8 +897,9 @@ def test_a_dynamic_ops_routing_wait_is_part_of_its_wait_phase(tiny):
 
 def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
     """profile_detail: the profiler also stamps each staging pass and each ring wait inside the
-    units; the host assigns them to the op phase around them. The outputs keep their bits."""
-    from megakernel.pipeline import detail_by_op
+    units, and each unit's opening and closing; the host assigns them to the op phase around them
+    and splits the unit boundaries. The outputs keep their bits."""
+    from megakernel.pipeline import BOUNDARY_SEGMENTS, detail_by_op, unit_boundaries
 
     cfg, w, base, _ = tiny
     toks, par = _inputs(cfg, 8, 3)
@@ -936,6 +937,13 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
     n_ops = ops.groupby(["launch", "block"]).size()
     n_open = df[df["phase"] == "unit_open"].groupby(["launch", "block"]).size()
     assert (n_open.reindex(n_units.index, fill_value=0) == n_units - n_ops.reindex(n_units.index)).all()
+    # the unit boundaries split from them: every inner boundary has all three segments up to its
+    # opening, and ops that stage or stream weights the segment after it
+    bd = unit_boundaries(df)
+    assert bd and {sg for sg, _ in bd} <= set(BOUNDARY_SEGMENTS) and min(bd.values()) >= 0
+    opened = {op for sg, op in bd if sg == "open"}
+    assert opened and all(("close", op) in bd and ("loop", op) in bd for op in opened)
+    assert {op for sg, op in bd if sg == "start"} & {"qkv", "oproj", "expert1", "expert2", "unpool", "lm_head"}
     with pytest.raises(ValueError, match="profile_detail needs profile=True"):
         make_plan(cfg, 4, profile_detail=True)
 
