@@ -79,6 +79,7 @@ class OpInst:
         for d in self.deps:
             row += [d.producer, d.mode]
         row += [0] * (2 * (MAX_DEPS - len(self.deps)))
+        assert len(row) == OPREC_DEPS + 2 * MAX_DEPS  # the signal's int (program.cuh load_op)
         row += [int(self.signal)]
         row += [0] * (OPINST_INTS - len(row))
         return row

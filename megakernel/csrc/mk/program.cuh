@@ -45,7 +45,7 @@ MK_DEV Op load_op(const Params& p, int i) {
     o.dep_op[d] = r[OPREC_DEPS + 2 * d];
     o.dep_mode[d] = r[OPREC_DEPS + 1 + 2 * d];
   }
-  o.signal = r[14];
+  o.signal = r[OPREC_DEPS + 2 * MAX_DEPS];  // after the dependency pairs (program.py OpInst.encode)
   return o;
 }
 

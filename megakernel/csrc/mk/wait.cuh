@@ -59,9 +59,6 @@ MK_DEV Seen wait_counter_seen(const Params& p, const uint32_t* ctr, uint32_t tar
     }
   }
 }
-MK_DEV bool wait_counter(const Params& p, const uint32_t* ctr, uint32_t target, uint32_t what) {
-  return wait_counter_seen(p, ctr, target, what).ok;
-}
 
 // Wait for the completion of the mbarrier phase with the given parity.
 MK_DEV bool wait_mbar(const Params& p, uint64_t* bar, uint32_t parity, uint32_t what) {
