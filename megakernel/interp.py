@@ -247,9 +247,16 @@ class Interpreter:
         def complete(i) -> bool:
             return pending[i] is not None and n_done[i] >= self._units(i)
 
+        # launches run in stream order: a dependency on an earlier launch is not declared
+        # (program.build), so only the first launch with unfinished units may run
+        launch_of = [li for li, (first, n) in enumerate(prog.launches) for _ in range(n)]
+        active = 0
+
         def ready_units(i) -> list[int]:
             o = prog.ops[i]
             units = pending[i]
+            if launch_of[i] != active:
+                return []
             for d in o.deps:
                 p = prog.ops[d.producer]
                 if pending[d.producer] is None:
@@ -268,6 +275,9 @@ class Interpreter:
             return o.kind not in ("expert1", "expert2") or complete(o.deps[0].producer)
 
         while True:
+            while active < len(prog.launches) and all(
+                    complete(k) for k in range(prog.launches[active][0], sum(prog.launches[active]))):
+                active += 1
             for i in range(len(prog.ops)):
                 if pending[i] is None and countable(i):
                     pending[i] = list(range(self._units(i)))

@@ -211,6 +211,9 @@ class Plan:
     # the loader pulls into L2 the cached KV rows its block's units of the layer's attention read,
     # as it enters the layer (program.cuh kv_prefetch)
     kv_prefetch: bool = False
+    # the step's launches also wait for their dependencies on earlier launches (program.build drops
+    # them: stream order, and PDL's griddepcontrol.wait, have them done); for the A/B only
+    launch_waits: bool = False
     profile_cap: int = 64  # profiler records per block per launch
     # the profiler also stamps inside units (staging, ring waits: profile_events.DETAIL_PHASES);
     # several stamps per weight chunk, so more overhead than the op phases alone
@@ -334,7 +337,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               kv_prefetch: bool = False, keys_per_split: int = 48, fp4_rotated: bool = True,
               fill_ring: bool = False, norm_panel: int | None = None, profile_detail: bool = False,
               residual_unit_rows: int | None = None, tokens: int | None = None,
-              expert1_rows: int | None = None, expert2_rows: int | None = None) -> Plan:
+              expert1_rows: int | None = None, expert2_rows: int | None = None,
+              launch_waits: bool = False) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -372,7 +376,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              loader_ahead=loader_ahead, pdl=pdl, l2_prefetch_bytes=l2_prefetch_bytes, profile_cap=profile_cap,
              stream_evict_first=stream_evict_first, sentinel_route=sentinel_route,
              hot_prefetch_bytes=hot_prefetch_bytes, kv_prefetch=kv_prefetch, keys_per_split=keys_per_split,
-             profile_detail=profile_detail, fp4_rotated=fp4_rotated, tiles=tiles)
+             profile_detail=profile_detail, fp4_rotated=fp4_rotated, tiles=tiles, launch_waits=launch_waits)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "

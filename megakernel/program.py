@@ -21,9 +21,10 @@ attn by kv head, expert2 <- expert1 by slot), or ("sentinel", producer): every u
 the consumer polls the data itself (sentinel slots, plan.sentinel_route: top-k <- router), so no
 counter is waited for. An op bumps only the counters some consumer waits for (OpInst.signal:
 SIGNAL_TOTAL, SIGNAL_GROUPS), each a release that waits for the block's stores to drain (~0.5 us,
-detail trace 2026-11-30): qkv, attn and expert1 are waited for by group only, and their total's
-release had come second, on the op's critical path. Counters are per step and per parity (the
-argmax unit of step k clears the other parity's counters, which no launch is using).
+detail trace 2026-11-30): attn and expert1 (and qkv in "step" mode) are waited for by group only,
+and their total's release had come second, on the op's critical path. Counters are per step and per parity (the
+argmax unit of step k clears the other parity's counters, which no launch is using). Only
+dependencies inside a launch are kept: the launches run in stream order (build).
 
 Deadlock freedom: every block walks the op instances of a launch in the same (topological)
 order, and a unit only waits for units of earlier instances; the earliest unfinished unit of
@@ -283,6 +284,17 @@ def build(plan: Plan, mode: str = "layer") -> Program:
             cut()
     if mode == "step":
         cut()
+    # A dependency on an op of an earlier launch is met before the launch's compute warps start:
+    # by stream order, and with PDL by griddepcontrol.wait (the previous grid complete, its memory
+    # visible; megakernel.cu). So it is not waited for, and its producer bumps no counter for it:
+    # in "layer" mode attention's wait for the previous launch's qkv groups was an acquire round
+    # trip at every launch's start, and qkv's release fence ended every launch (interp.py walks
+    # the launches in order, as the stream does). In-run A/B against plan.launch_waits (the same
+    # cubin, the same bits; H200 2026-11-30 20:55Z, 5 rounds): shard8 T=16 -1.06%, T=1 -2.09%,
+    # small T=16 -1.97% (a second copy of the old schedule: -0.10 / -0.05 / +0.48%).
+    launch_of = {i: li for li, (first, n) in enumerate(launches) for i in range(first, first + n)}
+    if not plan.launch_waits:
+        ops = [replace(o, deps=tuple(d for d in o.deps if launch_of[d.producer] == launch_of[o.index])) for o in ops]
     total = {d.producer for o in ops for d in o.deps if d.mode == DEP_ALL}
     group = {d.producer for o in ops for d in o.deps if d.mode == DEP_GROUP}
     ops = [replace(o, signal=(SIGNAL_TOTAL if o.index in total else 0) | (SIGNAL_GROUPS if o.index in group else 0))
@@ -302,6 +314,8 @@ def check(prog: Program) -> None:
         assert o.kind in OP_KINDS
         for d in o.deps:
             assert d.producer < o.index, f"{o.kind}(L{o.layer}) depends on a later op"
+            assert prog.plan.launch_waits or launch_of[d.producer] == launch_of[o.index], \
+                f"{o.kind}(L{o.layer}) waits for an earlier launch"
             p = prog.ops[d.producer]
             if d.mode == DEP_SENTINEL:  # the kernel polls sentinel slots on this edge only (ops/topk.cuh)
                 assert (o.kind, p.kind) == ("topk", "router"), f"{o.kind} <- {p.kind}: no sentinel slots"

@@ -576,14 +576,15 @@ def test_bad_step_inputs_are_refused(tiny):
 
 def test_every_technique_switch_computes_the_same_bits(tiny):
     """Profiler on, loader not running ahead, L2 prefetch, PDL, weight copies with the evict-first
-    hint, sentinel slots, the hot-expert and KV prefetches: the arithmetic is unchanged, so the
+    hint, sentinel slots, the hot-expert and KV prefetches, the waits for earlier launches kept:
+    the arithmetic is unchanged, so the
     outputs are bitwise those of the default build; the profiler's timeline is consistent."""
     cfg, w, base, _ = tiny
     toks, par = _inputs(cfg, 8, 2)
     default = Engine(w, make_plan(cfg, 4), base.clone(), backend="emu").step(toks, par, 40, mode="mega")
     eng = Engine(w, make_plan(cfg, 4, profile=True, loader_ahead=False, l2_prefetch_bytes=1 << 16, pdl=True,
                                  stream_evict_first=True, sentinel_route=True, hot_prefetch_bytes=1 << 16,
-                                 kv_prefetch=True),
+                                 kv_prefetch=True, launch_waits=True),
                  base.clone(), backend="emu")
     out = eng.step(toks, par, 40, mode="mega")
     assert torch.equal(default.logits, out.logits) and torch.equal(default.tokens, out.tokens)
@@ -593,16 +594,22 @@ def test_every_technique_switch_computes_the_same_bits(tiny):
     assert {"qkv", "attn", "expert1", "expert2", "wait_expert2", "lm_head"} <= phases
 
 
+@pytest.mark.parametrize("mode", ["layer", "step"])
 @pytest.mark.parametrize("sentinel", [False, True])
-def test_an_op_bumps_exactly_the_counters_its_consumers_wait_for(tiny, sentinel):
+def test_an_op_bumps_exactly_the_counters_its_consumers_wait_for(tiny, sentinel, mode):
     """OpInst.signal: the total counter only where some consumer waits for all of the op, the
     group counters only where one waits for a group (each bump is a release fence on its block's
-    critical path). The by-group producers (qkv, attn, expert1) must not release their total;
-    a consumer whose counter were skipped would hang, which the emulated steps elsewhere catch."""
+    critical path). The by-group producers (attn, expert1; qkv in one launch per step) must not
+    release their total; a consumer whose counter were skipped would hang, which the emulated
+    steps elsewhere catch. With a launch per layer no op waits for an earlier launch (stream
+    order has it done), so qkv, the last op of a layer's launch, signals nothing."""
     from megakernel.program import DEP_ALL, DEP_GROUP, SIGNAL_GROUPS, SIGNAL_TOTAL
 
     cfg = tiny[0]
-    prog = build(make_plan(cfg, 4, sentinel_route=sentinel))
+    prog = build(make_plan(cfg, 4, sentinel_route=sentinel), mode)
+    check(prog)
+    launch_of = {i: li for li, (first, n) in enumerate(prog.launches) for i in range(first, first + n)}
+    assert all(launch_of[d.producer] == launch_of[o.index] for o in prog.ops for d in o.deps)
     for o in prog.ops:
         modes = {d.mode for c in prog.ops for d in c.deps if d.producer == o.index}
         want = (SIGNAL_TOTAL if DEP_ALL in modes else 0) | (SIGNAL_GROUPS if DEP_GROUP in modes else 0)
@@ -610,8 +617,11 @@ def test_an_op_bumps_exactly_the_counters_its_consumers_wait_for(tiny, sentinel)
     by_kind = {}
     for o in prog.ops:
         by_kind.setdefault(o.kind, set()).add(o.signal)
-    for k in ("qkv", "attn", "expert1"):
+    for k in ("attn", "expert1"):
         assert by_kind[k] == {SIGNAL_GROUPS}, k
+    assert by_kind["qkv"] == ({0} if mode == "layer" else {SIGNAL_GROUPS})
+    attn = [o for o in prog.ops if o.kind == "attn"]
+    assert all(not o.deps for o in attn) if mode == "layer" else all(len(o.deps) == 1 for o in attn)
     for k in ("attn_combine", "oproj", "pool", "topk", "expert2", "moe_combine", "unpool"):
         assert by_kind[k] == {SIGNAL_TOTAL}, k
     assert by_kind["router"] == ({0} if sentinel else {SIGNAL_TOTAL})
@@ -632,7 +642,7 @@ def test_sentinel_route_gives_the_same_bits_and_leaves_the_slots_empty(tiny, rou
     topk = [o for o in prog.ops if o.kind == "topk"]
     assert all(o.deps[0].mode == DEP_SENTINEL and prog.ops[o.deps[0].producer].kind == "router" for o in topk)
     assert not any(o.signal for o in prog.ops if o.kind == "router")
-    assert all(o.signal for o in prog.ops if o.kind in ("qkv", "oproj", "topk", "pool"))
+    assert all(o.signal for o in prog.ops if o.kind in ("oproj", "topk", "pool"))
     routes = None
     if routing == "forced":
         g = torch.Generator().manual_seed(3)
