@@ -299,7 +299,9 @@ def build(plan: Plan, mode: str = "layer") -> Program:
     group = {d.producer for o in ops for d in o.deps if d.mode == DEP_GROUP}
     ops = [replace(o, signal=(SIGNAL_TOTAL if o.index in total else 0) | (SIGNAL_GROUPS if o.index in group else 0))
            for o in ops]
-    return Program(plan, tuple(ops), tuple(launches), counters, mode)
+    prog = Program(plan, tuple(ops), tuple(launches), counters, mode)
+    check(prog)
+    return prog
 
 
 def check(prog: Program) -> None:
@@ -312,6 +314,10 @@ def check(prog: Program) -> None:
     assert sorted(launch_of) == list(range(len(prog.ops))), "every op in exactly one launch"
     for o in prog.ops:
         assert o.kind in OP_KINDS
+        if o.kind in ("expert1", "expert2", "moe_combine"):
+            # the routed ops learn their slot count from dependency 0 (program.cuh compute_loop):
+            # top-k must run in their launch
+            assert o.deps and prog.ops[o.deps[0].producer].kind == "topk", f"{o.kind}(L{o.layer}): routing not waited for"
         for d in o.deps:
             assert d.producer < o.index, f"{o.kind}(L{o.layer}) depends on a later op"
             assert prog.plan.launch_waits or launch_of[d.producer] == launch_of[o.index], \

@@ -577,8 +577,8 @@ def test_bad_step_inputs_are_refused(tiny):
 def test_every_technique_switch_computes_the_same_bits(tiny):
     """Profiler on, loader not running ahead, L2 prefetch, PDL, weight copies with the evict-first
     hint, sentinel slots, the hot-expert and KV prefetches, the waits for earlier launches kept:
-    the arithmetic is unchanged, so the
-    outputs are bitwise those of the default build; the profiler's timeline is consistent."""
+    the arithmetic is unchanged, so the outputs are bitwise those of the default build; the
+    profiler's timeline is consistent."""
     cfg, w, base, _ = tiny
     toks, par = _inputs(cfg, 8, 2)
     default = Engine(w, make_plan(cfg, 4), base.clone(), backend="emu").step(toks, par, 40, mode="mega")
