@@ -314,7 +314,7 @@ def check(prog: Program) -> None:
     assert sorted(launch_of) == list(range(len(prog.ops))), "every op in exactly one launch"
     for o in prog.ops:
         assert o.kind in OP_KINDS
-        if o.kind in ("expert1", "expert2", "moe_combine"):
+        if o.kind in ("expert1", "expert2"):
             # the routed ops learn their slot count from dependency 0 (program.cuh compute_loop):
             # top-k must run in their launch
             assert o.deps and prog.ops[o.deps[0].producer].kind == "topk", f"{o.kind}(L{o.layer}): routing not waited for"
