@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ResultsFileError
-from .results import REPO_ROOT, SCHEMA as RESULT_SCHEMA, load
+from .results import REPO_ROOT, SCHEMA as RESULT_SCHEMA, load, read_json
 from .stats import Summary, mann_whitney
 
 EXIT_OK, EXIT_REGRESSION, EXIT_INPUT, EXIT_GPU, EXIT_UNKNOWN = 0, 1, 2, 3, 4
@@ -167,13 +167,11 @@ def load_measurements(path: str | Path, assume_gpu: str | None = None, ignored: 
     p = Path(path)
     if not p.exists():
         raise ResultsFileError(f"{p}: no such file or folder")
-    files = sorted(x for x in p.rglob("*.json") if not x.name.startswith(".tmp-")) if p.is_dir() else [p]
+    files = sorted(x for x in [*p.rglob("*.json"), *p.rglob("*.json.gz")]
+                   if not x.name.startswith(".tmp-") and not x.name.endswith(".trace.json.gz")) if p.is_dir() else [p]
     out = []
     for f in files:
-        try:
-            d = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise ResultsFileError(f"{f}: not valid JSON ({e})") from None
+        d = read_json(f)  # .json or .json.gz (results.GZIP_MIN_BYTES)
         kind = _kind(d)
         if kind == "result" and str(d.get("benchmark", "")).startswith("gate."):
             kind = None  # the gate's own analyses (gate.quality) are not performance figures

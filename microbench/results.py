@@ -3,13 +3,16 @@
 Every file carries the environment it was measured in, the raw samples, their summary, which
 timer produced them and the physical bound the benchmark states. Writing is atomic and never
 replaces an existing file; reading a malformed or future-version file raises ResultsFileError
-naming the file and the problem.
+naming the file and the problem. A result of more than GZIP_MIN_BYTES is written gzipped
+(`<name>.json.gz`, ~9x smaller: the committed megakernel results were most of the repository,
+whose whole tree the GPU machine receives); every reader here takes either form.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
 import functools
+import gzip
 import json
 import math
 import os
@@ -27,6 +30,8 @@ from .stats import Summary
 
 SCHEMA = "megabench.result"
 VERSION = 1
+GZIP_MIN_BYTES = 64 * 1024  # a result's JSON above this is saved as .json.gz
+RESULT_SUFFIXES = (".json", ".json.gz")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TIMERS = ("cuda_event", "globaltimer", "clock64", "host", "derived", "static")
 
@@ -295,12 +300,18 @@ class Result:
         gpu = re.sub(r"[^A-Za-z0-9]+", "-", self.env.gpu or "cpu").strip("-").lower()
         base = f"{self.benchmark}-{stamp}-{gpu}-{self.env.git_sha[:7]}"
         data = json.dumps(self.to_json(), indent=1, sort_keys=False).encode()
-        fd, tmp = tempfile.mkstemp(dir=cls_dir, prefix=".tmp-", suffix=".json")
+        suffix = ".json"
+        if len(data) > GZIP_MIN_BYTES:
+            data, suffix = gzip.compress(data, compresslevel=9, mtime=0), ".json.gz"
+        fd, tmp = tempfile.mkstemp(dir=cls_dir, prefix=".tmp-", suffix=suffix)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         try:
             for i in range(1000):
-                path = cls_dir / (base + (f"-{i}" if i else "") + ".json")
+                stem = base + (f"-{i}" if i else "")
+                if any((cls_dir / (stem + x)).exists() for x in RESULT_SUFFIXES):
+                    continue  # one name, one result, in either form
+                path = cls_dir / (stem + suffix)
                 try:
                     os.link(tmp, path)  # fails if the name exists: never overwrites
                     return path
@@ -317,23 +328,33 @@ def _num(x):
     return float(x)
 
 
-def load(path: str | Path) -> Result:
+def read_json(path: str | Path):
+    """A results file's JSON document, gzipped (`.gz`) or not."""
     p = Path(path)
     try:
-        d = json.loads(p.read_text())
+        raw = p.read_bytes()
+        if p.name.endswith(".gz"):
+            raw = gzip.decompress(raw)
+        return json.loads(raw)
     except FileNotFoundError:
         raise ResultsFileError(f"{p}: no such results file") from None
-    except json.JSONDecodeError as e:
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise ResultsFileError(f"{p}: not a readable gzip file ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ResultsFileError(f"{p}: not valid JSON ({e})") from None
-    return Result.from_json(d, source=str(p))
+
+
+def load(path: str | Path) -> Result:
+    return Result.from_json(read_json(path), source=str(path))
 
 
 def find(benchmark: str | None = None, root: Path | None = None, gpu: str | None = None) -> list[Path]:
-    """Result files (oldest first by recorded date), optionally for one benchmark / GPU model."""
+    """Result files, .json or .json.gz (oldest first by recorded date), optionally for one
+    benchmark / GPU model. Perfetto traces (`*.trace.json.gz`) are not results."""
     root = Path(root) if root else results_root()
     out = []
-    for p in root.rglob("*.json"):
-        if p.name.startswith(".tmp-"):
+    for p in sorted(root.rglob("*.json")) + sorted(root.rglob("*.json.gz")):
+        if p.name.startswith(".tmp-") or p.name.endswith(".trace.json.gz"):
             continue
         if benchmark and not p.name.startswith(benchmark + "-"):
             continue
@@ -341,7 +362,7 @@ def find(benchmark: str | None = None, root: Path | None = None, gpu: str | None
     rows = []
     for p in out:
         try:
-            d = json.loads(p.read_text())
+            d = read_json(p)
         except Exception:
             rows.append(("", p))  # malformed files surface when loaded, not silently dropped
             continue

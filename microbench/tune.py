@@ -36,7 +36,7 @@ from pathlib import Path
 
 from .constants import BY_NAME, SPECS, ConstantSpec
 from .errors import ResultsFileError
-from .results import REPO_ROOT, Result, find, load, results_root
+from .results import REPO_ROOT, Result, find, load, read_json, results_root
 
 SCHEMA = "megabench.constants"
 VERSION = 1
@@ -87,7 +87,7 @@ def default_gpu(root: Path | None = None) -> str | None:
     best = {True: ("", None), False: ("", None)}
     for p in find(None, root):
         try:
-            d = json.loads(Path(p).read_text())
+            d = read_json(p)
         except Exception:
             continue  # a malformed file is reported when tune loads it, not here
         env = d.get("env") or {}

@@ -1,13 +1,14 @@
 """Typed results: round trip, atomic no-overwrite writes, clear errors on bad files."""
 from __future__ import annotations
 
+import gzip
 import json
 
 import numpy as np
 import pytest
 
 from microbench.errors import ResultsFileError
-from microbench.results import SCHEMA, VERSION, Bound, Derived, Env, Result, Series, find, latest, load
+from microbench.results import GZIP_MIN_BYTES, SCHEMA, VERSION, Bound, Derived, Env, Result, Series, find, latest, load
 
 
 def make_result(bench="basics.copy", date="2026-11-29T10:00:00Z", median=1e-3) -> Result:
@@ -74,6 +75,30 @@ def test_not_json(tmp_path):
         load(p)
     with pytest.raises(ResultsFileError, match="no such"):
         load(tmp_path / "missing.json")
+
+
+def test_large_results_are_saved_gzipped_and_read_in_either_form(tmp_path):
+    # a result of more than GZIP_MIN_BYTES of JSON is written as .json.gz; load, find and latest
+    # take both forms, a gzipped name and a plain one never share a stem, and a corrupt gzip is
+    # refused with the file named. Perfetto traces beside the results are not results.
+    small = make_result(date="2026-11-01T00:00:00Z").save(tmp_path)
+    assert small.name.endswith(".json") and len(small.read_bytes()) <= GZIP_MIN_BYTES
+    r = make_result(date="2026-11-29T00:00:00Z")
+    big = Result(r.benchmark, r.env, r.series * 400, r.derived, r.quick, r.notes)
+    p = big.save(tmp_path)
+    assert p.name.endswith(".json.gz") and len(gzip.decompress(p.read_bytes())) > GZIP_MIN_BYTES
+    assert load(p).series == big.series
+    (tmp_path / "basics" / "timeline-x.trace.json.gz").write_bytes(gzip.compress(b"[]"))
+    assert find("basics.copy", tmp_path) == [small, p]
+    assert latest("basics.copy", tmp_path).env.date.startswith("2026-11-29")
+    # the same name again: the next free stem, whatever form the first took
+    plain = make_result(date="2026-11-29T00:00:00Z").save(tmp_path)
+    assert plain.name.replace(".json", "") == p.name.replace(".json.gz", "") + "-1"
+    bad = tmp_path / "basics" / "basics.copy-bad.json.gz"
+    bad.write_bytes(b"not gzip")
+    with pytest.raises(ResultsFileError, match="not a readable gzip file") as e:
+        load(bad)
+    assert str(bad) in str(e.value)
 
 
 def test_series_requires_known_timer_and_work():
