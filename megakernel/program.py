@@ -22,9 +22,9 @@ the consumer polls the data itself (sentinel slots, plan.sentinel_route: top-k <
 counter is waited for. An op bumps only the counters some consumer waits for (OpInst.signal:
 SIGNAL_TOTAL, SIGNAL_GROUPS), each a release that waits for the block's stores to drain (~0.5 us,
 detail trace 2026-11-30): attn and expert1 (and qkv in "step" mode) are waited for by group only,
-and their total's release had come second, on the op's critical path. Counters are per step and per parity (the
-argmax unit of step k clears the other parity's counters, which no launch is using). Only
-dependencies inside a launch are kept: the launches run in stream order (build).
+and their total's release had come second, on the op's critical path. Counters are per step and
+per parity (the argmax unit of step k clears the other parity's counters, which no launch is
+using). Only dependencies inside a launch are kept: the launches run in stream order (build).
 
 Deadlock freedom: every block walks the op instances of a launch in the same (topological)
 order, and a unit only waits for units of earlier instances; the earliest unfinished unit of
@@ -317,7 +317,8 @@ def check(prog: Program) -> None:
         if o.kind in ("expert1", "expert2"):
             # the routed ops learn their slot count from dependency 0 (program.cuh compute_loop):
             # top-k must run in their launch
-            assert o.deps and prog.ops[o.deps[0].producer].kind == "topk", f"{o.kind}(L{o.layer}): routing not waited for"
+            assert o.deps and prog.ops[o.deps[0].producer].kind == "topk", \
+                f"{o.kind}(L{o.layer}): routing not waited for"
         for d in o.deps:
             assert d.producer < o.index, f"{o.kind}(L{o.layer}) depends on a later op"
             assert prog.plan.launch_waits or launch_of[d.producer] == launch_of[o.index], \
