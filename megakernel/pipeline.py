@@ -320,6 +320,8 @@ BOUNDARY_SEGMENTS = {
     "loop": "from the end of that to the next unit's opening (the unit loop)",
     "open": "the next unit's opening: its dependency wait and the barrier after it (unit_open)",
     "start": "from the opening to the unit's first staging pass or ring wait",
+    "direct": "where the next unit does not open (program.cuh unit_opens: nothing to wait for, the same "
+              "slot), from the closing to its first staging pass or ring wait",
 }
 
 
@@ -327,8 +329,8 @@ def unit_boundaries(df) -> dict[tuple[str, str], float]:
     """{(segment, op kind): seconds}: the median over a step's inner unit boundaries of each op
     (a block's second and later units of an op instance) of each BOUNDARY_SEGMENTS segment, from
     the detail phases unit_close, unit_open, stage and ring_wait (builds since 06e76fe, which stamp
-    unit_open from a block's second unit of an op on). "start" only where the unit stages or
-    streams. `df`: Timeline.spans_df()."""
+    unit_open from a block's second unit of an op on, and only where the unit opens). "start" and
+    "direct" only where the unit stages or streams. `df`: Timeline.spans_df()."""
     m = _detail_spans(df)
     m = m[m["phase"].isin(("unit_close", "unit_open", "stage", "ring_wait"))]
     seg: dict[tuple[str, str], list[float]] = {}
@@ -347,6 +349,10 @@ def unit_boundaries(df) -> dict[tuple[str, str], float]:
             elif opened is not None and opened[0] == op:  # the unit's first stage or ring wait
                 seg.setdefault(("start", op), []).append(b - opened[1])
                 opened = None
+            elif close is not None and close[0] == op:  # a unit of the same op that did not open
+                seg.setdefault(("close", op), []).append(close[2] - close[1])
+                seg.setdefault(("direct", op), []).append(b - close[2])
+                close = None
     return {k: float(np.median(v)) * 1e-9 for k, v in sorted(seg.items())}
 
 

@@ -942,18 +942,31 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
             host = ops[(ops.launch == d.launch) & (ops.block == d.block) & (ops.begin_ns <= d.begin_ns)
                        & (ops.end_ns >= d.end_ns)]
             assert len(host) == 1, (phases, d.launch, d.block, d.begin_ns)
-    # one closing per unit, one opening per unit but the first of each op on each block
-    n_units = df[df["phase"] == "unit_close"].groupby(["launch", "block"]).size()
-    n_ops = ops.groupby(["launch", "block"]).size()
-    n_open = df[df["phase"] == "unit_open"].groupby(["launch", "block"]).size()
-    assert (n_open.reindex(n_units.index, fill_value=0) == n_units - n_ops.reindex(n_units.index)).all()
-    # the unit boundaries split from them: every inner boundary has all three segments up to its
-    # opening, and ops that stage or stream weights the segment after it
+    # one closing per unit; an opening exactly for the units that open (program.cuh unit_opens):
+    # a block's later unit of an op with a group dependency, or of a routed op's next slot
+    from megakernel.pipeline import _detail_spans
+    from megakernel.program import DEP_GROUP
+
+    group_ops = {o.kind for o in eng.program.ops if any(d.mode == DEP_GROUP for d in o.deps)}
+    tiles = {"expert1": cfg.d_expert // (plan.tiles["expert1"].rows // 2),
+             "expert2": cfg.d_pool // plan.tiles["expert2"].rows}  # units of a slot
+    m = _detail_spans(df).sort_values("begin_ns")
+    want, got = set(), {(r.launch, r.block, r.op, r.arg) for r in m[m.phase == "unit_open"].itertuples()}
+    for (launch, block, op), g in m[m.phase == "unit_close"].groupby(["launch", "block", "op"]):
+        us = list(g["arg"])
+        for prev, u in zip(us, us[1:]):
+            if op in group_ops or (op in tiles and u // tiles[op] != prev // tiles[op]):
+                want.add((launch, block, op, u))
+    assert got == want and any(op in ("expert1", "expert2") for *_, op, _ in want)
+    # the unit boundaries split from them: an inner boundary has its closing and either the
+    # segments up to its opening or, not opening, the direct one; ops that stage or stream weights
+    # the segment after the opening
     bd = unit_boundaries(df)
     assert bd and {sg for sg, _ in bd} <= set(BOUNDARY_SEGMENTS) and min(bd.values()) >= 0
     opened = {op for sg, op in bd if sg == "open"}
     assert opened and all(("close", op) in bd and ("loop", op) in bd for op in opened)
-    assert {op for sg, op in bd if sg == "start"} & {"qkv", "oproj", "expert1", "expert2", "unpool", "lm_head"}
+    assert {op for sg, op in bd if sg == "start"} & {"expert1", "expert2"}
+    assert {op for sg, op in bd if sg == "direct"} & {"oproj", "unpool", "lm_head"}
     with pytest.raises(ValueError, match="profile_detail needs profile=True"):
         make_plan(cfg, 4, profile_detail=True)
 

@@ -153,6 +153,23 @@ MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u, DepCache& dc) {
   return true;
 }
 
+// Every compute thread: whether unit u, run after unit `prev` of the same op instance on this
+// block, opens with warp 1's slot fetch, thread 0's dependency wait and the barrier after them.
+// Not when the op's dependencies are all "all" ones (waited for once, before its first unit) or,
+// for a routed op, when u is of prev's slot (warp 1 has its record; expert GEMM 2's group
+// dependency is by slot). The barrier that closed `prev` already ordered everything u reads.
+// The skipped opening was ~0.75 us of an expert unit boundary with nothing to wait for (detail
+// trace, H200 2026-11-30 19:01Z). In-run A/B (5 rounds, same bits, H200 2026-11-30 21:26Z):
+// shard8 T=16 -1.09%, small T=16 -0.71%, shard8 T=1 +0.37% (no expert unit shares a slot there;
+// a second copy of the old build -0.03 / +0.22 / -0.07%).
+MK_DEV bool unit_opens(const Op& o, int u, int prev) {
+  if (is_dynamic(o.kind)) return u / slot_tiles(o.kind) != prev / slot_tiles(o.kind);
+  bool group = false;
+#pragma unroll
+  for (int d = 0; d < MAX_DEPS; ++d) group |= d < o.n_deps && o.dep_mode[d] == DEP_GROUP;
+  return group;
+}
+
 // Warp 1, before the barrier that starts unit u of a routed op, while thread 0 waits for the
 // unit's dependencies: the unit's slot record (expert, token count; gate/up: its token list into
 // MISC_ROWS), tagged with the slot's operand tag, unless it is there already. Fetched after that
@@ -403,23 +420,27 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
       }
       // the first unit's opening is the op's wait phase, stamped above; stamped as unit_open too,
       // it fell before the op's phase and was counted as the previous op's (pipeline.detail_by_op)
-      const bool open_stamp = !first_unit;
+      // (o0 is valid from the first unit's opening barrier on)
+      const bool opens = first_unit || unit_opens(o0, u, u - (lim < 0 ? nblocks_here() : 1));
+      const bool open_stamp = !first_unit && opens;
       if (open_stamp) detail_stamp(b, MK_EV_UNIT_OPEN_BEGIN, static_cast<uint32_t>(u));
-      // the register copy of the op: o0 is published only by the barrier below
-      if (is_dynamic(o.kind) && warp() == 1) slot_fetch(b, o.kind, o.layer, u);
-      if (b.wait && tid() == 0) fail = !wait_unit(b, i, o0, u, dc);
-      if (first_unit) {
-        if (tid() == 0) {
-          if (PROF_DEFER) {
-            if (stamp) prof_slot_of(b, i, first)->t[1] = now_ns();
-          } else if (!(SENTINEL_ROUTE && o.kind == OP_TOPK)) {  // top-k stamps these after its poll
-            prof.stamp(ev_wait_begin(o.kind) + 1, i);
-            prof.stamp(ev_work_begin(o.kind), i);
+      if (opens) {
+        // the register copy of the op: o0 is published only by the barrier below
+        if (is_dynamic(o.kind) && warp() == 1) slot_fetch(b, o.kind, o.layer, u);
+        if (b.wait && tid() == 0) fail = !wait_unit(b, i, o0, u, dc);
+        if (first_unit) {
+          if (tid() == 0) {
+            if (PROF_DEFER) {
+              if (stamp) prof_slot_of(b, i, first)->t[1] = now_ns();
+            } else if (!(SENTINEL_ROUTE && o.kind == OP_TOPK)) {  // top-k stamps these after its poll
+              prof.stamp(ev_wait_begin(o.kind) + 1, i);
+              prof.stamp(ev_work_begin(o.kind), i);
+            }
           }
+          first_unit = false;
         }
-        first_unit = false;
+        if (sync_compute_or(fail || b.failed)) return;
       }
-      if (sync_compute_or(fail || b.failed)) return;
       if (open_stamp) detail_stamp(b, MK_EV_UNIT_OPEN_END, static_cast<uint32_t>(u));
       run_unit(b, i, o0, u);
       detail_stamp(b, MK_EV_UNIT_CLOSE_BEGIN, static_cast<uint32_t>(u));
