@@ -339,7 +339,8 @@ def read_json(path: str | Path):
     except FileNotFoundError:
         raise ResultsFileError(f"{p}: no such results file") from None
     except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
-        raise ResultsFileError(f"{p}: not a readable gzip file ({e})") from None
+        what = "not a readable gzip file" if p.name.endswith(".gz") else "cannot be read"
+        raise ResultsFileError(f"{p}: {what} ({e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ResultsFileError(f"{p}: not valid JSON ({e})") from None
 
