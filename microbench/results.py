@@ -367,7 +367,7 @@ def find(benchmark: str | None = None, root: Path | None = None, gpu: str | None
         except Exception:
             rows.append(("", p))  # malformed files surface when loaded, not silently dropped
             continue
-        if d.get("schema") != SCHEMA:
+        if not isinstance(d, dict) or d.get("schema") != SCHEMA:  # another kind of JSON: not a result
             continue
         if gpu and (d.get("env") or {}).get("gpu") != gpu:
             continue
