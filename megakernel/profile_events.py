@@ -13,7 +13,8 @@ names its layer too. With Plan.profile_detail, thread 0 also stamps inside the u
               results (the slowest warp's lag)
   epilogue    an expert unit's epilogue, to its stores issued
   unit_open   a unit's dependency wait (thread 0) and the barrier that starts the unit; not for an
-              op's first unit on the block (that opening is the op's wait phase)
+              op's first unit on the block (that opening is the op's wait phase), nor for a unit
+              that does not open (program.cuh unit_opens: nothing to wait for)
   unit_close  the barrier that ends a unit and thread 0's signal bookkeeping after it
 which the host assigns to the <op> phase around them (pipeline.detail_by_op). Without detail
 stamps, thread 0 only saves each op's instants and the compute warps write the op records
@@ -44,7 +45,8 @@ EVENTS.phase("fp4_tail", "expert GEMM: thread 0's last chunk done to every warp'
 EVENTS.phase("epilogue", "expert GEMM: the unit's epilogue, from the results in shared memory to its stores "
                          "issued (before the unit's closing barrier)")
 EVENTS.phase("unit_open", "a unit's dependency wait on thread 0 and the barrier that starts the unit, from the "
-                          "block's second unit of an op on (the first's is the op's wait phase; arg = unit)")
+                          "block's second unit of an op on (the first's is the op's wait phase) and only where "
+                          "the unit opens (program.cuh unit_opens; arg = unit)")
 EVENTS.phase("unit_close", "the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)")
 DETAIL_PHASES = ("stage", "ring_wait", "attn_load", "publish", "fp4_tail", "epilogue", "unit_open", "unit_close")
 

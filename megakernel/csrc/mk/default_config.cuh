@@ -257,8 +257,8 @@ constexpr int FP4_SWIZZLE_MAX = 8;
 #define MK_EV_FP4_TAIL_END            68u  // end of phase fp4_tail: expert GEMM: thread 0's last chunk done to every warp's results in shared memory (the barrier after them: the slowest warp's lag)
 #define MK_EV_EPILOGUE_BEGIN          69u  // begin of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
 #define MK_EV_EPILOGUE_END            70u  // end of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
-#define MK_EV_UNIT_OPEN_BEGIN         71u  // begin of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase; arg = unit)
-#define MK_EV_UNIT_OPEN_END           72u  // end of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase; arg = unit)
+#define MK_EV_UNIT_OPEN_BEGIN         71u  // begin of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase) and only where the unit opens (program.cuh unit_opens; arg = unit)
+#define MK_EV_UNIT_OPEN_END           72u  // end of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase) and only where the unit opens (program.cuh unit_opens; arg = unit)
 #define MK_EV_UNIT_CLOSE_BEGIN        73u  // begin of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
 #define MK_EV_UNIT_CLOSE_END          74u  // end of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
 #define MK_EV_COUNT                   74u
