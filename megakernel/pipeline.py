@@ -356,6 +356,56 @@ def unit_boundaries(df) -> dict[tuple[str, str], float]:
     return {k: float(np.median(v)) * 1e-9 for k, v in sorted(seg.items())}
 
 
+def end_tails(df) -> dict[str, float]:
+    """{op kind: seconds}: the median over launches of how long after the median block the last
+    block ends the op (its phase end), for ops that two or more blocks run in a launch. A layer
+    waits for its slowest block at each all-dependency, so this is what the op's imbalance costs.
+    `df`: Timeline.spans_df()."""
+    from .profile_events import DETAIL_PHASES
+
+    ops = df[~df["phase"].isin(DETAIL_PHASES) & ~df["phase"].str.startswith("wait_")]
+    out: dict[str, list[float]] = {}
+    for (op, _), g in ops.groupby(["phase", "launch"]):
+        ends = g.groupby("block")["end_ns"].max()
+        if len(ends) >= 2:
+            out.setdefault(op, []).append(float(ends.max() - ends.median()))
+    return {op: float(np.median(v)) * 1e-9 for op, v in sorted(out.items())}
+
+
+def slot_units(plan: Plan) -> dict[str, int]:
+    """Units of one routed slot per routed op: gate/up units of d_expert / (a unit's gate rows),
+    down-projection units of d_pool / (a unit's rows) (program.cuh EXP1_TILES, EXP2_TILES)."""
+    c = plan.cfg
+    return {"expert1": c.d_expert // (plan.tiles["expert1"].rows // 2),
+            "expert2": c.d_pool // plan.tiles["expert2"].rows}
+
+
+def slot_crossings(df, units_per_slot: dict[str, int]) -> dict[tuple[str, str], float]:
+    """{(statistic, op): value} for the routed ops of a detail timeline (unit_close stamps carry
+    the unit). A block runs consecutive units of a routed op (contiguous assignment), so they lie
+    in one slot or cross into the next, which costs an opening (slot record, dependency wait,
+    barrier) and a staging pass. Among the op phases with the most common unit count (like against
+    like): "cross_fraction", the share whose units span two or more slots, and "cross_extra_s",
+    the median duration of those minus the median of the one-slot ones (only where both occur)."""
+    m = _detail_spans(df)
+    m = m[(m["phase"] == "unit_close") & m["op"].isin(list(units_per_slot))]
+    ops = df[df["phase"].isin(list(units_per_slot))].groupby(["launch", "block", "phase"])["dur_ns"].sum()
+    out: dict[tuple[str, str], float] = {}
+    for op, g in m.groupby("op"):
+        per = g.groupby(["launch", "block"])["arg"].agg(
+            n="nunique", slots=lambda a: len({int(u) // units_per_slot[op] for u in a}))
+        per = per[per["n"] == per["n"].mode().iloc[0]]
+        dur = [float(ops.get((lb[0], lb[1], op), np.nan)) for lb in per.index]
+        per = per.assign(dur=dur).dropna(subset=["dur"])
+        if per.empty:
+            continue
+        cross = per["slots"] > 1
+        out[("cross_fraction", op)] = float(cross.mean())
+        if cross.any() and (~cross).any():
+            out[("cross_extra_s", op)] = float(per.loc[cross, "dur"].median() - per.loc[~cross, "dur"].median()) * 1e-9
+    return dict(sorted(out.items()))
+
+
 # the sampled profile the timeline also times: one launch in this many. A prime, so the sample
 # does not step with the global-attention layers' regular spacing (shard8: 9 of 63 launches, 2
 # of them with a global layer; small: 1 of 13)
@@ -476,6 +526,18 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
         derived[f"boundary_{sg}_{op}_s"] = Derived(
             v, "s", f"median over the step's inner {op} unit boundaries (a block's second and later units of an op) "
                     f"of {BOUNDARY_SEGMENTS[sg]}")
+    for op, v in end_tails(df).items():
+        derived[f"end_tail_{op}_s"] = Derived(v, "s", f"median over launches of the last block's end of {op} minus "
+                                                      "the median block's")
+    for (st, op), v in slot_crossings(df, slot_units(plan)).items():
+        if st == "cross_fraction":
+            derived[f"cross_fraction_{op}"] = Derived(
+                v, "", f"share of the {op} phases (blocks x launches, the most common unit count) whose units span "
+                       "two or more routed slots")
+        else:
+            derived[f"cross_extra_{op}_s"] = Derived(
+                v, "s", f"median {op} phase of those blocks minus that of the one-slot blocks (same unit count): what "
+                        "crossing into the next slot costs")
     out_dir = Path(out_dir or results_root() / "megakernel")
     out_dir.mkdir(parents=True, exist_ok=True)
     keep = {mid - 1, mid, mid + 1}  # three launches keep the trace file small
