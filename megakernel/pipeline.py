@@ -536,8 +536,8 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
                        "two or more routed slots")
         else:
             derived[f"cross_extra_{op}_s"] = Derived(
-                v, "s", f"median {op} phase of those blocks minus that of the one-slot blocks (same unit count): what "
-                        "crossing into the next slot costs")
+                v, "s", f"median {op} phase of the blocks whose units span two or more slots minus that of the "
+                        "one-slot blocks (same unit count): what crossing into the next slot costs")
     out_dir = Path(out_dir or results_root() / "megakernel")
     out_dir.mkdir(parents=True, exist_ok=True)
     keep = {mid - 1, mid, mid + 1}  # three launches keep the trace file small
