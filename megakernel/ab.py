@@ -18,7 +18,10 @@ T, ctx) every variant is built and checked, then timed:
 Variants differing only in code layout move the step by that much. Edits that do little or no
 work move it further through code generation: -0.6% to +5.8% on 2026-11-30, e.g. the profiler
 compiled in but idle +2.2-2.4% (README). So an A/B measures the compiled kernel truthfully, but a
-difference of a few percent does not show the mechanism an edit was meant to exercise.
+difference of a few percent does not show the mechanism an edit was meant to exercise. A
+layout placebo measures that floor in the same run: `pad1024:layout_pad=1024` (Plan.layout_pad)
+is the first variant with ~1 KB of never-run code ahead of the kernel's body, every later
+instruction moved, the same work and bits; a variant's change inside the placebos' is layout.
 
 `build_variants` compiles every (preset, T, variant) into the kernel cache on a machine without a
 GPU (`MEGABENCH_CACHE`), so the GPU's minutes go to timing. Each point runs the build for its T

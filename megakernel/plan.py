@@ -214,6 +214,9 @@ class Plan:
     # the step's launches also wait for their dependencies on earlier launches (program.build drops
     # them: stream order, and PDL's griddepcontrol.wait, have them done); for the A/B only
     launch_waits: bool = False
+    # bytes of never-run code placed ahead of the kernel's body (megakernel.cu): a code-layout
+    # placebo for A/Bs, the same work with every later instruction at another address
+    layout_pad: int = 0
     profile_cap: int = 64  # profiler records per block per launch
     # the profiler also stamps inside units (staging, ring waits: profile_events.DETAIL_PHASES);
     # several stamps per weight chunk, so more overhead than the op phases alone
@@ -338,7 +341,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               fill_ring: bool = False, norm_panel: int | None = None, profile_detail: bool = False,
               residual_unit_rows: int | None = None, tokens: int | None = None,
               expert1_rows: int | None = None, expert2_rows: int | None = None,
-              launch_waits: bool = False) -> Plan:
+              launch_waits: bool = False, layout_pad: int = 0) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -346,8 +349,12 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     oproj / unpool unit rows (A/Bs, tests; default residual_rows). tokens: the tree size the build is
     for (default the config's max_tree; any step of up to max_tree tokens runs on it with the same
     bits: only the expert units follow it, expert1_unit_rows / expert2_unit_rows); expert1_rows /
-    expert2_rows force those."""
+    expert2_rows force those. layout_pad: a code-layout placebo (Plan.layout_pad), a multiple of 16
+    bytes up to 64 KB."""
     cfg.validate()
+    if not (isinstance(layout_pad, int) and 0 <= layout_pad <= 65536 and layout_pad % 16 == 0):
+        raise ValueError(f"layout_pad {layout_pad!r}: want a multiple of 16 bytes from 0 to 65536 "
+                         "(one 16-byte instruction each)")
     c = cfg
     budget = ring_stage_bytes
     rr = residual_unit_rows or residual_rows(c, n_sm, budget)
@@ -376,7 +383,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              loader_ahead=loader_ahead, pdl=pdl, l2_prefetch_bytes=l2_prefetch_bytes, profile_cap=profile_cap,
              stream_evict_first=stream_evict_first, sentinel_route=sentinel_route,
              hot_prefetch_bytes=hot_prefetch_bytes, kv_prefetch=kv_prefetch, keys_per_split=keys_per_split,
-             profile_detail=profile_detail, fp4_rotated=fp4_rotated, tiles=tiles, launch_waits=launch_waits)
+             profile_detail=profile_detail, fp4_rotated=fp4_rotated, tiles=tiles, launch_waits=launch_waits,
+             layout_pad=layout_pad)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -478,6 +486,7 @@ def render(plan: Plan) -> str:
         f"constexpr bool SENTINEL_ROUTE = {'true' if plan.sentinel_route else 'false'};",
         f"constexpr long long HOT_PREFETCH_BYTES = {int(plan.hot_prefetch_bytes)}ll;",
         f"constexpr bool KV_PREFETCH = {'true' if plan.kv_prefetch else 'false'};",
+        f"constexpr int LAYOUT_PAD = {plan.layout_pad};  // never-run bytes ahead of the kernel's body",
         f"constexpr int MISC_BYTES = {MISC_BYTES};",
         f"constexpr unsigned long long GLOBAL_MASK = {sum(1 << g for g in c.global_layers)}ull;  // bit l: layer l is global",
         f"constexpr int PARTS = {plan.attn_parts};  // attention partials per kv head (MAX_SPLITS x WARPS / G)",

@@ -19,6 +19,16 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
     mk_run(const mk::Params* __restrict__ params, int first, int n_ops, int wait, int T, int ctx, int parity,
            MB_PROF_PARAMS) {
   using namespace mk;
+  // LAYOUT_PAD (Plan.layout_pad), a code-layout placebo for A/Bs: instructions that never run
+  // (`first` is never negative) and shift every instruction after them by ~LAYOUT_PAD bytes, so
+  // an A/B can show how far the step moves with code layout alone (one NANOSLEEP of a distinct
+  // immediate each: the compiler keeps them all)
+  if constexpr (LAYOUT_PAD > 0) {
+    if (first < 0) {
+#pragma unroll
+      for (int k = 0; k < LAYOUT_PAD / 16; ++k) backoff(static_cast<unsigned>(k + 1));
+    }
+  }
   // PDL: the next launch may be scheduled as soon as this one runs; its blocks land on SMs as
   // ours leave (one block per SM), and its compute warps wait for all of this grid below.
   if (PDL) pdl_launch_dependents();

@@ -98,6 +98,7 @@ constexpr bool STREAM_EVICT_FIRST = false;
 constexpr bool SENTINEL_ROUTE = false;
 constexpr long long HOT_PREFETCH_BYTES = 0ll;
 constexpr bool KV_PREFETCH = false;
+constexpr int LAYOUT_PAD = 0;  // never-run bytes ahead of the kernel's body
 constexpr int MISC_BYTES = 4096;
 constexpr unsigned long long GLOBAL_MASK = 4ull;  // bit l: layer l is global
 constexpr int PARTS = 12;  // attention partials per kv head (MAX_SPLITS x WARPS / G)
