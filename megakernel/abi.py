@@ -60,6 +60,7 @@ PARAM_FIELDS = (
     ("pooled", "uint16_t*"),  # [T_MAX][P]
     ("act", "uint16_t*"),  # [MAX_SLOTS][16][F]
     ("yexp", "uint16_t*"),  # [MAX_SLOTS][16][P]
+    ("ypart", "float*"),  # Plan.fused_experts: [MAX_SLOTS][EXP2_TILES][16][P] down-projection partials
     ("z", "uint16_t*"),  # [T_MAX][P]
     ("logits", "float*"),  # [T_MAX][V]
     ("amax_val", "float*"),  # [V/16][T_MAX]

@@ -37,7 +37,7 @@ def program_constants() -> str:
         f"OPREC_DEPS = {program.OPREC_DEPS};",
         f"constexpr int ROUTE_SHIFT = {program.ROUTE_SHIFT};",
         f"constexpr int DEP_ALL = {program.DEP_ALL}, DEP_GROUP = {program.DEP_GROUP}, "
-        f"DEP_SENTINEL = {program.DEP_SENTINEL};",
+        f"DEP_SENTINEL = {program.DEP_SENTINEL}, DEP_LOCAL = {program.DEP_LOCAL};",
         f"constexpr int ASSIGN_STRIDED = {program.ASSIGN_STRIDED}, ASSIGN_CONTIG = {program.ASSIGN_CONTIG};",
         f"constexpr int SIGNAL_TOTAL = {program.SIGNAL_TOTAL}, SIGNAL_GROUPS = {program.SIGNAL_GROUPS};",
         f"constexpr uint32_t WHAT_RING_FULL = {program.WHAT_RING_FULL}, WHAT_RING_EMPTY = {program.WHAT_RING_EMPTY}, "

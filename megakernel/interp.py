@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from . import tree as treelib
-from .program import DEP_ALL, DEP_SENTINEL, Program, cached_keys, group_size, n_units, needed_group, splits, unit_group
+from .program import DEP_ALL, DEP_LOCAL, DEP_SENTINEL, Program, cached_keys, group_size, n_units, needed_group, splits, unit_group
 from .plan import MOE_COMBINE_COLS
 from .reference import KVCache, rmsnorm
 from .weights import BF16, ModelWeights
@@ -41,7 +41,8 @@ class Interpreter:
             "route_slot": zi(tm, c.top_k), "route_pos": zi(tm, c.top_k), "slot_expert": zi(p.max_slots),
             "slot_ntok": zi(p.max_slots), "slot_tok": zi(p.max_slots, 16), "n_slots": zi(1),
             "pooled": nan(tm, c.d_pool, dt=BF16), "act": nan(p.max_slots, 16, c.d_expert, dt=BF16),
-            "yexp": nan(p.max_slots, 16, c.d_pool, dt=BF16), "z": nan(tm, c.d_pool, dt=BF16),
+            "yexp": nan(p.max_slots, 16, c.d_pool, dt=BF16),
+            "ypart": nan(p.max_slots, p.fused_parts if p.fused_experts else 1, 16, c.d_pool), "z": nan(tm, c.d_pool, dt=BF16),
             "logits": nan(tm, c.vocab), "amax_val": nan(c.vocab // 16, tm), "amax_idx": zi(c.vocab // 16, tm),
             "out_tokens": zi(tm),
         }
@@ -184,6 +185,14 @@ class Interpreter:
 
     def _expert2(self, layer, u):
         c, b, lw = self.cfg, self.buf, self.w.layers[layer]
+        if self.plan.fused_experts:  # K-part j of the slot's down projection, all rows, fp32
+            h = self.plan.tiles["expert1"].rows // 2
+            s, j = divmod(u, c.d_expert // h)
+            e, nt = int(b["slot_expert"][s]), int(b["slot_ntok"][s])
+            w2 = lw.w2.expert(e)
+            a = b["act"][s, :nt, h * j:h * j + h].to(F32)
+            b["ypart"][s, j, :nt] = (a @ w2.dequant_bf16_exact()[:, h * j:h * j + h].T) * w2.tensor_scale
+            return
         n = self.plan.tiles["expert2"].rows
         s, j = divmod(u, c.d_pool // n)
         e, nt = int(b["slot_expert"][s]), int(b["slot_ntok"][s])
@@ -198,7 +207,14 @@ class Interpreter:
         acc = torch.zeros(self.T, n, dtype=F32, device=b["x"].device)
         for r in range(c.top_k):
             s, pos = b["route_slot"][: self.T, r], b["route_pos"][: self.T, r]
-            acc = acc + b["route_w"][: self.T, r:r + 1] * b["yexp"][s, pos, cols].to(F32)
+            if self.plan.fused_experts:  # the slot's K-parts summed in order, then rounded as y was
+                y = b["ypart"][s, 0, pos, cols]
+                for j in range(1, self.plan.fused_parts):
+                    y = y + b["ypart"][s, j, pos, cols]
+                y = y.to(BF16)
+            else:
+                y = b["yexp"][s, pos, cols]
+            acc = acc + b["route_w"][: self.T, r:r + 1] * y.to(F32)
         b["z"][: self.T, cols] = acc.to(BF16)
 
     def _unpool(self, layer, u):
@@ -264,6 +280,8 @@ class Interpreter:
                 if d.mode in (DEP_ALL, DEP_SENTINEL):  # a sentinel edge still orders the data
                     if not complete(d.producer):
                         return []
+                elif d.mode == DEP_LOCAL:  # the producer's unit of the same index
+                    units = [u for u in units if u not in pending[d.producer]]
                 else:
                     need = group_size(self.plan, p.kind, p.layer, self.T, self.ctx)
                     units = [u for u in units if group_done[d.producer].get(

@@ -21,7 +21,7 @@ from microbench.errors import CorrectnessError
 from microbench.results import Bound, Derived, Env, Result, Series
 
 from .config import preset as get_preset
-from .plan import Plan, make_plan
+from .plan import Plan, fuses_experts, make_plan
 from .results_names import step_params, step_series_name
 from .runtime import Engine, check_close
 
@@ -88,8 +88,20 @@ def plan_for(preset: str, constants=None, n_sm: int | None = None, **switches) -
               # weights.hot_experts: the share of experts two steps must share for the bet to pay;
               # 1.0 = never bet
               hot_prefetch_bytes=(hot_prefetch_budget(c, n_sm)
-                                  if float(_get(c, "hot_expert_break_even_overlap")) < 1.0 else 0))
+                                  if float(_get(c, "hot_expert_break_even_overlap")) < 1.0 else 0),
+              # the fused expert unit wherever the model's shapes allow it (plan.fuses_experts).
+              # In-run A/B on the H200 (2026-11-30 23:15Z, 5 rounds, against the split GEMMs; a
+              # layout placebo of the split build -0.19 / +0.76 / -0.33%): shard8 T=16 -1.26%,
+              # T=1 -2.92%, small T=16 +0.06%
+              fused_experts=fuses_experts(cfg))
     kw.update(switches)  # a technique switch overrides the constant
+    if "fused_experts" not in switches and kw["fused_experts"]:
+        try:  # the default only: a unit of too few gate rows for a K-part builds the split GEMMs
+            make_plan(cfg, n_sm, **kw)
+        except ValueError as e:
+            if "fused_experts" not in str(e):
+                raise
+            kw["fused_experts"] = False
     try:
         return make_plan(cfg, n_sm, **kw)
     except KernelDoesNotFitError as e:
@@ -376,8 +388,8 @@ def slot_units(plan: Plan) -> dict[str, int]:
     """Units of one routed slot per routed op: gate/up units of d_expert / (a unit's gate rows),
     down-projection units of d_pool / (a unit's rows) (program.cuh EXP1_TILES, EXP2_TILES)."""
     c = plan.cfg
-    return {"expert1": c.d_expert // (plan.tiles["expert1"].rows // 2),
-            "expert2": c.d_pool // plan.tiles["expert2"].rows}
+    e1 = c.d_expert // (plan.tiles["expert1"].rows // 2)
+    return {"expert1": e1, "expert2": e1 if plan.fused_experts else c.d_pool // plan.tiles["expert2"].rows}
 
 
 def slot_crossings(df, units_per_slot: dict[str, int]) -> dict[tuple[str, str], float]:

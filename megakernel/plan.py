@@ -126,6 +126,36 @@ def _expert_tile(cap: int, k: int, budget: int, paired: bool) -> GemmTile:
     return GemmTile(rows, kc, k, True, min(fp4_layout.SWIZZLE_MAX, kc // 32))
 
 
+FUSED_PASS_ROWS = 2 * 16 * WARPS  # gemm.cuh gemm_fp4_down: two 16-row tiles per compute warp per pass
+
+
+def fuses_experts(cfg: ModelConfig) -> bool:
+    """Whether the model's shapes allow the fused expert unit (Plan.fused_experts): d_pool in whole
+    passes of gemm_fp4_down (make_plan also needs a gate/up unit's gate rows in whole k32 steps)."""
+    return cfg.d_pool % FUSED_PASS_ROWS == 0 and cfg.d_expert % 32 == 0
+
+
+def _fused_down_tile(c: ModelConfig, h1: int, budget: int) -> GemmTile:
+    """Plan.fused_experts: the down projection's chunk, `rows` rows of d_pool over one gate/up
+    unit's h1 columns of K = d_expert (the kernel's copy of W2 in blocks of h1 columns); the rows
+    are the most, a multiple of 256 (two 16-row tiles per warp per pass, gemm_fp4_down) dividing
+    d_pool, whose chunk fits `budget` (the largest of the other ops' chunks)."""
+    passes = FUSED_PASS_ROWS
+    if h1 % 32 or c.d_pool % passes:
+        raise ValueError(f"fused_experts: needs gate rows per unit ({h1}) a multiple of 32 and d_pool "
+                         f"({c.d_pool}) a multiple of {passes}")
+    rows = passes
+    while c.d_pool % (2 * rows) == 0 and GemmTile(2 * rows, h1, c.d_expert, True).stage_bytes <= budget:
+        rows *= 2
+    t = GemmTile(rows, h1, c.d_expert, True, min(fp4_layout.SWIZZLE_MAX, h1 // 32))
+    if t.stage_bytes > budget:
+        from microbench.errors import KernelDoesNotFitError
+
+        raise KernelDoesNotFitError(f"fused_experts: a down-projection chunk of {rows} rows x {h1} columns needs "
+                                    f"{t.stage_bytes} B, the ring stage holds {budget} B of fp4 weights")
+    return t
+
+
 def _pow2_floor(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
@@ -217,6 +247,15 @@ class Plan:
     # bytes of never-run code placed ahead of the kernel's body (megakernel.cu): a code-layout
     # placebo for A/Bs, the same work with every later instruction at another address
     layout_pad: int = 0
+    # a fused expert unit: the down projection's unit j of a slot is the K-part of gate/up unit j
+    # (its H1 columns of W2, all d_pool rows, in chunks of tiles["expert2"].rows rows), run by the
+    # block that ran gate/up unit j (program.DEP_LOCAL), writing fp32 partials the MoE combine
+    # sums in a fixed order: no gate/up groups, no waits between the two GEMMs
+    fused_experts: bool = False
+    # fused: gate/up units whose activations a block keeps in shared memory, in the down
+    # projection's staged layout, so that its unit of the same index stages nothing (make_plan:
+    # as many as the spare shared memory holds, up to KEEP_MAX)
+    keep_units: int = 0
     profile_cap: int = 64  # profiler records per block per launch
     # the profiler also stamps inside units (staging, ring waits: profile_events.DETAIL_PHASES);
     # several stamps per weight chunk, so more overhead than the op phases alone
@@ -233,6 +272,11 @@ class Plan:
     norm_panel: int = 0
     ring_fill: int = 0  # of ring_stages, those added from spare shared memory (make_plan fill_ring)
     tiles: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def fused_parts(self) -> int:
+        """fused_experts: the K-parts of a slot's down projection, one per gate/up unit."""
+        return self.cfg.d_expert // (self.tiles["expert1"].rows // 2)
 
     @property
     def max_slots(self) -> int:
@@ -290,11 +334,22 @@ class Plan:
         """Per-warp partial tiles of the bf16 GEMMs, [WARPS][16][rows] fp32, and the fp4 GEMMs'
         results, [16][rows] fp32 (gemm.cuh gemm_stash, gemm_fp4)."""
         dense = WARPS * 16 * max(t.rows for t in self.tiles.values() if not t.fp4) * 4
-        return max([dense] + [16 * t.rows * 4 for t in self.tiles.values() if t.fp4])
+        # fused_experts: the down projection stores from registers (gemm.cuh gemm_fp4_down)
+        fp4 = [n for n, t in self.tiles.items() if t.fp4 and not (n == "expert2" and self.fused_experts)]
+        return max([dense] + [16 * self.tiles[n].rows * 4 for n in fp4])
+
+    @property
+    def keep_unit_bytes(self) -> int:
+        """fused: one kept gate/up unit's activations, 16 token rows of its gate rows, padded."""
+        return 16 * (self.tiles["expert1"].rows + ROW_PAD)
+
+    @property
+    def keep_bytes(self) -> int:
+        return self.keep_units * self.keep_unit_bytes
 
     @property
     def smem_bytes(self) -> int:
-        return self.abuf_bytes + self.ring_stages * self.stage_bytes + self.red_bytes + MISC_BYTES
+        return self.abuf_bytes + self.ring_stages * self.stage_bytes + self.red_bytes + self.keep_bytes + MISC_BYTES
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -305,6 +360,7 @@ class Plan:
 
 NORM_OPS = ("qkv", "router", "pool", "lm_head")  # the projections of a normed d_model operand
 RING_FILL_MAX = 8  # fill_ring stops at this many stages
+KEEP_MAX = 16  # fused_experts: at most this many kept gate/up units (block.cuh MISC_KEEP)
 
 
 def _fill_ring(p: Plan, smem_limit: int, norm_panel: int | None) -> Plan:
@@ -341,7 +397,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               fill_ring: bool = False, norm_panel: int | None = None, profile_detail: bool = False,
               residual_unit_rows: int | None = None, tokens: int | None = None,
               expert1_rows: int | None = None, expert2_rows: int | None = None,
-              launch_waits: bool = False, layout_pad: int = 0) -> Plan:
+              launch_waits: bool = False, layout_pad: int = 0, fused_experts: bool = False) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -373,8 +429,11 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     # codes fill a 36 KB stage at a 32 KB budget
     e1 = expert1_rows or expert1_unit_rows(c, n_sm, tokens or c.max_tree)
     tiles["expert1"] = _expert_tile(min(e1, 2 * c.d_expert), c.d_pool, budget * 9 // 8, True)
-    e2 = expert2_rows or expert2_unit_rows(c, n_sm, tokens or c.max_tree)
-    tiles["expert2"] = _expert_tile(min(e2, c.d_pool), c.d_expert, budget * 9 // 8, False)
+    if fused_experts:  # chunks no larger than the other ops' (the ring's stage size stays theirs)
+        tiles["expert2"] = _fused_down_tile(c, tiles["expert1"].rows // 2, max(t.stage_bytes for t in tiles.values()))
+    else:
+        e2 = expert2_rows or expert2_unit_rows(c, n_sm, tokens or c.max_tree)
+        tiles["expert2"] = _expert_tile(min(e2, c.d_pool), c.d_expert, budget * 9 // 8, False)
     for op in ("expert1", "expert2"):
         tiles[op] = replace(tiles[op], rotated=fp4_rotated)
     if profile_detail and not profile:
@@ -384,12 +443,14 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              stream_evict_first=stream_evict_first, sentinel_route=sentinel_route,
              hot_prefetch_bytes=hot_prefetch_bytes, kv_prefetch=kv_prefetch, keys_per_split=keys_per_split,
              profile_detail=profile_detail, fp4_rotated=fp4_rotated, tiles=tiles, launch_waits=launch_waits,
-             layout_pad=layout_pad)
+             layout_pad=layout_pad, fused_experts=fused_experts)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
                              f"{', '.join(f'{n} {tiles[n].kc}' for n in NORM_OPS)} columns")
         p = _fill_ring(p, smem_limit, norm_panel) if fill_ring else replace(p, norm_panel=norm_panel)
+    if fused_experts:  # what the ring left: kept gate/up activations (Plan.keep_units)
+        p = replace(p, keep_units=min(KEEP_MAX, max(0, (smem_limit - p.smem_bytes) // p.keep_unit_bytes)))
     if p.smem_bytes > smem_limit:
         from microbench.errors import KernelDoesNotFitError
 
@@ -487,6 +548,8 @@ def render(plan: Plan) -> str:
         f"constexpr long long HOT_PREFETCH_BYTES = {int(plan.hot_prefetch_bytes)}ll;",
         f"constexpr bool KV_PREFETCH = {'true' if plan.kv_prefetch else 'false'};",
         f"constexpr int LAYOUT_PAD = {plan.layout_pad};  // never-run bytes ahead of the kernel's body",
+        f"constexpr bool FUSED_EXPERTS = {'true' if plan.fused_experts else 'false'};",
+        f"constexpr int KEEP_UNITS = {plan.keep_units}, KEEP_BYTES = {plan.keep_bytes};  // fused: kept gate/up units",
         f"constexpr int MISC_BYTES = {MISC_BYTES};",
         f"constexpr unsigned long long GLOBAL_MASK = {sum(1 << g for g in c.global_layers)}ull;  // bit l: layer l is global",
         f"constexpr int PARTS = {plan.attn_parts};  // attention partials per kv head (MAX_SPLITS x WARPS / G)",

@@ -48,7 +48,10 @@ OPREC_DEPS = 8  # an encoded op record's (producer, mode) pairs start at this in
 ROUTE_SHIFT = 16
 ASSIGN_STRIDED, ASSIGN_CONTIG = 0, 1
 SIGNAL_TOTAL, SIGNAL_GROUPS = 1, 2  # OpInst.signal bits: its total counter / its group counters are waited for
-DEP_ALL, DEP_GROUP, DEP_SENTINEL = 0, 1, 2
+# DEP_LOCAL: unit u of the consumer needs unit u of the producer, which the same block ran before
+# it (both contiguous, with as many units: Plan.fused_experts' down projection <- gate/up); not
+# waited for, program order and the block's barriers order it
+DEP_ALL, DEP_GROUP, DEP_SENTINEL, DEP_LOCAL = 0, 1, 2, 3
 # A wait's id for the watchdog record: op index * 16 + code; codes below MAX_DEPS name the op's
 # dependency, these name the ring and the loader (rendered into the kernel by build.py)
 WHAT_RING_FULL, WHAT_RING_EMPTY, WHAT_LOADER_ROUTE, WHAT_LOADER_GATE, WHAT_SENTINEL, WHAT_NORM_ROWS = 8, 9, 10, 11, 12, 13
@@ -57,7 +60,7 @@ WHAT_RING_FULL, WHAT_RING_EMPTY, WHAT_LOADER_ROUTE, WHAT_LOADER_GATE, WHAT_SENTI
 @dataclass(frozen=True)
 class Dep:
     producer: int  # index of the producing op instance
-    mode: int  # DEP_ALL, DEP_GROUP or DEP_SENTINEL
+    mode: int  # DEP_ALL, DEP_GROUP, DEP_SENTINEL or DEP_LOCAL
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ def n_units(plan: Plan, kind: str, layer: int, t: int, ctx: int, count: int) -> 
         "pool": c.d_pool // plan.tiles["pool"].rows,
         "topk": 1,
         "expert1": count * (c.d_expert // (plan.tiles["expert1"].rows // 2)),
-        "expert2": count * (c.d_pool // plan.tiles["expert2"].rows),
+        "expert2": count * (c.d_expert // (plan.tiles["expert1"].rows // 2) if plan.fused_experts
+                            else c.d_pool // plan.tiles["expert2"].rows),
         "moe_combine": c.d_pool // MOE_COMBINE_COLS,
         "unpool": c.d_model // plan.tiles["unpool"].rows,
         "lm_head": c.vocab // 16,
@@ -272,7 +276,8 @@ def build(plan: Plan, mode: str = "layer") -> Program:
         add("topk", l, [("router", DEP_SENTINEL if plan.sentinel_route else DEP_ALL)],
             rot=lightest_block(plan, [ops[last["router"]], ops[last["pool"]]]))
         add("expert1", l, [("topk", DEP_ALL), ("pool", DEP_ALL)], ASSIGN_CONTIG)
-        add("expert2", l, [("topk", DEP_ALL), ("expert1", DEP_GROUP)], ASSIGN_CONTIG)
+        add("expert2", l, [("topk", DEP_ALL), ("expert1", DEP_LOCAL if plan.fused_experts else DEP_GROUP)],
+            ASSIGN_CONTIG)
         add("moe_combine", l, [("topk", DEP_ALL), ("expert2", DEP_ALL)])
         add("unpool", l, [("moe_combine", DEP_ALL)])
         if l + 1 < c.n_layers:
@@ -326,6 +331,9 @@ def check(prog: Program) -> None:
             p = prog.ops[d.producer]
             if d.mode == DEP_SENTINEL:  # the kernel polls sentinel slots on this edge only (ops/topk.cuh)
                 assert (o.kind, p.kind) == ("topk", "router"), f"{o.kind} <- {p.kind}: no sentinel slots"
+            if d.mode == DEP_LOCAL:  # unit u of both on the same block: same assignment, same count
+                assert (o.kind, p.kind) == ("expert2", "expert1") and o.assign == p.assign == ASSIGN_CONTIG \
+                    and prog.plan.fused_experts, f"{o.kind} <- {p.kind}: no block-local rule"
             if d.mode == DEP_GROUP:
                 needed_group(prog.plan, o.kind, p.kind, o.layer, 0, 1, 0)  # raises if no rule
                 assert p.n_groups > 0

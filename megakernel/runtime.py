@@ -170,6 +170,8 @@ class Engine:
             "n_slots": z(1, dt=torch.int32), "hot_experts": z(c.n_layers, (c.n_experts + 31) // 32, dt=torch.int32),
             "pooled": z(tm, c.d_pool, dt=BF16),
             "act": z(p.max_slots, 16, c.d_expert, dt=BF16), "yexp": z(p.max_slots, 16, c.d_pool, dt=BF16),
+            # Plan.fused_experts: each down-projection unit's fp32 partial (a slot's K-parts)
+            "ypart": (z(p.max_slots, p.fused_parts, 16, c.d_pool) if p.fused_experts else z(1)),
             "z": z(tm, c.d_pool, dt=BF16), "logits": z(tm, c.vocab), "amax_val": z(c.vocab // 16, tm),
             "amax_idx": z(c.vocab // 16, tm, dt=torch.int32), "out_tokens": z(tm, dt=torch.int32),
         }
@@ -226,7 +228,8 @@ class Engine:
         P.route_override = _ptr(self.route_t) if override else 0
         for name in ("x", "ss_part", "xg", "q", "att_o", "att_ml", "att_out", "router_logits", "route_sel",
                      "route_w", "route_slot", "route_pos", "slot_expert", "slot_ntok", "slot_tok", "n_slots",
-                     "hot_experts", "pooled", "act", "yexp", "z", "logits", "amax_val", "amax_idx", "out_tokens"):
+                     "hot_experts", "pooled", "act", "yexp", "ypart", "z", "logits", "amax_val", "amax_idx",
+                     "out_tokens"):
             setattr(P, name, _ptr(b[name]))
         P.counters = _ptr(self.counters)
         P.watchdog = self.wd.ptr

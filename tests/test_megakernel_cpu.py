@@ -186,6 +186,76 @@ def test_a_missing_dependency_is_caught_by_random_orders(tiny):
     assert caught > 0
 
 
+@pytest.fixture(scope="module")
+def fusable():
+    """tiny with d_pool and d_expert of 256: shapes the fused expert unit takes (plan.fuses_experts)."""
+    cfg = dataclasses.replace(preset("tiny"), d_pool=256, d_expert=256)
+    w = generate(cfg)
+    base = KVCache(cfg).fill_random(torch.Generator().manual_seed(3))
+    return cfg, w, base, make_plan(cfg, 4, spin_bound_ns=3_000_000_000, ring_stage_bytes=16384, fused_experts=True)
+
+
+def test_fused_expert_plan_and_program(fusable):
+    """Plan.fused_experts: the down projection's unit j of a slot is gate/up unit j's K-part (its
+    gate rows' columns of W2, all d_pool rows in chunks), on the same block (DEP_LOCAL: same
+    contiguous assignment, same unit count), so gate/up publishes no groups; red holds no down
+    projection results; refused, with the reason, where the shapes do not allow it."""
+    from megakernel.pipeline import plan_for, slot_units
+    from megakernel.plan import fuses_experts
+    from megakernel.program import ASSIGN_CONTIG, DEP_LOCAL, SIGNAL_GROUPS
+
+    cfg, _, _, plan = fusable
+    h1 = plan.tiles["expert1"].rows // 2
+    t2 = plan.tiles["expert2"]
+    assert (t2.kc, t2.k, cfg.d_pool % t2.rows) == (h1, cfg.d_expert, 0) and plan.fused_parts == cfg.d_expert // h1
+    wide = dataclasses.replace(plan, tiles={**plan.tiles, "expert2": dataclasses.replace(t2, rows=8 * t2.rows)})
+    assert wide.red_bytes == plan.red_bytes  # its results never pass through red
+    assert 0 < plan.keep_units and plan.smem_bytes <= 232448
+    assert "constexpr bool FUSED_EXPERTS = true;" in render(plan)
+    prog = build(plan)
+    check(prog)
+    by = {o.kind: o for o in prog.ops if o.layer == 1}
+    e1, e2 = by["expert1"], by["expert2"]
+    assert [(prog.ops[d.producer].kind, d.mode) for d in e2.deps][1] == ("expert1", DEP_LOCAL)
+    assert e1.assign == e2.assign == ASSIGN_CONTIG and not e1.signal & SIGNAL_GROUPS
+    assert n_units(plan, "expert2", 1, 16, 40, 7) == n_units(plan, "expert1", 1, 16, 40, 7)
+    assert slot_units(plan) == {"expert1": plan.fused_parts, "expert2": plan.fused_parts}
+    bad = Program(plan, prog.ops, prog.launches, prog.n_counters, prog.mode)
+    with pytest.raises(AssertionError, match="block-local"):
+        check(dataclasses.replace(bad, plan=dataclasses.replace(plan, fused_experts=False)))
+    assert not fuses_experts(preset("tiny")) and fuses_experts(preset("shard8")) and fuses_experts(preset("small"))
+    with pytest.raises(ValueError, match="fused_experts"):
+        make_plan(preset("tiny"), 4, fused_experts=True)
+    assert not plan_for("tiny", None, 4).fused_experts and plan_for("shard8", None, 132).fused_experts
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_experts_interpreter_orders_and_emulated_bits(fusable, seed):
+    """The fused schedule in random orders that respect only its declared dependencies (DEP_LOCAL:
+    the producer's unit of the same index) gives the program order's bits, close to the reference;
+    in the emulated kernel mega == chain bitwise, the kept activations give the staged ones' bits
+    (keep_units default, 1: most units staged, 0: none kept), and the logits stay within 1e-2 of the
+    split GEMMs'."""
+    cfg, w, base, plan = fusable
+    toks, par = _inputs(cfg, 16 if seed == 0 else 5, seed)
+    ref, routes = _reference(w, base.clone(), toks, par, 40)
+    in_order = Interpreter(w, build(plan), base.clone()).run(toks, par, 40, routes=routes, order="program")
+    check_close(in_order, ref, "fused interpreter", rel=5e-3)
+    shuffled = Interpreter(w, build(plan), base.clone()).run(toks, par, 40, routes=routes, seed=seed)
+    assert torch.equal(in_order, shuffled)
+    grid = 4 if seed == 0 else 2
+    out = {}
+    for name, p, mode in (("mega", plan, "mega"), ("chain", plan, "chain"),
+                          ("keep1", dataclasses.replace(plan, keep_units=1), "mega"),
+                          ("keep0", dataclasses.replace(plan, keep_units=0), "mega"),
+                          ("split", make_plan(cfg, 4, spin_bound_ns=3_000_000_000, ring_stage_bytes=16384), "mega")):
+        out[name] = Engine(w, p, base.clone(), backend="emu", grid=grid).step(toks, par, 40, mode=mode)
+    for name in ("chain", "keep1", "keep0"):
+        assert torch.equal(out[name].logits, out["mega"].logits) and torch.equal(out[name].tokens, out["mega"].tokens), name
+    check_close(out["mega"].logits, out["split"].logits, "fused vs split", rel=1e-2)
+    check_close(out["mega"].logits, ref, "fused vs reference", rel=1e-2)
+
+
 @pytest.mark.parametrize("ctx,t", [(0, 1), (33, 1), (20, 8), (40, 16)])
 def test_emulated_mega_equals_chain_bitwise_and_matches_reference(tiny, ctx, t):
     cfg, w, base, plan = tiny

@@ -49,6 +49,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
     b.misc[MISC_TAG] = -1;
     b.misc[MISC_SLOT + 2] = -1;  // no slot record (program.cuh slot_fetch)
     b.misc[MISC_RTAG] = -1;
+    for (int k = 0; k < KEEP_UNITS; ++k) b.misc[MISC_KEEP + k] = -1;
     b.misc[MISC_OPS_DONE] = 0;
     if (PROF_DEFER) {
       for (int k = 0; k < PROF_OPS; ++k) prof_slot(b, k)->op = -1;

@@ -5,6 +5,7 @@
 //   ring   RING_STAGES x STAGE_BYTES  weight chunks, filled by the loader warp's bulk copies
 //   red    RED_BYTES   per-warp partial sums of a bf16 GEMM tile, reduced in fixed warp order,
 //          or an fp4 GEMM unit's results (gemm.cuh gemm_fp4)
+//   keep   KEEP_BYTES  Plan.fused_experts: gate/up units' activations kept for the down projection
 //   bars   2 x RING_STAGES mbarriers (full: one arrival + tx bytes; empty: one arrival per
 //          compute thread), xbar (the normed operand's copies), then small ints (staged-activation
 //          tag, top-k scratch, norm factors)
@@ -37,13 +38,17 @@ constexpr int MISC_PSLOT = (MISC_RNORM + 16 + 1) & ~1;
 constexpr int MISC_PWIN = MISC_PSLOT + 8 * PROF_OPS;  // the first op of the slots' current window
 // [2] an op's own "wait end" instant, where its wait is inside the op (top-k's sentinel poll)
 constexpr int MISC_PWAIT = MISC_PWIN + 2;
-constexpr int MISC_INTS = MISC_PWAIT + 2;
+// [16] fused: the unit tag whose activations each kept-unit buffer holds (-1: none; ops/expert_gemm1.cuh)
+constexpr int MISC_KEEP = MISC_PWAIT + 2;
+constexpr int MISC_INTS = MISC_KEEP + 16;
+static_assert(KEEP_UNITS <= 16 && KEEP_BYTES % 16 == 0, "kept units: their tags fit MISC_KEEP; aligned buffers");
 
 struct Blk {
   const Params* p;
   unsigned char* abuf;
   unsigned char* ring;
   float* red;
+  unsigned char* keep;  // fused: KEEP_UNITS gate/up units' activations in the down projection's layout
   uint64_t* full;
   uint64_t* empty;
   uint64_t* xbar;  // the normed operand's bulk copies (gemm.cuh stage_normed): one arrival + tx bytes
@@ -61,7 +66,8 @@ MK_DEV Blk make_blk(const Params* p, int T, int ctx, int parity, int wait) {
   b.abuf = s;
   b.ring = s + ABUF_BYTES;
   b.red = reinterpret_cast<float*>(b.ring + RING_STAGES * STAGE_BYTES);
-  b.full = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(b.red) + RED_BYTES);
+  b.keep = reinterpret_cast<unsigned char*>(b.red) + RED_BYTES;
+  b.full = reinterpret_cast<uint64_t*>(b.keep + KEEP_BYTES);
   b.empty = b.full + RING_STAGES;
   b.xbar = b.empty + RING_STAGES;
   b.misc = reinterpret_cast<int*>(b.xbar + 1);

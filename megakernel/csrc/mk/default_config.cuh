@@ -99,6 +99,8 @@ constexpr bool SENTINEL_ROUTE = false;
 constexpr long long HOT_PREFETCH_BYTES = 0ll;
 constexpr bool KV_PREFETCH = false;
 constexpr int LAYOUT_PAD = 0;  // never-run bytes ahead of the kernel's body
+constexpr bool FUSED_EXPERTS = false;
+constexpr int KEEP_UNITS = 0, KEEP_BYTES = 0;  // fused: kept gate/up units
 constexpr int MISC_BYTES = 4096;
 constexpr unsigned long long GLOBAL_MASK = 4ull;  // bit l: layer l is global
 constexpr int PARTS = 12;  // attention partials per kv head (MAX_SPLITS x WARPS / G)
@@ -155,6 +157,7 @@ struct Params {
   uint16_t* pooled;
   uint16_t* act;
   uint16_t* yexp;
+  float* ypart;
   uint16_t* z;
   float* logits;
   float* amax_val;
@@ -165,12 +168,12 @@ struct Params {
   int32_t n_counters;
   int32_t n_launches;
 };
-static_assert(sizeof(Params) == 320, "abi.py Params");
+static_assert(sizeof(Params) == 328, "abi.py Params");
 }  // namespace mk
 namespace mk {
 constexpr int OPINST_INTS = 16, MAX_DEPS = 3, OPREC_DEPS = 8;
 constexpr int ROUTE_SHIFT = 16;
-constexpr int DEP_ALL = 0, DEP_GROUP = 1, DEP_SENTINEL = 2;
+constexpr int DEP_ALL = 0, DEP_GROUP = 1, DEP_SENTINEL = 2, DEP_LOCAL = 3;
 constexpr int ASSIGN_STRIDED = 0, ASSIGN_CONTIG = 1;
 constexpr int SIGNAL_TOTAL = 1, SIGNAL_GROUPS = 2;
 constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10, WHAT_LOADER_GATE = 11, WHAT_SENTINEL = 12, WHAT_NORM_ROWS = 13;

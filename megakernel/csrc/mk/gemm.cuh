@@ -481,6 +481,99 @@ MK_COLD_LOOP
   detail_stamp(b, MK_EV_FP4_TAIL_END, 0);
 }
 
+// Plan.fused_experts' down projection (ops/expert_gemm2.cuh): chunk c holds rows c*CR.. of the
+// output over the unit's whole K (KC columns, one gate/up unit's K-part), so each chunk's results
+// are final. A chunk goes in passes of 256 rows (warp w owns 16-row tiles w and w + 8 of a pass,
+// as gemm_fp4 does a 256-row unit; the k-step code is gemm_fp4's), and each thread stores its
+// accumulators * ts straight to out[token][row] (fp32, tokens < ntok): no shared-memory round
+// trip and no barrier, the ring orders the stages (every compute thread releases a chunk after
+// its last read of it).
+template <int CR, int KC, int SW, int NCH>
+MK_DEV void gemm_fp4_down(Blk& b, const unsigned char* act, int ntok, float ts, float* out, uint32_t what) {
+  constexpr int PR = 2 * 16 * WARPS, NPASS = CR / PR;  // rows of a pass, passes of a chunk
+  constexpr int SR = KC / 32, GS = SR < 4 ? SR : 4, NG = SR / GS, AS = a_stride<KC>();
+  static_assert(CR % PR == 0 && SR >= 2 && (SR & (SR - 1)) == 0, "whole 256-row passes; k32 steps a power of two >= 2");
+  static_assert(SW == (SR < FP4_SWIZZLE_MAX ? SR : FP4_SWIZZLE_MAX), "code swizzle period min(8, KC/32) (plan)");
+  const int w = warp(), g = lane() >> 2, t = lane() & 3;
+  const int lr = (lane() & 7) + 8 * ((lane() >> 3) & 1), ls = lane() >> 4, x = (lane() & 7) % SW;
+  int cofs[GS / 2];
+#pragma unroll
+  for (int p = 0; p < GS / 2; ++p) cofs[p] = (w * 16 + lr) * (KC / 2) + 16 * ((2 * p + ls) ^ (x & 3));
+  const int gx = SW == 8 ? 16 * (x & 4) : 0;
+  const int sofs = CR * (KC / 2) + (w * 16 + g) * (KC / 16) + (t >> 1) * SR;
+  const SAddr bc = saddr(act + (lane() & 7) * AS + (lane() >> 3) * 16);  // the staged operand (abuf or kept)
+  const bool two = ntok > 8;
+  auto pass = [&](const unsigned char* st, int c, int h, const bool tw) {
+    const SAddr cbase = saddr(st);
+    float acc[2][2][4] = {};
+MK_COLD_LOOP
+    for (int G = 0; G < NG; ++G) {
+      const int go = SW == 8 ? (64 * G) ^ gx : 64 * G;
+      uint32_t cw[2][2 * GS];
+      uint32_t sw[2][2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r0 = h * PR + i * WARPS * 16;  // first row of tile i of this warp in the pass
+#pragma unroll
+        for (int p = 0; p < GS / 2; ++p) ldsm_x4(cw[i] + 4 * p, cbase + (cofs[p] + go + r0 * (KC / 2)));
+        const unsigned char* sp = st + sofs + r0 * (KC / 16);
+        sw[i][0] = plane_word<SR>(sp, G);
+        sw[i][1] = plane_word<SR>(sp + 8 * (KC / 16), G);
+      }
+#pragma unroll
+      for (int s = 0; s < GS; ++s) {
+        uint32_t bt[4], bu[4];
+        ldsm_x4(bt, bc + (G * GS + s) * 64);
+        if (tw) ldsm_x4(bu, bc + 8 * AS + (G * GS + s) * 64);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const uint32_t s0 = (s & 2) ? ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 1>(sw[i][0])
+                                      : ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 0>(sw[i][0]);
+          const uint32_t s1 = (s & 2) ? ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 1>(sw[i][1])
+                                      : ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 0>(sw[i][1]);
+          auto scaled = [&](uint32_t pair, uint32_t sc) {
+            return (s & 1) ? hmul2_bcast<1>(pair, sc) : hmul2_bcast<0>(pair, sc);
+          };
+          const uint32_t w0 = cw[i][4 * (s / 2) + 2 * (s & 1)], w1 = cw[i][4 * (s / 2) + 2 * (s & 1) + 1];
+          const uint32_t am1[4] = {scaled(fp4_pair<0>(w0), s0), scaled(fp4_pair<0>(w1), s1),
+                                   scaled(fp4_pair<1>(w0), s0), scaled(fp4_pair<1>(w1), s1)};
+          const uint32_t am2[4] = {scaled(fp4_pair<2>(w0), s0), scaled(fp4_pair<2>(w1), s1),
+                                   scaled(fp4_pair<3>(w0), s0), scaled(fp4_pair<3>(w1), s1)};
+          const uint32_t b1[2] = {bt[0], bt[1]}, b2[2] = {bt[2], bt[3]};
+          mma(acc[i][0], am1, b1);
+          mma(acc[i][0], am2, b2);
+          if (tw) {
+            const uint32_t c1[2] = {bu[0], bu[1]}, c2[2] = {bu[2], bu[3]};
+            mma(acc[i][1], am1, c1);
+            mma(acc[i][1], am2, c2);
+          }
+        }
+      }
+    }
+    // C fragment: c0 = (row g, token 2t), c1 = (row g, 2t+1), c2 = (row g+8, 2t), c3 = (row g+8, 2t+1)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = c * CR + h * PR + i * WARPS * 16 + w * 16 + g;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        if (n == 1 && !tw) break;
+        const int tok = 8 * n + 2 * t;
+        if (tok < ntok) out[tok * P + row] = acc[i][n][0] * ts, out[tok * P + row + 8] = acc[i][n][2] * ts;
+        if (tok + 1 < ntok) out[(tok + 1) * P + row] = acc[i][n][1] * ts, out[(tok + 1) * P + row + 8] = acc[i][n][3] * ts;
+      }
+    }
+  };
+MK_COLD_LOOP
+  for (int c = 0; c < NCH; ++c) {
+    const unsigned char* st = ring_consume(b, what);
+    for (int h = 0; h < NPASS; ++h) {
+      if (two) pass(st, c, h, true);
+      else pass(st, c, h, false);
+    }
+    ring_release(b);
+  }
+}
+
 // ---------------------------------------------------------------- fixed-order reduction
 // A warp's result into red[w][token][ROWS]; the compute warps meet after it.
 template <int ROWS>

@@ -138,6 +138,7 @@ MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u, DepCache& dc) {
   for (int d = 0; d < o.n_deps; ++d) {
     const uint32_t what = static_cast<uint32_t>(i * 16 + d);
     if (o.dep_mode[d] == DEP_SENTINEL) continue;  // the op polls the data itself (ops/topk.cuh)
+    if (o.dep_mode[d] == DEP_LOCAL) continue;  // this block ran the producer's unit u before (program.py)
     if (o.dep_mode[d] == DEP_ALL) {
       if ((dc.all_done >> d) & 1u) continue;
       if (!wait_dep(b, i, o, d, u, what)) return false;
@@ -177,7 +178,9 @@ MK_DEV bool unit_opens(const Op& o, int u, int prev) {
 // the slot's gate/up group. Safe: every reader of the previous record passed the barrier after
 // the previous unit.
 MK_DEV void slot_fetch(Blk& b, int kind, int layer, int u) {
-  const int s = u / slot_tiles(kind), tag = tag_of(kind == OP_EXPERT1 ? TAG_EXP1 : TAG_EXP2, layer, s);
+  // fused: the down projection's record is gate/up's (same expert and count; its token rows
+  // are not read again): a block whose units lie in one slot reuses it
+  const int s = u / slot_tiles(kind), tag = tag_of(kind == OP_EXPERT1 || FUSED_EXPERTS ? TAG_EXP1 : TAG_EXP2, layer, s);
   int* info = b.misc + MISC_SLOT;
   const bool have = info[2] == tag;  // written by this warp before the last barrier
   // Danger: lane 0 rewrites the tag below; a lane that read it afterwards would skip its row
@@ -367,9 +370,14 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
     // for in turn, each after the routing had cost one more acquire round trip between top-k's
     // signal and the op. One call site: the wait's code is inlined once.
     uint32_t pre = 0u;  // bit d: dependency d is satisfied from here (DepCache)
+    // fused: the down projection follows gate/up of its layer on this block, which waited for
+    // the routing and left its slot count in MISC_NSLOTS (every block waits, with units or not)
+    const bool routed_here = FUSED_EXPERTS && o.kind == OP_EXPERT2 && b.wait;  // chain mode: a launch of its own
     if (is_dynamic(o.kind)) {
       if (stamp) t_route = now_ns();
-      if (b.wait) {
+      if (routed_here) {
+        pre = 1u;  // dependency 0 (top-k); its other one is block-local (DEP_LOCAL)
+      } else if (b.wait) {
         // this warp's dependency from the op's record in global memory: indexing the register
         // copy `o` by warp would put it on the stack
         const int d = warp();
@@ -586,7 +594,7 @@ MK_DEV void hot_prefetch(const Blk& b, int layer) {
   long long budget = HOT_PREFETCH_BYTES;
   Op contig{};
   contig.assign = ASSIGN_CONTIG;
-  for (int which = 0; which < 2 && budget > 0; ++which) {
+  for (int which = 0; which < (FUSED_EXPERTS ? 1 : 2) && budget > 0; ++which) {  // fused: gate/up only
     const int tiles = which ? EXP2_TILES : EXP1_TILES;
     const UnitRange r = my_units(contig, n * tiles);
     for (int u = r.begin; u < r.end && budget > 0; ++u) {
@@ -629,6 +637,7 @@ MK_DEV void hot_prefetch(const Blk& b, int layer) {
 MK_DEV void loader_loop(Blk& b, int first, int nops) {
   unsigned c = 0;
   LoaderSlot ls;
+  int routed_layer = -1, routed_nslots = 0;  // the last routing this warp waited for (fused: reused)
   for (int i = first; i < first + nops; ++i) {
     const Op o = load_op(*b.p, i);
     if (HOT_PREFETCH_BYTES > 0 && o.kind == OP_ATTN && lane() == 0) hot_prefetch(b, o.layer);
@@ -636,11 +645,15 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
     if (!has_weights(o.kind)) continue;
     if (!loader_gate(b, i, first)) return;
     int nslots = 0;  // a routed op's: from top-k's counter (compute_loop)
-    if (is_dynamic(o.kind) && b.wait) {
+    if (is_dynamic(o.kind) && b.wait && FUSED_EXPERTS && o.kind == OP_EXPERT2 && routed_layer == o.layer) {
+      nslots = routed_nslots;  // fused: gate/up's routing, waited for just before
+    } else if (is_dynamic(o.kind) && b.wait) {
       Seen w{true, 0u};
       if (lane() == 0) w = wait_dep_seen(b, o, o.dep_op[0], o.dep_mode[0], 0, static_cast<uint32_t>(i * 16) + WHAT_LOADER_ROUTE);
       if (!bcast_i(w.ok ? 1 : 0)) return;
       nslots = bcast_i(static_cast<int>(w.v >> ROUTE_SHIFT));
+      routed_layer = o.layer;
+      routed_nslots = nslots;
     } else if (is_dynamic(o.kind)) {
       nslots = ldg_cgi(b.p->n_slots);
     }

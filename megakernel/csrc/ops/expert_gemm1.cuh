@@ -11,6 +11,9 @@ namespace mk {
 
 constexpr int H1 = TILE_EXPERT1_ROWS / 2;  // gate rows (and up rows) per unit
 constexpr int EXP1_TILES = F / H1;
+constexpr int KEEP_UNIT = 16 * (2 * H1 + ROW_PAD);  // a kept unit's bytes (plan.keep_unit_bytes)
+constexpr int KEEP_SLOTS = KEEP_UNITS > 0 ? KEEP_UNITS : 1;  // unit u is kept in buffer u % KEEP_SLOTS
+static_assert(KEEP_UNITS == 0 || KEEP_UNIT * KEEP_UNITS == KEEP_BYTES, "plan.keep_bytes");
 static_assert(F % H1 == 0 && H1 % 16 == 0, "a 16-row tile holds gate rows or up rows, never both");
 
 MK_DEV bool load_expert1(const Blk& b, LoaderSlot& ls, int layer, int unit, unsigned& c, uint32_t what) {
@@ -40,8 +43,17 @@ MK_COLD_LOOP
     const float g = fp4_out<TILE_EXPERT1_ROWS>(b, r, f) * ts;
     const float u = fp4_out<TILE_EXPERT1_ROWS>(b, r, H1 + f) * ts;
     const float silu = g * (1.f / (1.f + fexp(-g)));
-    p.act[(s * 16 + r) * F + j * H1 + f] = f2bf(silu * u);
+    const uint16_t a = f2bf(silu * u);
+    p.act[(s * 16 + r) * F + j * H1 + f] = a;
+    if constexpr (KEEP_UNITS > 0) {  // fused: also as the down projection stages it (gemm.cuh stage_rows PERM)
+      unsigned char* row = b.keep + (unit % KEEP_SLOTS) * KEEP_UNIT + r * a_stride<H1>();
+      const int w = f % 4, half = (f % 8) / 4;  // value e = f % 8 of its 8 goes to pair (e % 4, e % 4 + 4)
+      *reinterpret_cast<uint16_t*>(row + 64 * (f / 32) + 4 * (4 * w + (f / 8) % 4) + 2 * half) =
+          f2bf(bf2f(a) * 128.f);  // the staged operand's exact 2^7 (FP4_ACT_SCALE_BF2)
+    }
   }
+  if constexpr (KEEP_UNITS > 0)
+    if (tid() == 0) b.misc[MISC_KEEP + unit % KEEP_SLOTS] = tag_of(TAG_EXP2, layer, unit);
   detail_stamp(b, MK_EV_EPILOGUE_END, 0);
 }
 

@@ -1,7 +1,9 @@
 // moe_combine: z[t] = bf16(sum over ranks r, in order, of w[t][r] * y[slot(t,r)][row(t,r)]).
 // Unit = MOE_COMBINE_COLS columns of p.
+// FUSED_EXPERTS: y is bf16 of the sum of the slot's EXP2_TILES fp32 partials, in order (ypart).
 #pragma once
 #include "mk/block.cuh"
+#include "ops/expert_gemm2.cuh"
 
 namespace mk {
 
@@ -21,6 +23,23 @@ MK_COLD_LOOP
 MK_COLD_LOOP
   for (int i = tid(); i < b.T * MOE_COMBINE_COLS; i += COMPUTE_THREADS) {
     const int t = i / MOE_COMBINE_COLS, col = unit * MOE_COMBINE_COLS + i % MOE_COMBINE_COLS;
+    if constexpr (FUSED_EXPERTS) {
+      float acc = 0.f;
+#pragma unroll
+      for (int r = 0; r < TOPK; ++r) {
+        const int row = row_s[t * TOPK + r];  // slot * 16 + position
+        const float* src = p.ypart + (static_cast<size_t>(row / 16) * EXP2_TILES * 16 + row % 16) * P + col;
+        float v[EXP2_TILES];
+#pragma unroll
+        for (int j = 0; j < EXP2_TILES; ++j) v[j] = ldg_cgf(src + static_cast<size_t>(j) * 16 * P);
+        float y = v[0];
+#pragma unroll
+        for (int j = 1; j < EXP2_TILES; ++j) y = fadd_rn(y, v[j]);
+        acc = acc + w_s[t * TOPK + r] * bf2f(f2bf(y));
+      }
+      p.z[t * P + col] = f2bf(acc);
+      continue;
+    }
     uint32_t pairs[TOPK];
 #pragma unroll
     for (int r = 0; r < TOPK; ++r) pairs[r] = ldg_cg(p.yexp + row_s[t * TOPK + r] * P + (col & ~1));
