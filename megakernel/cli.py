@@ -7,7 +7,8 @@
                           consecutive ones)
   timeline-detail [--preset P]   on a GPU: a profiled step that also stamps staging and ring waits
                           inside units; each op's time in them (megakernel.timeline_detail)
-  sanitize-step           one tiny step in mega and chain mode (run under compute-sanitizer)
+  sanitize-step [--fused] one tiny step in mega and chain mode (run under compute-sanitizer; --fused:
+                          d_pool and d_expert of 256, the fused expert unit)
   program [--preset P]    print the launches and op instances of one step
   ncu-op --op K [K ...]   on a GPU: one chain-mode step up to the named ops of one layer, with only
                           those launches inside cudaProfilerStart/Stop (for `ncu --profile-from-start off`)
@@ -97,6 +98,8 @@ def _timeline(a) -> int:
 
 
 def _sanitize(a) -> int:
+    import dataclasses
+
     import torch
 
     from . import tree
@@ -107,9 +110,11 @@ def _sanitize(a) -> int:
     from .weights import generate
 
     cfg = preset("tiny")
+    if a.fused:  # shapes the fused expert unit takes (plan.fuses_experts): its kept activations and partials
+        cfg = dataclasses.replace(cfg, d_pool=256, d_expert=256)
     w = generate(cfg, device="cuda")
     cache = KVCache(cfg, device="cuda").fill_random(torch.Generator(device="cuda").manual_seed(1))
-    eng = Engine(w, make_plan(cfg, 4), cache, backend="gpu", grid=4)
+    eng = Engine(w, make_plan(cfg, 4, fused_experts=a.fused), cache, backend="gpu", grid=4)
     toks = list(range(1, 9))
     for mode in ("mega", "chain"):
         out = eng.step(toks, tree.binary_ish(8), 20, mode=mode)
@@ -333,6 +338,7 @@ def main(argv=None) -> int:
         s.add_argument("--ctx", type=int, default=2048)
         s.set_defaults(fn=_timeline, detail=name == "timeline-detail")
     s = sub.add_parser("sanitize-step")
+    s.add_argument("--fused", action="store_true", help="tiny with d_pool and d_expert of 256, fused expert units")
     s.set_defaults(fn=_sanitize)
     s = sub.add_parser("program")
     s.add_argument("--preset", default="tiny")
