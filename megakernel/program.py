@@ -10,7 +10,7 @@ Units and groups (the same rules are written in csrc/mk/program.cuh; tests cross
   attn_combine HQ * T                       -
   oproj        D/Rr         router E/8      pool P/Rp         topk 1
   expert1      count * F/(R1/2) (dynamic)   slot (MAX_SLOTS groups)
-  expert2      count * P/R2 (dynamic)       -
+  expert2      count * P/R2 (dynamic)       -   (Plan.fused_experts: count * F/(R1/2), expert1's)
   moe_combine  P/16         unpool D/Rr     lm_head V/16      argmax 1
 (row counts: the plan's tiles, R1 / R2 its expert units' rows, Rp the pooler's (plan.pool_rows),
 Rr oproj's and unpool's (plan.residual_rows);
@@ -19,7 +19,9 @@ A dependency is ("all", producer): every unit of the producer instance, or ("gro
 the one group of the producer the consumer unit needs (attn <- qkv by kv head, attn_combine <-
 attn by kv head, expert2 <- expert1 by slot), or ("sentinel", producer): every unit of it, but
 the consumer polls the data itself (sentinel slots, plan.sentinel_route: top-k <- router), so no
-counter is waited for. An op bumps only the counters some consumer waits for (OpInst.signal:
+counter is waited for, or ("local", producer): the producer's unit of the consumer unit's index,
+which the same block ran before it (plan.fused_experts: expert2 <- expert1, both contiguous over
+as many units), not waited for either. An op bumps only the counters some consumer waits for (OpInst.signal:
 SIGNAL_TOTAL, SIGNAL_GROUPS), each a release that waits for the block's stores to drain (~0.5 us,
 detail trace 2026-11-30): attn and expert1 (and qkv in "step" mode) are waited for by group only,
 and their total's release had come second, on the op's critical path. Counters are per step and
