@@ -140,11 +140,10 @@ def _fused_down_tile(c: ModelConfig, h1: int, budget: int) -> GemmTile:
     unit's h1 columns of K = d_expert (the kernel's copy of W2 in blocks of h1 columns); the rows
     are the most, a multiple of 256 (two 16-row tiles per warp per pass, gemm_fp4_down) dividing
     d_pool, whose chunk fits `budget` (the largest of the other ops' chunks)."""
-    passes = FUSED_PASS_ROWS
-    if h1 % 32 or c.d_pool % passes:
+    if h1 % 32 or c.d_pool % FUSED_PASS_ROWS:
         raise ValueError(f"fused_experts: needs gate rows per unit ({h1}) a multiple of 32 and d_pool "
-                         f"({c.d_pool}) a multiple of {passes}")
-    rows = passes
+                         f"({c.d_pool}) a multiple of {FUSED_PASS_ROWS}")
+    rows = FUSED_PASS_ROWS
     while c.d_pool % (2 * rows) == 0 and GemmTile(2 * rows, h1, c.d_expert, True).stage_bytes <= budget:
         rows *= 2
     t = GemmTile(rows, h1, c.d_expert, True, min(fp4_layout.SWIZZLE_MAX, h1 // 32))
@@ -360,7 +359,7 @@ class Plan:
 
 NORM_OPS = ("qkv", "router", "pool", "lm_head")  # the projections of a normed d_model operand
 RING_FILL_MAX = 8  # fill_ring stops at this many stages
-KEEP_MAX = 16  # fused_experts: at most this many kept gate/up units (block.cuh MISC_KEEP)
+KEEP_MAX = 16  # fused_experts: at most this many kept gate/up units (rendered: block.cuh MISC_KEEP)
 
 
 def _fill_ring(p: Plan, smem_limit: int, norm_panel: int | None) -> Plan:
@@ -549,7 +548,7 @@ def render(plan: Plan) -> str:
         f"constexpr bool KV_PREFETCH = {'true' if plan.kv_prefetch else 'false'};",
         f"constexpr int LAYOUT_PAD = {plan.layout_pad};  // never-run bytes ahead of the kernel's body",
         f"constexpr bool FUSED_EXPERTS = {'true' if plan.fused_experts else 'false'};",
-        f"constexpr int KEEP_UNITS = {plan.keep_units}, KEEP_BYTES = {plan.keep_bytes};  // fused: kept gate/up units",
+        f"constexpr int KEEP_UNITS = {plan.keep_units}, KEEP_BYTES = {plan.keep_bytes}, KEEP_MAX = {KEEP_MAX};  // fused: kept gate/up units",
         f"constexpr int MISC_BYTES = {MISC_BYTES};",
         f"constexpr unsigned long long GLOBAL_MASK = {sum(1 << g for g in c.global_layers)}ull;  // bit l: layer l is global",
         f"constexpr int PARTS = {plan.attn_parts};  // attention partials per kv head (MAX_SPLITS x WARPS / G)",

@@ -38,10 +38,10 @@ constexpr int MISC_PSLOT = (MISC_RNORM + 16 + 1) & ~1;
 constexpr int MISC_PWIN = MISC_PSLOT + 8 * PROF_OPS;  // the first op of the slots' current window
 // [2] an op's own "wait end" instant, where its wait is inside the op (top-k's sentinel poll)
 constexpr int MISC_PWAIT = MISC_PWIN + 2;
-// [16] fused: the unit tag whose activations each kept-unit buffer holds (-1: none; ops/expert_gemm1.cuh)
+// [KEEP_MAX] fused: the unit tag whose activations each kept-unit buffer holds (-1: none; ops/expert_gemm1.cuh)
 constexpr int MISC_KEEP = MISC_PWAIT + 2;
-constexpr int MISC_INTS = MISC_KEEP + 16;
-static_assert(KEEP_UNITS <= 16 && KEEP_BYTES % 16 == 0, "kept units: their tags fit MISC_KEEP; aligned buffers");
+constexpr int MISC_INTS = MISC_KEEP + KEEP_MAX;
+static_assert(KEEP_UNITS <= KEEP_MAX && KEEP_BYTES % 16 == 0, "kept units: their tags fit MISC_KEEP; aligned buffers");
 
 struct Blk {
   const Params* p;

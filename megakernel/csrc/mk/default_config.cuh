@@ -100,7 +100,7 @@ constexpr long long HOT_PREFETCH_BYTES = 0ll;
 constexpr bool KV_PREFETCH = false;
 constexpr int LAYOUT_PAD = 0;  // never-run bytes ahead of the kernel's body
 constexpr bool FUSED_EXPERTS = false;
-constexpr int KEEP_UNITS = 0, KEEP_BYTES = 0;  // fused: kept gate/up units
+constexpr int KEEP_UNITS = 0, KEEP_BYTES = 0, KEEP_MAX = 16;  // fused: kept gate/up units
 constexpr int MISC_BYTES = 4096;
 constexpr unsigned long long GLOBAL_MASK = 4ull;  // bit l: layer l is global
 constexpr int PARTS = 12;  // attention partials per kv head (MAX_SPLITS x WARPS / G)

@@ -345,6 +345,43 @@ MK_DEV uint32_t plane_word(const unsigned char* plane, int G) {
   if constexpr (SR >= 4) return *reinterpret_cast<const uint32_t*>(plane + 4 * G);
   else return *reinterpret_cast<const uint16_t*>(plane);
 }
+// One k32 step of one 16-row tile (gemm_fp4, gemm_fp4_down): its two code words w0, w1 (rows g and
+// g + 8), its rows' scale words sw0, sw1 and the step's activation fragments bt (and bu, the
+// second token tile, when tw) into d[0] (and d[1]). S is the step in its group of four: bit 1
+// picks the scale pair's half, bit 0 the step's half of it.
+template <int S>
+MK_DEV void fp4_tile_step(uint32_t w0, uint32_t w1, uint32_t sw0, uint32_t sw1, const uint32_t (&bt)[4],
+                          const uint32_t (&bu)[4], bool tw, float (&d)[2][4]) {
+  // the block scales * 2^FP4_SCALE_EXP of steps 2m (low half) and 2m+1 (high half) of the
+  // group: one conversion for both, and each multiply takes its step's half by selector
+  const uint32_t s0 = ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, (S & 2) ? 1 : 0>(sw0);
+  const uint32_t s1 = ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, (S & 2) ? 1 : 0>(sw1);
+  auto scaled = [](uint32_t pair, uint32_t sc) { return hmul2_bcast<(S & 1) ? 1 : 0>(pair, sc); };
+  // A fragments: a0 = (row g, k 2t..), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, ...)
+  const uint32_t am1[4] = {scaled(fp4_pair<0>(w0), s0), scaled(fp4_pair<0>(w1), s1),
+                           scaled(fp4_pair<1>(w0), s0), scaled(fp4_pair<1>(w1), s1)};
+  const uint32_t am2[4] = {scaled(fp4_pair<2>(w0), s0), scaled(fp4_pair<2>(w1), s1),
+                           scaled(fp4_pair<3>(w0), s0), scaled(fp4_pair<3>(w1), s1)};
+  const uint32_t b1[2] = {bt[0], bt[1]}, b2[2] = {bt[2], bt[3]};
+  mma(d[0], am1, b1);
+  mma(d[0], am2, b2);
+  if (tw) {
+    const uint32_t c1[2] = {bu[0], bu[1]}, c2[2] = {bu[2], bu[3]};
+    mma(d[1], am1, c1);
+    mma(d[1], am2, c2);
+  }
+}
+// Calls fp4_tile_step<s> for a runtime step s < 4 of an unrolled loop (a constant after unrolling).
+MK_DEV void fp4_tile_step_at(int s, uint32_t w0, uint32_t w1, uint32_t sw0, uint32_t sw1, const uint32_t (&bt)[4],
+                             const uint32_t (&bu)[4], bool tw, float (&d)[2][4]) {
+  switch (s & 3) {
+    case 0: fp4_tile_step<0>(w0, w1, sw0, sw1, bt, bu, tw, d); break;
+    case 1: fp4_tile_step<1>(w0, w1, sw0, sw1, bt, bu, tw, d); break;
+    case 2: fp4_tile_step<2>(w0, w1, sw0, sw1, bt, bu, tw, d); break;
+    default: fp4_tile_step<3>(w0, w1, sw0, sw1, bt, bu, tw, d); break;
+  }
+}
+
 // A unit's results, [16 tokens][ROWS] fp32 in `red` (gemm_fp4; only the slot's token rows are
 // written). Danger: the next unit's gemm_fp4 overwrites them; its epilogue is safe only because
 // compute_loop puts a barrier between units.
@@ -420,30 +457,8 @@ MK_COLD_LOOP
         if (tw) ldsm_x4(bu, bc + 8 * AS + (G * GS + s) * 64);
 #pragma unroll
         for (int i = 0; i < RT; ++i) {
-          // the block scales * 2^FP4_SCALE_EXP of steps 2m (low half) and 2m+1 (high half) of the
-          // group: one conversion for both, and each multiply takes its step's half by selector
-          const uint32_t s0 = (s & 2) ? ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 1>(sw[i][0])
-                                      : ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 0>(sw[i][0]);
-          const uint32_t s1 = (s & 2) ? ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 1>(sw[i][1])
-                                      : ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 0>(sw[i][1]);
-          auto scaled = [&](uint32_t pair, uint32_t sc) {
-            return (s & 1) ? hmul2_bcast<1>(pair, sc) : hmul2_bcast<0>(pair, sc);
-          };
-          const uint32_t w0 = cw[i][4 * (s / 2) + 2 * (s & 1)], w1 = cw[i][4 * (s / 2) + 2 * (s & 1) + 1];
-          // A fragments: a0 = (row g, k 2t..), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, ...)
-          const uint32_t am1[4] = {scaled(fp4_pair<0>(w0), s0), scaled(fp4_pair<0>(w1), s1),
-                                   scaled(fp4_pair<1>(w0), s0), scaled(fp4_pair<1>(w1), s1)};
-          const uint32_t am2[4] = {scaled(fp4_pair<2>(w0), s0), scaled(fp4_pair<2>(w1), s1),
-                                   scaled(fp4_pair<3>(w0), s0), scaled(fp4_pair<3>(w1), s1)};
-          float (&d)[2][4] = acc[RT == 2 ? i : (s & 1)];
-          const uint32_t b1[2] = {bt[0], bt[1]}, b2[2] = {bt[2], bt[3]};
-          mma(d[0], am1, b1);
-          mma(d[0], am2, b2);
-          if (tw) {
-            const uint32_t c1[2] = {bu[0], bu[1]}, c2[2] = {bu[2], bu[3]};
-            mma(d[1], am1, c1);
-            mma(d[1], am2, c2);
-          }
+          const int wi = 4 * (s / 2) + 2 * (s & 1);  // words of rows g, g + 8 for step s
+          fp4_tile_step_at(s, cw[i][wi], cw[i][wi + 1], sw[i][0], sw[i][1], bt, bu, tw, acc[RT == 2 ? i : (s & 1)]);
         }
       }
     }
@@ -484,7 +499,7 @@ MK_COLD_LOOP
 // Plan.fused_experts' down projection (ops/expert_gemm2.cuh): chunk c holds rows c*CR.. of the
 // output over the unit's whole K (KC columns, one gate/up unit's K-part), so each chunk's results
 // are final. A chunk goes in passes of 256 rows (warp w owns 16-row tiles w and w + 8 of a pass,
-// as gemm_fp4 does a 256-row unit; the k-step code is gemm_fp4's), and each thread stores its
+// as gemm_fp4 does a 256-row unit; fp4_tile_step), and each thread stores its
 // accumulators * ts straight to out[token][row] (fp32, tokens < ntok): no shared-memory round
 // trip and no barrier, the ring orders the stages (every compute thread releases a chunk after
 // its last read of it).
@@ -527,26 +542,8 @@ MK_COLD_LOOP
         if (tw) ldsm_x4(bu, bc + 8 * AS + (G * GS + s) * 64);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          const uint32_t s0 = (s & 2) ? ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 1>(sw[i][0])
-                                      : ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 0>(sw[i][0]);
-          const uint32_t s1 = (s & 2) ? ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 1>(sw[i][1])
-                                      : ue4m3x2_to_bf16x2_scaled<FP4_SCALE_EXP, 0>(sw[i][1]);
-          auto scaled = [&](uint32_t pair, uint32_t sc) {
-            return (s & 1) ? hmul2_bcast<1>(pair, sc) : hmul2_bcast<0>(pair, sc);
-          };
-          const uint32_t w0 = cw[i][4 * (s / 2) + 2 * (s & 1)], w1 = cw[i][4 * (s / 2) + 2 * (s & 1) + 1];
-          const uint32_t am1[4] = {scaled(fp4_pair<0>(w0), s0), scaled(fp4_pair<0>(w1), s1),
-                                   scaled(fp4_pair<1>(w0), s0), scaled(fp4_pair<1>(w1), s1)};
-          const uint32_t am2[4] = {scaled(fp4_pair<2>(w0), s0), scaled(fp4_pair<2>(w1), s1),
-                                   scaled(fp4_pair<3>(w0), s0), scaled(fp4_pair<3>(w1), s1)};
-          const uint32_t b1[2] = {bt[0], bt[1]}, b2[2] = {bt[2], bt[3]};
-          mma(acc[i][0], am1, b1);
-          mma(acc[i][0], am2, b2);
-          if (tw) {
-            const uint32_t c1[2] = {bu[0], bu[1]}, c2[2] = {bu[2], bu[3]};
-            mma(acc[i][1], am1, c1);
-            mma(acc[i][1], am2, c2);
-          }
+          const int wi = 4 * (s / 2) + 2 * (s & 1);
+          fp4_tile_step_at(s, cw[i][wi], cw[i][wi + 1], sw[i][0], sw[i][1], bt, bu, tw, acc[i]);
         }
       }
     }
