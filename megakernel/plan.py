@@ -218,8 +218,11 @@ class Plan:
     poll_backoff_ns: int
     # keys per attention split: 256 left 8 SMs doing a shard8 layer's attention (41 us, H200 profile);
     # 64 -> 48: shard8 T=16 -0.43%, T=1 -0.74%, small T=16 -0.08%; 32: +0.65% / -0.18% / +0.47%
-    # (in-run A/B, H200 2026-11-30 05:53Z)
-    keys_per_split: int = 48
+    # (in-run A/B, H200 2026-11-30 05:53Z), because a split still scored a whole 64-key round.
+    # 48 -> 32 with attention skipping the sub-blocks past a split's run: -0.35% / -2.36% / -0.50%
+    # (24: +0.38 / -1.87 / -0.47%, 16: +2.39 / -1.47 / +2.88%; without the skip 32 was +0.63 /
+    # -0.41 / +0.91%; a 1 KB layout placebo -0.04 / +0.18 / +0.68%; H200 2026-12-01 00:19Z)
+    keys_per_split: int = 32
     profile: bool = False
     # performance techniques (issue: megakernel performance), each a build constant so its
     # contribution can be measured; every combination computes the same bits
@@ -392,7 +395,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               smem_limit: int = 232448, loader_ahead: bool = True, pdl: bool = False,
               l2_prefetch_bytes: int = 0, profile_cap: int = 64,
               stream_evict_first: bool = False, sentinel_route: bool = False, hot_prefetch_bytes: int = 0,
-              kv_prefetch: bool = False, keys_per_split: int = 48, fp4_rotated: bool = True,
+              kv_prefetch: bool = False, keys_per_split: int = 32, fp4_rotated: bool = True,
               fill_ring: bool = False, norm_panel: int | None = None, profile_detail: bool = False,
               residual_unit_rows: int | None = None, tokens: int | None = None,
               expert1_rows: int | None = None, expert2_rows: int | None = None,

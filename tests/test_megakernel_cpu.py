@@ -109,6 +109,31 @@ def test_layout_pad_moves_the_code_and_keeps_the_bits(tiny):
             make_plan(cfg, 4, layout_pad=bad)
 
 
+def test_attention_skipping_sub_blocks_past_a_split_keeps_the_bits(tiny, tmp_path):
+    """attention.cuh leaves a round's sub-blocks once they start past the split's run (with 32-key
+    splits, the default, a shard8 round's second sub-block scores nothing). An all-masked
+    sub-block is a no-op on the online softmax (alpha = 1, p = 0), so the kernel without the skip
+    gives the same bits. In tiny a warp scores 16 keys of a round, so the warps past a split's
+    keys skip in every split."""
+    import shutil
+
+    from megakernel import ab
+
+    cfg, w, base, plan = tiny
+    assert plan.keys_per_split == 32 and plan.attn_key_groups * 16 > plan.keys_per_split
+    noskip = tmp_path / "csrc"
+    shutil.copytree(CSRC, noskip)
+    att = noskip / "ops" / "attention.cuh"
+    line = "      if (kb0 + kw0 >= total) break;"
+    assert line in att.read_text()
+    att.write_text(att.read_text().replace(line, ""))
+    toks, par = _inputs(cfg, 7, 5)
+    a = Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
+    with ab.kernel_tree(noskip):
+        b = Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.tokens, b.tokens)
+
+
 @pytest.mark.parametrize("mode", ["layer", "step"])
 def test_program_structure(tiny, mode):
     cfg, _, _, plan = tiny

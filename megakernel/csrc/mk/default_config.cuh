@@ -26,8 +26,8 @@ constexpr int T_MAX = 16;
 constexpr float RMS_EPS = 1e-05f;
 constexpr float ATT_SCALE = 0.125f;
 constexpr int MAX_SLOTS = 8;
-constexpr int MAX_SPLITS = 3;
-constexpr int KEYS_PER_SPLIT = 48;
+constexpr int MAX_SPLITS = 5;
+constexpr int KEYS_PER_SPLIT = 32;
 constexpr int MOE_COMBINE_COLS = 16;
 // launch shape
 constexpr int WARPS = 8;
@@ -103,7 +103,7 @@ constexpr bool FUSED_EXPERTS = false;
 constexpr int KEEP_UNITS = 0, KEEP_BYTES = 0, KEEP_MAX = 16;  // fused: kept gate/up units
 constexpr int MISC_BYTES = 4096;
 constexpr unsigned long long GLOBAL_MASK = 4ull;  // bit l: layer l is global
-constexpr int PARTS = 12;  // attention partials per kv head (MAX_SPLITS x WARPS / G)
+constexpr int PARTS = 20;  // attention partials per kv head (MAX_SPLITS x WARPS / G)
 }  // namespace mk
 namespace mk {
 struct LayerPtrs {

@@ -116,6 +116,9 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
 MK_COLD_LOOP
     for (int sub = 0; sub < ATT_KPW / ATT_KSUB; ++sub) {
       const int kw0 = kg * ATT_KPW + sub * ATT_KSUB;
+      // a sub-block past the split's run: every score masked, so alpha = 1 and p = 0, a no-op on
+      // (m, l, o) bitwise; skipped, it is what makes 32-key splits pay (Plan.keys_per_split)
+      if (kb0 + kw0 >= total) break;
       float s[ATT_KSUB / 8][4];
 #pragma unroll
       for (int nt = 0; nt < ATT_KSUB / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
