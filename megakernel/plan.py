@@ -325,10 +325,19 @@ class Plan:
         return max(16 * (kmax * 2 + ROW_PAD), self.attn_smem_bytes)
 
     @property
+    def attn_round_keys(self) -> int:
+        """Keys attention stages per round (attention.cuh ATT_KB): 32, the default split's run, or 16
+        per key group where a block has more than two. 64 staged and zero-filled a 32-key split's
+        second half: 32 against 64, in-run A/B, H200 2026-12-01 00:33Z, same bits at shard8:
+        shard8 T=16 -0.32%, T=1 -0.50%, small T=16 -0.37% (a 1 KB layout placebo +0.36 / +0.05 /
+        -0.26%), 2.3 KB less code."""
+        return max(32, 16 * self.attn_key_groups)
+
+    @property
     def attn_smem_bytes(self) -> int:
         c = self.cfg
         q = c.group * 16 * (c.head_dim * 2 + ROW_PAD)
-        kv = 2 * 64 * (c.head_dim * 2 + ROW_PAD)  # K rows + V rows
+        kv = 2 * self.attn_round_keys * (c.head_dim * 2 + ROW_PAD)  # K rows + V rows
         return q + kv + WARPS * 16 * 4 * 2  # + per-warp row stats for the intra-block merge
 
     @property
@@ -399,7 +408,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               fill_ring: bool = False, norm_panel: int | None = None, profile_detail: bool = False,
               residual_unit_rows: int | None = None, tokens: int | None = None,
               expert1_rows: int | None = None, expert2_rows: int | None = None,
-              launch_waits: bool = False, layout_pad: int = 0, fused_experts: bool = False) -> Plan:
+              launch_waits: bool = False, layout_pad: int = 0, fused_experts: bool = False,
+              keep_max: int = KEEP_MAX) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -408,8 +418,10 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     for (default the config's max_tree; any step of up to max_tree tokens runs on it with the same
     bits: only the expert units follow it, expert1_unit_rows / expert2_unit_rows); expert1_rows /
     expert2_rows force those. layout_pad: a code-layout placebo (Plan.layout_pad), a multiple of 16
-    bytes up to 64 KB."""
+    bytes up to 64 KB. keep_max: at most this many kept gate/up units (fused_experts; A/Bs, tests)."""
     cfg.validate()
+    if not (isinstance(keep_max, int) and 0 <= keep_max <= KEEP_MAX):
+        raise ValueError(f"keep_max {keep_max!r}: want 0..{KEEP_MAX} kept gate/up units")
     if not (isinstance(layout_pad, int) and 0 <= layout_pad <= 65536 and layout_pad % 16 == 0):
         raise ValueError(f"layout_pad {layout_pad!r}: want a multiple of 16 bytes from 0 to 65536 "
                          "(one 16-byte instruction each)")
@@ -452,7 +464,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
                              f"{', '.join(f'{n} {tiles[n].kc}' for n in NORM_OPS)} columns")
         p = _fill_ring(p, smem_limit, norm_panel) if fill_ring else replace(p, norm_panel=norm_panel)
     if fused_experts:  # what the ring left: kept gate/up activations (Plan.keep_units)
-        p = replace(p, keep_units=min(KEEP_MAX, max(0, (smem_limit - p.smem_bytes) // p.keep_unit_bytes)))
+        p = replace(p, keep_units=min(keep_max, max(0, (smem_limit - p.smem_bytes) // p.keep_unit_bytes)))
     if p.smem_bytes > smem_limit:
         from microbench.errors import KernelDoesNotFitError
 
@@ -502,6 +514,7 @@ def render(plan: Plan) -> str:
         f"constexpr int MAX_SLOTS = {plan.max_slots};",
         f"constexpr int MAX_SPLITS = {plan.max_splits};",
         f"constexpr int KEYS_PER_SPLIT = {plan.keys_per_split};",
+        f"constexpr int ATT_KB = {plan.attn_round_keys};  // keys attention stages per round",
         f"constexpr int MOE_COMBINE_COLS = {MOE_COMBINE_COLS};",
         "// launch shape",
         f"constexpr int WARPS = {WARPS};",

@@ -254,6 +254,13 @@ def test_fused_expert_plan_and_program(fusable):
     assert (t2.kc, t2.k, cfg.d_pool % t2.rows) == (h1, cfg.d_expert, 0) and plan.fused_parts == cfg.d_expert // h1
     wide = dataclasses.replace(plan, tiles={**plan.tiles, "expert2": dataclasses.replace(t2, rows=8 * t2.rows)})
     assert wide.red_bytes == plan.red_bytes  # its results never pass through red
+    # kept units: as many as the spare shared memory holds, capped by keep_max (A/Bs)
+    assert plan.keep_units >= 2
+    capped = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, ring_stage_bytes=16384, fused_experts=True, keep_max=1)
+    assert capped.keep_units == 1 and dataclasses.replace(capped, keep_units=plan.keep_units) == plan
+    for bad in (-1, 17, 1.5):
+        with pytest.raises(ValueError, match="keep_max"):
+            make_plan(cfg, 4, fused_experts=True, keep_max=bad)
     assert 0 < plan.keep_units and plan.smem_bytes <= 232448
     assert "constexpr bool FUSED_EXPERTS = true;" in render(plan)
     prog = build(plan)

@@ -28,6 +28,7 @@ constexpr float ATT_SCALE = 0.125f;
 constexpr int MAX_SLOTS = 8;
 constexpr int MAX_SPLITS = 5;
 constexpr int KEYS_PER_SPLIT = 32;
+constexpr int ATT_KB = 64;  // keys attention stages per round
 constexpr int MOE_COMBINE_COLS = 16;
 // launch shape
 constexpr int WARPS = 8;

@@ -4,7 +4,7 @@
 // keys" (already in the cache at sequence indices ctx..ctx+T-1); the runs have equal length.
 // Query rows are r = j*16 + t: q head kvh*G + j, token t, so each m16 tile of rows is one q head
 // over all tokens. Warp w takes head j = w % G and key group kg = w / G (WARPS/G groups split
-// each staged block of 64 keys); each (split, key group) writes an unnormalised partial (O, running max m, sum l) that
+// each staged block of ATT_KB keys); each (split, key group) writes an unnormalised partial (O, running max m, sum l) that
 // attn_combine merges in fixed order. Masks: a cached key at sequence s is visible to token t
 // in a sliding layer iff s >= ctx + depth(t) - W + 1 (global: always); new key i iff i is an
 // ancestor of t or t itself. Scores and softmax in fp32 (scale 1/sqrt(hd)); P is rounded to bf16
@@ -15,7 +15,7 @@
 
 namespace mk {
 
-constexpr int ATT_KB = 64;                  // keys staged per round
+// keys staged per round: ATT_KB (plan.attn_round_keys, 32 where that gives each key group 16)
 constexpr int ATT_KG = WARPS / G;           // key groups per block
 static_assert(PARTS == MAX_SPLITS * ATT_KG, "PARTS (plan.attn_parts) counts a partial per split and key group");
 constexpr int ATT_KPW = ATT_KB / ATT_KG;    // keys per warp per round
