@@ -70,14 +70,25 @@ def test_plan_refuses_what_does_not_fit():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["small", "shard8"])
-def test_preset_kernels_compile_for_sm90a_without_spills(name):
+@pytest.mark.parametrize("name,tokens,built", [("small", 16, "make_plan"), ("shard8", 16, "make_plan"),
+                                               ("small", 16, "plan_for"), ("shard8", 16, "plan_for"),
+                                               ("shard8", 1, "plan_for")])
+def test_preset_kernels_compile_for_sm90a_without_spills(name, tokens, built):
+    """make_plan's defaults, and the builds the H200 runs: plan_for from the committed tuned
+    constants (the ring they give, the fused expert unit, the kept units), per tree size. The
+    kernel-metrics gate compiles only the tiny default build (csrc/megakernel.cu on its own), which
+    cannot fuse, so these are where a spill in a production build shows on the CPU."""
     from microbench.compiler import compile_cuda
 
     from megakernel.build import MB_INC
+    from megakernel.pipeline import plan_for
 
-    plan = make_plan(preset(name), 132, stream_evict_first=True)  # as plan_for builds it on the H200
-    mod = compile_cuda(source(plan), name=f"megakernel-{name}", include_dirs=[CSRC, MB_INC])
+    if built == "plan_for":
+        plan = plan_for(name, n_sm=132, tokens=tokens)
+        assert plan.fused_experts and plan.keep_units > 0 and plan.ring_fill > 0
+    else:
+        plan = make_plan(preset(name), 132, stream_evict_first=True, tokens=tokens)
+    mod = compile_cuda(source(plan), name=f"megakernel-{name}-T{tokens}-{built}", include_dirs=[CSRC, MB_INC])
     u = mod.usage("mk_run")
     assert u.spills == 0, u
     assert u.registers <= 224  # 288 threads, one block per SM: 65536 / 288 rounded to the allocation granule
