@@ -17,11 +17,11 @@ MK_DEV void run_attn_combine(Blk& b, int layer, int unit) {
   // slices added in slice order. A thread's first NB partial rows of O are loaded before anything
   // else: they do not depend on (m, l), so their L2 round trip overlaps the one for (m, l) (one
   // dependent round trip per unit instead of three: shard8 step -1.8%, H200 2026-11-29). One round
-  // covers NSL * NB parts: at NB = 40, 80 splits of 32 keys (2,560 keys). At NB = 32 shard8's 65
-  // parts at ctx 2048 took a second round for one part; in-run A/B, H200 2026-12-01 00:28Z, same
-  // bits: shard8 T=16 -0.73%, T=1 -0.18%, small T=16 (34 parts, one round either way) +0.16%,
-  // a 1 KB layout placebo +0.28 / -0.09 / -0.33%; NB = 48 (more unrolled loads) +0.09 / +0.60 /
-  // +0.53%.
+  // covers NSL * NB parts: at NB = 40 and head_dim 128, 80 (shard8: 80 splits of 32 keys, 2,560
+  // keys). At NB = 32 shard8's 65 parts at ctx 2048 took a second round for one part; in-run A/B,
+  // H200 2026-12-01 00:28Z, same bits: shard8 T=16 -0.73%, T=1 -0.18%, small T=16 (34 parts, one
+  // round either way) +0.16%, a 1 KB layout placebo +0.28 / -0.09 / -0.33%; NB = 48 (more
+  // unrolled loads) +0.09 / +0.60 / +0.53%.
   constexpr int NSL = COMPUTE_THREADS / HD, NB = 40;
   static_assert(COMPUTE_THREADS % HD == 0 && (3 * PARTS + NSL * HD) * 4 <= ABUF_BYTES, "combine scratch fits abuf");
   const int d = tid() % HD, sl = tid() / HD, per = cdiv(nparts, NSL);
