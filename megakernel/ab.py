@@ -117,6 +117,7 @@ class PointResult:
     ctx: int
     checks: dict[str, Checked]
     rounds: dict[str, list[float]]  # seconds per step, one median per round
+    bound: tuple[float, str] | None = None  # the point's roofline: (seconds per step, its source)
 
     def median(self, name: str) -> float:
         return statistics.median(self.rounds[name])
@@ -175,13 +176,23 @@ def _gpu_timer(policy=None):
     return time_one
 
 
+def _gpu_bound(preset: str, n_tokens: int, ctx: int) -> tuple[float, str]:
+    from .bench_baselines import step_context, weights_for
+    from .roofline import roofline
+
+    rf = roofline(weights_for(preset).cfg, n_tokens, ctx, step_context(preset, n_tokens, ctx).distinct)
+    return rf.seconds, rf.source
+
+
 def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], rounds: int = 5,
            n_sm: int | None = None, backend: str = "gpu", context: Callable | None = None,
            timer: Callable | None = None, plan_of: Callable | None = None,
-           log: Callable[[str], None] = print) -> list[PointResult]:
+           log: Callable[[str], None] = print, bound_of: Callable | None = None) -> list[PointResult]:
     """Check, then time, every variant at every point (module docstring). `context(preset, T, ctx)`
     -> (weights, cache0, tokens, parents, routes, reference logits); `timer()` -> a function
-    (variant name, engine) -> seconds per step; both default to the GPU's. A failed check raises."""
+    (variant name, engine) -> seconds per step; `bound_of(preset, T, ctx)` -> the point's roofline
+    (seconds per step, source) or None; all three default to the GPU's (the roofline only with the
+    GPU's context). A failed check raises."""
     import torch
 
     from microbench.errors import CorrectnessError
@@ -192,6 +203,8 @@ def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], 
         raise ConfigError("A/B: give one or more variants with distinct names")
     if rounds < 1:
         raise ConfigError(f"A/B: rounds must be >= 1, got {rounds}")
+    if bound_of is None and context is None:
+        bound_of = _gpu_bound
     context = context or _gpu_context
     plan_of = plan_of or (lambda preset, v, t: _plan(preset, v, n_sm, t))
     results = []
@@ -219,7 +232,7 @@ def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], 
         for r in range(rounds):
             for v in (variants if r % 2 == 0 else list(reversed(variants))):
                 times[v.name].append(time_one(v.name, engines[v.name]))
-        res = PointResult(preset, t, ctx, checks, times)
+        res = PointResult(preset, t, ctx, checks, times, bound_of(preset, t, ctx) if bound_of else None)
         for v in variants:
             log(f"{preset} T={t} ctx={ctx} {v.name:10s} {res.median(v.name) * 1e3:.3f} ms "
                 f"{100 * res.change(v.name):+.2f}%  rounds {[round(x * 1e3, 3) for x in times[v.name]]}")
@@ -241,3 +254,74 @@ def table(results: Sequence[PointResult]) -> str:
                          "rounds spread": f"{100 * (max(xs) - min(xs)) / r.median(name):.2f}%",
                          "rel err": f"{ck.rel_err:.2e}", "same bits as first": ck.same_as_first})
     return pd.DataFrame(rows).to_markdown(index=False)
+
+
+# ------------------------------------------------------------------ the A/B as a typed result
+AB_BENCHMARK = "megakernel.ab"
+TREE_SUFFIXES = (".cu", ".cuh", ".h")
+
+
+def tree_id(csrc: Path | None) -> str:
+    """Content hash of a kernel source tree (relative paths and bytes of its .cu/.cuh/.h files;
+    None: the repository's), so that a saved A/B names exactly what each variant built."""
+    import hashlib
+
+    from . import build
+
+    root = Path(csrc) if csrc else build.CSRC
+    h = hashlib.sha256()
+    for p in sorted(x for x in root.rglob("*") if x.is_file() and x.suffix in TREE_SUFFIXES):
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def to_result(results: Sequence[PointResult], variants: Sequence[Variant], env=None, timer: str = "cuda_event",
+              notes: Sequence[str] = ()):
+    """A megabench Result (benchmark megakernel.ab): one series per (point, variant) whose samples
+    are the round medians, the checks and the variant's tree and switches in its params, the
+    point's roofline as its bound; derived change_<preset>_T<t>_ctx<ctx>_<variant>, the change
+    against the first variant. `table(from_result(r))` gives the markdown `ab --out` writes."""
+    from microbench.results import Bound, Derived, Env, Result, Series
+
+    env = env or Env.capture()
+    by_name = {v.name: v for v in variants}
+    series, derived = [], {}
+    for r in results:
+        first = next(iter(r.rounds))
+        for name, xs in r.rounds.items():
+            v, ck = by_name[name], r.checks[name]
+            bound = (Bound("time", r.bound[0], "s", f"roofline of one step ({r.bound[1]})") if r.bound else None)
+            sname = f"{r.preset}/T{r.n_tokens}/ctx{r.ctx}/{name}"
+            series.append(Series.from_samples(
+                sname, xs, timer=timer, unit="s", bound=bound,
+                params={"preset": r.preset, "T": r.n_tokens, "ctx": r.ctx, "variant": name,
+                        "csrc": str(v.csrc) if v.csrc else None, "tree": tree_id(v.csrc),
+                        "switches": {k: val for k, val in v.switches}, "rel_err": ck.rel_err,
+                        "same_bits_as_first": ck.same_as_first, "order": "alternating rounds"}))
+            derived[f"change_{r.preset}_T{r.n_tokens}_ctx{r.ctx}_{name}"] = Derived(
+                r.change(name), "ratio", f"median of {name}'s round medians / {first}'s - 1",
+                inputs=(sname, f"{r.preset}/T{r.n_tokens}/ctx{r.ctx}/{first}"))
+    return Result(AB_BENCHMARK, env, tuple(series), derived, quick=False, notes=tuple(notes))
+
+
+def from_result(res) -> list[PointResult]:
+    """The PointResults a saved A/B holds (variants in their run order)."""
+    from microbench.errors import ResultsFileError
+
+    if res.benchmark != AB_BENCHMARK:
+        raise ResultsFileError(f"{res.benchmark}: not an A/B result ({AB_BENCHMARK})")
+    points: dict[tuple, PointResult] = {}
+    for s in res.series:
+        p = s.params
+        try:
+            key = (str(p["preset"]), int(p["T"]), int(p["ctx"]))
+            ck = Checked(float(p["rel_err"]), bool(p["same_bits_as_first"]))
+            name = str(p["variant"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ResultsFileError(f"A/B series {s.name}: malformed params ({e})") from None
+        pr = points.setdefault(key, PointResult(*key, {}, {}, None))
+        pr.checks[name] = ck
+        pr.rounds[name] = list(s.samples)
+        if s.bound is not None and pr.bound is None:
+            pr.bound = (s.bound.value, s.bound.source)
+    return list(points.values())

@@ -19,8 +19,12 @@
                           `ncu --page source --csv --print-source sass` output, by execution count (no GPU);
                           with --listing FILE or --preset P [--variant SPEC] also by source line
   ab --variant NAME[=CSRC_DIR][:KEY=VALUE,...] ... [--point PRESET:T:CTX ...] [--rounds N]
-     [--build-only] [--out FILE.md]   in-run A/B of kernel variants (megakernel/ab.py): checks, then
-                          interleaved timing rounds on a GPU; --build-only compiles them here
+     [--build-only] [--out FILE.md] [--save [DIR]]   in-run A/B of kernel variants (megakernel/ab.py):
+                          checks, then interleaved timing rounds on a GPU; --build-only compiles them
+                          here; --save also writes the typed result (megakernel.ab: every round, the
+                          checks, each variant's tree hash and switches, the roofline) under DIR
+                          (default reports/results)
+  ab-table RESULT [--out FILE.md]   the markdown table of a saved A/B (no GPU)
 """
 from __future__ import annotations
 
@@ -308,8 +312,33 @@ def _ab(a) -> int:
         return 2
     from pathlib import Path
 
-    md = table(run_ab(points, variants, rounds=a.rounds))
+    results = run_ab(points, variants, rounds=a.rounds)
+    md = table(results)
     if a.out:
+        Path(a.out).write_text(md + "\n")
+        print("wrote", a.out)
+    if a.save is not None:
+        from .ab import to_result
+
+        print("wrote", to_result(results, variants).save(Path(a.save) if a.save else None))
+    print(md)
+    return 0
+
+
+def _ab_table(a) -> int:
+    from microbench.errors import ResultsFileError
+    from microbench.results import load
+
+    from .ab import from_result, table
+
+    try:
+        md = table(from_result(load(a.result)))
+    except (ResultsFileError, OSError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    if a.out:
+        from pathlib import Path
+
         Path(a.out).write_text(md + "\n")
         print("wrote", a.out)
     print(md)
@@ -383,7 +412,13 @@ def main(argv=None) -> int:
     s.add_argument("--sm", type=int, default=132, help="--build-only: the grid to plan for")
     s.add_argument("--build-only", action="store_true", help="compile every variant into the kernel cache")
     s.add_argument("--out", help="also write the markdown table here")
+    s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
+                   help="also save the typed result (megakernel.ab) under DIR (default reports/results)")
     s.set_defaults(fn=_ab)
+    s = sub.add_parser("ab-table")
+    s.add_argument("result", help="a saved megakernel.ab result file")
+    s.add_argument("--out", help="also write the markdown table here")
+    s.set_defaults(fn=_ab_table)
     a = p.parse_args(argv)
     return a.fn(a)
 

@@ -14,6 +14,7 @@ from megakernel.plan import make_plan
 from megakernel.reference import KVCache, Trace, step
 from megakernel.weights import generate
 from microbench.errors import CorrectnessError
+from microbench.results import load
 
 
 def test_variants_and_points_parse_or_are_refused_by_name(tmp_path):
@@ -74,6 +75,32 @@ def test_a_whole_ab_on_the_emulation_checks_then_times_in_alternating_rounds(tmp
     assert r.change("a") == 0.0
     md = ab.table(res)
     assert "| tiny T=8 ctx=40 | k16" in md and "-10." in md
+    # the typed result (`ab --save`): every round, the checks, the trees, the switches; read back,
+    # it renders the same table (`ab-table`)
+    saved = ab.to_result(res, variants, timer="host", notes=("emulated",)).save(tmp_path / "results")
+    back = load(saved)
+    assert back.benchmark == ab.AB_BENCHMARK and saved.name.startswith("megakernel.ab-")
+    s_k16 = back.series_named("tiny/T8/ctx40/k16")
+    assert list(s_k16.samples) == r.rounds["k16"] and s_k16.params["switches"] == {"keys_per_split": 16}
+    assert s_k16.bound is None  # no roofline without the GPU's context
+    trees = {s.params["variant"]: s.params["tree"] for s in back.series}
+    assert trees["a"] == trees["same"] == trees["k16"] == ab.tree_id(None) != ab.tree_id(tmp_path / "absent")
+    assert back.derived["change_tiny_T8_ctx40_k16"].value == pytest.approx(r.change("k16"))
+    assert ab.table(ab.from_result(back)) == md
+    assert main(["ab-table", str(saved), "--out", str(tmp_path / "t.md")]) == 0
+    assert (tmp_path / "t.md").read_text() == md + "\n"
+
+
+def test_ab_table_refuses_a_result_that_is_not_an_ab(tmp_path, capsys):
+    from microbench.results import Env, Result, Series
+
+    env = Env(None, None, None, None, None, None, None, None, "13.0", "1.2.0", "2.13", "3.11", "abc1234", False,
+              "host", "2026-12-01T00:00:00Z")
+    other = Result("megakernel.step", env, (Series.from_samples("x", [1.0, 2.0], timer="host", unit="s"),))
+    path = other.save(tmp_path)
+    assert main(["ab-table", str(path)]) == 2
+    assert "not an A/B result" in capsys.readouterr().err
+    assert main(["ab-table", str(tmp_path / "missing.json")]) == 2
 
 
 def test_a_variant_that_breaks_the_result_stops_the_ab(tmp_path):
