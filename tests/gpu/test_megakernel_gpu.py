@@ -92,3 +92,9 @@ def test_ab_tool_checks_and_times_variants_on_the_gpu(tmp_path):
     assert r.checks["copy"].same_as_first and all(c.rel_err < 1e-2 for c in r.checks.values())
     assert all(len(x) == 2 and all(0 < s < 0.1 for s in x) for x in r.rounds.values())
     assert "| tiny T=16 ctx=100 | copy" in ab.table([r])
+    # the GPU's context gives each point its roofline, which `ab --save` keeps as the bound
+    assert r.bound is not None and 0 < r.bound[0] < min(min(x) for x in r.rounds.values())
+    from microbench.results import load
+
+    back = load(ab.to_result([r], variants).save(tmp_path / "results"))
+    assert back.env.gpu and back.series_named("tiny/T16/ctx100/k16").bound.value == r.bound[0]
