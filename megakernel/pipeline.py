@@ -384,6 +384,34 @@ def end_tails(df) -> dict[str, float]:
     return {op: float(np.median(v)) * 1e-9 for op, v in sorted(out.items())}
 
 
+SEGMENTS = {"front": "the launch's start (median over blocks of each block's first phase) to the first "
+                     "gate/up unit: attention, its merge, oproj, router and pooler, top-k",
+            "experts": "the first gate/up unit's start to the last down-projection unit's end",
+            "back": "the last down-projection unit's end to the launch's end (the last block's last phase): "
+                    "the MoE combine, unpool, qkv"}
+
+
+def layer_segments(df) -> dict[str, float]:
+    """{segment: seconds}, the medians over the launches that run the expert GEMMs of the three
+    segments a layer launch falls into around its expert phase (SEGMENTS): the expert phase is
+    where the step's bytes are, the segments around it are a chain of dependent ops whose bytes
+    take a few us at the read ceiling. `df`: Timeline.spans_df(); op phases only (not wait_*)."""
+    from .profile_events import DETAIL_PHASES
+
+    ops = df[~df["phase"].isin(DETAIL_PHASES) & ~df["phase"].str.startswith("wait_")]
+    out: dict[str, list[float]] = {k: [] for k in SEGMENTS}
+    for _, g in ops.groupby("launch"):
+        e1, e2 = g[g["phase"] == "expert1"], g[g["phase"] == "expert2"]
+        if e1.empty or e2.empty:
+            continue
+        start = float(df[df["launch"] == g["launch"].iloc[0]].groupby("block")["begin_ns"].min().median())
+        first, last = float(e1["begin_ns"].min()), float(e2["end_ns"].max())
+        out["front"].append(first - start)
+        out["experts"].append(last - first)
+        out["back"].append(float(g["end_ns"].max()) - last)
+    return {k: float(np.median(v)) * 1e-9 for k, v in out.items() if v}
+
+
 def slot_units(plan: Plan) -> dict[str, int]:
     """Units of one routed slot per routed op: gate/up units of d_expert / (a unit's gate rows),
     down-projection units of d_pool / (a unit's rows) (program.cuh EXP1_TILES, EXP2_TILES)."""
@@ -541,6 +569,17 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
     for op, v in end_tails(df).items():
         derived[f"end_tail_{op}_s"] = Derived(v, "s", f"median over launches of the last block's end of {op} minus "
                                                       "the median block's")
+    segs = layer_segments(df)
+    for k, v in segs.items():
+        derived[f"layer_{k}_s"] = Derived(v, "s", f"median over the expert layers' launches of {SEGMENTS[k]}")
+    if "experts" in segs:
+        from .roofline import read_ceiling
+
+        ceiling, src = read_ceiling(h.info.name)
+        rate = sc.distinct * w.cfg.expert_bytes / segs["experts"]
+        derived["expert_phase_read_rate"] = Derived(
+            rate, "B/s", f"{sc.distinct} distinct experts x {w.cfg.expert_bytes} B / layer_experts_s; "
+                         f"{rate / ceiling:.1%} of the read ceiling {ceiling:.4g} B/s ({src})")
     for (st, op), v in slot_crossings(df, slot_units(plan)).items():
         if st == "cross_fraction":
             derived[f"cross_fraction_{op}"] = Derived(

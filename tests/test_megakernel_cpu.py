@@ -1148,6 +1148,10 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
             sum(len({u // tiles[op] for u in v}) > 1 for v in like) / len(like))
     tails = end_tails(df)
     assert {"expert1", "expert2", "oproj"} <= set(tails) and min(tails.values()) >= 0
+    from megakernel.pipeline import layer_segments
+
+    segs = layer_segments(df)
+    assert set(segs) == {"front", "experts", "back"} and min(segs.values()) > 0
     with pytest.raises(ValueError, match="profile_detail needs profile=True"):
         make_plan(cfg, 4, profile_detail=True)
 
@@ -1175,6 +1179,34 @@ def test_end_tails_and_slot_crossings_on_a_handmade_timeline():
     # three-unit phases: block 0 (one slot, 10 ns) and block 1 (two slots, 12 ns); block 2 left out
     assert cr == pytest.approx({("cross_extra_s", "expert1"): 2e-9, ("cross_fraction", "expert1"): 0.5})
     assert slot_crossings(df, {"expert1": 8, "expert2": 8}) == {("cross_fraction", "expert1"): 0.0}
+
+
+def test_layer_segments_on_a_handmade_timeline():
+    """A layer launch splits around its expert phase: from the launch's start (median over blocks
+    of each block's first phase) to the first gate/up unit, from there to the last down-projection
+    unit's end, and on to the last phase's end; medians over the launches that run experts (the
+    LM head's launch has none). Waits are not phases of an op."""
+    import pandas as pd
+
+    from megakernel.pipeline import layer_segments
+
+    rows = []
+    # launch 0: blocks start at 0, 2, 4 (median 2); experts 12..45; the last phase ends at 50
+    for block, (b0, e1, e2) in enumerate(((0, (12, 30), (30, 40)), (2, (14, 32), (33, 45)), (4, (15, 31), (31, 41)))):
+        rows += [(0, block, "wait_attn", b0, b0 + 1), (0, block, "attn", b0 + 1, 10),
+                 (0, block, "expert1", *e1), (0, block, "expert2", *e2), (0, block, "qkv", 46, 50 - block)]
+    # launch 1: start 100; experts 110..130; end 140 (a wait after it does not count)
+    for block in range(3):
+        rows += [(1, block, "attn", 100, 105), (1, block, "expert1", 110 + block, 120),
+                 (1, block, "expert2", 120, 128 + block), (1, block, "unpool", 131, 140 - block),
+                 (1, block, "wait_qkv", 140, 150)]
+    rows += [(2, 0, "lm_head", 200, 260)]
+    df = pd.DataFrame(rows, columns=["launch", "block", "phase", "begin_ns", "end_ns"])
+    df["arg"], df["dur_ns"] = 0, df["end_ns"] - df["begin_ns"]
+    segs = layer_segments(df)
+    # front: 12 - 2, 110 - 100; experts: 45 - 12, 130 - 110; back: 50 - 45, 140 - 130
+    assert segs == pytest.approx({"front": 10e-9, "experts": 26.5e-9, "back": 7.5e-9})
+    assert layer_segments(df[df["launch"] == 2]) == {}
 
 
 def test_any_ring_geometry_keeps_mega_bitwise_equal_to_chain(tiny):
