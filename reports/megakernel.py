@@ -54,6 +54,8 @@ class StepRow:
     tokens: int
     context: int
     batch: int
+    commit: str = ""  # the measuring run's commit (short)
+    date: str = ""  # and its date (ISO 8601 UTC)
 
     @property
     def config(self) -> tuple:
@@ -108,8 +110,29 @@ def step_rows(results: Sequence[Result]) -> list[StepRow]:
             if "impl" not in p or s.unit != "s" or s.timer == "static":
                 continue
             rows.append(StepRow(r.benchmark, s, str(p["impl"]), str(p.get("preset", "?")), int(p.get("tokens", 1)),
-                                int(p.get("context", 0)), int(p.get("batch", 1))))
+                                int(p.get("context", 0)), int(p.get("batch", 1)), r.env.git_sha[:7], r.env.date))
     return rows
+
+
+def with_fastest_baselines(rows: Sequence[StepRow], baseline_runs: Sequence[Result]) -> list[StepRow]:
+    """`rows` (the latest runs) with each torch baseline row (a model.* result) replaced by the
+    fastest run of that implementation at that configuration among `baseline_runs`: the
+    megakernel's speed-ups are then against the best each baseline has measured, and a later,
+    slower baseline run (e.g. torch.compile after the expert codes moved to the kernel's word
+    layout, README) does not inflate them. Runs within TIE of the fastest count as equally fast
+    and the newest of them is taken (its roofline from the newest read ceiling). Configurations
+    only older runs have are not added."""
+    cands: dict[tuple, list[StepRow]] = {}
+    for row in step_rows([r for r in baseline_runs if r.benchmark.startswith("model.")]):
+        cands.setdefault((row.impl, row.config), []).append(row)
+    best = {}
+    for k, rs in cands.items():
+        fastest = min(x.step_s for x in rs)
+        best[k] = max((x for x in rs if x.step_s <= fastest * (1 + TIE)), key=lambda x: x.date)
+    return [best.get((r.impl, r.config), r) if r.benchmark.startswith("model.") else r for r in rows]
+
+
+TIE = 0.01  # with_fastest_baselines: runs this close to the fastest count as equally fast
 
 
 def _pref(row: StepRow) -> tuple:

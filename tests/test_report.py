@@ -234,6 +234,36 @@ def test_megakernel_pick_rules():
     assert 60e-6 < v < 66e-6
 
 
+def test_each_baseline_is_its_fastest_committed_run(tmp_path):
+    """A later, slower run of a torch baseline does not inflate the megakernel's speed-up: the
+    table takes each baseline at each configuration from its fastest committed run and names that
+    run's commit; the megakernel rows stay the latest run's; a configuration only an older
+    baseline run has is not added."""
+    base = _megakernel()
+    root = tmp_path / "results"
+    save_all(base[1:], root)  # megakernel.step and timeline of 2026-11-29T10:00Z
+    params = {"impl": "torch_eager", "preset": "shard8", "tokens": 16}
+    old = Result("model.baselines", env(date="2026-11-28T00:00:00Z", sha="old0000"),
+                 (series("step/eager", 6e-3, params={**params, "context": 4096}, seed=3),
+                  series("step/eager/long", 7e-3, params={**params, "context": 8192}, seed=4)))
+    new = Result("model.baselines", env(date="2026-11-29T12:00:00Z", sha="new0000"),
+                 (series("step/eager", 12e-3, params={**params, "context": 4096}, seed=5),))
+    save_all([old, new], root)
+    text = build(root, tmp_path / "out", bench_dir=tmp_path / "none").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| torch_eager")]
+    assert len(rows) == 1, rows  # the ctx 8192 point of the old run is not added
+    assert "old0000" in rows[0] and "1.50x" in rows[0]  # 6 ms / 4 ms, not 12 / 4
+    # a newer run within 1% of the fastest counts as as fast: the newest of those is shown
+    tie = Result("model.baselines", env(date="2026-11-28T12:00:00Z", sha="tie0000"),
+                 (series("step/eager", 6.02e-3, params={**params, "context": 4096}, seed=3),))
+    save_all([tie], root)
+    text = build(root, tmp_path / "out2", bench_dir=tmp_path / "none").read_text()
+    assert "tie0000" in next(line for line in text.splitlines() if line.startswith("| torch_eager"))
+    mega = next(line for line in text.splitlines() if line.startswith("| mega "))
+    assert "abc1234" in mega
+    assert "fastest committed run" in text
+
+
 def test_tokens_per_s_uses_measured_acceptance_only():
     r = _megakernel()[1]
     s = next(x for x in r.series if x.params["impl"] == "mega")
