@@ -300,6 +300,14 @@ def ablation(h, preset: str, n_tokens: int, ctx: int, constants, ceiling, log=pr
     return out
 
 
+def _op_phases(df):
+    """The rows of a Timeline.spans_df() that are ops' phases: not the detail phases inside units
+    (profile_events.DETAIL_PHASES), not the wait_* phases before them."""
+    from .profile_events import DETAIL_PHASES
+
+    return df[~df["phase"].isin(DETAIL_PHASES) & ~df["phase"].str.startswith("wait_")]
+
+
 def _detail_spans(df):
     """The detail spans (profile_events.DETAIL_PHASES) of `df` (Timeline.spans_df()), each with
     the op it belongs to: the op phase that began last before it on the same block and launch
@@ -309,7 +317,7 @@ def _detail_spans(df):
     from .profile_events import DETAIL_PHASES
 
     det = df[df["phase"].isin(DETAIL_PHASES)].sort_values("begin_ns")
-    ops = df[~df["phase"].isin(DETAIL_PHASES) & ~df["phase"].str.startswith("wait_")]
+    ops = _op_phases(df)
     ops = ops[["launch", "block", "begin_ns", "phase"]].rename(columns={"phase": "op"}).sort_values("begin_ns")
     if det.empty or ops.empty:
         return det.iloc[0:0].assign(op=None)
@@ -373,9 +381,7 @@ def end_tails(df) -> dict[str, float]:
     block ends the op (its phase end), for ops that two or more blocks run in a launch. A layer
     waits for its slowest block at each all-dependency, so this is what the op's imbalance costs.
     `df`: Timeline.spans_df()."""
-    from .profile_events import DETAIL_PHASES
-
-    ops = df[~df["phase"].isin(DETAIL_PHASES) & ~df["phase"].str.startswith("wait_")]
+    ops = _op_phases(df)
     out: dict[str, list[float]] = {}
     for (op, _), g in ops.groupby(["phase", "launch"]):
         ends = g.groupby("block")["end_ns"].max()
@@ -396,9 +402,7 @@ def layer_segments(df) -> dict[str, float]:
     segments a layer launch falls into around its expert phase (SEGMENTS): the expert phase is
     where the step's bytes are, the segments around it are a chain of dependent ops whose bytes
     take a few us at the read ceiling. `df`: Timeline.spans_df(); op phases only (not wait_*)."""
-    from .profile_events import DETAIL_PHASES
-
-    ops = df[~df["phase"].isin(DETAIL_PHASES) & ~df["phase"].str.startswith("wait_")]
+    ops = _op_phases(df)
     out: dict[str, list[float]] = {k: [] for k in SEGMENTS}
     for _, g in ops.groupby("launch"):
         e1, e2 = g[g["phase"] == "expert1"], g[g["phase"] == "expert2"]

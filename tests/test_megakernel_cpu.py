@@ -146,16 +146,16 @@ def test_attention_skipping_sub_blocks_past_a_split_keeps_the_bits(tiny, tmp_pat
 
 
 def test_attention_combine_past_one_round_of_partials(tiny):
-    """attn_combine holds NSL x NB partial rows of O in registers per round (NSL = 256 / head_dim
-    slices, NB in attn_combine.cuh); a layer with more partials takes further rounds, a path that
-    the default splits never reach in tiny. Two-key splits give tiny's global layer at ctx 120
+    """attn_combine holds NSL x NB partial rows of O in registers per round (NSL =
+    COMPUTE_THREADS / head_dim slices, NB in attn_combine.cuh); a layer with more partials takes
+    further rounds, a path that the default splits never reach in tiny. Two-key splits give tiny's global layer at ctx 120
     64 splits x 4 key groups: two rounds. Mega == chain bitwise, and both match the reference."""
     cfg, w, base, _ = tiny
     nb = int(re.search(r"NB = (\d+);", (CSRC / "ops" / "attn_combine.cuh").read_text()).group(1))
     plan = make_plan(cfg, 132, spin_bound_ns=3_000_000_000, keys_per_split=2)
     ctx, t = 120, 8
     parts = max(splits(cfg, plan, layer, ctx, t) for layer in range(cfg.n_layers)) * plan.attn_key_groups
-    assert parts > (256 // cfg.head_dim) * nb, (parts, nb)
+    assert parts > (32 * plan_mod.WARPS // cfg.head_dim) * nb, (parts, nb)  # NSL = COMPUTE_THREADS / HD slices
     toks, par = _inputs(cfg, t, 9)
     ref, routes = _reference(w, base.clone(), toks, par, ctx)
     out = {mode: Engine(w, plan, base.clone(), backend="emu", grid=4).step(toks, par, ctx, mode=mode, routes=routes)

@@ -382,6 +382,38 @@ MK_DEV void fp4_tile_step_at(int s, uint32_t w0, uint32_t w1, uint32_t sw0, uint
   }
 }
 
+// One group of GS k32 steps of a chunk in stage st (gemm_fp4, gemm_fp4_down): the code words of
+// the warp's RT 16-row tiles by ldmatrix (tile i's first row r0(i) of the chunk; cofs, gx and sofs
+// the lane's offsets, as the callers compute them), their rows' scale words, then per step the
+// activation fragments at bc (AS the operand's row stride; the second token tile when tw) and
+// fp4_tile_step into the accumulators acc_of(i, s).
+template <int RT, int SR, int GS, int KC, int SW, int AS, typename RowOf, typename AccOf>
+MK_DEV void fp4_group(const unsigned char* st, SAddr cbase, SAddr bc, int G, int gx, const int (&cofs)[GS / 2],
+                      int sofs, bool tw, RowOf r0, AccOf acc_of) {
+  const int go = SW == 8 ? (64 * G) ^ gx : 64 * G;  // byte offset of group G's units in a row
+  uint32_t cw[RT][2 * GS];  // cw[i][4p + 2h + r]: tile i, row g + 8r, step 2p + h of the group
+  uint32_t sw[RT][2];       // scale words of tile i, rows g and g + 8
+#pragma unroll
+  for (int i = 0; i < RT; ++i) {
+#pragma unroll
+    for (int p = 0; p < GS / 2; ++p) ldsm_x4(cw[i] + 4 * p, cbase + (cofs[p] + go + r0(i) * (KC / 2)));
+    const unsigned char* sp = st + sofs + r0(i) * (KC / 16);
+    sw[i][0] = plane_word<SR>(sp, G);
+    sw[i][1] = plane_word<SR>(sp + 8 * (KC / 16), G);
+  }
+#pragma unroll
+  for (int s = 0; s < GS; ++s) {
+    uint32_t bt[4], bu[4];
+    ldsm_x4(bt, bc + (G * GS + s) * 64);
+    if (tw) ldsm_x4(bu, bc + 8 * AS + (G * GS + s) * 64);
+#pragma unroll
+    for (int i = 0; i < RT; ++i) {
+      const int wi = 4 * (s / 2) + 2 * (s & 1);  // words of rows g, g + 8 for step s
+      fp4_tile_step_at(s, cw[i][wi], cw[i][wi + 1], sw[i][0], sw[i][1], bt, bu, tw, acc_of(i, s));
+    }
+  }
+}
+
 // A unit's results, [16 tokens][ROWS] fp32 in `red` (gemm_fp4; only the slot's token rows are
 // written). Danger: the next unit's gemm_fp4 overwrites them; its epilogue is safe only because
 // compute_loop puts a barrier between units.
@@ -438,30 +470,10 @@ MK_DEV void gemm_fp4(Blk& b, int ntok, uint32_t what) {
     const SAddr cbase = saddr(st);
     const SAddr bc = brow + c * SR * 64;
 MK_COLD_LOOP
-    for (int G = 0; G < NG; ++G) {
-      const int go = SW == 8 ? (64 * G) ^ gx : 64 * G;  // byte offset of group G's units in a row
-      uint32_t cw[RT][2 * GS];  // cw[i][4p + 2h + r]: tile i, row g + 8r, step 2p + h of the group
-      uint32_t sw[RT][2];       // scale words of tile i, rows g and g + 8
-#pragma unroll
-      for (int i = 0; i < RT; ++i) {
-#pragma unroll
-        for (int p = 0; p < GS / 2; ++p) ldsm_x4(cw[i] + 4 * p, cbase + (cofs[p] + go + i * NTW * 16 * (KC / 2)));
-        const unsigned char* sp = st + sofs + i * NTW * 16 * (KC / 16);
-        sw[i][0] = plane_word<SR>(sp, G);
-        sw[i][1] = plane_word<SR>(sp + 8 * (KC / 16), G);
-      }
-#pragma unroll
-      for (int s = 0; s < GS; ++s) {
-        uint32_t bt[4], bu[4];
-        ldsm_x4(bt, bc + (G * GS + s) * 64);
-        if (tw) ldsm_x4(bu, bc + 8 * AS + (G * GS + s) * 64);
-#pragma unroll
-        for (int i = 0; i < RT; ++i) {
-          const int wi = 4 * (s / 2) + 2 * (s & 1);  // words of rows g, g + 8 for step s
-          fp4_tile_step_at(s, cw[i][wi], cw[i][wi + 1], sw[i][0], sw[i][1], bt, bu, tw, acc[RT == 2 ? i : (s & 1)]);
-        }
-      }
-    }
+    for (int G = 0; G < NG; ++G)
+      fp4_group<RT, SR, GS, KC, SW, AS>(
+          st, cbase, bc, G, gx, cofs, sofs, tw, [](int i) { return i * NTW * 16; },
+          [&](int i, int s) -> float (&)[2][4] { return acc[RT == 2 ? i : (s & 1)]; });
   };
 MK_COLD_LOOP
   for (int c = 0; c < NCH; ++c) {
@@ -522,31 +534,10 @@ MK_DEV void gemm_fp4_down(Blk& b, const unsigned char* act, int ntok, float ts, 
     const SAddr cbase = saddr(st);
     float acc[2][2][4] = {};
 MK_COLD_LOOP
-    for (int G = 0; G < NG; ++G) {
-      const int go = SW == 8 ? (64 * G) ^ gx : 64 * G;
-      uint32_t cw[2][2 * GS];
-      uint32_t sw[2][2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r0 = h * PR + i * WARPS * 16;  // first row of tile i of this warp in the pass
-#pragma unroll
-        for (int p = 0; p < GS / 2; ++p) ldsm_x4(cw[i] + 4 * p, cbase + (cofs[p] + go + r0 * (KC / 2)));
-        const unsigned char* sp = st + sofs + r0 * (KC / 16);
-        sw[i][0] = plane_word<SR>(sp, G);
-        sw[i][1] = plane_word<SR>(sp + 8 * (KC / 16), G);
-      }
-#pragma unroll
-      for (int s = 0; s < GS; ++s) {
-        uint32_t bt[4], bu[4];
-        ldsm_x4(bt, bc + (G * GS + s) * 64);
-        if (tw) ldsm_x4(bu, bc + 8 * AS + (G * GS + s) * 64);
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int wi = 4 * (s / 2) + 2 * (s & 1);
-          fp4_tile_step_at(s, cw[i][wi], cw[i][wi + 1], sw[i][0], sw[i][1], bt, bu, tw, acc[i]);
-        }
-      }
-    }
+    for (int G = 0; G < NG; ++G)  // tile i of this warp in the pass starts at row h * PR + i * WARPS * 16
+      fp4_group<2, SR, GS, KC, SW, AS>(
+          st, cbase, bc, G, gx, cofs, sofs, tw, [h](int i) { return h * PR + i * WARPS * 16; },
+          [&](int i, int) -> float (&)[2][4] { return acc[i]; });
     // C fragment: c0 = (row g, token 2t), c1 = (row g, 2t+1), c2 = (row g+8, 2t), c3 = (row g+8, 2t+1)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
