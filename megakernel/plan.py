@@ -243,12 +243,6 @@ class Plan:
     # the loader pulls into L2 the cached KV rows its block's units of the layer's attention read,
     # as it enters the layer (program.cuh kv_prefetch)
     kv_prefetch: bool = False
-    # where the ring is full when the loader comes to a chunk, it pulls that chunk and the next
-    # ring_l2_ahead - 1 of the unit into L2 before waiting (gemm.cuh produce_*; 0 = off): the
-    # expert phase's ring is never empty and a full ring takes no copies through the consumers'
-    # unit boundaries (detail trace of 98d4b53, README). An A/B switch, not yet measured; it also
-    # moves nvcc's layout of the loader loops (shard8 T=16 code 252,160 -> 228,480 B at 1)
-    ring_l2_ahead: int = 0
     # the step's launches also wait for their dependencies on earlier launches (program.build drops
     # them: stream order, and PDL's griddepcontrol.wait, have them done); for the A/B only
     launch_waits: bool = False
@@ -415,7 +409,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               residual_unit_rows: int | None = None, tokens: int | None = None,
               expert1_rows: int | None = None, expert2_rows: int | None = None,
               launch_waits: bool = False, layout_pad: int = 0, fused_experts: bool = False,
-              keep_max: int = KEEP_MAX, ring_l2_ahead: int = 0) -> Plan:
+              keep_max: int = KEEP_MAX) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -424,11 +418,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     for (default the config's max_tree; any step of up to max_tree tokens runs on it with the same
     bits: only the expert units follow it, expert1_unit_rows / expert2_unit_rows); expert1_rows /
     expert2_rows force those. layout_pad: a code-layout placebo (Plan.layout_pad), a multiple of 16
-    bytes up to 64 KB. keep_max: at most this many kept gate/up units (fused_experts; A/Bs, tests).
-    ring_l2_ahead: chunks pulled into L2 ahead where the ring is full (Plan.ring_l2_ahead), 0-8."""
+    bytes up to 64 KB. keep_max: at most this many kept gate/up units (fused_experts; A/Bs, tests)."""
     cfg.validate()
-    if not (isinstance(ring_l2_ahead, int) and 0 <= ring_l2_ahead <= 8):
-        raise ValueError(f"ring_l2_ahead {ring_l2_ahead!r}: want 0..8 chunks")
     if not (isinstance(keep_max, int) and 0 <= keep_max <= KEEP_MAX):
         raise ValueError(f"keep_max {keep_max!r}: want 0..{KEEP_MAX} kept gate/up units")
     if not (isinstance(layout_pad, int) and 0 <= layout_pad <= 65536 and layout_pad % 16 == 0):
@@ -466,7 +457,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              stream_evict_first=stream_evict_first, sentinel_route=sentinel_route,
              hot_prefetch_bytes=hot_prefetch_bytes, kv_prefetch=kv_prefetch, keys_per_split=keys_per_split,
              profile_detail=profile_detail, fp4_rotated=fp4_rotated, tiles=tiles, launch_waits=launch_waits,
-             layout_pad=layout_pad, fused_experts=fused_experts, ring_l2_ahead=ring_l2_ahead)
+             layout_pad=layout_pad, fused_experts=fused_experts)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -571,7 +562,6 @@ def render(plan: Plan) -> str:
         f"constexpr bool SENTINEL_ROUTE = {'true' if plan.sentinel_route else 'false'};",
         f"constexpr long long HOT_PREFETCH_BYTES = {int(plan.hot_prefetch_bytes)}ll;",
         f"constexpr bool KV_PREFETCH = {'true' if plan.kv_prefetch else 'false'};",
-        f"constexpr int RING_L2_AHEAD = {plan.ring_l2_ahead};  // chunks pulled into L2 where the ring is full",
         f"constexpr int LAYOUT_PAD = {plan.layout_pad};  // never-run bytes ahead of the kernel's body",
         f"constexpr bool FUSED_EXPERTS = {'true' if plan.fused_experts else 'false'};",
         f"constexpr int KEEP_UNITS = {plan.keep_units}, KEEP_BYTES = {plan.keep_bytes}, KEEP_MAX = {KEEP_MAX};  // fused: kept gate/up units",

@@ -896,33 +896,6 @@ def test_hot_prefetch_pulls_the_expert_rows_the_next_step_streams(tiny, budget):
             assert 16 * sum(1 for k in got_bytes if k[0] == l) <= 4 * (budget + 4096)
 
 
-@pytest.mark.parametrize("ahead", [1, 3])
-def test_ring_l2_ahead_pulls_weight_chunks_and_keeps_the_bits(tiny, ahead):
-    """Plan.ring_l2_ahead: where the ring is full, the loader pulls the chunk it waits for (and
-    the next ahead - 1 of the unit) into L2. Every such prefetch lies inside one of the weight
-    copies the kernel streams from (the tiled dense weights, the fp4 banks' kernel copies), as
-    whole 16-byte pieces; the outputs keep their bits, in both modes. Bad counts are refused."""
-    cfg, w, base, plan = tiny
-    toks, par = _inputs(cfg, 8, 6)
-    want = Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
-    p = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, ring_l2_ahead=ahead)
-    assert f"constexpr int RING_L2_AHEAD = {ahead};" in render(p)
-    eng = Engine(w, p, base.clone(), backend="emu")
-    _emu_prefetches(eng)
-    for mode in ("mega", "chain"):
-        got = eng.step(toks, par, 40, mode=mode)
-        assert torch.equal(want.logits, got.logits) and torch.equal(want.tokens, got.tokens), mode
-    pf = _emu_prefetches(eng)
-    assert pf, "the loader never found the ring full"
-    spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in eng._keep]
-    for addr, nbytes in pf:
-        assert addr % 16 == 0 and nbytes % 16 == 0 and nbytes > 0
-        assert any(a <= addr and addr + nbytes <= a + n for a, n in spans), f"prefetch {addr:#x} +{nbytes} outside the weights"
-    for bad in (-1, 9, 2.0):
-        with pytest.raises(ValueError, match="ring_l2_ahead"):
-            make_plan(cfg, 4, ring_l2_ahead=bad)
-
-
 def _bits(row) -> list[int]:
     words = row.cpu().numpy().view(np.uint32)
     return [32 * i + b for i, wd in enumerate(words) for b in range(32) if (int(wd) >> b) & 1]

@@ -114,11 +114,6 @@ MK_DEV void ring_release(Blk& b) {
 // into it must itself acquire the consumers' release (racecheck reports copies ordered only
 // through another lane's wait, shfl and __syncwarp as races; microbench/sanitize/ring_probe.cu).
 // Lane 0 then announces `tx` bytes. Returns false (for every lane) when a wait gave up.
-// Whether stage c % RING_STAGES is free for chunk c now (the consumers released its last use),
-// without waiting: RING_L2_AHEAD's test for "the ring is full".
-MK_DEV bool ring_stage_free(const Blk& b, unsigned c) {
-  return mbar_test(&b.empty[c % RING_STAGES], ((c / RING_STAGES) & 1u) ^ 1u);
-}
 MK_DEV bool ring_produce_begin(const Blk& b, unsigned c, unsigned tx, uint32_t what) {
   const bool ok = warp_all(wait_mbar(*b.p, &b.empty[c % RING_STAGES], ((c / RING_STAGES) & 1u) ^ 1u, what));
   if (ok && lane() == 0) mbar_expect_tx(&b.full[c % RING_STAGES], tx);

@@ -99,7 +99,6 @@ constexpr bool STREAM_EVICT_FIRST = false;
 constexpr bool SENTINEL_ROUTE = false;
 constexpr long long HOT_PREFETCH_BYTES = 0ll;
 constexpr bool KV_PREFETCH = false;
-constexpr int RING_L2_AHEAD = 0;  // chunks pulled into L2 where the ring is full
 constexpr int LAYOUT_PAD = 0;  // never-run bytes ahead of the kernel's body
 constexpr bool FUSED_EXPERTS = false;
 constexpr int KEEP_UNITS = 0, KEEP_BYTES = 0, KEEP_MAX = 16;  // fused: kept gate/up units

@@ -636,25 +636,16 @@ MK_DEV void gemm_residual_add(Blk& b, int unit, int which, const uint16_t* gnext
 // pooler's 32-row units, which stream at ~79% of one copy per stage: weights.ring).
 // bf16 elements of one stored chunk (rows of kc and their pad; tiling.tile_dense)
 MK_DEV constexpr size_t dense_tile_elems(int rows, int kc) { return static_cast<size_t>(rows) * (kc + ROW_PAD / 2); }
-//
-// RING_L2_AHEAD (Plan.ring_l2_ahead, A/B switch, 0 = off): where the ring is full when the loader
-// comes to chunk c (the consumers are in a unit boundary or behind), lanes pull chunk c and the
-// next RING_L2_AHEAD - 1 of the unit into L2 before waiting, so that the DRAM keeps streaming for
-// this SM and the copies, once stages free up, read L2. The bytes and the bits are the same.
 template <int ROWS, int KC, int K, bool REV = false>  // REV: chunks last to first (gemm_bf16)
 MK_DEV bool produce_bf16(const Blk& b, const uint16_t* W, int unit, unsigned& c, uint32_t what) {
   constexpr unsigned BYTES = ROWS * (KC * 2 + ROW_PAD);
   static_assert(BYTES % 16 == 0, "bulk copies move multiples of 16 bytes");
-  static_assert(RING_L2_AHEAD <= 32, "a lane per chunk pulled ahead");
-  auto chunk = [&](int i) {
-    return W + (static_cast<size_t>(unit) * (K / KC) + (REV ? K / KC - 1 - i : i)) * dense_tile_elems(ROWS, KC);
-  };
   for (int i = 0; i < K / KC; ++i, ++c) {
-    if constexpr (RING_L2_AHEAD > 0) {
-      if (lane() < RING_L2_AHEAD && i + lane() < K / KC && !ring_stage_free(b, c)) prefetch_l2(chunk(i + lane()), BYTES);
-    }
+    const int ch = REV ? K / KC - 1 - i : i;
     if (!ring_produce_begin(b, c, BYTES, what)) return false;
-    if (lane() == 0) bulk_copy(stage_of(b, c), chunk(i), BYTES, &b.full[c % RING_STAGES]);
+    if (lane() == 0)
+      bulk_copy(stage_of(b, c), W + (static_cast<size_t>(unit) * (K / KC) + ch) * dense_tile_elems(ROWS, KC), BYTES,
+                &b.full[c % RING_STAGES]);
   }
   return true;
 }
@@ -671,16 +662,8 @@ MK_DEV bool produce_fp4(const Blk& b, const uint8_t* codes, const uint8_t* scale
   constexpr int RR = ROWS / RUNS;
   constexpr unsigned CB = RR * (KC / 2), SB = RR * (KC / 16);  // one run's bytes
   static_assert(ROWS % RUNS == 0 && CB % 16 == 0 && SB % 16 == 0, "bulk copies move multiples of 16 bytes");
-  static_assert(2 * RUNS <= 32 && RING_L2_AHEAD * RUNS <= 32, "a lane per copy, and per run pulled ahead");
+  static_assert(2 * RUNS <= 32, "a lane per copy");
   for (int ch = 0; ch < K / KC; ++ch, ++c) {
-    if constexpr (RING_L2_AHEAD > 0) {  // as in produce_bf16: each run's codes and scales of a chunk
-      const int j = ch + lane() / RUNS;
-      if (lane() < RING_L2_AHEAD * RUNS && j < K / KC && !ring_stage_free(b, c)) {
-        const size_t row = static_cast<size_t>(j) * N + run0(lane() % RUNS);
-        prefetch_l2(codes + row * (KC / 2), CB);
-        prefetch_l2(scales + row * (KC / 16), SB);
-      }
-    }
     if (!ring_produce_begin(b, c, RUNS * (CB + SB), what)) return false;
     unsigned char* st = stage_of(b, c);
     uint64_t* bar = &b.full[c % RING_STAGES];
