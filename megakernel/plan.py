@@ -21,7 +21,7 @@ WARPS = 8  # compute warps per block (one mma m16 row tile of tokens each)
 LOADER_WARPS = 1  # the weight-streaming warp (ring producer)
 THREADS = 32 * (WARPS + LOADER_WARPS)
 ROW_PAD = 16  # bytes of padding per staged row: spreads rows over banks for the fragment loads
-MISC_BYTES = 4096  # mbarriers + small ints (block.cuh)
+PROF_OPS = 16  # block.cuh: the profiler's deferred op-stamp slots (in MISC)
 # Expert units: fewer, larger units pay the per-unit overhead (barriers, epilogue, signal) less
 # often; the tail (a block's last unit) grows. shard8 T=16 step, H200 2026-11-29: gate/up 64 -> 128
 # rows -2.4%, down 128 -> 256 rows -1.5%, each alone (both: 10.92 ms from 11.34); down 64 rows +2.4%.
@@ -359,8 +359,20 @@ class Plan:
         return self.keep_units * self.keep_unit_bytes
 
     @property
+    def misc_bytes(self) -> int:
+        """The ring's mbarriers and block.cuh's MISC ints (top-k scratch, profiler slots, kept-unit
+        tags), as block.cuh lays them out, in 16-byte units. Sized exactly (a fixed 4 KB left
+        shard8 T=16 1.3 KB short of a 4th ring stage); block.cuh's static_assert fails the build
+        if this falls short of its layout."""
+        c = self.cfg
+        rtag = 58 + c.max_tree * c.top_k + 2 * ((c.n_experts + 31) // 32) + c.n_experts  # MISC_RTAG
+        pslot = (rtag + 1 + 16 + 1) & ~1  # MISC_PSLOT: past RTAG and RNORM[16], 8-byte aligned
+        ints = pslot + 8 * PROF_OPS + 2 + 2 + KEEP_MAX  # PSLOT, PWIN, PWAIT, KEEP
+        return -(-((2 * self.ring_stages + 1) * 8 + 4 * ints) // 16) * 16
+
+    @property
     def smem_bytes(self) -> int:
-        return self.abuf_bytes + self.ring_stages * self.stage_bytes + self.red_bytes + self.keep_bytes + MISC_BYTES
+        return self.abuf_bytes + self.ring_stages * self.stage_bytes + self.red_bytes + self.keep_bytes + self.misc_bytes
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -371,11 +383,18 @@ class Plan:
 
 NORM_OPS = ("qkv", "router", "pool", "lm_head")  # the projections of a normed d_model operand
 RING_FILL_MAX = 8  # fill_ring stops at this many stages
+# ... or at this many bytes of ring. A 4th 36 KB stage (4 x 36,864 = 147,456 B, kept units 8 -> 0)
+# made shard8 T=16 1.0% and small T=16 0.8% slower (in-run A/B, H200 2026-12-01 01:57Z, results
+# note ab-ring-depth-20261201T0151Z-c5d3a16.md; at T=1 four 33 KB stages beat three by 0.9%): the
+# expert phase's consumers, not the ring, set its pace; a deeper ring may only lengthen the phase's
+# opening burst (every block's whole ring requested at once; not measured).
+RING_FILL_BYTES = 136 * 1024
 KEEP_MAX = 16  # fused_experts: at most this many kept gate/up units (rendered: block.cuh MISC_KEEP)
 
 
-def _fill_ring(p: Plan, smem_limit: int, norm_panel: int | None) -> Plan:
-    """More stages of the tuned size in the shared memory the plan leaves free. Where staging the
+def _fill_ring(p: Plan, smem_limit: int, norm_panel: int | None, ring_max: int = RING_FILL_MAX) -> Plan:
+    """More stages of the tuned size in the shared memory the plan leaves free, up to ring_max stages
+    and RING_FILL_BYTES of ring. Where staging the
     normed operand in panels (d_model halved, whole chunks of every NORM_OPS tile) frees a whole
     stage more, the fewest panels that do. A panel costs a barrier and a staging pass inside the
     GEMM. shard8 on the H200, 2026-11-29, 3 stages and two 2048-column panels with the router's
@@ -392,7 +411,10 @@ def _fill_ring(p: Plan, smem_limit: int, norm_panel: int | None) -> Plan:
     best = None
     for kp in cands:
         q = replace(p, norm_panel=kp)
-        extra = max(0, min((smem_limit - q.smem_bytes) // q.stage_bytes, RING_FILL_MAX - q.ring_stages))
+        extra = 0  # a stage adds 16 bytes of mbarriers to misc_bytes too
+        while q.ring_stages + extra < ring_max and (q.ring_stages + extra + 1) * q.stage_bytes <= RING_FILL_BYTES \
+                and replace(q, ring_stages=q.ring_stages + extra + 1).smem_bytes <= smem_limit:
+            extra += 1
         q = replace(q, ring_stages=q.ring_stages + extra, ring_fill=extra)
         if best is None or q.ring_stages > best.ring_stages:
             best = q
@@ -409,7 +431,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               residual_unit_rows: int | None = None, tokens: int | None = None,
               expert1_rows: int | None = None, expert2_rows: int | None = None,
               launch_waits: bool = False, layout_pad: int = 0, fused_experts: bool = False,
-              keep_max: int = KEEP_MAX) -> Plan:
+              keep_max: int = KEEP_MAX, ring_max: int = RING_FILL_MAX) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -418,8 +440,11 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     for (default the config's max_tree; any step of up to max_tree tokens runs on it with the same
     bits: only the expert units follow it, expert1_unit_rows / expert2_unit_rows); expert1_rows /
     expert2_rows force those. layout_pad: a code-layout placebo (Plan.layout_pad), a multiple of 16
-    bytes up to 64 KB. keep_max: at most this many kept gate/up units (fused_experts; A/Bs, tests)."""
+    bytes up to 64 KB. keep_max: at most this many kept gate/up units (fused_experts; A/Bs, tests).
+    ring_max: fill_ring stops at this many stages (A/Bs: ring depth against kept units)."""
     cfg.validate()
+    if not (isinstance(ring_max, int) and 1 <= ring_max <= RING_FILL_MAX):
+        raise ValueError(f"ring_max {ring_max!r}: want 1..{RING_FILL_MAX} ring stages")
     if not (isinstance(keep_max, int) and 0 <= keep_max <= KEEP_MAX):
         raise ValueError(f"keep_max {keep_max!r}: want 0..{KEEP_MAX} kept gate/up units")
     if not (isinstance(layout_pad, int) and 0 <= layout_pad <= 65536 and layout_pad % 16 == 0):
@@ -462,7 +487,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
                              f"{', '.join(f'{n} {tiles[n].kc}' for n in NORM_OPS)} columns")
-        p = _fill_ring(p, smem_limit, norm_panel) if fill_ring else replace(p, norm_panel=norm_panel)
+        p = _fill_ring(p, smem_limit, norm_panel, ring_max) if fill_ring else replace(p, norm_panel=norm_panel)
     if fused_experts:  # what the ring left: kept gate/up activations (Plan.keep_units)
         p = replace(p, keep_units=min(keep_max, max(0, (smem_limit - p.smem_bytes) // p.keep_unit_bytes)))
     if p.smem_bytes > smem_limit:
@@ -565,7 +590,7 @@ def render(plan: Plan) -> str:
         f"constexpr int LAYOUT_PAD = {plan.layout_pad};  // never-run bytes ahead of the kernel's body",
         f"constexpr bool FUSED_EXPERTS = {'true' if plan.fused_experts else 'false'};",
         f"constexpr int KEEP_UNITS = {plan.keep_units}, KEEP_BYTES = {plan.keep_bytes}, KEEP_MAX = {KEEP_MAX};  // fused: kept gate/up units",
-        f"constexpr int MISC_BYTES = {MISC_BYTES};",
+        f"constexpr int MISC_BYTES = {plan.misc_bytes};  // mbarriers + MISC ints (Plan.misc_bytes)",
         f"constexpr unsigned long long GLOBAL_MASK = {sum(1 << g for g in c.global_layers)}ull;  // bit l: layer l is global",
         f"constexpr int PARTS = {plan.attn_parts};  // attention partials per kv head (MAX_SPLITS x WARPS / G)",
         "}  // namespace mk",

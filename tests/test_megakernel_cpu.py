@@ -499,10 +499,22 @@ def test_fill_ring_stages_the_normed_operand_in_panels_where_that_buys_a_stage()
         p = make_plan(cfg, 132, ring_stages=2, ring_stage_bytes=32768, fill_ring=True, tokens=tokens)
         assert (p0.ring_stages, p0.norm_k, p0.ring_fill) == (2, 4096, 0)
         assert (p.ring_stages, p.norm_k, p.ring_fill) == (stages, 2048, stages - 2)
-        assert p.smem_bytes <= 232448 < p.smem_bytes + p.stage_bytes
+        assert p.smem_bytes <= 232448 and (232448 < p.smem_bytes + p.stage_bytes
+                                           or (p.ring_stages + 1) * p.stage_bytes > plan_mod.RING_FILL_BYTES)
         assert p.abuf_bytes == 16 * (p.norm_k * 2 + plan_mod.ROW_PAD) > p.attn_smem_bytes
         assert p.abuf_bytes < p0.abuf_bytes
         assert "constexpr int NORM_KP = 2048;" in render(p) and f"constexpr int RING_STAGES = {stages};" in render(p)
+    # shard8 T=16's fourth 36 KB stage fits the shared memory (misc sized exactly) but not
+    # RING_FILL_BYTES (measured slower); ring_max caps the stages below that, validated
+    p = make_plan(cfg, 132, ring_stages=2, ring_stage_bytes=32768, fill_ring=True, tokens=16, fused_experts=True)
+    assert p.ring_stages == 3 and p.keep_units == 8 and p.stage_bytes == 36864
+    assert p.smem_bytes - p.keep_bytes + p.stage_bytes + 16 <= 232448  # a 4th stage fits without kept units
+    assert 4 * p.stage_bytes > plan_mod.RING_FILL_BYTES and f"MISC_BYTES = {p.misc_bytes};" in render(p)
+    two = make_plan(cfg, 132, ring_stages=2, ring_stage_bytes=32768, fill_ring=True, tokens=16, ring_max=2)
+    assert two.ring_stages == 2 and two.ring_fill == 0
+    for bad in (0, 9, 2.0):
+        with pytest.raises(ValueError, match="ring_max"):
+            make_plan(cfg, 132, ring_max=bad)
     # small's abuf is already the experts' size: no panels, the spare bytes still give stages
     s = make_plan(preset("small"), 132, ring_stages=2, ring_stage_bytes=32768, fill_ring=True)
     assert s.norm_k == s.cfg.d_model and s.ring_stages == 3

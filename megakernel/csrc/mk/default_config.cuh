@@ -42,7 +42,7 @@ constexpr int ABUF_BYTES = 24064;
 constexpr int NORM_KP = 128;  // columns of a normed operand staged at a time
 constexpr int XG_ROW = 136;  // bf16 per row of xg (gemm.cuh xg_at), the pad included
 constexpr int RED_BYTES = 8192;
-constexpr int SMEM_BYTES = 70144;
+constexpr int SMEM_BYTES = 67184;
 // synchronisation (tuned constants: sync.flags)
 constexpr unsigned long long SPIN_BOUND_NS = 2000000000ull;
 constexpr unsigned POLL_BACKOFF_NS = 0u;
@@ -102,7 +102,7 @@ constexpr bool KV_PREFETCH = false;
 constexpr int LAYOUT_PAD = 0;  // never-run bytes ahead of the kernel's body
 constexpr bool FUSED_EXPERTS = false;
 constexpr int KEEP_UNITS = 0, KEEP_BYTES = 0, KEEP_MAX = 16;  // fused: kept gate/up units
-constexpr int MISC_BYTES = 4096;
+constexpr int MISC_BYTES = 1136;  // mbarriers + MISC ints (Plan.misc_bytes)
 constexpr unsigned long long GLOBAL_MASK = 4ull;  // bit l: layer l is global
 constexpr int PARTS = 20;  // attention partials per kv head (MAX_SPLITS x WARPS / G)
 }  // namespace mk
