@@ -42,7 +42,8 @@ def program_constants() -> str:
         f"constexpr int SIGNAL_TOTAL = {program.SIGNAL_TOTAL}, SIGNAL_GROUPS = {program.SIGNAL_GROUPS};",
         f"constexpr uint32_t WHAT_RING_FULL = {program.WHAT_RING_FULL}, WHAT_RING_EMPTY = {program.WHAT_RING_EMPTY}, "
         f"WHAT_LOADER_ROUTE = {program.WHAT_LOADER_ROUTE}, WHAT_LOADER_GATE = {program.WHAT_LOADER_GATE}, "
-        f"WHAT_SENTINEL = {program.WHAT_SENTINEL}, WHAT_NORM_ROWS = {program.WHAT_NORM_ROWS};",
+        f"WHAT_SENTINEL = {program.WHAT_SENTINEL}, WHAT_NORM_ROWS = {program.WHAT_NORM_ROWS}, "
+        f"WHAT_LOADER_PACE = {program.WHAT_LOADER_PACE};",
         "}  // namespace mk",
     ]) + "\n"
 

@@ -57,6 +57,7 @@ DEP_ALL, DEP_GROUP, DEP_SENTINEL, DEP_LOCAL = 0, 1, 2, 3
 # A wait's id for the watchdog record: op index * 16 + code; codes below MAX_DEPS name the op's
 # dependency, these name the ring and the loader (rendered into the kernel by build.py)
 WHAT_RING_FULL, WHAT_RING_EMPTY, WHAT_LOADER_ROUTE, WHAT_LOADER_GATE, WHAT_SENTINEL, WHAT_NORM_ROWS = 8, 9, 10, 11, 12, 13
+WHAT_LOADER_PACE = 14
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from . import abi, tiling, tree as treelib
 from .config import ConfigError
 from .fp4_layout import is_canonical
 from .plan import THREADS, Plan
-from .program import (WHAT_LOADER_GATE, WHAT_LOADER_ROUTE, WHAT_NORM_ROWS, WHAT_RING_EMPTY, WHAT_RING_FULL,
+from .program import (WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE, WHAT_NORM_ROWS, WHAT_RING_EMPTY, WHAT_RING_FULL,
                       WHAT_SENTINEL, Program, build as build_program)
 from .reference import KVCache
 from .weights import BF16, ModelWeights
@@ -278,6 +278,7 @@ class Engine:
                 WHAT_SENTINEL: f"{name}: the router logits in their sentinel slots (still -0.0: a router unit "
                                "never wrote them, or a slot was not reset)",
                 WHAT_NORM_ROWS: f"{name}: the bulk copies of the normed operand's rows (consumer)",
+                WHAT_LOADER_PACE: f"{name}: the first weight chunk of the routed op landing (loader, opening pace)",
                 }.get(code, f"{name} code {code}")
 
     def _set_inputs(self, tokens, parents, ctx, routes):

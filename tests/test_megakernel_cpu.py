@@ -1337,7 +1337,7 @@ def test_every_wait_id_the_kernel_can_report_has_a_message(tiny):
     cfg, w, base, plan = tiny
     eng = Engine(w, plan, base.clone(), backend="emu")
     codes = [program.WHAT_RING_FULL, program.WHAT_RING_EMPTY, program.WHAT_LOADER_ROUTE, program.WHAT_LOADER_GATE,
-             program.WHAT_SENTINEL, program.WHAT_NORM_ROWS]
+             program.WHAT_SENTINEL, program.WHAT_NORM_ROWS, program.WHAT_LOADER_PACE]
     for code in codes:
         msg = eng.describe_wait(3 * 16 + code)
         assert "[op 3]" in msg and f"code {code}" not in msg, msg

@@ -57,6 +57,7 @@ struct Blk {
   unsigned chunk;  // consumer's position in the chunk sequence
   unsigned xuse;   // compute threads: phases of xbar waited for
   bool failed;     // one of this thread's bounded waits gave up (stop at the next unit boundary)
+  unsigned pace;   // loader: the chunk it lets land before it copies more (~0u: none; loader_loop)
 };
 
 MK_DEV Blk make_blk(const Params* p, int T, int ctx, int parity, int wait) {
@@ -78,6 +79,7 @@ MK_DEV Blk make_blk(const Params* p, int T, int ctx, int parity, int wait) {
   b.chunk = 0;
   b.xuse = 0;
   b.failed = false;
+  b.pace = ~0u;
   return b;
 }
 static_assert((2 * RING_STAGES + 1) * 8 + MISC_INTS * 4 <= MISC_BYTES, "mbarriers + misc fit the tail of SMEM_BYTES");

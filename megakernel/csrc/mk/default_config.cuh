@@ -177,7 +177,7 @@ constexpr int ROUTE_SHIFT = 16;
 constexpr int DEP_ALL = 0, DEP_GROUP = 1, DEP_SENTINEL = 2, DEP_LOCAL = 3;
 constexpr int ASSIGN_STRIDED = 0, ASSIGN_CONTIG = 1;
 constexpr int SIGNAL_TOTAL = 1, SIGNAL_GROUPS = 2;
-constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10, WHAT_LOADER_GATE = 11, WHAT_SENTINEL = 12, WHAT_NORM_ROWS = 13;
+constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10, WHAT_LOADER_GATE = 11, WHAT_SENTINEL = 12, WHAT_NORM_ROWS = 13, WHAT_LOADER_PACE = 14;
 }  // namespace mk
 namespace mk {
 // NVFP4 device word (megakernel/fp4_layout.py): pair e = OR over

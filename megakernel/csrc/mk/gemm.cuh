@@ -671,6 +671,8 @@ MK_DEV bool produce_fp4(const Blk& b, const uint8_t* codes, const uint8_t* scale
     const size_t row = static_cast<size_t>(ch) * N + run0(l);  // the run's first row in block ch
     if (lane() < RUNS) bulk_copy(st + l * CB, codes + row * (KC / 2), CB, bar);
     else if (lane() < 2 * RUNS) bulk_copy(st + ROWS * (KC / 2) + l * SB, scales + row * (KC / 16), SB, bar);
+    if (c == b.pace && !warp_all(wait_mbar(*b.p, bar, (c / RING_STAGES) & 1u, (what & ~15u) | WHAT_LOADER_PACE)))
+      return false;  // the wait is for this warp's own copy: the stage's next phase needs this warp
   }
   return true;
 }

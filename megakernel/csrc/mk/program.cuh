@@ -658,8 +658,19 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
       nslots = ldg_cgi(b.p->n_slots);
     }
     const UnitRange r = my_units(o, is_dynamic(o.kind) ? nslots * slot_tiles(o.kind) : n_units(b, o));
-    for (int u = r.begin; u < r.end; u += r.step)
+    // The opening pace: the ring drained while this warp waited for the routing, and every
+    // block's loader sees it at once. Its first chunk is let land before the rest are copied, so
+    // the first chunk does not queue behind every block's whole ring. In-run A/Bs (H200
+    // 2026-12-01 02:03 and 02:08Z, same bits; reports/results/megakernel/
+    // ab-ring-depth-20261201T0151Z-c5d3a16.md): against the same code never pacing, shard8 T=16
+    // -0.42 / -1.20%, T=1 -0.49 / -1.07%, small T=16 -0.42 / -0.45%; against the build before,
+    // T=1 -1.08 / -0.72%, the others within the layout placebo's range.
+    const bool fresh = o.kind == OP_EXPERT1 && b.wait;
+    for (int u = r.begin; u < r.end; u += r.step) {
+      b.pace = fresh && u == r.begin ? c : ~0u;
       if (!load_unit(b, i, o, u, c, ls)) return;
+    }
+    b.pace = ~0u;
   }
   l2_prefetch_next_launch(b, first);
 }
