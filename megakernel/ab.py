@@ -280,7 +280,9 @@ def to_result(results: Sequence[PointResult], variants: Sequence[Variant], env=N
     """A megabench Result (benchmark megakernel.ab): one series per (point, variant) whose samples
     are the round medians, the checks and the variant's tree and switches in its params, the
     point's roofline as its bound; derived change_<preset>_T<t>_ctx<ctx>_<variant>, the change
-    against the first variant. `table(from_result(r))` gives the markdown `ab --out` writes."""
+    against the first variant. `table(from_result(r))` gives the markdown `ab --out` writes. Not
+    gated across runs (gate_direction none): a variant's name means a different tree in each A/B,
+    and its verdict is its change against the first variant of the same run."""
     from microbench.results import Bound, Derived, Env, Result, Series
 
     env = env or Env.capture()
@@ -297,7 +299,8 @@ def to_result(results: Sequence[PointResult], variants: Sequence[Variant], env=N
                 params={"preset": r.preset, "T": r.n_tokens, "ctx": r.ctx, "variant": name,
                         "csrc": str(v.csrc) if v.csrc else None, "tree": tree_id(v.csrc),
                         "switches": {k: val for k, val in v.switches}, "rel_err": ck.rel_err,
-                        "same_bits_as_first": ck.same_as_first, "order": "alternating rounds"}))
+                        "same_bits_as_first": ck.same_as_first, "order": "alternating rounds"},
+                metrics={"gate_direction": "none"}))
             derived[f"change_{r.preset}_T{r.n_tokens}_ctx{r.ctx}_{name}"] = Derived(
                 r.change(name), "ratio", f"median of {name}'s round medians / {first}'s - 1",
                 inputs=(sname, f"{r.preset}/T{r.n_tokens}/ctx{r.ctx}/{first}"))

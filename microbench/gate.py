@@ -211,8 +211,10 @@ def judge(base: Measurement, cand: Measurement, cfg: GateConfig = GateConfig(), 
     common = dict(key=cand.key, base_median=base.median, cand_median=cand.median, unit=cand.unit, n_base=nb, n_cand=nc)
     direction = cand.direction
     if direction == "none" or cand.static or base.static:
+        why = ("static value" if (cand.static or base.static) else f"unit {cand.unit!r} has no direction"
+               if direction_of(cand.unit) == "none" else "its result marks it not gated (gate_direction none)")
         return Verdict(**common, verdict="not gated", slowdown=None, noise=None, threshold=None, p_slower=None,
-                       reason="static value" if (cand.static or base.static) else f"unit {cand.unit!r} has no direction")
+                       reason=why)
     if base.unit != cand.unit:
         return Verdict(**common, verdict="unknown", slowdown=None, noise=None, threshold=None, p_slower=None,
                        reason=f"units differ ({base.unit!r} vs {cand.unit!r})")

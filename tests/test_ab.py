@@ -89,6 +89,12 @@ def test_a_whole_ab_on_the_emulation_checks_then_times_in_alternating_rounds(tmp
     assert ab.table(ab.from_result(back)) == md
     assert main(["ab-table", str(saved), "--out", str(tmp_path / "t.md")]) == 0
     assert (tmp_path / "t.md").read_text() == md + "\n"
+    # a variant's name is a different tree in every A/B: the timing gate lists the series, never judges them
+    from microbench.gate import judge, load_measurements
+
+    verdicts = [judge(m, m) for m in load_measurements(saved)]
+    assert len(verdicts) == 3 and {v.verdict for v in verdicts} == {"not gated"}
+    assert all("gate_direction none" in v.reason for v in verdicts)
 
 
 def test_ab_table_refuses_a_result_that_is_not_an_ab(tmp_path, capsys):
