@@ -22,6 +22,12 @@ difference of a few percent does not show the mechanism an edit was meant to exe
 layout placebo measures that floor in the same run: `pad1024:layout_pad=1024` (Plan.layout_pad)
 is the first variant with ~1 KB of never-run code ahead of the kernel's body, every later
 instruction moved, the same work and bits; a variant's change inside the placebos' is layout.
+An edit in the middle of the kernel also moves code against other code, which the pad does
+not: `gap512:layout_gap=512` (Plan.layout_gap) puts the never-run code in the middle of the ops'
+code (at expert GEMM 1's case of run_unit). Gaps of 256 B-2 KB moved shard8 T=16 by -0.40..+0.35%,
+T=1 by +0.11..+0.64%, small T=16 by +0.19..+1.06% (H200 2026-12-01 02:39Z): a code edit's
+change inside that range is not evidence of its mechanism; compare it with the same code with
+its work gated off at run time where one can build that.
 
 `build_variants` compiles every (preset, T, variant) into the kernel cache on a machine without a
 GPU (`MEGABENCH_CACHE`), so the GPU's minutes go to timing. Each point runs the build for its T

@@ -249,6 +249,10 @@ class Plan:
     # bytes of never-run code placed ahead of the kernel's body (megakernel.cu): a code-layout
     # placebo for A/Bs, the same work with every later instruction at another address
     layout_pad: int = 0
+    # bytes of never-run code inside the compute warps' op loop (program.cuh compute_loop): a
+    # placebo that moves the code after it against the code before it, as an edit in the middle
+    # of the kernel does (layout_pad moves all of it together)
+    layout_gap: int = 0
     # a fused expert unit: the down projection's unit j of a slot is the K-part of gate/up unit j
     # (its H1 columns of W2, all d_pool rows, in chunks of tiles["expert2"].rows rows), run by the
     # block that ran gate/up unit j (program.DEP_LOCAL), writing fp32 partials the MoE combine
@@ -430,7 +434,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               fill_ring: bool = False, norm_panel: int | None = None, profile_detail: bool = False,
               residual_unit_rows: int | None = None, tokens: int | None = None,
               expert1_rows: int | None = None, expert2_rows: int | None = None,
-              launch_waits: bool = False, layout_pad: int = 0, fused_experts: bool = False,
+              launch_waits: bool = False, layout_pad: int = 0, layout_gap: int = 0, fused_experts: bool = False,
               keep_max: int = KEEP_MAX, ring_max: int = RING_FILL_MAX) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
@@ -440,16 +444,16 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     for (default the config's max_tree; any step of up to max_tree tokens runs on it with the same
     bits: only the expert units follow it, expert1_unit_rows / expert2_unit_rows); expert1_rows /
     expert2_rows force those. layout_pad: a code-layout placebo (Plan.layout_pad), a multiple of 16
-    bytes up to 64 KB. keep_max: at most this many kept gate/up units (fused_experts; A/Bs, tests).
+    bytes up to 64 KB; layout_gap: the same inside compute_loop (Plan.layout_gap). keep_max: at most this many kept gate/up units (fused_experts; A/Bs, tests).
     ring_max: fill_ring stops at this many stages (A/Bs: ring depth against kept units)."""
     cfg.validate()
     if not (isinstance(ring_max, int) and 1 <= ring_max <= RING_FILL_MAX):
         raise ValueError(f"ring_max {ring_max!r}: want 1..{RING_FILL_MAX} ring stages")
     if not (isinstance(keep_max, int) and 0 <= keep_max <= KEEP_MAX):
         raise ValueError(f"keep_max {keep_max!r}: want 0..{KEEP_MAX} kept gate/up units")
-    if not (isinstance(layout_pad, int) and 0 <= layout_pad <= 65536 and layout_pad % 16 == 0):
-        raise ValueError(f"layout_pad {layout_pad!r}: want a multiple of 16 bytes from 0 to 65536 "
-                         "(one 16-byte instruction each)")
+    for name, v in (("layout_pad", layout_pad), ("layout_gap", layout_gap)):
+        if not (isinstance(v, int) and 0 <= v <= 65536 and v % 16 == 0):
+            raise ValueError(f"{name} {v!r}: want a multiple of 16 bytes from 0 to 65536 (one 16-byte instruction each)")
     c = cfg
     budget = ring_stage_bytes
     rr = residual_unit_rows or residual_rows(c, n_sm, budget)
@@ -482,7 +486,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              stream_evict_first=stream_evict_first, sentinel_route=sentinel_route,
              hot_prefetch_bytes=hot_prefetch_bytes, kv_prefetch=kv_prefetch, keys_per_split=keys_per_split,
              profile_detail=profile_detail, fp4_rotated=fp4_rotated, tiles=tiles, launch_waits=launch_waits,
-             layout_pad=layout_pad, fused_experts=fused_experts)
+             layout_pad=layout_pad, layout_gap=layout_gap, fused_experts=fused_experts)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -588,6 +592,7 @@ def render(plan: Plan) -> str:
         f"constexpr long long HOT_PREFETCH_BYTES = {int(plan.hot_prefetch_bytes)}ll;",
         f"constexpr bool KV_PREFETCH = {'true' if plan.kv_prefetch else 'false'};",
         f"constexpr int LAYOUT_PAD = {plan.layout_pad};  // never-run bytes ahead of the kernel's body",
+        f"constexpr int LAYOUT_GAP = {plan.layout_gap};  // never-run bytes inside compute_loop",
         f"constexpr bool FUSED_EXPERTS = {'true' if plan.fused_experts else 'false'};",
         f"constexpr int KEEP_UNITS = {plan.keep_units}, KEEP_BYTES = {plan.keep_bytes}, KEEP_MAX = {KEEP_MAX};  // fused: kept gate/up units",
         f"constexpr int MISC_BYTES = {plan.misc_bytes};  // mbarriers + MISC ints (Plan.misc_bytes)",

@@ -96,28 +96,31 @@ def test_preset_kernels_compile_for_sm90a_without_spills(name, tokens, built):
 
 def test_layout_pad_moves_the_code_and_keeps_the_bits(tiny):
     """Plan.layout_pad, an A/B's code-layout placebo: the same kernel with never-run instructions
-    ahead of its body, so every later instruction sits ~layout_pad bytes further on; the steps it
-    computes are bitwise the same. Sizes that are not whole instructions are refused."""
+    ahead of its body, so every later instruction sits ~layout_pad bytes further on; layout_gap
+    the same inside compute_loop. The steps are bitwise the same. Sizes that are not whole
+    instructions are refused."""
     from microbench.compiler import compile_cuda
 
     from megakernel.build import MB_INC
 
     cfg, w, base, plan = tiny
     size = {}
-    for pad in (0, 256):
-        p = make_plan(cfg, 132, layout_pad=pad)
-        assert f"constexpr int LAYOUT_PAD = {pad};" in render(p)
-        size[pad] = compile_cuda(source(p), name=f"megakernel-pad{pad}", include_dirs=[CSRC, MB_INC]).usage(
-            "mk_run").code_bytes
-    assert size[256] - size[0] >= 256, size
+    for pad, gap in ((0, 0), (256, 0), (0, 256)):
+        p = make_plan(cfg, 132, layout_pad=pad, layout_gap=gap)
+        assert f"constexpr int LAYOUT_PAD = {pad};" in render(p) and f"constexpr int LAYOUT_GAP = {gap};" in render(p)
+        size[pad, gap] = compile_cuda(source(p), name=f"megakernel-pad{pad}-gap{gap}",
+                                      include_dirs=[CSRC, MB_INC]).usage("mk_run").code_bytes
+    assert size[256, 0] - size[0, 0] >= 256 and size[0, 256] - size[0, 0] >= 256, size
     toks, par = _inputs(cfg, 5, 11)
     a = Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
-    padded = dataclasses.replace(plan, layout_pad=512)
+    padded = dataclasses.replace(plan, layout_pad=512, layout_gap=512)
     b = Engine(w, padded, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
     assert torch.equal(a.logits, b.logits) and torch.equal(a.tokens, b.tokens)
     for bad in (8, -16, 65552, 1.5):
         with pytest.raises(ValueError, match="layout_pad"):
             make_plan(cfg, 4, layout_pad=bad)
+        with pytest.raises(ValueError, match="layout_gap"):
+            make_plan(cfg, 4, layout_gap=bad)
 
 
 def test_attention_skipping_sub_blocks_past_a_split_keeps_the_bits(tiny, tmp_path):

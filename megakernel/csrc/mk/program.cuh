@@ -269,7 +269,18 @@ MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
     case OP_ROUTER: run_router(b, o.layer, u, what); break;
     case OP_POOL: run_pool(b, o.layer, u, what); break;
     case OP_TOPK: run_topk(b, o.layer, static_cast<uint32_t>(i * 16) + WHAT_SENTINEL); break;
-    case OP_EXPERT1: run_expert1(b, o.layer, u, what); break;
+    case OP_EXPERT1:
+      // LAYOUT_GAP (Plan.layout_gap), a placebo for A/Bs: never-run instructions (u is never
+      // negative) in the middle of the ops' code, moving the code nvcc lays out after them
+      // against the code before (megakernel.cu LAYOUT_PAD moves the whole body)
+      if constexpr (LAYOUT_GAP > 0) {
+        if (u < 0) {
+#pragma unroll
+          for (int k = 0; k < LAYOUT_GAP / 16; ++k) backoff(static_cast<unsigned>(k + 1));
+        }
+      }
+      run_expert1(b, o.layer, u, what);
+      break;
     case OP_EXPERT2: run_expert2(b, o.layer, u, what); break;
     case OP_MOE_COMBINE: run_moe_combine(b, u); break;
     case OP_UNPOOL: run_unpool(b, o.layer, u, what); break;
