@@ -249,9 +249,9 @@ class Plan:
     # bytes of never-run code placed ahead of the kernel's body (megakernel.cu): a code-layout
     # placebo for A/Bs, the same work with every later instruction at another address
     layout_pad: int = 0
-    # bytes of never-run code inside the compute warps' op loop (program.cuh compute_loop): a
-    # placebo that moves the code after it against the code before it, as an edit in the middle
-    # of the kernel does (layout_pad moves all of it together)
+    # bytes of never-run code in the middle of the ops' code (program.cuh run_unit, expert GEMM
+    # 1's case): a placebo that moves the code after it against the code before it, as an edit in
+    # the middle of the kernel does (layout_pad moves all of it together)
     layout_gap: int = 0
     # a fused expert unit: the down projection's unit j of a slot is the K-part of gate/up unit j
     # (its H1 columns of W2, all d_pool rows, in chunks of tiles["expert2"].rows rows), run by the
@@ -444,8 +444,9 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     for (default the config's max_tree; any step of up to max_tree tokens runs on it with the same
     bits: only the expert units follow it, expert1_unit_rows / expert2_unit_rows); expert1_rows /
     expert2_rows force those. layout_pad: a code-layout placebo (Plan.layout_pad), a multiple of 16
-    bytes up to 64 KB; layout_gap: the same inside compute_loop (Plan.layout_gap). keep_max: at most this many kept gate/up units (fused_experts; A/Bs, tests).
-    ring_max: fill_ring stops at this many stages (A/Bs: ring depth against kept units)."""
+    bytes up to 64 KB; layout_gap: the same in the middle of the ops' code (Plan.layout_gap).
+    keep_max: at most this many kept gate/up units (fused_experts; A/Bs, tests). ring_max:
+    fill_ring stops at this many stages (A/Bs: ring depth against kept units)."""
     cfg.validate()
     if not (isinstance(ring_max, int) and 1 <= ring_max <= RING_FILL_MAX):
         raise ValueError(f"ring_max {ring_max!r}: want 1..{RING_FILL_MAX} ring stages")
@@ -592,7 +593,7 @@ def render(plan: Plan) -> str:
         f"constexpr long long HOT_PREFETCH_BYTES = {int(plan.hot_prefetch_bytes)}ll;",
         f"constexpr bool KV_PREFETCH = {'true' if plan.kv_prefetch else 'false'};",
         f"constexpr int LAYOUT_PAD = {plan.layout_pad};  // never-run bytes ahead of the kernel's body",
-        f"constexpr int LAYOUT_GAP = {plan.layout_gap};  // never-run bytes inside compute_loop",
+        f"constexpr int LAYOUT_GAP = {plan.layout_gap};  // never-run bytes in the middle of the ops' code",
         f"constexpr bool FUSED_EXPERTS = {'true' if plan.fused_experts else 'false'};",
         f"constexpr int KEEP_UNITS = {plan.keep_units}, KEEP_BYTES = {plan.keep_bytes}, KEEP_MAX = {KEEP_MAX};  // fused: kept gate/up units",
         f"constexpr int MISC_BYTES = {plan.misc_bytes};  // mbarriers + MISC ints (Plan.misc_bytes)",

@@ -100,7 +100,7 @@ constexpr bool SENTINEL_ROUTE = false;
 constexpr long long HOT_PREFETCH_BYTES = 0ll;
 constexpr bool KV_PREFETCH = false;
 constexpr int LAYOUT_PAD = 0;  // never-run bytes ahead of the kernel's body
-constexpr int LAYOUT_GAP = 0;  // never-run bytes inside compute_loop
+constexpr int LAYOUT_GAP = 0;  // never-run bytes in the middle of the ops' code
 constexpr bool FUSED_EXPERTS = false;
 constexpr int KEEP_UNITS = 0, KEEP_BYTES = 0, KEEP_MAX = 16;  // fused: kept gate/up units
 constexpr int MISC_BYTES = 1136;  // mbarriers + MISC ints (Plan.misc_bytes)
