@@ -243,12 +243,6 @@ class Plan:
     # the loader pulls into L2 the cached KV rows its block's units of the layer's attention read,
     # as it enters the layer (program.cuh kv_prefetch)
     kv_prefetch: bool = False
-    # top-k's block runs top-k's code once on the probed words, every global store off, while it
-    # waits for the router: the real pass then finds the code in the instruction cache (topk.cuh)
-    topk_warm: bool = False
-    # the loader pulls into L2, as it enters the pooler, the chunks of its pool units the ring does
-    # not hold yet (program.cuh loader_loop): the pooler then streams them from L2
-    pool_l2: bool = False
     # the step's launches also wait for their dependencies on earlier launches (program.build drops
     # them: stream order, and PDL's griddepcontrol.wait, have them done); for the A/B only
     launch_waits: bool = False
@@ -441,8 +435,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               residual_unit_rows: int | None = None, tokens: int | None = None,
               expert1_rows: int | None = None, expert2_rows: int | None = None,
               launch_waits: bool = False, layout_pad: int = 0, layout_gap: int = 0, fused_experts: bool = False,
-              keep_max: int = KEEP_MAX, ring_max: int = RING_FILL_MAX, topk_warm: bool = False,
-              pool_l2: bool = False) -> Plan:
+              keep_max: int = KEEP_MAX, ring_max: int = RING_FILL_MAX) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -494,8 +487,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              stream_evict_first=stream_evict_first, sentinel_route=sentinel_route,
              hot_prefetch_bytes=hot_prefetch_bytes, kv_prefetch=kv_prefetch, keys_per_split=keys_per_split,
              profile_detail=profile_detail, fp4_rotated=fp4_rotated, tiles=tiles, launch_waits=launch_waits,
-             layout_pad=layout_pad, layout_gap=layout_gap, fused_experts=fused_experts,
-             topk_warm=bool(topk_warm), pool_l2=bool(pool_l2))
+             layout_pad=layout_pad, layout_gap=layout_gap, fused_experts=fused_experts)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -600,8 +592,6 @@ def render(plan: Plan) -> str:
         f"constexpr bool SENTINEL_ROUTE = {'true' if plan.sentinel_route else 'false'};",
         f"constexpr long long HOT_PREFETCH_BYTES = {int(plan.hot_prefetch_bytes)}ll;",
         f"constexpr bool KV_PREFETCH = {'true' if plan.kv_prefetch else 'false'};",
-        f"constexpr bool TOPK_WARM = {'true' if plan.topk_warm else 'false'};",
-        f"constexpr bool POOL_L2 = {'true' if plan.pool_l2 else 'false'};",
         f"constexpr int LAYOUT_PAD = {plan.layout_pad};  // never-run bytes ahead of the kernel's body",
         f"constexpr int LAYOUT_GAP = {plan.layout_gap};  // never-run bytes in the middle of the ops' code",
         f"constexpr bool FUSED_EXPERTS = {'true' if plan.fused_experts else 'false'};",

@@ -641,20 +641,6 @@ MK_DEV void hot_prefetch(const Blk& b, int layer) {
   }
 }
 
-// POOL_L2: as the loader enters the pooler (well before its operand exists: the ring is still
-// busy with oproj's and the router's chunks), pull into L2 every chunk of this block's pool units
-// but the first unit's first RING_STAGES, which the ring will take: the pooler, on about half
-// the grid and bound by the bytes each block has in flight, then streams them from L2. Lane 0.
-MK_DEV void pool_l2(const Blk& b, const Op& o, const UnitRange& r) {
-  constexpr int NCH = D / TILE_POOL_KC;
-  constexpr size_t CH = dense_tile_elems(TILE_POOL_ROWS, TILE_POOL_KC);
-  const uint16_t* w = b.p->layers[o.layer].pool;
-  for (int u = r.begin; u < r.end; u += r.step) {
-    const int skip = u == r.begin ? imin(RING_STAGES, NCH) : 0;
-    if (skip < NCH) prefetch_l2(w + (static_cast<size_t>(u) * NCH + skip) * CH, static_cast<unsigned>((NCH - skip) * CH * 2));
-  }
-}
-
 // The loader warp: streams, ahead of the compute warps by up to RING_STAGES chunks, the weight
 // chunks of exactly the units this block will run, in the same order. Weights never depend on
 // the previous op, so it runs ahead across op boundaries; only a routed expert's identity does,
@@ -690,7 +676,6 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
     // ab-ring-depth-20261201T0151Z-c5d3a16.md): against the same code never pacing, shard8 T=16
     // -0.42 / -1.20%, T=1 -0.49 / -1.07%, small T=16 -0.42 / -0.45%; against the build before,
     // T=1 -1.08 / -0.72%, the others within the layout placebo's range.
-    if (POOL_L2 && o.kind == OP_POOL && lane() == 0) pool_l2(b, o, r);
     const bool fresh = o.kind == OP_EXPERT1 && b.wait;
     for (int u = r.begin; u < r.end; u += r.step) {
       b.pace = fresh && u == r.begin ? c : ~0u;

@@ -28,9 +28,8 @@ MK_DEV float topk_logit(uint32_t k) { return u2f((k & 0x80000000u) ? (k & 0x7fff
 // the warp of tokens tt[] polls the words it keys (experts l + 32 i) with all loads in flight,
 // until none is empty, bounded like every wait (wait.cuh). Every word the router
 // wrote (tokens < T, all experts) is polled by exactly one lane, which resets it afterwards.
-// probe: one pass only, false (nothing reported) if a word is still empty (TOPK_WARM).
 MK_DEV bool topk_poll(const Blk& b, const int (&tt)[2], const bool (&ok)[2], uint32_t (&raw)[2][TOPK_PER_LANE],
-                      uint32_t what, bool probe = false) {
+                      uint32_t what) {
   constexpr uint32_t EMPTY = mb::sentinel::F32_FILL_WORD;
   const float* lg = b.p->router_logits;
   uint64_t t0 = 0;
@@ -50,7 +49,6 @@ MK_DEV bool topk_poll(const Blk& b, const int (&tt)[2], const bool (&ok)[2], uin
         if (raw[h][i] == EMPTY) all = false, still = a;
       }
     if (all) return true;
-    if (probe) return false;
     if (it == 0) t0 = now_ns();
     backoff(POLL_BACKOFF_NS);
     if ((it & 63u) == 63u) {
@@ -80,21 +78,6 @@ MK_DEV void run_topk(Blk& b, int layer, uint32_t what) {
   int* before = sel_s + T_MAX * TOPK;      // [E / 32] slots of the experts in earlier bitmap words
   int* bitmap = before + (E + 31) / 32;    // [E / 32] experts selected by any token
   int* tokmask = bitmap + (E + 31) / 32;   // [E] bit t: token t selected the expert
-  static_assert(T_MAX <= 2 * WARPS, "two tokens per warp");
-  const int tt[2] = {warp(), warp() + WARPS};
-  const bool ok[2] = {tt[0] < b.T, tt[1] < b.T};
-  uint32_t raw[2][TOPK_PER_LANE] = {};  // SENTINEL_ROUTE: this lane's polled logits (topk_poll)
-  // TOPK_WARM: top-k's code is fetched cold once per layer on a block that then waits for the
-  // router. Where the logits are not all in yet (one probe by every lane), a dry pass runs the same code on
-  // whatever the probe read, with every global store off, before the real poll: the wait then
-  // pays the instruction fetch. One copy of the code (the pass loop is not unrolled; `live` is a
-  // predicate). Where they are in (chain mode, a late block) the real pass runs alone.
-  bool have = false;
-  if constexpr (SENTINEL_ROUTE && TOPK_WARM) have = !sync_compute_or(!topk_poll(b, tt, ok, raw, what, true));
-MK_COLD_LOOP
-  for (int pass = SENTINEL_ROUTE && TOPK_WARM && !have ? 0 : 1; pass < 2; ++pass) {
-  const bool live = pass == 1;
-  if (pass == 1 && SENTINEL_ROUTE && TOPK_WARM && !have) sync_compute();  // the dry pass's readers are done
   if (tid() < (E + 31) / 32) bitmap[tid()] = 0;
 MK_COLD_LOOP
   for (int e = tid(); e < E; e += COMPUTE_THREADS) tokmask[e] = 0;
@@ -104,9 +87,13 @@ MK_COLD_LOOP
   // lanes holding it, the lowest expert (redux min). The rank loop is not unrolled: top-k runs
   // once per layer on one block from a cold instruction cache, so its code size is its cost
   // (unrolled over the ranks it was 27 KB of SASS and ~12 us of a shard8 layer).
+  static_assert(T_MAX <= 2 * WARPS, "two tokens per warp");
+  const int tt[2] = {warp(), warp() + WARPS};
+  const bool ok[2] = {tt[0] < b.T, tt[1] < b.T};
   int mysel[2] = {0, 0};
   float myv[2] = {0.f, 0.f};
-  if (SENTINEL_ROUTE && live && !have) {
+  uint32_t raw[2][TOPK_PER_LANE] = {};  // SENTINEL_ROUTE: this lane's polled logits (topk_poll)
+  if constexpr (SENTINEL_ROUTE) {
     if (!topk_poll(b, tt, ok, raw, what)) b.failed = true;  // garbage from here; the step is reported
     if constexpr (PROFILE) {  // the poll is this op's wait for the router, not its work (program.cuh)
       syncwarp();  // warp 0 has polled every expert of tokens 0 and 8: each router unit wrote them
@@ -164,7 +151,7 @@ MK_COLD_LOOP
       }
     }
   }
-  if (SENTINEL_ROUTE && live) {  // empty again for the next layer (this lane's words: read above)
+  if constexpr (SENTINEL_ROUTE) {  // empty again for the next layer (this lane's words: read above)
     // Ordered before the next router's stores: they come after this op's counter release and the
     // layer's dependency chain (or after a launch boundary). Danger: a reset that lands after them
     // would erase fresh logits, and the next top-k would wait until the watchdog trips.
@@ -190,10 +177,8 @@ MK_COLD_LOOP
 #pragma unroll
     for (int r = 0; r < TOPK; ++r) sum += shfl_f(ev, r);
     if (lane() < TOPK) {
-      if (live) {
-        p.route_sel[t * TOPK + lane()] = sel;
-        p.route_w[t * TOPK + lane()] = ev / sum;
-      }
+      p.route_sel[t * TOPK + lane()] = sel;
+      p.route_w[t * TOPK + lane()] = ev / sum;
       sel_s[t * TOPK + lane()] = sel;
     }
   }
@@ -217,10 +202,10 @@ MK_COLD_LOOP
       before[i] = acc;
       acc += popc(static_cast<uint32_t>(bitmap[i]));
       // the next step's loaders bet that this layer routes the same way (program.cuh hot_prefetch)
-      if (HOT_PREFETCH_BYTES > 0 && live)
+      if (HOT_PREFETCH_BYTES > 0)
         st_relaxed(p.hot_experts + layer * ((E + 31) / 32) + i, static_cast<uint32_t>(bitmap[i]));
     }
-    if (live) *p.n_slots = acc;
+    *p.n_slots = acc;
     b.misc[MISC_NSLOTS] = acc;  // published in top-k's counter (program.cuh signal_op_end)
   }
   sync_compute();
@@ -230,7 +215,7 @@ MK_COLD_LOOP
 MK_COLD_LOOP
   for (int e = tid(); e < E; e += COMPUTE_THREADS) {
     const uint32_t m = static_cast<uint32_t>(tokmask[e]);
-    if (!m || !live) continue;
+    if (!m) continue;
     const int s = slot_of(e);
     p.slot_expert[s] = e;
     p.slot_ntok[s] = popc(m);
@@ -239,13 +224,10 @@ MK_COLD_LOOP
   for (int i = tid(); i < n; i += COMPUTE_THREADS) {
     const int e = sel_s[i], t = i / TOPK, s = slot_of(e);
     const int pos = popc(static_cast<uint32_t>(tokmask[e]) & ((1u << t) - 1u));
-    if (live) {
-      p.slot_tok[s * 16 + pos] = t;
-      p.route_slot[i] = s;
-      p.route_pos[i] = pos;
-    }
+    p.slot_tok[s * 16 + pos] = t;
+    p.route_slot[i] = s;
+    p.route_pos[i] = pos;
   }
-  }  // pass
 }
 
 }  // namespace mk
