@@ -61,6 +61,17 @@ MK_DEV bool topk_poll(const Blk& b, const int (&tt)[2], const bool (&ok)[2], uin
     }
   }
 }
+// The logit of expert e from the lanes' polled words (warp-wide: every lane takes part).
+MK_DEV float topk_polled(const uint32_t (&raw)[TOPK_PER_LANE], int e) {
+  float v = 0.f;
+#pragma unroll
+  for (int i = 0; i < TOPK_PER_LANE; ++i) {
+    const float x = shfl_f(u2f(raw[i]), e & 31);
+    if (i == (e >> 5)) v = x;
+  }
+  return v;
+}
+
 MK_DEV void run_topk(Blk& b, int layer, uint32_t what) {
   const Params& p = *b.p;
   int* sel_s = b.misc + MISC_SCRATCH;      // [T_MAX * TOPK] selected expert of (t, rank)
@@ -95,26 +106,13 @@ MK_COLD_LOOP
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       if (ok[h] && lane() < TOPK) mysel[h] = p.route_override[(layer * T_MAX + tt[h]) * TOPK + lane()];
-    if constexpr (SENTINEL_ROUTE) {
-      // Lane r < TOPK takes its selection's logit by index from the warp's polled words, put in
-      // abuf (free during top-k: every unit before ended at a barrier): selecting it from the
-      // lanes by shuffles was 8 per token and 2.7 KB of SASS, fetched cold.
-      static_assert(WARPS * 2 * E * 4 <= ABUF_BYTES, "top-k: each warp's polled words fit abuf");
-      uint32_t* lw = reinterpret_cast<uint32_t*>(b.abuf) + warp() * 2 * E;
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int i = 0; i < TOPK_PER_LANE; ++i)
-          if (lane() + 32 * i < E) lw[h * E + lane() + 32 * i] = raw[h][i];
-      syncwarp();
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        if (ok[h] && lane() < TOPK) myv[h] = u2f(lw[h * E + mysel[h]]);
-      if (tid() == 0) b.misc[MISC_TAG] = -1;  // abuf holds no operand now
-    } else {
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (SENTINEL_ROUTE) {
+        if (ok[h]) myv[h] = topk_polled(raw[h], mysel[h]);  // ok[h] is the same on every lane
+      } else {
         if (ok[h] && lane() < TOPK) myv[h] = ldg_cgf(p.router_logits + tt[h] * E + mysel[h]);
+      }
     }
   } else {
     uint32_t key[2][TOPK_PER_LANE];
@@ -157,12 +155,12 @@ MK_COLD_LOOP
     // Ordered before the next router's stores: they come after this op's counter release and the
     // layer's dependency chain (or after a launch boundary). Danger: a reset that lands after them
     // would erase fresh logits, and the next top-k would wait until the watchdog trips.
-    // rolled, like the softmax below (stores only, nothing to wait for)
-MK_COLD_LOOP
-    for (int j = 0; j < 2 * TOPK_PER_LANE; ++j) {
-      const int h = j / TOPK_PER_LANE, e = lane() + 32 * (j % TOPK_PER_LANE);
-      if ((h ? ok[1] : ok[0]) && e < E) st_relaxed(p.router_logits + (h ? tt[1] : tt[0]) * E + e, mb::sentinel::F32_FILL_WORD);
-    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < TOPK_PER_LANE; ++i)
+        if (ok[h] && lane() + 32 * i < E)
+          st_relaxed(p.router_logits + tt[h] * E + lane() + 32 * i, mb::sentinel::F32_FILL_WORD);
   }
   // softmax over the selected logits, summed in rank order (one copy of the code for both tokens:
   // selects, not indexing, so the arrays stay in registers)
@@ -171,13 +169,12 @@ MK_COLD_LOOP
     const int t = h ? tt[1] : tt[0], sel = h ? mysel[1] : mysel[0];
     const float v = h ? myv[1] : myv[0];
     if (t >= b.T) break;
-    // rolled (same order, same bits): top-k's code is fetched cold once per layer
     float mx = neg_inf();
-MK_COLD_LOOP
+#pragma unroll
     for (int r = 0; r < TOPK; ++r) mx = fmax_(mx, shfl_f(v, r));
     const float ev = fexp(v - mx);
     float sum = 0.f;
-MK_COLD_LOOP
+#pragma unroll
     for (int r = 0; r < TOPK; ++r) sum += shfl_f(ev, r);
     if (lane() < TOPK) {
       p.route_sel[t * TOPK + lane()] = sel;
