@@ -334,6 +334,17 @@ def detail_by_op(df) -> dict[tuple[str, str], float]:
     return {k: float(v) * 1e-9 for k, v in per_block.groupby(level=["phase", "op"]).median().items()}
 
 
+def topk_steps(df) -> dict[int, float]:
+    """{step: seconds}: the median over layers of each of top-k's steps after its poll
+    (profile_events.TOPK_STEPS; one block, once per layer), from a detail build's topk_step spans.
+    `df`: Timeline.spans_df()."""
+    m = _detail_spans(df)
+    if m.empty:
+        return {}
+    m = m[m["phase"] == "topk_step"]
+    return {int(a): float(g["dur_ns"].median()) * 1e-9 for a, g in m.groupby("arg")}
+
+
 # the segments of a unit boundary (unit_boundaries), in order
 BOUNDARY_SEGMENTS = {
     "close": "the closing barrier of the unit before and thread 0's signal bookkeeping (unit_close)",
@@ -566,6 +577,10 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
                                                    "median over blocks of total wait_* time / profiled step span")
     for (ph, op), v in sorted(detail_by_op(df).items()):
         derived[f"{ph}_{op}_s"] = Derived(v, "s", f"median over blocks of the step's total {ph} time inside {op} units")
+    from .profile_events import TOPK_STEPS
+
+    for a, v in topk_steps(df).items():
+        derived[f"topk_step{a}_s"] = Derived(v, "s", f"median over layers of top-k's step {a}: {TOPK_STEPS[a]}")
     for (sg, op), v in unit_boundaries(df).items():
         derived[f"boundary_{sg}_{op}_s"] = Derived(
             v, "s", f"median over the step's inner {op} unit boundaries (a block's second and later units of an op) "

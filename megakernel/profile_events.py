@@ -16,6 +16,7 @@ names its layer too. With Plan.profile_detail, thread 0 also stamps inside the u
               op's first unit on the block (that opening is the op's wait phase), nor for a unit
               that does not open (program.cuh unit_opens: nothing to wait for)
   unit_close  the barrier that ends a unit and thread 0's signal bookkeeping after it
+  topk_step   top-k's steps after its poll (arg: 0 selections, 1 reset + softmax, 2 slots)
 which the host assigns to the <op> phase around them (pipeline.detail_by_op). Without detail
 stamps, thread 0 only saves each op's instants and the compute warps write the op records
 together later (program.cuh prof_flush): same records, off the critical path. The rendered
@@ -48,7 +49,13 @@ EVENTS.phase("unit_open", "a unit's dependency wait on thread 0 and the barrier 
                           "block's second unit of an op on (the first's is the op's wait phase) and only where "
                           "the unit opens (program.cuh unit_opens; arg = unit)")
 EVENTS.phase("unit_close", "the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)")
-DETAIL_PHASES = ("stage", "ring_wait", "attn_load", "publish", "fp4_tail", "epilogue", "unit_open", "unit_close")
+EVENTS.phase("topk_step", "top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the "
+                         "softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot "
+                         "records); thread 0's view, which runs tokens 0 and 8")
+TOPK_STEPS = ("the selections", "the logits' reset and the softmax, to the barrier after",
+              "the slots: expert bitmap, prefix, slot records")  # topk_step's arg
+DETAIL_PHASES = ("stage", "ring_wait", "attn_load", "publish", "fp4_tail", "epilogue", "unit_open", "unit_close",
+                 "topk_step")
 
 
 def render_op_tables() -> str:

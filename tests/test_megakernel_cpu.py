@@ -1082,8 +1082,8 @@ def test_a_dynamic_ops_routing_wait_is_part_of_its_wait_phase(tiny):
 
 def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
     """profile_detail: the profiler also stamps each staging pass and each ring wait inside the
-    units, and each unit's opening and closing; the host assigns them to the op phase around them
-    and splits the unit boundaries. The outputs keep their bits."""
+    units, each unit's opening and closing, and top-k's steps; the host assigns them to the op
+    phase around them and splits the unit boundaries. The outputs keep their bits."""
     from megakernel.pipeline import BOUNDARY_SEGMENTS, detail_by_op, unit_boundaries
 
     cfg, w, base, _ = tiny
@@ -1133,6 +1133,17 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
             if op in group_ops or (op in tiles and u // tiles[op] != prev // tiles[op]):
                 want.add((launch, block, op, u))
     assert got == want and any(op in ("expert1", "expert2") for *_, op, _ in want)
+    # top-k's three steps, once per layer, in order, back to back inside its op phase
+    steps = m[m.phase == "topk_step"]
+    assert set(steps["op"]) == {"topk"} and len(steps) == 3 * cfg.n_layers
+    for _, g in steps.groupby(["launch", "block"]):
+        assert list(g["arg"]) == [0, 1, 2] * (len(g) // 3)
+        assert (g["end_ns"].to_numpy()[:-1] <= g["begin_ns"].to_numpy()[1:]).all()
+    from megakernel.pipeline import topk_steps
+
+    ts = topk_steps(df)
+    assert sorted(ts) == [0, 1, 2] and all(v >= 0 for v in ts.values())
+    assert ts[1] == float(steps[steps.arg == 1]["dur_ns"].median()) * 1e-9
     # the unit boundaries split from them: an inner boundary has its closing and either the
     # segments up to its opening or, not opening, the direct one; ops that stage or stream weights
     # the segment after the opening

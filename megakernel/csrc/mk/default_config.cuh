@@ -267,7 +267,9 @@ constexpr int FP4_SWIZZLE_MAX = 8;
 #define MK_EV_UNIT_OPEN_END           72u  // end of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase) and only where the unit opens (program.cuh unit_opens; arg = unit)
 #define MK_EV_UNIT_CLOSE_BEGIN        73u  // begin of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
 #define MK_EV_UNIT_CLOSE_END          74u  // end of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
-#define MK_EV_COUNT                   74u
+#define MK_EV_TOPK_STEP_BEGIN         75u  // begin of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
+#define MK_EV_TOPK_STEP_END           76u  // end of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
+#define MK_EV_COUNT                   76u
 
 static_assert(MK_EV_COUNT <= 0xFFFFu, "profiler event ids are 16 bits");
 static_assert(MK_EV_WAIT_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 0 && MK_EV_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 2 && MK_EV_EMBED_END == MK_EV_EMBED_BEGIN + 1, "profiler ids of embed");

@@ -102,6 +102,7 @@ MK_COLD_LOOP
       detail_stamp(b, MK_EV_TOPK_BEGIN, what >> 4);
     }
   }
+  detail_stamp(b, MK_EV_TOPK_STEP_BEGIN, 0);  // detail builds: where top-k's time goes
   if (p.route_override) {  // forced routing: only the selected logits are read
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -151,6 +152,8 @@ MK_COLD_LOOP
       }
     }
   }
+  detail_stamp(b, MK_EV_TOPK_STEP_END, 0);
+  detail_stamp(b, MK_EV_TOPK_STEP_BEGIN, 1);
   if constexpr (SENTINEL_ROUTE) {  // empty again for the next layer (this lane's words: read above)
     // Ordered before the next router's stores: they come after this op's counter release and the
     // layer's dependency chain (or after a launch boundary). Danger: a reset that lands after them
@@ -183,6 +186,8 @@ MK_COLD_LOOP
     }
   }
   sync_compute();
+  detail_stamp(b, MK_EV_TOPK_STEP_END, 1);
+  detail_stamp(b, MK_EV_TOPK_STEP_BEGIN, 2);
   // Distinct experts in ascending order become slots; an entry (t, r) goes to row "number of
   // earlier tokens routed to the same expert" of its slot (a token never repeats an expert).
   // Both from bit sets (order-independent ORs, so the result is the same however threads run):
@@ -228,6 +233,7 @@ MK_COLD_LOOP
     p.route_slot[i] = s;
     p.route_pos[i] = pos;
   }
+  detail_stamp(b, MK_EV_TOPK_STEP_END, 2);
 }
 
 }  // namespace mk
