@@ -27,7 +27,10 @@ not: `gap512:layout_gap=512` (Plan.layout_gap) puts the never-run code in the mi
 code (at expert GEMM 1's case of run_unit). Gaps of 256 B-2 KB moved shard8 T=16 by -0.40..+0.35%,
 T=1 by +0.11..+0.64%, small T=16 by +0.19..+1.06% (H200 2026-12-01 02:39Z): a code edit's
 change inside that range is not evidence of its mechanism; compare it with the same code with
-its work gated off at run time where one can build that.
+its work gated off at run time where one can build that. Where the variants include layout
+placebos of the first (`is_placebo`: the same tree and switches but for `layout_pad` /
+`layout_gap`), the table says for every other variant whether its change lies beyond the range
+the first and its placebos span, widened by the rounds' spread (`PointResult.verdict`).
 
 `build_variants` compiles every (preset, T, variant) into the kernel cache on a machine without a
 GPU (`MEGABENCH_CACHE`), so the GPU's minutes go to timing. Each point runs the build for its T
@@ -116,6 +119,26 @@ class Checked:
     same_as_first: bool
 
 
+# Plan switches that move code and change nothing else (Plan.layout_pad, Plan.layout_gap)
+PLACEBO_SWITCHES = ("layout_pad", "layout_gap")
+
+
+def is_placebo(v: Variant, first: Variant) -> bool:
+    """`v` is a layout placebo of `first`: the same source tree and switches but for a layout
+    switch (PLACEBO_SWITCHES) that differs."""
+    return _placebo_of((tree_id(v.csrc), v.switch_dict), (tree_id(first.csrc), first.switch_dict))
+
+
+def _placebo_of(v: tuple[str, dict], first: tuple[str, dict]) -> bool:
+    """is_placebo on (tree, switches) pairs, as a saved A/B's params hold them."""
+    def split(sw: dict) -> tuple[dict, dict]:
+        return ({k: x for k, x in sw.items() if k not in PLACEBO_SWITCHES},
+                {k: x for k, x in sw.items() if k in PLACEBO_SWITCHES and x})
+
+    (rv, lv), (rf, lf) = split(v[1]), split(first[1])
+    return v[0] == first[0] and rv == rf and lv != lf
+
+
 @dataclasses.dataclass
 class PointResult:
     preset: str
@@ -124,6 +147,7 @@ class PointResult:
     checks: dict[str, Checked]
     rounds: dict[str, list[float]]  # seconds per step, one median per round
     bound: tuple[float, str] | None = None  # the point's roofline: (seconds per step, its source)
+    placebos: tuple[str, ...] = ()  # variants that are layout placebos of the first (is_placebo)
 
     def median(self, name: str) -> float:
         return statistics.median(self.rounds[name])
@@ -132,6 +156,35 @@ class PointResult:
         """Relative change of `name` against the first variant (negative: faster)."""
         first = next(iter(self.rounds))
         return self.median(name) / self.median(first) - 1.0
+
+    def layout_range(self) -> tuple[float, float] | None:
+        """The changes the layout alone gave in this run: min and max over the first variant (0)
+        and its placebos; None without placebos."""
+        if not self.placebos:
+            return None
+        xs = [0.0] + [self.change(n) for n in self.placebos]
+        return min(xs), max(xs)
+
+    def spread(self, name: str) -> float:
+        """(max - min) / median of `name`'s round medians."""
+        xs = self.rounds[name]
+        return (max(xs) - min(xs)) / self.median(name)
+
+    def verdict(self, name: str) -> str:
+        """`name`'s change against the layout range (layout_range) widened by the rounds' spread
+        (the larger of `name`'s and the first variant's): inside it the change is not evidence of
+        what the variant was meant to do (module docstring)."""
+        first = next(iter(self.rounds))
+        if name == first:
+            return "reference"
+        if name in self.placebos:
+            return "placebo"
+        lo, hi = self.layout_range()
+        c, noise = self.change(name), max(self.spread(name), self.spread(first))
+        where = f"layout {100 * lo:+.2f}..{100 * hi:+.2f}%, rounds {100 * noise:.2f}%"
+        if c < lo - noise:
+            return f"faster beyond ({where})"
+        return f"slower beyond ({where})" if c > hi + noise else f"inside ({where})"
 
 
 def _plan(preset: str, v: Variant, n_sm: int | None, n_tokens: int):
@@ -238,7 +291,8 @@ def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], 
         for r in range(rounds):
             for v in (variants if r % 2 == 0 else list(reversed(variants))):
                 times[v.name].append(time_one(v.name, engines[v.name]))
-        res = PointResult(preset, t, ctx, checks, times, bound_of(preset, t, ctx) if bound_of else None)
+        res = PointResult(preset, t, ctx, checks, times, bound_of(preset, t, ctx) if bound_of else None,
+                          tuple(v.name for v in variants[1:] if is_placebo(v, variants[0])))
         for v in variants:
             log(f"{preset} T={t} ctx={ctx} {v.name:10s} {res.median(v.name) * 1e3:.3f} ms "
                 f"{100 * res.change(v.name):+.2f}%  rounds {[round(x * 1e3, 3) for x in times[v.name]]}")
@@ -247,18 +301,19 @@ def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], 
 
 
 def table(results: Sequence[PointResult]) -> str:
-    """Markdown: one row per (point, variant)."""
+    """Markdown: one row per (point, variant); a verdict column where some point has placebos."""
     import pandas as pd
 
     rows = []
     for r in results:
         for name, ck in r.checks.items():
-            xs = r.rounds[name]
             rows.append({"point": f"{r.preset} T={r.n_tokens} ctx={r.ctx}", "variant": name,
                          "step (median of rounds)": f"{r.median(name) * 1e3:.3f} ms",
                          "change": f"{100 * r.change(name):+.2f}%",
-                         "rounds spread": f"{100 * (max(xs) - min(xs)) / r.median(name):.2f}%",
+                         "rounds spread": f"{100 * r.spread(name):.2f}%",
                          "rel err": f"{ck.rel_err:.2e}", "same bits as first": ck.same_as_first})
+            if any(x.placebos for x in results):  # the column only where some point has placebos
+                rows[-1]["vs layout placebos"] = r.verdict(name) if r.placebos else "-"
     return pd.DataFrame(rows).to_markdown(index=False)
 
 
@@ -320,17 +375,23 @@ def from_result(res) -> list[PointResult]:
     if res.benchmark != AB_BENCHMARK:
         raise ResultsFileError(f"{res.benchmark}: not an A/B result ({AB_BENCHMARK})")
     points: dict[tuple, PointResult] = {}
+    firsts: dict[tuple, tuple] = {}
     for s in res.series:
         p = s.params
         try:
             key = (str(p["preset"]), int(p["T"]), int(p["ctx"]))
             ck = Checked(float(p["rel_err"]), bool(p["same_bits_as_first"]))
             name = str(p["variant"])
+            ident = (p.get("tree"), dict(p.get("switches") or {}))
         except (KeyError, TypeError, ValueError) as e:
             raise ResultsFileError(f"A/B series {s.name}: malformed params ({e})") from None
         pr = points.setdefault(key, PointResult(*key, {}, {}, None))
+        first = firsts.setdefault(key, ident)
+        if pr.rounds and ident[0] is not None and _placebo_of(ident, first):
+            pr.placebos += (name,)
         pr.checks[name] = ck
         pr.rounds[name] = list(s.samples)
         if s.bound is not None and pr.bound is None:
             pr.bound = (s.bound.value, s.bound.source)
     return list(points.values())
+

@@ -154,3 +154,36 @@ def test_ncu_commands_put_only_the_target_launches_inside_the_profiler_range(mon
     cli._launches_profiled(Eng(), launches, {1, 3}, 16, 2048, lambda li, first, n, grid: f"launch {li} op {first}")
     assert calls == [0, "start", 1, "stop", 2, "start", 3, "stop", 4]
     assert capsys.readouterr().out.split("\n")[:2] == ["launch 1 op 10", "launch 3 op 30"]
+
+
+def test_layout_placebos_give_each_variant_a_verdict_that_survives_saving(tmp_path):
+    """A variant that differs from the first only by a layout switch is its placebo; every other
+    variant's change is judged against the range the first (0) and its placebos span, widened by
+    the rounds' spread. The saved result gives the same placebos and table."""
+    from microbench.results import Env
+
+    base = ab.Variant("main")
+    vs = [base, ab.Variant("gap", None, (("layout_gap", 512),)), ab.Variant("pad", None, (("layout_pad", 1024),)),
+          ab.Variant("fast", None, (("keys_per_split", 16),)), ab.Variant("near", None, (("kv_prefetch", True),)),
+          ab.Variant("slow", None, (("keys_per_split", 64),)),
+          ab.Variant("gapfast", None, (("keys_per_split", 16), ("layout_gap", 512)))]
+    assert [v.name for v in vs if ab.is_placebo(v, base)] == ["gap", "pad"]
+    assert not ab.is_placebo(base, base) and not ab.is_placebo(ab.Variant("z", None, (("layout_gap", 0),)), base)
+    ms = {"main": 1.000, "gap": 1.004, "pad": 0.998, "fast": 0.990, "near": 1.005, "slow": 1.020, "gapfast": 0.99}
+    rounds = {n: [m * 1e-3, m * 1.0005e-3, m * 0.9995e-3] for n, m in ms.items()}  # 0.1% spread
+    r = ab.PointResult("tiny", 8, 40, {n: ab.Checked(1e-3, True) for n in ms}, rounds, None,
+                       tuple(v.name for v in vs[1:] if ab.is_placebo(v, base)))
+    assert r.layout_range() == pytest.approx((-0.002, 0.004))
+    assert r.verdict("main") == "reference" and r.verdict("gap") == "placebo"
+    assert r.verdict("fast").startswith("faster beyond (layout -0.20..+0.40%, rounds 0.10%)")
+    assert r.verdict("near").startswith("inside")  # +0.5%: within +0.4% + 0.1%
+    assert r.verdict("slow").startswith("slower beyond")
+    md = ab.table([r])
+    assert "| vs layout placebos" in md and "faster beyond" in md
+    env = Env(None, None, None, None, None, None, None, None, "13.0", "1.2.0", "2.13", "3.11", "abc1234", False,
+              "host", "2026-12-01T00:00:00Z")
+    back = ab.from_result(load(ab.to_result([r], vs, env=env, timer="host").save(tmp_path)))
+    assert back[0].placebos == ("gap", "pad") and ab.table(back) == md
+    # without placebos there is no verdict column
+    plain = ab.PointResult("tiny", 8, 40, {"main": r.checks["main"]}, {"main": rounds["main"]})
+    assert "placebos" not in ab.table([plain]) and plain.layout_range() is None
