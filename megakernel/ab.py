@@ -394,4 +394,3 @@ def from_result(res) -> list[PointResult]:
         if s.bound is not None and pr.bound is None:
             pr.bound = (s.bound.value, s.bound.source)
     return list(points.values())
-

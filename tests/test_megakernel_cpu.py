@@ -1133,7 +1133,7 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
             if op in group_ops or (op in tiles and u // tiles[op] != prev // tiles[op]):
                 want.add((launch, block, op, u))
     assert got == want and any(op in ("expert1", "expert2") for *_, op, _ in want)
-    # top-k's three steps, once per layer, in order, back to back inside its op phase
+    # top-k's three steps, once per layer, in order, not overlapping, inside its op phase
     steps = m[m.phase == "topk_step"]
     assert set(steps["op"]) == {"topk"} and len(steps) == 3 * cfg.n_layers
     for _, g in steps.groupby(["launch", "block"]):
