@@ -304,7 +304,7 @@ def table(results: Sequence[PointResult]) -> str:
     """Markdown: one row per (point, variant); a verdict column where some point has placebos."""
     import pandas as pd
 
-    rows = []
+    rows, verdicts = [], any(x.placebos for x in results)  # the column only where some point has placebos
     for r in results:
         for name, ck in r.checks.items():
             rows.append({"point": f"{r.preset} T={r.n_tokens} ctx={r.ctx}", "variant": name,
@@ -312,7 +312,7 @@ def table(results: Sequence[PointResult]) -> str:
                          "change": f"{100 * r.change(name):+.2f}%",
                          "rounds spread": f"{100 * r.spread(name):.2f}%",
                          "rel err": f"{ck.rel_err:.2e}", "same bits as first": ck.same_as_first})
-            if any(x.placebos for x in results):  # the column only where some point has placebos
+            if verdicts:
                 rows[-1]["vs layout placebos"] = r.verdict(name) if r.placebos else "-"
     return pd.DataFrame(rows).to_markdown(index=False)
 

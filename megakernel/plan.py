@@ -21,7 +21,8 @@ WARPS = 8  # compute warps per block (one mma m16 row tile of tokens each)
 LOADER_WARPS = 1  # the weight-streaming warp (ring producer)
 THREADS = 32 * (WARPS + LOADER_WARPS)
 ROW_PAD = 16  # bytes of padding per staged row: spreads rows over banks for the fragment loads
-PROF_OPS = 16  # block.cuh: the profiler's deferred op-stamp slots (in MISC)
+PROF_OPS = 16  # block.cuh: the profiler's deferred op-stamp slots (in MISC; rendered)
+MISC_SCRATCH = 58  # block.cuh: the first MISC int of top-k's scratch, past the fixed slots (rendered)
 # Expert units: fewer, larger units pay the per-unit overhead (barriers, epilogue, signal) less
 # often; the tail (a block's last unit) grows. shard8 T=16 step, H200 2026-11-29: gate/up 64 -> 128
 # rows -2.4%, down 128 -> 256 rows -1.5%, each alone (both: 10.92 ms from 11.34); down 64 rows +2.4%.
@@ -367,9 +368,9 @@ class Plan:
         """The ring's mbarriers and block.cuh's MISC ints (top-k scratch, profiler slots, kept-unit
         tags), as block.cuh lays them out, in 16-byte units. Sized exactly (a fixed 4 KB left
         shard8 T=16 1.3 KB short of a 4th ring stage); block.cuh's static_assert fails the build
-        if this falls short of its layout."""
+        if this differs from its layout."""
         c = self.cfg
-        rtag = 58 + c.max_tree * c.top_k + 2 * ((c.n_experts + 31) // 32) + c.n_experts  # MISC_RTAG
+        rtag = MISC_SCRATCH + c.max_tree * c.top_k + 2 * ((c.n_experts + 31) // 32) + c.n_experts  # MISC_RTAG
         pslot = (rtag + 1 + 16 + 1) & ~1  # MISC_PSLOT: past RTAG and RNORM[16], 8-byte aligned
         ints = pslot + 8 * PROF_OPS + 2 + 2 + KEEP_MAX  # PSLOT, PWIN, PWAIT, KEEP
         return -(-((2 * self.ring_stages + 1) * 8 + 4 * ints) // 16) * 16
@@ -597,6 +598,7 @@ def render(plan: Plan) -> str:
         f"constexpr bool FUSED_EXPERTS = {'true' if plan.fused_experts else 'false'};",
         f"constexpr int KEEP_UNITS = {plan.keep_units}, KEEP_BYTES = {plan.keep_bytes}, KEEP_MAX = {KEEP_MAX};  // fused: kept gate/up units",
         f"constexpr int MISC_BYTES = {plan.misc_bytes};  // mbarriers + MISC ints (Plan.misc_bytes)",
+        f"constexpr int PROF_OPS = {PROF_OPS}, MISC_SCRATCH = {MISC_SCRATCH};  // block.cuh's MISC layout",
         f"constexpr unsigned long long GLOBAL_MASK = {sum(1 << g for g in c.global_layers)}ull;  // bit l: layer l is global",
         f"constexpr int PARTS = {plan.attn_parts};  // attention partials per kv head (MAX_SPLITS x WARPS / G)",
         "}  // namespace mk",

@@ -28,12 +28,11 @@ constexpr int MISC_SLOT = 28;    // [3] the current expert slot's expert, token 
 constexpr int MISC_NSLOTS = 31;  // this layer's routed slots: top-k's count, or what a routed op's wait read
 constexpr int MISC_OP = 32;      // [16] thread 0's copy of the current op record (program.cuh)
 constexpr int MISC_PROF = 48;     // [10] the profiler's state (megakernel.cu; 8-byte aligned)
-constexpr int MISC_SCRATCH = 58;  // top-k scratch from here (ints)
+static_assert(MISC_SCRATCH == MISC_PROF + 10, "top-k scratch (rendered from plan.py) starts past the profiler's state");
 // top-k scratch: selections [T_MAX*TOPK], slot prefix [E/32], expert bitmap [E/32], token masks [E]
 constexpr int MISC_RTAG = MISC_SCRATCH + T_MAX * TOPK + 2 * ((E + 31) / 32) + E;  // tag of the norm's factors
 constexpr int MISC_RNORM = MISC_RTAG + 1;  // [16] float: the staged norm's rsqrt(mean(x^2) + eps) per token row
-// the profiler's deferred op stamps (program.cuh ProfSlot): PROF_OPS slots of 8 ints, 8-byte aligned
-constexpr int PROF_OPS = 16;
+// the profiler's deferred op stamps (program.cuh ProfSlot): PROF_OPS (rendered) slots of 8 ints, 8-byte aligned
 constexpr int MISC_PSLOT = (MISC_RNORM + 16 + 1) & ~1;
 constexpr int MISC_PWIN = MISC_PSLOT + 8 * PROF_OPS;  // the first op of the slots' current window
 // [2] an op's own "wait end" instant, where its wait is inside the op (top-k's sentinel poll)
@@ -82,7 +81,8 @@ MK_DEV Blk make_blk(const Params* p, int T, int ctx, int parity, int wait) {
   b.pace = ~0u;
   return b;
 }
-static_assert((2 * RING_STAGES + 1) * 8 + MISC_INTS * 4 <= MISC_BYTES, "mbarriers + misc fit the tail of SMEM_BYTES");
+static_assert(((2 * RING_STAGES + 1) * 8 + MISC_INTS * 4 + 15) / 16 * 16 == MISC_BYTES,
+              "mbarriers + misc are the tail of SMEM_BYTES that Plan.misc_bytes sized");
 static_assert(sizeof(mb::prof::Profiler) <= 4 * (MISC_SCRATCH - MISC_PROF) && MISC_PROF % 2 == 0,
               "the profiler fits MISC_PROF, 8-byte aligned");
 

@@ -104,6 +104,7 @@ constexpr int LAYOUT_GAP = 0;  // never-run bytes in the middle of the ops' code
 constexpr bool FUSED_EXPERTS = false;
 constexpr int KEEP_UNITS = 0, KEEP_BYTES = 0, KEEP_MAX = 16;  // fused: kept gate/up units
 constexpr int MISC_BYTES = 1136;  // mbarriers + MISC ints (Plan.misc_bytes)
+constexpr int PROF_OPS = 16, MISC_SCRATCH = 58;  // block.cuh's MISC layout
 constexpr unsigned long long GLOBAL_MASK = 4ull;  // bit l: layer l is global
 constexpr int PARTS = 20;  // attention partials per kv head (MAX_SPLITS x WARPS / G)
 }  // namespace mk
