@@ -277,12 +277,6 @@ class Plan:
     # panels of this many columns (0 = all of d_model at once), so that abuf need not hold 16 rows
     # of d_model and its bytes can go to the ring (make_plan fill_ring)
     norm_panel: int = 0
-    # abuf holds two panels of the normed operand: panel n + 1's copy is issued as panel n's chunks
-    # start, so that only the first panel's staging is on a norm op's path (gemm.cuh
-    # stage_normed_ahead). The norm ops' chunks are at most a panel wide
-    norm_ahead: bool = False
-    # bulk copies per staging of a normed panel (its token rows split between them)
-    norm_copies: int = 1
     ring_fill: int = 0  # of ring_stages, those added from spare shared memory (make_plan fill_ring)
     tiles: dict = field(default_factory=dict, compare=False)
 
@@ -333,13 +327,7 @@ class Plan:
         reuses it)."""
         c = self.cfg
         kmax = max(self.norm_k, c.attn_width, c.d_pool, c.d_expert)
-        return max(16 * (kmax * 2 + ROW_PAD), self.norm_bufs * 16 * (self.norm_k * 2 + ROW_PAD),
-                   self.attn_smem_bytes)
-
-    @property
-    def norm_bufs(self) -> int:
-        """Panels of the normed operand abuf holds at once (gemm.cuh NORM_BUFS)."""
-        return 2 if self.norm_ahead else 1
+        return max(16 * (kmax * 2 + ROW_PAD), self.attn_smem_bytes)
 
     @property
     def attn_round_keys(self) -> int:
@@ -385,7 +373,7 @@ class Plan:
         rtag = MISC_SCRATCH + c.max_tree * c.top_k + 2 * ((c.n_experts + 31) // 32) + c.n_experts  # MISC_RTAG
         pslot = (rtag + 1 + 16 + 1) & ~1  # MISC_PSLOT: past RTAG and RNORM[16], 8-byte aligned
         ints = pslot + 8 * PROF_OPS + 2 + 2 + KEEP_MAX  # PSLOT, PWIN, PWAIT, KEEP
-        return -(-((2 * self.ring_stages + self.norm_bufs) * 8 + 4 * ints) // 16) * 16
+        return -(-((2 * self.ring_stages + 1) * 8 + 4 * ints) // 16) * 16
 
     @property
     def smem_bytes(self) -> int:
@@ -406,7 +394,6 @@ RING_FILL_MAX = 8  # fill_ring stops at this many stages
 # expert phase's consumers, not the ring, set its pace; a deeper ring may only lengthen the phase's
 # opening burst (every block's whole ring requested at once; not measured).
 RING_FILL_BYTES = 136 * 1024
-NORM_AHEAD_PANEL = 1024  # Plan.norm_ahead's default panel (columns)
 KEEP_MAX = 16  # fused_experts: at most this many kept gate/up units (rendered: block.cuh MISC_KEEP)
 
 
@@ -449,8 +436,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               residual_unit_rows: int | None = None, tokens: int | None = None,
               expert1_rows: int | None = None, expert2_rows: int | None = None,
               launch_waits: bool = False, layout_pad: int = 0, layout_gap: int = 0, fused_experts: bool = False,
-              keep_max: int = KEEP_MAX, ring_max: int = RING_FILL_MAX, norm_ahead: bool = False,
-              norm_copies: int = 1) -> Plan:
+              keep_max: int = KEEP_MAX, ring_max: int = RING_FILL_MAX) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -461,11 +447,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     expert2_rows force those. layout_pad: a code-layout placebo (Plan.layout_pad), a multiple of 16
     bytes up to 64 KB; layout_gap: the same in the middle of the ops' code (Plan.layout_gap).
     keep_max: at most this many kept gate/up units (fused_experts; A/Bs, tests). ring_max:
-    fill_ring stops at this many stages (A/Bs: ring depth against kept units). norm_ahead, norm_copies:
-    Plan's; norm_ahead caps the norm ops' chunks at the panel (norm_panel, default NORM_AHEAD_PANEL)."""
+    fill_ring stops at this many stages (A/Bs: ring depth against kept units)."""
     cfg.validate()
-    if not (isinstance(norm_copies, int) and 1 <= norm_copies <= 16):
-        raise ValueError(f"norm_copies {norm_copies!r}: want 1..16 bulk copies per staged panel (one per token row at most)")
     if not (isinstance(ring_max, int) and 1 <= ring_max <= RING_FILL_MAX):
         raise ValueError(f"ring_max {ring_max!r}: want 1..{RING_FILL_MAX} ring stages")
     if not (isinstance(keep_max, int) and 0 <= keep_max <= KEEP_MAX):
@@ -498,13 +481,6 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         tiles["expert2"] = _expert_tile(min(e2, c.d_pool), c.d_expert, budget * 9 // 8, False)
     for op in ("expert1", "expert2"):
         tiles[op] = replace(tiles[op], rotated=fp4_rotated)
-    if norm_ahead:  # two panels in abuf, a chunk at most a panel
-        if norm_panel is None:  # two 1024-column panels take the bytes of one 2048-column panel
-            norm_panel = min(NORM_AHEAD_PANEL, c.d_model // 2)
-        if not norm_panel:
-            raise ValueError("norm_ahead needs a paneled operand (norm_panel > 0)")
-        for n in NORM_OPS:
-            tiles[n] = replace(tiles[n], kc=min(tiles[n].kc, norm_panel))
     if profile_detail and not profile:
         raise ValueError("profile_detail needs profile=True (the detail stamps are the profiler's)")
     p = Plan(cfg, n_sm, ring_stages, ring_stage_bytes, spin_bound_ns, poll_backoff_ns, profile=profile,
@@ -512,8 +488,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              stream_evict_first=stream_evict_first, sentinel_route=sentinel_route,
              hot_prefetch_bytes=hot_prefetch_bytes, kv_prefetch=kv_prefetch, keys_per_split=keys_per_split,
              profile_detail=profile_detail, fp4_rotated=fp4_rotated, tiles=tiles, launch_waits=launch_waits,
-             layout_pad=layout_pad, layout_gap=layout_gap, fused_experts=fused_experts,
-             norm_ahead=norm_ahead, norm_copies=norm_copies)
+             layout_pad=layout_pad, layout_gap=layout_gap, fused_experts=fused_experts)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -583,8 +558,6 @@ def render(plan: Plan) -> str:
         f"constexpr int ABUF_BYTES = {plan.abuf_bytes};",
         f"constexpr int NORM_KP = {plan.norm_k};  // columns of a normed operand staged at a time",
         f"constexpr int XG_ROW = {plan.xg_row};  // bf16 per row of xg (gemm.cuh xg_at), the pad included",
-        f"constexpr int NORM_BUFS = {plan.norm_bufs};  // panels of the normed operand abuf holds (Plan.norm_ahead)",
-        f"constexpr int NORM_COPIES = {plan.norm_copies};  // bulk copies per staged panel",
         f"constexpr int RED_BYTES = {plan.red_bytes};",
         f"constexpr int SMEM_BYTES = {plan.smem_bytes};",
         "// synchronisation (tuned constants: sync.flags)",

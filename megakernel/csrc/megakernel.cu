@@ -44,9 +44,9 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
       mbar_init(&b.full[s], 1);
       mbar_init(&b.empty[s], COMPUTE_THREADS);
     }
-    for (int j = 0; j < NORM_BUFS; ++j) mbar_init(b.xbar + j, 1);
+    mbar_init(b.xbar, 1);
     fence_mbar_init();
-    abuf_hold(b, -1);
+    b.misc[MISC_TAG] = -1;
     b.misc[MISC_SLOT + 2] = -1;  // no slot record (program.cuh slot_fetch)
     b.misc[MISC_RTAG] = -1;
     for (int k = 0; k < KEEP_UNITS; ++k) b.misc[MISC_KEEP + k] = -1;

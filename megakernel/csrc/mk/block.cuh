@@ -7,7 +7,7 @@
 //          or an fp4 GEMM unit's results (gemm.cuh gemm_fp4)
 //   keep   KEEP_BYTES  Plan.fused_experts: gate/up units' activations kept for the down projection
 //   bars   2 x RING_STAGES mbarriers (full: one arrival + tx bytes; empty: one arrival per
-//          compute thread), NORM_BUFS xbar (the normed operand's copies), then small ints (staged-activation
+//          compute thread), xbar (the normed operand's copies), then small ints (staged-activation
 //          tag, top-k scratch, norm factors)
 // Ring protocol: chunk c lives in stage c % RING_STAGES; the producer waits for `empty` of
 // use (c / RING_STAGES) - 1, announces the bytes on `full` and issues the copies; consumers
@@ -21,7 +21,6 @@ namespace mk {
 
 constexpr int MISC_TAG = 0;      // which activation operand abuf holds (-1: none)
 constexpr int MISC_OPS_DONE = 1;  // ops of this launch the compute warps have finished
-constexpr int MISC_TAG1 = 2;     // NORM_BUFS 2: which normed panel abuf's second half holds (gemm.cuh norm_tag)
 constexpr int MISC_ROWS = 4;     // [16] gathered row indices of an expert operand
 constexpr int MISC_DEPS = 20;    // [4] thread 0's DepCache of the current op (program.cuh)
 constexpr int MISC_PEND = 24;    // [4] thread 0's Pending signals of the current op
@@ -51,12 +50,11 @@ struct Blk {
   unsigned char* keep;  // fused: KEEP_UNITS gate/up units' activations in the down projection's layout
   uint64_t* full;
   uint64_t* empty;
-  uint64_t* xbar;  // [NORM_BUFS] the normed operand's bulk copies (gemm.cuh stage_normed): one arrival + tx bytes
+  uint64_t* xbar;  // the normed operand's bulk copies (gemm.cuh stage_normed): one arrival + tx bytes
   int* misc;
   int T, ctx, parity, wait;
   unsigned chunk;  // consumer's position in the chunk sequence
-  unsigned xuse;   // compute threads: phases of xbar waited for (NORM_BUFS 2: bit j, xbar[j]'s parity; bit 2 + j, gemm_bf16: the
-                   // panel last issued into half j is being copied)
+  unsigned xuse;   // compute threads: phases of xbar waited for
   bool failed;     // one of this thread's bounded waits gave up (stop at the next unit boundary)
   unsigned pace;   // loader: the chunk it lets land before it copies more (~0u: none; loader_loop)
 };
@@ -72,7 +70,7 @@ MK_DEV Blk make_blk(const Params* p, int T, int ctx, int parity, int wait) {
   b.full = reinterpret_cast<uint64_t*>(b.keep + KEEP_BYTES);
   b.empty = b.full + RING_STAGES;
   b.xbar = b.empty + RING_STAGES;
-  b.misc = reinterpret_cast<int*>(b.xbar + NORM_BUFS);
+  b.misc = reinterpret_cast<int*>(b.xbar + 1);
   b.T = T;
   b.ctx = ctx;
   b.parity = parity;
@@ -83,16 +81,10 @@ MK_DEV Blk make_blk(const Params* p, int T, int ctx, int parity, int wait) {
   b.pace = ~0u;
   return b;
 }
-static_assert(((2 * RING_STAGES + NORM_BUFS) * 8 + MISC_INTS * 4 + 15) / 16 * 16 == MISC_BYTES,
+static_assert(((2 * RING_STAGES + 1) * 8 + MISC_INTS * 4 + 15) / 16 * 16 == MISC_BYTES,
               "mbarriers + misc are the tail of SMEM_BYTES that Plan.misc_bytes sized");
 static_assert(sizeof(mb::prof::Profiler) <= 4 * (MISC_SCRATCH - MISC_PROF) && MISC_PROF % 2 == 0,
               "the profiler fits MISC_PROF, 8-byte aligned");
-
-// abuf now holds operand `tag` (-1: scratch), over both halves of a two-panel normed operand
-MK_DEV void abuf_hold(const Blk& b, int tag) {
-  b.misc[MISC_TAG] = tag;
-  if constexpr (NORM_BUFS == 2) b.misc[MISC_TAG1] = -1;
-}
 
 MK_DEV unsigned char* stage_of(const Blk& b, unsigned c) { return b.ring + (c % RING_STAGES) * STAGE_BYTES; }
 

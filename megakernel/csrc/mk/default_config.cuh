@@ -41,8 +41,6 @@ constexpr int STAGE_BYTES = 8448;
 constexpr int ABUF_BYTES = 24064;
 constexpr int NORM_KP = 128;  // columns of a normed operand staged at a time
 constexpr int XG_ROW = 136;  // bf16 per row of xg (gemm.cuh xg_at), the pad included
-constexpr int NORM_BUFS = 1;  // panels of the normed operand abuf holds (Plan.norm_ahead)
-constexpr int NORM_COPIES = 1;  // bulk copies per staged panel
 constexpr int RED_BYTES = 8192;
 constexpr int SMEM_BYTES = 67184;
 // synchronisation (tuned constants: sync.flags)

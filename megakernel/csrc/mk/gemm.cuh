@@ -72,39 +72,43 @@ MK_DEV uint16_t* xg_at(const Params& p, int which, int t, int k) {
   return p.xg + ((which * (D / NORM_KP) + k / NORM_KP) * T_MAX + t) * XG_ROW + k % NORM_KP;
 }
 
-// Thread 0: the copies of panel `panel` of xg[which] (rows t < T) into `dst` on `bar`: one, or
-// NORM_COPIES of consecutive token rows. xg came from other blocks' generic stores (acquired by this
-// thread's dependency wait), and abuf was last read through the generic proxy (ordered by the
-// barrier before the call): both before the async-proxy copies, hence the proxy fence.
-MK_DEV void norm_copy(const Blk& b, int which, int panel, unsigned char* dst, uint64_t* bar) {
-  constexpr int KP = NORM_KP, AS = a_stride<KP>();
-  fence_proxy_async();
-  mbar_expect_tx(bar, static_cast<unsigned>(b.T * AS));
-  if constexpr (NORM_COPIES == 1) {
-    bulk_copy_keep(dst, xg_at(*b.p, which, 0, panel * KP), static_cast<unsigned>(b.T * AS), bar);
-  } else {
-    const int per = (b.T + NORM_COPIES - 1) / NORM_COPIES;  // token rows per copy
-    for (int r = 0; r < b.T; r += per)
-      bulk_copy_keep(dst + r * AS, xg_at(*b.p, which, r, panel * KP), static_cast<unsigned>(imin(per, b.T - r) * AS),
-                     bar);
-  }
-}
-// Every compute thread: zero rows T..15 of a staged panel at dst (the copies leave them out).
-MK_DEV void norm_zero_rows(const Blk& b, unsigned char* dst) {
-  constexpr int KP = NORM_KP;
-  for (int i = tid(); i < (16 - b.T) * (KP / 8); i += COMPUTE_THREADS) {
-    const int r = b.T + i / (KP / 8), k8 = i % (KP / 8);
-    *reinterpret_cast<uint4*>(dst + r * a_stride<KP>() + 16 * k8) = uint4{0u, 0u, 0u, 0u};
-  }
-}
-// Every compute thread: the norm factors of operand `tag` to shared memory (norm_factor), unless an
-// earlier panel's staging computed them (MISC_RTAG, set by thread 0 after a barrier).
-MK_DEV void norm_factors(const Blk& b, const float* ssp, int tag) {
-  constexpr int K = D;
+// The normed operand of a d_model projection (qkv, router, pool, lm_head), columns panel * KP ..+KP
+// of K = D: rows t < T of xg (its producers wrote bf16(x * g)), by one bulk copy straight into
+// abuf's row layout (row stride a_stride<KP>); rows >= T zero. The norm factor r[t] =
+// rsqrt(mean(x^2) + eps), the fixed-order sum of the producers' 8-feature partials `ssp` (lane l
+// adds float4 l, l+32, ..., then a butterfly), goes to shared memory (norm_factor) once per
+// operand; the consumer multiplies its fp32 result by it. The operand is rounded once, as
+// bf16((x * r) * g) was, but at another point than the reference's (shard8 error 8.3e-3 ->
+// 8.7e-3), and the bytes staged are half of fp32 x's, with no math: each block had read the same
+// 256 KB of fp32 x from L2 in ~6.2 us (detail trace, dd8e4b5), bounded per SM by the bytes in
+// flight; the same 128 KB by ld.cg took ~2.7 us in a scratch microbenchmark and by bulk copies of
+// 8 KB 1.1-1.5 us, with 96 or 132 blocks reading (H200, 2026-11-30); one copy per panel instead of
+// one per row: shard8 step -2.8%. Earlier, staging a bf16(x) written by the producers and then
+// normalising it (two roundings) raised that error to 9.5e-3 (H200 2026-11-29). abuf holds one
+// panel at a time: its tag is tag + panel.
+MK_DEV void stage_normed(Blk& b, int which, const float* ssp, int tag, int panel, uint32_t what) {
+  constexpr int K = D, KP = NORM_KP;  // the normed operand is d_model wide, in xg's panels
+  static_assert(16 * a_stride<KP>() <= ABUF_BYTES, "a panel of 16 rows fits abuf");
+  static_assert(16 * a_stride<KP>() < (1 << 20), "a panel's bytes fit the mbarrier's tx-count");
   static_assert(2 * WARPS == 16, "a warp computes the factors of token rows w and w + 8");
   constexpr int NG4 = K / 32;  // float4 of a row's K/8 partial sums
   constexpr int NS = (NG4 + 31) / 32;
-  if (b.misc[MISC_RTAG] != tag) {
+  if (b.misc[MISC_TAG] == tag + panel) return;
+  detail_stamp(b, MK_EV_STAGE_BEGIN, 0);
+  if (tid() == 0) {
+    // xg came from other blocks' generic stores (acquired by this thread's dependency wait), and
+    // abuf was last read through the generic proxy (ordered by the barrier before this call):
+    // both before the async-proxy copies
+    fence_proxy_async();
+    const unsigned bytes = static_cast<unsigned>(b.T * a_stride<KP>());
+    mbar_expect_tx(b.xbar, bytes);
+    bulk_copy_keep(b.abuf, xg_at(*b.p, which, 0, panel * KP), bytes, b.xbar);
+  }
+  for (int i = tid(); i < (16 - b.T) * (KP / 8); i += COMPUTE_THREADS) {  // rows the copies leave out
+    const int r = b.T + i / (KP / 8), k8 = i % (KP / 8);
+    *reinterpret_cast<uint4*>(b.abuf + r * a_stride<KP>() + 16 * k8) = uint4{0u, 0u, 0u, 0u};
+  }
+  if (b.misc[MISC_RTAG] != tag) {  // the norm factors, under the copies (an earlier panel kept them)
     float* rn = reinterpret_cast<float*>(b.misc + MISC_RNORM);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -122,77 +126,14 @@ MK_DEV void norm_factors(const Blk& b, const float* ssp, int tag) {
       if (lane() == 0) rn[t] = frsqrt(ss / static_cast<float>(K) + RMS_EPS);
     }
   }
-}
-// Plan.norm_ahead (NORM_BUFS 2): panel n of a normed operand lives in abuf's half n % 2, tagged
-// MISC_TAG / MISC_TAG1, copied on xbar[n % 2], so that a GEMM issues panel n + 1's copy as panel
-// n's chunks start and only its first staging is on its path (gemm_bf16).
-constexpr int NORM_HALF = 16 * a_stride<NORM_KP>();
-MK_DEV unsigned char* norm_buf(const Blk& b, int panel) { return b.abuf + (panel & (NORM_BUFS - 1)) * NORM_HALF; }
-MK_DEV int& norm_tag(const Blk& b, int panel) { return b.misc[(panel & (NORM_BUFS - 1)) ? MISC_TAG1 : MISC_TAG]; }
-// The normed operand of a d_model projection (qkv, router, pool, lm_head), columns panel * KP ..+KP
-// of K = D: rows t < T of xg (its producers wrote bf16(x * g)), by one bulk copy straight into
-// abuf's row layout (row stride a_stride<KP>); rows >= T zero. The norm factor r[t] =
-// rsqrt(mean(x^2) + eps), the fixed-order sum of the producers' 8-feature partials `ssp` (lane l
-// adds float4 l, l+32, ..., then a butterfly), goes to shared memory (norm_factor) once per
-// operand; the consumer multiplies its fp32 result by it. The operand is rounded once, as
-// bf16((x * r) * g) was, but at another point than the reference's (shard8 error 8.3e-3 ->
-// 8.7e-3), and the bytes staged are half of fp32 x's, with no math: each block had read the same
-// 256 KB of fp32 x from L2 in ~6.2 us (detail trace, dd8e4b5), bounded per SM by the bytes in
-// flight; the same 128 KB by ld.cg took ~2.7 us in a scratch microbenchmark and by bulk copies of
-// 8 KB 1.1-1.5 us, with 96 or 132 blocks reading (H200, 2026-11-30); one copy per panel instead of
-// one per row: shard8 step -2.8%. Earlier, staging a bf16(x) written by the producers and then
-// normalising it (two roundings) raised that error to 9.5e-3 (H200 2026-11-29). abuf holds one
-// panel at a time: its tag is tag + panel.
-// `step` of a staging: the whole of it (one buffer), or (NORM_BUFS 2) the copies' issue and the wait
-enum NormStep : int { NORM_STAGE, NORM_ISSUE, NORM_WAIT };
-// The whole staging (NORM_STAGE), or its half `step`: NORM_ISSUE (every compute thread, after a
-// barrier that ended the previous reads of the panel's half: thread 0 issues the copies unless the
-// half holds the panel already; returns whether it copies, the same answer on every thread as
-// the tags change only in NORM_WAIT, after a barrier), NORM_WAIT (the factors, the copies'
-// completion if `copied`, a barrier, the half's tag).
-MK_DEV bool stage_normed(Blk& b, int which, const float* ssp, int tag, int panel, uint32_t what,
-                         int step = NORM_STAGE, bool copied = false) {
-  constexpr int KP = NORM_KP;  // the normed operand is d_model wide, in xg's panels
-  static_assert(NORM_BUFS * NORM_HALF <= ABUF_BYTES, "NORM_BUFS panels of 16 rows fit abuf");
-  static_assert(NORM_HALF < (1 << 20), "a panel's bytes fit the mbarrier's tx-count");
-  static_assert(NORM_BUFS == 1 || (NORM_BUFS == 2 && D / KP >= 2), "two buffers: two panels or more");
-  if constexpr (NORM_BUFS == 2) {
-    if (step == NORM_ISSUE) {
-      if (norm_tag(b, panel) == tag + panel) return false;
-      if (tid() == 0) norm_copy(b, which, panel, norm_buf(b, panel), b.xbar + (panel & 1));
-      norm_zero_rows(b, norm_buf(b, panel));
-      return true;
-    }
-    detail_stamp(b, MK_EV_STAGE_BEGIN, 0);
-    norm_factors(b, ssp, tag);  // the first panel's wait: under its copies and the next panel's
-    if (copied) {
-      const int j = panel & 1;
-      if (!wait_mbar(*b.p, b.xbar + j, (b.xuse >> j) & 1u, (what & ~15u) | WHAT_NORM_ROWS)) b.failed = true;
-      b.xuse ^= 1u << j;
-    }
-    sync_compute();
-    detail_stamp(b, MK_EV_STAGE_END, 0);
-    if (tid() == 0) {
-      norm_tag(b, panel) = tag + panel;
-      b.misc[MISC_RTAG] = tag;
-    }
-    return true;
-  } else {
-    if (b.misc[MISC_TAG] == tag + panel) return false;
-    detail_stamp(b, MK_EV_STAGE_BEGIN, 0);
-    if (tid() == 0) norm_copy(b, which, panel, b.abuf, b.xbar);
-    norm_zero_rows(b, b.abuf);
-    norm_factors(b, ssp, tag);  // under the copies (an earlier panel kept them)
-    // every reader of abuf observes the copies' completion itself (as ring_consume does)
-    if (!wait_mbar(*b.p, b.xbar, b.xuse & 1u, (what & ~15u) | WHAT_NORM_ROWS)) b.failed = true;
-    ++b.xuse;
-    sync_compute();
-    detail_stamp(b, MK_EV_STAGE_END, 0);
-    if (tid() == 0) {
-      b.misc[MISC_TAG] = tag + panel;
-      b.misc[MISC_RTAG] = tag;
-    }
-    return true;
+  // every reader of abuf observes the copies' completion itself (as ring_consume does)
+  if (!wait_mbar(*b.p, b.xbar, b.xuse & 1u, (what & ~15u) | WHAT_NORM_ROWS)) b.failed = true;
+  ++b.xuse;
+  sync_compute();
+  detail_stamp(b, MK_EV_STAGE_END, 0);
+  if (tid() == 0) {
+    b.misc[MISC_TAG] = tag + panel;
+    b.misc[MISC_RTAG] = tag;
   }
 }
 // The staged norm's factor of token row t (stage_normed), for the consumer's fp32 result.
@@ -258,7 +199,7 @@ template <int K>
 MK_DEV void stage_plain(Blk& b, const uint16_t* src, int tag) {
   if (b.misc[MISC_TAG] == tag) return;
   stage_rows<K, false>(b, b.T, [src](int r) { return src + r * K; });
-  if (tid() == 0) abuf_hold(b, tag);
+  if (tid() == 0) b.misc[MISC_TAG] = tag;
 }
 
 // Expert operand: `nrows` rows gathered from src, row i at src + rows[i] * K with the row indices
@@ -268,7 +209,7 @@ MK_DEV void stage_gather_rows(Blk& b, const uint16_t* src, int nrows, int tag) {
   if (b.misc[MISC_TAG] == tag) return;
   const int* rows = b.misc + MISC_ROWS;
   stage_rows<K, true>(b, nrows, [src, rows](int r) { return src + static_cast<size_t>(rows[r]) * K; });
-  if (tid() == 0) abuf_hold(b, tag);
+  if (tid() == 0) b.misc[MISC_TAG] = tag;
 }
 // The same with rows[i] = rowidx(i), written to shared memory first (not once per 16-byte piece).
 template <int K, typename RowIdx>
@@ -289,16 +230,14 @@ MK_DEV void stage_gather_perm(Blk& b, const uint16_t* src, int nrows, RowIdx row
 // rows) read 96 KB per 32 KB chunk of a 32-row unit instead of 64 KB, in twice the instructions.
 // ROWS = 8 (router units): rows 8..15 of the A tile are zero registers (ldmatrix .x2, rows 0..7).
 // Two accumulators per token tile take alternate k-steps (summed in a fixed order at the end).
-// `restage(n, step, copied)` stages panel n of the operand before the panel's first chunk (the
-// norm ops stage their operand this way, stage_normed; the others stage before and pass
-// NoRestage). Paneled (KP < K): abuf holds one panel's columns (row stride a_stride<KP>), and the
-// warps meet before each restage; with NORM_BUFS 2 it holds two, and the next panel's copy is
-// issued as a panel starts, into the half the previous panel has just left.
+// `restage(n)` stages panel n of the operand before the panel's first chunk (the norm ops stage
+// their operand this way; the others stage before and pass NoRestage). Paneled (KP < K): abuf
+// holds one panel's columns (row stride a_stride<KP>), and the warps meet before each restage.
 // REV: the chunks are walked last to first (the loader streams them in the same order,
 // produce_bf16): the router does, so that it leaves panel 0 staged for a pool unit that follows it
 // on the same block (on grids too small to keep them apart: plan.pool_rows).
 struct NoRestage {
-  MK_DEV bool operator()(int, int, bool) const { return false; }
+  MK_DEV void operator()(int) const {}
 };
 // A warp's result: c[n] is the C fragment of token tile n (rows g, g + 8 of its 16-row tile x
 // tokens 8n + 2t, 8n + 2t + 1); tile 1 is zero when the block has <= 8 tokens.
@@ -356,35 +295,18 @@ MK_COLD_LOOP
       if (KSTEPS % (2 * WPT) == 0 || j + WPT < KSTEPS) step(j + WPT, acc[1]);
     }
   };
-  if constexpr (KP == K) restage(0, NORM_STAGE, false);
-  constexpr bool AHEAD = KP != K && NORM_BUFS == 2;
-  static_assert(!AHEAD || KP == NORM_KP, "two panel buffers: the normed operand's panels");
+  if constexpr (KP == K) restage(0);
 MK_COLD_LOOP
   for (int i = 0; i < NCH; ++i) {
     const int c = REV ? NCH - 1 - i : i;  // the weight chunk
     if constexpr (KP != K) {  // one call site: `restage` (a whole norm staging) is inlined once
       if (c % CPP == (REV ? CPP - 1 : 0)) {
         if (i > 0) sync_compute();  // every warp is done with the previous panel
-        const int pn = c / CPP;
-        if constexpr (AHEAD) {
-          constexpr int NP = K / KP;
-          // the first panel's copy (i == 0), then the next one's, into the half the panel before
-          // this one has just left; one call site (the issue is inlined once)
-MK_COLD_LOOP
-          for (int q = i == 0 ? 0 : 1; q < 2; ++q) {
-            const int pq = q == 0 ? pn : (REV ? pn - 1 : pn + 1);
-            if (pq < 0 || pq >= NP) break;
-            const unsigned bit = 4u << (pq & 1);
-            b.xuse = restage(pq, NORM_ISSUE, false) ? b.xuse | bit : b.xuse & ~bit;
-          }
-          restage(pn, NORM_WAIT, (b.xuse >> (2 + (pn & 1))) & 1u);
-        } else {
-          restage(pn, NORM_STAGE, false);
-        }
+        restage(c / CPP);
       }
     }
     const unsigned char* st = ring_consume(b, what);
-    const SAddr bb = brow + (AHEAD ? ((c / CPP) & 1) * NORM_HALF : 0) + (c % CPP) * KC * 2;
+    const SAddr bb = brow + (c % CPP) * KC * 2;
     // two copies of the k-loop, with and without the second token tile (as in gemm_fp4)
     if (two) steps(saddr(st + aofs), bb, true);
     else steps(saddr(st + aofs), bb, false);

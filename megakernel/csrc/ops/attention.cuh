@@ -44,7 +44,7 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
   unsigned char* Qs = b.abuf;
   unsigned char* Ks = Qs + G * 16 * ATT_QS;
   unsigned char* Vs = Ks + ATT_KB * ATT_KS;  // V rows like K: P*V reads them transposed (ldmatrix .trans)
-  if (tid() == 0) abuf_hold(b, -1);  // abuf no longer holds a GEMM operand
+  if (tid() == 0) b.misc[MISC_TAG] = -1;  // abuf no longer holds a GEMM operand
   detail_stamp(b, MK_EV_ATTN_LOAD_BEGIN, 0);  // round 0's load phase includes the Q rows
   {  // Q rows, loads batched (static_assert below: whole rounds per thread)
     constexpr int NQ = G * 16 * (HD / 8) / COMPUTE_THREADS;

@@ -40,7 +40,7 @@ MK_DEV void run_attn_combine(Blk& b, int layer, int unit) {
   load_o(q_lo);
   float* ml = reinterpret_cast<float*>(b.abuf);  // (m, l) of every part
   float* wt = ml + 2 * PARTS;                     // per part exp(m - M), 0 for a part with nothing visible
-  if (tid() == 0) abuf_hold(b, -1);          // abuf reused as scratch
+  if (tid() == 0) b.misc[MISC_TAG] = -1;          // abuf reused as scratch
 MK_COLD_LOOP
   for (int q = tid(); q < nparts; q += COMPUTE_THREADS) {
     const size_t row = row0 + static_cast<size_t>(q) * (G * 16);

@@ -52,7 +52,7 @@ MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
       a = b.keep + (unit % KEEP_SLOTS) * KEEP_UNIT;
     } else {
       stage_rows<H1, true>(b, ntok, [&](int r) { return p.act + static_cast<size_t>(s * 16 + r) * F + j * H1; });
-      if (tid() == 0) abuf_hold(b, -1);  // abuf holds no tagged operand now
+      if (tid() == 0) b.misc[MISC_TAG] = -1;  // abuf holds no tagged operand now
     }
     gemm_fp4_down<N2, H1, TILE_EXPERT2_SW, P / N2>(b, a, ntok, ts,
                                                    p.ypart + static_cast<size_t>(s * EXP2_TILES + j) * 16 * P, what);

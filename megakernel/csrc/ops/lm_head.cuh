@@ -13,8 +13,8 @@ MK_DEV bool load_lm_head(const Blk& b, int layer, int unit, unsigned& c, uint32_
 
 MK_DEV void run_lm_head(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
-  auto stage = [&](int panel, int step, bool copied) {
-    return stage_normed(b, 0, ss_part(p, 0), tag_of(TAG_FINAL_NORM, layer, 0), panel, what, step, copied);
+  auto stage = [&](int panel) {
+    stage_normed(b, 0, ss_part(p, 0), tag_of(TAG_FINAL_NORM, layer, 0), panel, what);
   };  // called by the GEMM before each panel's first chunk
   gemm_stash<16>(b, gemm_bf16<16, TILE_LM_HEAD_KC, D, NORM_KP>(b, what, stage));
 MK_COLD_LOOP

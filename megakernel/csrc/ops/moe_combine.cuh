@@ -12,7 +12,7 @@ MK_DEV void run_moe_combine(Blk& b, int unit) {
   // the step's routing (T x TOPK weights, slots, rows) read once into shared memory
   float* w_s = reinterpret_cast<float*>(b.abuf);
   int* row_s = reinterpret_cast<int*>(b.abuf + T_MAX * TOPK * 4);
-  if (tid() == 0) abuf_hold(b, -1);  // abuf reused as scratch
+  if (tid() == 0) b.misc[MISC_TAG] = -1;  // abuf reused as scratch
 MK_COLD_LOOP
   for (int i = tid(); i < b.T * TOPK; i += COMPUTE_THREADS) {
     w_s[i] = ldg_cgf(p.route_w + i);

@@ -17,8 +17,8 @@ MK_DEV bool load_pool(const Blk& b, int layer, int unit, unsigned& c, uint32_t w
 
 MK_DEV void run_pool(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
-  auto stage = [&](int panel, int step, bool copied) {
-    return stage_normed(b, 1, ss_part(p, 1), tag_of(TAG_FFN_NORM, layer, 0), panel, what, step, copied);
+  auto stage = [&](int panel) {
+    stage_normed(b, 1, ss_part(p, 1), tag_of(TAG_FFN_NORM, layer, 0), panel, what);
   };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_POOL_ROWS;
   gemm_stash<R>(b, gemm_bf16<R, TILE_POOL_KC, D, NORM_KP>(b, what, stage));

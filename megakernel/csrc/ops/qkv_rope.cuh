@@ -18,8 +18,8 @@ MK_DEV bool load_qkv(const Blk& b, int layer, int unit, unsigned& c, uint32_t wh
 MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
   const LayerPtrs& L = p.layers[layer];
-  auto stage = [&](int panel, int step, bool copied) {
-    return stage_normed(b, 0, ss_part(p, 0), tag_of(TAG_ATTN_NORM, layer, 0), panel, what, step, copied);
+  auto stage = [&](int panel) {
+    stage_normed(b, 0, ss_part(p, 0), tag_of(TAG_ATTN_NORM, layer, 0), panel, what);
   };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_QKV_ROWS;
   static_assert(16 * (R / 2) <= COMPUTE_THREADS, "the epilogue: one output pair per thread");

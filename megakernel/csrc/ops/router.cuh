@@ -15,8 +15,8 @@ MK_DEV bool load_router(const Blk& b, int layer, int unit, unsigned& c, uint32_t
 
 MK_DEV void run_router(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
-  auto stage = [&](int panel, int step, bool copied) {
-    return stage_normed(b, 1, ss_part(p, 1), tag_of(TAG_FFN_NORM, layer, 0), panel, what, step, copied);
+  auto stage = [&](int panel) {
+    stage_normed(b, 1, ss_part(p, 1), tag_of(TAG_FFN_NORM, layer, 0), panel, what);
   };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_ROUTER_ROWS;
   gemm_stash<R>(b, gemm_bf16<R, TILE_ROUTER_KC, D, NORM_KP, true>(b, what, stage));
