@@ -15,7 +15,13 @@
 #endif
 #include "mk/program.cuh"
 
+// MK_MAX_REGISTERS (Plan.max_registers, A/Bs only): a register cap below the 168 the launch bounds
+// give 9 warps, so that the same code can be made to spill and a spill's cost measured.
+#if MK_MAX_REGISTERS
+extern "C" __global__ void __maxnreg__(MK_MAX_REGISTERS)
+#else
 extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
+#endif
     mk_run(const mk::Params* __restrict__ params, int first, int n_ops, int wait, int T, int ctx, int parity,
            MB_PROF_PARAMS) {
   using namespace mk;

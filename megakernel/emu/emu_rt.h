@@ -20,6 +20,7 @@
 #define __forceinline__ inline
 #define __noinline__
 #define __launch_bounds__(...)
+#define __maxnreg__(...)
 #define __grid_constant__
 #define __restrict__ __restrict
 #define MK_DEV inline
