@@ -123,6 +123,27 @@ def test_layout_pad_moves_the_code_and_keeps_the_bits(tiny):
             make_plan(cfg, 4, layout_gap=bad)
 
 
+def test_max_registers_caps_the_build_and_keeps_the_bits(tiny):
+    """Plan.max_registers, an A/B's spill control: the same source under __maxnreg__ instead of the
+    launch bounds (168 registers for 9 warps), so a lower cap makes it spill. The cap holds in the
+    cubin (registers <= cap, and at 64 the build spills), 0 keeps the launch bounds (the default
+    plan renders 0), and caps outside 64..168 are refused. (The host emulation ignores the cap; the
+    A/B tool checks each capped build's bits on the GPU.)"""
+    from microbench.compiler import compile_cuda
+
+    from megakernel.build import MB_INC
+
+    cfg, _, _, plan = tiny
+    assert plan.max_registers == 0 and "#define MK_MAX_REGISTERS 0 " in render(plan)
+    capped = make_plan(cfg, 132, max_registers=64)
+    assert "#define MK_MAX_REGISTERS 64 " in render(capped)
+    u = compile_cuda(source(capped), name="megakernel-maxreg64", include_dirs=[CSRC, MB_INC]).usage("mk_run")
+    assert u.registers <= 64 and u.spill_store_bytes > 0, u
+    for bad in (32, 169, 1.5, -1):
+        with pytest.raises(ValueError, match="max_registers"):
+            make_plan(cfg, 4, max_registers=bad)
+
+
 def test_attention_skipping_sub_blocks_past_a_split_keeps_the_bits(tiny, tmp_path):
     """attention.cuh leaves a round's sub-blocks once they start past the split's run (with 32-key
     splits, the default, a shard8 round's second sub-block scores nothing). An all-masked
