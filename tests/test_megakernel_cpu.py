@@ -123,7 +123,7 @@ def test_layout_pad_moves_the_code_and_keeps_the_bits(tiny):
             make_plan(cfg, 4, layout_gap=bad)
 
 
-def test_max_registers_caps_the_build_and_keeps_the_bits(tiny):
+def test_max_registers_caps_the_build(tiny):
     """Plan.max_registers, an A/B's spill control: the same source under __maxnreg__ instead of the
     launch bounds (168 registers for 9 warps), so a lower cap makes it spill. The cap holds in the
     cubin (registers <= cap, and at 64 the build spills), 0 keeps the launch bounds (the default
