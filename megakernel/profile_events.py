@@ -49,11 +49,10 @@ EVENTS.phase("unit_open", "a unit's dependency wait on thread 0 and the barrier 
                           "block's second unit of an op on (the first's is the op's wait phase) and only where "
                           "the unit opens (program.cuh unit_opens; arg = unit)")
 EVENTS.phase("unit_close", "the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)")
-EVENTS.phase("topk_step", "top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the "
-                         "softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot "
-                         "records); thread 0's view, which runs tokens 0 and 8")
-TOPK_STEPS = ("the selections", "the logits' reset and the softmax, to the barrier after",
-              "the slots: expert bitmap, prefix, slot records")  # topk_step's arg
+TOPK_STEPS = ("the selections", "the logits' reset and the softmax with its stores, to the barrier after",
+              "the slots: expert bitmap, prefix, slot records")  # topk_step's arg (ops/topk.cuh stamps 0, 1, 2)
+EVENTS.phase("topk_step", "top-k's steps after its poll (arg: " + ", ".join(f"{i} {s}" for i, s in enumerate(TOPK_STEPS))
+             + "); thread 0's view, which runs tokens 0 and 8")
 DETAIL_PHASES = ("stage", "ring_wait", "attn_load", "publish", "fp4_tail", "epilogue", "unit_open", "unit_close",
                  "topk_step")
 
