@@ -19,7 +19,13 @@ OP_KINDS = ("embed", "qkv", "attn", "attn_combine", "oproj", "router", "pool", "
 OP = {k: i for i, k in enumerate(OP_KINDS)}
 WARPS = 8  # compute warps per block (one mma m16 row tile of tokens each)
 LOADER_WARPS = 1  # the weight-streaming warp (ring producer)
-THREADS = 32 * (WARPS + LOADER_WARPS)
+THREADS = 32 * (WARPS + LOADER_WARPS)  # the default block; Plan.threads is the plan's
+# Plan.compute_registers: setmaxnreg moves registers between whole warpgroups (4 warps), so a
+# split block is three: the compute warps' two and the loader's (the loader and 3 warps that only
+# give their registers back). 12 warps get the same 168 registers each as 9 at one block per SM
+# (65,536 / 384, down to a multiple of 8).
+BASE_REGISTERS = 168
+SPLIT_THREADS = 32 * (WARPS + 4)
 ROW_PAD = 16  # bytes of padding per staged row: spreads rows over banks for the fragment loads
 PROF_OPS = 16  # block.cuh: the profiler's deferred op-stamp slots (in MISC; rendered)
 MISC_SCRATCH = 58  # block.cuh: the first MISC int of top-k's scratch, past the fixed slots (rendered)
@@ -281,8 +287,25 @@ class Plan:
     # cap makes the same code spill (megakernel.cu MK_MAX_REGISTERS), so a spill's cost can be
     # measured without another source
     max_registers: int = 0
+    # per-role register budgets (0 = off: 9 warps of 168). N: a 12-warp block whose compute warps
+    # raise their budget to N registers (setmaxnreg.inc) with what the loader's warpgroup gives
+    # back (setmaxnreg.dec to loader_registers); ptxas allocates each role's code to its budget
+    compute_registers: int = 0
     ring_fill: int = 0  # of ring_stages, those added from spare shared memory (make_plan fill_ring)
     tiles: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def threads(self) -> int:
+        """Threads per block: 9 warps, or 12 with per-role register budgets (compute_registers)."""
+        return SPLIT_THREADS if self.compute_registers else THREADS
+
+    @property
+    def loader_registers(self) -> int:
+        """The loader warpgroup's budget under compute_registers (0 when off): the 4 warps of the
+        loader's group give back what the 8 compute warps take above 168 (the CTA's register pool
+        must balance, or setmaxnreg.inc waits forever)."""
+        n = self.compute_registers
+        return BASE_REGISTERS - 2 * (n - BASE_REGISTERS) if n else 0
 
     @property
     def fused_parts(self) -> int:
@@ -440,7 +463,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               residual_unit_rows: int | None = None, tokens: int | None = None,
               expert1_rows: int | None = None, expert2_rows: int | None = None,
               launch_waits: bool = False, layout_pad: int = 0, layout_gap: int = 0, fused_experts: bool = False,
-              keep_max: int = KEEP_MAX, ring_max: int = RING_FILL_MAX, max_registers: int = 0) -> Plan:
+              keep_max: int = KEEP_MAX, ring_max: int = RING_FILL_MAX, max_registers: int = 0,
+              compute_registers: int = 0) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -452,10 +476,17 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     bytes up to 64 KB; layout_gap: the same in the middle of the ops' code (Plan.layout_gap).
     keep_max: at most this many kept gate/up units (fused_experts; A/Bs, tests). ring_max:
     fill_ring stops at this many stages (A/Bs: ring depth against kept units). max_registers: Plan's
-    (A/Bs: a cap below the launch bounds' 168; 0 = none)."""
+    (A/Bs: a cap below the launch bounds' 168; 0 = none). compute_registers: Plan's (0 = off, or a
+    multiple of 8 from 176 to 232)."""
     cfg.validate()
     if not (isinstance(max_registers, int) and (max_registers == 0 or 64 <= max_registers <= 168)):
         raise ValueError(f"max_registers {max_registers!r}: want 0 (the launch bounds' 168) or a cap of 64..168 registers")
+    if not (isinstance(compute_registers, int) and (compute_registers == 0 or (
+            BASE_REGISTERS < compute_registers <= 232 and compute_registers % 8 == 0))):
+        # 232: the loader's warpgroup keeps 40 (setmaxnreg takes multiples of 8 from 24 to 256)
+        raise ValueError(f"compute_registers {compute_registers!r}: want 0 (off) or a multiple of 8 from 176 to 232")
+    if compute_registers and max_registers:
+        raise ValueError("compute_registers and max_registers: a register cap and per-role budgets do not combine")
     if not (isinstance(ring_max, int) and 1 <= ring_max <= RING_FILL_MAX):
         raise ValueError(f"ring_max {ring_max!r}: want 1..{RING_FILL_MAX} ring stages")
     if not (isinstance(keep_max, int) and 0 <= keep_max <= KEEP_MAX):
@@ -496,7 +527,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              hot_prefetch_bytes=hot_prefetch_bytes, kv_prefetch=kv_prefetch, keys_per_split=keys_per_split,
              profile_detail=profile_detail, fp4_rotated=fp4_rotated, tiles=tiles, launch_waits=launch_waits,
              layout_pad=layout_pad, layout_gap=layout_gap, fused_experts=fused_experts,
-             max_registers=max_registers)
+             max_registers=max_registers, compute_registers=compute_registers)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -558,7 +589,9 @@ def render(plan: Plan) -> str:
         f"constexpr int MOE_COMBINE_COLS = {MOE_COMBINE_COLS};",
         "// launch shape",
         f"constexpr int WARPS = {WARPS};",
-        f"constexpr int THREADS = {THREADS};",
+        f"constexpr int THREADS = {plan.threads};",
+        f"constexpr int COMPUTE_REGS = {plan.compute_registers};  // per-role budgets (Plan.compute_registers; 0 = off)",
+        f"constexpr int LOADER_REGS = {plan.loader_registers};",
         f"constexpr int COMPUTE_THREADS = {32 * WARPS};",
         f"constexpr int ROW_PAD = {ROW_PAD};",
         "// ring (tuned constants: weights.ring) and smem carve-up",

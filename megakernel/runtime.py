@@ -26,7 +26,7 @@ from microbench.watchdog import Watchdog
 from . import abi, tiling, tree as treelib
 from .config import ConfigError
 from .fp4_layout import is_canonical
-from .plan import THREADS, Plan
+from .plan import Plan
 from .program import (WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE, WHAT_NORM_ROWS, WHAT_RING_EMPTY, WHAT_RING_FULL,
                       WHAT_SENTINEL, Program, build as build_program)
 from .reference import KVCache
@@ -363,7 +363,7 @@ class Engine:
             from microbench.launch import LaunchSpec, launch
 
             # one shared-memory size for both builds (the profile_launches setter checks it)
-            spec = LaunchSpec(grid=grid, block=THREADS, smem=self.plan.smem_bytes, pdl=pdl)
+            spec = LaunchSpec(grid=grid, block=self.plan.threads, smem=self.plan.smem_bytes, pdl=pdl)
             kernel = self._plain if plain else self.kernel
             launch(kernel, spec, self._params_dev, np.int32(first), np.int32(n), np.int32(wait), np.int32(t),
                    np.int32(ctx), np.int32(self.parity), pb, pm, persistent=bool(wait))

@@ -144,6 +144,48 @@ def test_max_registers_caps_the_build(tiny):
             make_plan(cfg, 4, max_registers=bad)
 
 
+def test_compute_registers_split_the_budget_between_roles(tiny):
+    """Plan.compute_registers, per-role register budgets: a 12-warp block (the loader's warpgroup
+    of 4) whose compute warpgroups take N registers with setmaxnreg.inc and whose loader group
+    gives back what makes the CTA's pool balance (8 x (N - 168) = 4 x (168 - loader)), or the
+    compute warps would wait forever. The cubin carries both instructions with those budgets and
+    does not spill; the default build stays 9 warps without them; the emulated step (the extra
+    warps only leave) is bitwise the default's; budgets setmaxnreg or the pool cannot take are
+    refused."""
+    from microbench.compiler import compile_cuda
+    from microbench.sass import count_matching, find_disassembler, sass_by_kernel
+
+    from megakernel.build import MB_INC
+
+    cfg, w, base, plan = tiny
+    assert plan.compute_registers == 0 and plan.threads == 288 and "constexpr int COMPUTE_REGS = 0;" in render(plan)
+    split = make_plan(cfg, 132, compute_registers=224)
+    assert split.threads == 384 and split.loader_registers == 56
+    assert 8 * (224 - 168) == 4 * (168 - split.loader_registers)
+    text = render(split)
+    assert "constexpr int THREADS = 384;" in text and "constexpr int LOADER_REGS = 56;" in text
+    mod = compile_cuda(source(split), name="megakernel-creg224", include_dirs=[CSRC, MB_INC])
+    u = mod.usage("mk_run")
+    assert u.spills == 0 and u.registers == 168, u  # the launch bounds' budget at entry
+    if find_disassembler() is not None:  # CI has cuobjdump; without one the rendered budgets above stand
+        sass = sass_by_kernel(mod.cubin)["mk_run"]
+        assert count_matching(sass, r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe0\b") == 1, "compute warps: inc to 224"
+        assert count_matching(sass, r"USETMAXREG\.DEALLOC\.CTAPOOL 0x38\b") >= 1, "loader group: dec to 56"
+        default = sass_by_kernel(compile_cuda(source(make_plan(cfg, 132)), name="megakernel-creg0",
+                                              include_dirs=[CSRC, MB_INC]).cubin)["mk_run"]
+        assert count_matching(default, "USETMAXREG") == 0
+    toks, par = _inputs(cfg, 5, 11)
+    a = Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
+    b = Engine(w, dataclasses.replace(plan, compute_registers=224), base.clone(), backend="emu").step(
+        toks, par, 40, mode="mega")
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.tokens, b.tokens)
+    for bad in (168, 236, 240, 180, 1.5, -8):
+        with pytest.raises(ValueError, match="compute_registers"):
+            make_plan(cfg, 4, compute_registers=bad)
+    with pytest.raises(ValueError, match="do not combine"):
+        make_plan(cfg, 4, compute_registers=224, max_registers=160)
+
+
 def test_attention_skipping_sub_blocks_past_a_split_keeps_the_bits(tiny, tmp_path):
     """attention.cuh leaves a round's sub-blocks once they start past the split's run (with 32-key
     splits, the default, a shard8 round's second sub-block scores nothing). An all-masked

@@ -6,7 +6,8 @@
 //     wait = 0 (chain mode): the host launches one op instance per launch, in order; stream order
 //              replaces the counters. Same code, same units, same reduction orders: the two
 //              modes are bitwise equal by construction, and tests check it.
-// Block = WARPS compute warps + 1 loader warp (bulk copies into the shared-memory ring).
+// Block = WARPS compute warps + 1 loader warp (bulk copies into the shared-memory ring), and with
+// per-role register budgets (COMPUTE_REGS) 3 spare warps that complete the loader's warpgroup.
 // The last two parameters are the profiler's (mb/profile.cuh): (0, 0) records nothing.
 // Constants come from megakernel/plan.py (rendered above this file when built; the committed
 // default_config.cuh — the tiny preset — lets this file compile on its own).
@@ -16,7 +17,8 @@
 #include "mk/program.cuh"
 
 // MK_MAX_REGISTERS (Plan.max_registers, A/Bs only): a register cap below the 168 the launch bounds
-// give 9 warps, so that the same code can be made to spill and a spill's cost measured.
+// give 9 warps, so that the same code can be made to spill and a spill's cost measured. The
+// launch bounds of 12 warps (COMPUTE_REGS) also give 168, the budget setmaxnreg starts from.
 #if MK_MAX_REGISTERS
 extern "C" __global__ void __maxnreg__(MK_MAX_REGISTERS)
 #else
@@ -63,9 +65,17 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
     }
   }
   sync_block();
+  // per-role budgets (COMPUTE_REGS): the loader's warpgroup gives registers back, its other 3
+  // warps existing only for that (setmaxnreg is per warpgroup), and the compute warps take them.
+  // Written so that the default build's code is what it was without them (an `if` around the
+  // roles moved ptxas to a 16 B spill)
   if (warp() == WARPS) {
+    if constexpr (COMPUTE_REGS > 0) setmaxnreg_dec<LOADER_REGS>();
     loader_loop(b, first, n_ops);  // weights only: never waits for the previous launch
+  } else if (COMPUTE_REGS > 0 && warp() > WARPS) {
+    setmaxnreg_dec<LOADER_REGS>();  // a spare warp: gives its registers back and leaves
   } else {
+    if constexpr (COMPUTE_REGS > 0) setmaxnreg_inc<COMPUTE_REGS>();
     if (PDL) pdl_wait();  // activations, caches and counters of the previous launch are complete
     // launches the host does not record (no buffer) skip the instants and the flush too
     const bool rec = mb_prof_buf != nullptr;

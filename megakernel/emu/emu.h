@@ -20,6 +20,11 @@ MK_DEV bool sync_compute_or(bool v, const char* f = __builtin_FILE(), int l = __
 }
 MK_DEV void sync_block(const char* f = __builtin_FILE(), int l = __builtin_LINE()) { emu::block_barrier(0, 0, {f, l}); }
 MK_DEV void syncwarp() { emu::warp_barrier(); }
+// register budgets are the GPU's business: the emulation has no register file
+template <int N>
+MK_DEV void setmaxnreg_inc() {}
+template <int N>
+MK_DEV void setmaxnreg_dec() {}
 
 template <typename T>
 inline T shfl_xor_t(T v, int m) {

@@ -54,6 +54,14 @@ MK_DEV bool sync_compute_or(bool v) {
 }
 MK_DEV void sync_block() { __syncthreads(); }
 MK_DEV void syncwarp() { __syncwarp(); }
+// Per-role register budgets (Plan.compute_registers): every warp of a warpgroup executes the same
+// one. ptxas allocates the code after it to N registers. Danger: .inc blocks until the CTA's pool
+// holds the registers, so the .dec side must give back at least as many, or the compute warps
+// never start (plan.py loader_registers balances them).
+template <int N>
+MK_DEV void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(N)); }
+template <int N>
+MK_DEV void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(N)); }
 MK_DEV float shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 MK_DEV int shfl_xor_i(int v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 MK_DEV int bcast_i(int v) { return __shfl_sync(0xffffffffu, v, 0); }  // lane 0's value

@@ -34,6 +34,8 @@ constexpr int MOE_COMBINE_COLS = 16;
 // launch shape
 constexpr int WARPS = 8;
 constexpr int THREADS = 288;
+constexpr int COMPUTE_REGS = 0;  // per-role budgets (Plan.compute_registers; 0 = off)
+constexpr int LOADER_REGS = 0;
 constexpr int COMPUTE_THREADS = 256;
 constexpr int ROW_PAD = 16;
 // ring (tuned constants: weights.ring) and smem carve-up
