@@ -182,17 +182,20 @@ def compile_cuda(source: str | Path, *, name: str | None = None, arch: str = DEF
     incs = [str(Path(d)) for d in include_dirs]
     if src_path is not None:
         incs.insert(0, str(src_path.parent))
-    incs += [str(d) for d in PROJECT_INCLUDE_DIRS] + list(cuda_include_dirs())
+    toolkit = list(cuda_include_dirs())
+    incs += [str(d) for d in PROJECT_INCLUDE_DIRS] + toolkit
     incs = list(dict.fromkeys(incs))
     opts = dict(extra_options or {})
-    # The key names content, not locations: project headers by their bytes, toolkit headers by the
-    # NVRTC version that ships them, so a cache built on one machine is valid on another. (Headers
-    # in include dirs outside the repository are not hashed: pass use_cache=False when they change.)
+    # The key names content, not locations: the headers of every include dir but the toolkit's by
+    # their bytes, toolkit headers by the NVRTC version that ships them, so a cache built on one
+    # machine is valid on another. Danger: a dir left out of the hash (those outside the repository
+    # were, until 2026-12-01) makes two kernel trees with the same top-level text share one cubin
+    # (an A/B variant tree silently ran another variant's build).
     tv = toolchain_versions()
     key_material = json.dumps({
         "fmt": CACHE_FORMAT, "src": text, "name": name, "arch": arch, "defines": defs,
         "lineinfo": lineinfo, "maxreg": max_registers, "opts": {k: repr(v) for k, v in sorted(opts.items())},
-        "headers": _project_header_digest([Path(i) for i in incs if Path(i).resolve().is_relative_to(REPO_ROOT)]),
+        "headers": _project_header_digest([Path(i) for i in incs if i not in toolkit]),
         "tool": {"nvrtc": tv.get("nvrtc"), "cuda-core": tv.get("cuda-core")},
     }, sort_keys=True).encode()
     key = hashlib.sha256(key_material).hexdigest()[:20]

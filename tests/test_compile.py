@@ -115,3 +115,21 @@ def test_racecheck_ring_probe_compiles_for_sm90a():
     for k in rp.KERNELS:
         u = mod.usage(k)
         assert u.spills == 0 and u.code_bytes > 0, u
+
+
+def test_cache_key_covers_headers_outside_the_repository(tmp_path, monkeypatch):
+    """Two kernel trees outside the repository (A/B variant copies of megakernel/csrc) with the same
+    top-level source and different headers must not share a cached cubin: before 2026-12-01 only
+    in-repository headers were hashed, and a variant silently ran another variant's build."""
+    monkeypatch.setenv("MEGABENCH_CACHE", str(tmp_path / "cache"))
+    src = '#include "v.cuh"\nextern "C" __global__ void k(int* x) { x[threadIdx.x] = V; }\n'
+    mods = []
+    for v in (3, 5):
+        d = tmp_path / f"tree{v}"
+        d.mkdir()
+        (d / "v.cuh").write_text(f"#define V {v}\n")
+        mods.append(compile_cuda(src, name="tree_probe", include_dirs=[d]))
+    assert mods[0].key != mods[1].key and mods[0].cubin != mods[1].cubin
+    # the same tree again is a cache hit
+    again = compile_cuda(src, name="tree_probe", include_dirs=[tmp_path / "tree5"])
+    assert again.key == mods[1].key and again.cubin == mods[1].cubin
