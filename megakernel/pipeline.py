@@ -63,6 +63,15 @@ def _get(constants, key):
     return constants[key] if isinstance(constants, dict) else getattr(constants, key)
 
 
+# Profiled builds take per-role register budgets (Plan.compute_registers): the profiler's code
+# made shard8 spill (44 B at T=1, 42 B in the detail build at T=16) and none of them spills with
+# 224. In-run A/B, H200 2026-12-01 05:23Z, 7 rounds, every launch recorded, over the unprofiled
+# default: shard8 T=1 +9.50% -> +4.34%, T=16 +3.04 -> +3.00%, small T=16 +4.94 -> +4.93%; the
+# unprofiled build with 224 moved -0.69 / -0.06 / +0.87% (a 512 B layout placebo +0.76 / +0.54 /
+# +0.75%), so the default build stays 9 warps
+PROFILED_COMPUTE_REGISTERS = 224
+
+
 def plan_for(preset: str, constants=None, n_sm: int | None = None, **switches) -> Plan:
     """Plan from the tuned constants (documented defaults where no constants file exists)."""
     from microbench.device import device_info
@@ -95,6 +104,8 @@ def plan_for(preset: str, constants=None, n_sm: int | None = None, **switches) -
               # T=1 -2.92%, small T=16 +0.06%
               fused_experts=fuses_experts(cfg))
     kw.update(switches)  # a technique switch overrides the constant
+    if kw.get("profile") and not kw.get("max_registers") and "compute_registers" not in switches:
+        kw["compute_registers"] = PROFILED_COMPUTE_REGISTERS
     if "fused_experts" not in switches and kw["fused_experts"]:
         try:  # the default only: a unit of too few gate rows for a K-part builds the split GEMMs
             make_plan(cfg, n_sm, **kw)

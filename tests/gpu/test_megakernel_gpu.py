@@ -23,11 +23,12 @@ def test_mega_equals_chain_and_matches_reference(preset, T, ctx):
 
 def test_every_technique_keeps_the_bits_on_the_gpu():
     """small, T=16, real routing: no technique, every technique (sentinel slots and the hot-expert
-    L2 bet included) and the tuned default compute the same logits over two consecutive steps (the
+    L2 bet included), the tuned default and the default with per-role register budgets (a 12-warp
+    block; what profiled builds run) compute the same logits over two consecutive steps (the
     second step bets on the first's experts and reuses the sentinel slots), in mega and chain
     mode, and the sentinel slots are empty (-0.0) after each step."""
     from megakernel.bench_baselines import step_context, weights_for
-    from megakernel.pipeline import NONE, plan_for, technique_switches
+    from megakernel.pipeline import NONE, PROFILED_COMPUTE_REGISTERS, plan_for, technique_switches
     from megakernel.runtime import Engine
 
     sc = step_context("small", 16, 1500)
@@ -35,7 +36,7 @@ def test_every_technique_keeps_the_bits_on_the_gpu():
     allsw = {k: v for d in technique_switches(None, torch.cuda.get_device_properties(0).multi_processor_count).values()
              for k, v in d.items()}
     ref = None
-    for sw in (NONE, allsw, {}):
+    for sw in (NONE, allsw, {}, {"compute_registers": PROFILED_COMPUTE_REGISTERS}):
         plan = plan_for("small", **sw)
         for mode in ("mega", "chain"):
             eng = Engine(w, plan, sc.cache0.clone(), backend="gpu")
