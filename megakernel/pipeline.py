@@ -63,13 +63,15 @@ def _get(constants, key):
     return constants[key] if isinstance(constants, dict) else getattr(constants, key)
 
 
-# Profiled builds take per-role register budgets (Plan.compute_registers): the profiler's code
-# made shard8 spill (44 B at T=1, 42 B in the detail build at T=16) and none of them spills with
-# 224. In-run A/B, H200 2026-12-01 05:23Z, 7 rounds, every launch recorded, over the unprofiled
-# default: shard8 T=1 +9.50% -> +4.34%, T=16 +3.04 -> +3.00%, small T=16 +4.94 -> +4.93%; the
-# unprofiled build with 224 moved -0.69 / -0.06 / +0.87% (a 512 B layout placebo +0.76 / +0.54 /
-# +0.75%), so the default build stays 9 warps
-PROFILED_COMPUTE_REGISTERS = 224
+# Per-role register budgets (Plan.compute_registers; technique 1's "register budgets per role"):
+# the compute warps take 224 registers, the loader's warpgroup keeps 56. The builds stop being 3
+# registers short of a spill (the profiled builds spilled 44 B at shard8 T=1, 42 B in the detail
+# build: none does now). In-run A/Bs on the H200, 2026-12-01, 7 rounds each, against 9 warps of 168
+# (shard8 T=16 / shard8 T=1 / small T=16): 05:23Z -0.06 / -0.69 / +0.87%, 05:30Z -0.37 / -0.75 /
+# -0.05%, 05:35Z -0.59 / -0.83 / +0.07% (512 B layout placebos -0.49..+0.76%); profiled, every launch
+# recorded: +3.04 / +9.50 / +4.94% over the unprofiled build without them, +3.00 / +4.34 / +4.93%
+# with them (05:23Z)
+ROLE_REGISTERS = 224
 
 
 def plan_for(preset: str, constants=None, n_sm: int | None = None, **switches) -> Plan:
@@ -102,10 +104,11 @@ def plan_for(preset: str, constants=None, n_sm: int | None = None, **switches) -
               # In-run A/B on the H200 (2026-11-30 23:15Z, 5 rounds, against the split GEMMs; a
               # layout placebo of the split build -0.19 / +0.76 / -0.33%): shard8 T=16 -1.26%,
               # T=1 -2.92%, small T=16 +0.06%
-              fused_experts=fuses_experts(cfg))
+              fused_experts=fuses_experts(cfg),
+              compute_registers=ROLE_REGISTERS)
     kw.update(switches)  # a technique switch overrides the constant
-    if kw.get("profile") and not kw.get("max_registers") and "compute_registers" not in switches:
-        kw["compute_registers"] = PROFILED_COMPUTE_REGISTERS
+    if kw.get("max_registers") and "compute_registers" not in switches:
+        kw["compute_registers"] = 0  # a register cap (A/Bs) is a 9-warp build's
     if "fused_experts" not in switches and kw["fused_experts"]:
         try:  # the default only: a unit of too few gate rows for a K-part builds the split GEMMs
             make_plan(cfg, n_sm, **kw)
@@ -281,11 +284,11 @@ def technique_switches(constants=None, n_sm: int = 132) -> dict[str, dict]:
     return {"loader_ahead": {"loader_ahead": True}, "pdl": {"pdl": True}, "l2_prefetch": {"l2_prefetch_bytes": l2},
             "evict_first": {"stream_evict_first": True}, "sentinel": {"sentinel_route": True},
             "hot_prefetch": {"hot_prefetch_bytes": max(16 * 1024, hot_prefetch_budget(c, n_sm))},
-            "kv_prefetch": {"kv_prefetch": True}}
+            "kv_prefetch": {"kv_prefetch": True}, "role_registers": {"compute_registers": ROLE_REGISTERS}}
 
 
 NONE = {"loader_ahead": False, "pdl": False, "l2_prefetch_bytes": 0, "stream_evict_first": False,
-        "sentinel_route": False, "hot_prefetch_bytes": 0, "kv_prefetch": False}
+        "sentinel_route": False, "hot_prefetch_bytes": 0, "kv_prefetch": False, "compute_registers": 0}
 
 
 def ablation(h, preset: str, n_tokens: int, ctx: int, constants, ceiling, log=print) -> list[Series]:

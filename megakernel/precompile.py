@@ -7,14 +7,13 @@ filled here is reused on a GPU machine with the same NVRTC: device time is not s
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
 
 def plans(n_sm: int = 132):
     from .config import preset
-    from .pipeline import CHECK_POINTS, FULL, NONE, PROFILED_COMPUTE_REGISTERS, QUICK, plan_for, technique_switches
+    from .pipeline import CHECK_POINTS, FULL, NONE, QUICK, plan_for, technique_switches
     from .plan import make_plan
 
     out = []
@@ -33,12 +32,7 @@ def plans(n_sm: int = 132):
         for sw in variants:
             out.append(plan_for(p, None, n_sm, **sw))
         out.append(plan_for(p, None, n_sm, profile=False, profile_cap=128))  # pipeline.timeline: the default build
-        prof = plan_for(p, None, n_sm, profile=True, profile_cap=128)
-        # its sampled launches' unprofiled build (Engine.profile_launches): the profiled plan's
-        # register budgets (pipeline.PROFILED_COMPUTE_REGISTERS), not the default build's
-        out += [prof, replace(prof, profile=False)]
-        if p == "small":  # the GPU test of every technique's bits
-            out.append(plan_for(p, None, n_sm, compute_registers=PROFILED_COMPUTE_REGISTERS))
+        out.append(plan_for(p, None, n_sm, profile=True, profile_cap=128))
         if p == "shard8":  # cli timeline-detail
             out.append(plan_for(p, None, n_sm, profile=True, profile_detail=True, profile_cap=1024))
     cfg = preset("tiny")

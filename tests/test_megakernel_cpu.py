@@ -184,14 +184,15 @@ def test_compute_registers_split_the_budget_between_roles(tiny):
             make_plan(cfg, 4, compute_registers=bad)
     with pytest.raises(ValueError, match="do not combine"):
         make_plan(cfg, 4, compute_registers=224, max_registers=160)
-    # profiled builds take the budgets (the profiler's code made shard8 spill without them), unless
-    # a switch says otherwise; unprofiled builds keep 9 warps
-    from megakernel.pipeline import PROFILED_COMPUTE_REGISTERS, plan_for
+    # the pipeline's builds (profiled or not) take the budgets unless a switch says otherwise; a
+    # register cap (an A/B's spill control) is a 9-warp build's
+    from megakernel.pipeline import NONE, ROLE_REGISTERS, plan_for
 
-    assert plan_for("tiny", None, 4, profile=True).compute_registers == PROFILED_COMPUTE_REGISTERS == 224
-    assert plan_for("tiny", None, 4, profile=True, compute_registers=0).compute_registers == 0
-    assert plan_for("tiny", None, 4, profile=True, max_registers=160).compute_registers == 0
-    assert plan_for("tiny", None, 4).compute_registers == 0
+    assert plan_for("tiny", None, 4).compute_registers == ROLE_REGISTERS == 224
+    assert plan_for("tiny", None, 4, profile=True).compute_registers == ROLE_REGISTERS
+    assert plan_for("tiny", None, 4, compute_registers=0).threads == 288
+    assert plan_for("tiny", None, 4, max_registers=160).compute_registers == 0
+    assert plan_for("tiny", None, 4, **NONE).compute_registers == 0
 
 
 def test_attention_skipping_sub_blocks_past_a_split_keeps_the_bits(tiny, tmp_path):
