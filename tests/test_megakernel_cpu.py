@@ -149,7 +149,7 @@ def test_compute_registers_split_the_budget_between_roles(tiny):
     of 4) whose compute warpgroups take N registers with setmaxnreg.inc and whose loader group
     gives back what makes the CTA's pool balance (8 x (N - 168) = 4 x (168 - loader)), or the
     compute warps would wait forever. The cubin carries both instructions with those budgets and
-    does not spill; the default build stays 9 warps without them; the emulated step (the extra
+    does not spill; make_plan's default (0) stays 9 warps without them; the emulated step (the extra
     warps only leave) is bitwise the default's; budgets setmaxnreg or the pool cannot take are
     refused."""
     from microbench.compiler import compile_cuda
