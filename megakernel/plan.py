@@ -26,6 +26,7 @@ THREADS = 32 * (WARPS + LOADER_WARPS)  # the default block; Plan.threads is the 
 # (65,536 / 384, down to a multiple of 8).
 BASE_REGISTERS = 168
 SPLIT_THREADS = 32 * (WARPS + 4)
+RECV_SLOTS = 4  # block.cuh MISC_RECV: Plan.receive_warp's per-op notes, op i in slot i % RECV_SLOTS
 ROW_PAD = 16  # bytes of padding per staged row: spreads rows over banks for the fragment loads
 PROF_OPS = 16  # block.cuh: the profiler's deferred op-stamp slots (in MISC; rendered)
 MISC_SCRATCH = 58  # block.cuh: the first MISC int of top-k's scratch, past the fixed slots (rendered)
@@ -291,6 +292,11 @@ class Plan:
     # raise their budget to N registers (setmaxnreg.inc) with what the loader's warpgroup gives
     # back (setmaxnreg.dec to loader_registers); ptxas allocates each role's code to its budget
     compute_registers: int = 0
+    # technique 1's "dedicated warps for receives": one of the loader warpgroup's spare warps
+    # (needs compute_registers) waits, op by op and ahead of the compute warps, for each op's
+    # "all" dependencies and notes them in shared memory, where thread 0 finds them instead of
+    # polling the counter in L2 itself (program.cuh receive_loop)
+    receive_warp: bool = False
     ring_fill: int = 0  # of ring_stages, those added from spare shared memory (make_plan fill_ring)
     tiles: dict = field(default_factory=dict, compare=False)
 
@@ -400,6 +406,7 @@ class Plan:
         rtag = MISC_SCRATCH + c.max_tree * c.top_k + 2 * ((c.n_experts + 31) // 32) + c.n_experts  # MISC_RTAG
         pslot = (rtag + 1 + 16 + 1) & ~1  # MISC_PSLOT: past RTAG and RNORM[16], 8-byte aligned
         ints = pslot + 8 * PROF_OPS + 2 + 2 + KEEP_MAX  # PSLOT, PWIN, PWAIT, KEEP
+        ints += RECV_SLOTS if self.receive_warp else 0  # MISC_RECV
         return -(-((2 * self.ring_stages + 1) * 8 + 4 * ints) // 16) * 16
 
     @property
@@ -464,7 +471,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               expert1_rows: int | None = None, expert2_rows: int | None = None,
               launch_waits: bool = False, layout_pad: int = 0, layout_gap: int = 0, fused_experts: bool = False,
               keep_max: int = KEEP_MAX, ring_max: int = RING_FILL_MAX, max_registers: int = 0,
-              compute_registers: int = 0) -> Plan:
+              compute_registers: int = 0, receive_warp: bool = False) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -477,7 +484,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     keep_max: at most this many kept gate/up units (fused_experts; A/Bs, tests). ring_max:
     fill_ring stops at this many stages (A/Bs: ring depth against kept units). max_registers: Plan's
     (A/Bs: a cap below the launch bounds' 168; 0 = none). compute_registers: Plan's (0 = off, or a
-    multiple of 8 from 176 to 232)."""
+    multiple of 8 from 176 to 232). receive_warp: Plan's (needs compute_registers)."""
     cfg.validate()
     if not (isinstance(max_registers, int) and (max_registers == 0 or 64 <= max_registers <= 168)):
         raise ValueError(f"max_registers {max_registers!r}: want 0 (the launch bounds' 168) or a cap of 64..168 registers")
@@ -485,6 +492,9 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
             BASE_REGISTERS < compute_registers <= 232 and compute_registers % 8 == 0))):
         # 232: the loader's warpgroup keeps 40 (setmaxnreg takes multiples of 8 from 24 to 256)
         raise ValueError(f"compute_registers {compute_registers!r}: want 0 (off) or a multiple of 8 from 176 to 232")
+    if receive_warp and not compute_registers:
+        raise ValueError("receive_warp needs compute_registers: the receive warp is a spare warp of the loader's "
+                         "warpgroup, which exists only with per-role register budgets")
     if compute_registers and max_registers:
         raise ValueError("compute_registers and max_registers: a register cap and per-role budgets do not combine")
     if not (isinstance(ring_max, int) and 1 <= ring_max <= RING_FILL_MAX):
@@ -527,7 +537,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              hot_prefetch_bytes=hot_prefetch_bytes, kv_prefetch=kv_prefetch, keys_per_split=keys_per_split,
              profile_detail=profile_detail, fp4_rotated=fp4_rotated, tiles=tiles, launch_waits=launch_waits,
              layout_pad=layout_pad, layout_gap=layout_gap, fused_experts=fused_experts,
-             max_registers=max_registers, compute_registers=compute_registers)
+             max_registers=max_registers, compute_registers=compute_registers, receive_warp=bool(receive_warp))
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -592,6 +602,8 @@ def render(plan: Plan) -> str:
         f"constexpr int THREADS = {plan.threads};",
         f"constexpr int COMPUTE_REGS = {plan.compute_registers};  // per-role budgets (Plan.compute_registers; 0 = off)",
         f"constexpr int LOADER_REGS = {plan.loader_registers};",
+        f"constexpr int RECEIVE_WARP = {int(plan.receive_warp)};  // Plan.receive_warp",
+        f"constexpr int RECV_SLOTS = {RECV_SLOTS};",
         f"constexpr int COMPUTE_THREADS = {32 * WARPS};",
         f"constexpr int ROW_PAD = {ROW_PAD};",
         "// ring (tuned constants: weights.ring) and smem carve-up",

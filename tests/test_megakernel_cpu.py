@@ -195,6 +195,28 @@ def test_compute_registers_split_the_budget_between_roles(tiny):
     assert plan_for("tiny", None, 4, **NONE).compute_registers == 0
 
 
+@pytest.mark.parametrize("t,ctx", [(5, 40), (16, 100)])
+def test_receive_warp_keeps_the_bits(tiny, t, ctx):
+    """Plan.receive_warp: a spare warp of the loader's warpgroup waits for each static op's "all"
+    dependencies ahead of the compute warps and notes them in shared memory, where thread 0 takes
+    them instead of polling L2. Whether it got there first or not, the step computes the same bits
+    in mega mode as the build without it (and chain mode, which receives nothing); the notes cost
+    RECV_SLOTS ints of shared memory and exist only in that build; without the spare warps
+    (compute_registers=0) it is refused."""
+    cfg, w, base, plan = tiny
+    split = dataclasses.replace(plan, compute_registers=224)
+    recv = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, compute_registers=224, receive_warp=True)
+    assert "constexpr int RECEIVE_WARP = 1;" in render(recv) and "constexpr int RECEIVE_WARP = 0;" in render(split)
+    assert recv.misc_bytes - split.misc_bytes in (0, 16) and recv.misc_bytes >= split.misc_bytes
+    toks, par = _inputs(cfg, t, 7)
+    a = Engine(w, split, base.clone(), backend="emu").step(toks, par, ctx, mode="mega")
+    for mode in ("mega", "chain"):
+        b = Engine(w, recv, base.clone(), backend="emu").step(toks, par, ctx, mode=mode)
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.tokens, b.tokens), mode
+    with pytest.raises(ValueError, match="receive_warp needs compute_registers"):
+        make_plan(cfg, 4, receive_warp=True)
+
+
 def test_attention_skipping_sub_blocks_past_a_split_keeps_the_bits(tiny, tmp_path):
     """attention.cuh leaves a round's sub-blocks once they start past the split's run (with 32-key
     splits, the default, a shard8 round's second sub-block scores nothing). An all-masked

@@ -58,6 +58,8 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
     b.misc[MISC_SLOT + 2] = -1;  // no slot record (program.cuh slot_fetch)
     b.misc[MISC_RTAG] = -1;
     for (int k = 0; k < KEEP_UNITS; ++k) b.misc[MISC_KEEP + k] = -1;
+    if constexpr (RECEIVE_WARP)
+      for (int k = 0; k < RECV_SLOTS; ++k) b.misc[MISC_RECV + k] = -1;
     b.misc[MISC_OPS_DONE] = 0;
     if (PROF_DEFER) {
       for (int k = 0; k < PROF_OPS; ++k) prof_slot(b, k)->op = -1;
@@ -74,6 +76,10 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
     loader_loop(b, first, n_ops);  // weights only: never waits for the previous launch
   } else if (COMPUTE_REGS > 0 && warp() > WARPS) {
     setmaxnreg_dec<LOADER_REGS>();  // a spare warp: gives its registers back and leaves
+    if (RECEIVE_WARP && warp() == WARPS + 1) {  // or receives (Plan.receive_warp)
+      if (PDL) pdl_wait();  // the counters are this launch's only after the previous one ended
+      receive_loop(b, first, n_ops);
+    }
   } else {
     if constexpr (COMPUTE_REGS > 0) setmaxnreg_inc<COMPUTE_REGS>();
     if (PDL) pdl_wait();  // activations, caches and counters of the previous launch are complete

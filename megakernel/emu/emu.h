@@ -201,6 +201,8 @@ MK_DEV void st_relaxed(void* p, uint32_t v) {
 }
 MK_DEV uint32_t ld_acquire(const uint32_t* p) { emu::yield(); return *reinterpret_cast<const volatile uint32_t*>(p); }
 MK_DEV void red_release(uint32_t* p, uint32_t v) { *p += v; }
+MK_DEV void st_release_cta(int* p, int v) { *reinterpret_cast<volatile int*>(p) = v; }
+MK_DEV int ld_acquire_cta(const int* p) { emu::yield(); return *reinterpret_cast<const volatile int*>(p); }
 MK_DEV void fence_release() {}
 MK_DEV void red_relaxed(uint32_t* p, uint32_t v) { *p += v; }
 MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long cmp, unsigned long long v) {

@@ -173,6 +173,16 @@ MK_DEV uint32_t ld_relaxed(const void* p) { return mb::ld_relaxed_gpu(static_cas
 MK_DEV void st_relaxed(void* p, uint32_t v) { mb::st_relaxed_gpu(static_cast<uint32_t*>(p), v); }
 MK_DEV uint32_t ld_acquire(const uint32_t* p) { return mb::ld_acquire_gpu(p); }
 MK_DEV void red_release(uint32_t* p, uint32_t v) { mb::red_add_release_gpu(p, v); }
+// A note from one warp of the block to another (Plan.receive_warp): the writer's acquire of a
+// counter, then this release, then the reader's acquire carry the producers' data to the reader.
+MK_DEV void st_release_cta(int* p, int v) {
+  asm volatile("st.release.cta.shared.u32 [%0], %1;" ::"r"(saddr(p).a), "r"(v) : "memory");
+}
+MK_DEV int ld_acquire_cta(const int* p) {
+  int v;
+  asm volatile("ld.acquire.cta.shared.u32 %0, [%1];" : "=r"(v) : "r"(saddr(p).a) : "memory");
+  return v;
+}
 // A release of several counters: one fence, then relaxed adds (each a release pattern with the
 // fence, PTX memory model), instead of a fence per red.release.
 MK_DEV void fence_release() { mb::fence_acq_rel_gpu(); }

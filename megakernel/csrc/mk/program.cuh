@@ -134,6 +134,13 @@ struct DepCache {
   int group_done[MAX_DEPS];  // dependency d ("group"): the group last satisfied
 };
 static_assert(MAX_DEPS == 3, "compute_loop initialises DepCache.group_done with three -1s");
+// Plan.receive_warp: whether the receive warp noted dependency d of op instance i as met (its
+// acquire of the counter, then st_release_cta / ld_acquire_cta, order the producers' data for
+// thread 0 as its own acquire would). Not noted yet: thread 0 waits itself, as without the warp.
+MK_DEV bool received(const Blk& b, int i, int d) {
+  const int v = ld_acquire_cta(b.misc + MISC_RECV + i % RECV_SLOTS);
+  return v >= 0 && (v >> 4) == i && ((v >> d) & 1);
+}
 MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u, DepCache& dc) {
   for (int d = 0; d < o.n_deps; ++d) {
     const uint32_t what = static_cast<uint32_t>(i * 16 + d);
@@ -141,6 +148,12 @@ MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u, DepCache& dc) {
     if (o.dep_mode[d] == DEP_LOCAL) continue;  // this block ran the producer's unit u before (program.py)
     if (o.dep_mode[d] == DEP_ALL) {
       if ((dc.all_done >> d) & 1u) continue;
+      if constexpr (RECEIVE_WARP) {
+        if (received(b, i, d)) {
+          dc.all_done |= 1u << d;
+          continue;
+        }
+      }
       if (!wait_dep(b, i, o, d, u, what)) return false;
       dc.all_done |= 1u << d;
     } else {
@@ -361,6 +374,31 @@ MK_DEV void prof_flush(Blk& b, mb::prof::Profiler& prof, bool more) {
     if (more) {
       sync_compute();
       if (tid() == 0) b.misc[MISC_PWIN] = w0 + PROF_OPS;
+    }
+  }
+}
+
+// Plan.receive_warp (technique 1's dedicated receive warp; lane 0 of a spare warp of the loader's
+// warpgroup): walks the launch's ops in order and waits for each static op's "all" dependencies
+// with the same bounded waits as thread 0, noting them in MISC_RECV, so that thread 0 finds a
+// dependency met in shared memory instead of paying the acquire's L2 round trip when it gets
+// there. It can only save that where the dependency was met before thread 0 arrived; where it was
+// not, thread 0 waits itself. Routed ops are skipped (their waits are the compute warps', before
+// the routing is known). A wait that gives up ends the walk (the watchdog has its record).
+MK_DEV void receive_loop(Blk& b, int first, int nops) {
+  if constexpr (RECEIVE_WARP) {
+    if (!b.wait || lane() != 0) return;  // chain mode: stream order, nothing to receive
+    for (int i = first; i < first + nops; ++i) {
+      const Op o = load_op(*b.p, i);
+      if (is_dynamic(o.kind)) continue;
+      int mask = 0;
+#pragma unroll
+      for (int d = 0; d < MAX_DEPS; ++d) {  // constant indices: `o` stays in registers
+        if (d >= o.n_deps || o.dep_mode[d] != DEP_ALL) continue;
+        if (!wait_dep_seen(b, o, o.dep_op[d], DEP_ALL, 0, static_cast<uint32_t>(i * 16 + d)).ok) return;
+        mask |= 1 << d;
+      }
+      if (mask) st_release_cta(b.misc + MISC_RECV + i % RECV_SLOTS, i << 4 | mask);
     }
   }
 }
