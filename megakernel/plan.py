@@ -26,7 +26,6 @@ THREADS = 32 * (WARPS + LOADER_WARPS)  # the default block; Plan.threads is the 
 # (65,536 / 384, down to a multiple of 8).
 BASE_REGISTERS = 168
 SPLIT_THREADS = 32 * (WARPS + 4)
-RECV_SLOTS = 4  # block.cuh MISC_RECV: Plan.receive_warp's per-op notes, op i in slot i % RECV_SLOTS
 ROW_PAD = 16  # bytes of padding per staged row: spreads rows over banks for the fragment loads
 PROF_OPS = 16  # block.cuh: the profiler's deferred op-stamp slots (in MISC; rendered)
 MISC_SCRATCH = 58  # block.cuh: the first MISC int of top-k's scratch, past the fixed slots (rendered)
@@ -294,8 +293,8 @@ class Plan:
     compute_registers: int = 0
     # technique 1's "dedicated warps for receives": one of the loader warpgroup's spare warps
     # (needs compute_registers) waits, op by op and ahead of the compute warps, for each op's
-    # "all" dependencies and notes them in shared memory, where thread 0 finds them instead of
-    # polling the counter in L2 itself (program.cuh receive_loop)
+    # "all" dependencies and counts the ops it passed in shared memory, which thread 0 waits on
+    # instead of polling the counters in L2 itself (program.cuh receive_loop)
     receive_warp: bool = False
     ring_fill: int = 0  # of ring_stages, those added from spare shared memory (make_plan fill_ring)
     tiles: dict = field(default_factory=dict, compare=False)
@@ -406,7 +405,7 @@ class Plan:
         rtag = MISC_SCRATCH + c.max_tree * c.top_k + 2 * ((c.n_experts + 31) // 32) + c.n_experts  # MISC_RTAG
         pslot = (rtag + 1 + 16 + 1) & ~1  # MISC_PSLOT: past RTAG and RNORM[16], 8-byte aligned
         ints = pslot + 8 * PROF_OPS + 2 + 2 + KEEP_MAX  # PSLOT, PWIN, PWAIT, KEEP
-        ints += RECV_SLOTS if self.receive_warp else 0  # MISC_RECV
+        ints += 1 if self.receive_warp else 0  # MISC_RECV
         return -(-((2 * self.ring_stages + 1) * 8 + 4 * ints) // 16) * 16
 
     @property
@@ -603,7 +602,6 @@ def render(plan: Plan) -> str:
         f"constexpr int COMPUTE_REGS = {plan.compute_registers};  // per-role budgets (Plan.compute_registers; 0 = off)",
         f"constexpr int LOADER_REGS = {plan.loader_registers};",
         f"constexpr int RECEIVE_WARP = {int(plan.receive_warp)};  // Plan.receive_warp",
-        f"constexpr int RECV_SLOTS = {RECV_SLOTS};",
         f"constexpr int COMPUTE_THREADS = {32 * WARPS};",
         f"constexpr int ROW_PAD = {ROW_PAD};",
         "// ring (tuned constants: weights.ring) and smem carve-up",

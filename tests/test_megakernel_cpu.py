@@ -198,11 +198,11 @@ def test_compute_registers_split_the_budget_between_roles(tiny):
 @pytest.mark.parametrize("t,ctx", [(5, 40), (16, 100)])
 def test_receive_warp_keeps_the_bits(tiny, t, ctx):
     """Plan.receive_warp: a spare warp of the loader's warpgroup waits for each static op's "all"
-    dependencies ahead of the compute warps and notes them in shared memory, where thread 0 takes
-    them instead of polling L2. Whether it got there first or not, the step computes the same bits
-    in mega mode as the build without it (and chain mode, which receives nothing); the notes cost
-    RECV_SLOTS ints of shared memory and exist only in that build; without the spare warps
-    (compute_registers=0) it is refused."""
+    dependencies ahead of the compute warps and counts the ops it passed in shared memory, which
+    thread 0 waits on instead of polling L2. The step computes the same bits in mega mode as the
+    build without it (and chain mode, which receives nothing); the count costs one int of shared
+    memory and exists only in that build; without the spare warps (compute_registers=0) it is
+    refused."""
     cfg, w, base, plan = tiny
     split = dataclasses.replace(plan, compute_registers=224)
     recv = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, compute_registers=224, receive_warp=True)

@@ -58,8 +58,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
     b.misc[MISC_SLOT + 2] = -1;  // no slot record (program.cuh slot_fetch)
     b.misc[MISC_RTAG] = -1;
     for (int k = 0; k < KEEP_UNITS; ++k) b.misc[MISC_KEEP + k] = -1;
-    if constexpr (RECEIVE_WARP)
-      for (int k = 0; k < RECV_SLOTS; ++k) b.misc[MISC_RECV + k] = -1;
+    if constexpr (RECEIVE_WARP) b.misc[MISC_RECV] = first;
     b.misc[MISC_OPS_DONE] = 0;
     if (PROF_DEFER) {
       for (int k = 0; k < PROF_OPS; ++k) prof_slot(b, k)->op = -1;

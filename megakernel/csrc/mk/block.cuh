@@ -39,11 +39,10 @@ constexpr int MISC_PWIN = MISC_PSLOT + 8 * PROF_OPS;  // the first op of the slo
 constexpr int MISC_PWAIT = MISC_PWIN + 2;
 // [KEEP_MAX] fused: the unit tag whose activations each kept-unit buffer holds (-1: none; ops/expert_gemm1.cuh)
 constexpr int MISC_KEEP = MISC_PWAIT + 2;
-// [RECV_SLOTS] Plan.receive_warp: op i's "all" dependencies the receive warp saw met, as
-// i << 4 | mask of them, in slot i % RECV_SLOTS (-1: none); absent from other builds
+// Plan.receive_warp: 1 + the last op whose "all" dependencies the receive warp saw met (it
+// starts at the launch's first op); absent from other builds
 constexpr int MISC_RECV = MISC_KEEP + KEEP_MAX;
-constexpr int MISC_INTS = MISC_RECV + (RECEIVE_WARP ? RECV_SLOTS : 0);
-static_assert(MAX_DEPS <= 4, "MISC_RECV keeps an op's dependency mask in 4 bits");
+constexpr int MISC_INTS = MISC_RECV + (RECEIVE_WARP ? 1 : 0);
 static_assert(KEEP_UNITS <= KEEP_MAX && KEEP_BYTES % 16 == 0, "kept units: their tags fit MISC_KEEP; aligned buffers");
 
 struct Blk {

@@ -37,7 +37,6 @@ constexpr int THREADS = 288;
 constexpr int COMPUTE_REGS = 0;  // per-role budgets (Plan.compute_registers; 0 = off)
 constexpr int LOADER_REGS = 0;
 constexpr int RECEIVE_WARP = 0;  // Plan.receive_warp
-constexpr int RECV_SLOTS = 4;
 constexpr int COMPUTE_THREADS = 256;
 constexpr int ROW_PAD = 16;
 // ring (tuned constants: weights.ring) and smem carve-up

@@ -134,12 +134,25 @@ struct DepCache {
   int group_done[MAX_DEPS];  // dependency d ("group"): the group last satisfied
 };
 static_assert(MAX_DEPS == 3, "compute_loop initialises DepCache.group_done with three -1s");
-// Plan.receive_warp: whether the receive warp noted dependency d of op instance i as met (its
-// acquire of the counter, then st_release_cta / ld_acquire_cta, order the producers' data for
-// thread 0 as its own acquire would). Not noted yet: thread 0 waits itself, as without the warp.
-MK_DEV bool received(const Blk& b, int i, int d) {
-  const int v = ld_acquire_cta(b.misc + MISC_RECV + i % RECV_SLOTS);
-  return v >= 0 && (v >> 4) == i && ((v >> d) & 1);
+// Plan.receive_warp, thread 0: wait until the receive warp has passed op instance i, i.e. seen
+// every "all" dependency of i met (its acquire of the counters, then st_release_cta /
+// ld_acquire_cta, order the producers' data for thread 0 as its own acquire would). A spin on
+// shared memory, bounded like every wait; the receive warp is then the block's only L2 poller.
+MK_DEV bool wait_received(const Blk& b, int i, uint32_t what) {
+  const int* r = b.misc + MISC_RECV;
+  if (ld_acquire_cta(r) > i) return true;
+  const uint64_t t0 = now_ns();
+  for (uint32_t k = 1;; ++k) {
+    if (ld_acquire_cta(r) > i) return true;
+    if ((k & 63u) == 0u) {
+      const uint64_t dt = now_ns() - t0;
+      if (dt > SPIN_BOUND_NS) {
+        report(*b.p, what, r, static_cast<uint64_t>(i + 1), static_cast<uint64_t>(ld_acquire_cta(r)), dt);
+        return false;
+      }
+      if (tripped(*b.p)) return false;
+    }
+  }
 }
 MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u, DepCache& dc) {
   for (int d = 0; d < o.n_deps; ++d) {
@@ -148,13 +161,7 @@ MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u, DepCache& dc) {
     if (o.dep_mode[d] == DEP_LOCAL) continue;  // this block ran the producer's unit u before (program.py)
     if (o.dep_mode[d] == DEP_ALL) {
       if ((dc.all_done >> d) & 1u) continue;
-      if constexpr (RECEIVE_WARP) {
-        if (received(b, i, d)) {
-          dc.all_done |= 1u << d;
-          continue;
-        }
-      }
-      if (!wait_dep(b, i, o, d, u, what)) return false;
+      if (RECEIVE_WARP ? !wait_received(b, i, what) : !wait_dep(b, i, o, d, u, what)) return false;
       dc.all_done |= 1u << d;
     } else {
       const Op pr = load_op(*b.p, o.dep_op[d]);
@@ -379,26 +386,25 @@ MK_DEV void prof_flush(Blk& b, mb::prof::Profiler& prof, bool more) {
 }
 
 // Plan.receive_warp (technique 1's dedicated receive warp; lane 0 of a spare warp of the loader's
-// warpgroup): walks the launch's ops in order and waits for each static op's "all" dependencies
-// with the same bounded waits as thread 0, noting them in MISC_RECV, so that thread 0 finds a
-// dependency met in shared memory instead of paying the acquire's L2 round trip when it gets
-// there. It can only save that where the dependency was met before thread 0 arrived; where it was
-// not, thread 0 waits itself. Routed ops are skipped (their waits are the compute warps', before
-// the routing is known). A wait that gives up ends the walk (the watchdog has its record).
+// warpgroup): walks the launch's ops in order, waits for each static op's "all" dependencies with
+// the same bounded waits thread 0 used, and counts the ops it passed in MISC_RECV, on which thread
+// 0 waits instead (wait_received): a dependency met before thread 0 gets there costs it no L2
+// round trip, and the block polls each counter once, not twice. Routed ops pass at once (their
+// "all" waits are the compute warps', before the routing is known). A wait that gives up ends the
+// walk; the watchdog has its record, and thread 0's wait sees it tripped.
 MK_DEV void receive_loop(Blk& b, int first, int nops) {
   if constexpr (RECEIVE_WARP) {
     if (!b.wait || lane() != 0) return;  // chain mode: stream order, nothing to receive
     for (int i = first; i < first + nops; ++i) {
       const Op o = load_op(*b.p, i);
-      if (is_dynamic(o.kind)) continue;
-      int mask = 0;
+      if (!is_dynamic(o.kind)) {
 #pragma unroll
-      for (int d = 0; d < MAX_DEPS; ++d) {  // constant indices: `o` stays in registers
-        if (d >= o.n_deps || o.dep_mode[d] != DEP_ALL) continue;
-        if (!wait_dep_seen(b, o, o.dep_op[d], DEP_ALL, 0, static_cast<uint32_t>(i * 16 + d)).ok) return;
-        mask |= 1 << d;
+        for (int d = 0; d < MAX_DEPS; ++d) {  // constant indices: `o` stays in registers
+          if (d >= o.n_deps || o.dep_mode[d] != DEP_ALL) continue;
+          if (!wait_dep_seen(b, o, o.dep_op[d], DEP_ALL, 0, static_cast<uint32_t>(i * 16 + d)).ok) return;
+        }
       }
-      if (mask) st_release_cta(b.misc + MISC_RECV + i % RECV_SLOTS, i << 4 | mask);
+      st_release_cta(b.misc + MISC_RECV, i + 1);
     }
   }
 }
