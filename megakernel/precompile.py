@@ -33,6 +33,8 @@ def plans(n_sm: int = 132):
             out.append(plan_for(p, None, n_sm, **sw))
         out.append(plan_for(p, None, n_sm, profile=False, profile_cap=128))  # pipeline.timeline: the default build
         out.append(plan_for(p, None, n_sm, profile=True, profile_cap=128))
+        if p == "small":  # the GPU test of every technique's bits
+            out.append(plan_for(p, None, n_sm, receive_warp=True))
         if p == "shard8":  # cli timeline-detail
             out.append(plan_for(p, None, n_sm, profile=True, profile_detail=True, profile_cap=1024))
     cfg = preset("tiny")
