@@ -697,11 +697,15 @@ def test_experts_with_more_than_8_tokens_use_the_second_token_tile(tiny):
     check_close(outs["mega"].logits, ref, "16 tokens per expert", rel=1e-2)
 
 
-def test_emulated_wait_that_can_never_complete_raises_not_hangs(tiny):
+@pytest.mark.parametrize("receive", [False, True])
+def test_emulated_wait_that_can_never_complete_raises_not_hangs(tiny, receive):
     """The last op made to wait for itself: its bounded wait trips (nothing else is left to
-    wait for anything), the launch ends, and the error names the op and the dependency."""
+    wait for anything), the launch ends, and the error names the op and the dependency. With the
+    receive warp (Plan.receive_warp) it is that warp's wait that trips, and thread 0's wait on it
+    in shared memory ends too."""
     cfg, w, base, plan = tiny
-    plan = make_plan(cfg, 4, spin_bound_ns=300_000_000)
+    sw = {"compute_registers": 224, "receive_warp": True} if receive else {}
+    plan = make_plan(cfg, 4, spin_bound_ns=300_000_000, **sw)
     eng = Engine(w, plan, base.clone(), backend="emu")
     i = len(eng.program.ops) - 1
     enc = eng.program.encode().reshape(-1, 16)
