@@ -190,7 +190,7 @@ def compile_cuda(source: str | Path, *, name: str | None = None, arch: str = DEF
     # their bytes, toolkit headers by the NVRTC version that ships them, so a cache built on one
     # machine is valid on another. Danger: a dir left out of the hash (those outside the repository
     # were, until 2026-12-01) makes two kernel trees with the same top-level text share one cubin
-    # (an A/B variant tree silently ran another variant's build).
+    # (an A/B variant tree outside the repository built as another tree's cubin).
     tv = toolchain_versions()
     key_material = json.dumps({
         "fmt": CACHE_FORMAT, "src": text, "name": name, "arch": arch, "defines": defs,

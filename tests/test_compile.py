@@ -120,7 +120,7 @@ def test_racecheck_ring_probe_compiles_for_sm90a():
 def test_cache_key_covers_headers_outside_the_repository(tmp_path, monkeypatch):
     """Two kernel trees outside the repository (A/B variant copies of megakernel/csrc) with the same
     top-level source and different headers must not share a cached cubin: before 2026-12-01 only
-    in-repository headers were hashed, and a variant silently ran another variant's build."""
+    in-repository headers were hashed, and a variant tree outside it built as another tree's cubin."""
     monkeypatch.setenv("MEGABENCH_CACHE", str(tmp_path / "cache"))
     src = '#include "v.cuh"\nextern "C" __global__ void k(int* x) { x[threadIdx.x] = V; }\n'
     mods = []
