@@ -138,20 +138,35 @@ extern "C" int mk_emu_run(const void* p, int grid, int first, int n_ops, int wai
 """
 
 
-def build_emu(plan: Plan, opt: str = "-O1") -> ctypes.CDLL:
-    """Compile the kernel for the host emulation (g++) and load it. Cached by source hash."""
+# What common distributions' compilers turn on by default (Ubuntu 24.04's gcc 13, the H200
+# machine's, does all of these at -O1 and above; Debian 12's gcc 12, CI's, none of them). The
+# emulation must run under them: the tests build it with these too (test_emu_hardening.py).
+HARDENED_CXXFLAGS = ("-O2", "-D_FORTIFY_SOURCE=3", "-fstack-protector-strong", "-fstack-clash-protection",
+                     "-fcf-protection", "-D_GLIBCXX_ASSERTIONS")
+
+
+def emu_extra_flags() -> tuple[str, ...]:
+    """Extra g++ flags for the emulation from $MEGABENCH_EMU_CXXFLAGS (space-separated), e.g.
+    the hardened set above, so a whole test run can use them."""
+    return tuple(os.environ.get("MEGABENCH_EMU_CXXFLAGS", "").split())
+
+
+def build_emu(plan: Plan, opt: str = "-O1", extra_flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
+    """Compile the kernel for the host emulation (g++) and load it. Cached by source hash and
+    flags. `extra_flags` (default: $MEGABENCH_EMU_CXXFLAGS) come after `opt`, so an -O there wins."""
+    flags = [opt, *(emu_extra_flags() if extra_flags is None else extra_flags)]
     src = "#define MK_HOST_EMU 1\n" + source(plan) + EMU_GLUE
     files = [src, (EMU / "emu.cpp").read_text(), (EMU / "emu.h").read_text(), (EMU / "emu_rt.h").read_text()]
     for p in sorted(CSRC.rglob("*.cuh")) + sorted(MB_INC.rglob("*.cuh")) + sorted((EMU / "shim").rglob("*.cuh")):
         files.append(p.read_text())
-    key = hashlib.sha256("\0".join(files + [opt]).encode()).hexdigest()[:20]
+    key = hashlib.sha256("\0".join(files + flags).encode()).hexdigest()[:20]
     lib = cache_dir() / f"megakernel-emu-{plan.cfg.name}-{key}.so"
     if not lib.exists():
         with tempfile.TemporaryDirectory() as td:
             kpath = Path(td) / "mk_emu.cpp"
             kpath.write_text(src)
             tmp = Path(td) / "mk.so"
-            cmd = ["g++", "-std=c++17", opt, "-g", "-fPIC", "-shared", "-w", f"-I{EMU / 'shim'}", f"-I{CSRC}",
+            cmd = ["g++", "-std=c++17", *flags, "-g", "-fPIC", "-shared", "-w", f"-I{EMU / 'shim'}", f"-I{CSRC}",
                    f"-I{EMU}", f"-I{MB_INC}",
                    str(kpath), str(EMU / "emu.cpp"), "-o", str(tmp)]
             r = subprocess.run(cmd, capture_output=True, text=True)

@@ -1,7 +1,6 @@
-// Fiber runtime behind emu.h: one ucontext fiber per CUDA thread, random scheduling from a seed.
+// Fiber runtime behind emu.h: one fiber per CUDA thread, random scheduling from a seed.
 #include <stdio.h>
 #include <stdlib.h>
-#include <setjmp.h>
 #include <ucontext.h>
 
 #include <chrono>
@@ -34,13 +33,61 @@ struct Block {
   Barrier bars[kMaxBarriers];
   std::vector<Warp> warps;
 };
-// First entry into a fiber goes through makecontext/swapcontext; every later switch uses
-// _setjmp/_longjmp, which (unlike swapcontext) does not save the signal mask with a syscall:
-// about 20x cheaper, and switches are what the emulation spends its time on.
+// Switching fibers. On x86-64 a switch is a dozen instructions of our own (ctx_switch below):
+// it saves the callee-saved registers, the SSE and x87 control words and the stack pointer,
+// and loads another fiber's. It used to be _setjmp/_longjmp onto the other fiber's stack, which
+// hardened toolchains refuse: with _FORTIFY_SOURCE (on by default in Ubuntu's gcc at -O1 and
+// above) _longjmp becomes __longjmp_chk, which aborts ("longjmp causes uninitialized stack
+// frame") when the target frame is on another stack. Elsewhere, and with EMU_UCONTEXT_SWITCH
+// defined, every switch is swapcontext: portable and correct, ~20x slower (it saves the signal
+// mask with a syscall), and switches are what the emulation spends its time on.
+#if defined(__x86_64__) && !defined(EMU_UCONTEXT_SWITCH)
+#define EMU_ASM_SWITCH 1
+// ctx_switch(&save_sp, load_sp): push the callee-saved state on the current stack, store the
+// stack pointer in *save_sp, switch to load_sp and pop the state saved there (a fiber's first
+// entry pops the frame new_stack_frame laid out and returns into fiber_entry).
+extern "C" void emu_ctx_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .p2align 4
+  .globl emu_ctx_switch
+  .hidden emu_ctx_switch
+  .type emu_ctx_switch,@function
+emu_ctx_switch:
+  .cfi_startproc
+  endbr64
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .cfi_endproc
+  .size emu_ctx_switch,.-emu_ctx_switch
+)");
+#endif
+
 struct Fiber {
+#ifdef EMU_ASM_SWITCH
+  void* sp = nullptr;
+#else
   ucontext_t ctx;
-  jmp_buf jb;
-  bool started = false;
+#endif
   int block = 0, thread = 0;
   bool done = false;
   char* stack = nullptr;
@@ -56,8 +103,11 @@ std::vector<Fiber*> g_fibers, g_live;
 std::vector<Block> g_blocks;
 std::unordered_map<uint64_t*, MBar> g_mbar;
 Fiber* g_cur = nullptr;
+#ifdef EMU_ASM_SWITCH
+void* g_sched_sp = nullptr;
+#else
 ucontext_t g_sched;
-jmp_buf g_sched_jb;
+#endif
 int g_grid = 0, g_block = 0;
 unsigned long long g_progress = 0;
 std::string g_error;
@@ -66,14 +116,60 @@ void (*g_body)(void*) = nullptr;
 void* g_arg = nullptr;
 
 void to_scheduler() {
-  if (!_setjmp(g_cur->jb)) _longjmp(g_sched_jb, 1);
+#ifdef EMU_ASM_SWITCH
+  emu_ctx_switch(&g_cur->sp, g_sched_sp);
+#else
+  swapcontext(&g_cur->ctx, &g_sched);
+#endif
 }
 
-void trampoline() {
+// Where every fiber starts; it never returns (the scheduler never resumes a finished fiber).
+void fiber_entry() {
   g_body(g_arg);
   g_cur->done = true;
   g_cur->where = "exited";
-  _longjmp(g_sched_jb, 1);
+  to_scheduler();
+  abort();
+}
+
+void resume(Fiber* f) {
+#ifdef EMU_ASM_SWITCH
+  emu_ctx_switch(&g_sched_sp, f->sp);
+#else
+  swapcontext(&g_sched, &f->ctx);
+#endif
+}
+
+void new_stack_frame(Fiber* f) {
+  f->stack = static_cast<char*>(malloc(kStack));
+  if (!f->stack) {
+    fprintf(stderr, "emu: out of memory for a %d-byte fiber stack\n", kStack);
+    abort();
+  }
+#ifdef EMU_ASM_SWITCH
+  // The frame emu_ctx_switch pops, from the top of the stack down: a null return address for
+  // fiber_entry (it never returns; it keeps the ABI's 16-byte alignment at its entry), the
+  // address it returns into (fiber_entry), rbp rbx r12-r15 (zero), then the control words.
+  uintptr_t top = (reinterpret_cast<uintptr_t>(f->stack) + kStack) & ~uintptr_t(15);
+  void** s = reinterpret_cast<void**>(top);
+  *--s = nullptr;
+  *--s = reinterpret_cast<void*>(&fiber_entry);
+  for (int i = 0; i < 6; ++i) *--s = nullptr;
+  --s;
+  unsigned mxcsr;
+  unsigned short fpucw;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fpucw));
+  memcpy(reinterpret_cast<char*>(s), &mxcsr, 4);
+  memcpy(reinterpret_cast<char*>(s) + 4, &fpucw, 2);
+  f->sp = s;
+#else
+  getcontext(&f->ctx);
+  f->ctx.uc_stack.ss_sp = f->stack;
+  f->ctx.uc_stack.ss_size = kStack;
+  f->ctx.uc_link = nullptr;
+  makecontext(&f->ctx, fiber_entry, 0);
+#endif
 }
 }  // namespace
 
@@ -240,12 +336,7 @@ extern "C" int emu_launch(void (*body)(void*), void* arg, int grid, int block, i
       Fiber* f = new Fiber();
       f->block = bi;
       f->thread = t;
-      f->stack = static_cast<char*>(malloc(kStack));
-      getcontext(&f->ctx);
-      f->ctx.uc_stack.ss_sp = f->stack;
-      f->ctx.uc_stack.ss_size = kStack;
-      f->ctx.uc_link = nullptr;
-      makecontext(&f->ctx, trampoline, 0);
+      new_stack_frame(f);
       g_fibers.push_back(f);
       g_live.push_back(f);
     }
@@ -256,14 +347,7 @@ extern "C" int emu_launch(void (*body)(void*), void* arg, int grid, int block, i
     const size_t i = seed ? rng() % g_live.size() : 0;
     Fiber* f = g_live[i];
     g_cur = f;
-    if (!_setjmp(g_sched_jb)) {
-      if (!f->started) {
-        f->started = true;
-        swapcontext(&g_sched, &f->ctx);
-      } else {
-        _longjmp(f->jb, 1);
-      }
-    }
+    resume(f);
     g_cur = nullptr;
     if (g_abort) { rc = 1; break; }
     if (f->done) {

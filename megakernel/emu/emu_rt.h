@@ -1,7 +1,7 @@
 // Host emulation runtime interface (implemented in emu.cpp); emu.h builds the mk:: API on it.
 // Host emulation of the CUDA features the megakernel uses, so its op code runs on a CPU (CI).
 //
-// Every CUDA thread is a fiber (ucontext) on one OS thread. Fibers switch only at
+// Every CUDA thread is a fiber (its own stack; emu.cpp switches them) on one OS thread. Fibers switch only at
 // synchronisation points: barriers, warp collectives (shuffles, mma), acquire loads and
 // back-offs in spin loops, mbarrier probes. The scheduler picks the next fiber at random from a
 // seed, so repeated runs explore different interleavings of blocks and warps. What it checks:
