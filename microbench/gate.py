@@ -607,6 +607,22 @@ def add_parser(sub) -> None:
     s.add_argument("--benchmarks", type=Path, default=None, help="with --quality: pytest-benchmark JSON folder")
     s.add_argument("--trials", type=int, default=200, help="with --quality: trials per recorded series")
     s.add_argument("--save", action="store_true", help="with --quality: save the gate.quality result")
+    g = s.add_argument_group("in-run A/B (the gate's main mode; microbench/gate_ab.py)")
+    g.add_argument("--ab", metavar="REV", default=None,
+                   help="baseline git revision: checked out in a temporary worktree and timed against the working "
+                        "tree in alternating rounds on this GPU")
+    g.add_argument("--ab-tree", metavar="PATH", default=None, help="baseline tree (instead of --ab REV)")
+    g.add_argument("--candidate-tree", metavar="PATH", default=None, help="candidate tree (default: this working tree)")
+    g.add_argument("--classes", action="append", default=None, metavar="C[,C...]",
+                   help="benchmark classes to time (tests/bench/test_bench_<class>.py; default all; repeatable)")
+    g.add_argument("-k", dest="select_k", default=None, metavar="EXPR", help="pytest -k expression choosing cases")
+    g.add_argument("--marker", default=None, metavar="EXPR", help="pytest -m expression choosing cases")
+    g.add_argument("--rounds", type=int, default=10, help="A/B rounds (default 10)")
+    g.add_argument("--min-rounds", type=int, default=8, help="rounds needed for a verdict (default 8)")
+    g.add_argument("--ab-floor", type=float, default=0.03, help="smallest slowdown an A/B calls a regression (0.03)")
+    g.add_argument("--backend", default="pytest", metavar="pytest|synthetic:SPEC.json",
+                   help="what the workers time: the trees' pytest-benchmark cases, or synthetic cases (CPU tests)")
+    g.add_argument("--out", type=Path, default=None, help="with --ab: save the gate.ab result (and markdown) here")
     s.set_defaults(fn=_cmd)
 
 
@@ -616,6 +632,14 @@ def _cmd(args) -> int:
         th = KernelThresholds(args.max_spill_increase, args.max_reg_increase, args.max_smem_increase,
                               args.max_code_increase)
         return kernel_gate(args.update, args.kernel_baseline, th, args.tracked_only, only=args.source)
+    if args.ab or args.ab_tree:
+        if args.baseline is not None or args.candidate is not None:
+            print("megabench gate: --ab/--ab-tree compare trees; do not also give BASELINE CANDIDATE files",
+                  file=sys.stderr)
+            return EXIT_INPUT
+        from .gate_ab import cmd_ab
+
+        return cmd_ab(args)
     if args.quality:
         from .gate_quality import run_quality
 
