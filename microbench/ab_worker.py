@@ -167,8 +167,10 @@ class _Capture:
     """pytest plugin of the worker: the recorder as `benchmark`, each test body run once per
     variant under its environment, every outcome kept (nothing dropped silently)."""
 
-    def __init__(self, variants: list[dict]):
+    def __init__(self, variants: list[dict], ids: list[str] | None = None):
         self.variants = variants or [{"name": "", "env": {}}]
+        self.ids = set(ids) if ids else None  # exact nodeids to keep (None: every collected test)
+        self.collected: set[str] = set()
         self.cases: dict[str, dict] = {}
         self.failed: list[dict] = []
         self.skipped: list[dict] = []
@@ -201,6 +203,8 @@ class _Capture:
         rec = pyfuncitem.funcargs["benchmark"]
         testargs = {a: pyfuncitem.funcargs[a] for a in pyfuncitem._fixtureinfo.argnames}
         for v in self.variants:
+            if v.get("only") is not None and pyfuncitem.nodeid not in v["only"]:
+                continue  # a variant for some cases only (e.g. builds with an injection hook)
             cid = self._id(pyfuncitem.nodeid, v["name"])
             rec.variant, rec.extra_info = v["name"], {}
             try:
@@ -214,6 +218,11 @@ class _Capture:
                 self.failed.append({"id": cid, "error": f"{e.__class__.__name__}: {e}",
                                     "traceback": traceback.format_exc()[-4000:]})
         return True
+
+    def pytest_collection_modifyitems(self, session, config, items):
+        self.collected = {it.nodeid for it in items}
+        if self.ids is not None:
+            items[:] = [it for it in items if it.nodeid in self.ids]
 
     def pytest_runtest_logreport(self, report):
         if report.when in ("setup", "teardown") and report.failed:
@@ -231,7 +240,7 @@ class _Capture:
                                 "error": f"collection failed: {report.longreprtext[-3000:]}"})
 
 
-def _capture_plugin(variants: list[dict]) -> _Capture:
+def _capture_plugin(variants: list[dict], ids: list[str] | None = None) -> _Capture:
     """The plugin object: the two hooks that must run before pytest's own (tryfirst), and a
     recorder that pytest-benchmark's own hooks accept as its fixture (they check the type)."""
     import pytest
@@ -256,7 +265,7 @@ def _capture_plugin(variants: list[dict]) -> _Capture:
         def pytest_pyfunc_call(self, pyfuncitem):
             return self.pyfunc_call(pyfuncitem)
 
-    return Plugin(variants)
+    return Plugin(variants, ids)
 
 
 def _class_of(nodeid: str) -> str:
@@ -274,8 +283,12 @@ class PytestBackend:
 
         bench = self.root / "tests" / "bench"
         classes = select.get("classes") or []
+        ids = select.get("ids") or None
         missing_classes = []
-        if classes:
+        if ids:  # exact cases: their files, the rest deselected by the plugin (a missing id is reported)
+            paths = sorted({str(self.root / i.split("::", 1)[0]) for i in ids
+                            if (self.root / i.split("::", 1)[0]).is_file()})
+        elif classes:
             paths = []
             for c in classes:
                 p = bench / f"test_bench_{c}.py"
@@ -285,7 +298,7 @@ class PytestBackend:
         if not paths:
             raise CaseError(f"{self.root}: no pytest-benchmark cases (tests/bench/test_bench_<class>.py) for "
                             f"classes {classes or 'any'}")
-        self.capture = _capture_plugin(variants)
+        self.capture = _capture_plugin(variants, ids)
         args = [*paths, "-q", "-p", "no:cacheprovider", "--rootdir", str(self.root), "-o", "console_output_style=classic"]
         if select.get("k"):
             args += ["-k", select["k"]]
@@ -299,8 +312,9 @@ class PytestBackend:
                           "class": _class_of(c["nodeid"]), "info": info,
                           "timer": info.get("timer", "host (perf_counter)" if c["timer"] is time.perf_counter
                                             else "the fixture's timer")})
+        missing_ids = sorted(set(ids or ()) - self.capture.collected)
         return {"cases": cases, "failed": self.capture.failed, "skipped": self.capture.skipped,
-                "missing_classes": missing_classes, "pytest_rc": int(rc)}
+                "missing_classes": missing_classes, "missing_ids": missing_ids, "pytest_rc": int(rc)}
 
     def time(self, cid: str, k: int, rnd: int, slot: int) -> list[float]:
         c = (self.capture.cases if self.capture else {}).get(cid)
@@ -335,14 +349,20 @@ class SyntheticBackend:
 
         classes = select.get("classes") or []
         k = select.get("k")
+        ids = set(select.get("ids") or ())
         cases, failed, skipped = [], [], []
-        for cid, c in sorted((self.spec.get("cases") or {}).items()):
+        known = self.spec.get("cases") or {}
+        for cid, c in sorted(known.items()):
             cls = c.get("class", "synthetic")
             if classes and cls not in classes:
                 continue
             if k and not re.search(k, cid):
                 continue
+            if ids and cid not in ids:
+                continue
             for v in variants or [{"name": "", "env": {}}]:
+                if v.get("only") is not None and cid not in v["only"]:
+                    continue
                 vid = cid + (f"@{v['name']}" if v["name"] else "")
                 if c.get("fail"):
                     failed.append({"id": vid, "error": str(c["fail"])})
@@ -357,7 +377,8 @@ class SyntheticBackend:
                 self.cases[vid] = {**c, "inject": ppm * 1e-6 * eff, "base_id": cid}
                 cases.append({"id": vid, "nodeid": cid, "variant": v["name"], "unit": c.get("unit", "s"),
                               "class": cls, "info": {"case": cid, "timer": "synthetic"}, "timer": "synthetic"})
-        return {"cases": cases, "failed": failed, "skipped": skipped, "missing_classes": [], "pytest_rc": 0}
+        return {"cases": cases, "failed": failed, "skipped": skipped, "missing_classes": [],
+                "missing_ids": sorted(ids - set(known)), "pytest_rc": 0}
 
     def time(self, cid: str, k: int, rnd: int, slot: int) -> list[float]:
         c = self.cases.get(cid)

@@ -849,12 +849,14 @@ def add_parser(sub) -> None:
     s.add_argument("--max-reg-increase", type=int, default=KernelThresholds.max_reg_increase)
     s.add_argument("--max-smem-increase", type=int, default=KernelThresholds.max_smem_increase)
     s.add_argument("--max-code-increase", type=float, default=KernelThresholds.max_code_increase_pct, metavar="PCT")
-    s.add_argument("--quality", action="store_true",
-                   help="estimate the gate's false-alarm and detection rates from recorded samples")
-    s.add_argument("--results", type=Path, default=None, help="with --quality: results root")
-    s.add_argument("--benchmarks", type=Path, default=None, help="with --quality: pytest-benchmark JSON folder")
-    s.add_argument("--trials", type=int, default=200, help="with --quality: trials per recorded series")
-    s.add_argument("--save", action="store_true", help="with --quality: save the gate.quality result")
+    s.add_argument("--quality", nargs="*", default=None, metavar="RUN",
+                   help="the gate's measured quality from two or more gate.quality_run results (files or folders; "
+                        "default reports/results/gate): gate.quality and gate.aa_spread (microbench/gate_quality.py)")
+    s.add_argument("--quality-run", action="store_true",
+                   help="GPU: the measurement behind --quality, one in-run A/B session with injected slowdowns "
+                        "(~3 minutes on an H200); writes gate.quality_run under --out DIR")
+    s.add_argument("--results", type=Path, default=None, help="with --quality --save: results root to save into")
+    s.add_argument("--save", action="store_true", help="with --quality: save gate.quality and gate.aa_spread")
     g = s.add_argument_group("in-run A/B (the gate's main mode; microbench/gate_ab.py)")
     g.add_argument("--ab", metavar="REV", default=None,
                    help="baseline git revision: checked out in a temporary worktree and timed against the working "
@@ -865,12 +867,16 @@ def add_parser(sub) -> None:
                    help="benchmark classes to time (tests/bench/test_bench_<class>.py; default all; repeatable)")
     g.add_argument("-k", dest="select_k", default=None, metavar="EXPR", help="pytest -k expression choosing cases")
     g.add_argument("--marker", default=None, metavar="EXPR", help="pytest -m expression choosing cases")
-    g.add_argument("--rounds", type=int, default=10, help="A/B rounds (default 10)")
+    g.add_argument("--rounds", type=int, default=None, help="A/B rounds (default 10; --quality-run 80)")
     g.add_argument("--min-rounds", type=int, default=8, help="rounds needed for a verdict (default 8)")
     g.add_argument("--ab-floor", type=float, default=0.03, help="smallest slowdown an A/B calls a regression (0.03)")
     g.add_argument("--backend", default="pytest", metavar="pytest|synthetic:SPEC.json",
                    help="what the workers time: the trees' pytest-benchmark cases, or synthetic cases (CPU tests)")
-    g.add_argument("--out", type=Path, default=None, help="with --ab: save the gate.ab result (and markdown) here")
+    g.add_argument("--out", type=Path, default=None,
+                   help="with --ab: save the gate.ab result (and markdown) here; with --quality-run: required")
+    g.add_argument("--inject-ppm", type=int, default=0, metavar="PPM",
+                   help="candidate built with the gate's calibrated slowdown (MB_INJECT_PPM, mb/inject.cuh: 50000 = "
+                        "each hooked launch 5%% longer): an A/B that must find a regression")
     s.set_defaults(fn=_cmd)
 
 
@@ -888,13 +894,14 @@ def _cmd(args) -> int:
         from .gate_ab import cmd_ab
 
         return cmd_ab(args)
-    if args.quality:
-        from .gate_quality import run_quality
+    if args.quality_run:
+        from .gate_quality import cmd_quality_run
 
-        res, text = run_quality(args.results, args.benchmarks, cfg, trials=args.trials, save=args.save,
-                                assume_gpu=args.assume_gpu)
-        print(text)
-        return EXIT_OK
+        return cmd_quality_run(args)
+    if args.quality is not None:
+        from .gate_quality import cmd_quality
+
+        return cmd_quality(args)
     if args.baseline is None or args.candidate is None:
         print("megabench gate: give BASELINE and CANDIDATE (or --kernels / --quality)", file=sys.stderr)
         return EXIT_INPUT

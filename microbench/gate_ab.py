@@ -582,6 +582,7 @@ def synthetic_specs(path: Path) -> tuple[dict, dict]:
 def cmd_ab(args) -> int:
     """`megabench gate --ab REV | --ab-tree PATH` (gate.add_parser)."""
     cfg = ABConfig(floor=args.ab_floor, alpha=args.alpha, min_rounds=args.min_rounds)
+    args.rounds = 10 if args.rounds is None else args.rounds
     if args.rounds < 1:
         print(f"megabench gate: --rounds must be >= 1, got {args.rounds}", file=sys.stderr)
         return EXIT_INPUT
@@ -599,6 +600,11 @@ def cmd_ab(args) -> int:
     if not cand_root.is_dir():
         raise ABInputError(f"candidate tree {cand_root} does not exist")
     candidate = SideSpec("candidate", cand_root, tree_label(cand_root), backend, spec_c)
+    if args.inject_ppm:
+        from .compiler import INJECT_ENV
+
+        candidate.variants = [{"name": "", "env": {INJECT_ENV: str(args.inject_ppm)}}]
+        candidate.label += f" with MB_INJECT_PPM={args.inject_ppm}"
 
     def go(base_root: Path, label: str) -> int:
         baseline = SideSpec("baseline", base_root, label, backend, spec_b)

@@ -479,36 +479,11 @@ def section_changes(ctx: Context, bench_dir: Path | None, baseline: Path | None)
 
 
 def section_quality(ctx: Context) -> list[str]:
-    out = ["## How much to trust the gate", ""]
-    got = ctx.cat.latest("gate.quality")
-    if got is None:
-        return out + ["Not computed yet for this GPU: run `megabench gate --quality --save`.", ""]
-    path, r = got
-    what = {"false_alarm_rate": "false alarms, A/A on random halves of one run",
-            "false_alarm_rate_time_halves": "false alarms, A/A first half vs second half (drift)",
-            "false_alarm_rate_across_runs": "false alarms, A/A across two runs of the same build",
-            "detection_rate_2pct": "detection of an injected 2% slowdown",
-            "detection_rate_5pct": "detection of an injected 5% slowdown",
-            "detection_rate_10pct": "detection of an injected 10% slowdown"}
-    rows = []
-    for k, d in r.derived.items():
-        s = next((s for s in r.series if s.name in d.inputs), None)
-        rows.append({"measure": what.get(k, k), "rate": f"{d.value:.1%}",
-                     "90% interval": f"{d.spread[0]:.1%}-{d.spread[1]:.1%}" if d.spread else "",
-                     "verdicts": f"{s.metrics.get('flagged')} of {s.metrics.get('trials')}" if s else "",
-                     "series": s.params.get("sources") if s else ""})
-    out += [f"Estimated {r.env.date[:10]} from samples recorded on {r.env.gpu} (`{_rel(path)}`). "
-            f"Gate rule: {next(iter(r.derived.values())).rule.split('gate rule: ')[-1].split('; spread')[0]}.", "",
-            _table(rows), ""]
-    across = next((s for s in r.series if s.params.get("mode") == "aa_across_runs"), None)
-    if across is not None:
-        out += ["Across-runs pairs (the same case recorded by two runs of one build):", "",
-                _table([{"pair": k, "flagged": f"{v:.0%}"} for k, v in across.metrics.get("per_source", {}).items()]),
-                ""]
-    out += [f"Note: {n}" for n in r.notes] + [""]
-    for p, cap in plots.quality_plot(r, ctx.fig_dir):
-        out += [ctx.fig_link(p, cap), ""]
-    return out
+    """The gate's measured false-alarm and detection rates (microbench/gate_quality.py owns the text;
+    its trust_rows() gives the rows of a summary box)."""
+    from microbench.gate_quality import report_lines
+
+    return report_lines(ctx.cat.root)
 
 
 def section_constants(ctx: Context) -> list[str]:
