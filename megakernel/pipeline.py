@@ -40,23 +40,26 @@ PHASE_ALLOWANCE_NS = 1_000_000_000
 
 
 def tuned(constants=None):
-    """The tuned constants a build reads. Only a missing constants file falls back to the documented
-    defaults (with a warning); a malformed one raises ResultsFileError naming the problem."""
+    """The tuned constants a build reads. With a GPU present, only its own model's file (constants
+    never cross GPU models): a GPU without one is an error naming the GPUs that have one, unless
+    MEGABENCH_CONSTANTS=defaults asks for the documented defaults. Without a GPU (precompiling,
+    CI) $MEGABENCH_CONSTANTS or the folder's single file; several files are an error naming them
+    (a second, typo'd file must not turn every CPU build into an all-defaults one), and only a
+    folder with no constants file at all falls back to the defaults, with a warning. A malformed
+    file raises ResultsFileError naming the problem."""
     if constants is not None:
         return constants
     from microbench.device import device_info, gpu_count
-    from microbench.errors import ResultsFileError
-    from microbench.tune import TunedConstants, find_constants_file, load_constants
+    from microbench.tune import NoConstantsFileError, TunedConstants, load_constants
 
-    # with a GPU present, only its own model's file (constants never cross GPU models); without one
-    # (precompiling, CI) the single committed file
     gpu = device_info().name if gpu_count() else None
     try:
-        path = find_constants_file(gpu)
-    except ResultsFileError as e:
+        return load_constants(gpu=gpu)
+    except NoConstantsFileError as e:
+        if gpu is not None:
+            raise
         warnings.warn(f"{e}; the megakernel builds with the documented defaults", stacklevel=2)
         return TunedConstants.defaults()
-    return load_constants(path, gpu=gpu)
 
 
 def _get(constants, key):
