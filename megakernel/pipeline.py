@@ -841,8 +841,10 @@ class Stage:
             if self._ablated(p):
                 for sw, _ in ablation_variants(self.constants, sm).values():
                     out.append(plan_for(p, self.constants, sm, tokens=t, **sw))
+            if (self.timeline or self.detail) and self._timelined(p):  # timeline(): unprofiled and profiled
+                out.append(plan_for(p, self.constants, sm, tokens=t, profile=False, profile_cap=128))
             if self.timeline and self._timelined(p):
-                out += [plan_for(p, self.constants, sm, tokens=t, profile=prof, profile_cap=128) for prof in (0, 1)]
+                out.append(plan_for(p, self.constants, sm, tokens=t, profile=True, profile_cap=128))
             if self.detail and self._timelined(p):
                 out.append(plan_for(p, self.constants, sm, tokens=t, profile=True, profile_detail=True,
                                     profile_cap=1024))
@@ -888,8 +890,7 @@ class Stage:
     def _time(self, p: str, t: int, ctx: int, mode: str) -> None:
         s = bench_point(self.h, p, t, ctx, self.plan(p, t), mode, self.ceiling)
         self.series.append(s)
-        self.log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms, {s.metrics['launches_per_step']} launches, "
-                 f"{s.fraction_of_bound:.1%} of roofline")
+        self._say(s)
 
     def _collector(self):
         if self._col is None:
@@ -903,14 +904,17 @@ class Stage:
 
     def _baseline(self, p: str, t: int, ctx: int, b: str) -> None:
         s = self._collector().case(p, t, ctx, b)
-        self.log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms, {s.metrics['launches_per_step']} launches, "
-                 f"{s.fraction_of_bound:.1%} of roofline")
+        self._say(s)
 
     def _peer(self, name: str, p: str, t: int, ctx: int) -> None:
         s = PEERS[name](self.h, p, t, ctx, self.ceiling)
         self.series.append(s)
+        self._say(s)
+
+    def _say(self, s: Series) -> None:
+        launches = f", {s.metrics['launches_per_step']} launches" if "launches_per_step" in s.metrics else ""
         frac = f", {s.fraction_of_bound:.1%} of roofline" if s.fraction_of_bound else ""
-        self.log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms{frac}")
+        self.log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms{launches}{frac}")
 
     def _ablation(self, p: str, impl: str) -> None:
         t, ctx = self.points(p)[-1]

@@ -225,3 +225,112 @@ def test_stage_compiles_every_build_its_items_ask_for_in_spawned_processes(monke
     monkeypatch.setattr("cuda.core.Program", lambda *a, **k: pytest.fail("not in the cache after the compile item"))
     for p in plans:
         assert build_gpu(p).usage.code_bytes > 0
+
+
+# ------------------------------------------------------------------------- the megakernel stage's wiring
+@pytest.fixture
+def fake_gpu_work(monkeypatch):
+    """megakernel.pipeline.Stage with every GPU call replaced by a recording stand-in."""
+    import types
+
+    import megakernel.bench_baselines as bb
+    import megakernel.pipeline as mp
+    import megakernel.precompile as pre
+    from megakernel.results_names import step_params, step_series_name
+    from microbench.results import Bound, Result, Series
+
+    calls = []
+    monkeypatch.setattr("microbench.results.Env.capture", classmethod(lambda cls, gpu_index=0: env()))
+
+    def series(p, t, ctx, impl, median):
+        return Series.from_samples(step_series_name(p, t, ctx, impl), [median] * 10, timer="cuda_event", unit="s",
+                                   params=step_params(p, t, ctx, impl, 8), metrics={"launches_per_step": 1},
+                                   bound=Bound("time", 5e-4, "s", "roofline (test)"))
+
+    def check_point(p, t, ctx, plan):
+        calls.append(("check", p, t, ctx, plan))
+        if (p, t) == ("shard8", 16):
+            raise mp.CorrectnessError("shard8 T=16: mega and chain modes differ bitwise")
+        return mp.Check(p, t, ctx, 1e-3, True, True, True, True)
+
+    def bench_point(h, p, t, ctx, plan, mode, ceiling, impl=None, program_mode="layer"):
+        calls.append(("time", p, t, ctx, mode, plan))
+        return series(p, t, ctx, impl or mode, 2e-3 if mode == "chain" else 1e-3)
+
+    class Collector:
+        def __init__(self, quick=None, strict=False):
+            self.series = []
+
+        def acceptance(self, p):
+            calls.append(("acceptance", p))
+
+        def case(self, p, t, ctx, b):
+            calls.append(("baseline", p, t, ctx, b))
+            self.series.append(series(p, t, ctx, b, 5e-3))
+            return self.series[-1]
+
+        def result(self, save=True):
+            return Result("model.baselines", env(), tuple(self.series))
+
+    monkeypatch.setattr(mp, "plan_for", lambda p, c=None, sm=None, **kw: ("plan", p, tuple(sorted(kw.items()))))
+    monkeypatch.setattr(mp, "check_point", check_point)
+    monkeypatch.setattr(mp, "bench_point", bench_point)
+    monkeypatch.setattr(mp, "greedy_check", lambda p, plan: calls.append(("greedy", p)) or 64)
+    monkeypatch.setattr(mp, "build_result", lambda plans, budget: Result("megakernel.build", env(), ()))
+    monkeypatch.setattr(mp, "code_budget", lambda c=None: 96 * 1024)
+    monkeypatch.setattr(mp, "timeline", lambda h, p, t, ctx, c, log=None, detail=False: Result(
+        "megakernel.timeline_detail" if detail else "megakernel.timeline", env(), ()))
+    monkeypatch.setattr(pre, "_one", lambda plan: calls.append(("compile", plan)))
+    monkeypatch.setattr(bb, "Collector", Collector)
+    monkeypatch.setattr(bb, "weights_for", lambda p: calls.append(("weights", p)))
+    monkeypatch.setattr(bb, "release", lambda p=None: calls.append(("release", p)))
+    monkeypatch.setattr("megakernel.roofline.read_ceiling", lambda gpu=None: (4.6e12, "test"))
+    h = types.SimpleNamespace(info=types.SimpleNamespace(sm_count=132, name=H200))
+    return calls, h
+
+
+def _stage(h, **kw):
+    from megakernel.pipeline import Stage
+
+    st = Stage(save=False, log=lambda *a: None, compile_workers=1, **kw)
+    st._h = h
+    return st
+
+
+def test_stage_checks_before_timing_and_saves_what_it_measured(fake_gpu_work):
+    calls, h = fake_gpu_work
+    st = _stage(h, quick=True, ablate=False, baselines=True)
+    pr = Progress(st.items(), Estimates(), out=lambda s: None)
+    pr.run()
+    assert [d.item.name for d in pr.failed] == ["shard8 check T=16 ctx=2500"]
+    timed = [(c[1], c[2], c[4]) for c in calls if c[0] == "time"]
+    assert ("small", 16, "mega") in timed and ("small", 1, "chain") in timed
+    assert not [t for t in timed if t[0] == "shard8"]  # refused after the failed check
+    # the baselines are their own group: still timed at shard8, at the same points
+    assert [c[1:] for c in calls if c[0] == "baseline" and c[1] == "shard8"] == [
+        ("shard8", t, 2048, b) for t in (1, 16) for b in ("eager", "graph", "compile")]
+    assert calls.index(("weights", "shard8")) < calls.index(("check", "shard8", 1, 300, ("plan", "shard8", (("tokens", 1),))))
+    assert ("release", "shard8") in calls and ("greedy", "small") in calls
+    compiled = [c[1] for c in calls if c[0] == "compile"]
+    assert ("plan", "shard8", (("tokens", 16),)) in compiled and len(compiled) == len(set(compiled))
+    assert [r.benchmark for r in st.results] == ["megakernel.build", "megakernel.step", "model.baselines"]
+    step = st.results[1]
+    assert step.derived["speedup_vs_chain/small/T16/ctx512/mega"].value == pytest.approx(2.0)
+    assert not [k for k in step.derived if "shard8" in k]
+    assert any(n.startswith("checked small T=16 ctx=1500") for n in step.notes)
+
+
+def test_full_stage_compiles_and_runs_the_ablation_and_timelines(fake_gpu_work):
+    from megakernel.pipeline import ablation_names
+
+    calls, h = fake_gpu_work
+    st = _stage(h, quick=False, ablate=True, timeline=True, detail=True, presets=("small",))
+    for it in st.items():
+        if it.name.startswith("small check"):
+            continue  # the stand-in checks pass; keep the calls short
+        it.fn()
+    impls = [c[4] for c in calls if c[0] == "time" and c[3] == 4096 and c[2] == 16]
+    assert impls[:2] == ["chain", "mega"] and len(impls) == 2 + len(ablation_names())
+    compiled = [c[1] for c in calls if c[0] == "compile"]
+    assert len(compiled) > len(ablation_names())  # every variant's build, before any is timed
+    assert [r.benchmark for r in st.results] == ["megakernel.build", "megakernel.step"]  # no timeline for small
