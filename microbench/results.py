@@ -21,6 +21,7 @@ import re
 import socket
 import subprocess
 import tempfile
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -333,7 +334,7 @@ def read_json(path: str | Path):
         return json.loads(raw)
     except FileNotFoundError:
         raise ResultsFileError(f"{p}: no such results file") from None
-    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError; a corrupt stream, zlib.error
         what = "not a readable gzip file" if p.name.endswith(".gz") else "cannot be read"
         raise ResultsFileError(f"{p}: {what} ({e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -123,6 +123,14 @@ def test_tune_truncated_result_fails_before_writing(copies, capsys):
     err = capsys.readouterr().err
     assert str(gz) in err and "not a readable gzip file" in err, err
     assert _files(const, res) == before
+    data = bytearray(gzip.compress(b'{"schema": "megabench.result", "version": 1}' * 500))
+    data[20:40] = b"\xff" * 20  # a corrupt deflate stream (zlib.error, not an OSError)
+    gz.write_bytes(bytes(data))
+    before = _files(const, res)
+    assert main(["tune", "--results", str(res)]) == 2
+    err = capsys.readouterr().err
+    assert str(gz) in err and "not a readable gzip file" in err, err
+    assert _files(const, res) == before
 
 
 def test_tune_unknown_gpu_is_refused_naming_the_known_ones(copies, capsys):
