@@ -161,8 +161,10 @@ class Progress:
         el = self.clock() - self._t0
         return f"[{k + 1:3d}/{len(self.items)} {el:7.1f} s]"
 
-    def _left(self, k: int) -> float:
-        return sum(e.seconds for e in self._est[k + 1:])
+    def _left(self, k: int, failed_groups=()) -> float:
+        """Estimated seconds of the items after k that will still run (not those a failure skips)."""
+        return sum(e.seconds for i, e in zip(self.items[k + 1:], self._est[k + 1:])
+                   if i.always or not any(g in failed_groups for g in i.groups))
 
     def run(self) -> list[Done]:
         self._t0 = self.clock()
@@ -198,10 +200,12 @@ class Progress:
                 continue
             dt = self.clock() - t
             self.done.append(Done(it, dt, est, "done", value))
-            total = self.clock() - self._t0 + self._left(k)
-            budget = f" of {self.budget_s:.0f} s" if self.budget_s else ""
-            self.out(f"{self._head(k)} {label} done in {dt:.1f} s; ~{self._left(k):.0f} s left, "
-                     f"~{total:.0f} s{budget}")
+            left = self._left(k, failed_groups)
+            total = self.clock() - self._t0 + left
+            budget = ""
+            if self.budget_s:
+                budget = f" of {self.budget_s:.0f} s" + (" (over the budget)" if total > self.budget_s else "")
+            self.out(f"{self._head(k)} {label} done in {dt:.1f} s; ~{left:.0f} s left, ~{total:.0f} s{budget}")
         return self.done
 
     @property

@@ -132,7 +132,13 @@ def test_progress_lines_give_stage_item_elapsed_and_remainder():
     assert "[  2/7     3.0 s] micro: b FAILED after 1.0 s: RuntimeError: b broke" in lines
     assert "[  3/7     3.0 s] xgpu: x: skipped (1 GPU on this node)" in lines
     assert "[  5/7     6.0 s] mega: time: skipped (an earlier item of mega/p failed (check))" in lines
+    # after the failed check, "time" (its group) no longer counts in the remainder; "save" (always) does
+    assert "[  6/7    10.0 s] mega: other done in 4.0 s; ~4 s left, ~14 s of 300 s" in lines
     assert "[  7/7    10.5 s] mega: save done in 0.5 s; ~0 s left, ~10 s of 300 s" in lines
+    over, c = [], Clock()
+    Progress(_stand_ins(c, []), est, budget_s=12, out=over.append, clock=c).run()
+    assert "[  1/7     2.0 s] micro: a done in 2.0 s; ~16 s left, ~18 s of 12 s (over the budget)" in over
+    assert "[  7/7    10.5 s] mega: save done in 0.5 s; ~0 s left, ~10 s of 12 s" in over
     assert [d.status for d in done] == ["done", "failed", "skipped", "failed", "skipped", "done", "done"]
     assert [d.item.name for d in pr.failed] == ["b", "check"]
 
