@@ -148,7 +148,8 @@ def items(args, root: Path, gpu: bool):
         out.append(Item("microbenchmarks", "all", None, skip="no GPU"))
         out.append(Item("cross-GPU microbenchmarks", "xgpu", None, skip="no GPU; they need 2 or more"))
         out.append(Item("tune", "tune", partial(_tune_cpu, root, args)))
-        mk = "no GPU" if importlib.util.find_spec("megakernel.pipeline") else "no GPU; megakernel.pipeline not available yet"
+        mk = ("no GPU" if importlib.util.find_spec("megakernel.pipeline")
+              else "no GPU; megakernel.pipeline not available yet")
         out.append(Item("megakernel", "all", None, skip=mk))
     else:
         micro, baselines = _selected(args.classes)
@@ -165,7 +166,8 @@ def items(args, root: Path, gpu: bool):
             out.append(Item("megakernel", "all", None, skip="megakernel.pipeline is not available yet"))
         else:
             out += run.mega.items("megakernel")
-    out.append(Item("report", "report", partial(_report, root, args.out), skip="--no-report" if args.no_report else None))
+    out.append(Item("report", "report", partial(_report, root, args.out),
+                    skip="--no-report" if args.no_report else None))
     return out
 
 
@@ -220,9 +222,9 @@ def _cmd(args) -> int:
     pr.run()
     if reason is None:  # the run's own wall time, measured like any other figure
         r = pr.result(quick=not args.full, budget_note=BUDGET_NOTE if budget else "")
-        total = r.series_named("total")
-        verdict = (f"{total.summary.median:.0f} s of the {budget:.0f} s budget ({'within' if total.summary.median <= budget else 'OVER'})"
-                   if budget else f"{total.summary.median:.0f} s (--full: no budget)")
+        wall = r.series_named("total").summary.median
+        verdict = (f"{wall:.0f} s of the {budget:.0f} s budget ({'within' if wall <= budget else 'OVER'})"
+                   if budget else f"{wall:.0f} s (--full: no budget)")
         _say(f"megabench run: wall {verdict}; estimated {pr.total_estimate():.0f} s; saved {r.save(root)}")
     else:
         _say(f"megabench run: wall {pr.elapsed():.0f} s (without a GPU: not recorded)")
@@ -249,7 +251,9 @@ def _quality(root: Path):
 
 
 def _tune_cpu(root: Path, args) -> Path:
-    out = args.constants_out or (None if args.write_constants else Path(tempfile.mkdtemp(prefix="megabench-constants-")))
+    out = args.constants_out
+    if out is None and not args.write_constants:
+        out = Path(tempfile.mkdtemp(prefix="megabench-constants-"))
     return _tune(root, out)
 
 

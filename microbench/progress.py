@@ -146,7 +146,8 @@ class Progress:
         origin = ", ".join(f"{v} from {'the last run (' + self.estimates.last_run + ')' if k == 'last run' else k}"
                            for k, v in src.items())
         budget = f" (budget {self.budget_s:.0f} s)" if self.budget_s else ""
-        lines = [f"plan: {_n(sum(not i.skip for i in self.items), 'item')} in {_n(len(self.stages()), 'stage')}, estimated "
+        n_run = sum(not i.skip for i in self.items)
+        lines = [f"plan: {_n(n_run, 'item')} in {_n(len(self.stages()), 'stage')}, estimated "
                  f"{self.total_estimate():.0f} s{budget}; estimates: {origin or 'none'}"]
         for st in self.stages():
             idx = [k for k, i in enumerate(self.items) if i.stage == st]

@@ -160,7 +160,8 @@ def run_pytest(args: list[str], log_path: Path, time_limit_s: float | None = Non
 
     cmd = [python, *README_COMMAND, "-p", PLUGIN, *args]
     env = {**os.environ, LOG_ENV: str(log_path)}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])  # the plugin imports from the checkout
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # its own group: a time limit stops all of it
     stopped = False
