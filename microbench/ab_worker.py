@@ -299,7 +299,10 @@ class PytestBackend:
             raise CaseError(f"{self.root}: no pytest-benchmark cases (tests/bench/test_bench_<class>.py) for "
                             f"classes {classes or 'any'}")
         self.capture = _capture_plugin(variants, ids)
-        args = [*paths, "-q", "-p", "no:cacheprovider", "--rootdir", str(self.root), "-o", "console_output_style=classic"]
+        # in this process, whatever the tree's addopts say: `-n auto` (pytest-xdist) would run the
+        # tests in other processes, where this plugin does not record them
+        args = [*paths, "-q", "-p", "no:cacheprovider", "--rootdir", str(self.root), "-o", "addopts=",
+                "-o", "console_output_style=classic"]
         if select.get("k"):
             args += ["-k", select["k"]]
         if select.get("m"):

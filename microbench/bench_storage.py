@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import re
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import ResultsFileError
+from . import atomic
+from .errors import OutputError, ResultsFileError
 from .gate import steps_divisor
 from .results import REPO_ROOT
 
@@ -127,17 +126,10 @@ def write_baseline(files: Sequence[Path], name: str, storage: Path = STORAGE, mi
     folder = Path(storage) / mid
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{next_number(folder)}_{name}.json"
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=4)
-        f.write("\n")
     try:
-        os.link(tmp, path)  # fails if the name exists
-    except FileExistsError:
-        raise ResultsFileError(f"{path} exists; not replaced") from None
-    finally:
-        os.unlink(tmp)
-    return path
+        return atomic.write_json(path, doc, indent=4, replace=False)  # a numbered run is never replaced
+    except OutputError as e:
+        raise ResultsFileError(str(e)) from None
 
 
 def main(argv=None) -> int:

@@ -58,6 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import atomic
 from .errors import MegabenchError
 from .gate import EXIT_GPU, EXIT_INPUT, EXIT_OK, EXIT_REGRESSION, EXIT_UNKNOWN, Verdict, direction_of, fmt_value
 from .stats import wilcoxon_signed_rank
@@ -223,6 +224,9 @@ class Worker:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         env["MEGABENCH_RESULTS"] = str(workdir / f"results-{side.name}")  # results a case writes stay out of trees
         env["PYTHONUNBUFFERED"] = "1"
+        for k in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID",
+                  "PYTEST_CURRENT_TEST"):
+            env.pop(k, None)  # the worker's pytest runs the cases itself, in its own process
         if side.root.resolve() != REPO_ROOT:
             env.pop("MEGABENCH_GIT_SHA", None)  # those describe the controller's checkout
             env.pop("MEGABENCH_SOURCE_TREE", None)
@@ -582,6 +586,7 @@ def synthetic_specs(path: Path) -> tuple[dict, dict]:
 def cmd_ab(args) -> int:
     """`megabench gate --ab REV | --ab-tree PATH` (gate.add_parser)."""
     cfg = ABConfig(floor=args.ab_floor, alpha=args.alpha, min_rounds=args.min_rounds)
+    atomic.check_writable(args.markdown, args.json)  # before the work: a typo'd folder writes neither
     args.rounds = 10 if args.rounds is None else args.rounds
     if args.rounds < 1:
         print(f"megabench gate: --rounds must be >= 1, got {args.rounds}", file=sys.stderr)
@@ -616,12 +621,12 @@ def cmd_ab(args) -> int:
         md = rep.to_markdown()
         print(md)
         if args.markdown:
-            _atomic_text(Path(args.markdown), md)
+            atomic.write_text(args.markdown, md)
         if args.json:
-            _atomic_text(Path(args.json), json.dumps(rep.to_json(), indent=1))
+            atomic.write_json(args.json, rep.to_json())
         if args.out:
             p = rep.to_result().save(Path(args.out))
-            _atomic_text(Path(args.out) / (p.name.split(".json")[0] + ".md"), md)
+            atomic.write_text(p.with_name(p.name.split(".json")[0] + ".md"), md)
             print(f"saved {p}")
         code = rep.exit_code(args.allow_unknown)
         if code == EXIT_UNKNOWN:
@@ -638,11 +643,3 @@ def cmd_ab(args) -> int:
         return go(root, tree_label(root))
     with checkout(args.ab, REPO_ROOT) as (root, sha):
         return go(root, f"{args.ab} ({sha[:12]})")
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

@@ -303,9 +303,9 @@ def quality_run(out: Path, rounds: int = ROUNDS, cfg: ABConfig = ABConfig(), bac
     one = analyse([load_run(res, str(path))], BLOCK)
     md = "\n".join([f"# gate quality run {env.date} on {env.gpu} ({env.host})", "", *res_notes, "",
                     *summary_lines(one), ""])
-    from .gate_ab import _atomic_text
+    from . import atomic
 
-    _atomic_text(path.with_name(path.name.split(".json")[0] + ".md"), md)
+    atomic.write_text(path.with_name(path.name.split(".json")[0] + ".md"), md)
     (work / "hellos.json").write_text(json.dumps(hellos, indent=1))
     log(md)
     log(f"saved {path} ({total:.0f} s)")
@@ -345,15 +345,19 @@ def load_run(res: Result, source: str = "") -> RunData:
 
 
 def find_runs(paths: Sequence[Path] | None = None) -> list[RunData]:
-    """Quality runs from files or folders (default: the committed reports/results/gate)."""
+    """Quality runs from files or folders (default: the committed reports/results/gate); a file
+    reached twice counts once."""
     paths = list(paths or [REPO_ROOT / "reports" / "results" / "gate"])
-    out = []
+    out, seen = [], set()
     for p in paths:
         p = Path(p)
         if not p.exists():
             raise ResultsFileError(f"{p}: no such file or folder")
         files = [p] if p.is_file() else find("gate.quality_run", p)
         for f in files:
+            if f.resolve() in seen:
+                continue
+            seen.add(f.resolve())
             out.append(load_run(load(f), str(f)))
     return sorted(out, key=lambda r: r.env.date)
 
@@ -636,6 +640,19 @@ def run_analysis(paths: Sequence[Path] | None = None, save: bool = False, save_r
         p1, p2 = q.save(save_root), aa.save(save_root)
         lines += ["", f"saved {p1}", f"saved {p2}"]
     return q, aa, "\n".join(lines)
+
+
+def pipeline_step(root: Path) -> str:
+    """`megabench run`'s gate-quality item: the analysis of the quality runs there are (under the
+    run's results root and the committed reports/results/gate), saved into the root when there are
+    two; the measurement itself is its own GPU command (about 3 minutes, twice)."""
+    paths = [p for p in dict.fromkeys([Path(root), REPO_ROOT / "reports" / "results" / "gate"]) if p.is_dir()]
+    runs = find_runs(paths)
+    if len(runs) < 2:
+        return (f"gate quality: {len(runs)} quality run(s) recorded; it is measured by `megabench gate --quality-run "
+                "--out DIR` on two fresh machines (about 3 minutes each), then `megabench gate --quality --save`")
+    _, _, text = run_analysis(paths, save=True, save_root=root)
+    return text
 
 
 # ----------------------------------------------------------------------------- the report

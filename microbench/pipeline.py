@@ -4,7 +4,8 @@ With a GPU (default: quick, within BUDGET_S = 5 minutes on one H200):
                1 microbenchmarks: every registered class but `model` (registry, quick sweeps), each
                  result saved as a new file; they feed every tuned constant
                2 cross-GPU microbenchmarks (microbench/xgpu under torchrun) with 2+ GPUs, else skipped
-               3 gate quality from the recorded samples (gate.quality result)
+               3 gate quality from the recorded quality runs (gate.quality result; the GPU runs are
+                 `megabench gate --quality-run`, microbench/gate_quality.py)
                4 tune (a new constants revision when anything changed)
                5 megakernel (megakernel.pipeline.Stage): its builds compiled in parallel, checks
                  (bitwise mega == chain, the reference, greedy decoding), then chain and mega timed at
@@ -244,10 +245,9 @@ def _xgpu(full: bool) -> None:
 
 
 def _quality(root: Path):
-    from .gate_quality import run_quality
+    from .gate_quality import pipeline_step
 
-    _, text = run_quality(root, None, trials=100, save=True, save_root=root)  # seconds, not minutes
-    print(text)
+    print(pipeline_step(root))  # the analysis of recorded quality runs: seconds, no GPU
 
 
 def _tune_cpu(root: Path, args) -> Path:

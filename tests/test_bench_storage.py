@@ -90,7 +90,9 @@ def test_megakernel_step(benchmark, preset, T, ctx, mode):
 
 
 @pytest.fixture
-def stand_in(pytester):
+def stand_in(pytester, monkeypatch):
+    for k in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID", "PYTEST_ADDOPTS"):
+        monkeypatch.delenv(k, raising=False)  # under -n the child would think it is an xdist worker
     d = json.loads(COMMITTED.read_text())
     meds = {b["fullname"].split("[", 1)[1].rstrip("]"): b["stats"]["median"] for b in d["benchmarks"]
             if "test_megakernel_step" in b["fullname"]}

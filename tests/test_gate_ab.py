@@ -317,6 +317,8 @@ def test_skipped(device_bench):
 
 def _tree(root: Path, slow=1.0, broken=False, extra=""):
     (root / "tests" / "bench").mkdir(parents=True)
+    # like the project's: tests spread over worker processes by default; the A/B worker must not be
+    (root / "pyproject.toml").write_text('[tool.pytest.ini_options]\naddopts = "-n 2 --strict-markers"\n')
     (root / "tests" / "bench" / "conftest.py").write_text(CONFTEST)
     (root / "tests" / "bench" / "test_bench_fake.py").write_text(BENCH.format(slow=slow, broken=broken, extra=extra))
     return root
