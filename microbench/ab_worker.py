@@ -337,6 +337,25 @@ class PytestBackend:
 
 
 # ----------------------------------------------------------------------------- synthetic backend
+def k_match(expr: str, name: str) -> bool:
+    """pytest's -k rule on one name: words are case-insensitive substrings, joined by and / or /
+    not and parentheses."""
+    import re
+
+    toks = re.findall(r"\(|\)|[^\s()]+", expr)
+    py = []
+    for t in toks:
+        if t in ("and", "or", "not", "(", ")"):
+            py.append(t)
+        else:
+            py.append(repr(t.lower() in name.lower()))
+    try:
+        return bool(eval(" ".join(py) or "True", {"__builtins__": {}}, {}))  # only True/False/and/or/not
+    except SyntaxError:
+        raise CaseError(f"-k {expr!r}: not an expression of words, and, or, not, parentheses") from None
+
+
+
 class SyntheticBackend:
     """Fake cases with a fake timer (module docstring). Spec keys: device, cases {id: {time, noise,
     slowdown, class, unit, fail, skip}}, drift {amp, period}, order_penalty, inject_efficiency,
@@ -348,8 +367,6 @@ class SyntheticBackend:
         self.calls = 0
 
     def prepare(self, select: dict, variants: list[dict]) -> dict:
-        import re
-
         classes = select.get("classes") or []
         k = select.get("k")
         ids = set(select.get("ids") or ())
@@ -359,7 +376,7 @@ class SyntheticBackend:
             cls = c.get("class", "synthetic")
             if classes and cls not in classes:
                 continue
-            if k and not re.search(k, cid):
+            if k and not k_match(k, cid):
                 continue
             if ids and cid not in ids:
                 continue

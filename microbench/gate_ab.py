@@ -8,8 +8,10 @@ whatever drifts over the run (clocks, temperature, a neighbour on the host) fall
    the working tree (`--candidate-tree PATH` to choose another).
 2. Each side is one long-lived worker process (microbench/ab_worker.py) that imports its own tree,
    holds its own CUDA context, and prepares and checks its cases once: the tree's own
-   pytest-benchmark cases (tests/bench/test_bench_<class>.py), chosen with `--classes` and `-k`
-   because rounds cost GPU time. A case that fails its check or does not build on a side is named.
+   pytest-benchmark cases (tests/bench/test_bench_<class>.py), chosen with `--classes`, `-k` and
+   `--marker` because rounds cost GPU time (default: DEFAULT_SELECTION, every class but the torch
+   baselines, no shard8 point: two processes cannot both hold shard8 on one H200). A case that
+   fails its check or does not build on a side is named.
 3. The controller then runs `--rounds` rounds. In each round every case is timed once by A and
    once by B, one side at a time, the order alternating from round to round (A,B then B,A). A
    timing request runs one warm-up round of the case and then K rounds, K the same on both sides
@@ -64,6 +66,13 @@ from .gate import EXIT_GPU, EXIT_INPUT, EXIT_OK, EXIT_REGRESSION, EXIT_UNKNOWN, 
 from .stats import wilcoxon_signed_rank
 
 WORKER = Path(__file__).resolve().with_name("ab_worker.py")
+# Without --classes / -k / --marker: every class's cases but the torch baselines and shard8 points.
+# Two processes cannot both hold shard8 (its ~60 GB of weights and the kernel's copies of them) on
+# one 141 GB H200, and the baselines' module teardown frees their weights and resets torch.compile
+# while the worker still holds their cases. Name them to include them (`--classes baselines`,
+# `-k shard8`) on a GPU with the memory; the megakernel's own in-process A/B (megakernel/ab.py)
+# compares kernel variants at shard8 in one process.
+DEFAULT_SELECTION = {"classes": ["basics", "clocks", "icache", "sync", "weights", "megakernel"], "k": "not shard8"}
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -593,6 +602,8 @@ def cmd_ab(args) -> int:
         return EXIT_INPUT
     select_ = {"classes": [c for x in (args.classes or []) for c in x.split(",") if c], "k": args.select_k,
                "m": args.marker}
+    if not (select_["classes"] or select_["k"] or select_["m"]):
+        select_.update(DEFAULT_SELECTION)
     backend, spec_b, spec_c = "pytest", None, None
     if args.backend and args.backend != "pytest":
         kind, _, sp = args.backend.partition(":")

@@ -233,6 +233,34 @@ def test_cli_synthetic_and_bad_revision(tmp_path, capsys):
     assert main(["gate", "--ab-tree", str(REPO_ROOT), "--backend", f"synthetic:{gb}"]) == EXIT_GPU
 
 
+def test_default_selection_leaves_out_what_two_processes_cannot_hold(tmp_path):
+    cases = {"megakernel/shard8/T16/mega": {"class": "megakernel"}, "megakernel/small/T16/mega": {"class": "megakernel"},
+             "baselines/small/T1/graph": {"class": "baselines"}, "basics/copy": {"class": "basics"}}
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"baseline": {"device": H200, "arch": "sm_90a", "cases": cases},
+                                "candidate": {"device": H200, "arch": "sm_90a", "cases": cases}}))
+    js = tmp_path / "v.json"
+    assert main(["gate", "--ab-tree", str(REPO_ROOT), "--backend", f"synthetic:{spec}", "--rounds", "8",
+                 "--json", str(js)]) == EXIT_OK
+    assert sorted(v["key"] for v in json.loads(js.read_text())["verdicts"]) == ["basics/copy",
+                                                                                "megakernel/small/T16/mega"]
+    assert main(["gate", "--ab-tree", str(REPO_ROOT), "--backend", f"synthetic:{spec}", "--rounds", "8",
+                 "-k", "shard8 or graph", "--json", str(js)]) == EXIT_OK  # named, they run
+    assert len(json.loads(js.read_text())["verdicts"]) == 2
+
+
+def test_k_expressions_like_pytest():
+    sys.path.insert(0, str(REPO_ROOT / "microbench"))
+    try:
+        from ab_worker import CaseError, k_match
+    finally:
+        sys.path.pop(0)
+    assert k_match("not shard8", "megakernel/small") and not k_match("not shard8", "x/shard8/y")
+    assert k_match("copy or (sync and PING)", "sync/pingpong") and not k_match("copy and sync", "sync/pingpong")
+    with pytest.raises(CaseError, match="not an expression"):
+        k_match("copy and", "copy")
+
+
 def test_checkout_is_a_worktree_removed_afterwards(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
