@@ -711,8 +711,8 @@ def report_lines(root: Path | None = None) -> list[str]:
     out = ["## How much to trust the gate", ""]
     got = latest_quality(root)
     if got is None:
-        return out + ["Not measured yet by the current method: run `megabench gate --quality-run --out DIR` on two fresh "
-                      "H200 machines (about 3 minutes each), commit both `gate.quality_run` results, then "
+        return out + ["Not measured yet by the current method: run `megabench gate --quality-run --out DIR` on "
+                      "two fresh H200 machines (about 3 minutes each), commit both `gate.quality_run` results, then "
                       "`megabench gate --quality --save`. Earlier `gate.quality` files (2026-11-29) replayed the "
                       "gate on halves of recorded samples: a 5% floor guaranteed their 0% false alarms and SMs of one "
                       "launch counted as trials, so they did not measure this gate.", ""]

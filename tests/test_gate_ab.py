@@ -234,8 +234,8 @@ def test_cli_synthetic_and_bad_revision(tmp_path, capsys):
 
 
 def test_default_selection_leaves_out_what_two_processes_cannot_hold(tmp_path):
-    cases = {"megakernel/shard8/T16/mega": {"class": "megakernel"}, "megakernel/small/T16/mega": {"class": "megakernel"},
-             "baselines/small/T1/graph": {"class": "baselines"}, "basics/copy": {"class": "basics"}}
+    cases = {"megakernel/shard8/T16/mega": {"class": "megakernel"},
+             "megakernel/small/T16/mega": {"class": "megakernel"}, "baselines/small/T1/graph": {"class": "baselines"}, "basics/copy": {"class": "basics"}}
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"baseline": {"device": H200, "arch": "sm_90a", "cases": cases},
                                 "candidate": {"device": H200, "arch": "sm_90a", "cases": cases}}))
@@ -264,7 +264,9 @@ def test_k_expressions_like_pytest():
 def test_checkout_is_a_worktree_removed_afterwards(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
-    run = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True, text=True)  # noqa: E731
+    def run(*a):
+        return subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True, text=True)
+
     run("init", "-q")
     (repo / "f.txt").write_text("one\n")
     run("add", "f.txt")
