@@ -34,7 +34,7 @@ from pathlib import Path
 from . import atomic
 from .errors import OutputError, ResultsFileError
 from .gate import steps_divisor
-from .results import REPO_ROOT
+from .results import REPO_ROOT, read_json
 
 STORAGE = REPO_ROOT / "reports" / "benchmarks"
 GPU_MACHINE_ID = "Linux-CPython-3.12-64bit"  # the H200 machine runs Python 3.12 (shared/TOOLCHAIN.md)
@@ -73,12 +73,7 @@ def per_step(bench: dict) -> dict:
 
 
 def _load(path: Path) -> dict:
-    try:
-        d = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ResultsFileError(f"{path}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise ResultsFileError(f"{path}: not valid JSON ({e})") from None
+    d = read_json(path)  # a missing or malformed file: ResultsFileError naming it
     if not isinstance(d, dict) or not isinstance(d.get("benchmarks"), list) or "machine_info" not in d:
         raise ResultsFileError(f"{path}: not pytest-benchmark JSON (--benchmark-json)")
     return d

@@ -581,12 +581,9 @@ def prepared_hello(w: Worker) -> dict:
 # ----------------------------------------------------------------------------- CLI
 def synthetic_specs(path: Path) -> tuple[dict, dict]:
     """`--backend synthetic:SPEC`: {"baseline": {...}, "candidate": {...}} (ab_worker.SyntheticBackend)."""
-    try:
-        d = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ABInputError(f"{path}: no such synthetic spec") from None
-    except json.JSONDecodeError as e:
-        raise ABInputError(f"{path}: not valid JSON ({e})") from None
+    from .results import read_json
+
+    d = read_json(path)  # a missing or malformed file: ResultsFileError naming it
     if not isinstance(d, dict) or not isinstance(d.get("baseline"), dict) or not isinstance(d.get("candidate"), dict):
         raise ABInputError(f"{path}: a synthetic spec needs 'baseline' and 'candidate' objects")
     return d["baseline"], d["candidate"]
