@@ -866,7 +866,8 @@ def add_parser(sub) -> None:
     g.add_argument("--ab-tree", metavar="PATH", default=None, help="baseline tree (instead of --ab REV)")
     g.add_argument("--candidate-tree", metavar="PATH", default=None, help="candidate tree (default: this working tree)")
     g.add_argument("--classes", action="append", default=None, metavar="C[,C...]",
-                   help="benchmark classes to time (tests/bench/test_bench_<class>.py; default all; repeatable)")
+                   help="benchmark classes to time (tests/bench/test_bench_<class>.py; repeatable; default: all but "
+                        "the torch baselines, without shard8 points: gate_ab.DEFAULT_SELECTION)")
     g.add_argument("-k", dest="select_k", default=None, metavar="EXPR", help="pytest -k expression choosing cases")
     g.add_argument("--marker", default=None, metavar="EXPR", help="pytest -m expression choosing cases")
     g.add_argument("--rounds", type=int, default=None, help="A/B rounds (default 10; --quality-run 80)")
