@@ -88,6 +88,12 @@ QUALITY_CASES = (
 )
 
 
+# the microbench sources the quality cases' hooked kernels come from (precompile)
+HOOKED_SOURCES = ("microbench/basics/copy.cu", "microbench/weights/read.cu", "microbench/sync/flags.cu",
+                  "microbench/sync/publish.cu", "microbench/sync/fences.cu", "microbench/sync/barriers.cu",
+                  "microbench/clocks/launch.cu")
+
+
 def variant_name(ppm: int) -> str:
     return f"p{ppm // 10000}" if ppm % 10000 == 0 else f"ppm{ppm}"
 
@@ -223,11 +229,9 @@ def precompile(ppms: Sequence[int] = PPMS, jobs: int | None = None, log: Callabl
 
     from .clocks.probes import LAUNCH_DEFINES
 
-    srcs = [("microbench/basics/copy.cu", {}), ("microbench/weights/read.cu", {}), ("microbench/sync/flags.cu", {}),
-            ("microbench/sync/publish.cu", {}), ("microbench/sync/fences.cu", {}),
-            ("microbench/sync/barriers.cu", {}), ("microbench/clocks/launch.cu", dict(LAUNCH_DEFINES))]
     tasks = [("megakernel", ("small", t), p) for p in (0, *ppms) for t in (16, 1)]
-    tasks += [("source", s, p) for p in (0, *ppms) for s in srcs]
+    tasks += [("source", (path, dict(LAUNCH_DEFINES) if path.endswith("launch.cu") else {}), p)
+              for p in (0, *ppms) for path in HOOKED_SOURCES]
     t0 = time.monotonic()
     jobs = jobs or max(1, min(len(tasks), (os.cpu_count() or 2) - 1))
     with ProcessPoolExecutor(jobs) as ex:
@@ -246,6 +250,13 @@ def quality_run(out: Path, rounds: int = ROUNDS, cfg: ABConfig = ABConfig(), bac
     import time
 
     t_start = time.monotonic()
+    if backend == "pytest":
+        from .device import no_gpu_reason
+        from .errors import NoGPUError
+
+        reason = no_gpu_reason()
+        if reason:
+            raise NoGPUError(f"the gate's quality run times kernels on a GPU: {reason}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if backend == "pytest" and do_precompile:

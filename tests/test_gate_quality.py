@@ -101,6 +101,35 @@ def test_saved_spreads_feed_the_stored_gate_and_the_report(two_runs, tmp_path, c
     assert "Not measured yet" in "\n".join(report_lines(empty)) and trust_rows(empty) == []
 
 
+def test_quality_cases_exist_and_their_sources_carry_the_hook():
+    """Every case the GPU run asks for is a test the tree collects (a typo would only show on the
+    H200, as a case missing on both sides), and the precompiled sources carry the hook."""
+    import subprocess
+    import sys
+
+    from microbench.gate_quality import HOOKED_SOURCES
+    from microbench.results import REPO_ROOT
+
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "-p",
+                        "no:cacheprovider", "tests/bench"], capture_output=True, text=True, cwd=REPO_ROOT)
+    ids = {ln.strip() for ln in r.stdout.splitlines()}
+    assert not [c for c, _ in QUALITY_CASES if c not in ids], r.stdout[-2000:]
+    for s in HOOKED_SOURCES:
+        assert "MB_INJECT_SCOPE();" in (REPO_ROOT / s).read_text(), s
+
+
+def test_quality_run_needs_a_gpu(tmp_path):
+    from microbench.device import no_gpu_reason
+    from microbench.errors import NoGPUError
+
+    if no_gpu_reason() is None:
+        pytest.skip("a GPU is here: the quality run would run (minutes)")
+
+    with pytest.raises(NoGPUError, match="quality run times kernels on a GPU"):
+        quality_run(tmp_path / "q", backend="pytest")
+    assert not (tmp_path / "q").exists()
+
+
 def test_one_run_is_not_enough(two_runs):
     with pytest.raises(ResultsFileError, match="need two"):
         run_analysis(two_runs[:1])
