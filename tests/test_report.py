@@ -385,6 +385,19 @@ def test_report_replaces_figures_and_keeps_other_files(written):
 
 
 # ----------------------------------------------------------------------------- the README's block
+def test_readme_headline_block_is_current():
+    """README.md's headline table is what the committed results give (regenerate it with
+    `python -m reports --update-readme` after committing new results)."""
+    from reports.build import readme_block
+    from reports.summary import README_END, README_START
+
+    text = (REPO_ROOT / "README.md").read_text()
+    assert README_START in text and README_END in text
+    got = text[text.index(README_START):text.index(README_END) + len(README_END)] + "\n"
+    assert got == readme_block(REPO_ROOT / "reports" / "results"), \
+        "README.md's headline is stale: run `python -m reports --update-readme`"
+
+
 def test_update_readme_rewrites_only_the_block(tmp_path, capsys):
     from reports.cli import main
     from reports.summary import README_END, README_START
