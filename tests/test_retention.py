@@ -1,5 +1,5 @@
-"""The results folder's retention rule (`megabench prune-results`), on synthetic repositories in tmp
-folders."""
+"""The results folder's retention rule (`megabench prune-results`), and the size budget of reports/
+that CI checks. Synthetic repositories in tmp folders; the committed tree is only measured."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,12 @@ from megabench_synth import env, series
 
 from microbench.cli import main
 from microbench.errors import ResultsFileError
-from microbench.results import Derived, Result
+from microbench.results import REPO_ROOT, Derived, Result
 from reports import retention
+
+# reports/ after the pruning of 2026-12-01 held about 15.2 MB; this leaves room for a few full GPU
+# runs between prunes. Over it: run `megabench prune-results` (and commit the pruning on its own).
+REPORTS_BUDGET_BYTES = 20_000_000
 
 
 def _save(r: Result, root):
@@ -177,3 +181,14 @@ def test_a_derived_value_naming_a_result_keeps_it(tmp_path):
     _save(Result("sync.flags", env(date="2026-11-29T00:00:00Z", sha="a000002"), (series("f", 1e-6),),
                  {"x": Derived(1.0, "", "rule", None, (old.name,))}), root)
     assert retention.plan(root, tmp_path / "repo").entries[old].reasons
+
+
+def test_reports_folder_fits_its_budget():
+    """CI's size check: the GPU machine receives the whole tree on every run."""
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(REPO_ROOT / "reports"):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__" and not d.startswith(".")]
+        total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in filenames if not f.startswith("."))
+    assert total <= REPORTS_BUDGET_BYTES, (
+        f"reports/ holds {total / 1e6:.1f} MB, over its {REPORTS_BUDGET_BYTES / 1e6:.0f} MB budget: run "
+        "`megabench prune-results --dry-run`, then without --dry-run, and commit the pruning on its own")
