@@ -509,11 +509,12 @@ def section_changes(ctx: Context, bench_dir: Path | None, baseline: Path | None)
     for b, rs in sorted(ctx.cat.runs.items()):
         if b.startswith("gate."):
             continue
-        p_new = rs[-1][0]
+        (p_new, r_new) = rs[-1]
         newest += load_measurements(p_new)
-        if baseline is None and len(rs) >= 2:
-            prev = [m for p, _ in rs[:-1] for m in load_measurements(p)]
-            comparisons.append((f"`{b}`: newest run vs {len(rs) - 1} earlier run(s)", prev, load_measurements(p_new)))
+        if baseline is None and len(rs) >= 2:  # the run before it, named: not a folder's whole history
+            p_old, r_old = rs[-2]
+            comparisons.append((f"`{b}`: {_run_name(r_new)} vs the run before it, {_run_name(r_old)}",
+                                load_measurements(p_old), load_measurements(p_new)))
     if baseline is not None:
         comparisons = [(f"newest results vs baseline `{_rel(baseline)}`", load_measurements(baseline, gpu_key), newest)]
     elif bench_dir is not None and bench_dir.is_dir() and ctx.cat.gpu:
@@ -526,8 +527,8 @@ def section_changes(ctx: Context, bench_dir: Path | None, baseline: Path | None)
                 files.append((max(m.date for m in ms), p, ms))
         files.sort(key=lambda t: (t[0], str(t[1])))
         if len(files) >= 2:
-            comparisons.append((f"pytest-benchmark: `{files[-1][1].name}` vs {len(files) - 1} earlier file(s)",
-                                [m for _, _, ms in files[:-1] for m in ms], files[-1][2]))
+            comparisons.append((f"pytest-benchmark: `{files[-1][1].name}` vs the file before it, `{files[-2][1].name}`",
+                                files[-2][2], files[-1][2]))
     if not comparisons:
         out += [*wrap("Only one run of each benchmark so far on this GPU: nothing to compare yet. "
                       "(`megabench gate BASELINE CANDIDATE` compares any two runs; see docs/COMMANDS.md.)"), ""]
@@ -547,6 +548,10 @@ def section_changes(ctx: Context, bench_dir: Path | None, baseline: Path | None)
     out += lines + ["", *wrap(f"Rule: {cfg.describe()}."), ""]
     out += [_table(rows), "", *notes.lines()] if rows else ["Every compared series is the same within its noise.", ""]
     return out
+
+
+def _run_name(r: Result) -> str:
+    return f"{r.env.git_sha[:7]} ({r.env.date[:16].replace('T', ' ')}Z)"
 
 
 def section_constants(ctx: Context) -> list[str]:
