@@ -1,4 +1,4 @@
-"""The pipeline subcommands: run, tune, report, gate, xgpu, prune-results (docs/COMMANDS.md).
+"""The pipeline subcommands: run, tune, report, gate, xgpu, test-run, prune-results (docs/COMMANDS.md).
 
 Each lives in its own module and adds its own parser; imports stay lazy inside the commands so
 `megabench info` does not pay for pandas/matplotlib.
@@ -21,3 +21,6 @@ def register(sub) -> None:
     from .xgpu import launcher
 
     launcher.add_parser(sub)
+    from . import testrun
+
+    testrun.add_parser(sub)
