@@ -9,8 +9,8 @@ Three parts, all read from typed results (nothing typed in):
 - one row per overhead class: our key figure, the study's, whether the two are like for like, and
   the tuned constants its benchmark feeds (KEY_FIGURES);
 - a trust box: constants at their default or changed by the last revision, the committed constants
-  against what these results give, the megakernel's correctness checks, and the gate's measured
-  rates from the newest `gate.quality` result.
+  against what these results give, the megakernel's correctness checks, the newest test run on this
+  GPU (`tests.run`), and the gate's measured rates from the newest `gate.quality` result.
 
 `python -m reports --readme-table` prints the README's block, `--update-readme` rewrites it
 between README_START and README_END.
@@ -176,6 +176,7 @@ def trust_lines(ctx) -> list[str]:
                    + ".")
     out += _constants_history(ctx)
     out += _checks(ctx)
+    out += _test_run(ctx)
     got = ctx.cat.latest("gate.quality")
     if got is None:
         out.append("Gate: its rates are not measured on this GPU yet (`megabench gate --quality --save`).")
@@ -257,6 +258,20 @@ def _checks(ctx) -> list[str]:
             f"{len(checked)} checked points" + (f", largest relative error against the torch reference "
                                                 f"{err.value:.2e}" if err else "")
             + (f"; greedy decoding equals the reference's tokens on {len(greedy)} preset(s)" if greedy else "") + "."]
+
+
+def _test_run(ctx) -> list[str]:
+    """The newest `tests.run` (microbench/testrun.py: the README's test command on this GPU)."""
+    got = ctx.cat.latest("tests.run")
+    if got is None:
+        return []
+    _, r = got
+    counts = ", ".join(f"{int(d.value)} {k}" for k, d in r.derived.items() if d.unit == "count" and d.value)
+    secs = r.series[0].summary.median if r.series else None
+    code = r.derived.get("exit_code")
+    return [f"Tests (`tests.run` of {r.env.date[:10]}, {r.env.git_sha[:7]}, on {r.env.gpu or 'no GPU'}): "
+            f"{counts or 'nothing counted'}" + (f" in {fmt(secs, 's')}" if secs else "")
+            + (f", exit code {int(code.value)}" if code is not None and code.value else "") + "."]
 
 
 # ----------------------------------------------------------------------------- README block

@@ -75,6 +75,9 @@ def rendered(tmp_path_factory):
            {"profiler_cost_fraction": Derived(0.0001, "", "cost / step", None)}).save(root)
     _skew().save(root)
     save_all(_megakernel(), root)
+    Result("tests.run", env(), (series("pytest/duration", 300.0, n=1, timer="host"),),
+           {"passed": Derived(630.0, "count", "pytest"), "failed": Derived(0.0, "count", "pytest"),
+            "skipped": Derived(12.0, "count", "pytest"), "exit_code": Derived(0.0, "", "exit")}).save(root)
     # two runs of basics.copy: the newer one 20% slower -> the changes table shows a regression
     Result("basics.copy", env(date="2026-11-28T00:00:00Z"), (series("copy/x", 1e-3, seed=1),)).save(root)
     Result("basics.copy", env(date="2026-11-29T00:00:00Z"), (series("copy/x", 1.2e-3, seed=2),)).save(root)
@@ -127,6 +130,7 @@ def test_summary_is_the_first_screen(rendered):
     for cls in ("basics", "icache", "weights", "sync", "clocks", "xgpu"):
         assert f"| `{cls}`" in summ, cls
     assert "Constants: " in summ and "Gate:" in summ
+    assert "Tests (`tests.run` of 2026-11-29, abc1234, on NVIDIA H200): 630 passed, 12 skipped in " in summ
 
 
 def test_no_long_lines_in_summary_and_sections(rendered):
