@@ -55,16 +55,20 @@ IMPL_LABELS = {
     "mega": "megakernel (ours)",
     "chain": "kernel chain (ours: same ops, a launch each, CUDA graph)",
     "chain_pdl": "kernel chain with PDL (ours)",
+    "chain_nopdl": "kernel chain without PDL (ours)",
     "peer": "peer: Triton fused MoE + cuBLAS, one CUDA graph",
+    "peer_compile": "peer's torch parts under torch.compile",
     "torch_compile": "naive torch expression, torch.compile",
     "torch_graph": "naive torch expression, CUDA graph",
     "torch_eager": "naive torch expression, eager",
 }
+IMPL_LABELS.update({f"naive_{k}": v for k, v in list(IMPL_LABELS.items()) if k.startswith("torch_")})
 
 
 def is_naive(impl: str) -> bool:
-    """The plain-torch expression of the model (not a competent baseline)."""
-    return impl.startswith("torch_")
+    """The plain-torch expression of the model (not a competent baseline): `torch_*`, or
+    `naive_*` as the baselines may name it."""
+    return impl.startswith(("torch_", "naive_"))
 
 
 def is_ablation(impl: str) -> bool:
@@ -75,26 +79,29 @@ def is_ablation(impl: str) -> bool:
 def impl_label(impl: str) -> str:
     if impl in IMPL_LABELS:
         return IMPL_LABELS[impl]
-    return f"naive torch expression ({impl[len('torch_'):]})" if is_naive(impl) else impl
+    return f"naive torch expression ({impl.split('torch_', 1)[-1]})" if is_naive(impl) else impl
 
 
 def impl_rank(impl: str) -> tuple:
     """Summary order: the megakernel, then competent baselines (ours, then others), then naive torch."""
-    known = ("mega", "peer", "chain_pdl", "chain")
+    known = ("mega", "peer", "peer_compile", "chain_pdl", "chain", "chain_nopdl")
     if impl in known:
         return (0, known.index(impl), impl)
     return (2, 0, impl) if is_naive(impl) else (1, 0, impl)
 
 
 def config_rank(cfg: tuple) -> tuple:
-    preset, tokens, context, batch = cfg
+    """(preset, tokens, context, batch[, anything after, e.g. the routing]) in report order."""
+    preset, tokens, context, batch, *rest = cfg
     pi = PRESET_ORDER.index(preset) if preset in PRESET_ORDER else len(PRESET_ORDER)
-    return (pi, preset, -tokens, -context, batch)
+    return (pi, preset, -tokens, -context, batch, *map(str, rest))
 
 
 def config_label(cfg: tuple) -> str:
-    preset, tokens, context, batch = cfg
-    return f"{preset} T={tokens} ctx={context}" + (f" batch={batch}" if batch != 1 else "")
+    preset, tokens, context, batch, *rest = cfg
+    extra = [str(x) for x in rest if x not in (None, "forced")]  # e.g. "real" routing
+    return (f"{preset} T={tokens} ctx={context}" + (f" batch={batch}" if batch != 1 else "")
+            + "".join(f" {x}" for x in extra))
 
 
 @dataclass(frozen=True)

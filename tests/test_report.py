@@ -256,6 +256,20 @@ def test_critical_path_hook(tmp_path, monkeypatch):
     assert "has no `report_rows(results)`" in text
 
 
+def test_impl_names_and_configurations_to_come():
+    """The names the baselines may take (naive_torch_*, peer_compile, chain_nopdl) and a routing
+    field in the configuration render without touching the report."""
+    assert mk.impl_label("naive_torch_eager") == mk.impl_label("torch_eager") == "naive torch expression, eager"
+    assert mk.is_naive("naive_torch_other") and mk.impl_label("naive_torch_other") == "naive torch expression (other)"
+    order = sorted(["naive_torch_compile", "chain_nopdl", "frob", "peer_compile", "mega", "chain", "peer"],
+                   key=mk.impl_rank)
+    assert order == ["mega", "peer", "peer_compile", "chain", "chain_nopdl", "frob", "naive_torch_compile"]
+    assert mk.config_label(("shard8", 16, 2048, 1, "real")) == "shard8 T=16 ctx=2048 real"
+    assert mk.config_label(("shard8", 16, 2048, 1, "forced")) == mk.config_label(("shard8", 16, 2048, 1))
+    assert sorted([("small", 1, 512, 1, "forced"), ("shard8", 1, 2048, 1, "real"), ("shard8", 16, 2048, 1, "forced")],
+                  key=mk.config_rank)[0] == ("shard8", 16, 2048, 1, "forced")
+
+
 def test_op_pivot():
     d = {f"idle_wait_{op}_s": Derived(1e-6, "s", f"time in wait_{op}") for op in ("attn", "attn_combine", "qkv")}
     d["publish_qkv_s"] = Derived(2e-6, "s", "publish")
