@@ -471,28 +471,46 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
     return out
 
 
-def section_critical_path(ctx: Context) -> list[str]:
-    """HOOK: the critical-path table of the megakernel (per segment of a layer: its predicted
-    bound beside its measured time), rendered when the module `megakernel.critical_path` exists.
-    It is expected to offer `report_rows(results) -> list[dict]` (the latest result of every
-    benchmark in; one dict per table row out, short cells). Until it exists nothing is rendered;
-    once it does, an import error or a missing function is shown, not hidden."""
+def _critical_path(ctx: Context) -> list[str] | None:
+    """HOOK: the critical-path model of a megakernel layer (each segment's predicted bound beside its
+    measured time), from the module `megakernel.critical_path` when it exists (None when it does
+    not). Either of its functions is used: `report_rows(results) -> list[dict]` (the latest result
+    of every benchmark in, one short dict per row out) or `table(root) -> str` (its own markdown
+    from the results folder; prose lines are wrapped here, tables kept). Once the module exists,
+    an import error or a missing function is shown, not hidden."""
     import importlib
     import importlib.util
 
     try:
         present = importlib.util.find_spec("megakernel.critical_path") is not None
-    except ImportError:  # no megakernel package at all
+    except (ImportError, ValueError):  # no megakernel package at all
         present = False
     if not present:
-        return []
-    out = ["### Critical path of a layer", ""]
+        return None
     cp = importlib.import_module("megakernel.critical_path")
-    fn = getattr(cp, "report_rows", None)
-    if fn is None:
-        return out + ["`megakernel.critical_path` has no `report_rows(results)`: the table is not wired yet.", ""]
-    rows = fn(ctx.cat.latest_all())
-    return out + ([_table(rows), ""] if rows else ["Not measured yet (no results the critical-path model reads).", ""])
+    if hasattr(cp, "report_rows"):
+        rows = cp.report_rows(ctx.cat.latest_all())
+        return [_table(rows), ""] if rows else ["Not measured yet (no results the critical-path model reads).", ""]
+    if hasattr(cp, "table"):
+        out = []
+        for line in cp.table(ctx.cat.root).splitlines():
+            out += [line] if line.startswith("|") or not line.strip() else wrap(line)
+        return out + [""]
+    return ["`megakernel.critical_path` has neither `report_rows(results)` nor `table(root)`: not wired yet.", ""]
+
+
+CRITICAL_PATH = "### Critical path of a layer"
+
+
+def section_critical_path(ctx: Context) -> list[str]:
+    """The critical-path block in the megakernel's section, or a pointer to Appendix B when its
+    tables are wider than the section's lines may be."""
+    block = _critical_path(ctx)
+    if block is None:
+        return []
+    if max((len(line) for line in block), default=0) <= MAX_LINE:
+        return [CRITICAL_PATH, "", *block]
+    return [CRITICAL_PATH, "", "Its tables are wider than this section's lines: see Appendix B.", ""]
 
 
 def section_changes(ctx: Context, bench_dir: Path | None, baseline: Path | None) -> list[str]:
@@ -657,6 +675,9 @@ def appendix_timelines(ctx: Context) -> list[str]:
                     _table([{"phase": a["phase"], "blocks": a["blocks"], "start (median)": fmt(a["start"], "s"),
                              "end (median)": fmt(a["end"], "s"), "end p90": fmt(a["end_p90"], "s")} for a in phases]), ""]
         out += _notes_lines([got])
+    block = _critical_path(ctx)
+    if block is not None and max((len(line) for line in block), default=0) > MAX_LINE:
+        out += [CRITICAL_PATH, "", *block]
     traces = sorted(p for p in ctx.cat.root.rglob("*") if p.is_file() and (
         ".trace." in p.name or p.name.startswith("ncu-") or p.name.endswith(".png")))
     if traces:

@@ -253,7 +253,16 @@ def test_critical_path_hook(tmp_path, monkeypatch):
     assert "### Critical path of a layer" in sec and "| front " in sec and "31 us" in sec
     del mod.report_rows
     text = build(root, tmp_path / "o2", bench_dir=tmp_path / "nb", gpu_present=False).read_text()
-    assert "has no `report_rows(results)`" in text
+    assert "has neither `report_rows(results)` nor `table(root)`" in text
+    # its own markdown: prose wrapped, a narrow table in the section, a wide one in Appendix B
+    mod.table = lambda root: "A long line of prose. " * 30 + "\n\n| segment | us |\n|---|---|\n| front | 31.2 |\n"
+    text = build(root, tmp_path / "o3", bench_dir=tmp_path / "nb", gpu_present=False).read_text()
+    sec = _section(text, "The megakernel and its baselines")
+    assert "| front | 31.2 |" in sec and max(len(line) for line in sec.splitlines()) <= 300
+    mod.table = lambda root: "| segment | how |\n|---|---|\n| front | " + "x" * 400 + " |\n"
+    text = build(root, tmp_path / "o4", bench_dir=tmp_path / "nb", gpu_present=False).read_text()
+    assert "see Appendix B" in _section(text, "The megakernel and its baselines")
+    assert "| front | xxx" in _section(text, "## Appendix B.")
 
 
 def test_impl_names_and_configurations_to_come():
