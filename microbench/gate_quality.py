@@ -715,18 +715,44 @@ def trust_rows(root: Path | None = None) -> list[dict]:
     return rows
 
 
-def report_lines(root: Path | None = None) -> list[str]:
-    """The report's section on the gate's measured quality (markdown lines)."""
-    from tabulate import tabulate
-
-    out = ["## How much to trust the gate", ""]
+def trust_line(root: Path | None = None) -> str:
+    """One line for the report's trust box (under 300 characters): the measured rates of both
+    modes, or that they are not measured yet."""
     got = latest_quality(root)
     if got is None:
-        return out + ["Not measured yet by the current method: run `megabench gate --quality-run --out DIR` on "
-                      "two fresh H200 machines (about 3 minutes each), commit both `gate.quality_run` results, then "
-                      "`megabench gate --quality --save`. Earlier `gate.quality` files (2026-11-29) replayed the "
-                      "gate on halves of recorded samples: a 5% floor guaranteed their 0% false alarms and SMs of one "
-                      "launch counted as trials, so they did not measure this gate.", ""]
+        return ("Gate: its false-alarm and detection rates are not measured yet (`megabench gate --quality-run` on two "
+                "fresh machines, then `megabench gate --quality --save`).")
+    _, r = got
+
+    def rate(key, digits=1):
+        d = r.derived.get(key)
+        return "n/a" if d is None else f"{d.value:.{digits}%} ({d.spread[0]:.{digits}%}-{d.spread[1]:.{digits}%})"
+
+    return (f"Gate: in-run A/B false alarms {rate('false_alarm_rate_ab')}, detects 5% {rate('detection_rate_ab_5pct', 0)}"
+            f", 10% {rate('detection_rate_ab_10pct', 0)}; stored across machines: false alarms "
+            f"{rate('false_alarm_rate_stored')}, detects 5% {rate('detection_rate_stored_5pct', 0)} "
+            f"(`gate.quality` of {r.env.date[:10]}, 95% intervals).")
+
+
+def _wrap(text: str, width: int = 160) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""]
+
+
+def report_lines(root: Path | None = None, heading: str = "## How much to trust the gate") -> list[str]:
+    """The report's section on the gate's measured quality (markdown lines; prose wrapped at 160)."""
+    from tabulate import tabulate
+
+    out = [heading, ""]
+    got = latest_quality(root)
+    if got is None:
+        return out + _wrap(
+            "Not measured yet by the current method: run `megabench gate --quality-run --out DIR` on two fresh H200 "
+            "machines (about 3 minutes each), commit both `gate.quality_run` results, then `megabench gate --quality "
+            "--save`. Earlier `gate.quality` files (2026-11-29) replayed the gate on halves of recorded samples: a 5% "
+            "floor guaranteed their 0% false alarms and SMs of one launch counted as trials, so they did not measure "
+            "this gate.") + [""]
     path, r = got
     rows = []
     for k, d in r.derived.items():
@@ -740,16 +766,17 @@ def report_lines(root: Path | None = None) -> list[str]:
                      "trials": f"{s.metrics.get('flagged')} of {s.metrics.get('trials')}",
                      "clusters / n_eff": f"{s.metrics.get('clusters')} / {s.metrics.get('n_eff', 0):.0f}",
                      "target": d.note.replace("target ", "") if d.note else ""})
-    out += [f"Measured {r.env.date[:10]} on {r.env.gpu} (`{_rel(path)}`): the gate's own verdicts on two quality "
-            "runs of one build on fresh machines, with slowdowns injected into the kernels (`megabench gate "
-            "--quality-run`; method in `microbench/gate_quality.py`).", "",
-            tabulate(rows, headers="keys", tablefmt="github"), ""]
+    out += _wrap(f"Measured {r.env.date[:10]} on {r.env.gpu} (`{_rel(path)}`): the gate's own verdicts on two quality "
+                 "runs of one build on fresh machines, with slowdowns injected into the kernels (`megabench gate "
+                 "--quality-run`; method in `microbench/gate_quality.py`).")
+    out += ["", tabulate(rows, headers="keys", tablefmt="github"), ""]
     inj = [(k, d) for k, d in r.derived.items() if k.startswith("injected_")]
     if inj:
-        out += ["Injected slowdowns as measured (median over runs and cases, min-max): " + "; ".join(
+        out += _wrap("Injected slowdowns as measured (median over runs and cases, min-max): " + "; ".join(
             f"nominal {k.split('_')[1].replace('pct', '%')}: {d.value:+.2%} ({d.spread[0]:+.2%}..{d.spread[1]:+.2%})"
-            for k, d in inj) + ".", ""]
-    out += [f"Note: {n}" for n in r.notes] + [""]
+            for k, d in inj) + ".") + [""]
+    for n in r.notes:
+        out += _wrap(f"Note: {n}") + [""]
     return out
 
 

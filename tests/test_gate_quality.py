@@ -94,6 +94,11 @@ def test_saved_spreads_feed_the_stored_gate_and_the_report(two_runs, tmp_path, c
     assert cr is not None and set(cr.per_key) == {c for c, _ in CASES}
     lines = "\n".join(report_lines(tmp_path))
     assert "How much to trust the gate" in lines and "false alarms (A/A)" in lines and "n_eff" in lines
+    from microbench.gate_quality import trust_line
+
+    line = trust_line(tmp_path)
+    assert line.startswith("Gate: in-run A/B false alarms 0.0%") and "detects 5% 100%" in line and len(line) < 300
+    assert trust_line(tmp_path / "none").startswith("Gate: its false-alarm and detection rates are not measured")
     rows = trust_rows(tmp_path)
     assert [r["mode"].split()[0] for r in rows] == ["in-run", "stored"] and rows[0]["detects 10%"].startswith("100%")
     empty = tmp_path / "none"
