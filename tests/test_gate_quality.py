@@ -175,15 +175,12 @@ def test_cli_quality_run_and_analysis(tmp_path, capsys):
     assert main(["gate", "--quality-run", "--backend", f"synthetic:{spec}"]) == 2  # no --out
 
 
-def test_committed_pre_method_quality_files_are_not_shown_as_measurements(tmp_path):
-    from microbench.results import REPO_ROOT
+def test_estimates_of_the_replaced_method_are_not_shown_as_measurements(tmp_path):
+    """gate.quality files of the split-halves estimate (2026-11-29) stay committed but are not
+    this method's measurement: the report says it is not measured yet."""
+    from megabench_synth import series
 
-    old = sorted((REPO_ROOT / "reports" / "results" / "gate").glob("gate.quality-*.json"))
-    assert old  # the 2026-11-29 split-halves estimates stay committed (not pruned)
-    from microbench.results import load
-
-    for p in old:
-        r = load(p)
-        if not any(s.params.get("method") == METHOD for s in r.series):
-            Result.save(r, tmp_path)
-    assert "Not measured yet" in "\n".join(report_lines(tmp_path))
+    old = series("aa_random_halves", 0.0, n=40, unit="fraction", timer="derived",
+                 params={"mode": "aa_random_halves", "slowdown": 0.0}, metrics={"flagged": 0, "trials": 8000})
+    Result("gate.quality", env(), (old,)).save(tmp_path)
+    assert "Not measured yet" in "\n".join(report_lines(tmp_path)) and trust_rows(tmp_path) == []
