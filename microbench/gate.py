@@ -870,7 +870,7 @@ def add_parser(sub) -> None:
                         "the torch baselines, without shard8 points: gate_ab.DEFAULT_SELECTION)")
     g.add_argument("-k", dest="select_k", default=None, metavar="EXPR", help="pytest -k expression choosing cases")
     g.add_argument("--marker", default=None, metavar="EXPR", help="pytest -m expression choosing cases")
-    g.add_argument("--rounds", type=int, default=None, help="A/B rounds (default 10; --quality-run 80)")
+    g.add_argument("--rounds", type=int, default=None, help="A/B rounds (default 10; --quality-run 100)")
     g.add_argument("--min-rounds", type=int, default=8, help="rounds needed for a verdict (default 8)")
     g.add_argument("--ab-floor", type=float, default=0.03, help="smallest slowdown an A/B calls a regression (0.03)")
     g.add_argument("--backend", default="pytest", metavar="pytest|synthetic:SPEC.json",
