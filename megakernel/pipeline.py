@@ -40,23 +40,63 @@ PHASE_ALLOWANCE_NS = 1_000_000_000
 
 
 def tuned(constants=None):
-    """The tuned constants a build reads. Only a missing constants file falls back to the documented
-    defaults (with a warning); a malformed one raises ResultsFileError naming the problem."""
+    """The tuned constants a build reads: the revision adopted for this GPU (microbench/adopt.py:
+    reports/constants/adopted/<gpu>.json, changed only with a measurement of the build), never
+    straight from whatever `megabench tune` wrote last. MEGABENCH_CONSTANTS=<revision file> builds
+    from a candidate revision instead (to measure it before adopting it; results record which).
+    Without an adoption, the current constants file with a warning; without that, the documented
+    defaults (with a warning). A malformed file raises ResultsFileError naming the problem."""
     if constants is not None:
         return constants
+    import os
+
+    from microbench.adopt import adoption_path, load_adopted, load_adoption
     from microbench.device import device_info, gpu_count
     from microbench.errors import ResultsFileError
     from microbench.tune import TunedConstants, find_constants_file, load_constants
 
-    # with a GPU present, only its own model's file (constants never cross GPU models); without one
-    # (precompiling, CI) the single committed file
+    # with a GPU present, only its own model's files (constants never cross GPU models); without one
+    # (precompiling, CI) the single committed adoption / file
     gpu = device_info().name if gpu_count() else None
+    cand = os.environ.get("MEGABENCH_CONSTANTS")
+    if cand:
+        return load_constants(cand, gpu=gpu)
+    try:
+        if gpu is not None and load_adoption(gpu) is None:
+            raise ResultsFileError(f"no adoption file {adoption_path(gpu)}")
+        return load_adopted(gpu)
+    except ResultsFileError as e:
+        why = str(e)
     try:
         path = find_constants_file(gpu)
     except ResultsFileError as e:
         warnings.warn(f"{e}; the megakernel builds with the documented defaults", stacklevel=2)
         return TunedConstants.defaults()
-    return load_constants(path, gpu=gpu)
+    c = load_constants(path, gpu=gpu)
+    warnings.warn(f"no adopted constants revision ({why}): building from the current file {path} (revision "
+                  f"{c.revision}), which no measurement of this build adopted", stacklevel=2)
+    return c
+
+
+def constants_env(env=None, constants=None):
+    """`env` (default Env.capture()) recording which constants revision the build read."""
+    from dataclasses import replace
+
+    from microbench.results import Env
+
+    c = tuned(constants)
+    env = env if env is not None else Env.capture()
+    path = getattr(c, "path", None)
+    if path:
+        from pathlib import Path
+
+        from microbench.results import REPO_ROOT
+
+        try:
+            path = str(Path(path).resolve().relative_to(REPO_ROOT))
+        except ValueError:
+            pass
+    return replace(env, constants_revision=getattr(c, "revision", None), constants_file=path or "documented defaults")
 
 
 def _get(constants, key):
@@ -250,7 +290,7 @@ def bench_point(h, preset: str, n_tokens: int, ctx: int, plan: Plan, mode: str, 
                  "tokens_per_step": n_tokens, "grid": eng.grid, "smem_bytes": plan.smem_bytes})
 
 
-def build_result(plans: dict[str, Plan], budget: int | None) -> Result:
+def build_result(plans: dict[str, Plan], budget: int | None, constants=None) -> Result:
     from .build import build_gpu
 
     series, derived = [], {}
@@ -264,7 +304,7 @@ def build_result(plans: dict[str, Plan], budget: int | None) -> Result:
                                           metrics={**u.to_dict(), "icache_budget_bytes": budget}))
     derived["launch_code_bytes_max"] = Derived(worst, "B", "largest per-launch machine code over the presets "
                                                "(every launch runs the same kernel)")
-    return Result("megakernel.build", Env.capture(), tuple(series), derived, quick=True)
+    return Result("megakernel.build", constants_env(None, constants), tuple(series), derived, quick=True)
 
 
 # ---------------------------------------------------------------------- techniques
@@ -627,7 +667,7 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
     keep = {mid - 1, mid, mid + 1}  # three launches keep the trace file small
     part = dataclasses.replace(tl, spans=tuple(x for x in tl.spans if x.launch in keep),
                                instants=tuple(x for x in tl.instants if x.launch in keep))
-    env = Env.capture()
+    env = constants_env(None, constants)
     # named like the result (date, commit): a later run never replaces an earlier run's trace
     stem = (f"timeline{'-detail' if detail else ''}-{preset}-T{n_tokens}-"
             f"{env.date.replace('-', '').replace(':', '')}-{env.git_sha[:7]}")
@@ -657,7 +697,7 @@ def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", 
         return plan_for(p, constants, h.info.sm_count, tokens=T)
 
     budget = code_budget(constants)
-    results = [build_result(plans, budget)]
+    results = [build_result(plans, budget, constants)]
     checks, notes = [], []
     ceiling = read_ceiling(h.info.name)
     series = []
@@ -698,7 +738,8 @@ def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", 
     notes += [f"checked {c.preset} T={c.n_tokens} ctx={c.ctx}: rel err {c.rel_err:.2e}; mega == chain bitwise "
               f"(logits, KV caches), repeated mega run bitwise identical, bitwise with the kernel's own routing"
               for c in checks]
-    results.append(Result("megakernel.step", Env.capture(), tuple(series), derived, quick=quick, notes=tuple(notes)))
+    results.append(Result("megakernel.step", constants_env(None, constants), tuple(series), derived, quick=quick,
+                          notes=tuple(notes)))
     if save:
         for r in results:
             r.save()

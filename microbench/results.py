@@ -107,6 +107,10 @@ class Env:
     host: str
     date: str  # ISO 8601 UTC
     machine_kind: str | None = None  # e.g. "nvidia-h200" (MEGABENCH_MACHINE_KIND)
+    # the tuned constants a megakernel build read (megakernel results only; None elsewhere):
+    # the revision number and the file, as megakernel/pipeline.py tuned() loaded them
+    constants_revision: int | None = None
+    constants_file: str | None = None
 
     @classmethod
     def capture(cls, gpu_index: int | None = 0) -> Env:
