@@ -69,6 +69,14 @@ def _clocks_launch(r: Result) -> dict[str, Derived]:
     return pdl_derived(a.samples, b.samples, (a.name, b.name))
 
 
+def _clocks_skew(r: Result) -> dict[str, Derived]:
+    from .clocks.bench import residual_derived
+
+    old = r.derived.get("clock64_calibration_residual_ns")
+    return {"clock64_calibration_residual_ns": residual_derived(r.series_named("skew/calibration_residual_rms").samples,
+                                                                old.note if old else "")}
+
+
 REDERIVERS: Mapping[str, Callable[[Result], dict[str, Derived]]] = {
     "icache.capacity": _icache_capacity,
     "icache.spliced": _icache_spliced,
@@ -76,6 +84,7 @@ REDERIVERS: Mapping[str, Callable[[Result], dict[str, Derived]]] = {
     "weights.l2": _weights_l2,
     "sync.flags": _sync_flags,
     "clocks.launch": _clocks_launch,
+    "clocks.skew": _clocks_skew,
 }
 
 
