@@ -25,7 +25,7 @@ from microbench.results import REPO_ROOT, Result, find, load, results_root
 
 from . import megakernel as mk
 from . import paper, plots
-from .fmt import fmt, fmt_params, fmt_range, fmt_spread, md_escape
+from .fmt import fmt, fmt_fraction, fmt_params, fmt_spread, md_escape
 
 CLASS_INFO = {
     "basics": ("Launch overhead and copy bandwidth",
@@ -196,66 +196,9 @@ def section_environment(ctx: Context) -> list[str]:
 
 
 def _paper_rows(ctx: Context, figs: Sequence[dict]) -> list[dict]:
-    rows = []
-    latest = ctx.cat.latest_all()
-    for f in figs:
-        st = paper.setup(f["setup"])
-        theirs = fmt(f["value"], f["unit"]) if "value" in f else fmt_range(f["low"], f["high"], f["unit"])
-        if f["setup"] != "gb300":
-            theirs += f" ({st['short']})"
-        ours, how = "not measured yet", ""
-        o = f.get("ours")
-        if o is None:
-            ours, how = "-", f.get("note", "no counterpart measured here")
-        elif o["kind"] == "constant":
-            e = ctx.tune_entries.get(o["name"])
-            if e is not None and e.source == "measured":
-                sp = e.provenance.get("spread")
-                ours = fmt(e.value, e.spec.unit) + (f" ({fmt_spread(sp, e.spec.unit)})" if sp else "")
-                how = f"tuned `{o['name']}` from `{e.spec.benchmark}`"
-            else:
-                how = f"tuned `{o['name']}` (default {fmt(e.value, e.spec.unit)} until measured)" if e else o["name"]
-        elif o["kind"] == "derived":
-            import re
+    from . import study
 
-            found = []
-            for r in latest:
-                if o.get("benchmark") is not None and r.benchmark != o["benchmark"]:
-                    continue
-                for k in sorted(r.derived):
-                    if k == o["key"] or (o.get("key_regex") and re.fullmatch(o["key_regex"], k)):
-                        found.append((k != o["key"], k, r))
-            if found:
-                _, k, r = min(found, key=lambda t: (t[0], t[1]))  # the exact key first, else the first match
-                d = r.derived[k]
-                unit = o.get("unit") or ("fraction" if f["unit"] in ("fraction", "x") and d.unit in ("", "fraction")
-                                         and f["unit"] == "fraction" else ("x" if f["unit"] == "x" and d.unit == ""
-                                                                           else d.unit))
-                ours = fmt(d.value, unit) + (f" ({fmt_spread(d.spread, unit)})" if d.spread else "")
-                how = f"`{r.benchmark}` derived `{k}`"
-            else:
-                what = o["key"] if not o.get("key_regex") else f"{o['key']}` or `{o['key_regex']}"
-                how = f"expects derived `{what}`" + (f" in `{o['benchmark']}`" if o.get("benchmark") else "")
-            if o.get("unit") or f.get("note_ours"):
-                how += f"; {f['note_ours']}" if f.get("note_ours") else ""
-        elif o["kind"] == "env":
-            envs = ctx.cat.envs()
-            if envs:
-                e = max(envs, key=lambda x: x.date)
-                v = getattr(e, o["field"], None)
-                if v is not None:
-                    ours, how = fmt(v, f["unit"]), f"driver attribute `{o['field']}`"
-        elif o["kind"] == "megakernel":
-            got = mk.figure_value(ctx.step_rows, ctx.timeline, o)
-            if got:
-                ours, how = fmt(got[0], got[1]), got[2]
-            else:
-                how = f"from model.* / megakernel.* results ({o['metric']})"
-        if f.get("note") and o is not None:
-            how = (how + "; " if how else "") + f["note"]
-        rows.append({"quantity": f["quantity"], f"study ({paper.setup('gb300')['short']})": theirs,
-                     f"ours ({ctx.cat.gpu or 'no GPU yet'})": ours, "how ours is obtained": how})
-    return rows
+    return study.rows(ctx, figs)
 
 
 def _row_limit(r: Result) -> int:
@@ -277,7 +220,7 @@ def _series_rows(r: Result) -> tuple[list[dict], list[str]]:
                "IQR": f"{fmt(s.summary.iqr, s.unit)} ({s.summary.rel_iqr:.1%})" if s.summary.median else fmt(s.summary.iqr, s.unit),
                "timer": s.timer, "bound": btxt,
                "achieved": fmt(s.achieved, b.unit) if (b is not None and s.achieved is not None) else "",
-               "fraction of bound": f"{s.fraction_of_bound:.1%}" if s.fraction_of_bound is not None else ""}
+               "fraction of bound": fmt_fraction(s)}
         if any_warn:
             row["warnings"] = "; ".join(s.warnings)
         rows.append(row)
@@ -287,11 +230,16 @@ def _series_rows(r: Result) -> tuple[list[dict], list[str]]:
 def _derived_rows(r: Result) -> list[dict]:
     from microbench.constants import SPECS
 
+    from microbench import rederive
+
     tuned = {(s.benchmark, s.derived_key): s.name for s in SPECS}
     rows = []
-    for k, d in r.derived.items():
+    redone = rederive.rederived_keys(r)
+    for k, d in rederive.derived(r).items():
         t = tuned.get((r.benchmark, k))
-        rows.append({"derived": k + (f" (tuned `{t}`)" if t else ""), "value": fmt(d.value, d.unit),
+        rows.append({"derived": k + (f" (tuned `{t}`)" if t else "") + (" (re-derived with the current rule)"
+                                                                         if k in redone else ""),
+                     "value": fmt(d.value, d.unit),
                      "spread": fmt_spread(d.spread, d.unit), "rule": d.rule,
                      "from": ", ".join(d.inputs[:4]) + (" ..." if len(d.inputs) > 4 else ""), "note": d.note})
     return rows
@@ -386,18 +334,22 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
                     "impl": r.impl, "preset": r.preset, "T": r.tokens, "context": r.context, "batch": r.batch,
                     "step time (median)": fmt(r.step_s, "s"),
                     "IQR": f"{r.series.summary.rel_iqr:.1%}",
-                    "tokens/s": f"{r.tokens_per_s:,.0f}" + ("" if r.tokens_per_step[1] else "*"),
+                    "accepted tok/s": f"{r.accepted_tokens_per_s:,.0f}",
+                    "acceptance": f"{r.acceptance[0]:g}" + ("" if r.acceptance[1] == "measured" else "*"),
                     "launches/step": "" if r.launches is None else str(r.launches),
                     "roofline": fmt(r.roofline_s, "s") if r.roofline_s else "",
                     "fraction of roofline": f"{r.roofline_fraction:.1%}" if r.roofline_fraction else "",
                     "megakernel speed-up": (f"{r.step_s / best_mega.step_s:.2f}x" if best_mega and not r.is_mega
                                             else ""),
                     "run": r.commit,
+                    "constants": "" if r.constants[0] is None else f"r{r.constants[0]}",
                 })
         out += [_table(table), ""]
         if not yields_measured:
-            out += ["\\* tokens processed per second (T x batch / step time), not accepted tokens: the series "
-                    "carry no measured `tokens_per_step`.", ""]
+            out += ["\\* accepted tokens per step, not measured: 1 per sequence at T = 1 (plain decode), the study's "
+                    f"{mk.STUDY_ACCEPTANCE:g} of {mk.STUDY_VERIFY_TOKENS} at T = 16 (assumed: no draft model runs "
+                    "here), tokens processed otherwise. `constants`: the tuned-constants revision the build read "
+                    "(recorded by the run, or the committed constants file at its commit).", ""]
         out += ["Speed-up = this implementation's step time / the fastest megakernel variant's at the same "
                 "configuration. Roofline = bytes the step must touch / the measured read ceiling. Megakernel "
                 "rows are the latest run's; each torch baseline row is its fastest committed run at that "
@@ -523,17 +475,23 @@ def section_constants(ctx: Context) -> list[str]:
         out += [f"> **Warning: {len(defaults)} of {len(ents)} constants are conservative defaults, not "
                 f"measurements:** {', '.join(f'`{n}`' for n in defaults)}. The megakernel build runs with them "
                 "(correct, not fast) until their benchmarks report.", ""]
-    out += ["What `megabench tune` derives from these results (the megakernel build reads the same values "
-            "from `reports/constants/<gpu>.json`). Near-ties follow each benchmark's stated rule.", ""]
+    out += ["What `megabench tune` derives from these results, each with the current rule (re-derived from the "
+            "recorded samples where a rule changed since the run), pinned constants held at their pin. The "
+            "megakernel build reads an adopted revision, not these (below). Near-ties follow each benchmark's "
+            "stated rule.", ""]
     rows = []
     for n, e in ents.items():
         p = e.provenance
-        rows.append({"constant": n, "value": fmt(e.value, e.spec.unit), "source": e.source if e.source == "measured"
-                     else "**default**", "benchmark": p["benchmark"] + ":" + p["derived_key"],
-                     "result": (f"`{p['result_file']}` ({p['date']}, {p['gpu']}, `{str(p['git_sha'])[:7]}`)"
-                                if e.source == "measured" else p.get("reason", "")),
+        shown = e.source in ("measured", "pinned")
+        rows.append({"constant": n, "value": fmt(e.value, e.spec.unit),
+                     "source": {"measured": "measured", "pinned": "**pinned**"}.get(e.source, "**default**"),
+                     "benchmark": p["benchmark"] + ":" + p["derived_key"],
+                     "result": ((f"`{p['result_file']}` ({p['date']}, {p['gpu']}, `{str(p['git_sha'])[:7]}`)"
+                                 if p.get("result_file") else "") + (f"; measured {fmt(p.get('measured_value'), e.spec.unit)}"
+                                                                     if e.source == "pinned" else "")
+                                if shown else p.get("reason", "")),
                      "spread": fmt_spread(p.get("spread"), e.spec.unit),
-                     "rule": p["rule"] if e.source == "measured" else "documented default (microbench/constants.py)"})
+                     "rule": p["rule"] if shown else "documented default (microbench/constants.py)"})
     out += [_table(rows), ""]
     if ctx.cat.gpu:
         cf = REPO_ROOT / "reports" / "constants" / f"{gpu_slug(ctx.cat.gpu)}.json"
@@ -570,7 +528,9 @@ def build(root: Path | None = None, out_dir: Path | None = None, bench_dir: Path
     cat = Catalog.load(root, gpu)
     tune_err = None
     try:
-        _, entries = collect(cat.root, cat.gpu)
+        from microbench.adopt import load_pins
+
+        _, entries = collect(cat.root, cat.gpu, pins=load_pins(cat.gpu))
     except Exception as e:
         entries, tune_err = {}, str(e)
     tl = cat.latest("megakernel.timeline")
@@ -592,7 +552,10 @@ def build(root: Path | None = None, out_dir: Path | None = None, bench_dir: Path
     body += section_megakernel(ctx, n)
     body += section_changes(ctx, bench_dir, baseline)
     body += section_quality(ctx)
-    body += section_constants(ctx)
+    from . import crosscheck
+
+    body += crosscheck.section(ctx)
+    body += section_constants(ctx) + crosscheck.adoption_lines(ctx)
     toc = [f"- [{h.lstrip('#').strip()}](#{_anchor(h)})" for h in body if h.startswith("## ")]
     text = "\n".join(lines + ["## Contents", ""] + toc + [""] + body).rstrip() + "\n"
     out = out_dir / "REPORT.md"
