@@ -4,7 +4,8 @@ With a GPU:    1 microbenchmarks (registry, quick or full; results saved as new 
                2 cross-GPU microbenchmarks (microbench/xgpu under torchrun) with 2+ GPUs, else skipped
                3 gate quality from the recorded samples (gate.quality result)
                4 tune (a new constants revision when anything changed)
-               5 megakernel build + benchmarks, if `megakernel.pipeline` exists
+               5 megakernel build + benchmarks, if `megakernel.pipeline` exists, from the
+                 ADOPTED constants revision (microbench/adopt.py), not the one step 4 wrote
                6 report
 Without a GPU: says so, tunes from the committed results into a temporary folder (the committed
                constants stay untouched unless --write-constants), skips the GPU stages and
@@ -101,12 +102,28 @@ def megakernel_entry():
 
 
 def _megakernel(entry, full: bool, constants_path: Path | None):
+    """The megakernel stage builds from the constants revision adopted in the constants folder
+    (microbench/adopt.py), not the one tune has just written: a re-tuned ring or budget reaches the
+    build only after it has been measured and adopted. Without an adoption there, the fresh
+    revision, said out loud."""
     kw = {"quick": not full}
     params = inspect.signature(entry).parameters
     if "constants" in params and constants_path is not None:
+        from .adopt import load_adopted, load_adoption
         from .tune import load_constants
 
-        kw["constants"] = load_constants(constants_path)
+        fresh = load_constants(constants_path)
+        rec = load_adoption(fresh.gpu, constants_path.parent)
+        if rec is None:
+            print(f"megakernel: WARNING: no adopted constants revision in {constants_path.parent / 'adopted'}; building "
+                  f"from revision {fresh.revision}, which tune has just written and nothing has measured", flush=True)
+            kw["constants"] = fresh
+        else:
+            kw["constants"] = load_adopted(fresh.gpu, constants_path.parent)
+            if rec["revision"] != fresh.revision:
+                print(f"megakernel: builds the adopted revision {rec['revision']}, not revision {fresh.revision} that "
+                      f"tune has just written; to move the build: MEGABENCH_CONSTANTS={constants_path.parent}/"
+                      f"history/<its file> python -m megakernel.cli check-and-bench, then `megabench adopt`", flush=True)
     return entry(**kw)
 
 

@@ -66,9 +66,32 @@ def test_run_with_gpu_pipeline_order(tmp_path, capsys, monkeypatch):
     order = [line.split("]")[1].split()[0] for line in out.splitlines() if line.startswith("[") and " done in " in line]
     assert order == ["gate", "tune", "megakernel", "report"]
     assert ("bench", "sync.flags", "H", False) in calls
-    assert calls[-1] == ("mega", False, 3, "measured")  # fresh constants handed to the megakernel build
+    # no adoption in this constants folder: the fresh revision, said out loud
+    assert calls[-1] == ("mega", False, 3, "measured") and "no adopted constants revision" in out
     assert list((root / "sync").glob("sync.flags-*.json")) and list((root / "gate").glob("gate.quality-*.json"))
     assert (tmp_path / "c" / "nvidia-h200.json").is_file() and (tmp_path / "rep" / "REPORT.md").is_file()
+
+
+def test_megakernel_stage_builds_the_adopted_revision_not_the_fresh_one(tmp_path, capsys):
+    """Issue 45: a fresh run re-tuned the ring and the L2 budget and the megakernel built from them
+    unmeasured. With an adoption in the constants folder, the stage builds that revision."""
+    import json
+    import shutil
+
+    c = tmp_path / "c"
+    shutil.copytree(REPO_ROOT / "reports" / "constants", c)
+    cur = json.loads((c / "nvidia-h200.json").read_text())
+    doc = json.loads((c / cur["revision_file"]).read_text())
+    doc["constants"]["ring_stages"]["value"] = 3
+    doc["constants"]["ring_stage_bytes"]["value"] = 16384
+    nxt = cur["revision"] + 1
+    doc.update(revision=nxt, revision_file=f"history/nvidia-h200-r{nxt:04d}.json")
+    for p in (c / doc["revision_file"], c / "nvidia-h200.json"):
+        p.write_text(json.dumps(doc))
+    got = []
+    pipeline._megakernel(lambda quick, constants=None: got.append(constants), False, c / "nvidia-h200.json")
+    assert got[0].revision == 4 and (got[0].ring_stages, got[0].ring_stage_bytes) == (2, 32768)
+    assert f"not revision {nxt}" in capsys.readouterr().out
 
 
 def test_unknown_class_is_refused(monkeypatch, capsys, tmp_path):
