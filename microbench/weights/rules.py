@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..stats import Summary, bootstrap_ci, fit_steps, mann_whitney
+from ..stats import Summary, bootstrap_ci, mann_whitney
 
 N_BOOT = 200
 SEED = 0
