@@ -24,8 +24,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
-import os
-import tempfile
 import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -65,11 +63,9 @@ def _read(p: Path, schema: str) -> dict:
 
 
 def _write(p: Path, doc: dict) -> None:
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, p)
+    from .atomic import write_text
+
+    write_text(p, json.dumps(doc, indent=1) + "\n", mkdir=True)
 
 
 # ----------------------------------------------------------------------------- pins
@@ -127,6 +123,18 @@ def load_adoption(gpu: str | None, directory=None) -> dict | None:
     if gpu is not None and d["gpu"] != gpu:
         raise ResultsFileError(f"{p}: adoption for {d['gpu']!r}, not {gpu!r}")
     return d
+
+
+def has_adoption(gpu: str | None, directory=None) -> bool:
+    """Whether an adoption file applies: `gpu`'s, or, without a GPU, the folder's only one (several
+    without a GPU to choose: an error naming the problem, as for constants files)."""
+    if gpu is not None:
+        return adoption_path(gpu, directory).exists()
+    folder = _dir(directory) / "adopted"
+    n = len(list(folder.glob("*.json"))) if folder.is_dir() else 0
+    if n > 1:
+        raise ResultsFileError(f"{folder}: {n} adoption files and no GPU to choose one; pass gpu=")
+    return n == 1
 
 
 def adoptions(directory=None) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The pipeline subcommands: run, tune, adopt, report, gate, xgpu (see README "## Commands").
+"""The pipeline subcommands: run, tune, adopt, report, gate, xgpu, test-run (see README "## Commands").
 
 Each lives in its own module and adds its own parser; imports stay lazy inside the commands so
 `megabench info` does not pay for pandas/matplotlib.
@@ -19,3 +19,6 @@ def register(sub) -> None:
     from .xgpu import launcher
 
     launcher.add_parser(sub)
+    from . import testrun
+
+    testrun.add_parser(sub)
