@@ -34,8 +34,8 @@ class KeyFigure:
     """One overhead class's row of the summary. `study` names figures of reports/paper_figures.json
     (several are shown joined by " x ", e.g. ring stages x stage bytes); `ours` is a (benchmark,
     derived key) for a class without a study figure. `like` says whether ours measures the same
-    quantity under the same conditions; a figure's own `like_for_like` field, where the data has
-    one, takes precedence. `feeds` are the tuned constants (microbench/constants.py) that come
+    quantity under the same conditions; a figure's own `compare` field (reports/study.py like_for_like), where
+    the data has one, takes precedence. `feeds` are the tuned constants (microbench/constants.py) that come
     from the same measurements."""
 
     cls: str
@@ -50,8 +50,8 @@ KEY_FIGURES = (
     KeyFigure("basics", "empty launch back to back (device time)", ours=("basics.launch", "launch_overhead_device"),
               like="no study figure"),
     KeyFigure("icache", "instruction cache per SM", study=("icache.sm_capacity",),
-              like="no: a knee fitted in our CPI curve vs the study's quoted size",
-              feeds=("icache_l1_bytes", "icache_l2_bytes")),
+              like="the study's figure says (reports/paper_figures.json)",
+              feeds=("icache_l0_bytes", "icache_sm_bytes")),
     KeyFigure("weights", "weight ring: stages x bytes per stage", study=("weights.ring_stages", "weights.ring_stage_bytes"),
               like="same quantity, each tuned on its own GPU (the build's ring: `megakernel.build`)",
               feeds=("ring_stages", "ring_stage_bytes")),
@@ -145,7 +145,9 @@ def class_rows(ctx, value_of) -> list[dict]:
                 ours_parts = [p.split(" (")[0] for p in ours_parts]
             ours = " x ".join(ours_parts) if all(p not in ("", "-", "not measured yet") for p in ours_parts) else (
                 "not measured yet")
-            like = next((f["like_for_like"] for f in figs if f.get("like_for_like")), k.like)
+            from . import study
+
+            like = next((study.like_for_like(f) for f in figs if f.get("compare")), k.like)
         else:
             theirs, like = "-", k.like
             got = ctx.cat.latest(k.ours[0]) if k.ours else None
