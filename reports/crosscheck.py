@@ -16,7 +16,7 @@ from pathlib import Path
 
 from microbench import rederive
 
-from .fmt import fmt, fmt_spread
+from .fmt import fmt, fmt_spread, wrap
 
 REFERENCES = Path(__file__).with_name("references.json")
 KiB, MiB = 1024, 1 << 20
@@ -228,17 +228,21 @@ def section(ctx) -> list[str]:
     from .build import _table
 
     out = ["## Independent cross-checks", "",
-           "Each class's figures beside a second method of ours, a public measurement of this GPU (or of its "
-           "architecture), or the datasheet. Sources: `reports/references.json`, `microbench/datasheet.py`.", ""]
-    rs = rows(ctx)
-    out += [_table(rs), ""] if rs else ["Nothing to cross-check yet (no results).", ""]
+           *wrap("Each class's figures beside a second method of ours, a public measurement of this GPU (or of its "
+                 "architecture), or the datasheet. Sources: `reports/references.json`, `microbench/datasheet.py`."), ""]
+    from .fmt import Footnotes
+
+    notes = Footnotes("Notes")
+    rs = [{k: (notes.cell(v, 60) if k in ("ours", "independent", "note") else v) for k, v in r.items()}
+          for r in rows(ctx)]  # long cells become numbered notes: the section's lines stay readable
+    out += [_table(rs), "", *notes.lines()] if rs else ["Nothing to cross-check yet (no results).", ""]
     st = stability_rows(ctx)
     if st:
         out += ["### The build's constants on two machines", "",
-                "For every constant the megakernel build reads: the latest run on each machine (GPU UUID), valued by "
-                "the current rule from its samples; two runs agree when equal or their spreads overlap "
-                "(`microbench/stability.py`, tests/test_stability.py). `one machine`: needs a second run "
-                "(`.ci/gpu-session stability45`).", "", _table(st), ""]
+                *wrap("For every constant the megakernel build reads: the latest run on each machine (GPU UUID), "
+                      "valued by the current rule from its samples; two runs agree when equal or their spreads "
+                      "overlap (`microbench/stability.py`, tests/test_stability.py). `one machine`: needs a second "
+                      "run (`.ci/gpu-session stability45`)."), "", _table(st), ""]
     return out
 
 
@@ -256,14 +260,15 @@ def adoption_lines(ctx) -> list[str]:
         out += [f"> **No adopted constants revision for {ctx.cat.gpu}:** the megakernel builds from the current file, "
                 "unmeasured (`megabench adopt`).", ""]
     else:
-        out += [f"The megakernel builds from the **adopted revision {rec['revision']}** (`reports/constants/"
-                f"{rec['revision_file']}`, adopted {rec['adopted']}), not from the latest tune: {rec['reason']} "
-                "A new revision reaches the build only with `megabench adopt --measured-by <megakernel results built "
-                "with it>` (microbench/adopt.py).", ""]
+        out += [*wrap(f"The megakernel builds from the **adopted revision {rec['revision']}** (`reports/constants/"
+                      f"{rec['revision_file']}`, adopted {rec['adopted']}), not from the latest tune: {rec['reason']} "
+                      "A new revision reaches the build only with `megabench adopt --measured-by <megakernel results "
+                      "built with it>` (microbench/adopt.py)."), ""]
     pins = load_pins(ctx.cat.gpu)
     for p in pins.values():
         e = ctx.tune_entries.get(p.name)
         mv = e.provenance.get("measured_value") if e is not None else None
-        out += [f"- `{p.name}` is **pinned** at {fmt(p.value, e.spec.unit if e else '')} (since {p.since}; the latest "
-                f"result derives {fmt(mv, e.spec.unit) if e is not None and mv is not None else 'nothing'}): {p.reason}"]
+        out += wrap(f"`{p.name}` is **pinned** at {fmt(p.value, e.spec.unit if e else '')} (since {p.since}; the "
+                    f"latest result derives {fmt(mv, e.spec.unit) if e is not None and mv is not None else 'nothing'}): "
+                    f"{p.reason}", first="- ", rest="  ")
     return out + ([""] if pins else [])

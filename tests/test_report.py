@@ -157,16 +157,15 @@ def test_no_table_appears_twice(rendered):
 def test_paper_figures_beside_ours(rendered):
     text, _ = rendered
     row = next(line for line in text.splitlines() if line.startswith("| spliced / solo slowdown"))
-    assert "1.573x" in row and "1.450x" in row and "| yes" in row
-    ref = row.rstrip(" |").rsplit("| ", 1)[1].strip()  # a long "how" is a numbered note below the table
-    assert ref.startswith("[") and any(line.startswith(f"- {ref} ") and "spliced_ratio_w12_100K_100K" in line
-                                       for line in text.splitlines())
+    assert "1.57x" in row and "1.450x" in row and "spliced_ratio_w12_100K_100K" in row
+    like = row.split("|")[4].strip()  # "like for like?": a long answer is a numbered note below the table
+    assert like.startswith("yes") or any(line.startswith(f"- {like} yes") for line in text.splitlines())
     # the study's "20 KB gave the other block its solo speed back" is a ratio beside a ratio: block A's own
     # spliced / solo time (1.001x), not the whole splice's 1.08x and not a size
-    row = next(line for line in text.splitlines() if line.startswith("| shrinking one block"))
-    assert "20 KiB" in row and "1.08" not in row
+    # the size itself is a parameter of our sweep, not a counterpart: it is listed with the figures that have none
+    assert "shrinking one block" in text.split("Appendix D.")[-1]
     row = next(line for line in text.splitlines() if line.startswith("| the 100 KB block spliced with a 20 KB"))
-    assert "1.000x" in row and "1.001x (0.990x - 1.012x)" in row
+    assert "| 1x |" in row and "1.001x (0.990x - 1.012x)" in row  # the study's 1.0 as the study gives it
     row = next(line for line in text.splitlines() if line.startswith("| profiler cost as a share"))
     assert "2.8%" in row and "0.4%" in row
     assert "8x GB300 (Blackwell Ultra), TP8" in text and "ours (NVIDIA H200)" in text
