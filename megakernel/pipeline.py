@@ -161,11 +161,13 @@ def check_point(preset: str, n_tokens: int, ctx: int, plan: Plan) -> Check:
     kv_eq = caches[0].equal(caches[1]) and caches[0].equal(caches[2])
     for a, b in zip(caches[0].k + caches[0].v, sc.ref_cache.k + sc.ref_cache.v):
         check_close(a, b, f"{preset} T={n_tokens} ctx={ctx}: KV cache vs reference", rel=REL_TOL)
-    real = []
-    for mode in ("mega", "chain"):  # the kernel's own routing (top-k on its logits)
-        eng = Engine(w, plan, sc.cache0.clone(), backend="gpu")
+    real, real_caches = [], []
+    for mode in ("mega", "chain"):  # the kernel's own routing (top-k on its logits): logits and KV caches
+        real_caches.append(sc.cache0.clone())
+        eng = Engine(w, plan, real_caches[-1], backend="gpu")
         real.append(eng.step(sc.tokens, sc.parents, ctx, mode=mode))
-    real_eq = torch.equal(real[0].logits, real[1].logits)
+    real_eq = (torch.equal(real[0].logits, real[1].logits) and torch.equal(real[0].tokens, real[1].tokens)
+               and real_caches[0].equal(real_caches[1]))
     c = Check(preset, n_tokens, ctx, err, chain_eq, rep_eq, kv_eq, real_eq)
     if not (chain_eq and rep_eq and kv_eq and real_eq):
         raise CorrectnessError(f"{preset} T={n_tokens} ctx={ctx}: mega and chain modes differ bitwise: {c}")
@@ -667,7 +669,7 @@ def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", 
             c = check_point(p, T, ctx, plan_at(p, T))
             checks.append(c)
             log(f"  check {p} T={T} ctx={ctx}: rel err {c.rel_err:.2e}, mega == chain bitwise (logits, KV), "
-                f"repeat identical, real routing bitwise")
+                f"repeat identical, real routing bitwise (logits, KV)")
         if p in ("tiny", "small"):
             n = greedy_check(p, plans[p])
             notes.append(f"{p}: greedy decoding over {n} steps equals the reference's tokens")
@@ -696,8 +698,8 @@ def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", 
     derived["max_rel_err_vs_reference"] = Derived(max(c.rel_err for c in checks), "", "max over the checked points "
                                                   "of ||mega - reference|| / ||reference|| (reference routing forced)")
     notes += [f"checked {c.preset} T={c.n_tokens} ctx={c.ctx}: rel err {c.rel_err:.2e}; mega == chain bitwise "
-              f"(logits, KV caches), repeated mega run bitwise identical, bitwise with the kernel's own routing"
-              for c in checks]
+              f"(logits, KV caches), repeated mega run bitwise identical, bitwise with the kernel's own routing "
+              f"(logits, tokens, KV caches)" for c in checks]
     results.append(Result("megakernel.step", Env.capture(), tuple(series), derived, quick=quick, notes=tuple(notes)))
     if save:
         for r in results:
