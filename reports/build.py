@@ -384,6 +384,7 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
             for r in rs:
                 table.append({
                     "impl": r.impl, "preset": r.preset, "T": r.tokens, "context": r.context, "batch": r.batch,
+                    "routing": r.routing,
                     "step time (median)": fmt(r.step_s, "s"),
                     "IQR": f"{r.series.summary.rel_iqr:.1%}",
                     "tokens/s": f"{r.tokens_per_s:,.0f}" + ("" if r.tokens_per_step[1] else "*"),

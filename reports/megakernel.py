@@ -9,8 +9,13 @@ Result names (benchmark field of a megabench Result; files under reports/results
 
 Step series (in model.* and megakernel.* results): any series with `params["impl"]` and unit "s".
   samples   device seconds per decode step (timer "cuda_event" or "globaltimer")
-  params    impl     "torch_eager" | "torch_graph" | "torch_compile" | "chain" | "mega" | "mega+<variant>"
-                     (an impl starting with "mega" is a megakernel; everything else a baseline)
+  params    impl     "peer" | "peer_compile" | "chain" | "chain_nopdl" | "mega" | "mega+<variant>" |
+                     "naive_torch_eager" | "naive_torch_graph" | "naive_torch_compile"
+                     (an impl starting with "mega" is a megakernel; everything else a baseline; the
+                     naive torch rows are model.baselines' plain torch expression, which dequantises
+                     every padded expert slot to bf16 each step: results written before that name
+                     say "torch_eager" etc. and are read as the naive_ names, LEGACY_IMPL)
+            routing  "forced" (default: the synthetic routing replayed) | "real" (the build's own top-k)
             preset   model preset name ("tiny", "small", "shard8")
             tokens   T, tokens verified per step (1 = plain decode, 16 = the study's verify)
             context  cached tokens before the step
@@ -43,6 +48,9 @@ import numpy as np
 from microbench.results import Result, Series
 
 PRESET_ORDER = ("shard8", "small", "tiny")
+# impl names of model.baselines' torch rows before they were labelled the naive expression they are
+LEGACY_IMPL = {"torch_eager": "naive_torch_eager", "torch_graph": "naive_torch_graph",
+               "torch_compile": "naive_torch_compile"}
 
 
 @dataclass(frozen=True)
@@ -56,10 +64,11 @@ class StepRow:
     batch: int
     commit: str = ""  # the measuring run's commit (short)
     date: str = ""  # and its date (ISO 8601 UTC)
+    routing: str = "forced"  # params["routing"]: the synthetic routing replayed, or the build's own
 
     @property
     def config(self) -> tuple:
-        return (self.preset, self.tokens, self.context, self.batch)
+        return (self.preset, self.tokens, self.context, self.batch, self.routing)
 
     @property
     def is_mega(self) -> bool:
@@ -109,8 +118,10 @@ def step_rows(results: Sequence[Result]) -> list[StepRow]:
             p = s.params
             if "impl" not in p or s.unit != "s" or s.timer == "static":
                 continue
-            rows.append(StepRow(r.benchmark, s, str(p["impl"]), str(p.get("preset", "?")), int(p.get("tokens", 1)),
-                                int(p.get("context", 0)), int(p.get("batch", 1)), r.env.git_sha[:7], r.env.date))
+            impl = LEGACY_IMPL.get(str(p["impl"]), str(p["impl"]))
+            rows.append(StepRow(r.benchmark, s, impl, str(p.get("preset", "?")), int(p.get("tokens", 1)),
+                                int(p.get("context", 0)), int(p.get("batch", 1)), r.env.git_sha[:7], r.env.date,
+                                str(p.get("routing", "forced"))))
     return rows
 
 
@@ -137,13 +148,14 @@ TIE = 0.01  # with_fastest_baselines: runs this close to the fastest count as eq
 
 def _pref(row: StepRow) -> tuple:
     pi = PRESET_ORDER.index(row.preset) if row.preset in PRESET_ORDER else len(PRESET_ORDER)
-    return (pi, -row.tokens, -row.context, -row.batch)
+    return (pi, row.routing != "forced", -row.tokens, -row.context, -row.batch)
 
 
 def pick(rows: Sequence[StepRow], impl: str, tokens: int | None = None) -> StepRow | None:
     """The row the study's figure is compared with: impl 'mega' (fastest megakernel variant),
     'chain', or 'best_baseline' (fastest non-megakernel); T filtered when given; preferring the
-    shard8 preset, then larger T, longer context."""
+    shard8 preset, forced routing (the replayed synthetic routing the study's figures compare), then
+    larger T, longer context."""
     rs = [r for r in rows if tokens is None or r.tokens == tokens]
     if not rs:
         return None

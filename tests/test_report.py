@@ -123,7 +123,7 @@ def test_series_table_and_plots(rendered):
 
 def test_megakernel_table(rendered):
     text, _ = rendered
-    row = next(line for line in text.splitlines() if line.startswith("| torch_eager"))
+    row = next(line for line in text.splitlines() if line.startswith("| naive_torch_eager"))
     assert "11.98 ms" in row and "1400" in row and "3.00x" in row  # 12 / 4 ms
     row = next(line for line in text.splitlines() if line.startswith("| mega "))
     assert "75.1%" in row  # roofline 3 ms / 3.995 ms
@@ -224,7 +224,7 @@ def test_fmt():
 def test_megakernel_pick_rules():
     rows = mk.step_rows(_megakernel())
     assert mk.pick(rows, "mega").impl == "mega"
-    assert mk.pick(rows, "best_baseline").impl == "torch_graph"
+    assert mk.pick(rows, "best_baseline").impl == "naive_torch_graph"
     v, unit, how = mk.figure_value(rows, None, {"metric": "speedup_vs_chain"})
     assert v == pytest.approx(9 / 4, rel=0.05) and unit == "x"
     v, unit, how = mk.figure_value(rows, None, {"metric": "tokens_per_s", "impl": "mega"})
@@ -250,7 +250,7 @@ def test_each_baseline_is_its_fastest_committed_run(tmp_path):
                  (series("step/eager", 12e-3, params={**params, "context": 4096}, seed=5),))
     save_all([old, new], root)
     text = build(root, tmp_path / "out", bench_dir=tmp_path / "none").read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| torch_eager")]
+    rows = [line for line in text.splitlines() if line.startswith("| naive_torch_eager")]
     assert len(rows) == 1, rows  # the ctx 8192 point of the old run is not added
     assert "old0000" in rows[0] and "1.50x" in rows[0]  # 6 ms / 4 ms, not 12 / 4
     # a newer run within 1% of the fastest counts as as fast: the newest of those is shown
@@ -258,7 +258,7 @@ def test_each_baseline_is_its_fastest_committed_run(tmp_path):
                  (series("step/eager", 6.02e-3, params={**params, "context": 4096}, seed=3),))
     save_all([tie], root)
     text = build(root, tmp_path / "out2", bench_dir=tmp_path / "none").read_text()
-    assert "tie0000" in next(line for line in text.splitlines() if line.startswith("| torch_eager"))
+    assert "tie0000" in next(line for line in text.splitlines() if line.startswith("| naive_torch_eager"))
     mega = next(line for line in text.splitlines() if line.startswith("| mega "))
     assert "abc1234" in mega
     assert "fastest committed run" in text
@@ -292,3 +292,34 @@ def test_paper_timeline_figures_name_phases_the_megakernel_emits():
     phases = [f["ours"]["phase"] for f in figs
               if f.get("ours") and str(f["ours"].get("metric", "")).startswith("timeline_")]
     assert phases and set(phases) <= set(OP_KINDS)
+
+
+def test_peer_rows_by_routing_and_naive_labels(tmp_path):
+    """megakernel.peer rows: routing is part of a row's configuration (a real-routing row is
+    compared with mega at real routing, never with the forced one), the speed-up column uses the
+    mega row of the same routing, the figure picks prefer forced routing, and model.baselines'
+    old torch_* names read as the naive expression they are."""
+    root = tmp_path / "results"
+    base = {"preset": "shard8", "tokens": 16, "context": 2048}
+    rows = []
+    for impl, routing, t in (("mega", "forced", 6.7e-3), ("peer", "forced", 8.0e-3), ("chain", "forced", 8.5e-3),
+                             ("mega", "real", 9.0e-3), ("peer", "real", 18.0e-3)):
+        rows.append(series(f"{impl}/{routing}", t, params={**base, "impl": impl, "routing": routing},
+                           bound=Bound("time", 3e-3, "s", "roofline"), metrics={"launches_per_step": 9}))
+    rows.append(series("kernel/moe_up", 3e-3, params={**base, "op": "moe_up", "kind": "peer_kernel"}, timer="host"))
+    save_all([Result("megakernel.peer", env(), tuple(rows)),
+              Result("model.baselines", env(), (series("eager", 0.36, params={**base, "impl": "torch_eager"}),))],
+             root)
+    got = mk.step_rows([Result("megakernel.peer", env(), tuple(rows))])
+    assert len(got) == 5 and {r.routing for r in got} == {"forced", "real"}  # the kernel series is no step row
+    assert mk.pick(got, "mega").routing == "forced" and mk.pick(got, "best_baseline").impl == "peer"
+    text = build(root, tmp_path / "out", bench_dir=tmp_path / "none").read_text()
+    table = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| ")]
+    head = next(r for r in table if r[:2] == ["impl", "preset"])
+    step = [dict(zip(head, r)) for r in table if len(r) == len(head) and r != head]
+    peer_real = next(r for r in step if r["impl"] == "peer" and r["routing"] == "real")
+    assert peer_real["megakernel speed-up"] == "2.00x"  # 18 / 9 ms (real), not 18 / 6.7
+    peer_forced = next(r for r in step if r["impl"] == "peer" and r["routing"] == "forced")
+    assert peer_forced["megakernel speed-up"] == "1.19x"  # 8 / 6.7
+    assert {r["impl"] for r in step} >= {"naive_torch_eager", "peer", "chain", "mega"}
+    assert "torch_eager" not in {r["impl"] for r in step}
