@@ -79,7 +79,7 @@ def default_moe_configs():
 
 
 # the sweep tune_moe runs on the GPU (both kernels): rows per program x K step x warps x stages
-SWEEP = ((64, 128, 4, 3), (64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3))
+SWEEP = ((64, 128, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3))
 
 
 # ---------------------------------------------------------------------- the model's prepared weights
@@ -237,7 +237,8 @@ class PeerRunner:
         self.o_part = torch.zeros(cfg.n_kv_heads * part * cfg.head_dim, **f32)
         self.ml_part = torch.zeros(cfg.n_kv_heads * part * 2, **f32)
         self.ctx: int | None = None
-        self.profiling = False
+        self.profiling: str | None = None  # kernel_times: "cupti" (profiler ranges) | "cuda_event" (events per op)
+        self.op_events: list = []
         self.keep_rpo: dict | None = None  # set to {} to keep each layer's router/pool output (tune_moe)
         self._layer = self._layer_eager
         self.compile_s: float | None = None
@@ -281,17 +282,32 @@ class PeerRunner:
 
     # ------------------------------------------------------------------ the step
     def _op(self, name: str):
-        if self.profiling:
+        if self.profiling == "cupti":
             return torch.profiler.record_function(f"peer.{name}")
+        if self.profiling == "cuda_event":
+            return self._event_range(name)
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _event_range(self, name: str):
+        a = torch.cuda.Event(enable_timing=True)
+        a.record()
+        yield
+        b = torch.cuda.Event(enable_timing=True)
+        b.record()
+        self.op_events.append((name, a, b))
 
     def run(self) -> torch.Tensor:
         if self.ctx is None:
             raise ConfigError("set_inputs() before run()")
         K, cfg, m, w = _kernels(), self.cfg, self.model, self.model.w
         delta = None
+        if self.small_ops == "torch":  # the embedding outside the layer: one compiled layer per layer kind
+            with self._op("attn_norm"):
+                self.x.copy_(w.embed.index_select(0, self.tokens_t).float())
+                delta = torch.zeros_like(self.x)
         for l, lw in enumerate(w.layers):
-            rpo, delta = self._layer(cfg.is_global(l), l == 0, delta, lw.attn_norm, lw.wqkv, lw.wo, lw.ffn_norm, m.rp[l],
+            rpo, delta = self._layer(cfg.is_global(l), l == 0 and self.small_ops == "triton", delta, lw.attn_norm, lw.wqkv, lw.wo, lw.ffn_norm, m.rp[l],
                                      lw.w1.codes, lw.w1.scales, lw.w1.tensor_scale, lw.w2.codes, lw.w2.scales,
                                      lw.w2.tensor_scale, lw.unpool, self.cache.k[l], self.cache.v[l], self.routes[l],
                                      self.route_w[l], self.routes_in[l])
@@ -312,7 +328,8 @@ class PeerRunner:
     def _layer_eager(self, glob: bool, first: bool, delta, attn_norm, wqkv, wo, ffn_norm, rp, w1c, w1s, w1t, w2c, w2s,
                      w2t, unpool, kc, vc, routes, route_w, routes_in):
         """One decoder layer (weights and cache as arguments, so torch.compile compiles it once per
-        layer kind). Returns (the router/pool GEMM's output, the unpooler's fp32 output)."""
+        layer kind; `first` matters to the Triton flavour only, whose first norm also gathers the
+        embedding). Returns (the router/pool GEMM's output, the unpooler's fp32 output)."""
         K, cfg, m = _kernels(), self.cfg, self.model
         tri = self.small_ops == "triton"
         with self._op("attn_norm"):
@@ -322,9 +339,7 @@ class PeerRunner:
                 else:
                     K.add_rmsnorm(self.x, attn_norm, self.h, cfg.rms_eps, delta=delta)
                 h = self.h
-            else:
-                if first:
-                    self.x.copy_(m.w.embed.index_select(0, self.tokens_t).float())
+            else:  # the embedding is in x already (run), delta zeros for the first layer
                 h = _torch_norm(self.x, delta, attn_norm, cfg.rms_eps)
         with self._op("qkv"):
             qkv = m.mm32(h, wqkv)
@@ -508,18 +523,21 @@ def pick_config(records: Sequence[TuneRecord]) -> TuneRecord:
     return min(ok, key=lambda r: r.median_s)
 
 
-def tune_moe(h, runner: PeerRunner, sweep=SWEEP, log=print, rel: float = 2e-3):
+def tune_moe(h, runner: PeerRunner, sweep=None, log=print, rel: float = 2e-3):
     """Times moe_up and moe_down over `sweep` on the GPU with the inputs of one un-graphed step of
     `runner` (each layer's router/pool output and routing, and moe_up's activations from the
     current config): a sample runs the kernel once per layer, every layer on its own experts, so
     the weights stream from HBM as in a step. Every config's output (the last layer's) must agree
     with the current config's within `rel` (bf16 outputs: other K steps only flip roundings).
-    Sets the fastest of each on runner.model; returns (records, up config, down config)."""
+    Sets the fastest of each on runner.model; returns (records, up config, down config). sweep:
+    (block_n, block_k, warps, stages) tuples, default SWEEP."""
     import numpy as np
 
     K = _kernels()
+    sweep = SWEEP if sweep is None else sweep
     m, cfg = runner.model, runner.cfg
     ld = cfg.n_experts + cfg.d_pool
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     runner.keep_rpo = {}
     try:
         runner.run()
@@ -555,7 +573,7 @@ def tune_moe(h, runner: PeerRunner, sweep=SWEEP, log=print, rel: float = 2e-3):
     for kind, fn, out, current, dims in (("moe_up", up, act_out, m.up_cfg, (cfg.d_expert, cfg.d_pool)),
                                          ("moe_down", down, y_out, m.down_cfg, (cfg.d_pool, cfg.d_expert))):
         fn(current)
-        torch.cuda.synchronize()
+        sync()
         ref = out.float().clone()
         mine = []
         for spec in sweep:
@@ -563,7 +581,7 @@ def tune_moe(h, runner: PeerRunner, sweep=SWEEP, log=print, rel: float = 2e-3):
             try:
                 c.validate(*dims)
                 fn(c)  # compiles on the first call
-                torch.cuda.synchronize()
+                sync()
                 err = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
                 if not err <= rel:
                     raise RuntimeError(f"output differs from {current.label()}'s by {err:.2e} > {rel:.0e}")
@@ -585,36 +603,46 @@ def tune_moe(h, runner: PeerRunner, sweep=SWEEP, log=print, rel: float = 2e-3):
 
 
 # ---------------------------------------------------------------------- per-kernel accounting
-def kernel_times(runner: PeerRunner, steps: int = 3) -> dict[str, list[float]]:
-    """{op: [device seconds per step]} from the profiler (CUPTI kernel durations, summed over the
-    op's kernels in a step) of `steps` un-graphed steps. The ops are the runner's labels (OPS)."""
+def kernel_times(runner: PeerRunner, steps: int = 3) -> tuple[dict[str, list[float]], str]:
+    """({op: [device seconds per step]}, timer) over `steps` un-graphed steps, per op label (OPS).
+    Timer "cupti": the profiler's CUPTI kernel durations of each op's kernels (record_function
+    ranges), summed per step. Where the profiler attributes no device time to the ranges, timer
+    "cuda_event": events around each op, whose intervals also hold the launch gap before the op
+    (an un-graphed short op waits for the host): an upper bound for short ops."""
     from torch.profiler import ProfilerActivity, profile
 
     runner.run()
     torch.cuda.synchronize()
-    runner.profiling = True
+    out: dict[str, list[float]] = {}
+    runner.profiling = "cupti"
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 runner.run()
             torch.cuda.synchronize()
+        for e in prof.events():
+            if e.name.startswith("peer."):
+                dt = getattr(e, "device_time_total", None)
+                out.setdefault(e.name[5:], []).append(float(dt if dt is not None else e.cuda_time_total) * 1e-6)
     finally:
-        runner.profiling = False
-    out: dict[str, list[float]] = {}
-    for e in prof.events():
-        if not e.name.startswith("peer."):
-            continue
-        dt = getattr(e, "device_time_total", None)
-        if dt is None:
-            dt = getattr(e, "cuda_time_total", 0.0)
-        out.setdefault(e.name[5:], []).append(float(dt) * 1e-6)
+        runner.profiling = None
+    timer = "cupti"
+    if not out or all(sum(v) == 0 for v in out.values()):
+        timer, out = "cuda_event", {}
+        runner.profiling, runner.op_events = "cuda_event", []
+        try:
+            for _ in range(steps):
+                runner.run()
+            torch.cuda.synchronize()
+            for name, a, b in runner.op_events:
+                out.setdefault(name, []).append(a.elapsed_time(b) * 1e-3)
+        finally:
+            runner.profiling, runner.op_events = None, []
     per_step = {}
     for op, v in out.items():
         per = len(v) // steps or 1
         per_step[op] = [sum(v[i * per:(i + 1) * per]) for i in range(steps)]
-    if not per_step or all(sum(v) == 0 for v in per_step.values()):
-        raise RuntimeError("the profiler attributed no device time to the peer's ops")
-    return per_step
+    return per_step, timer
 
 
 def distinct_of(routes: Sequence[torch.Tensor]) -> list[int]:

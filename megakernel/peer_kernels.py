@@ -185,7 +185,7 @@ def _add_rmsnorm_kernel(x_ptr, d_ptr, g_ptr, h_ptr, tok_ptr, emb_ptr, D, eps,
         tl.store(x_ptr + t * D + i, x, mask=m)
     else:
         x = tl.load(x_ptr + t * D + i, mask=m, other=0.0)
-    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)  # IEEE sqrt (tl.sqrt is sqrt.approx.ftz)
     g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
     tl.store(h_ptr + t * D + i, (x * r * g).to(tl.bfloat16), mask=m)
 
