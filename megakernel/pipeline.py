@@ -663,6 +663,9 @@ def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", 
     checks, notes = [], []
     ceiling = read_ceiling(h.info.name)
     series = []
+    from .peer_bench import PipelinePeer  # the competent baselines beside these rows (megakernel.peer)
+
+    peer = PipelinePeer(h, constants, ceiling, log, quick)
     for p in presets:
         t0 = time.perf_counter()
         for T, ctx in CHECK_POINTS.get(p, []):
@@ -680,6 +683,8 @@ def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", 
                 series.append(s)
                 log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms, {s.metrics['launches_per_step']} launches, "
                     f"{s.fraction_of_bound:.1%} of roofline")
+        if p in ("small", "shard8"):  # peer, peer_compile, chain_nopdl, real routing
+            peer.preset(p, (QUICK if quick else FULL)[p], series)
         if ablate and p in ("small", "shard8"):
             T, ctx = (QUICK if quick else FULL)[p][-1]
             series += ablation(h, p, T, ctx, constants, ceiling, log)
@@ -701,6 +706,9 @@ def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", 
               f"(logits, KV caches), repeated mega run bitwise identical, bitwise with the kernel's own routing "
               f"(logits, tokens, KV caches)" for c in checks]
     results.append(Result("megakernel.step", Env.capture(), tuple(series), derived, quick=quick, notes=tuple(notes)))
+    pr = peer.result()
+    if pr is not None:
+        results.append(pr)
     if save:
         for r in results:
             r.save()
