@@ -11,8 +11,9 @@ Kernels (one launch each, per layer unless said):
                  reference.topk_route) or the forced routes, softmax of the k logits, then the
                  serving engines' "align": token-expert pairs sorted by expert, each expert's run
                  padded to whole BLOCK_M blocks, the expert of every block, the block count
-  moe_up         fused MoE gate/up for the routed experts only: one program per (expert block,
-                 BLOCK_N gate rows and the same up rows); NVFP4 dequantised in registers, bf16
+  moe_up         fused MoE gate/up for the routed experts only: one program per (BLOCK_N gate
+                 rows and the same up rows, expert block; the static grid's padding blocks exit
+                 at once, after the live ones in launch order); NVFP4 dequantised in registers, bf16
                  tensor-core dots, fp32 accumulators, bf16(silu(gate) * up) out
   moe_down       the down projection of the same blocks: bf16(acc * tensor scale) per pair
   moe_combine    z[t] = bf16(sum over ranks r in order of w[t, r] * y[t, r])
@@ -519,10 +520,10 @@ def _plane_dots(acc, w, s, x_ptrs, xm, plane, X_F32: tl.constexpr, MAG: tl.const
 def _moe_up_kernel(x_ptr, x_stride, x_off, sorted_ptr, bexp_ptr, nblk_ptr, codes_ptr, scales_ptr, ts_ptr, act_ptr,
                    n_pairs, F, K, TOPK: tl.constexpr, X_F32: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_m = tl.program_id(0)
+    pid_m = tl.program_id(1)  # the expert block (axis 1: the live blocks launch before the padding's)
     if pid_m >= tl.load(nblk_ptr):
         return
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(0)
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
     m = tl.arange(0, BM)
     pair = tl.load(sorted_ptr + pid_m * BM + m)
@@ -568,10 +569,10 @@ def _moe_up_kernel(x_ptr, x_stride, x_off, sorted_ptr, bexp_ptr, nblk_ptr, codes
 @triton.jit(do_not_specialize=["n_pairs"])
 def _moe_down_kernel(act_ptr, sorted_ptr, bexp_ptr, nblk_ptr, codes_ptr, scales_ptr, ts_ptr, y_ptr, n_pairs, N, K,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_m = tl.program_id(0)
+    pid_m = tl.program_id(1)  # the expert block (axis 1: the live blocks launch before the padding's)
     if pid_m >= tl.load(nblk_ptr):
         return
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(0)
     ex = tl.load(bexp_ptr + pid_m).to(tl.int64)
     m = tl.arange(0, BM)
     pair = tl.load(sorted_ptr + pid_m * BM + m)
@@ -614,7 +615,7 @@ def moe_up(x, x_stride: int, x_off: int, x_f32: bool, sorted_ids, block_expert, 
     e, n2, kh = codes.shape
     f, k = n2 // 2, 2 * kh
     cfg.validate(f, k)
-    _launch(_moe_up_kernel, (block_expert.numel(), f // cfg.block_n), x, x_stride, x_off, sorted_ids, block_expert,
+    _launch(_moe_up_kernel, (f // cfg.block_n, block_expert.numel()), x, x_stride, x_off, sorted_ids, block_expert,
             n_blocks, _words(codes), scales, tscale, act, n_pairs, f, k, TOPK=top_k, X_F32=x_f32, BM=BLOCK_M,
             BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -624,7 +625,7 @@ def moe_down(act, sorted_ids, block_expert, n_blocks, codes, scales, tscale, y, 
     e, n, kh = codes.shape
     k = 2 * kh
     cfg.validate(n, k)
-    _launch(_moe_down_kernel, (block_expert.numel(), n // cfg.block_n), act, sorted_ids, block_expert, n_blocks,
+    _launch(_moe_down_kernel, (n // cfg.block_n, block_expert.numel()), act, sorted_ids, block_expert, n_blocks,
             _words(codes), scales, tscale, y, n_pairs, n, k, BM=BLOCK_M, BN=cfg.block_n, BK=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 

@@ -138,8 +138,14 @@ def test_ratios_and_table():
     assert d["mega_speedup/shard8/T16/ctx2048/real/vs_peer"].value == 1.25
     assert d["mega_speedup/shard8/T16/ctx2048/forced/vs_chain"].value == 1.25
     assert not any("vs_mega" in k for k in d)
-    text = table(Result("megakernel.peer", Env.capture(None), tuple(rows)))
+    res = Result("megakernel.peer", Env.capture(None), tuple(rows))
+    text = table(res)
     assert "1.50x" in text and "1.25x" in text
+    from megakernel.peer_bench import markdown
+
+    md = markdown(res)
+    line = next(x for x in md.splitlines() if "| peer |" in x and "| real |" in x)
+    assert line.endswith("| 1.25x |") and "5 s" in line
 
 
 def test_pipeline_hook_skips_what_the_peer_cannot_run(monkeypatch):
