@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from . import tree as treelib
 from .config import ConfigError, ModelConfig
