@@ -448,7 +448,8 @@ class PipelinePeer:
     chain_nopdl / peer, the tuning sweep and the per-kernel accounting; `result()` is one
     megakernel.peer result for the run, whose ratios use the pipeline's own forced-routing mega
     and chain series. A preset the peer cannot run (no triton, shapes its kernels do not take)
-    is skipped with a line saying why."""
+    is skipped with a line saying why, and so is every preset with MEGABENCH_PEER=0 (the hook adds
+    ~1-2 min of GPU time per preset: Triton compiles, the sweep, one torch.compile)."""
 
     def __init__(self, h, constants, ceiling, log=print, quick: bool = True,
                  compile_budget_s: float = COMPILE_BUDGET_S):
@@ -456,12 +457,15 @@ class PipelinePeer:
         self.constants, self.quick, self.measured = constants, quick, []
 
     def preset(self, preset: str, points, measured=()) -> None:
+        import os
+
         from .config import preset as get_preset
         from .peer import available, unsupported
 
         c = self.c
         self.measured += [s for s in measured if s.params.get("preset") == preset]
-        why = available() or unsupported(get_preset(preset))
+        why = ("MEGABENCH_PEER=0" if os.environ.get("MEGABENCH_PEER", "1") == "0" else None) or available() \
+            or unsupported(get_preset(preset))
         if why:
             c.log(f"  peer baseline: skipped ({why})")
             c.notes.append(f"{preset}: peer baseline skipped ({why})")

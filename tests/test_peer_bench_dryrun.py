@@ -160,5 +160,8 @@ def test_pipeline_hook_skips_what_the_peer_cannot_run(monkeypatch):
     pp.preset("small", [(16, 512)])
     assert any("tiny: peer baseline skipped" in n and "multiples of 128" in n for n in pp.c.notes)
     assert any("small: peer baseline skipped (triton is not installed" in n for n in pp.c.notes)
+    monkeypatch.setenv("MEGABENCH_PEER", "0")
+    pp.preset("shard8", [(16, 2048)])
+    assert any("shard8: peer baseline skipped (MEGABENCH_PEER=0)" in n for n in pp.c.notes)
     res = pp.result()
     assert res.benchmark == "megakernel.peer" and not res.series and not pp.c.failures
