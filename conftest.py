@@ -38,6 +38,31 @@ def _gpus() -> tuple[int, str | None]:
     return gpu_count(), no_gpu_reason()
 
 
+def _benchmarking(config) -> bool:
+    """A run that times pytest-benchmark cases (pytest-benchmark switches itself off under
+    xdist, and timings want the machine to themselves)."""
+    opt = config.option
+    return bool(getattr(opt, "benchmark_only", False) or getattr(opt, "benchmark_json", None)
+                or getattr(opt, "benchmark_save", None) or getattr(opt, "benchmark_autosave", None)
+                or getattr(opt, "benchmark_compare", None))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker per core, at most 16; none for benchmark runs
+    or where MEGABENCH_TEST_WORKERS says so (e.g. 0 to debug in one process)."""
+    if _benchmarking(config):
+        return 0
+    env = os.environ.get("MEGABENCH_TEST_WORKERS")
+    if env is not None:
+        try:
+            return max(0, int(env))
+        except ValueError:
+            raise pytest.UsageError(f"MEGABENCH_TEST_WORKERS={env!r}: want a whole number of workers") from None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(16, cores) if cores > 1 else 0
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group markers
 def pytest_collection_modifyitems(config, items):
     from microbench.harness import full_sweeps
 
@@ -46,6 +71,9 @@ def pytest_collection_modifyitems(config, items):
     skip_multi = pytest.mark.skip(reason=f"needs >= 2 CUDA GPUs, found {n}")
     skip_full = pytest.mark.skip(reason="full sweep only (--megabench-full or MEGABENCH_FULL=1)")
     for item in items:
+        if "gpu" in item.keywords:
+            # one worker runs every GPU test, one after another (under -n, --dist loadgroup)
+            item.add_marker(pytest.mark.xdist_group("gpu"))
         if "multigpu" in item.keywords and n < 2:
             item.add_marker(skip_multi)
         elif "gpu" in item.keywords and n < 1:

@@ -277,60 +277,93 @@ def _tokens_per_s(series: list[Series], acc: dict) -> dict[str, Derived]:
     return out
 
 
-def run(h: Harness | None = None, quick: bool | None = None, save: bool = True) -> Result:
-    import torch
+class Collector:
+    """model.baselines built point by point: acceptance per preset, one case per (point, baseline),
+    then the Result. `run` drives it over the points; the megakernel stage of `megabench run`
+    interleaves it with the megakernel's own points of the same preset (one weights generation,
+    one reference step per point for both). A failed case is a note; with `strict` it also raises
+    (after the note), so the caller reports it."""
 
-    h = h or Harness()
-    quick = (not full_sweeps()) if quick is None else quick
-    points = QUICK_POINTS if quick else FULL_POINTS
-    ceiling = read_ceiling(gpu=h.info.name)
-    series: list[Series] = []
-    notes: list[str] = [f"read ceiling {ceiling[0]:.4g} B/s: {ceiling[1]}",
-                        "timing: each sample starts on an idle device and includes host submission (stream not held)"]
-    derived: dict[str, Derived] = {}
-    accs = {}
-    t_start = time.perf_counter()
-    del _NOTES[:]
-    for preset, pts in points.items():
+    def __init__(self, h: Harness | None = None, quick: bool | None = None, strict: bool = False):
+        self.h = h or Harness()
+        self.quick = (not full_sweeps()) if quick is None else quick
+        self.strict = strict
+        self.ceiling = read_ceiling(gpu=self.h.info.name)
+        self.series: list[Series] = []
+        self.notes: list[str] = [f"read ceiling {self.ceiling[0]:.4g} B/s: {self.ceiling[1]}",
+                                 "timing: each sample starts on an idle device and includes host submission "
+                                 "(stream not held)"]
+        self.derived: dict[str, Derived] = {}
+        self.accs: dict = {}
+        self.busy_s = 0.0  # in acceptance() and case(): the megakernel stage interleaves other work
+
+    def _failed(self, msg: str, e: Exception) -> None:
+        self.notes.append(msg)
+        print(msg, file=sys.stderr)
+        if self.strict:
+            raise e
+
+    def acceptance(self, preset: str) -> None:
+        t0 = time.perf_counter()
         try:
             a = acceptance(preset)
-            accs[preset] = a
-            derived[f"{preset}.acceptance_length"] = Derived(
-                a.mean, "tokens/step", f"mean tokens emitted per verify step (accepted drafts + bonus) over "
-                f"{len(a.lengths)} steps, {a.n_prompts} prompts x {ACCEPT_NEW} tokens, {a.n_tree}-token tree "
-                f"(branch depth {a.branch_depth}); spread: bootstrap 90% interval", a.ci, (),
-                f"drafter stand-in (draft.py) on synthetic weights; backbone follow rate {a.follow_rate:.0%}")
-            derived[f"{preset}.backbone_follow_rate"] = Derived(
-                a.follow_rate, "", "fraction of emitted tokens equal to succ(previous): how predictable the "
-                "synthetic target is", None, (), "")
         except Exception as e:  # reported, never silently dropped
-            msg = f"{preset}: acceptance FAILED: {e.__class__.__name__}: {e}"
-            notes.append(msg)
-            print(msg, file=sys.stderr)
+            self._failed(f"{preset}: acceptance FAILED: {e.__class__.__name__}: {e}", e)
+            return
+        finally:
+            self.busy_s += time.perf_counter() - t0
+        self.accs[preset] = a
+        self.derived[f"{preset}.acceptance_length"] = Derived(
+            a.mean, "tokens/step", f"mean tokens emitted per verify step (accepted drafts + bonus) over "
+            f"{len(a.lengths)} steps, {a.n_prompts} prompts x {ACCEPT_NEW} tokens, {a.n_tree}-token tree "
+            f"(branch depth {a.branch_depth}); spread: bootstrap 90% interval", a.ci, (),
+            f"drafter stand-in (draft.py) on synthetic weights; backbone follow rate {a.follow_rate:.0%}")
+        self.derived[f"{preset}.backbone_follow_rate"] = Derived(
+            a.follow_rate, "", "fraction of emitted tokens equal to succ(previous): how predictable the "
+            "synthetic target is", None, (), "")
+
+    def case(self, preset: str, t: int, c: int, b: str) -> Series | None:
+        import torch
+
+        a = self.accs.get(preset)
+        tps, src = (1.0, "T=1 plain decode yields one token") if t == 1 else (
+            (a.mean, "measured acceptance, drafter stand-in, synthetic weights") if a else (None, ""))
+        case = baseline_case(preset, t, c, b, self.ceiling, tps, src)
+        t0 = time.perf_counter()
+        try:
+            s = run_case(self.h, case, policy=_policy(self.h))
+            self.series.append(s)
+            return s
+        except Exception as e:
+            self._failed(f"{case.name}: FAILED: {e.__class__.__name__}: {e}", e)
+            return None
+        finally:
+            gc.collect()
+            if DEVICE.startswith("cuda"):
+                torch.cuda.empty_cache()
+            self.busy_s += time.perf_counter() - t0
+
+    def result(self, save: bool = True) -> Result:
+        notes = self.notes + _NOTES + [f"wall time {self.busy_s:.0f} s (acceptance and cases; weights generated "
+                                       "once per preset, shared with the megakernel's points in `megabench run`)"]
+        derived = {**self.derived, **_tokens_per_s(self.series, self.accs)}
+        res = Result(BENCHMARK, Env.capture(self.h.device_index), tuple(self.series), derived, quick=self.quick,
+                     notes=tuple(notes))
+        if save:
+            res.save()
+        return res
+
+
+def run(h: Harness | None = None, quick: bool | None = None, save: bool = True) -> Result:
+    del _NOTES[:]
+    col = Collector(h, quick)
+    for preset, pts in (QUICK_POINTS if col.quick else FULL_POINTS).items():
+        col.acceptance(preset)
         for t, c in pts:
-            a = accs.get(preset)
-            tps, src = (1.0, "T=1 plain decode yields one token") if t == 1 else (
-                (a.mean, "measured acceptance, drafter stand-in, synthetic weights") if a else (None, ""))
             for b in B.BASELINES:
-                case = baseline_case(preset, t, c, b, ceiling, tps, src)
-                try:
-                    series.append(run_case(h, case, policy=_policy(h)))
-                except Exception as e:
-                    msg = f"{case.name}: FAILED: {e.__class__.__name__}: {e}"
-                    notes.append(msg)
-                    print(msg, file=sys.stderr)
-                finally:
-                    gc.collect()
-                    if DEVICE.startswith("cuda"):
-                        torch.cuda.empty_cache()
+                col.case(preset, t, c, b)
         release(preset)
-    notes += _NOTES
-    notes.append(f"wall time {time.perf_counter() - t_start:.0f} s")
-    derived.update(_tokens_per_s(series, accs))
-    res = Result(BENCHMARK, Env.capture(h.device_index), tuple(series), derived, quick=quick, notes=tuple(notes))
-    if save:
-        res.save()
-    return res
+    return col.result(save)
 
 
 BENCHMARKS = {BENCHMARK: run}

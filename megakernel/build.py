@@ -17,6 +17,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from microbench.atomic import atomic_path
 from microbench.compiler import CompiledModule, cache_dir, compile_cuda
 from microbench.cubin import ResourceUsage
 from microbench.errors import CompileError, KernelDoesNotFitError
@@ -162,17 +163,17 @@ def build_emu(plan: Plan, opt: str = "-O1", extra_flags: tuple[str, ...] | None 
     key = hashlib.sha256("\0".join(files + flags).encode()).hexdigest()[:20]
     lib = cache_dir() / f"megakernel-emu-{plan.cfg.name}-{key}.so"
     if not lib.exists():
-        with tempfile.TemporaryDirectory() as td:
+        # linked into a temporary name in the cache folder itself, renamed once complete: a build that
+        # fails (or a crash) never leaves a torn library under the final name
+        with tempfile.TemporaryDirectory() as td, atomic_path(lib, mkdir=True) as tmp:
             kpath = Path(td) / "mk_emu.cpp"
             kpath.write_text(src)
-            tmp = Path(td) / "mk.so"
             cmd = ["g++", "-std=c++17", *flags, "-g", "-fPIC", "-shared", "-w", f"-I{EMU / 'shim'}", f"-I{CSRC}",
                    f"-I{EMU}", f"-I{MB_INC}",
                    str(kpath), str(EMU / "emu.cpp"), "-o", str(tmp)]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise CompileError(f"host emulation build failed:\n{' '.join(cmd)}\n{r.stderr[-6000:]}")
-            os.replace(tmp, lib)
     dll = ctypes.CDLL(str(lib))
     dll.mk_emu_run.restype = ctypes.c_int
     dll.mk_emu_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,

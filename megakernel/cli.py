@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from microbench.atomic import check_writable, write_text
+
 
 def _no_gpu(command: str) -> bool:
     """True (after saying why on stderr) when `command` cannot run here for want of a GPU."""
@@ -264,8 +266,6 @@ def _by_source_markdown(df, chains, top: int) -> str:
 
 
 def _ncu_stalls(a) -> int:
-    from pathlib import Path
-
     from .ncu_stalls import kernels, read_sass_csv, summary_markdown
 
     kernel = int(a.kernel) if a.kernel and a.kernel.isdigit() else a.kernel  # no C++ name is all digits
@@ -286,7 +286,7 @@ def _ncu_stalls(a) -> int:
         return 2
     md = "\n".join(parts)
     if a.out:
-        Path(a.out).write_text(md)
+        write_text(a.out, md)
         print("wrote", a.out)
     else:
         print(md)
@@ -315,7 +315,7 @@ def _ab(a) -> int:
     results = run_ab(points, variants, rounds=a.rounds)
     md = table(results)
     if a.out:
-        Path(a.out).write_text(md + "\n")
+        write_text(a.out, md + "\n")
         print("wrote", a.out)
     if a.save is not None:
         from .ab import to_result
@@ -337,9 +337,7 @@ def _ab_table(a) -> int:
         print(e, file=sys.stderr)
         return 2
     if a.out:
-        from pathlib import Path
-
-        Path(a.out).write_text(md + "\n")
+        write_text(a.out, md + "\n")
         print("wrote", a.out)
     print(md)
     return 0
@@ -420,7 +418,14 @@ def main(argv=None) -> int:
     s.add_argument("--out", help="also write the markdown table here")
     s.set_defaults(fn=_ab_table)
     a = p.parse_args(argv)
-    return a.fn(a)
+    from microbench.errors import MegabenchError
+
+    try:
+        check_writable(getattr(a, "out", None))  # a typo'd output folder: refused before the work
+        return a.fn(a)
+    except MegabenchError as e:
+        print(f"python -m megakernel.cli {a.cmd}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ the fused MoE at T=16 being >= 40%.
 Step series follow reports/megakernel.py: params impl / preset / tokens / context / routing,
 metrics launches_per_step, bytes_per_step, roofline_s, Bound("time", roofline_s). Derived:
 mega's speed-up over each other row at the same point and routing.
+
+In `megabench run` (megakernel.pipeline.PEERS), within its time budget: `peer_point` (the peer's
+step, block sizes from the newest megakernel.peer sweep) and chain_nopdl at every timed point,
+saved in megakernel.step beside chain (now with PDL) and mega.
 """
 from __future__ import annotations
 
@@ -442,52 +446,64 @@ def run(points=POINTS, save: bool = True, log=print, constants=None, compile: bo
     return res
 
 
-class PipelinePeer:
-    """The pipeline's hook (megakernel.pipeline.run): after each preset's chain / mega timings,
-    `preset()` adds the peer, peer_compile and chain_nopdl rows, real routing for mega / chain /
-    chain_nopdl / peer, the tuning sweep and the per-kernel accounting; `result()` is one
-    megakernel.peer result for the run, whose ratios use the pipeline's own forced-routing mega
-    and chain series. A preset the peer cannot run (no triton, shapes its kernels do not take)
-    is skipped with a line saying why, and so is every preset with MEGABENCH_PEER=0 (the hook adds
-    ~1-2 min of GPU time per preset: Triton compiles, the sweep, one torch.compile)."""
+def tuned_configs(preset: str, n_tokens: int, roots=None):
+    """(up, down, source): the block sizes the newest megakernel.peer run's sweep chose for this
+    preset and T (its peer_tune series with chosen=1), else peer.default_moe_configs()."""
+    import re
+    from pathlib import Path
 
-    def __init__(self, h, constants, ceiling, log=print, quick: bool = True,
-                 compile_budget_s: float = COMPILE_BUDGET_S):
-        self.c = _Ctx(h, ceiling, log, [], [], [], compile_budget_s)
-        self.constants, self.quick, self.measured = constants, quick, []
+    from microbench.results import REPO_ROOT, latest, results_root
 
-    def preset(self, preset: str, points, measured=()) -> None:
-        import os
+    from . import peer_kernels as K
+    from .peer import default_moe_configs
 
-        from .config import preset as get_preset
-        from .peer import available, unsupported
+    best = None
+    for root in roots or (results_root(), REPO_ROOT / "reports" / "results"):
+        r = latest(BENCHMARK, root=Path(root)) if Path(root).exists() else None
+        if r is not None and (best is None or r.env.date > best.env.date):
+            best = r
+    got = {}
+    if best is not None:
+        for s in best.series:
+            p = s.params
+            if (p.get("kind") == "peer_tune" and p.get("preset") == preset and p.get("tokens") == n_tokens
+                    and s.metrics.get("chosen")):
+                m = re.fullmatch(r"n(\d+)k(\d+)w(\d+)s(\d+)", str(p.get("config", "")))
+                if m:
+                    got[p["kernel"]] = K.MoeConfig(*map(int, m.groups()))
+    up, down = default_moe_configs()
+    if "moe_up" in got and "moe_down" in got:
+        return got["moe_up"], got["moe_down"], f"the sweep of {BENCHMARK} {best.env.date} ({best.env.git_sha[:7]})"
+    return up, down, "defaults (no megakernel.peer sweep of this preset and T found)"
 
-        c = self.c
-        self.measured += [s for s in measured if s.params.get("preset") == preset]
-        why = ("MEGABENCH_PEER=0" if os.environ.get("MEGABENCH_PEER", "1") == "0" else None) or available() \
-            or unsupported(get_preset(preset))
-        if why:
-            c.log(f"  peer baseline: skipped ({why})")
-            c.notes.append(f"{preset}: peer baseline skipped ({why})")
-            return
-        for T, ctx in sorted(points, key=lambda p: -p[0]):  # T=16 first: the headline point
-            _attempt(c, f"{preset}/T{T}/ctx{ctx} megakernel rows",
-                     lambda: megakernel_rows(c, preset, T, ctx, self.constants, rows={
-                         "forced": ("chain_nopdl",), "real": ("mega", "chain", "chain_nopdl")}))
-            _attempt(c, f"{preset}/T{T}/ctx{ctx} peer rows", lambda: peer_rows(c, preset, T, ctx))
-        if preset in GREEDY_PRESETS:
-            _attempt(c, f"{preset} peer greedy", lambda: greedy_rows(c, preset))
-        _MODELS.pop(preset, None)
-        for k in [k for k in _REAL if k[0] == preset]:
-            del _REAL[k]
 
-    def result(self) -> Result | None:
-        c = self.c
-        if not c.series and not c.notes:
-            return None
-        c.notes.append(f"read ceiling {c.ceiling[0]:.4g} B/s: {c.ceiling[1]}")
-        return Result(BENCHMARK, Env.capture(), tuple(c.series), ratios(c.series, self.measured), quick=self.quick,
-                      notes=tuple(c.notes))
+def peer_point(h, preset: str, n_tokens: int, ctx: int, ceiling, log=print) -> Series:
+    """The pipeline's peer row (megakernel.pipeline.PEERS): the peer's step at one point, forced
+    routing, block sizes from tuned_configs; checked (logits and KV caches, the megakernel's bound)
+    before and after its graph capture, then timed. Raises where the peer cannot run."""
+    from .bench_baselines import step_context, weights_for
+    from .config import preset as get_preset
+    from .peer import PeerModel, PeerRunner, available, check_step, unsupported
+    from .pipeline import REL_TOL
+
+    why = available() or unsupported(get_preset(preset))
+    if why:
+        raise RuntimeError(f"the peer baseline cannot run: {why}")
+    up, down, src = tuned_configs(preset, n_tokens)
+    sc = step_context(preset, n_tokens, ctx)
+    m = PeerModel(weights_for(preset), up, down)
+    c = _Ctx(h, ceiling, log, [], [], [], 0.0)
+    cache = sc.cache0.clone()
+    r = PeerRunner(m, cache, sc.parents, r_read=ctx, forced=True, n_sm=h.info.sm_count)
+    r.set_inputs(sc.tokens, ctx, sc.routes)
+    tag = f"{preset}/T{n_tokens}/ctx{ctx}"
+    chk = check_step(r, r.run(), cache, sc.ref_logits, sc.ref_cache, f"{tag} peer", REL_TOL)
+    t, kc = _time_runner(c, r, lambda lg: check_step(r, lg, cache, sc.ref_logits, sc.ref_cache,
+                                                      f"{tag} peer graph replay", REL_TOL))
+    return _step_series(c, preset, n_tokens, ctx, "peer", "forced", t.samples_s, sc.distinct, kc.kernels_per_step,
+                        {"moe_up_config": up.label(), "moe_down_config": down.label(), "moe_configs_from": src,
+                         "ref_rel_err": chk.rel_err, "ref_kv_rel_err": chk.kv_rel_err,
+                         "host_launch_calls_per_step": kc.launch_calls}, t.clocks, t.warnings)
 
 
 def table(res: Result) -> str:

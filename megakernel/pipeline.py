@@ -7,9 +7,17 @@ repeated runs identical, within a bf16 tolerance of the torch reference with the
 routing, greedy decoding equal to the reference's), then time the step (megakernel.step): chain
 mode and mega mode, each replayed from a CUDA graph so the host's launch cost is out of both, in
 device time, with kernel launches per step counted by the profiler and the roofline as the bound.
+
+Stage lays this out as progress items (microbench.progress) for `megabench run`: enumerated before
+anything runs so the run's estimate is known up front; its first item compiles every build in
+parallel processes. The default run (quick, 5-minute budget) takes the checks and the headline
+points (QUICK) for chain, mega, the torch baselines and PEERS; --full adds FULL's long contexts,
+the ablation, the timeline and the detail timeline. `run` (`python -m megakernel.cli
+check-and-bench`) executes the same items in order and raises on the first failure.
 """
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -40,23 +48,26 @@ PHASE_ALLOWANCE_NS = 1_000_000_000
 
 
 def tuned(constants=None):
-    """The tuned constants a build reads. Only a missing constants file falls back to the documented
-    defaults (with a warning); a malformed one raises ResultsFileError naming the problem."""
+    """The tuned constants a build reads. With a GPU present, only its own model's file (constants
+    never cross GPU models): a GPU without one is an error naming the GPUs that have one, unless
+    MEGABENCH_CONSTANTS=defaults asks for the documented defaults. Without a GPU (precompiling,
+    CI) $MEGABENCH_CONSTANTS or the folder's single file; several files are an error naming them
+    (a second, typo'd file must not turn every CPU build into an all-defaults one), and only a
+    folder with no constants file at all falls back to the defaults, with a warning. A malformed
+    file raises ResultsFileError naming the problem."""
     if constants is not None:
         return constants
     from microbench.device import device_info, gpu_count
-    from microbench.errors import ResultsFileError
-    from microbench.tune import TunedConstants, find_constants_file, load_constants
+    from microbench.tune import NoConstantsFileError, TunedConstants, load_constants
 
-    # with a GPU present, only its own model's file (constants never cross GPU models); without one
-    # (precompiling, CI) the single committed file
     gpu = device_info().name if gpu_count() else None
     try:
-        path = find_constants_file(gpu)
-    except ResultsFileError as e:
+        return load_constants(gpu=gpu)
+    except NoConstantsFileError as e:
+        if gpu is not None:
+            raise
         warnings.warn(f"{e}; the megakernel builds with the documented defaults", stacklevel=2)
         return TunedConstants.defaults()
-    return load_constants(path, gpu=gpu)
 
 
 def _get(constants, key):
@@ -293,27 +304,38 @@ NONE = {"loader_ahead": False, "pdl": False, "l2_prefetch_bytes": 0, "stream_evi
         "sentinel_route": False, "hot_prefetch_bytes": 0, "kv_prefetch": False, "compute_registers": 0}
 
 
-def ablation(h, preset: str, n_tokens: int, ctx: int, constants, ceiling, log=print) -> list[Series]:
-    """Step time with no technique, each one alone, all, all but each one, and all in a single
-    whole-step launch instead of one launch per layer (same bits every time: checked)."""
-    tech = technique_switches(constants, h.info.sm_count)
+def ablation_variants(constants=None, n_sm: int = 132) -> dict[str, tuple[dict, str]]:
+    """{impl: (plan switches, program mode)}: no technique, all, each one alone, all but each one,
+    and all in a single whole-step launch instead of one launch per layer."""
+    tech = technique_switches(constants, n_sm)
     allsw = {k: v for d in tech.values() for k, v in d.items()}
-    variants = {"mega+none": NONE, "mega+all": allsw}
+    variants = {"mega+none": (NONE, "layer"), "mega+all": (allsw, "layer")}
     for name, sw in tech.items():
-        variants[f"mega+only_{name}"] = {**NONE, **sw}
-        variants[f"mega+all_but_{name}"] = {**allsw, **{k: NONE[k] for k in sw}}
-    out = []
-    for impl, sw in variants.items():
-        s = bench_point(h, preset, n_tokens, ctx, plan_for(preset, constants, h.info.sm_count, tokens=n_tokens, **sw),
-                        "mega", ceiling, impl=impl)
-        out.append(s)
-        log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms ({s.fraction_of_bound:.1%} of roofline)")
-    sw = {**allsw, "pdl": False}  # one launch: nothing to chain
+        variants[f"mega+only_{name}"] = ({**NONE, **sw}, "layer")
+        variants[f"mega+all_but_{name}"] = ({**allsw, **{k: NONE[k] for k in sw}}, "layer")
+    variants["mega+all_single_launch"] = ({**allsw, "pdl": False}, "step")  # one launch: nothing to chain
+    return variants
+
+
+def ablation_names() -> list[str]:
+    """The ablation's variant names (they do not depend on the constants' values)."""
+    from microbench.tune import TunedConstants
+
+    return list(ablation_variants(TunedConstants.defaults()))
+
+
+def ablation_point(h, preset: str, n_tokens: int, ctx: int, constants, ceiling, impl: str, log=print) -> Series:
+    """One ablation variant timed (same bits every time: bench_point checks against the reference)."""
+    sw, mode = ablation_variants(constants, h.info.sm_count)[impl]
     s = bench_point(h, preset, n_tokens, ctx, plan_for(preset, constants, h.info.sm_count, tokens=n_tokens, **sw),
-                    "mega", ceiling, impl="mega+all_single_launch", program_mode="step")
-    out.append(s)
+                    "mega", ceiling, impl=impl, program_mode=mode)
     log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms ({s.fraction_of_bound:.1%} of roofline)")
-    return out
+    return s
+
+
+def ablation(h, preset: str, n_tokens: int, ctx: int, constants, ceiling, log=print) -> list[Series]:
+    """Step time with every ablation variant (ablation_variants)."""
+    return [ablation_point(h, preset, n_tokens, ctx, constants, ceiling, impl, log) for impl in ablation_names()]
 
 
 def _op_phases(df):
@@ -644,72 +666,313 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
                   quick=True, notes=notes)
 
 
-def run(quick: bool = True, constants=None, save: bool = True, presets=("tiny", "small", "shard8"), log=print,
-        ablate: bool = True):
-    """Checks, then timings; returns the Results (saved unless save=False)."""
-    from microbench.harness import Harness, Policy
+# ---------------------------------------------------------------------- the stage, as items
+PRESETS = ("tiny", "small", "shard8")
 
-    from .bench_baselines import release
-    from .roofline import read_ceiling
+# Other implementations timed beside mega and chain at every timed point of the stage (the torch
+# baselines have items of their own): name -> fn(h, preset, n_tokens, ctx, ceiling, constants=...)
+# returning a Series named results_names.step_series_name(preset, n_tokens, ctx, name), saved in
+# megakernel.step. Each is the progress item "<preset> T=<T> ctx=<ctx> <name>", estimated as kind
+# "peer" (PEER_SEED_S a point) until a run has measured it; a failure is reported and skips only that
+# preset's later peer items. The default `megabench run` has about 25 s of its 300 s budget left for
+# them. A peer fn may carry `quick_tokens`: the quick run times it at those T only. The peer here is
+# its step alone at T=16 (block sizes from the last megakernel.peer run's sweep, else the defaults);
+# `python -m megakernel.peer_bench` times it at every point with the sweep, torch.compile, real
+# routing, chain_nopdl and the per-kernel accounting (megakernel.peer). MEGABENCH_PEER=0: none.
+def _peer_row(h, preset, n_tokens, ctx, ceiling, constants=None):
+    from .peer_bench import peer_point
 
-    h = Harness(policy=Policy(budget_s=0.3 if quick else 1.0, max_samples=100 if quick else 400, chunk=8))
-    plans = {p: plan_for(p, constants, h.info.sm_count) for p in presets}  # the builds for max_tree tokens
+    return peer_point(h, preset, n_tokens, ctx, ceiling)
 
-    def plan_at(p: str, T: int):  # the build a T-token step runs (plan.expert1_unit_rows)
-        return plan_for(p, constants, h.info.sm_count, tokens=T)
 
-    budget = code_budget(constants)
-    results = [build_result(plans, budget)]
-    checks, notes = [], []
-    ceiling = read_ceiling(h.info.name)
-    series = []
-    from .peer_bench import PipelinePeer  # the competent baselines beside these rows (megakernel.peer)
+_peer_row.quick_tokens = (16,)  # two items of ~10 s: what the default run's budget has left
+PEERS: dict[str, object] = {} if os.environ.get("MEGABENCH_PEER", "1") == "0" else {"peer": _peer_row}
+PEER_SEED_S = 10.0
 
-    peer = PipelinePeer(h, constants, ceiling, log, quick)
-    for p in presets:
+# Seconds per item before any run.wall result has measured it (microbench.progress.Estimates), from
+# committed evidence. model.baselines (reports/results/model, quick, 2026-11-29): wall 123-131 s for
+# its 12 cases with acceptance and weights; torch.compile's compile_s 14-21 s for the first case of a
+# process (small T=1), 7-16 s for the others; shard8 weights generated in 4.4-26.5 s. The megakernel
+# stage of those days: build saved at 05:44:30, step at 05:47:12 (2026-12-01, run of 58f75e5): 162 s
+# for checks, timings, the 38-variant ablation and the timeline with a warm kernel cache. One NVRTC
+# build of shard8: 10.1 s (CPU machine, 2026-12-01). Names are Stage.items()'s.
+SEEDS = {
+    "build": 2.0, "save": 2.0,
+    "tiny weights": 1.0, "small weights": 2.0, "shard8 weights": 10.0,
+    "tiny greedy": 3.0, "small greedy": 5.0,
+    "small acceptance": 1.5, "shard8 acceptance": 4.5,
+    "small T=1 ctx=512 eager": 3.0, "small T=1 ctx=512 graph": 3.0, "small T=1 ctx=512 compile": 20.0,
+    "small T=16 ctx=512 eager": 3.0, "small T=16 ctx=512 graph": 3.0, "small T=16 ctx=512 compile": 10.0,
+    "shard8 T=1 ctx=2048 eager": 5.0, "shard8 T=1 ctx=2048 graph": 4.0, "shard8 T=1 ctx=2048 compile": 11.0,
+    "shard8 T=16 ctx=2048 eager": 8.0, "shard8 T=16 ctx=2048 graph": 8.0, "shard8 T=16 ctx=2048 compile": 13.0,
+}
+KIND_SEEDS = {"compile": 15.0,  # a round of parallel NVRTC builds (the slowest, shard8, ~10 s) + process start
+              "check/tiny": 1.5, "check/small": 3.0, "check/shard8": 5.0,
+              "time/tiny": 2.0, "time/small": 2.5, "time/shard8": 3.5,
+              "baseline": 8.0, "acceptance": 3.0, "weights": 10.0, "greedy": 5.0,
+              "peer": PEER_SEED_S, "ablation/small": 3.0, "ablation/shard8": 4.0,
+              "timeline": 15.0, "release": 1.0, "": 5.0}
+
+
+
+class Stage:
+    """The megakernel stage as progress items (microbench.progress.Item), enumerated before anything
+    runs: per preset the weights, the correctness checks (timing is refused after a failed one: the
+    preset's later megakernel items are skipped), greedy decoding (tiny, small), chain and mega at
+    the timed points, then optionally the torch baselines (model.baselines, one weights generation
+    and one reference step per point shared with the megakernel), the PEERS, the ablation, the
+    timeline and the detail timeline; last, `save` collects and saves the Results (self.results).
+    A first item compiles every build the stage will ask for in parallel processes into the kernel
+    cache, so a cold cache costs the slowest build, not their sum.
+
+    `constants` may be set after construction (megabench run tunes first) and is read when the
+    items run. quick: QUICK points (the default `megabench run`'s headline: shard8 T=16 / T=1 at
+    ctx 2048, small T=16 / T=1 at 512), else FULL."""
+
+    def __init__(self, quick: bool = True, constants=None, save: bool = True, presets=PRESETS, log=print,
+                 ablate: bool = True, timeline: bool | None = None, detail: bool = False, baselines: bool = False,
+                 compile_workers: int | None = None):
+        self.quick, self.constants, self.save, self.presets, self.log = quick, constants, save, tuple(presets), log
+        self.ablate, self.timeline = ablate, ablate if timeline is None else timeline
+        self.detail, self.baselines, self.compile_workers = detail, baselines, compile_workers
+        self.results: list[Result] = []
+        self.series: list[Series] = []
+        self.checks: list[Check] = []
+        self.notes: list[str] = []
+        self._h = self._ceiling = self._col = None
+        self._plans: dict = {}
+
+    # ------------------------------------------------------------------ what it runs
+    def points(self, p: str) -> list[tuple[int, int]]:
+        return (QUICK if self.quick else FULL).get(p, [])
+
+    def baseline_points(self, p: str) -> list[tuple[int, int]]:
+        from .bench_baselines import FULL_POINTS, QUICK_POINTS
+
+        return (QUICK_POINTS if self.quick else FULL_POINTS).get(p, []) if self.baselines else []
+
+    def tokens(self, p: str) -> list[int]:
+        return sorted({t for t, _ in CHECK_POINTS.get(p, [])} | {t for t, _ in self.points(p)})
+
+    def _ablated(self, p: str) -> bool:
+        return self.ablate and p in ("small", "shard8") and bool(self.points(p))
+
+    def _timelined(self, p: str) -> bool:
+        return p == "shard8" and bool(self.points(p))
+
+    def _n_builds(self) -> int:
+        n = 0
+        for p in self.presets:
+            n += 1 + len(self.tokens(p))
+            n += len(ablation_names()) if self._ablated(p) else 0
+            n += (2 if self.timeline and self._timelined(p) else 0) + (1 if self.detail and self._timelined(p) else 0)
+        return n
+
+    def items(self, stage: str = "megakernel") -> list:
+        import math
+        import os
+        from functools import partial
+
+        from microbench.progress import Item
+
+        from . import baselines as B
+        from .bench_baselines import release, weights_for
+
+        def item(name, fn, kind, groups=(), size=1.0, always=False):
+            return Item(stage, name, fn, kind, size, tuple(groups), always)
+
+        n = self._n_builds()
+        workers = self.compile_workers or max(1, min(n, os.cpu_count() or 1, 16))
+        out = [item("compile", self._compile, "compile", size=math.ceil(n / workers)),
+               item("build", self._build, "build")]
+        for p in self.presets:
+            g, gb, gp = f"megakernel/{p}", f"baselines/{p}", f"peers/{p}"
+            out.append(item(f"{p} weights", partial(weights_for, p), "weights", (g, gb, gp)))
+            for t, c in CHECK_POINTS.get(p, []):
+                out.append(item(f"{p} check T={t} ctx={c}", partial(self._check, p, t, c), f"check/{p}", (g,)))
+            if p in ("tiny", "small"):
+                out.append(item(f"{p} greedy", partial(self._greedy, p), "greedy", (g,)))
+            for t, c in self.points(p):
+                for mode in ("chain", "mega"):
+                    out.append(item(f"{p} T={t} ctx={c} {mode}", partial(self._time, p, t, c, mode), f"time/{p}",
+                                    (g,)))
+            bpts = self.baseline_points(p)
+            if bpts:
+                out.append(item(f"{p} acceptance", partial(self._acceptance, p), "acceptance", (gb,)))
+                for t, c in bpts:
+                    for b in B.BASELINES:
+                        out.append(item(f"{p} T={t} ctx={c} {b}", partial(self._baseline, p, t, c, b), "baseline",
+                                        (gb,)))
+            for name, fn in PEERS.items():
+                only = getattr(fn, "quick_tokens", None) if self.quick else None
+                for t, c in self.points(p):
+                    if only is None or t in only:
+                        out.append(item(f"{p} T={t} ctx={c} {name}", partial(self._peer, name, p, t, c), "peer",
+                                        (gp,)))
+            if self._ablated(p):
+                for impl in ablation_names():
+                    out.append(item(f"{p} ablation {impl}", partial(self._ablation, p, impl), f"ablation/{p}", (g,)))
+            if self.timeline and self._timelined(p):
+                out.append(item(f"{p} timeline", partial(self._timeline, p, False), "timeline", (g,)))
+            if self.detail and self._timelined(p):
+                out.append(item(f"{p} timeline detail", partial(self._timeline, p, True), "timeline", (g,)))
+            out.append(item(f"{p} release", partial(release, p), "release", always=True))
+        out.append(item("save", self._save, "save", always=True))
+        return out
+
+    # ------------------------------------------------------------------ state
+    @property
+    def h(self):
+        if self._h is None:
+            from microbench.harness import Harness, Policy
+
+            q = self.quick
+            self._h = Harness(policy=Policy(budget_s=0.3 if q else 1.0, max_samples=100 if q else 400, chunk=8))
+        return self._h
+
+    @property
+    def ceiling(self):
+        if self._ceiling is None:
+            from .roofline import read_ceiling
+
+            self._ceiling = read_ceiling(self.h.info.name)
+        return self._ceiling
+
+    def plan(self, p: str, t: int | None = None) -> Plan:
+        """The build for max_tree tokens (t None) or the one a t-token step runs (plan.expert1_unit_rows)."""
+        if (p, t) not in self._plans:
+            kw = {} if t is None else {"tokens": t}
+            self._plans[(p, t)] = plan_for(p, self.constants, self.h.info.sm_count, **kw)
+        return self._plans[(p, t)]
+
+    def plans_needed(self) -> list[Plan]:
+        """Every build the items will ask for (the compile item's list)."""
+        sm = self.h.info.sm_count
+        out = []
+        for p in self.presets:
+            out.append(self.plan(p))
+            out += [self.plan(p, t) for t in self.tokens(p)]
+            if not self.points(p):
+                continue
+            t = self.points(p)[-1][0]
+            if self._ablated(p):
+                for sw, _ in ablation_variants(self.constants, sm).values():
+                    out.append(plan_for(p, self.constants, sm, tokens=t, **sw))
+            if (self.timeline or self.detail) and self._timelined(p):  # timeline(): unprofiled and profiled
+                out.append(plan_for(p, self.constants, sm, tokens=t, profile=False, profile_cap=128))
+            if self.timeline and self._timelined(p):
+                out.append(plan_for(p, self.constants, sm, tokens=t, profile=True, profile_cap=128))
+            if self.detail and self._timelined(p):
+                out.append(plan_for(p, self.constants, sm, tokens=t, profile=True, profile_detail=True,
+                                    profile_cap=1024))
+        return list(dict.fromkeys(out))
+
+    # ------------------------------------------------------------------ the items' work
+    def _compile(self) -> int:
+        import multiprocessing as mp
+        import os
+        from concurrent.futures import ProcessPoolExecutor
+
+        from microbench.compiler import cache_dir
+
+        from .precompile import _one
+
+        plans = self.plans_needed()
+        workers = self.compile_workers or max(1, min(len(plans), os.cpu_count() or 1, 16))
         t0 = time.perf_counter()
-        for T, ctx in CHECK_POINTS.get(p, []):
-            c = check_point(p, T, ctx, plan_at(p, T))
-            checks.append(c)
-            log(f"  check {p} T={T} ctx={ctx}: rel err {c.rel_err:.2e}, mega == chain bitwise (logits, KV), "
-                f"repeat identical, real routing bitwise (logits, KV)")
-        if p in ("tiny", "small"):
-            n = greedy_check(p, plans[p])
-            notes.append(f"{p}: greedy decoding over {n} steps equals the reference's tokens")
-            log(f"  greedy {p}: {n} steps equal")
-        for T, ctx in (QUICK if quick else FULL).get(p, []):
-            for mode in ("chain", "mega"):
-                s = bench_point(h, p, T, ctx, plan_at(p, T), mode, ceiling)
-                series.append(s)
-                log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms, {s.metrics['launches_per_step']} launches, "
-                    f"{s.fraction_of_bound:.1%} of roofline")
-        if p in ("small", "shard8"):  # peer, peer_compile, chain_nopdl, real routing
-            peer.preset(p, (QUICK if quick else FULL)[p], series)
-        if ablate and p in ("small", "shard8"):
-            T, ctx = (QUICK if quick else FULL)[p][-1]
-            series += ablation(h, p, T, ctx, constants, ceiling, log)
-            if p == "shard8":
-                results.append(timeline(h, p, T, ctx, constants, log=log))
-        log(f"  {p}: {time.perf_counter() - t0:.1f} s")
-        release(p)
-    derived = {}
-    by = {(s.params["preset"], s.params["T"], s.params["ctx"], s.params["impl"]): s for s in series}
-    for (p, T, ctx, impl), s in by.items():
-        if impl.startswith("mega") and (p, T, ctx, "chain") in by:
-            ch = by[(p, T, ctx, "chain")]
-            derived[f"speedup_vs_chain/{p}/T{T}/ctx{ctx}/{impl}"] = Derived(
-                ch.summary.median / s.summary.median, "x", "median chain step time / median mega step time "
-                "(both replayed from CUDA graphs)", inputs=(ch.name, s.name))
-    derived["max_rel_err_vs_reference"] = Derived(max(c.rel_err for c in checks), "", "max over the checked points "
-                                                  "of ||mega - reference|| / ||reference|| (reference routing forced)")
-    notes += [f"checked {c.preset} T={c.n_tokens} ctx={c.ctx}: rel err {c.rel_err:.2e}; mega == chain bitwise "
-              f"(logits, KV caches), repeated mega run bitwise identical, bitwise with the kernel's own routing "
-              f"(logits, tokens, KV caches)" for c in checks]
-    results.append(Result("megakernel.step", Env.capture(), tuple(series), derived, quick=quick, notes=tuple(notes)))
-    pr = peer.result()
-    if pr is not None:
-        results.append(pr)
-    if save:
-        for r in results:
-            r.save()
-    return results
+        if workers == 1:
+            for pl in plans:
+                _one(pl)
+        else:  # spawned, not forked: this process holds a CUDA context
+            with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+                list(ex.map(_one, plans))
+        self.log(f"  {len(plans)} builds compiled or found in {cache_dir()} by {workers} processes in "
+                 f"{time.perf_counter() - t0:.1f} s")
+        return len(plans)
+
+    def _build(self) -> None:
+        self.results.append(build_result({p: self.plan(p) for p in self.presets}, code_budget(self.constants)))
+
+    def _check(self, p: str, t: int, ctx: int) -> None:
+        c = check_point(p, t, ctx, self.plan(p, t))
+        self.checks.append(c)
+        self.log(f"  check {p} T={t} ctx={ctx}: rel err {c.rel_err:.2e}, mega == chain bitwise (logits, KV), "
+                 f"repeat identical, real routing bitwise (logits, KV)")
+
+    def _greedy(self, p: str) -> None:
+        n = greedy_check(p, self.plan(p))
+        self.notes.append(f"{p}: greedy decoding over {n} steps equals the reference's tokens")
+        self.log(f"  greedy {p}: {n} steps equal")
+
+    def _time(self, p: str, t: int, ctx: int, mode: str) -> None:
+        s = bench_point(self.h, p, t, ctx, self.plan(p, t), mode, self.ceiling)
+        self.series.append(s)
+        self._say(s)
+
+    def _collector(self):
+        if self._col is None:
+            from .bench_baselines import Collector
+
+            self._col = Collector(quick=self.quick, strict=True)  # the harness policy model.baselines always had
+        return self._col
+
+    def _acceptance(self, p: str) -> None:
+        self._collector().acceptance(p)
+
+    def _baseline(self, p: str, t: int, ctx: int, b: str) -> None:
+        s = self._collector().case(p, t, ctx, b)
+        self._say(s)
+
+    def _peer(self, name: str, p: str, t: int, ctx: int) -> None:
+        s = PEERS[name](self.h, p, t, ctx, self.ceiling, constants=self.constants)
+        self.series.append(s)
+        self._say(s)
+
+    def _say(self, s: Series) -> None:
+        launches = f", {s.metrics['launches_per_step']} launches" if "launches_per_step" in s.metrics else ""
+        frac = f", {s.fraction_of_bound:.1%} of roofline" if s.fraction_of_bound else ""
+        self.log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms{launches}{frac}")
+
+    def _ablation(self, p: str, impl: str) -> None:
+        t, ctx = self.points(p)[-1]
+        self.series.append(ablation_point(self.h, p, t, ctx, self.constants, self.ceiling, impl, self.log))
+
+    def _timeline(self, p: str, detail: bool) -> None:
+        t, ctx = self.points(p)[-1]
+        self.results.append(timeline(self.h, p, t, ctx, self.constants, log=self.log, detail=detail))
+
+    def _save(self) -> list:
+        derived = {}
+        by = {(s.params["preset"], s.params["T"], s.params["ctx"], s.params["impl"]): s for s in self.series}
+        for (p, t, ctx, impl), s in by.items():
+            if impl.startswith("mega") and (p, t, ctx, "chain") in by:
+                ch = by[(p, t, ctx, "chain")]
+                derived[f"speedup_vs_chain/{p}/T{t}/ctx{ctx}/{impl}"] = Derived(
+                    ch.summary.median / s.summary.median, "x", "median chain step time / median mega step time "
+                    "(both replayed from CUDA graphs)", inputs=(ch.name, s.name))
+        if self.checks:
+            derived["max_rel_err_vs_reference"] = Derived(
+                max(c.rel_err for c in self.checks), "", "max over the checked points of ||mega - reference|| / "
+                "||reference|| (reference routing forced)")
+        notes = self.notes + [f"checked {c.preset} T={c.n_tokens} ctx={c.ctx}: rel err {c.rel_err:.2e}; mega == chain "
+                              f"bitwise (logits, KV caches), repeated mega run bitwise identical, bitwise with the "
+                              f"kernel's own routing (logits, tokens, KV caches)" for c in self.checks]
+        if self.series or self.checks:
+            self.results.append(Result("megakernel.step", Env.capture(), tuple(self.series), derived,
+                                       quick=self.quick, notes=tuple(notes)))
+        if self._col is not None and self._col.series:
+            self.results.append(self._col.result(save=False))
+        if self.save:
+            for r in self.results:
+                self.log(f"  saved {r.save()}")
+        return self.results
+
+
+def run(quick: bool = True, constants=None, save: bool = True, presets=PRESETS, log=print, ablate: bool = True,
+        timeline: bool | None = None, detail: bool = False, baselines: bool = False):
+    """Checks, then timings (Stage), every item in order; the first failure raises. Returns the
+    Results (saved unless save=False)."""
+    st = Stage(quick, constants, save, presets, log, ablate, timeline, detail, baselines)
+    for it in st.items():
+        it.fn()
+    return st.results

@@ -12,7 +12,6 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -284,15 +283,10 @@ def cuda_to_ptx(source: str, *, arch: str = DEFAULT_ARCH, defines: Mapping[str, 
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    # a cache entry: no fsync (a torn entry after a crash is detected and recompiled)
+    from .atomic import write_bytes
+
+    write_bytes(path, data, durable=False)
 
 
 def all_cuda_sources(root: Path = REPO_ROOT) -> list[Path]:

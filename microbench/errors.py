@@ -32,3 +32,8 @@ class SpinTimeoutError(MegabenchError):
 
 class CorrectnessError(MegabenchError):
     """A kernel's output did not match its reference; timing is refused."""
+
+
+class OutputError(MegabenchError):
+    """An output cannot be written where asked: its folder does not exist, or it names something that
+    must not be replaced. Nothing was written."""

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import atomic
 from .errors import ResultsFileError
 from .results import REPO_ROOT, SCHEMA as RESULT_SCHEMA, load, read_json
 from .stats import Summary, mann_whitney
@@ -529,6 +530,8 @@ def kernel_gate(update: bool = False, path: Path | None = None, th: KernelThresh
     from .compiler import DEFAULT_ARCH, toolchain_versions
 
     p = Path(path) if path else kernel_metrics_path()
+    if update:
+        atomic.check_writable(p)  # a baseline path in a folder that is not there: refused before compiling
     baseline = None
     if p.exists() or not update:
         baseline = load_kernel_baseline(p)
@@ -562,8 +565,7 @@ def kernel_gate(update: bool = False, path: Path | None = None, th: KernelThresh
                        "CI recompiles every .cu and fails on increases: `megabench gate --kernels`. "
                        "Regenerate deliberately with `megabench gate --kernels --update` and commit it with the change.",
                "builds": [current[k] for k in sorted(current)]}
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(doc, indent=1) + "\n")
+        atomic.write_json(p, doc)  # every kernel compiled and measured above: nothing half-written
         print(f"wrote {p} ({len(current)} builds, {nk} kernels)", file=out)
         return EXIT_OK
     if failures:
@@ -626,6 +628,7 @@ def _cmd(args) -> int:
     if args.baseline is None or args.candidate is None:
         print("megabench gate: give BASELINE and CANDIDATE (or --kernels / --quality)", file=sys.stderr)
         return EXIT_INPUT
+    atomic.check_writable(args.markdown, args.json)  # before the work: a typo'd folder writes neither
     ignored: list[str] = []
     base = load_measurements(args.baseline, args.assume_gpu, ignored)
     cand = load_measurements(args.candidate, args.assume_gpu, ignored)
@@ -640,9 +643,9 @@ def _cmd(args) -> int:
     md = rep.to_markdown()
     print(md)
     if args.markdown:
-        args.markdown.write_text(md)
+        atomic.write_text(args.markdown, md)
     if args.json:
-        args.json.write_text(json.dumps(rep.to_json(), indent=1))
+        atomic.write_json(args.json, rep.to_json())
     code = rep.exit_code(args.allow_unknown)
     if code == EXIT_UNKNOWN:
         print("gate: some verdicts are unknown (no raw samples or too few); not a pass. Use --allow-unknown to "

@@ -1,34 +1,79 @@
-"""`megabench run`: the whole pipeline, one command.
+"""`megabench run`: the whole pipeline, one command, with progress and a time budget.
 
-With a GPU:    1 microbenchmarks (registry, quick or full; results saved as new files)
+With a GPU (default: quick, within BUDGET_S = 5 minutes on one H200):
+               1 microbenchmarks: every registered class but `model` (registry, quick sweeps), each
+                 result saved as a new file; they feed every tuned constant
                2 cross-GPU microbenchmarks (microbench/xgpu under torchrun) with 2+ GPUs, else skipped
                3 gate quality from the recorded samples (gate.quality result)
                4 tune (a new constants revision when anything changed)
-               5 megakernel build + benchmarks, if `megakernel.pipeline` exists
+               5 megakernel (megakernel.pipeline.Stage): its builds compiled in parallel, checks
+                 (bitwise mega == chain, the reference, greedy decoding), then chain and mega timed at
+                 the headline points (shard8 T=16 / T=1 at ctx 2048, small T=16 / T=1 at 512), the
+                 torch baselines at the same points (model.baselines; the `model` class, run here so
+                 the weights and reference steps are shared) and any peer implementation
+                 (megakernel.pipeline.PEERS)
                6 report
+             --full: full sweeps of every class, both contexts per preset, and what the default
+               leaves out: the ablation (38 variants), the profiled timeline and the detail timeline.
 Without a GPU: says so, tunes from the committed results into a temporary folder (the committed
                constants stay untouched unless --write-constants), skips the GPU stages and
                renders the report from the committed H200 results.
-A stage that fails is reported and the next ones still run; the exit code is non-zero if any did.
+
+Progress: the items of every stage are listed before anything runs, each with an estimate (the
+newest run.wall result of this GPU and mode under the results root or reports/results, else the
+seeds in code: microbench/progress.py); a line as each item starts and ends gives the stage, the
+item, the elapsed time, the estimated remainder and total against the budget. With a GPU the run's
+own durations are saved as a typed result, `run.wall` (a series per item and per stage, `total`
+bound by the budget: achieved vs bound like any other figure), which the next run estimates from.
+An item that fails is reported and the later ones still run (a preset's timings are skipped after
+its failed check); the exit code is 1 if any failed, 2 for a bad argument.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import sys
 import tempfile
-import time
-import traceback
+from functools import partial
 from pathlib import Path
+
+BUDGET_S = 300.0
+BUDGET_NOTE = ("issue 43: `megabench run` (default) finishes on one H200 in 5 minutes or less; wall time on the "
+               "host monotonic clock")
+
+# Seconds per item before a run.wall result has measured it (microbench/progress.py). From
+# committed evidence: the saved dates of the results of fe6e526's run (2026-11-29 11:55-11:57Z, one
+# benchmark after the other: icache 1-3 s apart, weights 2-8 s, sync 1-16 s), and issue 43's H200
+# run: microbenchmarks + gate quality + tune 194 s, of which model.baselines took 123-131 s
+# (its own wall-time notes), so ~65 s for the 19 others. The report: 20 s of CPU time over the
+# committed results (CPU machine, 2026-12-01; far fewer results under a session's own root).
+SEEDS = {
+    "microbenchmarks/basics.copy": 4.0, "microbenchmarks/basics.launch": 6.0,
+    "microbenchmarks/icache.capacity": 6.0, "microbenchmarks/icache.spliced": 1.0,
+    "microbenchmarks/icache.prefetch": 2.0, "microbenchmarks/icache.code_vs_data": 1.0,
+    "microbenchmarks/weights.read_ceiling": 5.0, "microbenchmarks/weights.ring": 4.0,
+    "microbenchmarks/weights.l2": 3.0, "microbenchmarks/weights.prefetch": 1.0,
+    "microbenchmarks/weights.hot_experts": 2.0,
+    "microbenchmarks/sync.flags": 12.0, "microbenchmarks/sync.fences": 1.0, "microbenchmarks/sync.publish": 6.0,
+    "microbenchmarks/sync.barriers": 2.0,
+    "microbenchmarks/clocks.timers": 4.0, "microbenchmarks/clocks.skew": 1.0, "microbenchmarks/clocks.launch": 1.0,
+    "microbenchmarks/clocks.instrumentation": 5.0,
+    "gate quality/gate quality": 3.0, "tune/tune": 3.0, "report/report": 20.0,
+    "cross-GPU microbenchmarks/xgpu": 60.0,  # one full session of xgpu.* (2026-11-30 14:55-14:57Z)
+}
+KIND_SEEDS = {"microbenchmark": 4.0}
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("run", help="the pipeline: microbenchmarks, tune, megakernel, report", description=__doc__)
+    s = sub.add_parser("run", help="the pipeline: microbenchmarks, tune, megakernel, report (default within "
+                       f"{BUDGET_S:.0f} s on one H200; --full: everything)", description=__doc__,
+                       formatter_class=_raw())
     g = s.add_mutually_exclusive_group()
-    g.add_argument("--quick", dest="full", action="store_false", help="quick sweeps (default)")
-    g.add_argument("--full", dest="full", action="store_true", help="full sweeps")
-    s.add_argument("--classes", nargs="*", default=None, help="overhead classes to run (default: all present)")
+    g.add_argument("--quick", dest="full", action="store_false", help="quick: the budgeted default")
+    g.add_argument("--full", dest="full", action="store_true",
+                   help="full sweeps, both contexts, the ablation, the timeline and the detail timeline")
+    s.add_argument("--classes", nargs="*", default=None, help="overhead classes to run (default: all present; "
+                   "`model`, the torch baselines, runs in the megakernel stage)")
     s.add_argument("--results", type=Path, default=None, help="results root (default $MEGABENCH_RESULTS or reports/results)")
     s.add_argument("--out", type=Path, default=None, help="report folder (default reports/)")
     s.add_argument("--constants-out", type=Path, default=None, help="constants folder (default reports/constants; "
@@ -36,130 +81,158 @@ def add_parser(sub) -> None:
     s.add_argument("--write-constants", action="store_true",
                    help="without a GPU: write the tuned constants into reports/constants anyway")
     s.add_argument("--no-report", action="store_true", help="skip the report stage")
+    s.add_argument("--plan", action="store_true", help="print the items and their estimates, run nothing")
     s.set_defaults(fn=_cmd, full=False)
 
 
-class _Stages:
-    def __init__(self, total: int):
-        self.total, self.i, self.failed = total, 0, []
+def _raw():
+    import argparse
 
-    def run(self, name: str, fn, *a, **kw):
-        self.i += 1
-        t0 = time.monotonic()
-        print(f"[{self.i}/{self.total}] {name} ...", flush=True)
-        try:
-            out = fn(*a, **kw)
-        except Exception as e:
-            self.failed.append(name)
-            print(f"[{self.i}/{self.total}] {name} FAILED after {time.monotonic() - t0:.1f} s: "
-                  f"{e.__class__.__name__}: {e}", flush=True)
-            traceback.print_exc(limit=4)
-            return None
-        print(f"[{self.i}/{self.total}] {name} done in {time.monotonic() - t0:.1f} s", flush=True)
-        return out
-
-    def skip(self, name: str, why: str):
-        self.i += 1
-        print(f"[{self.i}/{self.total}] {name}: skipped ({why})", flush=True)
+    return argparse.RawDescriptionHelpFormatter
 
 
-def _microbenchmarks(classes, full: bool):
-    from .harness import Harness
-    from .registry import CLASSES, benchmarks
-
-    unknown = sorted(set(classes or ()) - set(CLASSES))
-    if unknown:
-        raise ValueError(f"unknown classes {unknown}; known: {list(CLASSES)}")
-    h = Harness()
-    todo = benchmarks(classes)
-    failed = []
-    for name, fn in todo.items():
-        t0 = time.monotonic()
-        print(f"    {name} ...", flush=True)
-        try:
-            res = fn(h, quick=not full, save=True)
-        except Exception as e:  # one broken benchmark must not hide the others' results
-            failed.append(name)
-            print(f"    {name} FAILED: {e.__class__.__name__}: {e}", flush=True)
-            continue
-        for k, d in res.derived.items():
-            print(f"      -> {k} = {d.value:.4g} {d.unit}")
-        print(f"    {name} done in {time.monotonic() - t0:.1f} s", flush=True)
-    missing = [c for c in (classes or CLASSES) if not any(n.startswith(c + ".") for n in todo)]
-    if missing:
-        print(f"    classes with no benchmarks yet: {', '.join(missing)}")
-    if failed:
-        raise RuntimeError(f"{len(failed)} benchmark(s) failed: {', '.join(failed)}")
-
-
-def megakernel_entry():
-    """megakernel.pipeline.run if that module exists, else None (the stage is not available yet)."""
+# ---------------------------------------------------------------------- the stages' items
+def megakernel_stage(**kw):
+    """megakernel.pipeline.Stage(**kw) if that module exists, else None (the stage is not available)."""
     if importlib.util.find_spec("megakernel") is None or importlib.util.find_spec("megakernel.pipeline") is None:
         return None
-    mod = importlib.import_module("megakernel.pipeline")
-    return getattr(mod, "run", None)
+    return importlib.import_module("megakernel.pipeline").Stage(**kw)
 
 
-def _megakernel(entry, full: bool, constants_path: Path | None):
-    kw = {"quick": not full}
-    params = inspect.signature(entry).parameters
-    if "constants" in params and constants_path is not None:
-        from .tune import load_constants
+class _Run:
+    """The state the items hand on: the harness (made on first use), the constants tune wrote."""
 
-        kw["constants"] = load_constants(constants_path)
-    return entry(**kw)
+    def __init__(self, args, root: Path):
+        self.args, self.root = args, root
+        self._h = None
+        self.mega = None
+
+    @property
+    def h(self):
+        if self._h is None:
+            from .harness import Harness
+
+            self._h = Harness()
+        return self._h
+
+    def bench(self, fn) -> None:
+        res = fn(self.h, quick=not self.args.full, save=True)
+        for k, d in res.derived.items():
+            print(f"      -> {k} = {d.value:.4g} {d.unit}")
+
+    def tune(self, out_dir: Path | None) -> Path:
+        cur = _tune(self.root, out_dir)
+        if self.mega is not None:
+            from .tune import load_constants
+
+            self.mega.constants = load_constants(cur)  # the fresh revision, for the megakernel's builds
+        return cur
 
 
-def _cmd(args) -> int:
-    from .device import no_gpu_reason
-    from .results import results_root
+def _selected(classes) -> tuple[dict, bool]:
+    """({benchmark: run} for the microbenchmark stage, whether the torch baselines run)."""
+    from .registry import CLASSES, benchmarks
 
-    reason = no_gpu_reason()
-    root = args.results or results_root()
-    if reason is None:
-        return _with_gpu(args, root)
-    print(f"megabench run: no GPU here ({reason}).\n"
-          f"Running the CPU part only: tune from the committed results in {root} (into a temporary folder"
-          f"{'' if not args.write_constants else ' -- no: into reports/constants, as asked'}) and render the report "
-          "from them. Microbenchmarks and the megakernel need a GPU.", flush=True)
-    st = _Stages(5)
-    st.skip("microbenchmarks", "no GPU")
-    st.skip("cross-GPU microbenchmarks", "no GPU; they need 2 or more")
-    out_c = args.constants_out or (None if args.write_constants else Path(tempfile.mkdtemp(prefix="megabench-constants-")))
-    st.run("tune", _tune, root, out_c)
-    st.skip("megakernel", "no GPU" if megakernel_entry() is not None else "no GPU; megakernel.pipeline not available yet")
-    if args.no_report:
-        st.skip("report", "--no-report")
+    todo = benchmarks(classes)
+    return {k: v for k, v in todo.items() if not k.startswith("model.")}, (not classes or "model" in classes)
+
+
+def items(args, root: Path, gpu: bool):
+    """Every item of the run, in order (microbench.progress.Item); skipped stages are items with
+    the reason."""
+    from .progress import Item
+
+    run = _Run(args, root)
+    out = []
+    if not gpu:
+        out.append(Item("microbenchmarks", "all", None, skip="no GPU"))
+        out.append(Item("cross-GPU microbenchmarks", "xgpu", None, skip="no GPU; they need 2 or more"))
+        out.append(Item("tune", "tune", partial(_tune_cpu, root, args)))
+        mk = ("no GPU" if importlib.util.find_spec("megakernel.pipeline")
+              else "no GPU; megakernel.pipeline not available yet")
+        out.append(Item("megakernel", "all", None, skip=mk))
     else:
-        st.run("report", _report, root, args.out)
-    return _finish(st)
+        micro, baselines = _selected(args.classes)
+        out += [Item("microbenchmarks", name, partial(run.bench, fn), "microbenchmark") for name, fn in micro.items()]
+        from .xgpu import launcher
+
+        _, why = launcher.gpus_or_reason()
+        out.append(Item("cross-GPU microbenchmarks", "xgpu", partial(_xgpu, args.full), skip=why or None))
+        out.append(Item("gate quality", "gate quality", partial(_quality, root)))
+        run.mega = megakernel_stage(quick=not args.full, ablate=args.full, timeline=args.full, detail=args.full,
+                                    baselines=baselines)
+        out.append(Item("tune", "tune", partial(run.tune, args.constants_out)))
+        if run.mega is None:
+            out.append(Item("megakernel", "all", None, skip="megakernel.pipeline is not available yet"))
+        else:
+            out += run.mega.items("megakernel")
+    out.append(Item("report", "report", partial(_report, root, args.out),
+                    skip="--no-report" if args.no_report else None))
+    return out
 
 
-def _with_gpu(args, root: Path) -> int:
+def estimates(gpu_name: str | None, quick: bool, root: Path):
+    from .progress import Estimates
+    from .results import REPO_ROOT
+
+    seeds, kinds = dict(SEEDS), dict(KIND_SEEDS)
+    if importlib.util.find_spec("megakernel.pipeline") is not None:
+        mk = importlib.import_module("megakernel.pipeline")
+        seeds.update({f"megakernel/{k}": v for k, v in mk.SEEDS.items()})
+        kinds.update(mk.KIND_SEEDS)
+    return Estimates.load(gpu_name, quick, [root, REPO_ROOT / "reports" / "results"], seeds, kinds)
+
+
+# ---------------------------------------------------------------------- the command
+def _cmd(args) -> int:
     import os
 
-    os.environ["MEGABENCH_RESULTS"] = str(root)  # benchmarks save where tune and report read
-    st = _Stages(6)
-    st.run("microbenchmarks", _microbenchmarks, args.classes, args.full)
-    from .xgpu import launcher
+    from .device import no_gpu_reason
+    from .progress import Progress
+    from .registry import CLASSES
+    from .results import results_root
 
-    _, why = launcher.gpus_or_reason()
-    if why:
-        st.skip("cross-GPU microbenchmarks", why)
+    unknown = sorted(set(args.classes or ()) - set(CLASSES))
+    if unknown:
+        print(f"megabench run: unknown classes {unknown}; known: {list(CLASSES)}", file=sys.stderr)
+        return 2
+    reason = no_gpu_reason()
+    root = args.results or results_root()
+    gpu_name = None
+    if reason is None:
+        from .device import device_info
+
+        gpu_name = device_info().name
+        os.environ["MEGABENCH_RESULTS"] = str(root)  # benchmarks save where tune and report read
     else:
-        st.run("cross-GPU microbenchmarks", _xgpu, args.full)
-    st.run("gate quality", _quality, root)
-    cur = st.run("tune", _tune, root, args.constants_out)
-    entry = megakernel_entry()
-    if entry is None:
-        st.skip("megakernel", "megakernel.pipeline is not available yet")
+        print(f"megabench run: no GPU here ({reason}).\n"
+              f"Running the CPU part only: tune from the committed results in {root} (into a temporary folder"
+              f"{'' if not args.write_constants else ' -- no: into reports/constants, as asked'}) and render the "
+              "report from them. Microbenchmarks and the megakernel need a GPU.", flush=True)
+    its = items(args, root, gpu=reason is None)
+    budget = BUDGET_S if (reason is None and not args.full) else None
+    pr = Progress(its, estimates(gpu_name, not args.full, root), budget_s=budget, out=_say)
+    if args.plan:
+        for line in pr.plan_lines():
+            print(line)
+        for it in its:
+            e = pr.estimates.of(it)
+            print(f"  {it.key}: " + (f"skipped ({it.skip})" if it.skip else f"{e.seconds:.1f} s ({e.source})"))
+        return 0
+    pr.run()
+    if reason is None:  # the run's own wall time, measured like any other figure
+        r = pr.result(quick=not args.full, budget_note=BUDGET_NOTE if budget else "")
+        wall = r.series_named("total").summary.median
+        verdict = (f"{wall:.0f} s of the {budget:.0f} s budget ({'within' if wall <= budget else 'OVER'})"
+                   if budget else f"{wall:.0f} s (--full: no budget)")
+        _say(f"megabench run: wall {verdict}; estimated {pr.total_estimate():.0f} s; saved {r.save(root)}")
     else:
-        st.run("megakernel", _megakernel, entry, args.full, cur)
-    if args.no_report:
-        st.skip("report", "--no-report")
-    else:
-        st.run("report", _report, root, args.out)
-    return _finish(st)
+        _say(f"megabench run: wall {pr.elapsed():.0f} s (without a GPU: not recorded)")
+    return _finish(pr)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def _xgpu(full: bool) -> None:
@@ -175,6 +248,13 @@ def _quality(root: Path):
 
     _, text = run_quality(root, None, trials=100, save=True, save_root=root)  # seconds, not minutes
     print(text)
+
+
+def _tune_cpu(root: Path, args) -> Path:
+    out = args.constants_out
+    if out is None and not args.write_constants:
+        out = Path(tempfile.mkdtemp(prefix="megabench-constants-"))
+    return _tune(root, out)
 
 
 def _tune(root: Path, out_dir: Path | None) -> Path:
@@ -193,9 +273,10 @@ def _report(root: Path, out: Path | None) -> Path:
     return p
 
 
-def _finish(st: _Stages) -> int:
-    if st.failed:
-        print(f"megabench run: {len(st.failed)} stage(s) failed: {', '.join(st.failed)}", file=sys.stderr)
+def _finish(pr) -> int:
+    if pr.failed:
+        names = ", ".join(d.item.key for d in pr.failed)
+        print(f"megabench run: {len(pr.failed)} item(s) failed: {names}", file=sys.stderr)
         return 1
     print("megabench run: done")
     return 0

@@ -21,6 +21,7 @@ import re
 import socket
 import subprocess
 import tempfile
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -305,23 +306,18 @@ class Result:
         suffix = ".json"
         if len(data) > GZIP_MIN_BYTES:
             data, suffix = gzip.compress(data, compresslevel=9, mtime=0), ".json.gz"
-        fd, tmp = tempfile.mkstemp(dir=cls_dir, prefix=".tmp-", suffix=suffix)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        try:
-            for i in range(1000):
-                stem = base + (f"-{i}" if i else "")
-                if any((cls_dir / (stem + x)).exists() for x in RESULT_SUFFIXES):
-                    continue  # one name, one result, in either form
-                path = cls_dir / (stem + suffix)
-                try:
-                    os.link(tmp, path)  # fails if the name exists: never overwrites
-                    return path
-                except FileExistsError:
-                    continue
-            raise ResultsFileError(f"could not find a free file name for {base} in {cls_dir}")
-        finally:
-            os.unlink(tmp)
+        from .atomic import write_bytes
+        from .errors import OutputError
+
+        for i in range(1000):
+            stem = base + (f"-{i}" if i else "")
+            if any((cls_dir / (stem + x)).exists() for x in RESULT_SUFFIXES):
+                continue  # one name, one result, in either form
+            try:
+                return write_bytes(cls_dir / (stem + suffix), data, replace=False)  # never overwrites
+            except OutputError:  # taken meanwhile
+                continue
+        raise ResultsFileError(f"could not find a free file name for {base} in {cls_dir}")
 
 
 def _num(x):
@@ -340,7 +336,7 @@ def read_json(path: str | Path):
         return json.loads(raw)
     except FileNotFoundError:
         raise ResultsFileError(f"{p}: no such results file") from None
-    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError; a corrupt stream, zlib.error
         what = "not a readable gzip file" if p.name.endswith(".gz") else "cannot be read"
         raise ResultsFileError(f"{p}: {what} ({e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -351,9 +347,11 @@ def load(path: str | Path) -> Result:
     return Result.from_json(read_json(path), source=str(path))
 
 
-def find(benchmark: str | None = None, root: Path | None = None, gpu: str | None = None) -> list[Path]:
-    """Result files, .json or .json.gz (oldest first by recorded date), optionally for one
-    benchmark / GPU model. Perfetto traces (`*.trace.json.gz`) are not results."""
+def scan(root: Path | None = None, benchmark: str | None = None, strict: bool = False) -> list[tuple[Path, dict | None]]:
+    """Every results file (.json or .json.gz) under `root` with its JSON document, optionally of one
+    benchmark; documents that are not results (other JSON) are left out. A file that cannot be read
+    comes back with None (it surfaces when loaded, not silently dropped); with `strict` it raises
+    ResultsFileError naming the file instead. Perfetto traces (`*.trace.json.gz`) are not results."""
     root = Path(root) if root else results_root()
     out = []
     for p in sorted(root.rglob("*.json")) + sorted(root.rglob("*.json.gz")):
@@ -361,19 +359,34 @@ def find(benchmark: str | None = None, root: Path | None = None, gpu: str | None
             continue
         if benchmark and not p.name.startswith(benchmark + "-"):
             continue
-        out.append(p)
-    rows = []
-    for p in out:
         try:
             d = read_json(p)
-        except Exception:
-            rows.append(("", p))  # malformed files surface when loaded, not silently dropped
+        except ResultsFileError:
+            if strict:
+                raise
+            out.append((p, None))
             continue
         if not isinstance(d, dict) or d.get("schema") != SCHEMA:  # another kind of JSON: not a result
             continue
-        if gpu and (d.get("env") or {}).get("gpu") != gpu:
+        if strict and not isinstance(d.get("env"), dict):
+            raise ResultsFileError(f"{p}: malformed result (no 'env' object)")
+        out.append((p, d))
+    return out
+
+
+def find(benchmark: str | None = None, root: Path | None = None, gpu: str | None = None,
+         strict: bool = False) -> list[Path]:
+    """Result files, .json or .json.gz (oldest first by recorded date), optionally for one
+    benchmark / GPU model (scan: unreadable files first, or ResultsFileError with `strict`)."""
+    rows = []
+    for p, d in scan(root, benchmark, strict):
+        if d is None:
+            rows.append(("", p))
             continue
-        rows.append(((d.get("env") or {}).get("date", ""), p))
+        env = d.get("env") if isinstance(d.get("env"), dict) else {}
+        if gpu and env.get("gpu") != gpu:
+            continue
+        rows.append((env.get("date", ""), p))
     return [p for _, p in sorted(rows, key=lambda r: (r[0], str(r[1])))]
 
 

@@ -10,6 +10,12 @@ every such constant at its top (`defaults_used`, `WARNING`).
 Near-ties are the benchmark's business: its `Derived.rule` states how it chose (e.g. "smallest
 ring within the noise of the best"); tune copies that text, never re-decides from the last digit.
 
+Bad input is refused before anything is written, naming it: a results folder that does not exist,
+a result file that does not parse (a truncated newest file is not passed over), a `--gpu` no result
+has (the GPUs the results have are named; `--new-gpu` accepts a GPU with no results yet). Every
+file is written atomically (microbench/atomic.py), the new revision validated as load_constants
+would read it first.
+
 Files (JSON, human-diffable, key order fixed):
   reports/constants/<gpu-slug>.json                 "current": what the megakernel build reads
   reports/constants/history/<gpu-slug>-r<NNNN>.json one file per revision, never overwritten
@@ -25,18 +31,19 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import difflib
 import json
 import math
 import os
 import re
-import tempfile
 import types
 from collections.abc import Mapping
 from pathlib import Path
 
 from .constants import BY_NAME, SPECS, ConstantSpec
-from .errors import ResultsFileError
-from .results import REPO_ROOT, Result, find, load, read_json, results_root
+from . import atomic
+from .errors import OutputError, ResultsFileError
+from .results import REPO_ROOT, Result, find, load, read_json, results_root, scan
 
 SCHEMA = "megabench.constants"
 VERSION = 1
@@ -186,7 +193,6 @@ def write(doc: dict, out_dir: Path | None = None, force: bool = False) -> tuple[
     """
     out_dir = Path(out_dir) if out_dir else constants_dir()
     hist = out_dir / "history"
-    hist.mkdir(parents=True, exist_ok=True)
     slug = gpu_slug(doc.get("gpu"))
     current = out_dir / f"{slug}.json"
     revs = sorted(int(m.group(1)) for p in hist.glob(f"{slug}-r*.json")
@@ -222,22 +228,15 @@ def write(doc: dict, out_dir: Path | None = None, force: bool = False) -> tuple[
             "supersedes": prev.get("revision_file") if isinstance(prev, dict) else None,
             "generated": _now(), "generated_by": _git_sha(),
             **{k: v for k, v in doc.items() if k not in ("schema", "version", "WARNING")}}
+    from_document(full, source=f"the new revision {rev_path}")  # what the build would read: refused before writing
     data = (json.dumps(full, indent=1) + "\n").encode()
-    fd, tmp = tempfile.mkstemp(dir=hist, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
     try:
-        os.link(tmp, rev_path)  # fails if it exists: a revision is never overwritten
-    except FileExistsError:
-        os.unlink(tmp)
+        atomic.write_bytes(rev_path, data, replace=False, mkdir=True)  # a revision is never overwritten
+    except OutputError:
         raise ResultsFileError(f"{rev_path} appeared while writing (another tune running?); try again") from None
-    os.unlink(tmp)
     # the current pointer is a separate copy (a hard link would let an edit of one change both);
     # its previous content is kept in its own revision file
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, current)
+    atomic.write_bytes(current, data, mkdir=True)
     return current, rev_path, True
 
 
@@ -274,8 +273,37 @@ def _keep_current(gpu: str, entries: dict[str, Entry], only, out_dir: Path | Non
     return out
 
 
-def _document(root, gpu, out_dir, only) -> tuple[str | None, dict]:
-    """collect, `only` applied (tune --only), rendered: what tune writes and --dry-run prints."""
+def known_gpus(root: Path | None = None) -> list[str]:
+    """The GPU models the results under `root` were measured on (gate analyses aside). Refuses a
+    missing results folder and any result file that does not parse: a truncated file must stop
+    tune before it writes anything, not be passed over as if it were not there."""
+    root = Path(root) if root else results_root()
+    if not root.is_dir():
+        raise ResultsFileError(f"results folder {root} does not exist" if not root.exists()
+                               else f"results folder {root} is not a folder")
+    return sorted({d["env"]["gpu"] for _, d in scan(root, strict=True)
+                   if d["env"].get("gpu") and not str(d.get("benchmark", "")).startswith("gate.")})
+
+
+def check_gpu(gpu: str | None, root: Path | None = None, new_gpu: bool = False) -> None:
+    """Refuse a GPU name the results under `root` do not have (a typo would write a second
+    constants file of all defaults), naming the ones they have, unless `new_gpu` asks for a
+    constants file for a GPU with no results yet."""
+    known = known_gpus(root)
+    if gpu is None or gpu in known or new_gpu:
+        return
+    close = difflib.get_close_matches(gpu, known, n=1, cutoff=0.6)
+    raise ResultsFileError(
+        f"no results for GPU {gpu!r} under {Path(root) if root else results_root()}: the results there are from "
+        + (", ".join(repr(g) for g in known) if known else "no GPU")
+        + (f" (did you mean {close[0]!r}?)" if close else "")
+        + "; pass --new-gpu to write an all-defaults constants file for a GPU with no results yet")
+
+
+def _document(root, gpu, out_dir, only, new_gpu: bool = False) -> tuple[str | None, dict]:
+    """collect, `only` applied (tune --only), rendered: what tune writes and --dry-run prints.
+    Bad input (missing folder, unreadable result, unknown GPU) is refused here, before any write."""
+    check_gpu(gpu, root, new_gpu)
     gpu, entries = collect(root, gpu)
     if only and gpu:
         entries = _keep_current(gpu, entries, only, out_dir)
@@ -283,13 +311,13 @@ def _document(root, gpu, out_dir, only) -> tuple[str | None, dict]:
 
 
 def tune(root: Path | None = None, gpu: str | None = None, out_dir: Path | None = None,
-         force: bool = False, only=None) -> tuple[dict, Path, Path, bool]:
+         force: bool = False, only=None, new_gpu: bool = False) -> tuple[dict, Path, Path, bool]:
     """only: re-derive just these constants (and any the current file lacks); the rest keep the
-    current file's values and provenance."""
-    gpu, doc = _document(root, gpu, out_dir, only)
+    current file's values and provenance. new_gpu: accept a `gpu` no result under `root` has."""
+    gpu, doc = _document(root, gpu, out_dir, only, new_gpu)
     if gpu is None:
         raise ResultsFileError(f"no results with a GPU under {root or results_root()} for any constant's benchmark; "
-                               "pass --gpu NAME to write an all-defaults file for that GPU")
+                               "pass --gpu NAME --new-gpu to write an all-defaults file for that GPU")
     cur, rev, created = write(doc, out_dir, force)
     return doc, cur, rev, created
 
@@ -335,12 +363,36 @@ def _make_class():
 TunedConstants = _make_class()
 
 
+class NoConstantsFileError(ResultsFileError):
+    """No constants file for the GPU asked for (or none at all in the folder)."""
+
+
+DEFAULTS_ENV = "defaults"  # MEGABENCH_CONSTANTS=defaults: build with the documented defaults, on purpose
+
+
+def _known_constants(d: Path) -> str:
+    """'NVIDIA H200 (nvidia-h200.json), ...': the GPUs the current constants files in `d` are for."""
+    out = []
+    for p in sorted(d.glob("*.json")) if d.is_dir() else []:
+        try:
+            g = json.loads(p.read_text()).get("gpu")
+        except Exception:
+            g = None
+        out.append(f"{g} ({p.name})" if g else p.name)
+    return ", ".join(out) or "none"
+
+
 def find_constants_file(gpu: str | None = None, directory: Path | None = None) -> Path:
+    """The current constants file of `gpu` (a GPU with none is an error naming the GPUs the folder
+    has), else $MEGABENCH_CONSTANTS, else the folder's single file (several: an error naming them)."""
     d = Path(directory) if directory else constants_dir()
     if gpu:
         p = d / f"{gpu_slug(gpu)}.json"
         if not p.exists():
-            raise ResultsFileError(f"no constants file for {gpu} ({p}); run `megabench tune --gpu '{gpu}'`")
+            raise NoConstantsFileError(
+                f"no constants file for GPU {gpu!r} ({p}); {d} has constants for: {_known_constants(d)}. Run "
+                f"`megabench tune --gpu '{gpu}'` (with --new-gpu if no result has that GPU yet), or set "
+                f"MEGABENCH_CONSTANTS={DEFAULTS_ENV} to build with the documented defaults on purpose")
         return p
     env = os.environ.get("MEGABENCH_CONSTANTS")
     if env:
@@ -349,13 +401,25 @@ def find_constants_file(gpu: str | None = None, directory: Path | None = None) -
     if len(cands) == 1:
         return cands[0]
     if not cands:
-        raise ResultsFileError(f"no constants file in {d}; run `megabench tune` (or use TunedConstants.defaults())")
-    raise ResultsFileError(f"several constants files in {d} ({', '.join(p.name for p in cands)}): pass gpu= or path=")
+        raise NoConstantsFileError(f"no constants file in {d}; run `megabench tune` (or use TunedConstants.defaults())")
+    raise ResultsFileError(f"several constants files in {d} (constants for: {_known_constants(d)}): pass gpu= or "
+                           "path=, or set MEGABENCH_CONSTANTS to the file to build with")
 
 
-def load_constants(path: str | Path | None = None, gpu: str | None = None) -> TunedConstants:
-    """Read and validate a constants file. Raises ResultsFileError naming the file and the problem."""
-    p = Path(path) if path else find_constants_file(gpu)
+def load_constants(path: str | Path | None = None, gpu: str | None = None, *,
+                   defaults_if_missing: bool = False) -> TunedConstants:
+    """Read and validate a constants file. Raises ResultsFileError naming the file and the problem;
+    a GPU with no constants file is an error naming the GPUs that have one (NoConstantsFileError),
+    unless defaults are asked for explicitly: `defaults_if_missing`, or MEGABENCH_CONSTANTS=defaults
+    (then TunedConstants.defaults(), whose provenance says so)."""
+    if path is None and os.environ.get("MEGABENCH_CONSTANTS") == DEFAULTS_ENV:
+        return TunedConstants.defaults()
+    try:
+        p = Path(path) if path else find_constants_file(gpu)
+    except NoConstantsFileError:
+        if defaults_if_missing:
+            return TunedConstants.defaults()
+        raise
     try:
         doc = json.loads(p.read_text())
     except FileNotFoundError:
@@ -422,7 +486,10 @@ def add_parser(sub) -> None:
     s = sub.add_parser("tune", help="collect tuned constants from the latest results into a versioned file",
                        description=__doc__, formatter_class=_raw())
     s.add_argument("--results", type=Path, default=None, help="results root (default $MEGABENCH_RESULTS or reports/results)")
-    s.add_argument("--gpu", default=None, help="GPU model name as results record it (default: newest result's GPU)")
+    s.add_argument("--gpu", default=None, help="GPU model name as results record it (default: newest result's GPU); "
+                   "a name no result has is refused, naming the ones they have")
+    s.add_argument("--new-gpu", action="store_true",
+                   help="accept a --gpu no result has yet (writes an all-defaults constants file for it)")
     s.add_argument("--out", type=Path, default=None, help="constants folder (default reports/constants)")
     s.add_argument("--force", action="store_true", help="replace a current file that differs from its revision file")
     s.add_argument("--dry-run", action="store_true", help="print the document, write nothing")
@@ -439,9 +506,9 @@ def _raw():
 
 def _cmd(args) -> int:
     if args.dry_run:
-        print(json.dumps(_document(args.results, args.gpu, args.out, args.only)[1], indent=1))
+        print(json.dumps(_document(args.results, args.gpu, args.out, args.only, args.new_gpu)[1], indent=1))
         return 0
-    doc, cur, rev, created = tune(args.results, args.gpu, args.out, args.force, only=args.only)
+    doc, cur, rev, created = tune(args.results, args.gpu, args.out, args.force, only=args.only, new_gpu=args.new_gpu)
     print(summary(doc, cur, rev, created))
     return 0
 

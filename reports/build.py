@@ -5,27 +5,40 @@ Inputs, all JSON already on disk (committed or fresh): megabench results under t
 (reports/paper_figures.json) and, for comparison, the committed constants file. Nothing is
 measured here, so the report renders on a machine without a GPU and says so at the top.
 
-Sections: environment; one per overhead class (series with bound/achieved/fraction, derived
-constants with spread and rule, the study's GB300 figures beside ours, plots); the megakernel
-(step time, tokens/s, ratio, launches, roofline fraction, timeline); what changed since the
-baseline (the gate); the gate's measured quality; the tuned constants with provenance.
-A class without results says "not measured yet" instead of failing. Output is deterministic
-for the same inputs (no render timestamp), so a committed report only changes with its data.
+Layout (the first screen answers "how fast is the megakernel against what, and how sure are we"):
+  Summary      the megakernel against every baseline (step time, launches, fraction of roofline),
+               one row per overhead class beside the study, a trust box (reports/summary.py)
+  1..N         one section per overhead class: its derived values (rules and long notes as
+               numbered notes, never repeated per row), the study's figures that have a
+               counterpart here, the results' notes, its figures; then the megakernel
+  then         what changed since the baseline (the gate), the tuned constants
+  Appendices   ablations and A/B runs, timelines and traces, raw series, the study's figures with
+               no counterpart here, the gate's quality in detail, environment and commits
+No line of the summary, class and megakernel sections is longer than MAX_LINE characters (prose is
+wrapped; a table too wide for it is written without padding). A class without results says "not
+measured yet" instead of failing. Output is deterministic for the same inputs (no render
+timestamp), so a committed report only changes with its data.
+
+Writing is atomic: everything renders into a temporary folder next to the destination, and only
+once every input has parsed do REPORT.md and figures/ replace the old ones. A results folder that
+does not exist or a malformed result raises ResultsFileError naming the path, and every existing
+file stays as it was.
 """
 from __future__ import annotations
 
-import dataclasses
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
+from microbench.errors import ResultsFileError
 from microbench.results import REPO_ROOT, Result, find, load, results_root
 
 from . import megakernel as mk
-from . import paper, plots
-from .fmt import fmt, fmt_params, fmt_range, fmt_spread, md_escape
+from . import paper, plots, summary
+from .fmt import Footnotes, fmt, fmt_params, fmt_spread, md_escape, wrap
 
 CLASS_INFO = {
     "basics": ("Launch overhead and copy bandwidth",
@@ -71,6 +84,10 @@ XGPU_BESIDE = (
 MAX_SERIES_ROWS = 40
 # results whose every series is a comparison point the text refers to (every size x implementation)
 SERIES_ROWS = {"xgpu.collectives": 100}
+MAX_LINE = 300  # the summary, class and megakernel sections keep every line within this
+APPENDIX = "## Appendix"  # every heading from the first of these on is an appendix
+# megakernel results shown in an appendix instead of the megakernel section
+APPENDIX_RESULTS = ("megakernel.ab", "megakernel.timeline_detail")
 
 
 def _rel(p) -> str:
@@ -81,12 +98,20 @@ def _rel(p) -> str:
 
 
 def _table(rows: Sequence[dict]) -> str:
+    """A GitHub table (pandas + tabulate, padded); one whose padded lines would exceed MAX_LINE is
+    written unpadded instead (same table once rendered)."""
     import pandas as pd
 
     if not rows:
         return ""
-    df = pd.DataFrame([{k: md_escape(v) if isinstance(v, str) else v for k, v in r.items()} for r in rows])
-    return df.to_markdown(index=False, tablefmt="github")
+    cells = [{k: md_escape(v) if isinstance(v, str) else v for k, v in r.items()} for r in rows]
+    text = pd.DataFrame(cells).to_markdown(index=False, tablefmt="github")
+    if max(len(line) for line in text.splitlines()) <= MAX_LINE:
+        return text
+    cols = list(dict.fromkeys(k for r in cells for k in r))
+    out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    out += ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |" for r in cells]
+    return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------- catalogue
@@ -99,8 +124,11 @@ class Catalog:
 
     @classmethod
     def load(cls, root: Path | None = None, gpu: str | None = None) -> Catalog:
+        """Every result under `root`, parsed (a malformed one raises ResultsFileError naming it)."""
         root = Path(root) if root else results_root()
-        allr = [(p, load(p)) for p in find(None, root)] if root.is_dir() else []
+        if not root.is_dir():
+            raise ResultsFileError(f"{root}: no such results folder (pass --results DIR, or set MEGABENCH_RESULTS)")
+        allr = [(p, load(p)) for p in find(None, root)]
         gpus = sorted({r.env.gpu for _, r in allr if r.env.gpu})
         if gpu is None:
             dated = sorted((r.env.date, r.env.gpu) for _, r in allr if r.env.gpu and not r.benchmark.startswith("gate."))
@@ -142,9 +170,137 @@ class Context:
     timeline: Result | None
     figures: list = field(default_factory=list)
 
-    def fig_link(self, path: Path, caption: str) -> str:
+    def fig_link(self, path: Path, caption: str) -> list[str]:
         rel = Path(path).resolve().relative_to(self.out_dir.resolve())
-        return f"![{md_escape(caption)}]({rel.as_posix()})\n\n*{caption}*"
+        return [f"![{md_escape(caption)}]({rel.as_posix()})", "", *wrap(f"*{md_escape(caption)}*"), ""]
+
+
+# ----------------------------------------------------------------------------- the study beside ours
+def paper_value(ctx: Context, f: dict) -> tuple[str, str]:
+    """(ours, how ours is obtained) for one of the study's figures; ours is "-" where nothing here
+    corresponds to it and "not measured yet" where something would."""
+    import re
+
+    o = f.get("ours")
+    ours, how = "not measured yet", ""
+    if o is None:
+        return "-", f.get("note", "no counterpart measured here")
+    if o["kind"] == "constant":
+        e = ctx.tune_entries.get(o["name"])
+        if e is not None and e.source == "measured":
+            sp = e.provenance.get("spread")
+            ours = fmt(e.value, e.spec.unit) + (f" ({fmt_spread(sp, e.spec.unit)})" if sp else "")
+            how = f"tuned `{o['name']}` from `{e.spec.benchmark}`"
+        else:
+            how = f"tuned `{o['name']}` (default {fmt(e.value, e.spec.unit)} until measured)" if e else o["name"]
+    elif o["kind"] == "derived":
+        found = []
+        for r in ctx.cat.latest_all():
+            if o.get("benchmark") is not None and r.benchmark != o["benchmark"]:
+                continue
+            for k in sorted(r.derived):
+                if k == o["key"] or (o.get("key_regex") and re.fullmatch(o["key_regex"], k)):
+                    found.append((k != o["key"], k, r))
+        if found:
+            _, k, r = min(found, key=lambda t: (t[0], t[1]))  # the exact key first, else the first match
+            d = r.derived[k]
+            unit = o.get("unit") or ("fraction" if f["unit"] == "fraction" and d.unit in ("", "fraction")
+                                     else ("x" if f["unit"] == "x" and d.unit == "" else d.unit))
+            ours = fmt(d.value, unit) + (f" ({fmt_spread(d.spread, unit)})" if d.spread else "")
+            how = f"`{r.benchmark}` derived `{k}`"
+        else:
+            what = o["key"] if not o.get("key_regex") else f"{o['key']}` or `{o['key_regex']}"
+            how = f"expects derived `{what}`" + (f" in `{o['benchmark']}`" if o.get("benchmark") else "")
+        if f.get("note_ours"):
+            how += f"; {f['note_ours']}"
+    elif o["kind"] == "env":
+        envs = ctx.cat.envs()
+        if envs:
+            v = getattr(max(envs, key=lambda x: x.date), o["field"], None)
+            if v is not None:
+                ours, how = fmt(v, f["unit"]), f"driver attribute `{o['field']}`"
+    elif o["kind"] == "megakernel":
+        got = mk.figure_value(ctx.step_rows, ctx.timeline, o)
+        if got:
+            ours, how = fmt(got[0], got[1]), got[2]
+        else:
+            how = f"from model.* / megakernel.* results ({o['metric']})"
+    if f.get("note"):
+        how = (how + "; " if how else "") + f["note"]
+    return ours, how
+
+
+def _paper_rows(ctx: Context, figs: Sequence[dict], notes: Footnotes) -> list[dict]:
+    """The study's figures that have a counterpart here (the others are listed in an appendix)."""
+    rows = []
+    for f in figs:
+        if f.get("ours") is None:
+            continue
+        ours, how = paper_value(ctx, f)
+        rows.append({"quantity": f["quantity"], f"study ({paper.setup('gb300')['short']})": paper.value_text(f),
+                     f"ours ({ctx.cat.gpu or 'no GPU yet'})": ours, "how ours is obtained": notes.cell(how, 80)})
+    return rows
+
+
+def _study_table(ctx: Context, figs: Sequence[dict], lead: str) -> list[str]:
+    notes = Footnotes("How ours is obtained")
+    rows = _paper_rows(ctx, figs, notes)
+    if not rows:
+        return []
+    return [*wrap(lead), "", _table(rows), "", *notes.lines()]
+
+
+# ----------------------------------------------------------------------------- derived values
+def _derived_rows(results: Sequence[Result], notes: Footnotes, keep=lambda r, k: True) -> list[dict]:
+    from microbench.constants import SPECS
+
+    tuned = {(s.benchmark, s.derived_key): s.name for s in SPECS}
+    rows = []
+    for r in results:
+        for k, d in r.derived.items():
+            if not keep(r, k):
+                continue
+            t = tuned.get((r.benchmark, k))
+            rows.append({"result": f"`{r.benchmark}`", "derived": k + (f" (tuned `{t}`)" if t else ""),
+                         "value": fmt(d.value, d.unit), "spread": fmt_spread(d.spread, d.unit),
+                         "rule": notes.ref(d.rule), "note": notes.cell(d.note, 60)})
+    return rows
+
+
+def _pivot(result: Result, notes: Footnotes, ops: Sequence[str]) -> tuple[list[str], set[str]]:
+    """Per-op derived values of one result as one table (rows: ops; columns: what was measured);
+    returns (lines, the keys it shows)."""
+    cols, table, _ = mk.op_pivot(result.derived, ops)
+    if not cols:
+        return [], set()
+    import re
+
+    rows, shown = [], set()
+    heads = {}
+    for c in cols:
+        k0 = next(t[c] for t in table.values() if c in t)
+        op0 = next(op for op, t in table.items() if t.get(c) == k0)
+        generic = re.sub(r"(?<![A-Za-z0-9])" + re.escape(op0) + r"(?![A-Za-z0-9])", "<op>", result.derived[k0].rule)
+        heads[c] = f"{c} {notes.ref(generic)}"
+    for op, t in table.items():
+        row = {"op": op}
+        for c in cols:
+            k = t.get(c)
+            row[heads[c]] = fmt(result.derived[k].value, result.derived[k].unit) if k else ""
+            if k:
+                shown.add(k)
+        rows.append(row)
+    return [_table(rows), ""], shown
+
+
+def _ops(result: Result) -> list[str]:
+    try:
+        from megakernel.plan import OP_KINDS
+
+        return list(OP_KINDS)
+    except ImportError:  # the report also renders results without the megakernel package
+        return sorted({str(s.params["phase"]) for s in result.series if "phase" in s.params
+                       and not str(s.params["phase"]).startswith("wait_")})
 
 
 # ----------------------------------------------------------------------------- sections
@@ -160,17 +316,494 @@ def _banner(ctx: Context, gpu_present: bool) -> list[str]:
         lines = [f"> Rendered on a machine with a GPU from the results in `{src}` (measured on {cat.gpu}, {span})."]
     if cat.other_gpus:
         lines.append(f"> Results for other GPUs exist ({', '.join(cat.other_gpus)}): render them with `--gpu`.")
-    defaults = [n for n, e in ctx.tune_entries.items() if e.source == "default"]
-    if defaults:
-        lines.append(f"> **Warning:** {len(defaults)} of {len(ctx.tune_entries)} tuned constants are conservative "
-                     f"defaults, not measurements (see [Tuned constants](#tuned-constants)).")
     return lines
 
 
-def section_environment(ctx: Context) -> list[str]:
+def section_summary(ctx: Context) -> list[str]:
+    out = ["## Summary", "", "### The megakernel against every baseline", ""]
+    if ctx.step_rows:
+        out += [_table(summary.step_table(ctx.step_rows)), "", *wrap(summary.step_caption(ctx.step_rows)), ""]
+        v = summary.study_verify_line(ctx.step_rows)
+        if v:
+            out += [*wrap(v), ""]
+    else:
+        out += [f"**Not measured yet** on {ctx.cat.gpu or 'any GPU'}: no step-time series in `model.*` / "
+                "`megakernel.*` results.", ""]
+    st = paper.setup("gb300")
+    out += ["### The overhead classes beside the study", "",
+            *wrap(f"One key figure per class, ours ({ctx.cat.gpu or 'not measured'}) beside the study's ({st['hardware']}): "
+                  "different hardware, so read them side by side. Every figure of a class is in its section."), "",
+            _table(summary.class_rows(ctx, paper_value)), "",
+            "### How sure we are", ""]
+    for line in summary.trust_lines(ctx):
+        out += wrap(line, first="- ", rest="  ")
+    return out + [""]
+
+
+def _results_line(results: Sequence[tuple[Path, Result]]) -> list[str]:
+    parts = [f"`{r.benchmark}` {r.env.date[:16].replace('T', ' ')}Z, {r.env.git_sha[:7]}"
+             f"{' (dirty)' if r.env.git_dirty else ''}, {'quick' if r.quick else 'full'}" for _, r in results]
+    return [*wrap("Latest results: " + "; ".join(parts) + ". Raw series: Appendix C."), ""]
+
+
+def _notes_lines(results: Sequence[tuple[Path, Result]]) -> list[str]:
+    out = []
+    for _, r in results:
+        if r.notes:
+            out += [f"Notes of `{r.benchmark}`:", ""]
+            for n in r.notes:
+                out += wrap(md_escape(n), first="- ", rest="  ")
+            out.append("")
+    return out
+
+
+def _byte_marks(r: Result) -> dict[str, float]:
+    return {k: d.value for k, d in r.derived.items() if d.unit == "B" and d.value > 0}
+
+
+def section_class(ctx: Context, cls: str, n: int) -> list[str]:
+    title, what = CLASS_INFO.get(cls, (cls, ""))
+    out = [f"## {n}. {title} (`{cls}`)", ""]
+    if what:
+        out += [*wrap(what), ""]
+    results = ctx.cat.of_class(cls)
+    if not results:
+        how = ("Run `megabench xgpu` on a node with 2 or more GPUs (`megabench run` does when it finds them)"
+               if cls in EXTRA_CLASSES else f"Run `megabench bench {cls}` on a GPU, or `megabench run`")
+        out += [*wrap(f"**Not measured yet** on {ctx.cat.gpu or 'any GPU'}: no `{cls}.*` results under "
+                      f"`{_rel(ctx.cat.root)}`. {how}."), ""]
+    else:
+        out += _results_line(results)
+        notes = Footnotes("Rules and notes")
+        rows = _derived_rows([r for _, r in results], notes)
+        if rows:
+            out += ["### Derived values", "", _table(rows), "", *notes.lines()]
+    st = paper.setup("gb300")
+    study = _study_table(ctx, paper.figures(cls), f"The study's figures ({st['hardware']}; {st['config']}) beside ours "
+                                                  f"({ctx.cat.gpu or 'not measured'}); different hardware, so read "
+                                                  "them side by side, never as one series:")
+    if study:
+        out += ["### The study beside ours", "", *study]
+    if cls == "xgpu" and results:
+        notes = Footnotes("What each side measures")
+        rows = _xgpu_beside_rows(ctx, notes)
+        out += [*wrap("One GPU beside several (latest results of each; the machines are named in each result's "
+                      "environment):"), "", _table(rows), "", *notes.lines()]
+    out += _notes_lines(results)
+    for _, r in results:
+        for p, cap in plots.curve_plots(r, cls, ctx.fig_dir, _byte_marks(r)) + plots.hist_plots(r, ctx.fig_dir):
+            out += ctx.fig_link(p, cap)
+    return out
+
+
+def _xgpu_beside_rows(ctx: Context, notes: Footnotes) -> list[dict]:
+    rows = []
+    for what, one, many in XGPU_BESIDE:
+        if " (" in what:  # the parenthesis says what each side measures: a note, so the row stays short
+            head, tail = what.split(" (", 1)
+            what = f"{head} {notes.ref(tail.rstrip(')'))}"
+        cells = []
+        for bench, key in (one, many):
+            got = ctx.cat.latest(bench)
+            d = got[1].derived.get(key) if got else None
+            if d is None:
+                cells.append("not measured")
+            else:
+                kind = got[1].env.machine_kind or "?"
+                cells.append(f"{fmt(d.value, d.unit)} (`{bench}` `{key}`, {kind})")
+        rows.append({"quantity": what, "one GPU": cells[0], "between GPUs": cells[1]})
+    return rows
+
+
+def _mk_results(ctx: Context) -> list[tuple[Path, Result]]:
+    return [rs[-1] for b, rs in sorted(ctx.cat.runs.items())
+            if b.split(".")[0] in ("model", "megakernel") and b not in APPENDIX_RESULTS]
+
+
+def section_megakernel(ctx: Context, n: int) -> list[str]:
+    out = [f"## {n}. The megakernel and its baselines", ""]
+    results = _mk_results(ctx)
+    main = summary.main_rows(ctx.step_rows)
+    if not main:
+        out += [f"**Not measured yet** on {ctx.cat.gpu or 'any GPU'}: no step-time series in `model.*` / "
+                "`megakernel.*` results (conventions: `reports/megakernel.py`).", ""]
+    else:
+        out += [*wrap("Step times, launches and fractions of the roofline of every implementation are in the "
+                      "Summary; the ablation's builds are in Appendix A."), ""]
+        for p, cap in plots.step_bars(main, ctx.fig_dir):
+            out += ctx.fig_link(p, cap)
+    if results:
+        out += _results_line(results)
+    st = paper.setup("gb300")
+    for group, title in (("headline", "The study's headline"), ("breakdown", "Where the study's 5.9 ms still goes"),
+                         ("shape", "The study's megakernel shape"), ("model", "The study's model")):
+        study = _study_table(ctx, paper.figures(group=group), f"Study: {st['hardware']}; {st['config']}.")
+        if study:
+            out += [f"### {title} beside ours", "", *study]
+    notes = Footnotes("Rules and notes")
+    # the ablation's speed-ups are in Appendix A; a timeline's per-op values in their own table below
+    pivots, shown = [], set()
+    tl = ctx.timeline
+    if tl is not None and tl.benchmark.startswith("megakernel."):
+        pivots, shown = _pivot(tl, notes, _ops(tl))
+    rows = _derived_rows([r for _, r in results], notes,
+                         keep=lambda r, k: "mega+" not in k and not (r is tl and k in shown))
+    if rows or pivots:
+        out += ["### Derived values", "", _table(rows), ""]
+        if pivots:
+            out += [*wrap(f"Per op, from `{tl.benchmark}` (one column per quantity; its rule in the notes, "
+                          "`<op>` standing for the row's op):"), "", *pivots]
+        out += notes.lines()
+    out += _notes_lines(results)
+    if tl is not None:
+        phases = mk.timeline_phases(tl)
+        if phases:
+            out += ["### In-kernel timeline", "", *wrap(f"From `{tl.benchmark}` of {tl.env.date[:10]} "
+                                                         f"({tl.env.git_sha[:7]}), one launch, per block:"), "",
+                    _table([{"phase": a["phase"], "blocks": a["blocks"], "start (median)": fmt(a["start"], "s"),
+                             "end p10": fmt(a["end_p10"], "s"), "end (median)": fmt(a["end"], "s"),
+                             "end p90": fmt(a["end_p90"], "s")} for a in phases]), ""]
+            for p, cap in plots.timeline_plot(phases, ctx.fig_dir, tl.benchmark):
+                out += ctx.fig_link(p, cap)
+    else:
+        out += ["In-kernel timeline: not measured yet (`megakernel.timeline`).", ""]
+    out += section_critical_path(ctx)
+    return out
+
+
+def _critical_path(ctx: Context) -> list[str] | None:
+    """HOOK: the critical-path model of a megakernel layer (each segment's predicted bound beside its
+    measured time), from the module `megakernel.critical_path` when it exists (None when it does
+    not). Either of its functions is used: `report_rows(results) -> list[dict]` (the latest result
+    of every benchmark in, one short dict per row out) or `table(root) -> str` (its own markdown
+    from the results folder; prose lines are wrapped here, tables kept). Once the module exists,
+    an import error or a missing function is shown, not hidden."""
+    import importlib
+    import importlib.util
+
+    try:
+        present = importlib.util.find_spec("megakernel.critical_path") is not None
+    except (ImportError, ValueError):  # no megakernel package at all
+        present = False
+    if not present:
+        return None
+    cp = importlib.import_module("megakernel.critical_path")
+    if hasattr(cp, "report_rows"):
+        rows = cp.report_rows(ctx.cat.latest_all())
+        return [_table(rows), ""] if rows else ["Not measured yet (no results the critical-path model reads).", ""]
+    if hasattr(cp, "table"):
+        out = []
+        for line in cp.table(ctx.cat.root).splitlines():
+            out += [line] if line.startswith("|") or not line.strip() else wrap(line)
+        return out + [""]
+    return ["`megakernel.critical_path` has neither `report_rows(results)` nor `table(root)`: not wired yet.", ""]
+
+
+CRITICAL_PATH = "### Critical path of a layer"
+
+
+def section_critical_path(ctx: Context) -> list[str]:
+    """The critical-path block in the megakernel's section, or a pointer to Appendix B when its
+    tables are wider than the section's lines may be."""
+    block = _critical_path(ctx)
+    if block is None:
+        return []
+    if max((len(line) for line in block), default=0) <= MAX_LINE:
+        return [CRITICAL_PATH, "", *block]
+    return [CRITICAL_PATH, "", "Its tables are wider than this section's lines: see Appendix B.", ""]
+
+
+def section_changes(ctx: Context, bench_dir: Path | None, baseline: Path | None) -> list[str]:
+    from microbench.gate import GateConfig, GpuMismatchError, compare, load_measurements
+
+    out = ["## What changed since the baseline", ""]
+    cfg = GateConfig()
+    comparisons = []
+    gpu_key = None
     envs = ctx.cat.envs()
+    if envs:
+        gpu_key = max(envs, key=lambda e: e.date).gpu_key
+    newest = []
+    for b, rs in sorted(ctx.cat.runs.items()):
+        if b.startswith("gate."):
+            continue
+        (p_new, r_new) = rs[-1]
+        newest += load_measurements(p_new)
+        if baseline is None and len(rs) >= 2:  # the run before it, named: not a folder's whole history
+            p_old, r_old = rs[-2]
+            comparisons.append((f"`{b}`: {_run_name(r_new)} vs the run before it, {_run_name(r_old)}",
+                                load_measurements(p_old), load_measurements(p_new)))
+    if baseline is not None:
+        comparisons = [(f"newest results vs baseline `{_rel(baseline)}`", load_measurements(baseline, gpu_key), newest)]
+    elif bench_dir is not None and bench_dir.is_dir() and ctx.cat.gpu:
+        from microbench.tune import gpu_slug
+
+        files = []
+        for p in sorted(bench_dir.glob("*.json")):
+            ms = load_measurements(p, gpu_key if f"-{gpu_slug(ctx.cat.gpu)}-" in p.name else None)
+            if ms and all(m.gpu_key == gpu_key for m in ms):
+                files.append((max(m.date for m in ms), p, ms))
+        files.sort(key=lambda t: (t[0], str(t[1])))
+        if len(files) >= 2:
+            comparisons.append((f"pytest-benchmark: `{files[-1][1].name}` vs the file before it, `{files[-2][1].name}`",
+                                files[-2][2], files[-1][2]))
+    if not comparisons:
+        out += [*wrap("Only one run of each benchmark so far on this GPU: nothing to compare yet. "
+                      "(`megabench gate BASELINE CANDIDATE` compares any two runs; see docs/COMMANDS.md.)"), ""]
+        return out
+    rows, lines = [], []
+    notes = Footnotes("Why")
+    for title, base, cand in comparisons:
+        try:
+            rep = compare(base, cand, cfg)
+        except GpuMismatchError as e:
+            lines += wrap(f"{title}: refused ({e})", first="- ", rest="  ")
+            continue
+        lines += wrap(f"{title}: {rep.summary_line()}", first="- ", rest="  ")
+        for r in rep.rows():
+            if r["verdict"].lower() not in ("same", "not gated"):
+                rows.append({**r, "why": notes.cell(r.get("why"), 40)})
+    out += lines + ["", *wrap(f"Rule: {cfg.describe()}."), ""]
+    out += [_table(rows), "", *notes.lines()] if rows else ["Every compared series is the same within its noise.", ""]
+    return out
+
+
+def _run_name(r: Result) -> str:
+    return f"{r.env.git_sha[:7]} ({r.env.date[:16].replace('T', ' ')}Z)"
+
+
+def section_constants(ctx: Context) -> list[str]:
+    from microbench.tune import constants_dir, gpu_slug, load_constants
+
+    out = ["## Tuned constants", ""]
+    if ctx.tune_error:
+        return out + [*wrap(f"**Could not tune from these results:** {ctx.tune_error}"), ""]
+    ents = ctx.tune_entries
+    defaults = [n for n, e in ents.items() if e.source == "default"]
+    if defaults:
+        out += [*wrap(f"> **Warning: {len(defaults)} of {len(ents)} constants are conservative defaults, not "
+                      f"measurements:** {', '.join(f'`{n}`' for n in defaults)}. The megakernel build runs with them "
+                      "(correct, not fast) until their benchmarks report.", rest="> "), ""]
+    out += [*wrap("What `megabench tune` derives from these results (the megakernel build reads the same values "
+                  "from `reports/constants/<gpu>.json`). Near-ties follow each benchmark's stated rule."), ""]
+    notes = Footnotes("Rules")
+    rows = []
+    for n, e in ents.items():
+        p = e.provenance
+        measured = e.source == "measured"
+        rows.append({"constant": n, "value": fmt(e.value, e.spec.unit), "source": e.source if measured else "**default**",
+                     "benchmark": p["benchmark"] + ":" + p["derived_key"],
+                     "result": (f"`{Path(p['result_file']).name}`" if measured else notes.cell(p.get("reason", ""), 60)),
+                     "spread": fmt_spread(p.get("spread"), e.spec.unit),
+                     "rule": notes.ref(p["rule"] if measured else "documented default (microbench/constants.py)")})
+    out += [_table(rows), "", *notes.lines()]
+    if ctx.cat.gpu:
+        cf = constants_dir() / f"{gpu_slug(ctx.cat.gpu)}.json"
+        if cf.exists():
+            try:
+                c = load_constants(cf)
+                diff = [n for n, e in ents.items() if getattr(c, n) != e.value]
+                out += [*wrap(f"The committed `{_rel(cf)}` (revision {c.revision}) matches." if not diff else
+                              f"The committed `{_rel(cf)}` (revision {c.revision}) differs in {', '.join(diff)}: "
+                              "run `megabench tune` to record a new revision."), ""]
+            except Exception as e:  # shown, not hidden: the report is where a broken file gets noticed
+                out += [*wrap(f"**The committed `{_rel(cf)}` is invalid:** {e}"), ""]
+        else:
+            out += [f"No committed constants file for {ctx.cat.gpu} yet (`megabench tune` writes `{_rel(cf)}`).", ""]
+    return out
+
+
+# ----------------------------------------------------------------------------- appendices
+def appendix_ablations(ctx: Context) -> list[str]:
+    out = [f"{APPENDIX} A. Ablations and A/B runs", ""]
+    abl = [r for r in ctx.step_rows if mk.is_ablation(r.impl)]
+    if abl:
+        mega = {r.config: r for r in ctx.step_rows if r.impl == "mega"}
+        rows = []
+        for cfg in sorted({r.config for r in abl}, key=mk.config_rank):
+            for r in sorted((x for x in abl if x.config == cfg), key=lambda x: x.impl):
+                m = mega.get(cfg)
+                rows.append({"configuration": mk.config_label(cfg), "build": r.impl,
+                             "step time (IQR)": f"{fmt(r.step_s, 's')} ({r.series.summary.rel_iqr:.1%})",
+                             "vs mega": f"{r.step_s / m.step_s - 1:+.1%}" if m else "",
+                             "of roofline": f"{r.roofline_fraction:.1%}" if r.roofline_fraction else "",
+                             "launches": "" if r.launches is None else str(r.launches),
+                             "measured": f"{r.date[:10]} {r.commit}"})
+        out += [*wrap("The megakernel with its techniques switched off one at a time (`all_but_<t>`), on one at a "
+                      "time (`only_<t>`), all (`all`), none (`none`); `vs mega` against the default build of the same "
+                      "run."), "", _table(rows), ""]
+    got = ctx.cat.latest("megakernel.ab")
+    if got is not None:
+        path, r = got
+        first = {}
+        rows = []
+        for s in r.series:
+            p = s.params
+            point = f"{p.get('preset')} T={p.get('T')} ctx={p.get('ctx')}"
+            first.setdefault(point, s)
+            key = f"change_{p.get('preset')}_T{p.get('T')}_ctx{p.get('ctx')}_{p.get('variant')}"
+            d = r.derived.get(key)
+            rows.append({"point": point, "variant": p.get("variant"), "switches": str(p.get("switches") or ""),
+                         "median of rounds": fmt(s.summary.median, s.unit),
+                         "change": f"{d.value:+.2%}" if d else "", "same bits as first": p.get("same_bits_as_first", "")})
+        n_ab = len(ctx.cat.runs.get("megakernel.ab", []))
+        out += ["### The latest in-run A/B", "",
+                *wrap(f"`{path.name}` ({r.env.date[:16].replace('T', ' ')}Z, {r.env.git_sha[:7]}); "
+                      f"{n_ab} A/B result(s) in the results folder; the notes of each A/B are "
+                      "`reports/results/megakernel/ab-*.md`, indexed by `reports/results/megakernel/LEVERS.md`."), "",
+                _table(rows), ""]
+    if len(out) == 2:
+        out += ["No ablation or A/B results yet.", ""]
+    return out
+
+
+def appendix_timelines(ctx: Context) -> list[str]:
+    out = [f"{APPENDIX} B. Timelines and traces", ""]
+    got = ctx.cat.latest("megakernel.timeline_detail")
+    if got is not None:
+        path, r = got
+        notes = Footnotes("Rules")
+        pivots, shown = _pivot(r, notes, _ops(r))
+        rows = _derived_rows([r], notes, keep=lambda _, k: k not in shown)
+        phases = mk.timeline_phases(r)
+        out += [f"### `{r.benchmark}`", "",
+                *wrap(f"The profiler's detail build (every sub-phase stamped): `{path.name}`, "
+                      f"{r.env.date[:16].replace('T', ' ')}Z, {r.env.git_sha[:7]}. Its per-op values:"), "",
+                *pivots, _table(rows), "", *notes.lines()]
+        if phases:
+            out += ["Its phases, per block:", "",
+                    _table([{"phase": a["phase"], "blocks": a["blocks"], "start (median)": fmt(a["start"], "s"),
+                             "end (median)": fmt(a["end"], "s"), "end p90": fmt(a["end_p90"], "s")} for a in phases]), ""]
+        out += _notes_lines([got])
+    block = _critical_path(ctx)
+    if block is not None and max((len(line) for line in block), default=0) > MAX_LINE:
+        out += [CRITICAL_PATH, "", *block]
+    traces = sorted(p for p in ctx.cat.root.rglob("*") if p.is_file() and (
+        ".trace." in p.name or p.name.startswith("ncu-") or p.name.endswith(".png")))
+    if traces:
+        out += ["### Traces and profiles in the results folder", "",
+                *wrap("Perfetto traces (open in ui.perfetto.dev), their plots and Nsight Compute dumps; the retention "
+                      "rule (`megabench prune-results`) keeps the newest of each kind and every one a note names."), ""]
+        out += [f"- `{_rel(p)}` ({fmt(p.stat().st_size, 'B')})" for p in traces] + [""]
+    if len(out) == 2:
+        out += ["No timelines yet.", ""]
+    return out
+
+
+def _row_limit(r: Result) -> int:
+    return SERIES_ROWS.get(r.benchmark, MAX_SERIES_ROWS)
+
+
+def _series_rows(r: Result, skip=lambda s: False) -> tuple[list[dict], list[str], int]:
+    rows, sources = [], []
+    ss = [s for s in r.series if not skip(s)]
+    any_warn = any(s.warnings for s in ss)
+    for s in ss[:_row_limit(r)]:
+        b = s.bound
+        btxt = ""
+        if b is not None:
+            if b.source not in sources:
+                sources.append(b.source)
+            btxt = f"{b.kind} {fmt(b.value, b.unit)} [{sources.index(b.source) + 1}]"
+        row = {"series": s.name, "params": fmt_params(s.params), "n": s.summary.n,
+               "median": fmt(s.summary.median, s.unit),
+               "IQR": f"{fmt(s.summary.iqr, s.unit)} ({s.summary.rel_iqr:.1%})" if s.summary.median else fmt(s.summary.iqr, s.unit),
+               "timer": s.timer, "bound": btxt,
+               "achieved": fmt(s.achieved, b.unit) if (b is not None and s.achieved is not None) else "",
+               "fraction of bound": f"{s.fraction_of_bound:.1%}" if s.fraction_of_bound is not None else ""}
+        if any_warn:
+            row["warnings"] = "; ".join(s.warnings)
+        rows.append(row)
+    return rows, sources, max(0, len(ss) - _row_limit(r))
+
+
+def _shown_elsewhere(r: Result, s) -> bool:
+    """Series the report already shows: step times (summary, Appendix A), timeline phases."""
+    if r.benchmark.split(".")[0] not in ("model", "megakernel"):
+        return False
+    step = "impl" in s.params and s.unit == "s" and s.timer != "static"
+    return step or ("phase" in s.params and "edge" in s.params)
+
+
+def appendix_series(ctx: Context) -> list[str]:
+    out = [f"{APPENDIX} C. Raw series", "",
+           *wrap("Every series of the latest result of each benchmark (up to the first "
+                 f"{MAX_SERIES_ROWS}; the rest are in the JSON file) with its sample count, median, IQR, timer and "
+                 "bound. Step times and timeline phases are not repeated here."), ""]
+    classes = [c for c in ctx.cat.classes() if c not in SPECIAL] + ["model", "megakernel"]
+    shown = []
+    for cls in classes:
+        for path, r in ctx.cat.of_class(cls):
+            if r.benchmark.startswith("gate."):
+                continue
+            rows, sources, more = _series_rows(r, skip=lambda s: _shown_elsewhere(r, s))
+            if not rows:
+                shown.append(f"`{r.benchmark}` (`{_rel(path)}`)")
+                continue
+            e = r.env
+            out += [f"### `{r.benchmark}`", "",
+                    *wrap(f"Measured {e.date} on {e.gpu} ({'quick' if r.quick else 'full'} sweep), commit "
+                          f"`{e.git_sha[:7]}`{' (dirty)' if e.git_dirty else ''}; file `{_rel(path)}`."), "",
+                    _table(rows), ""]
+            if more:
+                out += [f"({more} more series in the JSON file.)", ""]
+            if sources:
+                out += wrap("Bounds: " + "; ".join(f"[{i + 1}] {md_escape(s)}" for i, s in enumerate(sources)) + ".")
+                out.append("")
+    if shown:
+        out += [*wrap("Shown in full above (summary, the megakernel's section, Appendix A or B): "
+                      + ", ".join(shown) + "."), ""]
+    return out
+
+
+def appendix_no_counterpart(ctx: Context) -> list[str]:
+    figs = [f for f in paper.load()["figures"] if f.get("ours") is None]
+    out = [f"{APPENDIX} D. The study's figures with no counterpart here", ""]
+    if not figs:
+        return out + ["Every figure of the study has a counterpart here.", ""]
+    out += [*wrap(f"{len(figs)} figures of the study ({paper.setup('gb300')['hardware']} unless named) that nothing "
+                  "here measures: its draft model, its model's shape, its megakernel's warp layout, its hosted "
+                  "endpoint."), ""]
+    for f in figs:
+        out += wrap(f"`{f['id']}`: {f['quantity']}: {paper.value_text(f)}" + (f" ({f['note']})" if f.get("note") else ""),
+                    first="- ", rest="  ")
+    return out + [""]
+
+
+def appendix_quality(ctx: Context) -> list[str]:
+    out = [f"{APPENDIX} E. How much to trust the gate", ""]
+    got = ctx.cat.latest("gate.quality")
+    if got is None:
+        return out + ["Not computed yet for this GPU: run `megabench gate --quality --save`.", ""]
+    path, r = got
+    rows = []
+    for k, d in r.derived.items():
+        s = next((s for s in r.series if s.name in d.inputs), None)
+        rows.append({"measure": summary.GATE_RATES.get(k, k), "rate": f"{d.value:.1%}",
+                     "90% interval": f"{d.spread[0]:.1%}-{d.spread[1]:.1%}" if d.spread else "",
+                     "verdicts": f"{s.metrics.get('flagged')} of {s.metrics.get('trials')}" if s else "",
+                     "series": s.params.get("sources") if s else ""})
+    rule = next(iter(r.derived.values())).rule.split("gate rule: ")[-1].split("; spread")[0] if r.derived else ""
+    out += [*wrap(f"Estimated {r.env.date[:10]} from samples recorded on {r.env.gpu} (`{_rel(path)}`). Gate rule: {rule}."),
+            "", _table(rows), ""]
+    across = next((s for s in r.series if s.params.get("mode") == "aa_across_runs"), None)
+    if across is not None:
+        out += ["Across-runs pairs (the same case recorded by two runs of one build):", "",
+                _table([{"pair": k, "flagged": f"{v:.0%}"} for k, v in across.metrics.get("per_source", {}).items()]),
+                ""]
+    for n in r.notes:
+        out += wrap(f"Note: {n}")
+        out.append("")
+    for p, cap in plots.quality_plot(r, ctx.fig_dir):
+        out += ctx.fig_link(p, cap)
+    return out
+
+
+def appendix_environment(ctx: Context) -> list[str]:
+    envs = ctx.cat.envs()
+    out = [f"{APPENDIX} F. Environment and commits", ""]
     if not envs:
-        return ["## Environment", "", "No results yet: nothing was measured on any GPU.", ""]
+        return out + ["No results yet: nothing was measured on any GPU.", ""]
     e = max(envs, key=lambda x: x.date)
 
     def vals(attr):
@@ -188,387 +821,57 @@ def section_environment(ctx: Context) -> list[str]:
         {"": "compiler", "value": "NVRTC " + ", ".join(vals("nvrtc")) + "; cuda-core " + ", ".join(vals("cuda_core"))},
         {"": "torch / Python", "value": ", ".join(vals("torch")) + " / " + ", ".join(vals("python"))},
         {"": "measured", "value": f"{min(x.date for x in envs)} to {max(x.date for x in envs)}"},
-        {"": "commits", "value": ", ".join(sorted({x.git_sha[:7] + (" (dirty)" if x.git_dirty else "") for x in envs}))},
         {"": "machine", "value": ", ".join(sorted({f"{x.machine_kind or '?'} ({x.host})" for x in envs}))},
         {"": "baseline key", "value": f"`{e.gpu_key}` (gate baselines are per GPU model and max SM clock)"},
     ]
-    return ["## Environment", "", _table(rows), ""]
-
-
-def _paper_rows(ctx: Context, figs: Sequence[dict]) -> list[dict]:
-    rows = []
-    latest = ctx.cat.latest_all()
-    for f in figs:
-        st = paper.setup(f["setup"])
-        theirs = fmt(f["value"], f["unit"]) if "value" in f else fmt_range(f["low"], f["high"], f["unit"])
-        if f["setup"] != "gb300":
-            theirs += f" ({st['short']})"
-        ours, how = "not measured yet", ""
-        o = f.get("ours")
-        if o is None:
-            ours, how = "-", f.get("note", "no counterpart measured here")
-        elif o["kind"] == "constant":
-            e = ctx.tune_entries.get(o["name"])
-            if e is not None and e.source == "measured":
-                sp = e.provenance.get("spread")
-                ours = fmt(e.value, e.spec.unit) + (f" ({fmt_spread(sp, e.spec.unit)})" if sp else "")
-                how = f"tuned `{o['name']}` from `{e.spec.benchmark}`"
-            else:
-                how = f"tuned `{o['name']}` (default {fmt(e.value, e.spec.unit)} until measured)" if e else o["name"]
-        elif o["kind"] == "derived":
-            import re
-
-            found = []
-            for r in latest:
-                if o.get("benchmark") is not None and r.benchmark != o["benchmark"]:
-                    continue
-                for k in sorted(r.derived):
-                    if k == o["key"] or (o.get("key_regex") and re.fullmatch(o["key_regex"], k)):
-                        found.append((k != o["key"], k, r))
-            if found:
-                _, k, r = min(found, key=lambda t: (t[0], t[1]))  # the exact key first, else the first match
-                d = r.derived[k]
-                unit = o.get("unit") or ("fraction" if f["unit"] in ("fraction", "x") and d.unit in ("", "fraction")
-                                         and f["unit"] == "fraction" else ("x" if f["unit"] == "x" and d.unit == ""
-                                                                           else d.unit))
-                ours = fmt(d.value, unit) + (f" ({fmt_spread(d.spread, unit)})" if d.spread else "")
-                how = f"`{r.benchmark}` derived `{k}`"
-            else:
-                what = o["key"] if not o.get("key_regex") else f"{o['key']}` or `{o['key_regex']}"
-                how = f"expects derived `{what}`" + (f" in `{o['benchmark']}`" if o.get("benchmark") else "")
-            if o.get("unit") or f.get("note_ours"):
-                how += f"; {f['note_ours']}" if f.get("note_ours") else ""
-        elif o["kind"] == "env":
-            envs = ctx.cat.envs()
-            if envs:
-                e = max(envs, key=lambda x: x.date)
-                v = getattr(e, o["field"], None)
-                if v is not None:
-                    ours, how = fmt(v, f["unit"]), f"driver attribute `{o['field']}`"
-        elif o["kind"] == "megakernel":
-            got = mk.figure_value(ctx.step_rows, ctx.timeline, o)
-            if got:
-                ours, how = fmt(got[0], got[1]), got[2]
-            else:
-                how = f"from model.* / megakernel.* results ({o['metric']})"
-        if f.get("note") and o is not None:
-            how = (how + "; " if how else "") + f["note"]
-        rows.append({"quantity": f["quantity"], f"study ({paper.setup('gb300')['short']})": theirs,
-                     f"ours ({ctx.cat.gpu or 'no GPU yet'})": ours, "how ours is obtained": how})
-    return rows
-
-
-def _row_limit(r: Result) -> int:
-    return SERIES_ROWS.get(r.benchmark, MAX_SERIES_ROWS)
-
-
-def _series_rows(r: Result) -> tuple[list[dict], list[str]]:
-    rows, sources = [], []
-    any_warn = any(s.warnings for s in r.series)
-    for s in r.series[:_row_limit(r)]:
-        b = s.bound
-        btxt = ""
-        if b is not None:
-            if b.source not in sources:
-                sources.append(b.source)
-            btxt = f"{b.kind} {fmt(b.value, b.unit)} [{sources.index(b.source) + 1}]"
-        row = {"series": s.name, "params": fmt_params(s.params), "n": s.summary.n,
-               "median": fmt(s.summary.median, s.unit),
-               "IQR": f"{fmt(s.summary.iqr, s.unit)} ({s.summary.rel_iqr:.1%})" if s.summary.median else fmt(s.summary.iqr, s.unit),
-               "timer": s.timer, "bound": btxt,
-               "achieved": fmt(s.achieved, b.unit) if (b is not None and s.achieved is not None) else "",
-               "fraction of bound": f"{s.fraction_of_bound:.1%}" if s.fraction_of_bound is not None else ""}
-        if any_warn:
-            row["warnings"] = "; ".join(s.warnings)
-        rows.append(row)
-    return rows, sources
-
-
-def _derived_rows(r: Result) -> list[dict]:
-    from microbench.constants import SPECS
-
-    tuned = {(s.benchmark, s.derived_key): s.name for s in SPECS}
-    rows = []
-    for k, d in r.derived.items():
-        t = tuned.get((r.benchmark, k))
-        rows.append({"derived": k + (f" (tuned `{t}`)" if t else ""), "value": fmt(d.value, d.unit),
-                     "spread": fmt_spread(d.spread, d.unit), "rule": d.rule,
-                     "from": ", ".join(d.inputs[:4]) + (" ..." if len(d.inputs) > 4 else ""), "note": d.note})
-    return rows
-
-
-def _byte_marks(r: Result) -> dict[str, float]:
-    return {k: d.value for k, d in r.derived.items() if d.unit == "B" and d.value > 0}
-
-
-def _result_block(ctx: Context, cls: str, path: Path, r: Result, level: str = "###", plot: bool = True) -> list[str]:
-    e = r.env
-    out = [f"{level} `{r.benchmark}`", "",
-           f"Measured {e.date} on {e.gpu} ({'quick' if r.quick else 'full'} sweep), commit `{e.git_sha[:7]}`"
-           f"{' (dirty)' if e.git_dirty else ''}; file `{_rel(path)}`.", ""]
-    rows, sources = _series_rows(r)
-    out += [_table(rows), ""]
-    if len(r.series) > _row_limit(r):
-        out += [f"({len(r.series) - _row_limit(r)} more series in the JSON file.)", ""]
-    if sources:
-        out += ["Bounds: " + "; ".join(f"[{i + 1}] {md_escape(s)}" for i, s in enumerate(sources)) + ".", ""]
-    if r.derived:
-        out += [_table(_derived_rows(r)), ""]
-    for note in r.notes:
-        out += [f"Note: {note}", ""]
-    figs = (plots.curve_plots(r, cls, ctx.fig_dir, _byte_marks(r)) + plots.hist_plots(r, ctx.fig_dir)) if plot else []
-    for p, cap in figs:
-        out += [ctx.fig_link(p, cap), ""]
-    return out
-
-
-def section_class(ctx: Context, cls: str, n: int) -> list[str]:
-    title, what = CLASS_INFO.get(cls, (cls, ""))
-    out = [f"## {n}. {title} (`{cls}`)", ""]
-    if what:
-        out += [what, ""]
-    figs = paper.figures(cls)
-    results = ctx.cat.of_class(cls)
-    if not results:
-        how = ("Run `megabench xgpu` on a node with 2 or more GPUs (`megabench run` does when it finds them)"
-               if cls in EXTRA_CLASSES else f"Run `megabench bench {cls}` on a GPU, or `megabench run`")
-        out += [f"**Not measured yet** on {ctx.cat.gpu or 'any GPU'}: no `{cls}.*` results under "
-                f"`{_rel(ctx.cat.root)}`. {how}.", ""]
-    if figs:
-        st = paper.setup("gb300")
-        out += [f"The study's figures ({st['hardware']}; {st['config']}) beside ours ({ctx.cat.gpu or 'not measured'}); "
-                "different hardware, so read them side by side, never as one series:", "",
-                _table(_paper_rows(ctx, figs)), ""]
-    if cls == "xgpu" and results:
-        out += ["One GPU beside several (latest results of each; the machines are named in each result's "
-                "environment):", "", _table(_xgpu_beside_rows(ctx)), ""]
-    for path, r in results:
-        out += _result_block(ctx, cls, path, r)
-    return out
-
-
-def _xgpu_beside_rows(ctx: Context) -> list[dict]:
-    rows = []
-    for what, one, many in XGPU_BESIDE:
-        cells = []
-        for bench, key in (one, many):
-            got = ctx.cat.latest(bench)
-            d = got[1].derived.get(key) if got else None
-            if d is None:
-                cells.append("not measured")
-            else:
-                kind = got[1].env.machine_kind or "?"
-                cells.append(f"{fmt(d.value, d.unit)} (`{bench}` `{key}`, {kind})")
-        rows.append({"quantity": what, "one GPU": cells[0], "between GPUs": cells[1]})
-    return rows
-
-
-def section_megakernel(ctx: Context, n: int) -> list[str]:
-    out = [f"## {n}. The megakernel and its baselines", ""]
-    rows = ctx.step_rows
-    mk_results = [(p, r) for b, rs in sorted(ctx.cat.runs.items()) for p, r in rs[-1:]
-                  if b.split(".")[0] in ("model", "megakernel")]
-    if not rows:
-        out += [f"**Not measured yet** on {ctx.cat.gpu or 'any GPU'}: no step-time series in `model.*` / "
-                "`megakernel.*` results (conventions: `reports/megakernel.py`).", ""]
-    else:
-        by_cfg: dict[tuple, list] = {}
-        for r in rows:
-            by_cfg.setdefault(r.config, []).append(r)
-        table = []
-        yields_measured = all(r.tokens_per_step[1] for r in rows)
-        for cfg in sorted(by_cfg):
-            rs = sorted(by_cfg[cfg], key=lambda r: (r.is_mega, r.impl))
-            megas = [r for r in rs if r.is_mega]
-            best_mega = min(megas, key=lambda r: r.step_s) if megas else None
-            for r in rs:
-                table.append({
-                    "impl": r.impl, "preset": r.preset, "T": r.tokens, "context": r.context, "batch": r.batch,
-                    "routing": r.routing,
-                    "step time (median)": fmt(r.step_s, "s"),
-                    "IQR": f"{r.series.summary.rel_iqr:.1%}",
-                    "tokens/s": f"{r.tokens_per_s:,.0f}" + ("" if r.tokens_per_step[1] else "*"),
-                    "launches/step": "" if r.launches is None else str(r.launches),
-                    "roofline": fmt(r.roofline_s, "s") if r.roofline_s else "",
-                    "fraction of roofline": f"{r.roofline_fraction:.1%}" if r.roofline_fraction else "",
-                    "megakernel speed-up": (f"{r.step_s / best_mega.step_s:.2f}x" if best_mega and not r.is_mega
-                                            else ""),
-                    "run": r.commit,
-                })
-        out += [_table(table), ""]
-        if not yields_measured:
-            out += ["\\* tokens processed per second (T x batch / step time), not accepted tokens: the series "
-                    "carry no measured `tokens_per_step`.", ""]
-        out += ["Speed-up = this implementation's step time / the fastest megakernel variant's at the same "
-                "configuration. Roofline = bytes the step must touch / the measured read ceiling. Megakernel "
-                "rows are the latest run's; each torch baseline row is its fastest committed run at that "
-                "configuration (`run`: the commit that measured it), so no slower later run of a baseline "
-                "inflates a speed-up.", ""]
-        for p, cap in plots.step_bars(rows, ctx.fig_dir):
-            out += [ctx.fig_link(p, cap), ""]
-    if ctx.timeline is not None:
-        phases = mk.timeline_phases(ctx.timeline)
-        if phases:
-            out += ["### In-kernel timeline", "",
-                    _table([{"phase": a["phase"], "blocks": a["blocks"], "start (median)": fmt(a["start"], "s"),
-                             "end p10": fmt(a["end_p10"], "s"), "end (median)": fmt(a["end"], "s"),
-                             "end p90": fmt(a["end_p90"], "s")} for a in phases]), ""]
-            for p, cap in plots.timeline_plot(phases, ctx.fig_dir, ctx.timeline.benchmark):
-                out += [ctx.fig_link(p, cap), ""]
-    else:
-        out += ["In-kernel timeline: not measured yet (`megakernel.timeline`).", ""]
-    st = paper.setup("gb300")
-    for group, title in (("headline", "The study's headline"), ("breakdown", "Where the study's 5.9 ms still goes"),
-                         ("shape", "The study's megakernel shape"), ("model", "The study's model")):
-        figs = paper.figures(group=group)
-        if figs:
-            out += [f"### {title} ({st['short']}) beside ours", "", _table(_paper_rows(ctx, figs)), ""]
-    for path, r in mk_results:
-        out += _result_block(ctx, r.benchmark.split(".")[0], path, r, level="###", plot=False)  # own figures above
-    return out
-
-
-def section_changes(ctx: Context, bench_dir: Path | None, baseline: Path | None) -> list[str]:
-    from microbench.gate import GateConfig, GpuMismatchError, compare, load_measurements
-
-    out = ["## What changed since the baseline", ""]
-    cfg = GateConfig()
-    comparisons = []
-    gpu_key = None
-    envs = ctx.cat.envs()
-    if envs:
-        gpu_key = max(envs, key=lambda e: e.date).gpu_key
-    newest = []
-    for b, rs in sorted(ctx.cat.runs.items()):
-        if b.startswith("gate."):
-            continue
-        p_new = rs[-1][0]
-        newest += load_measurements(p_new)
-        if baseline is None and len(rs) >= 2:
-            prev = [m for p, _ in rs[:-1] for m in load_measurements(p)]
-            comparisons.append((f"`{b}`: newest run vs {len(rs) - 1} earlier run(s)", prev, load_measurements(p_new)))
-    if baseline is not None:
-        comparisons = [(f"newest results vs baseline `{_rel(baseline)}`", load_measurements(baseline, gpu_key), newest)]
-    elif bench_dir is not None and bench_dir.is_dir() and ctx.cat.gpu:
-        from microbench.tune import gpu_slug
-
-        files = []
-        for p in sorted(bench_dir.glob("*.json")):
-            ms = load_measurements(p, gpu_key if f"-{gpu_slug(ctx.cat.gpu)}-" in p.name else None)
-            if ms and all(m.gpu_key == gpu_key for m in ms):
-                files.append((max(m.date for m in ms), p, ms))
-        files.sort(key=lambda t: (t[0], str(t[1])))
-        if len(files) >= 2:
-            comparisons.append((f"pytest-benchmark: `{files[-1][1].name}` vs {len(files) - 1} earlier file(s)",
-                                [m for _, _, ms in files[:-1] for m in ms], files[-1][2]))
-    if not comparisons:
-        out += ["Only one run of each benchmark so far on this GPU: nothing to compare yet. "
-                "(`megabench gate BASELINE CANDIDATE` compares any two runs; see README.)", ""]
-        return out
-    rows, lines = [], []
-    for title, base, cand in comparisons:
-        try:
-            rep = compare(base, cand, cfg)
-        except GpuMismatchError as e:
-            lines.append(f"- {title}: refused ({e})")
-            continue
-        lines.append(f"- {title}: {rep.summary_line()}")
-        rows += [r for r in rep.rows() if r["verdict"].lower() not in ("same", "not gated")]
-    out += lines + ["", f"Rule: {cfg.describe()}.", ""]
-    out += [_table(rows), ""] if rows else ["Every compared series is the same within its noise.", ""]
-    return out
-
-
-def section_quality(ctx: Context) -> list[str]:
-    out = ["## How much to trust the gate", ""]
-    got = ctx.cat.latest("gate.quality")
-    if got is None:
-        return out + ["Not computed yet for this GPU: run `megabench gate --quality --save`.", ""]
-    path, r = got
-    what = {"false_alarm_rate": "false alarms, A/A on random halves of one run",
-            "false_alarm_rate_time_halves": "false alarms, A/A first half vs second half (drift)",
-            "false_alarm_rate_across_runs": "false alarms, A/A across two runs of the same build",
-            "detection_rate_2pct": "detection of an injected 2% slowdown",
-            "detection_rate_5pct": "detection of an injected 5% slowdown",
-            "detection_rate_10pct": "detection of an injected 10% slowdown"}
-    rows = []
-    for k, d in r.derived.items():
-        s = next((s for s in r.series if s.name in d.inputs), None)
-        rows.append({"measure": what.get(k, k), "rate": f"{d.value:.1%}",
-                     "90% interval": f"{d.spread[0]:.1%}-{d.spread[1]:.1%}" if d.spread else "",
-                     "verdicts": f"{s.metrics.get('flagged')} of {s.metrics.get('trials')}" if s else "",
-                     "series": s.params.get("sources") if s else ""})
-    out += [f"Estimated {r.env.date[:10]} from samples recorded on {r.env.gpu} (`{_rel(path)}`). "
-            f"Gate rule: {next(iter(r.derived.values())).rule.split('gate rule: ')[-1].split('; spread')[0]}.", "",
-            _table(rows), ""]
-    across = next((s for s in r.series if s.params.get("mode") == "aa_across_runs"), None)
-    if across is not None:
-        out += ["Across-runs pairs (the same case recorded by two runs of one build):", "",
-                _table([{"pair": k, "flagged": f"{v:.0%}"} for k, v in across.metrics.get("per_source", {}).items()]),
-                ""]
-    out += [f"Note: {n}" for n in r.notes] + [""]
-    for p, cap in plots.quality_plot(r, ctx.fig_dir):
-        out += [ctx.fig_link(p, cap), ""]
-    return out
-
-
-def section_constants(ctx: Context) -> list[str]:
-    from microbench.tune import gpu_slug, load_constants
-
-    out = ["## Tuned constants", ""]
-    if ctx.tune_error:
-        return out + [f"**Could not tune from these results:** {ctx.tune_error}", ""]
-    ents = ctx.tune_entries
-    defaults = [n for n, e in ents.items() if e.source == "default"]
-    if defaults:
-        out += [f"> **Warning: {len(defaults)} of {len(ents)} constants are conservative defaults, not "
-                f"measurements:** {', '.join(f'`{n}`' for n in defaults)}. The megakernel build runs with them "
-                "(correct, not fast) until their benchmarks report.", ""]
-    out += ["What `megabench tune` derives from these results (the megakernel build reads the same values "
-            "from `reports/constants/<gpu>.json`). Near-ties follow each benchmark's stated rule.", ""]
-    rows = []
-    for n, e in ents.items():
-        p = e.provenance
-        rows.append({"constant": n, "value": fmt(e.value, e.spec.unit), "source": e.source if e.source == "measured"
-                     else "**default**", "benchmark": p["benchmark"] + ":" + p["derived_key"],
-                     "result": (f"`{p['result_file']}` ({p['date']}, {p['gpu']}, `{str(p['git_sha'])[:7]}`)"
-                                if e.source == "measured" else p.get("reason", "")),
-                     "spread": fmt_spread(p.get("spread"), e.spec.unit),
-                     "rule": p["rule"] if e.source == "measured" else "documented default (microbench/constants.py)"})
-    out += [_table(rows), ""]
-    if ctx.cat.gpu:
-        cf = REPO_ROOT / "reports" / "constants" / f"{gpu_slug(ctx.cat.gpu)}.json"
-        if cf.exists():
-            try:
-                c = load_constants(cf)
-                diff = [n for n, e in ents.items() if getattr(c, n) != e.value]
-                out += [(f"The committed `{_rel(cf)}` (revision {c.revision}) matches." if not diff else
-                         f"The committed `{_rel(cf)}` (revision {c.revision}) differs in {', '.join(diff)}: "
-                         "run `megabench tune` to record a new revision."), ""]
-            except Exception as e:  # shown, not hidden: the report is where a broken file gets noticed
-                out += [f"**The committed `{_rel(cf)}` is invalid:** {e}", ""]
-        else:
-            out += [f"No committed constants file for {ctx.cat.gpu} yet (`megabench tune` writes `{_rel(cf)}`).", ""]
+    commits = sorted({x.git_sha[:7] + (" (dirty)" if x.git_dirty else "") for x in envs})
+    out += [_table(rows), "", *wrap(f"Commits of the results ({len(commits)}): " + ", ".join(commits) + "."), ""]
     return out
 
 
 # ----------------------------------------------------------------------------- driver
+def render(ctx: Context, gpu_present: bool, bench_dir: Path | None, baseline: Path | None) -> str:
+    cat = ctx.cat
+    head = [f"# megabench report{(': ' + cat.gpu) if cat.gpu else ''}", ""]
+    head += _banner(ctx, gpu_present) + [""]
+    head += section_summary(ctx)
+    body = []
+    n = 1
+    for cls in (c for c in cat.classes() if c not in SPECIAL):  # model.* belongs to the megakernel's section
+        body += section_class(ctx, cls, n)
+        n += 1
+    body += section_megakernel(ctx, n)
+    body += section_changes(ctx, bench_dir, baseline)
+    body += section_constants(ctx)
+    body += appendix_ablations(ctx) + appendix_timelines(ctx) + appendix_series(ctx)
+    body += appendix_no_counterpart(ctx) + appendix_quality(ctx) + appendix_environment(ctx)
+    toc = [f"- [{h.lstrip('#').strip()}](#{_anchor(h)})" for h in body if h.startswith("## ")]
+    intro = wrap("Generated by `megabench report` (or `python -m reports`) from typed results; every figure names "
+                 "its timer, its physical bound and the share of it achieved. The study's numbers are from "
+                 f"{paper.setup('gb300')['hardware']} and appear beside ours, labelled, never mixed.")
+    return "\n".join(head + ["## Contents", ""] + toc + ["", *intro, ""] + body).rstrip() + "\n"
+
+
 def build(root: Path | None = None, out_dir: Path | None = None, bench_dir: Path | None = None,
           baseline: Path | None = None, gpu: str | None = None, gpu_present: bool | None = None) -> Path:
-    """Render the report; returns the path of REPORT.md."""
+    """Render the report atomically; returns the path of REPORT.md. Raises ResultsFileError (naming
+    the path) on a missing results/benchmarks/baseline path or a malformed input, before anything
+    under `out_dir` changes."""
     from microbench.tune import collect
 
     out_dir = Path(out_dir) if out_dir else REPO_ROOT / "reports"
+    if bench_dir is not None and not Path(bench_dir).is_dir():
+        raise ResultsFileError(f"{bench_dir}: no such pytest-benchmark folder (--benchmarks)")
+    if baseline is not None and not Path(baseline).exists():
+        raise ResultsFileError(f"{baseline}: no such baseline file or folder (--baseline)")
     bench_dir = Path(bench_dir) if bench_dir else REPO_ROOT / "reports" / "benchmarks"
-    fig_dir = out_dir / "figures"
-    fig_dir.mkdir(parents=True, exist_ok=True)
-    for old in fig_dir.glob("*.png"):  # generated output only: stale figures would mislead
-        old.unlink()
     if gpu_present is None:
         from microbench.device import no_gpu_reason
 
         gpu_present = no_gpu_reason() is None
-    cat = Catalog.load(root, gpu)
+    cat = Catalog.load(root, gpu)  # parses every result: a bad one stops here, nothing written yet
+    if gpu is not None and cat.gpu != gpu:
+        raise ResultsFileError(f"{cat.root}: no results for GPU {gpu!r} (there are: {', '.join(cat.other_gpus) or 'none'})")
     tune_err = None
     try:
         _, entries = collect(cat.root, cat.gpu)
@@ -579,26 +882,43 @@ def build(root: Path | None = None, out_dir: Path | None = None, bench_dir: Path
                                       if any("phase" in s.params and "edge" in s.params for s in r.series)), None)
     baseline_runs = [r for b, rs in cat.runs.items() if b.startswith("model.") for _, r in rs]
     rows = mk.with_fastest_baselines(mk.step_rows(cat.latest_all()), baseline_runs)
-    ctx = Context(cat, fig_dir, out_dir, entries, tune_err, rows, timeline)
-    lines = [f"# megabench report{(': ' + cat.gpu) if cat.gpu else ''}", ""]
-    lines += _banner(ctx, gpu_present) + [""]
-    lines += ["Generated by `megabench report` (or `python -m reports`) from typed results; every figure names "
-              "its timer, its physical bound and the share of it achieved. The study's numbers are from "
-              f"{paper.setup('gb300')['hardware']} and appear beside ours, labelled, never mixed.", ""]
-    body = section_environment(ctx)
-    n = 1
-    for cls in cat.classes():
-        body += section_class(ctx, cls, n)
-        n += 1
-    body += section_megakernel(ctx, n)
-    body += section_changes(ctx, bench_dir, baseline)
-    body += section_quality(ctx)
-    body += section_constants(ctx)
-    toc = [f"- [{h.lstrip('#').strip()}](#{_anchor(h)})" for h in body if h.startswith("## ")]
-    text = "\n".join(lines + ["## Contents", ""] + toc + [""] + body).rstrip() + "\n"
-    out = out_dir / "REPORT.md"
-    out.write_text(text)
-    return out
+    anchor = next(p for p in (out_dir, *out_dir.parents) if p.is_dir())  # nearest existing folder
+    stage = Path(tempfile.mkdtemp(prefix=".report-", dir=anchor))
+    try:
+        ctx = Context(cat, stage / "figures", stage, entries, tune_err, rows, timeline)
+        ctx.fig_dir.mkdir()
+        text = render(ctx, gpu_present, bench_dir, baseline)
+        _validate(text, stage)
+        (stage / "REPORT.md").write_text(text)
+        _commit(stage, out_dir)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return out_dir / "REPORT.md"
+
+
+def _validate(text: str, stage: Path) -> None:
+    """Every figure the text links exists in the staged folder."""
+    import re
+
+    for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
+        if not (stage / link).is_file():
+            raise ResultsFileError(f"report: figure {link} is linked but was not written")
+
+
+def _commit(stage: Path, out_dir: Path) -> None:
+    """Replace out_dir/figures and out_dir/REPORT.md by the staged ones (renames on one file system).
+    Files in the old figures folder that the report does not write (anything but *.png) move over."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    new_figs, figs = stage / "figures", out_dir / "figures"
+    old = None
+    if figs.exists():
+        for p in figs.iterdir():
+            if not p.name.endswith(".png"):
+                os.replace(p, new_figs / p.name)
+        old = stage / "old-figures"
+        os.replace(figs, old)
+    os.replace(new_figs, figs)
+    os.replace(stage / "REPORT.md", out_dir / "REPORT.md")
 
 
 def _anchor(h: str) -> str:
@@ -607,3 +927,19 @@ def _anchor(h: str) -> str:
     t = h.lstrip("#").strip().lower()
     t = re.sub(r"[^\w\- ]", "", t)
     return t.replace(" ", "-")
+
+
+def readme_block(root: Path | None = None, gpu: str | None = None) -> str:
+    """The README's headline block (reports/summary.py), from the same rows as the report's summary."""
+    from microbench.tune import collect
+
+    cat = Catalog.load(root, gpu)
+    try:
+        _, entries = collect(cat.root, cat.gpu)
+    except Exception:
+        entries = {}
+    baseline_runs = [r for b, rs in cat.runs.items() if b.startswith("model.") for _, r in rs]
+    rows = mk.with_fastest_baselines(mk.step_rows(cat.latest_all()), baseline_runs)
+    tl = cat.latest("megakernel.timeline")
+    ctx = Context(cat, Path("."), Path("."), entries, None, rows, tl[1] if tl else None)
+    return summary.readme_block(ctx, paper_value, _table)

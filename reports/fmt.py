@@ -79,3 +79,45 @@ def fmt_params(params) -> str:
 def md_escape(s: str) -> str:
     """Keep table cells intact: pipes and newlines would break a GitHub table row."""
     return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+WRAP = 160  # prose lines of the report are wrapped here (markdown joins them); tables cannot wrap
+
+
+def wrap(text: str, first: str = "", rest: str = "", width: int = WRAP) -> list[str]:
+    """`text` as lines of at most `width` characters (a single word longer than that stays whole)."""
+    import textwrap
+
+    return textwrap.wrap(str(text), width=width, initial_indent=first, subsequent_indent=rest,
+                         break_long_words=False, break_on_hyphens=False) or [first.rstrip()]
+
+
+class Footnotes:
+    """Numbered notes of one section: a table cell carries `[n]`, the text is written once below the
+    table, so a rule shared by many rows is neither repeated nor allowed to widen every row."""
+
+    def __init__(self, title: str = "Rules and notes"):
+        self.title = title
+        self.texts: list[str] = []
+
+    def ref(self, text: str | None) -> str:
+        if not text:
+            return ""
+        text = str(text).strip()
+        if text not in self.texts:
+            self.texts.append(text)
+        return f"[{self.texts.index(text) + 1}]"
+
+    def cell(self, text: str | None, inline_max: int = 60) -> str:
+        """Short text stays in the cell; longer text becomes a note."""
+        if not text:
+            return ""
+        return str(text) if len(str(text)) <= inline_max else self.ref(text)
+
+    def lines(self) -> list[str]:
+        if not self.texts:
+            return []
+        out = [f"{self.title}:", ""]
+        for i, t in enumerate(self.texts):
+            out += wrap(md_escape(t), first=f"- [{i + 1}] ", rest="  ")
+        return out + [""]

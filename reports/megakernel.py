@@ -9,13 +9,17 @@ Result names (benchmark field of a megabench Result; files under reports/results
 
 Step series (in model.* and megakernel.* results): any series with `params["impl"]` and unit "s".
   samples   device seconds per decode step (timer "cuda_event" or "globaltimer")
-  params    impl     "peer" | "peer_compile" | "chain" | "chain_nopdl" | "mega" | "mega+<variant>" |
-                     "naive_torch_eager" | "naive_torch_graph" | "naive_torch_compile"
-                     (an impl starting with "mega" is a megakernel; everything else a baseline; the
-                     naive torch rows are model.baselines' plain torch expression, which dequantises
-                     every padded expert slot to bf16 each step: results written before that name
-                     say "torch_eager" etc. and are read as the naive_ names, LEGACY_IMPL)
-            routing  "forced" (default: the synthetic routing replayed) | "real" (the build's own top-k)
+  params    impl     "mega" | "chain" | "chain_pdl" | "peer" | "torch_eager" | "torch_graph" |
+                     "torch_compile" | "mega+<variant>" | any other name (a new baseline kind shows
+                     up in the report's summary by itself; IMPL_LABELS names the known ones).
+                     An impl starting with "mega" is a megakernel, everything else a baseline;
+                     "mega+<variant>" rows are ablation variants (the report's appendix), and
+                     the torch_* ones are the naive torch expression of the model, labelled so
+                     (model.baselines names them naive_torch_*; older results' torch_* names are
+                     read as those, LEGACY_IMPL). "chain" runs with PDL where the plan has it,
+                     "chain_nopdl" without (runtime.launch_pdl_flags).
+            routing  "forced" (default: the synthetic routing replayed) | "real" (the build's own
+                     top-k): part of a row's configuration, so rows compare like with like
             preset   model preset name ("tiny", "small", "shard8")
             tokens   T, tokens verified per step (1 = plain decode, 16 = the study's verify)
             context  cached tokens before the step
@@ -48,9 +52,65 @@ import numpy as np
 from microbench.results import Result, Series
 
 PRESET_ORDER = ("shard8", "small", "tiny")
-# impl names of model.baselines' torch rows before they were labelled the naive expression they are
+# model.baselines' impl names before they said naive: read as the new ones, so the fastest-run rule
+# (with_fastest_baselines) still sees the older runs of the same implementation
 LEGACY_IMPL = {"torch_eager": "naive_torch_eager", "torch_graph": "naive_torch_graph",
                "torch_compile": "naive_torch_compile"}
+
+# How the report names each implementation. Unknown impls are shown by their own name; any
+# "torch_*" impl is the model written plainly in torch (it dequantises every padded expert slot to
+# bf16 each step, megakernel/baselines.py), which no serving engine runs: it is labelled as that.
+IMPL_LABELS = {
+    "mega": "megakernel (ours)",
+    "chain": "kernel chain (ours: same ops, a launch each, CUDA graph)",
+    "chain_pdl": "kernel chain with PDL (ours)",
+    "chain_nopdl": "kernel chain without PDL (ours)",
+    "peer": "peer: Triton fused MoE + cuBLAS, one CUDA graph",
+    "peer_compile": "peer's torch parts under torch.compile",
+    "torch_compile": "naive torch expression, torch.compile",
+    "torch_graph": "naive torch expression, CUDA graph",
+    "torch_eager": "naive torch expression, eager",
+}
+IMPL_LABELS.update({f"naive_{k}": v for k, v in list(IMPL_LABELS.items()) if k.startswith("torch_")})
+
+
+def is_naive(impl: str) -> bool:
+    """The plain-torch expression of the model (not a competent baseline): `torch_*`, or
+    `naive_*` as the baselines may name it."""
+    return impl.startswith(("torch_", "naive_"))
+
+
+def is_ablation(impl: str) -> bool:
+    """A megakernel build with techniques switched (the ablation), not the default build."""
+    return impl.startswith("mega+")
+
+
+def impl_label(impl: str) -> str:
+    if impl in IMPL_LABELS:
+        return IMPL_LABELS[impl]
+    return f"naive torch expression ({impl.split('torch_', 1)[-1]})" if is_naive(impl) else impl
+
+
+def impl_rank(impl: str) -> tuple:
+    """Summary order: the megakernel, then competent baselines (ours, then others), then naive torch."""
+    known = ("mega", "peer", "peer_compile", "chain_pdl", "chain", "chain_nopdl")
+    if impl in known:
+        return (0, known.index(impl), impl)
+    return (2, 0, impl) if is_naive(impl) else (1, 0, impl)
+
+
+def config_rank(cfg: tuple) -> tuple:
+    """(preset, tokens, context, batch[, anything after, e.g. the routing]) in report order."""
+    preset, tokens, context, batch, *rest = cfg
+    pi = PRESET_ORDER.index(preset) if preset in PRESET_ORDER else len(PRESET_ORDER)
+    return (pi, preset, -tokens, -context, batch, *map(str, rest))
+
+
+def config_label(cfg: tuple) -> str:
+    preset, tokens, context, batch, *rest = cfg
+    extra = [str(x) for x in rest if x not in (None, "forced")]  # e.g. "real" routing
+    return (f"{preset} T={tokens} ctx={context}" + (f" batch={batch}" if batch != 1 else "")
+            + "".join(f" {x}" for x in extra))
 
 
 @dataclass(frozen=True)
@@ -133,6 +193,13 @@ def with_fastest_baselines(rows: Sequence[StepRow], baseline_runs: Sequence[Resu
     layout, README) does not inflate them. Runs within TIE of the fastest count as equally fast
     and the newest of them is taken (its roofline from the newest read ceiling). Configurations
     only older runs have are not added."""
+    best = fastest_baselines(baseline_runs)
+    return [best.get((r.impl, r.config), r) if r.benchmark.startswith("model.") else r for r in rows]
+
+
+def fastest_baselines(baseline_runs: Sequence[Result]) -> dict[tuple, StepRow]:
+    """{(impl, config): the row with_fastest_baselines shows} over the model.* runs given (the
+    retention rule keeps the files these rows come from)."""
     cands: dict[tuple, list[StepRow]] = {}
     for row in step_rows([r for r in baseline_runs if r.benchmark.startswith("model.")]):
         cands.setdefault((row.impl, row.config), []).append(row)
@@ -140,7 +207,7 @@ def with_fastest_baselines(rows: Sequence[StepRow], baseline_runs: Sequence[Resu
     for k, rs in cands.items():
         fastest = min(x.step_s for x in rs)
         best[k] = max((x for x in rs if x.step_s <= fastest * (1 + TIE)), key=lambda x: x.date)
-    return [best.get((r.impl, r.config), r) if r.benchmark.startswith("model.") else r for r in rows]
+    return best
 
 
 TIE = 0.01  # with_fastest_baselines: runs this close to the fastest count as equally fast
@@ -154,8 +221,7 @@ def _pref(row: StepRow) -> tuple:
 def pick(rows: Sequence[StepRow], impl: str, tokens: int | None = None) -> StepRow | None:
     """The row the study's figure is compared with: impl 'mega' (fastest megakernel variant),
     'chain', or 'best_baseline' (fastest non-megakernel); T filtered when given; preferring the
-    shard8 preset, forced routing (the replayed synthetic routing the study's figures compare), then
-    larger T, longer context."""
+    shard8 preset, forced routing (what the study's figures compare), then larger T, longer context."""
     rs = [r for r in rows if tokens is None or r.tokens == tokens]
     if not rs:
         return None
@@ -215,3 +281,28 @@ def timeline_phases(result: Result) -> list[dict]:
         a["blocks"] = int(x.size)
     out = [a for a in acc.values() if "start" in a and "end" in a]
     return sorted(out, key=lambda a: a["start"])
+
+
+def op_pivot(derived: dict, ops: Sequence[str]) -> tuple[list[str], dict[str, dict[str, str]], list[str]]:
+    """Per-op derived values (`<what>_<op>_s`, e.g. idle_wait_expert1_s) as a table with one row per
+    op and one column per `<what>`: (columns, {op: {column: key}}, keys left over). A `<what>` with
+    a single op stays a plain row. The longest op name that fits wins (attn_combine before attn)."""
+    import re
+
+    by_op = sorted(ops, key=len, reverse=True)
+    hits: dict[str, dict[str, str]] = {}
+    for k in derived:
+        for op in by_op:
+            m = re.fullmatch(rf"(.+)_{re.escape(op)}_s", k)
+            if m:
+                hits.setdefault(m.group(1), {})[op] = k
+                break
+    cols = [c for c in hits if len(hits[c]) >= 2]
+    table: dict[str, dict[str, str]] = {}
+    for c in cols:
+        for op, k in hits[c].items():
+            table.setdefault(op, {})[c] = k
+    used = {k for c in cols for k in hits[c].values()}
+    order = {op: i for i, op in enumerate(ops)}
+    table = dict(sorted(table.items(), key=lambda kv: order.get(kv[0], len(order))))
+    return cols, table, [k for k in derived if k not in used]

@@ -56,3 +56,11 @@ def figures(cls: str | None = None, group: str | None = None) -> list[dict]:
 
 def setup(name: str) -> dict:
     return load()["setups"][name]
+
+
+def value_text(f: dict) -> str:
+    """The study's figure as the report prints it (a range as lo-hi; its setup named unless GB300)."""
+    from .fmt import fmt, fmt_range
+
+    t = fmt(f["value"], f["unit"]) if "value" in f else fmt_range(f["low"], f["high"], f["unit"])
+    return t if f["setup"] == "gb300" else f"{t} ({setup(f['setup'])['short']})"

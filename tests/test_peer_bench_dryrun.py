@@ -148,20 +148,34 @@ def test_ratios_and_table():
     assert line.endswith("| 1.25x |") and "5 s" in line
 
 
-def test_pipeline_hook_skips_what_the_peer_cannot_run(monkeypatch):
-    from megakernel import peer
-    from megakernel.peer_bench import PipelinePeer
+def test_tuned_configs_from_the_newest_sweep(tmp_path):
+    from megakernel.peer import default_moe_configs
+    from megakernel.peer_bench import BENCHMARK, tuned_configs
+    from microbench.results import Env, Result
 
-    lines = []
-    pp = PipelinePeer(FakeHarness(), None, (4.6e12, "test"), log=lines.append)
+    def tune(kernel, config, chosen, tokens=16):
+        return Series.from_samples(f"shard8/T{tokens}/ctx2048/tune/{kernel}/{config}", [1e-4], timer="cuda_event",
+                                   unit="s", params={"preset": "shard8", "tokens": tokens, "context": 2048,
+                                                     "kernel": kernel, "config": config, "kind": "peer_tune"},
+                                   metrics={"chosen": chosen})
+
+    up, down, src = tuned_configs("shard8", 16, roots=[tmp_path])
+    assert (up, down) == default_moe_configs() and "defaults" in src
+    Result(BENCHMARK, Env.capture(None), (tune("moe_up", "n64k128w4s3", 0), tune("moe_up", "n128k256w8s3", 1),
+                                          tune("moe_down", "n32k128w4s4", 1), tune("moe_up", "n64k256w8s3", 1, 1)),
+           ).save(tmp_path)
+    up, down, src = tuned_configs("shard8", 16, roots=[tmp_path])
+    assert (up.label(), down.label()) == ("n128k256w8s3", "n32k128w4s4") and BENCHMARK in src
+    assert tuned_configs("shard8", 1, roots=[tmp_path])[2].startswith("defaults")  # only moe_up chosen at T=1
+
+
+def test_pipeline_peer_row_refuses_what_it_cannot_run(monkeypatch):
+    from megakernel import peer
+    from megakernel.peer_bench import peer_point
+
     monkeypatch.setattr(peer, "available", lambda: None)
-    pp.preset("tiny", [(16, 100)])  # d_pool 64: the fused MoE needs multiples of 128
+    with pytest.raises(RuntimeError, match="multiples of 128"):
+        peer_point(FakeHarness(), "tiny", 16, 100, (4.6e12, "test"))
     monkeypatch.setattr(peer, "available", lambda: "triton is not installed (test)")
-    pp.preset("small", [(16, 512)])
-    assert any("tiny: peer baseline skipped" in n and "multiples of 128" in n for n in pp.c.notes)
-    assert any("small: peer baseline skipped (triton is not installed" in n for n in pp.c.notes)
-    monkeypatch.setenv("MEGABENCH_PEER", "0")
-    pp.preset("shard8", [(16, 2048)])
-    assert any("shard8: peer baseline skipped (MEGABENCH_PEER=0)" in n for n in pp.c.notes)
-    res = pp.result()
-    assert res.benchmark == "megakernel.peer" and not res.series and not pp.c.failures
+    with pytest.raises(RuntimeError, match="triton is not installed"):
+        peer_point(FakeHarness(), "small", 16, 512, (4.6e12, "test"))

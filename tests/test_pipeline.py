@@ -3,7 +3,7 @@ parts replaced by fakes, the order and hand-offs of the GPU pipeline."""
 from __future__ import annotations
 
 import pytest
-from megabench_synth import class_results
+from megabench_synth import class_results, env
 
 from microbench import pipeline
 from microbench.cli import main
@@ -17,25 +17,53 @@ def _snapshot(d):
 def test_run_without_gpu_uses_committed_results(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: "test: no driver")
     constants = REPO_ROOT / "reports" / "constants"
-    before = _snapshot(constants)
-    rc = main(["run", "--results", str(REPO_ROOT / "reports" / "results"), "--out", str(tmp_path)])
+    results = REPO_ROOT / "reports" / "results"
+    before, before_r = _snapshot(constants), _snapshot(results)
+    rc = main(["run", "--results", str(results), "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "no GPU here (test: no driver)" in out
-    assert "[1/5] microbenchmarks: skipped (no GPU)" in out and "[3/5] tune ..." in out
-    assert "[2/5] cross-GPU microbenchmarks: skipped (no GPU; they need 2 or more)" in out
-    assert "[4/5] megakernel: skipped" in out and "[5/5] report done" in out
+    assert "microbenchmarks: all: skipped (no GPU)" in out and "] tune: tune (est " in out
+    assert "cross-GPU microbenchmarks: xgpu: skipped (no GPU; they need 2 or more)" in out
+    assert "megakernel: all: skipped (no GPU" in out and "] report: report done in " in out
     assert "megabench-constants-" in out  # tuned into a temporary folder
-    assert _snapshot(constants) == before  # committed constants untouched
+    assert "without a GPU: not recorded" in out
+    assert _snapshot(constants) == before and _snapshot(results) == before_r  # nothing committed touched or added
     text = (tmp_path / "REPORT.md").read_text()
     assert "**Rendered without a GPU**" in text and "basics.copy" in text
+
+
+class FakeStage:
+    """megakernel.pipeline.Stage's interface: items() after construction, constants set by tune."""
+
+    def __init__(self, calls, **kw):
+        self.calls, self.kw, self.constants = calls, kw, None
+
+    def items(self, stage):
+        from microbench.progress import Item
+
+        def check():
+            self.calls.append(("mega", self.kw["quick"], self.constants.ring_stages,
+                               self.constants.provenance["ring_stages"]["source"]))
+
+        def broken():
+            raise RuntimeError("shard8 check: mega and chain differ bitwise")
+
+        return [Item(stage, "small check", check, groups=("megakernel/small",)),
+                Item(stage, "shard8 check", broken, groups=("megakernel/shard8",)),
+                Item(stage, "shard8 T=16 ctx=2048 mega", lambda: self.calls.append("timed shard8"),
+                     groups=("megakernel/shard8",)),
+                Item(stage, "save", lambda: self.calls.append("saved"), always=True)]
 
 
 def test_run_with_gpu_pipeline_order(tmp_path, capsys, monkeypatch):
     root = tmp_path / "results"
     calls = []
     monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: None)
+    monkeypatch.setattr("microbench.device.device_info", lambda i=0: type("I", (), {"name": "NVIDIA H200"})())
+    monkeypatch.setattr("microbench.xgpu.launcher.gpus_or_reason", lambda: (1, "1 GPU on this node"))
     monkeypatch.setattr("microbench.harness.Harness", lambda: "H")
+    monkeypatch.setattr("microbench.results.Env.capture", classmethod(lambda cls, gpu_index=0: env()))
     monkeypatch.setenv("MEGABENCH_RESULTS", str(tmp_path / "elsewhere"))
 
     def make(bench):
@@ -51,38 +79,40 @@ def test_run_with_gpu_pipeline_order(tmp_path, capsys, monkeypatch):
 
     fake = {b: make(b) for b in ("sync.flags", "weights.ring")}
     fake["sync.publish"] = broken
+    fake["model.baselines"] = lambda *a, **k: pytest.fail("the torch baselines run in the megakernel stage")
     monkeypatch.setattr("microbench.registry.benchmarks", lambda classes=None: fake)
-
-    def mega_run(quick, constants=None):
-        calls.append(("mega", quick, constants.ring_stages, constants.provenance["ring_stages"]["source"]))
-
-    monkeypatch.setattr(pipeline, "megakernel_entry", lambda: mega_run)
+    stages = []
+    monkeypatch.setattr(pipeline, "megakernel_stage", lambda **kw: stages.append(FakeStage(calls, **kw)) or stages[-1])
     rc = main(["run", "--full", "--results", str(root), "--out", str(tmp_path / "rep"),
                "--constants-out", str(tmp_path / "c")])
     out = capsys.readouterr().out
-    assert rc == 1  # one benchmark failed ...
-    assert "sync.publish FAILED: RuntimeError: spin timed out waiting for flag 3" in out
-    # ... and every later stage still ran, in order
-    order = [line.split("]")[1].split()[0] for line in out.splitlines() if line.startswith("[") and " done in " in line]
-    assert order == ["gate", "tune", "megakernel", "report"]
+    assert rc == 1  # one benchmark and one check failed ...
+    assert "microbenchmarks: sync.publish FAILED after" in out and "spin timed out waiting for flag 3" in out
+    # ... and every later stage still ran, in order; the failed preset's timing was skipped
+    order = [line.split("] ")[1].split(":")[0] for line in out.splitlines() if " done in " in line]
+    assert order == ["microbenchmarks"] * 2 + ["gate quality", "tune", "megakernel", "megakernel", "report"], order
     assert ("bench", "sync.flags", "H", False) in calls
-    assert calls[-1] == ("mega", False, 3, "measured")  # fresh constants handed to the megakernel build
+    assert stages[0].kw == {"quick": False, "ablate": True, "timeline": True, "detail": True, "baselines": True}
+    assert ("mega", False, 3, "measured") in calls  # fresh constants handed to the megakernel build
+    assert "timed shard8" not in calls and calls[-1] == "saved"
+    assert "megakernel: shard8 T=16 ctx=2048 mega: skipped (an earlier item of megakernel/shard8 failed" in out
     assert list((root / "sync").glob("sync.flags-*.json")) and list((root / "gate").glob("gate.quality-*.json"))
     assert (tmp_path / "c" / "nvidia-h200.json").is_file() and (tmp_path / "rep" / "REPORT.md").is_file()
+    wall = list((root / "run").glob("run.wall-*.json"))  # the run's own durations, under the results root
+    assert len(wall) == 1 and "(--full: no budget)" in out
 
 
 def test_unknown_class_is_refused(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: None)
-    monkeypatch.setattr("microbench.harness.Harness", lambda: "H")
-    monkeypatch.setenv("MEGABENCH_RESULTS", str(tmp_path))  # restored after: the pipeline points it at --results
+    monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: pytest.fail("checked after the arguments"))
     rc = main(["run", "--classes", "nosuch", "--results", str(tmp_path), "--no-report",
                "--constants-out", str(tmp_path / "c")])
-    assert rc == 1 and "unknown classes ['nosuch']" in capsys.readouterr().out
+    assert rc == 2 and "unknown classes ['nosuch']" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_megakernel_entry_absent_or_present():
-    e = pipeline.megakernel_entry()
-    assert e is None or callable(e)
+def test_megakernel_stage_absent_or_present():
+    st = pipeline.megakernel_stage(quick=True)
+    assert st is None or callable(st.items)
 
 
 @pytest.mark.parametrize("cmd", ["run", "tune", "report", "gate"])

@@ -45,13 +45,13 @@ def _megakernel():
     out = []
     rows = []
     for impl, t, launches in (("torch_eager", 12e-3, 1400), ("torch_graph", 8e-3, 1400), ("chain", 9e-3, 700),
-                              ("mega", 4e-3, 62)):
+                              ("mega", 4e-3, 62), ("mega+none", 5e-3, 62)):
         rows.append(series(f"step/{impl}/shard8/T16", t, params={"impl": impl, "preset": "shard8", "tokens": 16,
                                                                  "context": 4096},
                            bound=Bound("time", 3e-3, "s", "bytes_per_step / read ceiling"),
                            metrics={"launches_per_step": launches, "bytes_per_step": int(3e-3 * 4e12)}))
-    out.append(Result("model.baselines", env(), tuple(r for r in rows if not r.params["impl"] in ("chain", "mega"))))
-    out.append(Result("megakernel.step", env(), tuple(r for r in rows if r.params["impl"] in ("chain", "mega"))))
+    out.append(Result("model.baselines", env(), tuple(r for r in rows if r.params["impl"].startswith("torch_"))))
+    out.append(Result("megakernel.step", env(), tuple(r for r in rows if r.params["impl"].startswith(("chain", "mega")))))
     tl = []
     for i, (ph, a, b) in enumerate((("attention", 0, 20e-6), ("gemm1", 20e-6, 40e-6), ("gemm2", 40e-6, 60e-6),
                                     ("combine", 65e-6, 80e-6))):
@@ -75,24 +75,82 @@ def rendered(tmp_path_factory):
            {"profiler_cost_fraction": Derived(0.0001, "", "cost / step", None)}).save(root)
     _skew().save(root)
     save_all(_megakernel(), root)
+    Result("tests.run", env(), (series("pytest/duration", 300.0, n=1, timer="host"),),
+           {"passed": Derived(630.0, "count", "pytest"), "failed": Derived(0.0, "count", "pytest"),
+            "skipped": Derived(12.0, "count", "pytest"), "exit_code": Derived(0.0, "", "exit")}).save(root)
     # two runs of basics.copy: the newer one 20% slower -> the changes table shows a regression
     Result("basics.copy", env(date="2026-11-28T00:00:00Z"), (series("copy/x", 1e-3, seed=1),)).save(root)
     Result("basics.copy", env(date="2026-11-29T00:00:00Z"), (series("copy/x", 1.2e-3, seed=2),)).save(root)
     out = tmp_path / "out"
+    (tmp_path / "nobench").mkdir()
     p = build(root, out, bench_dir=tmp_path / "nobench", gpu_present=False)
     return p.read_text(), out
+
+
+def _body(text: str) -> str:
+    """Everything before the appendices: the summary, the class and megakernel sections."""
+    return text.split("\n## Appendix")[0]
+
+
+def _section(text: str, heading: str) -> str:
+    """The `## ` section whose heading line contains `heading` (the contents list is not one)."""
+    for part in text.split("\n## ")[1:]:
+        if heading.removeprefix("## ") in part.split("\n", 1)[0]:
+            return part
+    raise AssertionError(f"no section {heading!r}")
 
 
 def test_banner_and_sections(rendered):
     text, out = rendered
     assert text.startswith("# megabench report: NVIDIA H200")
-    assert "**Rendered without a GPU**" in text.split("## Contents")[0]
-    for h in ("## Environment", "Instruction cache (`icache`)", "Weight ring", "Synchronisation", "Clocks, skew",
-              "The megakernel and its baselines", "## What changed since the baseline", "## Tuned constants"):
+    assert "**Rendered without a GPU**" in text.split("## Summary")[0]
+    for h in ("## Summary", "Instruction cache (`icache`)", "Weight ring", "Synchronisation", "Clocks, skew",
+              "The megakernel and its baselines", "## What changed since the baseline", "## Tuned constants",
+              "## Appendix A. Ablations", "## Appendix C. Raw series", "## Appendix F. Environment and commits"):
         assert h in text, h
     # absent classes say so instead of failing
     weights = text.split("(`weights`)")[2].split("\n## ")[0]
     assert "**Not measured yet**" in weights and "not measured yet" in weights
+
+
+def test_summary_is_the_first_screen(rendered):
+    """The first heading after the title is the summary, and it holds the megakernel table, the class
+    rows and the trust box before anything else."""
+    text, _ = rendered
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("## "))
+    assert lines[first] == "## Summary" and first < 6
+    summ = _section(text, "## Summary")
+    assert "### The megakernel against every baseline" in summ and "### How sure we are" in summ
+    row = next(line for line in summ.splitlines() if "naive torch expression, eager" in line)
+    assert "11.98 ms" in row and "1400" in row and "3.00x" in row  # 12 / 4 ms
+    row = next(line for line in summ.splitlines() if "megakernel (ours)" in line)
+    assert "75.1%" in row and "shard8 T=16 ctx=4096" in row  # roofline 3 ms / 3.995 ms
+    assert "mega+none" not in summ  # the ablation lives in Appendix A
+    for cls in ("basics", "icache", "weights", "sync", "clocks", "xgpu"):
+        assert f"| `{cls}`" in summ, cls
+    assert "Constants: " in summ and "Gate:" in summ
+    assert "Tests (`tests.run` of 2026-11-29, abc1234, on NVIDIA H200): 630 passed, 12 skipped in " in summ
+
+
+def test_no_long_lines_in_summary_and_sections(rendered):
+    text, _ = rendered
+    long = [line[:80] for line in _body(text).splitlines() if len(line) > 300]
+    assert not long, long
+
+
+def test_no_table_appears_twice(rendered):
+    text, _ = rendered
+    tables, cur = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            cur.append(line)
+        elif cur:
+            tables.append("\n".join(cur))
+            cur = []
+    assert len(tables) == len(set(tables))
+    # every step time is shown once: the summary (main builds) or Appendix A (ablation)
+    assert text.count("naive torch expression, eager") == 1 and text.count("| mega+none") == 1
 
 
 def test_paper_figures_beside_ours(rendered):
@@ -100,7 +158,10 @@ def test_paper_figures_beside_ours(rendered):
     row = next(line for line in text.splitlines() if line.startswith("| spliced / solo slowdown"))
     assert "1.57x" in row and "1.31x" in row and "spliced_ratio_w1_100K_100K" in row
     row = next(line for line in text.splitlines() if line.startswith("| shrinking one block"))
-    assert "20 KiB" in row and "1.01x" in row and "100 KB + 20 KB" in row
+    assert "20 KiB" in row and "1.01x" in row
+    ref = row.rstrip(" |").rsplit("| ", 1)[1].strip()  # a long "how" is a numbered note below the table
+    assert ref.startswith("[") and any(line.startswith(f"- {ref} ") and "100 KB + 20 KB" in line
+                                       for line in text.splitlines())
     row = next(line for line in text.splitlines() if line.startswith("| profiler cost as a share"))
     assert "2.8%" in row and "0.4%" in row
     assert "8x GB300 (Blackwell Ultra), TP8" in text and "ours (NVIDIA H200)" in text
@@ -121,19 +182,118 @@ def test_series_table_and_plots(rendered):
         assert (out / link).is_file(), link
 
 
-def test_megakernel_table(rendered):
+def test_megakernel_section_and_ablation_appendix(rendered):
     text, _ = rendered
-    row = next(line for line in text.splitlines() if line.startswith("| naive_torch_eager"))
-    assert "11.98 ms" in row and "1400" in row and "3.00x" in row  # 12 / 4 ms
-    row = next(line for line in text.splitlines() if line.startswith("| mega "))
-    assert "75.1%" in row  # roofline 3 ms / 3.995 ms
-    assert "| gemm2" in text
+    mk_sec = _section(text, "The megakernel and its baselines")
+    assert "| gemm2" in mk_sec and "megakernel-step-times.png" in mk_sec
+    abl = _section(text, "## Appendix A. Ablations")
+    row = next(line for line in abl.splitlines() if "| mega+none" in line)
+    assert "+25.0%" in row.replace(" ", "") or "+25" in row  # 5 ms vs the default build's 4 ms
+
+
+def test_new_baseline_kinds_show_up_by_themselves(tmp_path):
+    """An impl the report has never heard of (and the peer) appears in the summary under its own
+    name; the torch ones are labelled as the naive expression they are."""
+    root = tmp_path / "r"
+    base = _megakernel()
+    extra = (series("step/peer", 5e-3, params={"impl": "peer", "preset": "shard8", "tokens": 16, "context": 4096},
+                    metrics={"launches_per_step": 9}),
+             series("step/frob", 6e-3, params={"impl": "frobnicator", "preset": "shard8", "tokens": 16,
+                                                "context": 4096}))
+    save_all(base + [Result("megakernel.step", env(date="2026-11-29T11:00:00Z"), base[1].series + extra)], root)
+    (tmp_path / "nb").mkdir()
+    text = build(root, tmp_path / "o", bench_dir=tmp_path / "nb", gpu_present=False).read_text()
+    summ = _section(text, "## Summary")
+    peer = next(line for line in summ.splitlines() if "peer: Triton fused MoE" in line)
+    assert "1.25x" in peer and [c.strip() for c in peer.split("|")][4] == "9"  # 5 / 4 ms; 9 launches
+    assert "| frobnicator " in summ
+    assert summ.index("megakernel (ours)") < summ.index("peer:") < summ.index("kernel chain") < summ.index("naive")
+
+
+def test_study_rows_without_counterpart_only_in_the_appendix(rendered):
+    text, _ = rendered
+    assert "no counterpart measured here" not in _body(text)
+    app = _section(text, "## Appendix D.")
+    assert "`model.layers`" in app and "`shape.warps_per_block`" in app
+    n = sum(1 for f in paper.load()["figures"] if f.get("ours") is None)
+    assert sum(1 for line in app.splitlines() if line.startswith("- `")) == n
+
+
+def test_rules_are_notes_not_repeated_per_row(tmp_path):
+    rule = "a long shared rule " * 8
+    der = {f"k{i}": Derived(float(i), "s", rule, None) for i in range(5)}
+    root = tmp_path / "r"
+    Result("sync.flags", env(), (series("s", 1e-6),), der).save(root)
+    text = build(root, tmp_path / "o", bench_dir=root, gpu_present=False).read_text()
+    sec = _section(text, "(`sync`)")
+    assert sec.count(rule.strip()) == 1
+    assert sum(1 for line in sec.splitlines() if line.startswith("| `sync.flags`") and "| [1] " in line) == 5
+
+
+def test_critical_path_hook(tmp_path, monkeypatch):
+    """Absent module: no section. A module with report_rows: its rows are rendered in the
+    megakernel's section. A module without it: said, not hidden."""
+    import importlib.machinery
+    import sys
+    import types
+
+    root = tmp_path / "r"
+    save_all(_megakernel(), root)
+    (tmp_path / "nb").mkdir()
+    text = build(root, tmp_path / "o0", bench_dir=tmp_path / "nb", gpu_present=False).read_text()
+    if importlib.util.find_spec("megakernel.critical_path") is None:
+        assert "Critical path" not in text
+    mod = types.ModuleType("megakernel.critical_path")
+    mod.__spec__ = importlib.machinery.ModuleSpec("megakernel.critical_path", None)
+    mod.report_rows = lambda results: [{"segment": "front", "bound": "6 us", "measured": "31 us",
+                                        "results": len(results)}]
+    monkeypatch.setitem(sys.modules, "megakernel.critical_path", mod)
+    text = build(root, tmp_path / "o1", bench_dir=tmp_path / "nb", gpu_present=False).read_text()
+    sec = _section(text, "The megakernel and its baselines")
+    assert "### Critical path of a layer" in sec and "| front " in sec and "31 us" in sec
+    del mod.report_rows
+    text = build(root, tmp_path / "o2", bench_dir=tmp_path / "nb", gpu_present=False).read_text()
+    assert "has neither `report_rows(results)` nor `table(root)`" in text
+    # its own markdown: prose wrapped, a narrow table in the section, a wide one in Appendix B
+    mod.table = lambda root: "A long line of prose. " * 30 + "\n\n| segment | us |\n|---|---|\n| front | 31.2 |\n"
+    text = build(root, tmp_path / "o3", bench_dir=tmp_path / "nb", gpu_present=False).read_text()
+    sec = _section(text, "The megakernel and its baselines")
+    assert "| front | 31.2 |" in sec and max(len(line) for line in sec.splitlines()) <= 300
+    mod.table = lambda root: "| segment | how |\n|---|---|\n| front | " + "x" * 400 + " |\n"
+    text = build(root, tmp_path / "o4", bench_dir=tmp_path / "nb", gpu_present=False).read_text()
+    assert "see Appendix B" in _section(text, "The megakernel and its baselines")
+    assert "| front | xxx" in _section(text, "## Appendix B.")
+
+
+def test_impl_names_and_configurations_to_come():
+    """The names the baselines may take (naive_torch_*, peer_compile, chain_nopdl) and a routing
+    field in the configuration render without touching the report."""
+    assert mk.impl_label("naive_torch_eager") == mk.impl_label("torch_eager") == "naive torch expression, eager"
+    assert mk.is_naive("naive_torch_other") and mk.impl_label("naive_torch_other") == "naive torch expression (other)"
+    order = sorted(["naive_torch_compile", "chain_nopdl", "frob", "peer_compile", "mega", "chain", "peer"],
+                   key=mk.impl_rank)
+    assert order == ["mega", "peer", "peer_compile", "chain", "chain_nopdl", "frob", "naive_torch_compile"]
+    assert mk.config_label(("shard8", 16, 2048, 1, "real")) == "shard8 T=16 ctx=2048 real"
+    assert mk.config_label(("shard8", 16, 2048, 1, "forced")) == mk.config_label(("shard8", 16, 2048, 1))
+    assert sorted([("small", 1, 512, 1, "forced"), ("shard8", 1, 2048, 1, "real"), ("shard8", 16, 2048, 1, "forced")],
+                  key=mk.config_rank)[0] == ("shard8", 16, 2048, 1, "forced")
+
+
+def test_op_pivot():
+    d = {f"idle_wait_{op}_s": Derived(1e-6, "s", f"time in wait_{op}") for op in ("attn", "attn_combine", "qkv")}
+    d["publish_qkv_s"] = Derived(2e-6, "s", "publish")
+    d["other"] = Derived(1.0, "", "x")
+    cols, table, rest = mk.op_pivot(d, ("qkv", "attn", "attn_combine"))
+    assert cols == ["idle_wait"] and list(table) == ["qkv", "attn", "attn_combine"]
+    assert table["attn_combine"]["idle_wait"] == "idle_wait_attn_combine_s"
+    assert set(rest) == {"publish_qkv_s", "other"}
 
 
 def test_changes_table_flags_the_regression(rendered):
     text, _ = rendered
     sec = text.split("## What changed since the baseline")[1].split("\n## ")[0]
-    assert "`basics.copy`: newest run vs 1 earlier run(s)" in sec and "REGRESSION" in sec
+    assert "`basics.copy`: abc1234 (2026-11-29 00:00Z) vs the run before it, abc1234 (2026-11-28 00:00Z)" in sec
+    assert "REGRESSION" in sec
 
 
 def test_constants_section_loud_defaults(rendered):
@@ -147,12 +307,13 @@ def test_constants_section_loud_defaults(rendered):
 def test_all_measured_has_no_warning(tmp_path):
     root = tmp_path / "r"
     save_all(class_results(), root)
-    text = build(root, tmp_path / "o", bench_dir=tmp_path / "x", gpu_present=True).read_text()
+    text = build(root, tmp_path / "o", bench_dir=root, gpu_present=True).read_text()
     assert "Rendered on a machine with a GPU" in text and "**Warning" not in text
 
 
 def test_empty_results_render(tmp_path):
-    text = build(tmp_path / "none", tmp_path / "o", bench_dir=tmp_path / "x", gpu_present=False).read_text()
+    (tmp_path / "none").mkdir()
+    text = build(tmp_path / "none", tmp_path / "o", bench_dir=tmp_path / "none", gpu_present=False).read_text()
     assert text.count("**Not measured yet**") >= 6 and "No results yet" in text
 
 
@@ -161,16 +322,126 @@ def test_report_from_committed_results_is_deterministic(tmp_path):
     b = build(REPO_ROOT / "reports" / "results", tmp_path / "b", gpu_present=False).read_text()
     assert a == b
     assert "`basics.copy`" in a and "memcpy_bandwidth" in a and "NVIDIA H200" in a
+    long = [line[:80] for line in _body(a).splitlines() if len(line) > 300]
+    assert not long, long
+    assert "no counterpart measured here" not in _body(a)
+    # the detail timeline is condensed in Appendix B, not in the body
+    assert "### `megakernel.timeline_detail`" not in _body(a)
+    assert "### `megakernel.timeline_detail`" in _section(a, "## Appendix B.")
 
 
 def test_python_m_reports(tmp_path):
     import subprocess
     import sys
 
+    (tmp_path / "none").mkdir()
     r = subprocess.run([sys.executable, "-m", "reports", "--out", str(tmp_path), "--results", str(tmp_path / "none")],
                        capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "REPORT.md").is_file()
+
+
+# ----------------------------------------------------------------------------- atomic writes
+def _snapshot(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def written(tmp_path):
+    """A results folder and a report already written from it (the files a bad run must not touch)."""
+    root = tmp_path / "results"
+    _icache_curve().save(root)
+    _skew().save(root)
+    save_all(_megakernel(), root)
+    out = tmp_path / "out"
+    (tmp_path / "nb").mkdir()
+    build(root, out, bench_dir=tmp_path / "nb", gpu_present=False)
+    (out / "figures" / "keep.txt").write_text("not a figure")
+    assert list((out / "figures").glob("*.png"))
+    return root, out, _snapshot(out)
+
+
+def test_report_with_a_typo_in_results_fails_and_touches_nothing(written, tmp_path, capsys):
+    from microbench.cli import main
+
+    _, out, before = written
+    typo = tmp_path / "resutls"
+    assert main(["report", "--results", str(typo), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(typo) in err and "no such results folder" in err
+    assert _snapshot(out) == before
+    assert not [p for p in tmp_path.rglob(".report-*")]  # no temporary folder left behind
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage_gz"])
+def test_report_with_a_malformed_result_fails_and_touches_nothing(written, tmp_path, capsys, damage):
+    from microbench.cli import main
+
+    root, out, before = written
+    victim = sorted(root.rglob("icache.capacity-*.json*"))[0]
+    if damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:len(victim.read_bytes()) // 2])
+    else:
+        victim.rename(victim.with_name(victim.name.removesuffix(".gz").removesuffix(".json") + ".json.gz"))
+        victim = victim.with_name(victim.name.removesuffix(".gz").removesuffix(".json") + ".json.gz")
+        victim.write_bytes(b"\x1f\x8b not gzip")
+    assert main(["report", "--results", str(root), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert victim.name in err
+    assert _snapshot(out) == before
+    assert not [p for p in tmp_path.rglob(".report-*")]
+
+
+def test_report_bad_benchmarks_or_baseline_path_fails(written, tmp_path, capsys):
+    from microbench.cli import main
+
+    root, out, before = written
+    assert main(["report", "--results", str(root), "--out", str(out), "--benchmarks", str(tmp_path / "nob")]) == 2
+    assert "nob" in capsys.readouterr().err
+    assert main(["report", "--results", str(root), "--out", str(out), "--baseline", str(tmp_path / "nobase")]) == 2
+    assert "nobase" in capsys.readouterr().err
+    assert _snapshot(out) == before
+
+
+def test_report_replaces_figures_and_keeps_other_files(written):
+    root, out, before = written
+    stale = out / "figures" / "stale.png"
+    stale.write_bytes(b"old")
+    build(root, out, bench_dir=root, gpu_present=False)
+    assert not stale.exists() and (out / "figures" / "keep.txt").read_text() == "not a figure"
+    assert (out / "REPORT.md").read_bytes() == before[__import__("pathlib").Path("REPORT.md")]
+
+
+# ----------------------------------------------------------------------------- the README's block
+def test_readme_headline_block_is_current():
+    """README.md's headline table is what the committed results give (regenerate it with
+    `python -m reports --update-readme` after committing new results)."""
+    from reports.build import readme_block
+    from reports.summary import README_END, README_START
+
+    text = (REPO_ROOT / "README.md").read_text()
+    assert README_START in text and README_END in text
+    got = text[text.index(README_START):text.index(README_END) + len(README_END)] + "\n"
+    assert got == readme_block(REPO_ROOT / "reports" / "results"), \
+        "README.md's headline is stale: run `python -m reports --update-readme`"
+
+
+def test_update_readme_rewrites_only_the_block(tmp_path, capsys):
+    from reports.cli import main
+    from reports.summary import README_END, README_START
+
+    root = tmp_path / "r"
+    save_all(_megakernel(), root)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\n{README_START}\nold\n{README_END}\n\n## after\n")
+    assert main(["--results", str(root), "--update-readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# title\n\n" + README_START) and text.endswith(README_END + "\n\n## after\n")
+    assert "old" not in text and "megakernel (ours)" in text
+    plain = tmp_path / "plain.md"
+    plain.write_text("no markers\n")
+    assert main(["--results", str(root), "--update-readme", str(plain)]) == 2
+    assert "no headline markers" in capsys.readouterr().err and plain.read_text() == "no markers\n"
 
 
 # ----------------------------------------------------------------------------- the study's figures
@@ -224,7 +495,7 @@ def test_fmt():
 def test_megakernel_pick_rules():
     rows = mk.step_rows(_megakernel())
     assert mk.pick(rows, "mega").impl == "mega"
-    assert mk.pick(rows, "best_baseline").impl == "naive_torch_graph"
+    assert mk.pick(rows, "best_baseline").impl == "naive_torch_graph"  # torch_graph read as the naive name
     v, unit, how = mk.figure_value(rows, None, {"metric": "speedup_vs_chain"})
     assert v == pytest.approx(9 / 4, rel=0.05) and unit == "x"
     v, unit, how = mk.figure_value(rows, None, {"metric": "tokens_per_s", "impl": "mega"})
@@ -249,17 +520,17 @@ def test_each_baseline_is_its_fastest_committed_run(tmp_path):
     new = Result("model.baselines", env(date="2026-11-29T12:00:00Z", sha="new0000"),
                  (series("step/eager", 12e-3, params={**params, "context": 4096}, seed=5),))
     save_all([old, new], root)
-    text = build(root, tmp_path / "out", bench_dir=tmp_path / "none").read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| naive_torch_eager")]
+    text = build(root, tmp_path / "out", bench_dir=root).read_text()
+    rows = [line for line in text.splitlines() if "naive torch expression, eager" in line]
     assert len(rows) == 1, rows  # the ctx 8192 point of the old run is not added
     assert "old0000" in rows[0] and "1.50x" in rows[0]  # 6 ms / 4 ms, not 12 / 4
     # a newer run within 1% of the fastest counts as as fast: the newest of those is shown
     tie = Result("model.baselines", env(date="2026-11-28T12:00:00Z", sha="tie0000"),
                  (series("step/eager", 6.02e-3, params={**params, "context": 4096}, seed=3),))
     save_all([tie], root)
-    text = build(root, tmp_path / "out2", bench_dir=tmp_path / "none").read_text()
-    assert "tie0000" in next(line for line in text.splitlines() if line.startswith("| naive_torch_eager"))
-    mega = next(line for line in text.splitlines() if line.startswith("| mega "))
+    text = build(root, tmp_path / "out2", bench_dir=root).read_text()
+    assert "tie0000" in next(line for line in text.splitlines() if "naive torch expression, eager" in line)
+    mega = next(line for line in text.splitlines() if "megakernel (ours)" in line)
     assert "abc1234" in mega
     assert "fastest committed run" in text
 
@@ -294,12 +565,12 @@ def test_paper_timeline_figures_name_phases_the_megakernel_emits():
     assert phases and set(phases) <= set(OP_KINDS)
 
 
-def test_peer_rows_by_routing_and_naive_labels(tmp_path):
+def test_routing_is_part_of_a_rows_configuration():
     """megakernel.peer rows: routing is part of a row's configuration (a real-routing row is
-    compared with mega at real routing, never with the forced one), the speed-up column uses the
-    mega row of the same routing, the figure picks prefer forced routing, and model.baselines'
-    old torch_* names read as the naive expression they are."""
-    root = tmp_path / "results"
+    compared with mega at real routing, never with the forced one), figure picks prefer forced
+    routing, and model.baselines' older torch_* names read as the naive_torch_* ones."""
+    from reports import summary
+
     base = {"preset": "shard8", "tokens": 16, "context": 2048}
     rows = []
     for impl, routing, t in (("mega", "forced", 6.7e-3), ("peer", "forced", 8.0e-3), ("chain", "forced", 8.5e-3),
@@ -307,19 +578,16 @@ def test_peer_rows_by_routing_and_naive_labels(tmp_path):
         rows.append(series(f"{impl}/{routing}", t, params={**base, "impl": impl, "routing": routing},
                            bound=Bound("time", 3e-3, "s", "roofline"), metrics={"launches_per_step": 9}))
     rows.append(series("kernel/moe_up", 3e-3, params={**base, "op": "moe_up", "kind": "peer_kernel"}, timer="host"))
-    save_all([Result("megakernel.peer", env(), tuple(rows)),
-              Result("model.baselines", env(), (series("eager", 0.36, params={**base, "impl": "torch_eager"}),))],
-             root)
-    got = mk.step_rows([Result("megakernel.peer", env(), tuple(rows))])
-    assert len(got) == 5 and {r.routing for r in got} == {"forced", "real"}  # the kernel series is no step row
+    old = series("eager", 0.36, params={**base, "impl": "torch_eager"})
+    got = mk.step_rows([Result("megakernel.peer", env(), tuple(rows)), Result("model.baselines", env(), (old,))])
+    assert len(got) == 6 and {r.routing for r in got} == {"forced", "real"}  # the kernel series is no step row
+    assert {r.impl for r in got} >= {"naive_torch_eager", "peer", "mega"} and "torch_eager" not in {r.impl for r in got}
     assert mk.pick(got, "mega").routing == "forced" and mk.pick(got, "best_baseline").impl == "peer"
-    text = build(root, tmp_path / "out", bench_dir=tmp_path / "none").read_text()
-    table = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| ")]
-    head = next(r for r in table if r[:2] == ["impl", "preset"])
-    step = [dict(zip(head, r)) for r in table if len(r) == len(head) and r != head]
-    peer_real = next(r for r in step if r["impl"] == "peer" and r["routing"] == "real")
-    assert peer_real["megakernel speed-up"] == "2.00x"  # 18 / 9 ms (real), not 18 / 6.7
-    peer_forced = next(r for r in step if r["impl"] == "peer" and r["routing"] == "forced")
-    assert peer_forced["megakernel speed-up"] == "1.19x"  # 8 / 6.7
-    assert {r["impl"] for r in step} >= {"naive_torch_eager", "peer", "chain", "mega"}
-    assert "torch_eager" not in {r["impl"] for r in step}
+    table, cfg = [], ""
+    for row in summary.step_table(got):
+        cfg = row["configuration"] or cfg
+        table.append({**row, "configuration": cfg})
+    peer_real = next(r for r in table if "real" in r["configuration"] and r["implementation"].startswith("peer"))
+    peer_forced = next(r for r in table if "real" not in r["configuration"] and r["implementation"].startswith("peer"))
+    assert peer_real["megakernel faster by"] == "2.00x"  # 18 / 9 ms (real), not 18 / 6.7
+    assert peer_forced["megakernel faster by"] == "1.19x"  # 8 / 6.7

@@ -157,9 +157,13 @@ def test_hand_edited_current_needs_force(tmp_path):
 
 
 def test_no_results_and_no_gpu_is_an_error(tmp_path):
-    with pytest.raises(ResultsFileError, match="--gpu"):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ResultsFileError, match="--gpu NAME --new-gpu"):
         tune(tmp_path / "empty", None, tmp_path / "c")
-    doc, cur, _, _ = tune(tmp_path / "empty", "NVIDIA H200", tmp_path / "c")
+    with pytest.raises(ResultsFileError, match="no results for GPU 'NVIDIA H200'.*from no GPU; pass --new-gpu"):
+        tune(tmp_path / "empty", "NVIDIA H200", tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    doc, cur, _, _ = tune(tmp_path / "empty", "NVIDIA H200", tmp_path / "c", new_gpu=True)
     assert len(doc["defaults_used"]) == len(SPECS)
     assert load_constants(cur).defaults_used() == tuple(s.name for s in SPECS)
     assert list(json.loads(cur.read_text()))[:3] == ["schema", "version", "WARNING"]  # loud, at the top

@@ -1,9 +1,9 @@
 // Fiber runtime behind emu.h: one fiber per CUDA thread, random scheduling from a seed.
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 #include <ucontext.h>
 
-#include <chrono>
 #include <random>
 #include <string>
 #include <unordered_map>
@@ -305,9 +305,15 @@ bool mbar_test(uint64_t* b, unsigned parity) {
   yield();
   return (mb(b).phases & 1u) != (parity & 1u);
 }
+// The emulated GPU's clock (%globaltimer in the kernel): the CPU time of the one OS thread that
+// runs every fiber, not wall time. The kernel's spin bounds (SPIN_BOUND_NS) then measure the
+// emulation's own work: on a machine shared with other processes (a CI runner, parallel test
+// workers) a descheduled emulation does not see its waits time out, and a wait that can never
+// complete still trips after that much emulated work. The kernel reads it once every 64 polls.
 uint64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
 }
 
 }  // namespace emu

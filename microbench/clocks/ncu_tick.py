@@ -31,7 +31,9 @@ def _child(out: str, device: int) -> int:
 
     first = tick_probe(device, blocks=4, max_changes=512)  # profiled by ncu (-c 1)
     second = tick_probe(device, blocks=4, max_changes=512)  # ncu attached, not profiling
-    Path(out).write_text(json.dumps({"profiled": first.to_dict(), "attached_not_profiled": second.to_dict()}))
+    from ..atomic import write_json
+
+    write_json(out, {"profiled": first.to_dict(), "attached_not_profiled": second.to_dict()}, indent=None)
     return 0
 
 

@@ -172,10 +172,9 @@ class ProfileEvents:
         return "\n".join(lines)
 
     def write_header(self, path: str | Path) -> Path:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(self.header_text())
-        return p
+        from ..atomic import write_text
+
+        return write_text(path, self.header_text(), mkdir=True)
 
     def check_header(self, path: str | Path) -> None:
         """Raise ProfileFormatError unless `path` holds exactly this registry's header."""
@@ -675,10 +674,9 @@ class Timeline:
     def write_trace(self, path: str | Path, **kw) -> Path:
         obj = self.to_trace(**kw)
         check_trace(obj)
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(obj, allow_nan=False))
-        return p
+        from ..atomic import write_text
+
+        return write_text(path, json.dumps(obj, allow_nan=False), mkdir=True)
 
     def plot(self, path: str | Path, **kw) -> Path:
         return plot_timeline(self, path, **kw)
@@ -1044,10 +1042,14 @@ def plot_timeline(tl: Timeline, path: str | Path, *, by: str = "sm", title: str 
         ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=2)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
+    from ..atomic import atomic_path
+
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_path(p, mkdir=True) as tmp:
+            fig.savefig(tmp, dpi=120, format=p.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
     return p
 
 

@@ -109,7 +109,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     text = render_header()
     if args.write:
-        HEADER.write_text(text)
+        from ..atomic import write_text
+
+        write_text(HEADER, text)
         print(f"wrote {HEADER}")
     else:
         sys.stdout.write(text)

@@ -665,8 +665,9 @@ def main(argv=None) -> int:
         s["selftest"] = selftest(w)  # collective: every rank
     if w.rank == 0:
         if args.summary:
-            with open(args.summary, "w") as f:
-                json.dump(s, f, indent=1)
+            from ..atomic import write_json
+
+            write_json(args.summary, s)
         for b, r in res.items():
             print(f"[xgpu] {b}")
             for k, d in r.derived.items():

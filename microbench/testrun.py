@@ -1,0 +1,291 @@
+"""`python -m microbench.testrun [--results DIR] [--time-limit S] [-- PYTEST ARGS]` (also `megabench
+test-run`): run the README's test command, `python -m pytest -q` plus the given args, and save what
+it gave as a small typed result, `tests.run`, under <results>/tests/ (default $MEGABENCH_RESULTS
+or reports/results). The exit code is pytest's (a child killed by signal N: 128 + N; stopped at
+the time limit: 124).
+
+The result records the date, the commit the run is credited to (Env: git sha, dirty, as every
+result; MEGABENCH_GIT_SHA / MEGABENCH_SOURCE_TREE on a copy), the machine (GPU or none, Python,
+the host compiler g++ that builds the emulation, glibc, OS, CPU count), the counts passed /
+failed / skipped / errors / xfailed / xpassed / deselected, the duration (host clock, one sample)
+and the first failing tests. Its series say `gate_direction: none`: a test run's wall time is
+not a kernel's performance and the gate lists it as not gated.
+
+Counting is pytest's own: this module is also a pytest plugin, loaded in the child with
+`-p microbench.testrun`. Its hooks append one JSON line per test report (and per collection
+error, deselection, test start and session end) to the file named by $MEGABENCH_TESTRUN_LOG,
+flushed at once, so the counts up to a crash survive it and the test that was running is named
+(an interpreter abort, as the fortified glibc caused on the H200, ends pytest before its summary).
+Under pytest-xdist only the controller writes (it receives every worker's reports).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+LOG_ENV = "MEGABENCH_TESTRUN_LOG"
+PLUGIN = "microbench.testrun"  # this module, as `-p` names it in the child
+BENCHMARK = "tests.run"
+COUNTS = ("passed", "failed", "skipped", "errors", "xfailed", "xpassed", "deselected")
+README_COMMAND = ("-m", "pytest", "-q")  # the README's test command, after the interpreter
+TIME_LIMIT_EXIT = 124  # as timeout(1)
+
+
+# ------------------------------------------------------------------------- the plugin (in the child)
+_log = None
+
+
+def _emit(**rec) -> None:
+    if _log is not None:
+        _log.write(json.dumps(rec) + "\n")
+        _log.flush()
+
+
+def pytest_configure(config):
+    global _log
+    path = os.environ.get(LOG_ENV)
+    if path and not hasattr(config, "workerinput"):  # an xdist worker: the controller counts
+        _log = open(path, "a", encoding="utf-8")
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        _emit(event="collect_error", nodeid=report.nodeid)
+
+
+def pytest_deselected(items):
+    _emit(event="deselected", n=len(items))
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _emit(event="start", nodeid=nodeid)
+
+
+def pytest_runtest_logreport(report):
+    _emit(event="report", nodeid=report.nodeid, when=report.when, outcome=report.outcome,
+          xfail=hasattr(report, "wasxfail"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _emit(event="finish", exitstatus=int(exitstatus))
+
+
+def pytest_unconfigure(config):
+    global _log
+    if _log is not None:
+        _log.close()
+        _log = None
+
+
+# ------------------------------------------------------------------------- counting (in the parent)
+def count(lines) -> dict:
+    """{count name: n, "failed_tests": [...], "last_started": nodeid, "finished": bool} from the
+    plugin's JSON lines, in pytest's own categories: a failed setup or teardown is an error, a
+    skip in any phase a skip, an expected failure xfailed, an unexpected pass xpassed."""
+    c: Counter = Counter({k: 0 for k in COUNTS})
+    failed, last, finished, open_tests = [], None, False, {}
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut off by a crash
+        ev = r.get("event")
+        if ev == "collect_error":
+            c["errors"] += 1
+            failed.append(r["nodeid"] or "<collection>")
+        elif ev == "deselected":
+            c["deselected"] += r["n"]
+        elif ev == "start":
+            last = r["nodeid"]
+            open_tests[last] = True
+        elif ev == "report":
+            when, out, xf = r["when"], r["outcome"], r["xfail"]
+            if when == "teardown":
+                open_tests.pop(r["nodeid"], None)
+            if out == "failed":
+                key = "failed" if when == "call" else "errors"
+                c[key] += 1
+                failed.append(r["nodeid"] + ("" if when == "call" else f" ({when})"))
+            elif out == "skipped":
+                c["xfailed" if xf else "skipped"] += 1
+            elif when == "call":
+                c["xpassed" if xf else "passed"] += 1
+        elif ev == "finish":
+            finished = True
+    crashed_in = last if (last is not None and open_tests.get(last)) else None
+    return {**{k: c[k] for k in COUNTS}, "failed_tests": failed, "running_when_stopped": crashed_in,
+            "finished": finished}
+
+
+# ------------------------------------------------------------------------- the machine
+def _first_line(cmd: list[str]) -> str | None:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    out = (r.stdout or r.stderr).strip().splitlines()
+    return out[0].strip() if r.returncode == 0 and out else None
+
+
+def machine() -> dict[str, object]:
+    """What the outcome may depend on beyond the commit: the GPU is in Env; this adds the host
+    compiler (the emulation's g++), the C library, the OS and the CPU count."""
+    libc, ver = platform.libc_ver()
+    os_name = None
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("PRETTY_NAME="):
+                os_name = line.split("=", 1)[1].strip().strip('"')
+    except OSError:
+        pass
+    return {"python": platform.python_version(), "gxx": _first_line(["g++", "-dumpfullversion"]),
+            "libc": f"{libc} {ver}".strip() or None, "os": os_name, "cpus": os.cpu_count(),
+            "platform": platform.platform()}
+
+
+# ------------------------------------------------------------------------- run + result
+def run_pytest(args: list[str], log_path: Path, time_limit_s: float | None = None,
+               python: str = sys.executable) -> tuple[int, float, bool, list[str]]:
+    """The README's test command with `args`, this module as a plugin; (exit code, seconds,
+    stopped at the time limit, the command)."""
+    from .results import REPO_ROOT
+
+    cmd = [python, *README_COMMAND, "-p", PLUGIN, *args]
+    env = {**os.environ, LOG_ENV: str(log_path)}
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])  # the plugin imports from the checkout
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # its own group: a time limit stops all of it
+    stopped = False
+    try:
+        rc = proc.wait(timeout=time_limit_s)
+    except subprocess.TimeoutExpired:
+        stopped = True
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, None)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        proc.wait()
+        rc = TIME_LIMIT_EXIT
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait()
+        raise
+    dur = time.monotonic() - t0
+    if rc < 0:
+        rc = 128 - rc  # killed by signal -rc, as a shell reports it
+    return rc, dur, stopped, cmd
+
+
+def to_result(counts: dict, exit_code: int, duration_s: float, cmd: list[str], stopped: bool,
+              time_limit_s: float | None = None):
+    from .results import Derived, Env, Result, Series
+
+    env = Env.capture()
+    m = machine()
+    shown = " ".join(["python", *cmd[1:]])
+    params = {"command": shown, "gpu": env.gpu, **m}
+    metrics = {**{k: counts[k] for k in COUNTS}, "exit_code": exit_code, "finished": counts["finished"],
+               "stopped_at_time_limit": stopped, "gate_direction": "none"}
+    s = Series.from_samples("pytest/duration", [duration_s], timer="host", unit="s", params=params, metrics=metrics)
+    rule = "pytest's own reports, counted by the microbench.testrun plugin in pytest's terminal categories"
+    derived = {k: Derived(float(counts[k]), "count", rule) for k in COUNTS}
+    derived["exit_code"] = Derived(float(exit_code), "", "pytest's exit status (128 + N: killed by signal N; "
+                                   f"{TIME_LIMIT_EXIT}: stopped at the time limit)")
+    notes = [f"command: {shown}", f"machine: GPU {env.gpu or 'none'}, Python {m['python']}, g++ {m['gxx']}, "
+                                  f"{m['libc']}, {m['os']}, {m['cpus']} CPUs"]
+    if stopped:
+        notes.append(f"stopped at the time limit of {time_limit_s:g} s; counts are those reported until then")
+    elif not counts["finished"]:
+        notes.append(f"pytest ended without finishing its session (exit {exit_code}); counts are those "
+                     "reported until then")
+    if counts["running_when_stopped"] and (stopped or not counts["finished"]):
+        notes.append(f"running when it ended: {counts['running_when_stopped']}")
+    if counts["failed_tests"]:
+        notes.append("failed: " + "; ".join(counts["failed_tests"][:20])
+                     + (f" (+{len(counts['failed_tests']) - 20} more)" if len(counts["failed_tests"]) > 20 else ""))
+    return Result(BENCHMARK, env, (s,), derived, quick=True, notes=tuple(notes))
+
+
+def summary_line(counts: dict, exit_code: int, duration_s: float) -> str:
+    parts = [f"{counts[k]} {k}" for k in COUNTS if counts[k] or k in ("passed", "failed", "skipped", "errors")]
+    return f"{BENCHMARK}: {', '.join(parts)} in {duration_s:.1f} s (exit {exit_code})"
+
+
+def run_tests(args: list[str], results: Path | None = None, time_limit_s: float | None = None,
+             save: bool = True, log=print) -> tuple[int, object, Path | None]:
+    """Run, count, save. Returns (exit code, the Result, the saved file or None)."""
+    import tempfile
+
+    from .errors import OutputError
+
+    if results is not None and not Path(results).is_dir():  # a typo: refused before an hour of tests
+        raise OutputError(f"results folder {results} does not exist" if not Path(results).exists()
+                          else f"results folder {results} is not a folder")
+    with tempfile.TemporaryDirectory(prefix="megabench-testrun-") as d:
+        lp = Path(d) / "reports.jsonl"
+        lp.touch()
+        rc, dur, stopped, cmd = run_pytest(args, lp, time_limit_s)
+        counts = count(lp.read_text(encoding="utf-8", errors="replace").splitlines())
+    res = to_result(counts, rc, dur, cmd, stopped, time_limit_s)
+    path = res.save(results) if save else None
+    log(summary_line(counts, rc, dur) + (f"; saved {path}" if path else ""))
+    for n in res.notes[2:]:
+        log(f"  {n}")
+    return rc, res, path
+
+
+# ------------------------------------------------------------------------- CLI
+def _add_args(p) -> None:
+    p.add_argument("--results", type=Path, default=None,
+                   help="results root (default $MEGABENCH_RESULTS or reports/results); must exist")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="stop pytest after S seconds and still save what it reported (exit 124)")
+    p.add_argument("--no-save", action="store_true", help="count and print, write nothing")
+    p.add_argument("pytest_args", nargs=argparse.REMAINDER,
+                   help="after `--`: arguments appended to `python -m pytest -q`")
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("test-run", help="the README's test command, its counts and duration saved as a typed "
+                       "result (tests.run)", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(s)
+    s.set_defaults(fn=_cmd)
+
+
+def _cmd(a) -> int:
+    args = a.pytest_args[1:] if a.pytest_args[:1] == ["--"] else a.pytest_args
+    rc, _, _ = run_tests(args, a.results, a.time_limit, save=not a.no_save)
+    return rc
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m microbench.testrun", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(p)
+    a = p.parse_args(argv)
+    from .errors import MegabenchError
+
+    try:
+        return _cmd(a)
+    except MegabenchError as e:
+        print(f"python -m microbench.testrun: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""`python -m microbench.testrun` / `megabench test-run`: the README's test command run in a child,
+counted by pytest's own reports (the module's plugin hooks), saved as a typed tests.run result.
+Each case runs a tiny sample test folder under tmp_path (about a second each)."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from microbench.cli import main
+from microbench.results import find, load
+from microbench.testrun import COUNTS, count, run_tests
+
+SAMPLE = '''
+import os, time
+import pytest
+
+def test_pass():
+    pass
+
+def test_pass_too():
+    assert 1 + 1 == 2
+
+def test_fail():
+    assert 1 == 2
+
+@pytest.mark.skip(reason="not here")
+def test_skip():
+    pass
+
+@pytest.mark.xfail(reason="known")
+def test_xfail():
+    assert 0
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("fixture broke")
+
+def test_setup_error(broken):
+    pass
+'''
+
+
+def _sample(d, body=SAMPLE, name="test_sample.py"):
+    d.mkdir(exist_ok=True)
+    (d / name).write_text(textwrap.dedent(body))
+    return d
+
+
+def _run(tmp_path, monkeypatch, body=SAMPLE, extra=(), **kw):
+    monkeypatch.chdir(tmp_path)  # the sample's own rootdir: not this repository's pytest options
+    res = tmp_path / "res"
+    res.mkdir(exist_ok=True)
+    rc, r, path = run_tests([str(_sample(tmp_path / "sample", body)), "-p", "no:cacheprovider", *extra],
+                            res, log=lambda *_: None, **kw)
+    return rc, r, path, res
+
+
+def test_counts_come_from_pytest_and_a_failure_is_a_nonzero_exit(tmp_path, monkeypatch):
+    rc, r, path, res = _run(tmp_path, monkeypatch)
+    assert rc == 1
+    assert path.parent == res / "tests" and path.name.startswith("tests.run-")
+    saved = load(path)  # the typed result, as written
+    m = saved.series[0].metrics
+    assert {k: m[k] for k in COUNTS} == {"passed": 2, "failed": 1, "skipped": 1, "errors": 1, "xfailed": 1,
+                                         "xpassed": 0, "deselected": 0}
+    assert m["exit_code"] == 1 and m["finished"] and m["gate_direction"] == "none"
+    assert saved.derived["failed"].value == 1 and saved.derived["passed"].value == 2
+    s = saved.series[0]
+    assert s.unit == "s" and s.timer == "host" and 0 < s.samples[0] < 120
+    for k in ("python", "gxx", "libc", "os", "cpus", "command"):
+        assert k in s.params
+    assert s.params["command"].startswith("python -m pytest -q")
+    assert saved.env.git_sha and saved.env.date  # the commit and date, as every result records them
+    assert any("test_sample.py::test_fail" in n and "test_setup_error (setup)" in n for n in saved.notes)
+    assert find("tests.run", res) == [path]
+
+
+def test_all_passing_is_exit_zero_with_no_failures(tmp_path, monkeypatch):
+    rc, r, _, _ = _run(tmp_path, monkeypatch, "def test_a():\n    pass\n\ndef test_b():\n    pass\n",
+                       extra=("-k", "test_a"))
+    m = r.series[0].metrics
+    assert rc == 0 and m["passed"] == 1 and m["failed"] == 0 and m["errors"] == 0 and m["deselected"] == 1
+
+
+def test_an_interpreter_abort_is_recorded_with_the_test_that_was_running(tmp_path, monkeypatch):
+    body = "import os\n\ndef test_first():\n    pass\n\ndef test_abort():\n    os.abort()\n\ndef test_never():\n    pass\n"
+    rc, r, path, _ = _run(tmp_path, monkeypatch, body)
+    m = r.series[0].metrics
+    assert rc == 128 + 6 and m["passed"] == 1 and not m["finished"]  # SIGABRT, as the fortified longjmp did
+    assert any(n.endswith("test_sample.py::test_abort") and "running when it ended" in n for n in r.notes)
+    assert path.is_file()
+
+
+def test_time_limit_stops_pytest_and_still_saves(tmp_path, monkeypatch):
+    body = "import time\n\ndef test_quick():\n    pass\n\ndef test_slow():\n    time.sleep(60)\n"
+    rc, r, path, _ = _run(tmp_path, monkeypatch, body, time_limit_s=4)
+    m = r.series[0].metrics
+    assert rc == 124 and m["stopped_at_time_limit"] and m["passed"] == 1 and r.series[0].samples[0] < 30
+    assert any("test_slow" in n for n in r.notes) and path.is_file()
+
+
+def test_xdist_workers_are_counted_once(tmp_path, monkeypatch):
+    pytest.importorskip("xdist")
+    body = "".join(f"def test_{i}():\n    pass\n\n" for i in range(6)) + "def test_bad():\n    assert 0\n"
+    rc, r, _, _ = _run(tmp_path, monkeypatch, body, extra=("-n", "2"))
+    m = r.series[0].metrics
+    assert rc == 1 and m["passed"] == 6 and m["failed"] == 1
+
+
+def test_cli_refuses_a_missing_results_folder_before_running(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "ran"
+    _sample(tmp_path / "sample", f"def test_a():\n    open({str(marker)!r}, 'w').close()\n")
+    rc = main(["test-run", "--results", str(tmp_path / "typo"), "--", str(tmp_path / "sample")])
+    assert rc == 2 and f"results folder {tmp_path / 'typo'} does not exist" in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "typo").exists()
+
+
+def test_count_categories():
+    lines = [json.dumps(x) for x in [
+        {"event": "collect_error", "nodeid": "t/test_x.py"},
+        {"event": "deselected", "n": 3},
+        {"event": "start", "nodeid": "a"},
+        {"event": "report", "nodeid": "a", "when": "setup", "outcome": "passed", "xfail": False},
+        {"event": "report", "nodeid": "a", "when": "call", "outcome": "passed", "xfail": True},  # xpass
+        {"event": "report", "nodeid": "a", "when": "teardown", "outcome": "failed", "xfail": False},
+        {"event": "start", "nodeid": "b"},
+        {"event": "report", "nodeid": "b", "when": "setup", "outcome": "skipped", "xfail": True},  # xfail(run=False)
+        {"event": "report", "nodeid": "b", "when": "teardown", "outcome": "passed", "xfail": False},
+    ]] + ['{"event": "rep']  # a line cut off by a crash
+    c = count(lines)
+    assert {k: c[k] for k in COUNTS} == {"passed": 0, "failed": 0, "skipped": 0, "errors": 2, "xfailed": 1,
+                                         "xpassed": 1, "deselected": 3}
+    assert c["failed_tests"] == ["t/test_x.py", "a (teardown)"] and not c["finished"]
+    assert c["running_when_stopped"] is None  # b's teardown was reported
