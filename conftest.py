@@ -3,7 +3,10 @@
 - `gpu` tests skip cleanly (with the reason) without a usable CUDA GPU; `multigpu` without two.
 - `--megabench-full` selects full sweeps (default quick); it sets MEGABENCH_FULL for the code.
 - `device_bench`: a pytest-benchmark fixture whose timer is device time (CUDA events), so
-  `--benchmark-compare-fail` and the saved statistics judge the GPU, not the host.
+  `--benchmark-compare-fail` and the saved statistics judge the GPU, not the host. One round is
+  one step: a case whose launch covers several steps (metrics `steps_per_round`, the megakernel's
+  2-step CUDA graph) advances the clock by the time per step (extra_info `time_per: step`).
+  Committed baselines for `--benchmark-compare`: microbench/bench_storage.py.
 - Results written during tests go to a temporary folder unless MEGABENCH_RESULTS is set, so a
   test run never adds files to the committed reports/results.
 """
@@ -130,18 +133,22 @@ def device_bench(benchmark, harness, request):
         n = rounds or request.config.getoption("--megabench-rounds") or (50 if full else 15)
         for _ in range(3):  # warm-up outside the statistics
             prepared.launch()
+        steps = prepared.metrics.get("steps_per_round", 1)
+        steps = steps if isinstance(steps, int) and steps > 1 else 1
 
         def one():
-            clock.advance(sample_once(harness, prepared))
+            clock.advance(sample_once(harness, prepared) / steps)  # one round = one step
 
         benchmark.pedantic(one, rounds=n, iterations=1, warmup_rounds=1)
         st = benchmark.stats.stats
         info = {"timer": "cuda_event (device seconds)", "case": case.name, **{k: v for k, v in case.params.items()}}
+        if steps > 1:
+            info["time_per"] = "step"  # the figures are per step; a launch timed steps_per_round of them
         if prepared.bound is not None:
             b = prepared.bound
             info.update(bound_kind=b.kind, bound_value=b.value, bound_unit=b.unit, bound_source=b.source)
             if b.kind in ("bandwidth", "throughput") and prepared.work:
-                ach = prepared.work / st.median
+                ach = prepared.work / steps / st.median  # work per launch, median per step
                 info.update(achieved=ach, fraction_of_bound=ach / b.value)
             else:
                 info.update(achieved=st.median, fraction_of_bound=b.value / st.median)

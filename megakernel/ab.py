@@ -344,9 +344,12 @@ def to_result(results: Sequence[PointResult], variants: Sequence[Variant], env=N
     against the first variant. `table(from_result(r))` gives the markdown `ab --out` writes. Not
     gated across runs (gate_direction none): a variant's name means a different tree in each A/B,
     and its verdict is its change against the first variant of the same run."""
-    from microbench.results import Bound, Derived, Env, Result, Series
+    from microbench.results import Bound, Derived, Result, Series
 
-    env = env or Env.capture()
+    if env is None:
+        from .pipeline import constants_env
+
+        env = constants_env()  # which constants revision the variants' builds read
     by_name = {v.name: v for v in variants}
     series, derived = [], {}
     for r in results:

@@ -48,26 +48,60 @@ PHASE_ALLOWANCE_NS = 1_000_000_000
 
 
 def tuned(constants=None):
-    """The tuned constants a build reads. With a GPU present, only its own model's file (constants
-    never cross GPU models): a GPU without one is an error naming the GPUs that have one, unless
-    MEGABENCH_CONSTANTS=defaults asks for the documented defaults. Without a GPU (precompiling,
-    CI) $MEGABENCH_CONSTANTS or the folder's single file; several files are an error naming them
-    (a second, typo'd file must not turn every CPU build into an all-defaults one), and only a
-    folder with no constants file at all falls back to the defaults, with a warning. A malformed
-    file raises ResultsFileError naming the problem."""
+    """The tuned constants a build reads: the revision adopted for this GPU (microbench/adopt.py:
+    reports/constants/adopted/<gpu>.json, changed only with a measurement of the build), never
+    straight from whatever `megabench tune` wrote last. MEGABENCH_CONSTANTS=<revision file> builds
+    from a candidate revision instead (to measure it before adopting it; results record which), as
+    load_constants reads it (=defaults: the documented defaults). Without an adoption: with a GPU
+    present, only its own model's current file (constants never cross GPU models), with a warning
+    that no measurement adopted it; a GPU without one is an error naming the GPUs that have one.
+    Without a GPU (precompiling, CI) the single adoption, else the folder's single file; several
+    are an error naming them, and only a folder with no constants file at all falls back to the
+    defaults, with a warning. A malformed file raises ResultsFileError naming the problem."""
     if constants is not None:
         return constants
+    import os
+
+    from microbench.adopt import has_adoption, load_adopted
     from microbench.device import device_info, gpu_count
-    from microbench.tune import NoConstantsFileError, TunedConstants, load_constants
+    from microbench.tune import DEFAULTS_ENV, NoConstantsFileError, TunedConstants, load_constants
 
     gpu = device_info().name if gpu_count() else None
+    cand = os.environ.get("MEGABENCH_CONSTANTS")
+    if cand and cand != DEFAULTS_ENV:  # a candidate revision, to measure it before adopting it
+        return load_constants(cand, gpu=gpu)
+    if not cand and has_adoption(gpu):
+        return load_adopted(gpu)
     try:
-        return load_constants(gpu=gpu)
+        c = load_constants(gpu=gpu)
     except NoConstantsFileError as e:
         if gpu is not None:
             raise
         warnings.warn(f"{e}; the megakernel builds with the documented defaults", stacklevel=2)
         return TunedConstants.defaults()
+    if not os.environ.get("MEGABENCH_CONSTANTS"):
+        warnings.warn(f"no adopted constants revision for {gpu or 'this machine'}: building from the current file "
+                      f"{c.path} (revision {c.revision}), which no measurement of this build adopted", stacklevel=2)
+    return c
+
+
+def constants_env(env=None, constants=None):
+    """`env` (default Env.capture()) recording which constants revision the build read."""
+    import dataclasses
+    from pathlib import Path
+
+    from microbench.results import REPO_ROOT
+
+    c = tuned(constants)
+    env = env if env is not None else Env.capture()
+    path = getattr(c, "path", None)
+    if path:
+        try:
+            path = str(Path(path).resolve().relative_to(REPO_ROOT))
+        except ValueError:
+            pass
+    return dataclasses.replace(env, constants_revision=getattr(c, "revision", None),
+                               constants_file=path or "documented defaults")
 
 
 def _get(constants, key):
@@ -263,7 +297,7 @@ def bench_point(h, preset: str, n_tokens: int, ctx: int, plan: Plan, mode: str, 
                  "tokens_per_step": n_tokens, "grid": eng.grid, "smem_bytes": plan.smem_bytes})
 
 
-def build_result(plans: dict[str, Plan], budget: int | None) -> Result:
+def build_result(plans: dict[str, Plan], budget: int | None, constants=None) -> Result:
     from .build import build_gpu
 
     series, derived = [], {}
@@ -277,7 +311,7 @@ def build_result(plans: dict[str, Plan], budget: int | None) -> Result:
                                           metrics={**u.to_dict(), "icache_budget_bytes": budget}))
     derived["launch_code_bytes_max"] = Derived(worst, "B", "largest per-launch machine code over the presets "
                                                "(every launch runs the same kernel)")
-    return Result("megakernel.build", Env.capture(), tuple(series), derived, quick=True)
+    return Result("megakernel.build", constants_env(None, constants), tuple(series), derived, quick=True)
 
 
 # ---------------------------------------------------------------------- techniques
@@ -651,7 +685,7 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
     keep = {mid - 1, mid, mid + 1}  # three launches keep the trace file small
     part = dataclasses.replace(tl, spans=tuple(x for x in tl.spans if x.launch in keep),
                                instants=tuple(x for x in tl.instants if x.launch in keep))
-    env = Env.capture()
+    env = constants_env(None, constants)
     # named like the result (date, commit): a later run never replaces an earlier run's trace
     stem = (f"timeline{'-detail' if detail else ''}-{preset}-T{n_tokens}-"
             f"{env.date.replace('-', '').replace(':', '')}-{env.git_sha[:7]}")
@@ -891,7 +925,10 @@ class Stage:
         return len(plans)
 
     def _build(self) -> None:
-        self.results.append(build_result({p: self.plan(p) for p in self.presets}, code_budget(self.constants)))
+        import dataclasses
+
+        r = build_result({p: self.plan(p) for p in self.presets}, code_budget(self.constants))
+        self.results.append(dataclasses.replace(r, env=constants_env(r.env, self.constants)))
 
     def _check(self, p: str, t: int, ctx: int) -> None:
         c = check_point(p, t, ctx, self.plan(p, t))
@@ -958,7 +995,8 @@ class Stage:
                               f"bitwise (logits, KV caches), repeated mega run bitwise identical, bitwise with the "
                               f"kernel's own routing (logits, tokens, KV caches)" for c in self.checks]
         if self.series or self.checks:
-            self.results.append(Result("megakernel.step", Env.capture(), tuple(self.series), derived,
+            env = constants_env(None, self.constants)  # which constants revision the builds read
+            self.results.append(Result("megakernel.step", env, tuple(self.series), derived,
                                        quick=self.quick, notes=tuple(notes)))
         if self._col is not None and self._col.series:
             self.results.append(self._col.result(save=False))

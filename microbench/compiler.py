@@ -4,6 +4,10 @@ Works without a GPU: every compile passes an explicit `arch`, so nothing asks th
 cache key covers the source, every project header it can include, every define, the arch, every
 option and the compiler versions; the file name stays readable (`<name>-<arch>-<hash>.cubin`).
 Kernels must be `extern "C"` so their names survive caching (no mangled-name mapping to keep).
+
+$MEGABENCH_INJECT_PPM (the regression gate's quality measurement only, microbench/gate_quality.py)
+adds the define MB_INJECT_PPM to every compile: kernels that declare MB_INJECT_SCOPE()
+(mb/inject.cuh) then spin that many ppm of each launch's time. The define is part of the key.
 """
 from __future__ import annotations
 
@@ -24,6 +28,21 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PROJECT_INCLUDE_DIRS = (REPO_ROOT / "microbench" / "cuda", REPO_ROOT / "megakernel" / "csrc")
 DEFAULT_ARCH = "sm_90a"
 CACHE_FORMAT = 1
+INJECT_ENV = "MEGABENCH_INJECT_PPM"  # the gate's build switch (mb/inject.cuh); unset in every normal build
+
+
+def inject_ppm() -> int:
+    """$MEGABENCH_INJECT_PPM as an integer number of parts per million (0 when unset)."""
+    v = os.environ.get(INJECT_ENV, "").strip()
+    if not v:
+        return 0
+    try:
+        n = int(v)
+    except ValueError:
+        raise CompileError(f"{INJECT_ENV}={v!r}: want an integer number of parts per million (50000 = 5%)") from None
+    if not 0 <= n <= 1_000_000:
+        raise CompileError(f"{INJECT_ENV}={n}: want 0..1000000 ppm")
+    return n
 
 
 def cache_dir() -> Path:
@@ -177,7 +196,8 @@ def compile_cuda(source: str | Path, *, name: str | None = None, arch: str = DEF
     else:
         text = str(source)
         name = name or "inline"
-    defs = _normalise_defines(defines)
+    ppm = inject_ppm()
+    defs = _normalise_defines({**({"MB_INJECT_PPM": ppm} if ppm else {}), **dict(defines or {})})
     incs = [str(Path(d)) for d in include_dirs]
     if src_path is not None:
         incs.insert(0, str(src_path.parent))

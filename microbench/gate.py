@@ -1,24 +1,57 @@
 """`megabench gate`: the performance-regression gate, and the deterministic kernel-metrics gate.
 
-Timing gate (`megabench gate BASELINE CANDIDATE`): each side is a megabench result file, a
-pytest-benchmark JSON written with `--benchmark-json` (per-round data kept), or a folder of them
-(newest measurement per benchmark and GPU wins). A pair is judged like this:
+Three ways to gate timings, best first:
+
+1. In-run A/B (`megabench gate --ab REV`, microbench/gate_ab.py): the baseline revision and the
+   working tree are built and timed interleaved in one run on the GPU, judged on paired round
+   ratios. The mode CI should use: it sees through run-to-run drift, because both builds share it.
+2. Stored results (`megabench gate BASELINE CANDIDATE`), this module: each side is a megabench
+   result file, a pytest-benchmark JSON (per-round data kept: `--benchmark-json`, or
+   `--benchmark-save` with `--benchmark-save-data`) or a folder of them. A file is one named run;
+   a folder means the newest run of each benchmark in it (the newest result file of a benchmark,
+   the newest pytest-benchmark file holding a case). Earlier runs in a folder are history, never
+   noise: a folder's runs span a changing code base.
+3. pytest-benchmark's own `--benchmark-compare-fail` against the committed storage layout
+   (reports/benchmarks/<machine_id>/, microbench/bench_storage.py).
+
+The stored rule, per series present on both sides:
 
   slowdown  = median(candidate) / median(baseline) - 1   (inverted for rates, unit ".../s")
-  noise     = max(relative IQR of baseline, relative IQR of candidate,
-                  spread of the medians of several baseline runs when the baseline holds them)
+  noise     = max(relative IQR of the baseline's independent repeats, the same of the candidate,
+                  the A/A cross-run spread of this series on this GPU model: gate.aa_spread)
   threshold = max(floor, k * noise)                      (defaults: floor 5%, k = 1)
-  REGRESSION  when slowdown > threshold AND a one-sided Mann-Whitney U test on the raw samples
-              says candidate is slower with p < alpha    (default alpha = 0.01)
-  IMPROVEMENT the mirror image; SAME otherwise;
-  UNKNOWN     when either side has no raw samples or fewer than `min_samples` (default 8): a
-              verdict needs both a noise estimate and a rank test, and unknown is not a pass.
-Series whose unit has no direction (dimensionless, or `metrics["gate_direction"] == "none"`)
-and static (`timer == "static"`) series are listed as "not gated".
+  REGRESSION  when slowdown > threshold AND a one-sided Mann-Whitney U test on the independent
+              repeats says the candidate is slower with p < alpha    (default alpha = 0.01)
+  IMPROVEMENT the mirror image; SAME otherwise.
+
+Independent repeats: a launch, never one SM of a launch. A CUDA-event or host series holds one
+launch (or one timed batch) per sample. An in-kernel series (clock64 / globaltimer) holds many
+samples per launch (132 SMs x 3 launches for icache.capacity): its repeats are its launches
+(`metrics["independent_repeats"]` when the benchmark records it, else params/metrics `repeats`,
+`runs` or `launches`, else one launch), and where the layout is recorded
+(`metrics["repeat_layout"] == "contiguous"`) the gate compares per-launch medians.
+
+Fit to gate, else listed as "not gated" with the reason (never a failure, never silent):
+  - an in-kernel series with fewer than `min_samples` (8) independent launches;
+  - a duration (s, ns, cycles) whose median is negative or under 4 ticks of its timer (the fence
+    and PDL series: differences of two timings, or offsets that can be negative). Timer ticks:
+    cuda_event 0.5 us per event pair (divided by the samples' batch), globaltimer the recorded
+    `tick_ns` (32 ns measured on the H200; 1 us assumed elsewhere), clock64 one SM cycle, host 0.1 us;
+  - a unit without a direction, `metrics["gate_direction"] == "none"`, `metrics["gated"] is False`,
+    static values.
+UNKNOWN (not a pass) when a side has no raw samples, or a CUDA-event / host series has fewer than
+`min_samples` samples on a side: the run was too short to judge.
+
+The cross-run term comes from recorded A/A runs (the same build on two fresh machines, `megabench
+gate --quality-run`, combined by `megabench gate --quality`): per series when that series was in
+them, else the 90th percentile over its class's series, else over all. Without any gate.aa_spread
+for the GPU the report says so: within-run noise alone under-states what a second run shows.
 
 Baselines are per GPU model and max SM clock (`Env.gpu_key`). A pytest-benchmark JSON records
 its GPU in `machine_info["megabench"]["gpu_key"]`; one that does not is refused unless
-`--assume-gpu KEY` says which GPU it came from. Comparing different GPUs is refused.
+`--assume-gpu KEY` says which GPU it came from. Comparing different GPUs is refused. A
+pytest-benchmark case whose round covered several steps (extra_info `steps_per_round`, before
+`time_per: step`) is compared per step.
 
 Kernel-metrics gate (`megabench gate --kernels`): recompiles every .cu in the repository on the
 CPU (NVRTC, the defines recorded in the baseline; none for a new source) and compares registers,
@@ -27,12 +60,14 @@ grow by more than --max-spill-increase bytes (default 0), registers by more than
 --max-reg-increase (default 0), static smem by more than --max-smem-increase bytes (default 0), or
 code bytes by more than --max-code-increase percent (default 10). `--update` rewrites the baseline.
 
-Exit codes (both gates):
+Exit codes (every gate):
   0  no regression (and every verdict known, or --allow-unknown)
   1  at least one regression (timing) / metric increase beyond its threshold (kernels)
-  2  bad input: unreadable, malformed or unknown files, bad arguments, a kernel that fails to compile
+  2  bad input: unreadable, malformed or unknown files, bad arguments, a kernel that fails to compile;
+     in-run A/B: a revision that does not exist or does not build, a case failing its check
   3  refused: baseline and candidate come from different GPU models/clocks, or a side's GPU is unknown
-  4  no regression, but some verdicts are unknown (or nothing could be compared), without --allow-unknown
+  4  no regression, but some verdicts are unknown (or nothing could be compared, or a case is on one
+     side only), without --allow-unknown
 """
 from __future__ import annotations
 
@@ -55,6 +90,13 @@ from .stats import Summary, mann_whitney
 
 EXIT_OK, EXIT_REGRESSION, EXIT_INPUT, EXIT_GPU, EXIT_UNKNOWN = 0, 1, 2, 3, 4
 DIMENSIONLESS = {"", "1", "fraction", "ratio", "%", "count", "bool", "x"}
+IN_KERNEL_TIMERS = ("clock64", "globaltimer")
+MIN_TICKS = 4  # a duration must span at least this many ticks of its timer to be gated
+CUDA_EVENT_RESOLUTION_S = 0.5e-6  # CUDA's documented event resolution, per event pair
+HOST_RESOLUTION_S = 1e-7
+GLOBALTIMER_TICK_NS = {"NVIDIA H200": 32.0}  # measured (clocks.timers); elsewhere assume 1 us
+GLOBALTIMER_UNKNOWN_TICK_NS = 1000.0
+DURATION_SCALE = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}  # unit -> seconds
 
 
 class GpuMismatchError(ResultsFileError):
@@ -70,9 +112,9 @@ class GateConfig:
 
     def describe(self) -> str:
         return (f"regression = slowdown > max(floor {self.floor:.0%}, k={self.k:g} x noise) and one-sided "
-                f"Mann-Whitney p < {self.alpha:g}; noise = max relative IQR of the two sides (and the spread of "
-                f"baseline run medians when there are several); "
-                f"unknown without >= {self.min_samples} raw samples a side")
+                f"Mann-Whitney p < {self.alpha:g} on independent repeats; noise = max relative IQR of the two "
+                f"sides' independent repeats and the series' A/A cross-run spread (gate.aa_spread); "
+                f"unknown without >= {self.min_samples} independent repeats a side")
 
 
 @dataclass(frozen=True)
@@ -87,6 +129,29 @@ class Measurement:
     source: str
     date: str
     static: bool = False
+    run: str = ""  # the benchmark whose newest run a folder keeps ("" : the key itself)
+    repeats: int | None = None  # independent repeats the samples hold (None: one per sample)
+    repeats_how: str = ""
+    contiguous: bool = False  # samples of one repeat are contiguous: per-repeat medians can be formed
+    not_gated: str = ""  # why the series is not fit to gate ("" = fit)
+    timer: str = ""
+
+    @property
+    def n_repeats(self) -> int:
+        return len(self.samples or ()) if self.repeats is None else int(self.repeats)
+
+    def units(self) -> np.ndarray | None:
+        """The independent repeats' values: the samples, or per-repeat medians of contiguous blocks;
+        None when the repeats cannot be separated (their count alone is known)."""
+        if not self.samples:
+            return None
+        x = np.asarray(self.samples, dtype=np.float64)
+        r = self.repeats
+        if r is None or r == x.size:
+            return x
+        if self.contiguous and 0 < r < x.size and x.size % r == 0:
+            return np.median(x.reshape(r, -1), axis=1)
+        return None
 
 
 @dataclass(frozen=True)
@@ -116,6 +181,72 @@ def direction_of(unit: str, override: object = None) -> str:
     return "lower"  # times, latencies, cycles: smaller is better
 
 
+# ----------------------------------------------------------------------------- fitness
+def _int_field(s, *names) -> tuple[str, int] | None:
+    for src in (s.metrics, s.params):
+        for n in names:
+            v = src.get(n)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1 and float(v).is_integer():
+                return n, int(v)
+    return None
+
+
+def timer_tick(s, env) -> float | None:
+    """One tick of the series' timer in the series' unit (None: not a duration unit)."""
+    unit = (s.unit or "").strip()
+    if s.timer == "clock64":
+        if unit == "cycles":
+            return 1.0
+        mhz = s.clocks.get("sm_mhz_after") or (env.sm_clock_max_mhz if env is not None else None)
+        sec = 1.0 / (float(mhz) * 1e6) if mhz else None
+    elif s.timer == "globaltimer":
+        got = _int_field(s, "tick_ns")
+        tick_ns = float(got[1]) if got else GLOBALTIMER_TICK_NS.get(env.gpu if env is not None else "",
+                                                                  GLOBALTIMER_UNKNOWN_TICK_NS)
+        sec = tick_ns * 1e-9
+    elif s.timer == "cuda_event":
+        b = _int_field(s, "batch", "nodes", "launches_per_sample")  # a sample is one event pair / this
+        sec = CUDA_EVENT_RESOLUTION_S / (b[1] if b else 1)
+    elif s.timer == "host":
+        b = _int_field(s, "launches", "batch")
+        sec = HOST_RESOLUTION_S / (b[1] if b else 1)
+    else:
+        return None
+    if sec is None or unit not in DURATION_SCALE:
+        return None
+    return sec / DURATION_SCALE[unit]
+
+
+def fitness(s, env, min_repeats: int = 8) -> tuple[int | None, str, bool, str]:
+    """(independent repeats or None for one per sample, how they were counted, contiguous layout,
+    reason it is not fit to gate or ""): the module docstring's rules for one typed Series."""
+    m, n = s.metrics, len(s.samples)
+    if m.get("gated") is False:
+        return None, "", False, str(m.get("not_gated_reason") or "its benchmark marks it not gated")
+    contiguous = m.get("repeat_layout") == "contiguous"
+    rec = _int_field(s, "independent_repeats")
+    if rec:
+        reps, how = rec[1], f"{rec[1]} independent repeats (recorded)"
+    elif s.timer in IN_KERNEL_TIMERS:
+        got = _int_field(s, "repeats", "runs", "launches")
+        if got:
+            reps, how = got[1], f"{got[1]} launches ({got[0]}), {n} in-kernel samples"
+        else:
+            reps, how = 1, f"{n} in-kernel samples of one launch (no launch count recorded)"
+    else:
+        reps, how = None, ""
+    why = ""
+    if s.timer in IN_KERNEL_TIMERS and reps is not None and reps < min_repeats and n:
+        why = (f"{how}: fewer than {min_repeats} independent launches, and the spread of samples within a launch "
+               f"(SMs, iterations) is not run-to-run noise")
+    tick = timer_tick(s, env)
+    med = s.summary.median if n else None
+    if not why and tick is not None and med is not None and (med <= 0 or med < MIN_TICKS * tick):
+        why = (f"median {med:.4g} {s.unit} is not a duration of at least {MIN_TICKS} ticks of its timer "
+               f"({s.timer}: {tick:.3g} {s.unit} a tick)")
+    return reps, how, contiguous, why
+
+
 # ----------------------------------------------------------------------------- loading
 def _kind(d) -> str | None:
     if isinstance(d, dict) and d.get("schema") == RESULT_SCHEMA:
@@ -125,7 +256,7 @@ def _kind(d) -> str | None:
     return None
 
 
-def _from_result(path: Path) -> list[Measurement]:
+def _from_result(path: Path, min_repeats: int = 8) -> list[Measurement]:
     r = load(path)
     out, seen = [], {}
     for s in r.series:
@@ -133,15 +264,27 @@ def _from_result(path: Path) -> list[Measurement]:
         seen[key] = seen.get(key, 0) + 1
         if seen[key] > 1:
             key += f"#{seen[key]}"
+        reps, how, contiguous, why = fitness(s, r.env if r.env.gpu else None, min_repeats)
         out.append(Measurement(key, tuple(s.samples) or None, s.summary.median, s.summary.rel_iqr if s.summary.median
                                else None, s.unit, direction_of(s.unit, s.metrics.get("gate_direction")),
-                               r.env.gpu_key if r.env.gpu else None, str(path), r.env.date, s.timer == "static"))
+                               r.env.gpu_key if r.env.gpu else None, str(path), r.env.date, s.timer == "static",
+                               run=r.benchmark, repeats=reps, repeats_how=how, contiguous=contiguous, not_gated=why,
+                               timer=s.timer))
     return out
 
 
 def pytest_gpu_key(d: dict) -> str | None:
     mb = (d.get("machine_info") or {}).get("megabench") or {}
     return mb.get("gpu_key") if isinstance(mb, dict) else None
+
+
+def steps_divisor(extra_info: Mapping) -> int:
+    """How many steps one round of a pytest-benchmark case timed (1 when it is already per step:
+    conftest's device_bench records `time_per: step` since the round-is-one-step change)."""
+    steps = (extra_info or {}).get("steps_per_round")
+    if (extra_info or {}).get("time_per") == "step" or not isinstance(steps, (int, float)) or steps <= 1:
+        return 1
+    return int(steps)
 
 
 def _from_pytest(path: Path, d: dict, assume_gpu: str | None) -> list[Measurement]:
@@ -155,14 +298,18 @@ def _from_pytest(path: Path, d: dict, assume_gpu: str | None) -> list[Measuremen
             iqr = st.get("iqr")
         except (KeyError, TypeError, ValueError) as e:
             raise ResultsFileError(f"{path}: benchmark {b.get('fullname', '?')!r} malformed ({e})") from None
-        samples = tuple(float(v) for v in data) if data else None
+        div = steps_divisor(b.get("extra_info") or {})
+        samples = tuple(float(v) / div for v in data) if data else None
         rel = (float(iqr) / med) if (iqr is not None and med) else None
-        out.append(Measurement(b.get("fullname") or b["name"], samples, med, rel, "s", "lower", key, str(path),
-                               str(d.get("datetime", ""))))
+        name = b.get("fullname") or b["name"]
+        out.append(Measurement(name, samples, med / div, rel, "s", "lower", key, str(path),
+                               str(d.get("datetime", "")), run=name, timer="cuda_event",
+                               repeats_how=f"per step ({div} steps a round)" if div > 1 else ""))
     return out
 
 
-def load_measurements(path: str | Path, assume_gpu: str | None = None, ignored: list | None = None) -> list[Measurement]:
+def load_measurements(path: str | Path, assume_gpu: str | None = None, ignored: list | None = None,
+                      min_repeats: int = 8) -> list[Measurement]:
     """Every measurement in a file or folder. A folder's JSON files that are neither results nor
     pytest-benchmark output are listed in `ignored` (never silently); an explicit file must be one."""
     p = Path(path)
@@ -175,9 +322,9 @@ def load_measurements(path: str | Path, assume_gpu: str | None = None, ignored: 
         d = read_json(f)  # .json or .json.gz (results.GZIP_MIN_BYTES)
         kind = _kind(d)
         if kind == "result" and str(d.get("benchmark", "")).startswith("gate."):
-            kind = None  # the gate's own analyses (gate.quality) are not performance figures
+            kind = None  # the gate's own analyses (gate.quality, gate.ab, ...) are not performance figures
         if kind == "result":
-            out += _from_result(f)
+            out += _from_result(f, min_repeats)
         elif kind == "pytest-benchmark":
             out += _from_pytest(f, d, assume_gpu)
         elif p.is_dir():
@@ -193,52 +340,135 @@ def load_measurements(path: str | Path, assume_gpu: str | None = None, ignored: 
 
 
 def newest(ms: Iterable[Measurement]) -> dict[tuple[str, str | None], Measurement]:
-    """Newest measurement per (key, GPU)."""
-    best: dict[tuple[str, str | None], Measurement] = {}
+    """The newest run of each benchmark, per GPU: for every (run, GPU) the file with the latest
+    date (then name) wins, and all of that file's series of that benchmark form the baseline.
+    Older runs are history and take no part (not even as noise)."""
+    ms = list(ms)
+    best: dict[tuple[str, str | None], tuple[str, str]] = {}
     for m in ms:
-        k = (m.key, m.gpu_key)
-        if k not in best or (m.date, m.source) > (best[k].date, best[k].source):
-            best[k] = m
-    return best
+        g = (m.run or m.key, m.gpu_key)
+        if g not in best or (m.date, m.source) > best[g]:
+            best[g] = (m.date, m.source)
+    return {(m.key, m.gpu_key): m for m in ms if best[(m.run or m.key, m.gpu_key)] == (m.date, m.source)}
+
+
+# ----------------------------------------------------------------------------- A/A cross-run spread
+def key_class(key: str) -> str:
+    """The overhead class of a measurement key: 'sync.flags:...' -> 'sync',
+    'tests/bench/test_bench_sync.py::...' -> 'sync'."""
+    head = key.split("::", 1)[0]
+    if head.endswith(".py"):
+        stem = Path(head).stem
+        return stem[len("test_bench_"):] if stem.startswith("test_bench_") else stem
+    return key.split(":", 1)[0].split(".", 1)[0]
+
+
+AA_QUANTILE = 90  # the pooled cross-run spread: this percentile of the recorded series' spreads
+
+
+@dataclass
+class CrossRun:
+    """Recorded A/A cross-run spreads (gate.aa_spread) on one GPU model: relative |difference| of
+    the medians of the same build's series across separate runs on fresh machines."""
+
+    per_key: dict[str, float]
+    gpu: str | None = None
+    source: str = ""
+    date: str = ""
+
+    def pooled(self, cls: str | None = None, exclude: str | None = None) -> float | None:
+        xs = [v for k, v in self.per_key.items() if (cls is None or key_class(k) == cls) and k != exclude]
+        return float(np.percentile(xs, AA_QUANTILE)) if xs else None
+
+    def for_key(self, key: str, exclude_self: bool = False) -> tuple[float, str]:
+        """(spread, where it came from). `exclude_self`: leave the key's own record out (the quality
+        analysis measures the rule on series it did not calibrate on)."""
+        cls = key_class(key)
+        own = None if exclude_self else self.per_key.get(key)
+        pc = self.pooled(cls, key if exclude_self else None)
+        pa = self.pooled(None, key if exclude_self else None)
+        if own is not None:
+            return max(own, pc or 0.0), f"A/A spread {own:.2%} (pooled p{AA_QUANTILE} of {cls} {pc or 0:.2%})"
+        if pc is not None:
+            return pc, f"A/A p{AA_QUANTILE} of class {cls} {pc:.2%}"
+        if pa is not None:
+            return pa, f"A/A p{AA_QUANTILE} of all series {pa:.2%}"
+        return 0.0, ""
+
+
+def load_cross_run(path: str | Path | None = None, gpu: str | None = None) -> CrossRun | None:
+    """The newest gate.aa_spread result (a file, or under a results folder; default the results
+    root and the committed reports/results) for `gpu` (a model name, e.g. 'NVIDIA H200')."""
+    from .results import find, results_root
+
+    if path is not None and Path(path).is_file():
+        files = [Path(path)]
+    else:
+        roots = [Path(path)] if path is not None else list(dict.fromkeys([results_root(), REPO_ROOT / "reports" /
+                                                                          "results"]))
+        files = [f for r in roots if r.is_dir() for f in find("gate.aa_spread", r, gpu)]
+    best = None
+    for f in files:
+        r = load(f)
+        if r.benchmark != "gate.aa_spread":
+            raise ResultsFileError(f"{f}: a {r.benchmark} result, not gate.aa_spread")
+        if gpu and r.env.gpu != gpu:
+            continue
+        if best is None or r.env.date > best.env.date:
+            best, best_path = r, f
+    if best is None:
+        return None
+    per = {}
+    for s in best.series:
+        v = s.metrics.get("spread")
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            per[str(s.params.get("key", s.name))] = float(v)
+    return CrossRun(per, best.env.gpu, str(best_path), best.env.date)
 
 
 # ----------------------------------------------------------------------------- judging
-def judge(base: Measurement, cand: Measurement, cfg: GateConfig = GateConfig(), run_noise: float = 0.0) -> Verdict:
-    """One verdict. `run_noise`: relative spread of the medians of earlier baseline runs of the same
-    benchmark (0 with one run); it raises the noise term, because within-run IQR does not see
-    run-to-run variation."""
-    nb = len(base.samples or ())
-    nc = len(cand.samples or ())
+def judge(base: Measurement, cand: Measurement, cfg: GateConfig = GateConfig(), cross: float = 0.0,
+          cross_how: str = "") -> Verdict:
+    """One verdict (module docstring). `cross`: the series' A/A cross-run spread (gate.aa_spread),
+    0 when none is recorded; it raises the noise term, because within-run spread does not see what
+    a second run on a second machine shows."""
+    nb, nc = base.n_repeats, cand.n_repeats
     common = dict(key=cand.key, base_median=base.median, cand_median=cand.median, unit=cand.unit, n_base=nb, n_cand=nc)
     direction = cand.direction
+    nothing = dict(slowdown=None, noise=None, threshold=None, p_slower=None)
     if direction == "none" or cand.static or base.static:
         why = ("static value" if (cand.static or base.static) else f"unit {cand.unit!r} has no direction"
                if direction_of(cand.unit) == "none" else "its result marks it not gated (gate_direction none)")
-        return Verdict(**common, verdict="not gated", slowdown=None, noise=None, threshold=None, p_slower=None,
-                       reason=why)
+        return Verdict(**common, verdict="not gated", **nothing, reason=why)
+    if cand.not_gated or base.not_gated:
+        return Verdict(**common, verdict="not gated", **nothing, reason=cand.not_gated or base.not_gated)
     if base.unit != cand.unit:
-        return Verdict(**common, verdict="unknown", slowdown=None, noise=None, threshold=None, p_slower=None,
-                       reason=f"units differ ({base.unit!r} vs {cand.unit!r})")
+        return Verdict(**common, verdict="unknown", **nothing, reason=f"units differ ({base.unit!r} vs {cand.unit!r})")
     if base.median <= 0 or cand.median <= 0 or not (math.isfinite(base.median) and math.isfinite(cand.median)):
-        return Verdict(**common, verdict="unknown", slowdown=None, noise=None, threshold=None, p_slower=None,
-                       reason="non-positive median")
+        return Verdict(**common, verdict="unknown", **nothing, reason="non-positive median")
     slowdown = (cand.median / base.median - 1.0) if direction == "lower" else (base.median / cand.median - 1.0)
-    missing = [side for side, n in (("baseline", nb), ("candidate", nc)) if n < cfg.min_samples]
-    if missing:
-        why = "; ".join(f"{side} has {'no raw samples' if n == 0 else f'{n} samples'} (need {cfg.min_samples})"
-                        for side, n in (("baseline", nb), ("candidate", nc)) if n < cfg.min_samples)
+    short = [(side, m) for side, m in (("baseline", base), ("candidate", cand))
+             if not m.samples or m.n_repeats < cfg.min_samples]
+    if short:
+        why = "; ".join(f"{side} has " + ("no raw samples" if not m.samples else
+                                         f"{m.n_repeats} independent repeats") + f" (need {cfg.min_samples})"
+                        for side, m in short)
         return Verdict(**common, verdict="unknown", slowdown=slowdown, noise=None, threshold=None, p_slower=None,
                        reason=why)
-    b = np.asarray(base.samples, dtype=np.float64)
-    c = np.asarray(cand.samples, dtype=np.float64)
-    noise = max(Summary.of(b).rel_iqr, Summary.of(c).rel_iqr, run_noise)
+    b, c = base.units(), cand.units()
+    if b is None or c is None:
+        return Verdict(**common, verdict="unknown", slowdown=slowdown, noise=None, threshold=None, p_slower=None,
+                       reason="the samples' independent repeats cannot be separated (no recorded layout)")
+    within = max(Summary.of(b).rel_iqr, Summary.of(c).rel_iqr)
+    noise = max(within, cross)
     threshold = max(cfg.floor, cfg.k * noise)
     slower_alt = "greater" if direction == "lower" else "less"
     faster_alt = "less" if direction == "lower" else "greater"
     _, p_slow = mann_whitney(c, b, slower_alt)
+    noise_note = f"noise: {cross_how}" if cross_how and cross >= within and cross > 0 else ""
     # a hair of tolerance: a slowdown of exactly the floor must not pass on floating-point rounding
     if slowdown > threshold * (1 + 1e-9) and p_slow < cfg.alpha:
-        v, why = "regression", ""
+        v, why = "regression", noise_note
     else:
         speedup = -slowdown / (1.0 + slowdown)  # fraction of the baseline's cost saved
         _, p_fast = mann_whitney(c, b, faster_alt)
@@ -252,6 +482,8 @@ def judge(base: Measurement, cand: Measurement, cfg: GateConfig = GateConfig(), 
                 why = f"significantly slower (p={p_slow:.2g}) but within the threshold {threshold:.1%}"
             else:
                 why = ""
+            if noise_note and slowdown > cfg.floor:
+                why = "; ".join(x for x in (why, noise_note) if x)
     return Verdict(**common, verdict=v, slowdown=slowdown, noise=noise, threshold=threshold, p_slower=p_slow,
                    reason=why)
 
@@ -290,7 +522,7 @@ class GateReport:
                 "candidate": fmt_value(v.cand_median, v.unit),
                 "change": "" if v.slowdown is None else (f"{v.slowdown:+.1%}" + ("" if abs(v.slowdown) < 5e-4 else
                                                                        " slower" if v.slowdown > 0 else " faster")),
-                "noise (rel. IQR)": "" if v.noise is None else f"{v.noise:.1%}",
+                "noise": "" if v.noise is None else f"{v.noise:.1%}",
                 "threshold": "" if v.threshold is None else f"{v.threshold:.1%}",
                 "p (slower)": "" if v.p_slower is None else f"{v.p_slower:.2g}",
                 "n": f"{v.n_base}/{v.n_cand}",
@@ -335,17 +567,11 @@ def fmt_value(v: float | None, unit: str) -> str:
     return f"{v:.4g} {unit}".strip()
 
 
-def run_spread(runs: Sequence[Measurement]) -> float:
-    """(max - min) / median of the medians of several runs of one benchmark; 0 for fewer than two."""
-    meds = [m.median for m in runs if m.median > 0]
-    if len(meds) < 2:
-        return 0.0
-    return (max(meds) - min(meds)) / float(np.median(meds))
-
-
-def compare(base: Sequence[Measurement], cand: Sequence[Measurement], cfg: GateConfig = GateConfig()) -> GateReport:
-    """Judge every candidate measurement against the newest baseline measurement of the same key on
-    the same GPU. Raises GpuMismatchError when the GPUs differ or are unknown."""
+def compare(base: Sequence[Measurement], cand: Sequence[Measurement], cfg: GateConfig = GateConfig(),
+            cross: CrossRun | None = None, cross_exclude_self: bool = False) -> GateReport:
+    """Judge every candidate measurement against the newest baseline run of its benchmark on the
+    same GPU (module docstring); `cross`: the recorded A/A spreads (None: none recorded, said in the
+    notes). Raises GpuMismatchError when the GPUs differ or are unknown."""
     unlabeled = sorted({m.source for m in [*base, *cand] if m.gpu_key is None})
     if unlabeled:
         raise GpuMismatchError("these files do not record which GPU measured them, so the gate cannot check it "
@@ -367,9 +593,28 @@ def compare(base: Sequence[Measurement], cand: Sequence[Measurement], cfg: GateC
         notes.append(f"baseline also holds results for {[k for k in base_keys if k != g]}: ignored (other GPUs)")
     b = {k: m for (k, gk), m in newest(base).items() if gk == g}
     c = {k: m for (k, gk), m in newest(cand).items() if gk == g}
-    verdicts = [judge(b[k], c[k], cfg, run_spread([m for m in base if m.key == k and m.gpu_key == g]))
-                for k in sorted(set(b) & set(c))]
+    model = g.split("@", 1)[0]
+    if cross is not None and cross.gpu not in (None, model):
+        notes.append(f"A/A spreads {cross.source} are of {cross.gpu}, not {model}: not used")
+        cross = None
+    if cross is None:
+        notes.append(f"no A/A cross-run spread recorded for {model} (gate.aa_spread; `megabench gate --quality-run` "
+                     "on two fresh machines, then `megabench gate --quality`): thresholds see within-run noise only")
+    else:
+        notes.append(f"cross-run noise: A/A spreads of {len(cross.per_key)} series on {cross.gpu} ({cross.date[:10]}, "
+                     f"`{_short(cross.source)}`)")
+    verdicts = []
+    for k in sorted(set(b) & set(c)):
+        spread, how = cross.for_key(k, cross_exclude_self) if cross is not None else (0.0, "")
+        verdicts.append(judge(b[k], c[k], cfg, spread, how))
     return GateReport(verdicts, g, cfg, sorted(set(b) - set(c)), sorted(set(c) - set(b)), notes)
+
+
+def _short(p: str) -> str:
+    try:
+        return str(Path(p).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(p)
 
 
 # ----------------------------------------------------------------------------- kernel metrics
@@ -589,6 +834,9 @@ def add_parser(sub) -> None:
     s.add_argument("--alpha", type=float, default=GateConfig.alpha, help="Mann-Whitney significance level (default 0.01)")
     s.add_argument("--min-samples", type=int, default=GateConfig.min_samples, help="raw samples needed a side (default 8)")
     s.add_argument("--allow-unknown", action="store_true", help="unknown verdicts do not fail the gate")
+    s.add_argument("--aa-spread", default=None, metavar="PATH|none",
+                   help="recorded A/A cross-run spreads (a gate.aa_spread result or a results folder; default: the "
+                        "newest for the GPU under the results root and reports/results; 'none': within-run noise only)")
     s.add_argument("--assume-gpu", default=None, metavar="KEY",
                    help="GPU key for pytest-benchmark files that do not record one, e.g. 'NVIDIA H200@1980MHz'")
     s.add_argument("--markdown", type=Path, default=None, help="also write the verdict table here (job summary)")
@@ -603,12 +851,35 @@ def add_parser(sub) -> None:
     s.add_argument("--max-reg-increase", type=int, default=KernelThresholds.max_reg_increase)
     s.add_argument("--max-smem-increase", type=int, default=KernelThresholds.max_smem_increase)
     s.add_argument("--max-code-increase", type=float, default=KernelThresholds.max_code_increase_pct, metavar="PCT")
-    s.add_argument("--quality", action="store_true",
-                   help="estimate the gate's false-alarm and detection rates from recorded samples")
-    s.add_argument("--results", type=Path, default=None, help="with --quality: results root")
-    s.add_argument("--benchmarks", type=Path, default=None, help="with --quality: pytest-benchmark JSON folder")
-    s.add_argument("--trials", type=int, default=200, help="with --quality: trials per recorded series")
-    s.add_argument("--save", action="store_true", help="with --quality: save the gate.quality result")
+    s.add_argument("--quality", nargs="*", default=None, metavar="RUN",
+                   help="the gate's measured quality from two or more gate.quality_run results (files or folders; "
+                        "default reports/results/gate): gate.quality and gate.aa_spread (microbench/gate_quality.py)")
+    s.add_argument("--quality-run", action="store_true",
+                   help="GPU: the measurement behind --quality, one in-run A/B session with injected slowdowns "
+                        "(~3 minutes on an H200); writes gate.quality_run under --out DIR")
+    s.add_argument("--results", type=Path, default=None, help="with --quality --save: results root to save into")
+    s.add_argument("--save", action="store_true", help="with --quality: save gate.quality and gate.aa_spread")
+    g = s.add_argument_group("in-run A/B (the gate's main mode; microbench/gate_ab.py)")
+    g.add_argument("--ab", metavar="REV", default=None,
+                   help="baseline git revision: checked out in a temporary worktree and timed against the working "
+                        "tree in alternating rounds on this GPU")
+    g.add_argument("--ab-tree", metavar="PATH", default=None, help="baseline tree (instead of --ab REV)")
+    g.add_argument("--candidate-tree", metavar="PATH", default=None, help="candidate tree (default: this working tree)")
+    g.add_argument("--classes", action="append", default=None, metavar="C[,C...]",
+                   help="benchmark classes to time (tests/bench/test_bench_<class>.py; repeatable; default: all but "
+                        "the torch baselines, without shard8 points: gate_ab.DEFAULT_SELECTION)")
+    g.add_argument("-k", dest="select_k", default=None, metavar="EXPR", help="pytest -k expression choosing cases")
+    g.add_argument("--marker", default=None, metavar="EXPR", help="pytest -m expression choosing cases")
+    g.add_argument("--rounds", type=int, default=None, help="A/B rounds (default 10; --quality-run 100)")
+    g.add_argument("--min-rounds", type=int, default=8, help="rounds needed for a verdict (default 8)")
+    g.add_argument("--ab-floor", type=float, default=0.03, help="smallest slowdown an A/B calls a regression (0.03)")
+    g.add_argument("--backend", default="pytest", metavar="pytest|synthetic:SPEC.json",
+                   help="what the workers time: the trees' pytest-benchmark cases, or synthetic cases (CPU tests)")
+    g.add_argument("--out", type=Path, default=None,
+                   help="with --ab: save the gate.ab result (and markdown) here; with --quality-run: required")
+    g.add_argument("--inject-ppm", type=int, default=0, metavar="PPM",
+                   help="candidate built with the gate's calibrated slowdown (MB_INJECT_PPM, mb/inject.cuh: 50000 = "
+                        "each hooked launch 5%% longer): an A/B that must find a regression")
     s.set_defaults(fn=_cmd)
 
 
@@ -618,22 +889,38 @@ def _cmd(args) -> int:
         th = KernelThresholds(args.max_spill_increase, args.max_reg_increase, args.max_smem_increase,
                               args.max_code_increase)
         return kernel_gate(args.update, args.kernel_baseline, th, args.tracked_only, only=args.source)
-    if args.quality:
-        from .gate_quality import run_quality
+    if args.ab or args.ab_tree:
+        if args.baseline is not None or args.candidate is not None:
+            print("megabench gate: --ab/--ab-tree compare trees; do not also give BASELINE CANDIDATE files",
+                  file=sys.stderr)
+            return EXIT_INPUT
+        from .gate_ab import cmd_ab
 
-        res, text = run_quality(args.results, args.benchmarks, cfg, trials=args.trials, save=args.save,
-                                assume_gpu=args.assume_gpu)
-        print(text)
-        return EXIT_OK
+        return cmd_ab(args)
+    if args.quality_run:
+        from .gate_quality import cmd_quality_run
+
+        return cmd_quality_run(args)
+    if args.quality is not None:
+        from .gate_quality import cmd_quality
+
+        return cmd_quality(args)
     if args.baseline is None or args.candidate is None:
         print("megabench gate: give BASELINE and CANDIDATE (or --kernels / --quality)", file=sys.stderr)
         return EXIT_INPUT
     atomic.check_writable(args.markdown, args.json)  # before the work: a typo'd folder writes neither
     ignored: list[str] = []
-    base = load_measurements(args.baseline, args.assume_gpu, ignored)
-    cand = load_measurements(args.candidate, args.assume_gpu, ignored)
+    base = load_measurements(args.baseline, args.assume_gpu, ignored, cfg.min_samples)
+    cand = load_measurements(args.candidate, args.assume_gpu, ignored, cfg.min_samples)
+    cross = None
+    if str(args.aa_spread) != "none":
+        models = sorted({(m.gpu_key or "").split("@", 1)[0] for m in cand if m.gpu_key})
+        cross = load_cross_run(args.aa_spread, models[0] if len(models) == 1 else None)
+        if cross is None and args.aa_spread is not None:
+            print(f"megabench gate: no gate.aa_spread result for {models} in {args.aa_spread}", file=sys.stderr)
+            return EXIT_INPUT
     try:
-        rep = compare(base, cand, cfg)
+        rep = compare(base, cand, cfg, cross)
     except GpuMismatchError as e:
         print(f"megabench gate: {e}", file=sys.stderr)
         return EXIT_GPU

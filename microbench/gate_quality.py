@@ -1,21 +1,40 @@
-"""How good is the gate? False alarms and detections measured on recorded samples.
+"""How good is the gate? Its false-alarm and detection rates, measured on the H200 by the gate itself.
 
-Sources: every recorded series with enough raw samples (megabench results: `Series.samples`;
-pytest-benchmark JSON: per-round `stats.data`), on one GPU. For each source:
+Measurement (`megabench gate --quality-run --out DIR`, one command, ~2-3 minutes on an H200; run it
+on two fresh machines). One in-run A/B session of the working tree against itself:
+- side A times each case of QUALITY_CASES; side B is a second worker on the same tree that holds
+  each case several times: as built (B), and, for cases whose kernels carry the injection hook
+  (mb/inject.cuh), built with MB_INJECT_PPM = 20000 / 50000 / 100000: the last block of every
+  launch spins 2 / 5 / 10% of its own run time (`B@p2`, `B@p5`, `B@p10`);
+- every round times A and every B variant of a case once, the order reversed every other round
+  (microbench/gate_ab.py), ROUNDS rounds; the run's figures are saved as a typed result
+  `gate.quality_run` (under DIR/gate/, the workers' logs beside it). Megakernel cases are the small
+  preset: two workers each holding shard8's ~120 GB of weights and kernel copies do not fit one H200.
 
-- A/A, random halves: shuffle the samples, split into two halves, judge half B against half A
-  with the gate's exact rule (microbench.gate.judge). Any "regression" is a false alarm.
-  Halves of one run share its conditions, so this is the optimistic case.
-- A/A, time-ordered halves: first half vs second half as recorded (one comparison per source):
-  catches drift within a run (clock, temperature).
-- A/A, across runs: the same case recorded by two different runs of the same build (a result
-  series and a pytest-benchmark case whose `extra_info.case` names that series): bootstrap
-  resamples of each run judged against each other. The realistic case, when such pairs exist.
-- Injected slowdowns (2%, 5%, 10%): halves as in random A/A, the candidate half multiplied by
-  1 + s (divided for rates). The fraction judged "regression" is the detection rate.
-
-Rates are pooled over all trials; their spread is a 90% Wilson interval. The output is a typed
-Result `gate.quality` (saved under reports/results/gate/), which the report shows.
+Analysis (`megabench gate --quality RUN RUN [--save]`, CPU), of two such runs:
+- a trial is one gate verdict on BLOCK (10) consecutive rounds, the size a CI run uses;
+- in-run A/B mode: A/A trials are paired verdicts of A against B, detection trials of A against
+  B@pN (gate_ab.paired_verdict, its default floor and alpha). An A/A trial is two-sided: a false
+  alarm when either orientation (A vs B, B vs A) is called a regression, so the one-sided rate a
+  CI run meets is about half of it;
+- stored mode: the stored rule (gate.judge, its default floor, k and alpha) on the same blocks
+  as unpaired samples: A/A across the two machines (A of one run against A of the other, and B
+  against B) and on one machine (A against B); detection across machines (A of one run against
+  B@pN of the other). Its cross-run noise term is the A/A spread of the *other* series
+  (leave-one-out), so no series is judged with a threshold fitted to itself;
+- each injected slowdown is verified by its own measured size: exp(median log(B@pN / A)) over
+  all rounds of the run, less the same for B (the A/A offset). A case whose measured injection
+  is under half its nominal size is left out of that detection rate and listed;
+- counting independent units honestly: trials of one (run, case) share that case's conditions,
+  so rates carry a 95% Wilson interval on the effective number of trials n / (1 + (m - 1) ICC)
+  (m trials per cluster; ICC from a one-way ANOVA of the outcomes, or, when they all agree (no
+  false alarm at all), of the trials' estimated slowdowns, which the alarms follow; 1, i.e. n_eff
+  = the number of clusters, when neither varies), and beside it the conservative interval with
+  one trial per cluster;
+- the per-series A/A cross-run spreads become the typed result `gate.aa_spread` the stored gate
+  uses (max over the four cross-machine pairs of the same build: A/A, B/B, A/B, B/A).
+The result `gate.quality` (reports/results/gate/) holds every rate with its counts; the report
+shows it (report_lines, trust_rows).
 """
 from __future__ import annotations
 
@@ -26,268 +45,762 @@ import math
 import os
 import platform
 import socket
-from collections.abc import Sequence
-from dataclasses import dataclass
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .errors import ResultsFileError
-from .gate import GateConfig, Measurement, direction_of, judge, pytest_gpu_key
+from .gate import CrossRun, GateConfig, Measurement, judge, key_class
+from .gate_ab import ABConfig, Comparison, Entry, SideSpec, paired_verdict, prepare_sides, run_rounds, tree_label
 from .results import REPO_ROOT, Derived, Env, Result, Series, find, load, results_root
 
-SLOWDOWNS = (0.02, 0.05, 0.10)
-MAX_HALF = 200  # cap on samples per side: bounds the cost of a trial, keeps realistic gate sizes
-MAX_SOURCES = 40  # cap on recorded series used: bounds the whole estimate to seconds
+PPMS = (20000, 50000, 100000)
+ROUNDS = 100  # ~0.55 s a round on an H200 (17 cases, 73 figures): about a minute of rounds
+BLOCK = 10
+MIN_INJECT_FRACTION = 0.5  # a measured injection under this share of nominal is not counted as injected
+TARGETS = {"false_alarm_rate_ab": ("<=", 0.01), "detection_rate_ab_5pct": (">=", 0.95),
+           "detection_rate_ab_10pct": (">=", 1.0)}
+METHOD = "two quality runs (gate.quality_run) on fresh machines, trials of 10 rounds, clusters (run, case)"
+
+# (pytest nodeid, kernels carry the injection hook)
+QUALITY_CASES = (
+    ("tests/bench/test_bench_basics.py::test_copy[mb_copy_v4-64MiB]", True),
+    ("tests/bench/test_bench_basics.py::test_copy[mb_copy_v4-1024MiB]", True),
+    ("tests/bench/test_bench_basics.py::test_copy[memcpy-64MiB]", False),
+    ("tests/bench/test_bench_basics.py::test_empty_kernel_launch", False),
+    ("tests/bench/test_bench_weights.py::test_read_ceiling", True),
+    ("tests/bench/test_bench_weights.py::test_l2_read[16MiB]", True),
+    ("tests/bench/test_bench_sync.py::test_sync[sync/pingpong/gpu_acq/128rounds]", True),
+    ("tests/bench/test_bench_sync.py::test_sync[sync/publish/ping/release_flag/256B]", True),
+    ("tests/bench/test_bench_sync.py::test_sync[sync/grid/depflags/D=1/1000stops]", True),
+    ("tests/bench/test_bench_sync.py::test_sync[sync/fences/all_kinds/1blk/65536B]", True),
+    ("tests/bench/test_bench_clocks.py::test_launch_chain[plain]", True),
+    ("tests/bench/test_bench_icache.py::test_capacity_loop[16KiB-w4]", False),
+    ("tests/bench/test_bench_icache.py::test_prefetch_probe[warm]", False),
+    ("tests/bench/test_bench_megakernel.py::test_megakernel_step[small-1-512-chain]", True),
+    ("tests/bench/test_bench_megakernel.py::test_megakernel_step[small-1-512-mega]", True),
+    ("tests/bench/test_bench_megakernel.py::test_megakernel_step[small-16-512-chain]", True),
+    ("tests/bench/test_bench_megakernel.py::test_megakernel_step[small-16-512-mega]", True),
+)
 
 
-@dataclass(frozen=True)
-class Source:
-    name: str
-    samples: np.ndarray
-    unit: str
-    direction: str
-    origin: str  # file it came from
-    case: str | None = None  # series name (for pairing runs)
+# the microbench sources the quality cases' hooked kernels come from (precompile)
+HOOKED_SOURCES = ("microbench/basics/copy.cu", "microbench/weights/read.cu", "microbench/sync/flags.cu",
+                  "microbench/sync/publish.cu", "microbench/sync/fences.cu", "microbench/sync/barriers.cu",
+                  "microbench/clocks/launch.cu")
 
 
-def wilson(k: int, n: int, z: float = 1.6449) -> tuple[float, float]:
-    """Wilson score interval (default 90%) for k successes in n trials."""
-    if n == 0:
+def variant_name(ppm: int) -> str:
+    return f"p{ppm // 10000}" if ppm % 10000 == 0 else f"ppm{ppm}"
+
+
+# ----------------------------------------------------------------------------- statistics
+def wilson(k: float, n: float, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval (default 95%) for k successes in n trials (n may be fractional: an
+    effective number of trials)."""
+    if n <= 0:
         return 0.0, 1.0
-    p = k / n
+    p = min(1.0, max(0.0, k / n))
     den = 1 + z * z / n
     c = (p + z * z / (2 * n)) / den
     h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
     return max(0.0, c - h), min(1.0, c + h)
 
 
-def _m(key, x, unit, direction) -> Measurement:
-    x = np.asarray(x, dtype=np.float64)
-    return Measurement(key, tuple(x.tolist()), float(np.median(x)), None, unit, direction, "g", "synthetic", "")
+def anova_icc(clusters: Sequence[Sequence[float]]) -> float | None:
+    """One-way ANOVA estimate of the intra-cluster correlation, clipped to [0, 1]; None when it
+    cannot be estimated (fewer than two clusters, or no variation at all)."""
+    cs = [np.asarray(c, dtype=np.float64) for c in clusters if len(c)]
+    k = len(cs)
+    n = sum(c.size for c in cs)
+    if k < 2 or n <= k:
+        return None
+    grand = float(np.concatenate(cs).mean())
+    m0 = (n - sum(c.size ** 2 for c in cs) / n) / (k - 1)
+    msb = sum(c.size * (c.mean() - grand) ** 2 for c in cs) / (k - 1)
+    msw = sum(((c - c.mean()) ** 2).sum() for c in cs) / (n - k)
+    den = msb + (m0 - 1) * msw
+    if den <= 0:
+        return None if msb <= 0 else 1.0
+    return float(min(1.0, max(0.0, (msb - msw) / den)))
 
 
-def _flag(a, b, src: Source, cfg: GateConfig) -> bool:
-    return judge(_m(src.name, a, src.unit, src.direction), _m(src.name, b, src.unit, src.direction),
-                 cfg).verdict == "regression"
+def effective_n(clusters: Sequence[Sequence[bool]], values: Sequence[Sequence[float]] | None = None
+                ) -> tuple[float, float]:
+    """(n_eff, ICC) of binary trials grouped in clusters: n / (1 + (m - 1) ICC). ICC is estimated
+    from the outcomes when they vary; when every outcome is the same it cannot be, and the ICC of
+    the trials' continuous statistic (`values`, e.g. each verdict's estimated slowdown: alarms
+    follow it) is used instead; without one, ICC = 1 (n_eff = the number of clusters)."""
+    cs = [list(map(bool, c)) for c in clusters if len(c)]
+    n = sum(len(c) for c in cs)
+    if n == 0:
+        return 0.0, float("nan")
+    mbar = n / len(cs)
+    icc = anova_icc([[float(x) for x in c] for c in cs])
+    if icc is None and values is not None:
+        icc = anova_icc([v for v in values if len(v)])
+    icc = 1.0 if icc is None else icc
+    return n / (1 + (mbar - 1) * icc), icc
 
 
-def _halves(x: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
-    perm = rng.permutation(x.size)
-    h = min(x.size // 2, MAX_HALF)
-    return x[perm[:h]], x[perm[h:2 * h]]
+@dataclass
+class Tally:
+    """Trials of one measure: outcomes per cluster (a (run, case) or a case)."""
+
+    measure: str  # derived key, e.g. detection_rate_ab_5pct
+    mode: str  # "in-run A/B" | "stored"
+    what: str
+    slowdown: float  # nominal injected slowdown, 0 for A/A
+    clusters: dict[str, list[bool]] = field(default_factory=dict)
+    values: dict[str, list[float]] = field(default_factory=dict)  # each trial's estimated slowdown
+    excluded: dict[str, str] = field(default_factory=dict)  # cluster -> why it is not counted
+
+    def add(self, cluster: str, flagged: bool, value: float | None = None) -> None:
+        self.clusters.setdefault(cluster, []).append(bool(flagged))
+        if value is not None and math.isfinite(value):
+            self.values.setdefault(cluster, []).append(float(value))
+
+    @property
+    def flagged(self) -> int:
+        return sum(sum(c) for c in self.clusters.values())
+
+    @property
+    def trials(self) -> int:
+        return sum(len(c) for c in self.clusters.values())
+
+    @property
+    def rate(self) -> float:
+        return self.flagged / self.trials if self.trials else float("nan")
+
+    def interval(self) -> tuple[float, float, float, float]:
+        """(lo, hi, n_eff, icc): 95% Wilson on the effective number of trials (effective_n)."""
+        n_eff, icc = effective_n(list(self.clusters.values()), list(self.values.values()) or None)
+        lo, hi = wilson(self.rate * n_eff, n_eff) if self.trials else (0.0, 1.0)
+        return lo, hi, n_eff, icc
+
+    def conservative(self) -> tuple[float, float]:
+        """95% Wilson with one trial per cluster: what the rate claims if nothing within a
+        cluster were independent."""
+        k = len(self.clusters)
+        return wilson(self.rate * k, k) if k else (0.0, 1.0)
 
 
-def _inject(b: np.ndarray, s: float, direction: str) -> np.ndarray:
-    return b * (1.0 + s) if direction == "lower" else b / (1.0 + s)
+# ----------------------------------------------------------------------------- the GPU run
+def quality_sides(root: Path, cases: Sequence[tuple[str, bool]] = QUALITY_CASES, ppms: Sequence[int] = PPMS,
+                  backend: str = "pytest", spec: dict | None = None) -> tuple[SideSpec, SideSpec]:
+    label = tree_label(root)
+    inject = [c for c, hooked in cases if hooked]
+    variants = [{"name": "", "env": {}}] + [{"name": variant_name(p), "env": {"MEGABENCH_INJECT_PPM": str(p)},
+                                             "only": inject} for p in ppms]
+    return (SideSpec("A", root, label, backend, spec), SideSpec("B", root, label, backend, spec, variants))
 
 
-def aa_random(src: Source, cfg: GateConfig, trials: int, rng) -> int:
-    return sum(_flag(*_halves(src.samples, rng), src, cfg) for _ in range(trials))
+def _precompile_one(task: tuple) -> str:
+    kind, args, ppm = task
+    if ppm:
+        os.environ["MEGABENCH_INJECT_PPM"] = str(ppm)
+    else:
+        os.environ.pop("MEGABENCH_INJECT_PPM", None)
+    if kind == "megakernel":
+        from megakernel.build import build_gpu
+        from megakernel.pipeline import plan_for
+
+        preset, t = args
+        build_gpu(plan_for(preset, tokens=t))  # what tests/bench/test_bench_megakernel.py builds
+        return f"megakernel {preset} T={t} ppm={ppm}"
+    from .compiler import REPO_ROOT as ROOT, compile_cuda
+
+    path, defines = args
+    compile_cuda(ROOT / path, arch="sm_90a", defines=defines)
+    return f"{path} ppm={ppm}"
 
 
-def aa_time(src: Source, cfg: GateConfig) -> int:
-    h = min(src.samples.size // 2, MAX_HALF)
-    x = src.samples
-    return int(_flag(x[:h], x[x.size - h:], src, cfg))
+def precompile(ppms: Sequence[int] = PPMS, jobs: int | None = None, log: Callable[[str], None] = print) -> float:
+    """Compile, in parallel, the builds the quality run's B side will ask for (megakernel small at
+    T=1 and 16, the hooked microbench sources), each plain and at every ppm, into the kernel cache:
+    the workers prepare sequentially, and ~8 megakernel builds one after another would cost a
+    minute of the GPU machine's time. A build not listed here is simply compiled by its worker."""
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    from .clocks.probes import LAUNCH_DEFINES
+
+    tasks = [("megakernel", ("small", t), p) for p in (0, *ppms) for t in (16, 1)]
+    tasks += [("source", (path, dict(LAUNCH_DEFINES) if path.endswith("launch.cu") else {}), p)
+              for p in (0, *ppms) for path in HOOKED_SOURCES]
+    t0 = time.monotonic()
+    jobs = jobs or max(1, min(len(tasks), (os.cpu_count() or 2) - 1))
+    with ProcessPoolExecutor(jobs) as ex:
+        done = list(ex.map(_precompile_one, tasks))
+    dt = time.monotonic() - t0
+    log(f"precompiled {len(done)} builds with {jobs} processes in {dt:.0f} s")
+    return dt
 
 
-def injected(src: Source, s: float, cfg: GateConfig, trials: int, rng) -> int:
-    hits = 0
-    for _ in range(trials):
-        a, b = _halves(src.samples, rng)
-        hits += _flag(a, _inject(b, s, src.direction), src, cfg)
-    return hits
+def quality_run(out: Path, rounds: int = ROUNDS, cfg: ABConfig = ABConfig(), backend: str = "pytest",
+                spec: dict | None = None, cases: Sequence[tuple[str, bool]] = QUALITY_CASES,
+                ppms: Sequence[int] = PPMS, root: Path = REPO_ROOT, log: Callable[[str], None] = print,
+                do_precompile: bool = True, env: Env | None = None) -> tuple[Result, Path]:
+    """The measurement (module docstring). Writes DIR/gate/gate.quality_run-*.json (+ .md) and
+    returns (result, path)."""
+    import time
 
+    t_start = time.monotonic()
+    if backend == "pytest":
+        from .device import no_gpu_reason
+        from .errors import NoGPUError
 
-def aa_cross(a: Source, b: Source, cfg: GateConfig, trials: int, rng) -> int:
-    na, nb = min(a.samples.size, MAX_HALF), min(b.samples.size, MAX_HALF)
-    flags = 0
-    for _ in range(trials):
-        x = rng.choice(a.samples, size=na, replace=True)
-        y = rng.choice(b.samples, size=nb, replace=True)
-        flags += _flag(x, y, a, cfg) or _flag(y, x, a, cfg)  # either order raising an alarm counts
-    return flags
-
-
-# ----------------------------------------------------------------------------- sources
-def gather_sources(root: Path | None = None, bench_dir: Path | None = None, gpu: str | None = None,
-                   cfg: GateConfig = GateConfig(), assume_gpu: str | None = None):
-    """(gpu, results sources, pytest sources, envs): every usable recorded series on one GPU model.
-
-    pytest-benchmark files are attributed to a GPU by their machine_info (megabench hook), by
-    --assume-gpu, or by the slug reports/benchmarks file names carry ('...-nvidia-h200-<sha>.json').
-    """
-    from .tune import gpu_slug
-
-    root = Path(root) if root else results_root()
-    bench_dir = Path(bench_dir) if bench_dir else REPO_ROOT / "reports" / "benchmarks"
-    need = cfg.min_samples  # halves need twice this: estimate() filters those
-    results = []
-    for p in find(None, root):
-        r = load(p)
-        if r.benchmark.startswith("gate.") or not r.env.gpu:
-            continue
-        results.append((p, r))
-    if gpu is None:
-        dated = sorted((r.env.date, r.env.gpu) for _, r in results)
-        gpu = dated[-1][1] if dated else None
-    envs, res_src, py_src = [], [], []
-    for p, r in results:
-        if r.env.gpu != gpu:
-            continue
-        envs.append(r.env)
-        for s in r.series:
-            d = direction_of(s.unit, s.metrics.get("gate_direction"))
-            if s.timer == "static" or d == "none" or len(s.samples) < need:
+        reason = no_gpu_reason()
+        if reason:
+            raise NoGPUError(f"the gate's quality run times kernels on a GPU: {reason}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if backend == "pytest" and do_precompile:
+        precompile(ppms, log=log)
+    a, b = quality_sides(Path(root), cases, ppms, backend, spec)
+    work = Path(tempfile.mkdtemp(prefix="quality-run-logs-", dir=out))  # worker logs come back with the result
+    ids = [c for c, _ in cases]
+    workers, prepared, notes = prepare_sides([a, b], {"ids": ids}, work, cfg, log)
+    try:
+        ca = {c["id"]: c for c in prepared["A"]["cases"]}
+        cb = {c["id"]: c for c in prepared["B"]["cases"]}
+        comps, missing = [], []
+        hooked = dict(cases)
+        for cid in ids:
+            if cid not in ca or cid not in cb:
+                missing.append(cid)
                 continue
-            res_src.append(Source(f"{r.benchmark}:{s.name}", np.asarray(s.samples), s.unit, d, _rel(p), s.name))
-    if bench_dir.is_dir() and gpu:
-        for p in sorted(bench_dir.glob("*.json")):
-            try:
-                d = json.loads(p.read_text())
-            except json.JSONDecodeError as e:
-                raise ResultsFileError(f"{p}: not valid JSON ({e})") from None
-            if not isinstance(d, dict) or not isinstance(d.get("benchmarks"), list):
+            entries = [Entry("A", cid), Entry("B", cid)]
+            entries += [Entry("B", f"{cid}@{variant_name(p)}") for p in ppms if f"{cid}@{variant_name(p)}" in cb]
+            comps.append(Comparison(cid, "s", entries))
+        log(f"timing {len(comps)} case(s) x {rounds} rounds ({sum(len(c.entries) for c in comps)} figures a round)")
+        wall = run_rounds(workers, comps, rounds, cfg, log)
+        hellos = {n: dict(w.hello or {}) for n, w in workers.items()}
+    finally:
+        for w in workers.values():
+            w.close()
+    failed = [f for p in prepared.values() for f in p["failed"]]
+    skipped = [s for p in prepared.values() for s in p["skipped"]]
+    env = env or Env.capture()
+    series = []
+    for c in comps:
+        info = ca[c.key].get("info", {})
+        for e, xs in zip(c.entries, c.values):
+            variant = e.case.split("@", 1)[1] if "@" in e.case else ""
+            ppm = next((p for p in ppms if variant_name(p) == variant), 0)
+            series.append(Series.from_samples(
+                f"{c.key}/{e.side}{'@' + variant if variant else ''}", xs,
+                timer="cuda_event" if env.gpu else "host", unit="s",
+                params={"case": c.key, "side": e.side, "variant": variant, "inject_ppm": ppm,
+                        "samples_per_round": c.k, "class": ca[c.key].get("class"), "hooked": bool(hooked.get(c.key)),
+                        "case_name": info.get("case"), "order": "alternating rounds"},
+                metrics={"gate_direction": "none", "independent_repeats": len(xs)}))
+    total = time.monotonic() - t_start
+    res_notes = (f"gate quality run: {len(comps)} cases, {rounds} rounds, {wall:.0f} s of rounds, {total:.0f} s in all "
+                 f"(precompile, workers, prepare, rounds); tree {a.label}",
+                 f"injected (MB_INJECT_PPM): {', '.join(str(p) for p in ppms)} ppm on hooked cases",
+                 *(f"missing on a side: {m}" for m in missing),
+                 *(f"failed: {f['id']}: {f['error'].splitlines()[0][:300]}" for f in failed),
+                 *(f"skipped: {s['id']}: {s['reason'][:200]}" for s in skipped), *notes)
+    res = Result("gate.quality_run", env, tuple(series),
+                 {"rounds": Derived(float(rounds), "count", "rounds of the run"),
+                  "wall_s": Derived(float(total), "s", "seconds the command took, all of it")},
+                 quick=False, notes=res_notes)
+    path = res.save(out)
+    one = analyse([load_run(res, str(path))], BLOCK)
+    md = "\n".join([f"# gate quality run {env.date} on {env.gpu} ({env.host})", "", *res_notes, "",
+                    *summary_lines(one), ""])
+    from . import atomic
+
+    atomic.write_text(path.with_name(path.name.split(".json")[0] + ".md"), md)
+    (work / "hellos.json").write_text(json.dumps(hellos, indent=1))
+    log(md)
+    log(f"saved {path} ({total:.0f} s)")
+    return res, path
+
+
+# ----------------------------------------------------------------------------- the analysis
+@dataclass
+class RunData:
+    source: str
+    env: Env
+    figures: dict[str, dict[str, np.ndarray]]  # case -> {"A", "B", "p2", ...} -> round figures
+    hooked: dict[str, bool]
+    ppm_of: dict[str, int]  # variant -> ppm
+
+    @property
+    def label(self) -> str:
+        return f"{self.env.host} {self.env.date[:16]}"
+
+
+def load_run(res: Result, source: str = "") -> RunData:
+    if res.benchmark != "gate.quality_run":
+        raise ResultsFileError(f"{source or res.benchmark}: a {res.benchmark} result, not gate.quality_run")
+    figs: dict[str, dict[str, np.ndarray]] = {}
+    hooked, ppm_of = {}, {}
+    for s in res.series:
+        p = s.params
+        try:
+            case, side, variant = str(p["case"]), str(p["side"]), str(p.get("variant") or "")
+        except KeyError as e:
+            raise ResultsFileError(f"{source}: series {s.name} lacks {e}") from None
+        figs.setdefault(case, {})[variant or side] = np.asarray(s.samples, dtype=np.float64)
+        hooked[case] = bool(p.get("hooked"))
+        if variant:
+            ppm_of[variant] = int(p.get("inject_ppm") or 0)
+    return RunData(source, res.env, figs, hooked, ppm_of)
+
+
+def find_runs(paths: Sequence[Path] | None = None) -> list[RunData]:
+    """Quality runs from files or folders (default: the committed reports/results/gate); a file
+    reached twice counts once."""
+    paths = list(paths or [REPO_ROOT / "reports" / "results" / "gate"])
+    out, seen = [], set()
+    for p in paths:
+        p = Path(p)
+        if not p.exists():
+            raise ResultsFileError(f"{p}: no such file or folder")
+        files = [p] if p.is_file() else find("gate.quality_run", p)
+        for f in files:
+            if f.resolve() in seen:
                 continue
-            key = pytest_gpu_key(d) or assume_gpu
-            same = key.startswith(gpu + "@") if key else (f"-{gpu_slug(gpu)}-" in p.name)
-            if not same:
+            seen.add(f.resolve())
+            out.append(load_run(load(f), str(f)))
+    return sorted(out, key=lambda r: r.env.date)
+
+
+def _two_sided(verdicts) -> tuple[bool, float | None]:
+    """One A/A trial from both orientations of a comparison: a false alarm when either calls a
+    regression (the one-sided rate a CI run sees is about half), its size the larger |slowdown|."""
+    sds = [abs(v.slowdown) for v in verdicts if v.slowdown is not None]
+    return any(v.verdict == "regression" for v in verdicts), (max(sds) if sds else None)
+
+
+def _blocks(n: int, block: int) -> list[slice]:
+    return [slice(i, i + block) for i in range(0, n - block + 1, block)]
+
+
+def _m(key: str, x: np.ndarray) -> Measurement:
+    return Measurement(key, tuple(float(v) for v in x), float(np.median(x)), None, "s", "lower", "g", "q", "")
+
+
+def measured_injection(run: RunData, case: str, variant: str) -> float:
+    f = run.figures[case]
+    off = float(np.median(np.log(f["B"] / f["A"])))
+    return float(np.expm1(np.median(np.log(f[variant] / f["A"])) - off))
+
+
+def aa_spreads(runs: Sequence[RunData]) -> dict[str, float]:
+    """Per case: the largest relative difference of run medians of the same build across two
+    different runs (A/A, B/B, A/B, B/A over every pair of runs)."""
+    out: dict[str, float] = {}
+    for i in range(len(runs)):
+        for j in range(i + 1, len(runs)):
+            for case in set(runs[i].figures) & set(runs[j].figures):
+                fi, fj = runs[i].figures[case], runs[j].figures[case]
+                for x in ("A", "B"):
+                    for y in ("A", "B"):
+                        if x in fi and y in fj:
+                            s = abs(float(np.median(fi[x]) / np.median(fj[y])) - 1.0)
+                            out[case] = max(out.get(case, 0.0), s)
+    return out
+
+
+@dataclass
+class Analysis:
+    tallies: list[Tally]
+    injections: dict[str, dict[str, dict[str, float]]]  # run label -> case -> variant -> measured
+    spreads: dict[str, float]
+    runs: list[RunData]
+    block: int
+    ab_cfg: ABConfig
+    st_cfg: GateConfig
+    detection_by_measured: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def tally(self, measure: str) -> Tally | None:
+        return next((t for t in self.tallies if t.measure == measure), None)
+
+
+def _pct(ppm: int) -> str:
+    return f"{round(ppm / 10000)}pct" if ppm % 10000 == 0 else f"{ppm}ppm"
+
+
+MEASURED_BINS = ((0.0, 0.03), (0.03, 0.045), (0.045, 0.075), (0.075, 1e9))
+
+
+def analyse(runs: Sequence[RunData], block: int = BLOCK, ab_cfg: ABConfig = ABConfig(),
+            st_cfg: GateConfig = GateConfig()) -> Analysis:
+    """Every tally of the module docstring from one or more runs (the across-machine ones need two)."""
+    runs = list(runs)
+    if not runs:
+        raise ResultsFileError("no gate.quality_run results to analyse")
+    ppms = sorted({p for r in runs for p in r.ppm_of.values() if p})
+    T: dict[str, Tally] = {}
+
+    def t(measure, mode, what, sd=0.0) -> Tally:
+        if measure not in T:
+            T[measure] = Tally(measure, mode, what, sd)
+        return T[measure]
+
+    aa_ab = t("false_alarm_rate_ab", "in-run A/B", "A/A: the same tree in two worker processes, paired rounds")
+    aa_st1 = t("false_alarm_rate_stored_same_machine", "stored", "A/A on one machine: two workers' figures, unpaired")
+    injections: dict[str, dict[str, dict[str, float]]] = {}
+    by_measured = {f"{lo:.3f}-{hi:.3f}": [0, 0] for lo, hi in MEASURED_BINS}
+    for ri, run in enumerate(runs):
+        inj = injections.setdefault(run.label, {})
+        for case, f in sorted(run.figures.items()):
+            if "A" not in f or "B" not in f:
                 continue
-            for b in d["benchmarks"]:
-                data = (b.get("stats") or {}).get("data") or []
-                if len(data) < need:
+            cl = f"run{ri + 1}:{case}"
+            n = min(len(v) for v in f.values())
+            for sl in _blocks(n, block):
+                a, b = f["A"][sl], f["B"][sl]
+                aa_ab.add(cl, *_two_sided([paired_verdict(case, x, y, "s", ab_cfg) for x, y in ((a, b), (b, a))]))
+                aa_st1.add(cl, *_two_sided([judge(_m(case, x), _m(case, y), st_cfg) for x, y in ((a, b), (b, a))]))
+            for variant in sorted(v for v in f if v not in ("A", "B")):
+                ppm = run.ppm_of.get(variant, 0)
+                nominal = ppm / 1e6
+                got = measured_injection(run, case, variant)
+                inj.setdefault(case, {})[variant] = got
+                tt = t(f"detection_rate_ab_{_pct(ppm)}", "in-run A/B", f"injected {nominal:.0%}, paired rounds",
+                       nominal)
+                if got < MIN_INJECT_FRACTION * nominal:
+                    tt.excluded[cl] = f"measured injection {got:+.2%} of a nominal {nominal:.0%}"
                     continue
-                case = (b.get("extra_info") or {}).get("case")
-                py_src.append(Source(b.get("fullname", b.get("name")), np.asarray(data, dtype=np.float64), "s",
-                                     "lower", _rel(p), case))
-    return gpu, res_src, py_src, envs
+                for sl in _blocks(n, block):
+                    pv = paired_verdict(case, f["A"][sl], f[variant][sl], "s", ab_cfg)
+                    v = pv.verdict == "regression"
+                    tt.add(cl, v, pv.slowdown)
+                    for lo, hi in MEASURED_BINS:
+                        if lo <= got < hi:
+                            by_measured[f"{lo:.3f}-{hi:.3f}"][0] += v
+                            by_measured[f"{lo:.3f}-{hi:.3f}"][1] += 1
+    spreads = aa_spreads(runs)
+    if len(runs) >= 2:
+        cross = CrossRun(dict(spreads), runs[0].env.gpu)
+        aa_x = t("false_alarm_rate_stored", "stored", "A/A across two fresh machines, unpaired")
+        for i in range(len(runs)):
+            for j in range(len(runs)):
+                if i == j:
+                    continue
+                for case in sorted(set(runs[i].figures) & set(runs[j].figures)):
+                    fi, fj = runs[i].figures[case], runs[j].figures[case]
+                    if not all(k in fi and k in fj for k in ("A", "B")):
+                        continue
+                    spread, how = cross.for_key(case, exclude_self=True)
+                    n = min(min(len(v) for v in fi.values()), min(len(v) for v in fj.values()))
+                    for sl in _blocks(n, block):
+                        for side in ("A", "B"):
+                            if i < j:  # each unordered pair of runs once, both orientations in one trial
+                                x, y = fi[side][sl], fj[side][sl]
+                                aa_x.add(case, *_two_sided([judge(_m(case, u), _m(case, w), st_cfg, spread, how)
+                                                            for u, w in ((x, y), (y, x))]))
+                        for variant in sorted(v for v in fj if v not in ("A", "B")):
+                            ppm = runs[j].ppm_of.get(variant, 0)
+                            nominal = ppm / 1e6
+                            tt = t(f"detection_rate_stored_{_pct(ppm)}", "stored",
+                                   f"injected {nominal:.0%}, baseline from the other machine", nominal)
+                            got = measured_injection(runs[j], case, variant)
+                            if got < MIN_INJECT_FRACTION * nominal:
+                                tt.excluded[case] = f"measured injection {got:+.2%} of a nominal {nominal:.0%}"
+                                continue
+                            v = judge(_m(case, fi["A"][sl]), _m(case, fj[variant][sl]), st_cfg, spread, how)
+                            tt.add(case, v.verdict == "regression", v.slowdown)
+    order = ["false_alarm_rate_ab", *[f"detection_rate_ab_{_pct(p)}" for p in ppms], "false_alarm_rate_stored",
+             "false_alarm_rate_stored_same_machine", *[f"detection_rate_stored_{_pct(p)}" for p in ppms]]
+    tallies = [T[k] for k in order if k in T]
+    return Analysis(tallies, injections, spreads, runs, block, ab_cfg, st_cfg,
+                    {k: (v[0], v[1]) for k, v in by_measured.items() if v[1]})
 
 
-def _rel(p: Path) -> str:
+def _fmt_rate(t: Tally) -> str:
+    lo, hi, n_eff, _ = t.interval()
+    clo, chi = t.conservative()
+    return (f"{t.rate:.1%} ({t.flagged}/{t.trials}; 95% {lo:.1%}-{hi:.1%} on n_eff {n_eff:.0f}, "
+            f"{clo:.1%}-{chi:.1%} on {len(t.clusters)} clusters)")
+
+
+def summary_lines(an: Analysis) -> list[str]:
+    lines = [f"Trials of {an.block} rounds; in-run rule: {an.ab_cfg.describe()}; stored rule: {an.st_cfg.describe()}.",
+             ""]
+    for t in an.tallies:
+        lines.append(f"- {t.mode}, {t.what}: {_fmt_rate(t)}" + (f"; left out: {len(t.excluded)}" if t.excluded else ""))
+    return lines
+
+
+def to_results(an: Analysis) -> tuple[Result, Result]:
+    """(gate.quality, gate.aa_spread) from an analysis of two or more runs."""
+    runs = an.runs
+    src_env = max((r.env for r in runs), key=lambda e: e.date)
+    from .results import _dirty, git_sha
+
+    env = dataclasses.replace(
+        src_env, date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), git_sha=git_sha(full=True),
+        git_dirty=_dirty(os.environ.get("MEGABENCH_SOURCE_TREE")), host=socket.gethostname(),
+        python=platform.python_version(), machine_kind="analysis of recorded quality runs")
+    series, derived = [], {}
+    for t in an.tallies:
+        per = {c: float(np.mean(v)) for c, v in t.clusters.items()}
+        if not per:
+            continue
+        lo, hi, n_eff, icc = t.interval()
+        clo, chi = t.conservative()
+        series.append(Series.from_samples(
+            t.measure, list(per.values()), timer="derived", unit="fraction",
+            params={"mode": t.mode, "what": t.what, "slowdown": t.slowdown, "block_rounds": an.block,
+                    "method": METHOD},
+            metrics={"flagged": t.flagged, "trials": t.trials, "clusters": len(per), "n_eff": n_eff, "icc": icc,
+                     "interval_by_clusters": [clo, chi], "per_cluster": per, "excluded": t.excluded,
+                     "gate_direction": "none"}))
+        target = TARGETS.get(t.measure)
+        note = ""
+        if target:
+            ok = t.rate <= target[1] if target[0] == "<=" else t.rate >= target[1]
+            note = f"target {target[0]} {target[1]:.0%}: {'met' if ok else 'NOT met'} by the point estimate"
+        derived[t.measure] = Derived(
+            t.rate, "fraction", f"{t.mode}: {t.what}: {t.flagged} of {t.trials} trials of {an.block} rounds flagged "
+            f"'regression', {len(per)} clusters, n_eff {n_eff:.1f} (ICC {icc:.2f}); 95% Wilson interval on n_eff "
+            f"(on the clusters alone: {clo:.1%}-{chi:.1%})", (lo, hi), (t.measure,), note)
+    for p_var in sorted({v for inj in an.injections.values() for c in inj.values() for v in c}):
+        vals = [c[p_var] for inj in an.injections.values() for c in inj.values() if p_var in c]
+        ppm = next((r.ppm_of[p_var] for r in runs if p_var in r.ppm_of), 0)
+        derived[f"injected_{_pct(ppm)}_measured"] = Derived(
+            float(np.median(vals)), "ratio", f"median over (run, case) of the measured injected slowdown at nominal "
+            f"{ppm / 1e6:.0%}: exp(median log(B@{p_var}/A)) less B's own offset, all rounds",
+            (float(np.min(vals)), float(np.max(vals))))
+    for k, (hit, n) in an.detection_by_measured.items():
+        lo, hi = (float(x) for x in k.split("-"))
+        derived[f"detection_ab_measured_{round(lo * 1000)}_{round(min(hi, 9.99) * 1000)}permille"] = Derived(
+            hit / n, "fraction", f"in-run detection of trials whose case's measured injection lies in "
+            f"[{lo:.1%}, {hi:.1%}): {hit} of {n}", wilson(hit, n))
+    inj_series = []
+    for run_label, cases in an.injections.items():
+        for case, vs in cases.items():
+            inj_series.append(Series.from_samples(
+                f"injection/{run_label}/{case}", list(vs.values()), timer="derived", unit="ratio",
+                params={"run": run_label, "case": case, "variants": list(vs)},
+                metrics={"measured": vs, "gate_direction": "none"}))
+    sources = [r.source for r in runs]
+    notes = (f"Method: {METHOD}. Runs: " + "; ".join(f"{r.label} ({_rel(r.source)})" for r in runs) + ".",
+             "In-run A/B: A and B are two worker processes of the same tree on one GPU, timed in alternating rounds "
+             "(microbench/gate_ab.py); an injected build spins MB_INJECT_PPM of each launch in its last block "
+             "(mb/inject.cuh), its measured size listed per case.",
+             "Stored: the stored rule on the same figures taken as unpaired samples; its cross-run noise for a case "
+             "is the pooled A/A spread of the other cases (leave-one-out).",
+             "An A/A trial is two-sided (either orientation called a regression): a CI run, one orientation, meets "
+             "about half the rate.",
+             "Confidence: trials of one cluster share its conditions; 95% Wilson intervals on n_eff = n / (1 + (m-1) "
+             "ICC), ICC from the outcomes (one-way ANOVA) or, when every outcome agrees, from the trials' estimated "
+             "slowdowns; 1 (n_eff = clusters) when neither varies. The interval on the clusters alone is beside it.",
+             *(["Only one run: the across-machine rates need two."] if len(runs) < 2 else []))
+    q = Result("gate.quality", env, tuple(series + inj_series), derived, quick=False, notes=notes)
+    aa = []
+    for case, s in sorted(an.spreads.items()):
+        meds = [float(np.median(r.figures[case][x])) for r in runs if case in r.figures for x in ("A", "B")
+                if x in r.figures[case]]
+        aa.append(Series.from_samples(case, meds, timer="derived", unit="s",
+                                      params={"key": case, "class": key_class(case), "runs": sources},
+                                      metrics={"spread": s, "gate_direction": "none"}))
+    pooled = float(np.percentile(list(an.spreads.values()), 90)) if an.spreads else float("nan")
+    aa_res = Result("gate.aa_spread", env, tuple(aa),
+                    {"pooled_p90": Derived(pooled, "ratio", "90th percentile of the per-series A/A cross-run spreads",
+                                           inputs=tuple(an.spreads))},
+                    quick=False, notes=(f"A/A cross-run spreads from {len(runs)} quality runs of one build on fresh "
+                                        f"machines: {', '.join(r.label for r in runs)}; per series the largest "
+                                        "|median_i / median_j - 1| over the cross-run pairs of the same build",))
+    return q, aa_res
+
+
+def _rel(p) -> str:
     try:
         return str(Path(p).resolve().relative_to(REPO_ROOT))
     except ValueError:
         return str(p)
 
 
-# ----------------------------------------------------------------------------- the estimate
-@dataclass
-class Tally:
-    mode: str
-    slowdown: float
-    per_source: dict[str, tuple[int, int]]  # name -> (flagged, trials)
+def run_analysis(paths: Sequence[Path] | None = None, save: bool = False, save_root: Path | None = None,
+                 block: int = BLOCK) -> tuple[Result, Result, str]:
+    runs = find_runs(paths)
+    if len(runs) < 2:
+        raise ResultsFileError(f"{len(runs)} gate.quality_run result(s) found in {paths or 'reports/results/gate'}: "
+                               "the across-machine rates need two (run `megabench gate --quality-run` on two fresh "
+                               "machines)")
+    gpus = {r.env.gpu for r in runs}
+    if len(gpus) > 1:
+        raise ResultsFileError(f"quality runs on different GPUs {sorted(map(str, gpus))}: analyse one GPU at a time")
+    hosts = [r.env.host for r in runs]
+    an = analyse(runs, block)
+    q, aa = to_results(an)
+    lines = [f"gate quality from {len(runs)} runs on {runs[0].env.gpu}: " + ", ".join(r.label for r in runs), ""]
+    if len(set(hosts)) < len(hosts):
+        lines.append(f"WARNING: runs share a host ({hosts}): not fresh machines")
+    lines += summary_lines(an)
+    lines += ["", "Measured injections (median over runs):"]
+    cases = sorted({c for inj in an.injections.values() for c in inj})
+    for c in cases:
+        vs: dict[str, list[float]] = {}
+        for inj in an.injections.values():
+            for v, x in inj.get(c, {}).items():
+                vs.setdefault(v, []).append(x)
+        lines.append(f"  {c}: " + ", ".join(f"{v} {np.median(x):+.2%}" for v, x in sorted(vs.items())))
+    if save:
+        p1, p2 = q.save(save_root), aa.save(save_root)
+        lines += ["", f"saved {p1}", f"saved {p2}"]
+    return q, aa, "\n".join(lines)
 
-    @property
-    def flagged(self) -> int:
-        return sum(k for k, _ in self.per_source.values())
 
-    @property
-    def trials(self) -> int:
-        return sum(n for _, n in self.per_source.values())
-
-    @property
-    def rate(self) -> float:
-        return self.flagged / self.trials if self.trials else float("nan")
-
-
-def spread_pick(items: Sequence, n: int) -> list:
-    """n items evenly spaced through `items` (deterministic), all of them if there are fewer."""
-    if len(items) <= n:
-        return list(items)
-    idx = np.unique(np.linspace(0, len(items) - 1, n).round().astype(int))
-    return [items[i] for i in idx]
+def pipeline_step(root: Path) -> str:
+    """`megabench run`'s gate-quality item: the analysis of the quality runs there are (under the
+    run's results root and the committed reports/results/gate), saved into the root when there are
+    two; the measurement itself is its own GPU command (about 3 minutes, twice)."""
+    paths = [p for p in dict.fromkeys([Path(root), REPO_ROOT / "reports" / "results" / "gate"]) if p.is_dir()]
+    runs = find_runs(paths)
+    if len(runs) < 2:
+        return (f"gate quality: {len(runs)} quality run(s) recorded; it is measured by `megabench gate --quality-run "
+                "--out DIR` on two fresh machines (about 3 minutes each), then `megabench gate --quality --save`")
+    _, _, text = run_analysis(paths, save=True, save_root=root)
+    return text
 
 
-def estimate(sources: Sequence[Source], cfg: GateConfig = GateConfig(), trials: int = 200,
-             slowdowns: Sequence[float] = SLOWDOWNS, seed: int = 0,
-             pairs: Sequence[tuple[Source, Source]] = (), max_sources: int = MAX_SOURCES) -> list[Tally]:
-    """Tallies per mode. At most `max_sources` series (evenly spaced by name) keep the cost bounded:
-    each trial is one Mann-Whitney test of up to MAX_HALF samples a side (~0.5 ms)."""
-    rng = np.random.default_rng(seed)
-    sources = [s for s in sources if s.samples.size >= 2 * cfg.min_samples]  # two halves of min_samples
-    sources = spread_pick(sorted(sources, key=lambda s: s.name), max_sources)
-    pairs = spread_pick(sorted(pairs, key=lambda p: p[0].name), max_sources)
-    out = [Tally("aa_random_halves", 0.0, {s.name: (aa_random(s, cfg, trials, rng), trials) for s in sources}),
-           Tally("aa_time_halves", 0.0, {s.name: (aa_time(s, cfg), 1) for s in sources})]
-    if pairs:
-        out.append(Tally("aa_across_runs", 0.0, {f"{a.name} vs {b.name}": (aa_cross(a, b, cfg, trials, rng), trials)
-                                                 for a, b in pairs}))
-    for sd in slowdowns:
-        out.append(Tally("injected", sd, {s.name: (injected(s, sd, cfg, trials, rng), trials) for s in sources}))
+# ----------------------------------------------------------------------------- the report
+WHAT = {"false_alarm_rate_ab": "false alarms (A/A)", "false_alarm_rate_stored": "false alarms (A/A across machines)",
+        "false_alarm_rate_stored_same_machine": "false alarms (A/A, one machine)"}
+
+
+def _what(key: str) -> str:
+    if key in WHAT:
+        return WHAT[key]
+    for p in ("ab", "stored"):
+        if key.startswith(f"detection_rate_{p}_"):
+            return f"detection of an injected {key.rsplit('_', 1)[1].replace('pct', '%')}"
+    return key
+
+
+def latest_quality(root: Path | None = None) -> tuple[Path, Result] | None:
+    """The newest gate.quality result of this method (a measurement from quality runs)."""
+    roots = list(dict.fromkeys([Path(root)] if root else [results_root(), REPO_ROOT / "reports" / "results"]))
+    best = None
+    for r in roots:
+        if not r.is_dir():
+            continue
+        for f in find("gate.quality", r):
+            res = load(f)
+            if res.benchmark == "gate.quality" and any(s.params.get("method") == METHOD for s in res.series):
+                if best is None or res.env.date > best[1].env.date:
+                    best = (f, res)
+    return best
+
+
+def trust_rows(root: Path | None = None) -> list[dict]:
+    """Rows for the report's trust box: one per mode, its false alarms and detections with their
+    intervals; empty when the gate's quality has not been measured by this method yet."""
+    got = latest_quality(root)
+    if got is None:
+        return []
+    _, r = got
+    rows = []
+    for mode, prefix in (("in-run A/B (`megabench gate --ab`)", "ab"), ("stored results", "stored")):
+        fa = r.derived.get("false_alarm_rate_ab" if prefix == "ab" else "false_alarm_rate_stored")
+        row = {"mode": mode}
+        row["false alarms"] = "" if fa is None else f"{fa.value:.1%} ({fa.spread[0]:.1%}-{fa.spread[1]:.1%})"
+        for pct in (2, 5, 10):
+            d = r.derived.get(f"detection_rate_{prefix}_{pct}pct")
+            row[f"detects {pct}%"] = "" if d is None else f"{d.value:.0%} ({d.spread[0]:.0%}-{d.spread[1]:.0%})"
+        row["measured"] = f"{r.env.date[:10]}, {r.env.gpu}"
+        rows.append(row)
+    return rows
+
+
+def trust_line(root: Path | None = None) -> str:
+    """One line for the report's trust box (under 300 characters): the measured rates of both
+    modes, or that they are not measured yet."""
+    got = latest_quality(root)
+    if got is None:
+        return ("Gate: its false-alarm and detection rates are not measured yet (`megabench gate --quality-run` on two "
+                "fresh machines, then `megabench gate --quality --save`).")
+    _, r = got
+
+    def rate(key, digits=1):
+        d = r.derived.get(key)
+        return "n/a" if d is None else f"{d.value:.{digits}%} ({d.spread[0]:.{digits}%}-{d.spread[1]:.{digits}%})"
+
+    return (f"Gate: in-run A/B false alarms {rate('false_alarm_rate_ab')}, detects 5% {rate('detection_rate_ab_5pct', 0)}"
+            f", 10% {rate('detection_rate_ab_10pct', 0)}; stored across machines: false alarms "
+            f"{rate('false_alarm_rate_stored')}, detects 5% {rate('detection_rate_stored_5pct', 0)} "
+            f"(`gate.quality` of {r.env.date[:10]}, 95% intervals).")
+
+
+def _wrap(text: str, width: int = 160) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""]
+
+
+def report_lines(root: Path | None = None, heading: str = "## How much to trust the gate") -> list[str]:
+    """The report's section on the gate's measured quality (markdown lines; prose wrapped at 160)."""
+    from tabulate import tabulate
+
+    out = [heading, ""]
+    got = latest_quality(root)
+    if got is None:
+        return out + _wrap(
+            "Not measured yet by the current method: run `megabench gate --quality-run --out DIR` on two fresh H200 "
+            "machines (about 3 minutes each), commit both `gate.quality_run` results, then `megabench gate --quality "
+            "--save`. Earlier `gate.quality` files (2026-11-29) replayed the gate on halves of recorded samples: a 5% "
+            "floor guaranteed their 0% false alarms and SMs of one launch counted as trials, so they did not measure "
+            "this gate.") + [""]
+    path, r = got
+    rows = []
+    for k, d in r.derived.items():
+        s = next((s for s in r.series if s.name == k), None)
+        if s is None:
+            continue
+        by_cl = s.metrics.get("interval_by_clusters") or [None, None]
+        rows.append({"mode": s.params.get("mode"), "measure": _what(k), "rate": f"{d.value:.1%}",
+                     "95% interval (n_eff)": f"{d.spread[0]:.1%}-{d.spread[1]:.1%}" if d.spread else "",
+                     "95% (clusters only)": f"{by_cl[0]:.1%}-{by_cl[1]:.1%}" if by_cl[0] is not None else "",
+                     "trials": f"{s.metrics.get('flagged')} of {s.metrics.get('trials')}",
+                     "clusters / n_eff": f"{s.metrics.get('clusters')} / {s.metrics.get('n_eff', 0):.0f}",
+                     "target": d.note.replace("target ", "") if d.note else ""})
+    out += _wrap(f"Measured {r.env.date[:10]} on {r.env.gpu} (`{_rel(path)}`): the gate's own verdicts on two quality "
+                 "runs of one build on fresh machines, with slowdowns injected into the kernels (`megabench gate "
+                 "--quality-run`; method in `microbench/gate_quality.py`).")
+    out += ["", tabulate(rows, headers="keys", tablefmt="github"), ""]
+    inj = [(k, d) for k, d in r.derived.items() if k.startswith("injected_")]
+    if inj:
+        out += _wrap("Injected slowdowns as measured (median over runs and cases, min-max): " + "; ".join(
+            f"nominal {k.split('_')[1].replace('pct', '%')}: {d.value:+.2%} ({d.spread[0]:+.2%}..{d.spread[1]:+.2%})"
+            for k, d in inj) + ".") + [""]
+    for n in r.notes:
+        out += _wrap(f"Note: {n}") + [""]
     return out
 
 
-def pair_runs(res_src: Sequence[Source], py_src: Sequence[Source]) -> list[tuple[Source, Source]]:
-    """The same case recorded by a result series and by a pytest-benchmark run."""
-    by_case = {}
-    for s in res_src:
-        by_case.setdefault(s.case, s)
-    return [(by_case[p.case], p) for p in py_src if p.case and p.case in by_case]
+# ----------------------------------------------------------------------------- CLI
+def cmd_quality_run(args) -> int:
+    from .gate_ab import synthetic_specs
+
+    cfg = ABConfig(floor=args.ab_floor, alpha=args.alpha, min_rounds=args.min_rounds)
+    backend, spec = "pytest", None
+    if args.backend and args.backend != "pytest":
+        kind, _, sp = args.backend.partition(":")
+        if kind != "synthetic" or not sp:
+            print(f"megabench gate: --backend {args.backend!r}: 'pytest' or 'synthetic:SPEC.json'", file=sys.stderr)
+            return 2
+        backend = "synthetic"
+        spec = synthetic_specs(Path(sp))[0]
+    if args.out is None:
+        print("megabench gate --quality-run: give --out DIR", file=sys.stderr)
+        return 2
+    quality_run(args.out, args.rounds or ROUNDS, cfg, backend, spec)
+    return 0
 
 
-def derived_key(t: Tally) -> str:
-    if t.mode == "injected":
-        return f"detection_rate_{round(t.slowdown * 100):d}pct"
-    return {"aa_random_halves": "false_alarm_rate", "aa_time_halves": "false_alarm_rate_time_halves",
-            "aa_across_runs": "false_alarm_rate_across_runs"}[t.mode]
-
-
-def to_result(gpu: str, tallies: Sequence[Tally], cfg: GateConfig, trials: int, envs: Sequence[Env],
-              origins: Sequence[str]) -> Result:
-    series, derived = [], {}
-    for t in tallies:
-        per = {n: (k / n_ if n_ else float("nan")) for n, (k, n_) in t.per_source.items()}
-        if not per:
-            continue
-        name = t.mode if t.mode != "injected" else f"injected/{t.slowdown:.0%}"
-        series.append(Series.from_samples(
-            name, list(per.values()), timer="derived", unit="fraction",
-            params={"mode": t.mode, "slowdown": t.slowdown, "trials_per_source": trials if t.mode != "aa_time_halves"
-                    else 1, "sources": len(per)},
-            metrics={"flagged": t.flagged, "trials": t.trials, "per_source": per, "gate_direction": "none"}))
-        lo, hi = wilson(t.flagged, t.trials)
-        what = "false alarms" if t.slowdown == 0 else f"detections of an injected {t.slowdown:.0%} slowdown"
-        derived[derived_key(t)] = Derived(
-            t.rate, "fraction",
-            f"{what}: {t.flagged} of {t.trials} gate verdicts over {len(per)} recorded series ({t.mode}); "
-            f"gate rule: {cfg.describe()}; spread: 90% Wilson interval", (lo, hi), (name,))
-    if not envs:
-        raise ResultsFileError(f"no recorded results for {gpu}: nothing to estimate the gate's quality from")
-    src_env = max(envs, key=lambda e: e.date)
-    from .results import _dirty, git_sha
-
-    env = dataclasses.replace(
-        src_env, date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        git_sha=git_sha(full=True),
-        git_dirty=_dirty(os.environ.get("MEGABENCH_SOURCE_TREE")),
-        host=socket.gethostname(), python=platform.python_version(), machine_kind="analysis of recorded samples")
-    notes = (f"Computed from samples recorded on {gpu}; GPU fields of env describe where they were measured, "
-             f"date/git/host/python the analysis. Sources: {', '.join(sorted(set(origins)))}.",
-             "Random halves of one run share its conditions (optimistic); time-ordered halves and across-runs "
-             "pairs include drift.",
-             "Across-runs pairs put the harness's chunked series beside pytest-benchmark's one-sample rounds of "
-             "the same case: their difference includes the two procedures', so that rate bounds from above what "
-             "repeated runs of one procedure would show.")
-    return Result("gate.quality", env, tuple(series), derived, quick=True, notes=notes)
-
-
-def run_quality(root: Path | None = None, bench_dir: Path | None = None, cfg: GateConfig = GateConfig(),
-                trials: int = 200, save: bool = False, gpu: str | None = None, assume_gpu: str | None = None,
-                seed: int = 0, save_root: Path | None = None) -> tuple[Result, str]:
-    gpu, res_src, py_src, envs = gather_sources(root, bench_dir, gpu, cfg, assume_gpu)
-    if gpu is None or not any(s.samples.size >= 2 * cfg.min_samples for s in [*res_src, *py_src]):
-        raise ResultsFileError(f"no recorded series with >= {2 * cfg.min_samples} samples under "
-                               f"{root or results_root()}: nothing to estimate the gate's quality from")
-    pairs = pair_runs(res_src, py_src)
-    tallies = estimate([*res_src, *py_src], cfg, trials, SLOWDOWNS, seed, pairs)
-    res = to_result(gpu, tallies, cfg, trials, envs, [s.origin for s in [*res_src, *py_src]])
-    n_split = min(MAX_SOURCES, sum(s.samples.size >= 2 * cfg.min_samples for s in [*res_src, *py_src]))
-    lines = [f"gate quality on {gpu}: {n_split} recorded series, {len(pairs)} cross-run pairs, "
-             f"{trials} trials each", f"rule: {cfg.describe()}"]
-    for k, d in res.derived.items():
-        lines.append(f"  {k:32s} {d.value:7.2%}  (90% CI {d.spread[0]:.2%}-{d.spread[1]:.2%})")
-    if save:
-        p = res.save(save_root)
-        lines.append(f"saved {p}")
-    return res, "\n".join(lines)
+def cmd_quality(args) -> int:
+    q, aa, text = run_analysis(args.quality or None, save=args.save, save_root=args.results)
+    print(text)
+    return 0

@@ -4,8 +4,10 @@ With a GPU (default: quick, within BUDGET_S = 5 minutes on one H200):
                1 microbenchmarks: every registered class but `model` (registry, quick sweeps), each
                  result saved as a new file; they feed every tuned constant
                2 cross-GPU microbenchmarks (microbench/xgpu under torchrun) with 2+ GPUs, else skipped
-               3 gate quality from the recorded samples (gate.quality result)
-               4 tune (a new constants revision when anything changed)
+               3 gate quality from the recorded quality runs (gate.quality result; the GPU runs are
+                 `megabench gate --quality-run`, microbench/gate_quality.py)
+               4 tune (a new constants revision when anything changed; the megakernel builds
+                 the ADOPTED revision, microbench/adopt.py, not necessarily this one)
                5 megakernel (megakernel.pipeline.Stage): its builds compiled in parallel, checks
                  (bitwise mega == chain, the reference, greedy decoding), then chain and mega timed at
                  the headline points (shard8 T=16 / T=1 at ctx 2048, small T=16 / T=1 at 512), the
@@ -123,10 +125,30 @@ class _Run:
     def tune(self, out_dir: Path | None) -> Path:
         cur = _tune(self.root, out_dir)
         if self.mega is not None:
-            from .tune import load_constants
-
-            self.mega.constants = load_constants(cur)  # the fresh revision, for the megakernel's builds
+            self.mega.constants = build_constants(cur)  # the adopted revision, not necessarily the fresh one
         return cur
+
+
+def build_constants(current: Path):
+    """The constants the megakernel stage builds from: the revision adopted in the constants folder
+    of `current` (microbench/adopt.py), not the one tune has just written. A re-tuned ring or budget
+    reaches the build only after it has been measured and adopted (issue 45: a fresh run re-tuned
+    the ring and the L2 budget and the megakernel built from them unmeasured). Without an adoption
+    there, the fresh revision, said out loud."""
+    from .adopt import load_adopted, load_adoption
+    from .tune import load_constants
+
+    fresh = load_constants(current)
+    rec = load_adoption(fresh.gpu, current.parent)
+    if rec is None:
+        print(f"megakernel: WARNING: no adopted constants revision in {current.parent / 'adopted'}; building from "
+              f"revision {fresh.revision}, which tune has just written and nothing has measured", flush=True)
+        return fresh
+    if rec["revision"] != fresh.revision:
+        print(f"megakernel: builds the adopted revision {rec['revision']}, not revision {fresh.revision} that tune has "
+              f"just written; to move the build: MEGABENCH_CONSTANTS={current.parent}/history/<its file> "
+              "python -m megakernel.cli check-and-bench, then `megabench adopt`", flush=True)
+    return load_adopted(fresh.gpu, current.parent)
 
 
 def _selected(classes) -> tuple[dict, bool]:
@@ -244,10 +266,9 @@ def _xgpu(full: bool) -> None:
 
 
 def _quality(root: Path):
-    from .gate_quality import run_quality
+    from .gate_quality import pipeline_step
 
-    _, text = run_quality(root, None, trials=100, save=True, save_root=root)  # seconds, not minutes
-    print(text)
+    print(pipeline_step(root))  # the analysis of recorded quality runs: seconds, no GPU
 
 
 def _tune_cpu(root: Path, args) -> Path:

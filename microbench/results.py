@@ -110,6 +110,10 @@ class Env:
     host: str
     date: str  # ISO 8601 UTC
     machine_kind: str | None = None  # e.g. "nvidia-h200" (MEGABENCH_MACHINE_KIND)
+    # the tuned constants a megakernel build read (megakernel results only; None elsewhere):
+    # the revision number and the file, as megakernel/pipeline.py tuned() loaded them
+    constants_revision: int | None = None
+    constants_file: str | None = None
 
     @classmethod
     def capture(cls, gpu_index: int | None = 0) -> Env:
@@ -198,17 +202,44 @@ class Series:
         s = tuple(float(v) for v in samples)
         summ = Summary.of(s)
         achieved = frac = None
+        warnings = tuple(warnings)
         if bound is not None:
             if bound.kind in ("bandwidth", "throughput"):
                 if work is None:
                     raise ValueError(f"series {name}: a {bound.kind} bound needs `work` per sample")
-                achieved = work / summ.median
-                frac = achieved / bound.value
+                achieved = work / summ.median if summ.median > 0 else None
+                frac = achieved / bound.value if achieved is not None else None
             else:
                 achieved = summ.median
-                frac = bound.value / summ.median if summ.median else None
+                # a time at or below zero (an empty loop subtracted, below the timer's resolution)
+                # has no fraction of any bound: reported as None, never as a negative percentage
+                frac = bound.value / summ.median if summ.median > 0 else None
+            warnings += bound_warnings(frac, summ.median, bound)
         return cls(name, dict(params or {}), timer, unit, s, summ, bound, achieved, frac, dict(clocks or {}),
-                   dict(metrics or {}), tuple(warnings))
+                   dict(metrics or {}), warnings)
+
+
+BEATEN_TOLERANCE = 0.01  # a measurement this far past its bound is noise; further, the bound is not one
+
+
+def bound_warnings(frac: float | None, median: float, bound: Bound) -> tuple[str, ...]:
+    """What a reader must know about a fraction of bound: a median at or below zero has none, and
+    a fraction above 100% (beyond noise) means the stated bound is not a bound of this quantity."""
+    if median <= 0:
+        return (f"median {median:.3g} <= 0 (below the timer's resolution after subtraction): no fraction of bound",)
+    if frac is not None and frac > 1.0 + BEATEN_TOLERANCE:
+        return (f"beats its stated bound ({bound.kind} {bound.value:.4g} {bound.unit}) by x{frac:.2f}: not a bound "
+                "of this quantity",)
+    return ()
+
+
+def spread_contains(d: Derived, rel: float = 1e-9) -> bool:
+    """Whether a derived value lies inside its own spread (True when it has none)."""
+    if not d.spread:
+        return True
+    lo, hi = d.spread
+    tol = rel * max(abs(d.value), abs(lo), abs(hi), 1e-300)
+    return lo - tol <= d.value <= hi + tol
 
 
 @dataclass(frozen=True)
@@ -294,8 +325,26 @@ class Result:
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"malformed result ({e.__class__.__name__}: {e})") from None
 
+    def with_spreads_checked(self) -> Result:
+        """This result, every derived spread made to contain its value: a spread that does not
+        (a rule's bug) is widened to include it and says so in the note, so a run's data is never
+        lost over it. tests/test_spreads.py fails on any committed or re-derived value outside its
+        spread, so a widened spread is a bug to fix, not a state to keep."""
+        fixed = {}
+        for k, d in self.derived.items():
+            if spread_contains(d):
+                fixed[k] = d
+                continue
+            lo, hi = d.spread
+            fixed[k] = dataclasses.replace(d, spread=(min(lo, d.value), max(hi, d.value)), note=(
+                (d.note + "; " if d.note else "") + f"SPREAD WIDENED: the rule's interval [{lo:.6g}, {hi:.6g}] did not "
+                "contain the value"))
+        return dataclasses.replace(self, derived=fixed) if fixed != dict(self.derived) else self
+
     def save(self, root: Path | None = None) -> Path:
-        """Write atomically under <root>/<class>/; never replaces an existing file."""
+        """Write atomically under <root>/<class>/; never replaces an existing file. A derived
+        spread that does not contain its value is widened first (with_spreads_checked)."""
+        self = self.with_spreads_checked()
         root = Path(root) if root else results_root()
         cls_dir = root / self.benchmark.split(".")[0]
         cls_dir.mkdir(parents=True, exist_ok=True)

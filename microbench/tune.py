@@ -117,23 +117,33 @@ def _as_value(spec: ConstantSpec, v: float, where: str) -> tuple[float | int, st
     return float(v), ""
 
 
-def collect(root: Path | None = None, gpu: str | None = None) -> tuple[str | None, dict[str, Entry]]:
+def collect(root: Path | None = None, gpu: str | None = None,
+            pins: Mapping | None = None) -> tuple[str | None, dict[str, Entry]]:
     """Resolve every constant for `gpu` (default: the newest result's GPU) from results under `root`.
+
+    Each value is the latest result's, re-derived with the current rule from its recorded samples
+    where the rule changed since (microbench/rederive.py; the provenance says so). `pins`
+    ({name: adopt.Pin}, tune passes the constants folder's pins file) hold a constant at its
+    pinned value, with the reason and what the result measured beside it.
 
     Raises ResultsFileError for a malformed result file, a unit that disagrees with the spec, a
     non-finite value or a rule-less derivation: those are bugs to fix, not gaps to paper over.
     """
+    from . import rederive
+
     root = Path(root) if root else results_root()
     gpu = gpu or default_gpu(root)
-    cache: dict[str, tuple[Result | None, Path | None]] = {}
+    cache: dict[str, tuple[Result | None, Path | None, dict, set]] = {}
     out: dict[str, Entry] = {}
     for spec in SPECS:
         if spec.benchmark not in cache:
             files = find(spec.benchmark, root, gpu) if gpu else []
-            cache[spec.benchmark] = (load(files[-1]), files[-1]) if files else (None, None)
-        res, path = cache[spec.benchmark]
-        if res is not None and spec.derived_key in res.derived:
-            d = res.derived[spec.derived_key]
+            res0 = load(files[-1]) if files else None
+            cache[spec.benchmark] = ((res0, files[-1], rederive.derived(res0), rederive.rederived_keys(res0))
+                                     if res0 is not None else (None, None, {}, set()))
+        res, path, derived, redone = cache[spec.benchmark]
+        if res is not None and spec.derived_key in derived:
+            d = derived[spec.derived_key]
             where = f"{path} (derived {spec.derived_key!r})"
             if d.unit != spec.unit:
                 raise ResultsFileError(f"{where}: unit {d.unit!r} but constant {spec.name} is in {spec.unit!r} "
@@ -146,6 +156,11 @@ def collect(root: Path | None = None, gpu: str | None = None) -> tuple[str | Non
                     "git_sha": res.env.git_sha, "git_dirty": res.env.git_dirty, "quick": res.quick,
                     "rule": d.rule, "spread": list(d.spread) if d.spread else None, "inputs": list(d.inputs),
                     "note": "; ".join(x for x in (d.note, note) if x)}
+            if spec.derived_key in redone:
+                was = res.derived.get(spec.derived_key)
+                prov["rederived"] = (f"re-derived with the current rule from the samples recorded in {_rel(path)}"
+                                     + (f" (the file records {was.value!r})" if was is not None else
+                                        " (the file predates the key)"))
             out[spec.name] = Entry(spec, value, "measured", prov)
         else:
             if res is None:
@@ -158,17 +173,25 @@ def collect(root: Path | None = None, gpu: str | None = None) -> tuple[str | Non
                     "date": None, "gpu": None, "gpu_key": None, "git_sha": None, "rule": DEFAULT_RULE,
                     "spread": None, "reason": why}
             out[spec.name] = Entry(spec, value, "default", prov)
+    if pins:
+        from .adopt import pinned_entries
+
+        for name, (value, prov) in pinned_entries(gpu, out, pins=pins).items():
+            out[name] = Entry(BY_NAME[name], value, "pinned", prov)
     return gpu, out
 
 
 def render(gpu: str | None, entries: Mapping[str, Entry], root: Path | None = None) -> dict:
     """The constants document (without revision bookkeeping)."""
     defaults = [n for n, e in entries.items() if e.source == "default"]
+    pinned = [n for n, e in entries.items() if e.source == "pinned"]
     keys = sorted({e.provenance.get("gpu_key") for e in entries.values() if e.provenance.get("gpu_key")})
     doc = {"schema": SCHEMA, "version": VERSION}
     if defaults:
         doc["WARNING"] = (f"{len(defaults)} of {len(entries)} constants are conservative DEFAULTS, not measured: "
                           + ", ".join(defaults) + ". Run their benchmarks (megabench run) and tune again.")
+    if pinned:
+        doc["pinned"] = pinned
     doc.update({
         "defaults_used": defaults,
         "gpu": gpu,
@@ -303,8 +326,11 @@ def check_gpu(gpu: str | None, root: Path | None = None, new_gpu: bool = False) 
 def _document(root, gpu, out_dir, only, new_gpu: bool = False) -> tuple[str | None, dict]:
     """collect, `only` applied (tune --only), rendered: what tune writes and --dry-run prints.
     Bad input (missing folder, unreadable result, unknown GPU) is refused here, before any write."""
+    from .adopt import load_pins
+
     check_gpu(gpu, root, new_gpu)
-    gpu, entries = collect(root, gpu)
+    gpu = gpu or default_gpu(Path(root) if root else results_root())
+    gpu, entries = collect(root, gpu, pins=load_pins(gpu, out_dir))
     if only and gpu:
         entries = _keep_current(gpu, entries, only, out_dir)
     return gpu, render(gpu, entries, root)
@@ -466,8 +492,10 @@ def from_document(doc, source: str = "<dict>", gpu: str | None = None) -> TunedC
         if s.integer and val != int(val):
             raise bad(f"{s.name}: value {val!r} must be an integer")
         src = e.get("source")
-        if src not in ("measured", "default"):
-            raise bad(f"{s.name}: source {src!r}, expected 'measured' or 'default'")
+        if src not in ("measured", "default", "pinned"):
+            raise bad(f"{s.name}: source {src!r}, expected 'measured', 'default' or 'pinned'")
+        if src == "pinned" and not str(e.get("rule", "")).strip():
+            raise bad(f"{s.name}: pinned without a reason (its rule)")
         if src == "measured":
             lacking = [k for k in PROVENANCE_KEYS if k not in e or (e[k] in (None, "") and k != "spread")]
             if lacking:

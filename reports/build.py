@@ -38,7 +38,7 @@ from microbench.results import REPO_ROOT, Result, find, load, results_root
 
 from . import megakernel as mk
 from . import paper, plots, summary
-from .fmt import Footnotes, fmt, fmt_params, fmt_spread, md_escape, wrap
+from .fmt import Footnotes, fmt, fmt_fraction, fmt_params, fmt_spread, md_escape, wrap
 
 CLASS_INFO = {
     "basics": ("Launch overhead and copy bandwidth",
@@ -178,55 +178,14 @@ class Context:
 # ----------------------------------------------------------------------------- the study beside ours
 def paper_value(ctx: Context, f: dict) -> tuple[str, str]:
     """(ours, how ours is obtained) for one of the study's figures; ours is "-" where nothing here
-    corresponds to it and "not measured yet" where something would."""
-    import re
+    corresponds to it and "not measured yet" where something would (reports/study.py: the rules,
+    pinned constants and values re-derived with the current rule)."""
+    from . import study
 
-    o = f.get("ours")
-    ours, how = "not measured yet", ""
-    if o is None:
-        return "-", f.get("note", "no counterpart measured here")
-    if o["kind"] == "constant":
-        e = ctx.tune_entries.get(o["name"])
-        if e is not None and e.source == "measured":
-            sp = e.provenance.get("spread")
-            ours = fmt(e.value, e.spec.unit) + (f" ({fmt_spread(sp, e.spec.unit)})" if sp else "")
-            how = f"tuned `{o['name']}` from `{e.spec.benchmark}`"
-        else:
-            how = f"tuned `{o['name']}` (default {fmt(e.value, e.spec.unit)} until measured)" if e else o["name"]
-    elif o["kind"] == "derived":
-        found = []
-        for r in ctx.cat.latest_all():
-            if o.get("benchmark") is not None and r.benchmark != o["benchmark"]:
-                continue
-            for k in sorted(r.derived):
-                if k == o["key"] or (o.get("key_regex") and re.fullmatch(o["key_regex"], k)):
-                    found.append((k != o["key"], k, r))
-        if found:
-            _, k, r = min(found, key=lambda t: (t[0], t[1]))  # the exact key first, else the first match
-            d = r.derived[k]
-            unit = o.get("unit") or ("fraction" if f["unit"] == "fraction" and d.unit in ("", "fraction")
-                                     else ("x" if f["unit"] == "x" and d.unit == "" else d.unit))
-            ours = fmt(d.value, unit) + (f" ({fmt_spread(d.spread, unit)})" if d.spread else "")
-            how = f"`{r.benchmark}` derived `{k}`"
-        else:
-            what = o["key"] if not o.get("key_regex") else f"{o['key']}` or `{o['key_regex']}"
-            how = f"expects derived `{what}`" + (f" in `{o['benchmark']}`" if o.get("benchmark") else "")
-        if f.get("note_ours"):
-            how += f"; {f['note_ours']}"
-    elif o["kind"] == "env":
-        envs = ctx.cat.envs()
-        if envs:
-            v = getattr(max(envs, key=lambda x: x.date), o["field"], None)
-            if v is not None:
-                ours, how = fmt(v, f["unit"]), f"driver attribute `{o['field']}`"
-    elif o["kind"] == "megakernel":
-        got = mk.figure_value(ctx.step_rows, ctx.timeline, o)
-        if got:
-            ours, how = fmt(got[0], got[1]), got[2]
-        else:
-            how = f"from model.* / megakernel.* results ({o['metric']})"
-    if f.get("note"):
-        how = (how + "; " if how else "") + f["note"]
+    ours, how = study._ours(ctx, f)
+    for extra in (f.get("note_ours"), f.get("note") if f.get("ours") is not None else None):
+        if extra:
+            how = (how + "; " if how else "") + extra
     return ours, how
 
 
@@ -236,9 +195,12 @@ def _paper_rows(ctx: Context, figs: Sequence[dict], notes: Footnotes) -> list[di
     for f in figs:
         if f.get("ours") is None:
             continue
+        from . import study
+
         ours, how = paper_value(ctx, f)
         rows.append({"quantity": f["quantity"], f"study ({paper.setup('gb300')['short']})": paper.value_text(f),
-                     f"ours ({ctx.cat.gpu or 'no GPU yet'})": ours, "how ours is obtained": notes.cell(how, 80)})
+                     f"ours ({ctx.cat.gpu or 'no GPU yet'})": ours, "like for like?": notes.cell(study.like_for_like(f), 60),
+                     "how ours is obtained": notes.cell(how, 80)})
     return rows
 
 
@@ -254,14 +216,18 @@ def _study_table(ctx: Context, figs: Sequence[dict], lead: str) -> list[str]:
 def _derived_rows(results: Sequence[Result], notes: Footnotes, keep=lambda r, k: True) -> list[dict]:
     from microbench.constants import SPECS
 
+    from microbench import rederive
+
     tuned = {(s.benchmark, s.derived_key): s.name for s in SPECS}
     rows = []
     for r in results:
-        for k, d in r.derived.items():
+        redone = rederive.rederived_keys(r)
+        for k, d in rederive.derived(r).items():
             if not keep(r, k):
                 continue
             t = tuned.get((r.benchmark, k))
-            rows.append({"result": f"`{r.benchmark}`", "derived": k + (f" (tuned `{t}`)" if t else ""),
+            rows.append({"result": f"`{r.benchmark}`", "derived": k + (f" (tuned `{t}`)" if t else "")
+                         + (" (re-derived with the current rule)" if k in redone else ""),
                          "value": fmt(d.value, d.unit), "spread": fmt_spread(d.spread, d.unit),
                          "rule": notes.ref(d.rule), "note": notes.cell(d.note, 60)})
     return rows
@@ -584,16 +550,21 @@ def section_constants(ctx: Context) -> list[str]:
         out += [*wrap(f"> **Warning: {len(defaults)} of {len(ents)} constants are conservative defaults, not "
                       f"measurements:** {', '.join(f'`{n}`' for n in defaults)}. The megakernel build runs with them "
                       "(correct, not fast) until their benchmarks report.", rest="> "), ""]
-    out += [*wrap("What `megabench tune` derives from these results (the megakernel build reads the same values "
-                  "from `reports/constants/<gpu>.json`). Near-ties follow each benchmark's stated rule."), ""]
+    out += [*wrap("What `megabench tune` derives from these results, each with the current rule (re-derived from the "
+                  "recorded samples where a rule changed since the run), pinned constants held at their pin. The "
+                  "megakernel build reads an adopted revision, not these (below). Near-ties follow each benchmark's "
+                  "stated rule."), ""]
     notes = Footnotes("Rules")
     rows = []
     for n, e in ents.items():
         p = e.provenance
-        measured = e.source == "measured"
-        rows.append({"constant": n, "value": fmt(e.value, e.spec.unit), "source": e.source if measured else "**default**",
+        measured = e.source in ("measured", "pinned")
+        pinned = (f"; measured {fmt(p.get('measured_value'), e.spec.unit)}" if e.source == "pinned" else "")
+        rows.append({"constant": n, "value": fmt(e.value, e.spec.unit),
+                     "source": {"measured": "measured", "pinned": "**pinned**"}.get(e.source, "**default**"),
                      "benchmark": p["benchmark"] + ":" + p["derived_key"],
-                     "result": (f"`{Path(p['result_file']).name}`" if measured else notes.cell(p.get("reason", ""), 60)),
+                     "result": ((f"`{Path(p['result_file']).name}`" if p.get("result_file") else "") + pinned
+                                if measured else notes.cell(p.get("reason", ""), 60)),
                      "spread": fmt_spread(p.get("spread"), e.spec.unit),
                      "rule": notes.ref(p["rule"] if measured else "documented default (microbench/constants.py)")})
     out += [_table(rows), "", *notes.lines()]
@@ -710,7 +681,7 @@ def _series_rows(r: Result, skip=lambda s: False) -> tuple[list[dict], list[str]
                "IQR": f"{fmt(s.summary.iqr, s.unit)} ({s.summary.rel_iqr:.1%})" if s.summary.median else fmt(s.summary.iqr, s.unit),
                "timer": s.timer, "bound": btxt,
                "achieved": fmt(s.achieved, b.unit) if (b is not None and s.achieved is not None) else "",
-               "fraction of bound": f"{s.fraction_of_bound:.1%}" if s.fraction_of_bound is not None else ""}
+               "fraction of bound": fmt_fraction(s)}
         if any_warn:
             row["warnings"] = "; ".join(s.warnings)
         rows.append(row)
@@ -771,32 +742,10 @@ def appendix_no_counterpart(ctx: Context) -> list[str]:
 
 
 def appendix_quality(ctx: Context) -> list[str]:
-    out = [f"{APPENDIX} E. How much to trust the gate", ""]
-    got = ctx.cat.latest("gate.quality")
-    if got is None:
-        return out + ["Not computed yet for this GPU: run `megabench gate --quality --save`.", ""]
-    path, r = got
-    rows = []
-    for k, d in r.derived.items():
-        s = next((s for s in r.series if s.name in d.inputs), None)
-        rows.append({"measure": summary.GATE_RATES.get(k, k), "rate": f"{d.value:.1%}",
-                     "90% interval": f"{d.spread[0]:.1%}-{d.spread[1]:.1%}" if d.spread else "",
-                     "verdicts": f"{s.metrics.get('flagged')} of {s.metrics.get('trials')}" if s else "",
-                     "series": s.params.get("sources") if s else ""})
-    rule = next(iter(r.derived.values())).rule.split("gate rule: ")[-1].split("; spread")[0] if r.derived else ""
-    out += [*wrap(f"Estimated {r.env.date[:10]} from samples recorded on {r.env.gpu} (`{_rel(path)}`). Gate rule: {rule}."),
-            "", _table(rows), ""]
-    across = next((s for s in r.series if s.params.get("mode") == "aa_across_runs"), None)
-    if across is not None:
-        out += ["Across-runs pairs (the same case recorded by two runs of one build):", "",
-                _table([{"pair": k, "flagged": f"{v:.0%}"} for k, v in across.metrics.get("per_source", {}).items()]),
-                ""]
-    for n in r.notes:
-        out += wrap(f"Note: {n}")
-        out.append("")
-    for p, cap in plots.quality_plot(r, ctx.fig_dir):
-        out += ctx.fig_link(p, cap)
-    return out
+    """The gate's measured false-alarm and detection rates (microbench/gate_quality.py owns the text)."""
+    from microbench.gate_quality import report_lines
+
+    return report_lines(ctx.cat.root, heading=f"{APPENDIX} E. How much to trust the gate")
 
 
 def appendix_environment(ctx: Context) -> list[str]:
@@ -842,7 +791,10 @@ def render(ctx: Context, gpu_present: bool, bench_dir: Path | None, baseline: Pa
         n += 1
     body += section_megakernel(ctx, n)
     body += section_changes(ctx, bench_dir, baseline)
-    body += section_constants(ctx)
+    from . import crosscheck
+
+    body += crosscheck.section(ctx)
+    body += section_constants(ctx) + crosscheck.adoption_lines(ctx)
     body += appendix_ablations(ctx) + appendix_timelines(ctx) + appendix_series(ctx)
     body += appendix_no_counterpart(ctx) + appendix_quality(ctx) + appendix_environment(ctx)
     toc = [f"- [{h.lstrip('#').strip()}](#{_anchor(h)})" for h in body if h.startswith("## ")]
@@ -874,7 +826,9 @@ def build(root: Path | None = None, out_dir: Path | None = None, bench_dir: Path
         raise ResultsFileError(f"{cat.root}: no results for GPU {gpu!r} (there are: {', '.join(cat.other_gpus) or 'none'})")
     tune_err = None
     try:
-        _, entries = collect(cat.root, cat.gpu)
+        from microbench.adopt import load_pins
+
+        _, entries = collect(cat.root, cat.gpu, pins=load_pins(cat.gpu))
     except Exception as e:
         entries, tune_err = {}, str(e)
     tl = cat.latest("megakernel.timeline")
@@ -935,7 +889,9 @@ def readme_block(root: Path | None = None, gpu: str | None = None) -> str:
 
     cat = Catalog.load(root, gpu)
     try:
-        _, entries = collect(cat.root, cat.gpu)
+        from microbench.adopt import load_pins
+
+        _, entries = collect(cat.root, cat.gpu, pins=load_pins(cat.gpu))
     except Exception:
         entries = {}
     baseline_runs = [r for b, rs in cat.runs.items() if b.startswith("model.") for _, r in rs]

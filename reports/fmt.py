@@ -121,3 +121,17 @@ class Footnotes:
         for i, t in enumerate(self.texts):
             out += wrap(md_escape(t), first=f"- [{i + 1}] ", rest="  ")
         return out + [""]
+
+
+def fmt_fraction(series) -> str:
+    """A series' fraction of its bound: never negative, and flagged when above 100% (the stated
+    bound is then not a bound of that quantity). Results recorded before Series.from_samples
+    refused them still carry such fractions."""
+    f = series.fraction_of_bound
+    if f is None:
+        return ""
+    if series.summary.median <= 0 or f < 0:
+        return "n/a (median <= 0: below the timer's resolution)"
+    if f > 1.01:
+        return f"{f:.1%} (!) bound beaten: not a bound of this quantity"
+    return f"{f:.1%}"

@@ -29,9 +29,11 @@ Step series (in model.* and megakernel.* results): any series with `params["impl
             roofline_s         bytes_per_step / measured read ceiling (or give it as the bound:
                                Bound("time", roofline_s, "s", ...), then fraction_of_bound is the
                                fraction of roofline)
-            accepted_tokens_per_step  measured mean tokens a speculative step yields (acceptance);
-                               when absent, tokens/s counts tokens processed (T x batch) and the
-                               table says so (a `tokens_per_step` equal to T is read the same way)
+            accepted_tokens_per_step  measured mean tokens a speculative step yields (acceptance).
+                               Tokens/s is always accepted tokens with the acceptance stated
+                               (StepRow.acceptance): measured when a series carries it, 1 per
+                               sequence for T = 1 (plain decode), else the study's 6.6 per 16-token
+                               verify step, assumed and labelled (no draft model runs here)
   The series name is free (e.g. "step/mega/shard8/T16/ctx4096"); the report reads params.
 
 Timeline series (megakernel.timeline; failing that, the first result whose series carry phase and
@@ -56,6 +58,8 @@ PRESET_ORDER = ("shard8", "small", "tiny")
 # (with_fastest_baselines) still sees the older runs of the same implementation
 LEGACY_IMPL = {"torch_eager": "naive_torch_eager", "torch_graph": "naive_torch_graph",
                "torch_compile": "naive_torch_compile"}
+STUDY_ACCEPTANCE = 6.6  # the study's mean accepted tokens per 16-token verify step (GSM8K, its draft model)
+STUDY_VERIFY_TOKENS = 16
 
 # How the report names each implementation. Unknown impls are shown by their own name; any
 # "torch_*" impl is the model written plainly in torch (it dequantises every padded expert slot to
@@ -124,6 +128,7 @@ class StepRow:
     batch: int
     commit: str = ""  # the measuring run's commit (short)
     date: str = ""  # and its date (ISO 8601 UTC)
+    constants: tuple = (None, "")  # (constants revision the build read, how that is known)
     routing: str = "forced"  # params["routing"]: the synthetic routing replayed, or the build's own
 
     @property
@@ -145,6 +150,23 @@ class StepRow:
         if isinstance(t, (int, float)) and not isinstance(t, bool):
             return float(t), True
         return float(self.tokens * self.batch), False
+
+    @property
+    def acceptance(self) -> tuple[float, str]:
+        """(accepted tokens per step, where that number comes from)."""
+        t, measured = self.tokens_per_step
+        if measured:
+            return t, "measured"
+        if self.tokens == 1:
+            return float(self.batch), "plain decode: every token is accepted"
+        if self.tokens == STUDY_VERIFY_TOKENS:
+            return (STUDY_ACCEPTANCE * self.batch,
+                    f"the study's {STUDY_ACCEPTANCE:g} of {STUDY_VERIFY_TOKENS}, assumed: no draft model runs here")
+        return t, "not stated: tokens processed (T x batch)"
+
+    @property
+    def accepted_tokens_per_s(self) -> float:
+        return self.acceptance[0] / self.step_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -181,8 +203,16 @@ def step_rows(results: Sequence[Result]) -> list[StepRow]:
             impl = LEGACY_IMPL.get(str(p["impl"]), str(p["impl"]))
             rows.append(StepRow(r.benchmark, s, impl, str(p.get("preset", "?")), int(p.get("tokens", 1)),
                                 int(p.get("context", 0)), int(p.get("batch", 1)), r.env.git_sha[:7], r.env.date,
-                                str(p.get("routing", "forced"))))
+                                _revision(r), str(p.get("routing", "forced"))))
     return rows
+
+
+def _revision(r: Result) -> tuple:
+    if not r.benchmark.startswith("megakernel."):
+        return None, "a torch baseline: reads no tuned constants"
+    from microbench.adopt import result_revision
+
+    return result_revision(r)
 
 
 def with_fastest_baselines(rows: Sequence[StepRow], baseline_runs: Sequence[Result]) -> list[StepRow]:
@@ -246,8 +276,8 @@ def figure_value(rows: Sequence[StepRow], timeline: Result | None, ours: dict) -
             return None
         how = f"{r.impl}, {r.preset}, T={r.tokens}, ctx={r.context}"
         if m == "tokens_per_s":
-            measured = r.tokens_per_step[1]
-            return r.tokens_per_s, "tok/s", how + ("" if measured else " (tokens processed, not accepted)")
+            acc, src = r.acceptance
+            return r.accepted_tokens_per_s, "tok/s", how + f": {acc:g} accepted tokens per step ({src})"
         if m == "step_s":
             return r.step_s, "s", how
         if m == "launches_per_step":

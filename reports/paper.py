@@ -2,7 +2,9 @@
 8 x GB300 system unless stated), the overhead class it belongs to, and how ours is obtained.
 
 The file is package data: nothing reads the brief's PAPER.md at run time. `validate()` is what the
-tests call: every figure has a value or a range, a known setup and a known class.
+tests call: every figure has a value or a range, a known setup and a known class, and every figure
+with an "ours" says whether ours is the same quantity under the same conditions (`compare`:
+"same", or what differs). reports/study.py turns them into the report's rows.
 """
 from __future__ import annotations
 
@@ -48,6 +50,15 @@ def validate(d: dict, source: str = "<paper figures>") -> None:
         ours = f.get("ours")
         if ours is not None and ours.get("kind") not in (d.get("ours_kinds") or {}):
             raise ResultsFileError(f"{source}: {fid}: unknown ours.kind {ours.get('kind')!r}")
+        if ours is not None and not str(f.get("compare", "")).strip():
+            raise ResultsFileError(f"{source}: {fid}: has an 'ours' but no 'compare': say whether it is the same quantity "
+                                   "under the same conditions ('same') or what differs")
+        if ours is not None and ours.get("kind") == "computed":
+            from .study import COMPUTED
+
+            if ours.get("name") not in COMPUTED:
+                raise ResultsFileError(f"{source}: {fid}: computed figure {ours.get('name')!r} is not in "
+                                       "reports/study.py COMPUTED")
 
 
 def figures(cls: str | None = None, group: str | None = None) -> list[dict]:

@@ -207,20 +207,3 @@ def timeline_plot(phases: Sequence[dict], fig_dir: Path, title: str):
     ax.grid(True, axis="x", alpha=0.3)
     p = _save(fig, fig_dir / "megakernel-timeline.png")
     return [(p, f"{title}: per-phase timeline across blocks (in-kernel %globaltimer stamps)")]
-
-
-def quality_plot(result, fig_dir: Path):
-    pts = sorted((s.params.get("slowdown", 0.0), s.metrics.get("flagged", 0) / max(1, s.metrics.get("trials", 1)))
-                 for s in result.series if s.params.get("mode") in ("injected", "aa_random_halves"))
-    if len(pts) < 2:
-        return []
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.0, 3.2))
-    ax.plot([100 * p[0] for p in pts], [100 * p[1] for p in pts], marker="o")
-    ax.set_xlabel("injected slowdown (%)  [0 = A/A]")
-    ax.set_ylabel("flagged as regression (%)")
-    ax.set_ylim(-5, 105)
-    ax.grid(True, alpha=0.3)
-    ax.set_title("gate: false alarms (0%) and detection rates", fontsize=10)
-    p = _save(fig, fig_dir / "gate-quality.png")
-    return [(p, "share of gate verdicts that say 'regression' against the injected slowdown")]

@@ -34,8 +34,8 @@ class KeyFigure:
     """One overhead class's row of the summary. `study` names figures of reports/paper_figures.json
     (several are shown joined by " x ", e.g. ring stages x stage bytes); `ours` is a (benchmark,
     derived key) for a class without a study figure. `like` says whether ours measures the same
-    quantity under the same conditions; a figure's own `like_for_like` field, where the data has
-    one, takes precedence. `feeds` are the tuned constants (microbench/constants.py) that come
+    quantity under the same conditions; a figure's own `compare` field (reports/study.py like_for_like), where
+    the data has one, takes precedence. `feeds` are the tuned constants (microbench/constants.py) that come
     from the same measurements."""
 
     cls: str
@@ -50,8 +50,8 @@ KEY_FIGURES = (
     KeyFigure("basics", "empty launch back to back (device time)", ours=("basics.launch", "launch_overhead_device"),
               like="no study figure"),
     KeyFigure("icache", "instruction cache per SM", study=("icache.sm_capacity",),
-              like="no: a knee fitted in our CPI curve vs the study's quoted size",
-              feeds=("icache_l1_bytes", "icache_l2_bytes")),
+              like="the study's figure says (reports/paper_figures.json)",
+              feeds=("icache_l0_bytes", "icache_sm_bytes")),
     KeyFigure("weights", "weight ring: stages x bytes per stage", study=("weights.ring_stages", "weights.ring_stage_bytes"),
               like="same quantity, each tuned on its own GPU (the build's ring: `megakernel.build`)",
               feeds=("ring_stages", "ring_stage_bytes")),
@@ -145,7 +145,9 @@ def class_rows(ctx, value_of) -> list[dict]:
                 ours_parts = [p.split(" (")[0] for p in ours_parts]
             ours = " x ".join(ours_parts) if all(p not in ("", "-", "not measured yet") for p in ours_parts) else (
                 "not measured yet")
-            like = next((f["like_for_like"] for f in figs if f.get("like_for_like")), k.like)
+            from . import study
+
+            like = next((study.like_for_like(f) for f in figs if f.get("compare")), k.like)
         else:
             theirs, like = "-", k.like
             got = ctx.cat.latest(k.ours[0]) if k.ours else None
@@ -177,33 +179,14 @@ def trust_lines(ctx) -> list[str]:
     out += _constants_history(ctx)
     out += _checks(ctx)
     out += _test_run(ctx)
-    got = ctx.cat.latest("gate.quality")
-    if got is None:
-        out.append("Gate: its rates are not measured on this GPU yet (`megabench gate --quality --save`).")
-    else:
-        path, r = got
-        parts = []
-        for key, d in r.derived.items():
-            label = GATE_RATES.get(key, key)
-            sp = f" ({d.spread[0]:.1%}-{d.spread[1]:.1%})" if d.spread else ""
-            parts.append(f"{label} {d.value:.1%}{sp}")
-        out.append(f"Gate (`gate.quality` of {r.env.date[:10]}, {r.env.git_sha[:7]}; 90% intervals): "
-                   + "; ".join(parts) + ".")
+    from microbench.gate_quality import trust_line
+
+    out.append(trust_line(ctx.cat.root))  # the gate's measured rates (two quality runs), or that there are none
     dirty = [r for r in ctx.cat.latest_all() if r.env.git_dirty]
     if dirty:
         out.append(f"{len(dirty)} of {len(ctx.cat.latest_all())} latest results were measured from a tree with "
                    "uncommitted changes (`dirty` in the appendix's environment).")
     return out
-
-
-GATE_RATES = {
-    "false_alarm_rate": "false alarms within a run",
-    "false_alarm_rate_time_halves": "false alarms, first vs second half",
-    "false_alarm_rate_across_runs": "false alarms across runs",
-    "detection_rate_2pct": "detects 2%",
-    "detection_rate_5pct": "detects 5%",
-    "detection_rate_10pct": "detects 10%",
-}
 
 
 def _constants_history(ctx) -> list[str]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,11 +12,10 @@ from megabench_synth import env, series
 
 from microbench.cli import main
 from microbench.errors import ResultsFileError
-from microbench.gate import (EXIT_GPU, EXIT_INPUT, EXIT_OK, EXIT_REGRESSION, EXIT_UNKNOWN, GateConfig,
+from microbench.gate import (EXIT_GPU, EXIT_INPUT, EXIT_OK, EXIT_REGRESSION, EXIT_UNKNOWN, CrossRun, GateConfig,
                              GpuMismatchError, KernelThresholds, Measurement, compare, compare_kernels, judge,
-                             kernel_gate, load_kernel_baseline, load_measurements)
-from microbench.gate_quality import Source, estimate, run_quality, wilson
-from microbench.results import REPO_ROOT, Result
+                             kernel_gate, key_class, load_kernel_baseline, load_measurements, newest)
+from microbench.results import REPO_ROOT, Result, Series
 
 KEY = "NVIDIA H200@1980MHz"
 
@@ -68,7 +68,7 @@ def test_improvement_and_rates():
 @pytest.mark.parametrize("base_kw, cand_kw, reason", [
     ({"samples": False}, {}, "baseline has no raw samples"),
     ({}, {"samples": False}, "candidate has no raw samples"),
-    ({"n": 5}, {}, "baseline has 5 samples"),
+    ({"n": 5}, {}, "baseline has 5 independent repeats"),
 ])
 def test_unknown_without_samples(base_kw, cand_kw, reason):
     v = judge(meas(**base_kw), meas(2e-3, **cand_kw))
@@ -80,13 +80,88 @@ def test_not_gated():
     assert judge(meas(static=True), meas(2e-3, static=True)).verdict == "not gated"
 
 
-def test_run_to_run_spread_raises_the_threshold():
+def test_folder_history_is_not_noise():
+    """A folder's earlier runs are history: the newest run of the benchmark is the baseline, and a
+    +5.4% candidate against it is a regression even though an older run was 12% off."""
     base = [meas(1e-3, seed=1, date="a", noise=0.002), meas(1.12e-3, seed=2, date="b", noise=0.002)]
-    cand = [meas(1.18e-3, seed=3, noise=0.002)]  # +5% over the newest baseline run, inside their 12% spread
-    rep = compare(base, cand)
-    assert rep.verdicts[0].verdict == "same" and rep.verdicts[0].threshold > 0.1
-    # against the newest run alone the same candidate is a regression (+5.4% > floor, tiny IQR)
-    assert compare(base[1:], cand).verdicts[0].verdict == "regression"
+    cand = [meas(1.18e-3, seed=3, noise=0.002)]
+    v = compare(base, cand).verdicts[0]
+    assert v.verdict == "regression" and v.threshold == pytest.approx(0.05) and v.base_median > 1.1e-3
+
+
+def test_newest_run_per_benchmark_takes_the_whole_file():
+    """A benchmark's newest file is its baseline with all its series; a series only an older run
+    had is not part of it."""
+    old = [dataclasses.replace(meas(seed=1, key="b:x"), run="b", source="old", date="a"),
+           dataclasses.replace(meas(seed=2, key="b:gone"), run="b", source="old", date="a")]
+    new = [dataclasses.replace(meas(2e-3, seed=3, key="b:x"), run="b", source="new", date="b")]
+    picked = newest(old + new)
+    assert set(picked) == {("b:x", KEY)} and picked[("b:x", KEY)].source == "new"
+
+
+def test_cross_run_spread_raises_the_threshold():
+    base, cand = [meas(1e-3, seed=1, noise=0.002)], [meas(1.08e-3, seed=2, noise=0.002)]
+    assert compare(base, cand).verdicts[0].verdict == "regression"
+    rep = compare(base, cand, cross=CrossRun({"k": 0.12}, "NVIDIA H200"))
+    assert rep.verdicts[0].verdict == "same" and rep.verdicts[0].threshold == pytest.approx(0.12)
+    assert "cross-run noise: A/A spreads of 1 series" in rep.notes[0]
+    assert "no A/A cross-run spread recorded" in compare(base, cand).notes[0]
+    # a series without its own record takes its class's pooled spread, else everyone's
+    cr = CrossRun({"sync.flags:a": 0.01, "sync.flags:b": 0.2, "basics.copy:c": 0.03}, "NVIDIA H200")
+    assert cr.for_key("sync.fences:x")[0] == pytest.approx(np.percentile([0.01, 0.2], 90))
+    assert cr.for_key("weights.ring:y")[0] == pytest.approx(np.percentile([0.01, 0.2, 0.03], 90))
+    assert cr.for_key("basics.copy:c")[0] == pytest.approx(0.03)
+    assert cr.for_key("sync.flags:b", exclude_self=True)[0] == pytest.approx(0.01)
+    assert key_class("tests/bench/test_bench_sync.py::test_sync[x]") == "sync"
+    # another GPU's spreads are not used
+    rep = compare(base, cand, cross=CrossRun({"k": 0.12}, "NVIDIA GB300"))
+    assert rep.verdicts[0].verdict == "regression" and "not used" in rep.notes[0]
+
+
+# ----------------------------------------------------------------------------- fitness of series
+def _fit(name, **kw):
+    from microbench.gate import fitness
+
+    return fitness(series(name, **kw), env())
+
+
+def test_in_kernel_series_count_launches_not_sms():
+    reps, how, _, why = _fit("cap", median=1.0, n=396, unit="cycles/instr", timer="clock64",
+                             metrics={"launches": 3})
+    assert reps == 3 and "3 launches" in how and "fewer than 8 independent launches" in why
+    reps, _, _, why = _fit("grid", median=1.5e-7, n=132, timer="clock64")
+    assert reps == 1 and "one launch" in why
+    reps, _, contiguous, why = _fit("rec", median=2e-6, n=12 * 132, timer="globaltimer",
+                                    metrics={"independent_repeats": 12, "repeat_layout": "contiguous"})
+    assert reps == 12 and contiguous and why == ""
+    assert _fit("ev", median=1e-5, n=20)[0] is None  # cuda_event: one launch per sample
+
+
+def test_negative_and_sub_tick_durations_are_not_gated():
+    assert "not a duration" in _fit("fence", median=-4.9e-10, timer="clock64", metrics={"independent_repeats": 20})[3]
+    why = _fit("gt", median=60.0, unit="ns", timer="globaltimer", params={"tick_ns": 32},
+               metrics={"independent_repeats": 20})[3]
+    assert "4 ticks" in why and "32" in why
+    assert _fit("gt", median=200.0, unit="ns", timer="globaltimer", params={"tick_ns": 32},
+                metrics={"independent_repeats": 20})[3] == ""
+    assert "not a duration" in _fit("ev", median=1e-6)[3]  # 2 ticks of a CUDA event pair
+    assert _fit("ev", median=1e-6, params={"batch": 200})[3] == ""  # a sample is 1/200 of an event pair
+    assert _fit("marked", metrics={"gated": False, "not_gated_reason": "a timeline"})[3] == "a timeline"
+
+
+def test_aggregated_repeats_are_what_the_rank_test_sees(tmp_path):
+    rng = np.random.default_rng(0)
+    per_launch = 1e-6 * (1 + 0.01 * rng.standard_normal(12))
+    x = np.repeat(per_launch, 132) * (1 + 0.2 * rng.standard_normal(12 * 132))  # wide spread across SMs
+    s = Series.from_samples("probe", x, timer="globaltimer", unit="s", params={"tick_ns": 32},
+                            metrics={"independent_repeats": 12, "repeat_layout": "contiguous"})
+    p = Result("sync.probe", env(), (s,)).save(tmp_path)
+    (m,) = load_measurements(p)
+    assert m.n_repeats == 12 and m.units().shape == (12,)
+    v = judge(m, m)
+    assert v.verdict == "same" and v.n_base == 12
+    few = dataclasses.replace(m, samples=m.samples[:5 * 132], repeats=5)
+    assert judge(few, m).verdict == "unknown" and "baseline has 5 independent repeats" in judge(few, m).reason
 
 
 # ----------------------------------------------------------------------------- GPU keying
@@ -275,59 +350,3 @@ def test_kernel_gate_update_writes_a_valid_file(tmp_path, monkeypatch):
 def test_committed_kernel_baseline_is_valid():
     doc = load_kernel_baseline()
     assert doc["builds"]
-
-
-# ----------------------------------------------------------------------------- gate quality
-def _src(noise, n=200, seed=0, name="s"):
-    rng = np.random.default_rng(seed)
-    return Source(name, 1e-3 * (1 + noise * rng.standard_normal(n)), "s", "lower", "synthetic")
-
-
-def test_quality_rates_on_known_noise():
-    srcs = [_src(0.01, seed=i, name=f"s{i}") for i in range(3)]
-    t = {(x.mode, x.slowdown): x for x in estimate(srcs, trials=40, seed=1)}
-    assert t[("aa_random_halves", 0.0)].rate <= 0.02
-    assert t[("aa_time_halves", 0.0)].rate == 0.0
-    assert t[("injected", 0.02)].rate <= 0.05  # below the 5% floor: by design not flagged
-    assert t[("injected", 0.10)].rate >= 0.95
-
-
-def test_quality_noisy_series_detects_less():
-    t = {(x.mode, x.slowdown): x for x in estimate([_src(0.2)], trials=40, seed=1)}
-    assert t[("injected", 0.10)].rate < 0.5  # 10% is inside 20% noise: the gate must not claim it
-    assert t[("aa_random_halves", 0.0)].rate <= 0.05
-
-
-def test_quality_detects_drift_in_time_halves():
-    s = _src(0.005)
-    drift = Source("d", np.concatenate([s.samples[:100], s.samples[100:] * 1.15]), "s", "lower", "x")
-    t = {(x.mode, x.slowdown): x for x in estimate([drift], trials=10, seed=1)}
-    assert t[("aa_time_halves", 0.0)].rate == 1.0
-
-
-def test_wilson():
-    lo, hi = wilson(0, 100)
-    assert lo == 0 and 0 < hi < 0.05
-    lo, hi = wilson(50, 100)
-    assert lo < 0.5 < hi
-
-
-def test_quality_result_from_committed_h200_samples(tmp_path):
-    res, text = run_quality(REPO_ROOT / "reports" / "results", REPO_ROOT / "reports" / "benchmarks", trials=10,
-                            save=True, save_root=tmp_path)
-    assert res.benchmark == "gate.quality" and res.env.gpu == "NVIDIA H200"
-    for k in ("false_alarm_rate", "detection_rate_2pct", "detection_rate_5pct", "detection_rate_10pct"):
-        assert 0.0 <= res.derived[k].value <= 1.0 and res.derived[k].spread
-    d = {k: res.derived[k].value for k in res.derived}
-    # the committed series include latency probes whose relative IQR exceeds 10% (SM skew, loaded
-    # flag round trips): the gate rightly refuses to call 10% there, so no fixed rate is promised,
-    # only that detection grows with the slowdown, beats chance, and within-run false alarms are rare
-    assert d["detection_rate_2pct"] <= d["detection_rate_5pct"] <= d["detection_rate_10pct"]
-    assert d["detection_rate_10pct"] > 0.5 and d["false_alarm_rate"] <= 0.02
-    assert list((tmp_path / "gate").glob("gate.quality-*.json"))
-
-
-def test_quality_caps_the_number_of_series():
-    srcs = [_src(0.01, n=40, seed=i, name=f"s{i:02d}") for i in range(30)]
-    t = estimate(srcs, trials=2, slowdowns=(0.1,), max_sources=5)
-    assert len(t[0].per_source) == 5 and set(t[0].per_source) >= {"s00", "s29"}

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from microbench.cubin import ResourceUsage
-from microbench.icache import bench, gen
+from microbench.icache import bench, derive, gen
 from microbench.results import Series
 
 KiB = 1024
@@ -186,21 +186,26 @@ def test_capacity_pipeline_recovers_the_model(emu, tmp_path):
     from microbench.results import load
 
     res = bench.run_capacity(FakeHarness(emu), quick=True, save=False)
-    sizes = np.asarray(bench.capacity_sizes(True))
+    sw = bench.sweep(True)
+    sizes = np.asarray(sw.capacity_sizes)
     d = res.derived
-    assert d["icache_l1_bytes"].spread[0] <= L0 < d["icache_l1_bytes"].spread[1]
-    assert d["icache_l2_bytes"].spread[0] <= L1 < d["icache_l2_bytes"].spread[1]
-    assert d["icache_l1_bytes"].value in sizes + 32 or d["icache_l1_bytes"].value <= L0  # a measured body size
-    assert d["icache_level0_cpi_w1"].value == pytest.approx(1.0, rel=0.02)
-    assert d["icache_l2_miss_cpi_w1"].value == pytest.approx(9.0 - 0.6, rel=0.05)
+    assert d["icache_l0_bytes"].spread[0] <= L0 < d["icache_l0_bytes"].spread[1]
+    assert d["icache_sm_bytes"].spread[0] <= L1 < d["icache_sm_bytes"].spread[1]
+    assert d["icache_l0_bytes"].value <= L0  # a measured body size on the level
+    assert d["icache_plateau0_cpi_w1"].value == pytest.approx(1.0, rel=0.02)
+    assert d["icache_sm_miss_cpi_w1"].value == pytest.approx(9.0 - 0.6, rel=0.05)
     s = res.series_named(f"capacity/w8/{sizes[0]}B")
     assert s.timer == "clock64" and s.unit == "cycles/instr" and s.bound.value == bench.WARP_ISSUE_FLOOR_CPI == 1
     assert s.summary.median == pytest.approx(2.0, rel=0.02) and s.fraction_of_bound == pytest.approx(0.5, rel=0.02)
     assert s.clocks["sm_mhz_inkernel"] == pytest.approx(MHZ, rel=0.01)
     assert s.metrics["distinct_sms"] == 4 and not s.warnings
-    assert len(res.series) == 3 * len(sizes)
+    # the geometric grid at every warp count, the dense bodies at 1 and 4 warps/SM only
+    assert len(res.series) == 3 * len(sizes) + 2 * len(sw.capacity_dense_sizes)
+    dense = [x for x in res.series if x.metrics["dense"]]
+    assert {x.params["warps_per_sm"] for x in dense} == set(bench.DENSE_WARPS)
     p = res.save(tmp_path)
-    assert load(p).derived["icache_l2_bytes"].value == d["icache_l2_bytes"].value
+    assert load(p).derived["icache_sm_bytes"].value == d["icache_sm_bytes"].value
+    assert derive.rederive_capacity(load(p))["icache_sm_bytes"] == d["icache_sm_bytes"]
 
 
 def test_spliced_pipeline_finds_the_code_limit(emu):
@@ -216,6 +221,9 @@ def test_spliced_pipeline_finds_the_code_limit(emu):
     assert d["max_code_bytes_per_launch"].spread[1] > L1
     s = res.series_named(f"spliced/w12/{100 * KiB}B+{20 * KiB}B")
     assert s.unit == "s" and s.timer == "clock64" and s.metrics["ratio_a"] == pytest.approx(1.0, abs=0.02)
+    a = d["spliced_block_a_ratio_w12_100K_20K"]
+    assert a.value == pytest.approx(1.0, abs=0.02) and a.spread[0] <= a.value <= a.spread[1]
+    assert derive.rederive_spliced(res)["max_code_bytes_per_launch"].value == d["max_code_bytes_per_launch"].value
 
 
 def test_prefetch_pipeline_finds_the_window(emu):
@@ -258,7 +266,7 @@ def test_note_reads_saved_results(emu, tmp_path):
     bench.run_capacity(h, quick=True, save=False).save(tmp_path)
     bench.run_spliced(h, quick=True, save=False).save(tmp_path)
     text = render(tmp_path)
-    assert "innermost instruction-cache level" in text and "not measured (no icache.prefetch result)" in text
+    assert "innermost instruction cache (L0" in text and "not measured (no icache.prefetch result)" in text
     # the emulator models no splice penalty here, so the ratio is 1 within its 0.2% timing noise
     m = re.search(r"\| 100 KiB \+ 20 KiB spliced / alone, 12 warps/SM \| ([0-9.]+) x", text)
     assert m and float(m.group(1)) == pytest.approx(1.0, abs=0.01)

@@ -93,13 +93,37 @@ def test_run_with_gpu_pipeline_order(tmp_path, capsys, monkeypatch):
     assert order == ["microbenchmarks"] * 2 + ["gate quality", "tune", "megakernel", "megakernel", "report"], order
     assert ("bench", "sync.flags", "H", False) in calls
     assert stages[0].kw == {"quick": False, "ablate": True, "timeline": True, "detail": True, "baselines": True}
-    assert ("mega", False, 3, "measured") in calls  # fresh constants handed to the megakernel build
+    # no adoption in this constants folder: the fresh revision, said out loud
+    assert ("mega", False, 3, "measured") in calls and "no adopted constants revision" in out
     assert "timed shard8" not in calls and calls[-1] == "saved"
     assert "megakernel: shard8 T=16 ctx=2048 mega: skipped (an earlier item of megakernel/shard8 failed" in out
-    assert list((root / "sync").glob("sync.flags-*.json")) and list((root / "gate").glob("gate.quality-*.json"))
+    assert list((root / "sync").glob("sync.flags-*.json"))
+    # the gate's quality: the analysis of the recorded quality runs (two of them), or why there is none
+    assert list((root / "gate").glob("gate.quality-*.json")) or "quality run(s) recorded" in out
     assert (tmp_path / "c" / "nvidia-h200.json").is_file() and (tmp_path / "rep" / "REPORT.md").is_file()
     wall = list((root / "run").glob("run.wall-*.json"))  # the run's own durations, under the results root
     assert len(wall) == 1 and "(--full: no budget)" in out
+
+
+def test_megakernel_stage_builds_the_adopted_revision_not_the_fresh_one(tmp_path, capsys):
+    """Issue 45: a fresh run re-tuned the ring and the L2 budget and the megakernel built from them
+    unmeasured. With an adoption in the constants folder, the stage builds that revision."""
+    import json
+    import shutil
+
+    c = tmp_path / "c"
+    shutil.copytree(REPO_ROOT / "reports" / "constants", c)
+    cur = json.loads((c / "nvidia-h200.json").read_text())
+    doc = json.loads((c / cur["revision_file"]).read_text())
+    doc["constants"]["ring_stages"]["value"] = 3
+    doc["constants"]["ring_stage_bytes"]["value"] = 16384
+    nxt = cur["revision"] + 1
+    doc.update(revision=nxt, revision_file=f"history/nvidia-h200-r{nxt:04d}.json")
+    for p in (c / doc["revision_file"], c / "nvidia-h200.json"):
+        p.write_text(json.dumps(doc))
+    got = pipeline.build_constants(c / "nvidia-h200.json")
+    assert got.revision == 4 and (got.ring_stages, got.ring_stage_bytes) == (2, 32768)
+    assert f"not revision {nxt}" in capsys.readouterr().out
 
 
 def test_unknown_class_is_refused(monkeypatch, capsys, tmp_path):

@@ -23,15 +23,16 @@ def _icache_curve(date="2026-11-29T10:00:00Z"):
             level = 1.0 if kb <= 32 else (3.0 if kb <= 128 else 9.0)
             ss.append(series(f"cpi/{kb}KiB/w{warps}", level, params={"code_bytes": kb * 1024, "warps": warps},
                              unit="cycles", timer="clock64", seed=kb + warps))
-    der = {"icache_l1_bytes": Derived(32 * 1024 * 1.4, "B", "step fit (BIC)", (40000, 50000), ("cpi",)),
-           "icache_l2_bytes": Derived(128 * 1024 * 1.4, "B", "step fit (BIC)", (170000, 190000), ("cpi",)),
+    der = {"icache_l0_bytes": Derived(32 * 1024 * 1.4, "B", "plateaus", (40000, 50000), ("cpi",)),
+           "icache_sm_bytes": Derived(128 * 1024 * 1.4, "B", "plateaus", (170000, 190000), ("cpi",)),
            }
     return Result("icache.capacity", env(date=date), tuple(ss), der)
 
 
 def _spliced():
     der = {f"spliced_ratio_w{w}_100K_{b}K": Derived(v, "", "A+B / (A alone + B alone)", (v - 0.03, v + 0.03))
-           for w, b, v in ((1, 100, 1.31), (4, 100, 1.45), (1, 20, 1.01))}
+           for w, b, v in ((1, 100, 1.31), (12, 100, 1.45), (12, 20, 1.08))}
+    der["spliced_block_a_ratio_w12_100K_20K"] = Derived(1.001, "", "A spliced / A alone", (0.99, 1.012))
     return Result("icache.spliced", env(), (series("spliced/x", 1e-5),), der)
 
 
@@ -156,12 +157,16 @@ def test_no_table_appears_twice(rendered):
 def test_paper_figures_beside_ours(rendered):
     text, _ = rendered
     row = next(line for line in text.splitlines() if line.startswith("| spliced / solo slowdown"))
-    assert "1.57x" in row and "1.31x" in row and "spliced_ratio_w1_100K_100K" in row
-    row = next(line for line in text.splitlines() if line.startswith("| shrinking one block"))
-    assert "20 KiB" in row and "1.01x" in row
+    assert "1.573x" in row and "1.450x" in row and "| yes" in row
     ref = row.rstrip(" |").rsplit("| ", 1)[1].strip()  # a long "how" is a numbered note below the table
-    assert ref.startswith("[") and any(line.startswith(f"- {ref} ") and "100 KB + 20 KB" in line
+    assert ref.startswith("[") and any(line.startswith(f"- {ref} ") and "spliced_ratio_w12_100K_100K" in line
                                        for line in text.splitlines())
+    # the study's "20 KB gave the other block its solo speed back" is a ratio beside a ratio: block A's own
+    # spliced / solo time (1.001x), not the whole splice's 1.08x and not a size
+    row = next(line for line in text.splitlines() if line.startswith("| shrinking one block"))
+    assert "20 KiB" in row and "1.08" not in row
+    row = next(line for line in text.splitlines() if line.startswith("| the 100 KB block spliced with a 20 KB"))
+    assert "1.000x" in row and "1.001x (0.990x - 1.012x)" in row
     row = next(line for line in text.splitlines() if line.startswith("| profiler cost as a share"))
     assert "2.8%" in row and "0.4%" in row
     assert "8x GB300 (Blackwell Ultra), TP8" in text and "ours (NVIDIA H200)" in text
@@ -300,7 +305,7 @@ def test_constants_section_loud_defaults(rendered):
     text, _ = rendered
     sec = text.split("## Tuned constants")[1]
     assert "**Warning:" in sec and "`ring_stages`" in sec
-    row = next(line for line in sec.splitlines() if line.startswith("| icache_l1_bytes"))
+    row = next(line for line in sec.splitlines() if line.startswith("| icache_sm_bytes"))
     assert "measured" in row and "icache.capacity" in row
 
 
@@ -459,6 +464,9 @@ def test_paper_figures_valid_and_complete():
     assert by["breakdown.next_blocks_land"]["value"] == pytest.approx(84e-6)
     assert {f["class"] for f in d["figures"]} >= {"icache", "weights", "sync", "clocks", "megakernel", "model"}
     assert len(ids) == len(d["figures"]) >= 70
+    # every figure with an "ours" says whether it is like for like (reports/paper.py validate)
+    assert all(f.get("compare") for f in d["figures"] if f.get("ours") is not None)
+    assert by["headline.verify_ratio"]["value"] == pytest.approx(10.9 / 5.3, rel=1e-3)
     assert "GB300" in d["setups"]["gb300"]["hardware"] and "144 SMs" in d["setups"]["gb300"]["hardware"]
 
 
@@ -498,8 +506,16 @@ def test_megakernel_pick_rules():
     assert mk.pick(rows, "best_baseline").impl == "naive_torch_graph"  # torch_graph read as the naive name
     v, unit, how = mk.figure_value(rows, None, {"metric": "speedup_vs_chain"})
     assert v == pytest.approx(9 / 4, rel=0.05) and unit == "x"
+    # tokens/s are accepted tokens with the acceptance stated: at T = 16 and no measured acceptance, the
+    # study's 6.6 (assumed), never the 16 tokens processed
     v, unit, how = mk.figure_value(rows, None, {"metric": "tokens_per_s", "impl": "mega"})
-    assert v == pytest.approx(16 / 4e-3, rel=0.05) and "tokens processed" in how
+    assert v == pytest.approx(6.6 / 4e-3, rel=0.05) and "6.6 accepted" in how and "assumed" in how
+    r = mk.pick(rows, "mega")
+    assert r.acceptance == (6.6, r.acceptance[1]) and r.tokens_per_s == pytest.approx(16 / r.step_s)
+    one = [x for x in mk.step_rows(_megakernel()) if x.impl == "mega"][0]
+    import dataclasses
+
+    assert dataclasses.replace(one, tokens=1).acceptance[0] == 1.0
     tl = _megakernel()[2]
     v, _, _ = mk.figure_value(rows, tl, {"metric": "timeline_end_p90", "phase": "gemm2"})
     assert 60e-6 < v < 66e-6

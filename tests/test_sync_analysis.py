@@ -99,6 +99,12 @@ def test_spin_bound_rule():
     assert b2 == 5_000_000 and abs(p2 - 5e-6) < 1e-12
     with pytest.raises(ValueError):
         A.spin_bound_ns([])
+    # the H200's tail (p99.9 6.8 us, 2026-11-29) and a second machine's 5.2 or 9.6 us give one bound
+    rng = np.random.default_rng(0)
+    for tail in (5.2e-6, 6.8e-6, 9.6e-6):
+        w = np.r_[rng.normal(6e-7, 5e-8, 99_800), np.full(200, tail)]
+        assert A.spin_bound_ns(w)[0] == 10_000_000
+    assert [A.step_125(x) for x in (1, 1.5, 2, 2.1, 7e6, 1e7, 1.2e7)] == [1, 2, 2, 5, 10**7, 10**7, 2 * 10**7]
 
 
 def test_sentinel_rule_both_ways():

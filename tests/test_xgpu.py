@@ -338,6 +338,9 @@ def test_results_assemble_and_round_trip(tmp_path):
     ck = B.clocks_result(run, c0, c1, stop_runs, {1: offs(33_792)}, 1.3e-6)
     assert ck.derived["gt_drift_r1_ppm"].value == pytest.approx(512 / 10e9 * 1e6)
     assert 0 < ck.derived["gpu_drift_s"].value < 600e-9
+    mx = ck.derived["gpu_drift_max_s"]  # the study's "up to" is a maximum: derived beside the p99, with the step
+    assert mx.value >= ck.derived["gpu_drift_s"].value and mx.spread[0] <= mx.value <= mx.spread[1]
+    assert "step" in mx.note
     for res in (fl, co, ck):
         p = res.save(tmp_path)
         back = load(p)

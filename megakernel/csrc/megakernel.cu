@@ -26,6 +26,10 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
 #endif
     mk_run(const mk::Params* __restrict__ params, int first, int n_ops, int wait, int T, int ctx, int parity,
            MB_PROF_PARAMS) {
+  // The regression gate's calibrated slowdown (mb/inject.cuh, `megabench gate --quality-run`): an
+  // empty statement unless MB_INJECT_PPM is defined; then the launch's last block spins for that
+  // many ppm of its run time once thread 0 is done (after its grid-dependency wait under PDL).
+  MB_INJECT_SCOPE();
   using namespace mk;
   // LAYOUT_PAD (Plan.layout_pad), a code-layout placebo for A/Bs: instructions that never run
   // (`first` is never negative) and shift every instruction after them by ~LAYOUT_PAD bytes, so

@@ -12,6 +12,7 @@
 
 extern "C" __global__ void __launch_bounds__(512) mb_copy_v4(const uint4* __restrict__ src, uint4* __restrict__ dst,
                                                              unsigned long long n16) {
+  MB_INJECT_SCOPE();  // the gate's calibrated slowdown (mb/inject.cuh): nothing unless MB_INJECT_PPM
   const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
   unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
   for (; i + (UNROLL - 1) * stride < n16; i += UNROLL * stride) {

@@ -229,19 +229,20 @@ def run_skew(h: Harness | None = None, quick: bool | None = None, save: bool = T
             float(np.median(cs)), "ns", "median over held-out trials of the p90-p10 spread of the stamps' %clock64 "
             "mapped per SM onto globaltimer (offsets + shared rate fitted on the other trials); spread: 90% "
             "bootstrap CI of the median", bootstrap_ci(cs), ("skew/calibrated_p90_p10",)),
-        "clock64_calibration_residual_ns": Derived(
-            st.residual_rms_ns, "ns",
-            "RMS over held-out (odd) trials of map_sm(clock64) - globaltimer, the map fitted on even trials "
-            "(per-SM offset, one shared rate); spread: 90% bootstrap CI of the per-trial RMS mean",
-            bootstrap_ci(st.heldout_rms_per_trial, stat=np.mean), ("skew/calibration_residual_rms",),
-            f"quantisation floor tick/sqrt(12) = {floor:.1f} ns; fitted clock {st.calibration.sm_mhz:.1f} MHz; "
-            f"in-sample RMS {st.calibration.rms_ns:.1f} ns"),
+        "clock64_calibration_residual_ns": residual_derived(
+            st.heldout_rms_per_trial,
+            f"pooled RMS over every held-out stamp {st.residual_rms_ns:.1f} ns; quantisation floor tick/sqrt(12) = "
+            f"{floor:.1f} ns; fitted clock {st.calibration.sm_mhz:.1f} MHz; in-sample RMS {st.calibration.rms_ns:.1f} ns"),
     }
     if rates.size:
+        def width(r):
+            return float(np.percentile(r, 90) - np.percentile(r, 10))
+
         derived["clock64_rate_spread_ppm"] = Derived(
-            float(np.percentile(rates, 90) - np.percentile(rates, 10)), "ppm",
-            "p90-p10 across SMs of each SM's own clock64-vs-globaltimer rate relative to the shared rate",
-            (float(np.percentile(rates, 10)), float(np.percentile(rates, 90))), ("skew/calibration_residual_rms",))
+            width(rates), "ppm",
+            "p90-p10 across SMs of each SM's own clock64-vs-globaltimer rate relative to the shared rate; spread: 90% "
+            "bootstrap CI of that width over SMs", bootstrap_ci(rates, stat=width), ("skew/calibration_residual_rms",),
+            f"p10 {np.percentile(rates, 10):+.0f} ppm, p90 {np.percentile(rates, 90):+.0f} ppm")
     res = Result("clocks.skew", Env.capture(dev), tuple(series), derived, quick=quick)
     if save:
         res.save()
@@ -297,9 +298,45 @@ def _chain_calibrated(tl: Timeline, floor_ns: float):
                                    "per_sm_only_rms_ns": cal.rms_ns}
 
 
+def residual_derived(heldout_rms_per_trial, note: str = "") -> Derived:
+    """clock64_calibration_residual_ns from the per-trial held-out RMS (the series
+    skew/calibration_residual_rms holds them: microbench/rederive.py re-derives recorded runs)."""
+    x = np.asarray(heldout_rms_per_trial, dtype=np.float64)
+    v = float(np.mean(x))
+    lo, hi = bootstrap_ci(x, stat=np.mean)
+    return Derived(v, "ns", "mean over held-out (odd) trials of each trial's RMS of map_sm(clock64) - globaltimer, "
+                   "the map fitted on even trials (per-SM offset, one shared rate); spread: 90% bootstrap CI of that "
+                   "mean", (min(lo, v), max(hi, v)), ("skew/calibration_residual_rms",), note)
+
+
 PDL_RULE = ("pdl_pays = 1 if the chain of 8 persistent launches (one block per SM) with programmatic dependent "
             "launch has its third quartile below the first quartile of the same chain without (cuda_event times); "
-            "spread: (pdl q1 / plain q3 - 1, pdl q3 / plain q1 - 1)")
+            "spread: range of the decision over 200 bootstrap resamples of both chains (the time saved is "
+            "pdl_chain_gain)")
+
+
+def pdl_derived(plain_samples, pdl_samples, inputs=()) -> dict[str, Derived]:
+    """pdl_pays and pdl_chain_gain from the two exclusive chains' samples (run_launch; also
+    applied to recorded results by microbench/rederive.py)."""
+    from ..stats import Summary
+
+    a = np.asarray(plain_samples, dtype=np.float64)
+    b = np.asarray(pdl_samples, dtype=np.float64)
+
+    def pays(x, y) -> float:
+        return 1.0 if Summary.of(y).q3 < Summary.of(x).q1 else 0.0
+
+    rng = np.random.default_rng(0)
+    dec = [pays(rng.choice(a, a.size), rng.choice(b, b.size)) for _ in range(200)]
+    v = pays(a, b)
+    gain = 1.0 - float(np.median(b) / np.median(a))
+    gains = [1.0 - float(np.median(rng.choice(b, b.size)) / np.median(rng.choice(a, a.size))) for _ in range(200)]
+    lo, hi = np.percentile(gains, [5, 95])
+    note = f"chain of 8: plain {np.median(a) * 1e6:.1f} us, PDL {np.median(b) * 1e6:.1f} us (medians)"
+    return {"pdl_pays": Derived(v, "", PDL_RULE, (min(dec + [v]), max(dec + [v])), tuple(inputs), note),
+            "pdl_chain_gain": Derived(gain, "", "1 - median PDL chain time / median plain chain time (exclusive SMs); "
+                                      "spread: 5-95% over 200 bootstrap resamples", (float(min(lo, gain)), float(max(hi, gain))),
+                                      tuple(inputs), note)}
 
 
 def run_launch(h: Harness | None = None, quick: bool | None = None, save: bool = True) -> Result:
@@ -382,11 +419,8 @@ def run_launch(h: Harness | None = None, quick: bool | None = None, save: bool =
                                             "PDL, SMs shared", ""),
     }.items() if v is not None}
     if "exclusive" in chains:  # one block per SM at a time: the megakernel's per-layer launches
-        plain, ps = (c.summary for c in chains["exclusive"])
-        derived["pdl_pays"] = Derived(
-            1.0 if ps.q3 < plain.q1 else 0.0, "", PDL_RULE, (ps.q1 / plain.q3 - 1.0, ps.q3 / plain.q1 - 1.0),
-            tuple(c.name for c in chains["exclusive"]), f"chain of 8: plain {plain.median * 1e6:.1f} us, "
-            f"PDL {ps.median * 1e6:.1f} us (medians)")
+        plain, ps = chains["exclusive"]
+        derived.update(pdl_derived(plain.samples, ps.samples, (plain.name, ps.name)))
     res = Result("clocks.launch", env, tuple(series), derived, quick=quick, notes=tuple(notes))
     if save:
         res.save()

@@ -16,6 +16,7 @@
 
 extern "C" __global__ void clk_chain(unsigned long long work_ns, unsigned long long jitter_ns, uint32_t* sink,
                                      MB_PROF_PARAMS) {
+  MB_INJECT_SCOPE();  // the gate's calibrated slowdown (mb/inject.cuh)
   mb::prof::Profiler prof(MB_PROF_ARGS);
   prof.stamp(CLK_LAUNCH_EV_GRIDDEP_WAIT_BEGIN);
   mb::griddepcontrol_wait();

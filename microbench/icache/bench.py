@@ -7,13 +7,16 @@ clock NVML reports after a warm-up (and cross-checked against %clock64/%globalti
 launch). The code-vs-data stream is long enough for CUDA events and goes through the harness.
 
 - icache.capacity: cycles/instruction of a loop over a body of B bytes, B from 2 KiB to 1 MiB,
-  at 1, 4 and 8 warps/SM (one block per SM, every SM). Bound: the issue rate, one warp-instruction
-  per cycle per scheduler (4 per SM), so ceil(W/4) cycles per instruction per warp. Levels are
-  fitted steps -> icache_l1_bytes, icache_l2_bytes (+ the cost of missing each).
+  at 1, 4 and 8 warps/SM (one block per SM, every SM), plus a denser grid at 1 and 4 warps/SM
+  through the two transitions seen on the H200 (16-64 KiB and 96-176 KiB). Bound: one warp issues
+  at most one instruction per cycle. Levels are plateaus of the 1-warp curve (derive.py), named
+  for what they are -> icache_l0_bytes (the innermost, per sub-partition), icache_sm_bytes (the
+  SM's instruction cache, the study's ~128 KB) and the cost of missing each.
 - icache.spliced: block A alone, block B alone, A then B in one loop; per-pass time and the ratio
   spliced/(A + B alone), at 1 and 12 warps/SM (12 = the studied megakernel's block shape). The
   study's sizes (100 KiB + 100 KiB, and B shrunk to 20 KiB) are among the parameters; its timings
-  are not used here. -> max_code_bytes_per_launch.
+  are not used here. Each block's own spliced/solo ratio is derived with its spread ->
+  max_code_bytes_per_launch (the largest splice whose large block keeps its solo speed).
 - icache.prefetch: one pass over a 128 KiB (full: 256 KiB) body with a stamp every 2 KiB; first
   pass cost per segment warm (same kernel just ran), icache-cold (a 512 KiB kernel ran in
   between) and L2-cold (L2 flushed, then the evictor). -> launch_prefetch_bytes.
@@ -68,6 +71,8 @@ def _sync() -> None:
 class Sweep:
     capacity_sizes: tuple[int, ...]
     capacity_warps: tuple[int, ...]
+    capacity_dense_sizes: tuple[int, ...]  # extra bodies at the dense warp counts only
+    capacity_dense_warps: tuple[int, ...]
     capacity_instr_per_launch: int  # per warp, over the timed passes
     capacity_launches: int
     splice_pairs: tuple[tuple[int, int], ...]
@@ -86,6 +91,19 @@ def capacity_sizes(quick: bool) -> tuple[int, ...]:
     return tuple(sorted({int(round(v / 256)) * 256 for v in raw}))
 
 
+# Where the H200's 1-warp curve changes level (2026-11-29: between 19.3 and 60 KiB, partly at
+# 34 KiB, and between 106 and 187 KiB): a denser grid there tells a plateau from a transition.
+DENSE_KIB = (16, 20, 24, 28, 32, 40, 48, 56, 96, 112, 128, 144, 160, 176)
+DENSE_WARPS = (1, 4)
+
+
+def capacity_dense_sizes(quick: bool) -> tuple[int, ...]:
+    """Extra bodies (multiples of 256 B) through the transitions, at DENSE_WARPS only; none that
+    the geometric grid already has."""
+    geo = set(capacity_sizes(quick))
+    return tuple(s for s in (k * KiB for k in DENSE_KIB) if s not in geo)
+
+
 def splice_pairs(quick: bool) -> tuple[tuple[int, int], ...]:
     sym = (16, 32, 48, 64, 100) if quick else (8, 16, 24, 32, 40, 48, 56, 64, 80, 100, 128)
     shrunk = ((100, 20), (100, 40)) if quick else ((100, 20), (20, 100), (100, 40), (100, 60), (100, 80))
@@ -95,6 +113,7 @@ def splice_pairs(quick: bool) -> tuple[tuple[int, int], ...]:
 def sweep(quick: bool) -> Sweep:
     return Sweep(
         capacity_sizes=capacity_sizes(quick), capacity_warps=CAPACITY_WARPS,
+        capacity_dense_sizes=capacity_dense_sizes(quick), capacity_dense_warps=DENSE_WARPS,
         capacity_instr_per_launch=(1 << 20) if quick else (1 << 21), capacity_launches=3 if quick else 10,
         splice_pairs=splice_pairs(quick), splice_warps=SPLICE_WARPS,
         splice_instr_per_launch=(1 << 19) if quick else (1 << 20), splice_launches=3 if quick else 10,
@@ -121,7 +140,20 @@ WARP_ISSUE_FLOOR_CPI = 1  # one warp issues at most one instruction per cycle: t
 
 # --------------------------------------------------------------------------- generators
 def capacity_generators(sw: Sweep, arch: str) -> list[Generated]:
-    return [loop_kernel([instructions_for(b)], arch=arch) for b in sw.capacity_sizes]
+    """One kernel per body: the geometric grid, then the dense extras."""
+    return [loop_kernel([instructions_for(b)], arch=arch) for b in sw.capacity_sizes + sw.capacity_dense_sizes]
+
+
+def capacity_plan(sw: Sweep) -> list[tuple[int, int, int]]:
+    """(warps, requested body bytes, index into capacity_generators) in measurement order."""
+    geo = len(sw.capacity_sizes)
+    out = []
+    for w in sw.capacity_warps:
+        sizes = list(enumerate(sw.capacity_sizes))
+        if w in sw.capacity_dense_warps:
+            sizes += [(geo + i, b) for i, b in enumerate(sw.capacity_dense_sizes)]
+        out += [(w, b, i) for i, b in sorted(sizes, key=lambda t: t[1])]
+    return out
 
 
 def splice_generators(sw: Sweep, arch: str) -> tuple[dict[int, Generated], dict[tuple[int, int], Generated]]:
@@ -363,40 +395,38 @@ def run_capacity(h: Harness | None = None, quick: bool | None = None, save: bool
     gens = capacity_generators(sw, h.info.arch)
     mods, compile_s = _compile(gens, quick, h.info.arch)
     series: list[Series] = []
-    curves: dict[int, list[tuple[float, float]]] = {}
-    names: dict[int, list[str]] = {}
     warmed = False
-    for w in sw.capacity_warps:
+    for w, size, gi in capacity_plan(sw):
+        g = gens[gi]
         floor = issue_floor_cpi(w)
-        for size, g in zip(sw.capacity_sizes, gens):
-            n = g.params["block_sass"][0]
-            k = GenKernel(h, g, mods[g.name], w, passes_for(n, sw.capacity_instr_per_launch))
-            if not warmed:
-                spin_up(h, k.launch)
-                warmed = True
-            recs, clk, distinct = measure_loop(h, k, sw.capacity_launches)
-            rec = np.concatenate(recs)
-            cpi = per_sm(rec[:, R_TIMED0] / (k.iters * n), w)
-            first = per_sm(rec[:, R_FIRST0] / n, w)
-            name = f"capacity/w{w}/{size}B"
-            s = Series.from_samples(
-                name, cpi, timer="clock64", unit="cycles/instr",
-                params={"code_bytes": g.body_bytes, "warps_per_sm": w},
-                bound=Bound("time", float(WARP_ISSUE_FLOOR_CPI), "cycles/instr",
-                            "issue rate: a warp issues <= 1 instruction/cycle (its own timed window; the SM-wide "
-                            f"floor of {floor} cycle(s)/instr at {w} warp(s)/SM binds only the whole launch)"),
-                clocks=clk.as_dict(),
-                metrics={"ns_per_instr": float(np.median(cpi)) / clk.mhz * 1e3,
-                         "seconds_per_pass": float(np.median(rec[:, R_TIMED0])) / k.iters / (clk.mhz * 1e6),
-                         "cycles_per_pass": float(np.median(rec[:, R_TIMED0])) / k.iters,
-                         "first_pass_cpi": float(np.median(first)), "kernel_code_bytes": k.usage.code_bytes,
-                         "body_instructions": n, "requested_bytes": size, "timed_passes": k.iters,
-                         "launches": sw.capacity_launches, "samples": "median over each SM's warps, per launch",
-                         "registers": k.usage.registers, "distinct_sms": distinct, "clock_mhz_used": clk.mhz},
-                warnings=clk.warnings + _sm_warning(k, distinct))
-            series.append(s)
-            curves.setdefault(w, []).append((float(g.body_bytes), s.summary.median))
-            names.setdefault(w, []).append(name)
+        n = g.params["block_sass"][0]
+        k = GenKernel(h, g, mods[g.name], w, passes_for(n, sw.capacity_instr_per_launch))
+        if not warmed:
+            spin_up(h, k.launch)
+            warmed = True
+        recs, clk, distinct = measure_loop(h, k, sw.capacity_launches)
+        rec = np.concatenate(recs)
+        cpi = per_sm(rec[:, R_TIMED0] / (k.iters * n), w)
+        first = per_sm(rec[:, R_FIRST0] / n, w)
+        name = f"capacity/w{w}/{size}B"
+        s = Series.from_samples(
+            name, cpi, timer="clock64", unit="cycles/instr",
+            params={"code_bytes": g.body_bytes, "warps_per_sm": w},
+            bound=Bound("time", float(WARP_ISSUE_FLOOR_CPI), "cycles/instr",
+                        "issue rate: a warp issues <= 1 instruction/cycle (its own timed window; the SM-wide "
+                        f"floor of {floor} cycle(s)/instr at {w} warp(s)/SM binds only the whole launch)"),
+            clocks=clk.as_dict(),
+            metrics={"ns_per_instr": float(np.median(cpi)) / clk.mhz * 1e3,
+                     "seconds_per_pass": float(np.median(rec[:, R_TIMED0])) / k.iters / (clk.mhz * 1e6),
+                     "cycles_per_pass": float(np.median(rec[:, R_TIMED0])) / k.iters,
+                     "first_pass_cpi": float(np.median(first)), "kernel_code_bytes": k.usage.code_bytes,
+                     "body_instructions": n, "requested_bytes": size, "timed_passes": k.iters,
+                     "launches": sw.capacity_launches, "samples": "median over each SM's warps, per launch",
+                     "registers": k.usage.registers, "distinct_sms": distinct, "clock_mhz_used": clk.mhz,
+                     "dense": size in sw.capacity_dense_sizes},
+            warnings=clk.warnings + _sm_warning(k, distinct))
+        series.append(s)
+    curves, names = derive.capacity_curves(series)
     derived, notes = derive.derive_capacity(curves, names)
     notes.append(f"compile step {compile_s:.1f} s ({len(gens)} kernels; the first icache benchmark in a process "
                  "compiles all four's kernels in one process pool, cache hits included)")
@@ -470,11 +500,18 @@ def run_spliced(h: Harness | None = None, quick: bool | None = None, save: bool 
                          "kernel_code_bytes": k.usage.code_bytes, "distinct_sms": distinct,
                          "timed_passes": k.iters, "plot_x": "code_bytes"},
                 warnings=clk.warnings + _sm_warning(k, distinct)))
-            derived[f"spliced_ratio_w{w}_{a // KiB}K_{b // KiB}K"] = Derived(
+            tag = f"w{w}_{a // KiB}K_{b // KiB}K"
+            derived[f"spliced_ratio_{tag}"] = Derived(
                 ratio, "", "median per-pass cycles of A+B in one loop / (median of A alone + median of B alone); "
                 "spread: 5-95% of 400 bootstrap resamples", spread,
                 (name, f"alone/w{w}/{a}B", f"alone/w{w}/{b}B"), f"A x{ra:.3f}, B x{rb:.3f} of their solo per-pass time")
-            points.append(derive.SplicePoint(a, b, k.usage.code_bytes, ratio, spread, w))
+            for blk, cyc, size, r in (("a", ca, a, ra), ("b", cb, b, rb)):
+                _, sp = derive.bootstrap_ratio([cyc], [alone_cyc[size]])
+                derived[f"spliced_block_{blk}_ratio_{tag}"] = Derived(
+                    r, "", f"block {blk.upper()}'s ({size // KiB} KiB) own median per-pass cycles in the spliced "
+                    "loop / its median alone (the study's 'solo speed' is this ratio = 1); spread: 5-95% of 400 "
+                    "bootstrap resamples", (min(sp[0], r), max(sp[1], r)), (name, f"alone/w{w}/{size}B"))
+            points.append(derive.SplicePoint(a, b, k.usage.code_bytes, ratio, spread, w, ra, rb))
     d, notes = derive.derive_max_code(points, inputs=tuple(s.name for s in series if s.name.startswith("spliced/")))
     if d is not None:
         derived["max_code_bytes_per_launch"] = d
@@ -669,8 +706,8 @@ def _overflow_note(h: Harness, over_bytes: int, fit_bytes: int) -> str:
     from ..results import latest
 
     cap = latest("icache.capacity", gpu=getattr(h.info, "name", None))
-    levels = {k: d.value for k, d in (cap.derived.items() if cap else ()) if k in ("icache_l1_bytes",
-                                                                                 "icache_l2_bytes")}
+    levels = {k: d.value for k, d in (cap.derived.items() if cap else ()) if k in ("icache_l0_bytes",
+                                                                                 "icache_sm_bytes")}
     if not levels:
         return (f"no icache.capacity result for this GPU yet: cannot confirm the {over_bytes} B body overflows "
                 f"(and the {fit_bytes} B one fits) the instruction cache")

@@ -11,17 +11,20 @@ from .. import notes
 
 KiB = 1024
 ROWS = (  # (benchmark, derived key, label, scale, unit shown)
-    ("icache.capacity", "icache_l1_bytes", "innermost instruction-cache level (capacity)", 1 / KiB, "KiB"),
-    ("icache.capacity", "icache_l2_bytes", "next level (capacity)", 1 / KiB, "KiB"),
-    ("icache.capacity", "icache_l1_miss_cpi_w1", "cost of missing level 1, 1 warp/SM", 1, "cycles/instr"),
-    ("icache.capacity", "icache_l2_miss_cpi_w1", "cost of missing level 2, 1 warp/SM", 1, "cycles/instr"),
-    ("icache.capacity", "icache_l2_miss_cpi_w4", "cost of missing level 2, 4 warps/SM", 1, "cycles/instr"),
-    ("icache.capacity", "icache_l2_miss_cpi_w8", "cost of missing level 2, 8 warps/SM", 1, "cycles/instr"),
+    ("icache.capacity", "icache_l0_bytes", "innermost instruction cache (L0, per sub-partition; capacity)", 1 / KiB,
+     "KiB"),
+    ("icache.capacity", "icache_sm_bytes", "the SM's instruction cache (the study's ~128 KB level; capacity)", 1 / KiB,
+     "KiB"),
+    ("icache.capacity", "icache_l0_miss_cpi_w1", "cost of missing the L0, 1 warp/SM", 1, "cycles/instr"),
+    ("icache.capacity", "icache_sm_miss_cpi_w1", "cost of missing the SM's instruction cache (from L2), 1 warp/SM", 1,
+     "cycles/instr"),
     ("icache.spliced", "spliced_ratio_w12_100K_100K", "100 KiB + 100 KiB spliced / alone, 12 warps/SM", 1, "x"),
     ("icache.spliced", "spliced_ratio_w12_100K_20K", "100 KiB + 20 KiB spliced / alone, 12 warps/SM", 1, "x"),
     ("icache.spliced", "spliced_ratio_w1_100K_100K", "100 KiB + 100 KiB spliced / alone, 1 warp/SM", 1, "x"),
     ("icache.spliced", "spliced_ratio_w1_100K_20K", "100 KiB + 20 KiB spliced / alone, 1 warp/SM", 1, "x"),
-    ("icache.spliced", "max_code_bytes_per_launch", "largest code per launch within 5% of its parts", 1 / KiB,
+    ("icache.spliced", "spliced_block_a_ratio_w12_100K_20K", "the 100 KiB block spliced with 20 KiB / alone, "
+     "12 warps/SM", 1, "x"),
+    ("icache.spliced", "max_code_bytes_per_launch", "largest splice whose large block keeps its solo speed", 1 / KiB,
      "KiB"),
     ("icache.prefetch", "launch_prefetch_bytes", "launch prefetch window (icache-cold first pass)", 1 / KiB, "KiB"),
     ("icache.prefetch", "launch_prefetch_bytes_l2_cold", "same, L2-cold", 1 / KiB, "KiB"),

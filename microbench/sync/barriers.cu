@@ -48,6 +48,7 @@ enum BRStatus : int { BS_NOT_RUN = 0, BS_OK = 1, BS_TIMEOUT = 2, BS_BAD_ARGS = 3
 constexpr uint32_t BR_MAX_D = 1024;  // producers per block (shared-memory list)
 
 extern "C" __global__ void __launch_bounds__(128, 1) sync_grid_wait(const uint64_t* P) {
+  MB_INJECT_SCOPE();  // the gate's calibrated slowdown (mb/inject.cuh)
   __shared__ int fail_s;
   cg::grid_group grid = cg::this_grid();
   const uint32_t mode = static_cast<uint32_t>(P[BR_MODE]), stops = static_cast<uint32_t>(P[BR_STOPS]);

@@ -69,6 +69,7 @@ template <int K> __device__ __forceinline__ void time_kind(uint64_t* out, uint32
 }
 
 extern "C" __global__ void __launch_bounds__(128, 1) sync_fence_cost(const uint64_t* P) {
+  MB_INJECT_SCOPE();  // the gate's calibrated slowdown (mb/inject.cuh)
   __shared__ volatile uint32_t go_s, stop_s;
   extern __shared__ __align__(128) uint8_t dsm[];
   const mb::Watchdog w{reinterpret_cast<unsigned long long*>(P[FC_WD]), P[FC_BOUND_NS]};

@@ -232,15 +232,19 @@ template <Scope S, int POLL> __device__ __forceinline__ void pingpong(const uint
 }
 
 extern "C" __global__ void __launch_bounds__(PP_THREADS, 1) sync_pingpong_gpu_acq(const uint64_t* P) {
+  MB_INJECT_SCOPE();  // the gate's calibrated slowdown (mb/inject.cuh)
   pingpong<Scope::gpu, POLL_ACQ>(P);
 }
 extern "C" __global__ void __launch_bounds__(PP_THREADS, 1) sync_pingpong_gpu_rlxacq(const uint64_t* P) {
+  MB_INJECT_SCOPE();  // the gate's calibrated slowdown (mb/inject.cuh)
   pingpong<Scope::gpu, POLL_RLX_ACQ>(P);
 }
 extern "C" __global__ void __launch_bounds__(PP_THREADS, 1) sync_pingpong_sys_acq(const uint64_t* P) {
+  MB_INJECT_SCOPE();  // the gate's calibrated slowdown (mb/inject.cuh)
   pingpong<Scope::sys, POLL_ACQ>(P);
 }
 extern "C" __global__ void __launch_bounds__(PP_THREADS, 1) sync_pingpong_sys_rlxacq(const uint64_t* P) {
+  MB_INJECT_SCOPE();  // the gate's calibrated slowdown (mb/inject.cuh)
   pingpong<Scope::sys, POLL_RLX_ACQ>(P);
 }
 

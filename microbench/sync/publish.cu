@@ -285,6 +285,7 @@ template <int MODE, class Fmt, Scope S> __device__ __forceinline__ void publish_
 
 #define MB_PUB_KERNEL(NAME, MODE, FMT, SCOPE)                                                      \
   extern "C" __global__ void __launch_bounds__(PB_THREADS, 1) NAME(const uint64_t* P) {              \
+    MB_INJECT_SCOPE(); /* the gate's calibrated slowdown (mb/inject.cuh) */                         \
     publish_kernel<MODE, FMT, SCOPE>(P);                                                            \
   }
 MB_PUB_KERNEL(sync_pub_fence_flag_gpu, PUB_FENCE_FLAG, sn::F32, Scope::gpu)

@@ -114,10 +114,17 @@ class RingPlan:
 
 FULL_STAGES = tuple(range(2, 9))
 FULL_STAGE_BYTES = tuple(k * KiB for k in (4, 8, 12, 16, 24, 32, 48, 64))
-# Quick: pairs of equal ring size with different stage counts (does depth or stage size matter?),
-# from 32 KiB to 192 KiB, including the study's 5 x 32 KB.
-QUICK_RING = tuple(RingConfig(s, k * KiB) for s, k in (
-    (2, 16), (4, 8), (2, 32), (4, 16), (8, 8), (3, 32), (2, 64), (4, 32), (8, 16), (5, 32), (3, 64), (6, 32)))
+# The ring rule chooses among these only (weights/rules.py choose_ring): 2-8 stages of 8, 16, 32 or
+# 64 KiB. The quick grid measures every one that fits and the full grid adds 4, 12, 24 and 48 KiB
+# stages to show the curve: the choice must not depend on which grid ran (on 2026-11-29 the full
+# grid chose 3 x 16 KiB, which the quick grid had not measured, where the quick one chose 2 x 32 KiB).
+CANDIDATE_STAGE_BYTES = tuple(k * KiB for k in (8, 16, 32, 64))
+QUICK_RING = tuple(RingConfig(s, b) for b in CANDIDATE_STAGE_BYTES for s in FULL_STAGES)
+
+
+def ring_candidate(cfg: RingConfig) -> bool:
+    """Whether the ring rule may choose `cfg` (both grids measure every candidate that fits)."""
+    return cfg.stage_bytes in CANDIDATE_STAGE_BYTES and cfg.stages in FULL_STAGES
 
 
 def plan_ring(configs, budget: SmemBudget, limits: RingLimits | None = None) -> RingPlan:

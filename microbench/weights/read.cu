@@ -114,6 +114,7 @@ __device__ __forceinline__ void read_body(const uint4* __restrict__ src, uint32_
   extern "C" __global__ void __launch_bounds__(READ_MAX_THREADS) NAME(                                  \
       const uint4* __restrict__ src, uint32_t n16, unsigned long long total, uint32_t* __restrict__ out, \
       uint32_t policy_kind) {                                                                           \
+    MB_INJECT_SCOPE(); /* the gate's calibrated slowdown (mb/inject.cuh) */                             \
     read_body<U, LD, false>(src, n16, total, out, policy_kind);                                         \
   }
 

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..stats import Summary, bootstrap_ci, fit_steps, mann_whitney
+from ..stats import Summary, bootstrap_ci, mann_whitney
 
 N_BOOT = 200
 SEED = 0
+MIB = 1 << 20
 SIGNIFICANCE = 0.01  # Mann-Whitney p-value below which a difference counts
 MIN_EFFECT = 0.02  # ... and the median difference must also exceed 2% (and twice the noise)
 
@@ -101,14 +102,24 @@ def _cheapest(stages, stage_bytes, meds, his, frac):
     return i, best, thr, qual
 
 
-def choose_ring(stages: Sequence[int], stage_bytes: Sequence[int], bw_samples: Sequence[np.ndarray],
-                frac: float = 0.95) -> RingChoice:
-    """Smallest ring (stages x stage_bytes) whose bandwidth is within `frac` of the best.
+RING_FRAC = 0.97  # the plateau: within 3% of the best ring (configurations past the knee differ by ~1%)
+RING_FRAC_SENSITIVITY = 0.01  # the spread also holds the choices at RING_FRAC +- this
 
-    A configuration qualifies when its median bandwidth >= frac x best median, or when it misses
-    by less than its own noise (the upper end of its 90% bootstrap interval reaches the line).
-    Among qualifiers the cheaper wins: fewer ring bytes, then fewer stages (fewer barrier round
-    trips per byte), then the faster.
+
+def choose_ring(stages: Sequence[int], stage_bytes: Sequence[int], bw_samples: Sequence[np.ndarray],
+                frac: float = RING_FRAC) -> RingChoice:
+    """Smallest ring (stages x stage_bytes) on the bandwidth plateau: within `frac` of the best.
+
+    The ring is a latency-hiding buffer: bandwidth rises with the bytes in flight until they
+    cover the bandwidth-delay product, then stays flat (on the H200, 2026-11-29: rings of >= 64 KiB
+    within ~1.5% of the best, 48 KiB 4-8% below it, 32 KiB 16-20% below). A threshold on the flat
+    part sits far from any configuration; one at 95% sat 0.8% from 3 x 16 KiB, which the full grid
+    then chose and the quick grid (without it) did not. A configuration qualifies when its median
+    bandwidth >= frac x best median, or when it misses by less than its own noise (the upper end of
+    its 90% bootstrap interval reaches the line). Among qualifiers the cheaper wins: fewer ring
+    bytes, then fewer stages (fewer barrier round trips per byte), then the faster. The spread is
+    the range of the choice over bootstrap resamples and over frac +- RING_FRAC_SENSITIVITY, so a
+    choice that sits on the threshold says so.
     """
     n = len(stages)
     if n == 0 or not (len(stage_bytes) == len(bw_samples) == n):
@@ -117,8 +128,9 @@ def choose_ring(stages: Sequence[int], stage_bytes: Sequence[int], bw_samples: S
     meds = [float(np.median(s)) for s in bw]
     his = [bootstrap_ci(s, ci=0.9, seed=SEED)[1] for s in bw]
     i, best, thr, qual = _cheapest(stages, stage_bytes, meds, his, frac)
+    picks = [i] + [_cheapest(stages, stage_bytes, meds, his, f)[0]
+                   for f in (frac - RING_FRAC_SENSITIVITY, frac + RING_FRAC_SENSITIVITY)]
     rng = np.random.default_rng(SEED)
-    picks = []
     for _ in range(N_BOOT):
         m = list(_boot_medians(bw, rng))
         j, *_ = _cheapest(stages, stage_bytes, m, m, frac)
@@ -127,10 +139,11 @@ def choose_ring(stages: Sequence[int], stage_bytes: Sequence[int], bw_samples: S
     pb = [stage_bytes[j] for j in picks]
     return RingChoice(int(stages[i]), int(stage_bytes[i]), best, thr, meds[i], tuple(qual),
                       (float(min(ps)), float(max(ps))), (float(min(pb)), float(max(pb))),
-                      f"smallest ring (stages x stage_bytes) whose median bandwidth is >= {frac:.0%} of the best "
-                      "configuration's (or misses it by less than its 90% bootstrap interval); ties go to fewer ring "
-                      "bytes, then fewer stages; spread: range of the choice over "
-                      f"{N_BOOT} bootstrap resamples of every configuration")
+                      f"smallest ring (stages x stage_bytes) on the bandwidth plateau: median bandwidth >= {frac:.0%} "
+                      "of the best configuration's (or missing it by less than its 90% bootstrap interval); ties go "
+                      "to fewer ring bytes, then fewer stages; spread: range of the choice over "
+                      f"{N_BOOT} bootstrap resamples of every configuration and over a threshold of "
+                      f"{frac - RING_FRAC_SENSITIVITY:.0%}-{frac + RING_FRAC_SENSITIVITY:.0%}")
 
 
 # ------------------------------------------------------------------------------- copy size
@@ -180,39 +193,71 @@ class L2Usable:
     note: str
 
 
-def _usable(sizes, meds, frac):
-    fit = fit_steps(np.log2(sizes), meds, max_levels=4)
-    plateau = max(fit.levels)
-    thr = frac * plateau
-    start = int(np.argmax(meds))
-    j = start
-    while j + 1 < len(sizes) and meds[j + 1] >= thr:
-        j += 1
-    return int(sizes[j]), plateau, thr, j == len(sizes) - 1
+PLATEAU_TOL = 0.075  # a working set is on the L2 plateau while its median is within 7.5% of the level
 
 
-def l2_usable(sizes: Sequence[int], bw_samples: Sequence[np.ndarray], frac: float = 0.9) -> L2Usable:
-    """Largest working set still read at >= frac x the L2 plateau.
+def _plateau(sizes, meds, l2_bytes, tol):
+    """(plateau level, index of its first and last size) of a bandwidth vs working-set curve.
 
-    The plateau is the highest level of a piecewise-constant fit (stats.fit_steps, BIC) of median
-    bandwidth against log2(working set). Walking up from the fastest working set, the usable size
-    is the last one before the first whose median falls below frac x plateau (measured sizes
-    only: no interpolation, so the value is conservative by at most one grid step).
+    The level is the median of the point medians over every working set up to the L2 size: the
+    curve's bulk, which neither the near-partition bump of the smallest sets (served from the L2
+    half next to the SM, faster) nor the fall past the usable capacity can move much. The plateau
+    is the longest run of consecutive sizes within `tol` of that level."""
+    inside = [i for i in range(len(sizes)) if l2_bytes is None or sizes[i] <= l2_bytes] or list(range(len(sizes)))
+    level = float(np.median(meds[inside]))
+    ok = np.abs(meds / level - 1.0) <= tol
+    best, i = (0, -1), 0
+    while i < len(sizes):
+        if ok[i]:
+            j = i
+            while j + 1 < len(sizes) and ok[j + 1]:
+                j += 1
+            if j - i > best[1] - best[0]:
+                best = (i, j)
+            i = j + 1
+        else:
+            i += 1
+    return level, best[0], best[1]
+
+
+def l2_usable(sizes: Sequence[int], bw_samples: Sequence[np.ndarray], l2_bytes: int | None = None,
+              tol: float = PLATEAU_TOL) -> L2Usable:
+    """Largest working set on the L2 bandwidth plateau (the end of the plateau, found as a plateau).
+
+    Level: the median of the point medians over the working sets up to `l2_bytes` (the driver's L2
+    size; all sizes when None). Plateau: the longest run of consecutive working sets whose median
+    read bandwidth lies within `tol` of that level. Value: its largest size; spread: (value, the
+    next measured size), widened by the 5-95% range of the value over bootstrap resamples. The
+    H200 (2026-11-29): ~8.8 TB/s from 4 to 40 MiB, 7.4 at 48 MiB; 11.5 / 9.8 TB/s at 1 / 2 MiB (the
+    near partition), which the rule this replaces took as the plateau and so answered 2 MiB.
     """
     order = np.argsort(sizes)
     sizes = np.asarray(sizes, dtype=np.float64)[order]
     bw = [np.asarray(bw_samples[i], dtype=np.float64) for i in order]
+    if sizes.size < 3:
+        raise ValueError(f"l2_usable needs >= 3 working sets, got {sizes.size}")
     meds = np.array([np.median(s) for s in bw])
-    v, plateau, thr, at_end = _usable(sizes, meds, frac)
+    level, i, j = _plateau(sizes, meds, l2_bytes, tol)
+    if j < 0:
+        raise ValueError("no working set lies on the L2 plateau (every median is more than "
+                         f"{tol:.0%} from the level {level / 1e12:.2f} TB/s)")
+    v = int(sizes[j])
+    nxt = float(sizes[j + 1]) if j + 1 < sizes.size else float(v)
     rng = np.random.default_rng(SEED)
-    boots = [_usable(sizes, _boot_medians(bw, rng), frac)[0] for _ in range(N_BOOT)]
-    note = f"plateau {plateau / 1e12:.2f} TB/s, threshold {thr / 1e12:.2f} TB/s"
-    if at_end:
-        note += "; no drop below the threshold up to the largest working set measured (value is a lower bound)"
-    return L2Usable(v, _pct(boots), plateau, thr,
-                    f"largest measured working set whose median read bandwidth stays >= {frac:.0%} of the L2 "
-                    "plateau (top level of a BIC step fit over log2 size), scanning up from the fastest size; "
-                    f"spread: 5-95% over {N_BOOT} bootstrap resamples", note)
+    boots = []
+    for _ in range(N_BOOT):
+        _, _, bj = _plateau(sizes, _boot_medians(bw, rng), l2_bytes, tol)
+        boots.append(sizes[bj] if bj >= 0 else sizes[0])
+    lo, hi = _pct(boots)
+    note = (f"plateau {level / 1e12:.2f} TB/s from {sizes[i] / MIB:g} to {v / MIB:g} MiB (within {tol:.1%}); "
+            f"fastest working set {sizes[int(np.argmax(meds))] / MIB:g} MiB at {meds.max() / 1e12:.2f} TB/s")
+    if j == sizes.size - 1:
+        note += "; no drop off the plateau up to the largest working set measured (value is a lower bound)"
+    return L2Usable(v, (min(lo, v), max(hi, nxt)), level, (1 - tol) * level,
+                    f"largest working set on the L2 bandwidth plateau: the longest run of consecutive working sets "
+                    f"whose median read bandwidth lies within {tol:.1%} of the level (the median over every working "
+                    "set up to the L2 size); spread: (value, next measured size) and the 5-95% range over "
+                    f"{N_BOOT} bootstrap resamples", note)
 
 
 # ------------------------------------------------------------------------------- prefetch budget

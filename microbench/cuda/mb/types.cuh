@@ -14,3 +14,6 @@ typedef unsigned long long size_t_;
 #else
 #include <stdint.h>
 #endif
+
+// The gate's calibrated slowdown (MB_INJECT_SCOPE(), empty unless MB_INJECT_PPM is defined).
+#include "mb/inject.cuh"
