@@ -1,4 +1,8 @@
-"""The torch baselines of the decode/verify step: what the megakernel must beat.
+"""The naive torch expression of the decode/verify step (impl names naive_torch_*): not a
+competent baseline. It dequantises a padded set of expert slots to bf16 every step (below), which
+no serving engine would run; the competent baseline is the peer (peer.py: a Triton fused MoE over
+the routed experts only, cuBLAS, flash-decoding attention, one CUDA graph). Kept, labelled, for
+what plain torch gives.
 
 One implementation of reference.step's function, written for a GPU, run three ways:
   eager    the plain kernel chain, one Python-issued launch per op ("the standard kernel chain")
@@ -51,7 +55,9 @@ from .reference import KVCache
 from .weights import BF16, ModelWeights
 
 BASELINES = ("eager", "graph", "compile")
-IMPL_NAMES = {"eager": "torch_eager", "graph": "torch_graph", "compile": "torch_compile"}
+# "naive": the plain torch expression (every padded expert slot dequantised to bf16 each step), as
+# the step rows label it (reports/megakernel.py reads older results' torch_* names as these)
+IMPL_NAMES = {"eager": "naive_torch_eager", "graph": "naive_torch_graph", "compile": "naive_torch_compile"}
 
 
 # ---------------------------------------------------------------------- numerics helpers

@@ -1,4 +1,7 @@
-"""model.baselines: the three torch baselines of the decode/verify step, timed by the shared harness.
+"""model.baselines: the naive torch expression of the decode/verify step (eager, CUDA graph,
+torch.compile; impl names naive_torch_*), timed by the shared harness. Not the competent
+baseline: that is the peer (peer.py, megakernel.peer); these dequantise every padded expert slot
+to bf16 each step (baselines.py).
 
 For each (preset, T, ctx) point and each baseline (eager, CUDA graph, torch.compile
 reduce-overhead; baselines.py), one Series named results_names.step_series_name(...):

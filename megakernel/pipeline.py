@@ -17,6 +17,7 @@ check-and-bench`) executes the same items in order and raises on the first failu
 """
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -205,11 +206,13 @@ def check_point(preset: str, n_tokens: int, ctx: int, plan: Plan) -> Check:
     kv_eq = caches[0].equal(caches[1]) and caches[0].equal(caches[2])
     for a, b in zip(caches[0].k + caches[0].v, sc.ref_cache.k + sc.ref_cache.v):
         check_close(a, b, f"{preset} T={n_tokens} ctx={ctx}: KV cache vs reference", rel=REL_TOL)
-    real = []
-    for mode in ("mega", "chain"):  # the kernel's own routing (top-k on its logits)
-        eng = Engine(w, plan, sc.cache0.clone(), backend="gpu")
+    real, real_caches = [], []
+    for mode in ("mega", "chain"):  # the kernel's own routing (top-k on its logits): logits and KV caches
+        real_caches.append(sc.cache0.clone())
+        eng = Engine(w, plan, real_caches[-1], backend="gpu")
         real.append(eng.step(sc.tokens, sc.parents, ctx, mode=mode))
-    real_eq = torch.equal(real[0].logits, real[1].logits)
+    real_eq = (torch.equal(real[0].logits, real[1].logits) and torch.equal(real[0].tokens, real[1].tokens)
+               and real_caches[0].equal(real_caches[1]))
     c = Check(preset, n_tokens, ctx, err, chain_eq, rep_eq, kv_eq, real_eq)
     if not (chain_eq and rep_eq and kv_eq and real_eq):
         raise CorrectnessError(f"{preset} T={n_tokens} ctx={ctx}: mega and chain modes differ bitwise: {c}")
@@ -701,12 +704,23 @@ def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, l
 PRESETS = ("tiny", "small", "shard8")
 
 # Other implementations timed beside mega and chain at every timed point of the stage (the torch
-# baselines have items of their own): name -> fn(h, preset, n_tokens, ctx, ceiling) returning a
-# Series named results_names.step_series_name(preset, n_tokens, ctx, name), saved in megakernel.step.
-# Each is the progress item "<preset> T=<T> ctx=<ctx> <name>", estimated as kind "peer" (PEER_SEED_S
-# a point) until a run has measured it; a failure is reported and skips only that preset's later
-# peer items. The default `megabench run` has about 25 s of its 300 s budget left for them.
-PEERS: dict[str, object] = {}
+# baselines have items of their own): name -> fn(h, preset, n_tokens, ctx, ceiling, constants=...)
+# returning a Series named results_names.step_series_name(preset, n_tokens, ctx, name), saved in
+# megakernel.step. Each is the progress item "<preset> T=<T> ctx=<ctx> <name>", estimated as kind
+# "peer" (PEER_SEED_S a point) until a run has measured it; a failure is reported and skips only that
+# preset's later peer items. The default `megabench run` has about 25 s of its 300 s budget left for
+# them. A peer fn may carry `quick_tokens`: the quick run times it at those T only. The peer here is
+# its step alone at T=16 (block sizes from the last megakernel.peer run's sweep, else the defaults);
+# `python -m megakernel.peer_bench` times it at every point with the sweep, torch.compile, real
+# routing, chain_nopdl and the per-kernel accounting (megakernel.peer). MEGABENCH_PEER=0: none.
+def _peer_row(h, preset, n_tokens, ctx, ceiling, constants=None):
+    from .peer_bench import peer_point
+
+    return peer_point(h, preset, n_tokens, ctx, ceiling)
+
+
+_peer_row.quick_tokens = (16,)  # two items of ~10 s: what the default run's budget has left
+PEERS: dict[str, object] = {} if os.environ.get("MEGABENCH_PEER", "1") == "0" else {"peer": _peer_row}
 PEER_SEED_S = 10.0
 
 # Seconds per item before any run.wall result has measured it (microbench.progress.Estimates), from
@@ -823,9 +837,12 @@ class Stage:
                     for b in B.BASELINES:
                         out.append(item(f"{p} T={t} ctx={c} {b}", partial(self._baseline, p, t, c, b), "baseline",
                                         (gb,)))
-            for name in PEERS:
+            for name, fn in PEERS.items():
+                only = getattr(fn, "quick_tokens", None) if self.quick else None
                 for t, c in self.points(p):
-                    out.append(item(f"{p} T={t} ctx={c} {name}", partial(self._peer, name, p, t, c), "peer", (gp,)))
+                    if only is None or t in only:
+                        out.append(item(f"{p} T={t} ctx={c} {name}", partial(self._peer, name, p, t, c), "peer",
+                                        (gp,)))
             if self._ablated(p):
                 for impl in ablation_names():
                     out.append(item(f"{p} ablation {impl}", partial(self._ablation, p, impl), f"ablation/{p}", (g,)))
@@ -917,7 +934,7 @@ class Stage:
         c = check_point(p, t, ctx, self.plan(p, t))
         self.checks.append(c)
         self.log(f"  check {p} T={t} ctx={ctx}: rel err {c.rel_err:.2e}, mega == chain bitwise (logits, KV), "
-                 f"repeat identical, real routing bitwise")
+                 f"repeat identical, real routing bitwise (logits, KV)")
 
     def _greedy(self, p: str) -> None:
         n = greedy_check(p, self.plan(p))
@@ -944,7 +961,7 @@ class Stage:
         self._say(s)
 
     def _peer(self, name: str, p: str, t: int, ctx: int) -> None:
-        s = PEERS[name](self.h, p, t, ctx, self.ceiling)
+        s = PEERS[name](self.h, p, t, ctx, self.ceiling, constants=self.constants)
         self.series.append(s)
         self._say(s)
 
@@ -976,7 +993,7 @@ class Stage:
                 "||reference|| (reference routing forced)")
         notes = self.notes + [f"checked {c.preset} T={c.n_tokens} ctx={c.ctx}: rel err {c.rel_err:.2e}; mega == chain "
                               f"bitwise (logits, KV caches), repeated mega run bitwise identical, bitwise with the "
-                              f"kernel's own routing" for c in self.checks]
+                              f"kernel's own routing (logits, tokens, KV caches)" for c in self.checks]
         if self.series or self.checks:
             env = constants_env(None, self.constants)  # which constants revision the builds read
             self.results.append(Result("megakernel.step", env, tuple(self.series), derived,

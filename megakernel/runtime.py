@@ -2,11 +2,12 @@
 the host emulation.
 
     eng = Engine(weights, plan, cache, backend="gpu")     # or backend="emu" (CPU tensors)
-    out = eng.step(tokens, parents, ctx, mode="mega")     # or mode="chain"
+    out = eng.step(tokens, parents, ctx, mode="mega")     # or mode="chain" / "chain_nopdl"
     out.logits [T, V] fp32, out.tokens [T] (greedy), cache updated in place like reference.step
 
 Chain mode launches one op instance per kernel launch in program order (the study's baseline
-structure: our own kernel chain); mega mode launches each `Program.launches` range as one
+structure: our own kernel chain), with programmatic dependent launch where the plan has it and the
+op allows (launch_pdl_flags; "chain_nopdl": the same chain without); mega mode launches each `Program.launches` range as one
 persistent kernel whose units order themselves through dependency counters. The same kernel
 binary runs both.
 """
@@ -317,16 +318,22 @@ class Engine:
 
     # ------------------------------------------------------------------ running
     def launches(self, mode: str) -> list[tuple[int, int, int, int]]:
-        """(first op, ops, wait, grid) of each kernel launch of one step."""
+        """(first op, ops, wait, grid) of each kernel launch of one step. Modes: "mega", "chain"
+        (one launch per op instance, with PDL where the plan has it: launch_pdl) and
+        "chain_nopdl" (the same launches, none with PDL)."""
         if mode == "mega":
             return [(f, n, 1, self.grid) for f, n in self.program.launches]
-        if mode == "chain":
+        if mode in CHAIN_MODES:
             out = []
             for o in self.program.ops:
                 static = {"topk": 1, "argmax": 1}.get(o.kind)
                 out.append((o.index, 1, 0, min(self.grid, static) if static else self.grid))
             return out
-        raise ValueError(f"mode {mode!r}: 'mega' or 'chain'")
+        raise ValueError(f"mode {mode!r}: 'mega', 'chain' or 'chain_nopdl'")
+
+    def launch_pdl(self, mode: str) -> list[bool]:
+        """Whether each launch of `mode` is a programmatic dependent launch (launch_pdl_flags)."""
+        return launch_pdl_flags(self.program, self.plan.pdl, mode)
 
     def prepare(self, tokens, parents, ctx: int, routes=None) -> int:
         """Copy a step's inputs to the device and pack the parameter block. Returns T."""
@@ -342,8 +349,8 @@ class Engine:
             self.counters[self.parity].zero_()
         if self.prof is not None:
             self.prof.reset()
-        for li, (first, n, wait, grid) in enumerate(self.launches(mode)):
-            self._launch(first, n, wait, grid, t, ctx, li, pdl=bool(wait) and li > 0 and self.plan.pdl)
+        for li, ((first, n, wait, grid), pdl) in enumerate(zip(self.launches(mode), self.launch_pdl(mode))):
+            self._launch(first, n, wait, grid, t, ctx, li, pdl=pdl)
         if mode == "mega":
             self._dirty[self.parity] = True
             self._dirty[self.parity ^ 1] = False  # the step's argmax cleared it
@@ -407,6 +414,32 @@ class Engine:
             torch.cuda.synchronize()
         self._check_watchdog(mode == "mega")
         return StepOut(self.buf["logits"][:t].clone(), self.buf["out_tokens"][:t].to(torch.int64).clone())
+
+
+CHAIN_MODES = ("chain", "chain_nopdl")
+# the ops whose loader reads this step's routing (slot records, slot count) before the compute
+# warps' griddepcontrol.wait (program.cuh loader_loop, chain mode: b.wait == 0)
+ROUTED_OPS = ("expert1", "expert2")
+
+
+def launch_pdl_flags(program: Program, plan_pdl: bool, mode: str) -> list[bool]:
+    """PDL per launch of a step. The kernel built with Plan.pdl makes its compute warps (and the
+    receive warp) wait for the previous grid (griddepcontrol.wait) before touching its outputs,
+    while its loader warp streams weights at once; so a launch may overlap the tail of the one
+    before whenever its loader reads nothing that launch writes.
+      mega         every launch after the first (all persistent: the tuned pdl_pays constant)
+      chain        every launch after the first except the routed ops': in chain mode their
+                   loader reads the routing (written by top-k) before any wait. Danger: with PDL
+                   it could start while top-k still runs and stream the wrong experts' weights
+      chain_nopdl  none (the chain as it ran before PDL)
+    Without plan_pdl (a build whose kernels do not wait) none."""
+    if mode == "mega":
+        return [plan_pdl and i > 0 for i in range(len(program.launches))]
+    if mode == "chain":
+        return [plan_pdl and i > 0 and o.kind not in ROUTED_OPS for i, o in enumerate(program.ops)]
+    if mode == "chain_nopdl":
+        return [False] * len(program.ops)
+    raise ValueError(f"mode {mode!r}: 'mega', 'chain' or 'chain_nopdl'")
 
 
 def check_close(got: torch.Tensor, ref: torch.Tensor, what: str, rel: float = 2e-2) -> float:

@@ -34,7 +34,9 @@ VERSION = 1
 GZIP_MIN_BYTES = 64 * 1024  # a result's JSON above this is saved as .json.gz
 RESULT_SUFFIXES = (".json", ".json.gz")
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TIMERS = ("cuda_event", "globaltimer", "clock64", "host", "derived", "static")
+# cupti: kernel durations from the CUDA profiling interface (torch.profiler), e.g. the peer
+# baseline's per-kernel accounting (megakernel/peer_bench.py)
+TIMERS = ("cuda_event", "globaltimer", "clock64", "host", "derived", "static", "cupti")
 
 
 def results_root() -> Path:

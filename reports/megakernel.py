@@ -14,7 +14,12 @@ Step series (in model.* and megakernel.* results): any series with `params["impl
                      up in the report's summary by itself; IMPL_LABELS names the known ones).
                      An impl starting with "mega" is a megakernel, everything else a baseline;
                      "mega+<variant>" rows are ablation variants (the report's appendix), and
-                     the torch_* ones are the naive torch expression of the model, labelled so.
+                     the torch_* ones are the naive torch expression of the model, labelled so
+                     (model.baselines names them naive_torch_*; older results' torch_* names are
+                     read as those, LEGACY_IMPL). "chain" runs with PDL where the plan has it,
+                     "chain_nopdl" without (runtime.launch_pdl_flags).
+            routing  "forced" (default: the synthetic routing replayed) | "real" (the build's own
+                     top-k): part of a row's configuration, so rows compare like with like
             preset   model preset name ("tiny", "small", "shard8")
             tokens   T, tokens verified per step (1 = plain decode, 16 = the study's verify)
             context  cached tokens before the step
@@ -49,6 +54,10 @@ import numpy as np
 from microbench.results import Result, Series
 
 PRESET_ORDER = ("shard8", "small", "tiny")
+# model.baselines' impl names before they said naive: read as the new ones, so the fastest-run rule
+# (with_fastest_baselines) still sees the older runs of the same implementation
+LEGACY_IMPL = {"torch_eager": "naive_torch_eager", "torch_graph": "naive_torch_graph",
+               "torch_compile": "naive_torch_compile"}
 STUDY_ACCEPTANCE = 6.6  # the study's mean accepted tokens per 16-token verify step (GSM8K, its draft model)
 STUDY_VERIFY_TOKENS = 16
 
@@ -120,10 +129,11 @@ class StepRow:
     commit: str = ""  # the measuring run's commit (short)
     date: str = ""  # and its date (ISO 8601 UTC)
     constants: tuple = (None, "")  # (constants revision the build read, how that is known)
+    routing: str = "forced"  # params["routing"]: the synthetic routing replayed, or the build's own
 
     @property
     def config(self) -> tuple:
-        return (self.preset, self.tokens, self.context, self.batch)
+        return (self.preset, self.tokens, self.context, self.batch, self.routing)
 
     @property
     def is_mega(self) -> bool:
@@ -190,9 +200,10 @@ def step_rows(results: Sequence[Result]) -> list[StepRow]:
             p = s.params
             if "impl" not in p or s.unit != "s" or s.timer == "static":
                 continue
-            rows.append(StepRow(r.benchmark, s, str(p["impl"]), str(p.get("preset", "?")), int(p.get("tokens", 1)),
+            impl = LEGACY_IMPL.get(str(p["impl"]), str(p["impl"]))
+            rows.append(StepRow(r.benchmark, s, impl, str(p.get("preset", "?")), int(p.get("tokens", 1)),
                                 int(p.get("context", 0)), int(p.get("batch", 1)), r.env.git_sha[:7], r.env.date,
-                                _revision(r)))
+                                _revision(r), str(p.get("routing", "forced"))))
     return rows
 
 
@@ -234,13 +245,13 @@ TIE = 0.01  # with_fastest_baselines: runs this close to the fastest count as eq
 
 def _pref(row: StepRow) -> tuple:
     pi = PRESET_ORDER.index(row.preset) if row.preset in PRESET_ORDER else len(PRESET_ORDER)
-    return (pi, -row.tokens, -row.context, -row.batch)
+    return (pi, row.routing != "forced", -row.tokens, -row.context, -row.batch)
 
 
 def pick(rows: Sequence[StepRow], impl: str, tokens: int | None = None) -> StepRow | None:
     """The row the study's figure is compared with: impl 'mega' (fastest megakernel variant),
     'chain', or 'best_baseline' (fastest non-megakernel); T filtered when given; preferring the
-    shard8 preset, then larger T, longer context."""
+    shard8 preset, forced routing (what the study's figures compare), then larger T, longer context."""
     rs = [r for r in rows if tokens is None or r.tokens == tokens]
     if not rs:
         return None

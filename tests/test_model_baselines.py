@@ -243,7 +243,7 @@ def test_bench_points_and_cases_are_well_formed():
         assert any(c <= w for _, c in pts) and any(c > 2 * w for _, c in pts)  # short and past the window
     case = bb.baseline_case("shard8", 16, 2048, "compile")
     assert case.name == "shard8/T16/ctx2048/compile"
-    assert case.params["impl"] == "torch_compile" and case.params["distinct_experts"] == 49
+    assert case.params["impl"] == "naive_torch_compile" and case.params["distinct_experts"] == 49
     assert bb.BENCHMARKS == {"model.baselines": bb.run}
     with pytest.raises(ValueError, match="unknown baseline"):
         bb.baseline_case("small", 1, 512, "jit")

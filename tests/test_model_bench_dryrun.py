@@ -65,7 +65,7 @@ def test_dry_run_end_to_end(dry):
         assert s.bound.kind == "time" and s.bound.value == m["roofline_s"] > 0 and "roofline" in s.bound.source
         assert m["bytes_per_step"] == sum(m[f"bytes_{k}"] for k in ("dense", "experts", "kv_read", "kv_write",
                                                                      "lm_head", "embed"))
-        assert s.params["impl"] == "torch_eager" and s.params["tokens"] == s.params["T"]
+        assert s.params["impl"] == "naive_torch_eager" and s.params["tokens"] == s.params["T"]
     t16 = res.series[1]
     assert t16.params["distinct_experts"] == bb.study_like_distinct(config.preset("tiny"), 16)
     assert t16.metrics["tokens_per_step"] == res.derived["tiny.acceptance_length"].value

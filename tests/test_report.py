@@ -502,7 +502,7 @@ def test_fmt():
 def test_megakernel_pick_rules():
     rows = mk.step_rows(_megakernel())
     assert mk.pick(rows, "mega").impl == "mega"
-    assert mk.pick(rows, "best_baseline").impl == "torch_graph"
+    assert mk.pick(rows, "best_baseline").impl == "naive_torch_graph"  # torch_graph read as the naive name
     v, unit, how = mk.figure_value(rows, None, {"metric": "speedup_vs_chain"})
     assert v == pytest.approx(9 / 4, rel=0.05) and unit == "x"
     # tokens/s are accepted tokens with the acceptance stated: at T = 16 and no measured acceptance, the
@@ -578,3 +578,31 @@ def test_paper_timeline_figures_name_phases_the_megakernel_emits():
     phases = [f["ours"]["phase"] for f in figs
               if f.get("ours") and str(f["ours"].get("metric", "")).startswith("timeline_")]
     assert phases and set(phases) <= set(OP_KINDS)
+
+
+def test_routing_is_part_of_a_rows_configuration():
+    """megakernel.peer rows: routing is part of a row's configuration (a real-routing row is
+    compared with mega at real routing, never with the forced one), figure picks prefer forced
+    routing, and model.baselines' older torch_* names read as the naive_torch_* ones."""
+    from reports import summary
+
+    base = {"preset": "shard8", "tokens": 16, "context": 2048}
+    rows = []
+    for impl, routing, t in (("mega", "forced", 6.7e-3), ("peer", "forced", 8.0e-3), ("chain", "forced", 8.5e-3),
+                             ("mega", "real", 9.0e-3), ("peer", "real", 18.0e-3)):
+        rows.append(series(f"{impl}/{routing}", t, params={**base, "impl": impl, "routing": routing},
+                           bound=Bound("time", 3e-3, "s", "roofline"), metrics={"launches_per_step": 9}))
+    rows.append(series("kernel/moe_up", 3e-3, params={**base, "op": "moe_up", "kind": "peer_kernel"}, timer="host"))
+    old = series("eager", 0.36, params={**base, "impl": "torch_eager"})
+    got = mk.step_rows([Result("megakernel.peer", env(), tuple(rows)), Result("model.baselines", env(), (old,))])
+    assert len(got) == 6 and {r.routing for r in got} == {"forced", "real"}  # the kernel series is no step row
+    assert {r.impl for r in got} >= {"naive_torch_eager", "peer", "mega"} and "torch_eager" not in {r.impl for r in got}
+    assert mk.pick(got, "mega").routing == "forced" and mk.pick(got, "best_baseline").impl == "peer"
+    table, cfg = [], ""
+    for row in summary.step_table(got):
+        cfg = row["configuration"] or cfg
+        table.append({**row, "configuration": cfg})
+    peer_real = next(r for r in table if "real" in r["configuration"] and r["implementation"].startswith("peer"))
+    peer_forced = next(r for r in table if "real" not in r["configuration"] and r["implementation"].startswith("peer"))
+    assert peer_real["megakernel faster by"] == "2.00x"  # 18 / 9 ms (real), not 18 / 6.7
+    assert peer_forced["megakernel faster by"] == "1.19x"  # 8 / 6.7

@@ -278,6 +278,15 @@ def fake_gpu_work(monkeypatch):
         def result(self, save=True):
             return Result("model.baselines", env(), tuple(self.series))
 
+    def peer(name, quick_tokens=None):  # a registered peer row (megakernel.pipeline.PEERS), recorded
+        def fn(h, p, t, ctx, ceiling, constants=None):
+            calls.append(("peer", name, p, t, ctx))
+            return series(p, t, ctx, name, 1.5e-3)
+        if quick_tokens:
+            fn.quick_tokens = quick_tokens
+        return fn
+
+    monkeypatch.setattr(mp, "PEERS", {"peer": peer("peer", (16,)), "other": peer("other")})
     monkeypatch.setattr(mp, "plan_for", lambda p, c=None, sm=None, **kw: ("plan", p, tuple(sorted(kw.items()))))
     monkeypatch.setattr(mp, "check_point", check_point)
     monkeypatch.setattr(mp, "bench_point", bench_point)
@@ -317,6 +326,12 @@ def test_stage_checks_before_timing_and_saves_what_it_measured(fake_gpu_work):
         ("shard8", t, 2048, b) for t in (1, 16) for b in ("eager", "graph", "compile")]
     assert calls.index(("weights", "shard8")) < calls.index(("check", "shard8", 1, 300, ("plan", "shard8", (("tokens", 1),))))
     assert ("release", "shard8") in calls and ("greedy", "small") in calls
+    # the peers (their own group: the peer checks itself) at every timed point, or at their
+    # quick_tokens in the quick run, saved with the step
+    assert [c[1:] for c in calls if c[0] == "peer" and c[2] == "small"] == [
+        ("peer", "small", 16, 512), ("other", "small", 1, 512), ("other", "small", 16, 512)]
+    assert ("peer", "peer", "shard8", 16, 2048) in calls  # the failed mega check does not skip the peer's group
+    assert "small/T16/ctx512/peer" in {s.name for s in st.results[1].series}
     compiled = [c[1] for c in calls if c[0] == "compile"]
     assert ("plan", "shard8", (("tokens", 16),)) in compiled and len(compiled) == len(set(compiled))
     assert [r.benchmark for r in st.results] == ["megakernel.build", "megakernel.step", "model.baselines"]

@@ -1,0 +1,658 @@
+"""The peer baseline: one decode/verify step as a serving engine runs it at batch 1 on Hopper.
+
+What a user would run instead of the megakernel, built with the libraries a serving engine uses:
+  - experts: a Triton fused-MoE (peer_kernels.moe_up / moe_down) that touches only the routed
+    experts and dequantises NVFP4 in registers, after a routing kernel that does top-k and the
+    serving engines' sort/align of token-expert pairs (peer_kernels.route); its block sizes are
+    tuned on the GPU by a small sweep (`tune_moe`);
+  - dense projections: cuBLAS through torch.mm (bf16 x bf16 -> fp32, the reference's precision);
+    the router and the pooler are one GEMM (their weights stacked once, the pooler's rows in the
+    experts' plane order);
+  - attention over the tree: a Triton flash-decoding kernel (split keys, tree mask, sliding
+    windows through the ring, log-sum-exp merge);
+  - fused norms: residual add + RMSNorm in one Triton kernel; RoPE fused with the KV write;
+  - the whole step captured in ONE CUDA graph (`StepGraph`); positions, the context and the tree
+    come from device buffers, so one capture serves any context up to its read bound.
+
+Two flavours of the small ops: "triton" (the kernels above: the peer) and "torch" (the same
+maths as torch expressions, for `compile=True`: torch.compile of the peer's torch parts, mode
+"max-autotune-no-cudagraphs", because the step is already one CUDA graph of ours; inductor's
+max-autotune has no Triton template for a bf16 x bf16 -> fp32 (out_dtype) GEMM, so the GEMMs stay
+cuBLAS and what it fuses and tunes are the norms, RoPE, the KV write and the combine).
+
+Numerics follow reference.py's contract (its rounding points): residual fp32, norm outputs, q/k/v,
+pooled, expert activations and outputs, combine and attention outputs bf16, fp32 accumulation
+everywhere. Validated with runtime.check_close at the megakernel's bound (pipeline.REL_TOL).
+
+    m = PeerModel(weights)                       # up_cfg / down_cfg from tune_moe
+    r = PeerRunner(m, cache, parents, r_read=ctx, forced=True)
+    r.set_inputs(tokens, ctx, routes); logits = r.run()          # un-graphed
+    g = StepGraph(r); g.replay()                                  # the timed form
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import tree as treelib
+from .config import ConfigError, ModelConfig
+from .reference import KVCache
+from .weights import BF16, ModelWeights
+
+
+def available() -> str | None:
+    """None when the peer can run here, else why not (no triton, no GPU)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton is not installed ({e})"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU (the peer's kernels run on the CPU only through Triton's interpreter, in tests)"
+    return None
+
+
+def _kernels():
+    from . import peer_kernels
+
+    return peer_kernels
+
+
+def unsupported(cfg: ModelConfig) -> str | None:
+    """Why the peer cannot run `cfg` (None: it can). Its expert kernels split a K step into 8
+    planes of at least 16 words (a tensor-core k step), so both expert GEMMs need K % 128 == 0."""
+    if cfg.d_pool % 128 or cfg.d_expert % 128:
+        return (f"{cfg.name}: the peer's fused MoE needs d_pool and d_expert multiples of 128 (have {cfg.d_pool}, "
+                f"{cfg.d_expert})")
+    return None
+
+
+def default_moe_configs():
+    """(up, down) before any tuning: 64 rows, 128-wide K steps, 4 warps, 3 stages (no spill at
+    sm_90a: peer_kernels.compile_sm90)."""
+    K = _kernels()
+    return K.MoeConfig(64, 128, 4, 3), K.MoeConfig(64, 128, 4, 3)
+
+
+# the sweep tune_moe runs on the GPU (both kernels): rows per program x K step x warps x stages
+SWEEP = ((64, 128, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3))
+
+
+# ---------------------------------------------------------------------- the model's prepared weights
+class PeerModel:
+    """References to the model's weights (no copies of the experts or dense projections) plus
+    the stacked router+pooler weight [E + p, d] (pooler rows in plane order) per layer."""
+
+    def __init__(self, w: ModelWeights, up_cfg=None, down_cfg=None):
+        from .baselines import out_dtype_supported
+
+        K = _kernels()
+        self.w, self.cfg = w, w.cfg
+        cfg = w.cfg
+        why = unsupported(cfg)
+        if why:
+            raise ConfigError(why)
+        idx = K.plane_index(cfg.d_pool, device=w.device)
+        self.rp = [torch.cat([lw.router, lw.pool.index_select(0, idx)]).contiguous() for lw in w.layers]
+        d_up, d_down = default_moe_configs()
+        self.up_cfg = (up_cfg or d_up).validate(cfg.d_expert, cfg.d_pool)
+        self.down_cfg = (down_cfg or d_down).validate(cfg.d_pool, cfg.d_expert)
+        self.out_dtype = out_dtype_supported(w.device)
+
+    def mm32(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """a [M, K] bf16 @ w [N, K].T with fp32 accumulation and output (cuBLAS on the GPU)."""
+        if self.out_dtype:
+            return torch.mm(a, w.t(), out_dtype=torch.float32)
+        return a.float() @ w.float().t()
+
+    @property
+    def extra_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.rp)
+
+
+# ---------------------------------------------------------------------- per-op labels
+OPS = ("attn_norm", "qkv", "rope_kv", "attn", "oproj", "ffn_norm", "router_pool", "route", "moe_up", "moe_down",
+       "moe_combine", "unpool", "final_norm", "lm_head", "argmax")
+
+
+def op_bytes(cfg: ModelConfig, n_tokens: int, ctx: int, distinct: Sequence[int]) -> dict[str, int]:
+    """Bytes each op of the peer's step must move (summed over layers): the weights it reads
+    (routed experts only), the KV rows it reads / writes, and its activations in and out. The
+    per-op floor for the per-kernel roofline fractions."""
+    from .roofline import kv_row_bytes, kv_rows_read
+
+    t, d, p, f, e, k = n_tokens, cfg.d_model, cfg.d_pool, cfg.d_expert, cfg.n_experts, cfg.top_k
+    L, row = cfg.n_layers, kv_row_bytes(cfg)
+    fp4 = lambda n, kk: n * kk // 2 + n * kk // 16  # noqa: E731  codes + E4M3 scales
+    x = t * d * 4
+    kv_read = sum(kv_rows_read(cfg, l, t, ctx) for l in range(L)) * row
+    return {
+        "attn_norm": L * (3 * x + 2 * d + t * d * 2) - x,  # layer 0 reads embedding rows instead of x + delta
+        "qkv": L * (cfg.qkv_rows * d * 2 + t * d * 2 + t * cfg.qkv_rows * 4),
+        "rope_kv": L * (t * cfg.qkv_rows * 4 + t * cfg.attn_width * 2 + t * row),
+        "attn": kv_read + L * 2 * t * cfg.attn_width * 2,
+        "oproj": L * (d * cfg.attn_width * 2 + t * cfg.attn_width * 2 + t * d * 4),
+        "ffn_norm": L * (3 * x + 2 * d + t * d * 2),
+        "router_pool": L * ((e + p) * d * 2 + t * d * 2 + t * (e + p) * 4),
+        "route": L * (t * e * 4 + t * k * 8),
+        "moe_up": sum(distinct) * (fp4(2 * f, p) + 4) + L * (t * p * 4 + t * k * f * 2),
+        "moe_down": sum(distinct) * (fp4(p, f) + 4) + L * (t * k * f * 2 + t * k * p * 2),
+        "moe_combine": L * (t * k * p * 2 + t * p * 2),
+        "unpool": L * (d * p * 2 + t * p * 2 + t * d * 4),
+        "final_norm": 3 * x + 2 * d + t * d * 2,
+        "lm_head": cfg.vocab * d * 2 + t * d * 2 + t * cfg.vocab * 4,
+        "argmax": t * cfg.vocab * 4,
+    }
+
+
+# ---------------------------------------------------------------------- the torch flavour of the small ops
+def _torch_norm(x, delta, g, eps):
+    if delta is not None:
+        x.add_(delta)
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (x * r * g.float()).to(BF16)
+
+
+def _torch_rope_kv(qkv, cos_t, sin_t, pos, slots, kc, vc, hq, hk, hd):
+    t = qkv.shape[0]
+    c, s = cos_t.index_select(0, pos)[:, None, :], sin_t.index_select(0, pos)[:, None, :]
+
+    def rot(v):
+        a, b = v[..., 0::2], v[..., 1::2]
+        return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
+
+    q = rot(qkv[:, :hq * hd].reshape(t, hq, hd)).to(BF16)
+    k = rot(qkv[:, hq * hd:(hq + hk) * hd].reshape(t, hk, hd)).to(BF16)
+    v = qkv[:, (hq + hk) * hd:].reshape(t, hk, hd).to(BF16)
+    kc.index_copy_(1, slots, k.transpose(0, 1))
+    vc.index_copy_(1, slots, v.transpose(0, 1))
+    return q
+
+
+def _torch_combine(y, w, t, k):
+    return (w.view(t, k, 1) * y.view(t, k, -1).float()).sum(1).to(BF16)
+
+
+# ---------------------------------------------------------------------- one step
+class PeerRunner:
+    """Static buffers and the step for one tree shape and read bound. set_inputs() (outside any
+    graph) fills the inputs; run() only enqueues device work and returns the logits [T, V] fp32
+    (inside a captured graph: the graph's output tensor). forced: routes come from set_inputs
+    (the timed points' synthetic routing) instead of top-k; routes[l] after a step holds the
+    routing each layer used."""
+
+    def __init__(self, model: PeerModel, cache: KVCache, parents: Sequence[int], *, r_read: int, forced: bool,
+                 small_ops: str = "triton", compile: bool = False, n_sm: int = 132):
+        K = _kernels()
+        cfg = model.cfg
+        if cache.cfg != cfg:
+            raise ConfigError(f"KV cache is for {cache.cfg.name}, weights for {cfg.name}")
+        if small_ops not in ("triton", "torch"):
+            raise ConfigError(f"small_ops {small_ops!r}: 'triton' or 'torch'")
+        if compile and small_ops != "torch":
+            raise ConfigError("compile=True compiles the torch flavour (small_ops='torch')")
+        self.parents = treelib.validate(parents)
+        t = len(self.parents)
+        if not 1 <= t <= cfg.max_tree:
+            raise ConfigError(f"{t} tree tokens; {cfg.name} verifies 1..{cfg.max_tree}")
+        if not 0 <= r_read <= cfg.max_context - t:
+            raise ConfigError(f"read bound {r_read} outside 0..{cfg.max_context - t}")
+        self.model, self.cfg, self.cache, self.n_tokens, self.r_read = model, cfg, cache, t, r_read
+        self.forced, self.small_ops, self.compiled = forced, small_ops, compile
+        dev = model.w.device
+        self.device = dev
+        i32 = dict(dtype=torch.int32, device=dev)
+        depth = treelib.depths(self.parents)
+        anc = treelib.ancestor_mask(self.parents)
+        self.depth = depth
+        self.tokens_t = torch.zeros(t, dtype=torch.long, device=dev)
+        self.ctx_t = torch.zeros(1, **i32)
+        self.depth_t = torch.tensor(depth, **i32)
+        self.anc_t = torch.tensor([sum(1 << j for j in range(t) if anc[i, j]) for i in range(t)], **i32)
+        self.ar_t = torch.arange(t, device=dev)
+        self.routes_in = torch.zeros(cfg.n_layers, t, cfg.top_k, **i32)
+        self.routes = torch.zeros(cfg.n_layers, t, cfg.top_k, **i32)  # what each layer used
+        self.route_w = torch.zeros(cfg.n_layers, t, cfg.top_k, dtype=torch.float32, device=dev)
+        n_pairs = t * cfg.top_k
+        self.n_pairs = n_pairs
+        mb = K.max_blocks(n_pairs, cfg.n_experts, K.BLOCK_M, t)
+        self.sorted_ids = torch.zeros(mb * K.BLOCK_M, **i32)
+        self.block_expert = torch.zeros(mb, **i32)
+        self.n_blocks = torch.zeros(1, **i32)
+        f32 = dict(dtype=torch.float32, device=dev)
+        self.x = torch.zeros(t, cfg.d_model, **f32)
+        self.h = torch.zeros(t, cfg.d_model, dtype=BF16, device=dev)
+        self.q = torch.zeros(t, cfg.n_heads, cfg.head_dim, dtype=BF16, device=dev)
+        self.att = torch.zeros(t, cfg.attn_width, dtype=BF16, device=dev)
+        self.act = torch.zeros(n_pairs, cfg.d_expert, dtype=BF16, device=dev)
+        self.y = torch.zeros(n_pairs, cfg.d_pool, dtype=BF16, device=dev)
+        self.z = torch.zeros(t, cfg.d_pool, dtype=BF16, device=dev)
+        rows = t * cfg.group
+        self.attn_cfg = {g: K.attn_config(self.n_read(g), rows, cfg.n_kv_heads, n_sm) for g in (True, False)}
+        part = max(c.n_splits * (-(-rows // c.block_q)) * c.block_q for c in self.attn_cfg.values())
+        self.o_part = torch.zeros(cfg.n_kv_heads * part * cfg.head_dim, **f32)
+        self.ml_part = torch.zeros(cfg.n_kv_heads * part * 2, **f32)
+        self.ctx: int | None = None
+        self.profiling: str | None = None  # kernel_times: "cupti" (profiler ranges) | "cuda_event" (events per op)
+        self.op_events: list = []
+        self.keep_rpo: dict | None = None  # set to {} to keep each layer's router/pool output (tune_moe)
+        self._layer = self._layer_eager
+        self.compile_s: float | None = None
+        if compile:
+            self._compile()
+
+    def n_read(self, is_global: bool) -> int:
+        """Key slots a layer of this kind may read at most (the grid covers them; programs past
+        the step's live rows exit at once)."""
+        c = self.cfg
+        return min(c.max_context, self.r_read + self.n_tokens) if is_global else min(c.ring_slots,
+                                                                                      self.r_read + self.n_tokens)
+
+    # ------------------------------------------------------------------ inputs
+    def set_inputs(self, tokens, ctx: int, routes: Sequence[torch.Tensor] | None = None) -> None:
+        cfg, t = self.cfg, self.n_tokens
+        tok = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        if tok.numel() != t:
+            raise ConfigError(f"{tok.numel()} tokens for a {t}-token tree")
+        if int(tok.min()) < 0 or int(tok.max()) >= cfg.vocab:
+            raise ConfigError(f"token ids must be in 0..{cfg.vocab - 1}")
+        cfg.check_step(ctx, t)
+        if ctx > self.r_read:
+            raise ConfigError(f"ctx {ctx} exceeds this runner's read bound {self.r_read}")
+        if ctx + max(self.depth) >= cfg.max_context:
+            raise ConfigError(f"position {ctx + max(self.depth)} outside the RoPE table ({cfg.max_context})")
+        if (routes is not None) != self.forced:
+            raise ConfigError("routes given to a runner with real routing, or missing for a forced one")
+        if routes is not None:
+            if len(routes) != cfg.n_layers:
+                raise ConfigError(f"routes for {len(routes)} layers, model has {cfg.n_layers}")
+            r = torch.stack([torch.as_tensor(x).to(torch.int64).cpu() for x in routes])
+            if tuple(r.shape) != (cfg.n_layers, t, cfg.top_k) or int(r.min()) < 0 or int(r.max()) >= cfg.n_experts:
+                raise ConfigError(f"each route must be [{t}, {cfg.top_k}] expert ids in 0..{cfg.n_experts - 1}")
+            if any(len(set(row.tolist())) != cfg.top_k for row in r.reshape(-1, cfg.top_k)):
+                raise ConfigError("a token is routed to the same expert twice")
+            self.routes_in.copy_(r.to(torch.int32))
+        self.tokens_t.copy_(tok)
+        self.ctx_t.fill_(int(ctx))
+        self.ctx = int(ctx)
+
+    # ------------------------------------------------------------------ the step
+    def _op(self, name: str):
+        if self.profiling == "cupti":
+            return torch.profiler.record_function(f"peer.{name}")
+        if self.profiling == "cuda_event":
+            return self._event_range(name)
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _event_range(self, name: str):
+        a = torch.cuda.Event(enable_timing=True)
+        a.record()
+        yield
+        b = torch.cuda.Event(enable_timing=True)
+        b.record()
+        self.op_events.append((name, a, b))
+
+    def run(self) -> torch.Tensor:
+        if self.ctx is None:
+            raise ConfigError("set_inputs() before run()")
+        K, cfg, m, w = _kernels(), self.cfg, self.model, self.model.w
+        delta = None
+        if self.small_ops == "torch":  # the embedding outside the layer: one compiled layer per layer kind
+            with self._op("attn_norm"):
+                self.x.copy_(w.embed.index_select(0, self.tokens_t).float())
+                delta = torch.zeros_like(self.x)
+        for l, lw in enumerate(w.layers):
+            rpo, delta = self._layer(cfg.is_global(l), l == 0 and self.small_ops == "triton", delta, lw.attn_norm, lw.wqkv, lw.wo, lw.ffn_norm, m.rp[l],
+                                     lw.w1.codes, lw.w1.scales, lw.w1.tensor_scale, lw.w2.codes, lw.w2.scales,
+                                     lw.w2.tensor_scale, lw.unpool, self.cache.k[l], self.cache.v[l], self.routes[l],
+                                     self.route_w[l], self.routes_in[l])
+            if self.keep_rpo is not None:
+                self.keep_rpo[l] = rpo
+        with self._op("final_norm"):
+            if self.small_ops == "triton":
+                K.add_rmsnorm(self.x, w.final_norm, self.h, cfg.rms_eps, delta=delta)
+                h = self.h
+            else:
+                h = _torch_norm(self.x, delta, w.final_norm, cfg.rms_eps)
+        with self._op("lm_head"):
+            logits = m.mm32(h, w.lm_head)
+        with self._op("argmax"):
+            self.out_tokens = torch.argmax(logits, dim=-1)
+        return logits
+
+    def _layer_eager(self, glob: bool, first: bool, delta, attn_norm, wqkv, wo, ffn_norm, rp, w1c, w1s, w1t, w2c, w2s,
+                     w2t, unpool, kc, vc, routes, route_w, routes_in):
+        """One decoder layer (weights and cache as arguments, so torch.compile compiles it once per
+        layer kind; `first` matters to the Triton flavour only, whose first norm also gathers the
+        embedding). Returns (the router/pool GEMM's output, the unpooler's fp32 output)."""
+        K, cfg, m = _kernels(), self.cfg, self.model
+        tri = self.small_ops == "triton"
+        with self._op("attn_norm"):
+            if tri:
+                if first:
+                    K.add_rmsnorm(self.x, attn_norm, self.h, cfg.rms_eps, tokens=self.tokens_t, embed=m.w.embed)
+                else:
+                    K.add_rmsnorm(self.x, attn_norm, self.h, cfg.rms_eps, delta=delta)
+                h = self.h
+            else:  # the embedding is in x already (run), delta zeros for the first layer
+                h = _torch_norm(self.x, delta, attn_norm, cfg.rms_eps)
+        with self._op("qkv"):
+            qkv = m.mm32(h, wqkv)
+        with self._op("rope_kv"):
+            if tri:
+                K.rope_kv(qkv, m.w.rope_cos, m.w.rope_sin, self.ctx_t, self.depth_t, self.q, kc, vc,
+                          n_heads=cfg.n_heads, n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, is_global=glob,
+                          ring=cfg.ring_slots)
+                q = self.q
+            else:
+                pos = (self.ctx_t + self.depth_t).long()
+                seq = self.ctx_t.long() + self.ar_t
+                slots = seq if glob else seq.remainder(cfg.ring_slots)
+                q = _torch_rope_kv(qkv, m.w.rope_cos, m.w.rope_sin, pos, slots, kc, vc, cfg.n_heads, cfg.n_kv_heads,
+                                   cfg.head_dim)
+        with self._op("attn"):
+            K.attention(q, kc, vc, self.ctx_t, self.depth_t, self.anc_t, self.att, self.o_part, self.ml_part,
+                        self.attn_cfg[glob], n_tokens=self.n_tokens, group=cfg.group, head_dim=cfg.head_dim,
+                        is_global=glob, ring=cfg.ring_slots, window=cfg.window)
+        with self._op("oproj"):
+            o = m.mm32(self.att, wo)
+        with self._op("ffn_norm"):
+            if tri:
+                K.add_rmsnorm(self.x, ffn_norm, self.h, cfg.rms_eps, delta=o)
+                h2 = self.h
+            else:
+                h2 = _torch_norm(self.x, o, ffn_norm, cfg.rms_eps)
+        with self._op("router_pool"):
+            rpo = m.mm32(h2, rp)  # [T, E + p]: router logits, then pooled (plane order)
+        ld = cfg.n_experts + cfg.d_pool
+        with self._op("route"):
+            K.route(rpo, ld, self.n_tokens, cfg.n_experts, cfg.top_k, routes, route_w, self.sorted_ids,
+                    self.block_expert, self.n_blocks, block_m=K.BLOCK_M, max_per_expert=self.n_tokens,
+                    forced=routes_in if self.forced else None)
+        with self._op("moe_up"):
+            K.moe_up(rpo, ld, cfg.n_experts, True, self.sorted_ids, self.block_expert, self.n_blocks, w1c, w1s, w1t,
+                     self.act, self.n_pairs, cfg.top_k, m.up_cfg)
+        with self._op("moe_down"):
+            K.moe_down(self.act, self.sorted_ids, self.block_expert, self.n_blocks, w2c, w2s, w2t, self.y,
+                       self.n_pairs, m.down_cfg)
+        with self._op("moe_combine"):
+            if tri:
+                K.moe_combine(self.y, route_w, self.z, cfg.top_k)
+                z = self.z
+            else:
+                z = _torch_combine(self.y, route_w, self.n_tokens, cfg.top_k)
+        with self._op("unpool"):
+            return rpo, m.mm32(z, unpool)
+
+    def _compile(self) -> None:
+        """torch.compile the layer (the torch flavour's norms, RoPE, KV write and combine around
+        the Triton kernels and cuBLAS GEMMs), max-autotune without its own CUDA graphs: the step
+        is captured whole by StepGraph."""
+        from .baselines import _prepare_dynamo
+
+        _prepare_dynamo()
+        self._layer = torch.compile(self._layer_eager, mode="max-autotune-no-cudagraphs", dynamic=False)
+
+    def compile_now(self) -> float:
+        """Run (and so compile) one step; returns its wall time (compile included)."""
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        self.run()
+        sync()
+        self.compile_s = time.perf_counter() - t0
+        return self.compile_s
+
+
+class StepGraph:
+    """One CUDA graph of a runner's whole step (warm-up x3 on a side stream, capture, replay)."""
+
+    def __init__(self, runner: PeerRunner, warmup: int = 3):
+        if runner.ctx is None:
+            raise ConfigError("set_inputs() before capturing")
+        self.runner = runner
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(warmup):
+                runner.run()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = runner.run()
+            self.tokens = runner.out_tokens
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.logits
+
+
+# ---------------------------------------------------------------------- checks
+@dataclass(frozen=True)
+class PeerCheck:
+    what: str
+    rel_err: float  # logits vs the reference
+    kv_rel_err: float  # worst layer's K or V cache vs the reference's
+    routes_equal: bool  # the step's routing equals the reference's (real routing; True when forced)
+
+    def describe(self) -> str:
+        return (f"{self.what}: logits rel err {self.rel_err:.2e}, KV caches rel err <= {self.kv_rel_err:.2e}"
+                + ("" if self.routes_equal else " (routing differs from the reference's: see the note)"))
+
+
+def check_step(runner: PeerRunner, logits: torch.Tensor, cache: KVCache, ref_logits: torch.Tensor,
+               ref_cache: KVCache, what: str, rel: float, ref_routes: Sequence[torch.Tensor] | None = None) -> PeerCheck:
+    """The megakernel's bound (runtime.check_close) on the logits and on every layer's K and V
+    cache. With real routing (ref_routes: the reference's own top-k per layer), a routing that
+    differs from the reference's (a near tie flipped by rounding) limits the check to what the
+    difference cannot reach: the layers before the first differing one (KV) and the tokens whose
+    routes, and their ancestors', agree everywhere (logits); CorrectnessError if none is left."""
+    from microbench.errors import CorrectnessError
+
+    from .baselines import route_agreement
+    from .runtime import check_close
+
+    same = True
+    first_diff = runner.cfg.n_layers
+    if ref_routes is not None:
+        got = [runner.routes[l].long().cpu() for l in range(runner.cfg.n_layers)]
+        for l, (a, b) in enumerate(zip(got, ref_routes)):
+            if not torch.equal(a.sort(dim=-1).values, b.long().cpu().sort(dim=-1).values):
+                same, first_diff = False, l
+                break
+    rows = slice(None)
+    if not same:
+        agree = route_agreement(runner.parents, got, [r.cpu() for r in ref_routes])
+        if not bool(agree.any()):
+            raise CorrectnessError(f"{what}: real routing differs from the reference's at layer {first_diff} for "
+                                   "every token: nothing left to compare")
+        rows = agree.nonzero()[:, 0]
+    err = check_close(logits[rows], ref_logits[rows], f"{what}: peer vs reference (logits)", rel=rel)
+    kv = 0.0
+    for l in range(first_diff):
+        for name, a, b in (("K", cache.k[l], ref_cache.k[l]), ("V", cache.v[l], ref_cache.v[l])):
+            kv = max(kv, check_close(a, b, f"{what}: peer vs reference ({name} cache of layer {l})", rel=rel))
+    return PeerCheck(what, err, kv, same)
+
+
+def greedy(model: PeerModel, prompt: Sequence[int], steps: int, small_ops: str = "triton") -> list[int]:
+    """Plain greedy decoding with the peer (T=1, prefill token by token), every step a replay of
+    one captured graph (the context moves through its device buffer)."""
+    cfg = model.cfg
+    cache = KVCache(cfg, device=model.w.device)
+    r = PeerRunner(model, cache, [-1], r_read=len(prompt) + steps, forced=False, small_ops=small_ops)
+    r.set_inputs([prompt[0]], 0)
+    g = StepGraph(r) if model.w.device.type == "cuda" else None
+    ctx, last, out = 0, None, []
+    for tok in list(prompt) + [None] * steps:
+        if tok is None:
+            out.append(last)
+            tok = last
+        r.set_inputs([tok], ctx)
+        if g is not None:
+            g.replay()
+            last = int(g.tokens[0])
+        else:
+            r.run()
+            last = int(r.out_tokens[0])
+        ctx += 1
+    return out
+
+
+# ---------------------------------------------------------------------- the block-size sweep
+@dataclass(frozen=True)
+class TuneRecord:
+    kernel: str  # "moe_up" | "moe_down"
+    config: str  # MoeConfig.label()
+    median_s: float | None  # per layer launch (None: failed)
+    samples: tuple[float, ...]
+    error: str = ""  # why it was dropped
+
+
+def pick_config(records: Sequence[TuneRecord]) -> TuneRecord:
+    """The fastest config that ran and checked (ties: the first in sweep order)."""
+    ok = [r for r in records if r.median_s is not None]
+    if not ok:
+        raise RuntimeError("every config of the sweep failed: " + "; ".join(f"{r.config}: {r.error}" for r in records))
+    return min(ok, key=lambda r: r.median_s)
+
+
+def tune_moe(h, runner: PeerRunner, sweep=None, log=print, rel: float = 2e-3):
+    """Times moe_up and moe_down over `sweep` on the GPU with the inputs of one un-graphed step of
+    `runner` (each layer's router/pool output and routing, and moe_up's activations from the
+    current config): a sample runs the kernel once per layer, every layer on its own experts, so
+    the weights stream from HBM as in a step. Every config's output (the last layer's) must agree
+    with the current config's within `rel` (bf16 outputs: other K steps only flip roundings).
+    Sets the fastest of each on runner.model; returns (records, up config, down config). sweep:
+    (block_n, block_k, warps, stages) tuples, default SWEEP."""
+    import numpy as np
+
+    K = _kernels()
+    sweep = SWEEP if sweep is None else sweep
+    m, cfg = runner.model, runner.cfg
+    ld = cfg.n_experts + cfg.d_pool
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    runner.keep_rpo = {}
+    try:
+        runner.run()
+        rpo = [runner.keep_rpo[l] for l in range(cfg.n_layers)]
+    finally:
+        runner.keep_rpo = None
+    per_layer, acts = [], []
+    for l in range(cfg.n_layers):  # the routing of each layer again (the runner's step shares its buffers)
+        s, b, n = runner.sorted_ids.clone(), runner.block_expert.clone(), runner.n_blocks.clone()
+        K.route(rpo[l], ld, runner.n_tokens, cfg.n_experts, cfg.top_k, runner.routes[l].clone(),
+                runner.route_w[l].clone(), s, b, n, block_m=K.BLOCK_M, max_per_expert=runner.n_tokens,
+                forced=runner.routes[l])
+        per_layer.append((s, b, n))
+        a = torch.empty_like(runner.act)
+        lw = m.w.layers[l]
+        K.moe_up(rpo[l], ld, cfg.n_experts, True, s, b, n, lw.w1.codes, lw.w1.scales, lw.w1.tensor_scale, a,
+                 runner.n_pairs, cfg.top_k, m.up_cfg)
+        acts.append(a)
+    act_out, y_out = torch.empty_like(runner.act), torch.empty_like(runner.y)
+
+    def up(c):
+        for l in range(cfg.n_layers):
+            lw = m.w.layers[l]
+            K.moe_up(rpo[l], ld, cfg.n_experts, True, *per_layer[l], lw.w1.codes, lw.w1.scales, lw.w1.tensor_scale,
+                     act_out, runner.n_pairs, cfg.top_k, c)
+
+    def down(c):
+        for l in range(cfg.n_layers):
+            lw = m.w.layers[l]
+            K.moe_down(acts[l], *per_layer[l], lw.w2.codes, lw.w2.scales, lw.w2.tensor_scale, y_out, runner.n_pairs, c)
+
+    records = []
+    for kind, fn, out, current, dims in (("moe_up", up, act_out, m.up_cfg, (cfg.d_expert, cfg.d_pool)),
+                                         ("moe_down", down, y_out, m.down_cfg, (cfg.d_pool, cfg.d_expert))):
+        fn(current)
+        sync()
+        ref = out.float().clone()
+        mine = []
+        for spec in sweep:
+            c = K.MoeConfig(*spec)
+            try:
+                c.validate(*dims)
+                fn(c)  # compiles on the first call
+                sync()
+                err = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+                if not err <= rel:
+                    raise RuntimeError(f"output differs from {current.label()}'s by {err:.2e} > {rel:.0e}")
+                t = h.time(lambda c=c: fn(c))
+                samples = tuple(float(x) / cfg.n_layers for x in t.samples_s)
+                mine.append(TuneRecord(kind, c.label(), float(np.median(samples)), samples))
+                log(f"    tune {kind} {c.label()}: {mine[-1].median_s * 1e6:.1f} us per layer")
+            except Exception as e:  # a config that does not compile, fit or agree is dropped, and said so
+                mine.append(TuneRecord(kind, c.label(), None, (), f"{e.__class__.__name__}: {str(e)[:200]}"))
+                log(f"    tune {kind} {c.label()}: dropped ({mine[-1].error})")
+        best = pick_config(mine)
+        chosen = next(K.MoeConfig(*sp) for sp in sweep if K.MoeConfig(*sp).label() == best.config)
+        if kind == "moe_up":
+            m.up_cfg = chosen
+        else:
+            m.down_cfg = chosen
+        records += mine
+    return records, m.up_cfg, m.down_cfg
+
+
+# ---------------------------------------------------------------------- per-kernel accounting
+def kernel_times(runner: PeerRunner, steps: int = 3) -> tuple[dict[str, list[float]], str]:
+    """({op: [device seconds per step]}, timer) over `steps` un-graphed steps, per op label (OPS).
+    Timer "cupti": the profiler's CUPTI kernel durations of each op's kernels (record_function
+    ranges), summed per step. Where the profiler attributes no device time to the ranges, timer
+    "cuda_event": events around each op, whose intervals also hold the launch gap before the op
+    (an un-graphed short op waits for the host): an upper bound for short ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.run()
+    torch.cuda.synchronize()
+    out: dict[str, list[float]] = {}
+    runner.profiling = "cupti"
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                runner.run()
+            torch.cuda.synchronize()
+        for e in prof.events():
+            if e.name.startswith("peer."):
+                dt = getattr(e, "device_time_total", None)
+                out.setdefault(e.name[5:], []).append(float(dt if dt is not None else e.cuda_time_total) * 1e-6)
+    finally:
+        runner.profiling = None
+    timer = "cupti"
+    if not out or all(sum(v) == 0 for v in out.values()):
+        timer, out = "cuda_event", {}
+        runner.profiling, runner.op_events = "cuda_event", []
+        try:
+            for _ in range(steps):
+                runner.run()
+            torch.cuda.synchronize()
+            for name, a, b in runner.op_events:
+                out.setdefault(name, []).append(a.elapsed_time(b) * 1e-3)
+        finally:
+            runner.profiling, runner.op_events = None, []
+    per_step = {}
+    for op, v in out.items():
+        per = len(v) // steps or 1
+        per_step[op] = [sum(v[i * per:(i + 1) * per]) for i in range(steps)]
+    return per_step, timer
+
+
+def distinct_of(routes: Sequence[torch.Tensor]) -> list[int]:
+    return [int(torch.unique(torch.as_tensor(r)).numel()) for r in routes]
+
+
+def free_compiled() -> None:
+    """Drop dynamo's compiled graphs (the compiled runner's)."""
+    try:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+    except Exception:
+        pass

@@ -1,0 +1,193 @@
+"""The peer baseline's step (megakernel/peer.py) on the CPU: every kernel through Triton's
+interpreter, the dense projections through torch, on a small model with a global and a sliding
+layer, against reference.step with the megakernel's bound on logits and every layer's KV cache:
+forced and real routing (a near-tie routing flip handled), the torch flavour of the small ops,
+greedy decoding, a broken tree mask caught; the host logic (bytes per op, the sweep's choice,
+input checks). ~1-2 min here (2 shared cores)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megakernel import peer, reference, routing, tree  # noqa: E402
+from megakernel import peer_kernels as K  # noqa: E402
+from megakernel.config import ConfigError, preset  # noqa: E402
+from megakernel.pipeline import REL_TOL  # noqa: E402
+from megakernel.roofline import step_bytes  # noqa: E402
+from megakernel.weights import generate  # noqa: E402
+from microbench.errors import CorrectnessError  # noqa: E402
+
+
+def micro():
+    """Two layers (0 sliding with window 8, 1 global), 2/1 heads of 64, 4 experts top-2 of 128 x 128."""
+    return preset("tiny").replace(name="micro", n_layers=2, global_layers=(1,), window=8, n_heads=2, n_kv_heads=1,
+                                  n_experts=4, top_k=2, d_pool=128, d_expert=128, max_context=64)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return peer.PeerModel(generate(micro()))
+
+
+def _point(cfg, t, ctx, seed, distinct=None):
+    g = torch.Generator().manual_seed(seed)
+    parents = tree.binary_ish(t) if t > 1 else [-1]
+    tokens = torch.randint(0, cfg.vocab, (t,), generator=g)
+    cache0 = reference.KVCache(cfg).fill_random(g)
+    routes = routing.synthetic_routes(cfg, t, distinct or cfg.top_k, g)
+    return parents, tokens, cache0, routes
+
+
+def _run(model, parents, tokens, ctx, cache, routes=None, small_ops="triton", r_read=None):
+    r = peer.PeerRunner(model, cache, parents, r_read=ctx if r_read is None else r_read, forced=routes is not None,
+                        small_ops=small_ops, n_sm=4)
+    r.set_inputs(tokens, ctx, routes)
+    with K.interpreted():
+        logits = r.run()
+    return r, logits
+
+
+# ctx 12: no wrap; ctx 30: the sliding layer's ring (24 slots) wrapped, past its window
+@pytest.mark.parametrize("t,ctx", [(4, 12), (6, 30), (1, 9)])
+def test_peer_step_matches_the_reference_forced_routing(model, t, ctx):
+    cfg = model.cfg
+    parents, tokens, cache0, routes = _point(cfg, t, ctx, seed=t + ctx, distinct=min(4, t * cfg.top_k))
+    ref_cache = cache0.clone()
+    ref = reference.step(model.w, ref_cache, tokens, parents, ctx, routes=routes)
+    cache = cache0.clone()
+    r, logits = _run(model, parents, tokens, ctx, cache, routes, r_read=ctx + 3)  # a read bound past ctx
+    c = peer.check_step(r, logits, cache, ref, ref_cache, f"micro T={t} ctx={ctx}", REL_TOL)
+    assert c.rel_err < 5e-3 and c.kv_rel_err < 5e-3 and c.routes_equal
+    assert torch.equal(r.routes.long(), torch.stack(routes)), "forced routing not used"
+    assert torch.equal(r.out_tokens, reference.argmax(logits))
+
+
+@pytest.mark.parametrize("t,ctx", [(6, 30), (3, 5)])
+def test_peer_step_matches_the_reference_real_routing(model, t, ctx):
+    cfg = model.cfg
+    parents, tokens, cache0, _ = _point(cfg, t, ctx, seed=100 + t)
+    ref_cache = cache0.clone()
+    tr = reference.Trace()
+    ref = reference.step(model.w, ref_cache, tokens, parents, ctx, trace=tr)
+    ref_routes = [tr.tensors[f"L{l}.route"] for l in range(cfg.n_layers)]
+    cache = cache0.clone()
+    r, logits = _run(model, parents, tokens, ctx, cache)
+    c = peer.check_step(r, logits, cache, ref, ref_cache, "micro real routing", REL_TOL, ref_routes)
+    assert c.routes_equal and c.rel_err < 5e-3 and c.kv_rel_err < 5e-3
+
+
+def test_torch_flavour_matches_too(model):
+    cfg = model.cfg
+    parents, tokens, cache0, routes = _point(cfg, 6, 30, seed=7, distinct=4)
+    ref_cache = cache0.clone()
+    ref = reference.step(model.w, ref_cache, tokens, parents, 30, routes=routes)
+    cache = cache0.clone()
+    r, logits = _run(model, parents, tokens, 30, cache, routes, small_ops="torch")
+    c = peer.check_step(r, logits, cache, ref, ref_cache, "micro torch flavour", REL_TOL)
+    assert c.rel_err < 5e-3 and c.kv_rel_err < 5e-3
+
+
+def test_a_wrong_tree_mask_is_caught(model):
+    cfg = model.cfg
+    parents, tokens, cache0, routes = _point(cfg, 6, 12, seed=8, distinct=4)
+    ref_cache = cache0.clone()
+    ref = reference.step(model.w, ref_cache, tokens, parents, 12, routes=routes)
+    cache = cache0.clone()
+    r = peer.PeerRunner(model, cache, parents, r_read=12, forced=True, n_sm=4)
+    r.set_inputs(tokens, 12, routes)
+    r.anc_t.fill_((1 << 6) - 1)  # every tree token sees every other: a chain's mask, not the tree's
+    with K.interpreted():
+        logits = r.run()
+    with pytest.raises(CorrectnessError):
+        peer.check_step(r, logits, cache, ref, ref_cache, "micro broken mask", REL_TOL)
+
+
+def test_a_routing_flip_limits_the_check_to_what_it_cannot_reach(model):
+    """Real routing that differs from the reference's in the last layer for one token (as a near
+    tie would): its logits are left out, the other tokens' logits and the earlier layer's KV are
+    still checked; a flip for every token leaves nothing and is refused."""
+    cfg = model.cfg
+    parents = [-1, 0, 0]  # root and two children: token 2 is nobody's ancestor
+    _, tokens, cache0, _ = _point(cfg, 3, 5, seed=103)
+    ref_cache = cache0.clone()
+    tr = reference.Trace()
+    ref = reference.step(model.w, ref_cache, tokens, parents, 5, trace=tr)
+    ref_routes = [tr.tensors[f"L{l}.route"].clone() for l in range(cfg.n_layers)]
+    cache = cache0.clone()
+    r, logits = _run(model, parents, tokens, 5, cache)
+    assert peer.check_step(r, logits, cache, ref, ref_cache, "same", REL_TOL, ref_routes).routes_equal
+    flipped = [x.clone() for x in ref_routes]
+    used = flipped[1][2].tolist()
+    flipped[1][2, 1] = next(x for x in range(cfg.n_experts) if x not in used)  # token 2, last layer
+    c = peer.check_step(r, logits, cache, ref, ref_cache, "flip", REL_TOL, flipped)
+    assert not c.routes_equal and c.rel_err < 5e-3
+    everyone = [x.clone() for x in ref_routes]
+    everyone[0] = torch.stack([torch.tensor([e for e in range(cfg.n_experts) if e not in row.tolist()][:cfg.top_k])
+                               for row in everyone[0]])  # layer 0: every token on other experts
+    with pytest.raises(CorrectnessError, match="every token"):
+        peer.check_step(r, logits, cache, ref, ref_cache, "flip all", REL_TOL, everyone)
+
+
+def test_greedy_decoding_equals_the_reference(model):
+    prompt, steps = [3, 14, 15], 4
+    ref = reference.greedy(model.w, reference.KVCache(model.cfg), prompt, steps)
+    with K.interpreted():
+        got = peer.greedy(model, prompt, steps)
+    assert got == ref
+
+
+# ---------------------------------------------------------------------- host logic
+def test_op_bytes_cover_the_roofline_experts_and_dense_weights():
+    cfg = preset("shard8")
+    distinct = [49] * cfg.n_layers
+    b = peer.op_bytes(cfg, 16, 2048, distinct)
+    sb = step_bytes(cfg, 16, 2048, distinct)
+    fp4 = lambda n, k: n * k // 2 + n * k // 16  # noqa: E731
+    weights_up = sum(distinct) * (fp4(2 * cfg.d_expert, cfg.d_pool) + 4)
+    weights_down = sum(distinct) * (fp4(cfg.d_pool, cfg.d_expert) + 4)
+    assert weights_up + weights_down == sb.experts  # the routed experts' codes, scales and tensor scales
+    assert b["moe_up"] > weights_up and b["moe_down"] > weights_down  # plus activations
+    assert b["attn"] >= sb.kv_read and b["lm_head"] >= sb.lm_head - 2 * cfg.d_model
+    dense = sum(b[k] for k in ("qkv", "oproj", "router_pool", "unpool"))
+    assert dense >= sb.dense - cfg.n_layers * 4 * cfg.d_model  # the norm gains are the norms' bytes
+    assert set(b) == set(peer.OPS)
+
+
+def test_pick_config_takes_the_fastest_that_ran():
+    recs = [peer.TuneRecord("moe_up", "a", 3e-6, (3e-6,)), peer.TuneRecord("moe_up", "b", None, (), "spill"),
+            peer.TuneRecord("moe_up", "c", 2e-6, (2e-6,)), peer.TuneRecord("moe_up", "d", 2e-6, (2e-6,))]
+    assert peer.pick_config(recs).config == "c"  # ties: the first in sweep order
+    with pytest.raises(RuntimeError, match="spill"):
+        peer.pick_config([recs[1]])
+
+
+def test_sweep_configs_fit_the_timed_presets():
+    for name in ("small", "shard8"):
+        cfg = preset(name)
+        assert peer.unsupported(cfg) is None
+        for spec in peer.SWEEP:
+            K.MoeConfig(*spec).validate(cfg.d_expert, cfg.d_pool)
+            K.MoeConfig(*spec).validate(cfg.d_pool, cfg.d_expert)
+    assert "multiples of 128" in peer.unsupported(preset("tiny"))
+    with pytest.raises(ConfigError, match="multiples of 128"):
+        peer.PeerModel(generate(preset("tiny")))
+
+
+def test_runner_refuses_bad_inputs(model):
+    cfg = model.cfg
+    parents, tokens, cache0, routes = _point(cfg, 4, 12, seed=9, distinct=4)
+    r = peer.PeerRunner(model, cache0, parents, r_read=12, forced=True, n_sm=4)
+    with pytest.raises(ConfigError, match="read bound"):
+        r.set_inputs(tokens, 13, routes)
+    with pytest.raises(ConfigError, match="missing"):
+        r.set_inputs(tokens, 12)
+    bad = [x.clone() for x in routes]
+    bad[0][0, 1] = bad[0][0, 0]
+    with pytest.raises(ConfigError, match="twice"):
+        r.set_inputs(tokens, 12, bad)
+    with pytest.raises(ConfigError, match="set_inputs"):
+        peer.PeerRunner(model, cache0, parents, r_read=12, forced=True).run()
+    with pytest.raises(ConfigError, match="small_ops"):
+        peer.PeerRunner(model, cache0, parents, r_read=12, forced=True, compile=True)
