@@ -178,4 +178,6 @@ def build_emu(plan: Plan, opt: str = "-O1", extra_flags: tuple[str, ...] | None 
     dll.mk_emu_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_int,
                                ctypes.c_void_p, ctypes.c_ulonglong]
+    dll.emu_set_schedule.restype = ctypes.c_int
+    dll.emu_set_schedule.argtypes = [ctypes.c_int]
     return dll

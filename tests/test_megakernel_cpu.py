@@ -392,7 +392,8 @@ def test_fused_expert_plan_and_program(fusable):
 def test_fused_experts_interpreter_orders_and_emulated_bits(fusable, seed):
     """The fused schedule in random orders that respect only its declared dependencies (DEP_LOCAL:
     the producer's unit of the same index) gives the program order's bits, close to the reference;
-    in the emulated kernel mega == chain bitwise, the kept activations give the staged ones' bits
+    in the emulated kernel mega == chain bitwise (random and adversarial schedules), the kept
+    activations give the staged ones' bits
     (keep_units default, 1: most units staged, 0: none kept), and the logits stay within 1e-2 of the
     split GEMMs'."""
     cfg, w, base, plan = fusable
@@ -404,38 +405,122 @@ def test_fused_experts_interpreter_orders_and_emulated_bits(fusable, seed):
     assert torch.equal(in_order, shuffled)
     grid = 4 if seed == 0 else 2
     out = {}
-    for name, p, mode in (("mega", plan, "mega"), ("chain", plan, "chain"),
+    for name, p, mode in (("mega", plan, "mega"), ("chain", plan, "chain"), ("last", plan, "mega"),
                           ("keep1", dataclasses.replace(plan, keep_units=1), "mega"),
                           ("keep0", dataclasses.replace(plan, keep_units=0), "mega"),
                           ("split", make_plan(cfg, 4, spin_bound_ns=3_000_000_000, ring_stage_bytes=16384), "mega")):
-        out[name] = Engine(w, p, base.clone(), backend="emu", grid=grid).step(toks, par, 40, mode=mode)
-    for name in ("chain", "keep1", "keep0"):
+        eng = Engine(w, p, base.clone(), backend="emu", grid=grid, emu_schedule="last" if name == "last" else "random")
+        out[name] = eng.step(toks, par, 40, mode=mode)
+    for name in ("chain", "last", "keep1", "keep0"):
         assert torch.equal(out[name].logits, out["mega"].logits) and torch.equal(out[name].tokens, out["mega"].tokens), name
     check_close(out["mega"].logits, out["split"].logits, "fused vs split", rel=1e-2)
     check_close(out["mega"].logits, ref, "fused vs reference", rel=1e-2)
 
 
-@pytest.mark.parametrize("ctx,t", [(0, 1), (33, 1), (20, 8), (40, 16)])
+# The emulated mega steps of the mega == chain tests: the random schedule from a seed, and the
+# adversarial ones (runtime.EMU_SCHEDULES) that delay producers, so that a missing wait shows
+# (test_adversarial_schedule_catches_gate_up_without_its_pool_wait).
+MEGA_SCHEDULES = {(0, 1): ("random", "last"), (33, 1): ("random", "last"), (20, 8): ("random", "last"),
+                  (40, 16): ("random", "last", "block")}
+
+
+@pytest.mark.parametrize("ctx,t", list(MEGA_SCHEDULES))
 def test_emulated_mega_equals_chain_bitwise_and_matches_reference(tiny, ctx, t):
     cfg, w, base, plan = tiny
     toks, par = _inputs(cfg, t, ctx)
     ref_cache = base.clone()
     ref, routes = _reference(w, ref_cache, toks, par, ctx)
     outs = {}
-    for mode in ("chain", "mega"):
+    for mode in ("chain",) + tuple(f"mega-{s}" for s in MEGA_SCHEDULES[(ctx, t)]):
         cache = base.clone()
-        eng = Engine(w, plan, cache, backend="emu", emu_seed=ctx + 7)
+        eng = Engine(w, plan, cache, backend="emu", emu_seed=ctx + 7, emu_schedule=mode.partition("-")[2] or "random")
         eng.poison()
-        outs[mode] = (eng.step(toks, par, ctx, mode=mode), cache)
-    (c_out, c_cache), (m_out, m_cache) = outs["chain"], outs["mega"]
-    assert torch.equal(c_out.logits, m_out.logits)  # real routing, both modes
-    assert torch.equal(c_out.tokens, m_out.tokens)
-    assert c_cache.equal(m_cache)
+        outs[mode] = (eng.step(toks, par, ctx, mode=mode.partition("-")[0]), cache)
+    c_out, c_cache = outs.pop("chain")
+    for name, (m_out, m_cache) in outs.items():
+        assert torch.equal(c_out.logits, m_out.logits), name  # real routing, both modes
+        assert torch.equal(c_out.tokens, m_out.tokens), name
+        assert c_cache.equal(m_cache), name
+    m_cache = outs["mega-random"][1]
     forced = Engine(w, plan, base.clone(), backend="emu").step(toks, par, ctx, mode="mega", routes=routes)
     check_close(forced.logits, ref, "emulated megakernel vs reference", rel=1e-2)
     assert torch.equal(forced.tokens, ref.argmax(-1))
     for a, b in zip(m_cache.k + m_cache.v, ref_cache.k + ref_cache.v):  # the KV writes agree too
         check_close(a, b, "KV cache", rel=1e-2)
+
+
+def _dropping(kind: str, producer: str):
+    """A program builder (runtime.build_program's stand-in) whose `kind` ops skip their waits for
+    `producer`: the kernel then never waits for it (the mutation the adversarial schedule must catch)."""
+    from megakernel.program import build as real_build
+
+    def build_without(plan, mode="layer"):
+        prog = real_build(plan, mode)
+        ops = tuple(dataclasses.replace(o, deps=tuple(d for d in o.deps if prog.ops[d.producer].kind != producer))
+                    if o.kind == kind else o for o in prog.ops)
+        assert ops != prog.ops, f"no {kind} <- {producer} dependency to drop"
+        return dataclasses.replace(prog, ops=ops)
+    return build_without
+
+
+@pytest.mark.parametrize("ctx,t", [(0, 1), (40, 16)])
+def test_adversarial_schedule_catches_gate_up_without_its_pool_wait(tiny, monkeypatch, ctx, t):
+    """Gate/up (expert GEMM 1) that skips its wait for the pooler: under the schedule delaying each
+    op's last unit, the pooler's last block runs only when every other block is blocked, so gate/up
+    stages pooled rows it never wrote (NaN after poison) and mega differs from chain. The random
+    schedule passed this mutation at every seed the emulated tests use (and 20 of 20 seeds tried,
+    2026-12-01): its blocks finish the pooler before top-k lets gate/up start."""
+    from megakernel import runtime
+
+    cfg, w, base, plan = tiny
+    toks, par = _inputs(cfg, t, ctx)
+    chain = Engine(w, plan, base.clone(), backend="emu").step(toks, par, ctx, mode="chain")
+    monkeypatch.setattr(runtime, "build_program", _dropping("expert1", "pool"))
+    eng = Engine(w, plan, base.clone(), backend="emu", emu_seed=ctx + 7, emu_schedule="last")
+    eng.poison()
+    out = eng.step(toks, par, ctx, mode="mega")
+    assert not torch.equal(out.logits, chain.logits)
+
+
+def test_emulation_refuses_an_unknown_schedule(tiny):
+    cfg, w, base, plan = tiny
+    with pytest.raises(ValueError, match="emu_schedule"):
+        Engine(w, plan, base.clone(), backend="emu", emu_schedule="sometimes")
+    eng = Engine(w, plan, base.clone(), backend="emu")
+    assert eng.dll.emu_set_schedule(3) == 1 and eng.dll.emu_set_schedule(0) == 0
+
+
+# Dependencies whose loss the tiny build cannot show: expert GEMM 2's unit of a slot runs on the
+# block that ran the slot's gate/up unit (one unit of each per slot, contiguous), and the MoE
+# combine's wait for top-k is implied by its wait for expert GEMM 2
+_UNOBSERVABLE = {("expert2", "expert1"), ("moe_combine", "topk")}
+
+
+@pytest.mark.full
+def test_adversarial_schedule_catches_every_observable_missing_wait(tiny, monkeypatch):
+    """Every dependency of the program dropped in turn (the kernel then skips that wait): the
+    schedule delaying each op's last unit makes mega differ from chain for each of them (the
+    random schedule caught 7 of the 14 at two seeds, 2026-12-01)."""
+    from megakernel import runtime
+    from megakernel.program import build as real_build
+
+    cfg, w, base, plan = tiny
+    toks, par = _inputs(cfg, 16, 40)
+    chain = Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode="chain")
+    prog = real_build(plan)
+    edges = sorted({(o.kind, prog.ops[d.producer].kind) for o in prog.ops for d in o.deps} - _UNOBSERVABLE)
+    missed = []
+    for kind, producer in edges:
+        monkeypatch.setattr(runtime, "build_program", _dropping(kind, producer))
+        eng = Engine(w, plan, base.clone(), backend="emu", emu_seed=1, emu_schedule="last")
+        eng.poison()
+        try:
+            out = eng.step(toks, par, 40, mode="mega")
+            if torch.equal(out.logits, chain.logits) and torch.equal(out.tokens, chain.tokens):
+                missed.append(f"{kind} <- {producer}")
+        except (runtime.EmulationError, SpinTimeoutError):
+            pass  # caught as a hang or an emulation check: also a failing test
+    assert not missed, f"missing waits the adversarial schedule did not catch: {missed}"
 
 
 def test_emulated_top_k_counter_carries_the_slot_count(tiny):

@@ -53,6 +53,10 @@ bool mbar_test(uint64_t* b, unsigned parity);
 void mbar_complete_tx(uint64_t* b, unsigned bytes);
 uint64_t now_ns();
 void note_prefetch(const void* src, unsigned bytes);  // an L2 prefetch (recorded for the tests)
+// the adversarial schedule (emu.cpp): a synchronisation write other fibers may poll (global: any
+// block's; else the writer's block's shared memory), and the unit a block's compute threads start
+void note_sync_write(bool global);
+void unit_hint(int op, int unit, int total);
 [[noreturn]] void fail(const char* what);
 }  // namespace emu
 

@@ -450,8 +450,8 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
       }
       if (sync_compute_or(fail)) return;  // the routing is visible to every thread from here
     }
-    const UnitRange r =
-        my_units(o, is_dynamic(o.kind) ? b.misc[MISC_NSLOTS] * slot_tiles(o.kind) : n_units(b, o));
+    const int total = is_dynamic(o.kind) ? b.misc[MISC_NSLOTS] * slot_tiles(o.kind) : n_units(b, o);
+    const UnitRange r = my_units(o, total);
     bool first_unit = true;
     // thread 0's bookkeeping, and the op record its waits and signals read, live in shared
     // memory: as registers they are live across every op's code (the record alone is 14 ints)
@@ -505,6 +505,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
         if (sync_compute_or(fail || b.failed)) return;
       }
       if (open_stamp) detail_stamp(b, MK_EV_UNIT_OPEN_END, static_cast<uint32_t>(u));
+      sched_unit(i, u, total);  // the emulation's adversarial schedule (nothing on the GPU)
       run_unit(b, i, o0, u);
       detail_stamp(b, MK_EV_UNIT_CLOSE_BEGIN, static_cast<uint32_t>(u));
       if (sync_compute_or(b.failed)) return;
