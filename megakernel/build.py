@@ -180,4 +180,6 @@ def build_emu(plan: Plan, opt: str = "-O1", extra_flags: tuple[str, ...] | None 
                                ctypes.c_void_p, ctypes.c_ulonglong]
     dll.emu_set_schedule.restype = ctypes.c_int
     dll.emu_set_schedule.argtypes = [ctypes.c_int]
+    dll.emu_copied_bytes.restype = ctypes.c_ulonglong
+    dll.emu_copied_bytes.argtypes = [ctypes.c_int]
     return dll

@@ -134,7 +134,7 @@ struct BlockSched {
 };
 int g_schedule = SCHED_RANDOM;
 unsigned long long g_seed = 0;
-std::vector<BlockSched> g_sched;
+std::vector<BlockSched> g_bsched;
 std::unordered_map<uint64_t*, MBar> g_mbar;
 Fiber* g_cur = nullptr;
 #ifdef EMU_ASM_SWITCH
@@ -220,11 +220,11 @@ void yield() {
 
 // adversarial schedule bookkeeping (above): something changed in the current block / anywhere
 static inline void changed_here() {
-  if (g_cur && g_schedule) ++g_sched[g_cur->block].ep;
+  if (g_cur && g_schedule) ++g_bsched[g_cur->block].ep;
 }
 void changed_everywhere() {
   if (!g_schedule) return;
-  for (BlockSched& s : g_sched) ++s.ep;
+  for (BlockSched& s : g_bsched) ++s.ep;
 }
 void note_sync_write(bool global) {
   if (global) {
@@ -244,7 +244,7 @@ static unsigned long long mix64(unsigned long long x) {  // splitmix64's finalis
 
 void unit_hint(int op, int unit, int total) {
   if (!g_schedule) return;
-  BlockSched& s = g_sched[g_cur->block];
+  BlockSched& s = g_bsched[g_cur->block];
   if (s.op == op && s.unit == unit) return;  // every compute thread calls; the first decides
   s.op = op;
   s.unit = unit;
@@ -268,6 +268,9 @@ static std::vector<std::pair<uint64_t, uint64_t>> g_prefetch;  // (address, byte
 void note_prefetch(const void* src, unsigned bytes) {
   g_prefetch.emplace_back(reinterpret_cast<uint64_t>(src), bytes);
 }
+
+static unsigned long long g_copied = 0;  // bulk-copied bytes since emu_copied_bytes(1)
+void note_copy(unsigned bytes) { g_copied += bytes; }
 
 void fail(const char* what) {
   char buf[512];
@@ -380,8 +383,37 @@ void mbar_complete_tx(uint64_t* b, unsigned bytes) {
   m.tx -= bytes;
   mbar_check(m);
 }
+// Bulk copies in flight: each lands when its mbarrier is next tested (in issue order), as late as
+// the hardware could land it for a thread that waits on that barrier, so that a thread reading
+// the destination without the wait reads what was there before (the source is read at landing
+// too: a source written after the copy's issue shows up as well).
+struct InFlight {
+  void* dst;
+  const void* src;
+  unsigned bytes;
+  uint64_t* bar;
+};
+static std::vector<InFlight> g_inflight;
+void bulk_copy_async(void* dst, const void* src, unsigned bytes, uint64_t* b) {
+  mb(b);  // an uninitialised barrier fails at issue, as before
+  g_inflight.push_back(InFlight{dst, src, bytes, b});
+}
+static void land_copies(uint64_t* b) {
+  size_t keep = 0;
+  for (size_t i = 0; i < g_inflight.size(); ++i) {
+    const InFlight x = g_inflight[i];
+    if (x.bar != b) {
+      g_inflight[keep++] = x;
+      continue;
+    }
+    memcpy(x.dst, x.src, x.bytes);
+    mbar_complete_tx(x.bar, x.bytes);
+  }
+  g_inflight.resize(keep);
+}
 bool mbar_test(uint64_t* b, unsigned parity) {
   yield();
+  land_copies(b);
   return (mb(b).phases & 1u) != (parity & 1u);
 }
 uint64_t now_ns() {
@@ -391,18 +423,18 @@ uint64_t now_ns() {
 
 // Adversarial schedule: the block whose fiber runs next (see BlockSched above).
 static int pick_block(std::mt19937_64& rng) {
-  const int n = static_cast<int>(g_sched.size());
+  const int n = static_cast<int>(g_bsched.size());
   auto can_run = [](const BlockSched& s) {
     const int blocked = s.count_ep == s.ep ? s.blocked : 0;
     return !s.live.empty() && blocked < static_cast<int>(s.live.size());
   };
   size_t total = 0;
-  for (const BlockSched& s : g_sched)
+  for (const BlockSched& s : g_bsched)
     if (!s.delayed && can_run(s)) total += s.live.size();
   if (total) {  // a block that is not delayed, chosen in proportion to its live fibers
     size_t r = rng() % total;
     for (int b = 0; b < n; ++b) {
-      const BlockSched& s = g_sched[b];
+      const BlockSched& s = g_bsched[b];
       if (s.delayed || !can_run(s)) continue;
       if (r < s.live.size()) return b;
       r -= s.live.size();
@@ -410,14 +442,14 @@ static int pick_block(std::mt19937_64& rng) {
   }
   int best = -1;  // every other block is blocked: the delayed one at the latest op
   for (int b = 0; b < n; ++b)
-    if (g_sched[b].delayed && can_run(g_sched[b]) && (best < 0 || g_sched[b].op > g_sched[best].op)) best = b;
+    if (g_bsched[b].delayed && can_run(g_bsched[b]) && (best < 0 || g_bsched[b].op > g_bsched[best].op)) best = b;
   if (best >= 0) return best;
   total = 0;  // everything is blocked: any live fiber
-  for (const BlockSched& s : g_sched) total += s.live.size();
+  for (const BlockSched& s : g_bsched) total += s.live.size();
   size_t r = rng() % total;
   for (int b = 0; b < n; ++b) {
-    if (r < g_sched[b].live.size()) return b;
-    r -= g_sched[b].live.size();
+    if (r < g_bsched[b].live.size()) return b;
+    r -= g_bsched[b].live.size();
   }
   return n - 1;
 }
@@ -425,7 +457,7 @@ static int pick_block(std::mt19937_64& rng) {
 // After fiber f returned to the scheduler without finishing: one more blocked return, or the
 // first of a new epoch.
 static void note_return(Fiber* f) {
-  BlockSched& s = g_sched[f->block];
+  BlockSched& s = g_bsched[f->block];
   if (f->ret_ep == s.ep) {
     ++f->streak;
   } else {
@@ -442,7 +474,7 @@ static void note_return(Fiber* f) {
 }
 
 static void drop_live(Fiber* f) {
-  BlockSched& s = g_sched[f->block];
+  BlockSched& s = g_bsched[f->block];
   Fiber* last = s.live.back();
   s.live[f->slot] = last;
   last->slot = f->slot;
@@ -474,6 +506,7 @@ extern "C" int emu_launch(void (*body)(void*), void* arg, int grid, int block, i
   g_error.clear();
   g_abort = false;
   g_mbar.clear();
+  g_inflight.clear();
   g_blocks.assign(grid, Block{});
   for (auto& b : g_blocks) {
     b.smem.assign(smem_bytes, 0xA5);  // poison: reading smem nobody wrote shows up as garbage
@@ -482,7 +515,7 @@ extern "C" int emu_launch(void (*body)(void*), void* arg, int grid, int block, i
   g_fibers.clear();
   g_live.clear();
   g_seed = seed;
-  g_sched.assign(grid, BlockSched{});
+  g_bsched.assign(grid, BlockSched{});
   const bool adversarial = g_schedule != SCHED_RANDOM;
   for (int bi = 0; bi < grid; ++bi)
     for (int t = 0; t < block; ++t) {
@@ -492,8 +525,8 @@ extern "C" int emu_launch(void (*body)(void*), void* arg, int grid, int block, i
       new_stack_frame(f);
       g_fibers.push_back(f);
       g_live.push_back(f);
-      f->slot = static_cast<int>(g_sched[bi].live.size());
-      g_sched[bi].live.push_back(f);
+      f->slot = static_cast<int>(g_bsched[bi].live.size());
+      g_bsched[bi].live.push_back(f);
     }
   std::mt19937_64 rng(seed);
   unsigned long long idle_picks = 0, last_progress = g_progress;
@@ -503,7 +536,7 @@ extern "C" int emu_launch(void (*body)(void*), void* arg, int grid, int block, i
     size_t i = 0;
     Fiber* f;
     if (adversarial) {
-      const std::vector<Fiber*>& in = g_sched[pick_block(rng)].live;
+      const std::vector<Fiber*>& in = g_bsched[pick_block(rng)].live;
       f = in[rng() % in.size()];
     } else {
       i = seed ? rng() % g_live.size() : 0;
@@ -544,15 +577,28 @@ extern "C" int emu_launch(void (*body)(void*), void* arg, int grid, int block, i
       break;
     }
   }
+  if (!rc && !g_inflight.empty()) {  // the kernel ended with copies nobody waited for
+    g_error = "a bulk copy into shared memory was still in flight when the kernel ended (" +
+              std::to_string(g_inflight.size()) + " copies whose mbarrier no thread waited for)";
+    rc = 1;
+  }
+  g_inflight.clear();
   for (Fiber* f : g_fibers) {
     free(f->stack);
     delete f;
   }
   g_fibers.clear();
   g_live.clear();
-  g_sched.clear();
+  g_bsched.clear();
   if (rc && err && errlen > 0) snprintf(err, errlen, "%s", g_error.c_str());
   return rc;
+}
+
+// Bytes moved by bulk copies (global to shared) since the last call with reset != 0.
+extern "C" unsigned long long emu_copied_bytes(int reset) {
+  const unsigned long long n = emu::g_copied;
+  if (reset) emu::g_copied = 0;
+  return n;
 }
 
 // The L2 prefetches recorded so far: up to `cap` (address, bytes) pairs into out; returns how

@@ -229,8 +229,8 @@ MK_DEV void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar)
   if ((bytes & 15u) || (reinterpret_cast<uintptr_t>(dst) & 15u) || (reinterpret_cast<uintptr_t>(src) & 15u)) {
     emu::fail("bulk copy with an address or size that is not a multiple of 16 bytes");
   }
-  memcpy(dst, src, bytes);
-  emu::mbar_complete_tx(bar, bytes);
+  emu::note_copy(bytes);
+  emu::bulk_copy_async(dst, src, bytes, bar);
 }
 MK_DEV void bulk_copy_keep(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
   bulk_copy(dst, src, bytes, bar);
