@@ -43,7 +43,7 @@ def program_constants() -> str:
         f"constexpr uint32_t WHAT_RING_FULL = {program.WHAT_RING_FULL}, WHAT_RING_EMPTY = {program.WHAT_RING_EMPTY}, "
         f"WHAT_LOADER_ROUTE = {program.WHAT_LOADER_ROUTE}, WHAT_LOADER_GATE = {program.WHAT_LOADER_GATE}, "
         f"WHAT_SENTINEL = {program.WHAT_SENTINEL}, WHAT_NORM_ROWS = {program.WHAT_NORM_ROWS}, "
-        f"WHAT_LOADER_PACE = {program.WHAT_LOADER_PACE};",
+        f"WHAT_LOADER_PACE = {program.WHAT_LOADER_PACE}, WHAT_PRESTAGE = {program.WHAT_PRESTAGE};",
         "}  // namespace mk",
     ]) + "\n"
 

@@ -35,6 +35,8 @@ def plans(n_sm: int = 132):
         out.append(plan_for(p, None, n_sm, profile=True, profile_cap=128))
         if p == "small":  # the GPU test of every technique's bits
             out.append(plan_for(p, None, n_sm, receive_warp=True))
+            out.append(plan_for(p, None, n_sm, prestage_experts=8))
+            out.append(plan_for(p, None, n_sm, prestage_experts=8, prestage_miss=True))
         if p == "shard8":  # cli timeline-detail
             out.append(plan_for(p, None, n_sm, profile=True, profile_detail=True, profile_cap=1024))
     cfg = preset("tiny")

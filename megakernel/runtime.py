@@ -27,8 +27,8 @@ from . import abi, tiling, tree as treelib
 from .config import ConfigError
 from .fp4_layout import is_canonical
 from .plan import Plan
-from .program import (WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE, WHAT_NORM_ROWS, WHAT_RING_EMPTY, WHAT_RING_FULL,
-                      WHAT_SENTINEL, Program, build as build_program)
+from .program import (WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE, WHAT_NORM_ROWS, WHAT_PRESTAGE,
+                      WHAT_RING_EMPTY, WHAT_RING_FULL, WHAT_SENTINEL, Program, build as build_program)
 from .reference import KVCache
 from .weights import BF16, ModelWeights
 
@@ -292,6 +292,8 @@ class Engine:
                                "never wrote them, or a slot was not reset)",
                 WHAT_NORM_ROWS: f"{name}: the bulk copies of the normed operand's rows (consumer)",
                 WHAT_LOADER_PACE: f"{name}: the first weight chunk of the routed op landing (loader, opening pace)",
+                WHAT_PRESTAGE: f"{name}: a weight chunk prestaged on the previous step's routing landing (loader, "
+                               "Plan.prestage_experts)",
                 }.get(code, f"{name} code {code}")
 
     def _set_inputs(self, tokens, parents, ctx, routes):

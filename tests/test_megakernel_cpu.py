@@ -523,6 +523,84 @@ def test_adversarial_schedule_catches_every_observable_missing_wait(tiny, monkey
     assert not missed, f"missing waits the adversarial schedule did not catch: {missed}"
 
 
+def test_prestage_plan_switch():
+    """Plan.prestage_experts: at most the ring's stages, refused outside 0..RING_FILL_MAX, the miss
+    only with it; its spec barriers (8 B a stage) and bets (an int a stage, one for the phases) in
+    misc_bytes; rendered PRESTAGE / PRESTAGE_MISS (0 / false by default)."""
+    cfg = preset("tiny")
+    base = make_plan(cfg, 4)
+    p = make_plan(cfg, 4, prestage_experts=8)
+    assert base.prestage == 0 and p.prestage == p.ring_stages == base.ring_stages
+    assert make_plan(cfg, 4, prestage_experts=2).prestage == 2
+    assert p.misc_bytes >= base.misc_bytes + 8 * p.ring_stages + 4 * (p.ring_stages + 1) - 15
+    assert "constexpr int PRESTAGE = 0;" in render(base) and "constexpr bool PRESTAGE_MISS = false;" in render(base)
+    assert f"constexpr int PRESTAGE = {p.ring_stages};" in render(p)
+    for bad in (-1, plan_mod.RING_FILL_MAX + 1, 1.5):
+        with pytest.raises(ValueError, match="prestage_experts"):
+            make_plan(cfg, 4, prestage_experts=bad)
+    with pytest.raises(ValueError, match="prestage_miss"):
+        make_plan(cfg, 4, prestage_miss=True)
+
+
+def test_prestaged_experts_keep_the_bits_and_copy_once_when_the_bet_holds(tiny):
+    """Plan.prestage_experts: the loader bets that a layer routes as in the previous step and copies
+    the first chunks of the gate/up units it would then run before the routing is known; the exact
+    routing settles them. Over three steps on one engine (A, then B: another routing, partly the
+    bet, then B again: every bet right) the logits and tokens are the default build's bitwise (whose
+    mega == chain the tests above check), under the adversarial schedule too; where every bet holds
+    (the first step bets nothing, the third repeats the second) the bulk copies move exactly the
+    default build's bytes (no chunk copied twice), and where they fail (prestage_miss: always) each
+    bet costs one chunk's bytes more."""
+    cfg, w, base, plan = tiny
+    (ta, pa), (tb, pb) = _inputs(cfg, 16, 40), _inputs(cfg, 16, 41)
+    steps = [(ta, pa), (tb, pb), (tb, pb)]
+
+    def run(p, schedule):
+        eng = Engine(w, p, base.clone(), backend="emu", emu_schedule=schedule, emu_seed=11)
+        out = []
+        for toks, par in steps:
+            eng.dll.emu_copied_bytes(1)
+            o = eng.step(toks, par, 40, mode="mega")
+            out.append((o.logits.clone(), o.tokens.clone(), eng.dll.emu_copied_bytes(1)))
+        return out
+
+    ref = run(plan, "random")
+    pre = dataclasses.replace(plan, prestage_experts=4)
+    got, miss = run(pre, "last"), run(dataclasses.replace(pre, prestage_miss=True), "random")
+    for name, out in (("prestage", got), ("miss", miss)):
+        for k, ((rl, rt, _), (gl, gt, _)) in enumerate(zip(ref, out)):
+            assert torch.equal(rl, gl) and torch.equal(rt, gt), (name, k)
+    assert got[0][2] == ref[0][2] and got[2][2] == ref[2][2], "a bet that held was copied again"
+    chunk = pre.tiles["expert1"].stage_bytes
+    assert miss[0][2] == ref[0][2] and miss[2][2] > ref[2][2] and (miss[2][2] - ref[2][2]) % chunk == 0
+
+
+def test_prestage_without_its_landing_wait_is_caught(tiny, tmp_path):
+    """A variant tree whose loader releases a prestaged chunk without waiting for its copies (the
+    spec barrier wait of program.cuh prestage_settle removed): the emulation lands a bulk copy only
+    when its barrier is tested, so the compute warps read the stage before the bytes arrive and the
+    kernel ends with copies nobody waited for; the second step (the first with a bet) fails."""
+    import shutil
+
+    from megakernel.ab import kernel_tree
+    from megakernel.runtime import EmulationError
+
+    cfg, w, base, plan = tiny
+    tree_dir = tmp_path / "csrc"
+    shutil.copytree(CSRC, tree_dir)
+    prog = tree_dir / "mk" / "program.cuh"
+    wait = "    if (!warp_all(wait_mbar(*b.p, &b.spec[st], (ph >> st) & 1u, what))) return -1;\n"
+    assert wait in prog.read_text()
+    prog.write_text(prog.read_text().replace(wait, ""))
+    toks, par = _inputs(cfg, 16, 40)
+    ref = Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
+    with kernel_tree(tree_dir):
+        eng = Engine(w, dataclasses.replace(plan, prestage_experts=4), base.clone(), backend="emu")
+        assert torch.equal(eng.step(toks, par, 40, mode="mega").logits, ref.logits)  # no bet yet
+        with pytest.raises(EmulationError, match="still in flight"):
+            eng.step(toks, par, 40, mode="mega")
+
+
 def test_emulated_top_k_counter_carries_the_slot_count(tiny):
     # program.ROUTE_SHIFT: top-k adds 1 + (slots << 16) to its counter and the routed ops take
     # their unit count from the value that ends their routing wait; the low half stays the units-
@@ -1534,7 +1612,7 @@ def test_every_wait_id_the_kernel_can_report_has_a_message(tiny):
     cfg, w, base, plan = tiny
     eng = Engine(w, plan, base.clone(), backend="emu")
     codes = [program.WHAT_RING_FULL, program.WHAT_RING_EMPTY, program.WHAT_LOADER_ROUTE, program.WHAT_LOADER_GATE,
-             program.WHAT_SENTINEL, program.WHAT_NORM_ROWS, program.WHAT_LOADER_PACE]
+             program.WHAT_SENTINEL, program.WHAT_NORM_ROWS, program.WHAT_LOADER_PACE, program.WHAT_PRESTAGE]
     for code in codes:
         msg = eng.describe_wait(3 * 16 + code)
         assert "[op 3]" in msg and f"code {code}" not in msg, msg
