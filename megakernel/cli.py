@@ -314,6 +314,9 @@ def _ab(a) -> int:
 
     results = run_ab(points, variants, rounds=a.rounds)
     md = table(results)
+    for r in results:  # reported in the table too; said here where a log's tail shows it
+        for name, why in r.failed.items():
+            print(f"CHECK FAILED, not timed: {r.preset} T={r.n_tokens} ctx={r.ctx} {name}: {why}", file=sys.stderr)
     if a.out:
         Path(a.out).write_text(md + "\n")
         print("wrote", a.out)
