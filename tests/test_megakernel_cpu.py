@@ -33,6 +33,18 @@ def tiny():
     return cfg, w, base, make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
 
 
+def _tree_without(tmp_path, rel: str, line: str):
+    """A copy of the kernel's source tree with `line` removed from csrc/`rel` (a variant for a test)."""
+    import shutil
+
+    tree_dir = tmp_path / "csrc"
+    shutil.copytree(CSRC, tree_dir)
+    f = tree_dir / rel
+    assert line in f.read_text(), f"{rel} no longer has {line!r}"
+    f.write_text(f.read_text().replace(line, ""))
+    return tree_dir
+
+
 def _inputs(cfg, t, seed):
     g = torch.Generator().manual_seed(seed)
     par = tree.binary_ish(t) if t > 1 else [-1]
@@ -223,18 +235,11 @@ def test_attention_skipping_sub_blocks_past_a_split_keeps_the_bits(tiny, tmp_pat
     sub-block is a no-op on the online softmax (alpha = 1, p = 0), so the kernel without the skip
     gives the same bits. In tiny a warp scores 16 keys of a round, so the warps past a split's
     keys skip in every split."""
-    import shutil
-
     from megakernel import ab
 
     cfg, w, base, plan = tiny
     assert plan.keys_per_split == 32 and plan.attn_key_groups * 16 > plan.keys_per_split
-    noskip = tmp_path / "csrc"
-    shutil.copytree(CSRC, noskip)
-    att = noskip / "ops" / "attention.cuh"
-    line = "      if (kb0 + kw0 >= total) break;"
-    assert line in att.read_text()
-    att.write_text(att.read_text().replace(line, ""))
+    noskip = _tree_without(tmp_path, "ops/attention.cuh", "      if (kb0 + kw0 >= total) break;")
     toks, par = _inputs(cfg, 7, 5)
     a = Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
     with ab.kernel_tree(noskip):
@@ -580,18 +585,12 @@ def test_prestage_without_its_landing_wait_is_caught(tiny, tmp_path):
     spec barrier wait of program.cuh prestage_settle removed): the emulation lands a bulk copy only
     when its barrier is tested, so the compute warps read the stage before the bytes arrive and the
     kernel ends with copies nobody waited for; the second step (the first with a bet) fails."""
-    import shutil
-
     from megakernel.ab import kernel_tree
     from megakernel.runtime import EmulationError
 
     cfg, w, base, plan = tiny
-    tree_dir = tmp_path / "csrc"
-    shutil.copytree(CSRC, tree_dir)
-    prog = tree_dir / "mk" / "program.cuh"
-    wait = "    if (!warp_all(wait_mbar(*b.p, &b.spec[st], (ph >> st) & 1u, what))) return -1;\n"
-    assert wait in prog.read_text()
-    prog.write_text(prog.read_text().replace(wait, ""))
+    tree_dir = _tree_without(tmp_path, "mk/program.cuh",
+                             "    if (!warp_all(wait_mbar(*b.p, &b.spec[st], (ph >> st) & 1u, what))) return -1;\n")
     toks, par = _inputs(cfg, 16, 40)
     ref = Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
     with kernel_tree(tree_dir):
