@@ -69,6 +69,12 @@ def test_levers_largest_first_with_their_arithmetic(committed):
     assert lvs[0] is pre  # the model's largest: the one built first (Plan.prestage_experts)
     fold = next(lv for lv in lvs if "MoE combine" in lv.name)
     assert fold.saving_s < 0  # a token's partials are too many for one block (the fold was not built)
+    # the two front levers end at the pooler's bound: together they save the larger, not the sum
+    front = [lv for lv in lvs if lv.limit == "pool"]
+    assert len(front) == 2 and cp.combined_saving_s(front) == pytest.approx(max(lv.saving_s for lv in front))
+    assert cp.combined_saving_s(lvs) == pytest.approx(pre.saving_s + max(lv.saving_s for lv in front)
+                                                      + sum(lv.saving_s for lv in lvs if lv.saving_s > 0
+                                                            and not lv.limit and lv is not pre))
     md = cp.render(inp, rs, segs, lvs)
     for lv in lvs:
         assert lv.name in md
