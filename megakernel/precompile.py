@@ -41,6 +41,7 @@ def plans(n_sm: int = 132):
             out.append(plan_for(p, None, n_sm, profile=True, profile_detail=True, profile_cap=1024))
     cfg = preset("tiny")
     out.append(make_plan(cfg, 4))  # sanitize-step
+    out.append(make_plan(cfg, 4, prestage_experts=4))  # sanitize-step --prestage
     out.append(make_plan(cfg, n_sm, spin_bound_ns=50_000_000))  # the GPU watchdog test
     return list(dict.fromkeys(out))
 
