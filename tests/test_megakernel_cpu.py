@@ -716,6 +716,31 @@ def test_emulated_fp4_gemm_chunk_shapes(shape):
     _poisoned_modes_match_reference(cfg, plan, 8, 9, 12, 30, f"fp4 chunks {shape} vs reference")
 
 
+def test_prestaged_chunks_inside_a_unit():
+    """Plan.prestage_experts where a gate/up unit has two chunks (d_pool 512, kc 256: shard8's
+    units have eight): three bets cover a unit and the first chunk of the next, so the loader
+    streams that unit from its second chunk (load_expert1 ch0). The second step on one engine bets
+    on the first's routing and wins every bet: the same bits as the default build (mega and
+    chain) and the same bytes copied."""
+    (dp, de, r1, r2), _ = FP4_SHAPES["kc256 two tiles"]
+    cfg = dataclasses.replace(preset("tiny"), d_model=512, d_pool=dp, d_expert=de)
+    kw = dict(spin_bound_ns=3_000_000_000, ring_stage_bytes=32768, expert1_rows=r1, expert2_rows=r2)
+    base, pre = make_plan(cfg, 4, **kw), make_plan(cfg, 4, prestage_experts=3, **kw)
+    assert pre.prestage == 3 and pre.tiles["expert1"].chunks == 2
+    w = generate(cfg)
+    cache = KVCache(cfg).fill_random(torch.Generator().manual_seed(8))
+    toks, par = _inputs(cfg, 4, 12)
+    out = {}  # the same step again gives the same bits: the default build and chain mode once
+    for name, p, mode, n in (("base", base, "mega", 1), ("pre", pre, "mega", 2), ("chain", pre, "chain", 1)):
+        eng = Engine(w, p, cache.clone(), backend="emu", emu_schedule="last" if name == "pre" else "random")
+        for _ in range(n):
+            eng.dll.emu_copied_bytes(1)
+            o = eng.step(toks, par, 30, mode=mode)
+            out[name] = (o.logits.clone(), eng.dll.emu_copied_bytes(1))
+    assert torch.equal(out["base"][0], out["pre"][0]) and torch.equal(out["pre"][0], out["chain"][0])
+    assert out["pre"][1] == out["base"][1]  # every bet held: no chunk copied twice
+
+
 def test_device_words_give_the_storage_words_bits():
     # Plan.fp4_rotated: the kernel's copy of the codes in device words (ROT_PAIRS) or as stored
     # (PAIRS): the same values through another decode, so the same bits
