@@ -4,9 +4,12 @@ A variant is a kernel source tree (a copy of megakernel/csrc with an edit: `cp -
 /tmp/v && $EDITOR /tmp/v/...`) and/or Plan switches (`keys_per_split=48`). For each point (preset,
 T, ctx) every variant is built and checked, then timed:
 
-- checks first, on the point's fresh random inputs: mega == chain bitwise, close to the fp32
-  reference with the reference's routing forced (`runtime.check_close`), and whether its logits
-  equal the first variant's bitwise (a pure speed change must say True);
+- checks first, on the point's fresh random inputs: mega == chain bitwise (the mega step twice on
+  one engine, as the timing replays run it: a build that learns from the step before, like
+  Plan.prestage_experts, is checked with what it learned), close to the fp32 reference with the
+  reference's routing forced (`runtime.check_close`), and whether its logits equal the first
+  variant's bitwise (a pure speed change must say True); a variant that fails is reported and
+  not timed;
 - then `rounds` rounds; a round times every variant once (a CUDA graph of two steps, replayed
   under the harness's budget; timer: CUDA events around each replay, microbench.harness, the
   stream held so host submission is not counted) and the order alternates between rounds, so
@@ -148,6 +151,7 @@ class PointResult:
     rounds: dict[str, list[float]]  # seconds per step, one median per round
     bound: tuple[float, str] | None = None  # the point's roofline: (seconds per step, its source)
     placebos: tuple[str, ...] = ()  # variants that are layout placebos of the first (is_placebo)
+    failed: dict[str, str] = dataclasses.field(default_factory=dict)  # variant -> why its check failed (not timed)
 
     def median(self, name: str) -> float:
         return statistics.median(self.rounds[name])
@@ -251,12 +255,15 @@ def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], 
     -> (weights, cache0, tokens, parents, routes, reference logits); `timer()` -> a function
     (variant name, engine) -> seconds per step; `bound_of(preset, T, ctx)` -> the point's roofline
     (seconds per step, source) or None; all three default to the GPU's (the roofline only with the
-    GPU's context). A failed check raises."""
+    GPU's context). A variant whose build or check fails (mega != chain, too far from the
+    reference, a wait that gave up, an emulation error) is reported in PointResult.failed and not
+    timed, so one broken variant does not cost the others' run; the first variant's failure raises
+    (there is nothing to compare against)."""
     import torch
 
-    from microbench.errors import CorrectnessError
+    from microbench.errors import CompileError, CorrectnessError, KernelDoesNotFitError, SpinTimeoutError
 
-    from .runtime import Engine, check_close
+    from .runtime import EmulationError, Engine, check_close
 
     if len({v.name for v in variants}) != len(variants) or not variants:
         raise ConfigError("A/B: give one or more variants with distinct names")
@@ -269,31 +276,46 @@ def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], 
     results = []
     for preset, t, ctx in points:
         w, cache0, tokens, parents, routes, ref = context(preset, t, ctx)
-        engines, checks, first_logits = {}, {}, None
+        engines, checks, first_logits, failed = {}, {}, None, {}
         for v in variants:
-            with kernel_tree(v.csrc):
-                plan = plan_of(preset, v, t)
-                out = {}
-                for mode in ("mega", "chain"):
-                    eng = Engine(w, plan, cache0.clone(), backend=backend)
-                    out[mode] = eng.step(tokens, parents, ctx, mode=mode, routes=routes).logits.clone()
-                    if mode == "mega":
-                        engines[v.name] = eng
-            if not torch.equal(out["mega"], out["chain"]):
-                raise CorrectnessError(f"A/B {preset} T={t} ctx={ctx}: variant {v.name}: mega != chain bitwise")
-            err = check_close(out["mega"], ref, f"A/B variant {v.name}", rel=1e-2)
+            try:
+                with kernel_tree(v.csrc):
+                    plan = plan_of(preset, v, t)
+                    out = {}
+                    for mode in ("mega", "chain"):
+                        eng = Engine(w, plan, cache0.clone(), backend=backend)
+                        out[mode] = eng.step(tokens, parents, ctx, mode=mode, routes=routes).logits.clone()
+                        if mode == "mega":
+                            engines[v.name] = eng
+                            # the same step again, as the timing replays run it: what a build learns
+                            # from the step before (Plan.prestage_experts' bet) is checked too
+                            out["again"] = eng.step(tokens, parents, ctx, mode=mode, routes=routes).logits.clone()
+                if not (torch.equal(out["mega"], out["chain"]) and torch.equal(out["again"], out["chain"])):
+                    raise CorrectnessError(f"A/B {preset} T={t} ctx={ctx}: variant {v.name}: mega != chain bitwise "
+                                           f"(first step {torch.equal(out['mega'], out['chain'])}, repeated step "
+                                           f"{torch.equal(out['again'], out['chain'])})")
+                err = check_close(out["mega"], ref, f"A/B variant {v.name}", rel=1e-2)
+            except (CorrectnessError, SpinTimeoutError, EmulationError, CompileError, KernelDoesNotFitError,
+                    ValueError) as e:
+                if v is variants[0]:
+                    raise
+                failed[v.name] = f"{type(e).__name__}: {e}"
+                engines.pop(v.name, None)
+                log(f"{preset} T={t} ctx={ctx} {v.name}: CHECK FAILED, not timed: {failed[v.name]}")
+                continue
             first_logits = out["mega"] if first_logits is None else first_logits
             checks[v.name] = Checked(err, torch.equal(out["mega"], first_logits))
             log(f"{preset} T={t} ctx={ctx} {v.name}: mega == chain bitwise, rel err {err:.3e}, "
                 f"logits == {variants[0].name}'s: {checks[v.name].same_as_first}")
+        timed = [v for v in variants if v.name not in failed]
         time_one = (timer or _gpu_timer)()
-        times: dict[str, list[float]] = {v.name: [] for v in variants}
+        times: dict[str, list[float]] = {v.name: [] for v in timed}
         for r in range(rounds):
-            for v in (variants if r % 2 == 0 else list(reversed(variants))):
+            for v in (timed if r % 2 == 0 else list(reversed(timed))):
                 times[v.name].append(time_one(v.name, engines[v.name]))
         res = PointResult(preset, t, ctx, checks, times, bound_of(preset, t, ctx) if bound_of else None,
-                          tuple(v.name for v in variants[1:] if is_placebo(v, variants[0])))
-        for v in variants:
+                          tuple(v.name for v in timed[1:] if is_placebo(v, variants[0])), failed)
+        for v in timed:
             log(f"{preset} T={t} ctx={ctx} {v.name:10s} {res.median(v.name) * 1e3:.3f} ms "
                 f"{100 * res.change(v.name):+.2f}%  rounds {[round(x * 1e3, 3) for x in times[v.name]]}")
         results.append(res)
@@ -314,6 +336,12 @@ def table(results: Sequence[PointResult]) -> str:
                          "rel err": f"{ck.rel_err:.2e}", "same bits as first": ck.same_as_first})
             if verdicts:
                 rows[-1]["vs layout placebos"] = r.verdict(name) if r.placebos else "-"
+        for name, why in r.failed.items():  # checked, failed, not timed (run_ab)
+            rows.append({"point": f"{r.preset} T={r.n_tokens} ctx={r.ctx}", "variant": name,
+                         "step (median of rounds)": "not timed", "change": "-", "rounds spread": "-",
+                         "rel err": "-", "same bits as first": f"CHECK FAILED: {why}"})
+            if verdicts:
+                rows[-1]["vs layout placebos"] = "-"
     return pd.DataFrame(rows).to_markdown(index=False)
 
 
@@ -352,6 +380,8 @@ def to_result(results: Sequence[PointResult], variants: Sequence[Variant], env=N
         env = constants_env()  # which constants revision the variants' builds read
     by_name = {v.name: v for v in variants}
     series, derived = [], {}
+    notes = tuple(notes) + tuple(f"{r.preset} T={r.n_tokens} ctx={r.ctx} variant {name}: not timed, its check failed: "
+                                 f"{why}" for r in results for name, why in r.failed.items())
     for r in results:
         first = next(iter(r.rounds))
         for name, xs in r.rounds.items():

@@ -7,8 +7,9 @@
                           consecutive ones)
   timeline-detail [--preset P]   on a GPU: a profiled step that also stamps staging and ring waits
                           inside units; each op's time in them (megakernel.timeline_detail)
-  sanitize-step [--fused] one tiny step in mega and chain mode (run under compute-sanitizer; --fused:
-                          d_pool and d_expert of 256, the fused expert unit)
+  sanitize-step [--fused] [--prestage]   one tiny step in mega and chain mode (run under compute-sanitizer;
+                          --fused: d_pool and d_expert of 256, the fused expert unit; --prestage: the
+                          prestaged build, mega twice so the second step bets)
   program [--preset P]    print the launches and op instances of one step
   ncu-op --op K [K ...]   on a GPU: one chain-mode step up to the named ops of one layer, with only
                           those launches inside cudaProfilerStart/Stop (for `ncu --profile-from-start off`)
@@ -120,9 +121,11 @@ def _sanitize(a) -> int:
         cfg = dataclasses.replace(cfg, d_pool=256, d_expert=256)
     w = generate(cfg, device="cuda")
     cache = KVCache(cfg, device="cuda").fill_random(torch.Generator(device="cuda").manual_seed(1))
-    eng = Engine(w, make_plan(cfg, 4, fused_experts=a.fused), cache, backend="gpu", grid=4)
+    pre = {"prestage_experts": 4} if a.prestage else {}
+    eng = Engine(w, make_plan(cfg, 4, fused_experts=a.fused, **pre), cache, backend="gpu", grid=4)
     toks = list(range(1, 9))
-    for mode in ("mega", "chain"):
+    # --prestage: the mega step twice, the second on the first's routing (Plan.prestage_experts' bet)
+    for mode in ("mega", "mega", "chain") if a.prestage else ("mega", "chain"):
         out = eng.step(toks, tree.binary_ish(8), 20, mode=mode)
         print(mode, out.tokens.tolist())
     return 0
@@ -314,6 +317,9 @@ def _ab(a) -> int:
 
     results = run_ab(points, variants, rounds=a.rounds)
     md = table(results)
+    for r in results:  # reported in the table too; said here where a log's tail shows it
+        for name, why in r.failed.items():
+            print(f"CHECK FAILED, not timed: {r.preset} T={r.n_tokens} ctx={r.ctx} {name}: {why}", file=sys.stderr)
     if a.out:
         write_text(a.out, md + "\n")
         print("wrote", a.out)
@@ -366,6 +372,8 @@ def main(argv=None) -> int:
         s.set_defaults(fn=_timeline, detail=name == "timeline-detail")
     s = sub.add_parser("sanitize-step")
     s.add_argument("--fused", action="store_true", help="tiny with d_pool and d_expert of 256, fused expert units")
+    s.add_argument("--prestage", action="store_true",
+                   help="the build with Plan.prestage_experts; the mega step twice (the second bets on the first's routing)")
     s.set_defaults(fn=_sanitize)
     s = sub.add_parser("program")
     s.add_argument("--preset", default="tiny")

@@ -296,6 +296,16 @@ class Plan:
     # "all" dependencies and counts the ops it passed in shared memory, which thread 0 waits on
     # instead of polling the counters in L2 itself (program.cuh receive_loop)
     receive_warp: bool = False
+    # the loader bets that a layer routes as in the previous step (top-k's bitmap in hot_experts)
+    # and, before it waits for this layer's routing, copies the first this-many chunks of the
+    # gate/up units it would then run into its free ring stages (at most ring_stages), while the
+    # front's dependent chain leaves HBM idle; the exact routing decides: a chunk that matches is
+    # released to the compute warps as it is, one that does not is copied again (program.cuh
+    # prestage_issue / prestage_settle). 0 = off
+    prestage_experts: int = 0
+    # A/Bs only: the bet is on the expert after each one the bitmap holds, so every prestaged chunk
+    # misses (what a wrong bet costs; the same bits)
+    prestage_miss: bool = False
     ring_fill: int = 0  # of ring_stages, those added from spare shared memory (make_plan fill_ring)
     tiles: dict = field(default_factory=dict, compare=False)
 
@@ -311,6 +321,11 @@ class Plan:
         must balance, or setmaxnreg.inc waits forever)."""
         n = self.compute_registers
         return BASE_REGISTERS - 2 * (n - BASE_REGISTERS) if n else 0
+
+    @property
+    def prestage(self) -> int:
+        """Chunks the loader prestages (Plan.prestage_experts, at most the ring's stages)."""
+        return min(self.prestage_experts, self.ring_stages)
 
     @property
     def fused_parts(self) -> int:
@@ -406,7 +421,9 @@ class Plan:
         pslot = (rtag + 1 + 16 + 1) & ~1  # MISC_PSLOT: past RTAG and RNORM[16], 8-byte aligned
         ints = pslot + 8 * PROF_OPS + 2 + 2 + KEEP_MAX  # PSLOT, PWIN, PWAIT, KEEP
         ints += 1 if self.receive_warp else 0  # MISC_RECV
-        return -(-((2 * self.ring_stages + 1) * 8 + 4 * ints) // 16) * 16
+        ints += self.ring_stages + 1 if self.prestage else 0  # MISC_SPEC: a bet per stage and their phases
+        bars = 2 * self.ring_stages + 1 + (self.ring_stages if self.prestage else 0)  # + a spec barrier per stage
+        return -(-(bars * 8 + 4 * ints) // 16) * 16
 
     @property
     def smem_bytes(self) -> int:
@@ -470,7 +487,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               expert1_rows: int | None = None, expert2_rows: int | None = None,
               launch_waits: bool = False, layout_pad: int = 0, layout_gap: int = 0, fused_experts: bool = False,
               keep_max: int = KEEP_MAX, ring_max: int = RING_FILL_MAX, max_registers: int = 0,
-              compute_registers: int = 0, receive_warp: bool = False) -> Plan:
+              compute_registers: int = 0, receive_warp: bool = False, prestage_experts: int = 0,
+              prestage_miss: bool = False) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -483,7 +501,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     keep_max: at most this many kept gate/up units (fused_experts; A/Bs, tests). ring_max:
     fill_ring stops at this many stages (A/Bs: ring depth against kept units). max_registers: Plan's
     (A/Bs: a cap below the launch bounds' 168; 0 = none). compute_registers: Plan's (0 = off, or a
-    multiple of 8 from 176 to 232). receive_warp: Plan's (needs compute_registers)."""
+    multiple of 8 from 176 to 232). receive_warp: Plan's (needs compute_registers). prestage_experts,
+    prestage_miss: Plan's (chunks, 0 = off; the miss needs prestaging)."""
     cfg.validate()
     if not (isinstance(max_registers, int) and (max_registers == 0 or 64 <= max_registers <= 168)):
         raise ValueError(f"max_registers {max_registers!r}: want 0 (the launch bounds' 168) or a cap of 64..168 registers")
@@ -494,6 +513,10 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     if receive_warp and not compute_registers:
         raise ValueError("receive_warp needs compute_registers: the receive warp is a spare warp of the loader's "
                          "warpgroup, which exists only with per-role register budgets")
+    if not (isinstance(prestage_experts, int) and 0 <= prestage_experts <= RING_FILL_MAX):
+        raise ValueError(f"prestage_experts {prestage_experts!r}: want 0 (off) or 1..{RING_FILL_MAX} chunks")
+    if prestage_miss and not prestage_experts:
+        raise ValueError("prestage_miss needs prestage_experts: it makes the prestaged chunks' bet wrong")
     if compute_registers and max_registers:
         raise ValueError("compute_registers and max_registers: a register cap and per-role budgets do not combine")
     if not (isinstance(ring_max, int) and 1 <= ring_max <= RING_FILL_MAX):
@@ -536,7 +559,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              hot_prefetch_bytes=hot_prefetch_bytes, kv_prefetch=kv_prefetch, keys_per_split=keys_per_split,
              profile_detail=profile_detail, fp4_rotated=fp4_rotated, tiles=tiles, launch_waits=launch_waits,
              layout_pad=layout_pad, layout_gap=layout_gap, fused_experts=fused_experts,
-             max_registers=max_registers, compute_registers=compute_registers, receive_warp=bool(receive_warp))
+             max_registers=max_registers, compute_registers=compute_registers, receive_warp=bool(receive_warp),
+             prestage_experts=prestage_experts, prestage_miss=bool(prestage_miss))
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -602,6 +626,8 @@ def render(plan: Plan) -> str:
         f"constexpr int COMPUTE_REGS = {plan.compute_registers};  // per-role budgets (Plan.compute_registers; 0 = off)",
         f"constexpr int LOADER_REGS = {plan.loader_registers};",
         f"constexpr int RECEIVE_WARP = {int(plan.receive_warp)};  // Plan.receive_warp",
+        f"constexpr int PRESTAGE = {plan.prestage};  // Plan.prestage_experts (chunks, at most RING_STAGES)",
+        f"constexpr bool PRESTAGE_MISS = {'true' if plan.prestage_miss else 'false'};  // Plan.prestage_miss",
         f"constexpr int COMPUTE_THREADS = {32 * WARPS};",
         f"constexpr int ROW_PAD = {ROW_PAD};",
         "// ring (tuned constants: weights.ring) and smem carve-up",

@@ -58,6 +58,7 @@ DEP_ALL, DEP_GROUP, DEP_SENTINEL, DEP_LOCAL = 0, 1, 2, 3
 # dependency, these name the ring and the loader (rendered into the kernel by build.py)
 WHAT_RING_FULL, WHAT_RING_EMPTY, WHAT_LOADER_ROUTE, WHAT_LOADER_GATE, WHAT_SENTINEL, WHAT_NORM_ROWS = 8, 9, 10, 11, 12, 13
 WHAT_LOADER_PACE = 14
+WHAT_PRESTAGE = 15  # Plan.prestage_experts: a chunk the loader prestaged on a bet landing (program.cuh prestage_settle)
 
 
 @dataclass(frozen=True)

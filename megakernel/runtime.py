@@ -28,8 +28,8 @@ from . import abi, tiling, tree as treelib
 from .config import ConfigError
 from .fp4_layout import is_canonical
 from .plan import Plan
-from .program import (WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE, WHAT_NORM_ROWS, WHAT_RING_EMPTY, WHAT_RING_FULL,
-                      WHAT_SENTINEL, Program, build as build_program)
+from .program import (WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE, WHAT_NORM_ROWS, WHAT_PRESTAGE,
+                      WHAT_RING_EMPTY, WHAT_RING_FULL, WHAT_SENTINEL, Program, build as build_program)
 from .reference import KVCache
 from .weights import BF16, ModelWeights
 
@@ -40,6 +40,15 @@ _EMPTY_F32_SLOT = F32_SLOT.fill_word - (1 << 32) if F32_SLOT.fill_word >= 1 << 3
 
 class EmulationError(RuntimeError):
     """The host emulation found a deadlock or an illegal operation."""
+
+
+# The host emulation's schedules (emu.cpp emu_set_schedule): "random", every pick a live fiber
+# drawn from the seed; "last", the block running the last unit of each op instance is delayed
+# (it runs only when every other block is blocked) until its next unit; "block", one block per op
+# instance, drawn from the seed, is delayed while it runs that op's units. The random schedule
+# rarely starves a block, so a missing wait mostly goes unnoticed there; the delayed producers
+# make the consumers run first wherever a dependency lets them.
+EMU_SCHEDULES = {"random": 0, "last": 1, "block": 2}
 
 
 @dataclass
@@ -62,9 +71,12 @@ def _ptr(t: torch.Tensor | None) -> int:
 class Engine:
     def __init__(self, weights: ModelWeights, plan: Plan, cache: KVCache, *, backend: str = "gpu",
                  program_mode: str = "layer", grid: int | None = None, emu_seed: int = 1,
-                 code_budget: int | None = None, profile_launches: Iterable[int] | None = None):
+                 code_budget: int | None = None, profile_launches: Iterable[int] | None = None,
+                 emu_schedule: str = "random"):
         if backend not in ("gpu", "emu"):
             raise ValueError(f"backend {backend!r}: 'gpu' or 'emu'")
+        if emu_schedule not in EMU_SCHEDULES:
+            raise ValueError(f"emu_schedule {emu_schedule!r}: one of {', '.join(EMU_SCHEDULES)}")
         if plan.cfg != weights.cfg:
             raise ConfigError("plan and weights are for different model configs")
         self.w, self.plan, self.cfg, self.cache = weights, plan, weights.cfg, cache
@@ -87,6 +99,7 @@ class Engine:
         self._plain = None  # the unprofiled build's kernel (gpu) or library (emu): see profile_launches
         self._code_budget = code_budget
         self.emu_seed = emu_seed
+        self.emu_schedule = emu_schedule  # the emulation's schedule (EMU_SCHEDULES); the GPU ignores it
         self._check_weights()
         self._alloc()
         self._keep: list[torch.Tensor] = []  # the tiled dense weights the kernel points into
@@ -280,6 +293,8 @@ class Engine:
                                "never wrote them, or a slot was not reset)",
                 WHAT_NORM_ROWS: f"{name}: the bulk copies of the normed operand's rows (consumer)",
                 WHAT_LOADER_PACE: f"{name}: the first weight chunk of the routed op landing (loader, opening pace)",
+                WHAT_PRESTAGE: f"{name}: a weight chunk prestaged on the previous step's routing landing (loader, "
+                               "Plan.prestage_experts)",
                 }.get(code, f"{name} code {code}")
 
     def _set_inputs(self, tokens, parents, ctx, routes):
@@ -377,6 +392,8 @@ class Engine:
         else:
             err = ctypes.create_string_buffer(2048)
             dll = self._plain if plain else self.dll
+            if dll.emu_set_schedule(EMU_SCHEDULES[self.emu_schedule]):  # the library's state: set every launch
+                raise EmulationError(f"the emulation does not know schedule {self.emu_schedule!r}")
             rc = dll.mk_emu_run(self._params_dev.data_ptr(), grid, first, n, wait, t, ctx, self.parity,
                                 self.emu_seed, err, len(err), pb, int(pm))
             self.emu_seed += 1

@@ -109,7 +109,10 @@ def test_ab_table_refuses_a_result_that_is_not_an_ab(tmp_path, capsys):
     assert main(["ab-table", str(tmp_path / "missing.json")]) == 2
 
 
-def test_a_variant_that_breaks_the_result_stops_the_ab(tmp_path):
+def test_a_variant_that_breaks_the_result_is_reported_and_not_timed(tmp_path):
+    """A variant whose outputs are wrong is checked, reported with the reason and left out of the
+    timing rounds; the others are timed as usual (the A/B runs once on the GPU). A broken first
+    variant, the reference, stops the A/B."""
     cfg = preset("tiny")
     w = generate(cfg)
     bad = tmp_path / "csrc"
@@ -120,10 +123,21 @@ def test_a_variant_that_breaks_the_result_stops_the_ab(tmp_path):
     assert scaled in src
     g.write_text(src.replace(scaled, "blk[4 * w + k8 % 4] = wd[w];"))  # experts' operand 2^7 too small
     plan_of = lambda p, v, t: make_plan(cfg, 4, spin_bound_ns=3_000_000_000)  # noqa: E731
+    timed = []
+
+    def timer():
+        return lambda n, e: timed.append(n) or 1.0
+
+    kw = dict(rounds=2, backend="emu", context=_tiny_context(cfg, w), timer=timer, plan_of=plan_of, log=lambda s: None)
+    (r,) = ab.run_ab([("tiny", 4, 20)], [ab.Variant("ok"), ab.Variant("bad", bad), ab.Variant("ok2")], **kw)
+    assert set(timed) == {"ok", "ok2"} and "bad" not in r.rounds and "bad" not in r.checks
+    assert "A/B variant bad" in r.failed["bad"] and r.failed["bad"].startswith("CorrectnessError")
+    md = ab.table([r])
+    assert "| bad" in md and "CHECK FAILED" in md
+    res = ab.to_result([r], [ab.Variant("ok"), ab.Variant("bad", bad), ab.Variant("ok2")], timer="host")
+    assert any("variant bad: not timed" in n for n in res.notes) and len(res.series) == 2
     with pytest.raises(CorrectnessError, match="A/B variant bad"):
-        ab.run_ab([("tiny", 4, 20)], [ab.Variant("ok"), ab.Variant("bad", bad)], rounds=1, backend="emu",
-                  context=_tiny_context(cfg, w), timer=lambda: (lambda n, e: 1.0), plan_of=plan_of,
-                  log=lambda s: None)
+        ab.run_ab([("tiny", 4, 20)], [ab.Variant("bad", bad), ab.Variant("ok")], **kw)
 
 
 def test_build_only_compiles_every_variant_without_a_gpu(capsys):

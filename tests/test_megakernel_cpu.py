@@ -33,6 +33,18 @@ def tiny():
     return cfg, w, base, make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
 
 
+def _tree_without(tmp_path, rel: str, line: str):
+    """A copy of the kernel's source tree with `line` removed from csrc/`rel` (a variant for a test)."""
+    import shutil
+
+    tree_dir = tmp_path / "csrc"
+    shutil.copytree(CSRC, tree_dir)
+    f = tree_dir / rel
+    assert line in f.read_text(), f"{rel} no longer has {line!r}"
+    f.write_text(f.read_text().replace(line, ""))
+    return tree_dir
+
+
 def _inputs(cfg, t, seed):
     g = torch.Generator().manual_seed(seed)
     par = tree.binary_ish(t) if t > 1 else [-1]
@@ -223,18 +235,11 @@ def test_attention_skipping_sub_blocks_past_a_split_keeps_the_bits(tiny, tmp_pat
     sub-block is a no-op on the online softmax (alpha = 1, p = 0), so the kernel without the skip
     gives the same bits. In tiny a warp scores 16 keys of a round, so the warps past a split's
     keys skip in every split."""
-    import shutil
-
     from megakernel import ab
 
     cfg, w, base, plan = tiny
     assert plan.keys_per_split == 32 and plan.attn_key_groups * 16 > plan.keys_per_split
-    noskip = tmp_path / "csrc"
-    shutil.copytree(CSRC, noskip)
-    att = noskip / "ops" / "attention.cuh"
-    line = "      if (kb0 + kw0 >= total) break;"
-    assert line in att.read_text()
-    att.write_text(att.read_text().replace(line, ""))
+    noskip = _tree_without(tmp_path, "ops/attention.cuh", "      if (kb0 + kw0 >= total) break;")
     toks, par = _inputs(cfg, 7, 5)
     a = Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
     with ab.kernel_tree(noskip):
@@ -392,7 +397,8 @@ def test_fused_expert_plan_and_program(fusable):
 def test_fused_experts_interpreter_orders_and_emulated_bits(fusable, seed):
     """The fused schedule in random orders that respect only its declared dependencies (DEP_LOCAL:
     the producer's unit of the same index) gives the program order's bits, close to the reference;
-    in the emulated kernel mega == chain bitwise, the kept activations give the staged ones' bits
+    in the emulated kernel mega == chain bitwise (random and adversarial schedules), the kept
+    activations give the staged ones' bits
     (keep_units default, 1: most units staged, 0: none kept), and the logits stay within 1e-2 of the
     split GEMMs'."""
     cfg, w, base, plan = fusable
@@ -404,38 +410,198 @@ def test_fused_experts_interpreter_orders_and_emulated_bits(fusable, seed):
     assert torch.equal(in_order, shuffled)
     grid = 4 if seed == 0 else 2
     out = {}
-    for name, p, mode in (("mega", plan, "mega"), ("chain", plan, "chain"),
+    for name, p, mode in (("mega", plan, "mega"), ("chain", plan, "chain"), ("last", plan, "mega"),
                           ("keep1", dataclasses.replace(plan, keep_units=1), "mega"),
                           ("keep0", dataclasses.replace(plan, keep_units=0), "mega"),
                           ("split", make_plan(cfg, 4, spin_bound_ns=3_000_000_000, ring_stage_bytes=16384), "mega")):
-        out[name] = Engine(w, p, base.clone(), backend="emu", grid=grid).step(toks, par, 40, mode=mode)
-    for name in ("chain", "keep1", "keep0"):
+        eng = Engine(w, p, base.clone(), backend="emu", grid=grid, emu_schedule="last" if name == "last" else "random")
+        out[name] = eng.step(toks, par, 40, mode=mode)
+    for name in ("chain", "last", "keep1", "keep0"):
         assert torch.equal(out[name].logits, out["mega"].logits) and torch.equal(out[name].tokens, out["mega"].tokens), name
     check_close(out["mega"].logits, out["split"].logits, "fused vs split", rel=1e-2)
     check_close(out["mega"].logits, ref, "fused vs reference", rel=1e-2)
 
 
-@pytest.mark.parametrize("ctx,t", [(0, 1), (33, 1), (20, 8), (40, 16)])
+# The emulated mega steps of the mega == chain tests: the random schedule from a seed, and the
+# adversarial ones (runtime.EMU_SCHEDULES) that delay producers, so that a missing wait shows
+# (test_adversarial_schedule_catches_gate_up_without_its_pool_wait).
+MEGA_SCHEDULES = {(0, 1): ("random", "last"), (33, 1): ("random", "last"), (20, 8): ("random", "last"),
+                  (40, 16): ("random", "last", "block")}
+
+
+@pytest.mark.parametrize("ctx,t", list(MEGA_SCHEDULES))
 def test_emulated_mega_equals_chain_bitwise_and_matches_reference(tiny, ctx, t):
     cfg, w, base, plan = tiny
     toks, par = _inputs(cfg, t, ctx)
     ref_cache = base.clone()
     ref, routes = _reference(w, ref_cache, toks, par, ctx)
     outs = {}
-    for mode in ("chain", "mega"):
+    for mode in ("chain",) + tuple(f"mega-{s}" for s in MEGA_SCHEDULES[(ctx, t)]):
         cache = base.clone()
-        eng = Engine(w, plan, cache, backend="emu", emu_seed=ctx + 7)
+        eng = Engine(w, plan, cache, backend="emu", emu_seed=ctx + 7, emu_schedule=mode.partition("-")[2] or "random")
         eng.poison()
-        outs[mode] = (eng.step(toks, par, ctx, mode=mode), cache)
-    (c_out, c_cache), (m_out, m_cache) = outs["chain"], outs["mega"]
-    assert torch.equal(c_out.logits, m_out.logits)  # real routing, both modes
-    assert torch.equal(c_out.tokens, m_out.tokens)
-    assert c_cache.equal(m_cache)
+        outs[mode] = (eng.step(toks, par, ctx, mode=mode.partition("-")[0]), cache)
+    c_out, c_cache = outs.pop("chain")
+    for name, (m_out, m_cache) in outs.items():
+        assert torch.equal(c_out.logits, m_out.logits), name  # real routing, both modes
+        assert torch.equal(c_out.tokens, m_out.tokens), name
+        assert c_cache.equal(m_cache), name
+    m_cache = outs["mega-random"][1]
     forced = Engine(w, plan, base.clone(), backend="emu").step(toks, par, ctx, mode="mega", routes=routes)
     check_close(forced.logits, ref, "emulated megakernel vs reference", rel=1e-2)
     assert torch.equal(forced.tokens, ref.argmax(-1))
     for a, b in zip(m_cache.k + m_cache.v, ref_cache.k + ref_cache.v):  # the KV writes agree too
         check_close(a, b, "KV cache", rel=1e-2)
+
+
+def _dropping(kind: str, producer: str):
+    """A program builder (runtime.build_program's stand-in) whose `kind` ops skip their waits for
+    `producer`: the kernel then never waits for it (the mutation the adversarial schedule must catch)."""
+    from megakernel.program import build as real_build
+
+    def build_without(plan, mode="layer"):
+        prog = real_build(plan, mode)
+        ops = tuple(dataclasses.replace(o, deps=tuple(d for d in o.deps if prog.ops[d.producer].kind != producer))
+                    if o.kind == kind else o for o in prog.ops)
+        assert ops != prog.ops, f"no {kind} <- {producer} dependency to drop"
+        return dataclasses.replace(prog, ops=ops)
+    return build_without
+
+
+@pytest.mark.parametrize("ctx,t", [(0, 1), (40, 16)])
+def test_adversarial_schedule_catches_gate_up_without_its_pool_wait(tiny, monkeypatch, ctx, t):
+    """Gate/up (expert GEMM 1) that skips its wait for the pooler: under the schedule delaying each
+    op's last unit, the pooler's last block runs only when every other block is blocked, so gate/up
+    stages pooled rows it never wrote (NaN after poison) and mega differs from chain. The random
+    schedule passed this mutation in every run tried (five seeds at each of the four points of the
+    mega == chain test, 2026-12-01): its blocks finish the pooler before top-k lets gate/up start."""
+    from megakernel import runtime
+
+    cfg, w, base, plan = tiny
+    toks, par = _inputs(cfg, t, ctx)
+    chain = Engine(w, plan, base.clone(), backend="emu").step(toks, par, ctx, mode="chain")
+    monkeypatch.setattr(runtime, "build_program", _dropping("expert1", "pool"))
+    eng = Engine(w, plan, base.clone(), backend="emu", emu_seed=ctx + 7, emu_schedule="last")
+    eng.poison()
+    out = eng.step(toks, par, ctx, mode="mega")
+    assert not torch.equal(out.logits, chain.logits)
+
+
+def test_emulation_refuses_an_unknown_schedule(tiny):
+    cfg, w, base, plan = tiny
+    with pytest.raises(ValueError, match="emu_schedule"):
+        Engine(w, plan, base.clone(), backend="emu", emu_schedule="sometimes")
+    eng = Engine(w, plan, base.clone(), backend="emu")
+    assert eng.dll.emu_set_schedule(3) == 1 and eng.dll.emu_set_schedule(0) == 0
+
+
+# Dependencies whose loss the tiny build cannot show: expert GEMM 2's unit of a slot runs on the
+# block that ran the slot's gate/up unit (one unit of each per slot, contiguous), and the MoE
+# combine's wait for top-k is implied by its wait for expert GEMM 2
+_UNOBSERVABLE = {("expert2", "expert1"), ("moe_combine", "topk")}
+
+
+@pytest.mark.full
+def test_adversarial_schedule_catches_every_observable_missing_wait(tiny, monkeypatch):
+    """Every dependency of the program dropped in turn (the kernel then skips that wait): the
+    schedule delaying each op's last unit makes mega differ from chain for each of them (the
+    random schedule caught 7 of the 14 at two seeds, 2026-12-01)."""
+    from megakernel import runtime
+    from megakernel.program import build as real_build
+
+    cfg, w, base, plan = tiny
+    toks, par = _inputs(cfg, 16, 40)
+    chain = Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode="chain")
+    prog = real_build(plan)
+    edges = sorted({(o.kind, prog.ops[d.producer].kind) for o in prog.ops for d in o.deps} - _UNOBSERVABLE)
+    missed = []
+    for kind, producer in edges:
+        monkeypatch.setattr(runtime, "build_program", _dropping(kind, producer))
+        eng = Engine(w, plan, base.clone(), backend="emu", emu_seed=1, emu_schedule="last")
+        eng.poison()
+        try:
+            out = eng.step(toks, par, 40, mode="mega")
+            if torch.equal(out.logits, chain.logits) and torch.equal(out.tokens, chain.tokens):
+                missed.append(f"{kind} <- {producer}")
+        except (runtime.EmulationError, SpinTimeoutError):
+            pass  # caught as a hang or an emulation check: also a failing test
+    assert not missed, f"missing waits the adversarial schedule did not catch: {missed}"
+
+
+def test_prestage_plan_switch():
+    """Plan.prestage_experts: at most the ring's stages, refused outside 0..RING_FILL_MAX, the miss
+    only with it; its spec barriers (8 B a stage) and bets (an int a stage, one for the phases) in
+    misc_bytes; rendered PRESTAGE / PRESTAGE_MISS (0 / false by default)."""
+    cfg = preset("tiny")
+    base = make_plan(cfg, 4)
+    p = make_plan(cfg, 4, prestage_experts=8)
+    assert base.prestage == 0 and p.prestage == p.ring_stages == base.ring_stages
+    assert make_plan(cfg, 4, prestage_experts=2).prestage == 2
+    assert p.misc_bytes >= base.misc_bytes + 8 * p.ring_stages + 4 * (p.ring_stages + 1) - 15
+    assert "constexpr int PRESTAGE = 0;" in render(base) and "constexpr bool PRESTAGE_MISS = false;" in render(base)
+    assert f"constexpr int PRESTAGE = {p.ring_stages};" in render(p)
+    for bad in (-1, plan_mod.RING_FILL_MAX + 1, 1.5):
+        with pytest.raises(ValueError, match="prestage_experts"):
+            make_plan(cfg, 4, prestage_experts=bad)
+    with pytest.raises(ValueError, match="prestage_miss"):
+        make_plan(cfg, 4, prestage_miss=True)
+
+
+def test_prestaged_experts_keep_the_bits_and_copy_once_when_the_bet_holds(tiny):
+    """Plan.prestage_experts: the loader bets that a layer routes as in the previous step and copies
+    the first chunks of the gate/up units it would then run before the routing is known; the exact
+    routing settles them. Over three steps on one engine (A; then B, another routing, most bets
+    lost; then B again, every bet right) the logits and tokens are the default build's bitwise
+    (whose mega == chain the tests above check), under the adversarial schedule too; where every
+    bet holds (the first step bets nothing, the third repeats the second) the bulk copies move
+    exactly the default build's bytes (no chunk copied twice), and a lost bet costs one chunk's
+    bytes more (prestage_miss: every bet lost, more than the honest bet loses)."""
+    cfg, w, base, plan = tiny
+    # A: two tokens route to at most 4 of tiny's 8 experts; B: sixteen tokens, to all 8 (other slots)
+    (ta, pa), (tb, pb) = _inputs(cfg, 2, 40), _inputs(cfg, 16, 41)
+    steps = [(ta, pa), (tb, pb), (tb, pb)]
+
+    def run(p, schedule, steps=steps):
+        eng = Engine(w, p, base.clone(), backend="emu", emu_schedule=schedule, emu_seed=11)
+        out = []
+        for toks, par in steps:
+            eng.dll.emu_copied_bytes(1)
+            o = eng.step(toks, par, 40, mode="mega")
+            out.append((o.logits.clone(), o.tokens.clone(), eng.dll.emu_copied_bytes(1)))
+        return out
+
+    ref = run(plan, "random")
+    pre = dataclasses.replace(plan, prestage_experts=4)
+    got = run(pre, "last")
+    miss = run(dataclasses.replace(pre, prestage_miss=True), "random", steps[:2])  # A, then B betting on A
+    for name, out in (("prestage", got), ("miss", miss)):
+        for k, ((rl, rt, _), (gl, gt, _)) in enumerate(zip(ref, out)):
+            assert torch.equal(rl, gl) and torch.equal(rt, gt), (name, k)
+    assert got[0][2] == ref[0][2] and got[2][2] == ref[2][2], "a bet that held was copied again"
+    chunk = pre.tiles["expert1"].stage_bytes
+    for out, k in ((got, 1), (miss, 1)):  # B bet on A's routing: some bets (prestage) or all (miss) lost
+        assert out[k][2] > ref[k][2] and (out[k][2] - ref[k][2]) % chunk == 0
+    assert miss[1][2] - ref[1][2] > got[1][2] - ref[1][2]
+
+
+def test_prestage_without_its_landing_wait_is_caught(tiny, tmp_path):
+    """A variant tree whose loader releases a prestaged chunk without waiting for its copies (the
+    spec barrier wait of program.cuh prestage_settle removed): the emulation lands a bulk copy only
+    when its barrier is tested, so the compute warps read the stage before the bytes arrive and the
+    kernel ends with copies nobody waited for; the second step (the first with a bet) fails."""
+    from megakernel.ab import kernel_tree
+    from megakernel.runtime import EmulationError
+
+    cfg, w, base, plan = tiny
+    tree_dir = _tree_without(tmp_path, "mk/program.cuh",
+                             "    if (!warp_all(wait_mbar(*b.p, &b.spec[st], (ph >> st) & 1u, what))) return -1;\n")
+    toks, par = _inputs(cfg, 16, 40)
+    ref = Engine(w, plan, base.clone(), backend="emu").step(toks, par, 40, mode="mega")
+    with kernel_tree(tree_dir):
+        eng = Engine(w, dataclasses.replace(plan, prestage_experts=4), base.clone(), backend="emu")
+        assert torch.equal(eng.step(toks, par, 40, mode="mega").logits, ref.logits)  # no bet yet
+        with pytest.raises(EmulationError, match="still in flight"):
+            eng.step(toks, par, 40, mode="mega")
 
 
 def test_emulated_top_k_counter_carries_the_slot_count(tiny):
@@ -548,6 +714,31 @@ def test_emulated_fp4_gemm_chunk_shapes(shape):
     plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, ring_stage_bytes=32768, expert1_rows=r1, expert2_rows=r2)
     assert {n: (plan.tiles[n].rows, plan.tiles[n].kc, plan.tiles[n].swizzle) for n in want} == want
     _poisoned_modes_match_reference(cfg, plan, 8, 9, 12, 30, f"fp4 chunks {shape} vs reference")
+
+
+def test_prestaged_chunks_inside_a_unit():
+    """Plan.prestage_experts where a gate/up unit has two chunks (d_pool 512, kc 256: shard8's
+    units have eight): three bets cover a unit and the first chunk of the next, so the loader
+    streams that unit from its second chunk (load_expert1 ch0). The second step on one engine bets
+    on the first's routing and wins every bet: the same bits as the default build (mega and
+    chain) and the same bytes copied."""
+    (dp, de, r1, r2), _ = FP4_SHAPES["kc256 two tiles"]
+    cfg = dataclasses.replace(preset("tiny"), d_model=512, d_pool=dp, d_expert=de)
+    kw = dict(spin_bound_ns=3_000_000_000, ring_stage_bytes=32768, expert1_rows=r1, expert2_rows=r2)
+    base, pre = make_plan(cfg, 4, **kw), make_plan(cfg, 4, prestage_experts=3, **kw)
+    assert pre.prestage == 3 and pre.tiles["expert1"].chunks == 2
+    w = generate(cfg)
+    cache = KVCache(cfg).fill_random(torch.Generator().manual_seed(8))
+    toks, par = _inputs(cfg, 4, 12)
+    out = {}  # the same step again gives the same bits: the default build and chain mode once
+    for name, p, mode, n in (("base", base, "mega", 1), ("pre", pre, "mega", 2), ("chain", pre, "chain", 1)):
+        eng = Engine(w, p, cache.clone(), backend="emu", emu_schedule="last" if name == "pre" else "random")
+        for _ in range(n):
+            eng.dll.emu_copied_bytes(1)
+            o = eng.step(toks, par, 30, mode=mode)
+            out[name] = (o.logits.clone(), eng.dll.emu_copied_bytes(1))
+    assert torch.equal(out["base"][0], out["pre"][0]) and torch.equal(out["pre"][0], out["chain"][0])
+    assert out["pre"][1] == out["base"][1]  # every bet held: no chunk copied twice
 
 
 def test_device_words_give_the_storage_words_bits():
@@ -1449,7 +1640,7 @@ def test_every_wait_id_the_kernel_can_report_has_a_message(tiny):
     cfg, w, base, plan = tiny
     eng = Engine(w, plan, base.clone(), backend="emu")
     codes = [program.WHAT_RING_FULL, program.WHAT_RING_EMPTY, program.WHAT_LOADER_ROUTE, program.WHAT_LOADER_GATE,
-             program.WHAT_SENTINEL, program.WHAT_NORM_ROWS, program.WHAT_LOADER_PACE]
+             program.WHAT_SENTINEL, program.WHAT_NORM_ROWS, program.WHAT_LOADER_PACE, program.WHAT_PRESTAGE]
     for code in codes:
         msg = eng.describe_wait(3 * 16 + code)
         assert "[op 3]" in msg and f"code {code}" not in msg, msg

@@ -57,12 +57,17 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
       mbar_init(&b.empty[s], COMPUTE_THREADS);
     }
     mbar_init(b.xbar, 1);
+    for (int s = 0; s < SPEC_BARS; ++s) mbar_init(&b.spec[s], 1);  // PRESTAGE (program.cuh prestage_issue)
     fence_mbar_init();
     b.misc[MISC_TAG] = -1;
     b.misc[MISC_SLOT + 2] = -1;  // no slot record (program.cuh slot_fetch)
     b.misc[MISC_RTAG] = -1;
     for (int k = 0; k < KEEP_UNITS; ++k) b.misc[MISC_KEEP + k] = -1;
     if constexpr (RECEIVE_WARP) b.misc[MISC_RECV] = first;
+    if constexpr (PRESTAGE > 0) {  // no bet yet; the spec barriers' phases (program.cuh prestage_settle)
+      for (int k = 0; k < RING_STAGES; ++k) b.misc[MISC_SPEC + k] = -1;
+      b.misc[MISC_SPEC_PHASE] = 0;
+    }
     b.misc[MISC_OPS_DONE] = 0;
     if (PROF_DEFER) {
       for (int k = 0; k < PROF_OPS; ++k) prof_slot(b, k)->op = -1;

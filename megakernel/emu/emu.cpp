@@ -1,4 +1,5 @@
-// Fiber runtime behind emu.h: one fiber per CUDA thread, random scheduling from a seed.
+// Fiber runtime behind emu.h: one fiber per CUDA thread, random scheduling from a seed, or an
+// adversarial schedule that starves chosen producers (emu_set_schedule below).
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -92,6 +93,10 @@ struct Fiber {
   bool done = false;
   char* stack = nullptr;
   const char* where = "running";
+  // adversarial schedule: the block epoch of this fiber's last return to the scheduler, how many
+  // returns in a row came in that epoch, and its index in its block's live list
+  unsigned long long ret_ep = ~0ull;
+  int streak = 0, slot = 0;
 };
 struct MBar {
   int count = 0, pending = 0;
@@ -101,6 +106,35 @@ struct MBar {
 
 std::vector<Fiber*> g_fibers, g_live;
 std::vector<Block> g_blocks;
+
+// The adversarial schedule (emu_set_schedule). The random scheduler rarely starves a block, so a
+// consumer that skips a wait usually still finds its producer done (gate/up without its wait for
+// the pooler passed every emulated mega == chain test). This one delays chosen producers: a block
+// running a chosen unit (unit_hint, called by the compute threads before each unit) is "delayed",
+// and gets the processor only when every other block is blocked. A fiber is blocked when it
+// returned to the scheduler BLOCKED_RETURNS times in a row with nothing changed in its block: its
+// poll read the same memory again (every return is from a poll or a barrier wait, and among any
+// three consecutive returns of a poll loop at least one follows a read). What changes a block:
+// a barrier or warp-collective arrival, an mbarrier operation, a shared-memory atomic or release
+// store, a fiber's exit (the block's epoch), and any global synchronisation write (a counter
+// add, a relaxed store, a CAS: every block's epoch, as any block may poll it). Among delayed
+// blocks that can run, the one at the latest op goes first, so the earliest producer is starved
+// longest. When every block is blocked, any live fiber runs (the deadlock check still applies).
+// Danger: a poll loop that made a block-changing event every iteration would keep its block
+// "unblocked" forever and starve the delayed one until the kernel's bounded wait trips; the
+// kernel's poll loops do not (wait.cuh, topk.cuh, program.cuh).
+constexpr int BLOCKED_RETURNS = 3;
+enum Schedule { SCHED_RANDOM = 0, SCHED_LAST_UNIT = 1, SCHED_BLOCK_PER_OP = 2 };
+struct BlockSched {
+  unsigned long long ep = 0, count_ep = ~0ull;
+  int blocked = 0;  // fibers of this block blocked in epoch count_ep
+  std::vector<Fiber*> live;
+  bool delayed = false;
+  int op = -1, unit = -1;
+};
+int g_schedule = SCHED_RANDOM;
+unsigned long long g_seed = 0;
+std::vector<BlockSched> g_bsched;
 std::unordered_map<uint64_t*, MBar> g_mbar;
 Fiber* g_cur = nullptr;
 #ifdef EMU_ASM_SWITCH
@@ -184,6 +218,45 @@ void yield() {
   to_scheduler();
 }
 
+// adversarial schedule bookkeeping (above): something changed in the current block / anywhere
+static inline void changed_here() {
+  if (g_cur && g_schedule) ++g_bsched[g_cur->block].ep;
+}
+void changed_everywhere() {
+  if (!g_schedule) return;
+  for (BlockSched& s : g_bsched) ++s.ep;
+}
+void note_sync_write(bool global) {
+  if (global) {
+    changed_everywhere();
+  } else {
+    changed_here();
+  }
+}
+
+static unsigned long long mix64(unsigned long long x) {  // splitmix64's finaliser
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+void unit_hint(int op, int unit, int total) {
+  if (!g_schedule) return;
+  BlockSched& s = g_bsched[g_cur->block];
+  if (s.op == op && s.unit == unit) return;  // every compute thread calls; the first decides
+  s.op = op;
+  s.unit = unit;
+  if (g_schedule == SCHED_LAST_UNIT) {
+    s.delayed = unit == total - 1;
+  } else {  // SCHED_BLOCK_PER_OP: one block per op instance, drawn from the launch's seed
+    s.delayed = static_cast<int>(mix64(g_seed * 0x9e3779b97f4a7c15ull + static_cast<unsigned long long>(op)) %
+                                 static_cast<unsigned long long>(g_grid)) == g_cur->block;
+  }
+  ++s.ep;
+}
+
 static void wait_gen(Barrier& b, unsigned gen, const char* where) {
   g_cur->where = where;
   while (b.gen == gen) to_scheduler();  // no progress credit: deadlock detection
@@ -195,6 +268,9 @@ static std::vector<std::pair<uint64_t, uint64_t>> g_prefetch;  // (address, byte
 void note_prefetch(const void* src, unsigned bytes) {
   g_prefetch.emplace_back(reinterpret_cast<uint64_t>(src), bytes);
 }
+
+static unsigned long long g_copied = 0;  // bulk-copied bytes since emu_copied_bytes(1)
+void note_copy(unsigned bytes) { g_copied += bytes; }
 
 void fail(const char* what) {
   char buf[512];
@@ -222,6 +298,7 @@ static void arrive_at(Barrier& b, int expected, Site site, bool reduce) {
 }
 
 static void barrier_wait(Barrier& b, int id) {
+  changed_here();
   const unsigned gen = b.gen;
   if (++b.arrived == b.expected) {
     b.arrived = 0;
@@ -253,6 +330,7 @@ void warp_barrier() {
   Warp& w = g_blocks[g_cur->block].warps[g_cur->thread / 32];
   Barrier& b = w.bar;
   const unsigned gen = b.gen;
+  changed_here();
   if (++b.arrived == 32) {
     b.arrived = 0;
     ++b.gen;
@@ -272,6 +350,7 @@ void warp_exchange(const void* mine, int bytes, void* all) {
 }
 
 static void mbar_check(MBar& m) {
+  changed_here();
   if (m.pending < 0) fail("mbarrier received more arrivals than its count");
   if (m.pending == 0 && m.tx == 0) {
     ++m.phases;
@@ -279,7 +358,10 @@ static void mbar_check(MBar& m) {
     ++g_progress;
   }
 }
-void mbar_init(uint64_t* b, unsigned count) { g_mbar[b] = MBar{static_cast<int>(count), static_cast<int>(count), 0, 0}; }
+void mbar_init(uint64_t* b, unsigned count) {
+  changed_here();
+  g_mbar[b] = MBar{static_cast<int>(count), static_cast<int>(count), 0, 0};
+}
 static MBar& mb(uint64_t* b) {
   auto it = g_mbar.find(b);
   if (it == g_mbar.end()) fail("mbarrier used before init");
@@ -301,8 +383,37 @@ void mbar_complete_tx(uint64_t* b, unsigned bytes) {
   m.tx -= bytes;
   mbar_check(m);
 }
+// Bulk copies in flight: each lands when its mbarrier is next tested (in issue order), as late as
+// the hardware could land it for a thread that waits on that barrier, so that a thread reading
+// the destination without the wait reads what was there before (the source is read at landing
+// too: a source written after the copy's issue shows up as well).
+struct InFlight {
+  void* dst;
+  const void* src;
+  unsigned bytes;
+  uint64_t* bar;
+};
+static std::vector<InFlight> g_inflight;
+void bulk_copy_async(void* dst, const void* src, unsigned bytes, uint64_t* b) {
+  mb(b);  // an uninitialised barrier fails at issue, as before
+  g_inflight.push_back(InFlight{dst, src, bytes, b});
+}
+static void land_copies(uint64_t* b) {
+  size_t keep = 0;
+  for (size_t i = 0; i < g_inflight.size(); ++i) {
+    const InFlight x = g_inflight[i];
+    if (x.bar != b) {
+      g_inflight[keep++] = x;
+      continue;
+    }
+    memcpy(x.dst, x.src, x.bytes);
+    mbar_complete_tx(x.bar, x.bytes);
+  }
+  g_inflight.resize(keep);
+}
 bool mbar_test(uint64_t* b, unsigned parity) {
   yield();
+  land_copies(b);
   return (mb(b).phases & 1u) != (parity & 1u);
 }
 // The emulated GPU's clock (%globaltimer in the kernel): the CPU time of the one OS thread that
@@ -316,7 +427,78 @@ uint64_t now_ns() {
   return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
 }
 
+// Adversarial schedule: the block whose fiber runs next (see BlockSched above).
+static int pick_block(std::mt19937_64& rng) {
+  const int n = static_cast<int>(g_bsched.size());
+  auto can_run = [](const BlockSched& s) {
+    const int blocked = s.count_ep == s.ep ? s.blocked : 0;
+    return !s.live.empty() && blocked < static_cast<int>(s.live.size());
+  };
+  size_t total = 0;
+  for (const BlockSched& s : g_bsched)
+    if (!s.delayed && can_run(s)) total += s.live.size();
+  if (total) {  // a block that is not delayed, chosen in proportion to its live fibers
+    size_t r = rng() % total;
+    for (int b = 0; b < n; ++b) {
+      const BlockSched& s = g_bsched[b];
+      if (s.delayed || !can_run(s)) continue;
+      if (r < s.live.size()) return b;
+      r -= s.live.size();
+    }
+  }
+  int best = -1;  // every other block is blocked: the delayed one at the latest op
+  for (int b = 0; b < n; ++b)
+    if (g_bsched[b].delayed && can_run(g_bsched[b]) && (best < 0 || g_bsched[b].op > g_bsched[best].op)) best = b;
+  if (best >= 0) return best;
+  total = 0;  // everything is blocked: any live fiber
+  for (const BlockSched& s : g_bsched) total += s.live.size();
+  size_t r = rng() % total;
+  for (int b = 0; b < n; ++b) {
+    if (r < g_bsched[b].live.size()) return b;
+    r -= g_bsched[b].live.size();
+  }
+  return n - 1;
+}
+
+// After fiber f returned to the scheduler without finishing: one more blocked return, or the
+// first of a new epoch.
+static void note_return(Fiber* f) {
+  BlockSched& s = g_bsched[f->block];
+  if (f->ret_ep == s.ep) {
+    ++f->streak;
+  } else {
+    f->ret_ep = s.ep;
+    f->streak = 1;
+  }
+  if (f->streak == BLOCKED_RETURNS) {
+    if (s.count_ep != s.ep) {
+      s.count_ep = s.ep;
+      s.blocked = 0;
+    }
+    ++s.blocked;
+  }
+}
+
+static void drop_live(Fiber* f) {
+  BlockSched& s = g_bsched[f->block];
+  Fiber* last = s.live.back();
+  s.live[f->slot] = last;
+  last->slot = f->slot;
+  s.live.pop_back();
+  ++s.ep;
+}
+
 }  // namespace emu
+
+// The schedule of the following launches: 0 random (the seed's; round-robin without one), 1
+// adversarial, delaying the block that runs the last unit of each op instance, 2 adversarial,
+// delaying one block per op instance (drawn from the launch's seed) while it runs that op's units
+// (emu.cpp BlockSched). Returns 0, or 1 for an unknown schedule.
+extern "C" int emu_set_schedule(int schedule) {
+  if (schedule < emu::SCHED_RANDOM || schedule > emu::SCHED_BLOCK_PER_OP) return 1;
+  emu::g_schedule = schedule;
+  return 0;
+}
 
 // Run `body(arg)` as a grid of `grid` blocks x `block` threads. Returns 0, or 1 with `err` set
 // (deadlock: where every live fiber waits; or a failed emulation check).
@@ -330,6 +512,7 @@ extern "C" int emu_launch(void (*body)(void*), void* arg, int grid, int block, i
   g_error.clear();
   g_abort = false;
   g_mbar.clear();
+  g_inflight.clear();
   g_blocks.assign(grid, Block{});
   for (auto& b : g_blocks) {
     b.smem.assign(smem_bytes, 0xA5);  // poison: reading smem nobody wrote shows up as garbage
@@ -337,6 +520,9 @@ extern "C" int emu_launch(void (*body)(void*), void* arg, int grid, int block, i
   }
   g_fibers.clear();
   g_live.clear();
+  g_seed = seed;
+  g_bsched.assign(grid, BlockSched{});
+  const bool adversarial = g_schedule != SCHED_RANDOM;
   for (int bi = 0; bi < grid; ++bi)
     for (int t = 0; t < block; ++t) {
       Fiber* f = new Fiber();
@@ -345,21 +531,38 @@ extern "C" int emu_launch(void (*body)(void*), void* arg, int grid, int block, i
       new_stack_frame(f);
       g_fibers.push_back(f);
       g_live.push_back(f);
+      f->slot = static_cast<int>(g_bsched[bi].live.size());
+      g_bsched[bi].live.push_back(f);
     }
   std::mt19937_64 rng(seed);
   unsigned long long idle_picks = 0, last_progress = g_progress;
   int rc = 0;
-  while (!g_live.empty()) {
-    const size_t i = seed ? rng() % g_live.size() : 0;
-    Fiber* f = g_live[i];
+  size_t live = g_live.size();
+  while (live) {
+    size_t i = 0;
+    Fiber* f;
+    if (adversarial) {
+      const std::vector<Fiber*>& in = g_bsched[pick_block(rng)].live;
+      f = in[rng() % in.size()];
+    } else {
+      i = seed ? rng() % g_live.size() : 0;
+      f = g_live[i];
+    }
     g_cur = f;
     resume(f);
     g_cur = nullptr;
     if (g_abort) { rc = 1; break; }
     if (f->done) {
-      g_live[i] = g_live.back();
-      g_live.pop_back();
+      if (adversarial) {
+        drop_live(f);
+      } else {
+        g_live[i] = g_live.back();
+        g_live.pop_back();
+      }
+      --live;
       ++g_progress;
+    } else if (adversarial) {
+      note_return(f);
     } else if (!seed) {  // round-robin when unseeded
       g_live.erase(g_live.begin() + i);
       g_live.push_back(f);
@@ -367,26 +570,41 @@ extern "C" int emu_launch(void (*body)(void*), void* arg, int grid, int block, i
     if (g_progress != last_progress) {
       last_progress = g_progress;
       idle_picks = 0;
-    } else if (++idle_picks > 64 * g_live.size() + 1024) {
+    } else if (++idle_picks > 64 * live + 1024) {
       std::string msg = "deadlock: every live thread waits at a barrier that cannot complete:";
       int shown = 0;
-      for (Fiber* l : g_live) {
+      for (Fiber* l : g_fibers) {
+        if (l->done) continue;
         if (shown++ < 12) msg += " [b" + std::to_string(l->block) + " t" + std::to_string(l->thread) + ": " + l->where + "]";
       }
-      msg += " (" + std::to_string(g_live.size()) + " live)";
+      msg += " (" + std::to_string(live) + " live)";
       g_error = msg;
       rc = 1;
       break;
     }
   }
+  if (!rc && !g_inflight.empty()) {  // the kernel ended with copies nobody waited for
+    g_error = "a bulk copy into shared memory was still in flight when the kernel ended (" +
+              std::to_string(g_inflight.size()) + " copies whose mbarrier no thread waited for)";
+    rc = 1;
+  }
+  g_inflight.clear();
   for (Fiber* f : g_fibers) {
     free(f->stack);
     delete f;
   }
   g_fibers.clear();
   g_live.clear();
+  g_bsched.clear();
   if (rc && err && errlen > 0) snprintf(err, errlen, "%s", g_error.c_str());
   return rc;
+}
+
+// Bytes moved by bulk copies (global to shared) since the last call with reset != 0.
+extern "C" unsigned long long emu_copied_bytes(int reset) {
+  const unsigned long long n = emu::g_copied;
+  if (reset) emu::g_copied = 0;
+  return n;
 }
 
 // The L2 prefetches recorded so far: up to `cap` (address, bytes) pairs into out; returns how

@@ -198,20 +198,25 @@ MK_DEV uint32_t ld_relaxed(const void* p) {  // a poll: lets the writer's fiber 
 MK_DEV void st_relaxed(void* p, uint32_t v) {
   need_align(p, 4, "4-byte relaxed store not 4-byte aligned");
   *reinterpret_cast<volatile uint32_t*>(p) = v;
+  emu::note_sync_write(true);
 }
 MK_DEV uint32_t ld_acquire(const uint32_t* p) { emu::yield(); return *reinterpret_cast<const volatile uint32_t*>(p); }
-MK_DEV void red_release(uint32_t* p, uint32_t v) { *p += v; }
-MK_DEV void st_release_cta(int* p, int v) { *reinterpret_cast<volatile int*>(p) = v; }
+MK_DEV void red_release(uint32_t* p, uint32_t v) { *p += v; emu::note_sync_write(true); }
+MK_DEV void st_release_cta(int* p, int v) { *reinterpret_cast<volatile int*>(p) = v; emu::note_sync_write(false); }
 MK_DEV int ld_acquire_cta(const int* p) { emu::yield(); return *reinterpret_cast<const volatile int*>(p); }
 MK_DEV void fence_release() {}
-MK_DEV void red_relaxed(uint32_t* p, uint32_t v) { *p += v; }
+MK_DEV void red_relaxed(uint32_t* p, uint32_t v) { *p += v; emu::note_sync_write(true); }
 MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long cmp, unsigned long long v) {
   const unsigned long long old = *p;
   if (old == cmp) *p = v;
+  emu::note_sync_write(true);
   return old;
 }
 MK_DEV void threadfence() {}
-MK_DEV void atomic_or_smem(int* p, uint32_t v) { *p = static_cast<int>(static_cast<uint32_t>(*p) | v); }
+MK_DEV void atomic_or_smem(int* p, uint32_t v) {
+  *p = static_cast<int>(static_cast<uint32_t>(*p) | v);
+  emu::note_sync_write(false);
+}
 MK_DEV uint64_t now_ns() { return emu::now_ns(); }
 MK_DEV void backoff(unsigned) { emu::yield(); }
 MK_DEV void mbar_init(uint64_t* b, unsigned count) { emu::mbar_init(b, count); }
@@ -224,8 +229,8 @@ MK_DEV void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar)
   if ((bytes & 15u) || (reinterpret_cast<uintptr_t>(dst) & 15u) || (reinterpret_cast<uintptr_t>(src) & 15u)) {
     emu::fail("bulk copy with an address or size that is not a multiple of 16 bytes");
   }
-  memcpy(dst, src, bytes);
-  emu::mbar_complete_tx(bar, bytes);
+  emu::note_copy(bytes);
+  emu::bulk_copy_async(dst, src, bytes, bar);
 }
 MK_DEV void bulk_copy_keep(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
   bulk_copy(dst, src, bytes, bar);
@@ -240,6 +245,9 @@ MK_DEV void prefetch_l2(const void* src, unsigned bytes) {
   }
   emu::note_prefetch(src, bytes);
 }
+// the adversarial schedule's hint (emu.cpp BlockSched): this block's compute threads start unit
+// `unit` of op instance `op`, which has `total` units
+MK_DEV void sched_unit(int op, int unit, int total) { emu::unit_hint(op, unit, total); }
 MK_DEV void pdl_launch_dependents() {}
 MK_DEV void pdl_wait() {}
 MK_DEV float fexp(float x) { return expf(x); }

@@ -24,10 +24,11 @@ def test_mega_equals_chain_and_matches_reference(preset, T, ctx):
 def test_every_technique_keeps_the_bits_on_the_gpu():
     """small, T=16, real routing: no technique (9 warps of 168 registers), every technique
     (sentinel slots, the hot-expert L2 bet and the 12-warp block's per-role register budgets
-    included), the tuned default and the default with the receive warp (Plan.receive_warp)
-    compute the same logits over two consecutive steps (the second step bets on the first's
-    experts and reuses the sentinel slots), in mega and chain mode, and the sentinel slots are
-    empty (-0.0) after each step."""
+    included), the tuned default, the default with the receive warp (Plan.receive_warp) and with
+    the gate/up chunks prestaged on the previous step's routing (Plan.prestage_experts; and its
+    always-wrong bet, prestage_miss) compute the same logits over two consecutive steps (the second
+    step bets on the first's experts and reuses the sentinel slots), in mega and chain mode, and the
+    sentinel slots are empty (-0.0) after each step."""
     from megakernel.bench_baselines import step_context, weights_for
     from megakernel.pipeline import NONE, plan_for, technique_switches
     from megakernel.runtime import Engine
@@ -37,7 +38,8 @@ def test_every_technique_keeps_the_bits_on_the_gpu():
     allsw = {k: v for d in technique_switches(None, torch.cuda.get_device_properties(0).multi_processor_count).values()
              for k, v in d.items()}
     ref = None
-    for sw in (NONE, allsw, {}, {"receive_warp": True}):
+    for sw in (NONE, allsw, {}, {"receive_warp": True}, {"prestage_experts": 8},
+               {"prestage_experts": 8, "prestage_miss": True}):
         plan = plan_for("small", **sw)
         for mode in ("mega", "chain"):
             eng = Engine(w, plan, sc.cache0.clone(), backend="gpu")

@@ -221,6 +221,9 @@ MK_DEV void fence_proxy_async() { mb::fence_proxy_async(); }
 // Orders this thread's view of shared memory (generic proxy) before its next bulk copies (async proxy).
 MK_DEV void fence_proxy_async_smem() { mb::fence_proxy_async_smem(); }
 MK_DEV void prefetch_l2(const void* src, unsigned bytes) { mb::bulk_prefetch_l2(src, bytes); }
+// The host emulation's adversarial scheduler learns from this which unit a block starts
+// (megakernel/emu/emu.cpp BlockSched); on the GPU it is nothing at all.
+MK_DEV void sched_unit(int, int, int) {}
 // Programmatic dependent launch: let the next launch start scheduling / wait for the previous one.
 MK_DEV void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 MK_DEV void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }

@@ -37,6 +37,8 @@ constexpr int THREADS = 288;
 constexpr int COMPUTE_REGS = 0;  // per-role budgets (Plan.compute_registers; 0 = off)
 constexpr int LOADER_REGS = 0;
 constexpr int RECEIVE_WARP = 0;  // Plan.receive_warp
+constexpr int PRESTAGE = 0;  // Plan.prestage_experts (chunks, at most RING_STAGES)
+constexpr bool PRESTAGE_MISS = false;  // Plan.prestage_miss
 constexpr int COMPUTE_THREADS = 256;
 constexpr int ROW_PAD = 16;
 // ring (tuned constants: weights.ring) and smem carve-up
@@ -183,7 +185,7 @@ constexpr int ROUTE_SHIFT = 16;
 constexpr int DEP_ALL = 0, DEP_GROUP = 1, DEP_SENTINEL = 2, DEP_LOCAL = 3;
 constexpr int ASSIGN_STRIDED = 0, ASSIGN_CONTIG = 1;
 constexpr int SIGNAL_TOTAL = 1, SIGNAL_GROUPS = 2;
-constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10, WHAT_LOADER_GATE = 11, WHAT_SENTINEL = 12, WHAT_NORM_ROWS = 13, WHAT_LOADER_PACE = 14;
+constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10, WHAT_LOADER_GATE = 11, WHAT_SENTINEL = 12, WHAT_NORM_ROWS = 13, WHAT_LOADER_PACE = 14, WHAT_PRESTAGE = 15;
 }  // namespace mk
 namespace mk {
 // NVFP4 device word (megakernel/fp4_layout.py): pair e = OR over

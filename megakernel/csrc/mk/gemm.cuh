@@ -650,27 +650,36 @@ MK_DEV bool produce_bf16(const Blk& b, const uint16_t* W, int unit, unsigned& c,
   return true;
 }
 
-// The chunks of an fp4 unit from the kernel's copy of its expert's [N, K] matrix
-// (tiling.tile_fp4_*: blocks of KC columns of all N rows, [K/KC][N][KC/2] codes, [K/KC][N][KC/16]
-// scales): the unit's rows are RUNS runs of ROWS/RUNS consecutive rows, run r from row run0(r)
-// (a gate/up unit: its gate rows and the matching up rows), each run's codes and scales of a
-// chunk one bulk copy (lanes r and RUNS + r), landing as gemm_fp4 reads them: [ROWS][KC/2] codes,
-// then [ROWS][KC/16] scales.
-template <int ROWS, int KC, int K, int N, int RUNS, typename Run0>
-MK_DEV bool produce_fp4(const Blk& b, const uint8_t* codes, const uint8_t* scales, Run0 run0, unsigned& c,
-                        uint32_t what) {
+// One fp4 chunk, block ch of the kernel's copy of a [N, K] matrix, into stage `st`: run r (ROWS /
+// RUNS rows from row run0(r)) as two bulk copies, its codes by lane r and its scales by lane
+// RUNS + r, landing on `bar` as gemm_fp4 reads them: [ROWS][KC/2] codes, then [ROWS][KC/16] scales.
+template <int ROWS, int KC, int N, int RUNS, typename Run0>
+MK_DEV void copy_fp4_chunk(unsigned char* st, const uint8_t* codes, const uint8_t* scales, Run0 run0, int ch,
+                           uint64_t* bar) {
   constexpr int RR = ROWS / RUNS;
   constexpr unsigned CB = RR * (KC / 2), SB = RR * (KC / 16);  // one run's bytes
   static_assert(ROWS % RUNS == 0 && CB % 16 == 0 && SB % 16 == 0, "bulk copies move multiples of 16 bytes");
   static_assert(2 * RUNS <= 32, "a lane per copy");
-  for (int ch = 0; ch < K / KC; ++ch, ++c) {
-    if (!ring_produce_begin(b, c, RUNS * (CB + SB), what)) return false;
-    unsigned char* st = stage_of(b, c);
+  const int l = lane() % RUNS;
+  const size_t row = static_cast<size_t>(ch) * N + run0(l);  // the run's first row in block ch
+  if (lane() < RUNS) bulk_copy(st + l * CB, codes + row * (KC / 2), CB, bar);
+  else if (lane() < 2 * RUNS) bulk_copy(st + ROWS * (KC / 2) + l * SB, scales + row * (KC / 16), SB, bar);
+}
+template <int ROWS, int KC>
+MK_DEV constexpr unsigned fp4_chunk_bytes() { return ROWS * (KC / 2) + ROWS * (KC / 16); }
+
+// The chunks of an fp4 unit from the kernel's copy of its expert's [N, K] matrix
+// (tiling.tile_fp4_*: blocks of KC columns of all N rows, [K/KC][N][KC/2] codes, [K/KC][N][KC/16]
+// scales): the unit's rows are RUNS runs of ROWS/RUNS consecutive rows, run r from row run0(r)
+// (a gate/up unit: its gate rows and the matching up rows), copied by copy_fp4_chunk. From chunk
+// ch0 on (Plan.prestage_experts: the ones before it are in the ring already).
+template <int ROWS, int KC, int K, int N, int RUNS, typename Run0>
+MK_DEV bool produce_fp4(const Blk& b, const uint8_t* codes, const uint8_t* scales, Run0 run0, unsigned& c,
+                        uint32_t what, int ch0 = 0) {
+  for (int ch = ch0; ch < K / KC; ++ch, ++c) {
+    if (!ring_produce_begin(b, c, fp4_chunk_bytes<ROWS, KC>(), what)) return false;
     uint64_t* bar = &b.full[c % RING_STAGES];
-    const int l = lane() % RUNS;
-    const size_t row = static_cast<size_t>(ch) * N + run0(l);  // the run's first row in block ch
-    if (lane() < RUNS) bulk_copy(st + l * CB, codes + row * (KC / 2), CB, bar);
-    else if (lane() < 2 * RUNS) bulk_copy(st + ROWS * (KC / 2) + l * SB, scales + row * (KC / 16), SB, bar);
+    copy_fp4_chunk<ROWS, KC, N, RUNS>(stage_of(b, c), codes, scales, run0, ch, bar);
     if (c == b.pace && !warp_all(wait_mbar(*b.p, bar, (c / RING_STAGES) & 1u, (what & ~15u) | WHAT_LOADER_PACE)))
       return false;  // the wait is for this warp's own copy: the stage's next phase needs this warp
   }

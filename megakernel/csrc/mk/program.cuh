@@ -309,14 +309,15 @@ MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
   }
 }
 
-MK_DEV bool load_unit(const Blk& b, int i, const Op& o, int u, unsigned& c, LoaderSlot& ls) {
+// ch0: a gate/up unit's first chunk to stream (Plan.prestage_experts: the ones before it are in the ring)
+MK_DEV bool load_unit(const Blk& b, int i, const Op& o, int u, unsigned& c, LoaderSlot& ls, int ch0 = 0) {
   const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_EMPTY;
   switch (o.kind) {
     case OP_QKV: return load_qkv(b, o.layer, u, c, what);
     case OP_OPROJ: return load_oproj(b, o.layer, u, c, what);
     case OP_ROUTER: return load_router(b, o.layer, u, c, what);
     case OP_POOL: return load_pool(b, o.layer, u, c, what);
-    case OP_EXPERT1: return load_expert1(b, ls, o.layer, u, c, what);
+    case OP_EXPERT1: return load_expert1(b, ls, o.layer, u, c, what, ch0);
     case OP_EXPERT2: return load_expert2(b, ls, o.layer, u, c, what);
     case OP_UNPOOL: return load_unpool(b, o.layer, u, c, what);
     case OP_LM_HEAD: return load_lm_head(b, o.layer, u, c, what);
@@ -450,8 +451,8 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
       }
       if (sync_compute_or(fail)) return;  // the routing is visible to every thread from here
     }
-    const UnitRange r =
-        my_units(o, is_dynamic(o.kind) ? b.misc[MISC_NSLOTS] * slot_tiles(o.kind) : n_units(b, o));
+    const int total = is_dynamic(o.kind) ? b.misc[MISC_NSLOTS] * slot_tiles(o.kind) : n_units(b, o);
+    const UnitRange r = my_units(o, total);
     bool first_unit = true;
     // thread 0's bookkeeping, and the op record its waits and signals read, live in shared
     // memory: as registers they are live across every op's code (the record alone is 14 ints)
@@ -505,6 +506,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
         if (sync_compute_or(fail || b.failed)) return;
       }
       if (open_stamp) detail_stamp(b, MK_EV_UNIT_OPEN_END, static_cast<uint32_t>(u));
+      sched_unit(i, u, total);  // the emulation's adversarial schedule (nothing on the GPU)
       run_unit(b, i, o0, u);
       detail_stamp(b, MK_EV_UNIT_CLOSE_BEGIN, static_cast<uint32_t>(u));
       if (sync_compute_or(b.failed)) return;
@@ -631,6 +633,109 @@ MK_DEV long long prefetch_inside(const void* p, size_t bytes) {
   if (e > a) prefetch_l2(reinterpret_cast<const void*>(a), static_cast<unsigned>(e - a));
   return static_cast<long long>(bytes);
 }
+// Slot s of a routing whose experts are the bitmap `hot` (top-k numbers its slots by ascending
+// expert): the s-th set bit.
+template <int W>
+MK_DEV int nth_expert(const uint32_t (&hot)[W], int s) {
+  for (int w = 0; w < W; ++w) {
+    const int c = popc(hot[w]);
+    if (s >= c) {
+      s -= c;
+      continue;
+    }
+    uint32_t m = hot[w];
+    for (; s > 0; --s) m &= m - 1u;
+    return 32 * w + popc((m & (0u - m)) - 1u);  // its lowest set bit
+  }
+  return 0;
+}
+
+// PRESTAGE (Plan.prestage_experts), lane 0 as the loader enters layer `layer` (its attention op):
+// the bet that the layer routes as in the previous step (top-k's bitmap in hot_experts; racing
+// this step's top-k, which rewrites it, is harmless: a bet), as the first PRESTAGE chunks of the
+// gate/up units this block would then run (the same contiguous assignment and slot order as
+// my_units and top-k), one (expert, unit, chunk) a stage in MISC_SPEC, -1 past them.
+// PRESTAGE_MISS (A/Bs): each expert's successor instead, a bet that always loses.
+static_assert(E < (1 << 15) && EXP1_TILES <= 256 && EXP1_CHUNKS <= 256, "a bet packs (expert, unit, chunk) in an int");
+MK_DEV int spec_bet(int e, int j, int ch) { return (e << 16) | (j << 8) | ch; }
+MK_DEV void prestage_bet(const Blk& b, int layer) {
+  constexpr int W = (E + 31) / 32;
+  uint32_t hot[W];
+  int n = 0;
+  for (int w = 0; w < W; ++w) {
+    hot[w] = ld_relaxed(b.p->hot_experts + layer * W + w);
+    n += popc(hot[w]);
+  }
+  Op contig{};
+  contig.assign = ASSIGN_CONTIG;
+  const UnitRange r = my_units(contig, n * EXP1_TILES);
+MK_COLD_LOOP
+  for (int k = 0; k < PRESTAGE; ++k) {
+    const int u = r.begin + k / EXP1_CHUNKS;
+    int bet = -1;
+    if (u < r.end) {
+      const int e = nth_expert(hot, u / EXP1_TILES);
+      bet = spec_bet(PRESTAGE_MISS ? (e + 1) % E : e, u % EXP1_TILES, k % EXP1_CHUNKS);
+    }
+    b.misc[MISC_SPEC + k] = bet;
+  }
+}
+
+// PRESTAGE, every loader lane, at the layer's gate/up op before its routing wait: the bet's chunks
+// copied into the ring positions c.. (each stage acquired as for any chunk), landing on the
+// stages' spec barriers, not on `full`: the compute warps cannot take them before the exact
+// routing has settled them (prestage_settle). Returns how many, -1 when a wait gave up.
+MK_DEV int prestage_issue(const Blk& b, int layer, unsigned c, uint32_t what) {
+  int n = 0;
+MK_COLD_LOOP
+  for (int k = 0; k < PRESTAGE; ++k) {
+    const int bet = b.misc[MISC_SPEC + k];
+    if (bet < 0) break;
+    const unsigned pos = c + k;
+    uint64_t* bar = &b.spec[pos % RING_STAGES];
+    if (!ring_produce_begin(b, pos, fp4_chunk_bytes<TILE_EXPERT1_ROWS, TILE_EXPERT1_KC>(), what, bar)) return -1;
+    copy_expert1_chunk(b, layer, bet >> 16, (bet >> 8) & 255, bet & 255, stage_of(b, pos), bar);
+    ++n;
+  }
+  return n;
+}
+
+// PRESTAGE, every loader lane, once the routing is known (this block's gate/up units r): each of
+// the n prestaged chunks is waited for (bounded, WHAT_PRESTAGE: the stage may be reused only after
+// its copies landed), then, where the block's chunk at that position is the one bet on, released
+// to the compute warps by an arrival on `full` (no bytes: they are there), else copied again with
+// the right expert's bytes. Positions past the block's chunks are left unused (their stage's
+// `full` is untouched, so the ring's parities hold). Returns how many positions it filled (the
+// loader streams from there), -1 when a wait gave up.
+MK_DEV int prestage_settle(const Blk& b, LoaderSlot& ls, int layer, const UnitRange& r, unsigned c, int n,
+                           uint32_t what) {
+  const int have = (r.end - r.begin) * EXP1_CHUNKS;
+  uint32_t ph = static_cast<uint32_t>(b.misc[MISC_SPEC_PHASE]);
+  int placed = 0;
+MK_COLD_LOOP
+  for (int k = 0; k < n; ++k) {
+    const unsigned pos = c + k;
+    const int st = static_cast<int>(pos % RING_STAGES);
+    if (!warp_all(wait_mbar(*b.p, &b.spec[st], (ph >> st) & 1u, what))) return -1;
+    ph ^= 1u << st;
+    if (k >= have) continue;
+    const int u = r.begin + k / EXP1_CHUNKS, j = u % EXP1_TILES, ch = k % EXP1_CHUNKS;
+    const int e = loader_expert(b, ls, layer, u / EXP1_TILES);
+    if (spec_bet(e, j, ch) == b.misc[MISC_SPEC + k]) {
+      if (lane() == 0) mbar_arrive(&b.full[st]);  // the bet's bytes are the chunk's
+    } else {
+      if (lane() == 0) mbar_expect_tx(&b.full[st], fp4_chunk_bytes<TILE_EXPERT1_ROWS, TILE_EXPERT1_KC>());
+      syncwarp();
+      copy_expert1_chunk(b, layer, e, j, ch, stage_of(b, pos), &b.full[st]);
+    }
+    ++placed;
+  }
+  syncwarp();  // every lane read the phases before lane 0 writes them
+  if (lane() == 0) b.misc[MISC_SPEC_PHASE] = static_cast<int>(ph);
+  syncwarp();
+  return placed;
+}
+
 // HOT_PREFETCH_BYTES: as the loader enters layer `layer`, it bets that the layer routes as it did
 // in the previous step (top-k's bitmap in hot_experts) and pulls into L2, up to the budget, the
 // weights of the expert units this block would then run (expert1's, then expert2's: the same
@@ -653,19 +758,7 @@ MK_DEV void hot_prefetch(const Blk& b, int layer) {
     const int tiles = which ? EXP2_TILES : EXP1_TILES;
     const UnitRange r = my_units(contig, n * tiles);
     for (int u = r.begin; u < r.end && budget > 0; ++u) {
-      int s = u / tiles, e = 0;  // slot s = the s-th expert of the bitmap, ascending
-      for (int w = 0; w < W; ++w) {
-        const int c = popc(hot[w]);
-        if (s >= c) {
-          s -= c;
-          continue;
-        }
-        uint32_t m = hot[w];
-        for (; s > 0; --s) m &= m - 1u;
-        e = 32 * w + popc((m & (0u - m)) - 1u);  // its lowest set bit
-        break;
-      }
-      const int j = u % tiles;
+      const int e = nth_expert(hot, u / tiles), j = u % tiles;
       // the unit's runs of rows in each column block of the kernel's copy (produce_fp4)
       if (which == 0) {  // gate rows j*H1.. and up rows F + j*H1.. (load_expert1)
         for (int ch = 0; ch < P / TILE_EXPERT1_KC; ++ch)
@@ -697,8 +790,21 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
     const Op o = load_op(*b.p, i);
     if (HOT_PREFETCH_BYTES > 0 && o.kind == OP_ATTN && lane() == 0) hot_prefetch(b, o.layer);
     if (KV_PREFETCH && o.kind == OP_ATTN && lane() == 0) kv_prefetch(b, o);
+    if constexpr (PRESTAGE > 0) {
+      if (o.kind == OP_ATTN && b.wait) {  // chain mode: the routing is known when gate/up launches
+        if (lane() == 0) prestage_bet(b, o.layer);
+        syncwarp();
+      }
+    }
     if (!has_weights(o.kind)) continue;
     if (!loader_gate(b, i, first)) return;
+    int spec = 0;  // PRESTAGE: chunks prestaged on the bet
+    if constexpr (PRESTAGE > 0) {
+      if (o.kind == OP_EXPERT1 && b.wait) {
+        spec = prestage_issue(b, o.layer, c, static_cast<uint32_t>(i * 16) + WHAT_RING_EMPTY);
+        if (spec < 0) return;
+      }
+    }
     int nslots = 0;  // a routed op's: from top-k's counter (compute_loop)
     if (is_dynamic(o.kind) && b.wait && FUSED_EXPERTS && o.kind == OP_EXPERT2 && routed_layer == o.layer) {
       nslots = routed_nslots;  // fused: gate/up's routing, waited for just before
@@ -720,10 +826,26 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
     // ab-ring-depth-20261201T0151Z-c5d3a16.md): against the same code never pacing, shard8 T=16
     // -0.42 / -1.20%, T=1 -0.49 / -1.07%, small T=16 -0.42 / -0.45%; against the build before,
     // T=1 -1.08 / -0.72%, the others within the layout placebo's range.
-    const bool fresh = o.kind == OP_EXPERT1 && b.wait;
+    int placed = 0;  // PRESTAGE: the positions from c on that the bet filled
+    if constexpr (PRESTAGE > 0) {
+      if (spec > 0) {
+        placed = prestage_settle(b, ls, o.layer, r, c, spec, static_cast<uint32_t>(i * 16) + WHAT_PRESTAGE);
+        if (placed < 0) return;
+      }
+    }
+    const bool fresh = o.kind == OP_EXPERT1 && b.wait && placed == 0;  // prestaged: the stream began in the front
     for (int u = r.begin; u < r.end; u += r.step) {
+      int ch0 = 0;
+      if constexpr (PRESTAGE > 0) {
+        if (placed > 0) {  // a gate/up unit's chunks in the ring already (contiguous: step 1)
+          ch0 = imin(placed, EXP1_CHUNKS);
+          placed -= ch0;
+          c += static_cast<unsigned>(ch0);
+          if (ch0 == EXP1_CHUNKS) continue;
+        }
+      }
       b.pace = fresh && u == r.begin ? c : ~0u;
-      if (!load_unit(b, i, o, u, c, ls)) return;
+      if (!load_unit(b, i, o, u, c, ls, ch0)) return;
     }
     b.pace = ~0u;
   }

@@ -206,8 +206,9 @@ MK_COLD_LOOP
     for (int i = 0; i < (E + 31) / 32; ++i) {
       before[i] = acc;
       acc += popc(static_cast<uint32_t>(bitmap[i]));
-      // the next step's loaders bet that this layer routes the same way (program.cuh hot_prefetch)
-      if (HOT_PREFETCH_BYTES > 0)
+      // the next step's loaders bet that this layer routes the same way (program.cuh hot_prefetch,
+      // prestage_bet)
+      if (HOT_PREFETCH_BYTES > 0 || PRESTAGE > 0)
         st_relaxed(p.hot_experts + layer * ((E + 31) / 32) + i, static_cast<uint32_t>(bitmap[i]));
     }
     *p.n_slots = acc;

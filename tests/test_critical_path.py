@@ -1,0 +1,102 @@
+"""megakernel.critical_path on the committed H200 results and on handmade inputs."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megakernel import critical_path as cp
+from microbench.errors import ResultsFileError
+
+
+@pytest.fixture(scope="module")
+def committed():
+    inp = cp.inputs()
+    rs = cp.rows(inp)
+    return inp, rs, cp.segment_rows(rs), cp.levers(inp, rs)
+
+
+def test_rows_walk_the_whole_layer_launch(committed):
+    inp, rs, segs, _ = committed
+    items = [r.item for r in rs]
+    assert [i for i in items if "->" not in i] == list(cp.CHAIN)
+    # every consumer has its hop row, from the later of its producers
+    for op, prods in cp.PRODUCERS.items():
+        last = max(prods, key=lambda p: inp.edges[p][1])
+        assert f"{last} -> {op}" in items
+    # along the critical path the rows tile the launch from attention's start to qkv's end
+    on_path = sum(s.measured_s for s in segs)
+    assert on_path == pytest.approx(inp.edges["qkv"][1] - inp.edges["attn"][0], abs=1e-9)
+    # the segments agree with pipeline.layer_segments' cut of the same launch (it takes the first
+    # gate/up start and the last down-projection end over blocks, the rows medians)
+    by = {s.segment: s.measured_s for s in segs}
+    assert by["front"] == pytest.approx(inp.segments_s["front"], abs=1.0e-6)
+    assert by["experts"] + by["back"] == pytest.approx(inp.segments_s["experts"] + inp.segments_s["back"], abs=2e-6)
+
+
+def test_bounds_are_bytes_compute_and_latency(committed):
+    inp, rs, segs, _ = committed
+    by = {r.item: r for r in rs}
+    for r in rs:
+        assert r.bytes_s == pytest.approx(r.bytes / inp.ceiling)
+        assert r.bound_s == pytest.approx(max(r.bytes_s, r.compute_s) + r.hop_s)
+    chunks = cp.expert_chunks_per_block(inp)
+    for op in ("expert1", "expert2"):
+        assert by[op].compute_s == pytest.approx(chunks[op] * inp.chunk_s[op])
+    # the layer's weights and KV rows: the experts' bytes are the routed experts', all of them
+    exp = next(s for s in segs if s.segment == "experts")
+    from megakernel.config import preset
+
+    assert exp.bytes == pytest.approx(inp.distinct * preset(inp.preset).expert_bytes, rel=1e-6)
+    # hop rows: the producer's end tail and the flag, never negative; a fused down projection
+    # after its own gate/up units has no grid hop
+    assert by["expert1 -> expert2"].hop_s == 0
+    assert by["unpool -> qkv"].hop_s == pytest.approx(inp.end_tail_s["unpool"] + inp.flag_s)
+    # the committed H200 measurements the model reads (2026-11-29 .. 12-01): within their ranges
+    assert 0.4e-6 < inp.publish_s < 0.9e-6 and 0.9e-6 < inp.chunk_s["expert1"] < 1.3e-6
+    assert 4e12 < inp.ceiling < 5e12 and 0.4e-6 < inp.flag_s < 0.7e-6
+
+
+def test_levers_largest_first_with_their_arithmetic(committed):
+    inp, rs, segs, lvs = committed
+    assert [lv.saving_s for lv in lvs] == sorted((lv.saving_s for lv in lvs), reverse=True)
+    pre = next(lv for lv in lvs if "prestage" in lv.name)
+    from megakernel.pipeline import plan_for
+
+    plan = plan_for(inp.preset, None, inp.n_sm, tokens=inp.n_tokens)
+    ring = plan.ring_stages * plan.stage_bytes * inp.n_sm / inp.ceiling
+    assert pre.saving_s == pytest.approx(min(ring, inp.ring_wait_s["expert1"] + inp.ring_wait_s["expert2"]))
+    assert lvs[0] is pre  # the model's largest: the one built first (Plan.prestage_experts)
+    fold = next(lv for lv in lvs if "MoE combine" in lv.name)
+    assert fold.saving_s < 0  # a token's partials are too many for one block (the fold was not built)
+    # the two front levers end at the pooler's bound: together they save the larger, not the sum
+    front = [lv for lv in lvs if lv.limit == "pool"]
+    assert len(front) == 2 and cp.combined_saving_s(front) == pytest.approx(max(lv.saving_s for lv in front))
+    assert cp.combined_saving_s(lvs) == pytest.approx(pre.saving_s + max(lv.saving_s for lv in front)
+                                                      + sum(lv.saving_s for lv in lvs if lv.saving_s > 0
+                                                            and not lv.limit and lv is not pre))
+    md = cp.render(inp, rs, segs, lvs)
+    for lv in lvs:
+        assert lv.name in md
+    assert "70% of the roofline" in md and "| front | front (sum) |" in md
+
+
+def test_the_later_producer_carries_the_hop_and_the_other_side_is_off_the_path(committed):
+    inp, _, _, _ = committed
+    e = dict(inp.edges)
+    # make the pooler end after top-k: gate/up's hop then counts from the pooler, and the router's
+    # side (router, its hops, top-k) drops out of the front's sum
+    late = e["topk"][1] + 3e-6
+    e["pool"] = (e["pool"][0], late)
+    moved = dataclasses.replace(inp, edges=e)
+    rs = cp.rows(moved)
+    by = {r.item: r for r in rs}
+    assert "pool -> expert1" in by and "topk -> expert1" not in by
+    assert by["pool -> expert1"].measured_s == pytest.approx(e["expert1"][0] - late)
+    front = next(s for s in cp.segment_rows(rs) if s.segment == "front")
+    assert front.measured_s == pytest.approx(e["expert1"][0] - e["attn"][0])
+
+
+def test_missing_results_are_named(tmp_path):
+    with pytest.raises(ResultsFileError, match="megakernel.timeline"):
+        cp.inputs(tmp_path)
