@@ -458,8 +458,14 @@ def _critical_path(ctx: Context) -> list[str] | None:
         rows = cp.report_rows(ctx.cat.latest_all())
         return [_table(rows), ""] if rows else ["Not measured yet (no results the critical-path model reads).", ""]
     if hasattr(cp, "table"):
+        from microbench.errors import ResultsFileError
+
+        try:
+            text = cp.table(ctx.cat.root)
+        except ResultsFileError as e:  # results without the timelines the model reads: said, not hidden
+            return [*wrap(f"Not measured yet: {e}."), ""]
         out = []
-        for line in cp.table(ctx.cat.root).splitlines():
+        for line in text.splitlines():
             out += [line] if line.startswith("|") or not line.strip() else wrap(line)
         return out + [""]
     return ["`megakernel.critical_path` has neither `report_rows(results)` nor `table(root)`: not wired yet.", ""]

@@ -196,6 +196,7 @@ def test_tree_that_does_not_build(tmp_path):
                log=_quiet)
 
 
+@pytest.mark.slow  # waits out a worker's timeout (~30 s); CI runs it
 def test_worker_that_hangs_is_named():
     with pytest.raises(ABInputError, match="candidate worker .* gave no answer in 1 s"):
         run_ab(_side("baseline", CASES), _side("candidate", CASES, sleep_s=30), rounds=8,

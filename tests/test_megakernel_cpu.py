@@ -106,6 +106,7 @@ def test_preset_kernels_compile_for_sm90a_without_spills(name, tokens, built):
     assert u.registers <= 224  # 288 threads, one block per SM: 65536 / 288 rounded to the allocation granule
 
 
+@pytest.mark.slow  # ~18 s; CI runs it
 def test_layout_pad_moves_the_code_and_keeps_the_bits(tiny):
     """Plan.layout_pad, an A/B's code-layout placebo: the same kernel with never-run instructions
     ahead of its body, so every later instruction sits ~layout_pad bytes further on; layout_gap
@@ -393,7 +394,7 @@ def test_fused_expert_plan_and_program(fusable):
     assert not plan_for("tiny", None, 4).fused_experts and plan_for("shard8", None, 132).fused_experts
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [pytest.param(0, marks=pytest.mark.slow), 1])  # seed 0: ~40 s, CI runs it
 def test_fused_experts_interpreter_orders_and_emulated_bits(fusable, seed):
     """The fused schedule in random orders that respect only its declared dependencies (DEP_LOCAL:
     the producer's unit of the same index) gives the program order's bits, close to the reference;
@@ -650,6 +651,7 @@ def test_residual_units_of_two_row_tiles_where_one_round_needs_them():
         _poisoned_modes_match_reference(cfg, plan, 5, 7, 12, 40, f"{rows}-row residual units vs reference")
 
 
+@pytest.mark.slow  # ~20 s of builds; CI runs it
 def test_expert_units_follow_the_tree_size_of_the_build():
     # plan.expert1_unit_rows: 256-row gate/up units for a build whose step has units for two rounds
     # of the grid even then (shard8 T=16 on 132 SMs), 128 rows otherwise (T=1: 8 experts)
@@ -704,7 +706,8 @@ FP4_SHAPES = {"kc64+kc128": ((64, 128, 256, 64), {"expert1": (256, 64, 2), "expe
               "kc256 four chunks": ((256, 1024, 128, 256), {"expert1": (128, 256, 8), "expert2": (256, 256, 8)})}
 
 
-@pytest.mark.parametrize("shape", sorted(FP4_SHAPES))
+@pytest.mark.parametrize("shape", [pytest.param(k, marks=pytest.mark.slow) if k == "kc256 four chunks" else k
+                                   for k in sorted(FP4_SHAPES)])  # "four chunks": ~25 s, CI runs it (-m slow)
 def test_emulated_fp4_gemm_chunk_shapes(shape):
     # each chunk shape of gemm_fp4 (a code word from the wrong matrix, row, step, swizzle unit,
     # group, chunk or tile changes the logits), with both token tiles (t = 9), mega == chain
@@ -716,6 +719,7 @@ def test_emulated_fp4_gemm_chunk_shapes(shape):
     _poisoned_modes_match_reference(cfg, plan, 8, 9, 12, 30, f"fp4 chunks {shape} vs reference")
 
 
+@pytest.mark.slow  # ~30 s; the prestage bet's other test stays in the default run
 def test_prestaged_chunks_inside_a_unit():
     """Plan.prestage_experts where a gate/up unit has two chunks (d_pool 512, kc 256: shard8's
     units have eight): three bets cover a unit and the first chunk of the next, so the loader
@@ -741,6 +745,7 @@ def test_prestaged_chunks_inside_a_unit():
     assert out["pre"][1] == out["base"][1]  # every bet held: no chunk copied twice
 
 
+@pytest.mark.slow  # ~45 s of emulation; CI runs it
 def test_device_words_give_the_storage_words_bits():
     # Plan.fp4_rotated: the kernel's copy of the codes in device words (ROT_PAIRS) or as stored
     # (PAIRS): the same values through another decode, so the same bits
@@ -810,6 +815,7 @@ def test_fill_ring_stages_the_normed_operand_in_panels_where_that_buys_a_stage()
         make_plan(cfg, 132, norm_panel=1000)
 
 
+@pytest.mark.slow  # ~40 s of emulation; CI runs it
 def test_emulated_paneled_norm_operand_gives_the_same_bits():
     # d_model 1024 staged in four panels of 256 (chunks of 128-256 columns): the GEMMs sum the same
     # chunks in the same order, so the bits equal the unpaneled build's, in both modes; with 2

@@ -14,6 +14,7 @@ def _snapshot(d):
     return sorted((str(p.relative_to(d)), p.stat().st_mtime_ns) for p in d.rglob("*") if p.is_file()) if d.exists() else []
 
 
+@pytest.mark.slow  # the whole no-GPU pipeline (~35 s); CI runs it
 def test_run_without_gpu_uses_committed_results(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: "test: no driver")
     constants = REPO_ROOT / "reports" / "constants"

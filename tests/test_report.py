@@ -321,6 +321,7 @@ def test_empty_results_render(tmp_path):
     assert text.count("**Not measured yet**") >= 6 and "No results yet" in text
 
 
+@pytest.mark.slow  # two full renders of the committed results (~60 s); CI runs it (.ci/run -m slow)
 def test_report_from_committed_results_is_deterministic(tmp_path):
     a = build(REPO_ROOT / "reports" / "results", tmp_path / "a", gpu_present=False).read_text()
     b = build(REPO_ROOT / "reports" / "results", tmp_path / "b", gpu_present=False).read_text()

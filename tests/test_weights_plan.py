@@ -79,9 +79,13 @@ def test_full_sweep_on_the_h200():
     assert {c.stages for c in p.fits} == set(range(2, 9))
 
 
-def test_quick_subset_is_small_representative_and_fits():
+def test_quick_subset_is_every_ring_candidate_that_fits():
+    # the ring rule chooses among the candidates only, so the quick grid measures every one that fits
+    # and a quick and a full sweep cannot choose different rings (weights/plan.py CANDIDATE_STAGE_BYTES)
     q = plan.ring_sweep(True, H200_SMEM)
-    assert 6 <= len(q.fits) <= 12 and not q.refused
+    assert all(plan.ring_candidate(c) for c in q.fits)
+    assert set(q.fits) == {c for c in plan.ring_sweep(False, H200_SMEM).fits if plan.ring_candidate(c)}
+    assert 6 <= len(q.fits) <= 28
     assert RingConfig(5, 32 * KiB) in q.fits  # the study's ring
     sizes = {}
     for c in q.fits:
