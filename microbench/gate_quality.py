@@ -224,6 +224,7 @@ def precompile(ppms: Sequence[int] = PPMS, jobs: int | None = None, log: Callabl
     T=1 and 16, the hooked microbench sources), each plain and at every ppm, into the kernel cache:
     the workers prepare sequentially, and ~8 megakernel builds one after another would cost a
     minute of the GPU machine's time. A build not listed here is simply compiled by its worker."""
+    import multiprocessing as mp
     import time
     from concurrent.futures import ProcessPoolExecutor
 
@@ -234,7 +235,9 @@ def precompile(ppms: Sequence[int] = PPMS, jobs: int | None = None, log: Callabl
               for p in (0, *ppms) for path in HOOKED_SOURCES]
     t0 = time.monotonic()
     jobs = jobs or max(1, min(len(tasks), (os.cpu_count() or 2) - 1))
-    with ProcessPoolExecutor(jobs) as ex:
+    # spawned, not forked: the parent has initialised CUDA (its GPU check), and a forked child's
+    # driver calls fail (it saw "0 devices" on the H200, 2026-12-01, and the run stopped)
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
         done = list(ex.map(_precompile_one, tasks))
     dt = time.monotonic() - t0
     log(f"precompiled {len(done)} builds with {jobs} processes in {dt:.0f} s")

@@ -184,3 +184,30 @@ def test_estimates_of_the_replaced_method_are_not_shown_as_measurements(tmp_path
                  params={"mode": "aa_random_halves", "slowdown": 0.0}, metrics={"flagged": 0, "trials": 8000})
     Result("gate.quality", env(), (old,)).save(tmp_path)
     assert "Not measured yet" in "\n".join(report_lines(tmp_path)) and trust_rows(tmp_path) == []
+
+
+def test_precompile_spawns_its_workers(monkeypatch):
+    # The parent has initialised CUDA before it precompiles (its GPU check); a forked child's driver
+    # calls then fail, which on the H200 (2026-12-01) stopped the quality run with "0 devices".
+    import concurrent.futures
+
+    seen = {}
+
+    class Pool:
+        def __init__(self, jobs, mp_context=None):
+            seen["method"] = mp_context.get_start_method() if mp_context is not None else None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def map(self, fn, tasks):
+            return [f"{t[0]}" for t in tasks]
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Pool)
+    from microbench import gate_quality
+
+    gate_quality.precompile(log=lambda s: None)
+    assert seen["method"] == "spawn"
