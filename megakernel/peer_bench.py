@@ -345,7 +345,9 @@ def kernel_rows(c: _Ctx, runner, preset: str, n_tokens: int, ctx: int, distinct,
                                                    f"({src})"),
             metrics={"bytes_per_step": b, "read_fraction": b / mt / ceiling if mt else 0.0,
                      "share_of_kernel_time": mt / total if total else 0.0,
-                     "timer_note": TIMER_NOTES[timer]}))
+                     "timer_note": TIMER_NOTES[timer], "gated": False,
+                     "not_gated_reason": "per-kernel accounting of 3 un-graphed, profiled passes; the step "
+                                         "series beside it carries the peer's timing"}))
     moe = [s for s in c.series if s.name in (f"{tag}/peer_kernel/moe_up", f"{tag}/peer_kernel/moe_down")]
     if moe:
         b = sum(s.metrics["bytes_per_step"] for s in moe)

@@ -224,28 +224,56 @@ def compile_cuda(source: str | Path, *, name: str | None = None, arch: str = DEF
         try:
             meta = json.loads(meta_p.read_text())
             image = cubin_p.read_bytes()
+            if _report_missing(image, meta["log"]):
+                raise ValueError("no ptxas report")  # written before the fallback below: recompile it
             return CompiledModule(name, arch, image, meta["log"], defs, key, cubin_p,
                                   resource_usage(image, meta["log"]))
         except Exception:
             pass  # a torn cache entry: recompile and overwrite it
-    from cuda.core import Program, ProgramOptions
 
-    po = ProgramOptions(arch=arch, std="c++17", include_path=incs, define_macro=list(defs.items()) or None,
-                        lineinfo=lineinfo or None, ptxas_options=["-v"], max_register_count=max_registers,
-                        name=name, **opts)
-    log = io.StringIO()
-    try:
-        obj = Program(text, code_type="c++", options=po).compile("cubin", logs=log)
-    except Exception as e:
-        raise CompileError(f"NVRTC failed to compile {name} for {arch} with defines {defs}:\n{e}\n{log.getvalue()}") from None
-    image = bytes(obj.code)
-    log_s = log.getvalue().replace("\x00", "")
+    def options(with_lineinfo: bool):
+        from cuda.core import ProgramOptions
+
+        return ProgramOptions(arch=arch, std="c++17", include_path=incs, define_macro=list(defs.items()) or None,
+                              lineinfo=with_lineinfo or None, ptxas_options=["-v"], max_register_count=max_registers,
+                              name=name, **opts)
+
+    image, log_s = _nvrtc_cubin(text, options(lineinfo), f"{name} for {arch} with defines {defs}")
+    if lineinfo and _report_missing(image, log_s):
+        # NVRTC 13.0 on the H200 machine (cu13 wheel, 2026-12-01) returned an empty log for some
+        # sources compiled with -lineinfo and -v together (every kernel then looked like it had no
+        # entries). The same source without line info reports its registers, spills and smem;
+        # line info changes no allocation, so that report describes the image kept here.
+        _, log_s = _nvrtc_cubin(text, options(False), f"{name} for {arch} with defines {defs} (for its ptxas report)")
     mod = CompiledModule(name, arch, image, log_s, defs, key, cubin_p, resource_usage(image, log_s))
     if use_cache:
         _atomic_write(cubin_p, image)
         _atomic_write(meta_p, json.dumps({"log": log_s, "defines": defs, "arch": arch, "name": name,
                                           "source": str(src_path) if src_path else None}).encode())
     return mod
+
+
+def _nvrtc_cubin(text: str, options, what: str) -> tuple[bytes, str]:
+    """NVRTC C++ -> (cubin, its log with ptxas -v's report). Raises CompileError naming `what`."""
+    from cuda.core import Program
+
+    log = io.StringIO()
+    try:
+        obj = Program(text, code_type="c++", options=options).compile("cubin", logs=log)
+    except Exception as e:
+        raise CompileError(f"NVRTC failed to compile {what}:\n{e}\n{log.getvalue()}") from None
+    return bytes(obj.code), log.getvalue().replace("\x00", "")
+
+
+def _report_missing(image: bytes, log: str) -> bool:
+    """The cubin has kernels but the log has no ptxas report of any of them."""
+    from .cubin import parse_ptxas_log
+
+    try:
+        entries = text_sizes(image)
+    except Exception:
+        return False
+    return bool(entries) and not any(k in entries for k in parse_ptxas_log(log))
 
 
 def compile_ptx(ptx: str, *, name: str = "ptx", arch: str = DEFAULT_ARCH, use_cache: bool = True) -> CompiledModule:

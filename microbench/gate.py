@@ -38,7 +38,8 @@ Fit to gate, else listed as "not gated" with the reason (never a failure, never 
     cuda_event 0.5 us per event pair (divided by the samples' batch), globaltimer the recorded
     `tick_ns` (32 ns measured on the H200; 1 us assumed elsewhere), clock64 one SM cycle, host 0.1 us;
   - a unit without a direction, `metrics["gate_direction"] == "none"`, `metrics["gated"] is False`,
-    static values.
+    static values, and profiler accounting (timer `cupti`: per-kernel times of profiled, un-graphed
+    passes).
 UNKNOWN (not a pass) when a side has no raw samples, or a CUDA-event / host series has fewer than
 `min_samples` samples on a side: the run was too short to judge.
 
@@ -223,6 +224,9 @@ def fitness(s, env, min_repeats: int = 8) -> tuple[int | None, str, bool, str]:
     m, n = s.metrics, len(s.samples)
     if m.get("gated") is False:
         return None, "", False, str(m.get("not_gated_reason") or "its benchmark marks it not gated")
+    if s.timer == "cupti":  # results of 2026-12-01 predate the peer's gated=False on these
+        return None, "", False, ("profiler accounting (CUPTI) of un-graphed passes: a diagnostic of where a step's "
+                                 "time goes, not a timing to gate (its step series is)")
     contiguous = m.get("repeat_layout") == "contiguous"
     rec = _int_field(s, "independent_repeats")
     if rec:

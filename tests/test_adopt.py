@@ -111,7 +111,8 @@ def test_pins_hold_a_constant_and_record_what_was_measured(tmp_path):
     res = tmp_path / "results"
     save_all(class_results(), res)
     pins = adopt.load_pins(H200, COMMITTED)
-    assert set(pins) == {"l2_prefetch_budget_bytes"} and pins["l2_prefetch_budget_bytes"].value == 40 << 20
+    assert set(pins) == {"l2_prefetch_budget_bytes", "spin_bound_ns"} and pins["l2_prefetch_budget_bytes"].value == 40 << 20
+    assert pins["spin_bound_ns"].value == 20_000_000  # its rule gave 20 and 10 ms on two fresh machines
     _, free = collect(res, H200)
     _, held = collect(res, H200, pins=pins)
     e = held["l2_prefetch_budget_bytes"]

@@ -133,3 +133,35 @@ def test_cache_key_covers_headers_outside_the_repository(tmp_path, monkeypatch):
     # the same tree again is a cache hit
     again = compile_cuda(src, name="tree_probe", include_dirs=[tmp_path / "tree5"])
     assert again.key == mods[1].key and again.cubin == mods[1].cubin
+
+
+def test_an_empty_ptxas_report_with_lineinfo_is_taken_again_without_it(monkeypatch, tmp_path):
+    # NVRTC on the H200 machine (2026-12-01) returned an empty log for sources compiled with
+    # -lineinfo and -v together: every kernel looked as if it had no entries, and 103 tests failed
+    # there. compile_cuda then takes the report from a compile without line info, keeps the image
+    # with it, and refuses a cached entry without a report.
+    from microbench import compiler
+
+    monkeypatch.setenv("MEGABENCH_CACHE", str(tmp_path))
+    real = compiler._nvrtc_cubin
+    calls = []
+
+    def lineinfo_eats_the_log(text, options, what):
+        image, log = real(text, options, what)
+        calls.append(bool(options.lineinfo))
+        return image, ("" if options.lineinfo else log)
+
+    monkeypatch.setattr(compiler, "_nvrtc_cubin", lineinfo_eats_the_log)
+    src = REPO_ROOT / "microbench" / "clocks" / "skew.cu"
+    mod = compile_cuda(src, arch="sm_90a")
+    assert calls == [True, False] and "clk_skew" in mod.resources and mod.resources["clk_skew"].registers > 0
+    assert compile_cuda(src, arch="sm_90a").resources == mod.resources and calls == [True, False]  # cached
+    # a cache entry written without a report (as on the H200 before the fix) is compiled again
+    meta = mod.path.with_suffix(".json")
+    import json
+
+    d = json.loads(meta.read_text())
+    d["log"] = ""
+    meta.write_text(json.dumps(d))
+    again = compile_cuda(src, arch="sm_90a")
+    assert calls == [True, False, True, False] and again.resources == mod.resources

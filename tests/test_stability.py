@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pathlib import Path
+
 import pytest
 
 from microbench import stability
@@ -49,10 +51,19 @@ def test_every_build_constant_is_checked():
 def test_the_old_ring_rule_flipped_between_the_two_committed_machines():
     """weights.ring on 2026-11-29: the quick grid (one machine) recorded 2 x 32 KiB, the full grid
     (another) 3 x 16 KiB. The current rule gives 2 x 32 KiB from both."""
-    recorded = stability.check("ring_stage_bytes", ROOT, GPU, {}, recorded=True)
-    now = stability.check("ring_stage_bytes", ROOT, GPU, {})
-    if len(now.runs) < 2:
-        pytest.skip("the two committed weights.ring runs are not in this checkout")
+    import shutil
+    import tempfile
+
+    two = [ROOT / "weights" / n for n in ("weights.ring-20261129T115546Z-nvidia-h200-fe6e526.json",
+                                          "weights.ring-20261129T144453Z-nvidia-h200-54c0fed.json")]
+    if not all(f.is_file() for f in two):
+        pytest.skip("the two committed weights.ring runs of 2026-11-29 are not in this checkout")
+    with tempfile.TemporaryDirectory() as td:  # those two runs alone: later machines recorded the new rule's ring
+        (Path(td) / "weights").mkdir()
+        for f in two:
+            shutil.copy(f, Path(td) / "weights" / f.name)
+        recorded = stability.check("ring_stage_bytes", Path(td), GPU, {}, recorded=True)
+        now = stability.check("ring_stage_bytes", Path(td), GPU, {})
     assert recorded.status == "flips" and {r.value for r in recorded.runs} == {32768.0, 16384.0}
     assert now.status == "agree" and {r.value for r in now.runs} == {32768.0} and all(r.rederived for r in now.runs)
 

@@ -36,11 +36,29 @@ def _row(ctx, fid):
     return r["ours (NVIDIA H200)"], r["like for like?"], r["how ours is obtained"]
 
 
+def _kib(text):
+    """'128.2 KiB (128.2-144.2 KiB)' -> (value, low, high) in KiB."""
+    import re
+
+    v, lo, hi = (float(x) for x in re.match(r"([\d.]+) KiB \(([\d.]+)-([\d.]+) KiB\)", text).groups())
+    return v, lo, hi
+
+
+def _ns(text):
+    import re
+
+    v, lo, hi = (float(x) for x in re.match(r"([\d.]+) ns \(([\d.]+)-([\d.]+) ns\)", text).groups())
+    return v, lo, hi
+
+
 def test_icache_rows(ctx):
     ours, like, how = _row(ctx, "icache.sm_capacity")
-    assert ours.startswith("106.2 KiB (106.2-187.1 KiB)") and like == "yes" and "icache_sm_bytes" in how
+    # a plateau of the 1-warp curve near the study's 128 KB, its spread containing it (not the 11 KiB
+    # the old two-point step fit called a level)
+    v, lo, hi = _kib(ours)
+    assert 96 <= v <= 192 and lo <= v <= hi and like == "yes" and "icache_sm_bytes" in how
     ours, like, _ = _row(ctx, "icache.shrunk_block_ratio")
-    assert ours.startswith("1.001x") and like.startswith("yes")  # ratio beside ratio (was "1.08x" beside 20 KB)
+    assert 0.98 < float(ours.split("x")[0]) < 1.02 and like.startswith("yes")  # ratio beside ratio (was "1.08x" beside 20 KB)
 
 
 def test_weights_rows(ctx):
@@ -49,16 +67,18 @@ def test_weights_rows(ctx):
     ours, like, how = _row(ctx, "weights.hot_expert_bytes")
     assert ours == "0 B" and "never bet" in how and "38.5 MiB" in how
     ours, like, how = _row(ctx, "weights.hot_expert_saving_share")
-    assert ours == "2.1%" and like.startswith("yes")
+    assert ours.endswith("%") and 0 < float(ours[:-1]) < 10 and like.startswith("yes")  # a share beside a share
 
 
 def test_sync_and_xgpu_rows(ctx):
     ours, like, how = _row(ctx, "sync.acquire_poll")
-    assert ours == "160.4 ns (159.5-160.9 ns)"  # the value inside its spread (was 159 ns beside 159.5-160.9)
+    v, lo, hi = _ns(ours)  # the value inside its spread (was 159 ns beside 159.5-160.9 ns)
+    assert 100 < v < 250 and lo <= v <= hi
     ours, like, how = _row(ctx, "sync.poll_behind_bulk")
-    assert ours == "2.238 us" and "611-623 ns" in how  # every SM loaded, not the poller's SM alone
+    # every SM loaded, not the poller's SM alone (611-623 ns there, nothing queues)
+    assert ours.endswith(" us") and 1.0 < float(ours.split()[0]) < 20 and "ns" in how
     ours, like, how = _row(ctx, "sync.fence_loaded")
-    assert ours == "9.942 us" and like.startswith("no:") and "every SM, 64 KiB: 1.993 us" in how
+    assert ours.endswith(" us") and like.startswith("no:") and "every SM, 64 KiB" in how
     ours, like, how = _row(ctx, "xgpu.poll_behind_bulk")
     assert ours == "1.964 us" and "41.99 us" in how and "NVLink bandwidth" in how
     ours, like, how = _row(ctx, "sync.gpu_drift")
@@ -68,9 +88,12 @@ def test_sync_and_xgpu_rows(ctx):
 def test_throughput_rows_are_accepted_tokens_and_the_verify_ratio_is_beside_the_study_s(ctx):
     ours, like, how = _row(ctx, "headline.megakernel_tok_s")
     assert "6.6 accepted tokens per step" in how and "assumed" in how and like.startswith("no:")
-    assert ours == "981.3 tok/s"  # 6.6 / 6.726 ms (was 2,379 tok/s counting all 16 tokens processed)
+    megas = [r for r in ctx.step_rows if r.impl == "mega" and r.preset == "shard8" and r.tokens == 16]
+    # 6.6 accepted tokens / a megakernel step (was 2,379 tok/s counting all 16 tokens processed)
+    got = float(ours.split()[0].replace(",", ""))
+    assert any(got == pytest.approx(6.6 / r.step_s, rel=2e-3) for r in megas), (got, [r.step_s for r in megas])
     ours, like, how = _row(ctx, "headline.verify_ratio")
-    assert ours == "1.273x" and like == "yes"
+    assert 1.0 < float(ours.rstrip("x")) < 2.5 and like == "yes" and "chain" in how  # chain / mega, beside 2.06x
 
 
 def test_every_row_with_ours_says_whether_it_is_like_for_like(ctx):
