@@ -105,6 +105,11 @@ def release(preset: str | None = None) -> None:
         del _WEIGHTS[k]
     for k in [k for k in _ACCEPT if preset is None or k == preset]:
         del _ACCEPT[k]
+    import sys
+
+    peer = sys.modules.get("megakernel.peer_bench")  # its models and real-routing references, if loaded
+    if peer is not None:
+        peer.release(preset)
     try:
         import torch._dynamo
 

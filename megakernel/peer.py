@@ -61,6 +61,21 @@ def _kernels():
     return peer_kernels
 
 
+def _opaque_kernels():
+    """The Triton launchers as dynamo graph breaks (torch.compiler.disable), for the compiled
+    flavour: torch.compile compiles the torch parts between them and the tuned kernels launch as
+    they are. Traced into, inductor re-compiled the user kernels under its own settings, and the
+    attention kernel's failed to compile there (H200, 2026-12-01: every peer_compile row)."""
+    import types
+
+    import torch
+
+    K = _kernels()
+    names = ("attention", "route", "moe_up", "moe_down", "add_rmsnorm", "rope_kv", "moe_combine")
+    return types.SimpleNamespace(**{n: torch.compiler.disable(getattr(K, n)) for n in names if hasattr(K, n)},
+                                 BLOCK_M=K.BLOCK_M)
+
+
 def unsupported(cfg: ModelConfig) -> str | None:
     """Why the peer cannot run `cfg` (None: it can). Its expert kernels split a K step into 8
     planes of at least 16 words (a tensor-core k step), so both expert GEMMs need K % 128 == 0."""
@@ -202,6 +217,7 @@ class PeerRunner:
             raise ConfigError(f"read bound {r_read} outside 0..{cfg.max_context - t}")
         self.model, self.cfg, self.cache, self.n_tokens, self.r_read = model, cfg, cache, t, r_read
         self.forced, self.small_ops, self.compiled = forced, small_ops, compile
+        self._K = _opaque_kernels() if compile else _kernels()  # the layer's launchers (see _opaque_kernels)
         dev = model.w.device
         self.device = dev
         i32 = dict(dtype=torch.int32, device=dev)
@@ -329,7 +345,7 @@ class PeerRunner:
         """One decoder layer (weights and cache as arguments, so torch.compile compiles it once per
         layer kind; `first` matters to the Triton flavour only, whose first norm also gathers the
         embedding). Returns (the router/pool GEMM's output, the unpooler's fp32 output)."""
-        K, cfg, m = _kernels(), self.cfg, self.model
+        K, cfg, m = self._K, self.cfg, self.model
         tri = self.small_ops == "triton"
         with self._op("attn_norm"):
             if tri:
@@ -478,6 +494,23 @@ def check_step(runner: PeerRunner, logits: torch.Tensor, cache: KVCache, ref_log
         for name, a, b in (("K", cache.k[l], ref_cache.k[l]), ("V", cache.v[l], ref_cache.v[l])):
             kv = max(kv, check_close(a, b, f"{what}: peer vs reference ({name} cache of layer {l})", rel=rel))
     return PeerCheck(what, err, kv, same)
+
+
+def route_tie_gap(ref_router_logits: torch.Tensor, routes: torch.Tensor) -> float:
+    """How far `routes` (a layer's [T, k] choice) is from a top-k of the reference's router logits
+    [T, E], as a share of each row's logit spread (max - min): 0 when every choice is a top-k, small
+    when it swapped near-tied experts (a rounding flip), large when it chose experts the reference
+    ranks well below its k-th. The worst row's value."""
+    lg = ref_router_logits.float().cpu()
+    sel = routes.long().cpu()
+    k = sel.shape[1]
+    kth = lg.topk(k, dim=-1).values[:, -1]
+    chosen_min = lg.gather(1, sel).min(dim=-1).values
+    spread = (lg.max(dim=-1).values - lg.min(dim=-1).values).clamp_min(1e-30)
+    return float(((kth - chosen_min).clamp_min(0) / spread).max())
+
+
+TIE_GAP = 0.02  # a routing flip counts as a near tie when the swapped experts lie within 2% of the row's spread
 
 
 def greedy(model: PeerModel, prompt: Sequence[int], steps: int, small_ops: str = "triton") -> list[int]:

@@ -103,6 +103,22 @@ def _real_reference(preset: str, n_tokens: int, ctx: int):
 _REAL: dict = {}
 
 
+def _reference_on_routes(preset: str, n_tokens: int, ctx: int, routes):
+    """reference.step with `routes` forced: (logits, cache, the worst route_tie_gap over layers,
+    measured on the router logits the reference computes on that very history)."""
+    from . import reference
+    from .bench_baselines import step_context, weights_for
+    from .peer import route_tie_gap
+
+    sc = step_context(preset, n_tokens, ctx)
+    w = weights_for(preset)
+    cache = sc.cache0.clone()
+    tr = reference.Trace()
+    logits = reference.step(w, cache, sc.tokens, sc.parents, ctx, routes=[r.to(w.device) for r in routes], trace=tr)
+    gap = max(route_tie_gap(tr.tensors[f"L{l}.router_logits"], routes[l]) for l in range(w.cfg.n_layers))
+    return logits, cache, gap
+
+
 def _step_series(c: _Ctx, preset, n_tokens, ctx, impl, routing, samples, distinct, launches, extra_metrics=None,
                  clocks=None, warnings=(), params_extra=None) -> Series:
     from .config import preset as get_preset
@@ -198,6 +214,15 @@ def _peer_model(preset: str):
 _MODELS: dict = {}
 
 
+def release(preset: str | None = None) -> None:
+    """Forget the peer models and real-routing references of a preset (all when None); the GPU
+    memory goes with the next collection (bench_baselines.release calls this)."""
+    for k in [k for k in _MODELS if preset is None or k == preset]:
+        del _MODELS[k]
+    for k in [k for k in _REAL if preset is None or k[0] == preset]:
+        del _REAL[k]
+
+
 def _restore(cache, cache0) -> None:
     """cache's contents back to cache0's, in place (runners keep pointers to its tensors)."""
     for a, b in zip(cache.k + cache.v, cache0.k + cache0.v):
@@ -222,8 +247,12 @@ def _time_runner(c: _Ctx, runner, check):
 
 def peer_rows(c: _Ctx, preset: str, n_tokens: int, ctx: int, *, tune: bool = True, compile: bool = True,
               routings=("forced", "real"), accounting: bool = True) -> None:
+    import torch
+
+    from microbench.errors import CorrectnessError
+
     from .bench_baselines import step_context
-    from .peer import PeerRunner, check_step, tune_moe
+    from .peer import TIE_GAP, PeerRunner, check_step, tune_moe
     from .pipeline import REL_TOL
 
     sc = step_context(preset, n_tokens, ctx)
@@ -272,7 +301,21 @@ def peer_rows(c: _Ctx, preset: str, n_tokens: int, ctx: int, *, tune: bool = Tru
             rr.set_inputs(sc.tokens, ctx)
             out = rr.run()
             _sync()
-            ch = check_step(rr, out, cache_r, ref_logits, ref_cache, f"{tag} peer (real routing)", REL_TOL, ref_routes)
+            got = [rr.routes[l].long().cpu() for l in range(rr.cfg.n_layers)]
+            if all(torch.equal(a.sort(-1).values, b.long().cpu().sort(-1).values) for a, b in zip(got, ref_routes)):
+                ch = check_step(rr, out, cache_r, ref_logits, ref_cache, f"{tag} peer (real routing)", REL_TOL,
+                                ref_routes)
+            else:
+                # the peer's own top-k flipped a near tie (bf16 router input against the reference's
+                # fp32): the reference run on the peer's routes must match it whole (logits, every
+                # layer's KV), and every flip must be a near tie of the reference's router logits
+                ref_logits, ref_cache, gap = _reference_on_routes(preset, n_tokens, ctx, got)
+                if gap > TIE_GAP:
+                    raise CorrectnessError(f"{tag} peer (real routing): its routing chose experts the reference ranks "
+                                           f"{gap:.1%} of a row's logit spread below its k-th (near ties: <= {TIE_GAP:.0%})")
+                ch = check_step(rr, out, cache_r, ref_logits, ref_cache, f"{tag} peer (real routing, the reference on "
+                                f"the peer's routes; flips within {gap:.2%} of the spread)", REL_TOL)
+                ref_routes = got
             c.notes.append(f"checked {ch.describe()} (bound {REL_TOL:.0e})")
             tr, kcr = _time_runner(c, rr, lambda lg: check_step(rr, lg, cache_r, ref_logits, ref_cache,
                                                                 f"{tag} peer graph replay (real routing)", REL_TOL,

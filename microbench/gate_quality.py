@@ -59,7 +59,9 @@ from .gate_ab import ABConfig, Comparison, Entry, SideSpec, paired_verdict, prep
 from .results import REPO_ROOT, Derived, Env, Result, Series, find, load, results_root
 
 PPMS = (20000, 50000, 100000)
-ROUNDS = 100  # ~0.55 s a round on an H200 (17 cases, 73 figures): about a minute of rounds
+# 2.4 s a round on the H200 (17 cases, 73 figures; 2026-12-01 19:06Z, where 100 rounds did not end
+# within the stage's 270 s and nothing was saved): 60 rounds, six trials of BLOCK, ~2.5 min of rounds
+ROUNDS = 60
 BLOCK = 10
 MIN_INJECT_FRACTION = 0.5  # a measured injection under this share of nominal is not counted as injected
 TARGETS = {"false_alarm_rate_ab": ("<=", 0.01), "detection_rate_ab_5pct": (">=", 0.95),

@@ -152,11 +152,15 @@ def build_constants(current: Path):
 
 
 def _selected(classes) -> tuple[dict, bool]:
-    """({benchmark: run} for the microbenchmark stage, whether the torch baselines run)."""
+    """({benchmark: run} for the microbenchmark stage, whether the naive torch baselines were asked
+    for by name: `--classes model`; `--full` runs them too). The default run leaves them out: they
+    are the model written plainly in torch, not what anyone would run (the peer is the competent
+    baseline, and runs by default), they cost ~36 s of the 300 s budget at small alone, and at
+    shard8 they ran out of memory beside the megakernel's tiled weights (H200, 2026-12-01 19:10Z)."""
     from .registry import CLASSES, benchmarks
 
     todo = benchmarks(classes)
-    return {k: v for k, v in todo.items() if not k.startswith("model.")}, (not classes or "model" in classes)
+    return {k: v for k, v in todo.items() if not k.startswith("model.")}, bool(classes and "model" in classes)
 
 
 def items(args, root: Path, gpu: bool):
@@ -182,7 +186,7 @@ def items(args, root: Path, gpu: bool):
         out.append(Item("cross-GPU microbenchmarks", "xgpu", partial(_xgpu, args.full), skip=why or None))
         out.append(Item("gate quality", "gate quality", partial(_quality, root)))
         run.mega = megakernel_stage(quick=not args.full, ablate=args.full, timeline=args.full, detail=args.full,
-                                    baselines=baselines)
+                                    baselines=baselines or args.full)
         out.append(Item("tune", "tune", partial(run.tune, args.constants_out)))
         if run.mega is None:
             out.append(Item("megakernel", "all", None, skip="megakernel.pipeline is not available yet"))

@@ -166,8 +166,10 @@ def test_load_constants_unknown_gpu_is_an_error_unless_defaults_are_asked_for(co
     assert load_constants(gpu=H200).defaults_used()  # explicit: the process asked for the defaults
 
 
-def test_cpu_build_with_a_second_constants_file_is_an_error_not_all_defaults(copies):
+def test_cpu_build_with_a_second_constants_file_is_an_error_not_all_defaults(copies, monkeypatch):
     from megakernel.pipeline import plan_for
+
+    monkeypatch.setattr("microbench.device.gpu_count", lambda: 0)  # a CPU build, on a GPU machine too
 
     _, const = copies
     shutil.copy(const / "nvidia-h200.json", const / "nvidia-h20.json")

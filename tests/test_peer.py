@@ -191,3 +191,20 @@ def test_runner_refuses_bad_inputs(model):
         peer.PeerRunner(model, cache0, parents, r_read=12, forced=True).run()
     with pytest.raises(ConfigError, match="small_ops"):
         peer.PeerRunner(model, cache0, parents, r_read=12, forced=True, compile=True)
+
+
+def test_route_tie_gap_tells_a_rounding_flip_from_a_wrong_choice():
+    # the peer's real-routing check (peer_bench): where its top-k differs from the reference's, the
+    # reference runs on the peer's routes, and every flip must be a near tie of the reference's logits
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 32, generator=g)
+    top = logits.topk(4, dim=-1).indices
+    assert peer.route_tie_gap(logits, top) == 0.0
+    near = logits.clone()
+    fifth = logits.topk(5, dim=-1).indices[:, 4]
+    near[torch.arange(4), fifth] = logits.gather(1, top[:, 3:4])[:, 0] - 1e-4  # a hair below the 4th
+    flipped = top.clone()
+    flipped[:, 3] = fifth
+    assert 0 < peer.route_tie_gap(near, flipped) < peer.TIE_GAP
+    worst = logits.topk(32, dim=-1).indices[:, -4:]  # the four lowest
+    assert peer.route_tie_gap(logits, worst) > 0.5

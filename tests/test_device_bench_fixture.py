@@ -1,0 +1,57 @@
+"""The device_bench fixture (conftest.py) when pytest-benchmark is off: the README's test command
+runs under xdist, which switches pytest-benchmark off, and the pytest-benchmark cases then run as
+tests. On the H200 (2026-12-01) every such case failed there on `benchmark.stats` being None."""
+from __future__ import annotations
+
+import shutil
+
+from microbench.results import REPO_ROOT
+
+pytest_plugins = ["pytester"]
+
+CASE = '''
+class Prepared:
+    bound = None
+    work = None
+    metrics = {}
+    launches = 0
+
+    def launch(self):
+        Prepared.launches += 1
+
+
+class Case:
+    name = "stand-in"
+    params = {}
+    prepared = Prepared()
+
+    def prepare(self, harness):
+        assert harness == "no GPU needed"
+        return self.prepared
+
+
+def test_case_runs_as_a_test(device_bench):
+    p = device_bench(Case())
+    assert p.launches == 3  # prepared, checked and launched; nothing timed
+
+
+def test_a_failing_check_still_fails(device_bench):
+    class Broken(Case):
+        def prepare(self, harness):
+            raise AssertionError("wrong result")
+
+    device_bench(Broken())
+'''
+
+
+def test_device_bench_with_pytest_benchmark_off_runs_the_case_as_a_test(pytester, monkeypatch):
+    for k in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID", "PYTEST_ADDOPTS"):
+        monkeypatch.delenv(k, raising=False)
+    shutil.copy(REPO_ROOT / "conftest.py", pytester.path / "conftest.py")
+    (pytester.path / "test_case.py").write_text(
+        "import pytest\n\n@pytest.fixture\ndef harness():\n    return 'no GPU needed'\n" + CASE)
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--benchmark-disable",
+                                      "test_case.py")
+    out = r.stdout.str()
+    assert "1 passed" in out and "1 failed" in out and "wrong result" in out, out[-3000:]
+    assert "'NoneType' object has no attribute 'stats'" not in out
