@@ -118,7 +118,9 @@ def _free_gpu_memory_after_each_module():
     import sys
 
     bb = sys.modules.get("megakernel.bench_baselines")
-    if bb is not None:
+    peer = sys.modules.get("megakernel.peer_bench")
+    if (bb is not None and (bb._WEIGHTS or bb._CONTEXTS or bb._ACCEPT)) or (peer is not None and (peer._MODELS or peer._REAL)):
+        bb = bb or __import__("megakernel.bench_baselines", fromlist=["release"])
         bb.release()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():

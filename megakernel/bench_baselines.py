@@ -105,17 +105,15 @@ def release(preset: str | None = None) -> None:
         del _WEIGHTS[k]
     for k in [k for k in _ACCEPT if preset is None or k == preset]:
         del _ACCEPT[k]
-    import sys
-
     peer = sys.modules.get("megakernel.peer_bench")  # its models and real-routing references, if loaded
     if peer is not None:
         peer.release(preset)
-    try:
-        import torch._dynamo
-
-        torch._dynamo.reset()  # compiled graphs and cudagraph trees hold the weights' pools
-    except Exception:
-        pass
+    dynamo = sys.modules.get("torch._dynamo")  # only if something compiled (importing it costs ~2 s)
+    if dynamo is not None:
+        try:
+            dynamo.reset()  # compiled graphs and cudagraph trees hold the weights' pools
+        except Exception:
+            pass
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

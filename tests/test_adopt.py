@@ -119,7 +119,7 @@ def test_pins_hold_a_constant_and_record_what_was_measured(tmp_path):
     assert e.source == "pinned" and e.value == 40 << 20 and "PINNED" in e.provenance["rule"]
     assert e.provenance["measured_value"] == free["l2_prefetch_budget_bytes"].value != e.value
     doc = render(H200, held, res)
-    assert doc["pinned"] == ["l2_prefetch_budget_bytes"]
+    assert doc["pinned"] == ["l2_prefetch_budget_bytes", "spin_bound_ns"]
     assert from_document(doc, gpu=H200).l2_prefetch_budget_bytes == 40 << 20
 
 
