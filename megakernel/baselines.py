@@ -310,12 +310,7 @@ class StepRunner:
 
     def set_inputs(self, tokens, ctx: int, routes: Sequence[torch.Tensor] | None = None) -> None:
         cfg, t = self.cfg, self.n_tokens
-        tok = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        if tok.numel() != t:
-            raise ConfigError(f"{tok.numel()} tokens for a {t}-token tree")
-        if int(tok.min()) < 0 or int(tok.max()) >= cfg.vocab:
-            raise ConfigError(f"token ids must be in 0..{cfg.vocab - 1}")
-        cfg.check_step(ctx, t)
+        tok = step_tokens(cfg, tokens, t, ctx)
         if ctx + max(self.depth) >= cfg.max_context:
             raise ConfigError(f"position {ctx + max(self.depth)} outside the RoPE table ({cfg.max_context})")
         if ctx > self.r_global:
@@ -387,6 +382,35 @@ def compile_stats() -> dict[str, int]:
             "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
+def step_tokens(cfg, tokens, n_tokens: int, ctx: int) -> torch.Tensor:
+    """A step's token ids as a flat long tensor, refused (ConfigError) when their count is not the
+    tree's, an id is outside the vocabulary or the step does not fit the model at `ctx`."""
+    tok = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+    if tok.numel() != n_tokens:
+        raise ConfigError(f"{tok.numel()} tokens for a {n_tokens}-token tree")
+    if int(tok.min()) < 0 or int(tok.max()) >= cfg.vocab:
+        raise ConfigError(f"token ids must be in 0..{cfg.vocab - 1}")
+    cfg.check_step(ctx, n_tokens)
+    return tok
+
+
+def capture_graph(run, warmup: int = 3):
+    """(a CUDA graph of `run()`, what the captured call returned): `warmup` calls on a side stream
+    first (allocations, lazy module loads and autotuning stay out of the capture), then the capture.
+    The returned tensors are the graph's outputs, rewritten by every replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            run()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
 class GraphRunner:
     """A CUDA graph of an eager StepRunner's run(): warm-up 3x on a side stream, capture, replay."""
 
@@ -396,15 +420,7 @@ class GraphRunner:
         if runner.ctx is None:
             raise ConfigError("set_inputs() before capturing")
         self.runner = runner
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(warmup):
-                runner.run()
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = runner.run()
+        self.graph, self.out = capture_graph(runner.run, warmup)
 
     def run(self) -> torch.Tensor:
         self.graph.replay()

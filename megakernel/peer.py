@@ -269,13 +269,10 @@ class PeerRunner:
 
     # ------------------------------------------------------------------ inputs
     def set_inputs(self, tokens, ctx: int, routes: Sequence[torch.Tensor] | None = None) -> None:
+        from .baselines import step_tokens
+
         cfg, t = self.cfg, self.n_tokens
-        tok = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        if tok.numel() != t:
-            raise ConfigError(f"{tok.numel()} tokens for a {t}-token tree")
-        if int(tok.min()) < 0 or int(tok.max()) >= cfg.vocab:
-            raise ConfigError(f"token ids must be in 0..{cfg.vocab - 1}")
-        cfg.check_step(ctx, t)
+        tok = step_tokens(cfg, tokens, t, ctx)
         if ctx > self.r_read:
             raise ConfigError(f"ctx {ctx} exceeds this runner's read bound {self.r_read}")
         if ctx + max(self.depth) >= cfg.max_context:
@@ -430,18 +427,11 @@ class StepGraph:
     def __init__(self, runner: PeerRunner, warmup: int = 3):
         if runner.ctx is None:
             raise ConfigError("set_inputs() before capturing")
+        from .baselines import capture_graph
+
         self.runner = runner
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(warmup):
-                runner.run()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = runner.run()
-            self.tokens = runner.out_tokens
+        self.graph, self.logits = capture_graph(runner.run, warmup)
+        self.tokens = runner.out_tokens
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()

@@ -245,6 +245,20 @@ def _time_runner(c: _Ctx, runner, check):
     return t, kc
 
 
+def _check_and_time(c: _Ctx, r, cache, sc, what: str, replay_what: str):
+    """Run the forced-routing step once and check it against the reference (logits and every
+    layer's KV cache), then capture, check a replay the same way and time the replays: (check,
+    timing, kernel count)."""
+    from .peer import check_step
+    from .pipeline import REL_TOL
+
+    logits = r.run()
+    _sync()
+    chk = check_step(r, logits, cache, sc.ref_logits, sc.ref_cache, what, REL_TOL)
+    t, kc = _time_runner(c, r, lambda lg: check_step(r, lg, cache, sc.ref_logits, sc.ref_cache, replay_what, REL_TOL))
+    return chk, t, kc
+
+
 def peer_rows(c: _Ctx, preset: str, n_tokens: int, ctx: int, *, tune: bool = True, compile: bool = True,
               routings=("forced", "real"), accounting: bool = True) -> None:
     import torch
@@ -280,12 +294,8 @@ def peer_rows(c: _Ctx, preset: str, n_tokens: int, ctx: int, *, tune: bool = Tru
                        f"moe_down {down.label()} (sweep {len(records)} configs, CUDA-event timed)")
         _restore(cache, sc.cache0)  # the sweep's step wrote the tree's rows: fresh for the check
     cfg_metrics = {"moe_up_config": m.up_cfg.label(), "moe_down_config": m.down_cfg.label()}
-    logits = r.run()
-    _sync()
-    chk = check_step(r, logits, cache, sc.ref_logits, sc.ref_cache, f"{tag} peer (forced routing)", REL_TOL)
+    chk, t, kc = _check_and_time(c, r, cache, sc, f"{tag} peer (forced routing)", f"{tag} peer graph replay")
     c.notes.append(f"checked {chk.describe()} (bound {REL_TOL:.0e})")
-    t, kc = _time_runner(c, r, lambda lg: check_step(r, lg, cache, sc.ref_logits, sc.ref_cache,
-                                                      f"{tag} peer graph replay", REL_TOL))
     _step_series(c, preset, n_tokens, ctx, "peer", "forced", t.samples_s, sc.distinct, kc.kernels_per_step,
                  {**cfg_metrics, "host_launch_calls_per_step": kc.launch_calls, "ref_rel_err": chk.rel_err,
                   "ref_kv_rel_err": chk.kv_rel_err, "extra_weight_bytes": m.extra_bytes}, t.clocks, t.warnings)
@@ -351,12 +361,8 @@ def compile_rows(c: _Ctx, preset: str, n_tokens: int, ctx: int) -> None:
         c.compile_left -= secs
         st = compile_stats()
         _restore(cache, sc.cache0)
-        logits = r.run()
-        _sync()
-        chk = check_step(r, logits, cache, sc.ref_logits, sc.ref_cache, f"{tag} peer_compile", REL_TOL)
+        chk, t, kc = _check_and_time(c, r, cache, sc, f"{tag} peer_compile", f"{tag} peer_compile graph replay")
         c.notes.append(f"checked {chk.describe()} (bound {REL_TOL:.0e}); compiled in {secs:.1f} s, {st}")
-        t, kc = _time_runner(c, r, lambda lg: check_step(r, lg, cache, sc.ref_logits, sc.ref_cache,
-                                                          f"{tag} peer_compile graph replay", REL_TOL))
         _step_series(c, preset, n_tokens, ctx, "peer_compile", "forced", t.samples_s, sc.distinct, kc.kernels_per_step,
                      {"compile_s": secs, **{f"compile_{k}": v for k, v in st.items()},
                       "compile_mode": "max-autotune-no-cudagraphs (the step: one CUDA graph of ours)",
