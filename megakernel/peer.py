@@ -625,32 +625,64 @@ def tune_moe(h, runner: PeerRunner, sweep=None, log=print, rel: float = 2e-3):
 
 
 # ---------------------------------------------------------------------- per-kernel accounting
-def kernel_times(runner: PeerRunner, steps: int = 3) -> tuple[dict[str, list[float]], str]:
+def _kernels_under(e) -> list[tuple[str, float]]:
+    """(kernel name, device us) of every kernel launched under a CPU-side profiler event."""
+    out = [(k.name, float(k.duration)) for k in e.kernels]
+    for ch in e.cpu_children:
+        out += _kernels_under(ch)
+    return out
+
+
+def op_kernel_sums(events, steps: int) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+    """From profiler FunctionEvents: ({op: [device seconds per step]}, {op: {kernel: seconds per step}}).
+    Only the CPU-side `peer.<op>` ranges count, each as the sum of the kernels launched under it:
+    the GPU-side annotation of the same range spans first kernel start to last kernel end, so it
+    also holds the gaps an un-graphed step waits for the host, and counting both double-counted
+    every op (the 2026-12-01 accounting: its ops summed to 19.6 ms for a 15.4 ms graph step)."""
+    from torch.autograd import DeviceType
+
+    raw: dict[str, list[float]] = {}
+    names: dict[str, dict[str, float]] = {}
+    for e in events:
+        if not e.name.startswith("peer.") or e.device_type != DeviceType.CPU or e.is_async:
+            continue
+        ks = _kernels_under(e)
+        op = e.name[5:]
+        raw.setdefault(op, []).append(sum(d for _, d in ks) * 1e-6)
+        for n, d in ks:
+            n = n if len(n) <= 80 else n[:77] + "..."
+            names.setdefault(op, {})[n] = names.get(op, {}).get(n, 0.0) + d * 1e-6 / steps
+    per_step = {}
+    for op, v in raw.items():
+        per = len(v) // steps or 1
+        per_step[op] = [sum(v[i * per:(i + 1) * per]) for i in range(steps)]
+    return per_step, names
+
+
+def kernel_times(runner: PeerRunner, steps: int = 3,
+                 breakdown: dict | None = None) -> tuple[dict[str, list[float]], str]:
     """({op: [device seconds per step]}, timer) over `steps` un-graphed steps, per op label (OPS).
-    Timer "cupti": the profiler's CUPTI kernel durations of each op's kernels (record_function
-    ranges), summed per step. Where the profiler attributes no device time to the ranges, timer
-    "cuda_event": events around each op, whose intervals also hold the launch gap before the op
-    (an un-graphed short op waits for the host): an upper bound for short ops."""
+    Timer "cupti": the profiler's CUPTI durations of the kernels launched under each op's
+    record_function range (op_kernel_sums), summed per step; `breakdown`, where given, receives
+    {op: {kernel name: seconds per step}}. Where the profiler attributes no kernel to the ranges,
+    timer "cuda_event": events around each op, whose intervals also hold the launch gap before the
+    op (an un-graphed short op waits for the host): an upper bound for short ops."""
     from torch.profiler import ProfilerActivity, profile
 
     runner.run()
     torch.cuda.synchronize()
-    out: dict[str, list[float]] = {}
     runner.profiling = "cupti"
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 runner.run()
             torch.cuda.synchronize()
-        for e in prof.events():
-            if e.name.startswith("peer."):
-                dt = getattr(e, "device_time_total", None)
-                out.setdefault(e.name[5:], []).append(float(dt if dt is not None else e.cuda_time_total) * 1e-6)
+        per_step, names = op_kernel_sums(prof.events(), steps)
     finally:
         runner.profiling = None
     timer = "cupti"
-    if not out or all(sum(v) == 0 for v in out.values()):
-        timer, out = "cuda_event", {}
+    if not per_step or all(sum(v) == 0 for v in per_step.values()):
+        timer, out, names = "cuda_event", {}, {}
         runner.profiling, runner.op_events = "cuda_event", []
         try:
             for _ in range(steps):
@@ -660,10 +692,12 @@ def kernel_times(runner: PeerRunner, steps: int = 3) -> tuple[dict[str, list[flo
                 out.setdefault(name, []).append(a.elapsed_time(b) * 1e-3)
         finally:
             runner.profiling, runner.op_events = None, []
-    per_step = {}
-    for op, v in out.items():
-        per = len(v) // steps or 1
-        per_step[op] = [sum(v[i * per:(i + 1) * per]) for i in range(steps)]
+        per_step = {}
+        for op, v in out.items():
+            per = len(v) // steps or 1
+            per_step[op] = [sum(v[i * per:(i + 1) * per]) for i in range(steps)]
+    if breakdown is not None:
+        breakdown.update(names)
     return per_step, timer
 
 

@@ -208,3 +208,32 @@ def test_route_tie_gap_tells_a_rounding_flip_from_a_wrong_choice():
     assert 0 < peer.route_tie_gap(near, flipped) < peer.TIE_GAP
     worst = logits.topk(32, dim=-1).indices[:, -4:]  # the four lowest
     assert peer.route_tie_gap(logits, worst) > 0.5
+
+
+def test_op_accounting_counts_each_range_once_without_its_gaps():
+    # profiler events as torch.profiler gives them: a CPU-side `peer.<op>` range whose launches own
+    # the kernels, and the GPU-side annotation of the same range (first kernel start to last kernel
+    # end, the host's launch gaps included), which must not be counted again
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Kernel
+
+    def cpu(name, kernels=(), children=()):
+        return NS(name=name, device_type=DeviceType.CPU, is_async=False, kernels=list(kernels),
+                  cpu_children=list(children))
+
+    def launch(*ks):
+        return cpu("cudaLaunchKernel", [Kernel(n, 0, us) for n, us in ks])
+
+    events = []
+    for _ in range(2):  # steps
+        for _ in range(3):  # layers
+            events.append(cpu("peer.attn", children=[launch(("_attn_partial_kernel", 4.0)),
+                                                     launch(("_attn_combine_kernel", 1.0))]))
+            events.append(NS(name="peer.attn", device_type=DeviceType.CUDA, is_async=False, kernels=[],
+                             cpu_children=[]))  # its annotation: 40 us of span, never counted
+        events.append(cpu("peer.lm_head", children=[cpu("aten::mm", children=[launch(("gemm", 10.0))])]))
+    per_step, names = peer.op_kernel_sums(events, steps=2)
+    assert per_step == {"attn": [pytest.approx(15e-6)] * 2, "lm_head": [pytest.approx(10e-6)] * 2}
+    assert names["attn"] == {"_attn_partial_kernel": pytest.approx(12e-6), "_attn_combine_kernel": pytest.approx(3e-6)}

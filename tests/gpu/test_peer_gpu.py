@@ -85,9 +85,21 @@ def test_sweep_configs_agree_and_the_ops_are_timed(small, harness):
     r.set_inputs(sc.tokens, 512, sc.routes)
     recs, up, down = tune_moe(harness, r, sweep=((64, 128, 4, 3), (128, 128, 8, 3)), log=print)
     assert all(x.median_s is not None for x in recs), recs  # both compile, run and agree (2e-3)
-    times, timer = kernel_times(r, steps=2)
+    kernels = {}
+    times, timer = kernel_times(r, steps=2, breakdown=kernels)
     print("per-op times by", timer)
     assert set(times) == set(OPS) and all(len(v) == 2 and min(v) > 0 for v in times.values()), times
+    assert timer != "cupti" or "_attn_partial_kernel" in kernels["attn"], kernels["attn"]
+    # one stream: the kernels of an un-graphed step sum to no more than the step's own elapsed time
+    import torch
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    r.run()
+    b.record()
+    torch.cuda.synchronize()
+    step_s = a.elapsed_time(b) * 1e-3
+    assert sum(min(v) for v in times.values()) <= 1.05 * step_s, (times, step_s)
 
 
 def test_chain_with_and_without_pdl_equal_mega():
