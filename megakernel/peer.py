@@ -635,23 +635,41 @@ def _kernels_under(e) -> list[tuple[str, float]]:
 
 def op_kernel_sums(events, steps: int) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
     """From profiler FunctionEvents: ({op: [device seconds per step]}, {op: {kernel: seconds per step}}).
-    Only the CPU-side `peer.<op>` ranges count, each as the sum of the kernels launched under it:
-    the GPU-side annotation of the same range spans first kernel start to last kernel end, so it
-    also holds the gaps an un-graphed step waits for the host, and counting both double-counted
-    every op (the 2026-12-01 accounting: its ops summed to 19.6 ms for a 15.4 ms graph step)."""
+    An op's time is the sum of the durations of the kernels (and copies) that ran on the GPU inside
+    its `peer.<op>` range's GPU-side annotation: the annotation's own span would also hold the gaps
+    an un-graphed step waits for the host (a Triton launch from Python takes tens of us), which the
+    first accounting counted (its ops summed to 19.6 ms for a 15.4 ms graph step). Without GPU-side
+    annotations, the kernels launched under each CPU-side range (kernels that Triton launches
+    itself have no CPU-side parent there, so the GPU side comes first)."""
+    from bisect import bisect_right
+
     from torch.autograd import DeviceType
 
-    raw: dict[str, list[float]] = {}
-    names: dict[str, dict[str, float]] = {}
-    for e in events:
-        if not e.name.startswith("peer.") or e.device_type != DeviceType.CPU or e.is_async:
-            continue
-        ks = _kernels_under(e)
-        op = e.name[5:]
+    def add(raw, names, op, ks):
         raw.setdefault(op, []).append(sum(d for _, d in ks) * 1e-6)
         for n, d in ks:
             n = n if len(n) <= 80 else n[:77] + "..."
             names.setdefault(op, {})[n] = names.get(op, {}).get(n, 0.0) + d * 1e-6 / steps
+
+    gpu = [e for e in events if e.device_type != DeviceType.CPU and not e.is_async]
+    ann = sorted(((e.time_range.start, e.time_range.end, e.name[5:]) for e in gpu if e.name.startswith("peer.")))
+    raw: dict[str, list[float]] = {}
+    names: dict[str, dict[str, float]] = {}
+    if ann:
+        starts = [a[0] for a in ann]
+        per_range: list[list[tuple[str, float]]] = [[] for _ in ann]
+        for e in gpu:
+            if e.name.startswith("peer.") or getattr(e, "is_user_annotation", False):
+                continue
+            i = bisect_right(starts, e.time_range.start) - 1
+            if i >= 0 and e.time_range.start < ann[i][1]:
+                per_range[i].append((e.name, float(e.time_range.end - e.time_range.start)))
+        for (_, _, op), ks in zip(ann, per_range):
+            add(raw, names, op, ks)
+    else:
+        for e in events:
+            if e.name.startswith("peer.") and e.device_type == DeviceType.CPU and not e.is_async:
+                add(raw, names, e.name[5:], _kernels_under(e))
     per_step = {}
     for op, v in raw.items():
         per = len(v) // steps or 1
@@ -662,7 +680,7 @@ def op_kernel_sums(events, steps: int) -> tuple[dict[str, list[float]], dict[str
 def kernel_times(runner: PeerRunner, steps: int = 3,
                  breakdown: dict | None = None) -> tuple[dict[str, list[float]], str]:
     """({op: [device seconds per step]}, timer) over `steps` un-graphed steps, per op label (OPS).
-    Timer "cupti": the profiler's CUPTI durations of the kernels launched under each op's
+    Timer "cupti": the profiler's CUPTI durations of the kernels that ran inside each op's
     record_function range (op_kernel_sums), summed per step; `breakdown`, where given, receives
     {op: {kernel name: seconds per step}}. Where the profiler attributes no kernel to the ranges,
     timer "cuda_event": events around each op, whose intervals also hold the launch gap before the

@@ -405,7 +405,7 @@ def kernel_rows(c: _Ctx, runner, preset: str, n_tokens: int, ctx: int, distinct,
     if moe:
         b = sum(s.metrics["bytes_per_step"] for s in moe)
         tm = sum(s.summary.median for s in moe)
-        frac = b / tm / ceiling
+        frac = b / tm / ceiling if tm else 0.0  # 0: the profiler attributed no kernel to the MoE's ranges
         c.notes.append(f"{tag}: peer fused MoE (up + down) {b / 1e6:.1f} MB in {tm * 1e3:.3f} ms per step = "
                        f"{frac:.1%} of the read ceiling (target >= {FUSED_MOE_TARGET:.0%} at T=16)"
                        + ("" if frac >= FUSED_MOE_TARGET or n_tokens != 16 else

@@ -224,7 +224,7 @@ def compile_cuda(source: str | Path, *, name: str | None = None, arch: str = DEF
         try:
             meta = json.loads(meta_p.read_text())
             image = cubin_p.read_bytes()
-            if _report_missing(image, meta["log"]):
+            if "report" not in meta and _report_missing(image, meta["log"]):
                 raise ValueError("no ptxas report")  # written before the fallback below: recompile it
             return CompiledModule(name, arch, image, meta["log"], defs, key, cubin_p,
                                   resource_usage(image, meta["log"]))
@@ -243,13 +243,15 @@ def compile_cuda(source: str | Path, *, name: str | None = None, arch: str = DEF
         # NVRTC 13.0 on the H200 machine (cu13 wheel, 2026-12-01) returned an empty log for some
         # sources compiled with -lineinfo and -v together (every kernel then looked like it had no
         # entries). The same source without line info reports its registers, spills and smem;
-        # line info changes no allocation, so that report describes the image kept here.
+        # line info changes no allocation, so that report describes the image kept here. Where
+        # that log is empty too, cubin.resource_usage reads the image's own attributes.
         _, log_s = _nvrtc_cubin(text, options(False), f"{name} for {arch} with defines {defs} (for its ptxas report)")
     mod = CompiledModule(name, arch, image, log_s, defs, key, cubin_p, resource_usage(image, log_s))
     if use_cache:
         _atomic_write(cubin_p, image)
         _atomic_write(meta_p, json.dumps({"log": log_s, "defines": defs, "arch": arch, "name": name,
-                                          "source": str(src_path) if src_path else None}).encode())
+                                          "source": str(src_path) if src_path else None,
+                                          "report": "elf" if _report_missing(image, log_s) else "ptxas"}).encode())
     return mod
 
 

@@ -3,6 +3,10 @@
 Two sources, cross-checked: the ptxas `-v` report (registers, spills, stack, barriers) and the
 cubin's ELF section table (machine-code bytes per kernel, static shared memory). Code bytes are
 what the instruction-cache budget is compared against, so they come from the ELF, not a guess.
+Where the compiler's log has no report of an entry (nvJitLink and NVRTC 13.0 on the H200 machine
+returned empty logs, 2026-12-01), its registers and stack frame come from the cubin's `.nv.info`
+attributes instead (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE; the same numbers where both exist, a CPU
+test checks), with `report="elf"`: the ELF holds no spill counts, so those read 0 there.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ class ResourceUsage:
     static_smem_bytes: int
     barriers: int
     code_bytes: int  # .text.<kernel> of the cubin (machine code of the kernel body)
+    report: str = "ptxas"  # where registers / spills / stack came from: "ptxas" (-v log) | "elf" (no spill counts)
 
     @property
     def sass_instructions(self) -> int:
@@ -97,8 +102,46 @@ def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
     return {k: v for k, v in out.items() if "regs" in v}
 
 
+SYSTEM_SMEM_BYTES = 1024  # what the .nv.shared.<kernel> section holds beyond ptxas's static smem (sm_90)
+EIATTR_FRAME_SIZE, EIATTR_REGCOUNT = 0x11, 0x2F  # .nv.info attributes (EIFMT_SVAL: symbol index, value)
+
+
+def elf_kernel_attrs(image: bytes) -> dict[str, dict[str, int]]:
+    """{function: {"regs": N, "stack": B}} from the cubin's global `.nv.info` section: records of
+    (format u8, attribute u8, size u16) + payload; EIFMT_SVAL (4) payloads start with the symbol's
+    index in `.symtab` then its u32 value; other formats carry their value in the size field."""
+    secs = elf_sections(image)
+    if ".nv.info" not in secs or ".symtab" not in secs or ".strtab" not in secs:
+        return {}
+    _, so, ss = secs[".symtab"]
+    _, sto, _ = secs[".strtab"]
+
+    def sym(i: int) -> str | None:
+        if (i + 1) * 24 > ss:
+            return None
+        nm = struct.unpack_from("<I", image, so + i * 24)[0]
+        return image[sto + nm:image.index(b"\0", sto + nm)].decode()
+
+    out: dict[str, dict[str, int]] = {}
+    _, o, size = secs[".nv.info"]
+    p, end = o, o + size
+    while p + 4 <= end:
+        fmt, attr, sz = struct.unpack_from("<BBH", image, p)
+        if fmt == 4:
+            if sz >= 8 and attr in (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE):
+                idx, val = struct.unpack_from("<II", image, p + 4)
+                name = sym(idx)
+                if name:
+                    out.setdefault(name, {})["regs" if attr == EIATTR_REGCOUNT else "stack"] = val
+            p += 4 + sz
+        else:
+            p += 4
+    return out
+
+
 def resource_usage(image: bytes, ptxas_log: str) -> dict[str, ResourceUsage]:
-    """Typed resource report for every kernel entry in a cubin."""
+    """Typed resource report for every kernel entry in a cubin: from the ptxas report, or, for an
+    entry it does not report, from the cubin's own attributes (report="elf")."""
     texts = text_sizes(image)
     smem = static_smem_sizes(image)
     parsed = parse_ptxas_log(ptxas_log)
@@ -117,4 +160,12 @@ def resource_usage(image: bytes, ptxas_log: str) -> dict[str, ResourceUsage]:
             barriers=v.get("barriers", 0),
             code_bytes=texts[kernel],
         )
+    if len(out) < len(texts):
+        for kernel, a in elf_kernel_attrs(image).items():
+            if kernel in out or kernel not in texts or "regs" not in a:
+                continue  # reported by ptxas, a device function, or no entry of its own
+            out[kernel] = ResourceUsage(kernel=kernel, registers=a["regs"], spill_store_bytes=0, spill_load_bytes=0,
+                                        stack_frame_bytes=a.get("stack", 0),
+                                        static_smem_bytes=max(0, smem.get(kernel, 0) - SYSTEM_SMEM_BYTES),
+                                        barriers=0, code_bytes=texts[kernel], report="elf")
     return out

@@ -211,29 +211,37 @@ def test_route_tie_gap_tells_a_rounding_flip_from_a_wrong_choice():
 
 
 def test_op_accounting_counts_each_range_once_without_its_gaps():
-    # profiler events as torch.profiler gives them: a CPU-side `peer.<op>` range whose launches own
-    # the kernels, and the GPU-side annotation of the same range (first kernel start to last kernel
-    # end, the host's launch gaps included), which must not be counted again
+    # profiler events as torch.profiler gives them: CPU-side `peer.<op>` ranges, their GPU-side
+    # annotations (first kernel start to last kernel end, the host's launch gaps included), and the
+    # kernels on the GPU timeline; Triton's own launches have no CPU-side parent
     from types import SimpleNamespace as NS
 
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import Kernel
 
-    def cpu(name, kernels=(), children=()):
-        return NS(name=name, device_type=DeviceType.CPU, is_async=False, kernels=list(kernels),
-                  cpu_children=list(children))
+    def ev(name, dev, t0=0.0, t1=0.0, kernels=(), children=(), ann=False):
+        return NS(name=name, device_type=dev, is_async=False, time_range=NS(start=t0, end=t1), kernels=list(kernels),
+                  cpu_children=list(children), is_user_annotation=ann)
 
-    def launch(*ks):
-        return cpu("cudaLaunchKernel", [Kernel(n, 0, us) for n, us in ks])
-
-    events = []
+    events, t = [], 0.0
     for _ in range(2):  # steps
-        for _ in range(3):  # layers
-            events.append(cpu("peer.attn", children=[launch(("_attn_partial_kernel", 4.0)),
-                                                     launch(("_attn_combine_kernel", 1.0))]))
-            events.append(NS(name="peer.attn", device_type=DeviceType.CUDA, is_async=False, kernels=[],
-                             cpu_children=[]))  # its annotation: 40 us of span, never counted
-        events.append(cpu("peer.lm_head", children=[cpu("aten::mm", children=[launch(("gemm", 10.0))])]))
+        for _ in range(3):  # layers: two Triton kernels 30 us apart (the host's launch gap), then a cuBLAS GEMM
+            events.append(ev("peer.attn", DeviceType.CPU, t, t + 40))
+            events.append(ev("peer.attn", DeviceType.CUDA, t, t + 35, ann=True))
+            events += [ev("_attn_partial_kernel", DeviceType.CUDA, t, t + 4),
+                       ev("_attn_combine_kernel", DeviceType.CUDA, t + 34, t + 35)]
+            t += 40
+            gemm = ev("gemm", DeviceType.CUDA, t + 1, t + 11)
+            events.append(ev("peer.lm_head", DeviceType.CPU, t, t + 12, children=[
+                ev("aten::mm", DeviceType.CPU, kernels=[Kernel("gemm", 0, 10.0)])]))
+            events += [ev("peer.lm_head", DeviceType.CUDA, t + 1, t + 11, ann=True), gemm]
+            t += 12
+        events.append(ev("stray", DeviceType.CUDA, t + 1, t + 2))  # outside every range: no op's
+        t += 5
     per_step, names = peer.op_kernel_sums(events, steps=2)
-    assert per_step == {"attn": [pytest.approx(15e-6)] * 2, "lm_head": [pytest.approx(10e-6)] * 2}
+    assert per_step == {"attn": [pytest.approx(15e-6)] * 2, "lm_head": [pytest.approx(30e-6)] * 2}
     assert names["attn"] == {"_attn_partial_kernel": pytest.approx(12e-6), "_attn_combine_kernel": pytest.approx(3e-6)}
+    # without GPU-side annotations: the kernels launched under the CPU-side ranges
+    cpu_only = [e for e in events if e.device_type == DeviceType.CPU]
+    per_step, _ = peer.op_kernel_sums(cpu_only, steps=2)
+    assert per_step == {"attn": [0.0, 0.0], "lm_head": [pytest.approx(30e-6)] * 2}
