@@ -254,7 +254,17 @@ def _cmd(args) -> int:
         _say(f"megabench run: wall {verdict}; estimated {pr.total_estimate():.0f} s; saved {r.save(root)}")
     else:
         _say(f"megabench run: wall {pr.elapsed():.0f} s (without a GPU: not recorded)")
-    return _finish(pr)
+        return _finish(pr)
+    rc = _finish(pr)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        from .cli import leave
+
+        # every result is saved by now: leave without the interpreter's teardown, which aborted
+        # `megabench run` at exit on two fresh H200 machines ("double free or corruption", rc 134,
+        # 2026-12-01) as it did `megabench bench` (cli.leave)
+        leave(rc)
+    return rc
 
 
 def _say(line: str) -> None:

@@ -2,6 +2,8 @@
 resource report is parsed into typed records that agree with the cubin."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from microbench.compiler import REPO_ROOT, all_cuda_sources, compile_cuda, compile_ptx, cuda_to_ptx
@@ -165,7 +167,10 @@ def test_an_empty_ptxas_report_with_lineinfo_is_taken_again_without_it(monkeypat
     del d["report"]  # what the fallback found: an entry written before it has no such key
     meta.write_text(json.dumps(d))
     again = compile_cuda(src, arch="sm_90a")
-    assert calls == [True, False, True, False] and again.resources == mod.resources
+    # the numbers agree; which report holds them need not (NVRTC on the H200 returned an empty log
+    # for the second compile without line info too: the cubin's own attributes then gave them)
+    strip = lambda rs: {k: dataclasses.replace(r, report="") for k, r in rs.items()}  # noqa: E731
+    assert calls == [True, False, True, False] and strip(again.resources) == strip(mod.resources)
 
 
 @pytest.mark.parametrize("src", ["microbench/clocks/skew.cu", "microbench/sync/flags.cu", "microbench/sync/barriers.cu",
