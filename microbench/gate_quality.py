@@ -627,6 +627,22 @@ def _rel(p) -> str:
         return str(p)
 
 
+def aa_offsets(runs: Sequence[RunData]) -> dict[str, list[float]]:
+    """{case: [the A/A offset of each run that has both sides]}: exp(median log(B / A)) over all of
+    a run's rounds. Two processes of one tree differ by a steady offset per process (where their
+    flags and buffers landed, their launch path), which paired rounds cannot average away: it is
+    what the in-run A/A false alarms are made of (2026-12-01: up to 7.6% on a fence series)."""
+    out: dict[str, list[float]] = {}
+    for run in runs:
+        for case, f in sorted(run.figures.items()):
+            if "A" in f and "B" in f:
+                n = min(len(f["A"]), len(f["B"]))
+                if n:
+                    lr = np.log(np.asarray(f["B"][:n], dtype=np.float64) / np.asarray(f["A"][:n], dtype=np.float64))
+                    out.setdefault(case, []).append(float(np.expm1(np.median(lr))))
+    return out
+
+
 def run_analysis(paths: Sequence[Path] | None = None, save: bool = False, save_root: Path | None = None,
                  block: int = BLOCK) -> tuple[Result, Result, str]:
     runs = find_runs(paths)
@@ -637,13 +653,17 @@ def run_analysis(paths: Sequence[Path] | None = None, save: bool = False, save_r
     gpus = {r.env.gpu for r in runs}
     if len(gpus) > 1:
         raise ResultsFileError(f"quality runs on different GPUs {sorted(map(str, gpus))}: analyse one GPU at a time")
-    hosts = [r.env.host for r in runs]
+    machines = [(r.env.gpu_uuid, r.env.host) for r in runs]  # every device VM is called "vm": its GPU tells them apart
     an = analyse(runs, block)
     q, aa = to_results(an)
     lines = [f"gate quality from {len(runs)} runs on {runs[0].env.gpu}: " + ", ".join(r.label for r in runs), ""]
-    if len(set(hosts)) < len(hosts):
-        lines.append(f"WARNING: runs share a host ({hosts}): not fresh machines")
+    if len(set(machines)) < len(machines):
+        lines.append(f"WARNING: runs share a GPU ({machines}): not fresh machines")
     lines += summary_lines(an)
+    lines += ["", "A/A offsets, the same tree in two worker processes (exp(median log(B/A)) over every round; "
+              "the in-run rule's floor is {:.0%}):".format(ABConfig().floor)]
+    for c, per in sorted(aa_offsets(runs).items()):
+        lines.append(f"  {c}: " + ", ".join(f"{x:+.2%}" for x in per))
     lines += ["", "Measured injections (median over runs):"]
     cases = sorted({c for inj in an.injections.values() for c in inj})
     for c in cases:
@@ -652,6 +672,13 @@ def run_analysis(paths: Sequence[Path] | None = None, save: bool = False, save_r
             for v, x in inj.get(c, {}).items():
                 vs.setdefault(v, []).append(x)
         lines.append(f"  {c}: " + ", ".join(f"{v} {np.median(x):+.2%}" for v, x in sorted(vs.items())))
+    offs = aa_offsets(runs)
+    if offs:
+        worst = sorted(offs.items(), key=lambda kv: -max(abs(x) for x in kv[1]))[:5]
+        q = dataclasses.replace(q, notes=tuple(q.notes) + (
+            "A/A offsets between two worker processes of one tree, largest first (per run): " + "; ".join(
+                f"{c.split('::')[-1]} " + "/".join(f"{x:+.1%}" for x in v) for c, v in worst)
+            + ". A steady per-process offset is what paired rounds cannot average away.",))
     if save:
         p1, p2 = q.save(save_root), aa.save(save_root)
         lines += ["", f"saved {p1}", f"saved {p2}"]

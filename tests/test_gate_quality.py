@@ -211,3 +211,19 @@ def test_precompile_spawns_its_workers(monkeypatch):
 
     gate_quality.precompile(log=lambda s: None)
     assert seen["method"] == "spawn"
+
+
+def test_aa_offsets_name_each_case_per_run_and_the_analysis_shows_them(two_runs):
+    from microbench.gate_quality import aa_offsets, run_analysis
+
+    runs = find_runs(two_runs)
+    offs = aa_offsets(runs)
+    assert set(offs) == {c for c, _ in CASES} and all(len(v) == 2 for v in offs.values())
+    assert all(abs(x) < 0.02 for v in offs.values() for x in v)  # the synthetic machines' sides barely differ
+    # a steady offset of one process shows as itself
+    f = runs[0].figures[CASES[0][0]]
+    shifted = dataclasses.replace(runs[0], figures={**runs[0].figures, CASES[0][0]: {**f, "B": f["A"] * 1.07}})
+    assert aa_offsets([shifted])[CASES[0][0]] == [pytest.approx(0.07)]
+    q, _, text = run_analysis(two_runs)
+    assert "A/A offsets" in text and "share a GPU" not in text
+    assert any(n.startswith("A/A offsets between two worker processes") for n in q.notes)
