@@ -146,6 +146,14 @@ class Catalog:
     def latest_all(self) -> list[Result]:
         return [rs[-1][1] for rs in self.runs.values()]
 
+    def step_sources(self) -> list[Result]:
+        """What the step rows come from: the newest result of every benchmark, and the earlier
+        megakernel.peer runs (a run of some points only, e.g. `--points small:16:512`, must not
+        hide the rows an earlier full run has: megakernel.with_fastest_baselines keeps the newest
+        row per implementation and configuration, its date and commit shown)."""
+        older = [r for _, r in self.runs.get("megakernel.peer", [])[:-1]]
+        return self.latest_all() + older
+
     def of_class(self, cls: str) -> list[tuple[Path, Result]]:
         return [rs[-1] for b, rs in sorted(self.runs.items()) if b.split(".")[0] == cls]
 
@@ -841,7 +849,7 @@ def build(root: Path | None = None, out_dir: Path | None = None, bench_dir: Path
     timeline = tl[1] if tl else next((r for r in sorted(cat.latest_all(), key=lambda r: r.benchmark)
                                       if any("phase" in s.params and "edge" in s.params for s in r.series)), None)
     baseline_runs = [r for b, rs in cat.runs.items() if b.startswith("model.") for _, r in rs]
-    rows = mk.with_fastest_baselines(mk.step_rows(cat.latest_all()), baseline_runs)
+    rows = mk.with_fastest_baselines(mk.step_rows(cat.step_sources()), baseline_runs)
     anchor = next(p for p in (out_dir, *out_dir.parents) if p.is_dir())  # nearest existing folder
     stage = Path(tempfile.mkdtemp(prefix=".report-", dir=anchor))
     try:
@@ -901,7 +909,7 @@ def readme_block(root: Path | None = None, gpu: str | None = None) -> str:
     except Exception:
         entries = {}
     baseline_runs = [r for b, rs in cat.runs.items() if b.startswith("model.") for _, r in rs]
-    rows = mk.with_fastest_baselines(mk.step_rows(cat.latest_all()), baseline_runs)
+    rows = mk.with_fastest_baselines(mk.step_rows(cat.step_sources()), baseline_runs)
     tl = cat.latest("megakernel.timeline")
     ctx = Context(cat, Path("."), Path("."), entries, None, rows, tl[1] if tl else None)
     return summary.readme_block(ctx, paper_value, _table)

@@ -105,8 +105,9 @@ def step_caption(rows: Sequence[mk.StepRow]) -> str:
         m = max(megas, key=lambda r: r.date)
         head = f"Megakernel run of {m.date[:16].replace('T', ' ')}Z (commit {m.commit}). "
     return (head + "Step time: median device time of one decode/verify step; roofline: the bytes a step must touch "
-            "at the measured read ceiling. Baselines are each implementation's fastest committed run at that "
-            "configuration (date and commit in `measured`). \"naive torch expression\": the model written plainly "
+            "at the measured read ceiling. Our rows and the peer's are each implementation's newest run at that "
+            "configuration, the naive torch expressions their fastest committed run (date and commit in `measured`: "
+            "a ratio across two runs is one of those). \"naive torch expression\": the model written plainly "
             "in torch, which dequantises every padded expert slot to bf16 each step; it is not what a serving "
             "engine runs.")
 

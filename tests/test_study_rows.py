@@ -24,7 +24,7 @@ def ctx():
     cat = Catalog.load(ROOT, "NVIDIA H200")
     _, entries = collect(cat.root, cat.gpu, pins=load_pins(cat.gpu))
     base = [r for b, rs in cat.runs.items() if b.startswith("model.") for _, r in rs]
-    rows = mk.with_fastest_baselines(mk.step_rows(cat.latest_all()), base)
+    rows = mk.with_fastest_baselines(mk.step_rows(cat.step_sources()), base)
     tl = cat.latest("megakernel.timeline")
     return Context(cat, REPO_ROOT / "reports" / "figures", REPO_ROOT / "reports", entries, None, rows,
                    tl[1] if tl else None)
@@ -65,7 +65,10 @@ def test_weights_rows(ctx):
     ours, like, how = _row(ctx, "weights.ring_stage_bytes")
     assert ours == "36 KiB" and "3 x 36 KiB built" in how and "adopted revision 4" in how
     ours, like, how = _row(ctx, "weights.hot_expert_bytes")
-    assert ours == "0 B" and "never bet" in how and "38.5 MiB" in how
+    import re
+
+    # what the measured bet prefetched is the newest result's (38.5 MiB on 2026-11-29, 35 MiB on 2026-12-01)
+    assert ours == "0 B" and "never bet" in how and re.search(r"prefetches \d+ experts \([\d.]+ MiB\)", how), how
     ours, like, how = _row(ctx, "weights.hot_expert_saving_share")
     assert ours.endswith("%") and 0 < float(ours[:-1]) < 10 and like.startswith("yes")  # a share beside a share
 
