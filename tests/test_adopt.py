@@ -111,15 +111,17 @@ def test_pins_hold_a_constant_and_record_what_was_measured(tmp_path):
     res = tmp_path / "results"
     save_all(class_results(), res)
     pins = adopt.load_pins(H200, COMMITTED)
-    assert set(pins) == {"l2_prefetch_budget_bytes", "spin_bound_ns"} and pins["l2_prefetch_budget_bytes"].value == 40 << 20
+    assert set(pins) == {"l2_prefetch_budget_bytes", "spin_bound_ns", "poll_backoff_ns"}
+    assert pins["l2_prefetch_budget_bytes"].value == 40 << 20
     assert pins["spin_bound_ns"].value == 20_000_000  # its rule gave 20 and 10 ms on two fresh machines
+    assert pins["poll_backoff_ns"].value == 128  # 128 / 128 / 32 / 0 ns on four machines; the build can't tell
     _, free = collect(res, H200)
     _, held = collect(res, H200, pins=pins)
     e = held["l2_prefetch_budget_bytes"]
     assert e.source == "pinned" and e.value == 40 << 20 and "PINNED" in e.provenance["rule"]
     assert e.provenance["measured_value"] == free["l2_prefetch_budget_bytes"].value != e.value
     doc = render(H200, held, res)
-    assert doc["pinned"] == ["l2_prefetch_budget_bytes", "spin_bound_ns"]
+    assert doc["pinned"] == ["l2_prefetch_budget_bytes", "poll_backoff_ns", "spin_bound_ns"]
     assert from_document(doc, gpu=H200).l2_prefetch_budget_bytes == 40 << 20
 
 
