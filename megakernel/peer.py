@@ -633,6 +633,16 @@ def _kernels_under(e) -> list[tuple[str, float]]:
     return out
 
 
+def _per_step(raw: dict[str, list[float]], steps: int) -> dict[str, list[float]]:
+    """{op: [seconds of each range, in order]} -> {op: [seconds per step]} (an op's ranges of one
+    step are consecutive: one per layer)."""
+    out = {}
+    for op, v in raw.items():
+        per = len(v) // steps or 1
+        out[op] = [sum(v[i * per:(i + 1) * per]) for i in range(steps)]
+    return out
+
+
 def op_kernel_sums(events, steps: int) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
     """From profiler FunctionEvents: ({op: [device seconds per step]}, {op: {kernel: seconds per step}}).
     An op's time is the sum of the durations of the kernels (and copies) that ran on the GPU inside
@@ -670,11 +680,7 @@ def op_kernel_sums(events, steps: int) -> tuple[dict[str, list[float]], dict[str
         for e in events:
             if e.name.startswith("peer.") and e.device_type == DeviceType.CPU and not e.is_async:
                 add(raw, names, e.name[5:], _kernels_under(e))
-    per_step = {}
-    for op, v in raw.items():
-        per = len(v) // steps or 1
-        per_step[op] = [sum(v[i * per:(i + 1) * per]) for i in range(steps)]
-    return per_step, names
+    return _per_step(raw, steps), names
 
 
 def kernel_times(runner: PeerRunner, steps: int = 3,
@@ -710,10 +716,7 @@ def kernel_times(runner: PeerRunner, steps: int = 3,
                 out.setdefault(name, []).append(a.elapsed_time(b) * 1e-3)
         finally:
             runner.profiling, runner.op_events = None, []
-        per_step = {}
-        for op, v in out.items():
-            per = len(v) // steps or 1
-            per_step[op] = [sum(v[i * per:(i + 1) * per]) for i in range(steps)]
+        per_step = _per_step(out, steps)
     if breakdown is not None:
         breakdown.update(names)
     return per_step, timer
