@@ -69,8 +69,13 @@ def dry(monkeypatch):
             return self.logits
 
     monkeypatch.setattr(peer, "StepGraph", Graph)
-    monkeypatch.setattr(peer, "kernel_times", lambda runner, steps=3: (runner.run(), ({
-        op: [1e-6 * (i + 1)] * steps for i, op in enumerate(peer.OPS)}, "cupti"))[1])
+    def kernel_times(runner, steps=3, breakdown=None):  # one step run; fixed per-op times, one kernel each
+        runner.run()
+        if breakdown is not None:
+            breakdown.update({op: {f"_{op}_kernel": 1e-6 * (i + 1)} for i, op in enumerate(peer.OPS)})
+        return {op: [1e-6 * (i + 1)] * steps for i, op in enumerate(peer.OPS)}, "cupti"
+
+    monkeypatch.setattr(peer, "kernel_times", kernel_times)
     with K.interpreted():
         yield peer_bench
     bb.release()
@@ -96,6 +101,7 @@ def test_peer_rows_end_to_end(dry):
     from megakernel.peer import OPS
 
     assert set(kern) == set(OPS) and kern["moe_up"].timer == "cupti"
+    assert kern["moe_up"].metrics["kernels"] == {"_moe_up_kernel": pytest.approx(kern["moe_up"].summary.median)}
     assert kern["moe_up"].metrics["read_fraction"] > 0 and abs(sum(s.metrics["share_of_kernel_time"]
                                                                    for s in kern.values()) - 1) < 1e-9
     assert any("greedy decoding over 2 steps" in n for n in res.notes)
