@@ -373,6 +373,17 @@ def _prepare_dynamo() -> None:
         cfg.automatic_dynamic_shapes = False
 
 
+def first_run_s(run, device) -> float:
+    """Wall seconds of one call of `run` (a step that compiles on its first call), the device
+    synchronised before and after it."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    run()
+    sync()
+    return time.perf_counter() - t0
+
+
 def compile_stats() -> dict[str, int]:
     """Dynamo/inductor counters that tell whether compile mode really runs compiled CUDA graphs."""
     from torch._dynamo.utils import counters
@@ -444,11 +455,7 @@ def make_runner(kind: str, w: ModelWeights, cache: KVCache, parents: Sequence[in
         return GraphRunner(r)
     if kind == "compile":
         sync = torch.cuda.synchronize if w.device.type == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        r.run()
-        sync()
-        r.compile_s = time.perf_counter() - t0
+        r.compile_s = first_run_s(r.run, w.device)
         for _ in range(2):  # warm-up run, then the run that records the CUDA graphs
             r.run()
         sync()

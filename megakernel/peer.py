@@ -32,7 +32,6 @@ everywhere. Validated with runtime.check_close at the megakernel's bound (pipeli
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -412,12 +411,9 @@ class PeerRunner:
 
     def compile_now(self) -> float:
         """Run (and so compile) one step; returns its wall time (compile included)."""
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        self.run()
-        sync()
-        self.compile_s = time.perf_counter() - t0
+        from .baselines import first_run_s
+
+        self.compile_s = first_run_s(self.run, self.device)
         return self.compile_s
 
 

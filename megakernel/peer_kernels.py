@@ -81,6 +81,7 @@ _M3, _S3 = tl.constexpr(PAIR_SHIFTS[3][0]), tl.constexpr(PAIR_SHIFTS[3][1])
 MAG_MASK = 0x0E000E00
 SIGN_MASK = 0x80008000 - (1 << 32)  # as int32: the words are int32, shifts of them int32
 WEIGHT_SHIFT = 22  # the dot sees value * scale * 2^-22 (2^-14 from the fp16 codes, 2^-8 from the scales)
+_UNSHIFT = tl.constexpr(float(1 << WEIGHT_SHIFT))  # what the kernels multiply back in
 
 
 def to_planes(x: torch.Tensor) -> torch.Tensor:
@@ -558,7 +559,7 @@ def _moe_up_kernel(x_ptr, x_stride, x_off, sorted_ptr, bexp_ptr, nblk_ptr, codes
         acc_u = _plane_dots(acc_u, wu, su, xp + 2 * KW, xm, KW, X_F32, _M2, _S2)
         acc_g = _plane_dots(acc_g, wg, sg, xp + 3 * KW, xm, KW, X_F32, _M3, _S3)
         acc_u = _plane_dots(acc_u, wu, su, xp + 3 * KW, xm, KW, X_F32, _M3, _S3)
-    ts = tl.load(ts_ptr + ex) * 4194304.0  # 2^22: WEIGHT_SHIFT
+    ts = tl.load(ts_ptr + ex) * _UNSHIFT
     g = acc_g * ts
     u = acc_u * ts
     a = g / (1.0 + tl.exp(-g)) * u  # silu(gate) * up
@@ -597,7 +598,7 @@ def _moe_down_kernel(act_ptr, sorted_ptr, bexp_ptr, nblk_ptr, codes_ptr, scales_
         acc = _plane_dots(acc, w, s, xp + KW, xm, KW, False, _M1, _S1)
         acc = _plane_dots(acc, w, s, xp + 2 * KW, xm, KW, False, _M2, _S2)
         acc = _plane_dots(acc, w, s, xp + 3 * KW, xm, KW, False, _M3, _S3)
-    y = acc * (tl.load(ts_ptr + ex) * 4194304.0)
+    y = acc * (tl.load(ts_ptr + ex) * _UNSHIFT)
     tl.store(y_ptr + pr[None, :] * N + n[:, None], y.to(tl.bfloat16), mask=pv[None, :])
 
 

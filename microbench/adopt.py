@@ -50,10 +50,9 @@ def _slug(gpu: str | None) -> str:
 
 
 def _read(p: Path, schema: str) -> dict:
-    try:
-        d = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ResultsFileError(f"{p}: not valid JSON ({e})") from None
+    from .results import read_json
+
+    d = read_json(p)
     if not isinstance(d, dict) or d.get("schema") != schema:
         raise ResultsFileError(f"{p}: schema {d.get('schema') if isinstance(d, dict) else None!r}, expected {schema!r}")
     v = d.get("version")

@@ -99,7 +99,9 @@ def test_sweep_configs_agree_and_the_ops_are_timed(small, harness):
     b.record()
     torch.cuda.synchronize()
     step_s = a.elapsed_time(b) * 1e-3
-    assert sum(min(v) for v in times.values()) <= 1.05 * step_s, (times, step_s)
+    from megakernel.peer_bench import ACCOUNTING_SLACK
+
+    assert sum(min(v) for v in times.values()) <= ACCOUNTING_SLACK * step_s, (times, step_s)
 
 
 def test_chain_with_and_without_pdl_equal_mega():
