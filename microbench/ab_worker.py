@@ -3,7 +3,7 @@ source tree, prepares and checks that tree's benchmark cases once, then times a 
 the controller asks. Two Python trees cannot share one process (both are `microbench`), so the
 controller runs one of these per side and only ever lets one of them time at a time.
 
-    python <this file> --root TREE --backend pytest|synthetic [--spec FILE]
+    python <this file> --root TREE --backend pytest|synthetic [--spec FILE] [--name WORKER]
 
 Started by the controller, not by hand. It is a script, not a module of the package: it runs from
 the controller's tree against another tree's packages (an older revision does not have this
@@ -21,7 +21,8 @@ Backends:
   round that covers several steps (extra_info steps_per_round, older trees) is divided by them.
 - synthetic: cases from a JSON spec with a fake timer (a base time, multiplicative noise, a drift
   shared by both sides through the round number, a penalty for timing second in a round, an
-  injected slowdown). It runs everything the controller does on a CPU: pairing, alternation,
+  injected slowdown, and `process_sd`: a steady offset of each worker process, drawn once per
+  worker name and case, like the memory placement of a real process). It runs everything the controller does on a CPU: pairing, alternation,
   verdicts, failure modes.
 
 Variants (the quality measurement, microbench/gate_quality.py): the same cases prepared again
@@ -358,13 +359,22 @@ def k_match(expr: str, name: str) -> bool:
 
 class SyntheticBackend:
     """Fake cases with a fake timer (module docstring). Spec keys: device, cases {id: {time, noise,
-    slowdown, class, unit, fail, skip}}, drift {amp, period}, order_penalty, inject_efficiency,
-    seed, sleep_s (wall time per timing, to exercise timeouts)."""
+    slowdown, class, unit, fail, skip, process_sd}}, drift {amp, period}, order_penalty,
+    inject_efficiency, process_sd (each worker's steady offset, log sd), seed, sleep_s (wall time
+    per timing, to exercise timeouts)."""
 
-    def __init__(self, spec: dict):
+    def __init__(self, spec: dict, name: str = ""):
         self.spec = spec
+        self.name = name
         self.cases: dict[str, dict] = {}
         self.calls = 0
+
+    def _process_offset(self, cid: str) -> float:
+        base = cid.split("@", 1)[0]  # every variant of a case in one process shares its placement
+        sd = float((self.spec.get("cases") or {}).get(base, {}).get("process_sd", self.spec.get("process_sd", 0.0)))
+        if not sd:
+            return 1.0
+        return math.exp(sd * random.Random(f"{self.spec.get('seed', 0)}:{self.name}:{base}:process").gauss(0.0, 1.0))
 
     def prepare(self, select: dict, variants: list[dict]) -> dict:
         classes = select.get("classes") or []
@@ -410,12 +420,13 @@ class SyntheticBackend:
         amp, period = float(drift.get("amp", 0.0)), float(drift.get("period", 7.0))
         common = 1.0 + amp * math.sin(2 * math.pi * rnd / period)  # the machine's state: both sides alike
         order = 1.0 + float(self.spec.get("order_penalty", 0.0)) * (1 if slot > 0 else 0)
-        base = float(c.get("time", 1e-3)) * (1.0 + float(c.get("slowdown", 0.0)) + c["inject"]) * common * order
+        base = (float(c.get("time", 1e-3)) * (1.0 + float(c.get("slowdown", 0.0)) + c["inject"]) * common * order
+                * self._process_offset(cid))
         noise = float(c.get("noise", 0.01))
         out = []
         for i in range(k):
             self.calls += 1
-            g = random.Random(f"{self.spec.get('seed', 0)}:{cid}:{rnd}:{slot}:{i}:{self.calls}").gauss(0.0, 1.0)
+            g = random.Random(f"{self.spec.get('seed', 0)}:{self.name}:{cid}:{rnd}:{slot}:{i}:{self.calls}").gauss(0.0, 1.0)
             out.append(base * math.exp(noise * g))
         return out
 
@@ -454,6 +465,7 @@ def main(argv=None) -> int:
     ap.add_argument("--root", required=True, type=Path)
     ap.add_argument("--backend", choices=("pytest", "synthetic"), default="pytest")
     ap.add_argument("--spec", type=Path, default=None, help="synthetic backend: the cases (JSON)")
+    ap.add_argument("--name", default="", help="this worker's name (the controller's: side and replica)")
     args = ap.parse_args(argv)
     root = args.root.resolve()
     # the channel: a private copy of stdout; fd 1 (print, pytest, C libraries) goes to stderr
@@ -472,7 +484,7 @@ def main(argv=None) -> int:
             hello["device"] = spec.get("device")
             hello["arch"] = spec.get("arch", hello.get("arch"))
         hello.update(protocol=PROTOCOL, backend=args.backend, pid=os.getpid())
-        backend = SyntheticBackend(spec) if args.backend == "synthetic" else PytestBackend(root)
+        backend = SyntheticBackend(spec, args.name) if args.backend == "synthetic" else PytestBackend(root)
     except BaseException as e:  # the tree does not build: say why, then stop
         chan_out.write(json.dumps({"ok": False, "error": f"{e.__class__.__name__}: {e}",
                                    "traceback": traceback.format_exc()[-4000:]}) + "\n")

@@ -874,9 +874,11 @@ def add_parser(sub) -> None:
                         "the torch baselines, without shard8 points: gate_ab.DEFAULT_SELECTION)")
     g.add_argument("-k", dest="select_k", default=None, metavar="EXPR", help="pytest -k expression choosing cases")
     g.add_argument("--marker", default=None, metavar="EXPR", help="pytest -m expression choosing cases")
-    g.add_argument("--rounds", type=int, default=None, help="A/B rounds (default 10; --quality-run 100)")
+    g.add_argument("--rounds", type=int, default=None, help="A/B rounds (default 10; --quality-run gate_quality.ROUNDS)")
     g.add_argument("--min-rounds", type=int, default=8, help="rounds needed for a verdict (default 8)")
     g.add_argument("--ab-floor", type=float, default=0.03, help="smallest slowdown an A/B calls a regression (0.03)")
+    g.add_argument("--replicas", type=int, default=3, metavar="R",
+                   help="worker processes a side (default 3): the process-level test's units; 1 tests rounds only")
     g.add_argument("--backend", default="pytest", metavar="pytest|synthetic:SPEC.json",
                    help="what the workers time: the trees' pytest-benchmark cases, or synthetic cases (CPU tests)")
     g.add_argument("--out", type=Path, default=None,

@@ -6,32 +6,47 @@ whatever drifts over the run (clocks, temperature, a neighbour on the host) fall
 1. The baseline is a git revision (`--ab REV`, checked out with `git worktree add --detach` in a
    temporary folder and removed afterwards) or a second tree (`--ab-tree PATH`); the candidate is
    the working tree (`--candidate-tree PATH` to choose another).
-2. Each side is one long-lived worker process (microbench/ab_worker.py) that imports its own tree,
-   holds its own CUDA context, and prepares and checks its cases once: the tree's own
+2. Each side is `--replicas` (default 3) long-lived worker processes (microbench/ab_worker.py),
+   each of which imports its own tree, holds its own CUDA context, and prepares and checks its
+   cases once: the tree's own
    pytest-benchmark cases (tests/bench/test_bench_<class>.py), chosen with `--classes`, `-k` and
    `--marker` because rounds cost GPU time (default: DEFAULT_SELECTION, every class but the torch
    baselines, no shard8 point: two processes cannot both hold shard8 on one H200). A case that
    fails its check or does not build on a side is named.
-3. The controller then runs `--rounds` rounds. In each round every case is timed once by A and
-   once by B, one side at a time, the order alternating from round to round (A,B then B,A). A
+3. The controller then runs `--rounds` rounds. In each round every case is timed once by every
+   worker, one at a time, the sides interleaved (A1,B1,A2,B2,...) and the order reversed from
+   round to round. A
    timing request runs one warm-up round of the case and then K rounds, K the same on both sides
    (enough for ~2 ms of device time, 3..16) and reports their median: one figure per side per
    round. The rounds, not the samples inside one, are the independent repeats.
 
-Verdict per case, on the R paired figures (a_i, b_i), unit seconds (rates are inverted):
+Verdict per case, unit seconds (rates are inverted). A side's figure in round i is the geometric
+mean over its r workers, a_i = exp(mean_p log a_pi), and likewise b_i:
 
   d_i       = log(b_i / a_i)                         the round's log ratio
   slowdown  = exp(median d) - 1                       reported with a 95% bootstrap interval over rounds
-  p_slower  = one-sided Wilcoxon signed-rank p of d > 0 (exact without ties; microbench.stats)
-  REGRESSION   slowdown > floor (default 3%) and p_slower < alpha (default 0.01)
+  p_rounds  = one-sided Wilcoxon signed-rank p of d > 0 (exact without ties; microbench.stats)
+  p_process = one-sided two-sample t-test of the workers' own medians m_p = median_i log x_pi,
+              B's r against A's r, pooled within-side variance, df = 2 (r - 1)
+  REGRESSION   slowdown > floor (default 3%), p_rounds < alpha (default 0.01) and
+               p_process < process_alpha (default 0.005)
   IMPROVEMENT  the mirror image; SAME otherwise
   UNKNOWN      fewer than --min-rounds (default 8) rounds, with the count: below 8 rounds the
                test cannot reach alpha = 0.01 at all (its smallest p is 2^-R)
 
-Why a floor: two builds of the same code in two processes differ by their code layout and memory
-placement (layout placebos of the megakernel moved its step by -0.5..+1.1%, megakernel/ab.py), so
-a significant 1% is real but not what a CI gate should fail on. Its measured false-alarm and
-detection rates are `gate.quality` (microbench/gate_quality.py).
+Why the process test: two processes of the same build differ by a steady offset of their own
+(their memory placement and code layout). On the H200 (gate.quality_run, 2026-12-01) one process
+of a 64 KiB fence case ran 7.6% slower than another for the whole run, a ping-pong 4.2% faster,
+while each process's rounds agreed within 0.1-1%. Rounds cannot see such an offset: they are
+all of one pair of processes, and the signed-rank test calls it significant at once. The
+independent units of that noise are the processes, so the verdict also asks whether B's workers
+differ from A's by more than the workers within each side differ from each other. With one
+worker a side (`--replicas 1`) only the rounds are tested, and the report says so.
+
+Why a floor: even so, two builds of the same code differ by their code layout (layout placebos of
+the megakernel moved its step by -0.5..+1.1%, megakernel/ab.py), so a significant 1% is real but
+not what a CI gate should fail on. Its measured false-alarm and detection rates are
+`gate.quality` (microbench/gate_quality.py).
 
 Bad input exits non-zero and names it: a revision that does not exist or does not build (its
 worker cannot import the tree, or a case fails to compile or check: exit 2), sides on different
@@ -63,7 +78,7 @@ import numpy as np
 from . import atomic
 from .errors import MegabenchError
 from .gate import EXIT_GPU, EXIT_INPUT, EXIT_OK, EXIT_REGRESSION, EXIT_UNKNOWN, Verdict, direction_of, fmt_value
-from .stats import wilcoxon_signed_rank
+from .stats import student_t_quantile, student_t_sf, wilcoxon_signed_rank
 
 WORKER = Path(__file__).resolve().with_name("ab_worker.py")
 # Without --classes / -k / --marker: every class's cases but the torch baselines and shard8 points.
@@ -90,6 +105,10 @@ class ABConfig:
     floor: float = 0.03
     alpha: float = 0.01
     min_rounds: int = 8
+    replicas: int = 3  # worker processes a side: the process-level test's units
+    # the process-level test's one-sided level: half of alpha, so that an A/A comparison read both
+    # ways (what gate.quality counts) stays within alpha
+    process_alpha: float = 0.005
     ci: float = 0.95
     round_target_s: float = 0.002  # device time one timing request should hold
     min_samples: int = 3
@@ -98,8 +117,11 @@ class ABConfig:
     time_timeout_s: float = 300.0
 
     def describe(self) -> str:
+        proc = (f" and a one-sided t-test of the {self.replicas} workers a side (their own medians, df "
+                f"{2 * (self.replicas - 1)}) p < {self.process_alpha:g}" if self.replicas > 1 else
+                " (one worker a side: no process-level test)")
         return (f"paired rounds: regression = exp(median log(B/A)) - 1 > floor {self.floor:.0%} and one-sided "
-                f"Wilcoxon signed-rank p < {self.alpha:g} over the rounds; unknown with fewer than "
+                f"Wilcoxon signed-rank p < {self.alpha:g} over the rounds{proc}; unknown with fewer than "
                 f"{self.min_rounds} rounds")
 
 
@@ -116,6 +138,10 @@ def _bootstrap_median(d: np.ndarray, ci: float, seed: int = 0, n_boot: int = 200
 @dataclass(frozen=True)
 class PairedVerdict(Verdict):
     ci: tuple[float, float] | None = None  # bootstrap interval of the slowdown
+    replicas: int = 1  # worker processes a side
+    process_sd: float | None = None  # sd of one worker's log offset, pooled within the sides
+    p_process: float | None = None  # the process-level test's one-sided p (slower)
+    resolution: float | None = None  # the smallest slowdown the process-level test could call at alpha
 
 
 def paired_verdict(key: str, a: Sequence[float], b: Sequence[float], unit: str = "s",
@@ -166,6 +192,59 @@ def paired_verdict(key: str, a: Sequence[float], b: Sequence[float], unit: str =
             why = where
     return PairedVerdict(**common, verdict=v, slowdown=slowdown, noise=noise, threshold=cfg.floor, p_slower=p_slow,
                          reason=why, ci=ci)
+
+
+def replicated_verdict(key: str, a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], unit: str = "s",
+                       cfg: ABConfig = ABConfig()) -> PairedVerdict:
+    """The module docstring's rule on r workers a side: a[p][i], b[p][i] (worker p, round i)."""
+    a = [np.asarray(x, dtype=np.float64) for x in a]
+    b = [np.asarray(x, dtype=np.float64) for x in b]
+    if not a or len(a) != len(b):
+        raise ValueError(f"{key}: {len(a)} baseline workers but {len(b)} candidate workers; want the same r >= 1")
+    if len({x.shape for x in a + b}) != 1:
+        raise ValueError(f"{key}: the workers timed different numbers of rounds: {[x.size for x in a + b]}")
+    r = len(a)
+    if r == 1:
+        return paired_verdict(key, a[0], b[0], unit, cfg)
+    bad = any(np.any(x <= 0) or not np.all(np.isfinite(x)) for x in a + b)
+    if bad:
+        return dataclasses.replace(paired_verdict(key, a[0], b[0], unit, cfg), replicas=r)
+    la, lb = np.log(np.stack(a)), np.log(np.stack(b))
+    base = paired_verdict(key, np.exp(la.mean(axis=0)), np.exp(lb.mean(axis=0)), unit, cfg)
+    if base.verdict in ("unknown", "not gated"):
+        return dataclasses.replace(base, replicas=r)
+    sign = 1.0 if direction_of(unit) == "lower" else -1.0
+    ma, mb = np.median(la, axis=1), np.median(lb, axis=1)
+    df = 2 * (r - 1)
+    s = math.sqrt((float(((ma - ma.mean()) ** 2).sum()) + float(((mb - mb.mean()) ** 2).sum())) / df)
+    se = s * math.sqrt(2.0 / r)
+    diff = sign * float(mb.mean() - ma.mean())
+    if se > 0:
+        p_slow, p_fast = student_t_sf(diff / se, df), student_t_sf(-diff / se, df)
+    else:  # the workers of each side agree exactly (synthetic figures): the rounds decide
+        p_slow, p_fast = (0.0, 1.0) if diff > 0 else (1.0, 0.0) if diff < 0 else (1.0, 1.0)
+    resolution = float(np.expm1(student_t_quantile(1.0 - cfg.process_alpha, df) * se))
+    spread = f"workers a side differ by {s:.2%} (sd, {r} a side; this test calls no less than {resolution:+.2%})"
+    v, why = base.verdict, base.reason
+    if v == "regression" and not p_slow < cfg.process_alpha:
+        v, why = "same", (f"slower over the rounds, but within what separates two workers of one build "
+                          f"(process test p={p_slow:.2g}); {base.reason}")
+    elif v == "improvement" and not p_fast < cfg.process_alpha:
+        v, why = "same", (f"faster over the rounds, but within what separates two workers of one build "
+                          f"(process test p={p_fast:.2g}); {base.reason}")
+    return dataclasses.replace(base, verdict=v, reason=f"{why}; {spread}", replicas=r, process_sd=s,
+                               p_process=p_slow, threshold=max(cfg.floor, resolution), resolution=resolution)
+
+
+def replica_names(name: str, r: int) -> list[str]:
+    """The workers of one side: `name`, `name#2`, ... `name#r`."""
+    return [name] + [f"{name}#{p}" for p in range(2, r + 1)]
+
+
+def replicate(spec: SideSpec, r: int) -> list[SideSpec]:
+    if r < 1:
+        raise ABInputError(f"--replicas must be >= 1, got {r}")
+    return [dataclasses.replace(spec, name=n) for n in replica_names(spec.name, r)]
 
 
 # ----------------------------------------------------------------------------- trees
@@ -223,7 +302,7 @@ class Worker:
         self.side = side
         self.workdir = workdir
         self.log_path = workdir / f"worker-{side.name}.log"
-        args = [python, str(WORKER), "--root", str(side.root), "--backend", side.backend]
+        args = [python, str(WORKER), "--root", str(side.root), "--backend", side.backend, "--name", side.name]
         if side.backend == "synthetic":
             sp = workdir / f"spec-{side.name}.json"
             sp.write_text(json.dumps(side.spec or {}))
@@ -344,17 +423,28 @@ def check_same_gpu(hellos: Mapping[str, dict]) -> list[str]:
 class Entry:
     side: str  # worker name
     case: str  # case id on that worker
+    group: str = ""  # what the verdict pools: a side (and variant) across its workers; default the worker
+    replica: int = 1
+
+    def __post_init__(self):
+        self.group = self.group or self.side
 
 
 @dataclass
 class Comparison:
-    """One row of a round: entries[0] is the reference, every other entry is judged against it."""
+    """One row of a round: every worker's entry of one case (entries[0] sets K). Entries of one
+    `group` (a side, or a side's variant) are that group's workers, pooled by the verdict."""
 
     key: str
     unit: str
     entries: list[Entry]
     k: int = 1
     values: list[list[float]] = field(default_factory=list)  # per entry, one figure per round
+
+    def group_values(self, group: str) -> list[list[float]]:
+        """The figures of one group's workers, in replica order."""
+        got = sorted((e.replica, v) for e, v in zip(self.entries, self.values) if e.group == group)
+        return [v for _, v in got]
 
 
 def run_rounds(workers: Mapping[str, Worker], comps: Sequence[Comparison], rounds: int, cfg: ABConfig = ABConfig(),
@@ -532,6 +622,26 @@ def prepare_sides(specs: Sequence[SideSpec], select_: dict, workdir: Path, cfg: 
         raise
 
 
+def _pool_prepared(prepared: Mapping[str, dict], names: Sequence[str]) -> dict:
+    """One side's preparation from its workers': a case counts as ready only where every worker
+    has it; a case that failed on any worker is failed (named with the worker)."""
+    reps = [prepared[n] for n in names]
+    ready = set.intersection(*({c["id"] for c in p["cases"]} for p in reps))
+    failed = list(reps[0]["failed"])
+    seen = {f["id"] for f in failed}
+    for n, p in zip(names[1:], reps[1:]):
+        for f in p["failed"]:
+            if f["id"] not in seen:
+                failed.append({**f, "error": f"(worker {n}) {f['error']}"})
+                seen.add(f["id"])
+    for n, p in zip(names, reps):
+        for c in p["cases"]:
+            if c["id"] not in ready and c["id"] not in seen:
+                failed.append({"id": c["id"], "error": f"prepared on some workers of the side but not on {n}'s peers"})
+                seen.add(c["id"])
+    return {**reps[0], "cases": [c for c in reps[0]["cases"] if c["id"] in ready], "failed": failed}
+
+
 def run_ab(baseline: SideSpec, candidate: SideSpec, select_: dict | None = None, rounds: int = 10,
            cfg: ABConfig = ABConfig(), workdir: Path | None = None,
            log: Callable[[str], None] = print) -> ABReport:
@@ -542,8 +652,11 @@ def run_ab(baseline: SideSpec, candidate: SideSpec, select_: dict | None = None,
     workdir.mkdir(parents=True, exist_ok=True)
     workers: dict[str, Worker] = {}
     try:
-        workers, prepared, notes = prepare_sides([baseline, candidate], select_, workdir, cfg, log)
         a, b = baseline.name, candidate.name
+        specs_a, specs_b = replicate(baseline, cfg.replicas), replicate(candidate, cfg.replicas)
+        workers, prepared_w, notes = prepare_sides([*specs_a, *specs_b], select_, workdir, cfg, log)
+        prepared = {a: _pool_prepared(prepared_w, [x.name for x in specs_a]),
+                    b: _pool_prepared(prepared_w, [x.name for x in specs_b])}
         ca = {c["id"]: c for c in prepared[a]["cases"]}
         cb = {c["id"]: c for c in prepared[b]["cases"]}
         failed = {n: p["failed"] for n, p in prepared.items()}
@@ -557,11 +670,17 @@ def run_ab(baseline: SideSpec, candidate: SideSpec, select_: dict | None = None,
                     f"{n} prepared {len(p['cases'])}, skipped {len(p['skipped'])}"
                     + (f" (e.g. {p['skipped'][0]['id']}: {p['skipped'][0]['reason'][:200]})" if p["skipped"] else "")
                     for n, p in prepared.items()) + f" (selection {select_ or 'all'})")
-        comps = [Comparison(k, cb[k].get("unit", "s"), [Entry(a, k), Entry(b, k)]) for k in keys]
-        log(f"timing {len(comps)} case(s), {rounds} rounds, sides alternating ...")
+        comps = [Comparison(k, cb[k].get("unit", "s"),
+                            [Entry(x.name, k, side, p + 1) for p, pair in enumerate(zip(specs_a, specs_b))
+                             for x, side in zip(pair, (a, b))]) for k in keys]
+        log(f"timing {len(comps)} case(s), {rounds} rounds, {cfg.replicas} worker(s) a side, interleaved ...")
         wall = run_rounds(workers, comps, rounds, cfg, log) if comps else 0.0
-        verdicts = [paired_verdict(c.key, c.values[0], c.values[1], c.unit, cfg) for c in comps]
-        sides = {s.name: {"label": s.label, "root": str(s.root), "hello": prepared_hello(workers[s.name])}
+        verdicts = [replicated_verdict(c.key, c.group_values(a), c.group_values(b), c.unit, cfg) for c in comps]
+        if cfg.replicas == 1:
+            notes.append("one worker a side: only the rounds are tested, not the process-to-process offsets "
+                         "(gate.quality measured up to 7.6% between two processes of one build)")
+        sides = {s.name: {"label": s.label, "root": str(s.root), "hello": prepared_hello(workers[s.name]),
+                          "workers": [x.name for x in (specs_a if s is baseline else specs_b)]}
                  for s in (baseline, candidate)}
         return ABReport(verdicts, cfg, rounds, sides, only, failed, skipped,
                         {n: p.get("missing_classes", []) for n, p in prepared.items()}, notes, comps, wall)
@@ -591,7 +710,10 @@ def synthetic_specs(path: Path) -> tuple[dict, dict]:
 
 def cmd_ab(args) -> int:
     """`megabench gate --ab REV | --ab-tree PATH` (gate.add_parser)."""
-    cfg = ABConfig(floor=args.ab_floor, alpha=args.alpha, min_rounds=args.min_rounds)
+    cfg = ABConfig(floor=args.ab_floor, alpha=args.alpha, min_rounds=args.min_rounds, replicas=args.replicas)
+    if args.replicas < 1:
+        print(f"megabench gate: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
+        return EXIT_INPUT
     atomic.check_writable(args.markdown, args.json)  # before the work: a typo'd folder writes neither
     args.rounds = 10 if args.rounds is None else args.rounds
     if args.rounds < 1:

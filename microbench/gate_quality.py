@@ -2,19 +2,26 @@
 
 Measurement (`megabench gate --quality-run --out DIR`, one command, ~2-3 minutes on an H200; run it
 on two fresh machines). One in-run A/B session of the working tree against itself:
-- side A times each case of QUALITY_CASES; side B is a second worker on the same tree that holds
-  each case several times: as built (B), and, for cases whose kernels carry the injection hook
-  (mb/inject.cuh), built with MB_INJECT_PPM = 20000 / 50000 / 100000: the last block of every
-  launch spins 2 / 5 / 10% of its own run time (`B@p2`, `B@p5`, `B@p10`);
-- every round times A and every B variant of a case once, the order reversed every other round
-  (microbench/gate_ab.py), ROUNDS rounds; the run's figures are saved as a typed result
+- two sides of the same tree, A and B, each of `replicas` worker processes (the gate's default,
+  gate_ab.ABConfig.replicas), as `megabench gate --ab` runs them. Every worker of both sides holds
+  each case of QUALITY_CASES several times: as built, and, for cases whose kernels carry the
+  injection hook (mb/inject.cuh), built with MB_INJECT_PPM = 20000 / 50000 / 100000: the last
+  block of every launch spins 2 / 5 / 10% of its own run time (`@p2`, `@p5`, `@p10`). The sides
+  hold the same builds, so they differ by nothing but their processes (until 2026-12-01 only B
+  held the injected builds, and the empty-launch case ran a steady 3-4% slower in B: the
+  asymmetry, not noise, which the A/A trials then counted as false alarms);
+- every round times, per worker, A's case as built and B's case as built and injected, the
+  workers interleaved and the order reversed every other round (microbench/gate_ab.py), ROUNDS
+  rounds; the run's figures are saved as a typed result
   `gate.quality_run` (under DIR/gate/, the workers' logs beside it). Megakernel cases are the small
   preset: two workers each holding shard8's ~120 GB of weights and kernel copies do not fit one H200.
 
 Analysis (`megabench gate --quality RUN RUN [--save]`, CPU), of two such runs:
 - a trial is one gate verdict on BLOCK (10) consecutive rounds, the size a CI run uses;
-- in-run A/B mode: A/A trials are paired verdicts of A against B, detection trials of A against
-  B@pN (gate_ab.paired_verdict, its default floor and alpha). An A/A trial is two-sided: a false
+- in-run A/B mode: A/A trials are verdicts of A's workers against B's, detection trials of A's
+  against B@pN's (gate_ab.replicated_verdict, its default floor and alpha). Runs with another
+  number of workers a side (the 2026-12-01 runs had one) are tallied apart, their measures
+  suffixed `_<r>w`. An A/A trial is two-sided: a false
   alarm when either orientation (A vs B, B vs A) is called a regression, so the one-sided rate a
   CI run meets is about half of it;
 - stored mode: the stored rule (gate.judge, its default floor, k and alpha) on the same blocks
@@ -55,13 +62,14 @@ import numpy as np
 
 from .errors import ResultsFileError
 from .gate import CrossRun, GateConfig, Measurement, judge, key_class
-from .gate_ab import ABConfig, Comparison, Entry, SideSpec, paired_verdict, prepare_sides, run_rounds, tree_label
+from .gate_ab import (ABConfig, Comparison, Entry, SideSpec, _pool_prepared, prepare_sides, replicate,
+                      replicated_verdict, run_rounds, tree_label)
 from .results import REPO_ROOT, Derived, Env, Result, Series, find, load, results_root
 
 PPMS = (20000, 50000, 100000)
-# 2.4 s a round on the H200 (17 cases, 73 figures; 2026-12-01 19:06Z, where 100 rounds did not end
-# within the stage's 270 s and nothing was saved): 60 rounds, six trials of BLOCK, ~2.5 min of rounds
-ROUNDS = 60
+# One worker a side timed 73 figures a round in 2.4 s on the H200 (2026-12-01); three a side time
+# three times as many: 20 rounds, two trials of BLOCK per case, ~2.5 min of rounds
+ROUNDS = 20
 BLOCK = 10
 MIN_INJECT_FRACTION = 0.5  # a measured injection under this share of nominal is not counted as injected
 TARGETS = {"false_alarm_rate_ab": ("<=", 0.01), "detection_rate_ab_5pct": (">=", 0.95),
@@ -194,11 +202,13 @@ class Tally:
 # ----------------------------------------------------------------------------- the GPU run
 def quality_sides(root: Path, cases: Sequence[tuple[str, bool]] = QUALITY_CASES, ppms: Sequence[int] = PPMS,
                   backend: str = "pytest", spec: dict | None = None) -> tuple[SideSpec, SideSpec]:
+    """Sides A and B of one tree, holding the same builds (as built and every injection)."""
     label = tree_label(root)
     inject = [c for c, hooked in cases if hooked]
     variants = [{"name": "", "env": {}}] + [{"name": variant_name(p), "env": {"MEGABENCH_INJECT_PPM": str(p)},
                                              "only": inject} for p in ppms]
-    return (SideSpec("A", root, label, backend, spec), SideSpec("B", root, label, backend, spec, variants))
+    return (SideSpec("A", root, label, backend, spec, [dict(v) for v in variants]),
+            SideSpec("B", root, label, backend, spec, [dict(v) for v in variants]))
 
 
 def _precompile_one(task: tuple) -> str:
@@ -267,10 +277,13 @@ def quality_run(out: Path, rounds: int = ROUNDS, cfg: ABConfig = ABConfig(), bac
     if backend == "pytest" and do_precompile:
         precompile(ppms, log=log)
     a, b = quality_sides(Path(root), cases, ppms, backend, spec)
+    sa, sb = replicate(a, cfg.replicas), replicate(b, cfg.replicas)
     work = Path(tempfile.mkdtemp(prefix="quality-run-logs-", dir=out))  # worker logs come back with the result
     ids = [c for c, _ in cases]
-    workers, prepared, notes = prepare_sides([a, b], {"ids": ids}, work, cfg, log)
+    workers, prepared_w, notes = prepare_sides([*sa, *sb], {"ids": ids}, work, cfg, log)
     try:
+        prepared = {"A": _pool_prepared(prepared_w, [x.name for x in sa]),
+                    "B": _pool_prepared(prepared_w, [x.name for x in sb])}
         ca = {c["id"]: c for c in prepared["A"]["cases"]}
         cb = {c["id"]: c for c in prepared["B"]["cases"]}
         comps, missing = [], []
@@ -279,8 +292,11 @@ def quality_run(out: Path, rounds: int = ROUNDS, cfg: ABConfig = ABConfig(), bac
             if cid not in ca or cid not in cb:
                 missing.append(cid)
                 continue
-            entries = [Entry("A", cid), Entry("B", cid)]
-            entries += [Entry("B", f"{cid}@{variant_name(p)}") for p in ppms if f"{cid}@{variant_name(p)}" in cb]
+            entries = []
+            for rep_i, (wa, wb) in enumerate(zip(sa, sb), start=1):
+                entries += [Entry(wa.name, cid, "A", rep_i), Entry(wb.name, cid, "B", rep_i)]
+                entries += [Entry(wb.name, f"{cid}@{variant_name(p)}", f"B@{variant_name(p)}", rep_i) for p in ppms
+                            if f"{cid}@{variant_name(p)}" in cb]
             comps.append(Comparison(cid, "s", entries))
         log(f"timing {len(comps)} case(s) x {rounds} rounds ({sum(len(c.entries) for c in comps)} figures a round)")
         wall = run_rounds(workers, comps, rounds, cfg, log)
@@ -297,15 +313,18 @@ def quality_run(out: Path, rounds: int = ROUNDS, cfg: ABConfig = ABConfig(), bac
         for e, xs in zip(c.entries, c.values):
             variant = e.case.split("@", 1)[1] if "@" in e.case else ""
             ppm = next((p for p in ppms if variant_name(p) == variant), 0)
+            side = e.group.split("@", 1)[0]
             series.append(Series.from_samples(
                 f"{c.key}/{e.side}{'@' + variant if variant else ''}", xs,
                 timer="cuda_event" if env.gpu else "host", unit="s",
-                params={"case": c.key, "side": e.side, "variant": variant, "inject_ppm": ppm,
+                params={"case": c.key, "side": side, "worker": e.side, "replica": e.replica, "variant": variant,
+                        "inject_ppm": ppm,
                         "samples_per_round": c.k, "class": ca[c.key].get("class"), "hooked": bool(hooked.get(c.key)),
                         "case_name": info.get("case"), "order": "alternating rounds"},
                 metrics={"gate_direction": "none", "independent_repeats": len(xs)}))
     total = time.monotonic() - t_start
-    res_notes = (f"gate quality run: {len(comps)} cases, {rounds} rounds, {wall:.0f} s of rounds, {total:.0f} s in all "
+    res_notes = (f"gate quality run: {len(comps)} cases, {rounds} rounds, {cfg.replicas} worker(s) a side holding the "
+                 f"same builds, {wall:.0f} s of rounds, {total:.0f} s in all "
                  f"(precompile, workers, prepare, rounds); tree {a.label}",
                  f"injected (MB_INJECT_PPM): {', '.join(str(p) for p in ppms)} ppm on hooked cases",
                  *(f"missing on a side: {m}" for m in missing),
@@ -313,6 +332,8 @@ def quality_run(out: Path, rounds: int = ROUNDS, cfg: ABConfig = ABConfig(), bac
                  *(f"skipped: {s['id']}: {s['reason'][:200]}" for s in skipped), *notes)
     res = Result("gate.quality_run", env, tuple(series),
                  {"rounds": Derived(float(rounds), "count", "rounds of the run"),
+                  "replicas": Derived(float(cfg.replicas), "count", "worker processes a side, both sides holding "
+                                      "the same builds"),
                   "wall_s": Derived(float(total), "s", "seconds the command took, all of it")},
                  quick=False, notes=res_notes)
     path = res.save(out)
@@ -333,9 +354,15 @@ def quality_run(out: Path, rounds: int = ROUNDS, cfg: ABConfig = ABConfig(), bac
 class RunData:
     source: str
     env: Env
-    figures: dict[str, dict[str, np.ndarray]]  # case -> {"A", "B", "p2", ...} -> round figures
+    figures: dict[str, dict[str, np.ndarray]]  # case -> {"A", "B", "p2", ...} -> round figures of the first worker
     hooked: dict[str, bool]
     ppm_of: dict[str, int]  # variant -> ppm
+    reps: dict[str, dict[str, list[np.ndarray]]] = field(default_factory=dict)  # the same, every worker in order
+    replicas: int = 1  # workers a side
+    symmetric: bool = False  # both sides held the same builds
+
+    def workers(self, case: str, key: str) -> list[np.ndarray]:
+        return self.reps.get(case, {}).get(key) or [self.figures[case][key]]
 
     @property
     def label(self) -> str:
@@ -346,6 +373,7 @@ def load_run(res: Result, source: str = "") -> RunData:
     if res.benchmark != "gate.quality_run":
         raise ResultsFileError(f"{source or res.benchmark}: a {res.benchmark} result, not gate.quality_run")
     figs: dict[str, dict[str, np.ndarray]] = {}
+    reps: dict[str, dict[str, dict[int, np.ndarray]]] = {}
     hooked, ppm_of = {}, {}
     for s in res.series:
         p = s.params
@@ -353,11 +381,23 @@ def load_run(res: Result, source: str = "") -> RunData:
             case, side, variant = str(p["case"]), str(p["side"]), str(p.get("variant") or "")
         except KeyError as e:
             raise ResultsFileError(f"{source}: series {s.name} lacks {e}") from None
-        figs.setdefault(case, {})[variant or side] = np.asarray(s.samples, dtype=np.float64)
+        x = np.asarray(s.samples, dtype=np.float64)
+        replica = int(p.get("replica") or 1)
+        if replica == 1:
+            figs.setdefault(case, {})[variant or side] = x
+        reps.setdefault(case, {}).setdefault(variant or side, {})[replica] = x
         hooked[case] = bool(p.get("hooked"))
         if variant:
             ppm_of[variant] = int(p.get("inject_ppm") or 0)
-    return RunData(source, res.env, figs, hooked, ppm_of)
+    r = res.derived.get("replicas")
+    replicas = int(r.value) if r is not None else 1
+    for case, by in reps.items():
+        for key, per in by.items():
+            if sorted(per) != list(range(1, len(per) + 1)) or (replicas > 1 and len(per) != replicas):
+                raise ResultsFileError(f"{source}: {case} {key}: workers {sorted(per)} of {replicas} a side")
+    return RunData(source, res.env, figs, hooked, ppm_of,
+                   {c: {k: [per[i] for i in sorted(per)] for k, per in by.items()} for c, by in reps.items()},
+                   replicas, r is not None)
 
 
 def find_runs(paths: Sequence[Path] | None = None) -> list[RunData]:
@@ -394,9 +434,17 @@ def _m(key: str, x: np.ndarray) -> Measurement:
 
 
 def measured_injection(run: RunData, case: str, variant: str) -> float:
-    f = run.figures[case]
-    off = float(np.median(np.log(f["B"] / f["A"])))
-    return float(np.expm1(np.median(np.log(f[variant] / f["A"])) - off))
+    """exp(mean over workers of median log(B@v / A) less median log(B / A)) - 1: the injected
+    build's own slowdown, each worker's A/A offset taken out (a worker's builds share its process)."""
+    a, b, v = run.workers(case, "A"), run.workers(case, "B"), run.workers(case, variant)
+    per = [float(np.median(np.log(x / y)) - np.median(np.log(z / y))) for x, z, y in zip(v, b, a)]
+    return float(np.expm1(np.mean(per)))
+
+
+def _suffix(run: RunData) -> str:
+    """In-run measures of runs made as the gate runs now (its default workers a side, both sides
+    holding the same builds) carry no suffix; others are tallied apart."""
+    return "" if (run.replicas == ABConfig().replicas and run.symmetric) else f"_{run.replicas}w"
 
 
 def aa_spreads(runs: Sequence[RunData]) -> dict[str, float]:
@@ -451,35 +499,42 @@ def analyse(runs: Sequence[RunData], block: int = BLOCK, ab_cfg: ABConfig = ABCo
             T[measure] = Tally(measure, mode, what, sd)
         return T[measure]
 
-    aa_ab = t("false_alarm_rate_ab", "in-run A/B", "A/A: the same tree in two worker processes, paired rounds")
     aa_st1 = t("false_alarm_rate_stored_same_machine", "stored", "A/A on one machine: two workers' figures, unpaired")
     injections: dict[str, dict[str, dict[str, float]]] = {}
     by_measured = {f"{lo:.3f}-{hi:.3f}": [0, 0] for lo, hi in MEASURED_BINS}
     for ri, run in enumerate(runs):
+        sfx = _suffix(run)
+        how = (f"{run.replicas} workers a side" if run.replicas > 1 else "one worker a side") + (
+            "" if run.symmetric else ", B alone holding the injected builds")
+        aa_ab = t(f"false_alarm_rate_ab{sfx}", "in-run A/B", f"A/A: the same tree on both sides ({how})")
         inj = injections.setdefault(run.label, {})
         for case, f in sorted(run.figures.items()):
             if "A" not in f or "B" not in f:
                 continue
             cl = f"run{ri + 1}:{case}"
             n = min(len(v) for v in f.values())
+            wa, wb = run.workers(case, "A"), run.workers(case, "B")
             for sl in _blocks(n, block):
-                a, b = f["A"][sl], f["B"][sl]
-                aa_ab.add(cl, *_two_sided([paired_verdict(case, x, y, "s", ab_cfg) for x, y in ((a, b), (b, a))]))
-                aa_st1.add(cl, *_two_sided([judge(_m(case, x), _m(case, y), st_cfg) for x, y in ((a, b), (b, a))]))
+                a, b = [x[sl] for x in wa], [x[sl] for x in wb]
+                aa_ab.add(cl, *_two_sided([replicated_verdict(case, x, y, "s", ab_cfg) for x, y in ((a, b), (b, a))]))
+                aa_st1.add(cl, *_two_sided([judge(_m(case, x), _m(case, y), st_cfg)
+                                            for x, y in ((f["A"][sl], f["B"][sl]), (f["B"][sl], f["A"][sl]))]))
             for variant in sorted(v for v in f if v not in ("A", "B")):
                 ppm = run.ppm_of.get(variant, 0)
                 nominal = ppm / 1e6
                 got = measured_injection(run, case, variant)
                 inj.setdefault(case, {})[variant] = got
-                tt = t(f"detection_rate_ab_{_pct(ppm)}", "in-run A/B", f"injected {nominal:.0%}, paired rounds",
-                       nominal)
+                tt = t(f"detection_rate_ab_{_pct(ppm)}{sfx}", "in-run A/B", f"injected {nominal:.0%} ({how})", nominal)
                 if got < MIN_INJECT_FRACTION * nominal:
                     tt.excluded[cl] = f"measured injection {got:+.2%} of a nominal {nominal:.0%}"
                     continue
+                wv = run.workers(case, variant)
                 for sl in _blocks(n, block):
-                    pv = paired_verdict(case, f["A"][sl], f[variant][sl], "s", ab_cfg)
+                    pv = replicated_verdict(case, [x[sl] for x in wa], [x[sl] for x in wv], "s", ab_cfg)
                     v = pv.verdict == "regression"
                     tt.add(cl, v, pv.slowdown)
+                    if sfx:
+                        continue
                     for lo, hi in MEASURED_BINS:
                         if lo <= got < hi:
                             by_measured[f"{lo:.3f}-{hi:.3f}"][0] += v
@@ -515,8 +570,10 @@ def analyse(runs: Sequence[RunData], block: int = BLOCK, ab_cfg: ABConfig = ABCo
                                 continue
                             v = judge(_m(case, fi["A"][sl]), _m(case, fj[variant][sl]), st_cfg, spread, how)
                             tt.add(case, v.verdict == "regression", v.slowdown)
-    order = ["false_alarm_rate_ab", *[f"detection_rate_ab_{_pct(p)}" for p in ppms], "false_alarm_rate_stored",
-             "false_alarm_rate_stored_same_machine", *[f"detection_rate_stored_{_pct(p)}" for p in ppms]]
+    sfxs = sorted({_suffix(r) for r in runs}, key=lambda x: (x != "", x))
+    order = [k for x in sfxs for k in (f"false_alarm_rate_ab{x}", *[f"detection_rate_ab_{_pct(p)}{x}" for p in ppms])]
+    order += ["false_alarm_rate_stored", "false_alarm_rate_stored_same_machine",
+              *[f"detection_rate_stored_{_pct(p)}" for p in ppms]]
     tallies = [T[k] for k in order if k in T]
     return Analysis(tallies, injections, spreads, runs, block, ab_cfg, st_cfg,
                     {k: (v[0], v[1]) for k, v in by_measured.items() if v[1]})
@@ -704,11 +761,16 @@ WHAT = {"false_alarm_rate_ab": "false alarms (A/A)", "false_alarm_rate_stored": 
 
 
 def _what(key: str) -> str:
-    if key in WHAT:
-        return WHAT[key]
+    import re
+
+    m = re.fullmatch(r"(.*?)(?:_(\d+)w)?", key)
+    base, workers = m.group(1), m.group(2)
+    tail = "" if workers is None else f", {workers} worker{'s' if workers != '1' else ''} a side (earlier method)"
+    if base in WHAT:
+        return WHAT[base] + tail
     for p in ("ab", "stored"):
-        if key.startswith(f"detection_rate_{p}_"):
-            return f"detection of an injected {key.rsplit('_', 1)[1].replace('pct', '%')}"
+        if base.startswith(f"detection_rate_{p}_"):
+            return f"detection of an injected {base.rsplit('_', 1)[1].replace('pct', '%')}" + tail
     return key
 
 
@@ -816,7 +878,10 @@ def report_lines(root: Path | None = None, heading: str = "## How much to trust 
 def cmd_quality_run(args) -> int:
     from .gate_ab import synthetic_specs
 
-    cfg = ABConfig(floor=args.ab_floor, alpha=args.alpha, min_rounds=args.min_rounds)
+    if args.replicas < 1:
+        print(f"megabench gate: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
+        return 2
+    cfg = ABConfig(floor=args.ab_floor, alpha=args.alpha, min_rounds=args.min_rounds, replicas=args.replicas)
     backend, spec = "pytest", None
     if args.backend and args.backend != "pytest":
         kind, _, sp = args.backend.partition(":")

@@ -171,6 +171,58 @@ def wilcoxon_signed_rank(d, alternative: str = "greater") -> tuple[float, float]
     return w_plus, float(min(1.0, p))
 
 
+def student_t_sf(t: float, df: int) -> float:
+    """P(T > t) for Student's t with a whole number of degrees of freedom, from the closed forms
+    of P(|T| < t) in theta = atan(t / sqrt(df)) (a finite series in cos^2 theta, odd and even df;
+    Abramowitz & Stegun 26.7.3-4). Used for the in-run gate's process-level test, whose df is
+    small (2 (replicas - 1))."""
+    if df < 1 or int(df) != df:
+        raise ValueError(f"student_t_sf: df must be a whole number >= 1, got {df}")
+    if math.isnan(t):
+        raise ValueError("student_t_sf: t is NaN")
+    if math.isinf(t):
+        return 0.0 if t > 0 else 1.0
+    if t < 0:
+        return 1.0 - student_t_sf(-t, df)
+    th = math.atan(t / math.sqrt(df))
+    c2, s = math.cos(th) ** 2, math.sin(th)
+    if df % 2 == 0:  # A = sin th [1 + 1/2 c2 + 1.3/(2.4) c2^2 + ... up to c2^((df-2)/2)]
+        term, acc = 1.0, 1.0
+        for k in range(1, df // 2):
+            term *= c2 * (2 * k - 1) / (2 * k)
+            acc += term
+        a = s * acc
+    else:  # A = 2/pi [th + sin th cos th (1 + 2/3 c2 + 2.4/(3.5) c2^2 + ... up to c2^((df-3)/2))]
+        acc = 0.0
+        if df > 1:
+            term, acc = 1.0, 1.0
+            for k in range(1, (df - 1) // 2):
+                term *= c2 * (2 * k) / (2 * k + 1)
+                acc += term
+        a = 2.0 / math.pi * (th + s * math.cos(th) * acc)
+    return float(min(1.0, max(0.0, (1.0 - a) / 2.0)))
+
+
+def student_t_quantile(q: float, df: int) -> float:
+    """The t with P(T <= t) = q (bisection on student_t_sf; 0 < q < 1)."""
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"student_t_quantile: q must lie in (0, 1), got {q}")
+    if q < 0.5:
+        return -student_t_quantile(1.0 - q, df)
+    lo, hi = 0.0, 1.0
+    while student_t_sf(hi, df) > 1.0 - q:
+        hi *= 2.0
+    for _ in range(200):
+        mid = (lo + hi) / 2.0
+        if student_t_sf(mid, df) > 1.0 - q:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-12 * max(1.0, hi):
+            break
+    return (lo + hi) / 2.0
+
+
 def bootstrap_ci(samples, stat=np.median, n_boot: int = 1000, ci: float = 0.9, seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval of `stat` (deterministic for a given seed)."""
     x = np.asarray(samples, dtype=np.float64)

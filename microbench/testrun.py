@@ -36,6 +36,7 @@ PLUGIN = "microbench.testrun"  # this module, as `-p` names it in the child
 BENCHMARK = "tests.run"
 COUNTS = ("passed", "failed", "skipped", "errors", "xfailed", "xpassed", "deselected")
 README_COMMAND = ("-m", "pytest", "-q")  # the README's test command, after the interpreter
+SLOWEST = 15  # the slowest tests a result names, with their seconds
 TIME_LIMIT_EXIT = 124  # as timeout(1)
 
 
@@ -71,7 +72,8 @@ def pytest_runtest_logstart(nodeid, location):
 
 def pytest_runtest_logreport(report):
     _emit(event="report", nodeid=report.nodeid, when=report.when, outcome=report.outcome,
-          xfail=hasattr(report, "wasxfail"))
+          xfail=hasattr(report, "wasxfail"), duration=round(float(getattr(report, "duration", 0.0) or 0.0), 4),
+          gpu="gpu" in getattr(report, "keywords", {}))
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -92,6 +94,8 @@ def count(lines) -> dict:
     skip in any phase a skip, an expected failure xfailed, an unexpected pass xpassed."""
     c: Counter = Counter({k: 0 for k in COUNTS})
     failed, last, finished, open_tests = [], None, False, {}
+    took: Counter = Counter()  # nodeid -> setup + call + teardown seconds
+    gpu_ids: set[str] = set()
     for line in lines:
         try:
             r = json.loads(line)
@@ -108,6 +112,9 @@ def count(lines) -> dict:
             open_tests[last] = True
         elif ev == "report":
             when, out, xf = r["when"], r["outcome"], r["xfail"]
+            took[r["nodeid"]] += float(r.get("duration") or 0.0)
+            if r.get("gpu"):
+                gpu_ids.add(r["nodeid"])
             if when == "teardown":
                 open_tests.pop(r["nodeid"], None)
             if out == "failed":
@@ -122,7 +129,9 @@ def count(lines) -> dict:
             finished = True
     crashed_in = last if (last is not None and open_tests.get(last)) else None
     return {**{k: c[k] for k in COUNTS}, "failed_tests": failed, "running_when_stopped": crashed_in,
-            "finished": finished}
+            "finished": finished, "slowest": [[n, round(t, 2)] for n, t in took.most_common(SLOWEST)],
+            "test_seconds": round(sum(took.values()), 1),
+            "gpu_test_seconds": round(sum(t for n, t in took.items() if n in gpu_ids), 1)}
 
 
 # ------------------------------------------------------------------------- the machine
@@ -200,7 +209,11 @@ def to_result(counts: dict, exit_code: int, duration_s: float, cmd: list[str], s
     shown = " ".join(["python", *cmd[1:]])
     params = {"command": shown, "gpu": env.gpu, **m}
     metrics = {**{k: counts[k] for k in COUNTS}, "exit_code": exit_code, "finished": counts["finished"],
-               "stopped_at_time_limit": stopped, "gate_direction": "none"}
+               "stopped_at_time_limit": stopped, "gate_direction": "none",
+               # seconds inside tests (setup + call + teardown) summed over workers; the GPU tests run
+               # one after another in one worker (conftest.py), so theirs is a floor on the wall time
+               "test_seconds": counts.get("test_seconds"), "gpu_test_seconds": counts.get("gpu_test_seconds"),
+               "slowest": counts.get("slowest", [])}
     s = Series.from_samples("pytest/duration", [duration_s], timer="host", unit="s", params=params, metrics=metrics)
     rule = "pytest's own reports, counted by the microbench.testrun plugin in pytest's terminal categories"
     derived = {k: Derived(float(counts[k]), "count", rule) for k in COUNTS}
@@ -215,6 +228,9 @@ def to_result(counts: dict, exit_code: int, duration_s: float, cmd: list[str], s
                      "reported until then")
     if counts["running_when_stopped"] and (stopped or not counts["finished"]):
         notes.append(f"running when it ended: {counts['running_when_stopped']}")
+    if counts.get("slowest"):
+        notes.append(f"GPU tests {counts['gpu_test_seconds']:g} s in all (one worker, one after another); slowest: "
+                     + ", ".join(f"{n.split('::')[-1]} {t:g} s" for n, t in counts["slowest"][:5]))
     if counts["failed_tests"]:
         notes.append("failed: " + "; ".join(counts["failed_tests"][:20])
                      + (f" (+{len(counts['failed_tests']) - 20} more)" if len(counts["failed_tests"]) > 20 else ""))

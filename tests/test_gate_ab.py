@@ -392,3 +392,85 @@ def test_worker_is_a_script_of_the_standard_library():
     src = (REPO_ROOT / "microbench" / "ab_worker.py").read_text()
     tops = [ln for ln in src.splitlines() if ln.startswith(("import ", "from "))]
     assert tops and all(ln.split()[1].split(".")[0] in sys.stdlib_module_names | {"__future__"} for ln in tops), tops
+
+
+# ----------------------------------------------------------------------------- workers a side
+@pytest.mark.parametrize("q,df,table", [(0.995, 2, 9.925), (0.995, 4, 4.604), (0.975, 1, 12.706),
+                                        (0.975, 3, 3.182), (0.99, 5, 3.365), (0.95, 30, 1.697)])
+def test_student_t_matches_the_tables(q, df, table):
+    from microbench.stats import student_t_quantile, student_t_sf
+
+    assert student_t_quantile(q, df) == pytest.approx(table, abs=1e-3)
+    assert student_t_sf(table, df) == pytest.approx(1 - q, rel=2e-3)
+    assert student_t_sf(0.0, df) == pytest.approx(0.5) and student_t_sf(-table, df) == pytest.approx(q, rel=1e-3)
+
+
+def _workers(offsets, n=10, slow=0.0, noise=0.002, seed=0):
+    """Figures of workers with steady offsets (log), round noise and a common drift."""
+    rng = np.random.default_rng(seed)
+    drift = 1e-3 * (1 + 0.05 * np.sin(np.arange(n)))
+    return [drift * (1 + slow) * np.exp(o + noise * rng.standard_normal(n)) for o in offsets]
+
+
+def test_a_steady_process_offset_is_not_a_regression_with_workers_to_measure_it():
+    from microbench.gate_ab import replicated_verdict
+
+    # one worker a side: a 6% placement offset is all the rounds see, and they call it
+    a, b = _workers([0.0], seed=1), _workers([0.06], seed=2)
+    assert replicated_verdict("k", a, b).verdict == "regression"
+    # three a side, whose own offsets spread as much: the same 6% is within what separates two workers
+    a, b = _workers([0.0, -0.05, 0.04], seed=1), _workers([0.10, 0.04, 0.06], seed=2)
+    v = replicated_verdict("k", a, b)
+    assert v.slowdown > 0.06 and v.verdict == "same" and v.replicas == 3 and v.p_process > 0.01
+    assert "within what separates" in v.reason
+    within = np.concatenate([np.array([0.0, -0.05, 0.04]) + 0.0033, np.array([0.10, 0.04, 0.06]) - 0.0667])
+    assert v.process_sd == pytest.approx(np.sqrt((within ** 2).sum() / 4), rel=0.1)
+    # workers that agree: a 5% slowdown is a regression, and the resolution is far below it
+    a, b = _workers([0.0, 0.001, -0.001], seed=1), _workers([0.0005, -0.0005, 0.0], slow=0.05, seed=2)
+    v = replicated_verdict("k", a, b)
+    assert v.verdict == "regression" and v.p_process < 1e-3 and v.resolution < 0.01 and v.threshold == 0.03
+    assert replicated_verdict("k", b, a).verdict == "improvement"
+    with pytest.raises(ValueError, match="workers"):
+        replicated_verdict("k", a, b[:2])
+    with pytest.raises(ValueError, match="rounds"):
+        replicated_verdict("k", a, [x[:8] for x in b])
+
+
+def test_workers_interleave_and_alternate():
+    log = []
+    names = ["baseline", "candidate", "baseline#2", "candidate#2"]
+    ws = {n: _FakeWorker(n, log, 1e-3) for n in names}
+    comps = [Comparison("c", "s", [Entry(n, "c", n.split("#")[0], 1 + ("#" in n)) for n in names])]
+    run_rounds(ws, comps, 2, ABConfig(round_target_s=2e-3), log=lambda s: None)
+    timed = [(w, r) for w, r, _, _ in log if r >= 0]
+    assert timed == [(n, 0) for n in names] + [(n, 1) for n in reversed(names)]
+    assert comps[0].group_values("baseline") == [[1e-3] * 2, [1e-3] * 2]
+
+
+def test_process_offsets_fool_one_worker_a_side_but_not_three():
+    cases = {f"sync/case{i}": {"time": 2e-4, "noise": 0.003, "class": "sync"} for i in range(8)}
+    spec = dict(process_sd=0.05, seed=3)
+    one = run_ab(_side("baseline", cases, **spec), _side("candidate", cases, **spec), rounds=10,
+                 cfg=ABConfig(replicas=1), log=_quiet)
+    alarms = [v.key for v in one.verdicts if v.verdict in ("regression", "improvement")]
+    assert len(alarms) >= 4, one.to_markdown()  # steady offsets of ~5% pass the 3% floor and every rank test
+    assert "one worker a side" in one.to_markdown()
+    three = run_ab(_side("baseline", cases, **spec), _side("candidate", cases, **spec), rounds=10, log=_quiet)
+    assert [v.verdict for v in three.verdicts] == ["same"] * 8, three.to_markdown()
+    assert all(v.replicas == 3 for v in three.verdicts)
+    assert 0.02 < np.median([v.process_sd for v in three.verdicts]) < 0.08  # the workers' 5% spread, measured
+    assert three.sides["baseline"]["workers"] == ["baseline", "baseline#2", "baseline#3"]
+
+
+def test_three_workers_still_catch_5pct_where_processes_agree():
+    slow = {k: dict(v, slowdown=0.05) for k, v in CASES.items()}
+    spec = dict(process_sd=0.002)
+    rep = run_ab(_side("baseline", CASES, **spec), _side("candidate", slow, **spec), rounds=10, log=_quiet)
+    assert [v.verdict for v in rep.verdicts] == ["regression"] * 3, rep.to_markdown()
+
+
+def test_replicas_below_one_is_refused(tmp_path, capsys):
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"baseline": {"cases": CASES}, "candidate": {"cases": CASES}}))
+    code = main(["gate", "--ab-tree", str(REPO_ROOT), "--backend", f"synthetic:{spec}", "--replicas", "0"])
+    assert code == EXIT_INPUT and "--replicas must be >= 1, got 0" in capsys.readouterr().err

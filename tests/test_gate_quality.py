@@ -227,3 +227,39 @@ def test_aa_offsets_name_each_case_per_run_and_the_analysis_shows_them(two_runs)
     q, _, text = run_analysis(two_runs)
     assert "A/A offsets" in text and "share a GPU" not in text
     assert any(n.startswith("A/A offsets between two worker processes") for n in q.notes)
+
+
+def test_both_sides_hold_the_same_builds_in_every_worker(two_runs):
+    """The quality run measures the gate as `gate --ab` runs it: the default workers a side, and
+    sides that differ by nothing but their processes (2026-12-01: B alone held the injected builds
+    and its empty launch ran a steady 3-4% slower, which the A/A trials counted)."""
+    from microbench.gate_ab import ABConfig
+    from microbench.gate_quality import quality_sides
+    from microbench.results import REPO_ROOT, load
+
+    a, b = quality_sides(REPO_ROOT, CASES)
+    assert a.variants == b.variants and len(a.variants) == 4
+    run = find_runs(two_runs)[0]
+    r = ABConfig().replicas
+    assert run.replicas == r and run.symmetric
+    case = CASES[0][0]
+    assert [len(run.workers(case, k)) for k in ("A", "B", "p5")] == [r, r, r]
+    assert not np.array_equal(run.workers(case, "A")[0], run.workers(case, "A")[1])  # distinct processes
+    res = load(two_runs[0])
+    workers = {s.params["worker"] for s in res.series if s.params["case"] == case}
+    assert workers == {"A", "A#2", "A#3", "B", "B#2", "B#3"}
+
+
+def test_runs_of_one_worker_a_side_are_tallied_apart(two_runs):
+    """The committed 2026-12-01 runs (one worker a side, B alone holding the injections) keep their
+    own measures, suffixed, beside those of runs made the current way."""
+    from microbench.results import REPO_ROOT
+
+    old = [p for p in (REPO_ROOT / "reports" / "results" / "gate").glob("gate.quality_run-20261201T2*.json.gz")]
+    assert old, "the committed single-worker quality runs"
+    runs = find_runs([*old, *two_runs])
+    assert sorted(r.replicas for r in runs)[0] == 1
+    t = {x.measure: x for x in analyse(runs).tallies}
+    assert "false_alarm_rate_ab_1w" in t and "false_alarm_rate_ab" in t
+    assert t["false_alarm_rate_ab_1w"].rate > 0.05  # what the single-worker runs measured on the H200
+    assert t["false_alarm_rate_ab"].trials == 2 * 5 * 3

@@ -135,3 +135,20 @@ def test_count_categories():
                                          "xpassed": 1, "deselected": 3}
     assert c["failed_tests"] == ["t/test_x.py", "a (teardown)"] and not c["finished"]
     assert c["running_when_stopped"] is None  # b's teardown was reported
+
+
+def test_the_slowest_tests_and_the_gpu_tests_time_are_recorded(tmp_path, monkeypatch):
+    """Where a run's time goes, so that a run stopped at its limit says what to speed up: the
+    slowest tests by setup + call + teardown, and the seconds of the tests marked gpu (which one
+    worker runs one after another)."""
+    body = ("import time, pytest\n\ndef test_quick():\n    pass\n\n@pytest.mark.gpu\ndef test_slow_gpu():\n"
+            "    time.sleep(0.6)\n\ndef test_slow_cpu():\n    time.sleep(0.3)\n")
+    (tmp_path / "sample").mkdir()
+    (tmp_path / "sample" / "conftest.py").write_text(
+        "def pytest_configure(config):\n    config.addinivalue_line('markers', 'gpu: a GPU test')\n")
+    rc, r, _, _ = _run(tmp_path, monkeypatch, body)
+    m = r.series[0].metrics
+    names = [n.split("::")[-1] for n, _ in m["slowest"]]
+    assert rc == 0 and names[:2] == ["test_slow_gpu", "test_slow_cpu"]
+    assert 0.6 <= m["gpu_test_seconds"] < 5 and m["test_seconds"] >= 0.9
+    assert any(n.startswith("GPU tests") and "test_slow_gpu" in n for n in r.notes)
