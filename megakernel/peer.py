@@ -75,6 +75,20 @@ def _opaque_kernels():
                                  BLOCK_M=K.BLOCK_M)
 
 
+@torch.library.custom_op("megabench::peer_mm32", mutates_args=())
+def _peer_mm32(a: torch.Tensor, w: torch.Tensor, out_dtype: bool) -> torch.Tensor:
+    """a [M, K] bf16 @ w [N, K].T -> fp32: cuBLAS with out_dtype, or fp32 maths where torch has
+    no out_dtype mm (the CPU)."""
+    if out_dtype:
+        return torch.mm(a, w.t(), out_dtype=torch.float32)
+    return a.float() @ w.float().t()
+
+
+@_peer_mm32.register_fake
+def _(a, w, out_dtype):
+    return a.new_empty((a.shape[0], w.shape[0]), dtype=torch.float32)
+
+
 def unsupported(cfg: ModelConfig) -> str | None:
     """Why the peer cannot run `cfg` (None: it can). Its expert kernels split a K step into 8
     planes of at least 16 words (a tensor-core k step), so both expert GEMMs need K % 128 == 0."""
@@ -117,7 +131,14 @@ class PeerModel:
         self.out_dtype = out_dtype_supported(w.device)
 
     def mm32(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """a [M, K] bf16 @ w [N, K].T with fp32 accumulation and output (cuBLAS on the GPU)."""
+        """a [M, K] bf16 @ w [N, K].T with fp32 accumulation and output (cuBLAS on the GPU).
+
+        Under torch.compile the GEMM is an opaque custom op (`megabench::peer_mm32`, no graph
+        break): max-autotune turns on inductor's coordinate-descent tuning, whose decomposition of
+        an M = 1 mm into a multiply and a sum drops out_dtype. At T = 1 on the H200 (2026-12-01) the
+        router's logits came back bf16 and the routing kernel failed to compile on them."""
+        if torch.compiler.is_compiling():
+            return _peer_mm32(a, w, bool(self.out_dtype))
         if self.out_dtype:
             return torch.mm(a, w.t(), out_dtype=torch.float32)
         return a.float() @ w.float().t()

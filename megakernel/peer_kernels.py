@@ -430,6 +430,8 @@ def route(logits, ld: int, n_tokens: int, n_experts: int, top_k: int, ids, w, so
     """logits: fp32 rows of `ld` (the first E columns are the router's); forced: int32 [T, k] or
     None. Out: ids / w [T, k] (int32 / fp32), sorted_ids [max_blocks * BM] (pair ids, padding =
     T k), block_expert [max_blocks] (-1 past the last block), n_blocks [1]."""
+    if logits.dtype != torch.float32:  # a bf16 table would compile a kernel of mixed types, or route on rounded logits
+        raise TypeError(f"route: the router's logits must be fp32, got {logits.dtype}")
     nb_max = block_expert.numel()
     _launch(_route_kernel, (1,), logits, ld, ids if forced is None else forced, int(forced is not None), ids, w,
             sorted_ids, block_expert, n_blocks, n_tokens, n_experts, nb_max, K=top_k, KP=_p2(top_k),

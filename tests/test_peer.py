@@ -245,3 +245,35 @@ def test_op_accounting_counts_each_range_once_without_its_gaps():
     cpu_only = [e for e in events if e.device_type == DeviceType.CPU]
     per_step, _ = peer.op_kernel_sums(cpu_only, steps=2)
     assert per_step == {"attn": [0.0, 0.0], "lm_head": [pytest.approx(30e-6)] * 2}
+
+
+def test_the_compiled_flavour_keeps_its_gemms_fp32_at_one_row():
+    """Under torch.compile the dense GEMMs are the opaque op `megabench::peer_mm32`: max-autotune
+    turns on inductor's coordinate-descent tuning, and its decomposition of an M = 1 mm into a
+    multiply and a sum returns the inputs' dtype, not the out_dtype asked for (on the H200,
+    2026-12-01, the router's logits came back bf16 at T = 1 and the routing kernel failed to
+    compile). Traced here without inductor: the graph holds the op, the output is fp32 and
+    equal to the eager GEMM; the routing refuses a bf16 logit table by name."""
+    from types import SimpleNamespace
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    stub = SimpleNamespace(out_dtype=False)  # the CPU's path: fp32 maths (no out_dtype mm here)
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(1, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(32, 64, generator=g).to(torch.bfloat16)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, y: peer.PeerModel.mm32(stub, x, y), backend=capture, fullgraph=True)
+    out = f(a, w)
+    assert out.dtype == torch.float32 and torch.equal(out, a.float() @ w.float().t())
+    assert any("peer_mm32" in str(n.target) for gm in graphs for n in gm.graph.nodes), graphs[0].graph
+    assert peer.PeerModel.mm32(stub, a, w).dtype == torch.float32  # eager: unchanged
+    torch._dynamo.reset()
+    i32 = dict(dtype=torch.int32)
+    with pytest.raises(TypeError, match="logits must be fp32, got torch.bfloat16"):
+        K.route(torch.zeros(1, 8, dtype=torch.bfloat16), 8, 1, 4, 2, torch.zeros(1, 2, **i32), torch.zeros(1, 2),
+                torch.zeros(16, **i32), torch.zeros(1, **i32), torch.zeros(1, **i32), block_m=16, max_per_expert=1)
