@@ -51,7 +51,7 @@ EVENTS.phase("unit_open", "a unit's dependency wait on thread 0 and the barrier 
 EVENTS.phase("unit_close", "the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)")
 TOPK_STEPS = ("the selections", "the logits' reset and the softmax with its stores, to the barrier after",
               "the slots: expert bitmap, prefix, slot records")  # topk_step's arg (ops/topk.cuh stamps 0, 1, 2)
-EVENTS.phase("topk_step", "top-k's steps after its poll (arg: " + ", ".join(f"{i} {s}" for i, s in enumerate(TOPK_STEPS))
+EVENTS.phase("topk_step", "top-k's steps after its poll (arg: " + ", ".join("%d %s" % (i, s) for i, s in enumerate(TOPK_STEPS))
              + "); thread 0's view, which runs tokens 0 and 8")
 DETAIL_PHASES = ("stage", "ring_wait", "attn_load", "publish", "fp4_tail", "epilogue", "unit_open", "unit_close",
                  "topk_step")

@@ -118,7 +118,9 @@ def wilson(k: float, n: float, z: float = 1.96) -> tuple[float, float]:
     den = 1 + z * z / n
     c = (p + z * z / (2 * n)) / den
     h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return max(0.0, c - h), min(1.0, c + h)
+    # at p = 0 (or 1) c and h are equal in exact arithmetic; their rounding is the platform's
+    # (1.4e-17 on the H200's Python 3.12, 0 here), so the ends are set, not computed
+    return (0.0 if p == 0.0 else max(0.0, c - h)), (1.0 if p == 1.0 else min(1.0, c + h))
 
 
 def anova_icc(clusters: Sequence[Sequence[float]]) -> float | None:
