@@ -125,7 +125,13 @@ def interpreted(check_overflow: bool = False):
         f = cache.get(self.fn)
         if f is None:
             f = cache[self.fn] = I.InterpretedFunction(self.fn)
-        return f(*a, **kw)
+        scope = I._patch_lang(self.fn)  # what f(*a, **kw) does, which never restores its patches
+        try:
+            return f.rewrite()(*a, **kw)
+        except Exception as e:
+            raise I.InterpreterError(repr(e)) from e
+        finally:
+            scope.restore()
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         def up(h):
