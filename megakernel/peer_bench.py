@@ -641,10 +641,12 @@ def compile_report(log=print) -> list[dict]:
     for spec in SWEEP:
         cfg = K.MoeConfig(*spec)
         jobs.append((f"moe_up {cfg.label()}", K._moe_up_kernel, up_sig,
-                     {"TOPK": 8, "X_F32": True, "BM": K.BLOCK_M, "BN": cfg.block_n, "BK": cfg.block_k},
+                     {"TOPK": 8, "X_F32": True, "BM": K.BLOCK_M, "BN": cfg.block_n, "BK": cfg.block_k,
+                      "PAIR": cfg.pair_dots()},
                      cfg.num_warps, cfg.num_stages, al_up))
         jobs.append((f"moe_down {cfg.label()}", K._moe_down_kernel, down_sig,
-                     {"BM": K.BLOCK_M, "BN": cfg.block_n, "BK": cfg.block_k}, cfg.num_warps, cfg.num_stages, al_down))
+                     {"BM": K.BLOCK_M, "BN": cfg.block_n, "BK": cfg.block_k, "PAIR": cfg.pair_dots()},
+                     cfg.num_warps, cfg.num_stages, al_down))
     for glob in (True, False):
         for bq in (16, 64):
             jobs.append((f"attn_partial global={glob} BQ={bq}", K._attn_partial_kernel, attn_sig,

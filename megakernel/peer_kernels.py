@@ -32,7 +32,10 @@ epilogue multiplies by 2^22 * tensor scale. PAIR_SHIFTS is derived from fp4_layo
 K order. A word's 8 codes feed 8 dots ("planes": plane j holds code k = 8w + j of word w). The
 activations are stored plane-major (column j * K/8 + w holds k = 8w + j), so every plane's
 operand is a contiguous tile: the pooler's rows are permuted once (peer.py) and moe_up writes its
-output in that order. `to_planes` / `from_planes` convert.
+output in that order. `to_planes` / `from_planes` convert. Where the dots are mma.sync (BLOCK_N
+< 64: no wgmma) and a plane is 16 words (BLOCK_K 128), planes e and e + 4 go into one dot of
+K = 32 instead (MoeConfig.pair_dots): Triton 3.6 lays those operands out 32 k values wide, and
+its dots of K = 16 computed wrong outputs on the H200.
 
 Interpreter. `interpreted()` runs these kernels on the CPU with Triton's numpy interpreter
 (tests): it also makes nested @triton.jit helpers callable there and fixes two interpreter bugs
@@ -125,7 +128,13 @@ def interpreted(check_overflow: bool = False):
         f = cache.get(self.fn)
         if f is None:
             f = cache[self.fn] = I.InterpretedFunction(self.fn)
-        return f(*a, **kw)
+        scope = I._patch_lang(self.fn)  # what f(*a, **kw) does, which never restores its patches
+        try:
+            return f.rewrite()(*a, **kw)
+        except Exception as e:
+            raise I.InterpreterError(repr(e)) from e
+        finally:
+            scope.restore()
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         def up(h):
@@ -470,6 +479,20 @@ class MoeConfig:
     def label(self) -> str:
         return f"n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
 
+    def wgmma(self) -> bool:
+        """Whether Triton (3.6, sm_90) makes the kernels' dots wgmma: a warpgroup's 64 rows of
+        BLOCK_N per dot; else mma.sync (compile_sm90 reports which)."""
+        return self.block_n % 64 == 0 and self.num_warps % 4 == 0
+
+    def pair_dots(self) -> bool:
+        """Whether each pair of planes feeds one dot of K = BLOCK_K / 4 (PAIR in _plane_dots)
+        rather than two of BLOCK_K / 8: where the dots are mma.sync and BLOCK_K / 8 = 16. Triton
+        3.6 gives an mma.sync operand that comes from 8-bit loads through a join (the scales)
+        kWidth 8, whose layout spans 32 k values; a dot of K = 16 then adds wrong products
+        (H200: n32k128 and n16k128 off by 1.74 / 0.99 relative for moe_up / moe_down, every
+        num_warps and num_stages; n32k256 right). The wgmma configs keep their two dots."""
+        return self.block_k == 128 and not self.wgmma()
+
     def validate(self, n: int, k: int) -> MoeConfig:
         if self.block_k % 128 or k % self.block_k:
             raise ValueError(f"moe config {self.label()}: BLOCK_K must be a multiple of 128 dividing K={k} "
@@ -505,24 +528,45 @@ def _scales(ptr, BN: tl.constexpr, BKW: tl.constexpr):
 
 
 @triton.jit
-def _plane_dots(acc, w, s, x_ptrs, xm, plane, X_F32: tl.constexpr, MAG: tl.constexpr, SIGN: tl.constexpr):
+def _plane_dots(acc, w, s, x_ptrs, xm, plane, X_F32: tl.constexpr, MAG: tl.constexpr, SIGN: tl.constexpr,
+                PAIR: tl.constexpr):
     """acc += planes e and e + 4 of the words w (scales s) against the activation planes at
-    x_ptrs + plane offsets."""
+    x_ptrs + plane offsets. PAIR: both planes in one dot of K = 2 BKW (weight column 2w + h is
+    word w of plane e + 4h, and so is activation row 2w + h: the kernels' x_ptrs are then
+    [2 BKW, BM] of those rows); else one dot of K = BKW each (x_ptrs [BKW, BM], plane e)."""
     lo, hi = _fp4_pair(w, MAG, SIGN)
-    xl = tl.load(x_ptrs, mask=xm, other=0.0)
-    xh = tl.load(x_ptrs + 4 * plane, mask=xm, other=0.0)
-    if X_F32:
-        xl = xl.to(tl.bfloat16)
-        xh = xh.to(tl.bfloat16)
-    acc = tl.dot((lo * s).to(tl.bfloat16), xl, acc)
-    acc = tl.dot((hi * s).to(tl.bfloat16), xh, acc)
+    if PAIR:
+        x = tl.load(x_ptrs, mask=xm, other=0.0)
+        if X_F32:
+            x = x.to(tl.bfloat16)
+        a = tl.reshape(tl.join(lo * s, hi * s), [lo.shape[0], 2 * lo.shape[1]])
+        acc = tl.dot(a.to(tl.bfloat16), x, acc)
+    else:
+        xl = tl.load(x_ptrs, mask=xm, other=0.0)
+        xh = tl.load(x_ptrs + 4 * plane, mask=xm, other=0.0)
+        if X_F32:
+            xl = xl.to(tl.bfloat16)
+            xh = xh.to(tl.bfloat16)
+        acc = tl.dot((lo * s).to(tl.bfloat16), xl, acc)
+        acc = tl.dot((hi * s).to(tl.bfloat16), xh, acc)
     return acc
+
+
+@triton.jit
+def _x_rows(KW, BKW: tl.constexpr, PAIR: tl.constexpr):
+    """Column offsets of the activation tile's rows from plane e's first word (_plane_dots):
+    PAIR, [2 BKW]: row 2w + h is word w of plane e + 4h; else [BKW]: word w of plane e."""
+    if PAIR:
+        r = tl.arange(0, 2 * BKW)
+        return r // 2 + (r % 2) * (4 * KW)
+    else:
+        return tl.arange(0, BKW)
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _moe_up_kernel(x_ptr, x_stride, x_off, sorted_ptr, bexp_ptr, nblk_ptr, codes_ptr, scales_ptr, ts_ptr, act_ptr,
                    n_pairs, F, K, TOPK: tl.constexpr, X_F32: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr):
     pid_m = tl.program_id(1)  # the expert block (axis 1: the live blocks launch before the padding's)
     if pid_m >= tl.load(nblk_ptr):
         return
@@ -543,7 +587,7 @@ def _moe_up_kernel(x_ptr, x_stride, x_off, sorted_ptr, bexp_ptr, nblk_ptr, codes
     u_w = codes_ptr + u_rows.to(tl.int64)[:, None] * KW + wi[None, :]
     g_s = scales_ptr + g_rows.to(tl.int64)[:, None] * (K // 16) + si[None, :]
     u_s = scales_ptr + u_rows.to(tl.int64)[:, None] * (K // 16) + si[None, :]
-    x_p = x_ptr + x_off + tok[None, :] * x_stride + wi[:, None]  # plane 0 of the first step, [BKW, BM]
+    x_p = x_ptr + x_off + tok[None, :] * x_stride + _x_rows(KW, BKW, PAIR)[:, None]  # plane 0 of the first step
     xm = pv[None, :]
     acc_g = tl.zeros([BN, BM], tl.float32)
     acc_u = tl.zeros([BN, BM], tl.float32)
@@ -553,14 +597,14 @@ def _moe_up_kernel(x_ptr, x_stride, x_off, sorted_ptr, bexp_ptr, nblk_ptr, codes
         sg = _scales(g_s + kw0 // 2, BN, BKW)
         su = _scales(u_s + kw0 // 2, BN, BKW)
         xp = x_p + kw0
-        acc_g = _plane_dots(acc_g, wg, sg, xp, xm, KW, X_F32, _M0, _S0)
-        acc_u = _plane_dots(acc_u, wu, su, xp, xm, KW, X_F32, _M0, _S0)
-        acc_g = _plane_dots(acc_g, wg, sg, xp + KW, xm, KW, X_F32, _M1, _S1)
-        acc_u = _plane_dots(acc_u, wu, su, xp + KW, xm, KW, X_F32, _M1, _S1)
-        acc_g = _plane_dots(acc_g, wg, sg, xp + 2 * KW, xm, KW, X_F32, _M2, _S2)
-        acc_u = _plane_dots(acc_u, wu, su, xp + 2 * KW, xm, KW, X_F32, _M2, _S2)
-        acc_g = _plane_dots(acc_g, wg, sg, xp + 3 * KW, xm, KW, X_F32, _M3, _S3)
-        acc_u = _plane_dots(acc_u, wu, su, xp + 3 * KW, xm, KW, X_F32, _M3, _S3)
+        acc_g = _plane_dots(acc_g, wg, sg, xp, xm, KW, X_F32, _M0, _S0, PAIR)
+        acc_u = _plane_dots(acc_u, wu, su, xp, xm, KW, X_F32, _M0, _S0, PAIR)
+        acc_g = _plane_dots(acc_g, wg, sg, xp + KW, xm, KW, X_F32, _M1, _S1, PAIR)
+        acc_u = _plane_dots(acc_u, wu, su, xp + KW, xm, KW, X_F32, _M1, _S1, PAIR)
+        acc_g = _plane_dots(acc_g, wg, sg, xp + 2 * KW, xm, KW, X_F32, _M2, _S2, PAIR)
+        acc_u = _plane_dots(acc_u, wu, su, xp + 2 * KW, xm, KW, X_F32, _M2, _S2, PAIR)
+        acc_g = _plane_dots(acc_g, wg, sg, xp + 3 * KW, xm, KW, X_F32, _M3, _S3, PAIR)
+        acc_u = _plane_dots(acc_u, wu, su, xp + 3 * KW, xm, KW, X_F32, _M3, _S3, PAIR)
     ts = tl.load(ts_ptr + ex) * _UNSHIFT
     g = acc_g * ts
     u = acc_u * ts
@@ -571,7 +615,7 @@ def _moe_up_kernel(x_ptr, x_stride, x_off, sorted_ptr, bexp_ptr, nblk_ptr, codes
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _moe_down_kernel(act_ptr, sorted_ptr, bexp_ptr, nblk_ptr, codes_ptr, scales_ptr, ts_ptr, y_ptr, n_pairs, N, K,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr):
     pid_m = tl.program_id(1)  # the expert block (axis 1: the live blocks launch before the padding's)
     if pid_m >= tl.load(nblk_ptr):
         return
@@ -589,17 +633,17 @@ def _moe_down_kernel(act_ptr, sorted_ptr, bexp_ptr, nblk_ptr, codes_ptr, scales_
     rows = (ex * N + n).to(tl.int64)
     c_w = codes_ptr + rows[:, None] * KW + wi[None, :]
     c_s = scales_ptr + rows[:, None] * (K // 16) + si[None, :]
-    x_p = act_ptr + pr[None, :] * K + wi[:, None]
+    x_p = act_ptr + pr[None, :] * K + _x_rows(KW, BKW, PAIR)[:, None]
     xm = pv[None, :]
     acc = tl.zeros([BN, BM], tl.float32)
     for kw0 in range(0, KW, BKW):
         w = tl.load(c_w + kw0)
         s = _scales(c_s + kw0 // 2, BN, BKW)
         xp = x_p + kw0
-        acc = _plane_dots(acc, w, s, xp, xm, KW, False, _M0, _S0)
-        acc = _plane_dots(acc, w, s, xp + KW, xm, KW, False, _M1, _S1)
-        acc = _plane_dots(acc, w, s, xp + 2 * KW, xm, KW, False, _M2, _S2)
-        acc = _plane_dots(acc, w, s, xp + 3 * KW, xm, KW, False, _M3, _S3)
+        acc = _plane_dots(acc, w, s, xp, xm, KW, False, _M0, _S0, PAIR)
+        acc = _plane_dots(acc, w, s, xp + KW, xm, KW, False, _M1, _S1, PAIR)
+        acc = _plane_dots(acc, w, s, xp + 2 * KW, xm, KW, False, _M2, _S2, PAIR)
+        acc = _plane_dots(acc, w, s, xp + 3 * KW, xm, KW, False, _M3, _S3, PAIR)
     y = acc * (tl.load(ts_ptr + ex) * _UNSHIFT)
     tl.store(y_ptr + pr[None, :] * N + n[:, None], y.to(tl.bfloat16), mask=pv[None, :])
 
@@ -620,7 +664,7 @@ def moe_up(x, x_stride: int, x_off: int, x_f32: bool, sorted_ids, block_expert, 
     cfg.validate(f, k)
     _launch(_moe_up_kernel, (f // cfg.block_n, block_expert.numel()), x, x_stride, x_off, sorted_ids, block_expert,
             n_blocks, _words(codes), scales, tscale, act, n_pairs, f, k, TOPK=top_k, X_F32=x_f32, BM=BLOCK_M,
-            BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BN=cfg.block_n, BK=cfg.block_k, PAIR=cfg.pair_dots(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def moe_down(act, sorted_ids, block_expert, n_blocks, codes, scales, tscale, y, n_pairs: int, cfg: MoeConfig) -> None:
@@ -630,7 +674,7 @@ def moe_down(act, sorted_ids, block_expert, n_blocks, codes, scales, tscale, y, 
     cfg.validate(n, k)
     _launch(_moe_down_kernel, (n // cfg.block_n, block_expert.numel()), act, sorted_ids, block_expert, n_blocks,
             _words(codes), scales, tscale, y, n_pairs, n, k, BM=BLOCK_M, BN=cfg.block_n, BK=cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            PAIR=cfg.pair_dots(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 @triton.jit
