@@ -359,7 +359,7 @@ def k_match(expr: str, name: str) -> bool:
 
 class SyntheticBackend:
     """Fake cases with a fake timer (module docstring). Spec keys: device, cases {id: {time, noise,
-    slowdown, class, unit, fail, skip, process_sd}}, drift {amp, period}, order_penalty,
+    slowdown, class, unit, fail, fail_worker, skip, process_sd}}, drift {amp, period}, order_penalty,
     inject_efficiency, process_sd (each worker's steady offset, log sd), seed, sleep_s (wall time
     per timing, to exercise timeouts)."""
 
@@ -394,8 +394,8 @@ class SyntheticBackend:
                 if v.get("only") is not None and cid not in v["only"]:
                     continue
                 vid = cid + (f"@{v['name']}" if v["name"] else "")
-                if c.get("fail"):
-                    failed.append({"id": vid, "error": str(c["fail"])})
+                if c.get("fail") or (c.get("fail_worker") and c["fail_worker"] == self.name):
+                    failed.append({"id": vid, "error": str(c.get("fail") or f"fails on worker {self.name}")})
                     continue
                 if c.get("skip"):
                     skipped.append({"id": vid, "reason": str(c["skip"])})

@@ -622,7 +622,7 @@ def prepare_sides(specs: Sequence[SideSpec], select_: dict, workdir: Path, cfg: 
         raise
 
 
-def _pool_prepared(prepared: Mapping[str, dict], names: Sequence[str]) -> dict:
+def pool_prepared(prepared: Mapping[str, dict], names: Sequence[str]) -> dict:
     """One side's preparation from its workers': a case counts as ready only where every worker
     has it; a case that failed on any worker is failed (named with the worker)."""
     reps = [prepared[n] for n in names]
@@ -637,7 +637,7 @@ def _pool_prepared(prepared: Mapping[str, dict], names: Sequence[str]) -> dict:
     for n, p in zip(names, reps):
         for c in p["cases"]:
             if c["id"] not in ready and c["id"] not in seen:
-                failed.append({"id": c["id"], "error": f"prepared on some workers of the side but not on {n}'s peers"})
+                failed.append({"id": c["id"], "error": f"prepared by worker {n} but not by every worker of its side"})
                 seen.add(c["id"])
     return {**reps[0], "cases": [c for c in reps[0]["cases"] if c["id"] in ready], "failed": failed}
 
@@ -655,8 +655,8 @@ def run_ab(baseline: SideSpec, candidate: SideSpec, select_: dict | None = None,
         a, b = baseline.name, candidate.name
         specs_a, specs_b = replicate(baseline, cfg.replicas), replicate(candidate, cfg.replicas)
         workers, prepared_w, notes = prepare_sides([*specs_a, *specs_b], select_, workdir, cfg, log)
-        prepared = {a: _pool_prepared(prepared_w, [x.name for x in specs_a]),
-                    b: _pool_prepared(prepared_w, [x.name for x in specs_b])}
+        prepared = {a: pool_prepared(prepared_w, [x.name for x in specs_a]),
+                    b: pool_prepared(prepared_w, [x.name for x in specs_b])}
         ca = {c["id"]: c for c in prepared[a]["cases"]}
         cb = {c["id"]: c for c in prepared[b]["cases"]}
         failed = {n: p["failed"] for n, p in prepared.items()}

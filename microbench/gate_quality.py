@@ -62,7 +62,7 @@ import numpy as np
 
 from .errors import ResultsFileError
 from .gate import CrossRun, GateConfig, Measurement, judge, key_class
-from .gate_ab import (ABConfig, Comparison, Entry, SideSpec, _pool_prepared, prepare_sides, replicate,
+from .gate_ab import (ABConfig, Comparison, Entry, SideSpec, pool_prepared, prepare_sides, replicate,
                       replicated_verdict, run_rounds, tree_label)
 from .results import REPO_ROOT, Derived, Env, Result, Series, find, load, results_root
 
@@ -284,8 +284,8 @@ def quality_run(out: Path, rounds: int = ROUNDS, cfg: ABConfig = ABConfig(), bac
     ids = [c for c, _ in cases]
     workers, prepared_w, notes = prepare_sides([*sa, *sb], {"ids": ids}, work, cfg, log)
     try:
-        prepared = {"A": _pool_prepared(prepared_w, [x.name for x in sa]),
-                    "B": _pool_prepared(prepared_w, [x.name for x in sb])}
+        prepared = {"A": pool_prepared(prepared_w, [x.name for x in sa]),
+                    "B": pool_prepared(prepared_w, [x.name for x in sb])}
         ca = {c["id"]: c for c in prepared["A"]["cases"]}
         cb = {c["id"]: c for c in prepared["B"]["cases"]}
         comps, missing = [], []

@@ -474,3 +474,12 @@ def test_replicas_below_one_is_refused(tmp_path, capsys):
     spec.write_text(json.dumps({"baseline": {"cases": CASES}, "candidate": {"cases": CASES}}))
     code = main(["gate", "--ab-tree", str(REPO_ROOT), "--backend", f"synthetic:{spec}", "--replicas", "0"])
     assert code == EXIT_INPUT and "--replicas must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_case_that_fails_on_one_worker_fails_its_side_and_is_named():
+    bad = {k: dict(v) for k, v in CASES.items()}
+    bad["sync/pingpong"]["fail_worker"] = "candidate#2"
+    rep = run_ab(_side("baseline", CASES), _side("candidate", bad), rounds=8, log=_quiet)
+    assert [f["id"] for f in rep.failed["candidate"]] == ["sync/pingpong"]
+    assert rep.failed["candidate"][0]["error"].startswith("(worker candidate#2) fails on worker candidate#2")
+    assert "sync/pingpong" not in {v.key for v in rep.verdicts} and rep.exit_code() == EXIT_INPUT
