@@ -625,14 +625,6 @@ def compile_report(log=print) -> list[dict]:
     from .peer import SWEEP
 
     ptr = lambda t: f"*{t}"  # noqa: E731
-    up_sig = {"x_ptr": ptr("fp32"), "x_stride": "i32", "x_off": "i32", "sorted_ptr": ptr("i32"),
-              "bexp_ptr": ptr("i32"), "nblk_ptr": ptr("i32"), "codes_ptr": ptr("i32"), "scales_ptr": ptr("u8"),
-              "ts_ptr": ptr("fp32"), "act_ptr": ptr("bf16"), "n_pairs": "i32", "F": "i32", "K": "i32"}
-    down_sig = {"act_ptr": ptr("bf16"), "sorted_ptr": ptr("i32"), "bexp_ptr": ptr("i32"), "nblk_ptr": ptr("i32"),
-                "codes_ptr": ptr("i32"), "scales_ptr": ptr("u8"), "ts_ptr": ptr("fp32"), "y_ptr": ptr("bf16"),
-                "n_pairs": "i32", "N": "i32", "K": "i32"}
-    al_up = [k for k in up_sig if k.endswith("_ptr")] + ["x_stride", "F", "K"]
-    al_down = [k for k in down_sig if k.endswith("_ptr")] + ["N", "K"]
     attn_sig = {"q_ptr": ptr("bf16"), "k_ptr": ptr("bf16"), "v_ptr": ptr("bf16"), "ctx_ptr": ptr("i32"),
                 "depth_ptr": ptr("i32"), "anc_ptr": ptr("i32"), "o_ptr": ptr("fp32"), "ml_ptr": ptr("fp32"),
                 "T": "i32", "slots": "i32", "ring": "i32", "window": "i32", "scale": "fp32", "n_splits": "i32"}
@@ -640,13 +632,9 @@ def compile_report(log=print) -> list[dict]:
     jobs = []
     for spec in SWEEP:
         cfg = K.MoeConfig(*spec)
-        jobs.append((f"moe_up {cfg.label()}", K._moe_up_kernel, up_sig,
-                     {"TOPK": 8, "X_F32": True, "BM": K.BLOCK_M, "BN": cfg.block_n, "BK": cfg.block_k,
-                      "PAIR": cfg.pair_dots()},
-                     cfg.num_warps, cfg.num_stages, al_up))
-        jobs.append((f"moe_down {cfg.label()}", K._moe_down_kernel, down_sig,
-                     {"BM": K.BLOCK_M, "BN": cfg.block_n, "BK": cfg.block_k, "PAIR": cfg.pair_dots()},
-                     cfg.num_warps, cfg.num_stages, al_down))
+        for kind in ("up", "down"):
+            fn, sig, ce, al = K.moe_compile_args(kind, cfg)
+            jobs.append((f"moe_{kind} {cfg.label()}", fn, sig, ce, cfg.num_warps, cfg.num_stages, al))
     for glob in (True, False):
         for bq in (16, 64):
             jobs.append((f"attn_partial global={glob} BQ={bq}", K._attn_partial_kernel, attn_sig,

@@ -696,26 +696,54 @@ def moe_combine(y, w, z, top_k: int) -> None:
 
 
 # ---------------------------------------------------------------------- compile-only checks (no GPU)
-def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
-                 aligned: tuple[str, ...] = ()) -> dict:
-    """Compile `kernel` for sm_90a without a GPU (Triton's own ptxas) and report the machine code:
-    registers, spill bytes, shared memory, wgmma use. `aligned`: argument names assumed 16-byte
-    aligned / divisible by 16, as the JIT specialises real launches."""
-    import os
-    import re
-    import subprocess
-    import tempfile
+_MOE_SIGNATURES = {
+    "up": {"x_ptr": "*fp32", "x_stride": "i32", "x_off": "i32", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
+           "nblk_ptr": "*i32", "codes_ptr": "*i32", "scales_ptr": "*u8", "ts_ptr": "*fp32", "act_ptr": "*bf16",
+           "n_pairs": "i32", "F": "i32", "K": "i32"},
+    "down": {"act_ptr": "*bf16", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "nblk_ptr": "*i32", "codes_ptr": "*i32",
+             "scales_ptr": "*u8", "ts_ptr": "*fp32", "y_ptr": "*bf16", "n_pairs": "i32", "N": "i32", "K": "i32"},
+}
 
+
+def moe_compile_args(kind: str, cfg: MoeConfig, top_k: int = 8) -> tuple:
+    """(kernel, signature, constexprs, aligned) of moe_up ("up") or moe_down ("down") at `cfg`, as
+    moe_up / moe_down launch it, for compile_sm90 / compile_sm90_ir."""
+    sig = _MOE_SIGNATURES[kind]
+    ce = {"BM": BLOCK_M, "BN": cfg.block_n, "BK": cfg.block_k, "PAIR": cfg.pair_dots()}
+    if kind == "up":
+        ce = {"TOPK": top_k, "X_F32": True, **ce}
+    aligned = tuple(a for a in sig if a.endswith("_ptr") or a in ("x_stride", "F", "N", "K"))
+    return (_moe_up_kernel if kind == "up" else _moe_down_kernel), sig, ce, aligned
+
+
+def compile_sm90_ir(kernel, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+                    aligned: tuple[str, ...] = ()):
+    """Triton's compiled kernel for sm_90a, no GPU needed (its .asm holds ttir / ttgir / ptx).
+    `aligned`: argument names assumed 16-byte aligned / divisible by 16, as the JIT specialises
+    real launches."""
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
                     constexprs=constexprs, attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                     "num_stages": num_stages})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                        "num_stages": num_stages})
+
+
+def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+                 aligned: tuple[str, ...] = ()) -> dict:
+    """Compile `kernel` for sm_90a without a GPU (Triton's own ptxas) and report the machine code:
+    registers, spill bytes, shared memory, wgmma use (compile_sm90_ir's arguments)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    c = compile_sm90_ir(kernel, signature, constexprs, num_warps, num_stages, aligned)
     ptx = c.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")

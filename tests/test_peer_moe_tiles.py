@@ -90,38 +90,15 @@ def test_moe_tiles_agree_with_each_other(outputs):
 
 
 # ---------------------------------------------------------------------- what only the GPU's compile shows
-_SIG = {
-    "up": {"x_ptr": "*fp32", "x_stride": "i32", "x_off": "i32", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
-           "nblk_ptr": "*i32", "codes_ptr": "*i32", "scales_ptr": "*u8", "ts_ptr": "*fp32", "act_ptr": "*bf16",
-           "n_pairs": "i32", "F": "i32", "K": "i32"},
-    "down": {"act_ptr": "*bf16", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "nblk_ptr": "*i32", "codes_ptr": "*i32",
-             "scales_ptr": "*u8", "ts_ptr": "*fp32", "y_ptr": "*bf16", "n_pairs": "i32", "N": "i32", "K": "i32"},
-}
-
-
 def _ttgir(kind: str, cfg: K.MoeConfig) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = _SIG[kind]
-    ce = {"BM": K.BLOCK_M, "BN": cfg.block_n, "BK": cfg.block_k, "PAIR": cfg.pair_dots()}
-    if kind == "up":
-        ce = {"TOPK": 8, "X_F32": True, **ce}
-    names = list(sig)
-    aligned = [a for a in names if a.endswith("_ptr") or a in ("x_stride", "F", "N", "K")]
-    src = ASTSource(fn=K._moe_up_kernel if kind == "up" else K._moe_down_kernel,
-                    signature={**sig, **{c: "constexpr" for c in ce}}, constexprs=ce,
-                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     try:  # the NVIDIA backend and its ptxas (triton's wheels carry both)
         from triton.backends.nvidia.compiler import get_ptxas
 
         get_ptxas(90)
     except Exception as e:
         pytest.skip(f"no sm_90a compiler in this triton: {e.__class__.__name__}: {str(e)[:200]}")
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    return c.asm["ttgir"]
+    fn, sig, ce, aligned = K.moe_compile_args(kind, cfg)
+    return K.compile_sm90_ir(fn, sig, ce, cfg.num_warps, cfg.num_stages, aligned).asm["ttgir"]
 
 
 def _mma_sync_dots(ttgir: str) -> list[tuple[int, int, int]]:
