@@ -76,13 +76,16 @@ TARGETS = {"false_alarm_rate_ab": ("<=", 0.01), "detection_rate_ab_5pct": (">=",
            "detection_rate_ab_10pct": (">=", 1.0)}
 METHOD = "two quality runs (gate.quality_run) on fresh machines, trials of 10 rounds, clusters (run, case)"
 
-# (pytest nodeid, kernels carry the injection hook)
+# (pytest nodeid, kernels carry the injection hook). Every worker holds each hooked case four times
+# (as built and at each injection) with its own buffers; the two 2 GiB cases (the 1 GiB copy's source
+# and destination, the read ceiling's buffer) are timed as built only: hooked, they made a worker
+# hold about 26 GiB, and the six workers of three a side ran the H200 out of memory (2026-12-02).
 QUALITY_CASES = (
     ("tests/bench/test_bench_basics.py::test_copy[mb_copy_v4-64MiB]", True),
-    ("tests/bench/test_bench_basics.py::test_copy[mb_copy_v4-1024MiB]", True),
+    ("tests/bench/test_bench_basics.py::test_copy[mb_copy_v4-1024MiB]", False),
     ("tests/bench/test_bench_basics.py::test_copy[memcpy-64MiB]", False),
     ("tests/bench/test_bench_basics.py::test_empty_kernel_launch", False),
-    ("tests/bench/test_bench_weights.py::test_read_ceiling", True),
+    ("tests/bench/test_bench_weights.py::test_read_ceiling", False),
     ("tests/bench/test_bench_weights.py::test_l2_read[16MiB]", True),
     ("tests/bench/test_bench_sync.py::test_sync[sync/pingpong/gpu_acq/128rounds]", True),
     ("tests/bench/test_bench_sync.py::test_sync[sync/publish/ping/release_flag/256B]", True),
