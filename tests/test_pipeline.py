@@ -99,8 +99,9 @@ def test_run_with_gpu_pipeline_order(tmp_path, capsys, monkeypatch):
     assert "timed shard8" not in calls and calls[-1] == "saved"
     assert "megakernel: shard8 T=16 ctx=2048 mega: skipped (an earlier item of megakernel/shard8 failed" in out
     assert list((root / "sync").glob("sync.flags-*.json"))
-    # the gate's quality: the analysis of the recorded quality runs (two of them), or why there is none
-    assert list((root / "gate").glob("gate.quality-*.json")) or "quality run(s) recorded" in out
+    # the gate's quality: the analysis of the recorded quality runs (two or more), or why there is none;
+    # a result over 64 KB is saved gzipped (.json.gz), as the analysis of four committed runs is
+    assert list((root / "gate").glob("gate.quality-*.json*")) or "quality run(s) recorded" in out
     assert (tmp_path / "c" / "nvidia-h200.json").is_file() and (tmp_path / "rep" / "REPORT.md").is_file()
     wall = list((root / "run").glob("run.wall-*.json"))  # the run's own durations, under the results root
     assert len(wall) == 1 and "(--full: no budget)" in out
