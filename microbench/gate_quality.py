@@ -51,6 +51,7 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import sys
 import tempfile
@@ -766,8 +767,6 @@ WHAT = {"false_alarm_rate_ab": "false alarms (A/A)", "false_alarm_rate_stored": 
 
 
 def _what(key: str) -> str:
-    import re
-
     m = re.fullmatch(r"(.*?)(?:_(\d+)w)?", key)
     base, workers = m.group(1), m.group(2)
     tail = "" if workers is None else f", {workers} worker{'s' if workers != '1' else ''} a side (earlier method)"
