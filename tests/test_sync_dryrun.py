@@ -129,6 +129,13 @@ def emulate(state):
         P = Params(R.FC, p)
         nb, k, reps, loops = spec.grid, P["load_bytes"], P["reps"], P["loops"]
         nk = R.FK["FK_KINDS"]
+        state["fence_grids"].append(nb)
+        if P["pin_claim"]:  # pinned: the block on SM pin_smid runs as block 0 unless claimed already
+            claim = mem(P["pin_claim"], np.int32, 1)
+            if "fence_pin_lost" in broken or claim[0]:
+                return  # no block claimed the SM: block 0's records stay as reset
+            claim[0] = 1
+            nb = 1
         out = mem(P["out"], np.int64, nb * nk * 2 * loops).reshape(nb, nk, 2, loops)
         for kind in range(nk):
             per = 0 if kind == 0 else (100 + 50 * kind + k / 100)
@@ -136,6 +143,8 @@ def emulate(state):
             out[:, kind, 1, :] = reps * (20 + per * 1.2)
         meta = mem(P["meta"], np.int64, nb * R.FMETA["FM_FIELDS"]).reshape(nb, -1)
         meta[:, R.FMETA["FM_SMID"]] = np.arange(nb)
+        if P["pin_claim"]:
+            meta[0, R.FMETA["FM_SMID"]] = P["pin_smid"] + ("fence_pin_wrong_sm" in broken)
         meta[:, R.FMETA["FM_LOAD_BYTES"]] = 100 * k
         meta[:, R.FMETA["FM_LOAD_NS"]] = 1_000_000
         meta[:, R.FMETA["FM_CYC"]] = 5_000_000
@@ -212,6 +221,7 @@ def emulate(state):
     def launch(kernel, spec, *args, persistent=False, stream=None):
         n = kernel.name
         state["launches"] += 1
+        state["params"].append(int(args[0]) if isinstance(args[0], int) else None)
         if n.endswith("heat"):
             return
         if n == "sync_poll_load":
@@ -254,7 +264,7 @@ def dry(monkeypatch, tmp_path):
     monkeypatch.setattr(R, "_sync", lambda: None)
     monkeypatch.setattr(R, "random_src", lambda nbytes, seed: torch.zeros(1024, dtype=torch.int32))
     monkeypatch.setattr(R.time, "sleep", lambda s: None)
-    state = {"broken": set(), "launches": 0}
+    state = {"broken": set(), "launches": 0, "fence_grids": [], "params": []}
     monkeypatch.setattr(L, "launch", emulate(state))
     yield types.SimpleNamespace(h=FakeHarness(), B=B, R=R, state=state)
 
@@ -330,3 +340,48 @@ def test_unencoded_sentinel_times_out_naming_slot_and_value(dry, mode):
                                                rf"holds 0x[0-9a-f]*(ffff|80000000)"):
         pb.verify(st, 8, seed=2, brk="skip_encode")
     assert str(fill) in str(pb.wd.rec.tolist())
+
+
+def test_gate_cases_average_placements_and_pin_the_fence_probe(dry):
+    """The pytest cases the A/B gate times: ping-pong and publish launch once on each of
+    PLACEMENTS separately allocated copies per sample (batch), and the fence probe is one block
+    pinned to the first SM, its launch a block per SM."""
+    B, h, st = dry.B, dry.h, dry.state
+    by = {c.name.split("/")[1]: c for c in B.cases()}
+    for kind in ("pingpong", "publish"):
+        case = by[kind]
+        assert case.name.endswith(f"/{B.PLACEMENTS}flags") and case.params["placements"] == B.PLACEMENTS
+        p = case.prepare(h)
+        assert p.batch == B.PLACEMENTS
+        st["params"].clear()
+        p.before_each()
+        for _ in range(p.batch):
+            p.launch()
+        assert len(set(st["params"])) == B.PLACEMENTS, f"{kind}: a sample must launch every placement once"
+        st["params"].clear()
+        p.launch()
+        p.before_each()
+        for _ in range(p.batch):  # a sample that starts mid-cycle still covers each copy once
+            p.launch()
+        assert len(set(st["params"][1:])) == B.PLACEMENTS
+    fence = by["fences"]
+    assert "1blk_pinned" in fence.name
+    st["fence_grids"].clear()
+    p = fence.prepare(h)
+    assert st["fence_grids"][-1] == G and p.metrics["smid"] == 0  # the dry run's SMs are 0..131
+    assert p.before_each is not None and p.batch == 1
+
+
+@pytest.mark.parametrize("broken, match", [("fence_pin_lost", "status FS_NOT_RUN .no block claimed"),
+                                           ("fence_pin_wrong_sm", "ran on SM 6, not 5")])
+def test_pinned_fence_probe_checks_its_sm(dry, broken, match):
+    R, h = dry.R, dry.h
+    go, reset, check = R.Fences(h).prepared_pinned(5, 4096, 16, 2)
+    reset()
+    go()
+    check()  # the emulation runs the block on SM 5
+    dry.state["broken"].add(broken)
+    reset()
+    go()
+    with pytest.raises(CorrectnessError, match=match):
+        check()

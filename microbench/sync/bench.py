@@ -618,35 +618,73 @@ BENCHMARKS = {"sync.flags": run_flags, "sync.fences": run_fences, "sync.publish"
 
 
 # ============================================================================ pytest-benchmark cases
-def pingpong_case(rounds: int = 128, scope: str = "gpu", poll: str = "acq") -> Case:
-    """One ping-pong launch (event-timed whole launch); flags reset before each sample."""
+# Flag placements a ping-pong or publish case averages over. Where a flag lies decides its L2 round
+# trip: in one process on the H200 (2026-12-02, .carry probe, 8 separate allocations timed in 4
+# interleaved passes) the ping-pong of each allocation was steady to 0.1-0.5% but the 8 differed by
+# -3.4..+3.8%, the 256 B publish by -1.0..+2.9%. One allocation a case made each process of the
+# A/B gate an offset of its own (a worker 7% off another of the same tree), which the gate's
+# process-level test could not tell from a regression below 13%, and gave an injected variant (a
+# separate allocation) a placement of its own too. A sample now launches once on each of
+# PLACEMENTS allocations (`batch`), so it is the mean over placements and a process draws 8 of them.
+PLACEMENTS = 8
 
-    def prepare(h: Harness) -> Prepared:
-        smids = sm_ids(h)
-        pp = R.PingPong(h)
-        cfg = R.PPConfig(smids[0], smids[len(smids) // 2], warmup=8, calib=8, rounds=rounds, scope=scope, poll=poll)
-        go, reset, check = pp.prepared(cfg)
+
+def _placed(make, n: int = PLACEMENTS) -> tuple:
+    """(launch, before_each) over n prepared copies of a case: `make()` -> (go, reset, check),
+    each allocating its own flags; every copy is run and checked once here. A sample's n launches
+    (batch n) cover each copy once, whatever copy the cycle starts at, after every copy's reset."""
+    copies = []
+    for _ in range(n):
+        go, reset, check = make()
         reset()
         go()
         check()
-        return Prepared(launch=go, before_each=reset, metrics={"rounds": cfg.warmup + cfg.nrec})
+        copies.append((go, reset))
+    nxt = [0]
 
-    return Case(f"sync/pingpong/{scope}_{poll}/{rounds}rounds", {"rounds": rounds, "scope": scope, "poll": poll}, prepare)
+    def launch():
+        copies[nxt[0] % n][0]()
+        nxt[0] += 1
+
+    def before_each():
+        for _, reset in copies:
+            reset()
+
+    launch.keep = copies
+    return launch, before_each
+
+
+def pingpong_case(rounds: int = 128, scope: str = "gpu", poll: str = "acq") -> Case:
+    """Ping-pong launches between two fixed SMs (event-timed whole launches), the mean over
+    PLACEMENTS flag placements per sample; flags reset before each sample."""
+
+    def prepare(h: Harness) -> Prepared:
+        smids = sm_ids(h)
+        cfg = R.PPConfig(smids[0], smids[len(smids) // 2], warmup=8, calib=8, rounds=rounds, scope=scope, poll=poll)
+        launch, reset = _placed(lambda: R.PingPong(h).prepared(cfg))
+        return Prepared(launch=launch, before_each=reset, batch=PLACEMENTS,
+                        metrics={"rounds": cfg.warmup + cfg.nrec, "placements": PLACEMENTS})
+
+    return Case(f"sync/pingpong/{scope}_{poll}/{rounds}rounds/{PLACEMENTS}flags",
+                {"rounds": rounds, "scope": scope, "poll": poll, "placements": PLACEMENTS}, prepare)
 
 
 def publish_case(mode: str, nbytes: int, pattern: str = "ping", rounds: int = 128) -> Case:
+    """Publish launches between two fixed SMs, the mean over PLACEMENTS placements of the slots
+    and flags per sample (each copy's payloads verified first on one of them)."""
+
     def prepare(h: Harness) -> Prepared:
         smids = sm_ids(h)
-        pb = R.Publish(h)
         cfg = R.PubConfig(mode, pattern, (smids[0], smids[len(smids) // 2]), nbytes, rounds=rounds)
-        pb.verify(pb.setup(cfg), verify_rounds(cfg), seed=7)
-        go, reset, check = pb.prepared(cfg)
-        reset()
-        go()
-        check()
-        return Prepared(launch=go, before_each=reset, metrics={"rounds": rounds})
+        first = R.Publish(h)
+        first.verify(first.setup(cfg), verify_rounds(cfg), seed=7)
+        pubs = iter([first] + [R.Publish(h) for _ in range(PLACEMENTS - 1)])
+        launch, reset = _placed(lambda: next(pubs).prepared(cfg))
+        return Prepared(launch=launch, before_each=reset, batch=PLACEMENTS,
+                        metrics={"rounds": rounds, "placements": PLACEMENTS})
 
-    return Case(f"sync/publish/{pattern}/{mode}/{nbytes}B", {"mode": mode, "bytes": nbytes, "pattern": pattern}, prepare)
+    return Case(f"sync/publish/{pattern}/{mode}/{nbytes}B/{PLACEMENTS}flags",
+                {"mode": mode, "bytes": nbytes, "pattern": pattern, "placements": PLACEMENTS}, prepare)
 
 
 def barrier_case(mode: str, d: int = 0, stops: int = 1000) -> Case:
@@ -664,13 +702,24 @@ def barrier_case(mode: str, d: int = 0, stops: int = 1000) -> Case:
 
 
 def fence_case(k: int = 64 * KiB) -> Case:
+    """One block's fence probe with k bytes of bulk loads in flight, pinned to the GPU's first SM.
+    Fence cost depends on the SM: one launch of 132 blocks on the H200 (2026-12-02) spread the
+    blocks' times over -6.1..+2.8% by SM, in groups of neighbouring SMs, and a lone block lands
+    where the block scheduler puts it, which is steady within a process (SM 124 in every launch of
+    six fresh processes) but not across the A/B gate's workers: a worker 6.5% off another of the
+    same tree, for the whole run. Pinned, every process times the same SM."""
+
     def prepare(h: Harness) -> Prepared:
         fn = R.Fences(h)
         fn.run([(1, k)], 16, 2)  # correctness: statuses and loader bytes checked
-        go = fn.prepared(1, k, 16, 2)
-        return Prepared(launch=go, metrics={"k_bytes": k})
+        sm = sm_ids(h)[0]
+        go, reset, check = fn.prepared_pinned(sm, k, 16, 2)
+        reset()
+        go()
+        check()
+        return Prepared(launch=go, before_each=reset, metrics={"k_bytes": k, "smid": sm})
 
-    return Case(f"sync/fences/all_kinds/1blk/{k}B", {"k_bytes": k}, prepare)
+    return Case(f"sync/fences/all_kinds/1blk_pinned/{k}B", {"k_bytes": k, "pinned": "first SM"}, prepare)
 
 
 def cases(quick: bool | None = None) -> list[Case]:

@@ -449,7 +449,8 @@ class Fences:
         meta = torch.zeros((nb, FMETA["FM_FIELDS"]), dtype=torch.int64, device=DEVICE)
         pt, ptrs = upload([FC.pack(dict(scratch=scratch, reps=reps, loops=loops, load_bytes=k,
                                         load_src=self.src if k else 0, load_src_bytes=self.src_bytes, out=out, meta=meta,
-                                        wd=self.wd.ptr, bound_ns=self.wd.bound_ns, smem_bytes=smem))])
+                                        wd=self.wd.ptr, bound_ns=self.wd.bound_ns, smem_bytes=smem,
+                                        pin_claim=0, pin_smid=0))])
         kern, spec = self.mod.kernel("sync_fence_cost"), LaunchSpec(grid=nb, block=128, smem=smem)
 
         def go():
@@ -457,6 +458,49 @@ class Fences:
 
         go.keep = (pt, scratch, out, meta)
         return go
+
+    def prepared_pinned(self, smid: int, k: int, reps: int, loops: int):
+        """(launch, reset, check) of one block's fence probe on SM `smid`: a block on every SM
+        (one_per_sm_smem), of which the first on `smid` to claim the word runs the probe and the
+        others return at once (fences.cu). `reset` zeroes the claim and the records (untimed,
+        stream-ordered); `check` synchronises and validates the last launch, its SM included."""
+        import torch
+
+        from ..launch import LaunchSpec, launch
+
+        nk = FK["FK_KINDS"]
+        smem = max(one_per_sm_smem(self.info), (nk * 2 * loops * 8 + 127) // 128 * 128 + 128 + k)
+        scratch = torch.zeros(16 * 32, dtype=torch.int32, device=DEVICE)
+        out = torch.zeros((1, nk, 2, loops), dtype=torch.int64, device=DEVICE)
+        meta = torch.zeros((1, FMETA["FM_FIELDS"]), dtype=torch.int64, device=DEVICE)
+        claim = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        pt, ptrs = upload([FC.pack(dict(scratch=scratch, reps=reps, loops=loops, load_bytes=k,
+                                        load_src=self.src if k else 0, load_src_bytes=self.src_bytes, out=out, meta=meta,
+                                        wd=self.wd.ptr, bound_ns=self.wd.bound_ns, smem_bytes=smem,
+                                        pin_claim=claim, pin_smid=smid))])
+        kern, spec = self.mod.kernel("sync_fence_cost"), LaunchSpec(grid=self.info.sm_count, block=128, smem=smem)
+
+        def go():
+            launch(kern, spec, ptrs[0])
+
+        def reset():
+            claim.zero_()
+            meta.zero_()
+
+        def check():
+            _sync()
+            check_watchdog(self.wd, "sync fence case (pinned)")
+            m = _u64(meta).astype(np.int64)[0]
+            st = FSTAT.get(int(m[FMETA["FM_STATUS"]]), "?")
+            if st != "FS_OK":
+                raise CorrectnessError(f"pinned fence probe on SM {smid}: status {st} (no block claimed the SM?)")
+            if int(m[FMETA["FM_SMID"]]) != smid:
+                raise CorrectnessError(f"pinned fence probe: ran on SM {int(m[FMETA['FM_SMID']])}, not {smid}")
+            if k and m[FMETA["FM_LOAD_BYTES"]] < k:
+                raise CorrectnessError(f"pinned fence probe: the loader landed less than its k={k} B")
+
+        go.keep = (pt, scratch, out, meta, claim)
+        return go, reset, check
 
     def run(self, configs: Sequence[tuple[int, int]], reps: int, loops: int) -> list[FenceRun]:
         """configs: (nblocks, k bytes in flight per block)."""
@@ -478,7 +522,8 @@ class Fences:
             meta = torch.zeros((nb, FMETA["FM_FIELDS"]), dtype=torch.int64, device=DEVICE)
             pt, ptrs = upload([FC.pack(dict(scratch=scratch, reps=reps, loops=loops, load_bytes=k,
                                             load_src=self.src if k else 0, load_src_bytes=self.src_bytes, out=out,
-                                            meta=meta, wd=self.wd.ptr, bound_ns=self.wd.bound_ns, smem_bytes=smem))])
+                                            meta=meta, wd=self.wd.ptr, bound_ns=self.wd.bound_ns, smem_bytes=smem,
+                                            pin_claim=0, pin_smid=0))])
             launch(self.mod.kernel("sync_fence_cost"), LaunchSpec(grid=nb, block=128, smem=smem), ptrs[0])
             pending.append((nb, k, out, meta))
             keep.append((pt, scratch))
