@@ -524,9 +524,14 @@ def section_changes(ctx: Context, bench_dir: Path | None, baseline: Path | None)
             if ms and all(m.gpu_key == gpu_key for m in ms):
                 files.append((max(m.date for m in ms), p, ms))
         files.sort(key=lambda t: (t[0], str(t[1])))
-        if len(files) >= 2:
-            comparisons.append((f"pytest-benchmark: `{files[-1][1].name}` vs the file before it, `{files[-2][1].name}`",
-                                files[-2][2], files[-1][2]))
+        # the newest file against the newest earlier one that has any of its cases (files hold one
+        # class each, or all: the file just before a sync run may be a megakernel run)
+        if files:
+            keys = {m.key for m in files[-1][2]}
+            older = [f for f in files[:-1] if keys & {m.key for m in f[2]}]
+            if older:
+                comparisons.append((f"pytest-benchmark: `{files[-1][1].name}` vs the newest earlier file with any of "
+                                    f"its cases, `{older[-1][1].name}`", older[-1][2], files[-1][2]))
     if not comparisons:
         out += [*wrap("Only one run of each benchmark so far on this GPU: nothing to compare yet. "
                       "(`megabench gate BASELINE CANDIDATE` compares any two runs; see docs/COMMANDS.md.)"), ""]

@@ -631,3 +631,32 @@ def test_a_partial_peer_run_does_not_hide_an_earlier_runs_rows(tmp_path):
     assert got == {("mega", "shard8", "real"): "full000", ("chain", "shard8", "real"): "full000",
                    ("peer", "shard8", "forced"): "full000", ("peer", "small", "forced"): "part000"}
     assert len(mk.step_rows(Catalog.load(root).latest_all())) == 1  # what the newest result alone gives
+
+
+def test_pytest_benchmark_comparison_pairs_files_that_share_cases(tmp_path):
+    """The newest pytest-benchmark file is compared with the newest earlier file that has any of its
+    cases, not with whatever file came just before it (a sync run after a megakernel run)."""
+    root = tmp_path / "r"
+    Result("sync.flags", env(), (series("s", 1e-6),)).save(root)
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    key = env().gpu_key
+
+    def write(name, when, cases):
+        rng = np.random.default_rng(len(name))
+        bs = []
+        for c in cases:
+            x = (1e-4 * (1 + 0.01 * rng.standard_normal(15))).tolist()
+            bs.append({"name": c, "fullname": f"tests/bench/t.py::{c}", "extra_info": {},
+                       "stats": {"median": float(np.median(x)), "data": x, "min": min(x),
+                                 "iqr": float(np.subtract(*np.percentile(x, [75, 25])))}})
+        (bench / name).write_text(json.dumps({"machine_info": {"megabench": {"gpu_key": key}}, "commit_info": {},
+                                              "benchmarks": bs, "datetime": when, "version": "5.2.3"}))
+
+    write("sync-a.json", "2026-11-29T10:00:00+00:00", ["sync_x", "sync_y"])
+    write("mk-b.json", "2026-11-30T10:00:00+00:00", ["mega_x"])
+    write("sync-c.json", "2026-12-01T10:00:00+00:00", ["sync_x", "sync_z"])
+    text = build(root, tmp_path / "o", bench_dir=bench, gpu_present=False).read_text()
+    line = next(ln for ln in text.splitlines() if "pytest-benchmark: `" in ln)
+    assert "`sync-c.json` vs the newest earlier file with any of its cases, `sync-a.json`" in line, line
+    assert "nothing compared" not in line
