@@ -32,7 +32,12 @@ mean over its r workers, a_i = exp(mean_p log a_pi), and likewise b_i:
                p_process < process_alpha (default 0.005)
   IMPROVEMENT  the mirror image; SAME otherwise
   UNKNOWN      fewer than --min-rounds (default 8) rounds, with the count: below 8 rounds the
-               test cannot reach alpha = 0.01 at all (its smallest p is 2^-R)
+               test cannot reach alpha = 0.01 at all (its smallest p is 2^-R); or slower than
+               the floor over the rounds (p_rounds < alpha) but not by the process test: two
+               workers of one build differ as much, so the figure can neither confirm nor rule
+               out a regression of that size; the reason says how many workers a side
+               (--replicas) would resolve it. A faster case the process test cannot confirm
+               stays SAME: the gate is for regressions.
 
 Why the process test: two processes of the same build differ by a steady offset of their own
 (their memory placement and code layout). On the H200 (gate.quality_run, 2026-12-01) one process
@@ -129,7 +134,8 @@ class ABConfig:
                 " (one worker a side: no process-level test)")
         return (f"paired rounds: regression = exp(median log(B/A)) - 1 > floor {self.floor:.0%} and one-sided "
                 f"Wilcoxon signed-rank p < {self.alpha:g} over the rounds{proc}; unknown with fewer than "
-                f"{self.min_rounds} rounds")
+                f"{self.min_rounds} rounds" + (", or when the rounds call a regression the process-level test does not"
+                                               if self.replicas > 1 else ""))
 
 
 # ----------------------------------------------------------------------------- the verdict
@@ -234,13 +240,35 @@ def replicated_verdict(key: str, a: Sequence[Sequence[float]], b: Sequence[Seque
     spread = f"workers a side differ by {s:.2%} (sd, {r} a side; this test calls no less than {resolution:+.2%})"
     v, why = base.verdict, base.reason
     if v == "regression" and not p_slow < cfg.process_alpha:
-        v, why = "same", (f"slower over the rounds, but within what separates two workers of one build "
-                          f"(process test p={p_slow:.2g}); {base.reason}")
+        # the rounds saw a slowdown over the floor that the workers' spread can neither confirm nor
+        # rule out: not "same" (a real regression of this size would read the same), but unknown,
+        # with how many workers a side would resolve it
+        need = replicas_to_resolve(s, base.slowdown, cfg)
+        more = (f"--replicas {need} would resolve {base.slowdown:+.1%}" if need else
+                f"no --replicas up to {MAX_REPLICAS_HINT} would resolve {base.slowdown:+.1%}")
+        v, why = "unknown", (f"slower over the rounds, but within what separates two workers of one build "
+                             f"(process test p={p_slow:.2g}): {more}; {base.reason}")
     elif v == "improvement" and not p_fast < cfg.process_alpha:
         v, why = "same", (f"faster over the rounds, but within what separates two workers of one build "
                           f"(process test p={p_fast:.2g}); {base.reason}")
     return dataclasses.replace(base, verdict=v, reason=f"{why}; {spread}", replicas=r, process_sd=s,
                                p_process=p_slow, threshold=max(cfg.floor, resolution), resolution=resolution)
+
+
+MAX_REPLICAS_HINT = 32
+
+
+def replicas_to_resolve(sd: float, slowdown: float, cfg: ABConfig = ABConfig()) -> int | None:
+    """The fewest workers a side whose process test, with the workers' log offsets spread by `sd`,
+    calls `slowdown` (its resolution, as replicated_verdict computes it, below the slowdown); None
+    when more than MAX_REPLICAS_HINT would be needed."""
+    if slowdown <= 0:
+        return None
+    for r in range(2, MAX_REPLICAS_HINT + 1):
+        df = 2 * (r - 1)
+        if float(np.expm1(student_t_quantile(1.0 - cfg.process_alpha, df) * sd * math.sqrt(2.0 / r))) < slowdown:
+            return r
+    return None
 
 
 def replica_names(name: str, r: int) -> list[str]:
@@ -767,7 +795,7 @@ def cmd_ab(args) -> int:
             print(f"saved {p}")
         code = rep.exit_code(args.allow_unknown)
         if code == EXIT_UNKNOWN:
-            print("gate: some cases are unknown (too few rounds, or on one side only); not a pass. "
+            print("gate: some cases are unknown (too few rounds, on one side only, or a slowdown the workers cannot confirm); not a pass. "
                   "--allow-unknown accepts that.", file=sys.stderr)
         elif code == EXIT_INPUT:
             print("gate: a case failed to build or check on a side (listed above)", file=sys.stderr)

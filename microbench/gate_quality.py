@@ -513,6 +513,8 @@ def analyse(runs: Sequence[RunData], block: int = BLOCK, ab_cfg: ABConfig = ABCo
         how = (f"{run.replicas} workers a side" if run.replicas > 1 else "one worker a side") + (
             "" if run.symmetric else ", B alone holding the injected builds")
         aa_ab = t(f"false_alarm_rate_ab{sfx}", "in-run A/B", f"A/A: the same tree on both sides ({how})")
+        aa_unk = t(f"unknown_rate_ab{sfx}", "in-run A/B", f"A/A: unknown, a slowdown over the floor that the "
+                   f"workers' spread could not confirm ({how})")
         inj = injections.setdefault(run.label, {})
         for case, f in sorted(run.figures.items()):
             if "A" not in f or "B" not in f:
@@ -522,7 +524,9 @@ def analyse(runs: Sequence[RunData], block: int = BLOCK, ab_cfg: ABConfig = ABCo
             wa, wb = run.workers(case, "A"), run.workers(case, "B")
             for sl in _blocks(n, block):
                 a, b = [x[sl] for x in wa], [x[sl] for x in wb]
-                aa_ab.add(cl, *_two_sided([replicated_verdict(case, x, y, "s", ab_cfg) for x, y in ((a, b), (b, a))]))
+                vs = [replicated_verdict(case, x, y, "s", ab_cfg) for x, y in ((a, b), (b, a))]
+                aa_ab.add(cl, *_two_sided(vs))
+                aa_unk.add(cl, any(v.verdict == "unknown" for v in vs))
                 aa_st1.add(cl, *_two_sided([judge(_m(case, x), _m(case, y), st_cfg)
                                             for x, y in ((f["A"][sl], f["B"][sl]), (f["B"][sl], f["A"][sl]))]))
             for variant in sorted(v for v in f if v not in ("A", "B")):
@@ -535,10 +539,13 @@ def analyse(runs: Sequence[RunData], block: int = BLOCK, ab_cfg: ABConfig = ABCo
                     tt.excluded[cl] = f"measured injection {got:+.2%} of a nominal {nominal:.0%}"
                     continue
                 wv = run.workers(case, variant)
+                tu = t(f"unknown_rate_ab_{_pct(ppm)}{sfx}", "in-run A/B", f"injected {nominal:.0%}: unknown instead of "
+                       f"caught ({how})", nominal)
                 for sl in _blocks(n, block):
                     pv = replicated_verdict(case, [x[sl] for x in wa], [x[sl] for x in wv], "s", ab_cfg)
                     v = pv.verdict == "regression"
                     tt.add(cl, v, pv.slowdown)
+                    tu.add(cl, pv.verdict == "unknown")
                     if sfx:
                         continue
                     for lo, hi in MEASURED_BINS:
@@ -577,7 +584,8 @@ def analyse(runs: Sequence[RunData], block: int = BLOCK, ab_cfg: ABConfig = ABCo
                             v = judge(_m(case, fi["A"][sl]), _m(case, fj[variant][sl]), st_cfg, spread, how)
                             tt.add(case, v.verdict == "regression", v.slowdown)
     sfxs = sorted({_suffix(r) for r in runs}, key=lambda x: (x != "", x))
-    order = [k for x in sfxs for k in (f"false_alarm_rate_ab{x}", *[f"detection_rate_ab_{_pct(p)}{x}" for p in ppms])]
+    order = [k for x in sfxs for k in (f"false_alarm_rate_ab{x}", *[f"detection_rate_ab_{_pct(p)}{x}" for p in ppms],
+                                       f"unknown_rate_ab{x}", *[f"unknown_rate_ab_{_pct(p)}{x}" for p in ppms])]
     order += ["false_alarm_rate_stored", "false_alarm_rate_stored_same_machine",
               *[f"detection_rate_stored_{_pct(p)}" for p in ppms]]
     tallies = [T[k] for k in order if k in T]
@@ -631,7 +639,7 @@ def to_results(an: Analysis) -> tuple[Result, Result]:
             note = f"target {target[0]} {target[1]:.0%}: {'met' if ok else 'NOT met'} by the point estimate"
         derived[t.measure] = Derived(
             t.rate, "fraction", f"{t.mode}: {t.what}: {t.flagged} of {t.trials} trials of {an.block} rounds flagged "
-            f"'regression', {len(per)} clusters, n_eff {n_eff:.1f} (ICC {icc:.2f}); 95% Wilson interval on n_eff "
+            f"'{'unknown' if t.measure.startswith('unknown_') else 'regression'}', {len(per)} clusters, n_eff {n_eff:.1f} (ICC {icc:.2f}); 95% Wilson interval on n_eff "
             f"(on the clusters alone: {clo:.1%}-{chi:.1%})", (lo, hi), (t.measure,), note)
     for p_var in sorted({v for inj in an.injections.values() for c in inj.values() for v in c}):
         vals = [c[p_var] for inj in an.injections.values() for c in inj.values() if p_var in c]
@@ -763,7 +771,8 @@ def pipeline_step(root: Path) -> str:
 
 # ----------------------------------------------------------------------------- the report
 WHAT = {"false_alarm_rate_ab": "false alarms (A/A)", "false_alarm_rate_stored": "false alarms (A/A across machines)",
-        "false_alarm_rate_stored_same_machine": "false alarms (A/A, one machine)"}
+        "false_alarm_rate_stored_same_machine": "false alarms (A/A, one machine)",
+        "unknown_rate_ab": "unknown (A/A): a slowdown the workers could not confirm"}
 
 
 def _what(key: str) -> str:
@@ -775,6 +784,8 @@ def _what(key: str) -> str:
     for p in ("ab", "stored"):
         if base.startswith(f"detection_rate_{p}_"):
             return f"detection of an injected {base.rsplit('_', 1)[1].replace('pct', '%')}" + tail
+    if base.startswith("unknown_rate_ab_"):
+        return f"unknown, not caught, at an injected {base.rsplit('_', 1)[1].replace('pct', '%')}" + tail
     return key
 
 

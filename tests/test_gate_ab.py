@@ -16,7 +16,7 @@ import pytest
 from microbench.cli import main
 from microbench.gate import EXIT_GPU, EXIT_INPUT, EXIT_OK, EXIT_REGRESSION, EXIT_UNKNOWN, Measurement, judge
 from microbench.gate_ab import (ABConfig, ABGpuMismatch, ABInputError, Comparison, Entry, SideSpec, checkout,
-                                paired_verdict, run_ab, run_rounds)
+                                paired_verdict, replicas_to_resolve, run_ab, run_rounds)
 from microbench.results import REPO_ROOT
 from microbench.stats import wilcoxon_signed_rank
 
@@ -418,11 +418,24 @@ def test_a_steady_process_offset_is_not_a_regression_with_workers_to_measure_it(
     # one worker a side: a 6% placement offset is all the rounds see, and they call it
     a, b = _workers([0.0], seed=1), _workers([0.06], seed=2)
     assert replicated_verdict("k", a, b).verdict == "regression"
-    # three a side, whose own offsets spread as much: the same 6% is within what separates two workers
+    # three a side, whose own offsets spread as much: the same 6% is within what separates two
+    # workers, so the gate can neither confirm it nor rule it out: unknown, with the workers it needs
     a, b = _workers([0.0, -0.05, 0.04], seed=1), _workers([0.10, 0.04, 0.06], seed=2)
     v = replicated_verdict("k", a, b)
-    assert v.slowdown > 0.06 and v.verdict == "same" and v.replicas == 3 and v.p_process > 0.01
+    assert v.slowdown > 0.06 and v.verdict == "unknown" and v.replicas == 3 and v.p_process > 0.01
+    need = replicas_to_resolve(v.process_sd, v.slowdown)
+    assert need is not None and need > 3 and f"--replicas {need} would resolve" in v.reason
     assert "within what separates" in v.reason
+    # the hint is the fewest workers whose resolution is below the slowdown
+    from microbench.stats import student_t_quantile
+
+    def res(r):
+        return np.expm1(student_t_quantile(0.995, 2 * (r - 1)) * v.process_sd * np.sqrt(2 / r))
+
+    assert res(need) < v.slowdown <= res(need - 1)
+    assert replicas_to_resolve(0.5, 0.05) is None and replicas_to_resolve(0.01, -0.02) is None
+    # faster by as much: not confirmed either, and it stays same (the gate is for regressions)
+    assert replicated_verdict("k", b, a).verdict == "same"
     within = np.concatenate([np.array([0.0, -0.05, 0.04]) + 0.0033, np.array([0.10, 0.04, 0.06]) - 0.0667])
     assert v.process_sd == pytest.approx(np.sqrt((within ** 2).sum() / 4), rel=0.1)
     # workers that agree: a 5% slowdown is a regression, and the resolution is far below it
@@ -456,7 +469,11 @@ def test_process_offsets_fool_one_worker_a_side_but_not_three():
     assert len(alarms) >= 4, one.to_markdown()  # steady offsets of ~5% pass the 3% floor and every rank test
     assert "one worker a side" in one.to_markdown()
     three = run_ab(_side("baseline", cases, **spec), _side("candidate", cases, **spec), rounds=10, log=_quiet)
-    assert [v.verdict for v in three.verdicts] == ["same"] * 8, three.to_markdown()
+    got = [v.verdict for v in three.verdicts]
+    assert set(got) <= {"same", "unknown"}, three.to_markdown()  # no false alarm
+    slower = [v for v in three.verdicts if v.slowdown > 0.03 and v.p_slower < 0.01]
+    assert slower and all(v.verdict == "unknown" and "--replicas" in v.reason for v in slower), three.to_markdown()
+    assert three.exit_code() == EXIT_UNKNOWN and three.exit_code(allow_unknown=True) == EXIT_OK
     assert all(v.replicas == 3 for v in three.verdicts)
     assert 0.02 < np.median([v.process_sd for v in three.verdicts]) < 0.08  # the workers' 5% spread, measured
     assert three.sides["baseline"]["workers"] == ["baseline", "baseline#2", "baseline#3"]

@@ -263,3 +263,27 @@ def test_runs_of_one_worker_a_side_are_tallied_apart(two_runs):
     assert "false_alarm_rate_ab_1w" in t and "false_alarm_rate_ab" in t
     assert t["false_alarm_rate_ab_1w"].rate > 0.05  # what the single-worker runs measured on the H200
     assert t["false_alarm_rate_ab"].trials == 2 * 5 * 3
+
+
+def test_a_slowdown_the_workers_cannot_confirm_is_tallied_unknown_not_missed(tmp_path):
+    """A case whose worker processes differ by a steady 5% (the fence probe on the H200): where
+    the rounds see the injected slowdown but the process test cannot confirm it, the verdict is
+    unknown, counted in its own tally and never also as caught; quiet cases have no unknowns."""
+    noisy = "tests/bench/test_bench_sync.py::test_sync[grid]"
+    spec = _spec(3)
+    spec["cases"][noisy]["process_sd"] = 0.05
+    _, path = quality_run(tmp_path, rounds=20, backend="synthetic", spec=spec, cases=CASES,
+                          env=dataclasses.replace(env(date="2026-12-03T10:00:00Z"), host="h3"), log=lambda s: None)
+    an = analyse(find_runs([path]))
+    t = {x.measure: x for x in an.tallies}
+    for pct in ("5pct", "10pct"):
+        caught, unknown = t[f"detection_rate_ab_{pct}"], t[f"unknown_rate_ab_{pct}"]
+        for cl, flags in unknown.clusters.items():
+            assert not any(u and c for u, c in zip(flags, caught.clusters[cl])), (pct, cl)
+            if noisy not in cl:
+                assert not any(flags), (pct, cl)
+    assert sum(t["unknown_rate_ab_10pct"].clusters[f"run1:{noisy}"]) > 0
+    assert "unknown_rate_ab" in t and t["unknown_rate_ab"].trials == t["false_alarm_rate_ab"].trials
+    q, _ = to_results(an)
+    assert "flagged 'unknown'" in q.derived["unknown_rate_ab_10pct"].rule
+    assert "flagged 'regression'" in q.derived["detection_rate_ab_10pct"].rule
