@@ -709,13 +709,12 @@ def fence_case(k: int = 64 * KiB) -> Case:
     where the block scheduler puts it. Pinned, every process times the same SM.
 
     Not solved by it: in the A/B gate's quality runs (six worker processes on one GPU) a prepared
-    copy of this case still sits at one of two levels 6-7% apart, steady for the whole run, pinned
-    or not. In one process alone, 8 copies with their scratch in separate 2 MiB allocations, 8
-    separately allocated loader sources, 8 module loads and 6 fresh processes in a row all time
-    within 0.3% of each other (H200, 2026-12-02). The second level appears only inside the gate's
-    workers (each holding ~50 prepared cases, five other processes beside it); which of the two
-    causes it was not found, so there is no placement here to average over. The gate's process
-    test carries it.
+    copy of this case still sits at one of two levels 6-7% apart (171 or 181 us), steady for the
+    whole run. Probes in one process (8 copies with their scratch in separate 2 MiB allocations,
+    8 loader sources, 8 module loads, 6 fresh processes; H200, 2026-12-02) agreed within 0.3%, but
+    they timed the case at 260-267 us, not the gate's 171/181 us (probably a lower SM clock after a
+    2 ms warm-up on an idle GPU; the clock was not recorded), so they do not rule out a placement
+    at the gate's clock. The cause was not found; the gate's process test carries it.
     """
 
     def prepare(h: Harness) -> Prepared:
