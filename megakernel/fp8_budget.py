@@ -11,9 +11,9 @@ projection) would be rounded to E4M3 too, with one scale per token row.
 This module measures that rounding's effect on what the pipeline checks: the step's logits
 against the torch reference (`megakernel.reference`), ||fp8 - ref|| / ||ref||, the same measure
 as `megakernel.runtime.check_close` with the pipeline's REL_TOL. The FP8 step is the reference
-with both expert operands rounded to E4M3 per token (scale 448 / the row's max |x|; the scale is
-exact in fp32 and the products accumulate in fp32, as the mma does). Everything else is the
-reference's. Activations are the model's own (random weights, `megakernel.weights.generate`), so
+with both expert operands rounded to E4M3 per token (`reference.step(..., expert_operand=)`;
+scale 448 / the row's max |x|, the products accumulated in fp32, as the mma does). Everything else
+is the reference's. Activations are the model's own (random weights, `megakernel.weights.generate`), so
 they have none of a trained model's outliers; a trained model's error would be larger.
 
     python -m megakernel.fp8_budget [--preset tiny|small] [--tokens 16] [--seed 0]
@@ -21,7 +21,6 @@ they have none of a trained model's outliers; a trained model's error would be l
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 
 import torch
@@ -30,7 +29,6 @@ from . import reference
 from .config import PRESETS
 from .pipeline import REL_TOL
 
-BF16 = torch.bfloat16
 E4M3_MAX = 448.0
 
 
@@ -40,39 +38,6 @@ def e4m3_per_token(x: torch.Tensor) -> torch.Tensor:
     amax = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
     scale = E4M3_MAX / amax
     return (x * scale).to(torch.float8_e4m3fn).float() / scale
-
-
-def moe_e4m3(cfg, lw, h2, route, trace, tag, acc=torch.float32):
-    """reference.moe with both expert GEMM operands rounded to E4M3 per token."""
-    logits = (h2.to(acc) @ lw.router.to(acc).T).float()
-    sel = reference.topk_route(logits, cfg.top_k) if route is None else route.to(h2.device).long()
-    wts = torch.softmax(logits.gather(1, sel), dim=-1)
-    pooled = (h2.to(acc) @ lw.pool.to(acc).T).to(BF16)
-    f = cfg.d_expert
-    y = torch.zeros(h2.shape[0], cfg.top_k, cfg.d_pool, dtype=BF16, device=h2.device)
-    for e in torch.unique(sel).tolist():
-        tok, rank = (sel == e).nonzero(as_tuple=True)
-        w1 = lw.w1.expert(e)
-        gu = (e4m3_per_token(pooled[tok]).to(acc) @ w1.dequant_bf16_exact().to(acc).T) * w1.tensor_scale
-        gate, up = gu[:, :f], gu[:, f:]
-        a = (torch.nn.functional.silu(gate) * up).to(BF16)
-        w2 = lw.w2.expert(e)
-        y[tok, rank] = ((e4m3_per_token(a).to(acc) @ w2.dequant_bf16_exact().to(acc).T) * w2.tensor_scale).to(BF16)
-    z = torch.zeros(h2.shape[0], cfg.d_pool, dtype=acc, device=h2.device)
-    for r in range(cfg.top_k):
-        z = z + wts[:, r:r + 1].to(acc) * y[:, r].to(acc)
-    return z.to(BF16)
-
-
-@contextlib.contextmanager
-def e4m3_experts():
-    """reference.step with moe_e4m3 in place of reference.moe (restored afterwards)."""
-    saved = reference.moe
-    reference.moe = moe_e4m3
-    try:
-        yield
-    finally:
-        reference.moe = saved
 
 
 def measure(preset: str = "tiny", tokens: int = 16, seed: int = 0) -> dict:
@@ -88,8 +53,7 @@ def measure(preset: str = "tiny", tokens: int = 16, seed: int = 0) -> dict:
     ctx = 8
     base = reference.KVCache(cfg).fill_random(torch.Generator().manual_seed(seed + 2), std=0.5)
     ref = reference.step(w, base.clone(), toks, parents, ctx)
-    with e4m3_experts():
-        got = reference.step(w, base.clone(), toks, parents, ctx)
+    got = reference.step(w, base.clone(), toks, parents, ctx, expert_operand=e4m3_per_token)
     err = float((got.double() - ref.double()).norm() / ref.double().norm())
     agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
     return {"preset": preset, "tokens": tokens, "seed": seed, "rel_err": err, "rel_tol": REL_TOL,

@@ -18,7 +18,7 @@ attention, where the tree mask decides what each token sees.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -137,8 +137,11 @@ def attention(cfg: ModelConfig, layer: int, q: torch.Tensor, cache: KVCache, ctx
 
 
 def moe(cfg: ModelConfig, lw: LayerWeights, h2: torch.Tensor, route: torch.Tensor | None,
-        trace: Trace | None, tag: str, acc: torch.dtype = torch.float32) -> torch.Tensor:
-    """h2 [T, d] bf16 -> z [T, p] bf16 (the combined expert output, before the unpooler)."""
+        trace: Trace | None, tag: str, acc: torch.dtype = torch.float32,
+        operand: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """h2 [T, d] bf16 -> z [T, p] bf16 (the combined expert output, before the unpooler).
+    `operand` (default: none) re-rounds both expert GEMMs' activation operands, [n, K] bf16 -> the
+    values the GEMM multiplies (megakernel/fp8_budget.py: E4M3 per token)."""
     logits = (h2.to(acc) @ lw.router.to(acc).T).float()  # [T, E]
     sel = topk_route(logits, cfg.top_k) if route is None else route.to(h2.device).long()
     if sel.shape != (h2.shape[0], cfg.top_k):
@@ -150,10 +153,13 @@ def moe(cfg: ModelConfig, lw: LayerWeights, h2: torch.Tensor, route: torch.Tenso
     for e in torch.unique(sel).tolist():
         tok, rank = (sel == e).nonzero(as_tuple=True)
         w1 = lw.w1.expert(e)
-        gu = (pooled[tok].to(acc) @ w1.dequant_bf16_exact().to(acc).T) * w1.tensor_scale  # [n, 2f]
+        xin = pooled[tok] if operand is None else operand(pooled[tok])
+        gu = (xin.to(acc) @ w1.dequant_bf16_exact().to(acc).T) * w1.tensor_scale  # [n, 2f]
         gate, up = gu[:, :f], gu[:, f:]
         a = (torch.nn.functional.silu(gate) * up).to(BF16)
         w2 = lw.w2.expert(e)
+        if operand is not None:
+            a = operand(a)
         y[tok, rank] = ((a.to(acc) @ w2.dequant_bf16_exact().to(acc).T) * w2.tensor_scale).to(BF16)
     z = torch.zeros(h2.shape[0], cfg.d_pool, dtype=acc, device=h2.device)
     for r in range(cfg.top_k):  # fixed rank order: the kernels sum in the same order
@@ -169,10 +175,12 @@ def moe(cfg: ModelConfig, lw: LayerWeights, h2: torch.Tensor, route: torch.Tenso
 
 def step(w: ModelWeights, cache: KVCache, tokens: Sequence[int] | torch.Tensor, parents: Sequence[int], ctx: int,
          routes: Sequence[torch.Tensor] | None = None, trace: Trace | None = None,
-         acc: torch.dtype = torch.float32) -> torch.Tensor:
+         acc: torch.dtype = torch.float32,
+         expert_operand: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """One decode/verify step: logits [T, V] fp32. Writes the T tokens' K/V into `cache` at
     sequence indices ctx..ctx+T-1 (not yet accepted: see KVCache.compact). `acc` float64 makes
-    the reference independent of reduction order (CPU tests of tree vs sequential decoding)."""
+    the reference independent of reduction order (CPU tests of tree vs sequential decoding).
+    `expert_operand`: moe's `operand` (none: the kernels' own rounding points)."""
     _no_tf32()
     cfg = w.cfg
     tokens = torch.as_tensor(tokens, device=w.device).long()
@@ -203,7 +211,7 @@ def step(w: ModelWeights, cache: KVCache, tokens: Sequence[int] | torch.Tensor, 
         o = attention(cfg, l, q, cache, ctx, depth, anc, acc)
         x = x + o.to(acc) @ lw.wo.to(acc).T
         h2 = rmsnorm(x, lw.ffn_norm, cfg.rms_eps)
-        z = moe(cfg, lw, h2, None if routes is None else routes[l], trace, tag, acc)
+        z = moe(cfg, lw, h2, None if routes is None else routes[l], trace, tag, acc, expert_operand)
         x = x + z.to(acc) @ lw.unpool.to(acc).T
         if trace is not None:
             trace.put(f"{tag}.h", h)

@@ -52,7 +52,8 @@ ping-pong and publish cases average each sample over 8 flag placements (one allo
 sat 3-4% off another's, steady), and the fence probe is pinned to one SM (a lone block's SM moves
 its time by up to 8%); see microbench/sync/bench.py. Two offsets remain, causes not found: the
 fence probe's copies still sit at one of two levels 6-7% apart among the quality run's six
-workers, and the empty launch's workers differ by up to 7%. So the process test stays, and with three workers it cannot call the fence probe's 10%.
+workers, and the empty launch's workers differ by up to 7%. So the process test stays; with three
+workers a side the fence probe's injected 10% reads unknown.
 
 Why a floor: even so, two builds of the same code differ by their code layout (layout placebos of
 the megakernel moved its step by -0.5..+1.1%, megakernel/ab.py), so a significant 1% is real but
@@ -794,8 +795,8 @@ def cmd_ab(args) -> int:
             print(f"saved {p}")
         code = rep.exit_code(args.allow_unknown)
         if code == EXIT_UNKNOWN:
-            print("gate: some cases are unknown (too few rounds, on one side only, or a slowdown the workers cannot confirm); not a pass. "
-                  "--allow-unknown accepts that.", file=sys.stderr)
+            print("gate: some cases are unknown (too few rounds, on one side only, or a slowdown the workers cannot "
+                  "confirm); not a pass. --allow-unknown accepts that.", file=sys.stderr)
         elif code == EXIT_INPUT:
             print("gate: a case failed to build or check on a side (listed above)", file=sys.stderr)
         return code

@@ -637,9 +637,10 @@ def to_results(an: Analysis) -> tuple[Result, Result]:
         if target:
             ok = t.rate <= target[1] if target[0] == "<=" else t.rate >= target[1]
             note = f"target {target[0]} {target[1]:.0%}: {'met' if ok else 'NOT met'} by the point estimate"
+        flag = "unknown" if t.measure.startswith("unknown_") else "regression"
         derived[t.measure] = Derived(
             t.rate, "fraction", f"{t.mode}: {t.what}: {t.flagged} of {t.trials} trials of {an.block} rounds flagged "
-            f"'{'unknown' if t.measure.startswith('unknown_') else 'regression'}', {len(per)} clusters, n_eff {n_eff:.1f} (ICC {icc:.2f}); 95% Wilson interval on n_eff "
+            f"'{flag}', {len(per)} clusters, n_eff {n_eff:.1f} (ICC {icc:.2f}); 95% Wilson interval on n_eff "
             f"(on the clusters alone: {clo:.1%}-{chi:.1%})", (lo, hi), (t.measure,), note)
     for p_var in sorted({v for inj in an.injections.values() for c in inj.values() for v in c}):
         vals = [c[p_var] for inj in an.injections.values() for c in inj.values() if p_var in c]

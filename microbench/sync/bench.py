@@ -672,7 +672,8 @@ def pingpong_case(rounds: int = 128, scope: str = "gpu", poll: str = "acq") -> C
 
 def publish_case(mode: str, nbytes: int, pattern: str = "ping", rounds: int = 128) -> Case:
     """Publish launches between two fixed SMs, the mean over PLACEMENTS placements of the slots
-    and flags per sample (each copy's payloads verified first on one of them)."""
+    and flags per sample; the payloads are verified bit-exactly on the first copy, and every
+    copy's launch is checked once."""
 
     def prepare(h: Harness) -> Prepared:
         smids = sm_ids(h)
