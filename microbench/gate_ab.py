@@ -311,7 +311,14 @@ def checkout(rev: str, repo: Path = REPO_ROOT) -> Iterator[tuple[Path, str]]:
 
 
 def tree_label(root: Path) -> str:
-    """`<sha>` of a tree's HEAD, `+dirty` when its tracked files differ; 'no git' without one."""
+    """`<sha>` of a tree's HEAD, `+dirty` when its tracked files differ; 'no git' without one.
+    This checkout run as a copy (MEGABENCH_GIT_SHA set, as on the GPU machine, whose .git may be
+    an earlier commit's): the commit its results are credited to, dirty by MEGABENCH_SOURCE_TREE
+    (microbench/results.py), as the result files say."""
+    if os.environ.get("MEGABENCH_GIT_SHA") and root.resolve() == REPO_ROOT.resolve():
+        from .results import _dirty, git_sha
+
+        return git_sha(full=True)[:12] + ("+dirty" if _dirty(os.environ.get("MEGABENCH_SOURCE_TREE")) else "")
     r = _git(root, "rev-parse", "--short=12", "HEAD")
     if r.returncode != 0:
         return f"{root} (no git)"

@@ -500,3 +500,20 @@ def test_a_case_that_fails_on_one_worker_fails_its_side_and_is_named():
     assert [f["id"] for f in rep.failed["candidate"]] == ["sync/pingpong"]
     assert rep.failed["candidate"][0]["error"].startswith("(worker candidate#2) fails on worker candidate#2")
     assert "sync/pingpong" not in {v.key for v in rep.verdicts} and rep.exit_code() == EXIT_INPUT
+
+
+def test_the_tree_label_of_a_copy_is_the_commit_it_is_credited_to(monkeypatch, tmp_path):
+    """On the GPU machine the checkout's .git may be an earlier commit's: with MEGABENCH_GIT_SHA
+    the label is that commit, dirty only when the sources differ from MEGABENCH_SOURCE_TREE."""
+    from microbench.gate_ab import tree_label
+    from microbench.results import source_tree_id
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("MEGABENCH_GIT_SHA", sha)
+    monkeypatch.setenv("MEGABENCH_SOURCE_TREE", source_tree_id())
+    assert tree_label(REPO_ROOT) == sha[:12]
+    monkeypatch.setenv("MEGABENCH_SOURCE_TREE", "f" * 40)
+    assert tree_label(REPO_ROOT) == sha[:12] + "+dirty"
+    assert tree_label(tmp_path) == f"{tmp_path} (no git)"  # another tree: its own git, here none
+    monkeypatch.delenv("MEGABENCH_GIT_SHA")
+    assert tree_label(REPO_ROOT) != sha[:12] and "no git" not in tree_label(REPO_ROOT)
