@@ -436,28 +436,11 @@ class Fences:
             self._src = random_src(self.src_bytes, 99)
         return self._src
 
-    def prepared(self, nb: int, k: int, reps: int, loops: int):
-        """A relaunchable fence probe (all kinds, both bodies) for device-time benchmarking."""
-        import torch
-
-        from ..launch import LaunchSpec, launch
-
-        nk = FK["FK_KINDS"]
-        smem = max(one_per_sm_smem(self.info), (nk * 2 * loops * 8 + 127) // 128 * 128 + 128 + k)
-        scratch = torch.zeros(nb * 16 * 32, dtype=torch.int32, device=DEVICE)
-        out = torch.zeros((nb, nk, 2, loops), dtype=torch.int64, device=DEVICE)
-        meta = torch.zeros((nb, FMETA["FM_FIELDS"]), dtype=torch.int64, device=DEVICE)
-        pt, ptrs = upload([FC.pack(dict(scratch=scratch, reps=reps, loops=loops, load_bytes=k,
-                                        load_src=self.src if k else 0, load_src_bytes=self.src_bytes, out=out, meta=meta,
-                                        wd=self.wd.ptr, bound_ns=self.wd.bound_ns, smem_bytes=smem,
-                                        pin_claim=0, pin_smid=0))])
-        kern, spec = self.mod.kernel("sync_fence_cost"), LaunchSpec(grid=nb, block=128, smem=smem)
-
-        def go():
-            launch(kern, spec, ptrs[0])
-
-        go.keep = (pt, scratch, out, meta)
-        return go
+    def _params(self, scratch, out, meta, k: int, reps: int, loops: int, smem: int, claim=0, smid: int = 0):
+        """The probe's parameter block (fences.cu FCParam); claim 0: not pinned."""
+        return FC.pack(dict(scratch=scratch, reps=reps, loops=loops, load_bytes=k, load_src=self.src if k else 0,
+                            load_src_bytes=self.src_bytes, out=out, meta=meta, wd=self.wd.ptr,
+                            bound_ns=self.wd.bound_ns, smem_bytes=smem, pin_claim=claim, pin_smid=smid))
 
     def prepared_pinned(self, smid: int, k: int, reps: int, loops: int):
         """(launch, reset, check) of one block's fence probe on SM `smid`: a block on every SM
@@ -474,10 +457,7 @@ class Fences:
         out = torch.zeros((1, nk, 2, loops), dtype=torch.int64, device=DEVICE)
         meta = torch.zeros((1, FMETA["FM_FIELDS"]), dtype=torch.int64, device=DEVICE)
         claim = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-        pt, ptrs = upload([FC.pack(dict(scratch=scratch, reps=reps, loops=loops, load_bytes=k,
-                                        load_src=self.src if k else 0, load_src_bytes=self.src_bytes, out=out, meta=meta,
-                                        wd=self.wd.ptr, bound_ns=self.wd.bound_ns, smem_bytes=smem,
-                                        pin_claim=claim, pin_smid=smid))])
+        pt, ptrs = upload([self._params(scratch, out, meta, k, reps, loops, smem, claim, smid)])
         kern, spec = self.mod.kernel("sync_fence_cost"), LaunchSpec(grid=self.info.sm_count, block=128, smem=smem)
 
         def go():
@@ -520,10 +500,7 @@ class Fences:
             scratch = torch.zeros(nb * 16 * 32, dtype=torch.int32, device=DEVICE)
             out = torch.zeros((nb, nk, 2, loops), dtype=torch.int64, device=DEVICE)
             meta = torch.zeros((nb, FMETA["FM_FIELDS"]), dtype=torch.int64, device=DEVICE)
-            pt, ptrs = upload([FC.pack(dict(scratch=scratch, reps=reps, loops=loops, load_bytes=k,
-                                            load_src=self.src if k else 0, load_src_bytes=self.src_bytes, out=out,
-                                            meta=meta, wd=self.wd.ptr, bound_ns=self.wd.bound_ns, smem_bytes=smem,
-                                            pin_claim=0, pin_smid=0))])
+            pt, ptrs = upload([self._params(scratch, out, meta, k, reps, loops, smem)])
             launch(self.mod.kernel("sync_fence_cost"), LaunchSpec(grid=nb, block=128, smem=smem), ptrs[0])
             pending.append((nb, k, out, meta))
             keep.append((pt, scratch))
