@@ -156,8 +156,11 @@ def device_bench(benchmark, harness, request):
         benchmark._timer = clock
         full = request.config.getoption("--megabench-full")
         n = rounds or request.config.getoption("--megabench-rounds") or (50 if full else 15)
-        for _ in range(3):  # warm-up outside the statistics
-            prepared.launch()
+        for _ in range(3):  # warm-up outside the statistics: whole samples, reset as the timed ones are
+            if prepared.before_each is not None:
+                prepared.before_each()
+            for _ in range(prepared.batch):
+                prepared.launch()
         steps = prepared.metrics.get("steps_per_round", 1)
         steps = steps if isinstance(steps, int) and steps > 1 else 1
 
@@ -167,8 +170,13 @@ def device_bench(benchmark, harness, request):
         if getattr(benchmark, "disabled", False):
             # pytest-benchmark is off (the README's test command runs under xdist; --benchmark-disable):
             # the case was prepared, checked and launched above, as a test; nothing is timed
+            if prepared.after is not None:
+                prepared.after()
             return prepared
+        benchmark._megabench_after = prepared.after  # the A/B worker checks after each timing request too
         benchmark.pedantic(one, rounds=n, iterations=1, warmup_rounds=1)
+        if prepared.after is not None:
+            prepared.after()  # the last timed sample's launches: a wait that gave up fails the case
         st = benchmark.stats.stats
         info = {"timer": "cuda_event (device seconds)", "case": case.name, **{k: v for k, v in case.params.items()}}
         if steps > 1:

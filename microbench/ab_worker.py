@@ -135,6 +135,7 @@ class _Recorder:
         self.capture = capture
         self.extra_info: dict = {}
         self._timer = None
+        self._megabench_after = None  # what device_bench sets: the case's check of its last launches
         self.variant = ""
         self.stats = None
         self.name = nodeid.rsplit("::", 1)[-1]
@@ -155,7 +156,8 @@ class _Recorder:
         one_round()  # one round now: the case ran once more after its checks, and the test completes
         dt = (timer() - t0) / iterations
         self.stats = _Stats(dt)
-        self.capture.record(self.nodeid, self.variant, one_round, timer, iterations, self.extra_info)
+        self.capture.record(self.nodeid, self.variant, one_round, timer, iterations, self.extra_info,
+                            getattr(self, "_megabench_after", None))
 
     def __call__(self, fn, *args, **kwargs):
         return self.pedantic(fn, args, kwargs)
@@ -176,12 +178,12 @@ class _Capture:
         self.failed: list[dict] = []
         self.skipped: list[dict] = []
 
-    def record(self, nodeid, variant, fn, timer, iterations, extra_info):
+    def record(self, nodeid, variant, fn, timer, iterations, extra_info, after=None):
         cid = nodeid + (f"@{variant}" if variant else "")
         if cid in self.cases:
             raise CaseError(f"{cid}: the test body asked for more than one benchmark; one per test")
         self.cases[cid] = {"fn": fn, "timer": timer, "iterations": iterations, "info": extra_info,
-                           "nodeid": nodeid, "variant": variant}
+                           "nodeid": nodeid, "variant": variant, "after": after}
 
     def _id(self, nodeid, variant):
         return nodeid + (f"@{variant}" if variant else "")
@@ -334,6 +336,8 @@ class PytestBackend:
             t0 = timer()
             fn()
             out.append((timer() - t0) / div)
+        if c.get("after") is not None:
+            c["after"]()  # the case's check of its last launches (device_bench's Prepared.after)
         return out
 
 

@@ -270,6 +270,9 @@ class Prepared:
     before_each: Callable[[], None] | None = None
     metrics: Mapping[str, object] = field(default_factory=dict)
     hold: bool = True  # False: time from an idle device without the blocking kernel (Harness.time)
+    # checks the last sample's launches once the timing is done (statuses, watchdog: a wait that gave
+    # up during the timed samples fails the case instead of its time counting); None: nothing to check
+    after: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -285,8 +288,11 @@ class Case:
 
 def run_case(h: Harness, case: Case, policy: Policy | None = None) -> Series:
     p = case.prepare(h)
-    return h.series(case.name, p.launch, params=case.params, bound=p.bound, work=p.work, batch=p.batch,
-                    cold=p.cold, policy=policy, before_each=p.before_each, metrics=p.metrics, hold=p.hold)
+    s = h.series(case.name, p.launch, params=case.params, bound=p.bound, work=p.work, batch=p.batch,
+                 cold=p.cold, policy=policy, before_each=p.before_each, metrics=p.metrics, hold=p.hold)
+    if p.after is not None:
+        p.after()
+    return s
 
 
 def sample_once(h: Harness, p: Prepared) -> float:

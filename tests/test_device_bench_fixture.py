@@ -14,10 +14,19 @@ class Prepared:
     bound = None
     work = None
     metrics = {}
+    batch = 2
     launches = 0
+    resets = 0
+    checked = 0
 
     def launch(self):
         Prepared.launches += 1
+
+    def before_each(self):
+        Prepared.resets += 1
+
+    def after(self):
+        Prepared.checked += 1
 
 
 class Case:
@@ -32,7 +41,20 @@ class Case:
 
 def test_case_runs_as_a_test(device_bench):
     p = device_bench(Case())
-    assert p.launches == 3  # prepared, checked and launched; nothing timed
+    # prepared, checked, and three whole samples launched (reset, then batch launches); nothing timed
+    assert (p.launches, p.resets) == (6, 3)
+    assert p.checked == 1  # the last launches checked afterwards
+
+
+def test_a_wait_that_gave_up_fails_the_case(device_bench):
+    class GaveUp(Prepared):
+        def after(self):
+            raise RuntimeError("block 3 gave up waiting for the ping flag")
+
+    class Case2(Case):
+        prepared = GaveUp()
+
+    device_bench(Case2())
 
 
 def test_a_failing_check_still_fails(device_bench):
@@ -53,5 +75,6 @@ def test_device_bench_with_pytest_benchmark_off_runs_the_case_as_a_test(pytester
     r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--benchmark-disable",
                                       "test_case.py")
     out = r.stdout.str()
-    assert "1 passed" in out and "1 failed" in out and "wrong result" in out, out[-3000:]
+    assert "1 passed" in out and "2 failed" in out and "wrong result" in out, out[-3000:]
+    assert "gave up waiting for the ping flag" in out
     assert "'NoneType' object has no attribute 'stats'" not in out

@@ -304,9 +304,10 @@ CALLS = [0]
 def device_bench(benchmark):
     """Like the project's: a timer the target advances by what it "measured" (here a nominal
     time with a small deterministic jitter: the CPU machine's wall clock is too busy to test with)."""
-    def run(seconds, steps=None):
+    def run(seconds, steps=None, after=None):
         clock = Clock()
         benchmark._timer = clock
+        benchmark._megabench_after = after
 
         def one():
             CALLS[0] += 1
@@ -373,6 +374,18 @@ def test_pytest_backend_times_the_trees_own_cases(tmp_path):
     assert [c.split("::")[1] for c in rep.only["candidate"]] == ["test_new"]
     assert rep.exit_code() == EXIT_INPUT
     assert rep.missing_classes == {"baseline": [], "candidate": []}
+
+
+def test_a_wait_that_gives_up_during_the_rounds_stops_the_gate_naming_it(tmp_path):
+    """device_bench hands the worker the case's check of its last launches (Prepared.after); the
+    worker runs it after every timing request, so a spin that gave up mid-run is not timed on."""
+    extra = ('\n\nN = [0]\n\n\ndef gave_up():\n    N[0] += 1\n    if N[0] > 3:\n'
+             '        raise RuntimeError("block 3 gave up waiting for the pong flag")\n\n\n'
+             'def test_spins(device_bench):\n    device_bench(0.001, after=gave_up)\n')
+    base, cand = _tree(tmp_path / "base", extra=extra), _tree(tmp_path / "cand", extra=extra)
+    with pytest.raises(ABInputError, match=r"time .*test_spins failed: RuntimeError: block 3 gave up waiting for the pong"):
+        run_ab(SideSpec("baseline", base, "base"), SideSpec("candidate", cand, "cand"),
+               {"classes": ["fake"], "k": "spins"}, rounds=8, cfg=ABConfig(min_samples=2, max_samples=2), log=_quiet)
 
 
 def test_pytest_backend_variants_and_missing_class(tmp_path):

@@ -145,10 +145,13 @@ def emulate(state):
         meta[:, R.FMETA["FM_SMID"]] = np.arange(nb)
         if P["pin_claim"]:
             meta[0, R.FMETA["FM_SMID"]] = P["pin_smid"] + ("fence_pin_wrong_sm" in broken)
+        gt = int(5_000_000 / MHZ * 1e3)
         meta[:, R.FMETA["FM_LOAD_BYTES"]] = 100 * k
-        meta[:, R.FMETA["FM_LOAD_NS"]] = 1_000_000
+        # the loader runs from before the timed loops to after them; stopped early (a tripped
+        # watchdog word) it lands its first copies and drains
+        meta[:, R.FMETA["FM_LOAD_NS"]] = 3_000 if "fence_loader_stopped" in broken else gt + 2_000
         meta[:, R.FMETA["FM_CYC"]] = 5_000_000
-        meta[:, R.FMETA["FM_GT"]] = int(5_000_000 / MHZ * 1e3)
+        meta[:, R.FMETA["FM_GT"]] = gt
         meta[:, R.FMETA["FM_STATUS"]] = 1
 
     def publish(name, spec, p):
@@ -372,8 +375,37 @@ def test_gate_cases_average_placements_and_pin_the_fence_probe(dry):
     assert p.before_each is not None and p.batch == 1
 
 
+def test_gate_cases_keep_their_runners_alive(dry, monkeypatch):
+    """A prepared case must keep alive everything its launches touch. Its parameter block points
+    at the runner's watchdog record, loader source and data; a case that kept only its launch
+    freed the runner, and in the gate's workers the fence probe's loader then read a reused
+    watchdog word as tripped and stopped (runners.KEEP_NOTE)."""
+    import gc
+    import weakref
+
+    B, R, h = dry.B, dry.R, dry.h
+    made = []
+    for cls in (R.PingPong, R.Fences, R.Publish, R.Barriers):
+        init = cls.__init__
+
+        def tracked(self, *a, _init=init, **k):
+            _init(self, *a, **k)
+            made.append(weakref.ref(self))
+        monkeypatch.setattr(cls, "__init__", tracked)
+    for case in B.cases():
+        made.clear()
+        p = case.prepare(h)
+        gc.collect()
+        assert made, case.name
+        dead = sum(r() is None for r in made)
+        assert dead == 0, f"{case.name}: {dead} of {len(made)} runners freed while the prepared case lives"
+        p.launch()  # the emulated kernel reads the runner's records through the parameter block
+        del p
+
+
 @pytest.mark.parametrize("broken, match", [("fence_pin_lost", "status FS_NOT_RUN .no block claimed"),
-                                           ("fence_pin_wrong_sm", "ran on SM 6, not 5")])
+                                           ("fence_pin_wrong_sm", "ran on SM 6, not 5"),
+                                           ("fence_loader_stopped", "loader ran 3.0 us of the .* not timed with loads")])
 def test_pinned_fence_probe_checks_its_sm(dry, broken, match):
     R, h = dry.R, dry.h
     go, reset, check = R.Fences(h).prepared_pinned(5, 4096, 16, 2)

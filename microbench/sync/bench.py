@@ -631,16 +631,17 @@ PLACEMENTS = 8
 
 
 def _placed(make, n: int = PLACEMENTS) -> tuple:
-    """(launch, before_each) over n prepared copies of a case: `make()` -> (go, reset, check),
-    each allocating its own flags; every copy is run and checked once here. A sample's n launches
-    (batch n) cover each copy once, whatever copy the cycle starts at, after every copy's reset."""
+    """(launch, before_each, after) over n prepared copies of a case: `make()` -> (go, reset,
+    check), each allocating its own flags; every copy is run and checked once here. A sample's n
+    launches (batch n) cover each copy once, whatever copy the cycle starts at, after every copy's
+    reset; `after` checks every copy's last launch."""
     copies = []
     for _ in range(n):
         go, reset, check = make()
         reset()
         go()
         check()
-        copies.append((go, reset))
+        copies.append((go, reset, check))
     nxt = [0]
 
     def launch():
@@ -648,11 +649,15 @@ def _placed(make, n: int = PLACEMENTS) -> tuple:
         nxt[0] += 1
 
     def before_each():
-        for _, reset in copies:
+        for _, reset, _ in copies:
             reset()
 
+    def after():  # each copy's last launch (a sample launches every copy once)
+        for _, _, check in copies:
+            check()
+
     launch.keep = copies
-    return launch, before_each
+    return launch, before_each, after
 
 
 def pingpong_case(rounds: int = 128, scope: str = "gpu", poll: str = "acq") -> Case:
@@ -662,8 +667,8 @@ def pingpong_case(rounds: int = 128, scope: str = "gpu", poll: str = "acq") -> C
     def prepare(h: Harness) -> Prepared:
         smids = sm_ids(h)
         cfg = R.PPConfig(smids[0], smids[len(smids) // 2], warmup=8, calib=8, rounds=rounds, scope=scope, poll=poll)
-        launch, reset = _placed(lambda: R.PingPong(h).prepared(cfg))
-        return Prepared(launch=launch, before_each=reset, batch=PLACEMENTS,
+        launch, reset, after = _placed(lambda: R.PingPong(h).prepared(cfg))
+        return Prepared(launch=launch, before_each=reset, after=after, batch=PLACEMENTS,
                         metrics={"rounds": cfg.warmup + cfg.nrec, "placements": PLACEMENTS})
 
     return Case(f"sync/pingpong/{scope}_{poll}/{rounds}rounds/{PLACEMENTS}flags",
@@ -681,8 +686,8 @@ def publish_case(mode: str, nbytes: int, pattern: str = "ping", rounds: int = 12
         first = R.Publish(h)
         first.verify(first.setup(cfg), verify_rounds(cfg), seed=7)
         pubs = iter([first] + [R.Publish(h) for _ in range(PLACEMENTS - 1)])
-        launch, reset = _placed(lambda: next(pubs).prepared(cfg))
-        return Prepared(launch=launch, before_each=reset, batch=PLACEMENTS,
+        launch, reset, after = _placed(lambda: next(pubs).prepared(cfg))
+        return Prepared(launch=launch, before_each=reset, after=after, batch=PLACEMENTS,
                         metrics={"rounds": rounds, "placements": PLACEMENTS})
 
     return Case(f"sync/publish/{pattern}/{mode}/{nbytes}B/{PLACEMENTS}flags",
@@ -697,7 +702,7 @@ def barrier_case(mode: str, d: int = 0, stops: int = 1000) -> Case:
         reset()
         go()
         check()
-        return Prepared(launch=go, before_each=reset, metrics={"stops": stops})
+        return Prepared(launch=go, before_each=reset, after=check, metrics={"stops": stops})
 
     return Case(f"sync/grid/{mode}{'/D=' + str(d) if d else ''}/{stops}stops", {"mode": mode, "d": d, "stops": stops},
                 prepare)
@@ -726,7 +731,7 @@ def fence_case(k: int = 64 * KiB) -> Case:
         reset()
         go()
         check()
-        return Prepared(launch=go, before_each=reset, metrics={"k_bytes": k, "smid": sm})
+        return Prepared(launch=go, before_each=reset, after=check, metrics={"k_bytes": k, "smid": sm})
 
     return Case(f"sync/fences/all_kinds/1blk_pinned/{k}B", {"k_bytes": k, "pinned": "first SM"}, prepare)
 

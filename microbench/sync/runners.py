@@ -185,6 +185,15 @@ def probe_clusters(h, sizes=(2, 4, 8), waves: int = 3) -> list[list[int]]:
     return groups
 
 
+# KEEP_NOTE. A `prepared()` launch function keeps its runner alive (`go.keep` holds `self`): the
+# parameter block points at the runner's watchdog record, loader source and data. Until
+# 2026-12-02 it did not, and a pytest case that kept only its launch freed the runner at once;
+# torch's allocator then handed the freed blocks to the next allocations. In the A/B gate's
+# workers (many cases prepared in one process) the fence probe's loader read a reused watchdog
+# word as "tripped" and stopped after 80 KiB instead of streaming 17.8 MB, so the case timed
+# fences with no bulk loads in flight: 171 or 181 us in the workers against 263 us in a fresh
+# process (H200, reports/notes/2026-12-02-h200-session-3.md). Kept alive, a launch's memory is its own.
+
 # ============================================================================ ping-pong
 PP = Layout(source("flags.cu"), "PPParam", "PP_", "PP_NPARAMS")
 PM = parse_enum(source("flags.cu"), "PPMeta")
@@ -388,7 +397,9 @@ class PingPong:
                 if st != "ST_OK":
                     raise CorrectnessError(f"ping-pong case {c}: side {s} status {st}")
 
-        go.keep = (pt, out, meta, claims)  # the parameter block must outlive every launch
+        # what every launch reads or writes must outlive it: the parameter block, the records, and
+        # the runner itself (its watchdog record and loader source; KEEP_NOTE)
+        go.keep = (self, pt, out, meta, claims)
         return go, reset, check
 
 
@@ -400,6 +411,9 @@ FK = parse_enum(source("fences.cu"), "FenceKind")
 FK_NAMES = [k[3:].lower() for k, v in sorted(FK.items(), key=lambda kv: kv[1]) if k != "FK_KINDS"]
 FMETA = parse_enum(source("fences.cu"), "FCMeta")
 FSTAT = {v: k for k, v in parse_enum(source("fences.cu"), "FCStatus").items()}
+# the loader's running time (FM_LOAD_NS, from its first copy's issue to its drain) must cover this
+# fraction of the fence thread's timed section (FM_GT); it starts a few copies' latency after it
+LOADER_COVER = 0.9
 
 
 @dataclass
@@ -478,8 +492,12 @@ class Fences:
                 raise CorrectnessError(f"pinned fence probe: ran on SM {int(m[FMETA['FM_SMID']])}, not {smid}")
             if k and m[FMETA["FM_LOAD_BYTES"]] < k:
                 raise CorrectnessError(f"pinned fence probe: the loader landed less than its k={k} B")
+            if k and m[FMETA["FM_LOAD_NS"]] < LOADER_COVER * m[FMETA["FM_GT"]]:
+                raise CorrectnessError(f"pinned fence probe: the loader ran {m[FMETA['FM_LOAD_NS']] / 1e3:.1f} us of the "
+                                       f"{m[FMETA['FM_GT']] / 1e3:.1f} us timed ({m[FMETA['FM_LOAD_BYTES']]} B): the "
+                                       "fences were not timed with loads in flight")
 
-        go.keep = (pt, scratch, out, meta, claim)
+        go.keep = (self, pt, scratch, out, meta, claim)  # KEEP_NOTE
         return go, reset, check
 
     def run(self, configs: Sequence[tuple[int, int]], reps: int, loops: int) -> list[FenceRun]:
@@ -513,6 +531,9 @@ class Fences:
                 raise CorrectnessError(f"fence probe ({nb} blocks, k={k}): block statuses {sorted(set(st))}")
             if k and (m[:, FMETA["FM_LOAD_BYTES"]] < k).any():
                 raise CorrectnessError(f"fence probe: a loader landed less than its k={k} B")
+            if k and (m[:, FMETA["FM_LOAD_NS"]] < LOADER_COVER * m[:, FMETA["FM_GT"]]).any():
+                raise CorrectnessError(f"fence probe ({nb} blocks, k={k}): a loader stopped before the timed loops "
+                                       "ended: the fences were not timed with loads in flight")
             cyc = _u64(out).astype(np.float64) / reps
             res.append(FenceRun(nb, k, cyc, m[:, FMETA["FM_SMID"]], m[:, FMETA["FM_LOAD_BYTES"]],
                                 m[:, FMETA["FM_LOAD_NS"]], m[:, FMETA["FM_CYC"]], m[:, FMETA["FM_GT"]]))
@@ -781,7 +802,7 @@ class Publish:
         def check():
             self.finish(st, out, meta, "case")
 
-        go.keep = (pt, out, meta, claims, st)
+        go.keep = (self, pt, out, meta, claims, st)  # KEEP_NOTE
         return go, reset, check
 
     def timed(self, st: PubState, warmup: int, rounds: int, launches: int = 1) -> list[PubRun]:
@@ -964,7 +985,7 @@ class Barriers:
         def check():
             self.finish((mode, stops, d if dep else 0, out, errors))
 
-        go.keep = (pt, deps, errors, out)
+        go.keep = (self, pt, deps, errors, out)  # KEEP_NOTE (and the barrier's data)
         return go, reset, check
 
     def run(self, mode: str, stops: int, d: int = 0, seed: int = 0, verify: bool = False,
