@@ -491,6 +491,13 @@ def _pct(ppm: int) -> str:
 MEASURED_BINS = ((0.0, 0.03), (0.03, 0.045), (0.045, 0.075), (0.075, 1e9))
 
 
+def fresh_machines(runs: Sequence[RunData]) -> bool:
+    """Whether every run is on a machine of its own (every device VM is called "vm": its GPU's
+    UUID tells them apart). Runs on one machine do not measure the spread across machines."""
+    machines = [(r.env.gpu_uuid, r.env.host) for r in runs]
+    return len(set(machines)) == len(machines)
+
+
 def analyse(runs: Sequence[RunData], block: int = BLOCK, ab_cfg: ABConfig = ABConfig(),
             st_cfg: GateConfig = GateConfig()) -> Analysis:
     """Every tally of the module docstring from one or more runs (the across-machine ones need two)."""
@@ -555,7 +562,9 @@ def analyse(runs: Sequence[RunData], block: int = BLOCK, ab_cfg: ABConfig = ABCo
     spreads = aa_spreads(runs)
     if len(runs) >= 2:
         cross = CrossRun(dict(spreads), runs[0].env.gpu)
-        aa_x = t("false_alarm_rate_stored", "stored", "A/A across two fresh machines, unpaired")
+        fresh = fresh_machines(runs)
+        aa_x = t("false_alarm_rate_stored", "stored", "A/A across two fresh machines, unpaired" if fresh else
+                 "A/A across two runs on one machine (not fresh machines: the runs share a GPU), unpaired")
         for i in range(len(runs)):
             for j in range(len(runs)):
                 if i == j:
@@ -576,7 +585,8 @@ def analyse(runs: Sequence[RunData], block: int = BLOCK, ab_cfg: ABConfig = ABCo
                             ppm = runs[j].ppm_of.get(variant, 0)
                             nominal = ppm / 1e6
                             tt = t(f"detection_rate_stored_{_pct(ppm)}", "stored",
-                                   f"injected {nominal:.0%}, baseline from the other machine", nominal)
+                                   f"injected {nominal:.0%}, baseline from the other "
+                                   f"{'machine' if fresh else 'run on the same machine'}", nominal)
                             got = measured_injection(runs[j], case, variant)
                             if got < MIN_INJECT_FRACTION * nominal:
                                 tt.excluded[case] = f"measured injection {got:+.2%} of a nominal {nominal:.0%}"
@@ -751,9 +761,18 @@ def run_analysis(paths: Sequence[Path] | None = None, save: bool = False, save_r
             "A/A offsets between two worker processes of one tree, largest first (per run): " + "; ".join(
                 f"{c.split('::')[-1]} " + "/".join(f"{x:+.1%}" for x in v) for c, v in worst)
             + ". A steady per-process offset is what paired rounds cannot average away.",))
+    if not fresh_machines(runs):
+        q = dataclasses.replace(q, notes=tuple(q.notes) + (
+            f"The runs share a GPU ({machines}): the stored mode's cross-run rows are of one machine, and "
+            "gate.aa_spread was not saved from them (it is the spread across fresh machines).",))
     if save:
-        p1, p2 = q.save(save_root), aa.save(save_root)
-        lines += ["", f"saved {p1}", f"saved {p2}"]
+        p1 = q.save(save_root)
+        lines += ["", f"saved {p1}"]
+        if fresh_machines(runs):
+            lines.append(f"saved {aa.save(save_root)}")
+        else:
+            lines.append("gate.aa_spread not saved: the runs share a GPU, so their spread is not the one across "
+                         "machines the stored gate needs (run the quality run on fresh machines)")
     return q, aa, "\n".join(lines)
 
 

@@ -87,6 +87,27 @@ def test_analysis_of_two_runs(two_runs, tmp_path):
     assert len(aa.series) == len(CASES) and all(s.metrics["spread"] >= 0 for s in aa.series)
 
 
+def test_runs_on_one_machine_say_so_and_save_no_cross_machine_spread(two_runs, tmp_path):
+    """Two quality runs on one machine (one GPU UUID) measure no spread across machines: the stored
+    rows say "one machine", and gate.aa_spread, which the stored gate reads, is not saved."""
+    from microbench.results import find, load
+
+    one = tmp_path / "one"
+    for i, p in enumerate(two_runs):
+        res = load(p)
+        env1 = dataclasses.replace(res.env, gpu_uuid="GPU-same", host="vm", date=f"2026-12-02T0{i}:00:00Z")
+        dataclasses.replace(res, env=env1).save(one)
+    q, aa, text = run_analysis([one], save=True, save_root=tmp_path / "saved")
+    assert "not fresh machines" in text and "gate.aa_spread not saved" in text
+    assert not list(find("gate.aa_spread", tmp_path / "saved")) and list(find("gate.quality", tmp_path / "saved"))
+    t = {x.measure: x for x in analyse(find_runs([one])).tallies}
+    assert "one machine" in t["false_alarm_rate_stored"].what
+    assert "share a GPU" in q.notes[-1]
+    # on two machines the same runs save both
+    _, _, text2 = run_analysis(two_runs, save=True, save_root=tmp_path / "two")
+    assert list(find("gate.aa_spread", tmp_path / "two")) and "not fresh" not in text2
+
+
 def test_saved_spreads_feed_the_stored_gate_and_the_report(two_runs, tmp_path, capsys):
     q, aa, text = run_analysis(two_runs, save=True, save_root=tmp_path)
     assert "false alarms" not in text or "in-run A/B" in text
