@@ -98,6 +98,22 @@ def pytest_benchmark_update_machine_info(config, machine_info):
                                      "sm_count": d.sm_count, "driver": d.driver_version}
 
 
+def pytest_benchmark_update_commit_info(config, commit_info):
+    """On a copy of a checkout (MEGABENCH_GIT_SHA set, as on the GPU machine, whose .git may be an
+    earlier commit's): credit the JSON to that commit, dirty by MEGABENCH_SOURCE_TREE, as the
+    result files do; pytest-benchmark read the copy's stale .git (753ac92 for 2767860)."""
+    import os
+
+    if os.environ.get("MEGABENCH_GIT_SHA"):
+        from microbench.results import _dirty, git_sha
+
+        stale = commit_info.get("id")
+        commit_info.update(id=git_sha(full=True), dirty=bool(_dirty(os.environ.get("MEGABENCH_SOURCE_TREE"))),
+                           credited_by="MEGABENCH_GIT_SHA", copy_git_id=stale)
+        for k in ("time", "author_time"):
+            commit_info.pop(k, None)  # the stale commit's times
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _results_dir(tmp_path_factory):
     """Tests write results into a folder of their own (MEGABENCH_TEST_RESULTS, else a temporary

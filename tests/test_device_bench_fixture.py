@@ -78,3 +78,22 @@ def test_device_bench_with_pytest_benchmark_off_runs_the_case_as_a_test(pytester
     assert "1 passed" in out and "2 failed" in out and "wrong result" in out, out[-3000:]
     assert "gave up waiting for the ping flag" in out
     assert "'NoneType' object has no attribute 'stats'" not in out
+
+
+def test_benchmark_json_is_credited_to_megabench_git_sha(pytester, monkeypatch):
+    """On the GPU machine's copy of a checkout the .git may be an earlier commit's: the JSON's
+    commit_info names the commit MEGABENCH_GIT_SHA credits the run to, as the result files do."""
+    import json
+
+    for k in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID", "PYTEST_ADDOPTS"):
+        monkeypatch.delenv(k, raising=False)
+    sha = "ab" * 20
+    monkeypatch.setenv("MEGABENCH_GIT_SHA", sha)
+    monkeypatch.delenv("MEGABENCH_SOURCE_TREE", raising=False)
+    shutil.copy(REPO_ROOT / "conftest.py", pytester.path / "conftest.py")
+    (pytester.path / "test_b.py").write_text("def test_b(benchmark):\n    benchmark(lambda: None)\n")
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--benchmark-only",
+                                      "--benchmark-json=out.json", "test_b.py")
+    assert "1 passed" in r.stdout.str(), r.stdout.str()[-2000:]
+    ci = json.loads((pytester.path / "out.json").read_text())["commit_info"]
+    assert ci["id"] == sha and ci["credited_by"] == "MEGABENCH_GIT_SHA"
