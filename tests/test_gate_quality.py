@@ -108,6 +108,20 @@ def test_runs_on_one_machine_say_so_and_save_no_cross_machine_spread(two_runs, t
     assert list(find("gate.aa_spread", tmp_path / "two")) and "not fresh" not in text2
 
 
+def test_the_pipeline_analyses_the_newest_build_with_two_runs(two_runs):
+    """`megabench run` pools one build's quality runs: an earlier build's runs may have timed other
+    cases under the same names, and one newer run alone is not a measurement."""
+    from microbench.gate_quality import newest_build
+
+    runs = find_runs(two_runs)
+    old = [dataclasses.replace(r, env=dataclasses.replace(r.env, git_sha="old", date="2026-11-0" + r.env.date[9:]))
+           for r in runs]
+    lone = dataclasses.replace(runs[0], env=dataclasses.replace(runs[0].env, git_sha="newest", date="2026-12-09T00"))
+    got = newest_build(old + runs + [lone])
+    assert [r.env.git_sha for r in got] == [runs[0].env.git_sha] * 2 and got == sorted(runs, key=lambda r: r.env.date)
+    assert newest_build(old[:1] + [lone]) == []
+
+
 def test_saved_spreads_feed_the_stored_gate_and_the_report(two_runs, tmp_path, capsys):
     q, aa, text = run_analysis(two_runs, save=True, save_root=tmp_path)
     assert "false alarms" not in text or "in-run A/B" in text
