@@ -49,11 +49,11 @@ differ from A's by more than the workers within each side differ from each other
 worker a side (`--replicas 1`) only the rounds are tested, and the report says so.
 Where such an offset has a known cause the case removes it at the source (2026-12-02): the
 ping-pong and publish cases average each sample over 8 flag placements (one allocation's flags
-sat 3-4% off another's, steady), and the fence probe is pinned to one SM (a lone block's SM moves
-its time by up to 8%); see microbench/sync/bench.py. Two offsets remain, causes not found: the
-fence probe's copies still sit at one of two levels 6-7% apart among the quality run's six
-workers, and the empty launch's workers differ by up to 7%. So the process test stays; with three
-workers a side the fence probe's injected 10% reads unknown.
+sat 3-4% off another's, steady), the fence probe is pinned to one SM (a lone block's SM moves
+its time by up to 8%), and the sync cases keep their runners alive (the fence probe's 6-7% levels
+were a freed watchdog record read as tripped: runners.KEEP_NOTE); see microbench/sync/bench.py.
+One offset remains, cause not found: the empty launch's workers differ by up to 12%, so the
+process test stays, and a case like it reads unknown rather than same or regression.
 
 Why a floor: even so, two builds of the same code differ by their code layout (layout placebos of
 the megakernel moved its step by -0.5..+1.1%, megakernel/ab.py), so a significant 1% is real but

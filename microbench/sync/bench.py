@@ -714,13 +714,11 @@ def fence_case(k: int = 64 * KiB) -> Case:
     blocks' times over -6.1..+2.8% by SM, in groups of neighbouring SMs, and a lone block lands
     where the block scheduler puts it. Pinned, every process times the same SM.
 
-    Not solved by it: in the A/B gate's quality runs (six worker processes on one GPU) a prepared
-    copy of this case still sits at one of two levels 6-7% apart (171 or 181 us), steady for the
-    whole run. Probes in one process (8 copies with their scratch in separate 2 MiB allocations,
-    8 loader sources, 8 module loads, 6 fresh processes; H200, 2026-12-02) agreed within 0.3%, but
-    they timed the case at 260-267 us, not the gate's 171/181 us (probably a lower SM clock after a
-    2 ms warm-up on an idle GPU; the clock was not recorded), so they do not rule out a placement
-    at the gate's clock. The cause was not found; the gate's process test carries it.
+    The A/B gate's workers once timed this case at 171 or 181 us against 263 us in a fresh process:
+    the runner was freed after prepare and its loader read a reused watchdog word as tripped, so
+    the fences ran without loads in flight (runners.KEEP_NOTE). Kept alive, the quality run's six
+    workers agree within 0.2% (260.6-261.1 us, H200, 2026-12-02), and the check now requires the
+    loader to stream through the timed loops.
     """
 
     def prepare(h: Harness) -> Prepared:
