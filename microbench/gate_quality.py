@@ -638,7 +638,7 @@ def to_results(an: Analysis) -> tuple[Result, Result]:
         series.append(Series.from_samples(
             t.measure, list(per.values()), timer="derived", unit="fraction",
             params={"mode": t.mode, "what": t.what, "slowdown": t.slowdown, "block_rounds": an.block,
-                    "method": METHOD},
+                    "method": METHOD, "fresh_machines": fresh_machines(an.runs)},
             metrics={"flagged": t.flagged, "trials": t.trials, "clusters": len(per), "n_eff": n_eff, "icc": icc,
                      "interval_by_clusters": [clo, chi], "per_cluster": per, "excluded": t.excluded,
                      "gate_direction": "none"}))
@@ -811,15 +811,24 @@ WHAT = {"false_alarm_rate_ab": "false alarms (A/A)", "false_alarm_rate_stored": 
         "unknown_rate_ab": "unknown (A/A): a slowdown the workers could not confirm"}
 
 
-def _what(key: str) -> str:
+def one_machine(r: Result) -> bool:
+    """Whether a gate.quality result comes from runs that share a GPU (its stored cross-run rows
+    are then of one machine)."""
+    return any(s.params.get("fresh_machines") is False for s in r.series)
+
+
+def _what(key: str, one: bool = False) -> str:
     m = re.fullmatch(r"(.*?)(?:_(\d+)w)?", key)
     base, workers = m.group(1), m.group(2)
     tail = "" if workers is None else f", {workers} worker{'s' if workers != '1' else ''} a side (earlier method)"
+    if one and base == "false_alarm_rate_stored":
+        return "false alarms (A/A, two runs on one machine)" + tail
     if base in WHAT:
         return WHAT[base] + tail
     for p in ("ab", "stored"):
         if base.startswith(f"detection_rate_{p}_"):
-            return f"detection of an injected {base.rsplit('_', 1)[1].replace('pct', '%')}" + tail
+            return (f"detection of an injected {base.rsplit('_', 1)[1].replace('pct', '%')}"
+                    + (", baseline from the other run on the same machine" if one and p == "stored" else "") + tail)
     if base.startswith("unknown_rate_ab_"):
         return f"unknown, not caught, at an injected {base.rsplit('_', 1)[1].replace('pct', '%')}" + tail
     return key
@@ -874,7 +883,8 @@ def trust_line(root: Path | None = None) -> str:
         return "n/a" if d is None else f"{d.value:.{digits}%} ({d.spread[0]:.{digits}%}-{d.spread[1]:.{digits}%})"
 
     return (f"Gate: in-run A/B false alarms {rate('false_alarm_rate_ab')}, detects 5% {rate('detection_rate_ab_5pct', 0)}"
-            f", 10% {rate('detection_rate_ab_10pct', 0)}; stored across machines: false alarms "
+            f", 10% {rate('detection_rate_ab_10pct', 0)}; stored "
+            f"{'(two runs on one machine)' if one_machine(r) else 'across machines'}: false alarms "
             f"{rate('false_alarm_rate_stored')}, detects 5% {rate('detection_rate_stored_5pct', 0)} "
             f"(`gate.quality` of {r.env.date[:10]}, 95% intervals).")
 
@@ -905,14 +915,15 @@ def report_lines(root: Path | None = None, heading: str = "## How much to trust 
         if s is None:
             continue
         by_cl = s.metrics.get("interval_by_clusters") or [None, None]
-        rows.append({"mode": s.params.get("mode"), "measure": _what(k), "rate": f"{d.value:.1%}",
+        rows.append({"mode": s.params.get("mode"), "measure": _what(k, one_machine(r)), "rate": f"{d.value:.1%}",
                      "95% interval (n_eff)": f"{d.spread[0]:.1%}-{d.spread[1]:.1%}" if d.spread else "",
                      "95% (clusters only)": f"{by_cl[0]:.1%}-{by_cl[1]:.1%}" if by_cl[0] is not None else "",
                      "trials": f"{s.metrics.get('flagged')} of {s.metrics.get('trials')}",
                      "clusters / n_eff": f"{s.metrics.get('clusters')} / {s.metrics.get('n_eff', 0):.0f}",
                      "target": d.note.replace("target ", "") if d.note else ""})
+    where = "on one machine (not fresh machines)" if one_machine(r) else "on fresh machines"
     out += _wrap(f"Measured {r.env.date[:10]} on {r.env.gpu} (`{_rel(path)}`): the gate's own verdicts on two quality "
-                 "runs of one build on fresh machines, with slowdowns injected into the kernels (`megabench gate "
+                 f"runs of one build {where}, with slowdowns injected into the kernels (`megabench gate "
                  "--quality-run`; method in `microbench/gate_quality.py`).")
     out += ["", tabulate(rows, headers="keys", tablefmt="github"), ""]
     inj = [(k, d) for k, d in r.derived.items() if k.startswith("injected_")]

@@ -103,6 +103,12 @@ def test_runs_on_one_machine_say_so_and_save_no_cross_machine_spread(two_runs, t
     t = {x.measure: x for x in analyse(find_runs([one])).tallies}
     assert "one machine" in t["false_alarm_rate_stored"].what
     assert "share a GPU" in q.notes[-1]
+    # the report and the trust line say one machine, not across machines
+    lines = "\n".join(report_lines(tmp_path / "saved"))
+    assert "two runs on one machine" in lines and "across machines" not in lines and "not fresh machines" in lines
+    from microbench.gate_quality import trust_line
+
+    assert "stored (two runs on one machine)" in trust_line(tmp_path / "saved")
     # on two machines the same runs save both
     _, _, text2 = run_analysis(two_runs, save=True, save_root=tmp_path / "two")
     assert list(find("gate.aa_spread", tmp_path / "two")) and "not fresh" not in text2
