@@ -50,8 +50,9 @@ worker a side (`--replicas 1`) only the rounds are tested, and the report says s
 Where such an offset has a known cause the case removes it at the source (2026-12-02): the
 ping-pong and publish cases average each sample over 8 flag placements (one allocation's flags
 sat 3-4% off another's, steady), the fence probe is pinned to one SM (a lone block's SM moves
-its time by up to 8%), and the sync cases keep their runners alive (the fence probe's 6-7% levels
-were a freed watchdog record read as tripped: runners.KEEP_NOTE); see microbench/sync/bench.py.
+its time by up to 8%), and the sync cases keep their runners alive (the fence probe's 171/181 us
+levels came with its freed runner, whose loader stopped early: runners.KEEP_NOTE; kept alive, its
+workers agree within 0.2%); see microbench/sync/bench.py.
 One offset remains, cause not found: the empty launch's workers differ by up to 12%, so the
 process test stays, and a case like it reads unknown rather than same or regression.
 
