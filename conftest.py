@@ -105,10 +105,10 @@ def pytest_benchmark_update_commit_info(config, commit_info):
     import os
 
     if os.environ.get("MEGABENCH_GIT_SHA"):
-        from microbench.results import _dirty, git_sha
+        from microbench.results import git_dirty, git_sha
 
         stale = commit_info.get("id")
-        commit_info.update(id=git_sha(full=True), dirty=bool(_dirty(os.environ.get("MEGABENCH_SOURCE_TREE"))),
+        commit_info.update(id=git_sha(full=True), dirty=git_dirty(),
                            credited_by="MEGABENCH_GIT_SHA", copy_git_id=stale)
         for k in ("time", "author_time"):
             commit_info.pop(k, None)  # the stale commit's times

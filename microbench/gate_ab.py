@@ -237,7 +237,7 @@ def replicated_verdict(key: str, a: Sequence[Sequence[float]], b: Sequence[Seque
         p_slow, p_fast = student_t_sf(diff / se, df), student_t_sf(-diff / se, df)
     else:  # the workers of each side agree exactly (synthetic figures): the rounds decide
         p_slow, p_fast = (0.0, 1.0) if diff > 0 else (1.0, 0.0) if diff < 0 else (1.0, 1.0)
-    resolution = float(np.expm1(student_t_quantile(1.0 - cfg.process_alpha, df) * se))
+    resolution = process_resolution(s, r, cfg)
     spread = f"workers a side differ by {s:.2%} (sd, {r} a side; this test calls no less than {resolution:+.2%})"
     v, why = base.verdict, base.reason
     if v == "regression" and not p_slow < cfg.process_alpha:
@@ -259,17 +259,19 @@ def replicated_verdict(key: str, a: Sequence[Sequence[float]], b: Sequence[Seque
 MAX_REPLICAS_HINT = 32
 
 
+def process_resolution(sd: float, r: int, cfg: ABConfig = ABConfig()) -> float:
+    """The smallest slowdown the process test calls at process_alpha with r workers a side whose
+    log offsets are spread by `sd` (pooled, df 2 (r - 1))."""
+    return float(np.expm1(student_t_quantile(1.0 - cfg.process_alpha, 2 * (r - 1)) * sd * math.sqrt(2.0 / r)))
+
+
 def replicas_to_resolve(sd: float, slowdown: float, cfg: ABConfig = ABConfig()) -> int | None:
     """The fewest workers a side whose process test, with the workers' log offsets spread by `sd`,
-    calls `slowdown` (its resolution, as replicated_verdict computes it, below the slowdown); None
-    when more than MAX_REPLICAS_HINT would be needed."""
+    calls `slowdown` (process_resolution below it); None when more than MAX_REPLICAS_HINT would be
+    needed."""
     if slowdown <= 0:
         return None
-    for r in range(2, MAX_REPLICAS_HINT + 1):
-        df = 2 * (r - 1)
-        if float(np.expm1(student_t_quantile(1.0 - cfg.process_alpha, df) * sd * math.sqrt(2.0 / r))) < slowdown:
-            return r
-    return None
+    return next((r for r in range(2, MAX_REPLICAS_HINT + 1) if process_resolution(sd, r, cfg) < slowdown), None)
 
 
 def replica_names(name: str, r: int) -> list[str]:
@@ -317,9 +319,9 @@ def tree_label(root: Path) -> str:
     an earlier commit's): the commit its results are credited to, dirty by MEGABENCH_SOURCE_TREE
     (microbench/results.py), as the result files say."""
     if os.environ.get("MEGABENCH_GIT_SHA") and root.resolve() == REPO_ROOT.resolve():
-        from .results import _dirty, git_sha
+        from .results import git_dirty, git_sha
 
-        return git_sha(full=True)[:12] + ("+dirty" if _dirty(os.environ.get("MEGABENCH_SOURCE_TREE")) else "")
+        return git_sha(full=True)[:12] + ("+dirty" if git_dirty() else "")
     r = _git(root, "rev-parse", "--short=12", "HEAD")
     if r.returncode != 0:
         return f"{root} (no git)"

@@ -622,11 +622,11 @@ def to_results(an: Analysis) -> tuple[Result, Result]:
     """(gate.quality, gate.aa_spread) from an analysis of two or more runs."""
     runs = an.runs
     src_env = max((r.env for r in runs), key=lambda e: e.date)
-    from .results import _dirty, git_sha
+    from .results import git_dirty, git_sha
 
     env = dataclasses.replace(
         src_env, date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), git_sha=git_sha(full=True),
-        git_dirty=_dirty(os.environ.get("MEGABENCH_SOURCE_TREE")), host=socket.gethostname(),
+        git_dirty=git_dirty(), host=socket.gethostname(),
         python=platform.python_version(), machine_kind="analysis of recorded quality runs")
     series, derived = [], {}
     for t in an.tallies:

@@ -91,6 +91,12 @@ def _dirty(expected: str | None) -> bool:
     return bool(_git("status", "--porcelain", "--untracked-files=no"))
 
 
+def git_dirty() -> bool:
+    """Whether the sources differ from the commit git_sha() credits results to (by
+    MEGABENCH_SOURCE_TREE when set: _dirty)."""
+    return _dirty(os.environ.get("MEGABENCH_SOURCE_TREE"))
+
+
 @dataclass(frozen=True)
 class Env:
     gpu: str | None
@@ -133,7 +139,7 @@ class Env:
 
             info = device_info(gpu_index)
         sha = git_sha()
-        dirty = _dirty(os.environ.get("MEGABENCH_SOURCE_TREE"))
+        dirty = git_dirty()
         return cls(
             gpu=info.name if info else None,
             gpu_uuid=info.uuid if info else None,
