@@ -453,19 +453,69 @@ def _suffix(run: RunData) -> str:
     return "" if (run.replicas == ABConfig().replicas and run.symmetric) else f"_{run.replicas}w"
 
 
-def aa_spreads(runs: Sequence[RunData]) -> dict[str, float]:
-    """Per case: the largest relative difference of run medians of the same build across two
-    different runs (A/A, B/B, A/B, B/A over every pair of runs)."""
-    out: dict[str, float] = {}
+def machine_of(run: RunData) -> tuple:
+    """The machine a run was made on: every device VM is called "vm", so its GPU's UUID tells them apart."""
+    return (run.env.gpu_uuid, run.env.host)
+
+
+def run_pairs(runs: Sequence[RunData]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(pairs of runs on different machines, pairs of runs on one machine), each pair i < j."""
+    apart, same = [], []
     for i in range(len(runs)):
         for j in range(i + 1, len(runs)):
-            for case in set(runs[i].figures) & set(runs[j].figures):
-                fi, fj = runs[i].figures[case], runs[j].figures[case]
-                for x in ("A", "B"):
-                    for y in ("A", "B"):
-                        if x in fi and y in fj:
-                            s = abs(float(np.median(fi[x]) / np.median(fj[y])) - 1.0)
-                            out[case] = max(out.get(case, 0.0), s)
+            (apart if machine_of(runs[i]) != machine_of(runs[j]) else same).append((i, j))
+    return apart, same
+
+
+def aa_spreads(runs: Sequence[RunData], pairs: Sequence[tuple[int, int]] | None = None) -> dict[str, float]:
+    """Per case: the largest relative difference of run medians of the same build across two
+    different runs (A/A, B/B, A/B, B/A over the given pairs of runs; default every pair)."""
+    if pairs is None:
+        pairs = [(i, j) for i in range(len(runs)) for j in range(i + 1, len(runs))]
+    out: dict[str, float] = {}
+    for i, j in pairs:
+        for case in set(runs[i].figures) & set(runs[j].figures):
+            fi, fj = runs[i].figures[case], runs[j].figures[case]
+            for x in ("A", "B"):
+                for y in ("A", "B"):
+                    if x in fi and y in fj:
+                        s = abs(float(np.median(fi[x]) / np.median(fj[y])) - 1.0)
+                        out[case] = max(out.get(case, 0.0), s)
+    return out
+
+
+CALIBRATION_LEVELS = (0.05, 0.10, 0.25, 0.50)
+
+
+def ks_uniform(ps: Sequence[float]) -> tuple[float, float]:
+    """Kolmogorov-Smirnov test of p-values against Uniform(0, 1): (D, asymptotic p-value)."""
+    x = np.sort(np.asarray(ps, dtype=np.float64))
+    n = x.size
+    if n == 0:
+        return float("nan"), float("nan")
+    i = np.arange(1, n + 1)
+    d = float(max(np.max(i / n - x), np.max(x - (i - 1) / n)))
+    lam = (math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d
+    p = 2.0 * sum((-1) ** (k - 1) * math.exp(-2.0 * k * k * lam * lam) for k in range(1, 101))
+    return d, float(min(1.0, max(0.0, p)))
+
+
+def process_calibration(runs: Sequence[RunData], ab_cfg: ABConfig = ABConfig()) -> dict[str, float]:
+    """The in-run rule's process test under A/A, one p-value per (run, case): the test of A's
+    workers against B's over all of the run's rounds (gate_ab.replicated_verdict's p_process).
+    A false alarm needs that p under process_alpha in one orientation, so a calibrated test caps
+    the two-sided A/A rate at 2 x process_alpha whatever the rounds say. The p-values should be
+    uniform: {cluster: p}. 68 clusters test that at the 5-50% levels, where 136 trials cannot
+    resolve a 1% rate by counting alarms."""
+    out: dict[str, float] = {}
+    for ri, run in enumerate(runs):
+        if run.replicas < 2:
+            continue
+        for case, f in sorted(run.figures.items()):
+            if "A" in f and "B" in f:
+                v = replicated_verdict(case, run.workers(case, "A"), run.workers(case, "B"), "s", ab_cfg)
+                if v.p_process is not None and math.isfinite(v.p_process):
+                    out[f"run{ri + 1}:{case}"] = float(v.p_process)
     return out
 
 
@@ -479,6 +529,7 @@ class Analysis:
     ab_cfg: ABConfig
     st_cfg: GateConfig
     detection_by_measured: dict[str, tuple[int, int]] = field(default_factory=dict)
+    calibration: dict[str, float] = field(default_factory=dict)  # process_calibration
 
     def tally(self, measure: str) -> Tally | None:
         return next((t for t in self.tallies if t.measure == measure), None)
@@ -491,11 +542,14 @@ def _pct(ppm: int) -> str:
 MEASURED_BINS = ((0.0, 0.03), (0.03, 0.045), (0.045, 0.075), (0.075, 1e9))
 
 
-def fresh_machines(runs: Sequence[RunData]) -> bool:
-    """Whether every run is on a machine of its own (every device VM is called "vm": its GPU's
-    UUID tells them apart). Runs on one machine do not measure the spread across machines."""
-    machines = [(r.env.gpu_uuid, r.env.host) for r in runs]
-    return len(set(machines)) == len(machines)
+def machines_apart(runs: Sequence[RunData]) -> bool:
+    """Whether some two runs are on different machines: the stored mode's cross-machine rows and
+    gate.aa_spread then come from those pairs (pairs on one machine are tallied apart)."""
+    return len({machine_of(r) for r in runs}) >= 2
+
+
+# the stored mode's tallies of pairs of runs on one machine, when other pairs are on two machines
+ONE_MACHINE = "_one_machine"
 
 
 def analyse(runs: Sequence[RunData], block: int = BLOCK, ab_cfg: ABConfig = ABConfig(),
@@ -559,48 +613,68 @@ def analyse(runs: Sequence[RunData], block: int = BLOCK, ab_cfg: ABConfig = ABCo
                         if lo <= got < hi:
                             by_measured[f"{lo:.3f}-{hi:.3f}"][0] += v
                             by_measured[f"{lo:.3f}-{hi:.3f}"][1] += 1
-    spreads = aa_spreads(runs)
+    apart, same = run_pairs(runs)
+    # the spread the stored gate reads is the one across machines; only without such pairs, one machine's
+    spreads = aa_spreads(runs, apart if apart else same)
     if len(runs) >= 2:
         cross = CrossRun(dict(spreads), runs[0].env.gpu)
-        fresh = fresh_machines(runs)
-        aa_x = t("false_alarm_rate_stored", "stored", "A/A across two fresh machines, unpaired" if fresh else
-                 "A/A across two runs on one machine (not fresh machines: the runs share a GPU), unpaired")
-        for i in range(len(runs)):
-            for j in range(len(runs)):
-                if i == j:
-                    continue
-                for case in sorted(set(runs[i].figures) & set(runs[j].figures)):
-                    fi, fj = runs[i].figures[case], runs[j].figures[case]
-                    if not all(k in fi and k in fj for k in ("A", "B")):
-                        continue
-                    spread, how = cross.for_key(case, exclude_self=True)
-                    n = min(min(len(v) for v in fi.values()), min(len(v) for v in fj.values()))
-                    for sl in _blocks(n, block):
-                        for side in ("A", "B"):
-                            if i < j:  # each unordered pair of runs once, both orientations in one trial
-                                x, y = fi[side][sl], fj[side][sl]
-                                aa_x.add(case, *_two_sided([judge(_m(case, u), _m(case, w), st_cfg, spread, how)
-                                                            for u, w in ((x, y), (y, x))]))
-                        for variant in sorted(v for v in fj if v not in ("A", "B")):
-                            ppm = runs[j].ppm_of.get(variant, 0)
-                            nominal = ppm / 1e6
-                            tt = t(f"detection_rate_stored_{_pct(ppm)}", "stored",
-                                   f"injected {nominal:.0%}, baseline from the other "
-                                   f"{'machine' if fresh else 'run on the same machine'}", nominal)
-                            got = measured_injection(runs[j], case, variant)
-                            if got < MIN_INJECT_FRACTION * nominal:
-                                tt.excluded[case] = f"measured injection {got:+.2%} of a nominal {nominal:.0%}"
-                                continue
-                            v = judge(_m(case, fi["A"][sl]), _m(case, fj[variant][sl]), st_cfg, spread, how)
-                            tt.add(case, v.verdict == "regression", v.slowdown)
+        # pairs on two machines make the main stored rows; pairs on one machine beside them get the
+        # ONE_MACHINE suffix, or, when every run is on one machine, make the main rows, labelled so
+        groups = [(apart, "", True), (same, ONE_MACHINE, False)] if apart else [(same, "", False)]
+        for pairs, sfx, across in groups:
+            if not pairs:
+                continue
+            aa_x = t(f"false_alarm_rate_stored{sfx}", "stored",
+                     "A/A across two machines, unpaired" if across else
+                     "A/A across two runs on one machine (the runs share a GPU), unpaired")
+            for i0, j0 in pairs:
+                for i, j in ((i0, j0), (j0, i0)):
+                    for case in sorted(set(runs[i].figures) & set(runs[j].figures)):
+                        fi, fj = runs[i].figures[case], runs[j].figures[case]
+                        if not all(k in fi and k in fj for k in ("A", "B")):
+                            continue
+                        spread, how = cross.for_key(case, exclude_self=True)
+                        n = min(min(len(v) for v in fi.values()), min(len(v) for v in fj.values()))
+                        for sl in _blocks(n, block):
+                            for side in ("A", "B"):
+                                if i < j:  # each unordered pair of runs once, both orientations in one trial
+                                    x, y = fi[side][sl], fj[side][sl]
+                                    aa_x.add(case, *_two_sided([judge(_m(case, u), _m(case, w), st_cfg, spread, how)
+                                                                for u, w in ((x, y), (y, x))]))
+                            for variant in sorted(v for v in fj if v not in ("A", "B")):
+                                ppm = runs[j].ppm_of.get(variant, 0)
+                                nominal = ppm / 1e6
+                                tt = t(f"detection_rate_stored_{_pct(ppm)}{sfx}", "stored",
+                                       f"injected {nominal:.0%}, baseline from the other "
+                                       f"{'machine' if across else 'run on the same machine'}", nominal)
+                                got = measured_injection(runs[j], case, variant)
+                                if got < MIN_INJECT_FRACTION * nominal:
+                                    tt.excluded[case] = f"measured injection {got:+.2%} of a nominal {nominal:.0%}"
+                                    continue
+                                v = judge(_m(case, fi["A"][sl]), _m(case, fj[variant][sl]), st_cfg, spread, how)
+                                tt.add(case, v.verdict == "regression", v.slowdown)
     sfxs = sorted({_suffix(r) for r in runs}, key=lambda x: (x != "", x))
     order = [k for x in sfxs for k in (f"false_alarm_rate_ab{x}", *[f"detection_rate_ab_{_pct(p)}{x}" for p in ppms],
                                        f"unknown_rate_ab{x}", *[f"unknown_rate_ab_{_pct(p)}{x}" for p in ppms])]
     order += ["false_alarm_rate_stored", "false_alarm_rate_stored_same_machine",
-              *[f"detection_rate_stored_{_pct(p)}" for p in ppms]]
+              *[f"detection_rate_stored_{_pct(p)}" for p in ppms],
+              f"false_alarm_rate_stored{ONE_MACHINE}", *[f"detection_rate_stored_{_pct(p)}{ONE_MACHINE}" for p in ppms]]
     tallies = [T[k] for k in order if k in T]
     return Analysis(tallies, injections, spreads, runs, block, ab_cfg, st_cfg,
-                    {k: (v[0], v[1]) for k, v in by_measured.items() if v[1]})
+                    {k: (v[0], v[1]) for k, v in by_measured.items() if v[1]}, process_calibration(runs, ab_cfg))
+
+
+def calibration_line(an: Analysis) -> str | None:
+    """The process test's calibration under A/A in one sentence (None without multi-worker runs)."""
+    ps = list(an.calibration.values())
+    if not ps:
+        return None
+    d, pk = ks_uniform(ps)
+    a = an.ab_cfg.process_alpha
+    below = ", ".join(f"{sum(p < lv for p in ps)} under {lv:g} ({lv * len(ps):.1f} expected)" for lv in CALIBRATION_LEVELS)
+    return (f"in-run A/B, the process test under A/A (one p-value per run and case, {len(ps)}): {below}; "
+            f"against uniform KS D={d:.3f}, p={pk:.2f}. A false alarm needs p < {a:g} in one orientation, so a "
+            f"calibrated test caps the two-sided A/A rate at {2 * a:.0%}")
 
 
 def _fmt_rate(t: Tally) -> str:
@@ -615,6 +689,9 @@ def summary_lines(an: Analysis) -> list[str]:
              ""]
     for t in an.tallies:
         lines.append(f"- {t.mode}, {t.what}: {_fmt_rate(t)}" + (f"; left out: {len(t.excluded)}" if t.excluded else ""))
+    cal = calibration_line(an)
+    if cal:
+        lines.append(f"- {cal}")
     return lines
 
 
@@ -638,7 +715,8 @@ def to_results(an: Analysis) -> tuple[Result, Result]:
         series.append(Series.from_samples(
             t.measure, list(per.values()), timer="derived", unit="fraction",
             params={"mode": t.mode, "what": t.what, "slowdown": t.slowdown, "block_rounds": an.block,
-                    "method": METHOD, "fresh_machines": fresh_machines(an.runs)},
+                    "method": METHOD, "fresh_machines": machines_apart(an.runs), "runs": len(an.runs),
+                    "machines": len({machine_of(r) for r in an.runs})},
             metrics={"flagged": t.flagged, "trials": t.trials, "clusters": len(per), "n_eff": n_eff, "icc": icc,
                      "interval_by_clusters": [clo, chi], "per_cluster": per, "excluded": t.excluded,
                      "gate_direction": "none"}))
@@ -659,6 +737,15 @@ def to_results(an: Analysis) -> tuple[Result, Result]:
             float(np.median(vals)), "ratio", f"median over (run, case) of the measured injected slowdown at nominal "
             f"{ppm / 1e6:.0%}: exp(median log(B@{p_var}/A)) less B's own offset, all rounds",
             (float(np.min(vals)), float(np.max(vals))))
+    if an.calibration:
+        ps = list(an.calibration.values())
+        d, pk = ks_uniform(ps)
+        for lv in CALIBRATION_LEVELS:
+            k = sum(p < lv for p in ps)
+            derived[f"process_test_below_{round(lv * 100)}pct"] = Derived(
+                k / len(ps), "fraction", f"in-run A/B under A/A: share of the {len(ps)} (run, case) process tests "
+                f"(all rounds) with p < {lv:g}; {lv:g} if calibrated", wilson(k, len(ps)),
+                note=f"KS against uniform D={d:.3f} p={pk:.2f}")
     for k, (hit, n) in an.detection_by_measured.items():
         lo, hi = (float(x) for x in k.split("-"))
         derived[f"detection_ab_measured_{round(lo * 1000)}_{round(min(hi, 9.99) * 1000)}permille"] = Derived(
@@ -696,9 +783,10 @@ def to_results(an: Analysis) -> tuple[Result, Result]:
     aa_res = Result("gate.aa_spread", env, tuple(aa),
                     {"pooled_p90": Derived(pooled, "ratio", "90th percentile of the per-series A/A cross-run spreads",
                                            inputs=tuple(an.spreads))},
-                    quick=False, notes=(f"A/A cross-run spreads from {len(runs)} quality runs of one build on fresh "
-                                        f"machines: {', '.join(r.label for r in runs)}; per series the largest "
-                                        "|median_i / median_j - 1| over the cross-run pairs of the same build",))
+                    quick=False, notes=(f"A/A cross-run spreads from {len(runs)} quality runs of one build on "
+                                        f"{len({machine_of(r) for r in runs})} machines: "
+                                        f"{', '.join(r.label for r in runs)}; per series the largest "
+                                        "|median_i / median_j - 1| over the pairs of runs on different machines",))
     return q, aa_res
 
 
@@ -735,12 +823,17 @@ def run_analysis(paths: Sequence[Path] | None = None, save: bool = False, save_r
     gpus = {r.env.gpu for r in runs}
     if len(gpus) > 1:
         raise ResultsFileError(f"quality runs on different GPUs {sorted(map(str, gpus))}: analyse one GPU at a time")
-    machines = [(r.env.gpu_uuid, r.env.host) for r in runs]  # every device VM is called "vm": its GPU tells them apart
+    machines = [machine_of(r) for r in runs]
     an = analyse(runs, block)
     q, aa = to_results(an)
     lines = [f"gate quality from {len(runs)} runs on {runs[0].env.gpu}: " + ", ".join(r.label for r in runs), ""]
-    if len(set(machines)) < len(machines):
+    apart, same = run_pairs(runs)
+    if not apart:
         lines.append(f"WARNING: runs share a GPU ({machines}): not fresh machines")
+    elif same:
+        lines.append(f"{len(runs)} runs on {len(set(machines))} machines: the stored rows across machines come from the "
+                     f"{len(apart)} pairs of runs on different machines; the {len(same)} pairs on one machine are "
+                     f"tallied apart (one machine)")
     lines += summary_lines(an)
     lines += ["", "A/A offsets, the same tree in two worker processes (exp(median log(B/A)) over every round; "
               "the in-run rule's floor is {:.0%}):".format(ABConfig().floor)]
@@ -761,14 +854,19 @@ def run_analysis(paths: Sequence[Path] | None = None, save: bool = False, save_r
             "A/A offsets between two worker processes of one tree, largest first (per run): " + "; ".join(
                 f"{c.split('::')[-1]} " + "/".join(f"{x:+.1%}" for x in v) for c, v in worst)
             + ". A steady per-process offset is what paired rounds cannot average away.",))
-    if not fresh_machines(runs):
+    if not apart:
         q = dataclasses.replace(q, notes=tuple(q.notes) + (
             f"The runs share a GPU ({machines}): the stored mode's cross-run rows are of one machine, and "
             "gate.aa_spread was not saved from them (it is the spread across fresh machines).",))
+    elif same:
+        q = dataclasses.replace(q, notes=tuple(q.notes) + (
+            f"{len(runs)} runs on {len(set(machines))} machines: the stored mode's rows across machines (and "
+            f"gate.aa_spread) come from the {len(apart)} pairs of runs on different machines; the {len(same)} pairs "
+            "on one machine are the rows marked one machine.",))
     if save:
         p1 = q.save(save_root)
         lines += ["", f"saved {p1}"]
-        if fresh_machines(runs):
+        if apart:
             lines.append(f"saved {aa.save(save_root)}")
         else:
             lines.append("gate.aa_spread not saved: the runs share a GPU, so their spread is not the one across "
@@ -821,8 +919,11 @@ def _what(key: str, one: bool = False) -> str:
     m = re.fullmatch(r"(.*?)(?:_(\d+)w)?", key)
     base, workers = m.group(1), m.group(2)
     tail = "" if workers is None else f", {workers} worker{'s' if workers != '1' else ''} a side (earlier method)"
-    if one and base == "false_alarm_rate_stored":
+    if (one and base == "false_alarm_rate_stored") or base == f"false_alarm_rate_stored{ONE_MACHINE}":
         return "false alarms (A/A, two runs on one machine)" + tail
+    if base.startswith("detection_rate_stored_") and base.endswith(ONE_MACHINE):
+        pct = base[:-len(ONE_MACHINE)].rsplit("_", 1)[1].replace("pct", "%")
+        return f"detection of an injected {pct}, baseline from the other run on the same machine" + tail
     if base in WHAT:
         return WHAT[base] + tail
     for p in ("ab", "stored"):
@@ -921,8 +1022,11 @@ def report_lines(root: Path | None = None, heading: str = "## How much to trust 
                      "trials": f"{s.metrics.get('flagged')} of {s.metrics.get('trials')}",
                      "clusters / n_eff": f"{s.metrics.get('clusters')} / {s.metrics.get('n_eff', 0):.0f}",
                      "target": d.note.replace("target ", "") if d.note else ""})
-    where = "on one machine (not fresh machines)" if one_machine(r) else "on fresh machines"
-    out += _wrap(f"Measured {r.env.date[:10]} on {r.env.gpu} (`{_rel(path)}`): the gate's own verdicts on two quality "
+    p0 = next((s.params for s in r.series if "method" in s.params), {})
+    n_runs, n_machines = p0.get("runs", 2), p0.get("machines", 1 if one_machine(r) else 2)
+    where = ("on one machine (not fresh machines)" if one_machine(r) else
+             "on fresh machines" if n_machines == n_runs else f"on {n_machines} machines")
+    out += _wrap(f"Measured {r.env.date[:10]} on {r.env.gpu} (`{_rel(path)}`): the gate's own verdicts on {n_runs} quality "
                  f"runs of one build {where}, with slowdowns injected into the kernels (`megabench gate "
                  "--quality-run`; method in `microbench/gate_quality.py`).")
     out += ["", tabulate(rows, headers="keys", tablefmt="github"), ""]
@@ -931,6 +1035,13 @@ def report_lines(root: Path | None = None, heading: str = "## How much to trust 
         out += _wrap("Injected slowdowns as measured (median over runs and cases, min-max): " + "; ".join(
             f"nominal {k.split('_')[1].replace('pct', '%')}: {d.value:+.2%} ({d.spread[0]:+.2%}..{d.spread[1]:+.2%})"
             for k, d in inj) + ".") + [""]
+    cal = [(k, d) for k, d in r.derived.items() if k.startswith("process_test_below_")]
+    if cal:
+        out += _wrap("The in-run rule's process test under A/A (one p-value per run and case, all rounds; uniform if "
+                     "calibrated): " + "; ".join(f"{d.value:.1%} under {int(k.rsplit('_', 1)[1][:-3]) / 100:g}"
+                                                 for k, d in cal) + f" ({cal[0][1].note}). A false alarm needs its p "
+                     f"under {ABConfig().process_alpha:g} in one orientation, so a calibrated test caps the two-sided "
+                     f"A/A rate at {2 * ABConfig().process_alpha:.0%}, below what the trials alone can resolve.") + [""]
     for n in r.notes:
         out += _wrap(f"Note: {n}") + [""]
     return out

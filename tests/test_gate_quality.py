@@ -114,6 +114,60 @@ def test_runs_on_one_machine_say_so_and_save_no_cross_machine_spread(two_runs, t
     assert list(find("gate.aa_spread", tmp_path / "two")) and "not fresh" not in text2
 
 
+def test_four_runs_on_two_machines_pair_across_machines(two_runs, tmp_path_factory, tmp_path):
+    """Two runs on each of two machines: the stored rows across machines and gate.aa_spread come
+    from the four pairs of runs on different machines only; the two pairs on one machine are
+    tallied apart and labelled so (the quality runs of 2026-12-02 06:35-06:46Z were made so)."""
+    from microbench.gate_quality import ONE_MACHINE, aa_spreads, run_pairs
+    from microbench.results import find, load
+
+    more = []
+    for m, host in ((3, "h1"), (4, "h2")):  # a second run on each fixture machine (hosts h1, h2)
+        d = tmp_path_factory.mktemp(f"again{m}")
+        more.append(quality_run(d, rounds=30, backend="synthetic", spec=_spec(m), cases=CASES,
+                                env=dataclasses.replace(env(date=f"2026-12-0{m}T10:00:00Z"), host=host),
+                                log=lambda s: None)[1])
+    runs = find_runs([*two_runs, *more])
+    apart, same = run_pairs(runs)
+    assert len(apart) == 4 and len(same) == 2
+    assert all(runs[i].env.host != runs[j].env.host for i, j in apart)
+    an = analyse(runs)
+    t = {x.measure: x for x in an.tallies}
+    per_pair = t["false_alarm_rate_stored"].trials // 4
+    assert per_pair > 0 and t[f"false_alarm_rate_stored{ONE_MACHINE}"].trials == 2 * per_pair
+    assert "two machines" in t["false_alarm_rate_stored"].what and "one machine" in t[f"false_alarm_rate_stored{ONE_MACHINE}"].what
+    assert t[f"detection_rate_stored_10pct{ONE_MACHINE}"].trials > 0 and t["detection_rate_stored_10pct"].trials > 0
+    assert an.spreads == aa_spreads(runs, apart) and an.spreads != aa_spreads(runs)
+    q, aa, text = run_analysis([*two_runs, *more], save=True, save_root=tmp_path)
+    assert "4 runs on 2 machines" in text and "WARNING" not in text
+    assert list(find("gate.aa_spread", tmp_path))
+    lines = "\n".join(report_lines(tmp_path))
+    assert "4 quality runs of one build on 2 machines" in lines
+    assert "false alarms (A/A across machines)" in lines and "false alarms (A/A, two runs on one machine)" in lines
+    assert "detection of an injected 5%, baseline from the other run on the same machine" in lines
+
+
+def test_the_process_tests_calibration_under_a_over_a(two_runs, tmp_path):
+    """One p-value of the in-run rule's process test per (run, case) under A/A, tested against
+    uniform: the figure that backs the 1% cap, which the trials alone cannot resolve."""
+    from microbench.gate_quality import ks_uniform, process_calibration
+
+    assert ks_uniform(np.linspace(0.005, 0.995, 100))[1] > 0.9
+    assert ks_uniform(np.linspace(0.0, 0.3, 60))[1] < 1e-6  # a test that calls A/A too often
+    d, p = ks_uniform([0.5])
+    assert d == pytest.approx(0.5) and 0 <= p <= 1
+    runs = find_runs(two_runs)
+    cal = process_calibration(runs)
+    assert len(cal) == 2 * len(CASES) and all(0.0 <= v <= 1.0 for v in cal.values())
+    # one worker a side has no process test
+    assert process_calibration([dataclasses.replace(runs[0], replicas=1)]) == {}
+    q, _ = to_results(analyse(runs))
+    assert {"process_test_below_5pct", "process_test_below_50pct"} <= set(q.derived)
+    assert q.derived["process_test_below_50pct"].value == pytest.approx(sum(v < 0.5 for v in cal.values()) / len(cal))
+    q.save(tmp_path)
+    assert "process test under A/A" in "\n".join(report_lines(tmp_path))
+
+
 def test_the_pipeline_analyses_the_newest_build_with_two_runs(two_runs):
     """`megabench run` pools one build's quality runs: an earlier build's runs may have timed other
     cases under the same names, and one newer run alone is not a measurement."""
