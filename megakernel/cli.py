@@ -67,6 +67,36 @@ def _build(a) -> int:
     return 0
 
 
+def _code(a) -> int:
+    """Machine code per op of the builds at the given points, printed and optionally saved as
+    `megakernel.code` (the critical-path model's cold-code column reads it). CPU is enough."""
+    from pathlib import Path
+
+    from microbench.sass import find_nvdisasm
+
+    from .config import PRESETS
+    from .pipeline import code_result
+
+    points = []
+    for spec in a.point:
+        preset, _, tokens = spec.partition(":")
+        if preset not in PRESETS or not tokens.isdigit() or int(tokens) < 1:
+            print(f"code: --point {spec!r}: want PRESET:T with PRESET one of {', '.join(PRESETS)} and T >= 1, "
+                  "e.g. shard8:16", file=sys.stderr)
+            return 2
+        points.append((preset, int(tokens)))
+    if find_nvdisasm() is None:
+        print("code: code per op needs nvdisasm (on PATH, in CUDA_HOME/bin, or MEGABENCH_NVDISASM; Triton's wheel "
+              "bundles one under triton/backends/nvidia/bin)", file=sys.stderr)
+        return 2
+    r = code_result(points, a.sm)
+    for s in r.series:
+        print(f"{s.name:40s} {s.summary.median / 1024:7.1f} KB")
+    if a.save is not None:
+        print("saved", r.save(Path(a.save) if a.save else None))
+    return 0
+
+
 def _check_and_bench(a) -> int:
     if _no_gpu("check-and-bench"):
         return 2
@@ -360,6 +390,12 @@ def main(argv=None) -> int:
     s.add_argument("--preset", nargs="*", default=["tiny", "small", "shard8"])
     s.add_argument("--sm", type=int, default=132)
     s.set_defaults(fn=_build)
+    s = sub.add_parser("code", help="machine code per op of the builds at --point (needs nvdisasm; no GPU)")
+    s.add_argument("--point", nargs="+", default=["shard8:16"], help="PRESET:T (default shard8:16, the timeline's)")
+    s.add_argument("--sm", type=int, default=132)
+    s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
+                   help="also save the typed result (megakernel.code) under DIR (default reports/results)")
+    s.set_defaults(fn=_code)
     s = sub.add_parser("check-and-bench")
     s.add_argument("--full", action="store_true")
     s.add_argument("--presets", nargs="*", default=["tiny", "small", "shard8"])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
@@ -46,6 +47,11 @@ SEGMENT = {"attn": "front", "attn_combine": "front", "oproj": "front", "router":
            "topk": "front", "expert1": "experts", "expert2": "experts", "moe_combine": "back", "unpool": "back",
            "qkv": "back"}
 HOP_PARTS = ("release", "flag", "stage", "tail")
+INSN_BYTES = 16  # an sm_90 instruction
+# the source file (csrc/ops/<name>.cuh) each op of the chain is built from (build.op_of_chain)
+OP_SOURCE = {"attn": "attention", "attn_combine": "attn_combine", "oproj": "oproj", "router": "router", "pool": "pool",
+             "topk": "topk", "expert1": "expert_gemm1", "expert2": "expert_gemm2", "moe_combine": "moe_combine",
+             "unpool": "unpool", "qkv": "qkv_rope"}
 TIMELINE_POINT = ("shard8", 16, 2048)  # pipeline.run traces QUICK["shard8"][-1]
 
 
@@ -72,6 +78,25 @@ class Inputs:
     roofline_s: float
     launches: int
     sources: dict = field(default_factory=dict, compare=False)
+    # cold code (megakernel.code, icache.capacity): each op's machine code, the kernel's, the
+    # SM's instruction cache, the cycles an instruction takes served from L2 (the 1-warp curve's
+    # last plateau) and inside the SM's cache, and the SM clock the timeline ran at
+    code_bytes: dict = field(default_factory=dict)  # CHAIN op -> bytes ("schedule" too)
+    kernel_code_bytes: int = 0
+    icache_bytes: int = 0
+    l2_cpi: float = 0.0
+    sm_cpi: float = 0.0
+    clock_hz: float = 0.0
+
+    def code_s(self, op: str, cpi: float | None = None) -> float:
+        """One pass over the op's code at `cpi` cycles an instruction (default: served from L2)."""
+        if not self.clock_hz:
+            return 0.0
+        return self.code_bytes.get(op, 0) / INSN_BYTES * (self.l2_cpi if cpi is None else cpi) / self.clock_hz
+
+    def layer_code_bytes(self) -> int:
+        """The code a block runs in one layer launch: every op of the chain and the schedule."""
+        return sum(self.code_bytes.get(op, 0) for op in (*CHAIN, "schedule"))
 
     @property
     def layer_s(self) -> float:
@@ -92,6 +117,7 @@ class Row:
     compute_s: float = 0.0
     hop_s: float = 0.0  # tail + flag (a hop row); release + stage inside an op row
     note: str = ""
+    code_s: float = 0.0  # one pass over the op's code served from L2 (not in bound_s: a candidate term)
 
     @property
     def bound_s(self) -> float:
@@ -112,6 +138,9 @@ class Lever:
     # levers that end at the same bound (the pooler's last block, for the front's) do not add up:
     # together they save the largest of them (combined_saving_s)
     limit: str = ""
+    # a lever whose saving rests on a term the bound leaves out (the cold-code column) or on a
+    # condition not measured: shown, not added into combined_saving_s
+    hypothesis: bool = False
 
     def step_after_s(self, inp: Inputs) -> float:
         return inp.step_s - self.saving_s * inp.launches
@@ -201,6 +230,7 @@ def inputs(root: Path | None = None) -> Inputs:
 
         raise ResultsFileError(f"critical path: the timeline result has no phases {missing}")
     pub, stage, chunk = _trace_medians(_trace_spans(detail, root))
+    code = cold_code_inputs(root, preset, t, tl)
     launches = cfg.n_layers + 1  # program.build, layer mode
     rf = roofline(cfg, t, ctx, distinct, ceiling=(ceiling, "weights.read_ceiling"))
     step = next(s.summary.median for s in tl.series if s.name == f"profiler_cost/{preset}/off")
@@ -212,13 +242,55 @@ def inputs(root: Path | None = None) -> Inputs:
         {k[len("end_tail_"):-2]: v.value for k, v in tl.derived.items() if k.startswith("end_tail_")},
         {k[len("layer_"):-2]: v.value for k, v in tl.derived.items() if k.startswith("layer_") and k.endswith("_s")},
         step, rf.seconds, launches,
-        sources={"timeline": f"megakernel.timeline {tl.env.date} {tl.env.git_sha[:7]} (launch "
+        code_bytes=code.get("code_bytes", {}), kernel_code_bytes=code.get("kernel_code_bytes", 0),
+        icache_bytes=code.get("icache_bytes", 0), l2_cpi=code.get("l2_cpi", 0.0), sm_cpi=code.get("sm_cpi", 0.0),
+        clock_hz=code.get("clock_hz", 0.0),
+        sources={**code.get("sources", {}), **({"code_stale": code["stale"]} if "stale" in code else {}), "timeline": f"megakernel.timeline {tl.env.date} {tl.env.git_sha[:7]} (launch "
                              f"{middle_launch(launches)} of {launches}, medians over blocks)",
                  "detail": f"megakernel.timeline_detail {detail.env.date} {detail.env.git_sha[:7]} and its trace",
                  "flag": f"sync.flags flag_latency_s {flags.env.date}",
                  "fence": f"sync.fences fence_acq_rel_gpu_loaded_s {fences.env.date}",
                  "l2": f"weights.l2 l2_bandwidth_bytes_per_s {l2.env.date}",
                  "ceiling": f"weights.read_ceiling read_ceiling_bytes_per_s {rc.env.date}"})
+
+
+def cold_code_inputs(root: Path | None, preset: str, tokens: int, tl) -> dict:
+    """The cold-code inputs: megakernel.code's bytes per op at (preset, tokens), checked against
+    the H200's own megakernel.build (the same kernel, or the code result is stale: {"stale": why}),
+    and the instruction-cache levels of icache.capacity. {} when there is no megakernel.code result."""
+    from microbench.errors import ResultsFileError
+    from microbench.results import REPO_ROOT, latest
+
+    base = root or REPO_ROOT / "reports" / "results"
+    code = latest("megakernel.code", root=base)
+    if code is None:
+        return {}
+    mine = [s for s in code.series if s.params.get("preset") == preset and s.params.get("tokens") == tokens]
+    if not mine:
+        raise ResultsFileError(f"critical path: the megakernel.code result of {code.env.date} has no {preset} "
+                               f"T={tokens} build (`python -m megakernel.cli code --point {preset}:{tokens} --save`)")
+    by_src = {s.params["op"]: int(s.summary.median) for s in mine}
+    total = int(mine[0].metrics["kernel_code_bytes"])
+    build = _latest("megakernel.build", root)
+    ran = next((int(s.metrics["code_bytes"]) for s in build.series if s.name == f"build/{preset}"), None)
+    if ran != total:  # a kernel changed since: the column is left out, saying why (render)
+        return {"stale": f"megakernel.code ({code.env.git_sha[:7]}, {code.env.date}) has a {total} B kernel but the "
+                         f"GPU's megakernel.build ({build.env.git_sha[:7]}, {build.env.date}) ran {ran} B: the code "
+                         "result is stale (`python -m megakernel.cli code --save`)"}
+    ic = _latest("icache.capacity", root)
+    levels = sorted((k, d.value) for k, d in ic.derived.items() if re.fullmatch(r"icache_plateau\d+_cpi_w1", k))
+    if not levels or "icache_sm_miss_cpi_w1" not in ic.derived or "icache_sm_bytes" not in ic.derived:
+        raise ResultsFileError(f"critical path: icache.capacity of {ic.env.date} resolved no instruction-cache levels")
+    l2_cpi = max(v for _, v in levels)  # the last plateau: code served from L2
+    mhz = tl.env.sm_clock_max_mhz or ic.env.sm_clock_max_mhz
+    out = {op: by_src.get(src, 0) for op, src in OP_SOURCE.items()}
+    out["schedule"] = by_src.get("schedule", 0)
+    return {"code_bytes": out, "kernel_code_bytes": total, "icache_bytes": int(ic.derived["icache_sm_bytes"].value),
+            "l2_cpi": l2_cpi, "sm_cpi": l2_cpi - ic.derived["icache_sm_miss_cpi_w1"].value, "clock_hz": mhz * 1e6,
+            "sources": {"code": f"megakernel.code {code.env.date} {code.env.git_sha[:7]} (NVRTC {code.env.nvrtc}; "
+                                f"the kernel's {total} B equal to megakernel.build {build.env.date} on the GPU)",
+                        "icache": f"icache.capacity {ic.env.date} (L2-served {l2_cpi:.2f} cycles/instr, SM cache "
+                                  f"{l2_cpi - ic.derived['icache_sm_miss_cpi_w1'].value:.2f}; clock {mhz} MHz)"}}
 
 
 # ---------------------------------------------------------------------------------- the rows
@@ -284,7 +356,7 @@ def rows(inp: Inputs) -> list[Row]:
         if op != "expert1":
             note.append(f"release {inp.publish_s * 1e6:.2f} us")
         out.append(Row(SEGMENT[op], op, e[op][1] - e[op][0], b[op], b[op] / inp.ceiling, compute, lat,
-                       "; ".join(note)))
+                       "; ".join(note), inp.code_s(op)))
     return out
 
 
@@ -296,7 +368,7 @@ def segment_rows(rs: Sequence[Row]) -> list[Row]:
         mine = [r for r in rs if r.segment == seg and not _off_path(r, rs)]
         out.append(Row(seg, f"{seg} (sum)", sum(r.measured_s for r in mine), sum(r.bytes for r in mine),
                        sum(r.bytes_s for r in mine), sum(r.compute_s for r in mine), sum(r.hop_s for r in mine),
-                       f"{sum(1 for r in mine if '->' in r.item)} hops"))
+                       f"{sum(1 for r in mine if '->' in r.item)} hops", sum(r.code_s for r in mine)))
     return out
 
 
@@ -371,7 +443,54 @@ def levers(inp: Inputs, rs: Sequence[Row] | None = None) -> list[Lever]:
               "saves the hop and the combine op, but the last split of a kv head merges all its "
               f"{c.group * inp.n_tokens} query rows' partials alone"),
     ]
+    if inp.clock_hz:
+        out.append(_roles_lever(inp, rs))
     return sorted(out, key=lambda lv: -lv.saving_s)
+
+
+def warm_gain_s(inp: Inputs, op: str) -> float:
+    """What an op's one pass over its code saves when the code stays in the SM's instruction cache
+    instead of coming from L2 (the two levels of icache.capacity)."""
+    return inp.code_s(op) - inp.code_s(op, inp.sm_cpi)
+
+
+def roles(inp: Inputs) -> list[list[str]]:
+    """Front and back ops packed in chain order into roles whose code, with the code every block
+    runs (the expert GEMMs and the schedule), fits the SM's instruction cache: first fit."""
+    common = sum(inp.code_bytes.get(op, 0) for op in ("expert1", "expert2", "schedule"))
+    room = inp.icache_bytes - common
+    out: list[list[str]] = []
+    used: list[int] = []
+    for op in CHAIN:
+        if op in ("expert1", "expert2"):
+            continue
+        n = inp.code_bytes.get(op, 0)
+        k = next((i for i, u in enumerate(used) if u + n <= room), None)
+        if k is None:
+            out.append([op])
+            used.append(n)
+        else:
+            out[k].append(op)
+            used[k] += n
+    return out
+
+
+def _roles_lever(inp: Inputs, rs: Sequence[Row]) -> Lever:
+    on_path = [r for r in rs if "->" not in r.item and not _off_path(r, rs)]
+    saving = sum(min(warm_gain_s(inp, r.item), max(0.0, r.excess_s)) for r in on_path)
+    common = sum(inp.code_bytes.get(op, 0) for op in ("expert1", "expert2", "schedule"))
+    rl = roles(inp)
+    kb = 1024
+    return Lever(
+        "blocks in roles: each block's layer code within the SM's instruction cache", "all", saving,
+        f"a layer launch runs {inp.layer_code_bytes() / kb:.0f} KB of code against the SM's "
+        f"{inp.icache_bytes / kb:.0f} KB cache, cyclically, so every op's code comes from L2 every layer "
+        f"({inp.l2_cpi:.2f} cycles/instr, {inp.sm_cpi:.2f} in the SM's cache). Every block runs the experts and the "
+        f"schedule ({common / kb:.0f} KB); {len(rl)} roles of the other ops fit beside them "
+        f"({'; '.join('+'.join(r) for r in rl)}), about {inp.n_sm // max(1, len(rl))} blocks each. Saving: the on-path "
+        "ops' code at the SM cache's level instead of L2's, each at most its measured excess. Holds only if a "
+        "role's blocks stream its dense op at the read ceiling (not measured: a weights.ring sweep over block "
+        "counts), and with more rounds of units a block where a role's op has more units than blocks", hypothesis=True)
 
 
 def combined_saving_s(lvs: Sequence[Lever]) -> float:
@@ -380,7 +499,7 @@ def combined_saving_s(lvs: Sequence[Lever]) -> float:
     best: dict[str, float] = {}
     total = 0.0
     for lv in lvs:
-        if lv.saving_s <= 0:
+        if lv.saving_s <= 0 or lv.hypothesis:
             continue
         if lv.limit:
             best[lv.limit] = max(best.get(lv.limit, 0.0), lv.saving_s)
@@ -433,15 +552,38 @@ def table(root: Path | None = None) -> str:
     return render(inp, rs, segment_rows(rs), levers(inp, rs))
 
 
+def cold_code_lines(inp: Inputs, rs: Sequence[Row]) -> list[str]:
+    """The cold-code column's reading: per segment, the ops' excess over their bound beside one
+    pass over their code from L2 (a candidate term, not in the bound)."""
+    if not inp.clock_hz:
+        why = inp.sources.get("code_stale", "no megakernel.code result: `python -m megakernel.cli code --save`")
+        return [f"Cold code: not shown ({why})."]
+    us, kb = 1e6, 1024
+    parts = []
+    for seg in ("front", "experts", "back"):
+        ops = [r for r in rs if r.segment == seg and "->" not in r.item and not _off_path(r, rs)]
+        parts.append(f"{seg} {sum(r.excess_s for r in ops) * us:.1f} us of excess against "
+                     f"{sum(r.code_s for r in ops) * us:.1f} us of code ({sum(inp.code_bytes.get(r.item, 0) for r in ops) / kb:.0f} KB)")
+    return [f"Cold code ({inp.sources.get('code', 'megakernel.code')}; {inp.sources.get('icache', 'icache.capacity')}): "
+            f"a layer launch runs {inp.layer_code_bytes() / kb:.0f} KB of code (the schedule's "
+            f"{inp.code_bytes.get('schedule', 0) / kb:.0f} KB included) against the SM's {inp.icache_bytes / kb:.0f} KB "
+            "instruction cache, so each op's code is fetched from L2 once a layer. The column is one pass over the op's "
+            "code at the L2-served rate, a candidate term the bound leaves out: along the path, " + "; ".join(parts)
+            + ". A pass over an op's code is neither all of its time (loops run their bodies again, warm) nor all "
+            "of its code (untaken branches are not fetched): the agreement is of sums, not a per-op fit."]
+
+
 def render(inp: Inputs, rs: Sequence[Row], segs: Sequence[Row], lvs: Sequence[Lever]) -> str:
     us = 1e6
 
     def line(r: Row) -> str:
+        code = "" if "->" in r.item or not inp.clock_hz else f"{r.code_s * us:.2f}"
         return (f"| {r.segment} | {r.item} | {r.measured_s * us:.2f} | {r.bytes / 1e6:.2f} | {r.bytes_s * us:.2f} | "
-                f"{r.compute_s * us:.2f} | {r.hop_s * us:.2f} | {r.bound_s * us:.2f} | {r.excess_s * us:+.2f} | {r.note} |")
+                f"{r.compute_s * us:.2f} | {r.hop_s * us:.2f} | {r.bound_s * us:.2f} | {r.excess_s * us:+.2f} | {code} | "
+                f"{r.note} |")
 
     head = ("| segment | op or hop | measured us | MB | bytes at ceiling us | compute us | latency us | bound us | "
-            "measured - bound us | how |\n|---|---|---|---|---|---|---|---|---|---|")
+            "measured - bound us | cold code us | how |\n|---|---|---|---|---|---|---|---|---|---|---|")
     total = sum(r.measured_s for r in segs)
     lines = [f"Critical path of a {inp.preset} T={inp.n_tokens} ctx {inp.ctx} layer launch ({inp.sources['timeline']}; "
              f"{inp.distinct} experts a layer; read ceiling {inp.ceiling / 1e12:.2f} TB/s). Layer period "
@@ -451,6 +593,7 @@ def render(inp: Inputs, rs: Sequence[Row], segs: Sequence[Row], lvs: Sequence[Le
              "", head]
     lines += [line(r) for r in rs]
     lines += [line(r) for r in segs]
+    lines += ["", *cold_code_lines(inp, rs)]
     lines += ["", f"Hop cost (what removing one saves): release {inp.publish_s * us:.2f} us (the kernel's publish; "
                   f"the fence microbenchmark under load {inp.fence_s * us:.2f} us) + flag {inp.flag_s * us:.2f} us + the "
                   "consumer's first staging + the producer's end tail.", "",
@@ -472,7 +615,15 @@ def render(inp: Inputs, rs: Sequence[Row], segs: Sequence[Row], lvs: Sequence[Le
                   f"{sum(r.bound_s for r in segs if r.segment != 'experts') * us:.1f} us)."]
     after = inp.step_s - combined_saving_s(lvs) * inp.launches
     lines += ["", f"All levers with a positive prediction together (those that end at the same bound counted once, "
-                  f"the largest): {after * 1e3:.3f} ms, {inp.roofline_s / after:.1%} of "
+                  f"the largest; hypotheses left out): {after * 1e3:.3f} ms, {inp.roofline_s / after:.1%} of "
                   f"the roofline (today {inp.roofline_s / inp.step_s:.1%}); 70% needs {inp.roofline_s / 0.7 * 1e3:.3f} ms, "
                   f"{(after - inp.roofline_s / 0.7) / inp.launches * us:.1f} us a layer more than they give."]
+    hyp = [lv for lv in lvs if lv.hypothesis and lv.saving_s > 0]
+    if hyp:
+        after_h = after - sum(lv.saving_s for lv in hyp) * inp.launches
+        lines += ["", f"With the hypotheses too ({'; '.join(lv.name for lv in hyp)}), if their conditions hold: "
+                      f"{after_h * 1e3:.3f} ms, {inp.roofline_s / after_h:.1%} of the roofline; 70% then needs "
+                      f"{(after_h - inp.roofline_s / 0.7) / inp.launches * us:+.1f} us a layer more. The cold-code term "
+                      "is the largest unmodelled part of the front and the back; the role split is the structure the "
+                      "model now points at, and a weights.ring sweep over block counts is its first measurement."]
     return "\n".join(lines) + "\n"

@@ -20,12 +20,13 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from microbench.errors import CorrectnessError
+from microbench.errors import CompileError, CorrectnessError
 from microbench.results import Bound, Derived, Env, Result, Series
 
 from .config import preset as get_preset
@@ -312,6 +313,39 @@ def build_result(plans: dict[str, Plan], budget: int | None, constants=None) -> 
     derived["launch_code_bytes_max"] = Derived(worst, "B", "largest per-launch machine code over the presets "
                                                "(every launch runs the same kernel)")
     return Result("megakernel.build", constants_env(None, constants), tuple(series), derived, quick=True)
+
+
+def code_result(points: Sequence[tuple[str, int]], n_sm: int = 132, constants=None, arch: str = "sm_90a") -> Result:
+    """`megakernel.code`: the machine-code bytes of each op of the build for each (preset, tokens),
+    as the tuned constants plan it for `n_sm` SMs (build.code_bytes_by_op; needs nvdisasm). The
+    code is the compiler's, not the GPU's: NVRTC on a CPU machine gives the GPU's cubin when the
+    versions match (Env.nvrtc), and critical_path checks each total against the H200's own
+    megakernel.build. Every op's code is fetched from L2 once per layer when the layer's code
+    overflows the SM's instruction cache (icache_sm_bytes)."""
+    from .build import build_gpu, code_bytes_by_op
+
+    series = []
+    for preset, tokens in points:
+        plan = plan_for(preset, constants, n_sm, tokens=tokens)
+        b = build_gpu(plan, arch=arch)
+        by = code_bytes_by_op(b)
+        if sum(by.values()) != b.usage.code_bytes:
+            raise CompileError(f"{preset} T={tokens}: code by op sums to {sum(by.values())} B, the kernel has "
+                               f"{b.usage.code_bytes} B")
+        for op, n in by.items():
+            series.append(Series.from_samples(f"code/{preset}/{tokens}/{op}", [n], timer="static", unit="B",
+                                              params={"preset": preset, "tokens": tokens, "op": op, "arch": arch,
+                                                      "n_sm": n_sm},
+                                              metrics={"kernel_code_bytes": b.usage.code_bytes}))
+    return Result("megakernel.code", constants_env(None, constants), tuple(series), {}, quick=True,
+                  notes=(f"machine code per op (the innermost csrc/ops/<op>.cuh of each instruction's inline chain, "
+                         f"'schedule' for the unit loops, waits and entry), {arch}, NVRTC {toolchain_nvrtc()}",))
+
+
+def toolchain_nvrtc() -> str:
+    from microbench.compiler import toolchain_versions
+
+    return toolchain_versions().get("nvrtc", "?")
 
 
 # ---------------------------------------------------------------------- techniques
@@ -929,6 +963,14 @@ class Stage:
 
         r = build_result({p: self.plan(p) for p in self.presets}, code_budget(self.constants))
         self.results.append(dataclasses.replace(r, env=constants_env(r.env, self.constants)))
+        from microbench.sass import find_nvdisasm
+
+        # the critical-path model's cold-code column reads the code per op of the build it timed
+        if find_nvdisasm() is not None and "shard8" in self.presets:
+            self.results.append(code_result([("shard8", 16)], self.h.info.sm_count, self.constants))
+        else:
+            self.notes.append("megakernel.code not made (no nvdisasm, or no shard8 preset): the critical path's "
+                              "cold-code column reads the newest one (`python -m megakernel.cli code --save`)")
 
     def _check(self, p: str, t: int, ctx: int) -> None:
         c = check_point(p, t, ctx, self.plan(p, t))

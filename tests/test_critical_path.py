@@ -66,7 +66,8 @@ def test_levers_largest_first_with_their_arithmetic(committed):
     plan = plan_for(inp.preset, None, inp.n_sm, tokens=inp.n_tokens)
     ring = plan.ring_stages * plan.stage_bytes * inp.n_sm / inp.ceiling
     assert pre.saving_s == pytest.approx(min(ring, inp.ring_wait_s["expert1"] + inp.ring_wait_s["expert2"]))
-    assert lvs[0] is pre  # the model's largest: the one built first (Plan.prestage_experts)
+    # the model's largest measured-term lever: the one built first (Plan.prestage_experts)
+    assert [lv for lv in lvs if not lv.hypothesis][0] is pre
     fold = next(lv for lv in lvs if "MoE combine" in lv.name)
     assert fold.saving_s < 0  # a token's partials are too many for one block (the fold was not built)
     # the two front levers end at the pooler's bound: together they save the larger, not the sum
@@ -74,7 +75,7 @@ def test_levers_largest_first_with_their_arithmetic(committed):
     assert len(front) == 2 and cp.combined_saving_s(front) == pytest.approx(max(lv.saving_s for lv in front))
     assert cp.combined_saving_s(lvs) == pytest.approx(pre.saving_s + max(lv.saving_s for lv in front)
                                                       + sum(lv.saving_s for lv in lvs if lv.saving_s > 0
-                                                            and not lv.limit and lv is not pre))
+                                                            and not lv.limit and lv is not pre and not lv.hypothesis))
     md = cp.render(inp, rs, segs, lvs)
     for lv in lvs:
         assert lv.name in md
@@ -100,3 +101,61 @@ def test_the_later_producer_carries_the_hop_and_the_other_side_is_off_the_path(c
 def test_missing_results_are_named(tmp_path):
     with pytest.raises(ResultsFileError, match="megakernel.timeline"):
         cp.inputs(tmp_path)
+
+
+def test_cold_code_column_from_the_code_result_and_the_icache_levels(committed):
+    """megakernel.code (CPU build, same NVRTC) equals the GPU's megakernel.build in total; each op
+    row's cold-code term is its code bytes / 16 x icache.capacity's L2-served cycles / the clock."""
+    inp, rs, segs, lvs = committed
+    assert inp.kernel_code_bytes and inp.icache_bytes and inp.clock_hz
+    assert inp.l2_cpi > inp.sm_cpi > 0 and sum(inp.code_bytes[op] for op in cp.CHAIN) > 0
+    by = {r.item: r for r in rs}
+    for op in cp.CHAIN:
+        assert by[op].code_s == pytest.approx(inp.code_bytes[op] / 16 * inp.l2_cpi / inp.clock_hz)
+        assert cp.warm_gain_s(inp, op) == pytest.approx(by[op].code_s * (1 - inp.sm_cpi / inp.l2_cpi))
+        assert by[op].bound_s == pytest.approx(max(by[op].bytes_s, by[op].compute_s) + by[op].hop_s)  # not in it
+    # the layer's code overflows the SM's cache (the premise of the column)
+    assert inp.layer_code_bytes() > inp.icache_bytes
+    # roles: each fits beside the code every block runs, and together they hold every front/back op once
+    rl = cp.roles(inp)
+    common = sum(inp.code_bytes[op] for op in ("expert1", "expert2", "schedule"))
+    assert all(common + sum(inp.code_bytes[o] for o in r) <= inp.icache_bytes for r in rl)
+    assert sorted(o for r in rl for o in r) == sorted(o for o in cp.CHAIN if o not in ("expert1", "expert2"))
+    roles_lv = next(lv for lv in lvs if lv.hypothesis)
+    on_path = [r for r in rs if "->" not in r.item and not cp._off_path(r, rs)]
+    assert roles_lv.saving_s == pytest.approx(sum(min(cp.warm_gain_s(inp, r.item), max(0.0, r.excess_s))
+                                                  for r in on_path))
+    assert roles_lv not in [lv for lv in lvs if lv.saving_s > 0 and not lv.hypothesis]
+    md = cp.render(inp, rs, segs, lvs)
+    assert "| cold code us |" in md and "With the hypotheses too" in md and "Cold code (megakernel.code" in md
+
+
+def test_a_stale_code_result_is_named(tmp_path, committed):
+    """A megakernel.code whose kernel is not the one the GPU's megakernel.build ran is not used: the
+    column is left out, saying why (a GPU run that changed the kernel must not break the report)."""
+    import shutil
+
+    from microbench.results import REPO_ROOT, find, load
+
+    src = REPO_ROOT / "reports" / "results"
+    for b in ("megakernel.build", "icache.capacity"):
+        for f in find(b, src)[-1:]:
+            (tmp_path / f.parent.name).mkdir(exist_ok=True)
+            shutil.copy(f, tmp_path / f.parent.name / f.name)
+    code = load(find("megakernel.code", src)[-1])
+    series = tuple(dataclasses.replace(s, metrics={**s.metrics, "kernel_code_bytes": 1234}) for s in code.series)
+    dataclasses.replace(code, series=series).save(tmp_path)
+    tl = load(find("megakernel.timeline", src)[-1])
+    got = cp.cold_code_inputs(tmp_path, "shard8", 16, tl)
+    assert set(got) == {"stale"} and "1234 B kernel" in got["stale"] and "stale" in got["stale"]
+    assert cp.cold_code_inputs(tmp_path / "none", "shard8", 16, tl) == {}  # no code result: no column
+    inp = dataclasses.replace(committed[0], clock_hz=0.0, sources={**committed[0].sources, "code_stale": got["stale"]})
+    assert cp.cold_code_lines(inp, cp.rows(inp)) == [f"Cold code: not shown ({got['stale']})."]
+
+
+def test_the_code_command_refuses_a_malformed_point(capsys):
+    from megakernel.cli import main
+
+    for bad in ("shard8:x", "shard9:16", "shard8", "small:0"):
+        assert main(["code", "--point", bad]) == 2
+        assert "want PRESET:T" in capsys.readouterr().err
