@@ -93,8 +93,39 @@ def _code(a) -> int:
     for s in r.series:
         print(f"{s.name:40s} {s.summary.median / 1024:7.1f} KB")
     if a.save is not None:
+        r = for_gpu_of_build(r, Path(a.save) if a.save else None)
+        if r is None:
+            return 2
         print("saved", r.save(Path(a.save) if a.save else None))
     return 0
+
+
+def for_gpu_of_build(r, root=None):
+    """The code result labelled with the GPU whose megakernel.build ran the same kernels (equal
+    code bytes at every preset it holds), so the gate and the retention rule file it under that
+    GPU (its series are static: never gated). None, with the reason printed, when no GPU build
+    matches: a kernel not yet run on a GPU has its code printed, not saved."""
+    import dataclasses
+
+    from microbench.results import REPO_ROOT, find, load
+
+    base = root or REPO_ROOT / "reports" / "results"
+    want = {(s.params["preset"], s.params["tokens"]): int(s.metrics["kernel_code_bytes"]) for s in r.series}
+    for f in reversed(find("megakernel.build", base)):
+        b = load(f)
+        ran = {s.params.get("preset"): int(s.metrics["code_bytes"]) for s in b.series}
+        if b.env.gpu and all(ran.get(p) == n for (p, _), n in want.items()):
+            e = b.env
+            env = dataclasses.replace(r.env, gpu=e.gpu, gpu_uuid=None, cc=e.cc, sm_count=e.sm_count, l2_bytes=e.l2_bytes,
+                                      sm_clock_max_mhz=e.sm_clock_max_mhz, mem_clock_max_mhz=e.mem_clock_max_mhz,
+                                      driver=None, machine_kind=f"compiled here for {e.machine_kind or e.gpu}")
+            note = (f"built without a GPU (NVRTC {r.env.nvrtc}) for {e.gpu}: the kernels equal, in code bytes, those "
+                    f"of megakernel.build {e.date} {e.git_sha[:7]} ({f.name})")
+            return dataclasses.replace(r, env=env, notes=tuple(r.notes) + (note,))
+    print(f"code: no megakernel.build under {base} ran these kernels "
+          f"({', '.join(f'{p} T={t} {n} B' for (p, t), n in want.items())}; a build holds one kernel a preset)"
+          "): the code is printed, not saved (`megabench run` on the GPU saves both)", file=sys.stderr)
+    return None
 
 
 def _check_and_bench(a) -> int:

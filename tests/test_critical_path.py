@@ -159,3 +159,25 @@ def test_the_code_command_refuses_a_malformed_point(capsys):
     for bad in ("shard8:x", "shard9:16", "shard8", "small:0"):
         assert main(["code", "--point", bad]) == 2
         assert "want PRESET:T" in capsys.readouterr().err
+
+
+def test_the_code_result_is_filed_under_the_gpu_whose_build_matches(tmp_path, capsys):
+    """A code result made without a GPU takes the GPU of the megakernel.build that ran the same
+    kernel (so the gate files it under that GPU, static, never gated); with no such build it is
+    not saved."""
+    import shutil
+
+    from megakernel.cli import for_gpu_of_build
+    from microbench.results import REPO_ROOT, find, load
+
+    src = REPO_ROOT / "reports" / "results"
+    code = load(find("megakernel.code", src)[-1])
+    got = for_gpu_of_build(code, src)
+    assert got is not None and got.env.gpu == load(find("megakernel.build", src)[-1]).env.gpu
+    assert "built without a GPU" in got.notes[-1]
+    (tmp_path / "megakernel").mkdir()
+    for f in find("megakernel.build", src)[-1:]:
+        shutil.copy(f, tmp_path / "megakernel" / f.name)
+    series = tuple(dataclasses.replace(s, metrics={**s.metrics, "kernel_code_bytes": 99}) for s in code.series)
+    assert for_gpu_of_build(dataclasses.replace(code, series=series), tmp_path) is None
+    assert "ran these kernels" in capsys.readouterr().err

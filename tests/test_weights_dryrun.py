@@ -139,6 +139,9 @@ def model_time(name, params, work):
         ring = params["stages"] * params["stage_bytes"]
         rate = min(3.8e12, ring * 132 / 2.5e-6)
         return work / rate * noise
+    if name.startswith("ring_blocks/"):  # Little's law: the bytes in flight of `grid` blocks over 2.5 us
+        ring = params["stages"] * params["stage_bytes"]
+        return work / min(3.8e12, ring * params["grid"] / 2.5e-6) * noise
     if name.startswith("l2_bandwidth"):
         ws = params["bytes"] / MiB
         rate = 10e12 if ws <= 5 else max(3.9e12, 10e12 - (ws - 5) * 2e12)  # usable 5 of 8 MiB
@@ -265,6 +268,15 @@ def test_every_weights_constant_is_derived_end_to_end(dry):
     assert r["weights.prefetch"].derived["l2_prefetch_budget_bytes"].value > 0
     assert 0.0 <= r["weights.hot_experts"].derived["hot_expert_break_even_overlap"].value < 1.0
     ring = r["weights.ring"]
+    # how few blocks stream at the full grid's rate, per ring: the fewest grid whose modelled rate
+    # (bytes in flight of the grid over 2.5 us, capped at 3.8 TB/s) is within 95% of 132 blocks'
+    blocks = {k: d for k, d in ring.derived.items() if k.startswith("ring_blocks_at_full_rate_")}
+    assert len(blocks) == 2 and len([s for s in ring.series if s.name.startswith("ring_blocks/")]) == 8
+    for k, d in blocks.items():
+        st, sb = k.rsplit("_", 1)[1][1:].split("xB")
+        rb = int(st) * (int(sb[:-1]) * 1024 if sb.endswith("K") else int(sb))
+        rate = {g: min(3.8e12, rb * g / 2.5e-6) for g in (132, 66, 44, 33)}
+        assert d.value == min(g for g, v in rate.items() if v >= 0.95 * rate[132])
     assert all(s.bound is not None and s.bound.kind == "bandwidth" and "read_ceiling" in s.bound.source
                for s in ring.series)
     for res in results.values():

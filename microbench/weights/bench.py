@@ -9,7 +9,9 @@ and the hot-expert bet (overhead class 2 of ../shared/PAPER.md).
   cp.async.bulk on mbarriers into S x B slots, 4 consumer warps summing every word (checked) and
   releasing slots. Sweep planned on the CPU (plan.py: what fits in shared memory, what is refused
   and why). Bound: the read ceiling measured in the same run. Derives ring_stages and
-  ring_stage_bytes (smallest ring within 95% of the best).
+  ring_stage_bytes (smallest ring within 95% of the best). The same stream from fewer blocks
+  (ring_blocks/: a half, a third, a quarter of the SMs, at the chosen and the deepest ring)
+  derives ring_blocks_at_full_rate_<ring>: how few blocks stream at the full grid's rate.
 - weights.l2: read bandwidth vs working set 1-256 MiB (warm, repeated passes, ld.global.cg);
   latency by pointer chase (one thread, random single cycle at 128-B stride, ld.global.cg;
   cycles by %clock64, ns by %globaltimer, their ratio the measured clock); eviction hints
@@ -181,6 +183,48 @@ def ring_pieces_case(cfg: RingConfig, pieces: int, nbytes: int | None = None, bo
                 "copies_per_stage": pieces, "copy_bytes": cfg.stage_bytes // pieces, "bytes": nbytes}, prepare)
 
 
+# How few blocks stream at the read ceiling? A megakernel whose blocks take roles (each block's
+# layer code within its SM's instruction cache: megakernel/critical_path.py roles) streams a dense
+# op from a third of the SMs. Swept at the chosen ring and at the deepest ring that fits, over
+# these shares of the SMs (one block per SM).
+BLOCK_SHARES = (1.0, 0.5, 1 / 3, 0.25)
+BLOCKS_AT_CEILING = 0.95  # a share "streams at the ceiling" within this much of the full grid's rate
+
+
+def ring_blocks_case(cfg: RingConfig, grid: int, nbytes: int | None = None, bound: Bound | None = None) -> Case:
+    nbytes = nbytes or RING_BYTES
+
+    def prepare(h: Harness):
+        return K.ring_case_prepare(h, cfg, nbytes, CONSUMER_WARPS, bound, grid=grid)
+
+    return Case(f"ring_blocks/{cfg.label}/g{grid}", {"stages": cfg.stages, "stage_bytes": cfg.stage_bytes,
+                "ring_bytes": cfg.ring_bytes, "grid": grid, "bytes": nbytes}, prepare)
+
+
+def ring_blocks_derived(series, sm_count: int) -> dict[str, Derived]:
+    """Per ring of the ring_blocks/ series: the fewest blocks (one per SM) streaming within
+    BLOCKS_AT_CEILING of the full grid's median bandwidth, and each share's fraction of it."""
+    out: dict[str, Derived] = {}
+    by: dict[str, dict[int, float]] = {}
+    names: dict[str, list[str]] = {}
+    for s in series:
+        if s.name.startswith("ring_blocks/"):
+            label = s.name.split("/")[1]
+            by.setdefault(label, {})[int(s.params["grid"])] = float(s.metrics["bytes_read"]) / s.summary.median
+            names.setdefault(label, []).append(s.name)
+    for label, bw in by.items():
+        full = bw.get(sm_count)
+        if not full:
+            continue
+        ok = [g for g, v in bw.items() if v >= BLOCKS_AT_CEILING * full]
+        fr = ", ".join(f"{g} blocks {v / full:.1%}" for g, v in sorted(bw.items()))
+        out[f"ring_blocks_at_full_rate_{label}"] = Derived(
+            min(ok), "blocks", f"fewest blocks (one per SM) whose median bandwidth is >= {BLOCKS_AT_CEILING:.0%} of "
+            f"{sm_count} blocks' ({full / 1e12:.3f} TB/s) with the {label} ring", (min(bw), sm_count),
+            tuple(names[label]), fr)
+    return out
+
+
 def ring_budget(h: Harness) -> plan.SmemBudget:
     k = K.module("ring", h.info.arch).kernel("mb_ring_stream")
     return plan.SmemBudget.from_device(h.info, int(k.attributes.shared_size_bytes))
@@ -208,6 +252,12 @@ def run_ring(h: Harness | None = None, quick: bool | None = None, save: bool = T
         f"median bandwidth with {PIECES_RING.stage_bytes // pieces[-1]} B copies / with one copy per stage "
         f"({PIECES_RING.label})", None, (worst.name, ps[0].name))
     series.extend(ps)
+    deepest = max(sweep.fits, key=lambda c: (c.ring_bytes, c.stage_bytes))
+    n = h.info.sm_count
+    grids = sorted({max(1, round(n * f)) for f in BLOCK_SHARES}, reverse=True)
+    bs = [_run(h, ring_blocks_case(cfg, g, bound=bound)) for cfg in dict.fromkeys((chosen, deepest)) for g in grids]
+    derived.update(ring_blocks_derived(bs, n))
+    series.extend(bs)
     if not quick:  # consumer-warp count at the chosen ring (informative; not part of the rule)
         for cw in (2, 8):
             series.append(_run(h, ring_case(chosen, consumer_warps=cw, bound=bound)))

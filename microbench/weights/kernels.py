@@ -197,8 +197,12 @@ class RingKernel:
     """A ring.cu kernel on one block per SM: warp 0 produces, `consumer_warps` warps consume."""
 
     def __init__(self, h: Harness, cfg: plan.RingConfig, consumer_warps: int = 4, kernel: str = "mb_ring_stream",
-                 bound_ns: int = RING_BOUND_NS, outputs_per_block: int = 1):
+                 bound_ns: int = RING_BOUND_NS, outputs_per_block: int = 1, grid: int | None = None):
         import torch
+
+        grid = h.info.sm_count if grid is None else grid
+        if not 1 <= grid <= h.info.sm_count:
+            raise ValueError(f"a ring grid of {grid} blocks: want 1..{h.info.sm_count} (one block per SM)")
 
         if not 1 <= consumer_warps <= 31:
             raise ValueError(f"consumer_warps {consumer_warps} must be in 1..31 (plus the producer warp <= 32)")
@@ -209,9 +213,9 @@ class RingKernel:
         why = plan.refusal(cfg, budget)
         if why:
             raise KernelDoesNotFitError(why)
-        self.spec = LaunchSpec(grid=h.info.sm_count, block=32 * (1 + consumer_warps), smem=cfg.smem_bytes())
+        self.spec = LaunchSpec(grid=grid, block=32 * (1 + consumer_warps), smem=cfg.smem_bytes())
         self.wd = Watchdog(bound_ns, device=DEVICE)
-        self.out = torch.full((h.info.sm_count * outputs_per_block,), POISON, dtype=torch.int32, device=DEVICE)
+        self.out = torch.full((grid * outputs_per_block,), POISON, dtype=torch.int32, device=DEVICE)
 
     @property
     def grid(self) -> int:
@@ -229,7 +233,8 @@ class RingJob:
     arrives as that many bulk copies (mb_ring_stream_pieces)."""
 
     def __init__(self, h: Harness, cfg: plan.RingConfig, nbytes: int = 1 << 30, consumer_warps: int = 4,
-                 kernel: str = "mb_ring_stream", bound_ns: int = RING_BOUND_NS, pieces: int | None = None):
+                 kernel: str = "mb_ring_stream", bound_ns: int = RING_BOUND_NS, pieces: int | None = None,
+                 grid: int | None = None):
         import torch
 
         if pieces is not None:
@@ -238,7 +243,7 @@ class RingJob:
                                  "of 16 bytes")
             kernel = "mb_ring_stream_pieces"
         self.pieces = pieces
-        self.rk = RingKernel(h, cfg, consumer_warps, kernel, bound_ns)
+        self.rk = RingKernel(h, cfg, consumer_warps, kernel, bound_ns, grid=grid)
         self.nbytes = plan.ring_buffer_bytes(cfg.stage_bytes, nbytes)
         self.nchunks = self.nbytes // cfg.stage_bytes
         self.buf = random_words(self.nbytes)
@@ -268,8 +273,9 @@ class RingJob:
 
 
 def ring_case_prepare(h: Harness, cfg: plan.RingConfig, nbytes: int = 1 << 30, consumer_warps: int = 4,
-                      bound=None, kernel: str = "mb_ring_stream", pieces: int | None = None) -> Checked:
-    job = RingJob(h, cfg, nbytes, consumer_warps, kernel, pieces=pieces)
+                      bound=None, kernel: str = "mb_ring_stream", pieces: int | None = None,
+                      grid: int | None = None) -> Checked:
+    job = RingJob(h, cfg, nbytes, consumer_warps, kernel, pieces=pieces, grid=grid)
     job.first_check()
     m = {"stages": cfg.stages, "stage_bytes": cfg.stage_bytes, "ring_bytes": cfg.ring_bytes,
          "smem_bytes": cfg.smem_bytes(), "consumer_warps": consumer_warps, "chunks": job.nchunks,
