@@ -302,6 +302,10 @@ def fake_gpu_work(monkeypatch):
     monkeypatch.setattr(mp, "greedy_check", lambda p, plan: calls.append(("greedy", p)) or 64)
     monkeypatch.setattr(mp, "build_result", lambda plans, budget: Result("megakernel.build", env(), ()))
     monkeypatch.setattr(mp, "code_budget", lambda c=None: 96 * 1024)
+    # the code per op beside the build, as on a machine with nvdisasm (the H200 has one; CI may not)
+    monkeypatch.setattr("microbench.sass.find_nvdisasm", lambda: "/fake/nvdisasm")
+    monkeypatch.setattr(mp, "code_result", lambda points, n_sm, c=None: calls.append(("code", tuple(points)))
+                        or Result("megakernel.code", env(), ()))
     monkeypatch.setattr(mp, "timeline", lambda h, p, t, ctx, c, log=None, detail=False: Result(
         "megakernel.timeline_detail" if detail else "megakernel.timeline", env(), ()))
     monkeypatch.setattr(pre, "_one", lambda plan: calls.append(("compile", plan)))
@@ -327,6 +331,7 @@ def test_stage_checks_before_timing_and_saves_what_it_measured(fake_gpu_work):
     pr = Progress(st.items(), Estimates(), out=lambda s: None)
     pr.run()
     assert [d.item.name for d in pr.failed] == ["shard8 check T=16 ctx=2500"]
+    assert ("code", (("shard8", 16),)) in calls and "megakernel.code" in [r.benchmark for r in st.results]
     timed = [(c[1], c[2], c[4]) for c in calls if c[0] == "time"]
     assert ("small", 16, "mega") in timed and ("small", 1, "chain") in timed
     assert not [t for t in timed if t[0] == "shard8"]  # refused after the failed check
@@ -340,11 +345,12 @@ def test_stage_checks_before_timing_and_saves_what_it_measured(fake_gpu_work):
     assert [c[1:] for c in calls if c[0] == "peer" and c[2] == "small"] == [
         ("peer", "small", 16, 512), ("other", "small", 1, 512), ("other", "small", 16, 512)]
     assert ("peer", "peer", "shard8", 16, 2048) in calls  # the failed mega check does not skip the peer's group
-    assert "small/T16/ctx512/peer" in {s.name for s in st.results[1].series}
+    step = next(r for r in st.results if r.benchmark == "megakernel.step")
+    assert "small/T16/ctx512/peer" in {s.name for s in step.series}
     compiled = [c[1] for c in calls if c[0] == "compile"]
     assert ("plan", "shard8", (("tokens", 16),)) in compiled and len(compiled) == len(set(compiled))
-    assert [r.benchmark for r in st.results] == ["megakernel.build", "megakernel.step", "model.baselines"]
-    step = st.results[1]
+    assert [r.benchmark for r in st.results] == ["megakernel.build", "megakernel.code", "megakernel.step",
+                                                 "model.baselines"]
     assert step.derived["speedup_vs_chain/small/T16/ctx512/mega"].value == pytest.approx(2.0)
     assert not [k for k in step.derived if "shard8" in k]
     assert any(n.startswith("checked small T=16 ctx=1500") for n in step.notes)
@@ -364,3 +370,18 @@ def test_full_stage_compiles_and_runs_the_ablation_and_timelines(fake_gpu_work):
     compiled = [c[1] for c in calls if c[0] == "compile"]
     assert len(compiled) > len(ablation_names())  # every variant's build, before any is timed
     assert [r.benchmark for r in st.results] == ["megakernel.build", "megakernel.step"]  # no timeline for small
+
+
+def test_a_failing_code_step_is_a_note_not_a_failed_build(fake_gpu_work, monkeypatch):
+    import megakernel.pipeline as mp
+
+    calls, h = fake_gpu_work
+
+    def broken(points, n_sm, c=None):
+        raise RuntimeError("nvdisasm exited 1")
+
+    monkeypatch.setattr(mp, "code_result", broken)
+    st = _stage(h, quick=True, ablate=False)
+    st._build()
+    assert [r.benchmark for r in st.results] == ["megakernel.build"]
+    assert st.notes == ["megakernel.code not made: RuntimeError: nvdisasm exited 1"]
