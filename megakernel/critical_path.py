@@ -481,6 +481,10 @@ def _roles_lever(inp: Inputs, rs: Sequence[Row]) -> Lever:
     common = sum(inp.code_bytes.get(op, 0) for op in ("expert1", "expert2", "schedule"))
     rl = roles(inp)
     kb = 1024
+    per_role = inp.n_sm // max(1, len(rl))
+    units = op_units(inp)
+    rounds = {op: -(-units[op] // per_role) for r in rl for op in r if units.get(op)}
+    more = ", ".join(f"{op} {units[op]} units in {n} rounds" for op, n in rounds.items() if n > 1)
     return Lever(
         "blocks in roles: each block's layer code within the SM's instruction cache", "all", saving,
         f"a layer launch runs {inp.layer_code_bytes() / kb:.0f} KB of code against the SM's "
@@ -490,7 +494,18 @@ def _roles_lever(inp: Inputs, rs: Sequence[Row]) -> Lever:
         f"({'; '.join('+'.join(r) for r in rl)}), about {inp.n_sm // max(1, len(rl))} blocks each. Saving: the on-path "
         "ops' code at the SM cache's level instead of L2's, each at most its measured excess. Holds only if a "
         "role's blocks stream its dense op at the read ceiling (not measured: a weights.ring sweep over block "
-        "counts), and with more rounds of units a block where a role's op has more units than blocks", hypothesis=True)
+        f"counts), with each op re-tiled or run in more rounds where it has more units than its role has blocks "
+        f"({more or 'none'}): a block of a role streams that many times its bytes today", hypothesis=True)
+
+
+def op_units(inp: Inputs) -> dict[str, int]:
+    """Units of each op of the middle layer launch at the timeline's point (program.n_units)."""
+    from .pipeline import middle_launch, plan_for
+    from .program import n_units
+
+    plan = plan_for(inp.preset, None, inp.n_sm, tokens=inp.n_tokens)
+    layer = middle_launch(inp.launches) - 1
+    return {op: n_units(plan, op, layer, inp.n_tokens, inp.ctx, inp.distinct) for op in CHAIN}
 
 
 def combined_saving_s(lvs: Sequence[Lever]) -> float:

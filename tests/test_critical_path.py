@@ -181,3 +181,12 @@ def test_the_code_result_is_filed_under_the_gpu_whose_build_matches(tmp_path, ca
     series = tuple(dataclasses.replace(s, metrics={**s.metrics, "kernel_code_bytes": 99}) for s in code.series)
     assert for_gpu_of_build(dataclasses.replace(code, series=series), tmp_path) is None
     assert "ran these kernels" in capsys.readouterr().err
+
+
+def test_the_role_lever_names_the_rounds_a_role_adds(committed):
+    inp, rs, _, lvs = committed
+    roles_lv = next(lv for lv in lvs if lv.hypothesis)
+    units = cp.op_units(inp)
+    per_role = inp.n_sm // len(cp.roles(inp))
+    many = [op for r in cp.roles(inp) for op in r if units[op] > per_role]
+    assert many and all(f"{op} {units[op]} units in {-(-units[op] // per_role)} rounds" in roles_lv.how for op in many)
