@@ -123,8 +123,8 @@ def for_gpu_of_build(r, root=None):
                     f"of megakernel.build {e.date} {e.git_sha[:7]} ({f.name})")
             return dataclasses.replace(r, env=env, notes=tuple(r.notes) + (note,))
     print(f"code: no megakernel.build under {base} ran these kernels "
-          f"({', '.join(f'{p} T={t} {n} B' for (p, t), n in want.items())}; a build holds one kernel a preset)"
-          "): the code is printed, not saved (`megabench run` on the GPU saves both)", file=sys.stderr)
+          f"({', '.join(f'{p} T={t} {n} B' for (p, t), n in want.items())}; a build holds one kernel a preset): "
+          "the code is printed, not saved (`megabench run` on the GPU saves both)", file=sys.stderr)
     return None
 
 

@@ -282,15 +282,16 @@ def cold_code_inputs(root: Path | None, preset: str, tokens: int, tl) -> dict:
     if not levels or "icache_sm_miss_cpi_w1" not in ic.derived or "icache_sm_bytes" not in ic.derived:
         raise ResultsFileError(f"critical path: icache.capacity of {ic.env.date} resolved no instruction-cache levels")
     l2_cpi = max(v for _, v in levels)  # the last plateau: code served from L2
+    sm_cpi = l2_cpi - ic.derived["icache_sm_miss_cpi_w1"].value
     mhz = tl.env.sm_clock_max_mhz or ic.env.sm_clock_max_mhz
     out = {op: by_src.get(src, 0) for op, src in OP_SOURCE.items()}
     out["schedule"] = by_src.get("schedule", 0)
     return {"code_bytes": out, "kernel_code_bytes": total, "icache_bytes": int(ic.derived["icache_sm_bytes"].value),
-            "l2_cpi": l2_cpi, "sm_cpi": l2_cpi - ic.derived["icache_sm_miss_cpi_w1"].value, "clock_hz": mhz * 1e6,
+            "l2_cpi": l2_cpi, "sm_cpi": sm_cpi, "clock_hz": mhz * 1e6,
             "sources": {"code": f"megakernel.code {code.env.date} {code.env.git_sha[:7]} (NVRTC {code.env.nvrtc}; "
                                 f"the kernel's {total} B equal to megakernel.build {build.env.date} on the GPU)",
                         "icache": f"icache.capacity {ic.env.date} (L2-served {l2_cpi:.2f} cycles/instr, SM cache "
-                                  f"{l2_cpi - ic.derived['icache_sm_miss_cpi_w1'].value:.2f}; clock {mhz} MHz)"}}
+                                  f"{sm_cpi:.2f}; clock {mhz} MHz)"}}
 
 
 # ---------------------------------------------------------------------------------- the rows
@@ -454,15 +455,17 @@ def warm_gain_s(inp: Inputs, op: str) -> float:
     return inp.code_s(op) - inp.code_s(op, inp.sm_cpi)
 
 
+EVERY_BLOCK = ("expert1", "expert2", "schedule")  # the code every block runs, in any role
+
+
 def roles(inp: Inputs) -> list[list[str]]:
     """Front and back ops packed in chain order into roles whose code, with the code every block
-    runs (the expert GEMMs and the schedule), fits the SM's instruction cache: first fit."""
-    common = sum(inp.code_bytes.get(op, 0) for op in ("expert1", "expert2", "schedule"))
-    room = inp.icache_bytes - common
+    runs (EVERY_BLOCK), fits the SM's instruction cache: first fit."""
+    room = inp.icache_bytes - sum(inp.code_bytes.get(op, 0) for op in EVERY_BLOCK)
     out: list[list[str]] = []
     used: list[int] = []
     for op in CHAIN:
-        if op in ("expert1", "expert2"):
+        if op in EVERY_BLOCK:
             continue
         n = inp.code_bytes.get(op, 0)
         k = next((i for i, u in enumerate(used) if u + n <= room), None)
@@ -478,7 +481,7 @@ def roles(inp: Inputs) -> list[list[str]]:
 def _roles_lever(inp: Inputs, rs: Sequence[Row]) -> Lever:
     on_path = [r for r in rs if "->" not in r.item and not _off_path(r, rs)]
     saving = sum(min(warm_gain_s(inp, r.item), max(0.0, r.excess_s)) for r in on_path)
-    common = sum(inp.code_bytes.get(op, 0) for op in ("expert1", "expert2", "schedule"))
+    common = sum(inp.code_bytes.get(op, 0) for op in EVERY_BLOCK)
     rl = roles(inp)
     kb = 1024
     per_role = inp.n_sm // max(1, len(rl))
@@ -491,7 +494,7 @@ def _roles_lever(inp: Inputs, rs: Sequence[Row]) -> Lever:
         f"{inp.icache_bytes / kb:.0f} KB cache, cyclically, so every op's code comes from L2 every layer "
         f"({inp.l2_cpi:.2f} cycles/instr, {inp.sm_cpi:.2f} in the SM's cache). Every block runs the experts and the "
         f"schedule ({common / kb:.0f} KB); {len(rl)} roles of the other ops fit beside them "
-        f"({'; '.join('+'.join(r) for r in rl)}), about {inp.n_sm // max(1, len(rl))} blocks each. Saving: the on-path "
+        f"({'; '.join('+'.join(r) for r in rl)}), about {per_role} blocks each. Saving: the on-path "
         "ops' code at the SM cache's level instead of L2's, each at most its measured excess. Holds only if a "
         "role's blocks stream its dense op at the read ceiling (not measured: a weights.ring sweep over block "
         f"counts), with each op re-tiled or run in more rounds where it has more units than its role has blocks "

@@ -339,13 +339,7 @@ def code_result(points: Sequence[tuple[str, int]], n_sm: int = 132, constants=No
                                               metrics={"kernel_code_bytes": b.usage.code_bytes}))
     return Result("megakernel.code", constants_env(None, constants), tuple(series), {}, quick=True,
                   notes=(f"machine code per op (the innermost csrc/ops/<op>.cuh of each instruction's inline chain, "
-                         f"'schedule' for the unit loops, waits and entry), {arch}, NVRTC {toolchain_nvrtc()}",))
-
-
-def toolchain_nvrtc() -> str:
-    from microbench.compiler import toolchain_versions
-
-    return toolchain_versions().get("nvrtc", "?")
+                         f"'schedule' for the unit loops, waits and entry), {arch}; the compiler is the env's nvrtc",))
 
 
 # ---------------------------------------------------------------------- techniques

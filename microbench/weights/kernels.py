@@ -203,7 +203,6 @@ class RingKernel:
         grid = h.info.sm_count if grid is None else grid
         if not 1 <= grid <= h.info.sm_count:
             raise ValueError(f"a ring grid of {grid} blocks: want 1..{h.info.sm_count} (one block per SM)")
-
         if not 1 <= consumer_warps <= 31:
             raise ValueError(f"consumer_warps {consumer_warps} must be in 1..31 (plus the producer warp <= 32)")
         self.cfg = cfg
