@@ -11,6 +11,9 @@
                           --fused: d_pool and d_expert of 256, the fused expert unit; --prestage: the
                           prestaged build, mega twice so the second step bets)
   program [--preset P]    print the launches and op instances of one step
+  sm-map [--point PRESET:T:CTX ...] [--variant NAME[:KEY=VALUE,...] ...] [--out FILE.md]   on a GPU:
+                          which SM each block ran on, launch after launch, and how often an SM's
+                          next block has the role of its last (megakernel.sm_map; Plan.roles)
   ncu-op --op K [K ...]   on a GPU: one chain-mode step up to the named ops of one layer, with only
                           those launches inside cudaProfilerStart/Stop (for `ncu --profile-from-start off`)
   ncu-mega [--launch L] [--variant NAME[=CSRC_DIR][:KEY=VALUE,...] ...]   on a GPU: per variant, one
@@ -410,6 +413,38 @@ def _ab_table(a) -> int:
     return 0
 
 
+def _sm_map(a) -> int:
+    from .ab import parse_point, parse_variant
+    from .config import ConfigError
+
+    try:
+        variants = [parse_variant(v) for v in (a.variant or ["base"])]
+        points = [parse_point(p) for p in (a.point or AB_POINTS)]
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if any(v.csrc for v in variants):
+        print("sm-map: switches only (NAME[:KEY=VALUE,...]), not a source tree", file=sys.stderr)
+        return 2
+    if _no_gpu("sm-map"):
+        return 2
+    from .sm_map import measure
+
+    lines = ["| point | variant | launches | same SM | same role | by chance (roles) |", "|---|---|---|---|---|---|"]
+    for preset, t, ctx in points:
+        for v in variants:
+            m = measure(preset, t, ctx, v.switch_dict)
+            lines.append(f"| {preset} T={t} ctx={ctx} | {v.name} | {m.launches} | {100 * m.same_sm:.1f}% | "
+                         f"{100 * m.same_role:.1f}% | {100 * m.by_chance:.1f}% ({m.n_roles}) |")
+            print(lines[-1], flush=True)
+    md = "\n".join(lines)
+    if a.out:
+        write_text(a.out, md + "\n")
+        print("wrote", a.out)
+    print(md)
+    return 0
+
+
 AB_POINTS = ("shard8:16:2048", "shard8:1:2048", "small:16:512")
 
 
@@ -437,6 +472,11 @@ def main(argv=None) -> int:
         s.add_argument("--tokens", type=int, default=16)
         s.add_argument("--ctx", type=int, default=2048)
         s.set_defaults(fn=_timeline, detail=name == "timeline-detail")
+    s = sub.add_parser("sm-map", help="on a GPU: which SM each block ran on, launch after launch (megakernel.sm_map)")
+    s.add_argument("--point", nargs="+", help="PRESET:T:CTX (default the A/B's three)")
+    s.add_argument("--variant", action="append", help="NAME[:KEY=VALUE,...] as for `ab` (default: base)")
+    s.add_argument("--out", help="also write the markdown table here")
+    s.set_defaults(fn=_sm_map)
     s = sub.add_parser("sanitize-step")
     s.add_argument("--fused", action="store_true", help="tiny with d_pool and d_expert of 256, fused expert units")
     s.add_argument("--prestage", action="store_true",

@@ -489,7 +489,7 @@ def _roles_lever(inp: Inputs, rs: Sequence[Row]) -> Lever:
     rounds = {op: -(-units[op] // per_role) for r in rl for op in r if units.get(op)}
     more = ", ".join(f"{op} {units[op]} units in {n} rounds" for op, n in rounds.items() if n > 1)
     return Lever(
-        "blocks in roles: each block's layer code within the SM's instruction cache", "all", saving,
+        "blocks in roles: each block's layer code within the SM's instruction cache (Plan.roles=3)", "all", saving,
         f"a layer launch runs {inp.layer_code_bytes() / kb:.0f} KB of code against the SM's "
         f"{inp.icache_bytes / kb:.0f} KB cache, cyclically, so every op's code comes from L2 every layer "
         f"({inp.l2_cpi:.2f} cycles/instr, {inp.sm_cpi:.2f} in the SM's cache). Every block runs the experts and the "

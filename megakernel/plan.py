@@ -307,6 +307,10 @@ class Plan:
     # misses (what a wrong bet costs; the same bits)
     prestage_miss: bool = False
     ring_fill: int = 0  # of ring_stages, those added from spare shared memory (make_plan fill_ring)
+    # blocks in roles: each group of op kinds runs on its share of the grid only (program.cuh
+    # my_units), the experts on every block, so that a block's layer code (its role's ops, the
+    # experts, the schedule) fits the SM's instruction cache (critical_path.roles). () = off
+    roles: tuple = ()
     tiles: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -476,6 +480,60 @@ def _fill_ring(p: Plan, smem_limit: int, norm_panel: int | None, ring_max: int =
     return best
 
 
+# Plan.roles' three roles (make_plan roles=3): critical_path.roles' first fit of the front and back
+# ops, in chain order, into the instruction cache beside the code every block runs, from the code
+# sizes of the shard8 build (megakernel.code of 2026-12-02; tests/test_critical_path.py checks that
+# the model still packs them so)
+ROLE_GROUPS = (("attn", "attn_combine", "oproj", "moe_combine"), ("router", "pool", "topk"), ("unpool", "qkv"))
+ROLE_FREE = ("expert1", "expert2")  # contiguous over every block (DEP_LOCAL, the routing): in no role
+MAX_ROLES = 15  # 4 bits per op kind in ROLE_CODE, role + 1
+assert len(OP_KINDS) <= 16, "ROLE_CODE: 4 bits per op kind in 64"
+
+
+def parse_roles(roles, n_sm: int) -> tuple:
+    """Plan.roles from 0 (off), 3 (ROLE_GROUPS), a sequence of groups of op kinds, or the A/B's text
+    form "attn+oproj/router+pool/..." (groups split by '/', kinds by '+')."""
+    if roles in (0, "", (), None, False):
+        return ()
+    if roles == 3 or roles == "3":
+        groups = ROLE_GROUPS
+    elif isinstance(roles, str):
+        groups = tuple(tuple(k.strip() for k in g.split("+") if k.strip()) for g in roles.split("/"))
+    elif isinstance(roles, (tuple, list)) and all(isinstance(g, (tuple, list)) for g in roles):
+        groups = tuple(tuple(g) for g in roles)
+    else:
+        raise ValueError(f"roles {roles!r}: want 0 (off), 3 (the model's three roles) or groups of op kinds "
+                         "such as 'attn+oproj/router+pool'")
+    seen: set[str] = set()
+    for g in groups:
+        if not g:
+            raise ValueError(f"roles {roles!r}: an empty role")
+        for k in g:
+            if k not in OP_KINDS:
+                raise ValueError(f"roles {roles!r}: {k!r} is not an op kind ({', '.join(OP_KINDS)})")
+            if k in ROLE_FREE:
+                raise ValueError(f"roles {roles!r}: {k} runs on every block (contiguous units, routed)")
+            if k in seen:
+                raise ValueError(f"roles {roles!r}: {k} is in two roles")
+            seen.add(k)
+    if not 1 <= len(groups) <= MAX_ROLES:
+        raise ValueError(f"roles {roles!r}: {len(groups)} roles, want 1..{MAX_ROLES}")
+    if n_sm < len(groups):
+        raise ValueError(f"roles {roles!r}: {len(groups)} roles need a grid of at least as many blocks, "
+                         f"the plan has {n_sm}")
+    return groups
+
+
+def role_of(plan: "Plan", kind: str) -> int:
+    """The role a kind's op runs in, -1 for every block."""
+    return next((i for i, g in enumerate(plan.roles) if kind in g), -1)
+
+
+def role_code(plan: "Plan") -> int:
+    """ROLE_CODE (program.cuh my_units): role + 1 in bits 4k..4k+3 of op kind k."""
+    return sum((role_of(plan, k) + 1) << (4 * OP[k]) for k in OP_KINDS)
+
+
 def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_bytes: int = 16384,
               spin_bound_ns: int = 2_000_000_000, poll_backoff_ns: int = 0, profile: bool = False,
               smem_limit: int = 232448, loader_ahead: bool = True, pdl: bool = False,
@@ -488,7 +546,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               launch_waits: bool = False, layout_pad: int = 0, layout_gap: int = 0, fused_experts: bool = False,
               keep_max: int = KEEP_MAX, ring_max: int = RING_FILL_MAX, max_registers: int = 0,
               compute_registers: int = 0, receive_warp: bool = False, prestage_experts: int = 0,
-              prestage_miss: bool = False) -> Plan:
+              prestage_miss: bool = False, roles=0) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -502,7 +560,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     fill_ring stops at this many stages (A/Bs: ring depth against kept units). max_registers: Plan's
     (A/Bs: a cap below the launch bounds' 168; 0 = none). compute_registers: Plan's (0 = off, or a
     multiple of 8 from 176 to 232). receive_warp: Plan's (needs compute_registers). prestage_experts,
-    prestage_miss: Plan's (chunks, 0 = off; the miss needs prestaging)."""
+    prestage_miss: Plan's (chunks, 0 = off; the miss needs prestaging). roles: Plan's (parse_roles)."""
     cfg.validate()
     if not (isinstance(max_registers, int) and (max_registers == 0 or 64 <= max_registers <= 168)):
         raise ValueError(f"max_registers {max_registers!r}: want 0 (the launch bounds' 168) or a cap of 64..168 registers")
@@ -560,7 +618,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              profile_detail=profile_detail, fp4_rotated=fp4_rotated, tiles=tiles, launch_waits=launch_waits,
              layout_pad=layout_pad, layout_gap=layout_gap, fused_experts=fused_experts,
              max_registers=max_registers, compute_registers=compute_registers, receive_warp=bool(receive_warp),
-             prestage_experts=prestage_experts, prestage_miss=bool(prestage_miss))
+             prestage_experts=prestage_experts, prestage_miss=bool(prestage_miss), roles=parse_roles(roles, n_sm))
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -628,6 +686,8 @@ def render(plan: Plan) -> str:
         f"constexpr int RECEIVE_WARP = {int(plan.receive_warp)};  // Plan.receive_warp",
         f"constexpr int PRESTAGE = {plan.prestage};  // Plan.prestage_experts (chunks, at most RING_STAGES)",
         f"constexpr bool PRESTAGE_MISS = {'true' if plan.prestage_miss else 'false'};  // Plan.prestage_miss",
+        f"constexpr int ROLES = {len(plan.roles)};  // Plan.roles: {' / '.join('+'.join(g) for g in plan.roles) or 'off'}",
+        f"constexpr unsigned long long ROLE_CODE = {role_code(plan):#x}ull;  // role + 1, 4 bits per op kind",
         f"constexpr int COMPUTE_THREADS = {32 * WARPS};",
         f"constexpr int ROW_PAD = {ROW_PAD};",
         "// ring (tuned constants: weights.ring) and smem carve-up",

@@ -28,6 +28,9 @@ and their total's release had come second, on the op's critical path. Counters a
 per parity (the argmax unit of step k clears the other parity's counters, which no launch is
 using). Only dependencies inside a launch are kept: the launches run in stream order (build).
 
+Blocks in roles (Plan.roles): a strided op of a role runs on that role's share of the grid only
+(role_blocks), the experts on every block.
+
 Deadlock freedom: every block walks the op instances of a launch in the same (topological)
 order, and a unit only waits for units of earlier instances; the earliest unfinished unit of
 the launch therefore never waits, so the launch always progresses (given co-residency).
@@ -40,7 +43,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .config import ModelConfig
-from .plan import MOE_COMBINE_COLS, OP, OP_KINDS, Plan
+from .plan import MOE_COMBINE_COLS, OP, OP_KINDS, Plan, role_of
 
 OPINST_INTS = 16
 MAX_DEPS = 3
@@ -79,6 +82,10 @@ class OpInst:
     rot: int  # block rotation of the strided assignment
     assign: int
     signal: int = 3  # which counters some consumer waits for: SIGNAL_TOTAL | SIGNAL_GROUPS (0: none is bumped)
+    # Plan.roles: the role whose share of the grid runs it (-1: every block) and how many roles
+    # share the grid; the kernel has them from ROLE_CODE, not from the record
+    role: int = -1
+    n_roles: int = 0
 
     def encode(self) -> list[int]:
         row = [OP[self.kind], self.layer, self.counter, self.group_base, self.n_groups, self.rot, self.assign,
@@ -168,14 +175,25 @@ def n_groups(plan: Plan, kind: str) -> int:
     return {"qkv": c.n_kv_heads, "attn": c.n_kv_heads, "expert1": plan.max_slots}.get(kind, 0)
 
 
+def role_blocks(inst: OpInst, n_blocks: int) -> range:
+    """The blocks a strided op instance's units go to: its role's share of the grid (Plan.roles),
+    or all of it (no role, or fewer blocks than roles: chain mode's one-block launches)."""
+    if inst.role < 0 or n_blocks < inst.n_roles:
+        return range(n_blocks)
+    return range(inst.role * n_blocks // inst.n_roles, (inst.role + 1) * n_blocks // inst.n_roles)
+
+
 def assigned_units(inst: OpInst, block: int, n_blocks: int, total: int) -> range:
-    """Units of `inst` that `block` runs (same formula as program.cuh)."""
+    """Units of `inst` that `block` runs (same formula as program.cuh my_units)."""
     if inst.assign == ASSIGN_CONTIG:
         lo = block * total // n_blocks
         hi = (block + 1) * total // n_blocks
         return range(lo, hi)
-    start = (block - inst.rot) % n_blocks
-    return range(start, total, n_blocks)
+    share = role_blocks(inst, n_blocks)
+    if block not in share:
+        return range(total, total)
+    start = (block - share.start - inst.rot) % len(share)
+    return range(start, total, len(share))
 
 
 def pool_rotation(plan: Plan, router: OpInst) -> int | None:
@@ -183,25 +201,28 @@ def pool_rotation(plan: Plan, router: OpInst) -> int | None:
     side (plan.pool_rows sizes the pool units for that), the pool units start right after the
     router's: no block runs both, and top-k goes to a block that runs neither (lightest_block).
     Otherwise the blocks with one pool unit fewer than the rest come right after the router's."""
-    nb, r = plan.n_sm, n_units(plan, "router", router.layer, 1, 0, 0)
-    p = n_units(plan, "pool", router.layer, 1, 0, 0)
+    if role_of(plan, "router") != role_of(plan, "pool"):
+        return None  # on other blocks anyway
+    nb = len(role_blocks(router, plan.n_sm))
+    r, p = n_units(plan, "router", router.layer, 1, 0, 0), n_units(plan, "pool", router.layer, 1, 0, 0)
     if r + p <= nb:
         return (router.rot + r) % nb
     rem = p % nb
     return (router.rot + r - rem) % nb if rem else None
 
 
-def lightest_block(plan: Plan, insts: list[OpInst]) -> int:
+def lightest_block(plan: Plan, insts: list[OpInst], among: range | None = None) -> int:
     """The block with the fewest units of these (static-size, strided) op instances, lowest index
-    on ties. Top-k (one unit, on the critical path of every layer) goes there: on a block that
-    also runs a router unit and two pool units it started ~7 us after the router finished
-    (shard8 T=16 profile, 2026-11-29)."""
+    on ties, of the blocks `among` (default all), as an index into them. Top-k (one unit, on the
+    critical path of every layer) goes there: on a block that also runs a router unit and two pool
+    units it started ~7 us after the router finished (shard8 T=16 profile, 2026-11-29)."""
+    among = among if among is not None else range(plan.n_sm)
     load = [0] * plan.n_sm
     for o in insts:
         total = n_units(plan, o.kind, o.layer, 1, 0, 0)
         for b in range(plan.n_sm):
             load[b] += len(assigned_units(o, b, plan.n_sm, total))
-    return min(range(plan.n_sm), key=lambda b: (load[b], b))
+    return min(range(len(among)), key=lambda i: (load[among[i]], i))
 
 
 # ------------------------------------------------------------------ building the program
@@ -255,7 +276,8 @@ def build(plan: Plan, mode: str = "layer") -> Program:
             raise ValueError(f"{kind}: too many deps")
         if rot is None:  # rotate the strided assignment so consecutive small ops start on different blocks
             rot = (idx * 17) % plan.n_sm
-        ops.append(OpInst(idx, kind, layer, ds, counter, gb, ng, rot, assign))
+        ops.append(OpInst(idx, kind, layer, ds, counter, gb, ng, rot, assign, role=role_of(plan, kind),
+                          n_roles=len(plan.roles)))
         last[kind] = idx
         return idx
 
@@ -277,8 +299,10 @@ def build(plan: Plan, mode: str = "layer") -> Program:
         add("oproj", l, [("attn_combine", DEP_ALL)])
         add("router", l, [("oproj", DEP_ALL)])
         add("pool", l, [("oproj", DEP_ALL)], rot=pool_rotation(plan, ops[last["router"]]))
+        topk_blocks = role_blocks(OpInst(-1, "topk", l, (), 0, -1, 0, 0, ASSIGN_STRIDED, role=role_of(plan, "topk"),
+                                         n_roles=len(plan.roles)), plan.n_sm)
         add("topk", l, [("router", DEP_SENTINEL if plan.sentinel_route else DEP_ALL)],
-            rot=lightest_block(plan, [ops[last["router"]], ops[last["pool"]]]))
+            rot=lightest_block(plan, [ops[last["router"]], ops[last["pool"]]], topk_blocks))
         add("expert1", l, [("topk", DEP_ALL), ("pool", DEP_ALL)], ASSIGN_CONTIG)
         add("expert2", l, [("topk", DEP_ALL), ("expert1", DEP_LOCAL if plan.fused_experts else DEP_GROUP)],
             ASSIGN_CONTIG)
@@ -323,6 +347,9 @@ def check(prog: Program) -> None:
     assert sorted(launch_of) == list(range(len(prog.ops))), "every op in exactly one launch"
     for o in prog.ops:
         assert o.kind in OP_KINDS
+        # Plan.roles: the kernel finds an op's role by its kind (ROLE_CODE), only for strided ops
+        assert (o.role, o.n_roles) == (role_of(prog.plan, o.kind), len(prog.plan.roles)), f"{o.kind}: role"
+        assert o.role < 0 or o.assign == ASSIGN_STRIDED, f"{o.kind}(L{o.layer}): a role for a contiguous op"
         if o.kind in ("expert1", "expert2"):
             # the routed ops learn their slot count from dependency 0 (program.cuh compute_loop):
             # top-k must run in their launch

@@ -39,6 +39,8 @@ constexpr int LOADER_REGS = 0;
 constexpr int RECEIVE_WARP = 0;  // Plan.receive_warp
 constexpr int PRESTAGE = 0;  // Plan.prestage_experts (chunks, at most RING_STAGES)
 constexpr bool PRESTAGE_MISS = false;  // Plan.prestage_miss
+constexpr int ROLES = 0;  // Plan.roles: off
+constexpr unsigned long long ROLE_CODE = 0x0ull;  // role + 1, 4 bits per op kind
 constexpr int COMPUTE_THREADS = 256;
 constexpr int ROW_PAD = 16;
 // ring (tuned constants: weights.ring) and smem carve-up

@@ -272,10 +272,30 @@ MK_DEV void signal_op_end(const Blk& b, const Op& o, Pending& pd) {
 struct UnitRange {
   int begin, end, step;
 };
+// Blocks in roles (Plan.roles, ROLES > 0): a strided op of a role runs on its role's share of
+// the grid only, blocks [role * nb / ROLES, (role + 1) * nb / ROLES), so that a block's layer code
+// is its role's ops beside the experts and the schedule (critical_path.roles). ROLE_CODE holds
+// role + 1 in 4 bits per op kind (0: every block). A grid of fewer blocks than roles (chain
+// mode's one-block top-k) runs every op on all of them. program.py assigned_units mirrors this.
 MK_DEV UnitRange my_units(const Op& o, int total) {
-  const int nb = nblocks(), me = bid();
+  int nb = nblocks(), me = bid();
   if (o.assign == ASSIGN_CONTIG) return UnitRange{me * total / nb, (me + 1) * total / nb, 1};
+  if constexpr (ROLES > 0) {
+    const int role = static_cast<int>((ROLE_CODE >> (4 * o.kind)) & 15ull) - 1;
+    if (role >= 0 && nb >= ROLES) {
+      const int lo = role * nb / ROLES, hi = (role + 1) * nb / ROLES;
+      if (me < lo || me >= hi) return UnitRange{total, total, 1};
+      me -= lo;
+      nb = hi - lo;
+    }
+  }
   return UnitRange{((me - o.rot) % nb + nb) % nb, total, nb};
+}
+// The stride of a strided range: %nctaid.x read where used (not a register live across the
+// op's code), or with roles the range's own
+MK_DEV int strided_step(const UnitRange& r) {
+  if constexpr (ROLES > 0) return r.step;
+  else return nblocks_here();
 }
 
 MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
@@ -468,11 +488,12 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
     }
     // run_unit reads the record from shared memory (published by the barrier before it), so the
     // register copy is dead through the units (only profiler builds keep its kind for stamps)
-    // the range's end, negated for a strided assignment, carries the stride too (1, or %nctaid.x
-    // read where used): a separate flag or stride was one more value live across every op's code,
-    // and at 168 registers the compiler spilled it
+    // the range's end, negated for a strided assignment, carries the stride too (1, or
+    // strided_step: %nctaid.x read where used): a separate flag or stride was one more value
+    // live across every op's code, and at 168 registers the compiler spilled it (with roles the
+    // stride is the role's block count, r.step)
     const int lim = o.assign == ASSIGN_CONTIG ? r.end : -r.end;
-    for (int u = r.begin; u < (lim < 0 ? -lim : lim); u += lim < 0 ? nblocks_here() : 1) {
+    for (int u = r.begin; u < (lim < 0 ? -lim : lim); u += lim < 0 ? strided_step(r) : 1) {
       if (first_unit && tid() == 0) {
         if (PROF_DEFER) {
           if (stamp) prof_slot_of(b, i, first)->t[0] = is_dynamic(o.kind) ? t_route : now_ns();
@@ -485,7 +506,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
       // the first unit's opening is the op's wait phase, stamped above; stamped as unit_open too,
       // it fell before the op's phase and was counted as the previous op's (pipeline.detail_by_op)
       // (o0 is valid from the first unit's opening barrier on)
-      const bool opens = first_unit || unit_opens(o0, u, u - (lim < 0 ? nblocks_here() : 1));
+      const bool opens = first_unit || unit_opens(o0, u, u - (lim < 0 ? strided_step(r) : 1));
       const bool open_stamp = !first_unit && opens;
       if (open_stamp) detail_stamp(b, MK_EV_UNIT_OPEN_BEGIN, static_cast<uint32_t>(u));
       if (opens) {

@@ -1,0 +1,82 @@
+"""Which SM each block of a step's launches ran on, launch after launch (issue 48, blocks in roles).
+
+An SM's instruction cache keeps what the block before it ran. Plan.roles gives each block index a
+role, so a role's code is still in an SM's cache at the next launch only where that launch puts a
+block of the same role on the SM. The launch decides the placement, not the kernel: with one block
+per SM and PDL, the next grid's blocks take SMs as the previous grid's leave. This measures it from
+the profiler's records (each carries %smid, mb/profile.cuh), on a profiled step, every launch
+recorded:
+
+  same_sm     share of (launch, block) on the SM the block had in the launch before
+  same_role   share of (launch, SM) whose block has the role the SM's block had before (roles as
+              the build has them, or Plan.roles=3's shares where the build has none)
+  by_chance   what same_role would be if blocks landed on SMs at random: sum of (share size / grid)^2
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Placement:
+    launches: int  # launch transitions counted
+    blocks: int
+    same_sm: float
+    same_role: float
+    by_chance: float
+    n_roles: int
+
+
+def role_of_block(block: int, n_blocks: int, n_roles: int) -> int:
+    """The role whose share of the grid holds `block` (program.role_blocks' shares)."""
+    return next(r for r in range(n_roles) if block < (r + 1) * n_blocks // n_roles)
+
+
+def placement(launch: np.ndarray, block: np.ndarray, sm: np.ndarray, n_blocks: int, n_roles: int = 3) -> Placement:
+    """From per-record (launch, block, sm) arrays: the shares of the module docstring, over every
+    pair of consecutive launches that both recorded every block. A block whose records name two
+    SMs in one launch is an error (blocks do not migrate)."""
+    if not (len(launch) == len(block) == len(sm)):
+        raise ValueError("placement: launch, block and sm arrays of different lengths")
+    if n_blocks < n_roles or n_roles < 1:
+        raise ValueError(f"placement: {n_roles} roles on {n_blocks} blocks")
+    where: dict[int, dict[int, int]] = {}
+    for lc, b, s in zip(launch.tolist(), block.tolist(), sm.tolist()):
+        seen = where.setdefault(lc, {})
+        if seen.setdefault(b, s) != s:
+            raise ValueError(f"placement: block {b} of launch {lc} recorded on SMs {seen[b]} and {s}")
+    full = sorted(lc for lc, m in where.items() if len(m) == n_blocks)
+    pairs = [(a, b) for a, b in zip(full, full[1:]) if b == a + 1]
+    if not pairs:
+        raise ValueError("placement: no two consecutive launches recorded every block")
+    same_sm = same_role = total = 0
+    for a, b in pairs:
+        prev, cur = where[a], where[b]
+        role_on_prev = {s: role_of_block(blk, n_blocks, n_roles) for blk, s in prev.items()}
+        for blk, s in cur.items():
+            total += 1
+            same_sm += prev[blk] == s
+            same_role += role_on_prev.get(s, -1) == role_of_block(blk, n_blocks, n_roles)
+    shares = [((r + 1) * n_blocks // n_roles - r * n_blocks // n_roles) / n_blocks for r in range(n_roles)]
+    return Placement(len(pairs), n_blocks, same_sm / total, same_role / total, float(sum(x * x for x in shares)),
+                     n_roles)
+
+
+def measure(preset: str, n_tokens: int, ctx: int, switches: dict, steps: int = 3) -> Placement:
+    """On the GPU: `steps` profiled mega steps of the build (plan_for with `switches`); the last
+    one's records."""
+    from .bench_baselines import step_context, weights_for
+    from .pipeline import plan_for
+    from .runtime import Engine
+
+    sc = step_context(preset, n_tokens, ctx)
+    plan = plan_for(preset, None, None, tokens=n_tokens, profile=True, profile_cap=128, **switches)
+    eng = Engine(weights_for(preset), plan, sc.cache0.clone(), backend="gpu")
+    routes = [r.cuda() for r in sc.routes]
+    for _ in range(steps):
+        eng.step(sc.tokens, sc.parents, ctx, mode="mega", routes=routes)
+    st = eng.prof.read()
+    return placement(np.asarray(st.launch), np.asarray(st.block), np.asarray(st.sm), eng.grid,
+                     len(plan.roles) or 3)
