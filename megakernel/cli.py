@@ -11,7 +11,7 @@
                           --fused: d_pool and d_expert of 256, the fused expert unit; --prestage: the
                           prestaged build, mega twice so the second step bets)
   program [--preset P]    print the launches and op instances of one step
-  sm-map [--point PRESET:T:CTX ...] [--variant NAME[:KEY=VALUE,...] ...] [--out FILE.md]   on a GPU:
+  sm-map [--point PRESET:T:CTX ...] [--variant NAME[:KEY=VALUE,...] ...] [--out FILE.md] [--save [DIR]]   on a GPU:
                           which SM each block ran on, launch after launch, and how often an SM's
                           next block has the role of its last (megakernel.sm_map; Plan.roles)
   ncu-op --op K [K ...]   on a GPU: one chain-mode step up to the named ops of one layer, with only
@@ -431,9 +431,11 @@ def _sm_map(a) -> int:
     from .sm_map import measure
 
     lines = ["| point | variant | launches | same SM | same role | by chance (roles) |", "|---|---|---|---|---|---|"]
+    rows = []
     for preset, t, ctx in points:
         for v in variants:
             m = measure(preset, t, ctx, v.switch_dict)
+            rows.append((preset, t, ctx, v.name, v.switches, m))
             lines.append(f"| {preset} T={t} ctx={ctx} | {v.name} | {m.launches} | {100 * m.same_sm:.1f}% | "
                          f"{100 * m.same_role:.1f}% | {100 * m.by_chance:.1f}% ({m.n_roles}) |")
             print(lines[-1], flush=True)
@@ -441,6 +443,12 @@ def _sm_map(a) -> int:
     if a.out:
         write_text(a.out, md + "\n")
         print("wrote", a.out)
+    if a.save is not None:
+        from pathlib import Path
+
+        from .sm_map import to_result
+
+        print("wrote", to_result(rows).save(Path(a.save) if a.save else None))
     print(md)
     return 0
 
@@ -476,6 +484,8 @@ def main(argv=None) -> int:
     s.add_argument("--point", nargs="+", help="PRESET:T:CTX (default the A/B's three)")
     s.add_argument("--variant", action="append", help="NAME[:KEY=VALUE,...] as for `ab` (default: base)")
     s.add_argument("--out", help="also write the markdown table here")
+    s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
+                   help="also save the typed result (megakernel.sm_map) under DIR (default reports/results)")
     s.set_defaults(fn=_sm_map)
     s = sub.add_parser("sanitize-step")
     s.add_argument("--fused", action="store_true", help="tiny with d_pool and d_expert of 256, fused expert units")

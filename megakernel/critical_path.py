@@ -87,6 +87,14 @@ class Inputs:
     l2_cpi: float = 0.0
     sm_cpi: float = 0.0
     clock_hz: float = 0.0
+    # blocks in roles (Plan.roles): the share of SMs whose next block has the role of the last
+    # (megakernel.sm_map; by chance where it was not measured), and how few SMs stream (weights.ring's
+    # ring_blocks/ series: block count -> fraction of the read ceiling, deepest ring)
+    same_role: float = 0.0
+    ring_blocks_fraction: dict = field(default_factory=dict)
+    # in-run A/B results at the timeline's point: variant switches (sorted items) -> (saving per
+    # layer launch against the A/B's first variant, the A/B named)
+    ab_savings: dict = field(default_factory=dict)
 
     def code_s(self, op: str, cpi: float | None = None) -> float:
         """One pass over the op's code at `cpi` cycles an instruction (default: served from L2)."""
@@ -141,6 +149,10 @@ class Lever:
     # a lever whose saving rests on a term the bound leaves out (the cold-code column) or on a
     # condition not measured: shown, not added into combined_saving_s
     hypothesis: bool = False
+    # where the lever was built and timed: its saving per layer launch in the newest in-run A/B at
+    # the timeline's point (megakernel.ab; the first variant less this one, / launches), and the A/B
+    measured_s: float | None = None
+    measured_by: str = ""
 
     def step_after_s(self, inp: Inputs) -> float:
         return inp.step_s - self.saving_s * inp.launches
@@ -235,8 +247,10 @@ def inputs(root: Path | None = None) -> Inputs:
     rf = roofline(cfg, t, ctx, distinct, ceiling=(ceiling, "weights.read_ceiling"))
     step = next(s.summary.median for s in tl.series if s.name == f"profiler_cost/{preset}/off")
     ring = {op: detail.derived[f"ring_wait_{op}_s"].value / cfg.n_layers for op in ("expert1", "expert2")}
+    n_sm = int(tl.env.sm_count or 132)
+    placement = role_inputs(root, preset, t, ctx, n_sm)
     return Inputs(
-        preset, t, ctx, int(tl.env.sm_count or 132), distinct, ceiling,
+        preset, t, ctx, n_sm, distinct, ceiling,
         l2.derived["l2_bandwidth_bytes_per_s"].value, flags.derived["flag_latency_s"].value,
         fences.derived["fence_acq_rel_gpu_loaded_s"].value, pub, stage, chunk, ring, edges,
         {k[len("end_tail_"):-2]: v.value for k, v in tl.derived.items() if k.startswith("end_tail_")},
@@ -244,14 +258,72 @@ def inputs(root: Path | None = None) -> Inputs:
         step, rf.seconds, launches,
         code_bytes=code.get("code_bytes", {}), kernel_code_bytes=code.get("kernel_code_bytes", 0),
         icache_bytes=code.get("icache_bytes", 0), l2_cpi=code.get("l2_cpi", 0.0), sm_cpi=code.get("sm_cpi", 0.0),
-        clock_hz=code.get("clock_hz", 0.0),
-        sources={**code.get("sources", {}), **({"code_stale": code["stale"]} if "stale" in code else {}), "timeline": f"megakernel.timeline {tl.env.date} {tl.env.git_sha[:7]} (launch "
+        clock_hz=code.get("clock_hz", 0.0), same_role=placement["same_role"],
+        ring_blocks_fraction=placement["ring_blocks"], ab_savings=ab_savings(root, preset, t, ctx, launches),
+        sources={**code.get("sources", {}), **placement["sources"], **({"code_stale": code["stale"]} if "stale" in code else {}), "timeline": f"megakernel.timeline {tl.env.date} {tl.env.git_sha[:7]} (launch "
                              f"{middle_launch(launches)} of {launches}, medians over blocks)",
                  "detail": f"megakernel.timeline_detail {detail.env.date} {detail.env.git_sha[:7]} and its trace",
                  "flag": f"sync.flags flag_latency_s {flags.env.date}",
                  "fence": f"sync.fences fence_acq_rel_gpu_loaded_s {fences.env.date}",
                  "l2": f"weights.l2 l2_bandwidth_bytes_per_s {l2.env.date}",
                  "ceiling": f"weights.read_ceiling read_ceiling_bytes_per_s {rc.env.date}"})
+
+
+def role_inputs(root: Path | None, preset: str, tokens: int, ctx: int, n_sm: int) -> dict:
+    """Plan.roles' two conditions: how often an SM's next block has its last block's role (the
+    newest megakernel.sm_map at the point, the roles build's row if it has one; else the share
+    by chance), and the fraction of the read ceiling that ring_blocks/ streams at each block count
+    (the newest weights.ring with the sweep, its deepest ring)."""
+    from microbench.results import REPO_ROOT, latest
+
+    from .plan import ROLE_GROUPS
+    from .sm_map import BENCHMARK, by_chance
+
+    base = root or REPO_ROOT / "reports" / "results"
+    chance = by_chance(n_sm, len(ROLE_GROUPS))
+    out = {"same_role": chance, "ring_blocks": {},
+           "sources": {"placement": f"no megakernel.sm_map result: blocks land on SMs by chance"}}
+    sm = latest(BENCHMARK, root=base)
+    if sm is not None:
+        mine = [x for x in sm.series if (x.params.get("preset"), x.params.get("T"), x.params.get("ctx")) ==
+                (preset, tokens, ctx)]
+        pick = next((x for x in mine if (x.params.get("switches") or {}).get("roles")), mine[0] if mine else None)
+        if pick is not None:
+            key = f"{preset}_T{tokens}_ctx{ctx}_{pick.params['variant']}"
+            out["same_role"] = sm.derived[f"same_role_{key}"].value
+            out["sources"]["placement"] = (f"megakernel.sm_map {sm.env.date} {sm.env.git_sha[:7]}, the "
+                                           f"{pick.params['variant']} build; {sm.derived[f'same_sm_{key}'].value:.1%} of "
+                                           f"blocks keep their SM, {chance:.1%} would keep their role by chance")
+    ring = latest("weights.ring", root=base)
+    sweep = [x for x in (ring.series if ring else ()) if x.name.startswith("ring_blocks/") and x.fraction_of_bound]
+    if sweep:
+        deepest = max(x.params.get("stages", 0) for x in sweep)
+        out["ring_blocks"] = {int(x.name.rsplit("/g", 1)[1]): float(x.fraction_of_bound) for x in sweep
+                              if x.params.get("stages") == deepest}
+        out["sources"]["ring_blocks"] = f"weights.ring {ring.env.date} {ring.env.git_sha[:7]}, {deepest}-stage ring"
+    return out
+
+
+def ab_savings(root: Path | None, preset: str, tokens: int, ctx: int, launches: int) -> dict:
+    """{sorted switch items: (saving per layer launch, "megakernel.ab DATE SHA")}: every variant of
+    the committed in-run A/Bs at the point that is the repository's kernel with switches (no source
+    tree) against the same A/B's first variant, itself without switches; the newest A/B wins."""
+    from microbench.results import REPO_ROOT, find, load
+
+    out: dict = {}
+    for path in find("megakernel.ab", root or REPO_ROOT / "reports" / "results"):
+        res = load(path)
+        at = [x for x in res.series if (x.params.get("preset"), x.params.get("T"), x.params.get("ctx")) ==
+              (preset, tokens, ctx)]
+        if not at or at[0].params.get("switches") or at[0].params.get("csrc"):
+            continue  # no point here, or its reference is itself a variant
+        for x in at[1:]:
+            sw = x.params.get("switches") or {}
+            if x.params.get("csrc") or not sw:
+                continue
+            out[tuple(sorted(sw.items()))] = ((at[0].summary.median - x.summary.median) / launches,
+                                             f"megakernel.ab {res.env.date} {res.env.git_sha[:7]}")
+    return out
 
 
 def cold_code_inputs(root: Path | None, preset: str, tokens: int, tl) -> dict:
@@ -414,7 +486,8 @@ def levers(inp: Inputs, rs: Sequence[Row] | None = None) -> list[Lever]:
               f"the ring's {ring_chunks} stages of every block ({ring_chunks * plan.stage_bytes * inp.n_sm / 1e6:.1f} MB) "
               f"stream while HBM idles in the front: {ring_chunks} x {stream_chunk_s * 1e6:.2f} us, at most the phase's "
               f"ring waits ({waits * 1e6:.2f} us a block); needs the previous step's routes to hold (the A/B's replayed "
-              "step always repeats them)"),
+              "step always repeats them)",
+              **_measured(inp, lambda sw: set(sw) == {"prestage_experts"} and sw["prestage_experts"] >= ring_chunks)),
         Lever("top-k computed by every gate/up block from the router logits", "front",
               inp.edges["expert1"][0] - max(inp.edges["pool"][1] + inp.end_tail_s.get("pool", 0.0) + inp.flag_s,
                                             inp.edges["topk"][1] - inp.publish_s),
@@ -478,27 +551,51 @@ def roles(inp: Inputs) -> list[list[str]]:
     return out
 
 
+def _measured(inp: Inputs, which) -> dict:
+    """Lever(measured_s=, measured_by=) from the newest A/B of the repository's kernel whose switches
+    `which(dict)` accepts."""
+    got = [v for k, v in inp.ab_savings.items() if which(dict(k))]
+    best = max(got, key=lambda v: v[1], default=None)  # "megakernel.ab DATE ...": the newest date
+    return {"measured_s": best[0], "measured_by": best[1]} if best else {}
+
+
 def _roles_lever(inp: Inputs, rs: Sequence[Row]) -> Lever:
+    """Plan.roles=3. Warm code: the code every block runs (EVERY_BLOCK) stays in an SM's cache from
+    launch to launch; a role's own ops only where the SM's last block had the same role
+    (inp.same_role). Rounds: an op of a role runs its units on a third of the blocks, each extra
+    round costing about the op's whole time today (the front's and back's ops are bound by their
+    units' latency, staging, k-loop and release, not by their bytes)."""
     on_path = [r for r in rs if "->" not in r.item and not _off_path(r, rs)]
-    saving = sum(min(warm_gain_s(inp, r.item), max(0.0, r.excess_s)) for r in on_path)
+    warm = {r.item: min(warm_gain_s(inp, r.item), max(0.0, r.excess_s)) for r in on_path}
     common = sum(inp.code_bytes.get(op, 0) for op in EVERY_BLOCK)
     rl = roles(inp)
-    kb = 1024
-    per_role = inp.n_sm // max(1, len(rl))
+    kb, us = 1024, 1e6
+    shares = {op: len(range(i * inp.n_sm // len(rl), (i + 1) * inp.n_sm // len(rl))) for i, r in enumerate(rl)
+              for op in r}
     units = op_units(inp)
-    rounds = {op: -(-units[op] // per_role) for r in rl for op in r if units.get(op)}
-    more = ", ".join(f"{op} {units[op]} units in {n} rounds" for op, n in rounds.items() if n > 1)
+    now = {op: -(-units[op] // inp.n_sm) for op in shares if units.get(op)}
+    rounds = {op: -(-units[op] // shares[op]) for op in now}
+    more = ", ".join(f"{op} {units[op]} units in {n} rounds" for op, n in rounds.items() if n > now[op])
+    gain_every = sum(v for op, v in warm.items() if op in EVERY_BLOCK)
+    gain_role = inp.same_role * sum(v for op, v in warm.items() if op in shares)
+    cost = sum((rounds[r.item] / now[r.item] - 1) * r.measured_s for r in on_path if r.item in rounds)
+    third = min(inp.ring_blocks_fraction, key=lambda g: abs(g - min(shares.values())), default=None)
+    stream = (f"; and {third} blocks stream {inp.ring_blocks_fraction[third]:.0%} of the read ceiling "
+              f"({inp.sources.get('ring_blocks', 'weights.ring')})" if third else "")
     return Lever(
-        "blocks in roles: each block's layer code within the SM's instruction cache (Plan.roles=3)", "all", saving,
+        "blocks in roles: each block's layer code within the SM's instruction cache (Plan.roles=3)", "all",
+        gain_every + gain_role - cost,
         f"a layer launch runs {inp.layer_code_bytes() / kb:.0f} KB of code against the SM's "
         f"{inp.icache_bytes / kb:.0f} KB cache, cyclically, so every op's code comes from L2 every layer "
         f"({inp.l2_cpi:.2f} cycles/instr, {inp.sm_cpi:.2f} in the SM's cache). Every block runs the experts and the "
         f"schedule ({common / kb:.0f} KB); {len(rl)} roles of the other ops fit beside them "
-        f"({'; '.join('+'.join(r) for r in rl)}), about {per_role} blocks each. Saving: the on-path "
-        "ops' code at the SM cache's level instead of L2's, each at most its measured excess. Holds only if a "
-        "role's blocks stream its dense op at the read ceiling (not measured: a weights.ring sweep over block "
-        f"counts), with each op re-tiled or run in more rounds where it has more units than its role has blocks "
-        f"({more or 'none'}): a block of a role streams that many times its bytes today", hypothesis=True)
+        f"({'; '.join('+'.join(r) for r in rl)}), {'-'.join(sorted({str(v) for v in shares.values()}, key=int))} "
+        "blocks each. "
+        f"Warm: the experts' and the schedule's code on every SM (+{gain_every * us:.2f} us), a role's ops only where "
+        f"the SM's last block had the same role, {inp.same_role:.1%} of SMs ({inp.sources.get('placement', '')}): "
+        f"+{gain_role * us:.2f} us, each op at most its measured excess. Rounds: {more or 'none'}, each extra round "
+        f"about the op's measured time today: -{cost * us:.2f} us{stream}",
+        **_measured(inp, lambda sw: sw == {"roles": len(rl)}))
 
 
 def op_units(inp: Inputs) -> dict[str, int]:
@@ -615,12 +712,14 @@ def render(inp: Inputs, rs: Sequence[Row], segs: Sequence[Row], lvs: Sequence[Le
     lines += ["", f"Hop cost (what removing one saves): release {inp.publish_s * us:.2f} us (the kernel's publish; "
                   f"the fence microbenchmark under load {inp.fence_s * us:.2f} us) + flag {inp.flag_s * us:.2f} us + the "
                   "consumer's first staging + the producer's end tail.", "",
-              "| lever | segment | predicted saving per layer us | step after ms | of roofline after | arithmetic |",
-              "|---|---|---|---|---|---|"]
+              "| lever | segment | predicted saving per layer us | step after ms | of roofline after | measured saving "
+              "per layer us (in-run A/B) | arithmetic |",
+              "|---|---|---|---|---|---|---|"]
     for lv in lvs:
         after = lv.step_after_s(inp)
+        got = f"{lv.measured_s * us:+.2f} ({lv.measured_by})" if lv.measured_s is not None else "not built"
         lines.append(f"| {lv.name} | {lv.segment} | {lv.saving_s * us:+.2f} | {after * 1e3:.3f} | "
-                     f"{inp.roofline_s / after:.1%} | {lv.how} |")
+                     f"{inp.roofline_s / after:.1%} | {got} | {lv.how} |")
     exp = next(r for r in segs if r.segment == "experts")
     floor = max(exp.bytes_s, exp.compute_s) + exp.hop_s
     budget = inp.roofline_layer_s / 0.7 - floor
@@ -641,7 +740,13 @@ def render(inp: Inputs, rs: Sequence[Row], segs: Sequence[Row], lvs: Sequence[Le
         after_h = after - sum(lv.saving_s for lv in hyp) * inp.launches
         lines += ["", f"With the hypotheses too ({'; '.join(lv.name for lv in hyp)}), if their conditions hold: "
                       f"{after_h * 1e3:.3f} ms, {inp.roofline_s / after_h:.1%} of the roofline; 70% then needs "
-                      f"{(after_h - inp.roofline_s / 0.7) / inp.launches * us:+.1f} us a layer more. The cold-code term "
-                      "is the largest unmodelled part of the front and the back; the role split is the structure the "
-                      "model now points at, and a weights.ring sweep over block counts is its first measurement."]
+                      f"{(after_h - inp.roofline_s / 0.7) / inp.launches * us:+.1f} us a layer more."]
+    built = [lv for lv in lvs if lv.measured_s is not None]
+    if built:
+        lines += ["", "Built and timed: " + "; ".join(
+            f"{lv.name.split(':')[0].split(' (')[0]}, predicted {lv.saving_s * us:+.2f} us a layer, measured "
+            f"{lv.measured_s * us:+.2f} us" for lv in built) + ". A lever that removes a wait saves at most the slack "
+            "behind it (the prestaged chunks' waits were not on the path); one that narrows an op to fewer blocks pays "
+            "its extra rounds at about the op's whole time, because the front's and the back's ops are bound by their "
+            "units' latency, not their bytes."]
     return "\n".join(lines) + "\n"

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 
+BENCHMARK = "megakernel.sm_map"
+
+
 @dataclass(frozen=True)
 class Placement:
     launches: int  # launch transitions counted
@@ -27,6 +30,13 @@ class Placement:
     same_role: float
     by_chance: float
     n_roles: int
+    per_launch: tuple = ()  # same_role of each launch transition
+
+
+def by_chance(n_blocks: int, n_roles: int) -> float:
+    """same_role if blocks landed on SMs at random: the sum of (share size / grid)^2."""
+    return float(sum(((r + 1) * n_blocks // n_roles - r * n_blocks // n_roles) ** 2 for r in range(n_roles))
+                 / n_blocks ** 2)
 
 
 def role_of_block(block: int, n_blocks: int, n_roles: int) -> int:
@@ -52,16 +62,47 @@ def placement(launch: np.ndarray, block: np.ndarray, sm: np.ndarray, n_blocks: i
     if not pairs:
         raise ValueError("placement: no two consecutive launches recorded every block")
     same_sm = same_role = total = 0
+    per = []
     for a, b in pairs:
         prev, cur = where[a], where[b]
         role_on_prev = {s: role_of_block(blk, n_blocks, n_roles) for blk, s in prev.items()}
-        for blk, s in cur.items():
-            total += 1
-            same_sm += prev[blk] == s
-            same_role += role_on_prev.get(s, -1) == role_of_block(blk, n_blocks, n_roles)
-    shares = [((r + 1) * n_blocks // n_roles - r * n_blocks // n_roles) / n_blocks for r in range(n_roles)]
-    return Placement(len(pairs), n_blocks, same_sm / total, same_role / total, float(sum(x * x for x in shares)),
-                     n_roles)
+        here = sum(role_on_prev.get(s, -1) == role_of_block(blk, n_blocks, n_roles) for blk, s in cur.items())
+        per.append(here / len(cur))
+        total += len(cur)
+        same_sm += sum(prev[blk] == s for blk, s in cur.items())
+        same_role += here
+    return Placement(len(pairs), n_blocks, same_sm / total, same_role / total, by_chance(n_blocks, n_roles),
+                     n_roles, tuple(per))
+
+
+def to_result(rows, env=None):
+    """A megabench Result (megakernel.sm_map) of [(preset, T, ctx, variant name, switches, Placement)]:
+    one series per row, its samples each launch transition's same-role share; derived
+    same_role_/same_sm_<preset>_T<t>_ctx<ctx>_<variant> and the share by chance. Not gated (a
+    placement, not a time)."""
+    from microbench.results import Derived, Result, Series
+
+    if env is None:
+        from .pipeline import constants_env
+
+        env = constants_env()
+    series, derived = [], {}
+    for preset, t, ctx, name, switches, m in rows:
+        sname = f"{preset}/T{t}/ctx{ctx}/{name}"
+        series.append(Series.from_samples(
+            sname, m.per_launch, timer="static", unit="ratio",
+            params={"preset": preset, "T": t, "ctx": ctx, "variant": name, "switches": dict(switches),
+                    "blocks": m.blocks, "n_roles": m.n_roles, "launch_transitions": m.launches,
+                    "source": "profiler records' %smid (mb/profile.cuh), every launch of a mega step"},
+            metrics={"gate_direction": "none"}))
+        key = f"{preset}_T{t}_ctx{ctx}_{name}"
+        derived[f"same_sm_{key}"] = Derived(m.same_sm, "ratio", "share of blocks on the SM they had the launch before",
+                                            inputs=(sname,))
+        derived[f"same_role_{key}"] = Derived(m.same_role, "ratio", "share of SMs whose block has the role of the "
+                                              "SM's block the launch before", inputs=(sname,))
+        derived[f"by_chance_{key}"] = Derived(m.by_chance, "ratio", "same_role if blocks landed on SMs at random",
+                                              inputs=(sname,))
+    return Result(BENCHMARK, env, tuple(series), derived, quick=False)
 
 
 def measure(preset: str, n_tokens: int, ctx: int, switches: dict, steps: int = 3) -> Placement:

@@ -167,3 +167,21 @@ def test_sm_map_refuses_a_source_tree_and_a_bad_point(capsys, monkeypatch):
     monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: "no CUDA device (test)")
     assert cli.main(["sm-map", "--variant", "roles:roles=3"]) == 2
     assert "sm-map needs a GPU: no CUDA device (test)" in capsys.readouterr().err
+
+
+def test_the_placement_result_round_trips_into_the_models_inputs(tmp_path):
+    """sm_map.to_result saves a typed megakernel.sm_map; critical_path.role_inputs reads the roles
+    build's same-role share from it, and takes the share by chance where there is none."""
+    from megakernel.sm_map import BENCHMARK, Placement, by_chance, to_result
+    from microbench.results import Env, latest
+
+    m = Placement(61, 132, 0.02, 0.36, by_chance(132, 3), 3, tuple([0.36] * 61))
+    to_result([("shard8", 16, 2048, "base", (), Placement(61, 132, 0.03, 0.30, m.by_chance, 3, (0.3,) * 61)),
+               ("shard8", 16, 2048, "roles", (("roles", 3),), m)], env=Env.capture()).save(tmp_path)
+    r = latest(BENCHMARK, root=tmp_path)
+    assert r.derived["same_role_shard8_T16_ctx2048_roles"].value == pytest.approx(0.36)
+    assert r.derived["by_chance_shard8_T16_ctx2048_roles"].value == pytest.approx(1 / 3)
+    got = cp.role_inputs(tmp_path, "shard8", 16, 2048, 132)
+    assert got["same_role"] == pytest.approx(0.36) and "roles build" in got["sources"]["placement"]
+    none = cp.role_inputs(tmp_path / "empty", "shard8", 16, 2048, 132)
+    assert none["same_role"] == pytest.approx(1 / 3) and "by chance" in none["sources"]["placement"]
