@@ -23,7 +23,8 @@ launch at the first gate/up start and the last down-projection end (over blocks,
 so its segments differ from the rows' sums by the blocks' spread.
 
 `levers()` turns the rows into the predicted saving of each structural change that the issue
-lists, with the arithmetic it rests on; `table()` renders both as markdown (the report calls it).
+lists, with the arithmetic it rests on, and, for a lever built as a Plan switch, its saving in the
+newest committed in-run A/B (megakernel.ab); `table()` renders both as markdown (the report calls it).
 Every number is read from the committed results and the tuned constants, none typed in here.
 """
 from __future__ import annotations
@@ -282,7 +283,7 @@ def role_inputs(root: Path | None, preset: str, tokens: int, ctx: int, n_sm: int
     base = root or REPO_ROOT / "reports" / "results"
     chance = by_chance(n_sm, len(ROLE_GROUPS))
     out = {"same_role": chance, "ring_blocks": {},
-           "sources": {"placement": f"no megakernel.sm_map result: blocks land on SMs by chance"}}
+           "sources": {"placement": "no megakernel.sm_map result: blocks assumed to land on SMs by chance"}}
     sm = latest(BENCHMARK, root=base)
     if sm is not None:
         mine = [x for x in sm.series if (x.params.get("preset"), x.params.get("T"), x.params.get("ctx")) ==

@@ -482,8 +482,8 @@ def _fill_ring(p: Plan, smem_limit: int, norm_panel: int | None, ring_max: int =
 
 # Plan.roles' three roles (make_plan roles=3): critical_path.roles' first fit of the front and back
 # ops, in chain order, into the instruction cache beside the code every block runs, from the code
-# sizes of the shard8 build (megakernel.code of 2026-12-02; tests/test_critical_path.py checks that
-# the model still packs them so)
+# sizes of the shard8 build (megakernel.code of 2026-12-02; tests/test_megakernel_roles.py checks
+# that the model still packs them so)
 ROLE_GROUPS = (("attn", "attn_combine", "oproj", "moe_combine"), ("router", "pool", "topk"), ("unpool", "qkv"))
 ROLE_FREE = ("expert1", "expert2")  # contiguous over every block (DEP_LOCAL, the routing): in no role
 MAX_ROLES = 15  # 4 bits per op kind in ROLE_CODE, role + 1

@@ -2,10 +2,10 @@
 
 An SM's instruction cache keeps what the block before it ran. Plan.roles gives each block index a
 role, so a role's code is still in an SM's cache at the next launch only where that launch puts a
-block of the same role on the SM. The launch decides the placement, not the kernel: with one block
-per SM and PDL, the next grid's blocks take SMs as the previous grid's leave. This measures it from
-the profiler's records (each carries %smid, mb/profile.cuh), on a profiled step, every launch
-recorded:
+block of the same role on the SM. The hardware places the blocks, not the kernel (one block per SM;
+with PDL the next grid's blocks take SMs while the previous grid's leave), so this measures the
+placement from the profiler's records (each carries %smid, mb/profile.cuh), on a profiled step,
+every launch recorded (H200 2026-12-02: a block kept its SM 2-3% of the time):
 
   same_sm     share of (launch, block) on the SM the block had in the launch before
   same_role   share of (launch, SM) whose block has the role the SM's block had before (roles as
