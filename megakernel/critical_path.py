@@ -587,13 +587,14 @@ def _roles_lever(inp: Inputs, rs: Sequence[Row]) -> Lever:
     (inp.same_role). Rounds: an op of a role runs its units on a third of the blocks, each extra
     round costing about the op's whole time today (the front's and back's ops are bound by their
     units' latency, staging, k-loop and release, not by their bytes)."""
+    from .plan import role_share
+
     on_path = [r for r in rs if "->" not in r.item and not _off_path(r, rs)]
     warm = {r.item: min(warm_gain_s(inp, r.item), max(0.0, r.excess_s)) for r in on_path}
     common = sum(inp.code_bytes.get(op, 0) for op in EVERY_BLOCK)
     rl = roles(inp)
     kb, us = 1024, 1e6
-    shares = {op: len(range(i * inp.n_sm // len(rl), (i + 1) * inp.n_sm // len(rl))) for i, r in enumerate(rl)
-              for op in r}
+    shares = {op: len(role_share(i, inp.n_sm, len(rl))) for i, r in enumerate(rl) for op in r}
     units = op_units(inp)
     now = {op: -(-units[op] // inp.n_sm) for op in shares if units.get(op)}
     rounds = {op: -(-units[op] // shares[op]) for op in now}

@@ -524,6 +524,12 @@ def parse_roles(roles, n_sm: int) -> tuple:
     return groups
 
 
+def role_share(role: int, n_blocks: int, n_roles: int) -> range:
+    """The blocks of role `role` when `n_roles` roles share a grid of `n_blocks` (program.cuh
+    my_units computes the same split)."""
+    return range(role * n_blocks // n_roles, (role + 1) * n_blocks // n_roles)
+
+
 def role_of(plan: "Plan", kind: str) -> int:
     """The role a kind's op runs in, -1 for every block."""
     return next((i for i, g in enumerate(plan.roles) if kind in g), -1)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .config import ModelConfig
-from .plan import MOE_COMBINE_COLS, OP, OP_KINDS, Plan, role_of
+from .plan import MOE_COMBINE_COLS, OP, OP_KINDS, Plan, role_of, role_share
 
 OPINST_INTS = 16
 MAX_DEPS = 3
@@ -180,7 +180,7 @@ def role_blocks(inst: OpInst, n_blocks: int) -> range:
     or all of it (no role, or fewer blocks than roles: chain mode's one-block launches)."""
     if inst.role < 0 or n_blocks < inst.n_roles:
         return range(n_blocks)
-    return range(inst.role * n_blocks // inst.n_roles, (inst.role + 1) * n_blocks // inst.n_roles)
+    return role_share(inst.role, n_blocks, inst.n_roles)
 
 
 def assigned_units(inst: OpInst, block: int, n_blocks: int, total: int) -> range:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .plan import role_share
+
 
 BENCHMARK = "megakernel.sm_map"
 
@@ -35,13 +37,12 @@ class Placement:
 
 def by_chance(n_blocks: int, n_roles: int) -> float:
     """same_role if blocks landed on SMs at random: the sum of (share size / grid)^2."""
-    return float(sum(((r + 1) * n_blocks // n_roles - r * n_blocks // n_roles) ** 2 for r in range(n_roles))
-                 / n_blocks ** 2)
+    return float(sum(len(role_share(r, n_blocks, n_roles)) ** 2 for r in range(n_roles)) / n_blocks ** 2)
 
 
 def role_of_block(block: int, n_blocks: int, n_roles: int) -> int:
-    """The role whose share of the grid holds `block` (program.role_blocks' shares)."""
-    return next(r for r in range(n_roles) if block < (r + 1) * n_blocks // n_roles)
+    """The role whose share of the grid holds `block` (plan.role_share)."""
+    return next(r for r in range(n_roles) if block in role_share(r, n_blocks, n_roles))
 
 
 def placement(launch: np.ndarray, block: np.ndarray, sm: np.ndarray, n_blocks: int, n_roles: int = 3) -> Placement:
