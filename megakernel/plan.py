@@ -260,6 +260,10 @@ class Plan:
     # 1's case): a placebo that moves the code after it against the code before it, as an edit in
     # the middle of the kernel does (layout_pad moves all of it together)
     layout_gap: int = 0
+    # the layer's dense bf16 ops (qkv, oproj, router, pool, unpool) through one copy of the GEMM,
+    # its staging, ring waits and loader code, shaped at run time by the op's kind (ops/dense.cuh):
+    # one ~12 KB copy warm after the layer's first dense op instead of five fetched cold
+    shared_dense: bool = False
     # a fused expert unit: the down projection's unit j of a slot is the K-part of gate/up unit j
     # (its H1 columns of W2, all d_pool rows, in chunks of tiles["expert2"].rows rows), run by the
     # block that ran gate/up unit j (program.DEP_LOCAL), writing fp32 partials the MoE combine
@@ -552,7 +556,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               launch_waits: bool = False, layout_pad: int = 0, layout_gap: int = 0, fused_experts: bool = False,
               keep_max: int = KEEP_MAX, ring_max: int = RING_FILL_MAX, max_registers: int = 0,
               compute_registers: int = 0, receive_warp: bool = False, prestage_experts: int = 0,
-              prestage_miss: bool = False, roles=0) -> Plan:
+              prestage_miss: bool = False, roles=0, shared_dense: bool = False) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -566,7 +570,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     fill_ring stops at this many stages (A/Bs: ring depth against kept units). max_registers: Plan's
     (A/Bs: a cap below the launch bounds' 168; 0 = none). compute_registers: Plan's (0 = off, or a
     multiple of 8 from 176 to 232). receive_warp: Plan's (needs compute_registers). prestage_experts,
-    prestage_miss: Plan's (chunks, 0 = off; the miss needs prestaging). roles: Plan's (parse_roles)."""
+    prestage_miss: Plan's (chunks, 0 = off; the miss needs prestaging). roles: Plan's (parse_roles).
+    shared_dense: Plan's."""
     cfg.validate()
     if not (isinstance(max_registers, int) and (max_registers == 0 or 64 <= max_registers <= 168)):
         raise ValueError(f"max_registers {max_registers!r}: want 0 (the launch bounds' 168) or a cap of 64..168 registers")
@@ -624,7 +629,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              profile_detail=profile_detail, fp4_rotated=fp4_rotated, tiles=tiles, launch_waits=launch_waits,
              layout_pad=layout_pad, layout_gap=layout_gap, fused_experts=fused_experts,
              max_registers=max_registers, compute_registers=compute_registers, receive_warp=bool(receive_warp),
-             prestage_experts=prestage_experts, prestage_miss=bool(prestage_miss), roles=parse_roles(roles, n_sm))
+             prestage_experts=prestage_experts, prestage_miss=bool(prestage_miss), roles=parse_roles(roles, n_sm),
+             shared_dense=bool(shared_dense))
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -740,6 +746,7 @@ def render(plan: Plan) -> str:
         f"constexpr int LAYOUT_PAD = {plan.layout_pad};  // never-run bytes ahead of the kernel's body",
         f"constexpr int LAYOUT_GAP = {plan.layout_gap};  // never-run bytes in the middle of the ops' code",
         f"constexpr bool FUSED_EXPERTS = {'true' if plan.fused_experts else 'false'};",
+        f"constexpr bool SHARED_DENSE = {'true' if plan.shared_dense else 'false'};  // ops/dense.cuh",
         f"constexpr int KEEP_UNITS = {plan.keep_units}, KEEP_BYTES = {plan.keep_bytes}, KEEP_MAX = {KEEP_MAX};  // fused: kept gate/up units",
         f"constexpr int MISC_BYTES = {plan.misc_bytes};  // mbarriers + MISC ints (Plan.misc_bytes)",
         f"constexpr int PROF_OPS = {PROF_OPS}, MISC_SCRATCH = {MISC_SCRATCH};  // block.cuh's MISC layout",

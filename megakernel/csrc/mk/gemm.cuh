@@ -248,28 +248,39 @@ template <int ROWS>
 MK_DEV constexpr int bf16_row_tiles() {
   return ROWS < 16 ? 1 : ROWS / 16;
 }
-template <int ROWS, int KC, int K, int KP = K, bool REV = false, typename Restage = NoRestage>
-MK_DEV Bf16Acc gemm_bf16(Blk& b, uint32_t what, Restage restage = {}) {
-  constexpr int NT16 = bf16_row_tiles<ROWS>(), WPT = WARPS / NT16, KSTEPS = KC / 16, RS = KC * 2 + ROW_PAD;
-  constexpr int AS = a_stride<KP>(), NCH = K / KC, CPP = KP / KC;  // chunks, chunks per panel
-  static_assert((ROWS == 8 || ROWS % 16 == 0) && WARPS % NT16 == 0, "bf16 row tiles: 8 rows, or whole 16-row tiles");
-  static_assert(K % KC == 0 && KC % 16 == 0, "bf16 tile shape");
-  static_assert(K % KP == 0 && KP % KC == 0, "panels of whole chunks");
-  const int w = warp(), ks = w / NT16;
+// A unit's shape as gemm_bf16_at takes it: its 16-row tiles (bf16_row_tiles), whether it has 8
+// rows (router units: ldmatrix .x2, A rows 8..15 zero), its chunks of kc columns, nch of them,
+// cpp a panel, abuf's row stride (a_stride of the panel) and the walk (rev: last chunk first).
+// gemm_bf16 passes constants, which fold; Plan.shared_dense passes the dense op's at run time, so
+// that the layer's dense ops run one copy of this code (ops/dense.cuh).
+struct Bf16Shape {
+  int nt16;
+  bool r8;
+  int kc, nch, cpp, as;
+  bool rev;
+};
+template <int ROWS, int KC, int K, int KP = K, bool REV = false>
+MK_DEV constexpr Bf16Shape bf16_shape() {
+  return Bf16Shape{bf16_row_tiles<ROWS>(), ROWS < 16, KC, K / KC, KP / KC, a_stride<KP>(), REV};
+}
+template <typename Restage>
+MK_DEV Bf16Acc gemm_bf16_at(Blk& b, const Bf16Shape s, uint32_t what, Restage restage) {
+  const int WPT = WARPS / s.nt16, KSTEPS = s.kc / 16, RS = s.kc * 2 + ROW_PAD;
+  const int w = warp(), ks = w / s.nt16;
   // This lane's ldmatrix rows. A (.x4): lanes 0-15 address rows 0-15 at k 0, lanes 16-31 the same
   // rows at k 8, giving a0..a3 = (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15); .x2
-  // (ROWS 8): lanes 0-7 rows 0-7 at k 0, lanes 8-15 at k 8 -> a0, a2. B (.x4): lanes 0-7 tokens 0-7
+  // (8 rows): lanes 0-7 rows 0-7 at k 0, lanes 8-15 at k 8 -> a0, a2. B (.x4): lanes 0-7 tokens 0-7
   // at k 0, lanes 8-15 at k 8, lanes 16-31 the same for tokens 8-15 -> b0, b1 of token tile 0, then
   // of tile 1 (.x2: tile 0 only).
-  const int ar = ROWS < 16 ? (lane() & 7) : (lane() & 15), ah = ROWS < 16 ? ((lane() >> 3) & 1) : (lane() >> 4);
-  const int aofs = ((w % NT16) * 16 + ar) * RS + ah * 16;
-  const SAddr brow = saddr(b.abuf + ((lane() & 7) + 8 * (lane() >> 4)) * AS + ((lane() >> 3) & 1) * 16);
+  const int ar = s.r8 ? (lane() & 7) : (lane() & 15), ah = s.r8 ? ((lane() >> 3) & 1) : (lane() >> 4);
+  const int aofs = ((w % s.nt16) * 16 + ar) * RS + ah * 16;
+  const SAddr brow = saddr(b.abuf + ((lane() & 7) + 8 * (lane() >> 4)) * s.as + ((lane() >> 3) & 1) * 16);
   const bool two = b.T > 8;
   float acc[2][2][4] = {};  // [k-step parity][token tile]
   auto steps = [&](const SAddr wa, const SAddr bb, const bool tw) {
     auto step = [&](int j, float (&d)[2][4]) {
       uint32_t a[4], bt[4];
-      if constexpr (ROWS < 16) {
+      if (s.r8) {
         uint32_t a2[2];
         ldsm_x2(a2, wa + j * 32);
         a[0] = a2[0], a[1] = 0u, a[2] = a2[1], a[3] = 0u;
@@ -295,18 +306,17 @@ MK_COLD_LOOP
       if (KSTEPS % (2 * WPT) == 0 || j + WPT < KSTEPS) step(j + WPT, acc[1]);
     }
   };
-  if constexpr (KP == K) restage(0);
 MK_COLD_LOOP
-  for (int i = 0; i < NCH; ++i) {
-    const int c = REV ? NCH - 1 - i : i;  // the weight chunk
-    if constexpr (KP != K) {  // one call site: `restage` (a whole norm staging) is inlined once
-      if (c % CPP == (REV ? CPP - 1 : 0)) {
-        if (i > 0) sync_compute();  // every warp is done with the previous panel
-        restage(c / CPP);
-      }
+  for (int i = 0; i < s.nch; ++i) {
+    const int c = s.rev ? s.nch - 1 - i : i;  // the weight chunk
+    // one call site: `restage` (a whole norm staging) is inlined once. Unpaneled (cpp == nch) it
+    // runs before the first chunk only
+    if (c % s.cpp == (s.rev ? s.cpp - 1 : 0)) {
+      if (i > 0) sync_compute();  // every warp is done with the previous panel
+      restage(c / s.cpp);
     }
     const unsigned char* st = ring_consume(b, what);
-    const SAddr bb = brow + (c % CPP) * KC * 2;
+    const SAddr bb = brow + (c % s.cpp) * s.kc * 2;
     // two copies of the k-loop, with and without the second token tile (as in gemm_fp4)
     if (two) steps(saddr(st + aofs), bb, true);
     else steps(saddr(st + aofs), bb, false);
@@ -318,6 +328,14 @@ MK_COLD_LOOP
 #pragma unroll
     for (int i = 0; i < 4; ++i) r.c[n][i] = acc[0][n][i] + acc[1][n][i];
   return r;
+}
+template <int ROWS, int KC, int K, int KP = K, bool REV = false, typename Restage = NoRestage>
+MK_DEV Bf16Acc gemm_bf16(Blk& b, uint32_t what, Restage restage = {}) {
+  static_assert((ROWS == 8 || ROWS % 16 == 0) && WARPS % bf16_row_tiles<ROWS>() == 0,
+                "bf16 row tiles: 8 rows, or whole 16-row tiles");
+  static_assert(K % KC == 0 && KC % 16 == 0, "bf16 tile shape");
+  static_assert(K % KP == 0 && KP % KC == 0, "panels of whole chunks");
+  return gemm_bf16_at(b, bf16_shape<ROWS, KC, K, KP, REV>(), what, restage);
 }
 
 // ---------------------------------------------------------------- consumer: NVFP4 weights
@@ -599,35 +617,52 @@ MK_DEV float gemm_sum(const Blk& b, int t, int n) {
 // overlap it.
 // Output o = tid + COMPUTE_THREADS * j of the 16 x R is (token o / R, feature o % R): with R > 16
 // (plan.residual_rows) a thread has NO = 16R / COMPUTE_THREADS outputs of one feature.
-template <int R, int KC, int K>
-MK_DEV void gemm_residual_add(Blk& b, int unit, int which, const uint16_t* gnext, uint32_t what) {
-  constexpr int NO = (16 * R + COMPUTE_THREADS - 1) / COMPUTE_THREADS;
+template <int R>
+struct Residual {
+  static constexpr int NO = (16 * R + COMPUTE_THREADS - 1) / COMPUTE_THREADS;
+  float xo[NO];  // this thread's outputs' x before the add
+  float g;       // the next norm's gain of its feature
+};
+template <int R>
+MK_DEV Residual<R> residual_begin(const Blk& b, int unit, const uint16_t* gnext) {
+  constexpr int NO = Residual<R>::NO;
   static_assert(R % 8 == 0 && (16 * R) % 32 == 0 && (NO == 1 || (16 * R) % COMPUTE_THREADS == 0),
                 "epilogue: whole warps, and with several outputs a thread every one of them");
   static_assert(NO == 1 || COMPUTE_THREADS % R == 0, "a thread's outputs share its feature (one gain)");
   const Params& p = *b.p;
   const int n = tid() % R;
-  float xo[NO];
+  Residual<R> r;
 #pragma unroll
   for (int j = 0; j < NO; ++j) {
     const int o = tid() + COMPUTE_THREADS * j, t = o / R;
-    xo[j] = (o < 16 * R && t < b.T) ? ldg_cgf(p.x + t * D + unit * R + n) : 0.f;
+    r.xo[j] = (o < 16 * R && t < b.T) ? ldg_cgf(p.x + t * D + unit * R + n) : 0.f;
   }
-  const float g = tid() < 16 * R ? bf2f(gnext[unit * R + n]) : 0.f;
-  gemm_stash<R>(b, gemm_bf16<R, KC, K>(b, what));
+  r.g = tid() < 16 * R ? bf2f(gnext[unit * R + n]) : 0.f;
+  return r;
+}
+template <int R>
+MK_DEV void residual_end(Blk& b, const Residual<R>& r, int unit, int which, const Bf16Acc& acc) {
+  const Params& p = *b.p;
+  const int n = tid() % R;
+  gemm_stash<R>(b, acc);
 #pragma unroll
-  for (int j = 0; j < NO; ++j) {
+  for (int j = 0; j < Residual<R>::NO; ++j) {
     const int o = tid() + COMPUTE_THREADS * j, t = o / R;
     if (o < 16 * R) {  // whole warps: the sum of squares shuffles within 8 lanes
-      const float xn = xo[j] + gemm_sum<R>(b, t, n);
+      const float xn = r.xo[j] + gemm_sum<R>(b, t, n);
       if (t < b.T) {
         p.x[t * D + unit * R + n] = xn;
-        *xg_at(p, which, t, unit * R + n) = f2bf(xn * g);
+        *xg_at(p, which, t, unit * R + n) = f2bf(xn * r.g);
       }
       const float ss = ss8_lanes(xn);
       if (n % 8 == 0 && t < b.T) ss_part(p, which)[t * (D / 8) + unit * (R / 8) + n / 8] = ss;
     }
   }
+}
+template <int R, int KC, int K>
+MK_DEV void gemm_residual_add(Blk& b, int unit, int which, const uint16_t* gnext, uint32_t what) {
+  const Residual<R> r = residual_begin<R>(b, unit, gnext);
+  residual_end<R>(b, r, unit, which, gemm_bf16<R, KC, K>(b, what));
 }
 
 // ---------------------------------------------------------------- producer: the loader warp
@@ -636,18 +671,22 @@ MK_DEV void gemm_residual_add(Blk& b, int unit, int which, const uint16_t* gnext
 // pooler's 32-row units, which stream at ~79% of one copy per stage: weights.ring).
 // bf16 elements of one stored chunk (rows of kc and their pad; tiling.tile_dense)
 MK_DEV constexpr size_t dense_tile_elems(int rows, int kc) { return static_cast<size_t>(rows) * (kc + ROW_PAD / 2); }
+// Chunks of `nch` of `bytes` each (rows x (kc + pad) bf16), unit `unit`'s from W, rev: last first.
+MK_DEV bool produce_bf16_at(const Blk& b, const uint16_t* W, int unit, unsigned& c, uint32_t what, int nch,
+                            unsigned bytes, size_t elems, bool rev) {
+  for (int i = 0; i < nch; ++i, ++c) {
+    const int ch = rev ? nch - 1 - i : i;
+    if (!ring_produce_begin(b, c, bytes, what)) return false;
+    if (lane() == 0)
+      bulk_copy(stage_of(b, c), W + (static_cast<size_t>(unit) * nch + ch) * elems, bytes, &b.full[c % RING_STAGES]);
+  }
+  return true;
+}
 template <int ROWS, int KC, int K, bool REV = false>  // REV: chunks last to first (gemm_bf16)
 MK_DEV bool produce_bf16(const Blk& b, const uint16_t* W, int unit, unsigned& c, uint32_t what) {
   constexpr unsigned BYTES = ROWS * (KC * 2 + ROW_PAD);
   static_assert(BYTES % 16 == 0, "bulk copies move multiples of 16 bytes");
-  for (int i = 0; i < K / KC; ++i, ++c) {
-    const int ch = REV ? K / KC - 1 - i : i;
-    if (!ring_produce_begin(b, c, BYTES, what)) return false;
-    if (lane() == 0)
-      bulk_copy(stage_of(b, c), W + (static_cast<size_t>(unit) * (K / KC) + ch) * dense_tile_elems(ROWS, KC), BYTES,
-                &b.full[c % RING_STAGES]);
-  }
-  return true;
+  return produce_bf16_at(b, W, unit, c, what, K / KC, BYTES, dense_tile_elems(ROWS, KC), REV);
 }
 
 // One fp4 chunk, block ch of the kernel's copy of a [N, K] matrix, into stage `st`: run r (ROWS /

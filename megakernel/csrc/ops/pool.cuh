@@ -7,6 +7,7 @@
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
+#include "ops/router.cuh"  // ffn_stage
 
 namespace mk {
 
@@ -15,18 +16,20 @@ MK_DEV bool load_pool(const Blk& b, int layer, int unit, unsigned& c, uint32_t w
   return produce_bf16<R, TILE_POOL_KC, D>(b, b.p->layers[layer].pool, unit, c, what);
 }
 
-MK_DEV void run_pool(Blk& b, int layer, int unit, uint32_t what) {
+MK_DEV void pool_end(Blk& b, int unit, const Bf16Acc& acc) {
   const Params& p = *b.p;
-  auto stage = [&](int panel) {
-    stage_normed(b, 1, ss_part(p, 1), tag_of(TAG_FFN_NORM, layer, 0), panel, what);
-  };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_POOL_ROWS;
-  gemm_stash<R>(b, gemm_bf16<R, TILE_POOL_KC, D, NORM_KP>(b, what, stage));
+  gemm_stash<R>(b, acc);
 MK_COLD_LOOP
   for (int i = tid(); i < 16 * R; i += COMPUTE_THREADS) {
     const int t = i / R, n = i % R;
     if (t < b.T) p.pooled[t * P + unit * R + n] = f2bf(gemm_sum<R>(b, t, n) * norm_factor(b, t));
   }
+}
+
+MK_DEV void run_pool(Blk& b, int layer, int unit, uint32_t what) {
+  auto stage = [&](int panel) { ffn_stage(b, layer, panel, what); };  // before each panel's first chunk
+  pool_end(b, unit, gemm_bf16<TILE_POOL_ROWS, TILE_POOL_KC, D, NORM_KP>(b, what, stage));
 }
 
 }  // namespace mk

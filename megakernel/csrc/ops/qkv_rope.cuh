@@ -15,38 +15,48 @@ MK_DEV bool load_qkv(const Blk& b, int layer, int unit, unsigned& c, uint32_t wh
   return produce_bf16<R, TILE_QKV_KC, D>(b, b.p->layers[layer].wqkv, unit, c, what);
 }
 
-MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {
+// Thread i < 16 * R / 2: token t, output pair (n, n + 1), and the pair's rotation.
+struct QkvRope {
+  int t, n, d, head;
+  bool mine;
+  float cs, sn;
+};
+MK_DEV QkvRope qkv_begin(const Blk& b, int unit) {
   const Params& p = *b.p;
-  const LayerPtrs& L = p.layers[layer];
-  auto stage = [&](int panel) {
-    stage_normed(b, 0, ss_part(p, 0), tag_of(TAG_ATTN_NORM, layer, 0), panel, what);
-  };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_QKV_ROWS;
   static_assert(16 * (R / 2) <= COMPUTE_THREADS, "the epilogue: one output pair per thread");
-  const int row0 = unit * R, head = row0 / HD;
-  // thread i < 16 * R / 2: token t, output pair (n, n + 1). Its rotation's cos and sin (behind
-  // depth[t]: two dependent L2 round trips) are loaded before the GEMM, so that they overlap it
-  // instead of ending the layer (the next attention waits for this op). With the rounding pinned
-  // below (in-run A/B, H200 2026-11-30 10:35Z): shard8 T=16 -0.23%, T=1 -0.71%, small T=16 -0.67%;
-  // the pinned rounding alone -0.13 / +0.06 / -0.18% and error 8.67e-3 -> 8.64e-3 (shard8)
-  const int t = tid() / (R / 2), n = 2 * (tid() % (R / 2));
-  const int d = row0 % HD + n;  // even: the pair (d, d+1) rotates together
-  const bool mine = tid() < 16 * (R / 2) && t < b.T;
-  float cs = 1.f, sn = 0.f;
-  if (mine && head < HQ + HKV) {
-    const int pos = b.ctx + p.depth[t];
-    cs = p.rope_cos[pos * (HD / 2) + d / 2];
-    sn = p.rope_sin[pos * (HD / 2) + d / 2];
+  QkvRope q;
+  const int row0 = unit * R;
+  q.head = row0 / HD;
+  // the rotation's cos and sin (behind depth[t]: two dependent L2 round trips) are loaded before
+  // the GEMM, so that they overlap it instead of ending the layer (the next attention waits for
+  // this op). With the rounding pinned below (in-run A/B, H200 2026-11-30 10:35Z): shard8 T=16
+  // -0.23%, T=1 -0.71%, small T=16 -0.67%; the pinned rounding alone -0.13 / +0.06 / -0.18% and
+  // error 8.67e-3 -> 8.64e-3 (shard8)
+  q.t = tid() / (R / 2), q.n = 2 * (tid() % (R / 2));
+  q.d = row0 % HD + q.n;  // even: the pair (d, d+1) rotates together
+  q.mine = tid() < 16 * (R / 2) && q.t < b.T;
+  q.cs = 1.f, q.sn = 0.f;
+  if (q.mine && q.head < HQ + HKV) {
+    const int pos = b.ctx + p.depth[q.t];
+    q.cs = p.rope_cos[pos * (HD / 2) + q.d / 2];
+    q.sn = p.rope_sin[pos * (HD / 2) + q.d / 2];
   }
-  gemm_stash<R>(b, gemm_bf16<R, TILE_QKV_KC, D, NORM_KP>(b, what, stage));
-  if (mine) {
+  return q;
+}
+MK_DEV void qkv_end(Blk& b, int layer, const QkvRope& q, const Bf16Acc& acc) {
+  const Params& p = *b.p;
+  constexpr int R = TILE_QKV_ROWS;
+  gemm_stash<R>(b, acc);
+  if (q.mine) {
+    const int t = q.t, d = q.d, head = q.head;
     const float r = norm_factor(b, t);
-    float a = gemm_sum<R>(b, t, n) * r, c = gemm_sum<R>(b, t, n + 1) * r;
+    float a = gemm_sum<R>(b, t, q.n) * r, c = gemm_sum<R>(b, t, q.n + 1) * r;
     if (head < HQ + HKV) {
       // each product and the sum rounded on its own (as the fp32 reference does): with the
       // compiler free to fuse a multiply into the add, moving this code changed the bits
-      const float ra = fadd_rn(fmul_rn(a, cs), -fmul_rn(c, sn));
-      const float rc = fadd_rn(fmul_rn(a, sn), fmul_rn(c, cs));
+      const float ra = fadd_rn(fmul_rn(a, q.cs), -fmul_rn(c, q.sn));
+      const float rc = fadd_rn(fmul_rn(a, q.sn), fmul_rn(c, q.cs));
       a = ra;
       c = rc;
     }
@@ -54,6 +64,7 @@ MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {
     if (head < HQ) {
       *reinterpret_cast<uint32_t*>(p.q + (t * HQ + head) * HD + d) = packed;
     } else {
+      const LayerPtrs& L = p.layers[layer];
       const bool is_k = head < HQ + HKV;
       const int kvh = is_k ? head - HQ : head - HQ - HKV;
       uint16_t* cache = is_k ? L.k_cache : L.v_cache;
@@ -61,6 +72,16 @@ MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {
       *reinterpret_cast<uint32_t*>(cache + off) = packed;
     }
   }
+}
+// The normed operand's panel (called by the GEMM before each panel's first chunk)
+MK_DEV void qkv_stage(Blk& b, int layer, int panel, uint32_t what) {
+  stage_normed(b, 0, ss_part(*b.p, 0), tag_of(TAG_ATTN_NORM, layer, 0), panel, what);
+}
+
+MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {
+  const QkvRope q = qkv_begin(b, unit);
+  auto stage = [&](int panel) { qkv_stage(b, layer, panel, what); };
+  qkv_end(b, layer, q, gemm_bf16<TILE_QKV_ROWS, TILE_QKV_KC, D, NORM_KP>(b, what, stage));
 }
 
 }  // namespace mk

@@ -13,13 +13,10 @@ MK_DEV bool load_router(const Blk& b, int layer, int unit, unsigned& c, uint32_t
   return produce_bf16<R, TILE_ROUTER_KC, D, true>(b, b.p->layers[layer].router, unit, c, what);
 }
 
-MK_DEV void run_router(Blk& b, int layer, int unit, uint32_t what) {
+MK_DEV void router_end(Blk& b, int unit, const Bf16Acc& acc) {
   const Params& p = *b.p;
-  auto stage = [&](int panel) {
-    stage_normed(b, 1, ss_part(p, 1), tag_of(TAG_FFN_NORM, layer, 0), panel, what);
-  };  // called by the GEMM before each panel's first chunk
   constexpr int R = TILE_ROUTER_ROWS;
-  gemm_stash<R>(b, gemm_bf16<R, TILE_ROUTER_KC, D, NORM_KP, true>(b, what, stage));
+  gemm_stash<R>(b, acc);
 MK_COLD_LOOP
   for (int i = tid(); i < 16 * R; i += COMPUTE_THREADS) {
     const int t = i / R, n = i % R;
@@ -31,6 +28,15 @@ MK_COLD_LOOP
     if constexpr (SENTINEL_ROUTE) st_relaxed(dst, mb::sentinel::f32_encode(f2u(v)));
     else *dst = v;
   }
+}
+// The normed operand's panel (the router's and the pooler's: the ffn norm)
+MK_DEV void ffn_stage(Blk& b, int layer, int panel, uint32_t what) {
+  stage_normed(b, 1, ss_part(*b.p, 1), tag_of(TAG_FFN_NORM, layer, 0), panel, what);
+}
+
+MK_DEV void run_router(Blk& b, int layer, int unit, uint32_t what) {
+  auto stage = [&](int panel) { ffn_stage(b, layer, panel, what); };  // before each panel's first chunk
+  router_end(b, unit, gemm_bf16<TILE_ROUTER_ROWS, TILE_ROUTER_KC, D, NORM_KP, true>(b, what, stage));
 }
 
 }  // namespace mk

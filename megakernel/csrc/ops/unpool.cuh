@@ -12,10 +12,14 @@ MK_DEV bool load_unpool(const Blk& b, int layer, int unit, unsigned& c, uint32_t
   return produce_bf16<R, TILE_UNPOOL_KC, P>(b, b.p->layers[layer].unpool, unit, c, what);
 }
 
+// The gain of the norm that reads the new x next: the next layer's attention norm, or the final one
+MK_DEV const uint16_t* unpool_gain(const Params& p, int layer) {
+  return layer + 1 < L ? p.layers[layer + 1].attn_norm : p.final_norm;
+}
+
 MK_DEV void run_unpool(Blk& b, int layer, int unit, uint32_t what) {
   stage_plain<P>(b, b.p->z, tag_of(TAG_Z, layer, 0));
-  const uint16_t* gnext = layer + 1 < L ? b.p->layers[layer + 1].attn_norm : b.p->final_norm;
-  gemm_residual_add<TILE_UNPOOL_ROWS, TILE_UNPOOL_KC, P>(b, unit, 0, gnext, what);
+  gemm_residual_add<TILE_UNPOOL_ROWS, TILE_UNPOOL_KC, P>(b, unit, 0, unpool_gain(*b.p, layer), what);
 }
 
 }  // namespace mk
