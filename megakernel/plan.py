@@ -260,10 +260,13 @@ class Plan:
     # 1's case): a placebo that moves the code after it against the code before it, as an edit in
     # the middle of the kernel does (layout_pad moves all of it together)
     layout_gap: int = 0
-    # the layer's dense bf16 ops (qkv, oproj, router, pool, unpool) through one copy of the GEMM,
-    # its staging, ring waits and loader code, shaped at run time by the op's kind (ops/dense.cuh):
-    # one ~12 KB copy warm after the layer's first dense op instead of five fetched cold
-    shared_dense: bool = False
+    # the layer's dense bf16 ops (qkv, oproj, router, pool, unpool): 0 each its own GEMM code, shaped
+    # at compile time; 1 through one copy of the GEMM, its staging, ring waits and loader code,
+    # shaped at run time by the op's kind (ops/dense.cuh): one copy warm after the layer's first
+    # dense op instead of five fetched cold; 2 (the A/B's control for 1) each op its own copy of
+    # that runtime-shaped code (gemm.cuh gemm_bf16, produce_bf16; lm_head's too): 1's instructions
+    # at 0's code footprint
+    shared_dense: int = 0
     # a fused expert unit: the down projection's unit j of a slot is the K-part of gate/up unit j
     # (its H1 columns of W2, all d_pool rows, in chunks of tiles["expert2"].rows rows), run by the
     # block that ran gate/up unit j (program.DEP_LOCAL), writing fp32 partials the MoE combine
@@ -556,7 +559,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               launch_waits: bool = False, layout_pad: int = 0, layout_gap: int = 0, fused_experts: bool = False,
               keep_max: int = KEEP_MAX, ring_max: int = RING_FILL_MAX, max_registers: int = 0,
               compute_registers: int = 0, receive_warp: bool = False, prestage_experts: int = 0,
-              prestage_miss: bool = False, roles=0, shared_dense: bool = False) -> Plan:
+              prestage_miss: bool = False, roles=0, shared_dense: int = 0) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -592,6 +595,9 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         raise ValueError(f"ring_max {ring_max!r}: want 1..{RING_FILL_MAX} ring stages")
     if not (isinstance(keep_max, int) and 0 <= keep_max <= KEEP_MAX):
         raise ValueError(f"keep_max {keep_max!r}: want 0..{KEEP_MAX} kept gate/up units")
+    if shared_dense not in (0, 1, 2, False, True):
+        raise ValueError(f"shared_dense {shared_dense!r}: want 0 (per-op code), 1 (one shared copy) or 2 "
+                         "(a runtime-shaped copy per op, the A/B's control)")
     for name, v in (("layout_pad", layout_pad), ("layout_gap", layout_gap)):
         if not (isinstance(v, int) and 0 <= v <= 65536 and v % 16 == 0):
             raise ValueError(f"{name} {v!r}: want a multiple of 16 bytes from 0 to 65536 (one 16-byte instruction each)")
@@ -630,7 +636,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              layout_pad=layout_pad, layout_gap=layout_gap, fused_experts=fused_experts,
              max_registers=max_registers, compute_registers=compute_registers, receive_warp=bool(receive_warp),
              prestage_experts=prestage_experts, prestage_miss=bool(prestage_miss), roles=parse_roles(roles, n_sm),
-             shared_dense=bool(shared_dense))
+             shared_dense=int(shared_dense))
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -746,7 +752,7 @@ def render(plan: Plan) -> str:
         f"constexpr int LAYOUT_PAD = {plan.layout_pad};  // never-run bytes ahead of the kernel's body",
         f"constexpr int LAYOUT_GAP = {plan.layout_gap};  // never-run bytes in the middle of the ops' code",
         f"constexpr bool FUSED_EXPERTS = {'true' if plan.fused_experts else 'false'};",
-        f"constexpr bool SHARED_DENSE = {'true' if plan.shared_dense else 'false'};  // ops/dense.cuh",
+        f"constexpr int SHARED_DENSE = {plan.shared_dense};  // ops/dense.cuh",
         f"constexpr int KEEP_UNITS = {plan.keep_units}, KEEP_BYTES = {plan.keep_bytes}, KEEP_MAX = {KEEP_MAX};  // fused: kept gate/up units",
         f"constexpr int MISC_BYTES = {plan.misc_bytes};  // mbarriers + MISC ints (Plan.misc_bytes)",
         f"constexpr int PROF_OPS = {PROF_OPS}, MISC_SCRATCH = {MISC_SCRATCH};  // block.cuh's MISC layout",

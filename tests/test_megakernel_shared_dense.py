@@ -28,9 +28,11 @@ def _inputs(cfg, t: int, seed: int):
 
 def test_the_switch_renders_and_defaults_off():
     cfg = preset("tiny")
-    assert make_plan(cfg, 4).shared_dense is False
-    assert "constexpr bool SHARED_DENSE = false;" in render(make_plan(cfg, 4))
-    assert "constexpr bool SHARED_DENSE = true;" in render(make_plan(cfg, 4, shared_dense=True))
+    assert make_plan(cfg, 4).shared_dense == 0 and "constexpr int SHARED_DENSE = 0;" in render(make_plan(cfg, 4))
+    for v in (1, 2):
+        assert f"constexpr int SHARED_DENSE = {v};" in render(make_plan(cfg, 4, shared_dense=v))
+    with pytest.raises(ValueError, match="shared_dense 3"):
+        make_plan(cfg, 4, shared_dense=3)
 
 
 # the last layer's outputs of the dense ops (and top-k's weights, which the router's bits feed): the
@@ -48,10 +50,12 @@ def tiny():
     return cfg, generate(cfg), KVCache(cfg).fill_random(torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("t,grid,schedule", [(16, 4, "last"), (16, 3, "random"), (5, 4, "block")])
-def test_shared_dense_keeps_the_bits_under_adversarial_schedules(tiny, t, grid, schedule):
-    """The shared build's mega and chain steps equal the per-op build's chain step bitwise, from
-    poisoned buffers: logits, tokens and the KV cache (T=5: one token tile, the k-loop's other copy)."""
+@pytest.mark.parametrize("t,grid,schedule,mode_", [(16, 4, "last", 1), (16, 3, "random", 1), (5, 4, "block", 1),
+                                                   (16, 4, "last", 2)])
+def test_shared_dense_keeps_the_bits_under_adversarial_schedules(tiny, t, grid, schedule, mode_):
+    """The shared build's (and the control's, shared_dense=2) mega and chain steps equal the per-op
+    build's chain step bitwise, from poisoned buffers: logits, tokens, the KV cache and the dense
+    ops' outputs (T=5: one token tile, the k-loop's other copy)."""
     cfg, w, base = tiny
     toks, par = _inputs(cfg, t, 41)
     ref_cache = base.clone()
@@ -59,7 +63,7 @@ def test_shared_dense_keeps_the_bits_under_adversarial_schedules(tiny, t, grid, 
     ref = per_op.step(toks, par, 40, mode="chain")
     for mode in ("mega", "chain"):
         cache = base.clone()
-        eng = Engine(w, make_plan(cfg, 4, shared_dense=True, **GEO), cache, backend="emu", grid=grid, emu_seed=7,
+        eng = Engine(w, make_plan(cfg, 4, shared_dense=mode_, **GEO), cache, backend="emu", grid=grid, emu_seed=7,
                      emu_schedule=schedule)
         eng.poison()
         out = eng.step(toks, par, 40, mode=mode)
@@ -99,7 +103,7 @@ def test_the_shared_build_runs_one_gemm_copy_for_the_dense_ops():
     from megakernel.pipeline import plan_for
 
     dense = ("qkv_rope", "oproj", "router", "pool", "unpool")
-    per_op, shared = (build_gpu(plan_for("shard8", None, 132, tokens=16, shared_dense=s)) for s in (False, True))
+    per_op, shared = (build_gpu(plan_for("shard8", None, 132, tokens=16, shared_dense=s)) for s in (0, 1))
     a, b = code_bytes_by_op(per_op), code_bytes_by_op(shared)
     assert "dense" not in a and min(a[op] for op in dense) > 4096 and sum(a[op] for op in dense) > 5 * 7168
     assert b["dense"] > 12 * 1024 and sum(b.get(op, 0) for op in dense) < sum(a[op] for op in dense) / 3

@@ -8,6 +8,7 @@ MK_DEV int tid() { return emu::cur_thread(); }
 MK_DEV int warp() { return emu::cur_thread() >> 5; }
 MK_DEV int lane() { return emu::cur_thread() & 31; }
 MK_DEV int bid() { return emu::cur_block(); }
+MK_DEV int opaque(int v) { return v; }
 MK_DEV int nblocks() { return emu::grid_dim(); }
 MK_DEV int nblocks_here() { return emu::grid_dim(); }
 MK_DEV unsigned char* smem() { return emu::cur_smem(); }

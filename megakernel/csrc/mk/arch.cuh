@@ -29,6 +29,12 @@ MK_DEV int tid() {
 MK_DEV int warp() { return threadIdx.x >> 5; }
 MK_DEV int lane() { return threadIdx.x & 31; }
 MK_DEV int bid() { return blockIdx.x; }
+// `v` as a value the compiler cannot see through (no constant folding of the code that uses it)
+MK_DEV int opaque(int v) {
+  int r;
+  asm volatile("mov.u32 %0, %1;" : "=r"(r) : "r"(v));
+  return r;
+}
 MK_DEV int nblocks() { return gridDim.x; }
 // %nctaid.x the same way, for a loop stride that must not become a register live across the loop
 MK_DEV int nblocks_here() {

@@ -110,7 +110,7 @@ constexpr bool KV_PREFETCH = false;
 constexpr int LAYOUT_PAD = 0;  // never-run bytes ahead of the kernel's body
 constexpr int LAYOUT_GAP = 0;  // never-run bytes in the middle of the ops' code
 constexpr bool FUSED_EXPERTS = false;
-constexpr bool SHARED_DENSE = false;  // ops/dense.cuh
+constexpr int SHARED_DENSE = 0;  // ops/dense.cuh
 constexpr int KEEP_UNITS = 0, KEEP_BYTES = 0, KEEP_MAX = 16;  // fused: kept gate/up units
 constexpr int MISC_BYTES = 1136;  // mbarriers + MISC ints (Plan.misc_bytes)
 constexpr int PROF_OPS = 16, MISC_SCRATCH = 58;  // block.cuh's MISC layout

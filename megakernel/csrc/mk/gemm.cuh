@@ -248,32 +248,35 @@ template <int ROWS>
 MK_DEV constexpr int bf16_row_tiles() {
   return ROWS < 16 ? 1 : ROWS / 16;
 }
-// A unit's shape as gemm_bf16_at takes it: its 16-row tiles (bf16_row_tiles), whether it has 8
+// A unit's shape as gemm_bf16_at takes it: log2 of its 16-row tiles (bf16_row_tiles), whether it has 8
 // rows (router units: ldmatrix .x2, A rows 8..15 zero), its chunks of kc columns, nch of them,
 // cpp a panel, abuf's row stride (a_stride of the panel) and the walk (rev: last chunk first).
 // gemm_bf16 passes constants, which fold; Plan.shared_dense passes the dense op's at run time, so
 // that the layer's dense ops run one copy of this code (ops/dense.cuh).
 struct Bf16Shape {
-  int nt16;
+  int lt;  // log2 of the 16-row tiles (1, 2, 4 or 8: they divide WARPS)
   bool r8;
   int kc, nch, cpp, as;
   bool rev;
 };
 template <int ROWS, int KC, int K, int KP = K, bool REV = false>
 MK_DEV constexpr Bf16Shape bf16_shape() {
-  return Bf16Shape{bf16_row_tiles<ROWS>(), ROWS < 16, KC, K / KC, KP / KC, a_stride<KP>(), REV};
+  constexpr int NT16 = bf16_row_tiles<ROWS>();
+  static_assert((NT16 & (NT16 - 1)) == 0 && NT16 <= 8, "a power of two of 16-row tiles (they divide WARPS)");
+  return Bf16Shape{NT16 >= 8 ? 3 : NT16 >= 4 ? 2 : NT16 >= 2 ? 1 : 0, ROWS < 16, KC, K / KC, KP / KC, a_stride<KP>(), REV};
 }
 template <typename Restage>
 MK_DEV Bf16Acc gemm_bf16_at(Blk& b, const Bf16Shape s, uint32_t what, Restage restage) {
-  const int WPT = WARPS / s.nt16, KSTEPS = s.kc / 16, RS = s.kc * 2 + ROW_PAD;
-  const int w = warp(), ks = w / s.nt16;
+  // no division by a runtime shape: tiles by shifts, panels counted along the walk
+  const int WPT = WARPS >> s.lt, KSTEPS = s.kc / 16, RS = s.kc * 2 + ROW_PAD;
+  const int w = warp(), ks = w >> s.lt;
   // This lane's ldmatrix rows. A (.x4): lanes 0-15 address rows 0-15 at k 0, lanes 16-31 the same
   // rows at k 8, giving a0..a3 = (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15); .x2
   // (8 rows): lanes 0-7 rows 0-7 at k 0, lanes 8-15 at k 8 -> a0, a2. B (.x4): lanes 0-7 tokens 0-7
   // at k 0, lanes 8-15 at k 8, lanes 16-31 the same for tokens 8-15 -> b0, b1 of token tile 0, then
   // of tile 1 (.x2: tile 0 only).
   const int ar = s.r8 ? (lane() & 7) : (lane() & 15), ah = s.r8 ? ((lane() >> 3) & 1) : (lane() >> 4);
-  const int aofs = ((w % s.nt16) * 16 + ar) * RS + ah * 16;
+  const int aofs = ((w & ((1 << s.lt) - 1)) * 16 + ar) * RS + ah * 16;
   const SAddr brow = saddr(b.abuf + ((lane() & 7) + 8 * (lane() >> 4)) * s.as + ((lane() >> 3) & 1) * 16);
   const bool two = b.T > 8;
   float acc[2][2][4] = {};  // [k-step parity][token tile]
@@ -306,21 +309,27 @@ MK_COLD_LOOP
       if (KSTEPS % (2 * WPT) == 0 || j + WPT < KSTEPS) step(j + WPT, acc[1]);
     }
   };
+  // chunk c = panel * cpp + pc: the walk's first chunk, then one step along it per chunk
+  int pc = s.rev ? s.cpp - 1 : 0, panel = s.rev ? s.nch / s.cpp - 1 : 0;
 MK_COLD_LOOP
   for (int i = 0; i < s.nch; ++i) {
-    const int c = s.rev ? s.nch - 1 - i : i;  // the weight chunk
     // one call site: `restage` (a whole norm staging) is inlined once. Unpaneled (cpp == nch) it
     // runs before the first chunk only
-    if (c % s.cpp == (s.rev ? s.cpp - 1 : 0)) {
+    if (pc == (s.rev ? s.cpp - 1 : 0)) {
       if (i > 0) sync_compute();  // every warp is done with the previous panel
-      restage(c / s.cpp);
+      restage(panel);
     }
     const unsigned char* st = ring_consume(b, what);
-    const SAddr bb = brow + (c % s.cpp) * s.kc * 2;
+    const SAddr bb = brow + pc * s.kc * 2;
     // two copies of the k-loop, with and without the second token tile (as in gemm_fp4)
     if (two) steps(saddr(st + aofs), bb, true);
     else steps(saddr(st + aofs), bb, false);
     ring_release(b);
+    if (s.rev) {
+      if (--pc < 0) pc = s.cpp - 1, --panel;
+    } else if (++pc == s.cpp) {
+      pc = 0, ++panel;
+    }
   }
   Bf16Acc r;
 #pragma unroll
@@ -335,7 +344,12 @@ MK_DEV Bf16Acc gemm_bf16(Blk& b, uint32_t what, Restage restage = {}) {
                 "bf16 row tiles: 8 rows, or whole 16-row tiles");
   static_assert(K % KC == 0 && KC % 16 == 0, "bf16 tile shape");
   static_assert(K % KP == 0 && KP % KC == 0, "panels of whole chunks");
-  return gemm_bf16_at(b, bf16_shape<ROWS, KC, K, KP, REV>(), what, restage);
+  Bf16Shape s = bf16_shape<ROWS, KC, K, KP, REV>();
+  if constexpr (SHARED_DENSE == 2) {  // Plan.shared_dense=2, the A/B's control: the shape at run time
+    s.lt = opaque(s.lt), s.r8 = opaque(s.r8), s.kc = opaque(s.kc), s.nch = opaque(s.nch);
+    s.cpp = opaque(s.cpp), s.as = opaque(s.as), s.rev = opaque(s.rev);
+  }
+  return gemm_bf16_at(b, s, what, restage);
 }
 
 // ---------------------------------------------------------------- consumer: NVFP4 weights
@@ -686,6 +700,9 @@ template <int ROWS, int KC, int K, bool REV = false>  // REV: chunks last to fir
 MK_DEV bool produce_bf16(const Blk& b, const uint16_t* W, int unit, unsigned& c, uint32_t what) {
   constexpr unsigned BYTES = ROWS * (KC * 2 + ROW_PAD);
   static_assert(BYTES % 16 == 0, "bulk copies move multiples of 16 bytes");
+  if constexpr (SHARED_DENSE == 2)  // the A/B's control, as gemm_bf16
+    return produce_bf16_at(b, W, unit, c, what, opaque(K / KC), static_cast<unsigned>(opaque(BYTES)),
+                           static_cast<size_t>(opaque(static_cast<int>(dense_tile_elems(ROWS, KC)))), opaque(REV));
   return produce_bf16_at(b, W, unit, c, what, K / KC, BYTES, dense_tile_elems(ROWS, KC), REV);
 }
 

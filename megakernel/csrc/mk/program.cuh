@@ -301,7 +301,7 @@ MK_DEV int strided_step(const UnitRange& r) {
 
 MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
   const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_FULL;
-  if constexpr (SHARED_DENSE) {  // one copy of the dense ops' GEMM (ops/dense.cuh)
+  if constexpr (SHARED_DENSE == 1) {  // one copy of the dense ops' GEMM (ops/dense.cuh)
     if (is_dense(o.kind)) return run_dense(b, o.kind, o.layer, u, what);
   }
   switch (o.kind) {
@@ -336,7 +336,7 @@ MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
 // ch0: a gate/up unit's first chunk to stream (Plan.prestage_experts: the ones before it are in the ring)
 MK_DEV bool load_unit(const Blk& b, int i, const Op& o, int u, unsigned& c, LoaderSlot& ls, int ch0 = 0) {
   const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_EMPTY;
-  if constexpr (SHARED_DENSE) {
+  if constexpr (SHARED_DENSE == 1) {
     if (is_dense(o.kind)) return load_dense(b, o.kind, o.layer, u, c, what);
   }
   switch (o.kind) {

@@ -62,7 +62,7 @@ MK_DEV bool load_dense(const Blk& b, int kind, int layer, int unit, unsigned& c,
   const Bf16Shape s = dense_shape(kind);
   const uint16_t* W = kind == OP_QKV ? L.wqkv : kind == OP_OPROJ ? L.wo : kind == OP_ROUTER ? L.router
                       : kind == OP_POOL ? L.pool : L.unpool;
-  const int rows = s.r8 ? 8 : 16 * s.nt16;
+  const int rows = s.r8 ? 8 : 16 << s.lt;
   return produce_bf16_at(b, W, unit, c, what, s.nch, static_cast<unsigned>(rows * (s.kc * 2 + ROW_PAD)),
                          dense_tile_elems(rows, s.kc), s.rev);
 }
