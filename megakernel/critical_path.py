@@ -540,7 +540,7 @@ def levers(inp: Inputs, rs: Sequence[Row] | None = None) -> list[Lever]:
               f"{c.group * inp.n_tokens} query rows' partials alone"),
     ]
     if inp.clock_hz:
-        out.append(_roles_lever(inp, rs))
+        out += [_roles_lever(inp, rs), _shared_dense_lever(inp, rs)]
     return sorted(out, key=lambda lv: -lv.saving_s)
 
 
@@ -619,6 +619,33 @@ def _roles_lever(inp: Inputs, rs: Sequence[Row]) -> Lever:
         f"+{gain_role * us:.2f} us, each op at most its measured excess. Rounds: {more or 'none'}, each extra round "
         f"about the op's measured time today: -{cost * us:.2f} us{stream}",
         **_measured(inp, lambda sw: sw == {"roles": len(rl)}))
+
+
+DENSE_OPS = ("oproj", "router", "pool", "unpool", "qkv")  # Plan.shared_dense's ops (ops/dense.cuh)
+
+
+def _shared_dense_lever(inp: Inputs, rs: Sequence[Row]) -> Lever:
+    """Plan.shared_dense=1. Warm code: each segment's dense ops after its first find the one GEMM
+    copy in the SM's cache (at most the op's whole code, at most its measured excess). The shapes
+    at run time cost what the A/B's control measured (Plan.shared_dense=2: the same runtime-shaped
+    code, one copy per op). A hypothesis: it rests on the cold-code column."""
+    us = 1e6
+    on_path = [r for r in rs if "->" not in r.item and not _off_path(r, rs) and r.item in DENSE_OPS]
+    firsts = {}
+    for r in on_path:
+        firsts.setdefault(r.segment, r.item)
+    warm = {r.item: min(warm_gain_s(inp, r.item), max(0.0, r.excess_s)) for r in on_path
+            if r.item not in firsts.values()}
+    ctrl = inp.ab_savings.get((("shared_dense", 2),))
+    shapes = ctrl[0] if ctrl else 0.0
+    cost = (f"the shapes at run time {shapes * us:+.2f} us (the control, Plan.shared_dense=2, {ctrl[1]})" if ctrl
+            else "the shapes' run-time cost not measured (no A/B of Plan.shared_dense=2)")
+    return Lever(
+        "the dense ops through one copy of their GEMM code (Plan.shared_dense=1)", "all", sum(warm.values()) + shapes,
+        f"one copy of the GEMM, staging, ring waits and loader code, warm after each segment's first dense op "
+        f"({', '.join(firsts.values())}): {', '.join(f'{op} +{v * us:.2f}' for op, v in warm.items())} us, each at "
+        f"most its whole code and its measured excess; {cost}",
+        hypothesis=True, **_measured(inp, lambda sw: sw == {"shared_dense": 1}))
 
 
 def op_units(inp: Inputs) -> dict[str, int]:
@@ -758,7 +785,9 @@ def render(inp: Inputs, rs: Sequence[Row], segs: Sequence[Row], lvs: Sequence[Le
                   f"the largest; hypotheses left out): {after * 1e3:.3f} ms, {inp.roofline_s / after:.1%} of "
                   f"the roofline (today {inp.roofline_s / inp.step_s:.1%}); 70% needs {inp.roofline_s / 0.7 * 1e3:.3f} ms, "
                   f"{(after - inp.roofline_s / 0.7) / inp.launches * us:.1f} us a layer more than they give."]
-    hyp = [lv for lv in lvs if lv.hypothesis and lv.saving_s > 0]
+    # a hypothesis an A/B measured as no saving is refuted, not pending
+    refuted = [lv for lv in lvs if lv.hypothesis and lv.measured_s is not None and lv.measured_s <= 0]
+    hyp = [lv for lv in lvs if lv.hypothesis and lv.saving_s > 0 and lv not in refuted]
     if hyp:
         after_h = after - sum(lv.saving_s for lv in hyp) * inp.launches
         lines += ["", f"With the hypotheses too ({'; '.join(lv.name for lv in hyp)}), if their conditions hold: "
@@ -772,4 +801,10 @@ def render(inp: Inputs, rs: Sequence[Row], segs: Sequence[Row], lvs: Sequence[Le
             "behind it (prestaged chunks remove only the phase's opening waits); one that narrows an op to fewer blocks pays "
             "its extra rounds at about the op's whole time, because the front's and the back's ops are bound by their "
             "units' latency, not their bytes."]
+    if refuted:
+        lines += ["", "Refuted by its A/B: " + "; ".join(
+            f"{lv.name}, predicted {lv.saving_s * us:+.2f} us a layer (the warm code it rests on, less what its "
+            f"control measured), measured {lv.measured_s * us:+.2f} us" for lv in refuted) + ". Code made warm by "
+            "sharing it bought nothing the A/B could see: the cold-code column bounds what fetching can cost, it is "
+            "no saving to bank on."]
     return "\n".join(lines) + "\n"

@@ -230,3 +230,24 @@ def test_ab_savings_read_switch_variants_against_a_plain_first_variant(tmp_path)
     to_result([pr, other], vs, env=env).save(tmp_path)
     got = cp.ab_savings(tmp_path, "shard8", 16, 2048, 62)
     assert list(got) == [(("roles", 3),)] and got[(("roles", 3),)][0] == pytest.approx(-0.31e-3 / 62)
+
+
+def test_the_shared_dense_lever_is_warm_code_less_its_control_and_a_measured_loss_refutes_it(committed):
+    """Plan.shared_dense=1's prediction is the warm code of each segment's dense ops after its first
+    (oproj and unpool pay the cold fetch) plus what the control (shared_dense=2) measured; an A/B
+    that measured no saving lists it as refuted, out of the hypotheses' sum (H200 2026-12-02:
+    predicted +2.2 us a layer, measured -4.5 us, the control -1.8 us)."""
+    inp, rs, segs, lvs = committed
+    lv = next(lv for lv in lvs if "Plan.shared_dense=1" in lv.name)
+    assert lv.hypothesis and "(oproj, unpool)" in lv.how
+    no_ctrl = dataclasses.replace(inp, ab_savings={k: v for k, v in inp.ab_savings.items() if k != (("shared_dense", 2),)})
+    bare = next(x for x in cp.levers(no_ctrl, rs) if "Plan.shared_dense=1" in x.name)
+    assert "not measured" in bare.how and bare.saving_s > 0
+    ctrl = inp.ab_savings[(("shared_dense", 2),)][0]
+    assert lv.saving_s == pytest.approx(bare.saving_s + ctrl)
+    md = cp.render(inp, rs, segs, lvs)
+    assert lv.measured_s <= 0 and "Refuted by its A/B: the dense ops through one copy" in md
+    assert "Plan.shared_dense=1), if their conditions hold" not in md
+    won = dataclasses.replace(lv, measured_s=1e-6)
+    md2 = cp.render(inp, rs, segs, [won if x is lv else x for x in lvs])
+    assert "Refuted by its A/B" not in md2 and "With the hypotheses too (the dense ops through one copy" in md2
