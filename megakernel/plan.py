@@ -265,7 +265,8 @@ class Plan:
     # shaped at run time by the op's kind (ops/dense.cuh): one copy warm after the layer's first
     # dense op instead of five fetched cold; 2 (the A/B's control for 1) each op its own copy of
     # that runtime-shaped code (gemm.cuh gemm_bf16, produce_bf16; lm_head's too): 1's instructions
-    # at 0's code footprint
+    # at 0's code footprint. Measured (H200 2026-12-02 17:18Z, shard8 T=16): 1 +4.2%, 2 +1.6%
+    # slower than 0, so 0 stays (reports/results/megakernel/ab-shared-dense-20261202T1718Z-9dc5fb1.md)
     shared_dense: int = 0
     # a fused expert unit: the down projection's unit j of a slot is the K-part of gate/up unit j
     # (its H1 columns of W2, all d_pool rows, in chunks of tiles["expert2"].rows rows), run by the

@@ -1,10 +1,13 @@
 // Plan.shared_dense: the layer's dense bf16 ops (qkv, oproj, router, pool, unpool) through one
 // copy of the GEMM, its operand staging, its ring waits and its loader code, the shape and the
 // operand picked at run time from the op's kind; only each op's prologue and epilogue are its own.
-// Each op inlined its own copy before: five copies of ~12 KB a layer, fetched from L2 once a layer
-// each (critical_path cold code), where one copy, warm after the layer's first dense op, would do.
-// The same instructions in the same order compute every value, so the results are bitwise those
-// of the per-op code (tests/test_megakernel_shared_dense.py).
+// The per-op build inlines a copy into each op, and the critical path's cold-code column had each
+// copy fetched from L2 once a layer. One copy, warm after the layer's first dense op, was to save
+// that. Measured, it does not: 247 -> 205 KB of code, but shard8 T=16 4.2% slower, the control
+// (Plan.shared_dense=2, the same runtime-shaped code one copy per op) 1.6% (in-run A/B, H200
+// 2026-12-02 17:18Z). So it stays off, a switch for A/Bs. The same instructions in the same order
+// compute every value, so the results are bitwise those of the per-op code
+// (tests/test_megakernel_shared_dense.py).
 #pragma once
 #include "ops/oproj.cuh"
 #include "ops/pool.cuh"
