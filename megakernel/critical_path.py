@@ -621,14 +621,13 @@ def _roles_lever(inp: Inputs, rs: Sequence[Row]) -> Lever:
         **_measured(inp, lambda sw: sw == {"roles": len(rl)}))
 
 
-DENSE_OPS = ("oproj", "router", "pool", "unpool", "qkv")  # Plan.shared_dense's ops (ops/dense.cuh)
-
-
 def _shared_dense_lever(inp: Inputs, rs: Sequence[Row]) -> Lever:
     """Plan.shared_dense=1. Warm code: each segment's dense ops after its first find the one GEMM
     copy in the SM's cache (at most the op's whole code, at most its measured excess). The shapes
     at run time cost what the A/B's control measured (Plan.shared_dense=2: the same runtime-shaped
     code, one copy per op). A hypothesis: it rests on the cold-code column."""
+    from .plan import DENSE_OPS
+
     us = 1e6
     on_path = [r for r in rs if "->" not in r.item and not _off_path(r, rs) and r.item in DENSE_OPS]
     firsts = {}

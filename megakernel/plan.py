@@ -449,6 +449,7 @@ class Plan:
 
 
 NORM_OPS = ("qkv", "router", "pool", "lm_head")  # the projections of a normed d_model operand
+DENSE_OPS = ("oproj", "router", "pool", "unpool", "qkv")  # a layer's dense bf16 ops (Plan.shared_dense, ops/dense.cuh)
 RING_FILL_MAX = 8  # fill_ring stops at this many stages
 # ... or at this many bytes of ring. A 4th 36 KB stage (4 x 36,864 = 147,456 B, kept units 8 -> 0)
 # made shard8 T=16 1.0% and small T=16 0.8% slower (in-run A/B, H200 2026-12-01 01:57Z, results
@@ -596,7 +597,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         raise ValueError(f"ring_max {ring_max!r}: want 1..{RING_FILL_MAX} ring stages")
     if not (isinstance(keep_max, int) and 0 <= keep_max <= KEEP_MAX):
         raise ValueError(f"keep_max {keep_max!r}: want 0..{KEEP_MAX} kept gate/up units")
-    if shared_dense not in (0, 1, 2, False, True):
+    if shared_dense not in (0, 1, 2):
         raise ValueError(f"shared_dense {shared_dense!r}: want 0 (per-op code), 1 (one shared copy) or 2 "
                          "(a runtime-shaped copy per op, the A/B's control)")
     for name, v in (("layout_pad", layout_pad), ("layout_gap", layout_gap)):
@@ -754,6 +755,7 @@ def render(plan: Plan) -> str:
         f"constexpr int LAYOUT_GAP = {plan.layout_gap};  // never-run bytes in the middle of the ops' code",
         f"constexpr bool FUSED_EXPERTS = {'true' if plan.fused_experts else 'false'};",
         f"constexpr int SHARED_DENSE = {plan.shared_dense};  // ops/dense.cuh",
+        f"constexpr unsigned DENSE_KINDS = {sum(1 << OP[k] for k in DENSE_OPS):#x}u;  // bit k: op kind k is dense (plan.DENSE_OPS)",
         f"constexpr int KEEP_UNITS = {plan.keep_units}, KEEP_BYTES = {plan.keep_bytes}, KEEP_MAX = {KEEP_MAX};  // fused: kept gate/up units",
         f"constexpr int MISC_BYTES = {plan.misc_bytes};  // mbarriers + MISC ints (Plan.misc_bytes)",
         f"constexpr int PROF_OPS = {PROF_OPS}, MISC_SCRATCH = {MISC_SCRATCH};  // block.cuh's MISC layout",

@@ -12,7 +12,7 @@ import torch
 
 from megakernel import tree
 from megakernel.config import preset
-from megakernel.plan import make_plan, render
+from megakernel.plan import DENSE_OPS, OP, make_plan, render
 from megakernel.reference import KVCache
 from megakernel.runtime import Engine
 from megakernel.weights import generate
@@ -33,6 +33,10 @@ def test_the_switch_renders_and_defaults_off():
         assert f"constexpr int SHARED_DENSE = {v};" in render(make_plan(cfg, 4, shared_dense=v))
     with pytest.raises(ValueError, match="shared_dense 3"):
         make_plan(cfg, 4, shared_dense=3)
+    # ops/dense.cuh's is_dense reads the kinds from plan.DENSE_OPS, rendered
+    mask = sum(1 << OP[k] for k in ("qkv", "oproj", "router", "pool", "unpool"))
+    assert set(DENSE_OPS) == {"qkv", "oproj", "router", "pool", "unpool"}
+    assert f"constexpr unsigned DENSE_KINDS = {mask:#x}u;" in render(make_plan(cfg, 4))
 
 
 # the last layer's outputs of the dense ops (and top-k's weights, which the router's bits feed): the

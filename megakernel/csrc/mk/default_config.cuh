@@ -111,6 +111,7 @@ constexpr int LAYOUT_PAD = 0;  // never-run bytes ahead of the kernel's body
 constexpr int LAYOUT_GAP = 0;  // never-run bytes in the middle of the ops' code
 constexpr bool FUSED_EXPERTS = false;
 constexpr int SHARED_DENSE = 0;  // ops/dense.cuh
+constexpr unsigned DENSE_KINDS = 0x872u;  // bit k: op kind k is dense (plan.DENSE_OPS)
 constexpr int KEEP_UNITS = 0, KEEP_BYTES = 0, KEEP_MAX = 16;  // fused: kept gate/up units
 constexpr int MISC_BYTES = 1136;  // mbarriers + MISC ints (Plan.misc_bytes)
 constexpr int PROF_OPS = 16, MISC_SCRATCH = 58;  // block.cuh's MISC layout

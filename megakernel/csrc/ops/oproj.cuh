@@ -12,8 +12,11 @@ MK_DEV bool load_oproj(const Blk& b, int layer, int unit, unsigned& c, uint32_t 
   return produce_bf16<R, TILE_OPROJ_KC, ATT_W>(b, b.p->layers[layer].wo, unit, c, what);
 }
 
+// The operand: the attention's output rows
+MK_DEV void oproj_stage(Blk& b, int layer) { stage_plain<ATT_W>(b, b.p->att_out, tag_of(TAG_ATT_OUT, layer, 0)); }
+
 MK_DEV void run_oproj(Blk& b, int layer, int unit, uint32_t what) {
-  stage_plain<ATT_W>(b, b.p->att_out, tag_of(TAG_ATT_OUT, layer, 0));
+  oproj_stage(b, layer);
   gemm_residual_add<TILE_OPROJ_ROWS, TILE_OPROJ_KC, ATT_W>(b, unit, 1, b.p->layers[layer].ffn_norm, what);
 }
 

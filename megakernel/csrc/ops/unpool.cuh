@@ -17,8 +17,11 @@ MK_DEV const uint16_t* unpool_gain(const Params& p, int layer) {
   return layer + 1 < L ? p.layers[layer + 1].attn_norm : p.final_norm;
 }
 
+// The operand: the MoE combine's pooled-space rows z
+MK_DEV void unpool_stage(Blk& b, int layer) { stage_plain<P>(b, b.p->z, tag_of(TAG_Z, layer, 0)); }
+
 MK_DEV void run_unpool(Blk& b, int layer, int unit, uint32_t what) {
-  stage_plain<P>(b, b.p->z, tag_of(TAG_Z, layer, 0));
+  unpool_stage(b, layer);
   gemm_residual_add<TILE_UNPOOL_ROWS, TILE_UNPOOL_KC, P>(b, unit, 0, unpool_gain(*b.p, layer), what);
 }
 
