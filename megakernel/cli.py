@@ -7,9 +7,10 @@
                           consecutive ones)
   timeline-detail [--preset P]   on a GPU: a profiled step that also stamps staging and ring waits
                           inside units; each op's time in them (megakernel.timeline_detail)
-  sanitize-step [--fused] [--prestage]   one tiny step in mega and chain mode (run under compute-sanitizer;
-                          --fused: d_pool and d_expert of 256, the fused expert unit; --prestage: the
-                          prestaged build, mega twice so the second step bets)
+  sanitize-step [--fused] [--prestage] [--attn-heads]   one tiny step in mega and chain mode (run under
+                          compute-sanitizer; --fused: d_pool and d_expert of 256, the fused expert unit;
+                          --prestage: the prestaged build, mega twice so the second step bets;
+                          --attn-heads: attention by q head, merged by each head's last unit, two steps a mode)
   program [--preset P]    print the launches and op instances of one step
   sm-map [--point PRESET:T:CTX ...] [--variant NAME[:KEY=VALUE,...] ...] [--out FILE.md] [--save [DIR]]   on a GPU:
                           which SM each block ran on, launch after launch, and how often an SM's
@@ -186,10 +187,13 @@ def _sanitize(a) -> int:
     w = generate(cfg, device="cuda")
     cache = KVCache(cfg, device="cuda").fill_random(torch.Generator(device="cuda").manual_seed(1))
     pre = {"prestage_experts": 4} if a.prestage else {}
-    eng = Engine(w, make_plan(cfg, 4, fused_experts=a.fused, **pre), cache, backend="gpu", grid=4)
+    eng = Engine(w, make_plan(cfg, 4, fused_experts=a.fused, attn_heads=a.attn_heads, **pre), cache, backend="gpu",
+                 grid=4)
     toks = list(range(1, 9))
-    # --prestage: the mega step twice, the second on the first's routing (Plan.prestage_experts' bet)
-    for mode in ("mega", "mega", "chain") if a.prestage else ("mega", "chain"):
+    # --prestage: the mega step twice, the second on the first's routing (Plan.prestage_experts' bet);
+    # --attn-heads: each mode twice, the second on the tickets the first left
+    modes = ("mega", "mega", "chain", "chain") if a.attn_heads else ("mega", "chain")
+    for mode in ("mega", "mega", "chain") if a.prestage else modes:
         out = eng.step(toks, tree.binary_ish(8), 20, mode=mode)
         print(mode, out.tokens.tolist())
     return 0
@@ -491,6 +495,8 @@ def main(argv=None) -> int:
     s.add_argument("--fused", action="store_true", help="tiny with d_pool and d_expert of 256, fused expert units")
     s.add_argument("--prestage", action="store_true",
                    help="the build with Plan.prestage_experts; the mega step twice (the second bets on the first's routing)")
+    s.add_argument("--attn-heads", action="store_true",
+                   help="the build with Plan.attn_heads (q-head units, each head merged by its last unit)")
     s.set_defaults(fn=_sanitize)
     s = sub.add_parser("program")
     s.add_argument("--preset", default="tiny")

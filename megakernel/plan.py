@@ -38,6 +38,9 @@ EXPERT2_ROWS = 256  # down-projection unit
 MOE_COMBINE_COLS = 16  # moe_combine unit: one output per thread (64 columns took 4 dependent L2 round trips)
 DENSE_ROWS = 16  # qkv / oproj / pool / unpool unit rows: 8 spent ~2.5 us of per-unit overhead per 16 KB (oproj, 2026-11-29)
 ROUTER_ROWS = 8  # the router stays at 8: top-k waits for it, and 32 units spread it over 32 blocks
+# Plan.attn_heads: keys a block stages per round, one n8 tile of keys per compute warp
+# (attention.cuh run_attn_head)
+ATTN_HEAD_KEYS = 8 * WARPS
 MIN_CHUNK_COLS = 64  # the narrowest bf16 weight chunk _tile accepts
 
 
@@ -268,6 +271,12 @@ class Plan:
     # at 0's code footprint. Measured (H200 2026-12-02 17:18Z, shard8 T=16): 1 +4.2%, 2 +1.6%
     # slower than 0, so 0 stays (reports/results/megakernel/ab-shared-dense-20261202T1718Z-9dc5fb1.md)
     shared_dense: int = 0
+    # attention by q head (issue 48: fewer dependent hops): a unit is one q head over one run of
+    # the keys, and the last unit of a head to finish (a ticket counter) merges the head's
+    # partials itself (attention.cuh run_attn_head), so the separate combine op and its hop go.
+    # Splits per head: at most n_sm // n_heads (one round of units on the grid). False: units of
+    # a kv head's G q heads, merged by the attn_combine op
+    attn_heads: bool = False
     # a fused expert unit: the down projection's unit j of a slot is the K-part of gate/up unit j
     # (its H1 columns of W2, all d_pool rows, in chunks of tiles["expert2"].rows rows), run by the
     # block that ran gate/up unit j (program.DEP_LOCAL), writing fp32 partials the MoE combine
@@ -356,6 +365,14 @@ class Plan:
                           math.ceil(most_keys / self.keys_per_split)))
 
     @property
+    def head_splits(self) -> int:
+        """Plan.attn_heads: the most splits of a q head's keys (HEAD_SPLITS): one unit per block
+        for all heads, and no split shorter than a staging round where the keys allow."""
+        c = self.cfg
+        most_keys = max(c.max_context, c.window) + c.max_tree
+        return max(1, min(self.n_sm // c.n_heads, math.ceil(most_keys / ATTN_HEAD_KEYS)))
+
+    @property
     def attn_key_groups(self) -> int:
         """Warps of an attention block per q head (attention.cuh ATT_KG); each writes a partial."""
         return WARPS // self.cfg.group
@@ -400,6 +417,9 @@ class Plan:
     @property
     def attn_smem_bytes(self) -> int:
         c = self.cfg
+        if self.attn_heads:  # attention.cuh run_attn_head: Q, one round's K and V, P, row stats, the ticket
+            row = c.head_dim * 2 + ROW_PAD
+            return 16 * row + 2 * ATTN_HEAD_KEYS * row + 16 * (ATTN_HEAD_KEYS * 2 + ROW_PAD) + 2 * WARPS * 16 * 4 + 16
         q = c.group * 16 * (c.head_dim * 2 + ROW_PAD)
         kv = 2 * self.attn_round_keys * (c.head_dim * 2 + ROW_PAD)  # K rows + V rows
         return q + kv + WARPS * 16 * 4 * 2  # + per-warp row stats for the intra-block merge
@@ -561,7 +581,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               launch_waits: bool = False, layout_pad: int = 0, layout_gap: int = 0, fused_experts: bool = False,
               keep_max: int = KEEP_MAX, ring_max: int = RING_FILL_MAX, max_registers: int = 0,
               compute_registers: int = 0, receive_warp: bool = False, prestage_experts: int = 0,
-              prestage_miss: bool = False, roles=0, shared_dense: int = 0) -> Plan:
+              prestage_miss: bool = False, roles=0, shared_dense: int = 0, attn_heads: bool = False) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -576,7 +596,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     (A/Bs: a cap below the launch bounds' 168; 0 = none). compute_registers: Plan's (0 = off, or a
     multiple of 8 from 176 to 232). receive_warp: Plan's (needs compute_registers). prestage_experts,
     prestage_miss: Plan's (chunks, 0 = off; the miss needs prestaging). roles: Plan's (parse_roles).
-    shared_dense: Plan's."""
+    shared_dense, attn_heads: Plan's."""
     cfg.validate()
     if not (isinstance(max_registers, int) and (max_registers == 0 or 64 <= max_registers <= 168)):
         raise ValueError(f"max_registers {max_registers!r}: want 0 (the launch bounds' 168) or a cap of 64..168 registers")
@@ -600,6 +620,12 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     if shared_dense not in (0, 1, 2):
         raise ValueError(f"shared_dense {shared_dense!r}: want 0 (per-op code), 1 (one shared copy) or 2 "
                          "(a runtime-shaped copy per op, the A/B's control)")
+    if attn_heads not in (0, 1, False, True):
+        raise ValueError(f"attn_heads {attn_heads!r}: want 0 (kv-head units and the combine op) or 1 (q-head units, "
+                         "merged by the last unit of each head)")
+    if attn_heads and cfg.head_dim % (8 * WARPS):
+        raise ValueError(f"attn_heads: head_dim {cfg.head_dim} must be a multiple of {8 * WARPS} (each compute warp "
+                         "owns whole 8-wide column tiles of the P*V product)")
     for name, v in (("layout_pad", layout_pad), ("layout_gap", layout_gap)):
         if not (isinstance(v, int) and 0 <= v <= 65536 and v % 16 == 0):
             raise ValueError(f"{name} {v!r}: want a multiple of 16 bytes from 0 to 65536 (one 16-byte instruction each)")
@@ -638,7 +664,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              layout_pad=layout_pad, layout_gap=layout_gap, fused_experts=fused_experts,
              max_registers=max_registers, compute_registers=compute_registers, receive_warp=bool(receive_warp),
              prestage_experts=prestage_experts, prestage_miss=bool(prestage_miss), roles=parse_roles(roles, n_sm),
-             shared_dense=int(shared_dense))
+             shared_dense=int(shared_dense), attn_heads=bool(attn_heads))
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -658,6 +684,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              "lm_head": c.vocab, "expert1": 2 * c.d_expert, "expert2": c.d_pool}[name]
         if n % t.rows:
             raise ValueError(f"{name}: {n} output rows not a multiple of the {t.rows}-row tile")
+    if p.attn_heads and p.attn_parts < p.head_splits:  # run_attn_head's partials live in att_o (runtime)
+        raise ValueError(f"attn_heads: {p.head_splits} splits a head need att_o rows for them ({p.attn_parts} parts)")
     if c.head_dim % 8 or c.qkv_rows % 8:
         raise ValueError("head_dim must be a multiple of the 8-row qkv tile (tiles never straddle heads)")
     return p
@@ -697,6 +725,8 @@ def render(plan: Plan) -> str:
         f"constexpr int MAX_SPLITS = {plan.max_splits};",
         f"constexpr int KEYS_PER_SPLIT = {plan.keys_per_split};",
         f"constexpr int ATT_KB = {plan.attn_round_keys};  // keys attention stages per round",
+        f"constexpr bool ATTN_HEADS = {'true' if plan.attn_heads else 'false'};  // Plan.attn_heads",
+        f"constexpr int HEAD_SPLITS = {plan.head_splits}, ATTN_HEAD_KEYS = {ATTN_HEAD_KEYS};  // Plan.attn_heads: splits a q head, keys a round",
         f"constexpr int MOE_COMBINE_COLS = {MOE_COMBINE_COLS};",
         "// launch shape",
         f"constexpr int WARPS = {WARPS};",

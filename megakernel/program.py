@@ -7,7 +7,8 @@ Units and groups (the same rules are written in csrc/mk/program.cuh; tests cross
   embed        T                            -
   qkv          QKV_ROWS/16                   kv head its rows feed (HKV groups)
   attn         HKV * splits(layer, ctx, T)  kv head (HKV groups)
-  attn_combine HQ * T                       -
+               Plan.attn_heads: HQ * splits, q head (HQ groups: the heads' tickets, never signalled)
+  attn_combine HQ * T                       -   (none with Plan.attn_heads: attention merges)
   oproj        D/Rr         router E/8      pool P/Rp         topk 1
   expert1      count * F/(R1/2) (dynamic)   slot (MAX_SLOTS groups)
   expert2      count * P/R2 (dynamic)       -   (Plan.fused_experts: count * F/(R1/2), expert1's)
@@ -43,7 +44,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .config import ModelConfig
-from .plan import MOE_COMBINE_COLS, OP, OP_KINDS, Plan, role_of, role_share
+from .plan import ATTN_HEAD_KEYS, MOE_COMBINE_COLS, OP, OP_KINDS, Plan, role_of, role_share
 
 OPINST_INTS = 16
 MAX_DEPS = 3
@@ -105,8 +106,12 @@ def splits(cfg: ModelConfig, plan: Plan, layer: int, ctx: int, t: int) -> int:
     """Attention splits of one kv head's keys: the cached prefix it sees followed by the t new tree
     keys, cut into equal runs (a function of ctx and t only, so chain and mega modes split
     identically). The new keys are not tacked onto the last split: that split then took two
-    64-key rounds where every other took one (22 vs 15 us, shard8 T=16 profile, 2026-11-29)."""
+    64-key rounds where every other took one (22 vs 15 us, shard8 T=16 profile, 2026-11-29).
+    Plan.attn_heads: the splits of one q head's keys, as many as the grid has blocks per head
+    (Plan.head_splits) and no more than staging rounds of keys."""
     nkeys = cached_keys(cfg, layer, ctx) + t
+    if plan.attn_heads:
+        return max(1, min(plan.head_splits, math.ceil(nkeys / ATTN_HEAD_KEYS)))
     return max(1, min(plan.max_splits, math.ceil(nkeys / plan.keys_per_split)))
 
 
@@ -119,7 +124,7 @@ def n_units(plan: Plan, kind: str, layer: int, t: int, ctx: int, count: int) -> 
     return {
         "embed": t,
         "qkv": c.qkv_rows // plan.tiles["qkv"].rows,
-        "attn": c.n_kv_heads * splits(c, plan, layer, ctx, t),
+        "attn": (c.n_heads if plan.attn_heads else c.n_kv_heads) * splits(c, plan, layer, ctx, t),
         "attn_combine": c.n_heads * t,
         "oproj": c.d_model // plan.tiles["oproj"].rows,
         "router": c.n_experts // plan.tiles["router"].rows,
@@ -161,8 +166,8 @@ def group_size(plan: Plan, kind: str, layer: int, t: int, ctx: int) -> int:
 def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int, t: int, ctx: int) -> int:
     """Which group of `producer` the consumer unit waits for."""
     c = plan.cfg
-    if consumer == "attn" and producer == "qkv":
-        return unit // splits(c, plan, layer, ctx, t)
+    if consumer == "attn" and producer == "qkv":  # by kv head (Plan.attn_heads: the unit's q head's)
+        return unit // splits(c, plan, layer, ctx, t) // (c.group if plan.attn_heads else 1)
     if consumer == "attn_combine" and producer == "attn":
         return (unit // t) // c.group
     if consumer == "expert2" and producer == "expert1":
@@ -172,7 +177,9 @@ def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int
 
 def n_groups(plan: Plan, kind: str) -> int:
     c = plan.cfg
-    return {"qkv": c.n_kv_heads, "attn": c.n_kv_heads, "expert1": plan.max_slots}.get(kind, 0)
+    # attn with Plan.attn_heads: a ticket per q head (attention.cuh run_attn_head), no consumer's
+    return {"qkv": c.n_kv_heads, "attn": c.n_heads if plan.attn_heads else c.n_kv_heads,
+            "expert1": plan.max_slots}.get(kind, 0)
 
 
 def role_blocks(inst: OpInst, n_blocks: int) -> range:
@@ -295,8 +302,11 @@ def build(plan: Plan, mode: str = "layer") -> Program:
         cut()
     for l in range(c.n_layers):
         add("attn", l, [("qkv", DEP_GROUP)])
-        add("attn_combine", l, [("attn", DEP_GROUP)])
-        add("oproj", l, [("attn_combine", DEP_ALL)])
+        if plan.attn_heads:  # each head's last unit merged it: oproj needs every unit done
+            add("oproj", l, [("attn", DEP_ALL)])
+        else:
+            add("attn_combine", l, [("attn", DEP_GROUP)])
+            add("oproj", l, [("attn_combine", DEP_ALL)])
         add("router", l, [("oproj", DEP_ALL)])
         add("pool", l, [("oproj", DEP_ALL)], rot=pool_rotation(plan, ops[last["router"]]))
         topk_blocks = role_blocks(OpInst(-1, "topk", l, (), 0, -1, 0, 0, ASSIGN_STRIDED, role=role_of(plan, "topk"),

@@ -207,6 +207,13 @@ MK_DEV void st_release_cta(int* p, int v) { *reinterpret_cast<volatile int*>(p) 
 MK_DEV int ld_acquire_cta(const int* p) { emu::yield(); return *reinterpret_cast<const volatile int*>(p); }
 MK_DEV void fence_release() {}
 MK_DEV void red_relaxed(uint32_t* p, uint32_t v) { *p += v; emu::note_sync_write(true); }
+MK_DEV uint32_t atom_add_relaxed(uint32_t* p, uint32_t v) {  // another block may take its ticket first
+  emu::yield();
+  const uint32_t old = *p;
+  *p = old + v;
+  emu::note_sync_write(true);
+  return old;
+}
 MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long cmp, unsigned long long v) {
   const unsigned long long old = *p;
   if (old == cmp) *p = v;

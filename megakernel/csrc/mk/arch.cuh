@@ -195,6 +195,13 @@ MK_DEV void fence_release() { mb::fence_acq_rel_gpu(); }
 MK_DEV void red_relaxed(uint32_t* p, uint32_t v) {
   asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// A ticket (attention.cuh run_attn_head): the counter's value before this add. With fence_release
+// before it, a release pattern; with fence_release after it, an acquire pattern (PTX memory model).
+MK_DEV uint32_t atom_add_relaxed(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
 MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long cmp, unsigned long long v) {
   return atomicCAS(p, cmp, v);
 }

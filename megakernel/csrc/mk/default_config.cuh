@@ -30,6 +30,8 @@ constexpr int MAX_SLOTS = 8;
 constexpr int MAX_SPLITS = 5;
 constexpr int KEYS_PER_SPLIT = 32;
 constexpr int ATT_KB = 64;  // keys attention stages per round
+constexpr bool ATTN_HEADS = false;  // Plan.attn_heads
+constexpr int HEAD_SPLITS = 3, ATTN_HEAD_KEYS = 64;  // Plan.attn_heads: splits a q head, keys a round
 constexpr int MOE_COMBINE_COLS = 16;
 // launch shape
 constexpr int WARPS = 8;

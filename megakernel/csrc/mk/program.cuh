@@ -61,7 +61,7 @@ MK_DEV int n_units(const Blk& b, const Op& o) {
   switch (o.kind) {
     case OP_EMBED: return b.T;
     case OP_QKV: return QKV_ROWS / TILE_QKV_ROWS;
-    case OP_ATTN: return HKV * attn_splits(o.layer, b.ctx, b.T);
+    case OP_ATTN: return (ATTN_HEADS ? HQ : HKV) * attn_splits(o.layer, b.ctx, b.T);
     case OP_ATTN_COMBINE: return HQ * b.T;
     case OP_OPROJ: return D / TILE_OPROJ_ROWS;
     case OP_ROUTER: return E / TILE_ROUTER_ROWS;
@@ -99,7 +99,7 @@ MK_DEV int group_size(const Blk& b, const Op& o) {
 }
 // the group of producer `pr` that unit u of consumer `o` needs
 MK_DEV int needed_group(const Blk& b, const Op& o, const Op& pr, int u) {
-  if (o.kind == OP_ATTN) return u / attn_splits(o.layer, b.ctx, b.T);  // <- qkv, by kv head
+  if (o.kind == OP_ATTN) return u / attn_splits(o.layer, b.ctx, b.T) / (ATTN_HEADS ? G : 1);  // <- qkv, by kv head
   if (o.kind == OP_ATTN_COMBINE) return (u / b.T) / G;             // <- attn, by kv head
   if (o.kind == OP_EXPERT2) return u / EXP2_TILES;                 // <- expert1, by slot
   return 0;
@@ -307,8 +307,14 @@ MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
   switch (o.kind) {
     case OP_EMBED: run_embed(b, u); break;
     case OP_QKV: run_qkv(b, o.layer, u, what); break;
-    case OP_ATTN: run_attn(b, o.layer, u); break;
-    case OP_ATTN_COMBINE: run_attn_combine(b, o.layer, u); break;
+    case OP_ATTN:
+      // ATTN_HEADS: the ticket of the unit's q head is attention's group counter (program.py n_groups)
+      if constexpr (ATTN_HEADS) run_attn_head(b, o.layer, u, counters(b) + o.group_base);
+      else run_attn(b, o.layer, u);
+      break;
+    case OP_ATTN_COMBINE:
+      if constexpr (!ATTN_HEADS) run_attn_combine(b, o.layer, u);  // ATTN_HEADS: attention merges (no such op)
+      break;
     case OP_OPROJ: run_oproj(b, o.layer, u, what); break;
     case OP_ROUTER: run_router(b, o.layer, u, what); break;
     case OP_POOL: run_pool(b, o.layer, u, what); break;
@@ -640,7 +646,7 @@ MK_DEV void kv_prefetch(const Blk& b, const Op& o) {
   const int slots = cache_slots(o.layer);
   const UnitRange r = my_units(o, n_units(b, o));
   for (int u = r.begin; u < r.end; u += r.step) {  // the run of each split as run_attn computes it
-    const int kvh = u / nsplit, c0 = imin((u % nsplit) * per, nall), c1 = imin(c0 + per, nall);
+    const int kvh = u / nsplit / (ATTN_HEADS ? G : 1), c0 = imin((u % nsplit) * per, nall), c1 = imin(c0 + per, nall);
     int seq = b.ctx - ncached + imin(c0, ncached);
     for (int n = imin(c1, ncached) - imin(c0, ncached); n > 0;) {  // slot runs: a sliding layer's wrap
       const int slot = cache_slot(o.layer, seq), run = imin(n, slots - slot);
