@@ -623,9 +623,6 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     if attn_heads not in (0, 1, False, True):
         raise ValueError(f"attn_heads {attn_heads!r}: want 0 (kv-head units and the combine op) or 1 (q-head units, "
                          "merged by the last unit of each head)")
-    if attn_heads and cfg.head_dim % (8 * WARPS):
-        raise ValueError(f"attn_heads: head_dim {cfg.head_dim} must be a multiple of {8 * WARPS} (each compute warp "
-                         "owns whole 8-wide column tiles of the P*V product)")
     for name, v in (("layout_pad", layout_pad), ("layout_gap", layout_gap)):
         if not (isinstance(v, int) and 0 <= v <= 65536 and v % 16 == 0):
             raise ValueError(f"{name} {v!r}: want a multiple of 16 bytes from 0 to 65536 (one 16-byte instruction each)")

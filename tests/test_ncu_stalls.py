@@ -222,7 +222,13 @@ def test_cli_adds_the_source_table_from_a_listing(sample, tmp_path, capsys):
     assert cli.main(["ncu-stalls", str(sample), "--listing", str(lst), "--top-source", "2"]) == 0
     md = capsys.readouterr().out
     assert "## Top 2 source positions" in md
-    assert "| expert_gemm1 mk/gemm.cuh:367 |" in md and "| schedule mk/wait.cuh:60 " in md and "| ? " not in md
+    top2, per_op = md.split("## Per op")
+    assert "| expert_gemm1 mk/gemm.cuh:367 |" in top2 and "| schedule mk/wait.cuh:60 " in top2 and "| ? " not in top2
+    # the per-op account, every op: the k-loop's, the schedule's wait and EXIT, the LDC without line info
+    rows = [ln.split("|")[1:6] for ln in per_op.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
+    assert [[c.strip() for c in r] for r in rows] == [["expert_gemm1", "3", "192", "50", "55.6%"],
+                                                      ["schedule", "3", "17", "30", "33.3%"],
+                                                      ["?", "1", "1", "10", "11.1%"]]
     assert cli.main(["ncu-stalls", str(sample), "--listing", str(tmp_path / "none.sass")]) == 2
     assert "none.sass: no such listing" in capsys.readouterr().err
 
