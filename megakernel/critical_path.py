@@ -539,9 +539,46 @@ def levers(inp: Inputs, rs: Sequence[Row] | None = None) -> list[Lever]:
               "saves the hop and the combine op, but the last split of a kv head merges all its "
               f"{c.group * inp.n_tokens} query rows' partials alone"),
     ]
+    out.append(_attn_heads_lever(inp, by, plan, l2_sm))
     if inp.clock_hz:
         out += [_roles_lever(inp, rs), _shared_dense_lever(inp, rs)]
     return sorted(out, key=lambda lv: -lv.saving_s)
+
+
+def _attn_heads_lever(inp: Inputs, by: dict, plan, l2_sm: float) -> Lever:
+    """Plan.attn_heads: units by q head over as many key runs as the grid holds per head, each head
+    merged by the last of its units to take a ticket. Saves the hop to the combine op and the op;
+    costs each unit's extra staging rounds of keys (a q head's run is HQ/HKV times a kv head's,
+    over the heads' splits), each about half the attention's first staging (two round trips: Q,
+    then K/V), one block's read of its head's partials at 1/n_sm of the L2 rate, and the ticket's
+    release and round trip. Written after its A/B (2026-12-03): the expectation before it was the
+    hop and the combine, about 5 us a layer, with the rounds and the merge not counted."""
+    import math
+
+    from .pipeline import middle_launch, plan_for
+    from .plan import ATTN_HEAD_KEYS
+    from .program import cached_keys, splits
+
+    c = plan.cfg
+    heads = plan_for(inp.preset, None, inp.n_sm, tokens=inp.n_tokens, attn_heads=True)
+    layer = middle_launch(inp.launches) - 1
+    nkeys = cached_keys(c, layer, inp.ctx) + inp.n_tokens
+    sh, sk = splits(c, heads, layer, inp.ctx, inp.n_tokens), splits(c, plan, layer, inp.ctx, inp.n_tokens)
+    rounds_h = math.ceil(math.ceil(nkeys / sh) / ATTN_HEAD_KEYS)
+    rounds_k = math.ceil(math.ceil(nkeys / sk) / plan.attn_round_keys)
+    extra = (rounds_h - rounds_k) * inp.stage_s.get("attn", 0.0) / 2
+    merge_bytes = sh * inp.n_tokens * (c.head_dim + 2) * 4
+    saved = hop_cost_s(inp, "attn", "attn_combine") + by["attn_combine"].measured_s
+    us = 1e6
+    return Lever(
+        "attention by q head, each head merged by its last unit (Plan.attn_heads)", "front",
+        saved - extra - merge_bytes / l2_sm - inp.publish_s - inp.flag_s,
+        f"saves the hop to the combine and the op ({saved * us:.2f} us); a unit is one q head over 1/{sh} of the "
+        f"{nkeys} keys, {rounds_h} rounds of {ATTN_HEAD_KEYS} against {rounds_k} of {plan.attn_round_keys} "
+        f"(-{extra * us:.2f} us at half the first staging each), the last unit reads its head's {sh} partials "
+        f"({merge_bytes / 1e3:.0f} KB) alone at 1/{inp.n_sm} of the L2 rate (-{merge_bytes / l2_sm * us:.2f} us) "
+        f"after the ticket's release and round trip (-{(inp.publish_s + inp.flag_s) * us:.2f} us)",
+        **_measured(inp, lambda sw: sw == {"attn_heads": 1}))
 
 
 def warm_gain_s(inp: Inputs, op: str) -> float:
@@ -659,11 +696,12 @@ def op_units(inp: Inputs) -> dict[str, int]:
 
 def combined_saving_s(lvs: Sequence[Lever]) -> float:
     """The levers with a positive prediction together, per layer: summed, but of those that end at
-    the same bound (Lever.limit) only the largest."""
+    the same bound (Lever.limit) only the largest. A lever built and timed slower (its in-run A/B
+    measured no saving) has nothing left to bank on, whatever its prediction."""
     best: dict[str, float] = {}
     total = 0.0
     for lv in lvs:
-        if lv.saving_s <= 0 or lv.hypothesis:
+        if lv.saving_s <= 0 or lv.hypothesis or (lv.measured_s is not None and lv.measured_s <= 0):
             continue
         if lv.limit:
             best[lv.limit] = max(best.get(lv.limit, 0.0), lv.saving_s)
@@ -781,7 +819,8 @@ def render(inp: Inputs, rs: Sequence[Row], segs: Sequence[Row], lvs: Sequence[Le
                   f"{sum(r.bound_s for r in segs if r.segment != 'experts') * us:.1f} us)."]
     after = inp.step_s - combined_saving_s(lvs) * inp.launches
     lines += ["", f"All levers with a positive prediction together (those that end at the same bound counted once, "
-                  f"the largest; hypotheses left out): {after * 1e3:.3f} ms, {inp.roofline_s / after:.1%} of "
+                  f"the largest; hypotheses and levers their A/B measured slower left out): {after * 1e3:.3f} ms, "
+                  f"{inp.roofline_s / after:.1%} of "
                   f"the roofline (today {inp.roofline_s / inp.step_s:.1%}); 70% needs {inp.roofline_s / 0.7 * 1e3:.3f} ms, "
                   f"{(after - inp.roofline_s / 0.7) / inp.launches * us:.1f} us a layer more than they give."]
     # a hypothesis an A/B measured as no saving is refuted, not pending

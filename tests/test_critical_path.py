@@ -76,7 +76,8 @@ def test_levers_largest_first_with_their_arithmetic(committed):
     assert len(front) == 2 and cp.combined_saving_s(front) == pytest.approx(max(lv.saving_s for lv in front))
     assert cp.combined_saving_s(lvs) == pytest.approx(pre.saving_s + max(lv.saving_s for lv in front)
                                                       + sum(lv.saving_s for lv in lvs if lv.saving_s > 0
-                                                            and not lv.limit and lv is not pre and not lv.hypothesis))
+                                                            and not lv.limit and lv is not pre and not lv.hypothesis
+                                                            and not (lv.measured_s is not None and lv.measured_s <= 0)))
     md = cp.render(inp, rs, segs, lvs)
     for lv in lvs:
         assert lv.name in md
@@ -251,3 +252,18 @@ def test_the_shared_dense_lever_is_warm_code_less_its_control_and_a_measured_los
     won = dataclasses.replace(lv, measured_s=1e-6)
     md2 = cp.render(inp, rs, segs, [won if x is lv else x for x in lvs])
     assert "Refuted by its A/B" not in md2 and "With the hypotheses too (the dense ops through one copy" in md2
+
+
+def test_the_attention_by_head_lever_counts_its_rounds_and_merge_and_carries_its_ab(committed):
+    """Plan.attn_heads saves the hop to the combine and the combine op, less each unit's extra
+    staging rounds (a q head's 129-key run in rounds of 64 against a kv head's 32 keys in one), one
+    block's read of its head's 16 partials and the ticket's release and round trip. Its A/B (H200
+    2026-12-03 13:52Z, shard8 T=16) measured a loss, so it is out of the positive levers' sum."""
+    inp, rs, segs, lvs = committed
+    lv = next(lv for lv in lvs if "Plan.attn_heads" in lv.name)
+    by = {r.item: r for r in rs}
+    saved = cp.hop_cost_s(inp, "attn", "attn_combine") + by["attn_combine"].measured_s
+    assert "3 rounds of 64 against 1 of 32" in lv.how and "16 partials" in lv.how
+    assert 0 < saved - lv.saving_s < saved
+    assert lv.measured_s is not None and lv.measured_s < 0 and lv.measured_by.startswith("megakernel.ab 2026-12-03")
+    assert cp.combined_saving_s([lv]) == 0.0 and cp.combined_saving_s([dataclasses.replace(lv, measured_s=None)]) > 0
