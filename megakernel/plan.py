@@ -681,8 +681,10 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              "lm_head": c.vocab, "expert1": 2 * c.d_expert, "expert2": c.d_pool}[name]
         if n % t.rows:
             raise ValueError(f"{name}: {n} output rows not a multiple of the {t.rows}-row tile")
-    if p.attn_heads and p.attn_parts < p.head_splits:  # run_attn_head's partials live in att_o (runtime)
-        raise ValueError(f"attn_heads: {p.head_splits} splits a head need att_o rows for them ({p.attn_parts} parts)")
+    # run_attn_head's partials live in att_o, sized for the kv-head form's (runtime): HQ x head_splits
+    # rows of 16 fit HKV x attn_parts rows of G * 16, as head_splits (n_sm // HQ, keys / 64) never
+    # exceeds max_splits (n_sm // HKV, keys / 32)
+    assert p.head_splits <= p.attn_parts, (p.head_splits, p.attn_parts)
     if c.head_dim % 8 or c.qkv_rows % 8:
         raise ValueError("head_dim must be a multiple of the 8-row qkv tile (tiles never straddle heads)")
     return p
@@ -723,7 +725,8 @@ def render(plan: Plan) -> str:
         f"constexpr int KEYS_PER_SPLIT = {plan.keys_per_split};",
         f"constexpr int ATT_KB = {plan.attn_round_keys};  // keys attention stages per round",
         f"constexpr bool ATTN_HEADS = {'true' if plan.attn_heads else 'false'};  // Plan.attn_heads",
-        f"constexpr int HEAD_SPLITS = {plan.head_splits}, ATTN_HEAD_KEYS = {ATTN_HEAD_KEYS};  // Plan.attn_heads: splits a q head, keys a round",
+        f"constexpr int HEAD_SPLITS = {plan.head_splits}, ATTN_HEAD_KEYS = {ATTN_HEAD_KEYS};  "
+        "// Plan.attn_heads: splits a q head, keys a round",
         f"constexpr int MOE_COMBINE_COLS = {MOE_COMBINE_COLS};",
         "// launch shape",
         f"constexpr int WARPS = {WARPS};",
