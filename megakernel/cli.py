@@ -330,18 +330,20 @@ def _sass_chains(a):
 
 def _by_source_markdown(df, chains, top: int) -> str:
     from .build import op_of_chain
-    from .ncu_stalls import by_source
+    from .ncu_stalls import by_op, by_source
 
     t = by_source(df, chains, _source_label, top=top)
-    # the per-op account (issue 48): every op's instructions and stall samples, largest first; a
-    # sample is one warp's state at one sampling instant, so an op's share is its share of the warps'
-    # resident time, not of the critical path (top-k's one block weighs little)
-    ops = by_source(df, chains, op_of_chain, top=len(df))
-    ops.insert(4, "share", [f"{100 * s / max(int(df.samples.sum()), 1):.1f}%" for s in ops.samples])
+    # the per-op account (issue 48): every op's stall samples, largest first, split into its copy
+    # waits (its bytes) and its own work, with what the own work stalls on; a sample is one warp's
+    # state at one sampling instant, so an op's share is its share of the warps' resident time, not
+    # of the critical path (top-k's one block weighs little)
+    ops = by_op(df, chains, op_of_chain)
     return "\n".join([f"## Top {top} source positions (op and innermost line; no_inst = instruction-fetch stalls)",
                       "", t.to_markdown(index=False), "",
-                      "## Per op (instructions that ran, warp instructions executed, stall samples)",
-                      "", ops.rename(columns={"source": "op"}).to_markdown(index=False), ""])
+                      "## Per op (instructions that ran, warp instructions executed, stall samples: at the op's "
+                      "copy waits, mk/wait.cuh, and in its own work; own_no_inst = instruction fetch, "
+                      "own_long_sb = global and L2 loads)",
+                      "", ops.to_markdown(index=False), ""])
 
 
 def _ncu_stalls(a) -> int:

@@ -183,18 +183,14 @@ def _opcode(text: str) -> str:
     return words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "")
 
 
-def by_source(df: pd.DataFrame, chains: list[tuple[int, str, list[str]]], label: Callable[[list[str]], str],
-              top: int = 25) -> pd.DataFrame:
-    """Samples per source position: df (read_sass_csv) joined with instruction_chains
-    (microbench.sass) of the same build, instruction by instruction (offset = address - the
-    kernel's first address), grouped by label(chain) ("?" where nvdisasm gave no chain). The `top`
-    groups with most samples: source, instructions (those executed at all), executed (warp
-    instructions), samples, no_inst (instruction-fetch stall samples; 0 if ncu had no such column),
-    top3. Raises ValueError when the listing is not the profiled build: an offset missing from the
+def _chain_of(df: pd.DataFrame, chains: list[tuple[int, str, list[str]]]) -> list[list[str]]:
+    """The inline chain of every profiled instruction (microbench.sass.instruction_chains of the
+    same build; offset = address - the kernel's first address; [] where nvdisasm gave none).
+    Raises ValueError when the listing is not the profiled build: an offset missing from the
     listing, or another opcode there."""
     at = {off: (text, chain) for off, text, chain in chains}
     base = int(df.address.min()) if len(df) else 0
-    keys = []
+    out = []
     for addr, src in zip(df.address, df.source):
         hit = at.get(int(addr) - base)
         if hit is None or _opcode(hit[0]) != _opcode(src):
@@ -203,8 +199,25 @@ def by_source(df: pd.DataFrame, chains: list[tuple[int, str, list[str]]], label:
             raise ValueError(f"the SASS listing is not the profiled build: offset {int(addr) - base:#x} is "
                              f"{src.strip()!r} in the profile and {got} in the listing"
                              + (f" ({skipped} malformed profile rows were skipped)" if skipped else ""))
-        keys.append(label(hit[1]) if hit[1] else "?")
-    rs = reasons(df)
+        out.append(hit[1])
+    return out
+
+
+def _counted(df: pd.DataFrame) -> list[str]:
+    """The stall reasons that are sample counts (numeric columns)."""
+    return [r for r in reasons(df) if pd.api.types.is_numeric_dtype(df[r])]
+
+
+def by_source(df: pd.DataFrame, chains: list[tuple[int, str, list[str]]], label: Callable[[list[str]], str],
+              top: int = 25) -> pd.DataFrame:
+    """Samples per source position: df (read_sass_csv) joined with instruction_chains
+    (microbench.sass) of the same build, instruction by instruction, grouped by label(chain) ("?"
+    where nvdisasm gave no chain). The `top` groups with most samples: source, instructions (those
+    executed at all), executed (warp instructions), samples, no_inst (instruction-fetch stall
+    samples; 0 if ncu had no such column), top3. Raises ValueError when the listing is not the
+    profiled build (_chain_of)."""
+    keys = [label(c) if c else "?" for c in _chain_of(df, chains)]
+    rs = _counted(df)
     d = df.assign(source_pos=keys, ran=(df.executed > 0).astype("int64"))
     if "no_inst" not in d.columns:
         d = d.assign(no_inst=0)
@@ -215,6 +228,45 @@ def by_source(df: pd.DataFrame, chains: list[tuple[int, str, list[str]]], label:
     t["top3"] = [_top3(r[rs], int(r.samples)) for _, r in t.iterrows()]
     return t.rename(columns={"source_pos": "source", "ran": "instructions"})[
         ["source", "instructions", "executed", "samples", "no_inst", "top3"]]
+
+
+# An instruction of these source files is a bounded wait for a bulk copy (mk/wait.cuh: the ring's
+# and the staging's mbarriers): the op waits for its bytes there, it does no work of its own.
+COPY_WAIT_SOURCES = ("mk/wait.cuh:",)
+
+
+def by_op(df: pd.DataFrame, chains: list[tuple[int, str, list[str]]], op: Callable[[list[str]], str]) -> pd.DataFrame:
+    """The per-op account (issue 48): every op's samples split into its copy waits (innermost
+    source in COPY_WAIT_SOURCES) and its own work (the rest), and what the own work stalls on.
+    Columns: op, instructions (executed at all), executed (warp instructions), samples, share (of
+    all samples), copy_wait (samples), own (samples), own_no_inst and own_long_sb (percent of own:
+    instruction fetch, and waits on global or L2 loads), own_top3. Largest `samples` first. A
+    sample is one warp's state at one sampling instant, so an op's share is its share of the warps'
+    resident time, not of the critical path. Raises ValueError as by_source does."""
+    cs = _chain_of(df, chains)
+    rs = _counted(df)
+    d = df.assign(op=[op(c) if c else "?" for c in cs], ran=(df.executed > 0).astype("int64"),
+                  waiting=[bool(c) and any(w in c[0] for w in COPY_WAIT_SOURCES) for c in cs])
+    for r in ("no_inst", "long_sb"):
+        if r not in d.columns:
+            d = d.assign(**{r: 0})
+    total = max(int(d.samples.sum()), 1)
+    rows = []
+    for name, g in d.groupby("op"):
+        if int(g.samples.sum()) == 0:
+            continue  # an op that never ran here (another launch's), as by_source drops it
+        own = g[~g.waiting]
+        n_own = int(own.samples.sum())
+        counts = own[rs].sum() if rs else pd.Series(dtype="int64")
+        pct = (lambda r: f"{100 * int(own[r].sum()) / n_own:.0f}%" if n_own else "")
+        rows.append({"op": name, "instructions": int(g.ran.sum()), "executed": int(g.executed.sum()),
+                     "samples": int(g.samples.sum()), "share": f"{100 * int(g.samples.sum()) / total:.1f}%",
+                     "copy_wait": int(g[g.waiting].samples.sum()), "own": n_own,
+                     "own_no_inst": pct("no_inst"), "own_long_sb": pct("long_sb"),
+                     "own_top3": _top3(counts, n_own)})
+    t = pd.DataFrame(rows, columns=["op", "instructions", "executed", "samples", "share", "copy_wait", "own",
+                                    "own_no_inst", "own_long_sb", "own_top3"])
+    return t.sort_values(["samples", "op"], ascending=[False, True], ignore_index=True)
 
 
 def summary_markdown(df: pd.DataFrame, top: int = 12, n: int = 20) -> str:

@@ -10,6 +10,7 @@ import pytest
 from megakernel import cli
 from megakernel.ncu_stalls import (
     by_execution_count,
+    by_op,
     by_source,
     hottest,
     read_sass_csv,
@@ -203,6 +204,32 @@ def test_samples_by_source_position(sample):
     assert t.instructions.tolist() == [3, 2, 1] and t.executed.tolist() == [192, 16, 1]
     assert t.samples.tolist() == [50, 30, 10] and t.no_inst.tolist() == [0, 0, 0]
     assert t.top3[0] == "selected 40%, wait 32%, math 28%"
+
+
+def test_the_per_op_account_splits_copy_waits_from_own_work(sample):
+    # the wait (LDG, BAR: 30 samples, long_sb 20, wait 10) inlined into expert GEMM 1's staging:
+    # that op's 80 samples are 30 at its copy waits and 50 of its own (the k-loop's reasons); the
+    # LDC without line info is "?", all long_sb; the schedule's EXIT and BRA have no samples
+    from megakernel.build import op_of_chain
+    from microbench.sass import instruction_chains
+
+    inlined = LISTING.replace('line 60 inlined at "/r/megakernel/csrc/mk/program.cuh", line 206\n'
+                              '\t//## File "/r/megakernel/csrc/mk/program.cuh", line 206',
+                              'line 60 inlined at "/r/megakernel/csrc/ops/expert_gemm1.cuh", line 20\n'
+                              '\t//## File "/r/megakernel/csrc/ops/expert_gemm1.cuh", line 20')
+    assert inlined != LISTING
+    df = read_sass_csv(sample)
+    t = by_op(df, instruction_chains(inlined.splitlines(), kernel="mk_run"), op_of_chain)
+    assert t.op.tolist() == ["expert_gemm1", "?"]
+    assert t.samples.tolist() == [80, 10] and t.copy_wait.tolist() == [30, 0] and t.own.tolist() == [50, 10]
+    assert t.share.tolist() == ["88.9%", "11.1%"] and t.instructions.tolist() == [5, 1]
+    assert t.own_top3.tolist() == ["selected 40%, wait 32%, math 28%", "long_sb 100%"]
+    assert t.own_long_sb.tolist() == ["0%", "100%"] and t.own_no_inst.tolist() == ["0%", "0%"]  # no such column: 0
+    # the wait in the schedule (the listing as profiled): the schedule's samples are all copy waits
+    t = by_op(df, instruction_chains(LISTING.splitlines(), kernel="mk_run"), op_of_chain)
+    s = t.set_index("op")
+    assert s.loc["schedule", "copy_wait"] == 30 and s.loc["schedule", "own"] == 0
+    assert s.loc["schedule", "own_top3"] == "" and s.loc["expert_gemm1", "copy_wait"] == 0
 
 
 def test_a_listing_of_another_build_is_refused(sample):
