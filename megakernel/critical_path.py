@@ -99,6 +99,11 @@ class Inputs:
     # gate/up's opening ring waits: k -> the median over blocks of a layer's first k ring waits in
     # gate/up (the detail trace), the waits that k prestaged chunks can remove
     opening_waits_s: dict = field(default_factory=dict)
+    # the per-op account of Nsight Compute at the middle launch (ncu_ops: the newest
+    # ncu-mega-<preset>-L<launch>-*-stalls.md with a per-op table that splits the copy waits off):
+    # CHAIN op -> its row (samples, copy_wait, own, own_no_inst, own_long_sb as ints or percent
+    # numbers, own_top3); {} when there is none
+    ncu_ops: dict = field(default_factory=dict)
 
     def code_s(self, op: str, cpi: float | None = None) -> float:
         """One pass over the op's code at `cpi` cycles an instruction (default: served from L2)."""
@@ -265,6 +270,7 @@ def inputs(root: Path | None = None) -> Inputs:
     ring = {op: detail.derived[f"ring_wait_{op}_s"].value / cfg.n_layers for op in ("expert1", "expert2")}
     n_sm = int(tl.env.sm_count or 132)
     placement = role_inputs(root, preset, t, ctx, n_sm)
+    ncu = ncu_ops(root, preset, middle_launch(launches))
     return Inputs(
         preset, t, ctx, n_sm, distinct, ceiling,
         l2.derived["l2_bandwidth_bytes_per_s"].value, flags.derived["flag_latency_s"].value,
@@ -276,7 +282,8 @@ def inputs(root: Path | None = None) -> Inputs:
         icache_bytes=code.get("icache_bytes", 0), l2_cpi=code.get("l2_cpi", 0.0), sm_cpi=code.get("sm_cpi", 0.0),
         clock_hz=code.get("clock_hz", 0.0), same_role=placement["same_role"], opening_waits_s=_opening_waits(spans),
         ring_blocks_fraction=placement["ring_blocks"], ab_savings=ab_savings(root, preset, t, ctx, launches),
-        sources={**code.get("sources", {}), **placement["sources"], **({"code_stale": code["stale"]} if "stale" in code else {}), "timeline": f"megakernel.timeline {tl.env.date} {tl.env.git_sha[:7]} (launch "
+        ncu_ops=ncu.get("ops", {}),
+        sources={**code.get("sources", {}), **placement["sources"], **ncu.get("sources", {}), **({"code_stale": code["stale"]} if "stale" in code else {}), "timeline": f"megakernel.timeline {tl.env.date} {tl.env.git_sha[:7]} (launch "
                              f"{middle_launch(launches)} of {launches}, medians over blocks)",
                  "detail": f"megakernel.timeline_detail {detail.env.date} {detail.env.git_sha[:7]} and its trace",
                  "flag": f"sync.flags flag_latency_s {flags.env.date}",
@@ -340,6 +347,54 @@ def ab_savings(root: Path | None, preset: str, tokens: int, ctx: int, launches: 
             out[tuple(sorted(sw.items()))] = ((at[0].summary.median - x.summary.median) / launches,
                                              f"megakernel.ab {res.env.date} {res.env.git_sha[:7]}")
     return out
+
+
+NCU_STALLS = re.compile(r"ncu-mega-(?P<preset>\w+)-L(?P<launch>\d+)-(?P<stamp>\d{8}T\d{4,6}Z)-(?P<sha>[0-9a-f]+)-stalls\.md")
+
+
+def _md_table(lines: list[str]) -> list[dict]:
+    """The rows of the first pipe table in `lines` (header, separator, rows) as dicts of stripped cells."""
+    rows = [ln for ln in lines if ln.startswith("|")]
+    if len(rows) < 2:
+        return []
+    head = [c.strip() for c in rows[0].strip("|").split("|")]
+    return [dict(zip(head, (c.strip() for c in r.strip("|").split("|")))) for r in rows[2:]]
+
+
+def ncu_ops(root: Path | None, preset: str, launch: int) -> dict:
+    """The per-op account of the newest Nsight Compute stall summary of this launch (the
+    `## Per op` table that `megakernel.cli ncu-stalls --preset` writes, with its copy waits split
+    off: ncu_stalls.by_op): {"ops": {CHAIN op: row}, "sources": {"ncu": file}}, or {} when no
+    summary of the launch has that table (older ones only counted samples per op)."""
+    from microbench.errors import ResultsFileError
+    from microbench.results import REPO_ROOT
+
+    base = (root or REPO_ROOT / "reports" / "results") / "megakernel"
+    found = sorted((m.group("stamp"), p) for p in base.glob("ncu-mega-*-stalls.md")
+                   if (m := NCU_STALLS.fullmatch(p.name)) and m.group("preset") == preset
+                   and int(m.group("launch")) == launch)
+    for _, path in reversed(found):
+        text = path.read_text().splitlines()
+        at = next((i for i, ln in enumerate(text) if ln.startswith("## Per op")), None)
+        if at is None:
+            continue
+        table = _md_table(text[at + 1:])
+        if not table or "copy_wait" not in table[0]:
+            continue
+        by_src = {r["op"]: r for r in table}
+        ops = {}
+        for op, src in OP_SOURCE.items():
+            r = by_src.get(src)
+            if r is None:
+                continue
+            try:
+                ops[op] = {"samples": int(r["samples"]), "copy_wait": int(r["copy_wait"]), "own": int(r["own"]),
+                           "own_no_inst": float(r["own_no_inst"].rstrip("%") or 0),
+                           "own_long_sb": float(r["own_long_sb"].rstrip("%") or 0), "own_top3": r["own_top3"]}
+            except (KeyError, ValueError) as e:
+                raise ResultsFileError(f"critical path: {path.name}: the per-op row of {src!r} is malformed ({e})")
+        return {"ops": ops, "sources": {"ncu": f"{path.name} (Nsight Compute, launch {launch})"}}
+    return {}
 
 
 def cold_code_inputs(root: Path | None, preset: str, tokens: int, tl) -> dict:
@@ -775,6 +830,37 @@ def cold_code_lines(inp: Inputs, rs: Sequence[Row]) -> list[str]:
             "of its code (untaken branches are not fetched): the agreement is of sums, not a per-op fit."]
 
 
+def ncu_lines(inp: Inputs, rs: Sequence[Row]) -> list[str]:
+    """What the ops' own time stalls on (the per-op Nsight Compute account), beside each op's excess
+    over its bound: the term the model has no bound for. Empty without an account."""
+    if not inp.ncu_ops:
+        return []
+    us = 1e6
+    on_path = [r for r in rs if "->" not in r.item and r.segment != "experts" and r.item in inp.ncu_ops]
+    head = ["", f"What the front's and the back's ops stall on ({inp.sources['ncu']}: stall samples of every warp, "
+            "so an op's samples are its warps' resident time, not its time on the path; copy waits are the op's "
+            "bounded waits for its own bulk copies, the rest is its own work):", "",
+            "| op | measured - bound us | cold code us | samples | at copy waits | own | own: instruction fetch | "
+            "own: global and L2 loads | own work's top 3 |", "|---|---|---|---|---|---|---|---|---|"]
+    body = []
+    for r in on_path:
+        n = inp.ncu_ops[r.item]
+        code = f"{r.code_s * us:.2f}" if inp.clock_hz else ""
+        body.append(f"| {r.item} | {r.excess_s * us:+.2f} | {code} | {n['samples']} | {n['copy_wait']} | {n['own']} | "
+                    f"{n['own_no_inst']:.0f}% | {n['own_long_sb']:.0f}% | {n['own_top3']} |")
+    fetch = [r.item for r in on_path if inp.ncu_ops[r.item]["own_no_inst"] >= 30]
+    loads = [r.item for r in on_path if inp.ncu_ops[r.item]["own_long_sb"] >= 30]
+    own = sum(inp.ncu_ops[r.item]["own"] for r in on_path)
+    waits = sum(inp.ncu_ops[r.item]["copy_wait"] for r in on_path)
+    fetch_share = sum(inp.ncu_ops[r.item]["own"] * inp.ncu_ops[r.item]["own_no_inst"] for r in on_path) / max(own, 1)
+    load_share = sum(inp.ncu_ops[r.item]["own"] * inp.ncu_ops[r.item]["own_long_sb"] for r in on_path) / max(own, 1)
+    tail = ["", f"Of these ops' {own + waits} samples, {waits} are at their copy waits and {own} in their own work; "
+            f"of the own work {fetch_share:.0f}% waits on instruction fetch and {load_share:.0f}% on global or L2 loads. "
+            + (f"Own work mostly fetching code (30% or more): {', '.join(fetch)}. " if fetch else "")
+            + (f"Mostly waiting on loads: {', '.join(loads)}." if loads else "")]
+    return head + body + tail
+
+
 def render(inp: Inputs, rs: Sequence[Row], segs: Sequence[Row], lvs: Sequence[Lever]) -> str:
     us = 1e6
 
@@ -796,6 +882,7 @@ def render(inp: Inputs, rs: Sequence[Row], segs: Sequence[Row], lvs: Sequence[Le
     lines += [line(r) for r in rs]
     lines += [line(r) for r in segs]
     lines += ["", *cold_code_lines(inp, rs)]
+    lines += ncu_lines(inp, rs)
     lines += ["", f"Hop cost (what removing one saves): release {inp.publish_s * us:.2f} us (the kernel's publish; "
                   f"the fence microbenchmark under load {inp.fence_s * us:.2f} us) + flag {inp.flag_s * us:.2f} us + the "
                   "consumer's first staging + the producer's end tail.", "",

@@ -267,3 +267,69 @@ def test_the_attention_by_head_lever_counts_its_rounds_and_merge_and_carries_its
     assert 0 < saved - lv.saving_s < saved
     assert lv.measured_s is not None and lv.measured_s < 0 and lv.measured_by.startswith("megakernel.ab 2026-12-03")
     assert cp.combined_saving_s([lv]) == 0.0 and cp.combined_saving_s([dataclasses.replace(lv, measured_s=None)]) > 0
+
+
+PER_OP_OLD = """## Per op (instructions that ran, warp instructions executed, stall samples)
+
+| op | instructions | executed | samples | share | no_inst | top3 |
+|:--|--:|--:|--:|:--|--:|:--|
+| router | 5 | 50 | 40 | 40.0% | 20 | no_inst 50% |
+"""
+PER_OP_NEW = """# Stall reasons ...
+
+## Top 2 source positions
+
+| source | samples |
+|:--|--:|
+| router mk/wait.cuh:65 | 10 |
+
+## Per op (instructions that ran, warp instructions executed, stall samples: at the op's copy waits, ...)
+
+| op | instructions | executed | samples | share | copy_wait | own | own_no_inst | own_long_sb | own_top3 |
+|:--|--:|--:|--:|:--|--:|--:|:--|:--|:--|
+| router | 5 | 50 | 40 | 40.0% | 10 | 30 | 50% | 20% | no_inst 50%, long_sb 20% |
+| qkv_rope | 4 | 40 | 60 | 60.0% | 0 | 60 | 0% | 40% | long_sb 40% |
+| argmax | 0 | 0 | 0 | 0.0% | 0 | 0 |  |  |  |
+"""
+
+
+def test_the_per_op_ncu_account_is_read_from_the_newest_summary_of_the_launch(tmp_path):
+    d = tmp_path / "megakernel"
+    d.mkdir()
+    assert cp.ncu_ops(tmp_path, "shard8", 31) == {}  # no summary: no account
+    (d / "ncu-mega-shard8-L31-20261201T0100Z-aaaaaaa-stalls.md").write_text(PER_OP_NEW)
+    (d / "ncu-mega-shard8-L31-20261202T0100Z-bbbbbbb-stalls.md").write_text(PER_OP_OLD)  # newer, no split: skipped
+    (d / "ncu-mega-shard8-L30-20261203T0100Z-ccccccc-stalls.md").write_text(PER_OP_OLD)  # another launch
+    (d / "ncu-mega-small-L31-20261203T0100Z-ddddddd-stalls.md").write_text(PER_OP_OLD)  # another preset
+    got = cp.ncu_ops(tmp_path, "shard8", 31)
+    assert got["sources"]["ncu"].startswith("ncu-mega-shard8-L31-20261201T0100Z-aaaaaaa-stalls.md")
+    assert set(got["ops"]) == {"router", "qkv"}  # by the chain's names (qkv_rope is qkv); ops not in it dropped
+    assert got["ops"]["router"] == {"samples": 40, "copy_wait": 10, "own": 30, "own_no_inst": 50.0,
+                                    "own_long_sb": 20.0, "own_top3": "no_inst 50%, long_sb 20%"}
+    assert cp.ncu_ops(tmp_path, "shard8", 32) == {}
+    (d / "ncu-mega-shard8-L31-20261204T0100Z-eeeeeee-stalls.md").write_text(PER_OP_NEW.replace("| 10 | 30 |", "| x | 30 |"))
+    with pytest.raises(ResultsFileError, match="20261204T0100Z-eeeeeee-stalls.md: the per-op row of 'router'"):
+        cp.ncu_ops(tmp_path, "shard8", 31)
+
+
+def test_the_ncu_account_sits_beside_each_front_and_back_ops_excess(committed):
+    inp, rs, segs, lvs = committed
+    assert inp.ncu_ops, "the committed per-op account of the middle launch (ncu-stalls --preset)"
+    for op, n in inp.ncu_ops.items():
+        assert n["copy_wait"] + n["own"] == n["samples"] and 0 <= n["own_no_inst"] + n["own_long_sb"] <= 100
+    lines = cp.ncu_lines(inp, rs)
+    on_path = [r for r in rs if "->" not in r.item and r.segment != "experts"]
+    assert sum(ln.startswith("| ") and ln.split("|")[1].strip() in cp.CHAIN for ln in lines) == len(on_path)
+    # the summary's shares are the own-sample-weighted means of the rows'
+    own = sum(inp.ncu_ops[r.item]["own"] for r in on_path)
+    fetch = sum(inp.ncu_ops[r.item]["own"] * inp.ncu_ops[r.item]["own_no_inst"] for r in on_path) / own
+    assert f"of the own work {fetch:.0f}% waits on instruction fetch" in lines[-1]
+    # a handmade account: one op fetch-bound, one load-bound, named so
+    ops = {r.item: {"samples": 10, "copy_wait": 0, "own": 10, "own_no_inst": 0.0, "own_long_sb": 0.0, "own_top3": ""}
+           for r in on_path}
+    ops["router"] = {**ops["router"], "own_no_inst": 60.0}
+    ops["attn"] = {**ops["attn"], "own_long_sb": 90.0}
+    last = cp.ncu_lines(dataclasses.replace(inp, ncu_ops=ops), rs)[-1]
+    assert "mostly fetching code (30% or more): router." in last and "Mostly waiting on loads: attn." in last
+    assert cp.ncu_lines(dataclasses.replace(inp, ncu_ops={}), rs) == []
+    assert "What the front's and the back's ops stall on" in cp.render(inp, rs, segs, lvs)
