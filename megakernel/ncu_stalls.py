@@ -203,11 +203,6 @@ def _chain_of(df: pd.DataFrame, chains: list[tuple[int, str, list[str]]]) -> lis
     return out
 
 
-def _counted(df: pd.DataFrame) -> list[str]:
-    """The stall reasons that are sample counts (numeric columns)."""
-    return [r for r in reasons(df) if pd.api.types.is_numeric_dtype(df[r])]
-
-
 def by_source(df: pd.DataFrame, chains: list[tuple[int, str, list[str]]], label: Callable[[list[str]], str],
               top: int = 25) -> pd.DataFrame:
     """Samples per source position: df (read_sass_csv) joined with instruction_chains
@@ -217,7 +212,7 @@ def by_source(df: pd.DataFrame, chains: list[tuple[int, str, list[str]]], label:
     samples; 0 if ncu had no such column), top3. Raises ValueError when the listing is not the
     profiled build (_chain_of)."""
     keys = [label(c) if c else "?" for c in _chain_of(df, chains)]
-    rs = _counted(df)
+    rs = reasons(df)
     d = df.assign(source_pos=keys, ran=(df.executed > 0).astype("int64"))
     if "no_inst" not in d.columns:
         d = d.assign(no_inst=0)
@@ -244,7 +239,7 @@ def by_op(df: pd.DataFrame, chains: list[tuple[int, str, list[str]]], op: Callab
     sample is one warp's state at one sampling instant, so an op's share is its share of the warps'
     resident time, not of the critical path. Raises ValueError as by_source does."""
     cs = _chain_of(df, chains)
-    rs = _counted(df)
+    rs = reasons(df)
     d = df.assign(op=[op(c) if c else "?" for c in cs], ran=(df.executed > 0).astype("int64"),
                   waiting=[bool(c) and any(w in c[0] for w in COPY_WAIT_SOURCES) for c in cs])
     for r in ("no_inst", "long_sb"):
@@ -258,7 +253,10 @@ def by_op(df: pd.DataFrame, chains: list[tuple[int, str, list[str]]], op: Callab
         own = g[~g.waiting]
         n_own = int(own.samples.sum())
         counts = own[rs].sum() if rs else pd.Series(dtype="int64")
-        pct = (lambda r: f"{100 * int(own[r].sum()) / n_own:.0f}%" if n_own else "")
+
+        def pct(reason: str) -> str:  # percent of the op's own samples ("" when it has none)
+            return f"{100 * int(own[reason].sum()) / n_own:.0f}%" if n_own else ""
+
         rows.append({"op": name, "instructions": int(g.ran.sum()), "executed": int(g.executed.sum()),
                      "samples": int(g.samples.sum()), "share": f"{100 * int(g.samples.sum()) / total:.1f}%",
                      "copy_wait": int(g[g.waiting].samples.sum()), "own": n_own,
