@@ -252,7 +252,7 @@ def by_op(df: pd.DataFrame, chains: list[tuple[int, str, list[str]]], op: Callab
             continue  # an op that never ran here (another launch's), as by_source drops it
         own = g[~g.waiting]
         n_own = int(own.samples.sum())
-        counts = own[rs].sum() if rs else pd.Series(dtype="int64")
+        counts = own[rs].sum()
 
         def pct(reason: str) -> str:  # percent of the op's own samples ("" when it has none)
             return f"{100 * int(own[reason].sum()) / n_own:.0f}%" if n_own else ""
