@@ -1,39 +1,37 @@
-"""In-run A/B of megakernel variants: how every kept or dropped change of this project was measured.
+"""In-run A/B of megakernel variants: how every kept or dropped change of this project was measured
+(the verdicts: reports/LEVERS.md).
 
 A variant is a kernel source tree (a copy of megakernel/csrc with an edit: `cp -r megakernel/csrc
 /tmp/v && $EDITOR /tmp/v/...`) and/or Plan switches (`keys_per_split=48`). For each point (preset,
 T, ctx) every variant is built and checked, then timed:
 
 - checks first, on the point's fresh random inputs: mega == chain bitwise (the mega step twice on
-  one engine, as the timing replays run it: a build that learns from the step before, like
-  Plan.prestage_experts, is checked with what it learned), close to the fp32 reference with the
-  reference's routing forced (`runtime.check_close`), and whether its logits equal the first
-  variant's bitwise (a pure speed change must say True); a variant that fails is reported and
-  not timed;
+  one engine, as the timing replays run it, so a build that carries state from one step into the
+  next is checked with that state), close to the fp32 reference with the reference's routing
+  forced (`runtime.check_close`), and whether its logits equal the first variant's bitwise (a pure
+  speed change must say True); a variant that fails is reported and not timed;
 - then `rounds` rounds; a round times every variant once (a CUDA graph of two steps, replayed
   under the harness's budget; timer: CUDA events around each replay, microbench.harness, the
   stream held so host submission is not counted) and the order alternates between rounds, so
   drift over the minutes of a run falls on all variants alike. A variant's figure is the median
   of its round medians, its change is against the first variant's, and the rounds are kept: their
-  spread is the noise a difference must clear (a layout placebo moved shard8 by -0.3..+0.7%,
-  README).
+  spread is the noise a difference must clear.
 
-Variants differing only in code layout move the step by that much. Edits that do little or no
-work move it further through code generation: -0.6% to +5.8% on 2026-11-30, e.g. the profiler
-compiled in but idle +2.2-2.4% (README). So an A/B measures the compiled kernel truthfully, but a
-difference of a few percent does not show the mechanism an edit was meant to exercise. A
-layout placebo measures that floor in the same run: `pad1024:layout_pad=1024` (Plan.layout_pad)
-is the first variant with ~1 KB of never-run code ahead of the kernel's body, every later
-instruction moved, the same work and bits; a variant's change inside the placebos' is layout.
-An edit in the middle of the kernel also moves code against other code, which the pad does
-not: `gap512:layout_gap=512` (Plan.layout_gap) puts the never-run code in the middle of the ops'
-code (at expert GEMM 1's case of run_unit). Gaps of 256 B-2 KB moved shard8 T=16 by -0.40..+0.35%,
-T=1 by +0.11..+0.64%, small T=16 by +0.19..+1.06% (H200 2026-12-01 02:39Z): a code edit's
-change inside that range is not evidence of its mechanism; compare it with the same code with
-its work gated off at run time where one can build that. Where the variants include layout
-placebos of the first (`is_placebo`: the same tree and switches but for `layout_pad` /
-`layout_gap`), the table says for every other variant whether its change lies beyond the range
-the first and its placebos span, widened by the rounds' spread (`PointResult.verdict`).
+Variants differing only in code layout move the step: the kernel's code is fetched from L2 every
+layer, so where an edit moves code matters, and edits that do little or no work move it through
+code generation too. So an A/B measures the compiled kernel truthfully, but a difference of a
+few percent does not show the mechanism an edit was meant to exercise. A layout placebo measures
+that floor in the same run: `pad1024:layout_pad=1024` (Plan.layout_pad) is the first variant with
+~1 KB of never-run code ahead of the kernel's body, every later instruction moved, the same work
+and bits; a variant's change inside the placebos' is layout. An edit in the middle of the kernel
+also moves code against other code, which the pad does not: `gap512:layout_gap=512`
+(Plan.layout_gap) puts the never-run code in the middle of the ops' code (at expert GEMM 1's case
+of run_unit). A code edit's change inside the placebos' range is not evidence of its mechanism;
+compare it with the same code with its work gated off at run time where one can build that.
+Where the variants include layout placebos of the first (`is_placebo`: the same tree and switches
+but for `layout_pad` / `layout_gap`), the table says for every other variant whether its change
+lies beyond the range the first and its placebos span, widened by the rounds' spread
+(`PointResult.verdict`).
 
 `build_variants` compiles every (preset, T, variant) into the kernel cache on a machine without a
 GPU (`MEGABENCH_CACHE`), so the GPU's minutes go to timing. Each point runs the build for its T
@@ -287,8 +285,8 @@ def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], 
                         out[mode] = eng.step(tokens, parents, ctx, mode=mode, routes=routes).logits.clone()
                         if mode == "mega":
                             engines[v.name] = eng
-                            # the same step again, as the timing replays run it: what a build learns
-                            # from the step before (Plan.prestage_experts' bet) is checked too
+                            # the same step again, as the timing replays run it: state a step
+                            # leaves for the next (counters' parity, sentinel slots) is checked too
                             out["again"] = eng.step(tokens, parents, ctx, mode=mode, routes=routes).logits.clone()
                 if not (torch.equal(out["mega"], out["chain"]) and torch.equal(out["again"], out["chain"])):
                     raise CorrectnessError(f"A/B {preset} T={t} ctx={ctx}: variant {v.name}: mega != chain bitwise "

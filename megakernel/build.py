@@ -44,7 +44,7 @@ def program_constants() -> str:
         f"constexpr uint32_t WHAT_RING_FULL = {program.WHAT_RING_FULL}, WHAT_RING_EMPTY = {program.WHAT_RING_EMPTY}, "
         f"WHAT_LOADER_ROUTE = {program.WHAT_LOADER_ROUTE}, WHAT_LOADER_GATE = {program.WHAT_LOADER_GATE}, "
         f"WHAT_SENTINEL = {program.WHAT_SENTINEL}, WHAT_NORM_ROWS = {program.WHAT_NORM_ROWS}, "
-        f"WHAT_LOADER_PACE = {program.WHAT_LOADER_PACE}, WHAT_PRESTAGE = {program.WHAT_PRESTAGE};",
+        f"WHAT_LOADER_PACE = {program.WHAT_LOADER_PACE};",
         "}  // namespace mk",
     ]) + "\n"
 
@@ -181,6 +181,4 @@ def build_emu(plan: Plan, opt: str = "-O1", extra_flags: tuple[str, ...] | None 
                                ctypes.c_void_p, ctypes.c_ulonglong]
     dll.emu_set_schedule.restype = ctypes.c_int
     dll.emu_set_schedule.argtypes = [ctypes.c_int]
-    dll.emu_copied_bytes.restype = ctypes.c_ulonglong
-    dll.emu_copied_bytes.argtypes = [ctypes.c_int]
     return dll

@@ -7,14 +7,12 @@
                           consecutive ones)
   timeline-detail [--preset P]   on a GPU: a profiled step that also stamps staging and ring waits
                           inside units; each op's time in them (megakernel.timeline_detail)
-  sanitize-step [--fused] [--prestage] [--attn-heads]   one tiny step in mega and chain mode (run under
-                          compute-sanitizer; --fused: d_pool and d_expert of 256, the fused expert unit;
-                          --prestage: the prestaged build, mega twice so the second step bets;
-                          --attn-heads: attention by q head, merged by each head's last unit, two steps a mode)
+  sanitize-step [--fused]   one tiny step in mega and chain mode (run under
+                          compute-sanitizer; --fused: d_pool and d_expert of 256, the fused expert unit)
   program [--preset P]    print the launches and op instances of one step
   sm-map [--point PRESET:T:CTX ...] [--variant NAME[:KEY=VALUE,...] ...] [--out FILE.md] [--save [DIR]]   on a GPU:
-                          which SM each block ran on, launch after launch, and how often an SM's
-                          next block has the role of its last (megakernel.sm_map; Plan.roles)
+                          which SM each block ran on, launch after launch, and how often a block
+                          keeps its SM (megakernel.sm_map)
   ncu-op --op K [K ...]   on a GPU: one chain-mode step up to the named ops of one layer, with only
                           those launches inside cudaProfilerStart/Stop (for `ncu --profile-from-start off`)
   ncu-mega [--launch L] [--variant NAME[=CSRC_DIR][:KEY=VALUE,...] ...]   on a GPU: per variant, one
@@ -186,14 +184,9 @@ def _sanitize(a) -> int:
         cfg = dataclasses.replace(cfg, d_pool=256, d_expert=256)
     w = generate(cfg, device="cuda")
     cache = KVCache(cfg, device="cuda").fill_random(torch.Generator(device="cuda").manual_seed(1))
-    pre = {"prestage_experts": 4} if a.prestage else {}
-    eng = Engine(w, make_plan(cfg, 4, fused_experts=a.fused, attn_heads=a.attn_heads, **pre), cache, backend="gpu",
-                 grid=4)
+    eng = Engine(w, make_plan(cfg, 4, fused_experts=a.fused), cache, backend="gpu", grid=4)
     toks = list(range(1, 9))
-    # --prestage: the mega step twice, the second on the first's routing (Plan.prestage_experts' bet);
-    # --attn-heads: each mode twice, the second on the tickets the first left
-    modes = ("mega", "mega", "chain", "chain") if a.attn_heads else ("mega", "chain")
-    for mode in ("mega", "mega", "chain") if a.prestage else modes:
+    for mode in ("mega", "chain"):
         out = eng.step(toks, tree.binary_ish(8), 20, mode=mode)
         print(mode, out.tokens.tolist())
     return 0
@@ -444,14 +437,13 @@ def _sm_map(a) -> int:
         return 2
     from .sm_map import measure
 
-    lines = ["| point | variant | launches | same SM | same role | by chance (roles) |", "|---|---|---|---|---|---|"]
+    lines = ["| point | variant | launches | same SM |", "|---|---|---|---|"]
     rows = []
     for preset, t, ctx in points:
         for v in variants:
             m = measure(preset, t, ctx, v.switch_dict)
             rows.append((preset, t, ctx, v.name, v.switches, m))
-            lines.append(f"| {preset} T={t} ctx={ctx} | {v.name} | {m.launches} | {100 * m.same_sm:.1f}% | "
-                         f"{100 * m.same_role:.1f}% | {100 * m.by_chance:.1f}% ({m.n_roles}) |")
+            lines.append(f"| {preset} T={t} ctx={ctx} | {v.name} | {m.launches} | {100 * m.same_sm:.1f}% |")
             print(lines[-1], flush=True)
     md = "\n".join(lines)
     if a.out:
@@ -503,10 +495,6 @@ def main(argv=None) -> int:
     s.set_defaults(fn=_sm_map)
     s = sub.add_parser("sanitize-step")
     s.add_argument("--fused", action="store_true", help="tiny with d_pool and d_expert of 256, fused expert units")
-    s.add_argument("--prestage", action="store_true",
-                   help="the build with Plan.prestage_experts; the mega step twice (the second bets on the first's routing)")
-    s.add_argument("--attn-heads", action="store_true",
-                   help="the build with Plan.attn_heads (q-head units, each head merged by its last unit)")
     s.set_defaults(fn=_sanitize)
     s = sub.add_parser("program")
     s.add_argument("--preset", default="tiny")

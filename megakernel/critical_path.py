@@ -22,10 +22,10 @@ the layer launch's period; `pipeline.layer_segments` (derived layer_front_s, ...
 launch at the first gate/up start and the last down-projection end (over blocks, not medians),
 so its segments differ from the rows' sums by the blocks' spread.
 
-`levers()` turns the rows into the predicted saving of each structural change that the issue
-lists, with the arithmetic it rests on, and, for a lever built as a Plan switch, its saving in the
-newest committed in-run A/B (megakernel.ab); `table()` renders both as markdown (the report calls it).
-Every number is read from the committed results and the tuned constants, none typed in here.
+`levers()` turns the rows into the predicted saving of each structural change not built yet, with
+the arithmetic it rests on; `table()` renders both as markdown (the report calls it). Every number
+is read from the results and the tuned constants, none typed in here. What a built lever measured
+is in its in-run A/B (megakernel.ab) and reports/LEVERS.md, not here.
 """
 from __future__ import annotations
 
@@ -71,7 +71,6 @@ class Inputs:
     publish_s: float  # the kernel's release at an op's end (median publish span)
     stage_s: dict  # op -> its first staging round trip (median first stage span)
     chunk_s: dict  # expert1 / expert2 -> a chunk's compute
-    ring_wait_s: dict  # expert1 / expert2 -> a block's ring waits per layer (median over blocks)
     edges: dict  # op -> (start, end) s, medians over blocks, the middle launch
     end_tail_s: dict  # op -> last block's end minus the median block's
     segments_s: dict  # pipeline.layer_segments of the timeline result
@@ -88,17 +87,6 @@ class Inputs:
     l2_cpi: float = 0.0
     sm_cpi: float = 0.0
     clock_hz: float = 0.0
-    # blocks in roles (Plan.roles): the share of SMs whose next block has the role of the last
-    # (megakernel.sm_map; by chance where it was not measured), and how few SMs stream (weights.ring's
-    # ring_blocks/ series: block count -> fraction of the read ceiling, deepest ring)
-    same_role: float = 0.0
-    ring_blocks_fraction: dict = field(default_factory=dict)
-    # in-run A/B results at the timeline's point: variant switches (sorted items) -> (saving per
-    # layer launch against the A/B's first variant, the A/B named)
-    ab_savings: dict = field(default_factory=dict)
-    # gate/up's opening ring waits: k -> the median over blocks of a layer's first k ring waits in
-    # gate/up (the detail trace), the waits that k prestaged chunks can remove
-    opening_waits_s: dict = field(default_factory=dict)
     # the per-op account of Nsight Compute at the middle launch (ncu_ops: the newest
     # ncu-mega-<preset>-L<launch>-*-stalls.md with a per-op table that splits the copy waits off):
     # CHAIN op -> its row (samples, copy_wait, own, own_no_inst, own_long_sb as ints or percent
@@ -155,13 +143,6 @@ class Lever:
     # levers that end at the same bound (the pooler's last block, for the front's) do not add up:
     # together they save the largest of them (combined_saving_s)
     limit: str = ""
-    # a lever whose saving rests on a term the bound leaves out (the cold-code column) or on a
-    # condition not measured: shown, not added into combined_saving_s
-    hypothesis: bool = False
-    # where the lever was built and timed: its saving per layer launch in the newest in-run A/B at
-    # the timeline's point (megakernel.ab; the first variant less this one, / launches), and the A/B
-    measured_s: float | None = None
-    measured_by: str = ""
 
     def step_after_s(self, inp: Inputs) -> float:
         return inp.step_s - self.saving_s * inp.launches
@@ -223,17 +204,6 @@ def _trace_medians(spans: dict) -> tuple[float, dict, dict]:
             {k: statistics.median(v) * us for k, v in chunk.items()})
 
 
-def _opening_waits(spans: dict, op: str = "expert1", kmax: int = 8) -> dict:
-    """k -> the median over (launch, block) of the sum of the first k ring waits inside `op`, in s."""
-    sums = defaultdict(list)
-    for sp in spans.values():
-        for o in (s for s in sp if s[0] == op):
-            waits = [s[2] for s in sp if s[0] == "ring_wait" and o[1] <= s[1] < o[1] + o[2]]
-            for k in range(1, min(kmax, len(waits)) + 1):
-                sums[k].append(sum(waits[:k]))
-    return {k: statistics.median(v) * 1e-6 for k, v in sums.items()}
-
-
 def inputs(root: Path | None = None) -> Inputs:
     """The model's inputs from the latest committed megakernel.timeline / timeline_detail results
     (and the detail trace they name), sync.flags, sync.fences, weights.l2, weights.read_ceiling
@@ -267,86 +237,27 @@ def inputs(root: Path | None = None) -> Inputs:
     launches = cfg.n_layers + 1  # program.build, layer mode
     rf = roofline(cfg, t, ctx, distinct, ceiling=(ceiling, "weights.read_ceiling"))
     step = next(s.summary.median for s in tl.series if s.name == f"profiler_cost/{preset}/off")
-    ring = {op: detail.derived[f"ring_wait_{op}_s"].value / cfg.n_layers for op in ("expert1", "expert2")}
     n_sm = int(tl.env.sm_count or 132)
-    placement = role_inputs(root, preset, t, ctx, n_sm)
     ncu = ncu_ops(root, preset, middle_launch(launches))
     return Inputs(
         preset, t, ctx, n_sm, distinct, ceiling,
         l2.derived["l2_bandwidth_bytes_per_s"].value, flags.derived["flag_latency_s"].value,
-        fences.derived["fence_acq_rel_gpu_loaded_s"].value, pub, stage, chunk, ring, edges,
+        fences.derived["fence_acq_rel_gpu_loaded_s"].value, pub, stage, chunk, edges,
         {k[len("end_tail_"):-2]: v.value for k, v in tl.derived.items() if k.startswith("end_tail_")},
         {k[len("layer_"):-2]: v.value for k, v in tl.derived.items() if k.startswith("layer_") and k.endswith("_s")},
         step, rf.seconds, launches,
         code_bytes=code.get("code_bytes", {}), kernel_code_bytes=code.get("kernel_code_bytes", 0),
         icache_bytes=code.get("icache_bytes", 0), l2_cpi=code.get("l2_cpi", 0.0), sm_cpi=code.get("sm_cpi", 0.0),
-        clock_hz=code.get("clock_hz", 0.0), same_role=placement["same_role"], opening_waits_s=_opening_waits(spans),
-        ring_blocks_fraction=placement["ring_blocks"], ab_savings=ab_savings(root, preset, t, ctx, launches),
-        ncu_ops=ncu.get("ops", {}),
-        sources={**code.get("sources", {}), **placement["sources"], **ncu.get("sources", {}), **({"code_stale": code["stale"]} if "stale" in code else {}), "timeline": f"megakernel.timeline {tl.env.date} {tl.env.git_sha[:7]} (launch "
+        clock_hz=code.get("clock_hz", 0.0), ncu_ops=ncu.get("ops", {}),
+        sources={**code.get("sources", {}), **ncu.get("sources", {}),
+                 **({"code_stale": code["stale"]} if "stale" in code else {}),
+                 "timeline": f"megakernel.timeline {tl.env.date} {tl.env.git_sha[:7]} (launch "
                              f"{middle_launch(launches)} of {launches}, medians over blocks)",
                  "detail": f"megakernel.timeline_detail {detail.env.date} {detail.env.git_sha[:7]} and its trace",
                  "flag": f"sync.flags flag_latency_s {flags.env.date}",
                  "fence": f"sync.fences fence_acq_rel_gpu_loaded_s {fences.env.date}",
                  "l2": f"weights.l2 l2_bandwidth_bytes_per_s {l2.env.date}",
                  "ceiling": f"weights.read_ceiling read_ceiling_bytes_per_s {rc.env.date}"})
-
-
-def role_inputs(root: Path | None, preset: str, tokens: int, ctx: int, n_sm: int) -> dict:
-    """Plan.roles' two conditions: how often an SM's next block has its last block's role (the
-    newest megakernel.sm_map at the point, the roles build's row if it has one; else the share
-    by chance), and the fraction of the read ceiling that ring_blocks/ streams at each block count
-    (the newest weights.ring with the sweep, its deepest ring)."""
-    from microbench.results import REPO_ROOT, latest
-
-    from .plan import ROLE_GROUPS
-    from .sm_map import BENCHMARK, by_chance
-
-    base = root or REPO_ROOT / "reports" / "results"
-    chance = by_chance(n_sm, len(ROLE_GROUPS))
-    out = {"same_role": chance, "ring_blocks": {},
-           "sources": {"placement": "no megakernel.sm_map result: blocks assumed to land on SMs by chance"}}
-    sm = latest(BENCHMARK, root=base)
-    if sm is not None:
-        mine = [x for x in sm.series if (x.params.get("preset"), x.params.get("T"), x.params.get("ctx")) ==
-                (preset, tokens, ctx)]
-        pick = next((x for x in mine if (x.params.get("switches") or {}).get("roles")), mine[0] if mine else None)
-        if pick is not None:
-            key = f"{preset}_T{tokens}_ctx{ctx}_{pick.params['variant']}"
-            out["same_role"] = sm.derived[f"same_role_{key}"].value
-            out["sources"]["placement"] = (f"megakernel.sm_map {sm.env.date} {sm.env.git_sha[:7]}, the "
-                                           f"{pick.params['variant']} build; {sm.derived[f'same_sm_{key}'].value:.1%} of "
-                                           f"blocks keep their SM, {chance:.1%} would keep their role by chance")
-    ring = latest("weights.ring", root=base)
-    sweep = [x for x in (ring.series if ring else ()) if x.name.startswith("ring_blocks/") and x.fraction_of_bound]
-    if sweep:
-        deepest = max(x.params.get("stages", 0) for x in sweep)
-        out["ring_blocks"] = {int(x.name.rsplit("/g", 1)[1]): float(x.fraction_of_bound) for x in sweep
-                              if x.params.get("stages") == deepest}
-        out["sources"]["ring_blocks"] = f"weights.ring {ring.env.date} {ring.env.git_sha[:7]}, {deepest}-stage ring"
-    return out
-
-
-def ab_savings(root: Path | None, preset: str, tokens: int, ctx: int, launches: int) -> dict:
-    """{sorted switch items: (saving per layer launch, "megakernel.ab DATE SHA")}: every variant of
-    the committed in-run A/Bs at the point that is the repository's kernel with switches (no source
-    tree) against the same A/B's first variant, itself without switches; the newest A/B wins."""
-    from microbench.results import REPO_ROOT, find, load
-
-    out: dict = {}
-    for path in find("megakernel.ab", root or REPO_ROOT / "reports" / "results"):
-        res = load(path)
-        at = [x for x in res.series if (x.params.get("preset"), x.params.get("T"), x.params.get("ctx")) ==
-              (preset, tokens, ctx)]
-        if not at or at[0].params.get("switches") or at[0].params.get("csrc"):
-            continue  # no point here, or its reference is itself a variant
-        for x in at[1:]:
-            sw = x.params.get("switches") or {}
-            if x.params.get("csrc") or not sw:
-                continue
-            out[tuple(sorted(sw.items()))] = ((at[0].summary.median - x.summary.median) / launches,
-                                             f"megakernel.ab {res.env.date} {res.env.git_sha[:7]}")
-    return out
 
 
 NCU_STALLS = re.compile(r"ncu-mega-(?P<preset>\w+)-L(?P<launch>\d+)-(?P<stamp>\d{8}T\d{4,6}Z)-(?P<sha>[0-9a-f]+)-stalls\.md")
@@ -537,7 +448,7 @@ def hop_cost_s(inp: Inputs, producer: str, consumer: str) -> float:
 
 
 def levers(inp: Inputs, rs: Sequence[Row] | None = None) -> list[Lever]:
-    """The structural changes of the issue, largest predicted saving per layer first."""
+    """The structural changes not built yet, largest predicted saving per layer first."""
     from .config import preset as get_preset
     from .pipeline import plan_for
 
@@ -545,26 +456,10 @@ def levers(inp: Inputs, rs: Sequence[Row] | None = None) -> list[Lever]:
     rs = rs or rows(inp)
     by = {r.item: r for r in rs}
     plan = plan_for(inp.preset, None, inp.n_sm, tokens=inp.n_tokens)
-    ring_chunks = plan.ring_stages
-    stream_chunk_s = plan.stage_bytes * inp.n_sm / inp.ceiling  # a chunk of every block at the ceiling
-    waits = inp.ring_wait_s["expert1"] + inp.ring_wait_s["expert2"]
-    # prestaged chunks remove only their own waits, the phase's first ones: the later waits are the
-    # ring's steady state behind the k-loop, which the prestage leaves as it was (the first model,
-    # "at most all the phase's waits", predicted +3.2 us a layer; the A/B of 0b16804 measured +0.2)
-    opening = inp.opening_waits_s.get(ring_chunks, inp.opening_waits_s.get(max(inp.opening_waits_s, default=0),
-                                                                          waits))
     l2_sm = inp.l2_rate / inp.n_sm
     parts = c.d_expert // (plan.tiles["expert1"].rows // 2)
     token_partials = c.top_k * parts * c.d_pool * 4
     out = [
-        Lever("prestage predicted experts' first chunks during the front (Plan.prestage_experts)", "experts",
-              min(ring_chunks * stream_chunk_s, opening),
-              f"the ring's {ring_chunks} stages of every block ({ring_chunks * plan.stage_bytes * inp.n_sm / 1e6:.1f} MB) "
-              f"stream while HBM idles in the front: {ring_chunks} x {stream_chunk_s * 1e6:.2f} us, at most the waits "
-              f"for those chunks, gate/up's first {ring_chunks} ring waits ({opening * 1e6:.2f} us a block, median; all "
-              f"the phase's waits are {waits * 1e6:.2f} us, the rest behind the k-loop); needs the previous step's routes "
-              "to hold (the A/B's replayed step always repeats them)",
-              **_measured(inp, lambda sw: set(sw) == {"prestage_experts"} and sw["prestage_experts"] >= ring_chunks)),
         Lever("top-k computed by every gate/up block from the router logits", "front",
               inp.edges["expert1"][0] - max(inp.edges["pool"][1] + inp.end_tail_s.get("pool", 0.0) + inp.flag_s,
                                             inp.edges["topk"][1] - inp.publish_s),
@@ -594,169 +489,16 @@ def levers(inp: Inputs, rs: Sequence[Row] | None = None) -> list[Lever]:
               "saves the hop and the combine op, but the last split of a kv head merges all its "
               f"{c.group * inp.n_tokens} query rows' partials alone"),
     ]
-    out.append(_attn_heads_lever(inp, by, plan, l2_sm))
-    if inp.clock_hz:
-        out += [_roles_lever(inp, rs), _shared_dense_lever(inp, rs)]
     return sorted(out, key=lambda lv: -lv.saving_s)
-
-
-def _attn_heads_lever(inp: Inputs, by: dict, plan, l2_sm: float) -> Lever:
-    """Plan.attn_heads: units by q head over as many key runs as the grid holds per head, each head
-    merged by the last of its units to take a ticket. Saves the hop to the combine op and the op;
-    costs each unit's extra staging rounds of keys (a q head's run is HQ/HKV times a kv head's,
-    over the heads' splits), each about half the attention's first staging (two round trips: Q,
-    then K/V), one block's read of its head's partials at 1/n_sm of the L2 rate, and the ticket's
-    release and round trip. Written after its A/B (2026-12-03): the expectation before it was the
-    hop and the combine, about 5 us a layer, with the rounds and the merge not counted."""
-    import math
-
-    from .pipeline import middle_launch, plan_for
-    from .plan import ATTN_HEAD_KEYS
-    from .program import cached_keys, splits
-
-    c = plan.cfg
-    heads = plan_for(inp.preset, None, inp.n_sm, tokens=inp.n_tokens, attn_heads=True)
-    layer = middle_launch(inp.launches) - 1
-    nkeys = cached_keys(c, layer, inp.ctx) + inp.n_tokens
-    sh, sk = splits(c, heads, layer, inp.ctx, inp.n_tokens), splits(c, plan, layer, inp.ctx, inp.n_tokens)
-    rounds_h = math.ceil(math.ceil(nkeys / sh) / ATTN_HEAD_KEYS)
-    rounds_k = math.ceil(math.ceil(nkeys / sk) / plan.attn_round_keys)
-    extra = (rounds_h - rounds_k) * inp.stage_s.get("attn", 0.0) / 2
-    merge_bytes = sh * inp.n_tokens * (c.head_dim + 2) * 4
-    saved = hop_cost_s(inp, "attn", "attn_combine") + by["attn_combine"].measured_s
-    us = 1e6
-    return Lever(
-        "attention by q head, each head merged by its last unit (Plan.attn_heads)", "front",
-        saved - extra - merge_bytes / l2_sm - inp.publish_s - inp.flag_s,
-        f"saves the hop to the combine and the op ({saved * us:.2f} us); a unit is one q head over 1/{sh} of the "
-        f"{nkeys} keys, {rounds_h} rounds of {ATTN_HEAD_KEYS} against {rounds_k} of {plan.attn_round_keys} "
-        f"(-{extra * us:.2f} us at half the first staging each), the last unit reads its head's {sh} partials "
-        f"({merge_bytes / 1e3:.0f} KB) alone at 1/{inp.n_sm} of the L2 rate (-{merge_bytes / l2_sm * us:.2f} us) "
-        f"after the ticket's release and round trip (-{(inp.publish_s + inp.flag_s) * us:.2f} us)",
-        **_measured(inp, lambda sw: sw == {"attn_heads": 1}))
-
-
-def warm_gain_s(inp: Inputs, op: str) -> float:
-    """What an op's one pass over its code saves when the code stays in the SM's instruction cache
-    instead of coming from L2 (the two levels of icache.capacity)."""
-    return inp.code_s(op) - inp.code_s(op, inp.sm_cpi)
-
-
-EVERY_BLOCK = ("expert1", "expert2", "schedule")  # the code every block runs, in any role
-
-
-def roles(inp: Inputs) -> list[list[str]]:
-    """Front and back ops packed in chain order into roles whose code, with the code every block
-    runs (EVERY_BLOCK), fits the SM's instruction cache: first fit."""
-    room = inp.icache_bytes - sum(inp.code_bytes.get(op, 0) for op in EVERY_BLOCK)
-    out: list[list[str]] = []
-    used: list[int] = []
-    for op in CHAIN:
-        if op in EVERY_BLOCK:
-            continue
-        n = inp.code_bytes.get(op, 0)
-        k = next((i for i, u in enumerate(used) if u + n <= room), None)
-        if k is None:
-            out.append([op])
-            used.append(n)
-        else:
-            out[k].append(op)
-            used[k] += n
-    return out
-
-
-def _measured(inp: Inputs, which) -> dict:
-    """Lever(measured_s=, measured_by=) from the newest A/B of the repository's kernel whose switches
-    `which(dict)` accepts."""
-    got = [v for k, v in inp.ab_savings.items() if which(dict(k))]
-    best = max(got, key=lambda v: v[1], default=None)  # "megakernel.ab DATE ...": the newest date
-    return {"measured_s": best[0], "measured_by": best[1]} if best else {}
-
-
-def _roles_lever(inp: Inputs, rs: Sequence[Row]) -> Lever:
-    """Plan.roles=3. Warm code: the code every block runs (EVERY_BLOCK) stays in an SM's cache from
-    launch to launch; a role's own ops only where the SM's last block had the same role
-    (inp.same_role). Rounds: an op of a role runs its units on a third of the blocks, each extra
-    round costing about the op's whole time today (the front's and back's ops are bound by their
-    units' latency, staging, k-loop and release, not by their bytes)."""
-    from .plan import role_share
-
-    on_path = [r for r in rs if "->" not in r.item and not _off_path(r, rs)]
-    warm = {r.item: min(warm_gain_s(inp, r.item), max(0.0, r.excess_s)) for r in on_path}
-    common = sum(inp.code_bytes.get(op, 0) for op in EVERY_BLOCK)
-    rl = roles(inp)
-    kb, us = 1024, 1e6
-    shares = {op: len(role_share(i, inp.n_sm, len(rl))) for i, r in enumerate(rl) for op in r}
-    units = op_units(inp)
-    now = {op: -(-units[op] // inp.n_sm) for op in shares if units.get(op)}
-    rounds = {op: -(-units[op] // shares[op]) for op in now}
-    more = ", ".join(f"{op} {units[op]} units in {n} rounds" for op, n in rounds.items() if n > now[op])
-    gain_every = sum(v for op, v in warm.items() if op in EVERY_BLOCK)
-    gain_role = inp.same_role * sum(v for op, v in warm.items() if op in shares)
-    cost = sum((rounds[r.item] / now[r.item] - 1) * r.measured_s for r in on_path if r.item in rounds)
-    third = min(inp.ring_blocks_fraction, key=lambda g: abs(g - min(shares.values())), default=None)
-    stream = (f"; and {third} blocks stream {inp.ring_blocks_fraction[third]:.0%} of the read ceiling "
-              f"({inp.sources.get('ring_blocks', 'weights.ring')})" if third else "")
-    return Lever(
-        "blocks in roles: each block's layer code within the SM's instruction cache (Plan.roles=3)", "all",
-        gain_every + gain_role - cost,
-        f"a layer launch runs {inp.layer_code_bytes() / kb:.0f} KB of code against the SM's "
-        f"{inp.icache_bytes / kb:.0f} KB cache, cyclically, so every op's code comes from L2 every layer "
-        f"({inp.l2_cpi:.2f} cycles/instr, {inp.sm_cpi:.2f} in the SM's cache). Every block runs the experts and the "
-        f"schedule ({common / kb:.0f} KB); {len(rl)} roles of the other ops fit beside them "
-        f"({'; '.join('+'.join(r) for r in rl)}), {'-'.join(sorted({str(v) for v in shares.values()}, key=int))} "
-        "blocks each. "
-        f"Warm: the experts' and the schedule's code on every SM (+{gain_every * us:.2f} us), a role's ops only where "
-        f"the SM's last block had the same role, {inp.same_role:.1%} of SMs ({inp.sources.get('placement', '')}): "
-        f"+{gain_role * us:.2f} us, each op at most its measured excess. Rounds: {more or 'none'}, each extra round "
-        f"about the op's measured time today: -{cost * us:.2f} us{stream}",
-        **_measured(inp, lambda sw: sw == {"roles": len(rl)}))
-
-
-def _shared_dense_lever(inp: Inputs, rs: Sequence[Row]) -> Lever:
-    """Plan.shared_dense=1. Warm code: each segment's dense ops after its first find the one GEMM
-    copy in the SM's cache (at most the op's whole code, at most its measured excess). The shapes
-    at run time cost what the A/B's control measured (Plan.shared_dense=2: the same runtime-shaped
-    code, one copy per op). A hypothesis: it rests on the cold-code column."""
-    from .plan import DENSE_OPS
-
-    us = 1e6
-    on_path = [r for r in rs if "->" not in r.item and not _off_path(r, rs) and r.item in DENSE_OPS]
-    firsts = {}
-    for r in on_path:
-        firsts.setdefault(r.segment, r.item)
-    warm = {r.item: min(warm_gain_s(inp, r.item), max(0.0, r.excess_s)) for r in on_path
-            if r.item not in firsts.values()}
-    ctrl = inp.ab_savings.get((("shared_dense", 2),))
-    shapes = ctrl[0] if ctrl else 0.0
-    cost = (f"the shapes at run time {shapes * us:+.2f} us (the control, Plan.shared_dense=2, {ctrl[1]})" if ctrl
-            else "the shapes' run-time cost not measured (no A/B of Plan.shared_dense=2)")
-    return Lever(
-        "the dense ops through one copy of their GEMM code (Plan.shared_dense=1)", "all", sum(warm.values()) + shapes,
-        f"one copy of the GEMM, staging, ring waits and loader code, warm after each segment's first dense op "
-        f"({', '.join(firsts.values())}): {', '.join(f'{op} +{v * us:.2f}' for op, v in warm.items())} us, each at "
-        f"most its whole code and its measured excess; {cost}",
-        hypothesis=True, **_measured(inp, lambda sw: sw == {"shared_dense": 1}))
-
-
-def op_units(inp: Inputs) -> dict[str, int]:
-    """Units of each op of the middle layer launch at the timeline's point (program.n_units)."""
-    from .pipeline import middle_launch, plan_for
-    from .program import n_units
-
-    plan = plan_for(inp.preset, None, inp.n_sm, tokens=inp.n_tokens)
-    layer = middle_launch(inp.launches) - 1
-    return {op: n_units(plan, op, layer, inp.n_tokens, inp.ctx, inp.distinct) for op in CHAIN}
 
 
 def combined_saving_s(lvs: Sequence[Lever]) -> float:
     """The levers with a positive prediction together, per layer: summed, but of those that end at
-    the same bound (Lever.limit) only the largest. A lever built and timed slower (its in-run A/B
-    measured no saving) has nothing left to bank on, whatever its prediction."""
+    the same bound (Lever.limit) only the largest."""
     best: dict[str, float] = {}
     total = 0.0
     for lv in lvs:
-        if lv.saving_s <= 0 or lv.hypothesis or (lv.measured_s is not None and lv.measured_s <= 0):
+        if lv.saving_s <= 0:
             continue
         if lv.limit:
             best[lv.limit] = max(best.get(lv.limit, 0.0), lv.saving_s)
@@ -827,7 +569,8 @@ def cold_code_lines(inp: Inputs, rs: Sequence[Row]) -> list[str]:
             "instruction cache, so each op's code is fetched from L2 once a layer. The column is one pass over the op's "
             "code at the L2-served rate, a candidate term the bound leaves out: along the path, " + "; ".join(parts)
             + ". A pass over an op's code is neither all of its time (loops run their bodies again, warm) nor all "
-            "of its code (untaken branches are not fetched): the agreement is of sums, not a per-op fit."]
+            "of its code (untaken branches are not fetched): the agreement is of sums, not a per-op fit. The column "
+            "bounds what fetching can cost; it is no saving to bank on from making code warm."]
 
 
 def ncu_lines(inp: Inputs, rs: Sequence[Row]) -> list[str]:
@@ -886,14 +629,12 @@ def render(inp: Inputs, rs: Sequence[Row], segs: Sequence[Row], lvs: Sequence[Le
     lines += ["", f"Hop cost (what removing one saves): release {inp.publish_s * us:.2f} us (the kernel's publish; "
                   f"the fence microbenchmark under load {inp.fence_s * us:.2f} us) + flag {inp.flag_s * us:.2f} us + the "
                   "consumer's first staging + the producer's end tail.", "",
-              "| lever | segment | predicted saving per layer us | step after ms | of roofline after | measured saving "
-              "per layer us (in-run A/B) | arithmetic |",
-              "|---|---|---|---|---|---|---|"]
+              "| lever | segment | predicted saving per layer us | step after ms | of roofline after | arithmetic |",
+              "|---|---|---|---|---|---|"]
     for lv in lvs:
         after = lv.step_after_s(inp)
-        got = f"{lv.measured_s * us:+.2f} ({lv.measured_by})" if lv.measured_s is not None else "not built"
         lines.append(f"| {lv.name} | {lv.segment} | {lv.saving_s * us:+.2f} | {after * 1e3:.3f} | "
-                     f"{inp.roofline_s / after:.1%} | {got} | {lv.how} |")
+                     f"{inp.roofline_s / after:.1%} | {lv.how} |")
     exp = next(r for r in segs if r.segment == "experts")
     floor = max(exp.bytes_s, exp.compute_s) + exp.hop_s
     budget = inp.roofline_layer_s / 0.7 - floor
@@ -906,30 +647,10 @@ def render(inp: Inputs, rs: Sequence[Row], segs: Sequence[Row], lvs: Sequence[Le
                   f"{sum(r.bound_s for r in segs if r.segment != 'experts') * us:.1f} us)."]
     after = inp.step_s - combined_saving_s(lvs) * inp.launches
     lines += ["", f"All levers with a positive prediction together (those that end at the same bound counted once, "
-                  f"the largest; hypotheses and levers their A/B measured slower left out): {after * 1e3:.3f} ms, "
-                  f"{inp.roofline_s / after:.1%} of "
+                  f"the largest): {after * 1e3:.3f} ms, {inp.roofline_s / after:.1%} of "
                   f"the roofline (today {inp.roofline_s / inp.step_s:.1%}); 70% needs {inp.roofline_s / 0.7 * 1e3:.3f} ms, "
-                  f"{(after - inp.roofline_s / 0.7) / inp.launches * us:.1f} us a layer more than they give."]
-    # a hypothesis an A/B measured as no saving is refuted, not pending
-    refuted = [lv for lv in lvs if lv.hypothesis and lv.measured_s is not None and lv.measured_s <= 0]
-    hyp = [lv for lv in lvs if lv.hypothesis and lv.saving_s > 0 and lv not in refuted]
-    if hyp:
-        after_h = after - sum(lv.saving_s for lv in hyp) * inp.launches
-        lines += ["", f"With the hypotheses too ({'; '.join(lv.name for lv in hyp)}), if their conditions hold: "
-                      f"{after_h * 1e3:.3f} ms, {inp.roofline_s / after_h:.1%} of the roofline; 70% then needs "
-                      f"{(after_h - inp.roofline_s / 0.7) / inp.launches * us:+.1f} us a layer more."]
-    built = [lv for lv in lvs if lv.measured_s is not None]
-    if built:
-        lines += ["", "Built and timed: " + "; ".join(
-            f"{lv.name.split(':')[0].split(' (')[0]}, predicted {lv.saving_s * us:+.2f} us a layer, measured "
-            f"{lv.measured_s * us:+.2f} us" for lv in built) + ". A lever that removes a wait saves at most the slack "
-            "behind it (prestaged chunks remove only the phase's opening waits); one that narrows an op to fewer blocks pays "
-            "its extra rounds at about the op's whole time, because the front's and the back's ops are bound by their "
-            "units' latency, not their bytes."]
-    if refuted:
-        lines += ["", "Refuted by its A/B: " + "; ".join(
-            f"{lv.name}, predicted {lv.saving_s * us:+.2f} us a layer (the warm code it rests on, less what its "
-            f"control measured), measured {lv.measured_s * us:+.2f} us" for lv in refuted) + ". Code made warm by "
-            "sharing it bought nothing the A/B could see: the cold-code column bounds what fetching can cost, it is "
-            "no saving to bank on."]
+                  f"{(after - inp.roofline_s / 0.7) / inp.launches * us:.1f} us a layer more than they give. A lever that "
+                  "removes a wait saves at most the slack behind it; one that narrows an op to fewer blocks pays its "
+                  "extra rounds at about the op's whole time, because the front's and the back's ops are bound by "
+                  "their units' latency, not their bytes. What built levers measured: reports/LEVERS.md."]
     return "\n".join(lines) + "\n"

@@ -81,8 +81,6 @@ class Interpreter:
             cache[kvh, slots, d0:d0 + n] = y
 
     def _attn(self, layer, u):
-        if self.plan.attn_heads:
-            return self._attn_head(layer, u)
         c, b = self.cfg, self.buf
         ns = splits(c, self.plan, layer, self.ctx, self.T)
         kvh, split = divmod(u, ns)
@@ -120,46 +118,6 @@ class Interpreter:
             b["att_o"][kvh, part, row] = p @ vv
             b["att_ml"][kvh, part, row, 0] = m
             b["att_ml"][kvh, part, row, 1] = p.sum(dim=1)
-
-    def _attn_head(self, layer, u):
-        """Plan.attn_heads: unit = (q head, split); the head's last unit to finish (here: the last
-        the schedule ran, as the kernel's ticket picks it) merges the head's partials."""
-        c, b = self.cfg, self.buf
-        ns = splits(c, self.plan, layer, self.ctx, self.T)
-        h, split = divmod(u, ns)
-        kvh = h // c.group
-        nc = cached_keys(c, layer, self.ctx)
-        allseq = list(range(self.ctx - nc, self.ctx + self.T))
-        per = -(-len(allseq) // ns)
-        seqs = allseq[split * per:(split + 1) * per]
-        part = b["att_o"].view(-1, c.head_dim)
-        ml = b["att_ml"].view(-1, 2)
-        row0 = (h * self.plan.head_splits + split) * 16
-        rows = slice(row0, row0 + self.T)
-        if seqs:
-            dev = b["q"].device
-            sq = torch.tensor(seqs, device=dev)
-            sl = self.cache.slot(layer, sq)
-            kk, vv = self.cache.k[layer][kvh, sl].to(F32), self.cache.v[layer][kvh, sl].to(F32)
-            s = (b["q"][: self.T, h].to(F32) @ kk.T) * (c.head_dim ** -0.5)
-            pos_t = torch.tensor([self.ctx + d for d in self.depth], device=dev)[:, None]
-            win = torch.ones_like(s, dtype=torch.bool) if c.is_global(layer) else sq[None, :] >= pos_t - c.window + 1
-            anc = self.anc.to(dev)[: self.T][:, (sq - self.ctx).clamp(min=0)]
-            s = s.masked_fill(~torch.where((sq < self.ctx)[None, :], win, anc), float("-inf"))
-            m = s.amax(dim=1)
-            p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m)[:, None])
-            part[rows], ml[rows, 0], ml[rows, 1] = p @ vv, m, p.sum(dim=1)
-        else:
-            part[rows], ml[rows, 0], ml[rows, 1] = 0.0, float("-inf"), 0.0
-        self._head_done[(layer, h)] = self._head_done.get((layer, h), 0) + 1
-        if self._head_done[(layer, h)] < ns:
-            return
-        idx = [(h * self.plan.head_splits + s) * 16 for s in range(ns)]
-        for t in range(self.T):
-            mt, lt, ot = ml[[i + t for i in idx], 0], ml[[i + t for i in idx], 1], part[[i + t for i in idx]]
-            ok = lt > 0
-            sc = torch.exp(mt[ok] - mt[ok].max())
-            b["att_out"][t, h * c.head_dim:(h + 1) * c.head_dim] = ((sc[:, None] * ot[ok]).sum(0) / (sc * lt[ok]).sum()).to(BF16)
 
     def _attn_combine(self, layer, u):
         c, b = self.cfg, self.buf
@@ -286,7 +244,6 @@ class Interpreter:
         self.depth = treelib.depths(parents)
         self.anc = treelib.ancestor_mask(parents)
         self.routes = routes
-        self._head_done: dict[tuple[int, int], int] = {}  # Plan.attn_heads: units of (layer, q head) run
 
     def _units(self, i: int) -> int:
         o = self.prog.ops[i]
@@ -368,7 +325,7 @@ class Interpreter:
         next op starts from the same inputs. Returns [(op index, op, buffer, rel error)] of
         mismatches (empty = every op agrees)."""
         self.setup(tokens, parents, ctx, routes)
-        writes = {"embed": ["x"], "qkv": ["q"], "attn": ["att_out"] if self.plan.attn_heads else [],
+        writes = {"embed": ["x"], "qkv": ["q"], "attn": [],
                   "attn_combine": ["att_out"], "oproj": ["x"],
                   "router": ["router_logits"], "pool": ["pooled"], "topk": ["route_w", "n_slots"],
                   "expert1": [], "expert2": [], "moe_combine": ["z"], "unpool": ["x"], "lm_head": ["logits"],

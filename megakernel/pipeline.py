@@ -142,10 +142,6 @@ def plan_for(preset: str, constants=None, n_sm: int | None = None, **switches) -
               # sync.publish measured whether sentinel slots beat a release flag for small payloads
               # (the router's logits are 512 B per unit at shard8 T=16)
               sentinel_route=bool(int(_get(c, "sentinel_pays"))),
-              # weights.hot_experts: the share of experts two steps must share for the bet to pay;
-              # 1.0 = never bet
-              hot_prefetch_bytes=(hot_prefetch_budget(c, n_sm)
-                                  if float(_get(c, "hot_expert_break_even_overlap")) < 1.0 else 0),
               # the fused expert unit wherever the model's shapes allow it (plan.fuses_experts).
               # In-run A/B on the H200 (2026-11-30 23:15Z, 5 rounds, against the split GEMMs; a
               # layout placebo of the split build -0.19 / +0.76 / -0.33%): shard8 T=16 -1.26%,
@@ -153,8 +149,6 @@ def plan_for(preset: str, constants=None, n_sm: int | None = None, **switches) -
               fused_experts=fuses_experts(cfg),
               compute_registers=ROLE_REGISTERS)
     kw.update(switches)  # a technique switch overrides the constant
-    if kw.get("max_registers") and "compute_registers" not in switches:
-        kw["compute_registers"] = 0  # a register cap (A/Bs) is a 9-warp build's
     if "fused_experts" not in switches and kw["fused_experts"]:
         try:  # the default only: a unit of too few gate rows for a K-part builds the split GEMMs
             make_plan(cfg, n_sm, **kw)
@@ -343,27 +337,16 @@ def code_result(points: Sequence[tuple[str, int]], n_sm: int = 132, constants=No
 
 
 # ---------------------------------------------------------------------- techniques
-def hot_prefetch_budget(c, n_sm: int) -> int:
-    """Per block and layer: the L2 prefetch budget (weights.prefetch: the least prefetched size
-    that keeps paying) shared by the blocks."""
-    return int(_get(c, "l2_prefetch_budget_bytes")) // n_sm
-
-
 def technique_switches(constants=None, n_sm: int = 132) -> dict[str, dict]:
     """Each technique as plan switches. The "all" build uses every one; the ablation switches one
     on at a time (from none) and one off at a time (from all)."""
-    c = tuned(constants)
-    usable = int(_get(c, "l2_usable_bytes"))
-    budget = int(_get(c, "l2_prefetch_budget_bytes")) or usable // 2
-    l2 = max(16 * 1024, min(budget, usable // 2) // n_sm)  # per block, ahead of its next layer
-    return {"loader_ahead": {"loader_ahead": True}, "pdl": {"pdl": True}, "l2_prefetch": {"l2_prefetch_bytes": l2},
+    return {"loader_ahead": {"loader_ahead": True}, "pdl": {"pdl": True},
             "evict_first": {"stream_evict_first": True}, "sentinel": {"sentinel_route": True},
-            "hot_prefetch": {"hot_prefetch_bytes": max(16 * 1024, hot_prefetch_budget(c, n_sm))},
-            "kv_prefetch": {"kv_prefetch": True}, "role_registers": {"compute_registers": ROLE_REGISTERS}}
+            "role_registers": {"compute_registers": ROLE_REGISTERS}}
 
 
-NONE = {"loader_ahead": False, "pdl": False, "l2_prefetch_bytes": 0, "stream_evict_first": False,
-        "sentinel_route": False, "hot_prefetch_bytes": 0, "kv_prefetch": False, "compute_registers": 0}
+NONE = {"loader_ahead": False, "pdl": False, "stream_evict_first": False, "sentinel_route": False,
+        "compute_registers": 0}
 
 
 def ablation_variants(constants=None, n_sm: int = 132) -> dict[str, tuple[dict, str]]:
@@ -588,8 +571,7 @@ def profile_samples(n_launch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def timeline(h, preset: str, n_tokens: int, ctx: int, constants, out_dir=None, log=print,
              detail: bool = False) -> Result:
     """One profiled step of the default build (the tuned constants' techniques, what the `mega`
-    rows time; every technique on includes the hot-expert bet, which the ablation shows is
-    slower): per-block op phases as megakernel.timeline series, a
+    rows time): per-block op phases as megakernel.timeline series, a
     Perfetto trace and a PNG, the profiler's cost (profiled vs unprofiled step, same graph method)
     and the bitwise identity of the profiled outputs. detail: the build also stamps staging and
     ring waits inside units (megakernel.timeline_detail, with each op's time in them; more

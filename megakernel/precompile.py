@@ -33,15 +33,10 @@ def plans(n_sm: int = 132):
             out.append(plan_for(p, None, n_sm, **sw))
         out.append(plan_for(p, None, n_sm, profile=False, profile_cap=128))  # pipeline.timeline: the default build
         out.append(plan_for(p, None, n_sm, profile=True, profile_cap=128))
-        if p == "small":  # the GPU test of every technique's bits
-            out.append(plan_for(p, None, n_sm, receive_warp=True))
-            out.append(plan_for(p, None, n_sm, prestage_experts=8))
-            out.append(plan_for(p, None, n_sm, prestage_experts=8, prestage_miss=True))
         if p == "shard8":  # cli timeline-detail
             out.append(plan_for(p, None, n_sm, profile=True, profile_detail=True, profile_cap=1024))
     cfg = preset("tiny")
     out.append(make_plan(cfg, 4))  # sanitize-step
-    out.append(make_plan(cfg, 4, prestage_experts=4))  # sanitize-step --prestage
     out.append(make_plan(cfg, n_sm, spin_bound_ns=50_000_000))  # the GPU watchdog test
     return list(dict.fromkeys(out))
 

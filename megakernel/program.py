@@ -7,8 +7,7 @@ Units and groups (the same rules are written in csrc/mk/program.cuh; tests cross
   embed        T                            -
   qkv          QKV_ROWS/16                   kv head its rows feed (HKV groups)
   attn         HKV * splits(layer, ctx, T)  kv head (HKV groups)
-               Plan.attn_heads: HQ * splits, q head (HQ groups: the heads' tickets, never signalled)
-  attn_combine HQ * T                       -   (none with Plan.attn_heads: attention merges)
+  attn_combine HQ * T                       -
   oproj        D/Rr         router E/8      pool P/Rp         topk 1
   expert1      count * F/(R1/2) (dynamic)   slot (MAX_SLOTS groups)
   expert2      count * P/R2 (dynamic)       -   (Plan.fused_experts: count * F/(R1/2), expert1's)
@@ -23,14 +22,11 @@ the consumer polls the data itself (sentinel slots, plan.sentinel_route: top-k <
 counter is waited for, or ("local", producer): the producer's unit of the consumer unit's index,
 which the same block ran before it (plan.fused_experts: expert2 <- expert1, both contiguous over
 as many units), not waited for either. An op bumps only the counters some consumer waits for (OpInst.signal:
-SIGNAL_TOTAL, SIGNAL_GROUPS), each a release that waits for the block's stores to drain (~0.5 us,
-detail trace 2026-11-30): attn and expert1 (and qkv in "step" mode) are waited for by group only,
-and their total's release had come second, on the op's critical path. Counters are per step and
-per parity (the argmax unit of step k clears the other parity's counters, which no launch is
-using). Only dependencies inside a launch are kept: the launches run in stream order (build).
-
-Blocks in roles (Plan.roles): a strided op of a role runs on that role's share of the grid only
-(role_blocks), the experts on every block.
+SIGNAL_TOTAL, SIGNAL_GROUPS), each a release that waits for the block's stores to drain: attn and
+expert1 (and qkv in "step" mode) are waited for by group only, so their total's release, which
+would come second, stays off the op's critical path. Counters are per step and per parity (the
+argmax unit of step k clears the other parity's counters, which no launch is using). Only
+dependencies inside a launch are kept: the launches run in stream order (build).
 
 Deadlock freedom: every block walks the op instances of a launch in the same (topological)
 order, and a unit only waits for units of earlier instances; the earliest unfinished unit of
@@ -44,7 +40,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .config import ModelConfig
-from .plan import ATTN_HEAD_KEYS, MOE_COMBINE_COLS, OP, OP_KINDS, Plan, role_of, role_share
+from .plan import MOE_COMBINE_COLS, OP, OP_KINDS, Plan
 
 OPINST_INTS = 16
 MAX_DEPS = 3
@@ -62,7 +58,6 @@ DEP_ALL, DEP_GROUP, DEP_SENTINEL, DEP_LOCAL = 0, 1, 2, 3
 # dependency, these name the ring and the loader (rendered into the kernel by build.py)
 WHAT_RING_FULL, WHAT_RING_EMPTY, WHAT_LOADER_ROUTE, WHAT_LOADER_GATE, WHAT_SENTINEL, WHAT_NORM_ROWS = 8, 9, 10, 11, 12, 13
 WHAT_LOADER_PACE = 14
-WHAT_PRESTAGE = 15  # Plan.prestage_experts: a chunk the loader prestaged on a bet landing (program.cuh prestage_settle)
 
 
 @dataclass(frozen=True)
@@ -83,10 +78,6 @@ class OpInst:
     rot: int  # block rotation of the strided assignment
     assign: int
     signal: int = 3  # which counters some consumer waits for: SIGNAL_TOTAL | SIGNAL_GROUPS (0: none is bumped)
-    # Plan.roles: the role whose share of the grid runs it (-1: every block) and how many roles
-    # share the grid; the kernel has them from ROLE_CODE, not from the record
-    role: int = -1
-    n_roles: int = 0
 
     def encode(self) -> list[int]:
         row = [OP[self.kind], self.layer, self.counter, self.group_base, self.n_groups, self.rot, self.assign,
@@ -105,13 +96,9 @@ class OpInst:
 def splits(cfg: ModelConfig, plan: Plan, layer: int, ctx: int, t: int) -> int:
     """Attention splits of one kv head's keys: the cached prefix it sees followed by the t new tree
     keys, cut into equal runs (a function of ctx and t only, so chain and mega modes split
-    identically). The new keys are not tacked onto the last split: that split then took two
-    64-key rounds where every other took one (22 vs 15 us, shard8 T=16 profile, 2026-11-29).
-    Plan.attn_heads: the splits of one q head's keys, as many as the grid has blocks per head
-    (Plan.head_splits) and no more than staging rounds of keys."""
+    identically). The new keys are spread over the runs, not tacked onto the last split: that
+    split would take a staging round more than every other, and the op ends with its slowest."""
     nkeys = cached_keys(cfg, layer, ctx) + t
-    if plan.attn_heads:
-        return max(1, min(plan.head_splits, math.ceil(nkeys / ATTN_HEAD_KEYS)))
     return max(1, min(plan.max_splits, math.ceil(nkeys / plan.keys_per_split)))
 
 
@@ -124,7 +111,7 @@ def n_units(plan: Plan, kind: str, layer: int, t: int, ctx: int, count: int) -> 
     return {
         "embed": t,
         "qkv": c.qkv_rows // plan.tiles["qkv"].rows,
-        "attn": (c.n_heads if plan.attn_heads else c.n_kv_heads) * splits(c, plan, layer, ctx, t),
+        "attn": c.n_kv_heads * splits(c, plan, layer, ctx, t),
         "attn_combine": c.n_heads * t,
         "oproj": c.d_model // plan.tiles["oproj"].rows,
         "router": c.n_experts // plan.tiles["router"].rows,
@@ -166,8 +153,8 @@ def group_size(plan: Plan, kind: str, layer: int, t: int, ctx: int) -> int:
 def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int, t: int, ctx: int) -> int:
     """Which group of `producer` the consumer unit waits for."""
     c = plan.cfg
-    if consumer == "attn" and producer == "qkv":  # by kv head (Plan.attn_heads: the unit's q head's)
-        return unit // splits(c, plan, layer, ctx, t) // (c.group if plan.attn_heads else 1)
+    if consumer == "attn" and producer == "qkv":  # by kv head
+        return unit // splits(c, plan, layer, ctx, t)
     if consumer == "attn_combine" and producer == "attn":
         return (unit // t) // c.group
     if consumer == "expert2" and producer == "expert1":
@@ -177,17 +164,7 @@ def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int
 
 def n_groups(plan: Plan, kind: str) -> int:
     c = plan.cfg
-    # attn with Plan.attn_heads: a ticket per q head (attention.cuh run_attn_head), no consumer's
-    return {"qkv": c.n_kv_heads, "attn": c.n_heads if plan.attn_heads else c.n_kv_heads,
-            "expert1": plan.max_slots}.get(kind, 0)
-
-
-def role_blocks(inst: OpInst, n_blocks: int) -> range:
-    """The blocks a strided op instance's units go to: its role's share of the grid (Plan.roles),
-    or all of it (no role, or fewer blocks than roles: chain mode's one-block launches)."""
-    if inst.role < 0 or n_blocks < inst.n_roles:
-        return range(n_blocks)
-    return role_share(inst.role, n_blocks, inst.n_roles)
+    return {"qkv": c.n_kv_heads, "attn": c.n_kv_heads, "expert1": plan.max_slots}.get(kind, 0)
 
 
 def assigned_units(inst: OpInst, block: int, n_blocks: int, total: int) -> range:
@@ -196,11 +173,7 @@ def assigned_units(inst: OpInst, block: int, n_blocks: int, total: int) -> range
         lo = block * total // n_blocks
         hi = (block + 1) * total // n_blocks
         return range(lo, hi)
-    share = role_blocks(inst, n_blocks)
-    if block not in share:
-        return range(total, total)
-    start = (block - share.start - inst.rot) % len(share)
-    return range(start, total, len(share))
+    return range((block - inst.rot) % n_blocks, total, n_blocks)
 
 
 def pool_rotation(plan: Plan, router: OpInst) -> int | None:
@@ -208,9 +181,7 @@ def pool_rotation(plan: Plan, router: OpInst) -> int | None:
     side (plan.pool_rows sizes the pool units for that), the pool units start right after the
     router's: no block runs both, and top-k goes to a block that runs neither (lightest_block).
     Otherwise the blocks with one pool unit fewer than the rest come right after the router's."""
-    if role_of(plan, "router") != role_of(plan, "pool"):
-        return None  # on other blocks anyway
-    nb = len(role_blocks(router, plan.n_sm))
+    nb = plan.n_sm
     r, p = n_units(plan, "router", router.layer, 1, 0, 0), n_units(plan, "pool", router.layer, 1, 0, 0)
     if r + p <= nb:
         return (router.rot + r) % nb
@@ -218,18 +189,16 @@ def pool_rotation(plan: Plan, router: OpInst) -> int | None:
     return (router.rot + r - rem) % nb if rem else None
 
 
-def lightest_block(plan: Plan, insts: list[OpInst], among: range | None = None) -> int:
+def lightest_block(plan: Plan, insts: list[OpInst]) -> int:
     """The block with the fewest units of these (static-size, strided) op instances, lowest index
-    on ties, of the blocks `among` (default all), as an index into them. Top-k (one unit, on the
-    critical path of every layer) goes there: on a block that also runs a router unit and two pool
-    units it started ~7 us after the router finished (shard8 T=16 profile, 2026-11-29)."""
-    among = among if among is not None else range(plan.n_sm)
+    on ties. Top-k (one unit, on the critical path of every layer) goes there: on a block that also
+    runs router and pool units it starts only after them."""
     load = [0] * plan.n_sm
     for o in insts:
         total = n_units(plan, o.kind, o.layer, 1, 0, 0)
         for b in range(plan.n_sm):
             load[b] += len(assigned_units(o, b, plan.n_sm, total))
-    return min(range(len(among)), key=lambda i: (load[among[i]], i))
+    return min(range(plan.n_sm), key=lambda b: (load[b], b))
 
 
 # ------------------------------------------------------------------ building the program
@@ -283,8 +252,7 @@ def build(plan: Plan, mode: str = "layer") -> Program:
             raise ValueError(f"{kind}: too many deps")
         if rot is None:  # rotate the strided assignment so consecutive small ops start on different blocks
             rot = (idx * 17) % plan.n_sm
-        ops.append(OpInst(idx, kind, layer, ds, counter, gb, ng, rot, assign, role=role_of(plan, kind),
-                          n_roles=len(plan.roles)))
+        ops.append(OpInst(idx, kind, layer, ds, counter, gb, ng, rot, assign))
         last[kind] = idx
         return idx
 
@@ -302,17 +270,12 @@ def build(plan: Plan, mode: str = "layer") -> Program:
         cut()
     for l in range(c.n_layers):
         add("attn", l, [("qkv", DEP_GROUP)])
-        if plan.attn_heads:  # each head's last unit merged it: oproj needs every unit done
-            add("oproj", l, [("attn", DEP_ALL)])
-        else:
-            add("attn_combine", l, [("attn", DEP_GROUP)])
-            add("oproj", l, [("attn_combine", DEP_ALL)])
+        add("attn_combine", l, [("attn", DEP_GROUP)])
+        add("oproj", l, [("attn_combine", DEP_ALL)])
         add("router", l, [("oproj", DEP_ALL)])
         add("pool", l, [("oproj", DEP_ALL)], rot=pool_rotation(plan, ops[last["router"]]))
-        topk_blocks = role_blocks(OpInst(-1, "topk", l, (), 0, -1, 0, 0, ASSIGN_STRIDED, role=role_of(plan, "topk"),
-                                         n_roles=len(plan.roles)), plan.n_sm)
         add("topk", l, [("router", DEP_SENTINEL if plan.sentinel_route else DEP_ALL)],
-            rot=lightest_block(plan, [ops[last["router"]], ops[last["pool"]]], topk_blocks))
+            rot=lightest_block(plan, [ops[last["router"]], ops[last["pool"]]]))
         add("expert1", l, [("topk", DEP_ALL), ("pool", DEP_ALL)], ASSIGN_CONTIG)
         add("expert2", l, [("topk", DEP_ALL), ("expert1", DEP_LOCAL if plan.fused_experts else DEP_GROUP)],
             ASSIGN_CONTIG)
@@ -330,14 +293,11 @@ def build(plan: Plan, mode: str = "layer") -> Program:
     # A dependency on an op of an earlier launch is met before the launch's compute warps start:
     # by stream order, and with PDL by griddepcontrol.wait (the previous grid complete, its memory
     # visible; megakernel.cu). So it is not waited for, and its producer bumps no counter for it:
-    # in "layer" mode attention's wait for the previous launch's qkv groups was an acquire round
-    # trip at every launch's start, and qkv's release fence ended every launch (interp.py walks
-    # the launches in order, as the stream does). In-run A/B against plan.launch_waits (the same
-    # cubin, the same bits; H200 2026-11-30 20:55Z, 5 rounds): shard8 T=16 -1.06%, T=1 -2.09%,
-    # small T=16 -1.97% (a second copy of the old schedule: -0.10 / -0.05 / +0.48%).
+    # in "layer" mode a wait for the previous launch's qkv groups would cost an acquire round trip
+    # at every launch's start, and qkv's release fence would end every launch (interp.py walks the
+    # launches in order, as the stream does).
     launch_of = {i: li for li, (first, n) in enumerate(launches) for i in range(first, first + n)}
-    if not plan.launch_waits:
-        ops = [replace(o, deps=tuple(d for d in o.deps if launch_of[d.producer] == launch_of[o.index])) for o in ops]
+    ops = [replace(o, deps=tuple(d for d in o.deps if launch_of[d.producer] == launch_of[o.index])) for o in ops]
     total = {d.producer for o in ops for d in o.deps if d.mode == DEP_ALL}
     group = {d.producer for o in ops for d in o.deps if d.mode == DEP_GROUP}
     ops = [replace(o, signal=(SIGNAL_TOTAL if o.index in total else 0) | (SIGNAL_GROUPS if o.index in group else 0))
@@ -357,9 +317,6 @@ def check(prog: Program) -> None:
     assert sorted(launch_of) == list(range(len(prog.ops))), "every op in exactly one launch"
     for o in prog.ops:
         assert o.kind in OP_KINDS
-        # Plan.roles: the kernel finds an op's role by its kind (ROLE_CODE), only for strided ops
-        assert (o.role, o.n_roles) == (role_of(prog.plan, o.kind), len(prog.plan.roles)), f"{o.kind}: role"
-        assert o.role < 0 or o.assign == ASSIGN_STRIDED, f"{o.kind}(L{o.layer}): a role for a contiguous op"
         if o.kind in ("expert1", "expert2"):
             # the routed ops learn their slot count from dependency 0 (program.cuh compute_loop):
             # top-k must run in their launch
@@ -367,8 +324,7 @@ def check(prog: Program) -> None:
                 f"{o.kind}(L{o.layer}): routing not waited for"
         for d in o.deps:
             assert d.producer < o.index, f"{o.kind}(L{o.layer}) depends on a later op"
-            assert prog.plan.launch_waits or launch_of[d.producer] == launch_of[o.index], \
-                f"{o.kind}(L{o.layer}) waits for an earlier launch"
+            assert launch_of[d.producer] == launch_of[o.index], f"{o.kind}(L{o.layer}) waits for an earlier launch"
             p = prog.ops[d.producer]
             if d.mode == DEP_SENTINEL:  # the kernel polls sentinel slots on this edge only (ops/topk.cuh)
                 assert (o.kind, p.kind) == ("topk", "router"), f"{o.kind} <- {p.kind}: no sentinel slots"

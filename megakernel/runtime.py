@@ -28,8 +28,8 @@ from . import abi, tiling, tree as treelib
 from .config import ConfigError
 from .fp4_layout import is_canonical
 from .plan import Plan
-from .program import (WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE, WHAT_NORM_ROWS, WHAT_PRESTAGE,
-                      WHAT_RING_EMPTY, WHAT_RING_FULL, WHAT_SENTINEL, Program, build as build_program)
+from .program import (WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE, WHAT_NORM_ROWS, WHAT_RING_EMPTY,
+                      WHAT_RING_FULL, WHAT_SENTINEL, Program, build as build_program)
 from .reference import KVCache
 from .weights import BF16, ModelWeights
 
@@ -293,8 +293,6 @@ class Engine:
                                "never wrote them, or a slot was not reset)",
                 WHAT_NORM_ROWS: f"{name}: the bulk copies of the normed operand's rows (consumer)",
                 WHAT_LOADER_PACE: f"{name}: the first weight chunk of the routed op landing (loader, opening pace)",
-                WHAT_PRESTAGE: f"{name}: a weight chunk prestaged on the previous step's routing landing (loader, "
-                               "Plan.prestage_experts)",
                 }.get(code, f"{name} code {code}")
 
     def _set_inputs(self, tokens, parents, ctx, routes):
@@ -440,8 +438,8 @@ ROUTED_OPS = ("expert1", "expert2")
 
 
 def launch_pdl_flags(program: Program, plan_pdl: bool, mode: str) -> list[bool]:
-    """PDL per launch of a step. The kernel built with Plan.pdl makes its compute warps (and the
-    receive warp) wait for the previous grid (griddepcontrol.wait) before touching its outputs,
+    """PDL per launch of a step. The kernel built with Plan.pdl makes its compute warps wait for
+    the previous grid (griddepcontrol.wait) before touching its outputs,
     while its loader warp streams weights at once; so a launch may overlap the tail of the one
     before whenever its loader reads nothing that launch writes.
       mega         every launch after the first (all persistent: the tuned pdl_pays constant)

@@ -1,25 +1,18 @@
-"""Which SM each block of a step's launches ran on, launch after launch (issue 48, blocks in roles).
+"""Which SM each block of a step's launches ran on, launch after launch.
 
-An SM's instruction cache keeps what the block before it ran. Plan.roles gives each block index a
-role, so a role's code is still in an SM's cache at the next launch only where that launch puts a
-block of the same role on the SM. The hardware places the blocks, not the kernel (one block per SM;
-with PDL the next grid's blocks take SMs while the previous grid's leave), so this measures the
-placement from the profiler's records (each carries %smid, mb/profile.cuh), on a profiled step,
-every launch recorded (H200 2026-12-02: a block kept its SM 2-3% of the time):
+An SM's instruction cache keeps what the block before it ran, so a launch starts with warm code
+only on the SMs whose block runs what the SM's last block ran. The hardware places the blocks, not
+the kernel (one block per SM; with PDL the next grid's blocks take SMs while the previous grid's
+leave), so this measures the placement from the profiler's records (each carries %smid,
+mb/profile.cuh), on a profiled step, every launch recorded:
 
   same_sm     share of (launch, block) on the SM the block had in the launch before
-  same_role   share of (launch, SM) whose block has the role the SM's block had before (roles as
-              the build has them, or Plan.roles=3's shares where the build has none)
-  by_chance   what same_role would be if blocks landed on SMs at random: sum of (share size / grid)^2
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-
-from .plan import role_share
-
 
 BENCHMARK = "megakernel.sm_map"
 
@@ -29,30 +22,17 @@ class Placement:
     launches: int  # launch transitions counted
     blocks: int
     same_sm: float
-    same_role: float
-    by_chance: float
-    n_roles: int
-    per_launch: tuple = ()  # same_role of each launch transition
+    per_launch: tuple = ()  # same_sm of each launch transition
 
 
-def by_chance(n_blocks: int, n_roles: int) -> float:
-    """same_role if blocks landed on SMs at random: the sum of (share size / grid)^2."""
-    return float(sum(len(role_share(r, n_blocks, n_roles)) ** 2 for r in range(n_roles)) / n_blocks ** 2)
-
-
-def role_of_block(block: int, n_blocks: int, n_roles: int) -> int:
-    """The role whose share of the grid holds `block` (plan.role_share)."""
-    return next(r for r in range(n_roles) if block in role_share(r, n_blocks, n_roles))
-
-
-def placement(launch: np.ndarray, block: np.ndarray, sm: np.ndarray, n_blocks: int, n_roles: int = 3) -> Placement:
-    """From per-record (launch, block, sm) arrays: the shares of the module docstring, over every
+def placement(launch: np.ndarray, block: np.ndarray, sm: np.ndarray, n_blocks: int) -> Placement:
+    """From per-record (launch, block, sm) arrays: the share of the module docstring, over every
     pair of consecutive launches that both recorded every block. A block whose records name two
     SMs in one launch is an error (blocks do not migrate)."""
     if not (len(launch) == len(block) == len(sm)):
         raise ValueError("placement: launch, block and sm arrays of different lengths")
-    if n_blocks < n_roles or n_roles < 1:
-        raise ValueError(f"placement: {n_roles} roles on {n_blocks} blocks")
+    if n_blocks < 1:
+        raise ValueError(f"placement: {n_blocks} blocks")
     where: dict[int, dict[int, int]] = {}
     for lc, b, s in zip(launch.tolist(), block.tolist(), sm.tolist()):
         seen = where.setdefault(lc, {})
@@ -62,25 +42,21 @@ def placement(launch: np.ndarray, block: np.ndarray, sm: np.ndarray, n_blocks: i
     pairs = [(a, b) for a, b in zip(full, full[1:]) if b == a + 1]
     if not pairs:
         raise ValueError("placement: no two consecutive launches recorded every block")
-    same_sm = same_role = total = 0
+    same_sm = total = 0
     per = []
     for a, b in pairs:
         prev, cur = where[a], where[b]
-        role_on_prev = {s: role_of_block(blk, n_blocks, n_roles) for blk, s in prev.items()}
-        here = sum(role_on_prev.get(s, -1) == role_of_block(blk, n_blocks, n_roles) for blk, s in cur.items())
+        here = sum(prev[blk] == s for blk, s in cur.items())
         per.append(here / len(cur))
         total += len(cur)
-        same_sm += sum(prev[blk] == s for blk, s in cur.items())
-        same_role += here
-    return Placement(len(pairs), n_blocks, same_sm / total, same_role / total, by_chance(n_blocks, n_roles),
-                     n_roles, tuple(per))
+        same_sm += here
+    return Placement(len(pairs), n_blocks, same_sm / total, tuple(per))
 
 
 def to_result(rows, env=None):
     """A megabench Result (megakernel.sm_map) of [(preset, T, ctx, variant name, switches, Placement)]:
-    one series per row, its samples each launch transition's same-role share; derived
-    same_role_/same_sm_<preset>_T<t>_ctx<ctx>_<variant> and the share by chance. Not gated (a
-    placement, not a time)."""
+    one series per row, its samples each launch transition's same-SM share; derived
+    same_sm_<preset>_T<t>_ctx<ctx>_<variant>. Not gated (a placement, not a time)."""
     from microbench.results import Derived, Result, Series
 
     if env is None:
@@ -93,16 +69,12 @@ def to_result(rows, env=None):
         series.append(Series.from_samples(
             sname, m.per_launch, timer="static", unit="ratio",
             params={"preset": preset, "T": t, "ctx": ctx, "variant": name, "switches": dict(switches),
-                    "blocks": m.blocks, "n_roles": m.n_roles, "launch_transitions": m.launches,
+                    "blocks": m.blocks, "launch_transitions": m.launches,
                     "source": "profiler records' %smid (mb/profile.cuh), every launch of a mega step"},
             metrics={"gate_direction": "none"}))
         key = f"{preset}_T{t}_ctx{ctx}_{name}"
         derived[f"same_sm_{key}"] = Derived(m.same_sm, "ratio", "share of blocks on the SM they had the launch before",
                                             inputs=(sname,))
-        derived[f"same_role_{key}"] = Derived(m.same_role, "ratio", "share of SMs whose block has the role of the "
-                                              "SM's block the launch before", inputs=(sname,))
-        derived[f"by_chance_{key}"] = Derived(m.by_chance, "ratio", "same_role if blocks landed on SMs at random",
-                                              inputs=(sname,))
     return Result(BENCHMARK, env, tuple(series), derived, quick=False)
 
 
@@ -120,5 +92,4 @@ def measure(preset: str, n_tokens: int, ctx: int, switches: dict, steps: int = 3
     for _ in range(steps):
         eng.step(sc.tokens, sc.parents, ctx, mode="mega", routes=routes)
     st = eng.prof.read()
-    return placement(np.asarray(st.launch), np.asarray(st.block), np.asarray(st.sm), eng.grid,
-                     len(plan.roles) or 3)
+    return placement(np.asarray(st.launch), np.asarray(st.block), np.asarray(st.sm), eng.grid)

@@ -19,8 +19,8 @@ from microbench.results import load
 
 def test_variants_and_points_parse_or_are_refused_by_name(tmp_path):
     assert ab.parse_variant("base") == ab.Variant("base")
-    v = ab.parse_variant("k48:keys_per_split=48,kv_prefetch=true,note=x,f=0.5")
-    assert v.switch_dict == {"keys_per_split": 48, "kv_prefetch": True, "note": "x", "f": 0.5} and v.csrc is None
+    v = ab.parse_variant("k48:keys_per_split=48,pdl=true,note=x,f=0.5")
+    assert v.switch_dict == {"keys_per_split": 48, "pdl": True, "note": "x", "f": 0.5} and v.csrc is None
     tree_dir = tmp_path / "csrc"
     shutil.copytree(CSRC, tree_dir)
     assert ab.parse_variant(f"edit={tree_dir}:pdl=false") == ab.Variant("edit", tree_dir.resolve(), (("pdl", False),))
@@ -178,7 +178,7 @@ def test_layout_placebos_give_each_variant_a_verdict_that_survives_saving(tmp_pa
 
     base = ab.Variant("main")
     vs = [base, ab.Variant("gap", None, (("layout_gap", 512),)), ab.Variant("pad", None, (("layout_pad", 1024),)),
-          ab.Variant("fast", None, (("keys_per_split", 16),)), ab.Variant("near", None, (("kv_prefetch", True),)),
+          ab.Variant("fast", None, (("keys_per_split", 16),)), ab.Variant("near", None, (("loader_ahead", False),)),
           ab.Variant("slow", None, (("keys_per_split", 64),)),
           ab.Variant("gapfast", None, (("keys_per_split", 16), ("layout_gap", 512)))]
     assert [v.name for v in vs if ab.is_placebo(v, base)] == ["gap", "pad"]

@@ -60,7 +60,7 @@ def test_full_adds_the_ablation_timelines_and_long_contexts(gpu_wiring, tmp_path
 
     mk = _names(pipeline.items(_args(full=True), tmp_path, gpu=True), "megakernel")
     names = ablation_names()
-    assert len(names) == 19 and "mega+all_single_launch" in names
+    assert len(names) == 13 and "mega+all_single_launch" in names
     assert [n for n in mk if " ablation " in n] == [f"{p} ablation {v}" for p in ("small", "shard8") for v in names]
     assert "shard8 timeline" in mk and "shard8 timeline detail" in mk
     assert {"shard8 T=16 ctx=8192 mega", "shard8 T=16 ctx=8192 eager", "small T=1 ctx=4096 compile"} <= set(mk)

@@ -16,14 +16,9 @@
 #endif
 #include "mk/program.cuh"
 
-// MK_MAX_REGISTERS (Plan.max_registers, A/Bs only): a register cap below the 168 the launch bounds
-// give 9 warps, so that the same code can be made to spill and a spill's cost measured. The
-// launch bounds of 12 warps (COMPUTE_REGS) also give 168, the budget setmaxnreg starts from.
-#if MK_MAX_REGISTERS
-extern "C" __global__ void __maxnreg__(MK_MAX_REGISTERS)
-#else
+// The launch bounds give 9 warps 168 registers each; 12 warps (COMPUTE_REGS) get 168 too, the
+// budget setmaxnreg starts from. One block per SM: every block of a launch must be co-resident.
 extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
-#endif
     mk_run(const mk::Params* __restrict__ params, int first, int n_ops, int wait, int T, int ctx, int parity,
            MB_PROF_PARAMS) {
   // The regression gate's calibrated slowdown (mb/inject.cuh, `megabench gate --quality-run`): an
@@ -45,8 +40,8 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
   // ours leave (one block per SM), and its compute warps wait for all of this grid below.
   if (PDL) pdl_launch_dependents();
   // The profiler (two pointers, five counters) lives in shared memory and only thread 0 stamps
-  // (the layout records warp 0 lane 0 alone): as registers of every thread it was live through
-  // every op's code and pushed the profiled build past 168 registers (~300 B of spills).
+  // (the layout records warp 0 lane 0 alone). Danger: as registers of every thread it would be
+  // live through every op's code and push the profiled build past 168 registers (spills).
   Blk b = make_blk(params, T, ctx, parity, wait);
   mb::prof::Profiler& prof = *reinterpret_cast<mb::prof::Profiler*>(b.misc + MISC_PROF);
   if (tid() == 0) {
@@ -57,17 +52,11 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
       mbar_init(&b.empty[s], COMPUTE_THREADS);
     }
     mbar_init(b.xbar, 1);
-    for (int s = 0; s < SPEC_BARS; ++s) mbar_init(&b.spec[s], 1);  // PRESTAGE (program.cuh prestage_issue)
     fence_mbar_init();
     b.misc[MISC_TAG] = -1;
     b.misc[MISC_SLOT + 2] = -1;  // no slot record (program.cuh slot_fetch)
     b.misc[MISC_RTAG] = -1;
     for (int k = 0; k < KEEP_UNITS; ++k) b.misc[MISC_KEEP + k] = -1;
-    if constexpr (RECEIVE_WARP) b.misc[MISC_RECV] = first;
-    if constexpr (PRESTAGE > 0) {  // no bet yet; the spec barriers' phases (program.cuh prestage_settle)
-      for (int k = 0; k < RING_STAGES; ++k) b.misc[MISC_SPEC + k] = -1;
-      b.misc[MISC_SPEC_PHASE] = 0;
-    }
     b.misc[MISC_OPS_DONE] = 0;
     if (PROF_DEFER) {
       for (int k = 0; k < PROF_OPS; ++k) prof_slot(b, k)->op = -1;
@@ -77,17 +66,13 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
   sync_block();
   // per-role budgets (COMPUTE_REGS): the loader's warpgroup gives registers back, its other 3
   // warps existing only for that (setmaxnreg is per warpgroup), and the compute warps take them.
-  // Written so that the default build's code is what it was without them (an `if` around the
-  // roles moved ptxas to a 16 B spill)
+  // Danger: the dispatch stays one if / else chain whose branches are the 9-warp build's; an `if`
+  // around the warp roles' code moves ptxas to a 16 B spill
   if (warp() == WARPS) {
     if constexpr (COMPUTE_REGS > 0) setmaxnreg_dec<LOADER_REGS>();
     loader_loop(b, first, n_ops);  // weights only: never waits for the previous launch
   } else if (COMPUTE_REGS > 0 && warp() > WARPS) {
     setmaxnreg_dec<LOADER_REGS>();  // a spare warp: gives its registers back and leaves
-    if (RECEIVE_WARP && warp() == WARPS + 1) {  // or receives (Plan.receive_warp)
-      if (PDL) pdl_wait();  // the counters are this launch's only after the previous one ended
-      receive_loop(b, first, n_ops);
-    }
   } else {
     if constexpr (COMPUTE_REGS > 0) setmaxnreg_inc<COMPUTE_REGS>();
     if (PDL) pdl_wait();  // activations, caches and counters of the previous launch are complete

@@ -263,15 +263,6 @@ static void wait_gen(Barrier& b, unsigned gen, const char* where) {
   g_cur->where = "running";
 }
 
-static std::vector<std::pair<uint64_t, uint64_t>> g_prefetch;  // (address, bytes) since emu_prefetches(.., -1)
-
-void note_prefetch(const void* src, unsigned bytes) {
-  g_prefetch.emplace_back(reinterpret_cast<uint64_t>(src), bytes);
-}
-
-static unsigned long long g_copied = 0;  // bulk-copied bytes since emu_copied_bytes(1)
-void note_copy(unsigned bytes) { g_copied += bytes; }
-
 void fail(const char* what) {
   char buf[512];
   snprintf(buf, sizeof buf, "block %d thread %d: %s", g_cur ? g_cur->block : -1, g_cur ? g_cur->thread : -1, what);
@@ -598,26 +589,4 @@ extern "C" int emu_launch(void (*body)(void*), void* arg, int grid, int block, i
   g_bsched.clear();
   if (rc && err && errlen > 0) snprintf(err, errlen, "%s", g_error.c_str());
   return rc;
-}
-
-// Bytes moved by bulk copies (global to shared) since the last call with reset != 0.
-extern "C" unsigned long long emu_copied_bytes(int reset) {
-  const unsigned long long n = emu::g_copied;
-  if (reset) emu::g_copied = 0;
-  return n;
-}
-
-// The L2 prefetches recorded so far: up to `cap` (address, bytes) pairs into out; returns how
-// many there were. cap < 0 forgets them.
-extern "C" int emu_prefetches(unsigned long long* out, int cap) {
-  const int n = static_cast<int>(emu::g_prefetch.size());
-  if (cap < 0) {
-    emu::g_prefetch.clear();
-    return n;
-  }
-  for (int i = 0; i < n && i < cap; ++i) {
-    out[2 * i] = emu::g_prefetch[i].first;
-    out[2 * i + 1] = emu::g_prefetch[i].second;
-  }
-  return n;
 }

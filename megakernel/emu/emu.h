@@ -8,7 +8,6 @@ MK_DEV int tid() { return emu::cur_thread(); }
 MK_DEV int warp() { return emu::cur_thread() >> 5; }
 MK_DEV int lane() { return emu::cur_thread() & 31; }
 MK_DEV int bid() { return emu::cur_block(); }
-MK_DEV int opaque(int v) { return v; }
 MK_DEV int nblocks() { return emu::grid_dim(); }
 MK_DEV int nblocks_here() { return emu::grid_dim(); }
 MK_DEV unsigned char* smem() { return emu::cur_smem(); }
@@ -203,17 +202,8 @@ MK_DEV void st_relaxed(void* p, uint32_t v) {
 }
 MK_DEV uint32_t ld_acquire(const uint32_t* p) { emu::yield(); return *reinterpret_cast<const volatile uint32_t*>(p); }
 MK_DEV void red_release(uint32_t* p, uint32_t v) { *p += v; emu::note_sync_write(true); }
-MK_DEV void st_release_cta(int* p, int v) { *reinterpret_cast<volatile int*>(p) = v; emu::note_sync_write(false); }
-MK_DEV int ld_acquire_cta(const int* p) { emu::yield(); return *reinterpret_cast<const volatile int*>(p); }
 MK_DEV void fence_release() {}
 MK_DEV void red_relaxed(uint32_t* p, uint32_t v) { *p += v; emu::note_sync_write(true); }
-MK_DEV uint32_t atom_add_relaxed(uint32_t* p, uint32_t v) {  // another block may take its ticket first
-  emu::yield();
-  const uint32_t old = *p;
-  *p = old + v;
-  emu::note_sync_write(true);
-  return old;
-}
 MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long cmp, unsigned long long v) {
   const unsigned long long old = *p;
   if (old == cmp) *p = v;
@@ -237,7 +227,6 @@ MK_DEV void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar)
   if ((bytes & 15u) || (reinterpret_cast<uintptr_t>(dst) & 15u) || (reinterpret_cast<uintptr_t>(src) & 15u)) {
     emu::fail("bulk copy with an address or size that is not a multiple of 16 bytes");
   }
-  emu::note_copy(bytes);
   emu::bulk_copy_async(dst, src, bytes, bar);
 }
 MK_DEV void bulk_copy_keep(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
@@ -245,14 +234,6 @@ MK_DEV void bulk_copy_keep(void* dst, const void* src, unsigned bytes, uint64_t*
 }
 MK_DEV void fence_proxy_async() {}
 MK_DEV void fence_proxy_async_smem() {}
-MK_DEV void prefetch_l2(const void* src, unsigned bytes) {
-  // the hardware's rules for cp.async.bulk.prefetch.L2; the range is recorded (emu_prefetches)
-  // so the tests can check it lies inside the buffer it means (outside, it may fault on the GPU)
-  if ((bytes & 15u) || bytes == 0u || (reinterpret_cast<uintptr_t>(src) & 15u)) {
-    emu::fail("L2 prefetch with an address or size that is not a multiple of 16 bytes");
-  }
-  emu::note_prefetch(src, bytes);
-}
 // the adversarial schedule's hint (emu.cpp BlockSched): this block's compute threads start unit
 // `unit` of op instance `op`, which has `total` units
 MK_DEV void sched_unit(int op, int unit, int total) { emu::unit_hint(op, unit, total); }

@@ -55,8 +55,6 @@ void mbar_complete_tx(uint64_t* b, unsigned bytes);
 // next tests `b`, not at issue, so a reader that does not wait for the barrier sees the old bytes
 void bulk_copy_async(void* dst, const void* src, unsigned bytes, uint64_t* b);
 uint64_t now_ns();
-void note_prefetch(const void* src, unsigned bytes);  // an L2 prefetch (recorded for the tests)
-void note_copy(unsigned bytes);  // a bulk copy's bytes (counted for the tests: emu_copied_bytes)
 // the adversarial schedule (emu.cpp): a synchronisation write other fibers may poll (global: any
 // block's; else the writer's block's shared memory), and the unit a block's compute threads start
 void note_sync_write(bool global);

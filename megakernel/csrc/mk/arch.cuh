@@ -6,9 +6,8 @@
 #include "mb/types.cuh"
 
 // Loops that run once or twice per unit (epilogues, top-k bookkeeping) stay rolled: an op's code
-// is fetched cold from L2 every layer (the kernel is ~4x the instruction cache), so an unrolled
-// copy costs fetch time and saves no issue slot worth having (shard8 step -1.9%, together with
-// program.cuh's skipped second routing wait, H200 2026-11-29).
+// is fetched cold from L2 every layer (the kernel is several times the instruction cache), so an
+// unrolled copy costs fetch time and saves no issue slot worth having.
 #define MK_COLD_LOOP _Pragma("unroll 1")
 
 #if defined(MK_HOST_EMU)
@@ -19,8 +18,8 @@
 
 namespace mk {
 
-// %tid.x read where used (volatile: never hoisted): derived from threadIdx.x, every op's per-thread
-// addresses were computed once at kernel entry and held, or spilled, through the whole op loop
+// %tid.x read where used (volatile: never hoisted). Danger: derived from threadIdx.x, every op's
+// per-thread addresses are computed once at kernel entry and held, or spilled, through the op loop
 MK_DEV int tid() {
   int r;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(r));
@@ -29,12 +28,6 @@ MK_DEV int tid() {
 MK_DEV int warp() { return threadIdx.x >> 5; }
 MK_DEV int lane() { return threadIdx.x & 31; }
 MK_DEV int bid() { return blockIdx.x; }
-// `v` as a value the compiler cannot see through (no constant folding of the code that uses it)
-MK_DEV int opaque(int v) {
-  int r;
-  asm volatile("mov.u32 %0, %1;" : "=r"(r) : "r"(v));
-  return r;
-}
 MK_DEV int nblocks() { return gridDim.x; }
 // %nctaid.x the same way, for a loop stride that must not become a register live across the loop
 MK_DEV int nblocks_here() {
@@ -95,7 +88,7 @@ MK_DEV uint32_t hmul2(uint32_t a, uint32_t b) {
   return r;
 }
 // a * (half H of b in both halves): ptxas folds the broadcast into HMUL2's operand selector
-// (.H0_H0 / .H1_H1), where a prmt before the multiply was one more ALU instruction
+// (.H0_H0 / .H1_H1), where a prmt before the multiply would be one more ALU instruction
 template <int H>
 MK_DEV uint32_t hmul2_bcast(uint32_t a, uint32_t b) {
   static_assert(H == 0 || H == 1, "half 0 (low) or 1 (high)");
@@ -179,28 +172,11 @@ MK_DEV uint32_t ld_relaxed(const void* p) { return mb::ld_relaxed_gpu(static_cas
 MK_DEV void st_relaxed(void* p, uint32_t v) { mb::st_relaxed_gpu(static_cast<uint32_t*>(p), v); }
 MK_DEV uint32_t ld_acquire(const uint32_t* p) { return mb::ld_acquire_gpu(p); }
 MK_DEV void red_release(uint32_t* p, uint32_t v) { mb::red_add_release_gpu(p, v); }
-// A note from one warp of the block to another (Plan.receive_warp): the writer's acquire of a
-// counter, then this release, then the reader's acquire carry the producers' data to the reader.
-MK_DEV void st_release_cta(int* p, int v) {
-  asm volatile("st.release.cta.shared.u32 [%0], %1;" ::"r"(saddr(p).a), "r"(v) : "memory");
-}
-MK_DEV int ld_acquire_cta(const int* p) {
-  int v;
-  asm volatile("ld.acquire.cta.shared.u32 %0, [%1];" : "=r"(v) : "r"(saddr(p).a) : "memory");
-  return v;
-}
 // A release of several counters: one fence, then relaxed adds (each a release pattern with the
 // fence, PTX memory model), instead of a fence per red.release.
 MK_DEV void fence_release() { mb::fence_acq_rel_gpu(); }
 MK_DEV void red_relaxed(uint32_t* p, uint32_t v) {
   asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-// A ticket (attention.cuh run_attn_head): the counter's value before this add. With fence_release
-// before it, a release pattern; with fence_release after it, an acquire pattern (PTX memory model).
-MK_DEV uint32_t atom_add_relaxed(uint32_t* p, uint32_t v) {
-  uint32_t old;
-  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
 }
 MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long cmp, unsigned long long v) {
   return atomicCAS(p, cmp, v);
@@ -233,7 +209,6 @@ MK_DEV void bulk_copy(void* dst_smem, const void* src, unsigned bytes, uint64_t*
 MK_DEV void fence_proxy_async() { mb::fence_proxy_async(); }
 // Orders this thread's view of shared memory (generic proxy) before its next bulk copies (async proxy).
 MK_DEV void fence_proxy_async_smem() { mb::fence_proxy_async_smem(); }
-MK_DEV void prefetch_l2(const void* src, unsigned bytes) { mb::bulk_prefetch_l2(src, bytes); }
 // The host emulation's adversarial scheduler learns from this which unit a block starts
 // (megakernel/emu/emu.cpp BlockSched); on the GPU it is nothing at all.
 MK_DEV void sched_unit(int, int, int) {}

@@ -7,9 +7,8 @@
 //          or an fp4 GEMM unit's results (gemm.cuh gemm_fp4)
 //   keep   KEEP_BYTES  Plan.fused_experts: gate/up units' activations kept for the down projection
 //   bars   2 x RING_STAGES mbarriers (full: one arrival + tx bytes; empty: one arrival per
-//          compute thread), xbar (the normed operand's copies), with PRESTAGE a spec barrier per
-//          stage (a prestaged chunk's copies), then small ints (staged-activation tag, top-k
-//          scratch, norm factors)
+//          compute thread), xbar (the normed operand's copies), then small ints (staged-activation
+//          tag, top-k scratch, norm factors)
 // Ring protocol: chunk c lives in stage c % RING_STAGES; the producer waits for `empty` of
 // use (c / RING_STAGES) - 1, announces the bytes on `full` and issues the copies; consumers
 // wait for `full` of use c / RING_STAGES, read, and each compute thread arrives on `empty`. Producer and
@@ -40,15 +39,7 @@ constexpr int MISC_PWIN = MISC_PSLOT + 8 * PROF_OPS;  // the first op of the slo
 constexpr int MISC_PWAIT = MISC_PWIN + 2;
 // [KEEP_MAX] fused: the unit tag whose activations each kept-unit buffer holds (-1: none; ops/expert_gemm1.cuh)
 constexpr int MISC_KEEP = MISC_PWAIT + 2;
-// Plan.receive_warp: 1 + the last op whose "all" dependencies the receive warp saw met (it
-// starts at the launch's first op); absent from other builds
-constexpr int MISC_RECV = MISC_KEEP + KEEP_MAX;
-// PRESTAGE: [RING_STAGES] the chunk each stage holds on a bet (program.cuh prestage_issue), then
-// the stages' spec barrier phases (bit s: phases of stage s's spec barrier completed, mod 2)
-constexpr int MISC_SPEC = MISC_RECV + (RECEIVE_WARP ? 1 : 0);
-constexpr int MISC_SPEC_PHASE = MISC_SPEC + RING_STAGES;
-constexpr int MISC_INTS = MISC_SPEC + (PRESTAGE > 0 ? RING_STAGES + 1 : 0);
-constexpr int SPEC_BARS = PRESTAGE > 0 ? RING_STAGES : 0;
+constexpr int MISC_INTS = MISC_KEEP + KEEP_MAX;
 static_assert(KEEP_UNITS <= KEEP_MAX && KEEP_BYTES % 16 == 0, "kept units: their tags fit MISC_KEEP; aligned buffers");
 
 struct Blk {
@@ -60,7 +51,6 @@ struct Blk {
   uint64_t* full;
   uint64_t* empty;
   uint64_t* xbar;  // the normed operand's bulk copies (gemm.cuh stage_normed): one arrival + tx bytes
-  uint64_t* spec;  // PRESTAGE: a prestaged chunk's copies into stage s land on spec[s] (one arrival + tx)
   int* misc;
   int T, ctx, parity, wait;
   unsigned chunk;  // consumer's position in the chunk sequence
@@ -80,8 +70,7 @@ MK_DEV Blk make_blk(const Params* p, int T, int ctx, int parity, int wait) {
   b.full = reinterpret_cast<uint64_t*>(b.keep + KEEP_BYTES);
   b.empty = b.full + RING_STAGES;
   b.xbar = b.empty + RING_STAGES;
-  b.spec = b.xbar + 1;
-  b.misc = reinterpret_cast<int*>(b.spec + SPEC_BARS);
+  b.misc = reinterpret_cast<int*>(b.xbar + 1);
   b.T = T;
   b.ctx = ctx;
   b.parity = parity;
@@ -92,7 +81,7 @@ MK_DEV Blk make_blk(const Params* p, int T, int ctx, int parity, int wait) {
   b.pace = ~0u;
   return b;
 }
-static_assert(((2 * RING_STAGES + 1 + SPEC_BARS) * 8 + MISC_INTS * 4 + 15) / 16 * 16 == MISC_BYTES,
+static_assert(((2 * RING_STAGES + 1) * 8 + MISC_INTS * 4 + 15) / 16 * 16 == MISC_BYTES,
               "mbarriers + misc are the tail of SMEM_BYTES that Plan.misc_bytes sized");
 static_assert(sizeof(mb::prof::Profiler) <= 4 * (MISC_SCRATCH - MISC_PROF) && MISC_PROF % 2 == 0,
               "the profiler fits MISC_PROF, 8-byte aligned");
@@ -126,11 +115,11 @@ MK_DEV void ring_release(Blk& b) {
 // All 32 lanes call, and every lane waits for the stage to be free: each lane that issues a copy
 // into it must itself acquire the consumers' release (racecheck reports copies ordered only
 // through another lane's wait, shfl and __syncwarp as races; microbench/sanitize/ring_probe.cu).
-// Lane 0 then announces `tx` bytes. Returns false (for every lane) when a wait gave up.
-// `bar`: the barrier the copies land on, the stage's `full` (a prestaged chunk's: its spec barrier).
-MK_DEV bool ring_produce_begin(const Blk& b, unsigned c, unsigned tx, uint32_t what, uint64_t* bar = nullptr) {
+// Lane 0 then announces `tx` bytes on the stage's `full`. Returns false (for every lane) when a
+// wait gave up.
+MK_DEV bool ring_produce_begin(const Blk& b, unsigned c, unsigned tx, uint32_t what) {
   const bool ok = warp_all(wait_mbar(*b.p, &b.empty[c % RING_STAGES], ((c / RING_STAGES) & 1u) ^ 1u, what));
-  if (ok && lane() == 0) mbar_expect_tx(bar ? bar : &b.full[c % RING_STAGES], tx);
+  if (ok && lane() == 0) mbar_expect_tx(&b.full[c % RING_STAGES], tx);
   syncwarp();
   // the consumers' reads of this stage (generic proxy, acquired through `empty`) before the bulk
   // copies that overwrite it (async proxy): the PTX memory model wants a proxy fence between them

@@ -35,7 +35,8 @@ MK_DEV constexpr int a_stride() {
 // ---------------------------------------------------------------- activation staging
 // Every staging loop issues its loads in batches of STAGE_BATCH before using any of them: a
 // loop that waits for each L2 load before issuing the next costs ~K/128 round trips per row.
-constexpr int STAGE_BATCH = 8;  // 4 and 16 were slower (shard8 step +0.9%, +2.6%; H200 2026-11-29)
+// Fewer in flight wait more often; more hold more registers live across the batch.
+constexpr int STAGE_BATCH = 8;
 
 // Sum of squares of 8 consecutive features of x, in one fixed order: ((0+1)+(2+3))+((4+5)+(6+7)),
 // products and sums rounded separately (no fma contraction). The producers of x (embed, oproj,
@@ -78,14 +79,12 @@ MK_DEV uint16_t* xg_at(const Params& p, int which, int t, int k) {
 // rsqrt(mean(x^2) + eps), the fixed-order sum of the producers' 8-feature partials `ssp` (lane l
 // adds float4 l, l+32, ..., then a butterfly), goes to shared memory (norm_factor) once per
 // operand; the consumer multiplies its fp32 result by it. The operand is rounded once, as
-// bf16((x * r) * g) was, but at another point than the reference's (shard8 error 8.3e-3 ->
-// 8.7e-3), and the bytes staged are half of fp32 x's, with no math: each block had read the same
-// 256 KB of fp32 x from L2 in ~6.2 us (detail trace, dd8e4b5), bounded per SM by the bytes in
-// flight; the same 128 KB by ld.cg took ~2.7 us in a scratch microbenchmark and by bulk copies of
-// 8 KB 1.1-1.5 us, with 96 or 132 blocks reading (H200, 2026-11-30); one copy per panel instead of
-// one per row: shard8 step -2.8%. Earlier, staging a bf16(x) written by the producers and then
-// normalising it (two roundings) raised that error to 9.5e-3 (H200 2026-11-29). abuf holds one
-// panel at a time: its tag is tag + panel.
+// bf16((x * r) * g) is, but at another point than the reference's (the error against it grows a
+// little; a bf16(x) normalised after staging rounds twice and grows it more). The bytes staged are
+// half of fp32 x's, with no math: every block of a norm's consumers reads the same operand from
+// L2, bounded per SM by the bytes in flight, and bulk copies keep the most in flight; one copy per
+// panel, not one per row, pays the per-copy cost once (xg's panel-major layout makes that possible).
+// abuf holds one panel at a time: its tag is tag + panel.
 MK_DEV void stage_normed(Blk& b, int which, const float* ssp, int tag, int panel, uint32_t what) {
   constexpr int K = D, KP = NORM_KP;  // the normed operand is d_model wide, in xg's panels
   static_assert(16 * a_stride<KP>() <= ABUF_BYTES, "a panel of 16 rows fits abuf");
@@ -142,7 +141,7 @@ MK_DEV float norm_factor(const Blk& b, int t) { return reinterpret_cast<const fl
 // Rows of another block's bf16 output (read at L2): `src(r)` is row r's address, r < nrows; rows
 // >= nrows are zero, except for PERM, where they are not written at all: they only feed token
 // columns of the mma that no epilogue reads (an expert slot has ~3 of its 16 rows at shard8
-// T=16, and zeroing the rest was most of the staging's stores). PERM (fp4 operand): each 16-byte
+// T=16, and zeroing the rest would be most of the staging's stores). PERM (fp4 operand): each 16-byte
 // piece k8 = 4 * step + t holds the values e0..e7 of k = 8 * k8..; its u32 words w = (e0,e4),
 // (e1,e5), (e2,e6), (e3,e7), times 2^7, go to word 4 * w + t of the step's 64 bytes: mma
 // m = w / 2's A tile, column half w % 2, pair t.
@@ -159,9 +158,8 @@ MK_DEV void stage_rows(Blk& b, int nrows, RowPtr src) {
   static_assert(!PERM || K % 32 == 0, "fp4 operand: whole k32 steps");
   // piece idx = tid + COMPUTE_THREADS * n is column k8 = tid % (K / 8) of row r0 + RPR * n: the
   // same column for every n, so each load's row is a constant step from the thread's first.
-  // Dividing idx per piece was ~2 KB of cold code per operand kind (oproj, unpool, both expert
-  // GEMMs); without it (in-run A/B, H200 2026-11-30 10:28Z, same bits) shard8 T=16 -1.55%, T=1
-  // -2.75%, small T=16 -1.49%. The same split in attention's K/V staging cost +1.0% (not kept).
+  // Dividing idx per piece costs ~2 KB of cold code per operand kind (oproj, unpool, both expert
+  // GEMMs), fetched from L2 every layer.
   constexpr int RPR = COMPUTE_THREADS / (K / 8);  // rows per round of pieces
   static_assert(COMPUTE_THREADS % (K / 8) == 0, "whole rows per round");
   const int r0 = tid() / (K / 8), k8 = tid() % (K / 8);
@@ -251,8 +249,7 @@ MK_DEV constexpr int bf16_row_tiles() {
 // A unit's shape as gemm_bf16_at takes it: log2 of its 16-row tiles (bf16_row_tiles), whether it has 8
 // rows (router units: ldmatrix .x2, A rows 8..15 zero), its chunks of kc columns, nch of them,
 // cpp a panel, abuf's row stride (a_stride of the panel) and the walk (rev: last chunk first).
-// gemm_bf16 passes constants, which fold; Plan.shared_dense passes the dense op's at run time, so
-// that the layer's dense ops run one copy of this code (ops/dense.cuh).
+// gemm_bf16 passes constants, which fold: each op inlines its own copy, shaped at compile time.
 struct Bf16Shape {
   int lt;  // log2 of the 16-row tiles (1, 2, 4 or 8: they divide WARPS)
   bool r8;
@@ -301,8 +298,7 @@ MK_DEV Bf16Acc gemm_bf16_at(Blk& b, const Bf16Shape s, uint32_t what, Restage re
     };
     // rolled, like the chunk loop below: a dense op runs about once per block and layer, so its
     // code is fetched cold from L2 each time and an unrolled copy buys no issue slot worth that
-    // fetch (both rolled: 20 KB less code, shard8 T=16 step -0.45%, T=1 -1.0%, small T=16 -1.0%,
-    // in-run A/B, H200 2026-11-30 03:27Z)
+    // fetch (both loops rolled: 20 KB less code)
 MK_COLD_LOOP
     for (int j = ks; j < KSTEPS; j += 2 * WPT) {
       step(j, acc[0]);
@@ -344,12 +340,7 @@ MK_DEV Bf16Acc gemm_bf16(Blk& b, uint32_t what, Restage restage = {}) {
                 "bf16 row tiles: 8 rows, or whole 16-row tiles");
   static_assert(K % KC == 0 && KC % 16 == 0, "bf16 tile shape");
   static_assert(K % KP == 0 && KP % KC == 0, "panels of whole chunks");
-  Bf16Shape s = bf16_shape<ROWS, KC, K, KP, REV>();
-  if constexpr (SHARED_DENSE == 2) {  // Plan.shared_dense=2, the A/B's control: the shape at run time
-    s.lt = opaque(s.lt), s.r8 = opaque(s.r8), s.kc = opaque(s.kc), s.nch = opaque(s.nch);
-    s.cpp = opaque(s.cpp), s.as = opaque(s.as), s.rev = opaque(s.rev);
-  }
-  return gemm_bf16_at(b, s, what, restage);
+  return gemm_bf16_at(b, bf16_shape<ROWS, KC, K, KP, REV>(), what, restage);
 }
 
 // ---------------------------------------------------------------- consumer: NVFP4 weights
@@ -510,9 +501,9 @@ MK_COLD_LOOP
 MK_COLD_LOOP
   for (int c = 0; c < NCH; ++c) {
     const unsigned char* st = ring_consume(b, what);
-    // two copies of the k-loop, with and without the second token tile. Most slots have <= 8
-    // tokens (T=16 spreads 128 token-slots over ~50 experts); the predicated second tile in one
-    // shared copy cost 1.6% of a shard8 step (H200, 2026-11-29).
+    // two copies of the k-loop, with and without the second token tile: most slots have <= 8
+    // tokens (T=16 spreads 128 token-slots over ~50 experts), and a predicated second tile in one
+    // shared copy costs its predicate in every step of the k-loop
     if (has_tile) {
       if (two) chunk(st, c, true);
       else chunk(st, c, false);
@@ -681,8 +672,8 @@ MK_DEV void gemm_residual_add(Blk& b, int unit, int which, const uint16_t* gnext
 
 // ---------------------------------------------------------------- producer: the loader warp
 // W is tiled (megakernel/tiling.py): chunk ch of unit u is stored as the stage holds it, ROWS rows
-// of KC bf16 and their ROW_PAD, so it is one copy (one per row was 2 KB copies, 1 KB for the
-// pooler's 32-row units, which stream at ~79% of one copy per stage: weights.ring).
+// of KC bf16 and their ROW_PAD, so it is one copy: a copy per row would be copies of 1-2 KB,
+// which stream slower than one copy per stage (weights.ring).
 // bf16 elements of one stored chunk (rows of kc and their pad; tiling.tile_dense)
 MK_DEV constexpr size_t dense_tile_elems(int rows, int kc) { return static_cast<size_t>(rows) * (kc + ROW_PAD / 2); }
 // Chunks of `nch` of `bytes` each (rows x (kc + pad) bf16), unit `unit`'s from W, rev: last first.
@@ -700,9 +691,6 @@ template <int ROWS, int KC, int K, bool REV = false>  // REV: chunks last to fir
 MK_DEV bool produce_bf16(const Blk& b, const uint16_t* W, int unit, unsigned& c, uint32_t what) {
   constexpr unsigned BYTES = ROWS * (KC * 2 + ROW_PAD);
   static_assert(BYTES % 16 == 0, "bulk copies move multiples of 16 bytes");
-  if constexpr (SHARED_DENSE == 2)  // the A/B's control, as gemm_bf16
-    return produce_bf16_at(b, W, unit, c, what, opaque(K / KC), static_cast<unsigned>(opaque(BYTES)),
-                           static_cast<size_t>(opaque(static_cast<int>(dense_tile_elems(ROWS, KC)))), opaque(REV));
   return produce_bf16_at(b, W, unit, c, what, K / KC, BYTES, dense_tile_elems(ROWS, KC), REV);
 }
 
@@ -727,12 +715,11 @@ MK_DEV constexpr unsigned fp4_chunk_bytes() { return ROWS * (KC / 2) + ROWS * (K
 // The chunks of an fp4 unit from the kernel's copy of its expert's [N, K] matrix
 // (tiling.tile_fp4_*: blocks of KC columns of all N rows, [K/KC][N][KC/2] codes, [K/KC][N][KC/16]
 // scales): the unit's rows are RUNS runs of ROWS/RUNS consecutive rows, run r from row run0(r)
-// (a gate/up unit: its gate rows and the matching up rows), copied by copy_fp4_chunk. From chunk
-// ch0 on (Plan.prestage_experts: the ones before it are in the ring already).
+// (a gate/up unit: its gate rows and the matching up rows), copied by copy_fp4_chunk.
 template <int ROWS, int KC, int K, int N, int RUNS, typename Run0>
 MK_DEV bool produce_fp4(const Blk& b, const uint8_t* codes, const uint8_t* scales, Run0 run0, unsigned& c,
-                        uint32_t what, int ch0 = 0) {
-  for (int ch = ch0; ch < K / KC; ++ch, ++c) {
+                        uint32_t what) {
+  for (int ch = 0; ch < K / KC; ++ch, ++c) {
     if (!ring_produce_begin(b, c, fp4_chunk_bytes<ROWS, KC>(), what)) return false;
     uint64_t* bar = &b.full[c % RING_STAGES];
     copy_fp4_chunk<ROWS, KC, N, RUNS>(stage_of(b, c), codes, scales, run0, ch, bar);

@@ -4,16 +4,13 @@
 
 namespace mk {
 
-
 MK_DEV bool is_global(int layer) { return (GLOBAL_MASK >> layer) & 1ull; }
 MK_DEV int cache_slots(int layer) { return is_global(layer) ? MAX_CTX : RING_SLOTS; }
 MK_DEV int cache_slot(int layer, int seq) { return is_global(layer) ? seq : seq % RING_SLOTS; }
 // Keys of the prefix a layer attends to: all of it (global) or the window's W - 1 older ones.
 MK_DEV int cached_keys(int layer, int ctx) { return is_global(layer) ? ctx : imin(ctx, WINDOW - 1); }
-// Attention splits per kv head over its cached keys followed by the T new ones (program.py splits);
-// ATTN_HEADS: per q head, at most HEAD_SPLITS and no more than staging rounds of keys.
+// Attention splits per kv head over its cached keys followed by the T new ones (program.py splits).
 MK_DEV int attn_splits(int layer, int ctx, int T) {
-  if constexpr (ATTN_HEADS) return imax(1, imin(HEAD_SPLITS, cdiv(cached_keys(layer, ctx) + T, ATTN_HEAD_KEYS)));
   return imax(1, imin(MAX_SPLITS, cdiv(cached_keys(layer, ctx) + T, KEYS_PER_SPLIT)));
 }
 

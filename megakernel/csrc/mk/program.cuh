@@ -8,7 +8,6 @@
 #include "ops/argmax.cuh"
 #include "ops/attention.cuh"
 #include "ops/attn_combine.cuh"
-#include "ops/dense.cuh"
 #include "ops/embed.cuh"
 #include "ops/expert_gemm1.cuh"
 #include "ops/expert_gemm2.cuh"
@@ -61,7 +60,7 @@ MK_DEV int n_units(const Blk& b, const Op& o) {
   switch (o.kind) {
     case OP_EMBED: return b.T;
     case OP_QKV: return QKV_ROWS / TILE_QKV_ROWS;
-    case OP_ATTN: return (ATTN_HEADS ? HQ : HKV) * attn_splits(o.layer, b.ctx, b.T);
+    case OP_ATTN: return HKV * attn_splits(o.layer, b.ctx, b.T);
     case OP_ATTN_COMBINE: return HQ * b.T;
     case OP_OPROJ: return D / TILE_OPROJ_ROWS;
     case OP_ROUTER: return E / TILE_ROUTER_ROWS;
@@ -99,7 +98,7 @@ MK_DEV int group_size(const Blk& b, const Op& o) {
 }
 // the group of producer `pr` that unit u of consumer `o` needs
 MK_DEV int needed_group(const Blk& b, const Op& o, const Op& pr, int u) {
-  if (o.kind == OP_ATTN) return u / attn_splits(o.layer, b.ctx, b.T) / (ATTN_HEADS ? G : 1);  // <- qkv, by kv head
+  if (o.kind == OP_ATTN) return u / attn_splits(o.layer, b.ctx, b.T);  // <- qkv, by kv head
   if (o.kind == OP_ATTN_COMBINE) return (u / b.T) / G;             // <- attn, by kv head
   if (o.kind == OP_EXPERT2) return u / EXP2_TILES;                 // <- expert1, by slot
   return 0;
@@ -135,26 +134,6 @@ struct DepCache {
   int group_done[MAX_DEPS];  // dependency d ("group"): the group last satisfied
 };
 static_assert(MAX_DEPS == 3, "compute_loop initialises DepCache.group_done with three -1s");
-// Plan.receive_warp, thread 0: wait until the receive warp has passed op instance i, i.e. seen
-// every "all" dependency of i met (its acquire of the counters, then st_release_cta /
-// ld_acquire_cta, order the producers' data for thread 0 as its own acquire would). A spin on
-// shared memory, bounded like every wait; the receive warp is then the block's only L2 poller.
-MK_DEV bool wait_received(const Blk& b, int i, uint32_t what) {
-  const int* r = b.misc + MISC_RECV;
-  if (ld_acquire_cta(r) > i) return true;
-  const uint64_t t0 = now_ns();
-  for (uint32_t k = 1;; ++k) {
-    if (ld_acquire_cta(r) > i) return true;
-    if ((k & 63u) == 0u) {
-      const uint64_t dt = now_ns() - t0;
-      if (dt > SPIN_BOUND_NS) {
-        report(*b.p, what, r, static_cast<uint64_t>(i + 1), static_cast<uint64_t>(ld_acquire_cta(r)), dt);
-        return false;
-      }
-      if (tripped(*b.p)) return false;
-    }
-  }
-}
 MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u, DepCache& dc) {
   for (int d = 0; d < o.n_deps; ++d) {
     const uint32_t what = static_cast<uint32_t>(i * 16 + d);
@@ -162,7 +141,7 @@ MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u, DepCache& dc) {
     if (o.dep_mode[d] == DEP_LOCAL) continue;  // this block ran the producer's unit u before (program.py)
     if (o.dep_mode[d] == DEP_ALL) {
       if ((dc.all_done >> d) & 1u) continue;
-      if (RECEIVE_WARP ? !wait_received(b, i, what) : !wait_dep(b, i, o, d, u, what)) return false;
+      if (!wait_dep(b, i, o, d, u, what)) return false;
       dc.all_done |= 1u << d;
     } else {
       const Op pr = load_op(*b.p, o.dep_op[d]);
@@ -179,11 +158,8 @@ MK_DEV bool wait_unit(const Blk& b, int i, const Op& o, int u, DepCache& dc) {
 // block, opens with warp 1's slot fetch, thread 0's dependency wait and the barrier after them.
 // Not when the op's dependencies are all "all" ones (waited for once, before its first unit) or,
 // for a routed op, when u is of prev's slot (warp 1 has its record; expert GEMM 2's group
-// dependency is by slot). The barrier that closed `prev` already ordered everything u reads.
-// The skipped opening was ~0.75 us of an expert unit boundary with nothing to wait for (detail
-// trace, H200 2026-11-30 19:01Z). In-run A/B (5 rounds, same bits, H200 2026-11-30 21:26Z):
-// shard8 T=16 -1.09%, small T=16 -0.71%, shard8 T=1 +0.37% (no expert unit shares a slot there;
-// a second copy of the old build -0.03 / +0.22 / -0.07%).
+// dependency is by slot). Safe: the barrier that closed `prev` already ordered everything u
+// reads, and a skipped opening is a whole barrier with nothing to wait for.
 MK_DEV bool unit_opens(const Op& o, int u, int prev) {
   if (is_dynamic(o.kind)) return u / slot_tiles(o.kind) != prev / slot_tiles(o.kind);
   bool group = false;
@@ -221,12 +197,12 @@ MK_DEV void slot_fetch(Blk& b, int kind, int layer, int u) {
 // group, and a block never waits inside an op for its own pending signals (deps point to earlier
 // ops), so publishing at group change / op end cannot deadlock; it saves a release (which waits
 // for the unit's stores to reach L2) on every unit. Only the counters some consumer waits for are
-// bumped (Op.signal): an op waited for by group skips its total, whose release came last, ~0.5 us
-// of fence after the group's on the op's critical path (detail trace 2026-11-30).
+// bumped (Op.signal): an op waited for by group skips its total, whose release would come last,
+// a whole fence on the op's critical path.
 // A group the block finished inside an op (not its last) is held and released with the op's end,
-// under the same fence: its release had stalled the block ~0.7 us in the middle of expert GEMM 1
-// (detail trace 2026-11-30), and its consumers (expert GEMM 2 units of that slot, on this block and
-// its neighbours) wait for the slot's other blocks, which end their GEMM 1 about when this one does.
+// under the same fence, instead of stalling the block for a fence in the middle of the op: its
+// consumers (expert GEMM 2 units of that slot, on this block and its neighbours) wait for the
+// slot's other blocks, which end their GEMM 1 about when this one does.
 struct Pending {
   uint32_t total;
   int group;
@@ -273,48 +249,21 @@ MK_DEV void signal_op_end(const Blk& b, const Op& o, Pending& pd) {
 struct UnitRange {
   int begin, end, step;
 };
-// Blocks in roles (Plan.roles, ROLES > 0): a strided op of a role runs on its role's share of
-// the grid only, blocks [role * nb / ROLES, (role + 1) * nb / ROLES), so that a block's layer code
-// is its role's ops beside the experts and the schedule (critical_path.roles). ROLE_CODE holds
-// role + 1 in 4 bits per op kind (0: every block). A grid of fewer blocks than roles (chain
-// mode's one-block top-k) runs every op on all of them. program.py assigned_units mirrors this.
+// This block's units of op o: a contiguous share, or every nb-th unit from the op's rotation
+// (program.py assigned_units mirrors this).
 MK_DEV UnitRange my_units(const Op& o, int total) {
-  int nb = nblocks(), me = bid();
+  const int nb = nblocks(), me = bid();
   if (o.assign == ASSIGN_CONTIG) return UnitRange{me * total / nb, (me + 1) * total / nb, 1};
-  if constexpr (ROLES > 0) {
-    const int role = static_cast<int>((ROLE_CODE >> (4 * o.kind)) & 15ull) - 1;
-    if (role >= 0 && nb >= ROLES) {
-      const int lo = role * nb / ROLES, hi = (role + 1) * nb / ROLES;
-      if (me < lo || me >= hi) return UnitRange{total, total, 1};
-      me -= lo;
-      nb = hi - lo;
-    }
-  }
   return UnitRange{((me - o.rot) % nb + nb) % nb, total, nb};
-}
-// The stride of a strided range: %nctaid.x read where used (not a register live across the
-// op's code), or with roles the range's own
-MK_DEV int strided_step(const UnitRange& r) {
-  if constexpr (ROLES > 0) return r.step;
-  else return nblocks_here();
 }
 
 MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
   const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_FULL;
-  if constexpr (SHARED_DENSE == 1) {  // one copy of the dense ops' GEMM (ops/dense.cuh)
-    if (is_dense(o.kind)) return run_dense(b, o.kind, o.layer, u, what);
-  }
   switch (o.kind) {
     case OP_EMBED: run_embed(b, u); break;
     case OP_QKV: run_qkv(b, o.layer, u, what); break;
-    case OP_ATTN:
-      // ATTN_HEADS: the ticket of the unit's q head is attention's group counter (program.py n_groups)
-      if constexpr (ATTN_HEADS) run_attn_head(b, o.layer, u, counters(b) + o.group_base);
-      else run_attn(b, o.layer, u);
-      break;
-    case OP_ATTN_COMBINE:
-      if constexpr (!ATTN_HEADS) run_attn_combine(b, o.layer, u);  // ATTN_HEADS: attention merges (no such op)
-      break;
+    case OP_ATTN: run_attn(b, o.layer, u); break;
+    case OP_ATTN_COMBINE: run_attn_combine(b, o.layer, u); break;
     case OP_OPROJ: run_oproj(b, o.layer, u, what); break;
     case OP_ROUTER: run_router(b, o.layer, u, what); break;
     case OP_POOL: run_pool(b, o.layer, u, what); break;
@@ -339,18 +288,14 @@ MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
   }
 }
 
-// ch0: a gate/up unit's first chunk to stream (Plan.prestage_experts: the ones before it are in the ring)
-MK_DEV bool load_unit(const Blk& b, int i, const Op& o, int u, unsigned& c, LoaderSlot& ls, int ch0 = 0) {
+MK_DEV bool load_unit(const Blk& b, int i, const Op& o, int u, unsigned& c, LoaderSlot& ls) {
   const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_EMPTY;
-  if constexpr (SHARED_DENSE == 1) {
-    if (is_dense(o.kind)) return load_dense(b, o.kind, o.layer, u, c, what);
-  }
   switch (o.kind) {
     case OP_QKV: return load_qkv(b, o.layer, u, c, what);
     case OP_OPROJ: return load_oproj(b, o.layer, u, c, what);
     case OP_ROUTER: return load_router(b, o.layer, u, c, what);
     case OP_POOL: return load_pool(b, o.layer, u, c, what);
-    case OP_EXPERT1: return load_expert1(b, ls, o.layer, u, c, what, ch0);
+    case OP_EXPERT1: return load_expert1(b, ls, o.layer, u, c, what);
     case OP_EXPERT2: return load_expert2(b, ls, o.layer, u, c, what);
     case OP_UNPOOL: return load_unpool(b, o.layer, u, c, what);
     case OP_LM_HEAD: return load_lm_head(b, o.layer, u, c, what);
@@ -367,20 +312,16 @@ MK_DEV uint32_t ev_wait_begin(int kind) { return MK_EV_WAIT_EMBED_BEGIN + 4u * k
 MK_DEV uint32_t ev_work_begin(int kind) { return ev_wait_begin(kind) + 2u; }
 
 // Op phase stamps, deferred (profiled builds without detail stamps). A record written where the
-// phase changes cost ~180 ns of thread 0's time there, with the other warps waiting at the next
-// barrier: ~2,000 stamps per block per shard8 step were 3.8% of it (H200 in-run A/B, 2026-11-29;
-// the same build with empty stamps: 0.2%). Thread 0 only saves the instants (a timer read and a
-// shared-memory store at the op's slot) and, when the op ends, reserves its four records; the
-// compute warps write them together when PROF_OPS ops are done and at launch end (prof_flush),
-// one record per thread, in op order. Detail builds stamp inside units and keep immediate
-// records (mb/profile.cuh). `rec` (the host passed a buffer for this launch) gates all of it
-// (Engine.profile_launches), tested once per op, and the slots are indexed by mask (in-run A/B,
-// H200 2026-11-30 10:02Z: shard8 T=16 +2.86 -> +2.77% over unprofiled, small +3.63 -> +2.88%).
-// Danger, measured (H200, 2026-11-30): a profiled build that records nothing is already 2.2-2.4%
-// slower than the unprofiled one: the flag tests and slot arithmetic below run per op and per unit
-// even then, and the expert GEMM gets extra address arithmetic (+1.6% instructions, Nsight
-// Compute, README). Recording adds ~0.7%. Not better: an observer warp writing the records from
-// instants thread 0 saves unconditionally (+3.31 / +4.38%, 10:13Z).
+// phase changes holds thread 0 there while the other warps wait at the next barrier, at every op
+// of every block. So thread 0 only saves the instants (a timer read and a shared-memory store at
+// the op's slot) and, when the op ends, reserves its four records; the compute warps write them
+// together when PROF_OPS ops are done and at launch end (prof_flush), one record per thread, in
+// op order. Detail builds stamp inside units and keep immediate records (mb/profile.cuh). `rec`
+// (the host passed a buffer for this launch) gates all of it (Engine.profile_launches), tested
+// once per op, and the slots are indexed by mask.
+// Danger: a profiled build is slower than the unprofiled one even where it records nothing: the
+// flag tests and slot arithmetic below run per op and per unit, and the expert GEMM gets extra
+// address arithmetic. Compare a profiled build's times with a profiled build's.
 constexpr bool PROF_DEFER = PROFILE && !PROFILE_DETAIL;
 struct ProfSlot {
   int op;        // the op whose instants these are (valid in the window that holds op; -1: none)
@@ -419,30 +360,6 @@ MK_DEV void prof_flush(Blk& b, mb::prof::Profiler& prof, bool more) {
   }
 }
 
-// Plan.receive_warp (technique 1's dedicated receive warp; lane 0 of a spare warp of the loader's
-// warpgroup): walks the launch's ops in order, waits for each static op's "all" dependencies with
-// the same bounded waits thread 0 used, and counts the ops it passed in MISC_RECV, on which thread
-// 0 waits instead (wait_received): a dependency met before thread 0 gets there costs it no L2
-// round trip, and the block polls each counter once, not twice. Routed ops pass at once (their
-// "all" waits are the compute warps', before the routing is known). A wait that gives up ends the
-// walk; the watchdog has its record, and thread 0's wait sees it tripped.
-MK_DEV void receive_loop(Blk& b, int first, int nops) {
-  if constexpr (RECEIVE_WARP) {
-    if (!b.wait || lane() != 0) return;  // chain mode: stream order, nothing to receive
-    for (int i = first; i < first + nops; ++i) {
-      const Op o = load_op(*b.p, i);
-      if (!is_dynamic(o.kind)) {
-#pragma unroll
-        for (int d = 0; d < MAX_DEPS; ++d) {  // constant indices: `o` stays in registers
-          if (d >= o.n_deps || o.dep_mode[d] != DEP_ALL) continue;
-          if (!wait_dep_seen(b, o, o.dep_op[d], DEP_ALL, 0, static_cast<uint32_t>(i * 16 + d)).ok) return;
-        }
-      }
-      st_release_cta(b.misc + MISC_RECV, i + 1);
-    }
-  }
-}
-
 MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, bool rec) {
   volatile int* ops_done = b.misc + MISC_OPS_DONE;
   for (int i = first; i < first + nops; ++i) {
@@ -456,7 +373,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
     uint64_t t_route = 0;
     // a routed op's "all" dependencies are all waited for here, at once: dependency d by lane 0
     // of warp d, the routing (d = 0) by thread 0, whose counter carries the slot count. Waited
-    // for in turn, each after the routing had cost one more acquire round trip between top-k's
+    // for in turn, each after the routing would cost one more acquire round trip between top-k's
     // signal and the op. One call site: the wait's code is inlined once.
     uint32_t pre = 0u;  // bit d: dependency d is satisfied from here (DepCache)
     // fused: the down projection follows gate/up of its layer on this block, which waited for
@@ -502,11 +419,10 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
     // run_unit reads the record from shared memory (published by the barrier before it), so the
     // register copy is dead through the units (only profiler builds keep its kind for stamps)
     // the range's end, negated for a strided assignment, carries the stride too (1, or
-    // strided_step: %nctaid.x read where used): a separate flag or stride was one more value
-    // live across every op's code, and at 168 registers the compiler spilled it (with roles the
-    // stride is the role's block count, r.step)
+    // nblocks_here: %nctaid.x read where used). Danger: a separate flag or stride is one more
+    // value live across every op's code, and at 168 registers the compiler spills it
     const int lim = o.assign == ASSIGN_CONTIG ? r.end : -r.end;
-    for (int u = r.begin; u < (lim < 0 ? -lim : lim); u += lim < 0 ? strided_step(r) : 1) {
+    for (int u = r.begin; u < (lim < 0 ? -lim : lim); u += lim < 0 ? nblocks_here() : 1) {
       if (first_unit && tid() == 0) {
         if (PROF_DEFER) {
           if (stamp) prof_slot_of(b, i, first)->t[0] = is_dynamic(o.kind) ? t_route : now_ns();
@@ -517,9 +433,9 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
         }
       }
       // the first unit's opening is the op's wait phase, stamped above; stamped as unit_open too,
-      // it fell before the op's phase and was counted as the previous op's (pipeline.detail_by_op)
+      // it would fall before the op's phase and count as the previous op's (pipeline.detail_by_op)
       // (o0 is valid from the first unit's opening barrier on)
-      const bool opens = first_unit || unit_opens(o0, u, u - (lim < 0 ? strided_step(r) : 1));
+      const bool opens = first_unit || unit_opens(o0, u, u - (lim < 0 ? nblocks_here() : 1));
       const bool open_stamp = !first_unit && opens;
       if (open_stamp) detail_stamp(b, MK_EV_UNIT_OPEN_BEGIN, static_cast<uint32_t>(u));
       if (opens) {
@@ -598,220 +514,6 @@ MK_DEV bool loader_gate(const Blk& b, int i, int first) {
   return bcast_i(ok) != 0;
 }
 
-// Pull into L2 (no landing in smem) the weights this block's units of the next launch will
-// stream, up to L2_PREFETCH_BYTES: the next layer's first projections are then an L2 hit when
-// its launch starts. Dynamic (expert) ops are skipped: their experts are not known yet.
-MK_DEV void l2_prefetch_next_launch(const Blk& b, int first) {
-  if (L2_PREFETCH_BYTES <= 0) return;
-  const Params& p = *b.p;
-  int li = -1;
-  for (int k = 0; k < p.n_launches; ++k)
-    if (p.launches[2 * k] == first) li = k;
-  if (li < 0 || li + 1 >= p.n_launches) return;
-  const int nf = p.launches[2 * (li + 1)], nn = p.launches[2 * (li + 1) + 1];
-  long long budget = L2_PREFETCH_BYTES;
-  for (int i = nf; i < nf + nn && budget > 0; ++i) {
-    const Op o = load_op(p, i);
-    if (!has_weights(o.kind) || is_dynamic(o.kind)) continue;
-    const uint16_t* w = nullptr;
-    int k = D, rows = 0, kc = 0;
-    const LayerPtrs& L = p.layers[o.layer];
-    switch (o.kind) {
-      case OP_QKV: w = L.wqkv; rows = TILE_QKV_ROWS; kc = TILE_QKV_KC; break;
-      case OP_OPROJ: w = L.wo; k = ATT_W; rows = TILE_OPROJ_ROWS; kc = TILE_OPROJ_KC; break;
-      case OP_ROUTER: w = L.router; rows = TILE_ROUTER_ROWS; kc = TILE_ROUTER_KC; break;
-      case OP_POOL: w = L.pool; rows = TILE_POOL_ROWS; kc = TILE_POOL_KC; break;
-      case OP_UNPOOL: w = L.unpool; k = P; rows = TILE_UNPOOL_ROWS; kc = TILE_UNPOOL_KC; break;
-      case OP_LM_HEAD: w = p.lm_head; rows = TILE_LM_HEAD_ROWS; kc = TILE_LM_HEAD_KC; break;
-    }
-    // the next launch's block with this index runs the same units (same grid, same formula)
-    const UnitRange r = my_units(o, n_units(b, o));
-    for (int u = r.begin; u < r.end && budget > 0; u += r.step) {
-      // a unit's chunks are contiguous in the tiled weights (tiling.py), their pads included
-      const size_t elems = static_cast<size_t>(k / kc) * dense_tile_elems(rows, kc);
-      if (lane() == 0) prefetch_l2(w + u * elems, static_cast<unsigned>(elems * 2));
-      budget -= static_cast<long long>(elems * 2);
-    }
-  }
-}
-
-// KV_PREFETCH: pull into L2 the cached KV rows that this block's units of attention op `o` will
-// read (the new tree tokens' rows come from this layer's qkv and are left alone). The loader
-// passes the attention op as it enters the layer, ahead of the qkv -> attention dependency;
-// after a layer's ~200 MB of streamed weights the rows are no longer in L2. Lane 0.
-MK_DEV void kv_prefetch(const Blk& b, const Op& o) {
-  const LayerPtrs& L = b.p->layers[o.layer];
-  const int nsplit = attn_splits(o.layer, b.ctx, b.T);
-  const int ncached = cached_keys(o.layer, b.ctx), nall = ncached + b.T, per = cdiv(nall, nsplit);
-  const int slots = cache_slots(o.layer);
-  const UnitRange r = my_units(o, n_units(b, o));
-  for (int u = r.begin; u < r.end; u += r.step) {  // the run of each split as run_attn computes it
-    const int kvh = u / nsplit / (ATTN_HEADS ? G : 1), c0 = imin((u % nsplit) * per, nall), c1 = imin(c0 + per, nall);
-    int seq = b.ctx - ncached + imin(c0, ncached);
-    for (int n = imin(c1, ncached) - imin(c0, ncached); n > 0;) {  // slot runs: a sliding layer's wrap
-      const int slot = cache_slot(o.layer, seq), run = imin(n, slots - slot);
-      const size_t off = (static_cast<size_t>(kvh) * slots + slot) * HD;
-      prefetch_l2(L.k_cache + off, static_cast<unsigned>(run) * HD * 2);
-      prefetch_l2(L.v_cache + off, static_cast<unsigned>(run) * HD * 2);
-      n -= run;
-      seq += run;
-    }
-  }
-}
-
-// Pull into L2 the 16-byte-aligned part of [p, p + bytes) (an L2 prefetch must be aligned in
-// start and size; rounding inwards never touches memory outside the range). Lane 0.
-MK_DEV long long prefetch_inside(const void* p, size_t bytes) {
-  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + 15u) & ~uintptr_t{15};
-  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~uintptr_t{15};
-  if (e > a) prefetch_l2(reinterpret_cast<const void*>(a), static_cast<unsigned>(e - a));
-  return static_cast<long long>(bytes);
-}
-// Slot s of a routing whose experts are the bitmap `hot` (top-k numbers its slots by ascending
-// expert): the s-th set bit.
-template <int W>
-MK_DEV int nth_expert(const uint32_t (&hot)[W], int s) {
-  for (int w = 0; w < W; ++w) {
-    const int c = popc(hot[w]);
-    if (s >= c) {
-      s -= c;
-      continue;
-    }
-    uint32_t m = hot[w];
-    for (; s > 0; --s) m &= m - 1u;
-    return 32 * w + popc((m & (0u - m)) - 1u);  // its lowest set bit
-  }
-  return 0;
-}
-
-// PRESTAGE (Plan.prestage_experts), lane 0 as the loader enters layer `layer` (its attention op):
-// the bet that the layer routes as in the previous step (top-k's bitmap in hot_experts; racing
-// this step's top-k, which rewrites it, is harmless: a bet), as the first PRESTAGE chunks of the
-// gate/up units this block would then run (the same contiguous assignment and slot order as
-// my_units and top-k), one (expert, unit, chunk) a stage in MISC_SPEC, -1 past them.
-// PRESTAGE_MISS (A/Bs): each expert's successor instead, a bet that always loses.
-static_assert(E < (1 << 15) && EXP1_TILES <= 256 && EXP1_CHUNKS <= 256, "a bet packs (expert, unit, chunk) in an int");
-MK_DEV int spec_bet(int e, int j, int ch) { return (e << 16) | (j << 8) | ch; }
-MK_DEV void prestage_bet(const Blk& b, int layer) {
-  constexpr int W = (E + 31) / 32;
-  uint32_t hot[W];
-  int n = 0;
-  for (int w = 0; w < W; ++w) {
-    hot[w] = ld_relaxed(b.p->hot_experts + layer * W + w);
-    n += popc(hot[w]);
-  }
-  Op contig{};
-  contig.assign = ASSIGN_CONTIG;
-  const UnitRange r = my_units(contig, n * EXP1_TILES);
-MK_COLD_LOOP
-  for (int k = 0; k < PRESTAGE; ++k) {
-    const int u = r.begin + k / EXP1_CHUNKS;
-    int bet = -1;
-    if (u < r.end) {
-      const int e = nth_expert(hot, u / EXP1_TILES);
-      bet = spec_bet(PRESTAGE_MISS ? (e + 1) % E : e, u % EXP1_TILES, k % EXP1_CHUNKS);
-    }
-    b.misc[MISC_SPEC + k] = bet;
-  }
-}
-
-// PRESTAGE, every loader lane, at the layer's gate/up op before its routing wait: the bet's chunks
-// copied into the ring positions c.. (each stage acquired as for any chunk), landing on the
-// stages' spec barriers, not on `full`: the compute warps cannot take them before the exact
-// routing has settled them (prestage_settle). Returns how many, -1 when a wait gave up.
-MK_DEV int prestage_issue(const Blk& b, int layer, unsigned c, uint32_t what) {
-  int n = 0;
-MK_COLD_LOOP
-  for (int k = 0; k < PRESTAGE; ++k) {
-    const int bet = b.misc[MISC_SPEC + k];
-    if (bet < 0) break;
-    const unsigned pos = c + k;
-    uint64_t* bar = &b.spec[pos % RING_STAGES];
-    if (!ring_produce_begin(b, pos, fp4_chunk_bytes<TILE_EXPERT1_ROWS, TILE_EXPERT1_KC>(), what, bar)) return -1;
-    copy_expert1_chunk(b, layer, bet >> 16, (bet >> 8) & 255, bet & 255, stage_of(b, pos), bar);
-    ++n;
-  }
-  return n;
-}
-
-// PRESTAGE, every loader lane, once the routing is known (this block's gate/up units r): each of
-// the n prestaged chunks is waited for (bounded, WHAT_PRESTAGE: the stage may be reused only after
-// its copies landed), then, where the block's chunk at that position is the one bet on, released
-// to the compute warps by an arrival on `full` (no bytes: they are there), else copied again with
-// the right expert's bytes. Positions past the block's chunks are left unused (their stage's
-// `full` is untouched, so the ring's parities hold). Returns how many positions it filled (the
-// loader streams from there), -1 when a wait gave up.
-MK_DEV int prestage_settle(const Blk& b, LoaderSlot& ls, int layer, const UnitRange& r, unsigned c, int n,
-                           uint32_t what) {
-  const int have = (r.end - r.begin) * EXP1_CHUNKS;
-  uint32_t ph = static_cast<uint32_t>(b.misc[MISC_SPEC_PHASE]);
-  int placed = 0;
-MK_COLD_LOOP
-  for (int k = 0; k < n; ++k) {
-    const unsigned pos = c + k;
-    const int st = static_cast<int>(pos % RING_STAGES);
-    if (!warp_all(wait_mbar(*b.p, &b.spec[st], (ph >> st) & 1u, what))) return -1;
-    ph ^= 1u << st;
-    if (k >= have) continue;
-    const int u = r.begin + k / EXP1_CHUNKS, j = u % EXP1_TILES, ch = k % EXP1_CHUNKS;
-    const int e = loader_expert(b, ls, layer, u / EXP1_TILES);
-    if (spec_bet(e, j, ch) == b.misc[MISC_SPEC + k]) {
-      if (lane() == 0) mbar_arrive(&b.full[st]);  // the bet's bytes are the chunk's
-    } else {
-      if (lane() == 0) mbar_expect_tx(&b.full[st], fp4_chunk_bytes<TILE_EXPERT1_ROWS, TILE_EXPERT1_KC>());
-      syncwarp();
-      copy_expert1_chunk(b, layer, e, j, ch, stage_of(b, pos), &b.full[st]);
-    }
-    ++placed;
-  }
-  syncwarp();  // every lane read the phases before lane 0 writes them
-  if (lane() == 0) b.misc[MISC_SPEC_PHASE] = static_cast<int>(ph);
-  syncwarp();
-  return placed;
-}
-
-// HOT_PREFETCH_BYTES: as the loader enters layer `layer`, it bets that the layer routes as it did
-// in the previous step (top-k's bitmap in hot_experts) and pulls into L2, up to the budget, the
-// weights of the expert units this block would then run (expert1's, then expert2's: the same
-// contiguous assignment and slot order as my_units / topk), while the layer's dense ops, which
-// leave DRAM bandwidth unused, run. A lost bet costs bandwidth only. Lane 0.
-MK_DEV void hot_prefetch(const Blk& b, int layer) {
-  constexpr int W = (E + 31) / 32;
-  const Params& p = *b.p;
-  const LayerPtrs& L = p.layers[layer];
-  uint32_t hot[W];
-  int n = 0;
-  for (int w = 0; w < W; ++w) {
-    hot[w] = ld_relaxed(p.hot_experts + layer * W + w);  // racing this step's top-k is harmless: a hint
-    n += popc(hot[w]);
-  }
-  long long budget = HOT_PREFETCH_BYTES;
-  Op contig{};
-  contig.assign = ASSIGN_CONTIG;
-  for (int which = 0; which < (FUSED_EXPERTS ? 1 : 2) && budget > 0; ++which) {  // fused: gate/up only
-    const int tiles = which ? EXP2_TILES : EXP1_TILES;
-    const UnitRange r = my_units(contig, n * tiles);
-    for (int u = r.begin; u < r.end && budget > 0; ++u) {
-      const int e = nth_expert(hot, u / tiles), j = u % tiles;
-      // the unit's runs of rows in each column block of the kernel's copy (produce_fp4)
-      if (which == 0) {  // gate rows j*H1.. and up rows F + j*H1.. (load_expert1)
-        for (int ch = 0; ch < P / TILE_EXPERT1_KC; ++ch)
-          for (int half = 0; half < 2; ++half) {
-            const size_t r0 = (static_cast<size_t>(e) * P / TILE_EXPERT1_KC + ch) * (2 * F) + half * F + j * H1;
-            budget -= prefetch_inside(L.w1_codes + r0 * (TILE_EXPERT1_KC / 2), static_cast<size_t>(H1) * (TILE_EXPERT1_KC / 2));
-            budget -= prefetch_inside(L.w1_scales + r0 * (TILE_EXPERT1_KC / 16), static_cast<size_t>(H1) * (TILE_EXPERT1_KC / 16));
-          }
-      } else {  // rows j*N2.. (load_expert2)
-        for (int ch = 0; ch < F / TILE_EXPERT2_KC; ++ch) {
-          const size_t r0 = (static_cast<size_t>(e) * F / TILE_EXPERT2_KC + ch) * P + j * N2;
-          budget -= prefetch_inside(L.w2_codes + r0 * (TILE_EXPERT2_KC / 2), static_cast<size_t>(N2) * (TILE_EXPERT2_KC / 2));
-          budget -= prefetch_inside(L.w2_scales + r0 * (TILE_EXPERT2_KC / 16), static_cast<size_t>(N2) * (TILE_EXPERT2_KC / 16));
-        }
-      }
-    }
-  }
-}
-
 // The loader warp: streams, ahead of the compute warps by up to RING_STAGES chunks, the weight
 // chunks of exactly the units this block will run, in the same order. Weights never depend on
 // the previous op, so it runs ahead across op boundaries; only a routed expert's identity does,
@@ -822,23 +524,8 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
   int routed_layer = -1, routed_nslots = 0;  // the last routing this warp waited for (fused: reused)
   for (int i = first; i < first + nops; ++i) {
     const Op o = load_op(*b.p, i);
-    if (HOT_PREFETCH_BYTES > 0 && o.kind == OP_ATTN && lane() == 0) hot_prefetch(b, o.layer);
-    if (KV_PREFETCH && o.kind == OP_ATTN && lane() == 0) kv_prefetch(b, o);
-    if constexpr (PRESTAGE > 0) {
-      if (o.kind == OP_ATTN && b.wait) {  // chain mode: the routing is known when gate/up launches
-        if (lane() == 0) prestage_bet(b, o.layer);
-        syncwarp();
-      }
-    }
     if (!has_weights(o.kind)) continue;
     if (!loader_gate(b, i, first)) return;
-    int spec = 0;  // PRESTAGE: chunks prestaged on the bet
-    if constexpr (PRESTAGE > 0) {
-      if (o.kind == OP_EXPERT1 && b.wait) {
-        spec = prestage_issue(b, o.layer, c, static_cast<uint32_t>(i * 16) + WHAT_RING_EMPTY);
-        if (spec < 0) return;
-      }
-    }
     int nslots = 0;  // a routed op's: from top-k's counter (compute_loop)
     if (is_dynamic(o.kind) && b.wait && FUSED_EXPERTS && o.kind == OP_EXPERT2 && routed_layer == o.layer) {
       nslots = routed_nslots;  // fused: gate/up's routing, waited for just before
@@ -855,35 +542,14 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
     const UnitRange r = my_units(o, is_dynamic(o.kind) ? nslots * slot_tiles(o.kind) : n_units(b, o));
     // The opening pace: the ring drained while this warp waited for the routing, and every
     // block's loader sees it at once. Its first chunk is let land before the rest are copied, so
-    // the first chunk does not queue behind every block's whole ring. In-run A/Bs (H200
-    // 2026-12-01 02:03 and 02:08Z, same bits; reports/results/megakernel/
-    // ab-ring-depth-20261201T0151Z-c5d3a16.md): against the same code never pacing, shard8 T=16
-    // -0.42 / -1.20%, T=1 -0.49 / -1.07%, small T=16 -0.42 / -0.45%; against the build before,
-    // T=1 -1.08 / -0.72%, the others within the layout placebo's range.
-    int placed = 0;  // PRESTAGE: the positions from c on that the bet filled
-    if constexpr (PRESTAGE > 0) {
-      if (spec > 0) {
-        placed = prestage_settle(b, ls, o.layer, r, c, spec, static_cast<uint32_t>(i * 16) + WHAT_PRESTAGE);
-        if (placed < 0) return;
-      }
-    }
-    const bool fresh = o.kind == OP_EXPERT1 && b.wait && placed == 0;  // prestaged: the stream began in the front
+    // that the first chunk does not queue behind every block's whole ring.
+    const bool fresh = o.kind == OP_EXPERT1 && b.wait;
     for (int u = r.begin; u < r.end; u += r.step) {
-      int ch0 = 0;
-      if constexpr (PRESTAGE > 0) {
-        if (placed > 0) {  // a gate/up unit's chunks in the ring already (contiguous: step 1)
-          ch0 = imin(placed, EXP1_CHUNKS);
-          placed -= ch0;
-          c += static_cast<unsigned>(ch0);
-          if (ch0 == EXP1_CHUNKS) continue;
-        }
-      }
       b.pace = fresh && u == r.begin ? c : ~0u;
-      if (!load_unit(b, i, o, u, c, ls, ch0)) return;
+      if (!load_unit(b, i, o, u, c, ls)) return;
     }
     b.pace = ~0u;
   }
-  l2_prefetch_next_launch(b, first);
 }
 
 }  // namespace mk

@@ -16,22 +16,17 @@ MK_DEV void run_attn_combine(Blk& b, int layer, int unit) {
   // All compute threads: NSL slices of the parts, each summed by HD threads (one per d), then the
   // slices added in slice order. A thread's first NB partial rows of O are loaded before anything
   // else: they do not depend on (m, l), so their L2 round trip overlaps the one for (m, l) (one
-  // dependent round trip per unit instead of three: shard8 step -1.8%, H200 2026-11-29). One round
-  // covers NSL * NB parts: at NB = 40 and head_dim 128, 80 (shard8: 80 splits of 32 keys, 2,560
-  // keys). At NB = 32 shard8's 65 parts at ctx 2048 took a second round for one part; in-run A/B,
-  // H200 2026-12-01 00:28Z, same bits: shard8 T=16 -0.73%, T=1 -0.18%, small T=16 (34 parts, one
-  // round either way) +0.16%, a 1 KB layout placebo +0.28 / -0.09 / -0.33%; NB = 48 (more
-  // unrolled loads) +0.09 / +0.60 / +0.53%.
+  // dependent round trip per unit instead of three). One round covers NSL * NB parts: at NB = 40
+  // and head_dim 128, 80 (shard8: 80 splits of 32 keys, 2,560 keys; its 65 parts at ctx 2048 take
+  // one round). A part past a round costs a whole second round trip; a larger NB holds more
+  // unrolled loads (registers and code) for every unit.
   constexpr int NSL = COMPUTE_THREADS / HD, NB = 40;
   static_assert(COMPUTE_THREADS % HD == 0 && (3 * PARTS + NSL * HD) * 4 <= ABUF_BYTES, "combine scratch fits abuf");
   const int d = tid() % HD, sl = tid() / HD, per = cdiv(nparts, NSL);
   const int q_lo = imin(nparts, sl * per), q_hi = imin(nparts, q_lo + per);
   float o[NB];
   // part q's row of O is G * 16 rows after part q - 1's: one 64-bit base per round, constant
-  // offsets after it (a 64-bit index per load was 9.7 KB of cold code; in-run A/B, H200
-  // 2026-11-30 10:24Z, same bits: shard8 T=16 -0.72%, T=1 -1.11%, small T=16 -2.05%). Rolling
-  // the serial max and sum loops below as well cost +0.6% (shard8): their shared-memory loads
-  // then wait one by one.
+  // offsets after it (a 64-bit index per load is ~10 KB of cold code, fetched every layer)
   auto load_o = [&](int q0) {
     const float* base = p.att_o + (row0 + static_cast<size_t>(q0) * (G * 16)) * HD + d;
 #pragma unroll
@@ -50,10 +45,8 @@ MK_COLD_LOOP
   sync_compute();
   // the max and the denominator over the parts, each warp for itself: lanes take every 32nd
   // part, then a butterfly (the max is exact in any order; the sum's order is fixed, so every
-  // warp, and chain mode, gets the same bits). Walked by every thread in turn, each was nparts
-  // (43 at shard8 T=16) dependent shared-memory loads on the unit's critical path; in-run A/B,
-  // H200 2026-11-30 19:30Z: shard8 T=16 -0.21%, T=1 -0.37%, small T=16 -1.30% (the sum's bits
-  // changed: error against the fp32 reference 8.74e-3 -> 8.76e-3 at shard8 T=16)
+  // warp, and chain mode, gets the same bits). Walked by every thread in turn, they would be
+  // nparts dependent shared-memory loads on the unit's critical path.
   float mmax = neg_inf();
 MK_COLD_LOOP
   for (int q = lane(); q < nparts; q += 32)

@@ -16,27 +16,18 @@ constexpr int KEEP_SLOTS = KEEP_UNITS > 0 ? KEEP_UNITS : 1;  // unit u is kept i
 static_assert(KEEP_UNITS == 0 || KEEP_UNIT * KEEP_UNITS == KEEP_BYTES, "plan.keep_bytes");
 static_assert(F % H1 == 0 && H1 % 16 == 0, "a 16-row tile holds gate rows or up rows, never both");
 
-constexpr int EXP1_CHUNKS = P / TILE_EXPERT1_KC;  // a gate/up unit's ring chunks
-
 // Expert e's gate/up weights in the kernel's copy, and the runs of unit j's rows in a column block:
 // run 0 its gate rows j*H1.., run 1 the matching up rows F + j*H1..
 MK_DEV const uint8_t* expert1_codes(const LayerPtrs& L, int e) { return L.w1_codes + static_cast<size_t>(e) * (2 * F) * (P / 2); }
 MK_DEV const uint8_t* expert1_scales(const LayerPtrs& L, int e) { return L.w1_scales + static_cast<size_t>(e) * (2 * F) * (P / 16); }
 
-MK_DEV bool load_expert1(const Blk& b, LoaderSlot& ls, int layer, int unit, unsigned& c, uint32_t what, int ch0 = 0) {
+MK_DEV bool load_expert1(const Blk& b, LoaderSlot& ls, int layer, int unit, unsigned& c, uint32_t what) {
   const LayerPtrs& L = b.p->layers[layer];
   const int s = unit / EXP1_TILES, j = unit % EXP1_TILES;
   const int e = loader_expert(b, ls, layer, s);
   auto run0 = [j](int r) { return r * F + j * H1; };
   return produce_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_KC, P, 2 * F, 2>(b, expert1_codes(L, e), expert1_scales(L, e), run0,
-                                                                      c, what, ch0);
-}
-// Plan.prestage_experts: chunk ch of expert e's gate/up unit j into stage `st`, landing on `bar`.
-MK_DEV void copy_expert1_chunk(const Blk& b, int layer, int e, int j, int ch, unsigned char* st, uint64_t* bar) {
-  const LayerPtrs& L = b.p->layers[layer];
-  auto run0 = [j](int r) { return r * F + j * H1; };
-  copy_fp4_chunk<TILE_EXPERT1_ROWS, TILE_EXPERT1_KC, 2 * F, 2>(st, expert1_codes(L, e), expert1_scales(L, e), run0, ch,
-                                                               bar);
+                                                                      c, what);
 }
 
 MK_DEV void run_expert1(Blk& b, int layer, int unit, uint32_t what) {

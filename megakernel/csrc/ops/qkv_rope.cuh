@@ -30,9 +30,7 @@ MK_DEV QkvRope qkv_begin(const Blk& b, int unit) {
   q.head = row0 / HD;
   // the rotation's cos and sin (behind depth[t]: two dependent L2 round trips) are loaded before
   // the GEMM, so that they overlap it instead of ending the layer (the next attention waits for
-  // this op). With the rounding pinned below (in-run A/B, H200 2026-11-30 10:35Z): shard8 T=16
-  // -0.23%, T=1 -0.71%, small T=16 -0.67%; the pinned rounding alone -0.13 / +0.06 / -0.18% and
-  // error 8.67e-3 -> 8.64e-3 (shard8)
+  // this op)
   q.t = tid() / (R / 2), q.n = 2 * (tid() % (R / 2));
   q.d = row0 % HD + q.n;  // even: the pair (d, d+1) rotates together
   q.mine = tid() < 16 * (R / 2) && q.t < b.T;

@@ -86,7 +86,7 @@ MK_COLD_LOOP
   // each lane's best remaining key, then the warp's largest key (redux.sync max) and, among the
   // lanes holding it, the lowest expert (redux min). The rank loop is not unrolled: top-k runs
   // once per layer on one block from a cold instruction cache, so its code size is its cost
-  // (unrolled over the ranks it was 27 KB of SASS and ~12 us of a shard8 layer).
+  // (unrolled over the ranks it is ~27 KB of SASS, on every layer's critical path).
   static_assert(T_MAX <= 2 * WARPS, "two tokens per warp");
   const int tt[2] = {warp(), warp() + WARPS};
   const bool ok[2] = {tt[0] < b.T, tt[1] < b.T};
@@ -206,10 +206,6 @@ MK_COLD_LOOP
     for (int i = 0; i < (E + 31) / 32; ++i) {
       before[i] = acc;
       acc += popc(static_cast<uint32_t>(bitmap[i]));
-      // the next step's loaders bet that this layer routes the same way (program.cuh hot_prefetch,
-      // prestage_bet)
-      if (HOT_PREFETCH_BYTES > 0 || PRESTAGE > 0)
-        st_relaxed(p.hot_experts + layer * ((E + 31) / 32) + i, static_cast<uint32_t>(bitmap[i]));
     }
     *p.n_slots = acc;
     b.misc[MISC_NSLOTS] = acc;  // published in top-k's counter (program.cuh signal_op_end)
