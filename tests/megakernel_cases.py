@@ -1,0 +1,78 @@
+"""Shared cases of the megakernel's CPU tests (tests/test_megakernel_*.py): the tiny model and a
+fusable variant of it, step inputs, the reference's logits and routing, and the emulated chain and
+mega steps compared against each other and the reference."""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+
+from megakernel import tree
+from megakernel.build import CSRC
+from megakernel.config import preset
+from megakernel.plan import make_plan
+from megakernel.reference import KVCache, Trace, step
+from megakernel.runtime import Engine, check_close
+from megakernel.weights import generate
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny preset, its weights, a random KV cache and a plan for 4 blocks."""
+    cfg = preset("tiny")
+    w = generate(cfg)
+    base = KVCache(cfg).fill_random(torch.Generator().manual_seed(3))
+    return cfg, w, base, make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
+
+
+@pytest.fixture(scope="module")
+def fusable():
+    """tiny with d_pool and d_expert of 256: shapes the fused expert unit takes (plan.fuses_experts)."""
+    cfg = dataclasses.replace(preset("tiny"), d_pool=256, d_expert=256)
+    w = generate(cfg)
+    base = KVCache(cfg).fill_random(torch.Generator().manual_seed(3))
+    return cfg, w, base, make_plan(cfg, 4, spin_bound_ns=3_000_000_000, ring_stage_bytes=16384, fused_experts=True)
+
+
+def tree_without(tmp_path, rel: str, line: str):
+    """A copy of the kernel's source tree with `line` removed from csrc/`rel` (a variant for a test)."""
+    tree_dir = tmp_path / "csrc"
+    shutil.copytree(CSRC, tree_dir)
+    f = tree_dir / rel
+    assert line in f.read_text(), f"{rel} no longer has {line!r}"
+    f.write_text(f.read_text().replace(line, ""))
+    return tree_dir
+
+
+def step_inputs(cfg, t, seed):
+    """t random tokens (a binary-ish tree of them) from the seed."""
+    g = torch.Generator().manual_seed(seed)
+    par = tree.binary_ish(t) if t > 1 else [-1]
+    return torch.randint(0, cfg.vocab, (t,), generator=g), par
+
+
+def reference_logits(w, cache, toks, par, ctx):
+    """Reference logits and the routing it chose (forcing that routing on the kernel side keeps
+    a router near-tie, a legitimate fp32 difference, from flipping an expert in a comparison)."""
+    tr = Trace()
+    logits = step(w, cache, toks, par, ctx, trace=tr)
+    return logits, [tr.tensors[f"L{l}.route"] for l in range(w.cfg.n_layers)]
+
+
+def modes_match_reference(cfg, plan, cache_seed, t, input_seed, ctx, what):
+    """Emulated chain and mega steps from poisoned buffers, reference routing forced: bitwise
+    equal to each other and close to the reference. Returns the mega step's logits."""
+    w = generate(cfg)
+    base = KVCache(cfg).fill_random(torch.Generator().manual_seed(cache_seed))
+    toks, par = step_inputs(cfg, t, input_seed)
+    ref, routes = reference_logits(w, base.clone(), toks, par, ctx)
+    outs = {}
+    for m in ("chain", "mega"):
+        eng = Engine(w, plan, base.clone(), backend="emu")
+        eng.poison()
+        outs[m] = eng.step(toks, par, ctx, mode=m, routes=routes)
+    assert torch.equal(outs["chain"].logits, outs["mega"].logits)
+    check_close(outs["mega"].logits, ref, what, rel=1e-2)
+    return outs["mega"].logits
