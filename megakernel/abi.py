@@ -35,7 +35,6 @@ PARAM_FIELDS = (
     ("rope_cos", "const float*"),  # [MAX_CTX][HD/2]
     ("rope_sin", "const float*"),
     ("program", "const int32_t*"),  # op instances, OPINST_INTS each
-    ("launches", "const int32_t*"),  # (first op, ops) per launch of the step
     ("tokens", "const int32_t*"),  # [T]
     ("depth", "const int32_t*"),  # [T]
     ("anc", "const uint32_t*"),  # [T] ancestor bitmask (bit j: token j is an ancestor or itself)
@@ -56,7 +55,6 @@ PARAM_FIELDS = (
     ("slot_ntok", "int32_t*"),  # [MAX_SLOTS]
     ("slot_tok", "int32_t*"),  # [MAX_SLOTS][16]
     ("n_slots", "int32_t*"),  # [1]
-    ("hot_experts", "uint32_t*"),  # [L][E/32] experts each layer's top-k selected last step (bitmap)
     ("pooled", "uint16_t*"),  # [T_MAX][P]
     ("act", "uint16_t*"),  # [MAX_SLOTS][16][F]
     ("yexp", "uint16_t*"),  # [MAX_SLOTS][16][P]
@@ -69,7 +67,6 @@ PARAM_FIELDS = (
     ("counters", "uint32_t*"),  # [2][n_counters]
     ("watchdog", "unsigned long long*"),  # [WD_FIELDS]
     ("n_counters", "int32_t"),
-    ("n_launches", "int32_t"),
 )
 
 

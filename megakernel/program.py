@@ -214,9 +214,6 @@ class Program:
         rows = [o.encode() for o in self.ops]
         return np.asarray(rows, dtype=np.int32).reshape(-1)
 
-    def encode_launches(self) -> np.ndarray:
-        return np.asarray(self.launches, dtype=np.int32).reshape(-1)
-
     def describe(self) -> str:
         out = []
         for li, (first, n) in enumerate(self.launches):

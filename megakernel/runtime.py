@@ -181,8 +181,7 @@ class Engine:
             "route_w": z(tm, c.top_k), "route_slot": z(tm, c.top_k, dt=torch.int32),
             "route_pos": z(tm, c.top_k, dt=torch.int32), "slot_expert": z(p.max_slots, dt=torch.int32),
             "slot_ntok": z(p.max_slots, dt=torch.int32), "slot_tok": z(p.max_slots, 16, dt=torch.int32),
-            "n_slots": z(1, dt=torch.int32), "hot_experts": z(c.n_layers, (c.n_experts + 31) // 32, dt=torch.int32),
-            "pooled": z(tm, c.d_pool, dt=BF16),
+            "n_slots": z(1, dt=torch.int32), "pooled": z(tm, c.d_pool, dt=BF16),
             "act": z(p.max_slots, 16, c.d_expert, dt=BF16), "yexp": z(p.max_slots, 16, c.d_pool, dt=BF16),
             # Plan.fused_experts: each down-projection unit's fp32 partial (a slot's K-parts)
             "ypart": (z(p.max_slots, p.fused_parts, 16, c.d_pool) if p.fused_experts else z(1)),
@@ -192,7 +191,6 @@ class Engine:
         self.empty_sentinel_slots()
         self.counters = z(2, self.program.n_counters, dt=torch.int32)
         self.prog_t = torch.from_numpy(self.program.encode()).to(dev)
-        self.launches_t = torch.from_numpy(self.program.encode_launches()).to(dev)
         self.tokens_t = z(tm, dt=torch.int32)
         self.depth_t = z(tm, dt=torch.int32)
         self.anc_t = z(tm, dt=torch.int32)
@@ -236,13 +234,11 @@ class Engine:
         P.lm_head = _ptr(self._lm_head)
         P.rope_cos, P.rope_sin = _ptr(self.w.rope_cos), _ptr(self.w.rope_sin)
         P.program = _ptr(self.prog_t)
-        P.launches = _ptr(self.launches_t)
-        P.n_launches = len(self.program.launches)
         P.tokens, P.depth, P.anc = _ptr(self.tokens_t), _ptr(self.depth_t), _ptr(self.anc_t)
         P.route_override = _ptr(self.route_t) if override else 0
         for name in ("x", "ss_part", "xg", "q", "att_o", "att_ml", "att_out", "router_logits", "route_sel",
                      "route_w", "route_slot", "route_pos", "slot_expert", "slot_ntok", "slot_tok", "n_slots",
-                     "hot_experts", "pooled", "act", "yexp", "ypart", "z", "logits", "amax_val", "amax_idx",
+                     "pooled", "act", "yexp", "ypart", "z", "logits", "amax_val", "amax_idx",
                      "out_tokens"):
             setattr(P, name, _ptr(b[name]))
         P.counters = _ptr(self.counters)

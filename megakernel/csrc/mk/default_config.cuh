@@ -134,7 +134,6 @@ struct Params {
   const float* rope_cos;
   const float* rope_sin;
   const int32_t* program;
-  const int32_t* launches;
   const int32_t* tokens;
   const int32_t* depth;
   const uint32_t* anc;
@@ -155,7 +154,6 @@ struct Params {
   int32_t* slot_ntok;
   int32_t* slot_tok;
   int32_t* n_slots;
-  uint32_t* hot_experts;
   uint16_t* pooled;
   uint16_t* act;
   uint16_t* yexp;
@@ -168,9 +166,8 @@ struct Params {
   uint32_t* counters;
   unsigned long long* watchdog;
   int32_t n_counters;
-  int32_t n_launches;
 };
-static_assert(sizeof(Params) == 328, "abi.py Params");
+static_assert(sizeof(Params) == 312, "abi.py Params");
 }  // namespace mk
 namespace mk {
 constexpr int OPINST_INTS = 16, MAX_DEPS = 3, OPREC_DEPS = 8;

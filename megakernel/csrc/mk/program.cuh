@@ -1,7 +1,9 @@
 // The schedule interpreter: op instances from program.py, how many units each has, which block
 // runs which unit, what a unit waits for, and the two loops every block runs: the compute warps'
 // (wait, run, signal per unit) and the loader warp's (stream each unit's weight chunks).
-// The unit/group rules mirror megakernel/program.py (tests/test_megakernel_program.py compares).
+// The unit/group rules mirror megakernel/program.py. Danger: where the two differ, a wait counts
+// units its producer never signals (a hang, ended by the watchdog) or passes early (the emulated
+// mega == chain tests under adversarial schedules catch that).
 #pragma once
 #include "mb/profile.cuh"
 #include "mk/layers.cuh"
