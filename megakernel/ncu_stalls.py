@@ -231,7 +231,7 @@ COPY_WAIT_SOURCES = ("mk/wait.cuh:",)
 
 
 def by_op(df: pd.DataFrame, chains: list[tuple[int, str, list[str]]], op: Callable[[list[str]], str]) -> pd.DataFrame:
-    """The per-op account (issue 48): every op's samples split into its copy waits (innermost
+    """The per-op account: every op's samples split into its copy waits (innermost
     source in COPY_WAIT_SOURCES) and its own work (the rest), and what the own work stalls on.
     Columns: op, instructions (executed at all), executed (warp instructions), samples, share (of
     all samples), copy_wait (samples), own (samples), own_no_inst and own_long_sb (percent of own:

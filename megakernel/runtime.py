@@ -123,10 +123,8 @@ class Engine:
     def profile_launches(self) -> frozenset[int] | None:
         """The launch indices the profiler records (None: every launch). A launch that is not
         recorded runs the unprofiled build of the same plan (the same op code, so the same bits),
-        loaded when a sample is first set: the profiled code costs even where it records nothing
-        (at 336b0b5, 1.99% of a shard8 step recording one launch in 7 with the profiled build for
-        every launch, 2.60% recording all; README). Set it before capturing a graph (the kernels
-        and buffer pointers are baked into the graph)."""
+        loaded when a sample is first set: the profiled code costs even where it records nothing.
+        Set it before capturing a graph (the kernels and buffer pointers are baked into the graph)."""
         return self._prof_launches
 
     @profile_launches.setter

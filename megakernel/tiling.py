@@ -2,10 +2,10 @@
 
 A dense GEMM unit streams `rows` weight rows in chunks of `kc` columns, and the ring stage holds
 them as rows of kc bf16 plus ROW_PAD bytes (the pad spreads the rows over the banks for the
-fragment loads). From row-major [N, K] weights a chunk was one bulk copy per row: 2 KB copies for
-most ops and 1 KB for the pooler's 32-row units, where weights.ring measured 1 KB pieces at ~79% of
-the stream rate of one copy per stage (512 B: 47.5%). Here the chunk is stored exactly as the stage
-holds it, pad included, so the loader moves it with one copy of rows x (2 kc + ROW_PAD) bytes:
+fragment loads). From row-major [N, K] weights a chunk would be one bulk copy per row: 2 KB copies
+for most ops and 1 KB for the pooler's 32-row units, and pieces that small stream below the rate of
+one copy per stage (weights.ring). Here the chunk is stored exactly as the stage holds it, pad
+included, so the loader moves it with one copy of rows x (2 kc + ROW_PAD) bytes:
 
     tiled[u][c][r][j] = w[u * rows + r][c * kc + j]   for j < kc;  zero for kc <= j < kc + ROW_PAD/2
 
