@@ -640,7 +640,7 @@ def appendix_ablations(ctx: Context) -> list[str]:
         out += ["### The latest in-run A/B", "",
                 *wrap(f"`{path.name}` ({r.env.date[:16].replace('T', ' ')}Z, {r.env.git_sha[:7]}); "
                       f"{n_ab} A/B result(s) in the results folder; the notes of each A/B are "
-                      "`reports/results/megakernel/ab-*.md`, indexed by `reports/results/megakernel/LEVERS.md`."), "",
+                      "`reports/results/megakernel/ab-*.md`, indexed by `reports/LEVERS.md`."), "",
                 _table(rows), ""]
     if len(out) == 2:
         out += ["No ablation or A/B results yet.", ""]

@@ -9,13 +9,13 @@ when one of these reasons holds (a file may have several; all are printed):
   report    a run the report shows although a newer one exists: each torch baseline's fastest
             committed run at a configuration the latest results have
             (reports/megakernel.py fastest_baselines)
-  note      a markdown note in the results folder (`*.md`: results notes, LEVERS.md, ncu stall
-            summaries): notes are never pruned
+  note      a markdown note in the results folder (`*.md`: results notes, ncu stall summaries):
+            notes are never pruned
   named     a file something names by file name or stem: any text file of the repository outside
-            the results folder (notes under reports/notes, the constants files and their history,
-            tests, sources, CI scripts, docs) or any file kept for another reason here, so a kept
-            gate.quality keeps the runs it replayed, a kept note the results it cites, and so on
-            to a fixpoint. A result's record of its own trace file keeps no artefact (that is the
+            the results folder (the lever index reports/LEVERS.md, notes under reports/notes, the
+            constants files and their history, tests, sources, CI scripts, docs) or any file kept
+            for another reason here, so a kept gate.quality keeps the runs it replayed, a kept
+            note the results it cites, and so on to a fixpoint. A result's record of its own trace file keeps no artefact (that is the
             trace rule's job: the result still names it, git history has it). A markdown file's glob (`bench-xgpu-*.json`, a literal prefix of
             at least GLOB_PREFIX characters) names every file it matches, and so does a name with its
             middle elided (`megakernel.ab-<stamp>-...json`, `...T020839Z-...json`). A bare commit
