@@ -9,6 +9,7 @@ import torch
 
 from megakernel.config import ConfigError
 from megakernel.plan import make_plan, render
+from megakernel.program import assigned_units, n_units
 from megakernel.runtime import Engine
 
 from megakernel_cases import step_inputs, tiny
@@ -299,3 +300,73 @@ def test_layer_segments_on_a_handmade_timeline():
     # front: 12 - 2, 110 - 100; experts: 45 - 12, 130 - 110; back: 50 - 45, 140 - 130
     assert segs == pytest.approx({"front": 10e-9, "experts": 26.5e-9, "back": 7.5e-9})
     assert layer_segments(df[df["launch"] == 2]) == {}
+
+
+def test_placement_counts_blocks_that_keep_their_sm():
+    """sm_map.placement on handmade records: launch 1 keeps every block on its SM, launch 2 swaps
+    blocks 0 and 5, launch 3 misses a block (not counted); a block recorded on two SMs in one
+    launch, or no two consecutive complete launches, are refused."""
+    from megakernel.sm_map import placement
+
+    sms = {0: [10, 11, 12, 13, 14, 15], 1: [10, 11, 12, 13, 14, 15], 2: [15, 11, 12, 13, 14, 10]}
+    launch, block, sm = [], [], []
+    for lc, row in sms.items():
+        for b, s in enumerate(row):
+            launch += [lc, lc]  # two records a block
+            block += [b, b]
+            sm += [s, s]
+    launch.append(3), block.append(0), sm.append(10)
+    m = placement(np.asarray(launch), np.asarray(block), np.asarray(sm), 6)
+    assert m.launches == 2 and m.blocks == 6 and m.same_sm == pytest.approx(10 / 12)
+    assert m.per_launch == pytest.approx((1.0, 4 / 6))
+    with pytest.raises(ValueError, match="recorded on SMs"):
+        placement(np.asarray([0, 0]), np.asarray([1, 1]), np.asarray([3, 4]), 6)
+    with pytest.raises(ValueError, match="no two consecutive"):
+        placement(np.asarray([0]), np.asarray([0]), np.asarray([0]), 6)
+
+
+def test_the_placement_result_round_trips(tmp_path):
+    """sm_map.to_result saves a typed megakernel.sm_map: a series per build whose samples are the
+    launch transitions' same-SM shares, and the share as a derived value, never gated."""
+    from megakernel.sm_map import BENCHMARK, Placement, to_result
+    from microbench.results import Env, latest
+
+    m = Placement(3, 132, 0.02, (0.01, 0.02, 0.03))
+    to_result([("shard8", 16, 2048, "k48", (("keys_per_split", 48),), m)], env=Env.capture()).save(tmp_path)
+    r = latest(BENCHMARK, root=tmp_path)
+    (s,) = r.series
+    assert list(s.samples) == [0.01, 0.02, 0.03] and s.params["switches"] == {"keys_per_split": 48}
+    assert s.metrics["gate_direction"] == "none"
+    assert r.derived["same_sm_shard8_T16_ctx2048_k48"].value == pytest.approx(0.02)
+
+
+def test_sm_map_refuses_a_source_tree_a_bad_point_and_no_gpu(capsys, monkeypatch):
+    from megakernel import cli
+
+    assert cli.main(["sm-map", "--point", "shard8:16"]) == 2
+    assert "PRESET:T:CTX" in capsys.readouterr().err
+    assert cli.main(["sm-map", "--variant", f"v={cli.__file__.rsplit('/', 1)[0]}/csrc"]) == 2
+    assert "not a source tree" in capsys.readouterr().err
+    monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: "no CUDA device (test)")
+    assert cli.main(["sm-map", "--variant", "k48:keys_per_split=48"]) == 2
+    assert "sm-map needs a GPU: no CUDA device (test)" in capsys.readouterr().err
+
+
+def test_the_kernel_runs_each_op_on_the_blocks_program_py_names(tiny):
+    """The profiled emulation's op phases, per (launch, block), are exactly the op instances
+    program.assigned_units gives that block: the kernel's my_units and its mirror agree (the
+    routed ops, whose unit counts follow the routing, left out)."""
+    cfg, w, base, _ = tiny
+    toks, par = step_inputs(cfg, 16, 40)
+    t, ctx, grid = 16, 40, 4
+    plan = make_plan(cfg, grid, spin_bound_ns=3_000_000_000, profile=True, profile_cap=1024)
+    eng = Engine(w, plan, base.clone(), backend="emu", grid=grid)
+    eng.step(toks, par, ctx, mode="mega")
+    static = {o.kind for o in eng.program.ops} - {"expert1", "expert2"}
+    ran = {(s.arg, s.block) for s in eng.timeline("mega").spans if s.phase in static}
+    want = set()
+    for o in eng.program.ops:
+        if o.kind in static:
+            total = n_units(plan, o.kind, o.layer, t, ctx, 0)
+            want |= {(o.index, b) for b in range(grid) if assigned_units(o, b, grid, total)}
+    assert ran == want and len({b for _, b in ran}) == grid

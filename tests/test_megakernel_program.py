@@ -156,3 +156,21 @@ def test_an_op_bumps_exactly_the_counters_its_consumers_wait_for(tiny, sentinel,
     for k in ("attn_combine", "oproj", "pool", "topk", "expert2", "moe_combine", "unpool"):
         assert by_kind[k] == {SIGNAL_TOTAL}, k
     assert by_kind["router"] == ({0} if sentinel else {SIGNAL_TOTAL})
+
+
+@pytest.mark.parametrize("name,n_sm", [("shard8", 132), ("small", 132), ("tiny", 4), ("tiny", 3)])
+def test_every_unit_runs_once_and_the_blocks_share_an_op_evenly(name, n_sm):
+    """assigned_units (program.cuh my_units' mirror): every unit of a static op on exactly one
+    block, no block more than one unit ahead of another; a one-block grid (chain mode's launches)
+    runs them all."""
+    plan = make_plan(preset(name), n_sm)
+    prog = build(plan)
+    for o in prog.ops:
+        if o.kind in ("expert1", "expert2"):
+            continue  # their unit count follows the routing (the emulated steps run them)
+        total = n_units(plan, o.kind, o.layer, 16, 64, 0)
+        runs = [list(assigned_units(o, b, n_sm, total)) for b in range(n_sm)]
+        assert sorted(u for us in runs for u in us) == list(range(total)), o.kind
+        per = [len(us) for us in runs]
+        assert max(per) - min(per) <= 1, o.kind
+        assert list(assigned_units(o, 0, 1, total)) == list(range(total))
