@@ -55,12 +55,11 @@ SPECS: tuple[ConstantSpec, ...] = (
     ConstantSpec("l2_usable_bytes", "B", 32 * 1024 * 1024, "weights.l2", "l2_usable_bytes",
                  "working set that still reads at the L2 plateau bandwidth: the largest size on the plateau of the "
                  "read bandwidth vs working-set curve (not the near-partition bump of the smallest sizes)",
-                 integer=True, feeds_build=True),
+                 integer=True),
     ConstantSpec("l2_prefetch_budget_bytes", "B", 0, "weights.prefetch", "l2_prefetch_budget_bytes",
-                 "bytes worth prefetching into L2 ahead of a phase (0 = don't)", integer=True, feeds_build=True),
+                 "bytes worth prefetching into L2 ahead of a phase (0 = don't)", integer=True),
     ConstantSpec("hot_expert_break_even_overlap", "", 1.0, "weights.hot_experts", "hot_expert_break_even_overlap",
-                 "fraction of experts two steps must share for the hot-expert L2 bet to pay (1.0 = never bet)",
-                 feeds_build=True),
+                 "fraction of experts two steps must share for the hot-expert L2 bet to pay (1.0 = never bet)"),
     ConstantSpec("evict_first_pays", "", 0, "weights.l2", "evict_first_pays",
                  "1 if evict_first on streamed weights measurably helps reused data", integer=True, feeds_build=True),
     # ---- synchronisation (microbench/sync)

@@ -132,7 +132,7 @@ def test_cross_check_rows(ctx):
     assert all(r["agree?"] in ("yes", "NO") or r["agree?"].startswith(("differs", "not computed")) for r in rows.values())
     assert not any(r["agree?"] == "not computed" for r in rows.values())
     st = crosscheck.stability_rows(ctx)
-    assert {r["constant"].strip("`") for r in st} >= {"ring_stages", "l2_usable_bytes", "pdl_pays"}
+    assert {r["constant"].strip("`") for r in st} >= {"ring_stages", "evict_first_pays", "pdl_pays"}
     assert any(r["verdict"] == "pinned" for r in st)
     lines = "\n".join(crosscheck.adoption_lines(ctx))
     assert "adopted revision 4" in lines and "pinned" in lines
