@@ -189,6 +189,22 @@ class PointResult:
         return f"slower beyond ({where})" if c > hi + noise else f"inside ({where})"
 
 
+def check_switches(variants: Sequence[Variant]) -> None:
+    """Refuse, before anything is built, a variant whose switch is no Plan switch (make_plan's
+    keyword arguments): a misspelt switch, or a lever removed from the code (reports/LEVERS.md)."""
+    import inspect
+
+    from .plan import make_plan
+
+    known = set(inspect.signature(make_plan).parameters) - {"cfg", "n_sm"}
+    for v in variants:
+        bad = sorted(set(v.switch_dict) - known)
+        if bad:
+            what = "is no Plan switch" if len(bad) == 1 else "are no Plan switches"
+            raise ConfigError(f"variant {v.name}: {', '.join(bad)} {what} (make_plan's keyword arguments: "
+                              f"{', '.join(sorted(known))}; removed levers: reports/LEVERS.md)")
+
+
 def _plan(preset: str, v: Variant, n_sm: int | None, n_tokens: int):
     from .pipeline import plan_for
 
@@ -202,6 +218,7 @@ def build_variants(points: Sequence[tuple[str, int, int]], variants: Sequence[Va
     ResourceUsage)."""
     from .build import build_gpu
 
+    check_switches(variants)
     plan_of = plan_of or (lambda preset, v, t: _plan(preset, v, n_sm, t))
     out = []
     for preset, t in sorted({(p[0], p[1]) for p in points}):
@@ -267,6 +284,7 @@ def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], 
         raise ConfigError("A/B: give one or more variants with distinct names")
     if rounds < 1:
         raise ConfigError(f"A/B: rounds must be >= 1, got {rounds}")
+    check_switches(variants)
     if bound_of is None and context is None:
         bound_of = _gpu_bound
     context = context or _gpu_context

@@ -36,6 +36,20 @@ def test_variants_and_points_parse_or_are_refused_by_name(tmp_path):
     assert main(["ab", "--variant", "x:oops", "--build-only"]) == 2  # a bad variant: exit 2, no traceback
 
 
+def test_a_switch_that_is_no_plan_switch_is_refused_before_anything_is_built(capsys):
+    """A misspelt switch, or one of a lever removed from the code, stops the A/B by name before
+    the first build (an A/B command of an old note would otherwise fail after minutes of builds)."""
+    with pytest.raises(ConfigError, match="variant pre: prestage_experts is no Plan switch"):
+        ab.check_switches([ab.Variant("base"), ab.parse_variant("pre:prestage_experts=8")])
+    ab.check_switches([ab.parse_variant("k48:keys_per_split=48,layout_pad=1024,compute_registers=0")])
+    assert main(["ab", "--variant", "base", "--variant", "r:roles=3,kepe_units=2", "--build-only"]) == 2
+    err = capsys.readouterr().err
+    assert "variant r: kepe_units, roles are no Plan switches" in err and "reports/LEVERS.md" in err
+    with pytest.raises(ConfigError, match="receive_warp"):
+        ab.run_ab([("tiny", 1, 0)], [ab.Variant("a"), ab.parse_variant("w:receive_warp=true")], backend="emu",
+                  context=lambda *a: pytest.fail("checked before any step"))
+
+
 def _tiny_context(cfg, w):
     def context(preset_name, t, ctx):
         cache0 = KVCache(cfg).fill_random(torch.Generator().manual_seed(4))
