@@ -79,7 +79,7 @@ def _code(a) -> int:
     from microbench.sass import find_nvdisasm
 
     from .config import PRESETS
-    from .pipeline import code_result
+    from .measure import code_result
 
     points = []
     for spec in a.point:
@@ -157,7 +157,7 @@ def _timeline(a) -> int:
         return 2
     from microbench.harness import Harness, Policy
 
-    from .pipeline import timeline
+    from .measure import timeline
 
     h = Harness(policy=Policy(budget_s=0.3, max_samples=100, chunk=8))
     r = timeline(h, a.preset, a.tokens, a.ctx, None, detail=a.detail)
@@ -221,7 +221,7 @@ def _ncu_op(a) -> int:
     if _no_gpu("ncu-op"):
         return 2
     from .bench_baselines import step_context, weights_for
-    from .pipeline import plan_for
+    from .plans import plan_for
     from .runtime import Engine
 
     sc = step_context(a.preset, a.tokens, a.ctx)

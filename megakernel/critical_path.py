@@ -240,7 +240,7 @@ def inputs(root: Path | None = None) -> Inputs:
     and megakernel.step under `root` (default reports/results)."""
     from .bench_baselines import study_like_distinct
     from .config import preset as get_preset
-    from .pipeline import middle_launch
+    from .plans import middle_launch
     from .roofline import roofline
 
     tl, detail = _latest("megakernel.timeline", root), _latest("megakernel.timeline_detail", root)
@@ -441,7 +441,7 @@ def cold_code_inputs(root: Path | None, preset: str, tokens: int, tl) -> dict:
 def op_bytes(inp: Inputs) -> dict[str, int]:
     """HBM bytes of each op of the middle layer launch (attention of layer l, qkv of l + 1)."""
     from .config import preset as get_preset
-    from .pipeline import middle_launch
+    from .plans import middle_launch
     from .roofline import kv_row_bytes, kv_rows_read
 
     c = get_preset(inp.preset)
@@ -460,7 +460,7 @@ def op_bytes(inp: Inputs) -> dict[str, int]:
 def expert_chunks_per_block(inp: Inputs) -> dict[str, int]:
     """The most chunks a block streams in each expert GEMM (its units x a unit's chunks), for the
     build the timeline ran (pipeline.plan_for with the tuned constants, tokens = T)."""
-    from .pipeline import plan_for, slot_units
+    from .plans import plan_for, slot_units
 
     plan = plan_for(inp.preset, None, inp.n_sm, tokens=inp.n_tokens)
     per_slot = slot_units(plan)
@@ -539,7 +539,7 @@ def hop_cost_s(inp: Inputs, producer: str, consumer: str) -> float:
 def levers(inp: Inputs, rs: Sequence[Row] | None = None) -> list[Lever]:
     """The structural changes of the issue, largest predicted saving per layer first."""
     from .config import preset as get_preset
-    from .pipeline import plan_for
+    from .plans import plan_for
 
     c = get_preset(inp.preset)
     rs = rs or rows(inp)
@@ -610,7 +610,7 @@ def _attn_heads_lever(inp: Inputs, by: dict, plan, l2_sm: float) -> Lever:
     hop and the combine, about 5 us a layer, with the rounds and the merge not counted."""
     import math
 
-    from .pipeline import middle_launch, plan_for
+    from .plans import middle_launch, plan_for
     from .plan import ATTN_HEAD_KEYS
     from .program import cached_keys, splits
 
@@ -741,7 +741,7 @@ def _shared_dense_lever(inp: Inputs, rs: Sequence[Row]) -> Lever:
 
 def op_units(inp: Inputs) -> dict[str, int]:
     """Units of each op of the middle layer launch at the timeline's point (program.n_units)."""
-    from .pipeline import middle_launch, plan_for
+    from .plans import middle_launch, plan_for
     from .program import n_units
 
     plan = plan_for(inp.preset, None, inp.n_sm, tokens=inp.n_tokens)

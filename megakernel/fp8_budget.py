@@ -27,7 +27,7 @@ import torch
 
 from . import reference
 from .config import PRESETS
-from .pipeline import REL_TOL
+from .plans import REL_TOL
 
 E4M3_MAX = 448.0
 

@@ -165,7 +165,8 @@ def megakernel_rows(c: _Ctx, preset: str, n_tokens: int, ctx: int, constants=Non
 
     from .bench_baselines import step_context, weights_for
     from .kernel_count import count_kernels
-    from .pipeline import REL_TOL, graph_of, plan_for
+    from .measure import graph_of
+    from .plans import REL_TOL, plan_for
     from .runtime import Engine, check_close
 
     rows = rows or {"forced": ("mega", "chain", "chain_nopdl"), "real": ("mega", "chain", "chain_nopdl")}
@@ -252,7 +253,7 @@ def _check_and_time(c: _Ctx, r, cache, sc, what: str, replay_what: str):
     layer's KV cache), then capture, check a replay the same way and time the replays: (check,
     timing, kernel count)."""
     from .peer import check_step
-    from .pipeline import REL_TOL
+    from .plans import REL_TOL
 
     logits = r.run()
     _sync()
@@ -269,7 +270,7 @@ def peer_rows(c: _Ctx, preset: str, n_tokens: int, ctx: int, *, tune: bool = Tru
 
     from .bench_baselines import step_context
     from .peer import TIE_GAP, PeerRunner, check_step, tune_moe
-    from .pipeline import REL_TOL
+    from .plans import REL_TOL
 
     sc = step_context(preset, n_tokens, ctx)
     m = _peer_model(preset)
@@ -349,7 +350,7 @@ def compile_rows(c: _Ctx, preset: str, n_tokens: int, ctx: int) -> None:
     from .baselines import compile_stats
     from .bench_baselines import step_context
     from .peer import PeerRunner, check_step, free_compiled
-    from .pipeline import REL_TOL
+    from .plans import REL_TOL
 
     sc = step_context(preset, n_tokens, ctx)
     m = _peer_model(preset)
@@ -544,7 +545,7 @@ def peer_point(h, preset: str, n_tokens: int, ctx: int, ceiling, log=print) -> S
     from .bench_baselines import step_context, weights_for
     from .config import preset as get_preset
     from .peer import PeerModel, PeerRunner, available, check_step, unsupported
-    from .pipeline import REL_TOL
+    from .plans import REL_TOL
 
     why = available() or unsupported(get_preset(preset))
     if why:
@@ -708,7 +709,7 @@ def main(argv=None) -> int:
         return 1 if any("error" in r for r in rep) else 0
     if a.precompile:
         from .build import build_gpu
-        from .pipeline import plan_for
+        from .plans import plan_for
 
         for p, t in dict.fromkeys((p, t) for p, t, _ in points):
             u = build_gpu(plan_for(p, None, 132, tokens=t)).usage

@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 def plans(n_sm: int = 132):
     from .config import preset
-    from .pipeline import CHECK_POINTS, FULL, NONE, QUICK, plan_for, technique_switches
+    from .plans import CHECK_POINTS, FULL, NONE, QUICK, plan_for, technique_switches
     from .plan import make_plan
 
     out = []

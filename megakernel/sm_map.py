@@ -84,7 +84,7 @@ def to_result(rows, env=None):
     from microbench.results import Derived, Result, Series
 
     if env is None:
-        from .pipeline import constants_env
+        from .plans import constants_env
 
         env = constants_env()
     series, derived = [], {}
@@ -110,7 +110,7 @@ def measure(preset: str, n_tokens: int, ctx: int, switches: dict, steps: int = 3
     """On the GPU: `steps` profiled mega steps of the build (plan_for with `switches`); the last
     one's records."""
     from .bench_baselines import step_context, weights_for
-    from .pipeline import plan_for
+    from .plans import plan_for
     from .runtime import Engine
 
     sc = step_context(preset, n_tokens, ctx)

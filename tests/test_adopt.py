@@ -51,7 +51,7 @@ def _new_revision(cdir, **values):
 
 
 def test_a_retuned_revision_does_not_reach_the_build(cdir):
-    from megakernel.pipeline import constants_env, plan_for, tuned
+    from megakernel.plans import constants_env, plan_for, tuned
 
     _new_revision(cdir, ring_stages=3, ring_stage_bytes=16384, l2_prefetch_budget_bytes=0)
     c = tuned()
@@ -63,7 +63,7 @@ def test_a_retuned_revision_does_not_reach_the_build(cdir):
 
 
 def test_a_candidate_revision_is_built_only_when_named(cdir, monkeypatch):
-    from megakernel.pipeline import constants_env, tuned
+    from megakernel.plans import constants_env, tuned
 
     _new_revision(cdir, ring_stages=3, ring_stage_bytes=16384)
     monkeypatch.setenv("MEGABENCH_CONSTANTS", str(cdir / "history" / "nvidia-h200-r0005.json"))
@@ -71,7 +71,7 @@ def test_a_candidate_revision_is_built_only_when_named(cdir, monkeypatch):
 
 
 def test_without_an_adoption_the_current_file_is_used_with_a_warning(cdir):
-    from megakernel.pipeline import tuned
+    from megakernel.plans import tuned
 
     (cdir / "adopted" / "nvidia-h200.json").unlink()
     with pytest.warns(UserWarning, match="no adopted constants revision"):

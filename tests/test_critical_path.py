@@ -61,7 +61,7 @@ def test_levers_largest_first_with_their_arithmetic(committed):
     inp, rs, segs, lvs = committed
     assert [lv.saving_s for lv in lvs] == sorted((lv.saving_s for lv in lvs), reverse=True)
     pre = next(lv for lv in lvs if "prestage" in lv.name)
-    from megakernel.pipeline import plan_for
+    from megakernel.plans import plan_for
 
     plan = plan_for(inp.preset, None, inp.n_sm, tokens=inp.n_tokens)
     ring = plan.ring_stages * plan.stage_bytes * inp.n_sm / inp.ceiling

@@ -93,7 +93,7 @@ def test_preset_kernels_compile_for_sm90a_without_spills(name, tokens, built):
     from microbench.compiler import compile_cuda
 
     from megakernel.build import MB_INC
-    from megakernel.pipeline import plan_for
+    from megakernel.plans import plan_for
 
     if built == "plan_for":
         plan = plan_for(name, n_sm=132, tokens=tokens)
@@ -199,7 +199,7 @@ def test_compute_registers_split_the_budget_between_roles(tiny):
         make_plan(cfg, 4, compute_registers=224, max_registers=160)
     # the pipeline's builds (profiled or not) take the budgets unless a switch says otherwise; a
     # register cap (an A/B's spill control) is a 9-warp build's
-    from megakernel.pipeline import NONE, ROLE_REGISTERS, plan_for
+    from megakernel.plans import NONE, ROLE_REGISTERS, plan_for
 
     assert plan_for("tiny", None, 4).compute_registers == ROLE_REGISTERS == 224
     assert plan_for("tiny", None, 4, profile=True).compute_registers == ROLE_REGISTERS
@@ -358,7 +358,7 @@ def test_fused_expert_plan_and_program(fusable):
     gate rows' columns of W2, all d_pool rows in chunks), on the same block (DEP_LOCAL: same
     contiguous assignment, same unit count), so gate/up publishes no groups; red holds no down
     projection results; refused, with the reason, where the shapes do not allow it."""
-    from megakernel.pipeline import plan_for, slot_units
+    from megakernel.plans import plan_for, slot_units
     from megakernel.plan import fuses_experts
     from megakernel.program import ASSIGN_CONTIG, DEP_LOCAL, SIGNAL_GROUPS
 
@@ -1379,7 +1379,7 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
     """profile_detail: the profiler also stamps each staging pass and each ring wait inside the
     units, each unit's opening and closing, and top-k's steps; the host assigns them to the op
     phase around them and splits the unit boundaries. The outputs keep their bits."""
-    from megakernel.pipeline import BOUNDARY_SEGMENTS, detail_by_op, unit_boundaries
+    from megakernel.spans import BOUNDARY_SEGMENTS, detail_by_op, unit_boundaries
 
     cfg, w, base, _ = tiny
     toks, par = _inputs(cfg, 8, 3)
@@ -1414,7 +1414,7 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
             assert len(host) == 1, (phases, d.launch, d.block, d.begin_ns)
     # one closing per unit; an opening exactly for the units that open (program.cuh unit_opens):
     # a block's later unit of an op with a group dependency, or of a routed op's next slot
-    from megakernel.pipeline import _detail_spans
+    from megakernel.spans import _detail_spans
     from megakernel.program import DEP_GROUP
 
     group_ops = {o.kind for o in eng.program.ops if any(d.mode == DEP_GROUP for d in o.deps)}
@@ -1434,7 +1434,7 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
     for _, g in steps.groupby(["launch", "block"]):
         assert list(g["arg"]) == [0, 1, 2] * (len(g) // 3)
         assert (g["end_ns"].to_numpy()[:-1] <= g["begin_ns"].to_numpy()[1:]).all()
-    from megakernel.pipeline import topk_steps
+    from megakernel.spans import topk_steps
 
     ts = topk_steps(df)
     assert sorted(ts) == [0, 1, 2] and all(v >= 0 for v in ts.values())
@@ -1451,7 +1451,9 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
     # the slot crossings from the same closings: each routed op phase's units span one slot or more
     import pandas as pd
 
-    from megakernel.pipeline import end_tails, slot_crossings, slot_units
+    from megakernel.plans import slot_units
+
+    from megakernel.spans import end_tails, slot_crossings
 
     assert slot_units(plan) == tiles
     cr = slot_crossings(df, tiles)
@@ -1469,7 +1471,7 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
             sum(len({u // tiles[op] for u in v}) > 1 for v in like) / len(like))
     tails = end_tails(df)
     assert {"expert1", "expert2", "oproj"} <= set(tails) and min(tails.values()) >= 0
-    from megakernel.pipeline import layer_segments
+    from megakernel.spans import layer_segments
 
     segs = layer_segments(df)
     assert set(segs) == {"front", "experts", "back"} and min(segs.values()) > 0
@@ -1483,7 +1485,7 @@ def test_end_tails_and_slot_crossings_on_a_handmade_timeline():
     slot) is compared with the one-slot blocks of the same unit count only."""
     import pandas as pd
 
-    from megakernel.pipeline import end_tails, slot_crossings
+    from megakernel.spans import end_tails, slot_crossings
 
     rows = []
     for launch, ends in ((0, (10, 12, 19)), (1, (10, 11, 14))):
@@ -1509,7 +1511,7 @@ def test_layer_segments_on_a_handmade_timeline():
     LM head's launch has none). Waits are not phases of an op."""
     import pandas as pd
 
-    from megakernel.pipeline import layer_segments
+    from megakernel.spans import layer_segments
 
     rows = []
     # launch 0: blocks start at 0, 2, 4 (median 2); experts 12..45; the last phase ends at 50
@@ -1609,7 +1611,7 @@ def test_plan_reads_tuned_constants_and_refuses_a_malformed_file(tmp_path, monke
     """No constants file: documented defaults, said out loud. A malformed one: an error naming it,
     never a silent fallback. The tuned spin bound gets the phase allowance added."""
     import microbench.tune as tune
-    from megakernel.pipeline import PHASE_ALLOWANCE_NS, plan_for
+    from megakernel.plans import PHASE_ALLOWANCE_NS, plan_for
     from microbench.errors import ResultsFileError
 
     monkeypatch.delenv("MEGABENCH_CONSTANTS", raising=False)

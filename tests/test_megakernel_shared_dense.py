@@ -104,7 +104,7 @@ def test_the_shared_build_runs_one_gemm_copy_for_the_dense_ops():
     (over 4 KB each, 35 KB together); the shared build's GEMM is ops/dense.cuh's, the ops keep their prologues and epilogues
     only, and the kernel is smaller by more than three copies, at the same registers and no spills."""
     from megakernel.build import build_gpu, code_bytes_by_op
-    from megakernel.pipeline import plan_for
+    from megakernel.plans import plan_for
 
     dense = ("qkv_rope", "oproj", "router", "pool", "unpool")
     per_op, shared = (build_gpu(plan_for("shard8", None, 132, tokens=16, shared_dense=s)) for s in (0, 1))

@@ -149,7 +149,7 @@ def test_help(cmd, capsys):
 
 
 def test_profile_samples_spread_and_window_hold_the_same_launch_count():
-    from megakernel.pipeline import PROFILE_SAMPLE_EVERY, profile_samples
+    from megakernel.plans import PROFILE_SAMPLE_EVERY, profile_samples
 
     spread, window = profile_samples(63)  # shard8: 63 launches, the middle one 31
     assert spread == tuple(range(3, 63, PROFILE_SAMPLE_EVERY)) and 31 in spread and len(spread) == 9

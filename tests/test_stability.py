@@ -39,10 +39,10 @@ def test_every_build_constant_is_checked():
     assert set(FEEDS_BUILD) == {"max_code_bytes_per_launch", "ring_stages", "ring_stage_bytes", "l2_usable_bytes",
                                 "l2_prefetch_budget_bytes", "hot_expert_break_even_overlap", "evict_first_pays",
                                 "poll_backoff_ns", "sentinel_pays", "spin_bound_ns", "pdl_pays"}
-    # every one is something megakernel/pipeline.py reads
+    # every one is something megakernel/plans.py reads
     import inspect
 
-    import megakernel.pipeline as p
+    import megakernel.plans as p
 
     src = inspect.getsource(p)
     assert all(f'"{n}"' in src for n in FEEDS_BUILD)
