@@ -147,7 +147,7 @@ def _check_and_bench(a) -> int:
             print(f"  -> {k} = {d.value:.4g} {d.unit}")
         for n in r.notes:
             print(f"  note: {n}")
-    from microbench.cli import leave
+    from microbench.teardown import leave
 
     leave(0)  # results saved and printed; interpreter teardown aborted on the H200
 
@@ -164,7 +164,7 @@ def _timeline(a) -> int:
     print("saved", r.save())
     for k, d in r.derived.items():
         print(f"  -> {k} = {d.value:.4g} {d.unit}")
-    from microbench.cli import leave
+    from microbench.teardown import leave
 
     leave(0)
 

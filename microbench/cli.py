@@ -7,7 +7,7 @@ import sys
 
 
 def _info(args) -> int:
-    from .device import describe
+    from .info import describe
 
     print(describe())
     return 0
@@ -35,17 +35,9 @@ def _bench(args) -> int:
             print(f"    {s.name:50s} median {s.summary.median:.4g} {s.unit}{frac}")
         for k, d in res.derived.items():
             print(f"    -> {k} = {d.value:.4g} {d.unit}")
+    from .teardown import leave
+
     leave(0)
-
-
-def leave(code: int) -> None:
-    """Exit without running finalizers, once every result is saved and printed: tearing down
-    torch.compile's graphs, CUDA graphs, cuda.core modules and torch's caching allocator in
-    interpreter-exit order aborted the process ("double free or corruption", "free(): invalid
-    pointer") after everything had been written (H200, 2026-11-29)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -225,7 +225,7 @@ def _precompile_one(task: tuple) -> str:
         os.environ.pop("MEGABENCH_INJECT_PPM", None)
     if kind == "megakernel":
         from megakernel.build import build_gpu
-        from megakernel.pipeline import plan_for
+        from megakernel.plans import plan_for
 
         preset, t = args
         build_gpu(plan_for(preset, tokens=t))  # what tests/bench/test_bench_megakernel.py builds

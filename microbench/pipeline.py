@@ -258,7 +258,7 @@ def _cmd(args) -> int:
     rc = _finish(pr)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
-        from .cli import leave
+        from .teardown import leave
 
         # every result is saved by now: leave without the interpreter's teardown, which aborted
         # `megabench run` at exit on two fresh H200 machines ("double free or corruption", rc 134,

@@ -125,7 +125,7 @@ def table(root: Path | None = None, gpu: str | None = "NVIDIA H200", pins: Mappi
           names=None, recorded: bool = False) -> list[Verdict]:
     """A verdict for every constant the build reads (or `names`)."""
     if pins is None:
-        from .adopt import load_pins
+        from .pins import load_pins
 
         pins = load_pins(gpu)
     cache: dict = {}

@@ -845,7 +845,7 @@ def build(root: Path | None = None, out_dir: Path | None = None, bench_dir: Path
         raise ResultsFileError(f"{cat.root}: no results for GPU {gpu!r} (there are: {', '.join(cat.other_gpus) or 'none'})")
     tune_err = None
     try:
-        from microbench.adopt import load_pins
+        from microbench.pins import load_pins
 
         _, entries = collect(cat.root, cat.gpu, pins=load_pins(cat.gpu))
     except Exception as e:
@@ -908,7 +908,7 @@ def readme_block(root: Path | None = None, gpu: str | None = None) -> str:
 
     cat = Catalog.load(root, gpu)
     try:
-        from microbench.adopt import load_pins
+        from microbench.pins import load_pins
 
         _, entries = collect(cat.root, cat.gpu, pins=load_pins(cat.gpu))
     except Exception:

@@ -209,7 +209,7 @@ def rows(ctx) -> list[dict]:
 
 
 def stability_rows(ctx) -> list[dict]:
-    from microbench.adopt import load_pins
+    from microbench.pins import load_pins
     from microbench.stability import table
 
     if not ctx.cat.gpu:
@@ -247,7 +247,8 @@ def section(ctx) -> list[str]:
 
 
 def adoption_lines(ctx) -> list[str]:
-    from microbench.adopt import load_adoption, load_pins
+    from microbench.adopt import load_adoption
+    from microbench.pins import load_pins
 
     if not ctx.cat.gpu:
         return []

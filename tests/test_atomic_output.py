@@ -169,7 +169,7 @@ def test_load_constants_unknown_gpu_is_an_error_unless_defaults_are_asked_for(co
 def test_cpu_build_with_a_second_constants_file_is_an_error_not_all_defaults(copies, monkeypatch):
     from megakernel.plans import plan_for
 
-    monkeypatch.setattr("microbench.device.gpu_count", lambda: 0)  # a CPU build, on a GPU machine too
+    monkeypatch.setattr("megakernel.plans.gpu_count", lambda: 0)  # a CPU build, on a GPU machine too
 
     _, const = copies
     shutil.copy(const / "nvidia-h200.json", const / "nvidia-h20.json")

@@ -1615,8 +1615,8 @@ def test_plan_reads_tuned_constants_and_refuses_a_malformed_file(tmp_path, monke
     from microbench.errors import ResultsFileError
 
     monkeypatch.delenv("MEGABENCH_CONSTANTS", raising=False)
-    monkeypatch.setattr(tune, "constants_dir", lambda: tmp_path)
-    monkeypatch.setattr("microbench.device.gpu_count", lambda: 0)  # a CPU build, on a GPU machine too
+    monkeypatch.setenv("MEGABENCH_CONSTANTS_DIR", str(tmp_path))
+    monkeypatch.setattr("megakernel.plans.gpu_count", lambda: 0)  # a CPU build, on a GPU machine too
     with pytest.warns(UserWarning, match="documented defaults"):
         p = plan_for("tiny", None, 4)
     d = tune.TunedConstants.defaults()

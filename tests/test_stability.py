@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from microbench import stability
-from microbench.adopt import load_pins
+from microbench.pins import load_pins
 from microbench.constants import FEEDS_BUILD, SPECS
 from microbench.results import REPO_ROOT
 

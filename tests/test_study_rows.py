@@ -14,7 +14,7 @@ ROOT = REPO_ROOT / "reports" / "results"
 
 @pytest.fixture(scope="module")
 def ctx():
-    from microbench.adopt import load_pins
+    from microbench.pins import load_pins
     from microbench.tune import collect
     from reports import megakernel as mk
     from reports.build import Catalog, Context

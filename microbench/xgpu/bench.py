@@ -684,7 +684,7 @@ def main(argv=None) -> int:
 
     dist.barrier()
     dist.destroy_process_group()
-    from ..cli import leave
+    from ..teardown import leave
 
     leave(0)
     return 0
