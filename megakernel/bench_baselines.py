@@ -372,11 +372,11 @@ def run(h: Harness | None = None, quick: bool | None = None, save: bool = True) 
 BENCHMARKS = {BENCHMARK: run}
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "python -m megakernel.bench_baselines") -> int:
     """`python -m megakernel.bench_baselines [--full] [--no-save]`: run model.baselines and print it."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m megakernel.bench_baselines", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--full", action="store_true", help="full points (two contexts per preset)")
     ap.add_argument("--no-save", action="store_true", help="do not write the result file")
     args = ap.parse_args(argv)

@@ -1,4 +1,4 @@
-"""`python -m megakernel.cli <command>`:
+"""The megakernel's tools: `megabench mk <tool>` (alias `python -m megakernel.cli <tool>`):
   build [--preset P]      compile for sm_90a (no GPU needed) and print code bytes / registers / spills / smem,
                           and code bytes per op when nvdisasm is there
   check-and-bench [--full] [--presets ...]   on a GPU: the pipeline (checks, then timings), results saved
@@ -37,6 +37,11 @@ import argparse
 import sys
 
 from microbench.atomic import check_writable, write_text
+from microbench.errors import MegabenchError
+
+from .config import PRESETS
+
+PRESET_NAMES = sorted(PRESETS)
 
 
 def _no_gpu(command: str) -> bool:
@@ -153,7 +158,7 @@ def _check_and_bench(a) -> int:
 
 
 def _timeline(a) -> int:
-    if _no_gpu(a.cmd):
+    if _no_gpu(a.tool):
         return 2
     from microbench.harness import Harness, Policy
 
@@ -470,12 +475,11 @@ def _sm_map(a) -> int:
 AB_POINTS = ("shard8:16:2048", "shard8:1:2048", "small:16:512")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megakernel.cli", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("build")
-    s.add_argument("--preset", nargs="*", default=["tiny", "small", "shard8"])
+def add_tools(sub) -> None:
+    """Add every tool as a subcommand of `sub` (argparse subparsers): `megabench mk <tool>` and
+    `python -m megakernel.cli <tool>` share this list."""
+    s = sub.add_parser("build", help="compile for sm_90a (no GPU) and print code bytes, registers, spills, smem")
+    s.add_argument("--preset", nargs="*", default=["tiny", "small", "shard8"], choices=PRESET_NAMES)
     s.add_argument("--sm", type=int, default=132)
     s.set_defaults(fn=_build)
     s = sub.add_parser("code", help="machine code per op of the builds at --point (needs nvdisasm; no GPU)")
@@ -484,13 +488,14 @@ def main(argv=None) -> int:
     s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
                    help="also save the typed result (megakernel.code) under DIR (default reports/results)")
     s.set_defaults(fn=_code)
-    s = sub.add_parser("check-and-bench")
+    s = sub.add_parser("check-and-bench", help="on a GPU: the megakernel stage (checks, then timings), results saved")
     s.add_argument("--full", action="store_true")
-    s.add_argument("--presets", nargs="*", default=["tiny", "small", "shard8"])
+    s.add_argument("--presets", nargs="*", default=["tiny", "small", "shard8"], choices=PRESET_NAMES)
     s.set_defaults(fn=_check_and_bench)
-    for name in ("timeline", "timeline-detail"):
-        s = sub.add_parser(name)
-        s.add_argument("--preset", default="shard8")
+    for name, what in (("timeline", "on a GPU: one profiled step (megakernel.timeline)"),
+                       ("timeline-detail", "on a GPU: a profiled step that also stamps waits inside units")):
+        s = sub.add_parser(name, help=what)
+        s.add_argument("--preset", default="shard8", choices=PRESET_NAMES)
         s.add_argument("--tokens", type=int, default=16)
         s.add_argument("--ctx", type=int, default=2048)
         s.set_defaults(fn=_timeline, detail=name == "timeline-detail")
@@ -501,33 +506,33 @@ def main(argv=None) -> int:
     s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
                    help="also save the typed result (megakernel.sm_map) under DIR (default reports/results)")
     s.set_defaults(fn=_sm_map)
-    s = sub.add_parser("sanitize-step")
+    s = sub.add_parser("sanitize-step", help="one tiny step in mega and chain mode (run it under compute-sanitizer)")
     s.add_argument("--fused", action="store_true", help="tiny with d_pool and d_expert of 256, fused expert units")
     s.add_argument("--prestage", action="store_true",
                    help="the build with Plan.prestage_experts; the mega step twice (the second bets on the first's routing)")
     s.add_argument("--attn-heads", action="store_true",
                    help="the build with Plan.attn_heads (q-head units, each head merged by its last unit)")
     s.set_defaults(fn=_sanitize)
-    s = sub.add_parser("program")
-    s.add_argument("--preset", default="tiny")
+    s = sub.add_parser("program", help="print the launches and op instances of one step")
+    s.add_argument("--preset", default="tiny", choices=PRESET_NAMES)
     s.add_argument("--mode", default="layer", choices=["layer", "step"])
     s.add_argument("--sm", type=int, default=132)
     s.set_defaults(fn=_program)
-    s = sub.add_parser("ncu-op")
-    s.add_argument("--preset", default="shard8")
+    s = sub.add_parser("ncu-op", help="on a GPU: a chain step up to the named ops, only those inside the profiler range")
+    s.add_argument("--preset", default="shard8", choices=PRESET_NAMES)
     s.add_argument("--tokens", type=int, default=16)
     s.add_argument("--ctx", type=int, default=2048)
     s.add_argument("--layer", type=int, default=0)
     s.add_argument("--op", nargs="+", required=True)
     s.set_defaults(fn=_ncu_op)
-    s = sub.add_parser("ncu-mega")
-    s.add_argument("--preset", default="shard8")
+    s = sub.add_parser("ncu-mega", help="on a GPU: per variant, one mega step with only launch L inside the profiler range")
+    s.add_argument("--preset", default="shard8", choices=PRESET_NAMES)
     s.add_argument("--tokens", type=int, default=16)
     s.add_argument("--ctx", type=int, default=2048)
     s.add_argument("--launch", type=int, default=31, help="the mega launch to profile (31: a middle layer of shard8)")
     s.add_argument("--variant", action="append", help="as for `ab`; default: the repository's kernel")
     s.set_defaults(fn=_ncu_mega)
-    s = sub.add_parser("ncu-stalls")
+    s = sub.add_parser("ncu-stalls", help="markdown summary of ncu SASS stall samples (no GPU)")
     s.add_argument("csv")
     s.add_argument("--top", type=int, default=12, help="execution-count classes shown")
     s.add_argument("--hottest", type=int, default=20, help="instructions shown")
@@ -543,7 +548,7 @@ def main(argv=None) -> int:
                                                          "for (ncu-mega's --tokens)")
     s.add_argument("--top-source", type=int, default=25, help="source positions shown")
     s.set_defaults(fn=_ncu_stalls)
-    s = sub.add_parser("ab")
+    s = sub.add_parser("ab", help="in-run A/B of kernel variants on a GPU (--build-only: compile them here)")
     s.add_argument("--variant", action="append", required=True,
                    help="NAME[=CSRC_DIR][:KEY=VALUE,...]; the first is the baseline")
     s.add_argument("--point", action="append", help=f"PRESET:T:CTX (default {' '.join(AB_POINTS)})")
@@ -554,19 +559,54 @@ def main(argv=None) -> int:
     s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
                    help="also save the typed result (megakernel.ab) under DIR (default reports/results)")
     s.set_defaults(fn=_ab)
-    s = sub.add_parser("ab-table")
+    s = sub.add_parser("ab-table", help="the markdown table of a saved megakernel.ab result (no GPU)")
     s.add_argument("result", help="a saved megakernel.ab result file")
     s.add_argument("--out", help="also write the markdown table here")
     s.set_defaults(fn=_ab_table)
-    a = p.parse_args(argv)
-    from microbench.errors import MegabenchError
+    for name, what in PASSTHROUGH.items():
+        s = sub.add_parser(name, help=what, add_help=False, prefix_chars="\0")  # its own parser reads every argument
+        s.add_argument("args", nargs=argparse.REMAINDER)
+        s.set_defaults(fn=_passthrough)
 
+
+# tools with a parser of their own: `megabench mk NAME ARGS` is `python -m megakernel.MODULE ARGS`
+PASSTHROUGH = {
+    "peer-bench": "on a GPU: the peer baseline at every point (sweep, torch.compile, per-kernel accounting)",
+    "baselines": "on a GPU: the torch baselines of the decode step (model.baselines)",
+    "precompile": "compile every build the pipeline and the GPU tests ask for into the kernel cache (no GPU)",
+    "fp8-budget": "the FP8 weights' error budget against the bf16 reference (CPU)",
+}
+
+
+def _passthrough(a) -> int:
+    prog = f"megabench mk {a.tool}"
+    if a.tool == "peer-bench":
+        from . import peer_bench as mod  # heavy: torch
+    elif a.tool == "baselines":
+        from . import bench_baselines as mod  # heavy: torch
+    elif a.tool == "precompile":
+        from . import precompile as mod  # heavy: torch (megakernel.plan)
+    else:
+        from . import fp8_budget as mod  # heavy: torch
+    return mod.main(a.args, prog=prog)
+
+
+def run_tool(a, prog: str = "python -m megakernel.cli") -> int:
+    """Run the tool parsed into `a`: its exit code; 2 with the message for a MegabenchError (bad
+    input, no GPU, a failed check) or an output folder that is not there."""
     try:
         check_writable(getattr(a, "out", None))  # a typo'd output folder: refused before the work
         return a.fn(a)
     except MegabenchError as e:
-        print(f"python -m megakernel.cli {a.cmd}: {e}", file=sys.stderr)
+        print(f"{prog} {a.tool}: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megakernel.cli", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_tools(p.add_subparsers(dest="tool", required=True, metavar="TOOL"))
+    return run_tool(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -60,8 +60,8 @@ def measure(preset: str = "tiny", tokens: int = 16, seed: int = 0) -> dict:
             "argmax_agree": agree}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megakernel.fp8_budget", description=__doc__.split("\n\n")[0])
+def main(argv=None, prog: str = "python -m megakernel.fp8_budget") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)

@@ -591,7 +591,7 @@ def markdown(res: Result) -> str:
     """The result as the note's markdown: every row's step time, launches, fraction of the
     roofline and mega's ratio to it (same point and routing), the peer's per-kernel accounting,
     the chosen block sizes and the checks, with the run's date, commit and GPU."""
-    from reports.fmt import fmt
+    from microbench.fmt import fmt
 
     e = res.env
     out = [f"Run {e.date}, commit {e.git_sha[:7]}, {e.gpu or 'no GPU'} ({BENCHMARK}).", ""]
@@ -677,11 +677,11 @@ def compile_report(log=print) -> list[dict]:
     return out
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "python -m megakernel.peer_bench") -> int:
     import argparse
     import os
 
-    ap = argparse.ArgumentParser(prog="python -m megakernel.peer_bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--points", default=",".join(f"{p}:{t}:{c}" for p, t, c in POINTS),
                     help="comma-separated preset:T:ctx (default: %(default)s)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")

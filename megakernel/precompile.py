@@ -53,8 +53,15 @@ def _one(plan) -> str:
     return f"{plan.cfg.name}: {u.code_bytes} B, {u.registers} regs, spills {u.spills}"
 
 
-def main(argv=None) -> int:
-    a = argparse.ArgumentParser(description=__doc__)
+def quality_build(preset: str, tokens: int) -> str:
+    """The build tests/bench/test_bench_megakernel.py times at (preset, tokens) on this GPU,
+    compiled into the kernel cache (`megabench gate --quality-run` precompiles it, each injection)."""
+    build_gpu(plan_for(preset, tokens=tokens))
+    return f"megakernel {preset} T={tokens}"
+
+
+def main(argv=None, prog: str = "python -m megakernel.precompile") -> int:
+    a = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("--sm", type=int, default=132)
     a.add_argument("-j", type=int, default=2)
     args = a.parse_args(argv)

@@ -49,19 +49,25 @@ import dataclasses
 import datetime as _dt
 import json
 import math
+import multiprocessing as mp
 import os
 import platform
 import re
 import socket
-import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from .errors import ResultsFileError
+from . import atomic
+from .clocks.probes import LAUNCH_DEFINES
+from .compiler import compile_cuda
+from .device import no_gpu_reason
+from .errors import NoGPUError, ResultsFileError
 from .gate import CrossRun, GateConfig, Measurement, judge, key_class
 from .gate_ab import (ABConfig, Comparison, Entry, SideSpec, pool_prepared, prepare_sides, replicate,
                       replicated_verdict, run_rounds, tree_label)
@@ -218,43 +224,36 @@ def quality_sides(root: Path, cases: Sequence[tuple[str, bool]] = QUALITY_CASES,
 
 
 def _precompile_one(task: tuple) -> str:
-    kind, args, ppm = task
+    """One build of the precompile: (build, args, ppm) with `build(*args)` a module-level function
+    (spawned processes pickle it by name) run with the injection set to `ppm`."""
+    build, args, ppm = task
     if ppm:
         os.environ["MEGABENCH_INJECT_PPM"] = str(ppm)
     else:
         os.environ.pop("MEGABENCH_INJECT_PPM", None)
-    if kind == "megakernel":
-        from megakernel.build import build_gpu
-        from megakernel.plans import plan_for
-
-        preset, t = args
-        build_gpu(plan_for(preset, tokens=t))  # what tests/bench/test_bench_megakernel.py builds
-        return f"megakernel {preset} T={t} ppm={ppm}"
-    from .compiler import REPO_ROOT as ROOT, compile_cuda
-
-    path, defines = args
-    compile_cuda(ROOT / path, arch="sm_90a", defines=defines)
-    return f"{path} ppm={ppm}"
+    return f"{build(*args)} ppm={ppm}"
 
 
-def precompile(ppms: Sequence[int] = PPMS, jobs: int | None = None, log: Callable[[str], None] = print) -> float:
-    """Compile, in parallel, the builds the quality run's B side will ask for (megakernel small at
-    T=1 and 16, the hooked microbench sources), each plain and at every ppm, into the kernel cache:
-    the workers prepare sequentially, and ~8 megakernel builds one after another would cost a
-    minute of the GPU machine's time. A build not listed here is simply compiled by its worker."""
-    import multiprocessing as mp
-    import time
-    from concurrent.futures import ProcessPoolExecutor
+def compile_source(path: str, defines: dict) -> str:
+    """A hooked microbench source of the quality cases, compiled into the kernel cache."""
+    compile_cuda(REPO_ROOT / path, arch="sm_90a", defines=defines)
+    return path
 
-    from .clocks.probes import LAUNCH_DEFINES
 
-    tasks = [("megakernel", ("small", t), p) for p in (0, *ppms) for t in (16, 1)]
-    tasks += [("source", (path, dict(LAUNCH_DEFINES) if path.endswith("launch.cu") else {}), p)
+def precompile(ppms: Sequence[int] = PPMS, jobs: int | None = None, log: Callable[[str], None] = print,
+               builds: Sequence[tuple[Callable[..., str], tuple]] = ()) -> float:
+    """Compile, in parallel, the builds the quality run's B side will ask for (the hooked microbench
+    sources, and `builds`: (function, args) pairs the caller adds, e.g. the megakernel cases'
+    builds), each plain and at every ppm, into the kernel cache: the workers prepare sequentially,
+    and builds compiled one after another cost GPU-machine time. A build not listed here is simply
+    compiled by its worker."""
+    tasks = [(fn, args, p) for p in (0, *ppms) for fn, args in builds]
+    tasks += [(compile_source, (path, dict(LAUNCH_DEFINES) if path.endswith("launch.cu") else {}), p)
               for p in (0, *ppms) for path in HOOKED_SOURCES]
     t0 = time.monotonic()
     jobs = jobs or max(1, min(len(tasks), (os.cpu_count() or 2) - 1))
     # spawned, not forked: the parent has initialised CUDA (its GPU check), and a forked child's
-    # driver calls fail (it saw "0 devices" on the H200, 2026-12-01, and the run stopped)
+    # driver calls fail
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
         done = list(ex.map(_precompile_one, tasks))
     dt = time.monotonic() - t0
@@ -265,23 +264,19 @@ def precompile(ppms: Sequence[int] = PPMS, jobs: int | None = None, log: Callabl
 def quality_run(out: Path, rounds: int = ROUNDS, cfg: ABConfig = ABConfig(), backend: str = "pytest",
                 spec: dict | None = None, cases: Sequence[tuple[str, bool]] = QUALITY_CASES,
                 ppms: Sequence[int] = PPMS, root: Path = REPO_ROOT, log: Callable[[str], None] = print,
-                do_precompile: bool = True, env: Env | None = None) -> tuple[Result, Path]:
+                do_precompile: bool = True, env: Env | None = None,
+                builds: Sequence[tuple[Callable[..., str], tuple]] = ()) -> tuple[Result, Path]:
     """The measurement (module docstring). Writes DIR/gate/gate.quality_run-*.json (+ .md) and
-    returns (result, path)."""
-    import time
-
+    returns (result, path). `builds`: extra builds to precompile (precompile)."""
     t_start = time.monotonic()
     if backend == "pytest":
-        from .device import no_gpu_reason
-        from .errors import NoGPUError
-
         reason = no_gpu_reason()
         if reason:
             raise NoGPUError(f"the gate's quality run times kernels on a GPU: {reason}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if backend == "pytest" and do_precompile:
-        precompile(ppms, log=log)
+        precompile(ppms, log=log, builds=builds)
     a, b = quality_sides(Path(root), cases, ppms, backend, spec)
     sa, sb = replicate(a, cfg.replicas), replicate(b, cfg.replicas)
     work = Path(tempfile.mkdtemp(prefix="quality-run-logs-", dir=out))  # worker logs come back with the result
@@ -346,8 +341,6 @@ def quality_run(out: Path, rounds: int = ROUNDS, cfg: ABConfig = ABConfig(), bac
     one = analyse([load_run(res, str(path))], BLOCK)
     md = "\n".join([f"# gate quality run {env.date} on {env.gpu} ({env.host})", "", *res_notes, "",
                     *summary_lines(one), ""])
-    from . import atomic
-
     atomic.write_text(path.with_name(path.name.split(".json")[0] + ".md"), md)
     (work / "hellos.json").write_text(json.dumps(hellos, indent=1))
     log(md)
@@ -1045,32 +1038,3 @@ def report_lines(root: Path | None = None, heading: str = "## How much to trust 
     for n in r.notes:
         out += _wrap(f"Note: {n}") + [""]
     return out
-
-
-# ----------------------------------------------------------------------------- CLI
-def cmd_quality_run(args) -> int:
-    from .gate_ab import synthetic_specs
-
-    if args.replicas < 1:
-        print(f"megabench gate: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
-        return 2
-    cfg = ABConfig(floor=args.ab_floor, alpha=args.alpha, min_rounds=args.min_rounds, replicas=args.replicas)
-    backend, spec = "pytest", None
-    if args.backend and args.backend != "pytest":
-        kind, _, sp = args.backend.partition(":")
-        if kind != "synthetic" or not sp:
-            print(f"megabench gate: --backend {args.backend!r}: 'pytest' or 'synthetic:SPEC.json'", file=sys.stderr)
-            return 2
-        backend = "synthetic"
-        spec = synthetic_specs(Path(sp))[0]
-    if args.out is None:
-        print("megabench gate --quality-run: give --out DIR", file=sys.stderr)
-        return 2
-    quality_run(args.out, args.rounds or ROUNDS, cfg, backend, spec)
-    return 0
-
-
-def cmd_quality(args) -> int:
-    q, aa, text = run_analysis(args.quality or None, save=args.save, save_root=args.results)
-    print(text)
-    return 0

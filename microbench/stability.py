@@ -133,12 +133,12 @@ def table(root: Path | None = None, gpu: str | None = "NVIDIA H200", pins: Mappi
     return [check(n, root, gpu, pins, recorded, cache) for n in todo]
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "python -m microbench.stability") -> int:
     """`python -m microbench.stability [--root DIR ...] [--gpu NAME]`: the table, and exit 1 when
     an unpinned build constant flips between machines (one-machine constants are listed, not failed)."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m microbench.stability", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     ap.add_argument("--root", action="append", default=None, help="results folder(s) (default the results root)")
     ap.add_argument("--gpu", default="NVIDIA H200")
     a = ap.parse_args(argv)

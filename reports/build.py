@@ -38,7 +38,7 @@ from microbench.results import REPO_ROOT, Result, find, load, results_root
 
 from . import megakernel as mk
 from . import paper, plots, summary
-from .fmt import Footnotes, fmt, fmt_fraction, fmt_params, fmt_spread, md_escape, wrap
+from microbench.fmt import MAX_LINE, Footnotes, fmt, fmt_fraction, fmt_params, fmt_spread, md_escape, table, wrap
 
 CLASS_INFO = {
     "basics": ("Launch overhead and copy bandwidth",
@@ -84,7 +84,6 @@ XGPU_BESIDE = (
 MAX_SERIES_ROWS = 40
 # results whose every series is a comparison point the text refers to (every size x implementation)
 SERIES_ROWS = {"xgpu.collectives": 100}
-MAX_LINE = 300  # the summary, class and megakernel sections keep every line within this
 APPENDIX = "## Appendix"  # every heading from the first of these on is an appendix
 # megakernel results shown in an appendix instead of the megakernel section
 APPENDIX_RESULTS = ("megakernel.ab", "megakernel.timeline_detail")
@@ -95,23 +94,6 @@ def _rel(p) -> str:
         return str(Path(p).resolve().relative_to(REPO_ROOT))
     except ValueError:
         return str(p)
-
-
-def _table(rows: Sequence[dict]) -> str:
-    """A GitHub table (pandas + tabulate, padded); one whose padded lines would exceed MAX_LINE is
-    written unpadded instead (same table once rendered)."""
-    import pandas as pd
-
-    if not rows:
-        return ""
-    cells = [{k: md_escape(v) if isinstance(v, str) else v for k, v in r.items()} for r in rows]
-    text = pd.DataFrame(cells).to_markdown(index=False, tablefmt="github")
-    if max(len(line) for line in text.splitlines()) <= MAX_LINE:
-        return text
-    cols = list(dict.fromkeys(k for r in cells for k in r))
-    out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    out += ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |" for r in cells]
-    return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------- catalogue
@@ -158,7 +140,7 @@ class Catalog:
         return [rs[-1] for b, rs in sorted(self.runs.items()) if b.split(".")[0] == cls]
 
     def classes(self) -> list[str]:
-        from microbench.registry import CLASSES
+        from .classes import NAMES as CLASSES
 
         present = sorted({b.split(".")[0] for b in self.runs} - set(CLASSES) - set(SPECIAL) - set(EXTRA_CLASSES))
         return list(CLASSES) + list(EXTRA_CLASSES) + present
@@ -212,12 +194,12 @@ def _paper_rows(ctx: Context, figs: Sequence[dict], notes: Footnotes) -> list[di
     return rows
 
 
-def _study_table(ctx: Context, figs: Sequence[dict], lead: str) -> list[str]:
+def _studytable(ctx: Context, figs: Sequence[dict], lead: str) -> list[str]:
     notes = Footnotes("How ours is obtained")
     rows = _paper_rows(ctx, figs, notes)
     if not rows:
         return []
-    return [*wrap(lead), "", _table(rows), "", *notes.lines()]
+    return [*wrap(lead), "", table(rows), "", *notes.lines()]
 
 
 # ----------------------------------------------------------------------------- derived values
@@ -264,7 +246,7 @@ def _pivot(result: Result, notes: Footnotes, ops: Sequence[str]) -> tuple[list[s
             if k:
                 shown.add(k)
         rows.append(row)
-    return [_table(rows), ""], shown
+    return [table(rows), ""], shown
 
 
 def _ops(result: Result) -> list[str]:
@@ -296,7 +278,7 @@ def _banner(ctx: Context, gpu_present: bool) -> list[str]:
 def section_summary(ctx: Context) -> list[str]:
     out = ["## Summary", "", "### The megakernel against every baseline", ""]
     if ctx.step_rows:
-        out += [_table(summary.step_table(ctx.step_rows)), "", *wrap(summary.step_caption(ctx.step_rows)), ""]
+        out += [table(summary.steptable(ctx.step_rows)), "", *wrap(summary.step_caption(ctx.step_rows)), ""]
         v = summary.study_verify_line(ctx.step_rows)
         if v:
             out += [*wrap(v), ""]
@@ -307,7 +289,7 @@ def section_summary(ctx: Context) -> list[str]:
     out += ["### The overhead classes beside the study", "",
             *wrap(f"One key figure per class, ours ({ctx.cat.gpu or 'not measured'}) beside the study's ({st['hardware']}): "
                   "different hardware, so read them side by side. Every figure of a class is in its section."), "",
-            _table(summary.class_rows(ctx, paper_value)), "",
+            table(summary.class_rows(ctx, paper_value)), "",
             "### How sure we are", ""]
     for line in summary.trust_lines(ctx):
         out += wrap(line, first="- ", rest="  ")
@@ -351,9 +333,9 @@ def section_class(ctx: Context, cls: str, n: int) -> list[str]:
         notes = Footnotes("Rules and notes")
         rows = _derived_rows([r for _, r in results], notes)
         if rows:
-            out += ["### Derived values", "", _table(rows), "", *notes.lines()]
+            out += ["### Derived values", "", table(rows), "", *notes.lines()]
     st = paper.setup("gb300")
-    study = _study_table(ctx, paper.figures(cls), f"The study's figures ({st['hardware']}; {st['config']}) beside ours "
+    study = _studytable(ctx, paper.figures(cls), f"The study's figures ({st['hardware']}; {st['config']}) beside ours "
                                                   f"({ctx.cat.gpu or 'not measured'}); different hardware, so read "
                                                   "them side by side, never as one series:")
     if study:
@@ -362,7 +344,7 @@ def section_class(ctx: Context, cls: str, n: int) -> list[str]:
         notes = Footnotes("What each side measures")
         rows = _xgpu_beside_rows(ctx, notes)
         out += [*wrap("One GPU beside several (latest results of each; the machines are named in each result's "
-                      "environment):"), "", _table(rows), "", *notes.lines()]
+                      "environment):"), "", table(rows), "", *notes.lines()]
     out += _notes_lines(results)
     for _, r in results:
         for p, cap in plots.curve_plots(r, cls, ctx.fig_dir, _byte_marks(r)) + plots.hist_plots(r, ctx.fig_dir):
@@ -411,7 +393,7 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
     st = paper.setup("gb300")
     for group, title in (("headline", "The study's headline"), ("breakdown", "Where the study's 5.9 ms still goes"),
                          ("shape", "The study's megakernel shape"), ("model", "The study's model")):
-        study = _study_table(ctx, paper.figures(group=group), f"Study: {st['hardware']}; {st['config']}.")
+        study = _studytable(ctx, paper.figures(group=group), f"Study: {st['hardware']}; {st['config']}.")
         if study:
             out += [f"### {title} beside ours", "", *study]
     notes = Footnotes("Rules and notes")
@@ -423,7 +405,7 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
     rows = _derived_rows([r for _, r in results], notes,
                          keep=lambda r, k: "mega+" not in k and not (r is tl and k in shown))
     if rows or pivots:
-        out += ["### Derived values", "", _table(rows), ""]
+        out += ["### Derived values", "", table(rows), ""]
         if pivots:
             out += [*wrap(f"Per op, from `{tl.benchmark}` (one column per quantity; its rule in the notes, "
                           "`<op>` standing for the row's op):"), "", *pivots]
@@ -434,7 +416,7 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
         if phases:
             out += ["### In-kernel timeline", "", *wrap(f"From `{tl.benchmark}` of {tl.env.date[:10]} "
                                                          f"({tl.env.git_sha[:7]}), one launch, per block:"), "",
-                    _table([{"phase": a["phase"], "blocks": a["blocks"], "start (median)": fmt(a["start"], "s"),
+                    table([{"phase": a["phase"], "blocks": a["blocks"], "start (median)": fmt(a["start"], "s"),
                              "end p10": fmt(a["end_p10"], "s"), "end (median)": fmt(a["end"], "s"),
                              "end p90": fmt(a["end_p90"], "s")} for a in phases]), ""]
             for p, cap in plots.timeline_plot(phases, ctx.fig_dir, tl.benchmark):
@@ -464,7 +446,7 @@ def _critical_path(ctx: Context) -> list[str] | None:
     cp = importlib.import_module("megakernel.critical_path")
     if hasattr(cp, "report_rows"):
         rows = cp.report_rows(ctx.cat.latest_all())
-        return [_table(rows), ""] if rows else ["Not measured yet (no results the critical-path model reads).", ""]
+        return [table(rows), ""] if rows else ["Not measured yet (no results the critical-path model reads).", ""]
     if hasattr(cp, "table"):
         from microbench.errors import ResultsFileError
 
@@ -549,7 +531,7 @@ def section_changes(ctx: Context, bench_dir: Path | None, baseline: Path | None)
             if r["verdict"].lower() not in ("same", "not gated"):
                 rows.append({**r, "why": notes.cell(r.get("why"), 40)})
     out += lines + ["", *wrap(f"Rule: {cfg.describe()}."), ""]
-    out += [_table(rows), "", *notes.lines()] if rows else ["Every compared series is the same within its noise.", ""]
+    out += [table(rows), "", *notes.lines()] if rows else ["Every compared series is the same within its noise.", ""]
     return out
 
 
@@ -586,7 +568,7 @@ def section_constants(ctx: Context) -> list[str]:
                                 if measured else notes.cell(p.get("reason", ""), 60)),
                      "spread": fmt_spread(p.get("spread"), e.spec.unit),
                      "rule": notes.ref(p["rule"] if measured else "documented default (microbench/constants.py)")})
-    out += [_table(rows), "", *notes.lines()]
+    out += [table(rows), "", *notes.lines()]
     if ctx.cat.gpu:
         cf = constants_dir() / f"{gpu_slug(ctx.cat.gpu)}.json"
         if cf.exists():
@@ -621,7 +603,7 @@ def appendix_ablations(ctx: Context) -> list[str]:
                              "measured": f"{r.date[:10]} {r.commit}"})
         out += [*wrap("The megakernel with its techniques switched off one at a time (`all_but_<t>`), on one at a "
                       "time (`only_<t>`), all (`all`), none (`none`); `vs mega` against the default build of the same "
-                      "run."), "", _table(rows), ""]
+                      "run."), "", table(rows), ""]
     got = ctx.cat.latest("megakernel.ab")
     if got is not None:
         path, r = got
@@ -641,7 +623,7 @@ def appendix_ablations(ctx: Context) -> list[str]:
                 *wrap(f"`{path.name}` ({r.env.date[:16].replace('T', ' ')}Z, {r.env.git_sha[:7]}); "
                       f"{n_ab} A/B result(s) in the results folder; the notes of each A/B are "
                       "`reports/results/megakernel/ab-*.md`, indexed by `reports/results/megakernel/LEVERS.md`."), "",
-                _table(rows), ""]
+                table(rows), ""]
     if len(out) == 2:
         out += ["No ablation or A/B results yet.", ""]
     return out
@@ -659,10 +641,10 @@ def appendix_timelines(ctx: Context) -> list[str]:
         out += [f"### `{r.benchmark}`", "",
                 *wrap(f"The profiler's detail build (every sub-phase stamped): `{path.name}`, "
                       f"{r.env.date[:16].replace('T', ' ')}Z, {r.env.git_sha[:7]}. Its per-op values:"), "",
-                *pivots, _table(rows), "", *notes.lines()]
+                *pivots, table(rows), "", *notes.lines()]
         if phases:
             out += ["Its phases, per block:", "",
-                    _table([{"phase": a["phase"], "blocks": a["blocks"], "start (median)": fmt(a["start"], "s"),
+                    table([{"phase": a["phase"], "blocks": a["blocks"], "start (median)": fmt(a["start"], "s"),
                              "end (median)": fmt(a["end"], "s"), "end p90": fmt(a["end_p90"], "s")} for a in phases]), ""]
         out += _notes_lines([got])
     block = _critical_path(ctx)
@@ -734,7 +716,7 @@ def appendix_series(ctx: Context) -> list[str]:
             out += [f"### `{r.benchmark}`", "",
                     *wrap(f"Measured {e.date} on {e.gpu} ({'quick' if r.quick else 'full'} sweep), commit "
                           f"`{e.git_sha[:7]}`{' (dirty)' if e.git_dirty else ''}; file `{_rel(path)}`."), "",
-                    _table(rows), ""]
+                    table(rows), ""]
             if more:
                 out += [f"({more} more series in the JSON file.)", ""]
             if sources:
@@ -793,7 +775,7 @@ def appendix_environment(ctx: Context) -> list[str]:
         {"": "baseline key", "value": f"`{e.gpu_key}` (gate baselines are per GPU model and max SM clock)"},
     ]
     commits = sorted({x.git_sha[:7] + (" (dirty)" if x.git_dirty else "") for x in envs})
-    out += [_table(rows), "", *wrap(f"Commits of the results ({len(commits)}): " + ", ".join(commits) + "."), ""]
+    out += [table(rows), "", *wrap(f"Commits of the results ({len(commits)}): " + ", ".join(commits) + "."), ""]
     return out
 
 
@@ -917,4 +899,4 @@ def readme_block(root: Path | None = None, gpu: str | None = None) -> str:
     rows = mk.with_fastest_baselines(mk.step_rows(cat.step_sources()), baseline_runs)
     tl = cat.latest("megakernel.timeline")
     ctx = Context(cat, Path("."), Path("."), entries, None, rows, tl[1] if tl else None)
-    return summary.readme_block(ctx, paper_value, _table)
+    return summary.readme_block(ctx, paper_value, table)

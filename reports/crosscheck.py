@@ -16,7 +16,7 @@ from pathlib import Path
 
 from microbench import rederive
 
-from .fmt import fmt, fmt_spread, wrap
+from microbench.fmt import fmt, fmt_spread, wrap
 
 REFERENCES = Path(__file__).with_name("references.json")
 KiB, MiB = 1024, 1 << 20
@@ -225,24 +225,24 @@ def stability_rows(ctx) -> list[dict]:
 
 
 def section(ctx) -> list[str]:
-    from .build import _table
+    from microbench.fmt import table
 
     out = ["## Independent cross-checks", "",
            *wrap("Each class's figures beside a second method of ours, a public measurement of this GPU (or of its "
                  "architecture), or the datasheet. Sources: `reports/references.json`, `microbench/datasheet.py`."), ""]
-    from .fmt import Footnotes
+    from microbench.fmt import Footnotes
 
     notes = Footnotes("Notes")
     rs = [{k: (notes.cell(v, 60) if k in ("ours", "independent", "note") else v) for k, v in r.items()}
           for r in rows(ctx)]  # long cells become numbered notes: the section's lines stay readable
-    out += [_table(rs), "", *notes.lines()] if rs else ["Nothing to cross-check yet (no results).", ""]
+    out += [table(rs), "", *notes.lines()] if rs else ["Nothing to cross-check yet (no results).", ""]
     st = stability_rows(ctx)
     if st:
         out += ["### The build's constants on two machines", "",
                 *wrap("For every constant the megakernel build reads: the latest run on each machine (GPU UUID), "
                       "valued by the current rule from its samples; two runs agree when equal or their spreads "
                       "overlap (`microbench/stability.py`, tests/test_stability.py). `one machine`: needs a second "
-                      "run (`.ci/gpu-session stability45`)."), "", _table(st), ""]
+                      "run (`.ci/gpu-session stability45`)."), "", table(st), ""]
     return out
 
 

@@ -53,12 +53,6 @@ def validate(d: dict, source: str = "<paper figures>") -> None:
         if ours is not None and not str(f.get("compare", "")).strip():
             raise ResultsFileError(f"{source}: {fid}: has an 'ours' but no 'compare': say whether it is the same quantity "
                                    "under the same conditions ('same') or what differs")
-        if ours is not None and ours.get("kind") == "computed":
-            from .study import COMPUTED
-
-            if ours.get("name") not in COMPUTED:
-                raise ResultsFileError(f"{source}: {fid}: computed figure {ours.get('name')!r} is not in "
-                                       "reports/study.py COMPUTED")
 
 
 def figures(cls: str | None = None, group: str | None = None) -> list[dict]:
@@ -71,7 +65,7 @@ def setup(name: str) -> dict:
 
 def value_text(f: dict) -> str:
     """The study's figure as the report prints it (a range as lo-hi; its setup named unless GB300)."""
-    from .fmt import fmt, fmt_range
+    from microbench.fmt import fmt, fmt_range
 
     t = fmt(f["value"], f["unit"]) if "value" in f else fmt_range(f["low"], f["high"], f["unit"])
     return t if f["setup"] == "gb300" else f"{t} ({setup(f['setup'])['short']})"

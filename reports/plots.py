@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .fmt import fmt
+from microbench.fmt import fmt
 
 PREFERRED_X = {
     "basics": ("bytes",),

@@ -19,10 +19,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from microbench import rederive
+from microbench.errors import ResultsFileError
 
 from . import megakernel as mk
 from . import paper
-from .fmt import fmt, fmt_range, fmt_spread
+from microbench.fmt import fmt, fmt_range, fmt_spread
 
 STUDY_ACCEPTANCE = 6.6  # tokens the study accepts per 16-token verify step (GSM8K, its draft model)
 
@@ -255,8 +256,18 @@ def _fmt(v, unit: str) -> str:
     return fmt(v, unit)
 
 
+def check_computed(figs: Sequence[dict], source: str = str(paper.PATH)) -> None:
+    """Every figure whose ours is computed names a function of COMPUTED; else ResultsFileError."""
+    for f in figs:
+        ours = f.get("ours")
+        if ours is not None and ours.get("kind") == "computed" and ours.get("name") not in COMPUTED:
+            raise ResultsFileError(f"{source}: {f.get('id')}: computed figure {ours.get('name')!r} is not in "
+                                   "reports/study.py COMPUTED")
+
+
 def rows(ctx, figs: Sequence[dict]) -> list[dict]:
     """The study-vs-ours table rows for `figs` (reports/build.py renders them)."""
+    check_computed(figs)
     out = []
     for f in figs:
         st = paper.setup(f["setup"])

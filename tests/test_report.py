@@ -13,7 +13,7 @@ from microbench.results import REPO_ROOT, Bound, Derived, Result, Series
 from reports import megakernel as mk
 from reports import paper
 from reports.build import build
-from reports.fmt import fmt, fmt_range
+from microbench.fmt import fmt, fmt_range
 
 
 def _icache_curve(date="2026-11-29T10:00:00Z"):

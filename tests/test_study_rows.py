@@ -7,7 +7,7 @@ import pytest
 
 from microbench.results import REPO_ROOT
 from reports import crosscheck, paper, study
-from reports.fmt import fmt_fraction
+from microbench.fmt import fmt_fraction
 
 ROOT = REPO_ROOT / "reports" / "results"
 
