@@ -194,7 +194,7 @@ def _paper_rows(ctx: Context, figs: Sequence[dict], notes: Footnotes) -> list[di
     return rows
 
 
-def _studytable(ctx: Context, figs: Sequence[dict], lead: str) -> list[str]:
+def _study_table(ctx: Context, figs: Sequence[dict], lead: str) -> list[str]:
     notes = Footnotes("How ours is obtained")
     rows = _paper_rows(ctx, figs, notes)
     if not rows:
@@ -278,7 +278,7 @@ def _banner(ctx: Context, gpu_present: bool) -> list[str]:
 def section_summary(ctx: Context) -> list[str]:
     out = ["## Summary", "", "### The megakernel against every baseline", ""]
     if ctx.step_rows:
-        out += [table(summary.steptable(ctx.step_rows)), "", *wrap(summary.step_caption(ctx.step_rows)), ""]
+        out += [table(summary.step_table(ctx.step_rows)), "", *wrap(summary.step_caption(ctx.step_rows)), ""]
         v = summary.study_verify_line(ctx.step_rows)
         if v:
             out += [*wrap(v), ""]
@@ -335,7 +335,7 @@ def section_class(ctx: Context, cls: str, n: int) -> list[str]:
         if rows:
             out += ["### Derived values", "", table(rows), "", *notes.lines()]
     st = paper.setup("gb300")
-    study = _studytable(ctx, paper.figures(cls), f"The study's figures ({st['hardware']}; {st['config']}) beside ours "
+    study = _study_table(ctx, paper.figures(cls), f"The study's figures ({st['hardware']}; {st['config']}) beside ours "
                                                   f"({ctx.cat.gpu or 'not measured'}); different hardware, so read "
                                                   "them side by side, never as one series:")
     if study:
@@ -393,7 +393,7 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
     st = paper.setup("gb300")
     for group, title in (("headline", "The study's headline"), ("breakdown", "Where the study's 5.9 ms still goes"),
                          ("shape", "The study's megakernel shape"), ("model", "The study's model")):
-        study = _studytable(ctx, paper.figures(group=group), f"Study: {st['hardware']}; {st['config']}.")
+        study = _study_table(ctx, paper.figures(group=group), f"Study: {st['hardware']}; {st['config']}.")
         if study:
             out += [f"### {title} beside ours", "", *study]
     notes = Footnotes("Rules and notes")

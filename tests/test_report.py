@@ -367,7 +367,7 @@ def written(tmp_path):
 
 
 def test_report_with_a_typo_in_results_fails_and_touches_nothing(written, tmp_path, capsys):
-    from microbench.cli import main
+    from reports.cli import main
 
     _, out, before = written
     typo = tmp_path / "resutls"
@@ -380,7 +380,7 @@ def test_report_with_a_typo_in_results_fails_and_touches_nothing(written, tmp_pa
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage_gz"])
 def test_report_with_a_malformed_result_fails_and_touches_nothing(written, tmp_path, capsys, damage):
-    from microbench.cli import main
+    from reports.cli import main
 
     root, out, before = written
     victim = sorted(root.rglob("icache.capacity-*.json*"))[0]
@@ -398,7 +398,7 @@ def test_report_with_a_malformed_result_fails_and_touches_nothing(written, tmp_p
 
 
 def test_report_bad_benchmarks_or_baseline_path_fails(written, tmp_path, capsys):
-    from microbench.cli import main
+    from reports.cli import main
 
     root, out, before = written
     assert main(["report", "--results", str(root), "--out", str(out), "--benchmarks", str(tmp_path / "nob")]) == 2
@@ -432,7 +432,7 @@ def test_readme_headline_block_is_current():
 
 
 def test_update_readme_rewrites_only_the_block(tmp_path, capsys):
-    from reports.cli import main
+    from reports.report_cli import main
     from reports.summary import README_END, README_START
 
     root = tmp_path / "r"

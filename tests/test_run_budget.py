@@ -8,7 +8,7 @@ import argparse
 import pytest
 from megabench_synth import H200, env
 
-from microbench import pipeline
+from reports import run as pipeline
 from microbench.gate import compare, load_measurements
 from microbench.progress import BENCHMARK, Estimates, Item, Progress
 from microbench.results import load
@@ -210,9 +210,9 @@ def test_estimates_come_from_the_newest_run_of_this_gpu_and_mode(tmp_path, monke
 
 
 def test_plan_flag_prints_the_estimate_and_runs_nothing(tmp_path, capsys, monkeypatch):
-    from microbench.cli import main
+    from reports.cli import main
 
-    monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: "test: no driver")
+    monkeypatch.setattr("reports.run.no_gpu_reason", lambda: "test: no driver")
     rc = main(["run", "--plan", "--results", str(tmp_path), "--no-report"])
     out = capsys.readouterr().out
     assert rc == 0 and "plan: 1 item in 5 stages" in out and "  tune/tune: 3.0 s (seed)" in out
@@ -248,6 +248,7 @@ def fake_gpu_work(monkeypatch):
     """megakernel.pipeline.Stage with every GPU call replaced by a recording stand-in."""
     import types
 
+    import megakernel.measure as measure
     import megakernel.pipeline as mp
     from megakernel.measure import Check
     from megakernel.results_names import step_params, step_series_name
@@ -297,6 +298,8 @@ def fake_gpu_work(monkeypatch):
 
     monkeypatch.setattr(mp, "PEERS", {"peer": peer("peer", (16,)), "other": peer("other")})
     monkeypatch.setattr(mp, "plan_for", lambda p, c=None, sm=None, **kw: ("plan", p, tuple(sorted(kw.items()))))
+    monkeypatch.setattr(measure, "plan_for", mp.plan_for)  # ablation_point plans and times in megakernel.measure
+    monkeypatch.setattr(measure, "bench_point", bench_point)
     monkeypatch.setattr(mp, "check_point", check_point)
     monkeypatch.setattr(mp, "bench_point", bench_point)
     monkeypatch.setattr(mp, "greedy_check", lambda p, plan: calls.append(("greedy", p)) or 64)
