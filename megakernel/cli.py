@@ -34,20 +34,27 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from pathlib import Path
 
 from microbench.atomic import check_writable, write_text
-from microbench.errors import MegabenchError
+from microbench.device import no_gpu_reason
+from microbench.errors import MegabenchError, ResultsFileError
+from microbench.harness import Harness, Policy
+from microbench.results import REPO_ROOT, find, load
+from microbench.sass import cubin_instruction_chains, find_nvdisasm, instruction_chains
+from microbench.teardown import leave
 
-from .config import PRESETS
+from .ab import _plan, build_variants, from_result, kernel_tree, parse_point, parse_variant, run_ab, table, to_result
+from .config import PRESETS, ConfigError
+from .config import preset as get_preset
 
 PRESET_NAMES = sorted(PRESETS)
 
 
 def _no_gpu(command: str) -> bool:
     """True (after saying why on stderr) when `command` cannot run here for want of a GPU."""
-    from microbench.device import no_gpu_reason
-
     reason = no_gpu_reason()
     if reason:
         print(f"{command} needs a GPU: {reason}", file=sys.stderr)
@@ -55,15 +62,12 @@ def _no_gpu(command: str) -> bool:
 
 
 def _build(a) -> int:
-    from microbench.sass import find_nvdisasm
-
-    from .build import build_gpu, code_bytes_by_op
-    from .config import preset
-    from .plan import make_plan
+    from .build import build_gpu, code_bytes_by_op  # heavy: torch (megakernel.build)
+    from .plan import make_plan  # heavy: torch (megakernel.plan)
 
     per_op = find_nvdisasm() is not None
     for name in a.preset:
-        plan = make_plan(preset(name), a.sm)
+        plan = make_plan(get_preset(name), a.sm)
         b = build_gpu(plan)
         u = b.usage
         print(f"{name}: {u.code_bytes} B code ({u.sass_instructions} SASS instructions), {u.registers} registers, "
@@ -79,12 +83,7 @@ def _build(a) -> int:
 def _code(a) -> int:
     """Machine code per op of the builds at the given points, printed and optionally saved as
     `megakernel.code` (the critical-path model's cold-code column reads it). CPU is enough."""
-    from pathlib import Path
-
-    from microbench.sass import find_nvdisasm
-
-    from .config import PRESETS
-    from .measure import code_result
+    from .measure import code_result  # heavy: torch (megakernel.measure)
 
     points = []
     for spec in a.point:
@@ -114,10 +113,6 @@ def for_gpu_of_build(r, root=None):
     code bytes at every preset it holds), so the gate and the retention rule file it under that
     GPU (its series are static: never gated). None, with the reason printed, when no GPU build
     matches: a kernel not yet run on a GPU has its code printed, not saved."""
-    import dataclasses
-
-    from microbench.results import REPO_ROOT, find, load
-
     base = root or REPO_ROOT / "reports" / "results"
     want = {(s.params["preset"], s.params["tokens"]): int(s.metrics["kernel_code_bytes"]) for s in r.series}
     for f in reversed(find("megakernel.build", base)):
@@ -140,7 +135,7 @@ def for_gpu_of_build(r, root=None):
 def _check_and_bench(a) -> int:
     if _no_gpu("check-and-bench"):
         return 2
-    from .pipeline import run
+    from .pipeline import run  # heavy: torch (megakernel.pipeline)
 
     results = run(quick=not a.full, presets=tuple(a.presets))
     for r in results:
@@ -152,7 +147,6 @@ def _check_and_bench(a) -> int:
             print(f"  -> {k} = {d.value:.4g} {d.unit}")
         for n in r.notes:
             print(f"  note: {n}")
-    from microbench.teardown import leave
 
     leave(0)  # results saved and printed; interpreter teardown aborted on the H200
 
@@ -160,33 +154,28 @@ def _check_and_bench(a) -> int:
 def _timeline(a) -> int:
     if _no_gpu(a.tool):
         return 2
-    from microbench.harness import Harness, Policy
 
-    from .measure import timeline
+    from .measure import timeline  # heavy: torch (megakernel.measure)
 
     h = Harness(policy=Policy(budget_s=0.3, max_samples=100, chunk=8))
     r = timeline(h, a.preset, a.tokens, a.ctx, None, detail=a.detail)
     print("saved", r.save())
     for k, d in r.derived.items():
         print(f"  -> {k} = {d.value:.4g} {d.unit}")
-    from microbench.teardown import leave
 
     leave(0)
 
 
 def _sanitize(a) -> int:
-    import dataclasses
+    import torch  # heavy: torch
 
-    import torch
+    from . import tree  # heavy: torch (megakernel.tree)
+    from .plan import make_plan  # heavy: torch (megakernel.plan)
+    from .reference import KVCache  # heavy: torch (megakernel.reference)
+    from .runtime import Engine  # heavy: torch (megakernel.runtime)
+    from .weights import generate  # heavy: torch (megakernel.weights)
 
-    from . import tree
-    from .config import preset
-    from .plan import make_plan
-    from .reference import KVCache
-    from .runtime import Engine
-    from .weights import generate
-
-    cfg = preset("tiny")
+    cfg = get_preset("tiny")
     if a.fused:  # shapes the fused expert unit takes (plan.fuses_experts): its kept activations and partials
         cfg = dataclasses.replace(cfg, d_pool=256, d_expert=256)
     w = generate(cfg, device="cuda")
@@ -208,7 +197,7 @@ def _launches_profiled(eng, launches, targets, t: int, ctx: int, label) -> None:
     """Run `launches` of the prepared step in order, the indices in `targets` alone inside
     cudaProfilerStart/Stop (for `ncu --profile-from-start off`); label(li, first, n, grid) names
     each profiled launch on stdout."""
-    import torch
+    import torch  # heavy: torch
 
     for li, (first, n, wait, grid) in enumerate(launches):
         if li in targets:
@@ -225,9 +214,9 @@ def _launches_profiled(eng, launches, targets, t: int, ctx: int, label) -> None:
 def _ncu_op(a) -> int:
     if _no_gpu("ncu-op"):
         return 2
-    from .bench_baselines import step_context, weights_for
-    from .plans import plan_for
-    from .runtime import Engine
+    from .bench_baselines import step_context, weights_for  # heavy: torch (megakernel.bench_baselines)
+    from .plans import plan_for  # heavy: torch (megakernel.plans)
+    from .runtime import Engine  # heavy: torch (megakernel.runtime)
 
     sc = step_context(a.preset, a.tokens, a.ctx)
     eng = Engine(weights_for(a.preset), plan_for(a.preset, tokens=a.tokens), sc.cache0.clone(), backend="gpu")
@@ -254,10 +243,8 @@ def _ncu_op(a) -> int:
 def _ncu_mega(a) -> int:
     if _no_gpu("ncu-mega"):
         return 2
-    from .ab import _plan, kernel_tree, parse_variant
-    from .bench_baselines import step_context, weights_for
-    from .config import ConfigError
-    from .runtime import Engine
+    from .bench_baselines import step_context, weights_for  # heavy: torch (megakernel.bench_baselines)
+    from .runtime import Engine  # heavy: torch (megakernel.runtime)
 
     try:
         variants = [parse_variant(v) for v in (a.variant or ["base"])]
@@ -288,17 +275,16 @@ def _ncu_mega(a) -> int:
 
 
 def _program(a) -> int:
-    from .config import preset
-    from .plan import make_plan
-    from .program import build
+    from .plan import make_plan  # heavy: torch (megakernel.plan)
+    from .program import build  # heavy: torch (megakernel.program)
 
-    print(build(make_plan(preset(a.preset), a.sm), a.mode).describe())
+    print(build(make_plan(get_preset(a.preset), a.sm), a.mode).describe())
     return 0
 
 
 def _source_label(chain: list[str]) -> str:
     """"expert_gemm1 mk/gemm.cuh:367": the op an instruction belongs to and its innermost source line."""
-    from .build import op_of_chain
+    from .build import op_of_chain  # heavy: torch (megakernel.build)
 
     inner = chain[0]
     for root in ("csrc/", "cuda/"):  # megakernel/csrc/..., microbench/cuda/mb/...
@@ -312,10 +298,6 @@ def _sass_chains(a):
     """The profiled kernel's SASS with inline chains (microbench.sass.instruction_chains): from a
     saved `nvdisasm -gi -c` listing, or by rebuilding the kernel here (build_gpu keeps line info,
     and the same source, plan and NVRTC give the same cubin: by_source checks every opcode)."""
-    from pathlib import Path
-
-    from microbench.sass import cubin_instruction_chains, instruction_chains
-
     if a.listing:
         p = Path(a.listing)
         if not p.is_file():
@@ -324,8 +306,7 @@ def _sass_chains(a):
         if not chains:
             raise ValueError(f"{p}: no instructions of mk_run (not an `nvdisasm -gi -c` listing of the megakernel?)")
         return chains
-    from .ab import _plan, kernel_tree, parse_variant
-    from .build import KERNEL, build_gpu
+    from .build import KERNEL, build_gpu  # heavy: torch (megakernel.build)
 
     v = parse_variant(a.variant or "base")
     with kernel_tree(v.csrc):
@@ -334,8 +315,8 @@ def _sass_chains(a):
 
 
 def _by_source_markdown(df, chains, top: int) -> str:
-    from .build import op_of_chain
-    from .ncu_stalls import by_op, by_source
+    from .build import op_of_chain  # heavy: torch (megakernel.build)
+    from .ncu_stalls import by_op, by_source  # heavy: pandas (megakernel.ncu_stalls)
 
     t = by_source(df, chains, _source_label, top=top)
     # the per-op account (issue 48): every op's stall samples, largest first, split into its copy
@@ -352,7 +333,7 @@ def _by_source_markdown(df, chains, top: int) -> str:
 
 
 def _ncu_stalls(a) -> int:
-    from .ncu_stalls import kernels, read_sass_csv, summary_markdown
+    from .ncu_stalls import kernels, read_sass_csv, summary_markdown  # heavy: pandas (megakernel.ncu_stalls)
 
     kernel = int(a.kernel) if a.kernel and a.kernel.isdigit() else a.kernel  # no C++ name is all digits
     try:
@@ -380,9 +361,6 @@ def _ncu_stalls(a) -> int:
 
 
 def _ab(a) -> int:
-    from .ab import build_variants, parse_point, parse_variant, run_ab, table
-    from .config import ConfigError
-
     try:
         variants = [parse_variant(v) for v in a.variant]
         points = [parse_point(p) for p in (a.point or AB_POINTS)]
@@ -396,7 +374,6 @@ def _ab(a) -> int:
         return 0
     if _no_gpu("ab"):
         return 2
-    from pathlib import Path
 
     results = run_ab(points, variants, rounds=a.rounds)
     md = table(results)
@@ -407,19 +384,12 @@ def _ab(a) -> int:
         write_text(a.out, md + "\n")
         print("wrote", a.out)
     if a.save is not None:
-        from .ab import to_result
-
         print("wrote", to_result(results, variants).save(Path(a.save) if a.save else None))
     print(md)
     return 0
 
 
 def _ab_table(a) -> int:
-    from microbench.errors import ResultsFileError
-    from microbench.results import load
-
-    from .ab import from_result, table
-
     try:
         md = table(from_result(load(a.result)))
     except (ResultsFileError, OSError) as e:
@@ -433,9 +403,6 @@ def _ab_table(a) -> int:
 
 
 def _sm_map(a) -> int:
-    from .ab import parse_point, parse_variant
-    from .config import ConfigError
-
     try:
         variants = [parse_variant(v) for v in (a.variant or ["base"])]
         points = [parse_point(p) for p in (a.point or AB_POINTS)]
@@ -447,7 +414,7 @@ def _sm_map(a) -> int:
         return 2
     if _no_gpu("sm-map"):
         return 2
-    from .sm_map import measure
+    from .sm_map import measure  # heavy: torch (megakernel.sm_map)
 
     lines = ["| point | variant | launches | same SM | same role | by chance (roles) |", "|---|---|---|---|---|---|"]
     rows = []
@@ -463,9 +430,7 @@ def _sm_map(a) -> int:
         write_text(a.out, md + "\n")
         print("wrote", a.out)
     if a.save is not None:
-        from pathlib import Path
-
-        from .sm_map import to_result
+        from .sm_map import to_result  # heavy: torch (megakernel.sm_map)
 
         print("wrote", to_result(rows).save(Path(a.save) if a.save else None))
     print(md)

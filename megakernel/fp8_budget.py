@@ -28,6 +28,7 @@ import torch
 from . import reference
 from .config import PRESETS
 from .plans import REL_TOL
+from .weights import generate
 
 E4M3_MAX = 448.0
 
@@ -43,8 +44,6 @@ def e4m3_per_token(x: torch.Tensor) -> torch.Tensor:
 def measure(preset: str = "tiny", tokens: int = 16, seed: int = 0) -> dict:
     """The logits' relative error of the E4M3-activation step against the reference, one step of
     `tokens` chained tokens at context 8 on random weights and a random cache."""
-    from .weights import generate
-
     cfg = PRESETS[preset]
     w = generate(cfg, "cpu", seed=seed)
     g = torch.Generator().manual_seed(seed + 1)

@@ -10,12 +10,13 @@ import argparse
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
+from .build import build_gpu
+from .config import preset
+from .plan import make_plan
+from .plans import CHECK_POINTS, FULL, NONE, QUICK, plan_for, technique_switches
+
 
 def plans(n_sm: int = 132):
-    from .config import preset
-    from .plans import CHECK_POINTS, FULL, NONE, QUICK, plan_for, technique_switches
-    from .plan import make_plan
-
     out = []
     tech = technique_switches(None, n_sm)
     allsw = {k: v for d in tech.values() for k, v in d.items()}
@@ -47,8 +48,6 @@ def plans(n_sm: int = 132):
 
 
 def _one(plan) -> str:
-    from .build import build_gpu
-
     u = build_gpu(plan).usage
     return f"{plan.cfg.name}: {u.code_bytes} B, {u.registers} regs, spills {u.spills}"
 

@@ -18,7 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from microbench.results import Derived, Result, Series
+
+from .bench_baselines import step_context, weights_for
 from .plan import role_share
+from .plans import constants_env, plan_for
+from .runtime import Engine
 
 
 BENCHMARK = "megakernel.sm_map"
@@ -81,11 +86,7 @@ def to_result(rows, env=None):
     one series per row, its samples each launch transition's same-role share; derived
     same_role_/same_sm_<preset>_T<t>_ctx<ctx>_<variant> and the share by chance. Not gated (a
     placement, not a time)."""
-    from microbench.results import Derived, Result, Series
-
     if env is None:
-        from .plans import constants_env
-
         env = constants_env()
     series, derived = [], {}
     for preset, t, ctx, name, switches, m in rows:
@@ -109,10 +110,6 @@ def to_result(rows, env=None):
 def measure(preset: str, n_tokens: int, ctx: int, switches: dict, steps: int = 3) -> Placement:
     """On the GPU: `steps` profiled mega steps of the build (plan_for with `switches`); the last
     one's records."""
-    from .bench_baselines import step_context, weights_for
-    from .plans import plan_for
-    from .runtime import Engine
-
     sc = step_context(preset, n_tokens, ctx)
     plan = plan_for(preset, None, None, tokens=n_tokens, profile=True, profile_cap=128, **switches)
     eng = Engine(weights_for(preset), plan, sc.cache0.clone(), backend="gpu")

@@ -31,6 +31,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pytest_benchmark.stats import Stats
+
 from . import atomic
 from .errors import OutputError, ResultsFileError
 from .gate import steps_divisor
@@ -47,8 +49,6 @@ def machine_id() -> str:
 
 
 def _stats_of(data: Sequence[float]) -> dict:
-    from pytest_benchmark.stats import Stats
-
     s = Stats()
     for x in data:
         s.update(float(x))

@@ -19,7 +19,7 @@ MIN_CC = (9, 0)
 
 
 def _drv():
-    from cuda.bindings import driver
+    from cuda.bindings import driver  # heavy: cuda
 
     return driver
 
@@ -155,7 +155,7 @@ def require_gpu(index: int = 0, min_cc: tuple[int, int] = MIN_CC) -> DeviceInfo:
 @functools.lru_cache(maxsize=None)
 def _nvml_handle(index: int):
     try:
-        import pynvml
+        import pynvml  # heavy: pynvml
 
         pynvml.nvmlInit()
         return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)

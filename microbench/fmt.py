@@ -4,6 +4,7 @@ tables within MAX_LINE)."""
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 
 
@@ -90,8 +91,6 @@ MAX_LINE = 300  # the summary, class and megakernel sections keep every line wit
 
 def wrap(text: str, first: str = "", rest: str = "", width: int = WRAP) -> list[str]:
     """`text` as lines of at most `width` characters (a single word longer than that stays whole)."""
-    import textwrap
-
     return textwrap.wrap(str(text), width=width, initial_indent=first, subsequent_indent=rest,
                          break_long_words=False, break_on_hyphens=False) or [first.rstrip()]
 
@@ -141,7 +140,7 @@ def fmt_fraction(series) -> str:
     return f"{f:.1%}"
 
 
-def table(rows: Sequence[dict]) -> str:
+def md_table(rows: Sequence[dict]) -> str:
     """A GitHub table (pandas + tabulate, padded); one whose padded lines would exceed MAX_LINE is
     written unpadded instead (same table once rendered)."""
     import pandas as pd  # heavy: pandas, only where a table is rendered

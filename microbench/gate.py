@@ -58,9 +58,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tabulate import tabulate
 
 from .errors import ResultsFileError
-from .results import REPO_ROOT, SCHEMA as RESULT_SCHEMA, load, read_json
+from .results import REPO_ROOT, SCHEMA as RESULT_SCHEMA, find, load, read_json, results_root
 from .stats import Summary, mann_whitney
 
 EXIT_OK, EXIT_REGRESSION, EXIT_INPUT, EXIT_GPU, EXIT_UNKNOWN = 0, 1, 2, 3, 4
@@ -377,8 +378,6 @@ class CrossRun:
 def load_cross_run(path: str | Path | None = None, gpu: str | None = None) -> CrossRun | None:
     """The newest gate.aa_spread result (a file, or under a results folder; default the results
     root and the committed reports/results) for `gpu` (a model name, e.g. 'NVIDIA H200')."""
-    from .results import find, results_root
-
     if path is not None and Path(path).is_file():
         files = [Path(path)]
     else:
@@ -510,8 +509,6 @@ class GateReport:
         return out
 
     def to_markdown(self) -> str:
-        from tabulate import tabulate
-
         lines = [f"**{self.summary_line()}**", "", f"Rule: {self.config.describe()}.", ""]
         lines += [f"- {n}" for n in self.notes]
         if self.notes:

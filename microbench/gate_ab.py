@@ -87,10 +87,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tabulate import tabulate
 
 from . import atomic
+from .compiler import INJECT_ENV
 from .errors import MegabenchError
 from .gate import EXIT_GPU, EXIT_INPUT, EXIT_OK, EXIT_REGRESSION, EXIT_UNKNOWN, Verdict, direction_of, fmt_value
+from .results import Derived, Env, Result, Series, git_dirty, git_sha, read_json
 from .stats import student_t_quantile, student_t_sf, wilcoxon_signed_rank
 
 WORKER = Path(__file__).resolve().with_name("ab_worker.py")
@@ -319,8 +322,6 @@ def tree_label(root: Path) -> str:
     an earlier commit's): the commit its results are credited to, dirty by MEGABENCH_SOURCE_TREE
     (microbench/results.py), as the result files say."""
     if os.environ.get("MEGABENCH_GIT_SHA") and root.resolve() == REPO_ROOT.resolve():
-        from .results import git_dirty, git_sha
-
         return git_sha(full=True)[:12] + ("+dirty" if git_dirty() else "")
     r = _git(root, "rev-parse", "--short=12", "HEAD")
     if r.returncode != 0:
@@ -578,8 +579,6 @@ class ABReport:
         return out
 
     def to_markdown(self) -> str:
-        from tabulate import tabulate
-
         lines = [f"**{self.summary_line()}**", "", f"Rule: {self.cfg.describe()}.", ""]
         for name, s in self.sides.items():
             lines.append(f"- {name}: {s.get('label', '')} ({s.get('root')})")
@@ -615,8 +614,6 @@ class ABReport:
     def to_result(self, env=None):
         """A typed Result `gate.ab`: per case the round figures of each side (not gated across runs:
         they only mean something beside each other) and the change as a derived value."""
-        from .results import Derived, Env, Result, Series
-
         env = env or Env.capture()
         series, derived = [], {}
         by_key = {v.key: v for v in self.verdicts}
@@ -745,8 +742,6 @@ def prepared_hello(w: Worker) -> dict:
 # ----------------------------------------------------------------------------- CLI
 def synthetic_specs(path: Path) -> tuple[dict, dict]:
     """`--backend synthetic:SPEC`: {"baseline": {...}, "candidate": {...}} (ab_worker.SyntheticBackend)."""
-    from .results import read_json
-
     d = read_json(path)  # a missing or malformed file: ResultsFileError naming it
     if not isinstance(d, dict) or not isinstance(d.get("baseline"), dict) or not isinstance(d.get("candidate"), dict):
         raise ABInputError(f"{path}: a synthetic spec needs 'baseline' and 'candidate' objects")
@@ -781,8 +776,6 @@ def cmd_ab(args) -> int:
         raise ABInputError(f"candidate tree {cand_root} does not exist")
     candidate = SideSpec("candidate", cand_root, tree_label(cand_root), backend, spec_c)
     if args.inject_ppm:
-        from .compiler import INJECT_ENV
-
         candidate.variants = [{"name": "", "env": {INJECT_ENV: str(args.inject_ppm)}}]
         candidate.label += f" with MB_INJECT_PPM={args.inject_ppm}"
 

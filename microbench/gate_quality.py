@@ -55,13 +55,15 @@ import platform
 import re
 import socket
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tabulate import tabulate
 
 from . import atomic
 from .clocks.probes import LAUNCH_DEFINES
@@ -71,7 +73,7 @@ from .errors import NoGPUError, ResultsFileError
 from .gate import CrossRun, GateConfig, Measurement, judge, key_class
 from .gate_ab import (ABConfig, Comparison, Entry, SideSpec, pool_prepared, prepare_sides, replicate,
                       replicated_verdict, run_rounds, tree_label)
-from .results import REPO_ROOT, Derived, Env, Result, Series, find, load, results_root
+from .results import REPO_ROOT, Derived, Env, Result, Series, find, git_dirty, git_sha, load, results_root
 
 PPMS = (20000, 50000, 100000)
 # One worker a side timed 73 figures a round in 2.4 s on the H200 (2026-12-01); three a side time
@@ -692,7 +694,6 @@ def to_results(an: Analysis) -> tuple[Result, Result]:
     """(gate.quality, gate.aa_spread) from an analysis of two or more runs."""
     runs = an.runs
     src_env = max((r.env for r in runs), key=lambda e: e.date)
-    from .results import git_dirty, git_sha
 
     env = dataclasses.replace(
         src_env, date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), git_sha=git_sha(full=True),
@@ -984,15 +985,11 @@ def trust_line(root: Path | None = None) -> str:
 
 
 def _wrap(text: str, width: int = 160) -> list[str]:
-    import textwrap
-
     return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""]
 
 
 def report_lines(root: Path | None = None, heading: str = "## How much to trust the gate") -> list[str]:
     """The report's section on the gate's measured quality (markdown lines; prose wrapped at 160)."""
-    from tabulate import tabulate
-
     out = [heading, ""]
     got = latest_quality(root)
     if got is None:

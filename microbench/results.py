@@ -20,13 +20,17 @@ import platform
 import re
 import socket
 import subprocess
+import sys
 import tempfile
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ResultsFileError
+from .atomic import write_bytes
+from .compiler import toolchain_versions
+from .device import device_info, gpu_count
+from .errors import OutputError, ResultsFileError
 from .stats import Summary
 
 SCHEMA = "megabench.result"
@@ -123,20 +127,15 @@ class Env:
 
     @classmethod
     def capture(cls, gpu_index: int | None = 0) -> Env:
-        from .compiler import toolchain_versions
-        from .device import gpu_count
-
         tv = toolchain_versions()
         try:
-            import torch
+            import torch  # heavy: torch
 
             tver = torch.__version__
         except Exception:
             tver = "unavailable"
         info = None
         if gpu_index is not None and gpu_count() > gpu_index:
-            from .device import device_info
-
             info = device_info(gpu_index)
         sha = git_sha()
         dirty = git_dirty()
@@ -361,8 +360,6 @@ class Result:
         suffix = ".json"
         if len(data) > GZIP_MIN_BYTES:
             data, suffix = gzip.compress(data, compresslevel=9, mtime=0), ".json.gz"
-        from .atomic import write_bytes
-        from .errors import OutputError
 
         for i in range(1000):
             stem = base + (f"-{i}" if i else "")
@@ -453,8 +450,6 @@ def latest(benchmark: str, root: Path | None = None, gpu: str | None = None) -> 
 def _main(argv: list[str] | None = None) -> int:
     """`python -m microbench.results source-tree`: the tree id to pass as MEGABENCH_SOURCE_TREE
     (with MEGABENCH_GIT_SHA) to a run on a copy of this checkout."""
-    import sys
-
     args = sys.argv[1:] if argv is None else argv
     if args != ["source-tree"]:
         print("usage: python -m microbench.results source-tree", file=sys.stderr)

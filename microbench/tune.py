@@ -29,6 +29,7 @@ naming the file and the problem. TunedConstants is a frozen dataclass generated 
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as _dt
 import difflib
@@ -40,11 +41,11 @@ import types
 from collections.abc import Mapping
 from pathlib import Path
 
+from . import atomic, rederive
 from .constants import BY_NAME, SPECS, ConstantSpec, constants_dir, gpu_slug
-from . import atomic
 from .errors import OutputError, ResultsFileError
 from .pins import load_pins, pinned_entries
-from .results import REPO_ROOT, Result, find, load, read_json, results_root, scan
+from .results import REPO_ROOT, Result, find, git_sha, load, read_json, results_root, scan
 
 SCHEMA = "megabench.constants"
 VERSION = 1
@@ -121,8 +122,6 @@ def collect(root: Path | None = None, gpu: str | None = None,
     Raises ResultsFileError for a malformed result file, a unit that disagrees with the spec, a
     non-finite value or a rule-less derivation: those are bugs to fix, not gaps to paper over.
     """
-    from . import rederive
-
     root = Path(root) if root else results_root()
     gpu = gpu or default_gpu(root)
     cache: dict[str, tuple[Result | None, Path | None, dict, set]] = {}
@@ -254,8 +253,6 @@ def write(doc: dict, out_dir: Path | None = None, force: bool = False) -> tuple[
 
 
 def _git_sha() -> str:
-    from .results import git_sha
-
     return git_sha()
 
 
@@ -515,8 +512,6 @@ def add_parser(sub) -> None:
 
 
 def _raw():
-    import argparse
-
     return argparse.RawDescriptionHelpFormatter
 
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from microbench.errors import ResultsFileError
+from microbench.fmt import fmt, fmt_range
 
 PATH = Path(__file__).with_name("paper_figures.json")
 CLASSES = ("icache", "weights", "sync", "clocks", "xgpu", "megakernel", "model")
@@ -65,7 +66,5 @@ def setup(name: str) -> dict:
 
 def value_text(f: dict) -> str:
     """The study's figure as the report prints it (a range as lo-hi; its setup named unless GB300)."""
-    from microbench.fmt import fmt, fmt_range
-
     t = fmt(f["value"], f["unit"]) if "value" in f else fmt_range(f["low"], f["high"], f["unit"])
     return t if f["setup"] == "gb300" else f"{t} ({setup(f['setup'])['short']})"

@@ -19,11 +19,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from microbench import rederive
+from microbench.adopt import load_adopted, result_revision
 from microbench.errors import ResultsFileError
-
-from . import megakernel as mk
-from . import paper
 from microbench.fmt import fmt, fmt_range, fmt_spread
+from microbench.weights.bench import STUDY_EXPERT_BYTES
+
+from . import megakernel as mk, paper
 
 STUDY_ACCEPTANCE = 6.6  # tokens the study accepts per 16-token verify step (GSM8K, its draft model)
 
@@ -50,8 +51,6 @@ def _series(ctx, bench: str, name: str):
 
 
 def _adopted(ctx):
-    from microbench.adopt import load_adopted
-
     try:
         return load_adopted(ctx.cat.gpu) if ctx.cat.gpu else None
     except Exception:  # no or a broken adoption: the constants section says so
@@ -68,7 +67,6 @@ def _ring_built(ctx, f):
     s = rows.get("shard8") or next(iter(rows.values()), None)
     if s is None or "ring_stages" not in s.params:
         return None
-    from microbench.adopt import result_revision
 
     rev, how = result_revision(r)
     adopted = _adopted(ctx)
@@ -88,7 +86,6 @@ def _hot_bet_bytes(ctx, f):
     be = ctx.tune_entries.get("hot_expert_break_even_overlap")
     if d is None:
         return None
-    from microbench.weights.bench import STUDY_EXPERT_BYTES
 
     k = re.search(r"k=(\d+) prefetched \(([\d.]+) MiB\)", d.note or "") or re.search(
         r"k=(\d+) prefetched \(([\d.]+) MiB\)", (_derived(ctx, "weights.hot_experts", "hot_expert_break_even_overlap")

@@ -26,7 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_path, write_text
 from ..errors import MegabenchError
+from ..results import Series
 from .calibrate import ClockCalibration, fit_clock_calibration
 
 HEADER = Path(__file__).resolve().parent.parent / "cuda" / "mb" / "profile.cuh"
@@ -174,8 +176,6 @@ class ProfileEvents:
         return "\n".join(lines)
 
     def write_header(self, path: str | Path) -> Path:
-        from ..atomic import write_text
-
         return write_text(path, self.header_text(), mkdir=True)
 
     def check_header(self, path: str | Path) -> None:
@@ -278,7 +278,7 @@ class ProfileBuffer:
 
     def __init__(self, layout: ProfileLayout, launches: int = 1, device: int | str = 0):
         """device: a CUDA device index, or a torch device string ("cpu" for host-side tests)."""
-        import torch
+        import torch  # heavy: torch
 
         if launches < 1:
             raise ProfileFormatError(f"launches={launches}: need at least one slice")
@@ -298,7 +298,7 @@ class ProfileBuffer:
 
     def _write_headers(self) -> None:
         """Every slice's header, once, when the buffer is made (later epochs: the device, profile.cuh)."""
-        import torch
+        import torch  # heavy: torch
 
         heads = np.stack([self.layout.header_words(i, self.epoch) for i in range(self.launches)]).view(np.int32)
         hw = heads.shape[1]
@@ -370,7 +370,7 @@ class Stamps:
         return out
 
     def df(self, events: ProfileEvents | None = None):
-        import pandas as pd
+        import pandas as pd  # heavy: pandas
 
         d = pd.DataFrame({"launch": self.launch, "block": self.block, "warp": self.warp, "slot": self.slot,
                           "sm": self.sm, "event": self.event, "arg": self.arg, "gt_ns": self.gt, "c64": self.c64})
@@ -646,7 +646,7 @@ class Timeline:
         return d
 
     def spans_df(self):
-        import pandas as pd
+        import pandas as pd  # heavy: pandas
 
         cols = ["launch", "block", "warp", "sm", "phase", "arg", "begin_ns", "end_ns", "end_arg"]
         d = pd.DataFrame([[getattr(s, c) for c in cols] for s in self.spans], columns=cols)
@@ -654,7 +654,7 @@ class Timeline:
         return d
 
     def instants_df(self):
-        import pandas as pd
+        import pandas as pd  # heavy: pandas
 
         cols = ["launch", "block", "warp", "sm", "name", "arg", "t_ns"]
         return pd.DataFrame([[getattr(s, c) for c in cols] for s in self.instants], columns=cols)
@@ -676,7 +676,6 @@ class Timeline:
     def write_trace(self, path: str | Path, **kw) -> Path:
         obj = self.to_trace(**kw)
         check_trace(obj)
-        from ..atomic import write_text
 
         return write_text(path, json.dumps(obj, allow_nan=False), mkdir=True)
 
@@ -694,8 +693,6 @@ def edge_series(tl: Timeline, *, launch: int | None = None, label=None, layer=No
     label(span) -> str names the phase (default: span.phase); layer(span) -> int | None adds a
     layer param (spans are grouped by (label, layer)). launch: only that launch (default: all).
     """
-    from ..results import Series
-
     label = label or (lambda sp: sp.phase)
     first: dict[int, float] = {}
     for i in range(len(tl.stamps)):
@@ -981,10 +978,10 @@ def plot_timeline(tl: Timeline, path: str | Path, *, by: str = "sm", title: str 
                   max_rows: int = 160, launches: Iterable[int] | None = None) -> Path:
     """PNG of the spans: one row per SM (by="sm") or per launch/block (by="block"), x in
     microseconds since the origin, colour per phase; instants as ticks."""
-    import matplotlib
+    import matplotlib  # heavy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     if by not in ("sm", "block"):
         raise ValueError(f"by={by!r}: use 'sm' or 'block'")
@@ -1006,8 +1003,8 @@ def plot_timeline(tl: Timeline, path: str | Path, *, by: str = "sm", title: str 
     cmap = plt.get_cmap("tab10" if len(phases) <= 10 else "tab20")
     fig_h = min(14.0, 2.0 + 0.06 * len(rows))
     fig, ax = plt.subplots(figsize=(12, fig_h))
-    from matplotlib.collections import PolyCollection
-    from matplotlib.patches import Patch
+    from matplotlib.collections import PolyCollection  # heavy: matplotlib
+    from matplotlib.patches import Patch  # heavy: matplotlib
 
     handles = []
     for pi, ph in enumerate(phases):
@@ -1044,7 +1041,6 @@ def plot_timeline(tl: Timeline, path: str | Path, *, by: str = "sm", title: str 
         ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=2)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    from ..atomic import atomic_path
 
     p = Path(path)
     try:

@@ -34,12 +34,14 @@ from dataclasses import replace
 
 import numpy as np
 
+from . import kernels as K, plan, rules
+from ..datasheet import hbm_peak
 from ..errors import CorrectnessError, KernelDoesNotFitError, MegabenchError
 from ..harness import Case, Harness, Policy, full_sweeps
+from ..launch import LaunchSpec, launch
 from ..results import Bound, Derived, Env, Result, Series, latest
 from ..stats import bootstrap_ci, fit_steps
-from . import kernels as K
-from . import plan, rules
+from .l2policy import persisting_window
 from .plan import KiB, MiB, RingConfig
 
 CEILING_BYTES = 2 << 30  # 2 GiB: >= 8x L2 on every GPU this project targets
@@ -69,7 +71,7 @@ def _run(h: Harness, case: Case, policy: Policy | None = None) -> Series:
                  cold=p.cold, policy=policy, before_each=p.before_each, metrics=p.metrics)
     after = getattr(p, "after", None)
     if after is not None:
-        import torch
+        import torch  # heavy: torch
 
         torch.cuda.synchronize()
         after()
@@ -77,7 +79,7 @@ def _run(h: Harness, case: Case, policy: Policy | None = None) -> Series:
 
 
 def _release() -> None:
-    import torch
+    import torch  # heavy: torch
 
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -104,8 +106,6 @@ def read_case(nbytes: int, cfg: plan.ReadConfig, reps: int = 1, bound: Bound | N
 
 
 def _datasheet(h: Harness) -> Bound | None:
-    from ..datasheet import hbm_peak
-
     peak = hbm_peak(h.info.name)
     return Bound("bandwidth", peak, "B/s", f"datasheet HBM peak for {h.info.name} (not measured)") if peak else None
 
@@ -343,7 +343,7 @@ def l2_rebound(series: list[Series]) -> list[Series]:
 
 
 def _l2_latency(h: Harness, quick: bool) -> tuple[list[Series], dict]:
-    import torch
+    import torch  # heavy: torch
 
     rng = np.random.default_rng(20261129)
     steps, n_samples, n_lat = (1 << 14, 5, 256) if quick else (1 << 18, 5, 1024)
@@ -393,9 +393,7 @@ STREAM_BYTES = 256 * MiB  # the stream between two reads of the reused set (> 4x
 def _l2_hints(h: Harness, quick: bool, bound: Bound, scrub: K.Scrubber) -> tuple[list[Series], dict]:
     """Does a reused set survive a 256 MiB stream? Timed: reading the reused set H; untimed
     before each sample: the stream S (or nothing / a clean scrub for the two references)."""
-    import torch
-
-    from .l2policy import persisting_window
+    import torch  # heavy: torch
 
     l2 = h.info.l2_bytes
     hbytes = max(1, round(0.4 * l2 / MiB)) * MiB
@@ -405,7 +403,6 @@ def _l2_hints(h: Harness, quick: bool, bound: Bound, scrub: K.Scrubber) -> tuple
     H.first_check()
     S.first_check()
     norm = K.module("read", h.info.arch).kernel("mb_l2_priority_normal")
-    from ..launch import LaunchSpec, launch
 
     def normalise():
         launch(norm, LaunchSpec(grid=h.info.sm_count * 4, block=256), H.buf, np.uint64(hbytes // 128))

@@ -28,19 +28,20 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 
 import numpy as np
 
-from ..errors import CorrectnessError
-from ..results import REPO_ROOT, Bound, Derived, Env, Result, Series, latest, read_json
-from ..sync import analysis as SA
-from ..sync import bench as SB
-from ..sync import runners as SR
+from . import analysis as A, runners as X, world as W
+from ..atomic import write_json
+from ..errors import CorrectnessError, SpinTimeoutError
+from ..harness import Harness
+from ..results import REPO_ROOT, Bound, Derived, Env, Result, Series, latest, read_json, results_root
+from ..sync import analysis as SA, bench as SB, runners as SR
 from ..sync.sentinel import BF16
-from . import analysis as A
-from . import runners as X
+from ..teardown import leave
 from .world import MULTICAST_OFF, PeerBuffer, World, WorldError, all_gather_object
 
 KiB, MiB = 1024, 1 << 20
@@ -111,9 +112,7 @@ class Run:
     """One rank's share of the whole run (every method is collective)."""
 
     def __init__(self, w: World, quick: bool):
-        import torch
-
-        from ..harness import Harness
+        import torch  # heavy: torch
 
         self.w, self.quick = w, quick
         self.h = Harness(device_index=w.device)
@@ -164,7 +163,7 @@ class Run:
     # ------------------------------------------------------------------ peer copy bandwidth
     def peer_bandwidth(self, nbytes: int = 128 * MiB, reps: int = 5) -> float:
         """Rank 0 copies into rank 1's buffer (copy engine over the link), others idle: bytes / s."""
-        import torch
+        import torch  # heavy: torch
 
         half = self.src.nbytes // 2
         nbytes = min(nbytes, half)
@@ -201,8 +200,8 @@ def verify_collective(run: Run, coll: X.Collectives, op: str, nbytes: int, copie
     """Bit-exact check of one size against the Python rule, and against NCCL on the same data
     (2 x copies + 1 rounds, at least 7: every copy is reused at least twice)."""
     rounds = max(7, 2 * copies + 1)
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: torch
+    import torch.distributed as dist  # heavy: torch
 
     w = run.w
     src_np = _payload(op, rounds, nbytes, seed=1000 * w.rank + nbytes % 997)
@@ -249,8 +248,8 @@ def verify_collective(run: Run, coll: X.Collectives, op: str, nbytes: int, copie
 def nccl_time(w: World, op: str, nbytes: int, reps: int = 50, samples: int = 15) -> dict:
     """NCCL per-call device time for one payload: a CUDA graph of `reps` calls (replayed `samples`
     times, CUDA events around each replay) and the same calls issued eagerly from Python."""
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: torch
+    import torch.distributed as dist  # heavy: torch
 
     if op == "allreduce":
         t = torch.randn(nbytes // 4, device="cuda")
@@ -532,7 +531,7 @@ def clocks_result(run: Run, c0, c1, stop_runs, offsets_mid, flag_s) -> Result:
 
 # ============================================================================ main
 def run_all(w: World, quick: bool = True, save: bool = True) -> dict[str, Result]:
-    import torch
+    import torch  # heavy: torch
 
     run = Run(w, quick)
     run.notes.append(f"{w.size} ranks, one process per GPU (torchrun); GPUs: "
@@ -601,8 +600,6 @@ def run_all(w: World, quick: bool = True, save: bool = True) -> dict[str, Result
 def _latest(bench: str, key: str, gpu: str) -> float | None:
     """A derived value of the latest `bench` result on this GPU model: from this run's results
     folder, else from the committed ones (a GPU session writes into an empty folder)."""
-    from ..results import REPO_ROOT, results_root
-
     for root in dict.fromkeys((results_root(), REPO_ROOT / "reports" / "results")):
         try:
             r = latest(bench, root=root, gpu=gpu)
@@ -615,8 +612,6 @@ def _latest(bench: str, key: str, gpu: str) -> float | None:
 
 
 def _topology() -> str:
-    import subprocess
-
     try:
         p = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
         text = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout)  # nvidia-smi underlines the header with ANSI codes
@@ -634,8 +629,6 @@ def _say(w: World, msg: str) -> None:
 def selftest(w: World) -> dict:
     """Checks that must fail do: rank 1 skips its half of a clock ping-pong, so rank 0's bounded
     wait gives up and every rank raises SpinTimeoutError naming the wait (never a hung GPU)."""
-    from ..errors import SpinTimeoutError
-
     flags = PeerBuffer(w, 64 * KiB)
     flags.fill32(0, X._stream())
     X.sync_all()
@@ -663,7 +656,6 @@ def main(argv=None) -> int:
     ap.add_argument("--summary", help="rank 0 writes a JSON summary here")
     ap.add_argument("--selftest", action="store_true", help="only the checks that must fail (a lost partner)")
     args = ap.parse_args(argv)
-    from . import world as W
 
     w = W.init()
     res = {} if args.selftest else run_all(w, quick=not args.full, save=not args.no_save)
@@ -672,8 +664,6 @@ def main(argv=None) -> int:
         s["selftest"] = selftest(w)  # collective: every rank
     if w.rank == 0:
         if args.summary:
-            from ..atomic import write_json
-
             write_json(args.summary, s)
         for b, r in res.items():
             print(f"[xgpu] {b}")
@@ -681,11 +671,10 @@ def main(argv=None) -> int:
                 print(f"    -> {k} = {d.value:.4g} {d.unit}")
         for k, v in s.get("selftest", {}).items():
             print(f"[xgpu] selftest {k}: {v}")
-    import torch.distributed as dist
+    import torch.distributed as dist  # heavy: torch
 
     dist.barrier()
     dist.destroy_process_group()
-    from ..teardown import leave
 
     leave(0)
     return 0
