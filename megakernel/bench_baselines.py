@@ -38,8 +38,11 @@ import torch
 from microbench.harness import Case, Harness, Prepared, full_sweeps, run_case
 from microbench.results import Bound, Derived, Env, Result, Series
 
-from . import baselines as B, reference, tree as treelib
-from .config import ModelConfig, preset as get_preset
+from . import reference
+from . import baselines as B
+from . import tree as treelib
+from .config import ModelConfig
+from .config import preset as get_preset
 from .draft import DraftModel
 from .kernel_count import count_kernels
 from .results_names import step_params, step_series_name

@@ -26,8 +26,8 @@ from .plan import Plan
 from .plans import (PROFILE_SAMPLE_EVERY, REL_TOL, ablation_names, ablation_variants, constants_env, middle_launch,
                     plan_for, profile_samples, slot_units)
 from .profile_events import TOPK_STEPS
-from .results_names import step_params, step_series_name
 from .reference import KVCache, greedy
+from .results_names import step_params, step_series_name
 from .roofline import read_ceiling, roofline
 from .runtime import Engine, check_close
 from .spans import (BOUNDARY_SEGMENTS, SEGMENTS, detail_by_op, end_tails, layer_segments, slot_crossings, topk_steps,

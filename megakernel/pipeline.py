@@ -32,8 +32,7 @@ from microbench.sass import find_nvdisasm
 
 from . import baselines as B
 from .bench_baselines import FULL_POINTS, QUICK_POINTS, Collector, release, weights_for
-from .measure import (Check, ablation_point, bench_point, build_result, check_point, code_result, greedy_check,
-                      timeline)
+from .measure import Check, ablation_point, bench_point, build_result, check_point, code_result, greedy_check, timeline
 from .peer_bench import peer_point
 from .plan import Plan
 from .plans import (CHECK_POINTS, FULL, PRESETS, QUICK, ablation_names, ablation_variants, code_budget, constants_env,

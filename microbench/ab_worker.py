@@ -359,7 +359,6 @@ def k_match(expr: str, name: str) -> bool:
         raise CaseError(f"-k {expr!r}: not an expression of words, and, or, not, parentheses") from None
 
 
-
 class SyntheticBackend:
     """Fake cases with a fake timer (module docstring). Spec keys: device, cases {id: {time, noise,
     slowdown, class, unit, fail, fail_worker, skip, process_sd}}, drift {amp, period}, order_penalty,

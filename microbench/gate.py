@@ -61,7 +61,8 @@ import numpy as np
 from tabulate import tabulate
 
 from .errors import ResultsFileError
-from .results import REPO_ROOT, SCHEMA as RESULT_SCHEMA, find, load, read_json, results_root
+from .results import REPO_ROOT, find, load, read_json, results_root
+from .results import SCHEMA as RESULT_SCHEMA
 from .stats import Summary, mann_whitney
 
 EXIT_OK, EXIT_REGRESSION, EXIT_INPUT, EXIT_GPU, EXIT_UNKNOWN = 0, 1, 2, 3, 4

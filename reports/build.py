@@ -36,7 +36,8 @@ from pathlib import Path
 
 from megakernel import critical_path
 from microbench import rederive
-from microbench.constants import SPECS
+from microbench.adopt import load_adopted, load_adoption
+from microbench.constants import BY_NAME, SPECS, constants_dir, gpu_slug
 from microbench.device import no_gpu_reason
 from microbench.errors import ResultsFileError
 from microbench.fmt import MAX_LINE, Footnotes, fmt, fmt_fraction, fmt_params, fmt_spread, md_escape, md_table, wrap
@@ -44,9 +45,10 @@ from microbench.gate import GateConfig, GpuMismatchError, compare, load_measurem
 from microbench.gate_quality import report_lines
 from microbench.pins import load_pins
 from microbench.results import REPO_ROOT, Result, find, load, results_root
-from microbench.tune import collect, constants_dir, gpu_slug, load_constants
+from microbench.tune import collect, load_constants
 
-from . import crosscheck, megakernel as mk, paper, plots, study, summary
+from . import constants_cli, crosscheck, paper, plots, study, summary
+from . import megakernel as mk
 from .classes import NAMES as CLASSES
 
 CLASS_INFO = {
@@ -166,6 +168,7 @@ class Context:
     step_rows: list
     timeline: Result | None
     figures: list = field(default_factory=list)
+    built: dict = field(default_factory=dict)  # constant -> what the default build renders (built_text)
 
     def fig_link(self, path: Path, caption: str) -> list[str]:
         rel = Path(path).resolve().relative_to(self.out_dir.resolve())
@@ -288,7 +291,7 @@ def section_summary(ctx: Context) -> list[str]:
     out += ["### The overhead classes beside the study", "",
             *wrap(f"One key figure per class, ours ({ctx.cat.gpu or 'not measured'}) beside the study's ({st['hardware']}): "
                   "different hardware, so read them side by side. Every figure of a class is in its section."), "",
-            md_table(summary.class_rows(ctx, paper_value)), "",
+            md_table(summary.class_rows(ctx, paper_value)), "", *wrap(summary.FEEDS_CAPTION), "",
             "### How sure we are", ""]
     for line in summary.trust_lines(ctx):
         out += wrap(line, first="- ", rest="  ")
@@ -804,7 +807,7 @@ def build(root: Path | None = None, out_dir: Path | None = None, bench_dir: Path
     anchor = next(p for p in (out_dir, *out_dir.parents) if p.is_dir())  # nearest existing folder
     stage = Path(tempfile.mkdtemp(prefix=".report-", dir=anchor))
     try:
-        ctx = Context(cat, stage / "figures", stage, entries, tune_err, rows, timeline)
+        ctx = Context(cat, stage / "figures", stage, entries, tune_err, rows, timeline, built=built_text(cat))
         ctx.fig_dir.mkdir()
         text = render(ctx, gpu_present, bench_dir, baseline)
         _validate(text, stage)
@@ -844,6 +847,18 @@ def _anchor(h: str) -> str:
     return t.replace(" ", "-")
 
 
+def built_text(cat: Catalog) -> dict[str, str]:
+    """{constant: what the default build renders from the adopted revision, as text} for the
+    constants that feed the build (reports/constants_cli.py), planned for the SMs of the newest
+    megakernel.build result's GPU and shown at the headline preset (shard8); {} without an adoption
+    or such a result."""
+    got = cat.latest("megakernel.build")
+    if not cat.gpu or got is None or not got[1].env.sm_count or load_adoption(cat.gpu) is None:
+        return {}
+    vals = constants_cli.build_values(load_adopted(cat.gpu), got[1].env.sm_count)
+    return {n: constants_cli.value_text(v["shard8"], BY_NAME[n].unit) for n, v in vals.items()}
+
+
 def readme_block(root: Path | None = None, gpu: str | None = None) -> str:
     """The README's headline block (reports/summary.py), from the same rows as the report's summary."""
     cat = Catalog.load(root, gpu)
@@ -854,5 +869,5 @@ def readme_block(root: Path | None = None, gpu: str | None = None) -> str:
     baseline_runs = [r for b, rs in cat.runs.items() if b.startswith("model.") for _, r in rs]
     rows = mk.with_fastest_baselines(mk.step_rows(cat.step_sources()), baseline_runs)
     tl = cat.latest("megakernel.timeline")
-    ctx = Context(cat, Path("."), Path("."), entries, None, rows, tl[1] if tl else None)
+    ctx = Context(cat, Path("."), Path("."), entries, None, rows, tl[1] if tl else None, built=built_text(cat))
     return summary.readme_block(ctx, paper_value, md_table)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megakernel import cli as mk_cli
 from microbench import adopt, bench_storage, stability, testrun, tune
 from microbench import results as results_mod
 from microbench.device import no_gpu_reason
@@ -21,8 +22,6 @@ from microbench.icache import precompile as icache_precompile
 from microbench.info import describe
 from microbench.teardown import leave
 from microbench.xgpu import launcher
-
-from megakernel import cli as mk_cli
 
 from . import classes, constants_cli, gate_cli, report_cli, retention, run
 

@@ -134,7 +134,7 @@ def show(gpu: str, results: Path | None = None, directory: Path | None = None, n
     return rows
 
 
-def _v(value, unit: str) -> str:
+def value_text(value, unit: str) -> str:
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -157,22 +157,22 @@ def render(gpu: str, rows: list[dict], n_sm: int) -> str:
         u = r["unit"]
         m, t, p, a = r["measured"], r["tuned"], r["pin"], r["adopted"]
         out.append(f"{r['name']} ({u or 'dimensionless'}){'  [feeds the build]' if r['feeds_build'] else ''}")
-        out.append(f"  measured  {_v(m['value'], u):>12}  " + (f"{m['result_file']} ({m['date']})" if m["value"] is not None
+        out.append(f"  measured  {value_text(m['value'], u):>12}  " + (f"{m['result_file']} ({m['date']})" if m["value"] is not None
                                                              else f"none: {m['why_none']}"))
-        out.append(f"  tuned     {_v(t['value'], u):>12}  revision {t['revision']} ({t['source']}), {t['file']}")
+        out.append(f"  tuned     {value_text(t['value'], u):>12}  revision {t['revision']} ({t['source']}), {t['file']}")
         if p is not None:
-            out.append(f"  pinned    {_v(p['value'], u):>12}  since {p['since'] or '?'}: {p['reason']}")
+            out.append(f"  pinned    {value_text(p['value'], u):>12}  since {p['since'] or '?'}: {p['reason']}")
         if a is not None:
             was = f", recorded as {a['recorded_as']!r} (constants.RENAMED)" if a["recorded_as"] else ""
-            out.append(f"  adopted   {_v(a['value'], u):>12}  revision {a['revision']} ({a['file']}{was})")
+            out.append(f"  adopted   {value_text(a['value'], u):>12}  revision {a['revision']} ({a['file']}{was})")
         else:
             out.append("  adopted   -             no adopted revision: the build reads the tuned file, with a warning")
         b = r["build"]
         if b is None:
             out.append(f"  build     -             {r['build_how']}")
         else:
-            vals = {_v(x, u) for x in b.values()}
-            shown = next(iter(vals)) if len(vals) == 1 else ", ".join(f"{k} {_v(x, u)}" for k, x in b.items())
+            vals = {value_text(x, u) for x in b.values()}
+            shown = next(iter(vals)) if len(vals) == 1 else ", ".join(f"{k} {value_text(x, u)}" for k, x in b.items())
             where = f"Plan.{r['build_field']}" if r["build_field"] else "build check"
             out.append(f"  build     {shown:>12}  {where}: {r['build_how']}")
         out.append("")

@@ -23,8 +23,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from microbench import atomic, kernel_gate as km
+from microbench import atomic
 from microbench import gate as stored
+from microbench import kernel_gate as km
 from microbench.gate import (EXIT_GPU, EXIT_INPUT, EXIT_UNKNOWN, GateConfig, GpuMismatchError, compare, load_cross_run,
                              load_measurements)
 from microbench.gate_ab import ABConfig, cmd_ab, synthetic_specs

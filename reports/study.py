@@ -24,7 +24,8 @@ from microbench.errors import ResultsFileError
 from microbench.fmt import fmt, fmt_range, fmt_spread
 from microbench.weights.bench import STUDY_EXPERT_BYTES
 
-from . import megakernel as mk, paper
+from . import paper
+from . import megakernel as mk
 
 STUDY_ACCEPTANCE = 6.6  # tokens the study accepts per 16-token verify step (GSM8K, its draft model)
 

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-from . import analysis as an
 from ..datasheet import hbm_peak
 from ..errors import CorrectnessError
 from ..harness import Case, Harness, Prepared, full_sweeps, run_case
@@ -31,6 +30,7 @@ from ..results import Bound, Derived, Env, Result, Series, results_root
 from ..sass import count_matching, find_disassembler, sass_by_kernel
 from ..stats import Summary, bootstrap_ci, mann_whitney
 from ..watchdog import Watchdog
+from . import analysis as an
 from .calibrate import fit_clock_calibration, quantisation_floor_ns
 from .events import INSTR, LAUNCH
 from .ncu_tick import tick_under_ncu

@@ -2,8 +2,8 @@
 (`python -m microbench.clocks.events`) and checked against these registries by a CPU test."""
 from __future__ import annotations
 
-from pathlib import Path
 import sys
+from pathlib import Path
 
 from .profiler import ProfileEvents
 

@@ -33,13 +33,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import derive
 from ..basics.bench import copy_case
 from ..datasheet import hbm_peak
 from ..errors import CorrectnessError
 from ..harness import CLOCK_DROP_FRACTION, Case, Harness, Prepared, full_sweeps, run_case
 from ..launch import LaunchSpec, launch
 from ..results import Bound, Derived, Env, Result, Series, latest
+from . import derive
 from .gen import (B_MAX, NACC, REC_WORDS, R_FIRST0, R_PASSES, R_SMID, R_TIMED0, R_TOTAL_CYC, R_TOTAL_NS,
                   STAGE_BYTES_PER_WARP, X_MAX, Generated, check_exact_range, compile_many, instructions_for,
                   loop_kernel, loop_reference, probe_kernel, stream_kernel)

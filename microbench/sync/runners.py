@@ -18,7 +18,8 @@ from ..compiler import compile_cuda, inject_ppm
 from ..errors import CorrectnessError, SpinTimeoutError
 from ..launch import LaunchSpec, launch
 from ..watchdog import Watchdog, fields
-from .params import Layout, parse_enum, source, upload as _upload
+from .params import Layout, parse_enum, source
+from .params import upload as _upload
 from .sentinel import BF16, F32, SentinelRule
 
 NONE = 0xFFFFFFFF

@@ -34,13 +34,14 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import kernels as K, plan, rules
 from ..datasheet import hbm_peak
 from ..errors import CorrectnessError, KernelDoesNotFitError, MegabenchError
 from ..harness import Case, Harness, Policy, full_sweeps
 from ..launch import LaunchSpec, launch
 from ..results import Bound, Derived, Env, Result, Series, latest
 from ..stats import bootstrap_ci, fit_steps
+from . import plan, rules
+from . import kernels as K
 from .l2policy import persisting_window
 from .plan import KiB, MiB, RingConfig
 

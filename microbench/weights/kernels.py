@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from . import plan
 from ..compiler import compile_cuda
 from ..errors import CorrectnessError, KernelDoesNotFitError
 from ..harness import Harness, Prepared
 from ..launch import LaunchSpec, launch, max_resident_blocks
 from ..watchdog import Watchdog
+from . import plan
 
 HERE = Path(__file__).resolve().parent
 SOURCES = {"read": HERE / "read.cu", "ring": HERE / "ring.cu", "chase": HERE / "chase.cu"}

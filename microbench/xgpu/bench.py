@@ -34,14 +34,18 @@ import time
 
 import numpy as np
 
-from . import analysis as A, runners as X, world as W
 from ..atomic import write_json
 from ..errors import CorrectnessError, SpinTimeoutError
 from ..harness import Harness
 from ..results import REPO_ROOT, Bound, Derived, Env, Result, Series, latest, read_json, results_root
-from ..sync import analysis as SA, bench as SB, runners as SR
+from ..sync import analysis as SA
+from ..sync import bench as SB
+from ..sync import runners as SR
 from ..sync.sentinel import BF16
 from ..teardown import leave
+from . import analysis as A
+from . import runners as X
+from . import world as W
 from .world import MULTICAST_OFF, PeerBuffer, World, WorldError, all_gather_object
 
 KiB, MiB = 1024, 1 << 20

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import analysis as A, runners as X
 from ..device import device_info
 from ..errors import CorrectnessError
 from ..harness import Case, Prepared
@@ -22,6 +21,8 @@ from ..launch import LaunchSpec, launch
 from ..results import Bound
 from ..sync.params import upload
 from ..watchdog import Watchdog
+from . import analysis as A
+from . import runners as X
 from .bench import _latest, _payload
 from .world import WorldError
 

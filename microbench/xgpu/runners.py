@@ -17,15 +17,16 @@ from pathlib import Path
 
 import numpy as np
 
-from . import analysis as A
 from ..compiler import compile_cuda
 from ..device import device_info
 from ..errors import CorrectnessError, SpinTimeoutError
 from ..launch import LaunchSpec, launch
 from ..sync import runners as SR
-from ..sync.params import Layout, parse_enum, upload as _upload
+from ..sync.params import Layout, parse_enum
+from ..sync.params import upload as _upload
 from ..sync.sentinel import BF16, F32
 from ..watchdog import Watchdog, fields
+from . import analysis as A
 from .world import PeerBuffer, World
 
 SRC = Path(__file__).resolve().parent / "xgpu.cu"
