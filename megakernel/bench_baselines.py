@@ -52,8 +52,8 @@ from .speculative import measure_acceptance
 from .weights import generate
 
 BENCHMARK = "model.baselines"
-STUDY_DISTINCT, STUDY_TOKENS, STUDY_EXPERTS, STUDY_TOP_K = 49, 16, 256, 8  # PAPER.md: 49 of 256 at 16 x top-8
-STUDY_ACCEPTANCE = 6.6  # PAPER.md: 16 verified, 6.6 accepted on average (GB300, GSM8K, DFlash V2)
+STUDY_DISTINCT, STUDY_TOKENS, STUDY_EXPERTS, STUDY_TOP_K = 49, 16, 256, 8  # the study (reports/paper_figures.json): 49 of 256 at 16 x top-8
+STUDY_ACCEPTANCE = 6.6  # the study: 16 verified, 6.6 accepted on average (GB300, GSM8K, DFlash V2)
 QUICK_POINTS = {"small": [(1, 512), (16, 512)], "shard8": [(1, 2048), (16, 2048)]}
 FULL_POINTS = {"small": [(t, c) for c in (512, 4096) for t in (1, 16)],
                "shard8": [(t, c) for c in (2048, 8192) for t in (1, 16)]}

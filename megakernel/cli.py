@@ -319,7 +319,7 @@ def _by_source_markdown(df, chains, top: int) -> str:
     from .ncu_stalls import by_op, by_source  # heavy: pandas (megakernel.ncu_stalls)
 
     t = by_source(df, chains, _source_label, top=top)
-    # the per-op account (issue 48): every op's stall samples, largest first, split into its copy
+    # the per-op account: every op's stall samples, largest first, split into its copy
     # waits (its bytes) and its own work, with what the own work stalls on; a sample is one warp's
     # state at one sampling instant, so an op's share is its share of the warps' resident time, not
     # of the critical path (top-k's one block weighs little)

@@ -1,6 +1,6 @@
-"""What an FP8 tensor-core path for the expert GEMMs would cost in accuracy (issue 48), on the CPU.
+"""What an FP8 tensor-core path for the expert GEMMs would cost in accuracy, on the CPU.
 
-The expert k-loop holds the expert phase (megakernel-structure.md): decoding NVFP4 into bf16 pairs
+The expert k-loop holds the expert phase (reports/notes/megakernel-structure.md): decoding NVFP4 into bf16 pairs
 for mma.m16n8k16 costs about 9 integer instructions and 4 bf16x2 multiplies per 8 weights, and at
 shard8 T=16 a chunk's compute already equals its stream time. Hopper's other tensor-core input for
 such weights is E4M3 (mma.m16n8k32.e4m3): an E2M1 code is an E4M3 byte with its bits moved (the

@@ -74,7 +74,7 @@ def _opaque_kernels():
     """The Triton launchers as dynamo graph breaks (torch.compiler.disable), for the compiled
     flavour: torch.compile compiles the torch parts between them and the tuned kernels launch as
     they are. Traced into, inductor re-compiled the user kernels under its own settings, and the
-    attention kernel's failed to compile there (H200, 2026-12-01: every peer_compile row)."""
+    attention kernel's failed to compile there."""
     K = _kernels()
     names = ("attention", "route", "moe_up", "moe_down", "add_rmsnorm", "rope_kv", "moe_combine")
     return types.SimpleNamespace(**{n: torch.compiler.disable(getattr(K, n)) for n in names if hasattr(K, n)},
@@ -139,8 +139,8 @@ class PeerModel:
 
         Under torch.compile the GEMM is an opaque custom op (`megabench::peer_mm32`, no graph
         break): max-autotune turns on inductor's coordinate-descent tuning, whose decomposition of
-        an M = 1 mm into a multiply and a sum drops out_dtype. At T = 1 on the H200 (2026-12-01) the
-        router's logits came back bf16 and the routing kernel failed to compile on them."""
+        an M = 1 mm into a multiply and a sum drops out_dtype. At T = 1 the router's logits would come
+        back bf16, and the routing kernel fails to compile on them."""
         if torch.compiler.is_compiling():
             return _peer_mm32(a, w, bool(self.out_dtype))
         if self.out_dtype:

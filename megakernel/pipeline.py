@@ -58,13 +58,9 @@ _peer_row.quick_tokens = (16,)  # two items of ~10 s: what the default run's bud
 PEERS: dict[str, object] = {} if os.environ.get("MEGABENCH_PEER", "1") == "0" else {"peer": _peer_row}
 PEER_SEED_S = 10.0
 
-# Seconds per item before any run.wall result has measured it (microbench.progress.Estimates), from
-# committed evidence. model.baselines (reports/results/model, quick, 2026-11-29): wall 123-131 s for
-# its 12 cases with acceptance and weights; torch.compile's compile_s 14-21 s for the first case of a
-# process (small T=1), 7-16 s for the others; shard8 weights generated in 4.4-26.5 s. The megakernel
-# stage of those days: build saved at 05:44:30, step at 05:47:12 (2026-12-01, run of 58f75e5): 162 s
-# for checks, timings, the 38-variant ablation and the timeline with a warm kernel cache. One NVRTC
-# build of shard8: 10.1 s (CPU machine, 2026-12-01). Names are Stage.items()'s.
+# Seconds per item before any run.wall result has measured it (microbench.progress.Estimates): read off
+# the committed model.baselines and megakernel results (their wall-time and compile-time notes, their
+# saved times); a run.wall result of this GPU and mode replaces them. Names are Stage.items()'s.
 SEEDS = {
     "build": 2.0, "save": 2.0,
     "tiny weights": 1.0, "small weights": 2.0, "shard8 weights": 10.0,

@@ -89,14 +89,11 @@ def _get(constants, key):
     return constants[key] if isinstance(constants, dict) else getattr(constants, key)
 
 
-# Per-role register budgets (Plan.compute_registers; technique 1's "register budgets per role"):
-# the compute warps take 224 registers, the loader's warpgroup keeps 56. The builds stop being 3
-# registers short of a spill (the profiled builds spilled 44 B at shard8 T=1, 42 B in the detail
-# build: none does now). In-run A/Bs on the H200, 2026-12-01, 7 rounds each, against 9 warps of 168
-# (shard8 T=16 / shard8 T=1 / small T=16): 05:23Z -0.06 / -0.69 / +0.87%, 05:30Z -0.37 / -0.75 /
-# -0.05%, 05:35Z -0.59 / -0.83 / +0.07% (512 B layout placebos -0.49..+0.76%); profiled, every launch
-# recorded: +3.04 / +9.50 / +4.94% over the unprofiled build without them, +3.00 / +4.34 / +4.93%
-# with them (05:23Z)
+# Per-role register budgets (Plan.compute_registers): the compute warps take 224 registers, the
+# loader's warpgroup keeps 56. Invariant: no default build spills at this budget (the slow CPU test
+# test_preset_kernels_compile_for_sm90a_without_spills fails on any spill); a larger budget leaves
+# the loader too few registers, a smaller one spills the profiled builds. The A/Bs behind the
+# number are in the lever index (LEVERS.md).
 ROLE_REGISTERS = 224
 
 
@@ -214,8 +211,7 @@ def profile_samples(n_launch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The two sampled profiles the timeline times (Engine.profile_launches): one launch in
     PROFILE_SAMPLE_EVERY through the middle launch, and as many consecutive launches around it.
     The window switches between the profiled and the unprofiled build twice a step instead of
-    twice per recorded launch (each switch ~2.6 us: scratch run of 2026-11-30 12:31Z,
-    reports/results/megakernel/diag-profiler-sampling-20261130T1231Z-a87fec0.md)."""
+    twice per recorded launch (each switch costs microseconds of its own)."""
     mid = middle_launch(n_launch)
     spread = tuple(range(mid % PROFILE_SAMPLE_EVERY, n_launch, PROFILE_SAMPLE_EVERY))
     lo = max(0, min(mid - len(spread) // 2, n_launch - len(spread)))

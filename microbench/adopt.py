@@ -8,10 +8,9 @@ last: it reads the revision named by the adoption file
 
 which changes only through `megabench adopt`, and only with a measurement: the megakernel
 results that ran the build with that revision (their env records constants_revision, set by
-megakernel/pipeline.py when it loads constants). So a re-tuned ring or prefetch budget reaches
-the build only after the build it changes has been measured. A fresh `megabench run` on
-2026-12-01 re-tuned l2_prefetch_budget_bytes 40 MiB -> 0 and the ring 3 x 16 -> 2 x 32 KiB, and
-the megakernel built from them unmeasured; this file is why that cannot happen again.
+megakernel/plans.py when it loads constants). So a re-tuned ring or prefetch budget reaches the
+build only after the build it changes has been measured: a fresh run's re-tune never reaches the
+build unmeasured.
 
 Pins (microbench/pins.py) hold a constant at a stated value in every new revision; tune applies
 them. Adoption files are versioned data with their reasons, in a folder below the constants

@@ -207,9 +207,8 @@ def compile_cuda(source: str | Path, *, name: str | None = None, arch: str = DEF
     opts = dict(extra_options or {})
     # The key names content, not locations: the headers of every include dir but the toolkit's by
     # their bytes, toolkit headers by the NVRTC version that ships them, so a cache built on one
-    # machine is valid on another. Danger: a dir left out of the hash (those outside the repository
-    # were, until 2026-12-01) makes two kernel trees with the same top-level text share one cubin
-    # (an A/B variant tree outside the repository built as another tree's cubin).
+    # machine is valid on another. Danger: a dir left out of the hash makes two kernel trees with the
+    # same top-level text share one cubin (an A/B variant tree built as another tree's cubin).
     tv = toolchain_versions()
     key_material = json.dumps({
         "fmt": CACHE_FORMAT, "src": text, "name": name, "arch": arch, "defines": defs,
@@ -240,9 +239,8 @@ def compile_cuda(source: str | Path, *, name: str | None = None, arch: str = DEF
 
     image, log_s = _nvrtc_cubin(text, options(lineinfo), f"{name} for {arch} with defines {defs}")
     if lineinfo and _report_missing(image, log_s):
-        # NVRTC 13.0 on the H200 machine (cu13 wheel, 2026-12-01) returned an empty log for some
-        # sources compiled with -lineinfo and -v together (every kernel then looked like it had no
-        # entries). The same source without line info reports its registers, spills and smem;
+        # NVRTC 13.0 can return an empty log for a source compiled with -lineinfo and -v together
+        # (every kernel then looks like it has no entries). The same source without line info reports its registers, spills and smem;
         # line info changes no allocation, so that report describes the image kept here. Where
         # that log is empty too, cubin.resource_usage reads the image's own attributes.
         _, log_s = _nvrtc_cubin(text, options(False), f"{name} for {arch} with defines {defs} (for its ptxas report)")

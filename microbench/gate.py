@@ -200,7 +200,7 @@ def fitness(s, env, min_repeats: int = 8) -> tuple[int | None, str, bool, str]:
     m, n = s.metrics, len(s.samples)
     if m.get("gated") is False:
         return None, "", False, str(m.get("not_gated_reason") or "its benchmark marks it not gated")
-    if s.timer == "cupti":  # results of 2026-12-01 predate the peer's gated=False on these
+    if s.timer == "cupti":  # older peer results do not mark these gated=False
         return None, "", False, ("profiler accounting (CUPTI) of un-graphed passes: a diagnostic of where a step's "
                                  "time goes, not a timing to gate (its step series is)")
     contiguous = m.get("repeat_layout") == "contiguous"

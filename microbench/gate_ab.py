@@ -40,21 +40,19 @@ mean over its r workers, a_i = exp(mean_p log a_pi), and likewise b_i:
                stays SAME: the gate is for regressions.
 
 Why the process test: two processes of the same build differ by a steady offset of their own
-(their memory placement and code layout). On the H200 (gate.quality_run, 2026-12-01) one process
-of a 64 KiB fence case ran 7.6% slower than another for the whole run, a ping-pong 4.2% faster,
-while each process's rounds agreed within 0.1-1%. Rounds cannot see such an offset: they are
+(their memory placement and code layout), steady for the whole run and several times larger than
+the spread of one process's rounds (the recorded gate.quality_run results show it, aa_offsets).
+Rounds cannot see such an offset: they are
 all of one pair of processes, and the signed-rank test calls it significant at once. The
 independent units of that noise are the processes, so the verdict also asks whether B's workers
 differ from A's by more than the workers within each side differ from each other. With one
 worker a side (`--replicas 1`) only the rounds are tested, and the report says so.
-Where such an offset has a known cause the case removes it at the source (2026-12-02): the
-ping-pong and publish cases average each sample over 8 flag placements (one allocation's flags
-sat 3-4% off another's, steady), the fence probe is pinned to one SM (a lone block's SM moves
-its time by up to 8%), and the sync cases keep their runners alive (the fence probe's 171/181 us
-levels came with its freed runner, whose loader stopped early: runners.KEEP_NOTE; kept alive, its
-workers agree within 0.2%); see microbench/sync/bench.py.
-One offset remains, cause not found: the empty launch's workers differ by up to 12%, so the
-process test stays, and a case like it reads unknown rather than same or regression.
+Where such an offset has a known cause the case removes it at the source: the ping-pong and
+publish cases average each sample over 8 flag placements (one allocation's flags sit steadily off
+another's), the fence probe is pinned to one SM (a lone block's SM moves its time), and the sync
+cases keep their runners alive (a freed runner's loader stops early: runners.KEEP_NOTE); see
+microbench/sync/bench.py. Offsets without a known cause remain (the empty launch's workers), so
+the process test stays, and such a case reads unknown rather than same or regression.
 
 Why a floor: even so, two builds of the same code differ by their code layout (layout placebos of
 the megakernel moved its step by -0.5..+1.1%, megakernel/ab.py), so a significant 1% is real but

@@ -7,9 +7,8 @@ on two fresh machines). One in-run A/B session of the working tree against itsel
   each case of QUALITY_CASES several times: as built, and, for cases whose kernels carry the
   injection hook (mb/inject.cuh), built with MB_INJECT_PPM = 20000 / 50000 / 100000: the last
   block of every launch spins 2 / 5 / 10% of its own run time (`@p2`, `@p5`, `@p10`). The sides
-  hold the same builds, so they differ by nothing but their processes (until 2026-12-01 only B
-  held the injected builds, and the empty-launch case ran a steady 3-4% slower in B: the
-  asymmetry, not noise, which the A/A trials then counted as false alarms);
+  hold the same builds, so they differ by nothing but their processes (were only B to hold the
+  injected builds, that asymmetry, not noise, would be counted by the A/A trials as false alarms);
 - every round times, per worker, A's case as built and B's case as built and injected, the
   workers interleaved and the order reversed every other round (microbench/gate_ab.py), ROUNDS
   rounds; the run's figures are saved as a typed result
@@ -20,7 +19,7 @@ Analysis (`megabench gate --quality RUN RUN [--save]`, CPU), of two such runs:
 - a trial is one gate verdict on BLOCK (10) consecutive rounds, the size a CI run uses;
 - in-run A/B mode: A/A trials are verdicts of A's workers against B's, detection trials of A's
   against B@pN's (gate_ab.replicated_verdict, its default floor and alpha). Runs with another
-  number of workers a side (the 2026-12-01 runs had one) are tallied apart, their measures
+  number of workers a side are tallied apart, their measures
   suffixed `_<r>w`. An A/A trial is two-sided: a false
   alarm when either orientation (A vs B, B vs A) is called a regression, so the one-sided rate a
   CI run meets is about half of it;
@@ -76,8 +75,7 @@ from .gate_ab import (ABConfig, Comparison, Entry, SideSpec, pool_prepared, prep
 from .results import REPO_ROOT, Derived, Env, Result, Series, find, git_dirty, git_sha, load, results_root
 
 PPMS = (20000, 50000, 100000)
-# One worker a side timed 73 figures a round in 2.4 s on the H200 (2026-12-01); three a side time
-# three times as many: 20 rounds, two trials of BLOCK per case, ~2.5 min of rounds
+# 20 rounds: two trials of BLOCK per case; with three workers a side, a few minutes of rounds on an H200
 ROUNDS = 20
 BLOCK = 10
 MIN_INJECT_FRACTION = 0.5  # a measured injection under this share of nominal is not counted as injected
@@ -87,8 +85,8 @@ METHOD = "two quality runs (gate.quality_run) on fresh machines, trials of 10 ro
 
 # (pytest nodeid, kernels carry the injection hook). Every worker holds each hooked case four times
 # (as built and at each injection) with its own buffers; the two 2 GiB cases (the 1 GiB copy's source
-# and destination, the read ceiling's buffer) are timed as built only: hooked, they made a worker
-# hold about 26 GiB, and the six workers of three a side ran the H200 out of memory (2026-12-02).
+# and destination, the read ceiling's buffer) are timed as built only: hooked, each worker would hold
+# every copy of them, and six workers of three a side do not fit one H200's memory.
 QUALITY_CASES = (
     ("tests/bench/test_bench_basics.py::test_copy[mb_copy_v4-64MiB]", True),
     ("tests/bench/test_bench_basics.py::test_copy[mb_copy_v4-1024MiB]", False),
@@ -795,7 +793,7 @@ def aa_offsets(runs: Sequence[RunData]) -> dict[str, list[float]]:
     """{case: [the A/A offset of each run that has both sides]}: exp(median log(B / A)) over all of
     a run's rounds. Two processes of one tree differ by a steady offset per process (where their
     flags and buffers landed, their launch path), which paired rounds cannot average away: it is
-    what the in-run A/A false alarms are made of (2026-12-01: up to 7.6% on a fence series)."""
+    what the in-run A/A false alarms are made of."""
     out: dict[str, list[float]] = {}
     for run in runs:
         for case, f in sorted(run.figures.items()):
@@ -871,7 +869,7 @@ def run_analysis(paths: Sequence[Path] | None = None, save: bool = False, save_r
 def newest_build(runs: Sequence[RunData]) -> list[RunData]:
     """The runs of the newest build (commit, dirty or not) that has two or more: one build's runs
     measure one gate and one set of cases. Runs of earlier builds timed other cases under the same
-    names (before 2026-12-02 the fence probe's loader stopped in the workers: runners.KEEP_NOTE)."""
+    names (a case's kernel or runner can change under one name: runners.KEEP_NOTE)."""
     groups: dict[tuple, list[RunData]] = {}
     for r in sorted(runs, key=lambda r: r.env.date, reverse=True):
         groups.setdefault((r.env.git_sha, r.env.git_dirty), []).append(r)

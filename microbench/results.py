@@ -86,9 +86,8 @@ def _dirty(expected: str | None) -> bool:
     """Whether the sources differ from the commit the results are credited to. With
     MEGABENCH_SOURCE_TREE (`python -m microbench.results source-tree` at that commit) the sources'
     tree id on disk is compared with it, so a copy whose .git lags behind its files is judged by
-    its files: the GPU machine receives the caller's files beside the .git of an earlier commit,
-    and `git status` there had made every H200 result until 2026-11-30 say dirty. Without it,
-    `git status` of the tracked files."""
+    its files (a machine that receives the caller's files beside the .git of an earlier commit
+    would otherwise call every result dirty). Without it, `git status` of the tracked files."""
     if expected:
         got = source_tree_id()
         return not got or got != expected.strip()

@@ -11,8 +11,7 @@ pin, whatever the runs say; the table still shows them.
 `check` answers for one constant, `table` for all of them (the report's stability rows);
 tests/test_stability.py asserts that no unpinned constant flips between machines in the
 committed results. `recorded=True` compares the values the files record instead (what tune
-used before its rules were fixed): on the committed 2026-11-29 runs the ring then flips 2 x 32
-vs 3 x 16 KiB.
+used before its rules were fixed), under which a constant can flip where the current rule agrees.
 """
 from __future__ import annotations
 

@@ -236,7 +236,7 @@ def with_fastest_baselines(rows: Sequence[StepRow], baseline_runs: Sequence[Resu
         if k not in newest or r.date > newest[k].date:
             newest[k] = r
     # a configuration the megakernel was timed at gets each baseline's fastest committed run there,
-    # also where the newest baseline run did not reach it (2026-12-01: shard8's ran out of memory)
+    # also where the newest baseline run did not reach it (a run that ran out of memory at shard8)
     cfgs = {r.config for r in newest.values()}
     for k, b in best.items():
         if k[1] in cfgs and k not in newest:

@@ -1,7 +1,7 @@
 """The study's figures as data (reports/paper_figures.json): each number, its setup (the authors'
 8 x GB300 system unless stated), the overhead class it belongs to, and how ours is obtained.
 
-The file is package data: nothing reads the brief's PAPER.md at run time. `validate()` is what the
+The file is package data, the one copy of the study's numbers. `validate()` is what the
 tests call: every figure has a value or a range, a known setup and a known class, and every figure
 with an "ours" says whether ours is the same quantity under the same conditions (`compare`:
 "same", or what differs). reports/study.py turns them into the report's rows.

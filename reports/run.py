@@ -53,15 +53,13 @@ from . import classes as classes_
 from .build import build
 
 BUDGET_S = 300.0
-BUDGET_NOTE = ("issue 43: `megabench run` (default) finishes on one H200 in 5 minutes or less; wall time on the "
+BUDGET_NOTE = ("`megabench run` (default) finishes on one H200 in 5 minutes or less; wall time on the "
                "host monotonic clock")
 
-# Seconds per item before a run.wall result has measured it (microbench/progress.py). From
-# committed evidence: the saved dates of the results of fe6e526's run (2026-11-29 11:55-11:57Z, one
-# benchmark after the other: icache 1-3 s apart, weights 2-8 s, sync 1-16 s), and issue 43's H200
-# run: microbenchmarks + gate quality + tune 194 s, of which model.baselines took 123-131 s
-# (its own wall-time notes), so ~65 s for the 19 others. The report: 20 s of CPU time over the
-# committed results (CPU machine, 2026-12-01; far fewer results under a session's own root).
+# Seconds per item before a run.wall result has measured it (microbench/progress.py): estimates only,
+# read off the committed results (their saved times one after the other, the baselines' own
+# wall-time notes); a run.wall result of this GPU and mode replaces them. Danger: too low a seed
+# only makes the first run's plan optimistic, it never stops an item.
 SEEDS = {
     "microbenchmarks/basics.copy": 4.0, "microbenchmarks/basics.launch": 6.0,
     "microbenchmarks/icache.capacity": 6.0, "microbenchmarks/icache.spliced": 1.0,
@@ -141,9 +139,8 @@ class _Run:
 def build_constants(current: Path):
     """The constants the megakernel stage builds from: the revision adopted in the constants folder
     of `current` (microbench/adopt.py), not the one tune has just written. A re-tuned ring or budget
-    reaches the build only after it has been measured and adopted (issue 45: a fresh run re-tuned
-    the ring and the L2 budget and the megakernel built from them unmeasured). Without an adoption
-    there, the fresh revision, said out loud."""
+    reaches the build only after it has been measured and adopted, never unmeasured. Without an
+    adoption there, the fresh revision, said out loud."""
     fresh = load_constants(current)
     rec = load_adoption(fresh.gpu, current.parent)
     if rec is None:
@@ -161,8 +158,8 @@ def _selected(classes) -> tuple[dict, bool]:
     """({benchmark: run} for the microbenchmark stage, whether the naive torch baselines were asked
     for by name: `--classes model`; `--full` runs them too). The default run leaves them out: they
     are the model written plainly in torch, not what anyone would run (the peer is the competent
-    baseline, and runs by default), they cost ~36 s of the 300 s budget at small alone, and at
-    shard8 they ran out of memory beside the megakernel's tiled weights (H200, 2026-12-01 19:10Z)."""
+    baseline, and runs by default), they would take a large share of the budget, and at shard8 they
+    do not fit in memory beside the megakernel's tiled weights."""
     todo = classes_.benchmarks(classes)
     return {k: v for k, v in todo.items() if not k.startswith("model.")}, bool(classes and "model" in classes)
 

@@ -1,4 +1,4 @@
-"""Clocks, SM-to-SM skew, launch-to-launch timing and the in-kernel profiler's cost (issue 6).
+"""Clocks, SM-to-SM skew, launch-to-launch timing and the in-kernel profiler's cost.
 
 - clocks.timers: %globaltimer tick (smallest nonzero increment of back-to-back reads, and the
   whole increment distribution), its update period in %clock64 cycles, the %clock64 rate

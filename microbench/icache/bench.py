@@ -93,8 +93,8 @@ def capacity_sizes(quick: bool) -> tuple[int, ...]:
     return tuple(sorted({int(round(v / 256)) * 256 for v in raw}))
 
 
-# Where the H200's 1-warp curve changes level (2026-11-29: between 19.3 and 60 KiB, partly at
-# 34 KiB, and between 106 and 187 KiB): a denser grid there tells a plateau from a transition.
+# Where the H200's 1-warp curve changes level (the committed icache.capacity results: tens of KiB,
+# and around the SM's instruction cache): a denser grid there tells a plateau from a transition.
 DENSE_KIB = (16, 20, 24, 28, 32, 40, 48, 56, 96, 112, 128, 144, 160, 176)
 DENSE_WARPS = (1, 4)
 

@@ -177,13 +177,11 @@ def probe_clusters(h, sizes=(2, 4, 8), waves: int = 3) -> list[list[int]]:
 
 
 # KEEP_NOTE. A `prepared()` launch function keeps its runner alive (`go.keep` holds `self`): the
-# parameter block points at the runner's watchdog record, loader source and data. Until
-# 2026-12-02 it did not, and a pytest case that kept only its launch freed the runner at once;
-# torch's allocator then handed the freed blocks to the next allocations. In the A/B gate's
-# workers (many cases prepared in one process) the fence probe's loader read a reused watchdog
-# word as "tripped" and stopped after 80 KiB instead of streaming 17.8 MB, so the case timed
-# fences with no bulk loads in flight: 171 or 181 us in the workers against 263 us in a fresh
-# process (H200, reports/notes/2026-12-02-h200-session-3.md). Kept alive, a launch's memory is its own.
+# parameter block points at the runner's watchdog record, loader source and data. Danger: a case
+# that kept only its launch would free the runner at once, torch's allocator would hand the freed
+# blocks to the next allocations, and in a process that prepares many cases (the A/B gate's
+# workers) the fence probe's loader would read a reused watchdog word as "tripped" and stop early,
+# so the case would time fences with no bulk loads in flight. Kept alive, a launch's memory is its own.
 
 # ============================================================================ ping-pong
 PP = Layout(source("flags.cu"), "PPParam", "PP_", "PP_NPARAMS")

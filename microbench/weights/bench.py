@@ -1,5 +1,5 @@
 """Weight streaming: read ceiling, shared-memory ring, L2 capacity/latency/hints, L2 prefetch,
-and the hot-expert bet (overhead class 2 of ../shared/PAPER.md).
+and the hot-expert bet (the study's second overhead class: reports/paper_figures.json).
 
 - weights.read_ceiling: best plain streaming read (16-byte loads, UNROLL in flight, persistent
   grid sized by the occupancy calculator) over 2 GiB (34x the H200's L2), every word summed and
@@ -47,7 +47,7 @@ from .plan import KiB, MiB, RingConfig
 
 CEILING_BYTES = 2 << 30  # 2 GiB: >= 8x L2 on every GPU this project targets
 RING_BYTES = 1 << 30
-STUDY_RING = RingConfig(5, 32 * KiB)  # the study's 5 x 32 KB (PAPER.md), used when no ring was tuned
+STUDY_RING = RingConfig(5, 32 * KiB)  # the study's 5 x 32 KB (reports/paper_figures.json), used when no ring was tuned
 CONSUMER_WARPS = 4
 
 # Results measured earlier in this process, per harness, so later benchmarks of the same run are
@@ -167,8 +167,8 @@ def ring_case(cfg: RingConfig, nbytes: int | None = None, consumer_warps: int = 
 
 
 # The megakernel fills a stage with one bulk copy per padded weight row (512 B .. 2 KB): does that
-# cost bandwidth against one copy per stage? Swept at 4 x 16 KB (one copy streams within ~2% of
-# the best ring there).
+# cost bandwidth against one copy per stage? Swept at 4 x 16 KB, a ring whose single copy per stage
+# streams close to the best ring's rate, so the pieces are what moves.
 PIECES_RING = RingConfig(4, 16384)
 PIECES = (1, 2, 4, 8, 16, 32)
 QUICK_PIECES = (1, 16, 32)

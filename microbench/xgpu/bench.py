@@ -1,6 +1,5 @@
-"""Synchronisation and clocks between the GPUs of one node (issue 11; ../shared/PAPER.md measured a
-one-way flag between two GPUs at about 1.9 us, polls queued behind bulk copies at 1.0-2.6 us,
-and GPUs drifting up to 4 us apart). One process per GPU under torchrun; rank 0 writes results.
+"""Synchronisation and clocks between the GPUs of one node (the study's figures for them:
+reports/paper_figures.json, sync.flag_gpu_to_gpu, xgpu.poll_behind_bulk, sync.gpu_drift). One process per GPU under torchrun; rank 0 writes results.
 
 - xgpu.flags: one-way flag latency between an SM of rank 0 and an SM of another rank by
   ping-pong (microbench/sync/flags.cu with one role per GPU; st.release.sys writes into the

@@ -9,7 +9,7 @@ Peer memory is legacy CUDA IPC: each rank allocates with cuMemAlloc, exports a h
 enabled lazily by the driver). One allocation per PeerBuffer, so a handle always names the base
 of its allocation (cuIpcGetMemHandle requires that; torch's caching allocator would not give it).
 
-NVLink multicast stays off (../shared/TOOLCHAIN.md): a program that uses it can take the
+NVLink multicast stays off: a program that uses it can take the
 host's shared GPUs out of service. `check_multicast_off` sets the three switches where they are
 unset and refuses to start where one is set to enable it; nothing here calls cuMulticastCreate.
 """
