@@ -90,9 +90,10 @@ def _get(constants, key):
 
 
 # Per-role register budgets (Plan.compute_registers): the compute warps take 224 registers, the
-# loader's warpgroup keeps 56. Invariant: no default build spills at this budget (the slow CPU test
-# test_preset_kernels_compile_for_sm90a_without_spills fails on any spill); a larger budget leaves
-# the loader too few registers, a smaller one spills the profiled builds. The A/Bs behind the
+# loader's warpgroup keeps 56. Bound: a block of 12 warps (8 compute, the loader's 4) then holds
+# 32 x (8 x 224 + 4 x 56) = 64512 of the SM's 65536 registers, so a larger compute budget needs a
+# smaller loader one. Invariant: no default build spills at this budget (the slow CPU test
+# test_preset_kernels_compile_for_sm90a_without_spills fails on any spill). The A/Bs behind the
 # number are in the lever index (LEVERS.md).
 ROLE_REGISTERS = 224
 
