@@ -161,7 +161,10 @@ def render(gpu: str, rows: list[dict], n_sm: int) -> str:
                                                              else f"none: {m['why_none']}"))
         out.append(f"  tuned     {value_text(t['value'], u):>12}  revision {t['revision']} ({t['source']}), {t['file']}")
         if p is not None:
-            out.append(f"  pinned    {value_text(p['value'], u):>12}  since {p['since'] or '?'}: {p['reason']}")
+            held = t["source"] == "pinned" and t["value"] == p["value"]
+            out.append(f"  pinned    {value_text(p['value'], u):>12}  since {p['since'] or '?'}"
+                       + ("" if held else f" (revision {t['revision']} does not hold it yet: the next `megabench "
+                                          "tune` writes it)") + f": {p['reason']}")
         if a is not None:
             was = f", recorded as {a['recorded_as']!r} (constants.RENAMED)" if a["recorded_as"] else ""
             out.append(f"  adopted   {value_text(a['value'], u):>12}  revision {a['revision']} ({a['file']}{was})")

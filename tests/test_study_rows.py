@@ -136,3 +136,12 @@ def test_cross_check_rows(ctx):
     assert any(r["verdict"] == "pinned" for r in st)
     lines = "\n".join(crosscheck.adoption_lines(ctx))
     assert "adopted revision 4" in lines and "pinned" in lines
+
+
+def test_a_computed_figure_must_name_a_function_of_the_study():
+    from microbench.errors import ResultsFileError
+    from reports.study import check_computed
+
+    check_computed([{"id": "weights.ring", "ours": {"kind": "computed", "name": "ring_built"}}])
+    with pytest.raises(ResultsFileError, match="'nope' is not in reports/study.py COMPUTED"):
+        check_computed([{"id": "weights.ring", "ours": {"kind": "computed", "name": "nope"}}])
