@@ -1,9 +1,9 @@
 """megakernel.peer: the competent baselines beside the megakernel, in one run on the GPU.
 
-    python -m megakernel.peer_bench [--points shard8:16:2048,...] [--compile-budget S] [--no-save]
-    python -m megakernel.peer_bench --compile-only      # no GPU: sm_90a registers / spills of every kernel
-    MEGABENCH_CACHE=.cache-mb python -m megakernel.peer_bench --precompile   # no GPU: the megakernel builds
-    python -m megakernel.peer_bench --markdown RESULT.json   # no GPU: a saved result as the note's tables
+    megabench mk peer-bench [--points shard8:16:2048,...] [--compile-budget S] [--no-save]
+    megabench mk peer-bench --compile-only      # no GPU: sm_90a registers / spills of every kernel
+    MEGABENCH_CACHE=.cache-mb megabench mk peer-bench --precompile   # no GPU: the megakernel builds
+    megabench mk peer-bench --markdown RESULT.json   # no GPU: a saved result as the note's tables
 
 Per point (preset, T, ctx; default the pipeline's quick points shard8 T=16, T=1 and small T=16):
   impl           what                                                        routing

@@ -48,7 +48,7 @@ from .roofline import read_ceiling
 # preset's later peer items. The default `megabench run` has about 25 s of its 300 s budget left for
 # them. A peer fn may carry `quick_tokens`: the quick run times it at those T only. The peer here is
 # its step alone at T=16 (block sizes from the last megakernel.peer run's sweep, else the defaults);
-# `python -m megakernel.peer_bench` times it at every point with the sweep, torch.compile, real
+# `megabench mk peer-bench` times it at every point with the sweep, torch.compile, real
 # routing, chain_nopdl and the per-kernel accounting (megakernel.peer). MEGABENCH_PEER=0: none.
 def _peer_row(h, preset, n_tokens, ctx, ceiling, constants=None):
     return peer_point(h, preset, n_tokens, ctx, ceiling)
@@ -243,7 +243,7 @@ class Stage:
                 self.notes.append(f"megakernel.code not made: {type(e).__name__}: {e}")
         else:
             self.notes.append("megakernel.code not made (no nvdisasm, or no shard8 preset): the critical path's "
-                              "cold-code column reads the newest one (`python -m megakernel.cli code --save`)")
+                              "cold-code column reads the newest one (`megabench mk code --save`)")
 
     def _check(self, p: str, t: int, ctx: int) -> None:
         c = check_point(p, t, ctx, self.plan(p, t))

@@ -6,7 +6,7 @@ microbenchmark publishes a constant by putting a `Derived` under exactly `derive
 versioned constants file, and falls back to `default` (loudly) when a class has not reported.
 Defaults are conservative: they keep the megakernel correct and safe, not fast.
 
-`feeds_build` marks the constants the megakernel build reads (megakernel/pipeline.py plan_for,
+`feeds_build` marks the constants the megakernel build reads (megakernel/plans.py plan_for,
 technique_switches, code_budget): those must come out the same from two runs on two machines
 (tests/test_stability.py), and the build reads them only from an adopted constants revision
 (microbench/adopt.py), never straight from whatever tune last wrote.

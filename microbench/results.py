@@ -120,7 +120,7 @@ class Env:
     date: str  # ISO 8601 UTC
     machine_kind: str | None = None  # e.g. "nvidia-h200" (MEGABENCH_MACHINE_KIND)
     # the tuned constants a megakernel build read (megakernel results only; None elsewhere):
-    # the revision number and the file, as megakernel/pipeline.py tuned() loaded them
+    # the revision number and the file, as megakernel/plans.py tuned() loaded them
     constants_revision: int | None = None
     constants_file: str | None = None
 

@@ -150,7 +150,7 @@ def build_constants(current: Path):
     if rec["revision"] != fresh.revision:
         print(f"megakernel: builds the adopted revision {rec['revision']}, not revision {fresh.revision} that tune has "
               f"just written; to move the build: MEGABENCH_CONSTANTS={current.parent}/history/<its file> "
-              "python -m megakernel.cli check-and-bench, then `megabench adopt`", flush=True)
+              "megabench mk check-and-bench, then `megabench adopt`", flush=True)
     return load_adopted(fresh.gpu, current.parent)
 
 

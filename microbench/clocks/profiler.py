@@ -12,7 +12,8 @@
   silently), pandas views, Chrome/Perfetto trace-event export, a matplotlib plot.
 - validate_trace(): the trace-event format rules the exporter must satisfy (checked in tests).
 
-`python -m microbench.clocks.profiler` regenerates the committed event headers.
+A registry's generated header names the command that regenerates it (`regenerate`; the clocks
+benchmarks' headers: `python -m microbench.clocks.events`).
 """
 from __future__ import annotations
 
@@ -182,10 +183,9 @@ class ProfileEvents:
         """Raise ProfileFormatError unless `path` holds exactly this registry's header."""
         p = Path(path)
         if not p.is_file():
-            raise ProfileFormatError(f"{p}: generated event header missing; run python -m microbench.clocks.profiler")
+            raise ProfileFormatError(f"{p}: generated event header missing; run {self.regenerate}")
         if p.read_text() != self.header_text():
-            raise ProfileFormatError(f"{p} is stale (the registry {self.name!r} changed); "
-                                     "run python -m microbench.clocks.profiler")
+            raise ProfileFormatError(f"{p} is stale (the registry {self.name!r} changed); run {self.regenerate}")
 
 
 # ====================================================================================== layout
