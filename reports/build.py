@@ -450,8 +450,6 @@ def section_critical_path(ctx: Context) -> list[str]:
     """The critical-path block in the megakernel's section, or a pointer to Appendix B when its
     tables are wider than the section's lines may be."""
     block = _critical_path(ctx)
-    if block is None:
-        return []
     if max((len(line) for line in block), default=0) <= MAX_LINE:
         return [CRITICAL_PATH, "", *block]
     return [CRITICAL_PATH, "", "Its tables are wider than this section's lines: see Appendix B.", ""]
@@ -624,7 +622,7 @@ def appendix_timelines(ctx: Context) -> list[str]:
                              "end (median)": fmt(a["end"], "s"), "end p90": fmt(a["end_p90"], "s")} for a in phases]), ""]
         out += _notes_lines([got])
     block = _critical_path(ctx)
-    if block is not None and max((len(line) for line in block), default=0) > MAX_LINE:
+    if max((len(line) for line in block), default=0) > MAX_LINE:
         out += [CRITICAL_PATH, "", *block]
     traces = sorted(p for p in ctx.cat.root.rglob("*") if p.is_file() and (
         ".trace." in p.name or p.name.startswith("ncu-") or p.name.endswith(".png")))

@@ -163,7 +163,7 @@ def test_sm_map_refuses_a_source_tree_and_a_bad_point(capsys, monkeypatch):
     assert "PRESET:T:CTX" in capsys.readouterr().err
     assert cli.main(["sm-map", "--variant", f"v={cli.__file__.rsplit('/', 1)[0]}/csrc"]) == 2
     assert "not a source tree" in capsys.readouterr().err
-    monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: "no CUDA device (test)")
+    monkeypatch.setattr("megakernel.cli.no_gpu_reason", lambda: "no CUDA device (test)")
     assert cli.main(["sm-map", "--variant", "roles:roles=3"]) == 2
     assert "sm-map needs a GPU: no CUDA device (test)" in capsys.readouterr().err
 
