@@ -48,7 +48,6 @@ class Check:
 
 
 def check_point(preset: str, n_tokens: int, ctx: int, plan: Plan) -> Check:
-
     sc = step_context(preset, n_tokens, ctx)
     w = weights_for(preset)
     routes = [r.cuda() for r in sc.routes]
@@ -153,7 +152,6 @@ def bench_point(h, preset: str, n_tokens: int, ctx: int, plan: Plan, mode: str, 
 
 
 def build_result(plans: dict[str, Plan], budget: int | None, constants=None) -> Result:
-
     series, derived = [], {}
     worst = 0
     for name, plan in plans.items():
