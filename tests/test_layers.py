@@ -72,7 +72,6 @@ PROBES = {
 }
 
 
-@pytest.mark.slow  # three lint-imports runs over a copy of the packages
 def test_lint_imports_passes_on_the_packages_and_fails_on_a_bad_import(tmp_path):
     root = _copy_packages(tmp_path)
     ok = _lint(root)
