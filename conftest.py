@@ -118,8 +118,8 @@ def pytest_benchmark_update_commit_info(config, commit_info):
 def _results_dir(tmp_path_factory):
     """Tests write results into a folder of their own (MEGABENCH_TEST_RESULTS, else a temporary
     one), never into the committed reports/results nor into a MEGABENCH_RESULTS the caller set
-    (a GPU session's results: on the H200, 2026-12-01, tests wrote their own runs there and the
-    tests that read "the newest results" read those)."""
+    (a GPU session's results). Danger: tests writing their runs where a session's results are
+    would make the tests that read "the newest results" read their own."""
     os.environ["MEGABENCH_RESULTS"] = os.environ.get("MEGABENCH_TEST_RESULTS") or str(
         tmp_path_factory.mktemp("results"))
     yield

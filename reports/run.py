@@ -72,7 +72,7 @@ SEEDS = {
     "microbenchmarks/clocks.timers": 4.0, "microbenchmarks/clocks.skew": 1.0, "microbenchmarks/clocks.launch": 1.0,
     "microbenchmarks/clocks.instrumentation": 5.0,
     "gate quality/gate quality": 3.0, "tune/tune": 3.0, "report/report": 20.0,
-    "cross-GPU microbenchmarks/xgpu": 60.0,  # one full session of xgpu.* (2026-11-30 14:55-14:57Z)
+    "cross-GPU microbenchmarks/xgpu": 60.0,  # one session of xgpu.*, read off the committed results' times
 }
 KIND_SEEDS = {"microbenchmark": 4.0}
 
