@@ -118,8 +118,8 @@ def pytest_benchmark_update_commit_info(config, commit_info):
 def _results_dir(tmp_path_factory):
     """Tests write results into a folder of their own (MEGABENCH_TEST_RESULTS, else a temporary
     one), never into the committed reports/results nor into a MEGABENCH_RESULTS the caller set
-    (a GPU session's results: on the H200, 2026-12-01, tests wrote their own runs there and the
-    tests that read "the newest results" read those)."""
+    (a GPU session's results). Danger: tests writing their runs where a session's results are
+    would make the tests that read "the newest results" read their own."""
     os.environ["MEGABENCH_RESULTS"] = os.environ.get("MEGABENCH_TEST_RESULTS") or str(
         tmp_path_factory.mktemp("results"))
     yield
@@ -128,16 +128,16 @@ def _results_dir(tmp_path_factory):
 @pytest.fixture(scope="module", autouse=True)
 def _free_gpu_memory_after_each_module():
     """GPU tests run one after another in one process (the `gpu` xdist group): drop the weights,
-    step contexts and peer models a module left cached before the next one starts (on the H200,
-    2026-12-01, shard8's weights held over from one module made the next ones run out of memory)."""
+    step contexts and peer models a module left cached before the next one starts. Danger: a
+    preset's weights held over from one module can leave the next without GPU memory."""
     yield
     import sys
 
+    # loaded only where a test used them (peer_bench imports bench_baselines): nothing is imported here
     bb = sys.modules.get("megakernel.bench_baselines")
     peer = sys.modules.get("megakernel.peer_bench")
-    if (bb is not None and (bb._WEIGHTS or bb._CONTEXTS or bb._ACCEPT)) or (peer is not None and (peer._MODELS or peer._REAL)):
-        bb = bb or __import__("megakernel.bench_baselines", fromlist=["release"])
-        bb.release()
+    if bb is not None and (bb._WEIGHTS or bb._CONTEXTS or bb._ACCEPT or (peer is not None and (peer._MODELS or peer._REAL))):
+        bb.release()  # its weights and step contexts, and through RELEASE_HOOKS the peer's models
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         import gc

@@ -206,7 +206,7 @@ def check_switches(variants: Sequence[Variant]) -> None:
 
 
 def _plan(preset: str, v: Variant, n_sm: int | None, n_tokens: int):
-    from .pipeline import plan_for
+    from .plans import plan_for
 
     return plan_for(preset, None, n_sm, **{"tokens": n_tokens, **v.switch_dict})  # the build for the point's T
 
@@ -240,7 +240,7 @@ def _gpu_timer(policy=None):
 
     from microbench.harness import Harness, Policy
 
-    from .pipeline import graph_of
+    from .measure import graph_of
 
     h = Harness(policy=policy or Policy(budget_s=0.3, max_samples=100, chunk=8))
     graphs = {}
@@ -391,7 +391,7 @@ def to_result(results: Sequence[PointResult], variants: Sequence[Variant], env=N
     from microbench.results import Bound, Derived, Result, Series
 
     if env is None:
-        from .pipeline import constants_env
+        from .plans import constants_env
 
         env = constants_env()  # which constants revision the variants' builds read
     by_name = {v.name: v for v in variants}

@@ -46,6 +46,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from microbench.errors import CorrectnessError
 
 from . import tree as treelib
 from .config import ConfigError, ModelConfig
@@ -354,12 +357,11 @@ class StepRunner:
 def _prepare_dynamo() -> None:
     """Fresh dynamo state per compiled runner (earlier runners' shapes must not count towards the
     recompile limit, past which dynamo would silently run eager) and a roomy limit."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
+    import torch._dynamo  # heavy: torch._dynamo (seconds to import; only where something compiled)
 
     torch._dynamo.reset()
     try:  # newer torch resets cudagraph trees inside dynamo.reset(); older ones need this
-        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees  # heavy: torch._inductor
 
         reset_cudagraph_trees()
     except ImportError:
@@ -386,8 +388,6 @@ def first_run_s(run, device) -> float:
 
 def compile_stats() -> dict[str, int]:
     """Dynamo/inductor counters that tell whether compile mode really runs compiled CUDA graphs."""
-    from torch._dynamo.utils import counters
-
     return {"unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
             "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0)),
             "graph_breaks": int(sum(counters["graph_break"].values()))}
@@ -504,8 +504,6 @@ def compare(logits: torch.Tensor, ref_logits: torch.Tensor, cache: KVCache | Non
     Checks: every row's rms(a - b) <= rel_tol x rms(b); the argmax agrees on every row whose
     reference top-2 margin exceeds 4 x rel_tol x rms(b); when caches are given, the T new K and V
     rows of every layer satisfy ||a - b|| <= rel_tol x ||b||."""
-    from microbench.errors import CorrectnessError
-
     a, b = logits.detach().double().cpu(), ref_logits.detach().double().cpu()
     if a.shape != b.shape:
         raise CorrectnessError(f"{what}: logits shape {tuple(a.shape)} != reference {tuple(b.shape)}")

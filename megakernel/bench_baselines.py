@@ -26,23 +26,34 @@ freed when the preset is done (`release`).
 """
 from __future__ import annotations
 
+import argparse
 import gc
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+
+import torch
 
 from microbench.harness import Case, Harness, Prepared, full_sweeps, run_case
 from microbench.results import Bound, Derived, Env, Result, Series
 
+from . import reference
 from . import baselines as B
 from . import tree as treelib
-from .config import ModelConfig, preset as get_preset
+from .config import ModelConfig
+from .config import preset as get_preset
+from .draft import DraftModel
+from .kernel_count import count_kernels
 from .results_names import step_params, step_series_name
 from .roofline import read_ceiling, roofline
+from .routing import distinct_per_layer, synthetic_routes
+from .speculative import measure_acceptance
+from .weights import generate
 
 BENCHMARK = "model.baselines"
-STUDY_DISTINCT, STUDY_TOKENS, STUDY_EXPERTS, STUDY_TOP_K = 49, 16, 256, 8  # PAPER.md: 49 of 256 at 16 x top-8
-STUDY_ACCEPTANCE = 6.6  # PAPER.md: 16 verified, 6.6 accepted on average (GB300, GSM8K, DFlash V2)
+STUDY_DISTINCT, STUDY_TOKENS, STUDY_EXPERTS, STUDY_TOP_K = 49, 16, 256, 8  # the study (reports/paper_figures.json): 49 of 256 at 16 x top-8
+STUDY_ACCEPTANCE = 6.6  # the study: 16 verified, 6.6 accepted on average (GB300, GSM8K, DFlash V2)
 QUICK_POINTS = {"small": [(1, 512), (16, 512)], "shard8": [(1, 2048), (16, 2048)]}
 FULL_POINTS = {"small": [(t, c) for c in (512, 4096) for t in (1, 16)],
                "shard8": [(t, c) for c in (2048, 8192) for t in (1, 16)]}
@@ -52,8 +63,6 @@ DEVICE = "cuda"  # the CPU dry run (tests/test_model_bench_dryrun.py) sets "cpu"
 
 
 def _sync() -> None:
-    import torch
-
     if DEVICE.startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -81,10 +90,6 @@ _NOTES: list[str] = []
 
 def weights_for(preset: str):
     """The preset's weights on the GPU, generated once per process."""
-    import torch
-
-    from .weights import generate
-
     if preset not in _WEIGHTS:
         cfg = get_preset(preset)
         _sync()
@@ -95,19 +100,21 @@ def weights_for(preset: str):
     return _WEIGHTS[preset]
 
 
+# modules that hold GPU memory built on a preset's weights add a function here (it is called with
+# the preset, None for all) so that release() frees that memory too
+RELEASE_HOOKS: list[Callable[[str | None], None]] = []
+
+
 def release(preset: str | None = None) -> None:
     """Free a preset's weights and everything built on them (all presets when None)."""
-    import torch
-
     for k in [k for k in _CONTEXTS if preset is None or k[0] == preset]:
         del _CONTEXTS[k]
     for k in [k for k in _WEIGHTS if preset is None or k == preset]:
         del _WEIGHTS[k]
     for k in [k for k in _ACCEPT if preset is None or k == preset]:
         del _ACCEPT[k]
-    peer = sys.modules.get("megakernel.peer_bench")  # its models and real-routing references, if loaded
-    if peer is not None:
-        peer.release(preset)
+    for hook in RELEASE_HOOKS:  # what other modules built on the weights (peer_bench's models)
+        hook(preset)
     dynamo = sys.modules.get("torch._dynamo")  # only if something compiled (importing it costs ~2 s)
     if dynamo is not None:
         try:
@@ -137,11 +144,6 @@ class StepContext:
 
 def step_context(preset: str, n_tokens: int, ctx: int) -> StepContext:
     """Fresh random inputs and the reference's answer for one point (cached per process)."""
-    import torch
-
-    from . import reference
-    from .routing import distinct_per_layer, synthetic_routes
-
     key = (preset, n_tokens, ctx)
     if key not in _CONTEXTS:
         w = weights_for(preset)
@@ -166,11 +168,6 @@ def step_context(preset: str, n_tokens: int, ctx: int) -> StepContext:
 
 def acceptance(preset: str):
     """speculative.AcceptanceReport of the drafter stand-in against the preset (eager verifier)."""
-    import torch
-
-    from .draft import DraftModel
-    from .speculative import measure_acceptance
-
     if preset not in _ACCEPT:
         w = weights_for(preset)
         g = torch.Generator().manual_seed(SEED + 7)
@@ -197,10 +194,6 @@ def baseline_case(preset: str, n_tokens: int, ctx: int, baseline: str, ceiling: 
     params = step_params(preset, n_tokens, ctx, B.IMPL_NAMES[baseline], distinct, baseline=baseline)
 
     def prepare(h: Harness) -> Prepared:
-        import torch
-
-        from .kernel_count import count_kernels
-
         sc = step_context(preset, n_tokens, ctx)
         w = weights_for(preset)
         cache = sc.cache0.clone()
@@ -326,8 +319,6 @@ class Collector:
             "synthetic target is", None, (), "")
 
     def case(self, preset: str, t: int, c: int, b: str) -> Series | None:
-        import torch
-
         a = self.accs.get(preset)
         tps, src = (1.0, "T=1 plain decode yields one token") if t == 1 else (
             (a.mean, "measured acceptance, drafter stand-in, synthetic weights") if a else (None, ""))
@@ -372,11 +363,9 @@ def run(h: Harness | None = None, quick: bool | None = None, save: bool = True) 
 BENCHMARKS = {BENCHMARK: run}
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "python -m megakernel.bench_baselines") -> int:
     """`python -m megakernel.bench_baselines [--full] [--no-save]`: run model.baselines and print it."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m megakernel.bench_baselines", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--full", action="store_true", help="full points (two contexts per preset)")
     ap.add_argument("--no-save", action="store_true", help="do not write the result file")
     args = ap.parse_args(argv)

@@ -1,4 +1,4 @@
-"""`python -m megakernel.cli <command>`:
+"""The megakernel's tools: `megabench mk <tool>` (alias `python -m megakernel.cli <tool>`):
   build [--preset P]      compile for sm_90a (no GPU needed) and print code bytes / registers / spills / smem,
                           and code bytes per op when nvdisasm is there
   check-and-bench [--full] [--presets ...]   on a GPU: the pipeline (checks, then timings), results saved
@@ -32,15 +32,27 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from pathlib import Path
 
 from microbench.atomic import check_writable, write_text
+from microbench.device import no_gpu_reason
+from microbench.errors import MegabenchError, ResultsFileError
+from microbench.harness import Harness, Policy
+from microbench.results import REPO_ROOT, find, load
+from microbench.sass import cubin_instruction_chains, find_nvdisasm, instruction_chains
+from microbench.teardown import leave
+
+from .ab import _plan, build_variants, from_result, kernel_tree, parse_point, parse_variant, run_ab, table, to_result
+from .config import PRESETS, ConfigError
+from .config import preset as get_preset
+
+PRESET_NAMES = sorted(PRESETS)
 
 
 def _no_gpu(command: str) -> bool:
     """True (after saying why on stderr) when `command` cannot run here for want of a GPU."""
-    from microbench.device import no_gpu_reason
-
     reason = no_gpu_reason()
     if reason:
         print(f"{command} needs a GPU: {reason}", file=sys.stderr)
@@ -48,15 +60,12 @@ def _no_gpu(command: str) -> bool:
 
 
 def _build(a) -> int:
-    from microbench.sass import find_nvdisasm
-
-    from .build import build_gpu, code_bytes_by_op
-    from .config import preset
-    from .plan import make_plan
+    from .build import build_gpu, code_bytes_by_op  # heavy: torch (megakernel.build)
+    from .plan import make_plan  # heavy: torch (megakernel.plan)
 
     per_op = find_nvdisasm() is not None
     for name in a.preset:
-        plan = make_plan(preset(name), a.sm)
+        plan = make_plan(get_preset(name), a.sm)
         b = build_gpu(plan)
         u = b.usage
         print(f"{name}: {u.code_bytes} B code ({u.sass_instructions} SASS instructions), {u.registers} registers, "
@@ -72,12 +81,7 @@ def _build(a) -> int:
 def _code(a) -> int:
     """Machine code per op of the builds at the given points, printed and optionally saved as
     `megakernel.code` (the critical-path model's cold-code column reads it). CPU is enough."""
-    from pathlib import Path
-
-    from microbench.sass import find_nvdisasm
-
-    from .config import PRESETS
-    from .pipeline import code_result
+    from .measure import code_result  # heavy: torch (megakernel.measure)
 
     points = []
     for spec in a.point:
@@ -107,10 +111,6 @@ def for_gpu_of_build(r, root=None):
     code bytes at every preset it holds), so the gate and the retention rule file it under that
     GPU (its series are static: never gated). None, with the reason printed, when no GPU build
     matches: a kernel not yet run on a GPU has its code printed, not saved."""
-    import dataclasses
-
-    from microbench.results import REPO_ROOT, find, load
-
     base = root or REPO_ROOT / "reports" / "results"
     want = {(s.params["preset"], s.params["tokens"]): int(s.metrics["kernel_code_bytes"]) for s in r.series}
     for f in reversed(find("megakernel.build", base)):
@@ -133,7 +133,7 @@ def for_gpu_of_build(r, root=None):
 def _check_and_bench(a) -> int:
     if _no_gpu("check-and-bench"):
         return 2
-    from .pipeline import run
+    from .pipeline import run  # heavy: torch (megakernel.pipeline)
 
     results = run(quick=not a.full, presets=tuple(a.presets))
     for r in results:
@@ -145,41 +145,35 @@ def _check_and_bench(a) -> int:
             print(f"  -> {k} = {d.value:.4g} {d.unit}")
         for n in r.notes:
             print(f"  note: {n}")
-    from microbench.cli import leave
 
     leave(0)  # results saved and printed; interpreter teardown aborted on the H200
 
 
 def _timeline(a) -> int:
-    if _no_gpu(a.cmd):
+    if _no_gpu(a.tool):
         return 2
-    from microbench.harness import Harness, Policy
 
-    from .pipeline import timeline
+    from .measure import timeline  # heavy: torch (megakernel.measure)
 
     h = Harness(policy=Policy(budget_s=0.3, max_samples=100, chunk=8))
     r = timeline(h, a.preset, a.tokens, a.ctx, None, detail=a.detail)
     print("saved", r.save())
     for k, d in r.derived.items():
         print(f"  -> {k} = {d.value:.4g} {d.unit}")
-    from microbench.cli import leave
 
     leave(0)
 
 
 def _sanitize(a) -> int:
-    import dataclasses
+    import torch  # heavy: torch
 
-    import torch
+    from . import tree  # heavy: torch (megakernel.tree)
+    from .plan import make_plan  # heavy: torch (megakernel.plan)
+    from .reference import KVCache  # heavy: torch (megakernel.reference)
+    from .runtime import Engine  # heavy: torch (megakernel.runtime)
+    from .weights import generate  # heavy: torch (megakernel.weights)
 
-    from . import tree
-    from .config import preset
-    from .plan import make_plan
-    from .reference import KVCache
-    from .runtime import Engine
-    from .weights import generate
-
-    cfg = preset("tiny")
+    cfg = get_preset("tiny")
     if a.fused:  # shapes the fused expert unit takes (plan.fuses_experts): its kept activations and partials
         cfg = dataclasses.replace(cfg, d_pool=256, d_expert=256)
     w = generate(cfg, device="cuda")
@@ -196,7 +190,7 @@ def _launches_profiled(eng, launches, targets, t: int, ctx: int, label) -> None:
     """Run `launches` of the prepared step in order, the indices in `targets` alone inside
     cudaProfilerStart/Stop (for `ncu --profile-from-start off`); label(li, first, n, grid) names
     each profiled launch on stdout."""
-    import torch
+    import torch  # heavy: torch
 
     for li, (first, n, wait, grid) in enumerate(launches):
         if li in targets:
@@ -213,9 +207,9 @@ def _launches_profiled(eng, launches, targets, t: int, ctx: int, label) -> None:
 def _ncu_op(a) -> int:
     if _no_gpu("ncu-op"):
         return 2
-    from .bench_baselines import step_context, weights_for
-    from .pipeline import plan_for
-    from .runtime import Engine
+    from .bench_baselines import step_context, weights_for  # heavy: torch (megakernel.bench_baselines)
+    from .plans import plan_for  # heavy: torch (megakernel.plans)
+    from .runtime import Engine  # heavy: torch (megakernel.runtime)
 
     sc = step_context(a.preset, a.tokens, a.ctx)
     eng = Engine(weights_for(a.preset), plan_for(a.preset, tokens=a.tokens), sc.cache0.clone(), backend="gpu")
@@ -242,10 +236,8 @@ def _ncu_op(a) -> int:
 def _ncu_mega(a) -> int:
     if _no_gpu("ncu-mega"):
         return 2
-    from .ab import _plan, kernel_tree, parse_variant
-    from .bench_baselines import step_context, weights_for
-    from .config import ConfigError
-    from .runtime import Engine
+    from .bench_baselines import step_context, weights_for  # heavy: torch (megakernel.bench_baselines)
+    from .runtime import Engine  # heavy: torch (megakernel.runtime)
 
     try:
         variants = [parse_variant(v) for v in (a.variant or ["base"])]
@@ -276,17 +268,16 @@ def _ncu_mega(a) -> int:
 
 
 def _program(a) -> int:
-    from .config import preset
-    from .plan import make_plan
-    from .program import build
+    from .plan import make_plan  # heavy: torch (megakernel.plan)
+    from .program import build  # heavy: torch (megakernel.program)
 
-    print(build(make_plan(preset(a.preset), a.sm), a.mode).describe())
+    print(build(make_plan(get_preset(a.preset), a.sm), a.mode).describe())
     return 0
 
 
 def _source_label(chain: list[str]) -> str:
     """"expert_gemm1 mk/gemm.cuh:367": the op an instruction belongs to and its innermost source line."""
-    from .build import op_of_chain
+    from .build import op_of_chain  # heavy: torch (megakernel.build)
 
     inner = chain[0]
     for root in ("csrc/", "cuda/"):  # megakernel/csrc/..., microbench/cuda/mb/...
@@ -300,10 +291,6 @@ def _sass_chains(a):
     """The profiled kernel's SASS with inline chains (microbench.sass.instruction_chains): from a
     saved `nvdisasm -gi -c` listing, or by rebuilding the kernel here (build_gpu keeps line info,
     and the same source, plan and NVRTC give the same cubin: by_source checks every opcode)."""
-    from pathlib import Path
-
-    from microbench.sass import cubin_instruction_chains, instruction_chains
-
     if a.listing:
         p = Path(a.listing)
         if not p.is_file():
@@ -312,8 +299,7 @@ def _sass_chains(a):
         if not chains:
             raise ValueError(f"{p}: no instructions of mk_run (not an `nvdisasm -gi -c` listing of the megakernel?)")
         return chains
-    from .ab import _plan, kernel_tree, parse_variant
-    from .build import KERNEL, build_gpu
+    from .build import KERNEL, build_gpu  # heavy: torch (megakernel.build)
 
     v = parse_variant(a.variant or "base")
     with kernel_tree(v.csrc):
@@ -322,11 +308,11 @@ def _sass_chains(a):
 
 
 def _by_source_markdown(df, chains, top: int) -> str:
-    from .build import op_of_chain
-    from .ncu_stalls import by_op, by_source
+    from .build import op_of_chain  # heavy: torch (megakernel.build)
+    from .ncu_stalls import by_op, by_source  # heavy: pandas (megakernel.ncu_stalls)
 
     t = by_source(df, chains, _source_label, top=top)
-    # the per-op account (issue 48): every op's stall samples, largest first, split into its copy
+    # the per-op account: every op's stall samples, largest first, split into its copy
     # waits (its bytes) and its own work, with what the own work stalls on; a sample is one warp's
     # state at one sampling instant, so an op's share is its share of the warps' resident time, not
     # of the critical path (top-k's one block weighs little)
@@ -340,7 +326,7 @@ def _by_source_markdown(df, chains, top: int) -> str:
 
 
 def _ncu_stalls(a) -> int:
-    from .ncu_stalls import kernels, read_sass_csv, summary_markdown
+    from .ncu_stalls import kernels, read_sass_csv, summary_markdown  # heavy: pandas (megakernel.ncu_stalls)
 
     kernel = int(a.kernel) if a.kernel and a.kernel.isdigit() else a.kernel  # no C++ name is all digits
     try:
@@ -368,9 +354,6 @@ def _ncu_stalls(a) -> int:
 
 
 def _ab(a) -> int:
-    from .ab import build_variants, parse_point, parse_variant, run_ab, table
-    from .config import ConfigError
-
     try:
         variants = [parse_variant(v) for v in a.variant]
         points = [parse_point(p) for p in (a.point or AB_POINTS)]
@@ -384,7 +367,6 @@ def _ab(a) -> int:
         return 0
     if _no_gpu("ab"):
         return 2
-    from pathlib import Path
 
     results = run_ab(points, variants, rounds=a.rounds)
     md = table(results)
@@ -395,19 +377,12 @@ def _ab(a) -> int:
         write_text(a.out, md + "\n")
         print("wrote", a.out)
     if a.save is not None:
-        from .ab import to_result
-
         print("wrote", to_result(results, variants).save(Path(a.save) if a.save else None))
     print(md)
     return 0
 
 
 def _ab_table(a) -> int:
-    from microbench.errors import ResultsFileError
-    from microbench.results import load
-
-    from .ab import from_result, table
-
     try:
         md = table(from_result(load(a.result)))
     except (ResultsFileError, OSError) as e:
@@ -421,9 +396,6 @@ def _ab_table(a) -> int:
 
 
 def _sm_map(a) -> int:
-    from .ab import parse_point, parse_variant
-    from .config import ConfigError
-
     try:
         variants = [parse_variant(v) for v in (a.variant or ["base"])]
         points = [parse_point(p) for p in (a.point or AB_POINTS)]
@@ -435,7 +407,7 @@ def _sm_map(a) -> int:
         return 2
     if _no_gpu("sm-map"):
         return 2
-    from .sm_map import measure
+    from .sm_map import measure  # heavy: torch (megakernel.sm_map)
 
     lines = ["| point | variant | launches | same SM |", "|---|---|---|---|"]
     rows = []
@@ -450,9 +422,7 @@ def _sm_map(a) -> int:
         write_text(a.out, md + "\n")
         print("wrote", a.out)
     if a.save is not None:
-        from pathlib import Path
-
-        from .sm_map import to_result
+        from .sm_map import to_result  # heavy: torch (megakernel.sm_map)
 
         print("wrote", to_result(rows).save(Path(a.save) if a.save else None))
     print(md)
@@ -462,12 +432,11 @@ def _sm_map(a) -> int:
 AB_POINTS = ("shard8:16:2048", "shard8:1:2048", "small:16:512")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megakernel.cli", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("build")
-    s.add_argument("--preset", nargs="*", default=["tiny", "small", "shard8"])
+def add_tools(sub) -> None:
+    """Add every tool as a subcommand of `sub` (argparse subparsers): `megabench mk <tool>` and
+    `python -m megakernel.cli <tool>` share this list."""
+    s = sub.add_parser("build", help="compile for sm_90a (no GPU) and print code bytes, registers, spills, smem")
+    s.add_argument("--preset", nargs="*", default=["tiny", "small", "shard8"], choices=PRESET_NAMES)
     s.add_argument("--sm", type=int, default=132)
     s.set_defaults(fn=_build)
     s = sub.add_parser("code", help="machine code per op of the builds at --point (needs nvdisasm; no GPU)")
@@ -476,13 +445,14 @@ def main(argv=None) -> int:
     s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
                    help="also save the typed result (megakernel.code) under DIR (default reports/results)")
     s.set_defaults(fn=_code)
-    s = sub.add_parser("check-and-bench")
+    s = sub.add_parser("check-and-bench", help="on a GPU: the megakernel stage (checks, then timings), results saved")
     s.add_argument("--full", action="store_true")
-    s.add_argument("--presets", nargs="*", default=["tiny", "small", "shard8"])
+    s.add_argument("--presets", nargs="*", default=["tiny", "small", "shard8"], choices=PRESET_NAMES)
     s.set_defaults(fn=_check_and_bench)
-    for name in ("timeline", "timeline-detail"):
-        s = sub.add_parser(name)
-        s.add_argument("--preset", default="shard8")
+    for name, what in (("timeline", "on a GPU: one profiled step (megakernel.timeline)"),
+                       ("timeline-detail", "on a GPU: a profiled step that also stamps waits inside units")):
+        s = sub.add_parser(name, help=what)
+        s.add_argument("--preset", default="shard8", choices=PRESET_NAMES)
         s.add_argument("--tokens", type=int, default=16)
         s.add_argument("--ctx", type=int, default=2048)
         s.set_defaults(fn=_timeline, detail=name == "timeline-detail")
@@ -493,29 +463,29 @@ def main(argv=None) -> int:
     s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
                    help="also save the typed result (megakernel.sm_map) under DIR (default reports/results)")
     s.set_defaults(fn=_sm_map)
-    s = sub.add_parser("sanitize-step")
+    s = sub.add_parser("sanitize-step", help="one tiny step in mega and chain mode (run it under compute-sanitizer)")
     s.add_argument("--fused", action="store_true", help="tiny with d_pool and d_expert of 256, fused expert units")
     s.set_defaults(fn=_sanitize)
-    s = sub.add_parser("program")
-    s.add_argument("--preset", default="tiny")
+    s = sub.add_parser("program", help="print the launches and op instances of one step")
+    s.add_argument("--preset", default="tiny", choices=PRESET_NAMES)
     s.add_argument("--mode", default="layer", choices=["layer", "step"])
     s.add_argument("--sm", type=int, default=132)
     s.set_defaults(fn=_program)
-    s = sub.add_parser("ncu-op")
-    s.add_argument("--preset", default="shard8")
+    s = sub.add_parser("ncu-op", help="on a GPU: a chain step up to the named ops, only those inside the profiler range")
+    s.add_argument("--preset", default="shard8", choices=PRESET_NAMES)
     s.add_argument("--tokens", type=int, default=16)
     s.add_argument("--ctx", type=int, default=2048)
     s.add_argument("--layer", type=int, default=0)
     s.add_argument("--op", nargs="+", required=True)
     s.set_defaults(fn=_ncu_op)
-    s = sub.add_parser("ncu-mega")
-    s.add_argument("--preset", default="shard8")
+    s = sub.add_parser("ncu-mega", help="on a GPU: per variant, one mega step with only launch L inside the profiler range")
+    s.add_argument("--preset", default="shard8", choices=PRESET_NAMES)
     s.add_argument("--tokens", type=int, default=16)
     s.add_argument("--ctx", type=int, default=2048)
     s.add_argument("--launch", type=int, default=31, help="the mega launch to profile (31: a middle layer of shard8)")
     s.add_argument("--variant", action="append", help="as for `ab`; default: the repository's kernel")
     s.set_defaults(fn=_ncu_mega)
-    s = sub.add_parser("ncu-stalls")
+    s = sub.add_parser("ncu-stalls", help="markdown summary of ncu SASS stall samples (no GPU)")
     s.add_argument("csv")
     s.add_argument("--top", type=int, default=12, help="execution-count classes shown")
     s.add_argument("--hottest", type=int, default=20, help="instructions shown")
@@ -531,7 +501,7 @@ def main(argv=None) -> int:
                                                          "for (ncu-mega's --tokens)")
     s.add_argument("--top-source", type=int, default=25, help="source positions shown")
     s.set_defaults(fn=_ncu_stalls)
-    s = sub.add_parser("ab")
+    s = sub.add_parser("ab", help="in-run A/B of kernel variants on a GPU (--build-only: compile them here)")
     s.add_argument("--variant", action="append", required=True,
                    help="NAME[=CSRC_DIR][:KEY=VALUE,...]; the first is the baseline")
     s.add_argument("--point", action="append", help=f"PRESET:T:CTX (default {' '.join(AB_POINTS)})")
@@ -542,19 +512,54 @@ def main(argv=None) -> int:
     s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
                    help="also save the typed result (megakernel.ab) under DIR (default reports/results)")
     s.set_defaults(fn=_ab)
-    s = sub.add_parser("ab-table")
+    s = sub.add_parser("ab-table", help="the markdown table of a saved megakernel.ab result (no GPU)")
     s.add_argument("result", help="a saved megakernel.ab result file")
     s.add_argument("--out", help="also write the markdown table here")
     s.set_defaults(fn=_ab_table)
-    a = p.parse_args(argv)
-    from microbench.errors import MegabenchError
+    for name, what in PASSTHROUGH.items():
+        s = sub.add_parser(name, help=what, add_help=False, prefix_chars="\0")  # its own parser reads every argument
+        s.add_argument("args", nargs=argparse.REMAINDER)
+        s.set_defaults(fn=_passthrough)
 
+
+# tools with a parser of their own: `megabench mk NAME ARGS` is `python -m megakernel.MODULE ARGS`
+PASSTHROUGH = {
+    "peer-bench": "on a GPU: the peer baseline at every point (sweep, torch.compile, per-kernel accounting)",
+    "baselines": "on a GPU: the torch baselines of the decode step (model.baselines)",
+    "precompile": "compile every build the pipeline and the GPU tests ask for into the kernel cache (no GPU)",
+    "fp8-budget": "the FP8 weights' error budget against the bf16 reference (CPU)",
+}
+
+
+def _passthrough(a) -> int:
+    prog = f"megabench mk {a.tool}"
+    if a.tool == "peer-bench":
+        from . import peer_bench as mod  # heavy: torch
+    elif a.tool == "baselines":
+        from . import bench_baselines as mod  # heavy: torch
+    elif a.tool == "precompile":
+        from . import precompile as mod  # heavy: torch (megakernel.plan)
+    else:
+        from . import fp8_budget as mod  # heavy: torch
+    return mod.main(a.args, prog=prog)
+
+
+def run_tool(a, prog: str = "python -m megakernel.cli") -> int:
+    """Run the tool parsed into `a`: its exit code; 2 with the message for a MegabenchError (bad
+    input, no GPU, a failed check) or an output folder that is not there."""
     try:
         check_writable(getattr(a, "out", None))  # a typo'd output folder: refused before the work
         return a.fn(a)
     except MegabenchError as e:
-        print(f"python -m megakernel.cli {a.cmd}: {e}", file=sys.stderr)
+        print(f"{prog} {a.tool}: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megakernel.cli", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_tools(p.add_subparsers(dest="tool", required=True, metavar="TOOL"))
+    return run_tool(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The model family: a frozen config with named presets. No dimension is hard-coded elsewhere.
 
-Muse-Spark-like decoder (PAPER.md, "The model"): RMSNorm, GQA attention with RoPE, each layer
+Muse-Spark-like decoder (the study's model): RMSNorm, GQA attention with RoPE, each layer
 sliding-window (window W) or global, an MoE block per layer with a bf16 router choosing top-k of
 E experts, a pooler (d -> p) before the experts and an unpooler (p -> d) after, expert FFNs in
 NVFP4 (gate/up: p -> 2f, SiLU-gated; down: f -> p), bf16 elsewhere, final norm and LM head.

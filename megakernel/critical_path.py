@@ -210,7 +210,7 @@ def inputs(root: Path | None = None) -> Inputs:
     and megakernel.step under `root` (default reports/results)."""
     from .bench_baselines import study_like_distinct
     from .config import preset as get_preset
-    from .pipeline import middle_launch
+    from .plans import middle_launch
     from .roofline import roofline
 
     tl, detail = _latest("megakernel.timeline", root), _latest("megakernel.timeline_detail", root)
@@ -352,7 +352,7 @@ def cold_code_inputs(root: Path | None, preset: str, tokens: int, tl) -> dict:
 def op_bytes(inp: Inputs) -> dict[str, int]:
     """HBM bytes of each op of the middle layer launch (attention of layer l, qkv of l + 1)."""
     from .config import preset as get_preset
-    from .pipeline import middle_launch
+    from .plans import middle_launch
     from .roofline import kv_row_bytes, kv_rows_read
 
     c = get_preset(inp.preset)
@@ -371,7 +371,7 @@ def op_bytes(inp: Inputs) -> dict[str, int]:
 def expert_chunks_per_block(inp: Inputs) -> dict[str, int]:
     """The most chunks a block streams in each expert GEMM (its units x a unit's chunks), for the
     build the timeline ran (pipeline.plan_for with the tuned constants, tokens = T)."""
-    from .pipeline import plan_for, slot_units
+    from .plans import plan_for, slot_units
 
     plan = plan_for(inp.preset, None, inp.n_sm, tokens=inp.n_tokens)
     per_slot = slot_units(plan)
@@ -450,7 +450,7 @@ def hop_cost_s(inp: Inputs, producer: str, consumer: str) -> float:
 def levers(inp: Inputs, rs: Sequence[Row] | None = None) -> list[Lever]:
     """The structural changes not built yet, largest predicted saving per layer first."""
     from .config import preset as get_preset
-    from .pipeline import plan_for
+    from .plans import plan_for
 
     c = get_preset(inp.preset)
     rs = rs or rows(inp)

@@ -1,6 +1,6 @@
-"""What an FP8 tensor-core path for the expert GEMMs would cost in accuracy (issue 48), on the CPU.
+"""What an FP8 tensor-core path for the expert GEMMs would cost in accuracy, on the CPU.
 
-The expert k-loop holds the expert phase (megakernel-structure.md): decoding NVFP4 into bf16 pairs
+The expert k-loop holds the expert phase (reports/notes/megakernel-structure.md): decoding NVFP4 into bf16 pairs
 for mma.m16n8k16 costs about 9 integer instructions and 4 bf16x2 multiplies per 8 weights, and at
 shard8 T=16 a chunk's compute already equals its stream time. Hopper's other tensor-core input for
 such weights is E4M3 (mma.m16n8k32.e4m3): an E2M1 code is an E4M3 byte with its bits moved (the
@@ -27,7 +27,8 @@ import torch
 
 from . import reference
 from .config import PRESETS
-from .pipeline import REL_TOL
+from .plans import REL_TOL
+from .weights import generate
 
 E4M3_MAX = 448.0
 
@@ -43,8 +44,6 @@ def e4m3_per_token(x: torch.Tensor) -> torch.Tensor:
 def measure(preset: str = "tiny", tokens: int = 16, seed: int = 0) -> dict:
     """The logits' relative error of the E4M3-activation step against the reference, one step of
     `tokens` chained tokens at context 8 on random weights and a random cache."""
-    from .weights import generate
-
     cfg = PRESETS[preset]
     w = generate(cfg, "cpu", seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -60,8 +59,8 @@ def measure(preset: str = "tiny", tokens: int = 16, seed: int = 0) -> dict:
             "argmax_agree": agree}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megakernel.fp8_budget", description=__doc__.split("\n\n")[0])
+def main(argv=None, prog: str = "python -m megakernel.fp8_budget") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)

@@ -11,6 +11,10 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
 
 @dataclass(frozen=True)
 class KernelCount:
@@ -37,8 +41,6 @@ def _is_launch_call(name: str) -> bool:
 
 def classify(events: Iterable, steps: int = 1, top: int = 8) -> KernelCount:
     """Classify profiler events (objects with name() and device_type(), e.g. kineto events)."""
-    from torch.autograd import DeviceType
-
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     kernels: Counter[str] = Counter()
@@ -62,9 +64,6 @@ def classify(events: Iterable, steps: int = 1, top: int = 8) -> KernelCount:
 
 def count_kernels(fn: Callable[[], object], steps: int = 1) -> KernelCount:
     """Profile `steps` calls of `fn` (device idle before and after) and classify the activities."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):

@@ -32,21 +32,31 @@ everywhere. Validated with runtime.check_close at the megakernel's bound (pipeli
 from __future__ import annotations
 
 import contextlib
+import types
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from microbench.errors import CorrectnessError
 
 from . import tree as treelib
+from .baselines import _prepare_dynamo, capture_graph, first_run_s, out_dtype_supported, route_agreement, step_tokens
 from .config import ConfigError, ModelConfig
 from .reference import KVCache
+from .roofline import kv_row_bytes, kv_rows_read
+from .runtime import check_close
 from .weights import BF16, ModelWeights
 
 
 def available() -> str | None:
     """None when the peer can run here, else why not (no triton, no GPU)."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401; heavy: triton
     except ImportError as e:
         return f"triton is not installed ({e})"
     if not torch.cuda.is_available():
@@ -55,7 +65,7 @@ def available() -> str | None:
 
 
 def _kernels():
-    from . import peer_kernels
+    from . import peer_kernels  # heavy: triton (megakernel.peer_kernels)
 
     return peer_kernels
 
@@ -64,11 +74,7 @@ def _opaque_kernels():
     """The Triton launchers as dynamo graph breaks (torch.compiler.disable), for the compiled
     flavour: torch.compile compiles the torch parts between them and the tuned kernels launch as
     they are. Traced into, inductor re-compiled the user kernels under its own settings, and the
-    attention kernel's failed to compile there (H200, 2026-12-01: every peer_compile row)."""
-    import types
-
-    import torch
-
+    attention kernel's failed to compile there."""
     K = _kernels()
     names = ("attention", "route", "moe_up", "moe_down", "add_rmsnorm", "rope_kv", "moe_combine")
     return types.SimpleNamespace(**{n: torch.compiler.disable(getattr(K, n)) for n in names if hasattr(K, n)},
@@ -115,8 +121,6 @@ class PeerModel:
     the stacked router+pooler weight [E + p, d] (pooler rows in plane order) per layer."""
 
     def __init__(self, w: ModelWeights, up_cfg=None, down_cfg=None):
-        from .baselines import out_dtype_supported
-
         K = _kernels()
         self.w, self.cfg = w, w.cfg
         cfg = w.cfg
@@ -135,8 +139,8 @@ class PeerModel:
 
         Under torch.compile the GEMM is an opaque custom op (`megabench::peer_mm32`, no graph
         break): max-autotune turns on inductor's coordinate-descent tuning, whose decomposition of
-        an M = 1 mm into a multiply and a sum drops out_dtype. At T = 1 on the H200 (2026-12-01) the
-        router's logits came back bf16 and the routing kernel failed to compile on them."""
+        an M = 1 mm into a multiply and a sum drops out_dtype. At T = 1 the router's logits would come
+        back bf16, and the routing kernel fails to compile on them."""
         if torch.compiler.is_compiling():
             return _peer_mm32(a, w, bool(self.out_dtype))
         if self.out_dtype:
@@ -157,8 +161,6 @@ def op_bytes(cfg: ModelConfig, n_tokens: int, ctx: int, distinct: Sequence[int])
     """Bytes each op of the peer's step must move (summed over layers): the weights it reads
     (routed experts only), the KV rows it reads / writes, and its activations in and out. The
     per-op floor for the per-kernel roofline fractions."""
-    from .roofline import kv_row_bytes, kv_rows_read
-
     t, d, p, f, e, k = n_tokens, cfg.d_model, cfg.d_pool, cfg.d_expert, cfg.n_experts, cfg.top_k
     L, row = cfg.n_layers, kv_row_bytes(cfg)
     fp4 = lambda n, kk: n * kk // 2 + n * kk // 16  # noqa: E731  codes + E4M3 scales
@@ -289,8 +291,6 @@ class PeerRunner:
 
     # ------------------------------------------------------------------ inputs
     def set_inputs(self, tokens, ctx: int, routes: Sequence[torch.Tensor] | None = None) -> None:
-        from .baselines import step_tokens
-
         cfg, t = self.cfg, self.n_tokens
         tok = step_tokens(cfg, tokens, t, ctx)
         if ctx > self.r_read:
@@ -425,15 +425,11 @@ class PeerRunner:
         """torch.compile the layer (the torch flavour's norms, RoPE, KV write and combine around
         the Triton kernels and cuBLAS GEMMs), max-autotune without its own CUDA graphs: the step
         is captured whole by StepGraph."""
-        from .baselines import _prepare_dynamo
-
         _prepare_dynamo()
         self._layer = torch.compile(self._layer_eager, mode="max-autotune-no-cudagraphs", dynamic=False)
 
     def compile_now(self) -> float:
         """Run (and so compile) one step; returns its wall time (compile included)."""
-        from .baselines import first_run_s
-
         self.compile_s = first_run_s(self.run, self.device)
         return self.compile_s
 
@@ -444,7 +440,6 @@ class StepGraph:
     def __init__(self, runner: PeerRunner, warmup: int = 3):
         if runner.ctx is None:
             raise ConfigError("set_inputs() before capturing")
-        from .baselines import capture_graph
 
         self.runner = runner
         self.graph, self.logits = capture_graph(runner.run, warmup)
@@ -475,11 +470,6 @@ def check_step(runner: PeerRunner, logits: torch.Tensor, cache: KVCache, ref_log
     differs from the reference's (a near tie flipped by rounding) limits the check to what the
     difference cannot reach: the layers before the first differing one (KV) and the tokens whose
     routes, and their ancestors', agree everywhere (logits); CorrectnessError if none is left."""
-    from microbench.errors import CorrectnessError
-
-    from .baselines import route_agreement
-    from .runtime import check_close
-
     same = True
     first_diff = runner.cfg.n_layers
     if ref_routes is not None:
@@ -570,8 +560,6 @@ def tune_moe(h, runner: PeerRunner, sweep=None, log=print, rel: float = 2e-3):
     with the current config's within `rel` (bf16 outputs: other K steps only flip roundings).
     Sets the fastest of each on runner.model; returns (records, up config, down config). sweep:
     (block_n, block_k, warps, stages) tuples, default SWEEP."""
-    import numpy as np
-
     K = _kernels()
     sweep = SWEEP if sweep is None else sweep
     m, cfg = runner.model, runner.cfg
@@ -668,10 +656,6 @@ def op_kernel_sums(events, steps: int) -> tuple[dict[str, list[float]], dict[str
     first accounting counted (its ops summed to 19.6 ms for a 15.4 ms graph step). Without GPU-side
     annotations, the kernels launched under each CPU-side range (kernels that Triton launches
     itself have no CPU-side parent there, so the GPU side comes first)."""
-    from bisect import bisect_right
-
-    from torch.autograd import DeviceType
-
     def add(raw, names, op, ks):
         raw.setdefault(op, []).append(sum(d for _, d in ks) * 1e-6)
         for n, d in ks:
@@ -708,8 +692,6 @@ def kernel_times(runner: PeerRunner, steps: int = 3,
     {op: {kernel name: seconds per step}}. Where the profiler attributes no kernel to the ranges,
     timer "cuda_event": events around each op, whose intervals also hold the launch gap before the
     op (an un-graphed short op waits for the host): an upper bound for short ops."""
-    from torch.profiler import ProfilerActivity, profile
-
     runner.run()
     torch.cuda.synchronize()
     runner.profiling = "cupti"
@@ -746,7 +728,7 @@ def distinct_of(routes: Sequence[torch.Tensor]) -> list[int]:
 def free_compiled() -> None:
     """Drop dynamo's compiled graphs (the compiled runner's)."""
     try:
-        import torch._dynamo
+        import torch._dynamo  # heavy: torch._dynamo (seconds to import; only where something compiled)
 
         torch._dynamo.reset()
     except Exception:

@@ -1,9 +1,9 @@
 """megakernel.peer: the competent baselines beside the megakernel, in one run on the GPU.
 
-    python -m megakernel.peer_bench [--points shard8:16:2048,...] [--compile-budget S] [--no-save]
-    python -m megakernel.peer_bench --compile-only      # no GPU: sm_90a registers / spills of every kernel
-    MEGABENCH_CACHE=.cache-mb python -m megakernel.peer_bench --precompile   # no GPU: the megakernel builds
-    python -m megakernel.peer_bench --markdown RESULT.json   # no GPU: a saved result as the note's tables
+    megabench mk peer-bench [--points shard8:16:2048,...] [--compile-budget S] [--no-save]
+    megabench mk peer-bench --compile-only      # no GPU: sm_90a registers / spills of every kernel
+    MEGABENCH_CACHE=.cache-mb megabench mk peer-bench --precompile   # no GPU: the megakernel builds
+    megabench mk peer-bench --markdown RESULT.json   # no GPU: a saved result as the note's tables
 
 Per point (preset, T, ctx; default the pipeline's quick points shard8 T=16, T=1 and small T=16):
   impl           what                                                        routing
@@ -39,16 +39,37 @@ saved in megakernel.step beside chain (now with PDL) and mega.
 """
 from __future__ import annotations
 
+import argparse
 import gc
+import os
+import re
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import torch
 
-from microbench.results import Bound, Derived, Env, Result, Series
+from microbench.device import no_gpu_reason
+from microbench.errors import CorrectnessError
+from microbench.fmt import fmt
+from microbench.harness import Harness, Policy
+from microbench.results import REPO_ROOT, Bound, Derived, Env, Result, Series, latest, load, results_root
 
+from . import bench_baselines, reference
+from .baselines import compile_stats
+from .bench_baselines import step_context, weights_for
+from .build import build_gpu
+from .config import preset as get_preset
+from .kernel_count import count_kernels
+from .measure import graph_of
+from .peer import (OPS, SWEEP, TIE_GAP, PeerModel, PeerRunner, StepGraph, available, check_step, default_moe_configs,
+                   distinct_of, free_compiled, greedy, kernel_times, op_bytes, route_tie_gap, tune_moe, unsupported)
+from .plans import REL_TOL, plan_for
 from .results_names import step_params, step_series_name
+from .roofline import read_ceiling, roofline
+from .runtime import Engine, check_close
 
 BENCHMARK = "megakernel.peer"
 POINTS = (("shard8", 16, 2048), ("shard8", 1, 2048), ("small", 16, 512))  # the pipeline's quick points (not small T=1)
@@ -76,19 +97,12 @@ class _Ctx:
 
 
 def _sync():
-    import torch
-
-    from . import bench_baselines
-
     if bench_baselines.DEVICE.startswith("cuda"):  # the CPU dry run sets "cpu"
         torch.cuda.synchronize()
 
 
 def _real_reference(preset: str, n_tokens: int, ctx: int):
     """reference.step with its own top-k on the point's inputs: (logits, cache, routes per layer)."""
-    from . import reference
-    from .bench_baselines import step_context, weights_for
-
     key = (preset, n_tokens, ctx)
     if key not in _REAL:
         sc = step_context(preset, n_tokens, ctx)
@@ -108,10 +122,6 @@ _REAL: dict = {}
 def _reference_on_routes(preset: str, n_tokens: int, ctx: int, routes):
     """reference.step with `routes` forced: (logits, cache, the worst route_tie_gap over layers,
     measured on the router logits the reference computes on that very history)."""
-    from . import reference
-    from .bench_baselines import step_context, weights_for
-    from .peer import route_tie_gap
-
     sc = step_context(preset, n_tokens, ctx)
     w = weights_for(preset)
     cache = sc.cache0.clone()
@@ -123,9 +133,6 @@ def _reference_on_routes(preset: str, n_tokens: int, ctx: int, routes):
 
 def _step_series(c: _Ctx, preset, n_tokens, ctx, impl, routing, samples, distinct, launches, extra_metrics=None,
                  clocks=None, warnings=(), params_extra=None) -> Series:
-    from .config import preset as get_preset
-    from .roofline import roofline
-
     cfg = get_preset(preset)
     rf = roofline(cfg, n_tokens, ctx, distinct, ceiling=c.ceiling)
     dmean = float(np.mean(distinct)) if not isinstance(distinct, int) else float(distinct)
@@ -161,13 +168,6 @@ def megakernel_rows(c: _Ctx, preset: str, n_tokens: int, ctx: int, constants=Non
     """mega / chain (PDL) / chain_nopdl from one engine. rows: {routing: modes to time}
     (default every mode, forced and real). Every mode run is checked bitwise against mega's
     logits and tokens first; forced mega against the reference (pipeline.REL_TOL)."""
-    import torch
-
-    from .bench_baselines import step_context, weights_for
-    from .kernel_count import count_kernels
-    from .pipeline import REL_TOL, graph_of, plan_for
-    from .runtime import Engine, check_close
-
     rows = rows or {"forced": ("mega", "chain", "chain_nopdl"), "real": ("mega", "chain", "chain_nopdl")}
     sc = step_context(preset, n_tokens, ctx)
     w = weights_for(preset)
@@ -198,16 +198,11 @@ def megakernel_rows(c: _Ctx, preset: str, n_tokens: int, ctx: int, constants=Non
 
 
 def _distinct(routes) -> list[int]:
-    from .peer import distinct_of
-
     return distinct_of(routes)
 
 
 # ---------------------------------------------------------------------- the peer's rows
 def _peer_model(preset: str):
-    from .bench_baselines import weights_for
-    from .peer import PeerModel
-
     if preset not in _MODELS:
         _MODELS[preset] = PeerModel(weights_for(preset))
     return _MODELS[preset]
@@ -225,6 +220,9 @@ def release(preset: str | None = None) -> None:
         del _REAL[k]
 
 
+bench_baselines.RELEASE_HOOKS.append(release)  # bench_baselines.release frees the peer's models too
+
+
 def _restore(cache, cache0) -> None:
     """cache's contents back to cache0's, in place (runners keep pointers to its tensors)."""
     for a, b in zip(cache.k + cache.v, cache0.k + cache0.v):
@@ -235,9 +233,6 @@ def _time_runner(c: _Ctx, runner, check):
     """Capture the runner's step in one graph, check what a replay computed (check(logits): the
     reference check of the un-graphed step, on the replay's logits and caches), time the
     replays. Returns (timing, the kernel count of one un-graphed step)."""
-    from .kernel_count import count_kernels
-    from .peer import StepGraph
-
     kc = count_kernels(runner.run)  # un-graphed: CUPTI sees every kernel (a graph replay may hide them)
     g = StepGraph(runner)
     g.replay()
@@ -251,9 +246,6 @@ def _check_and_time(c: _Ctx, r, cache, sc, what: str, replay_what: str):
     """Run the forced-routing step once and check it against the reference (logits and every
     layer's KV cache), then capture, check a replay the same way and time the replays: (check,
     timing, kernel count)."""
-    from .peer import check_step
-    from .pipeline import REL_TOL
-
     logits = r.run()
     _sync()
     chk = check_step(r, logits, cache, sc.ref_logits, sc.ref_cache, what, REL_TOL)
@@ -263,14 +255,6 @@ def _check_and_time(c: _Ctx, r, cache, sc, what: str, replay_what: str):
 
 def peer_rows(c: _Ctx, preset: str, n_tokens: int, ctx: int, *, tune: bool = True, compile: bool = True,
               routings=("forced", "real"), accounting: bool = True) -> None:
-    import torch
-
-    from microbench.errors import CorrectnessError
-
-    from .bench_baselines import step_context
-    from .peer import TIE_GAP, PeerRunner, check_step, tune_moe
-    from .pipeline import REL_TOL
-
     sc = step_context(preset, n_tokens, ctx)
     m = _peer_model(preset)
     tag = f"{preset}/T{n_tokens}/ctx{ctx}"
@@ -346,11 +330,6 @@ def peer_rows(c: _Ctx, preset: str, n_tokens: int, ctx: int, *, tune: bool = Tru
 
 
 def compile_rows(c: _Ctx, preset: str, n_tokens: int, ctx: int) -> None:
-    from .baselines import compile_stats
-    from .bench_baselines import step_context
-    from .peer import PeerRunner, check_step, free_compiled
-    from .pipeline import REL_TOL
-
     sc = step_context(preset, n_tokens, ctx)
     m = _peer_model(preset)
     tag = f"{preset}/T{n_tokens}/ctx{ctx}"
@@ -377,8 +356,6 @@ def compile_rows(c: _Ctx, preset: str, n_tokens: int, ctx: int) -> None:
 
 def kernel_rows(c: _Ctx, runner, preset: str, n_tokens: int, ctx: int, distinct, step_s: float) -> None:
     """Per-op device time of the peer (CUPTI, un-graphed) and its bytes' fraction of the read ceiling."""
-    from .peer import OPS, kernel_times, op_bytes
-
     cfg = runner.cfg
     per = distinct if not isinstance(distinct, int) else [distinct] * cfg.n_layers
     kernels: dict = {}
@@ -441,18 +418,10 @@ def ratios(series, measured=()) -> dict[str, Derived]:
 
 # ---------------------------------------------------------------------- entry points
 def _harness(quick: bool = True):
-    from microbench.harness import Harness, Policy
-
     return Harness(policy=Policy(budget_s=0.3 if quick else 1.0, max_samples=100 if quick else 400, chunk=8))
 
 
 def greedy_rows(c: _Ctx, preset: str) -> None:
-    from microbench.errors import CorrectnessError
-
-    from . import reference
-    from .bench_baselines import weights_for
-    from .peer import greedy
-
     w = weights_for(preset)
     ref = reference.greedy(w, reference.KVCache(w.cfg, device=w.device), list(GREEDY_PROMPT), GREEDY_STEPS)
     got = greedy(_peer_model(preset), list(GREEDY_PROMPT), GREEDY_STEPS)
@@ -471,10 +440,6 @@ def run(points=POINTS, save: bool = True, log=print, constants=None, compile: bo
         h=None) -> Result:
     """The standalone run: every row at every point (see the module docstring). greedy_presets:
     default GREEDY_PRESETS; h: a harness (default a fresh one, which needs the GPU)."""
-    from .bench_baselines import release
-    from .peer import available
-    from .roofline import read_ceiling
-
     if h is None:
         why = available()
         if why:
@@ -495,7 +460,7 @@ def run(points=POINTS, save: bool = True, log=print, constants=None, compile: bo
             _MODELS.pop(p, None)
             for k in [k for k in _REAL if k[0] == p]:
                 del _REAL[k]
-            release(p)
+            bench_baselines.release(p)
     c.notes.append(f"read ceiling {c.ceiling[0]:.4g} B/s: {c.ceiling[1]}")
     c.notes.append(f"wall time {time.perf_counter() - t_start:.0f} s")
     res = Result(BENCHMARK, Env.capture(h.device_index), tuple(c.series), ratios(c.series), quick=quick,
@@ -509,13 +474,7 @@ def run(points=POINTS, save: bool = True, log=print, constants=None, compile: bo
 def tuned_configs(preset: str, n_tokens: int, roots=None):
     """(up, down, source): the block sizes the newest megakernel.peer run's sweep chose for this
     preset and T (its peer_tune series with chosen=1), else peer.default_moe_configs()."""
-    import re
-    from pathlib import Path
-
-    from microbench.results import REPO_ROOT, latest, results_root
-
-    from . import peer_kernels as K
-    from .peer import default_moe_configs
+    from . import peer_kernels as K  # heavy: triton (megakernel.peer_kernels)
 
     best = None
     for root in roots or (results_root(), REPO_ROOT / "reports" / "results"):
@@ -541,11 +500,6 @@ def peer_point(h, preset: str, n_tokens: int, ctx: int, ceiling, log=print) -> S
     """The pipeline's peer row (megakernel.pipeline.PEERS): the peer's step at one point, forced
     routing, block sizes from tuned_configs; checked (logits and KV caches, the megakernel's bound)
     before and after its graph capture, then timed. Raises where the peer cannot run."""
-    from .bench_baselines import step_context, weights_for
-    from .config import preset as get_preset
-    from .peer import PeerModel, PeerRunner, available, check_step, unsupported
-    from .pipeline import REL_TOL
-
     why = available() or unsupported(get_preset(preset))
     if why:
         raise RuntimeError(f"the peer baseline cannot run: {why}")
@@ -590,8 +544,6 @@ def markdown(res: Result) -> str:
     """The result as the note's markdown: every row's step time, launches, fraction of the
     roofline and mega's ratio to it (same point and routing), the peer's per-kernel accounting,
     the chosen block sizes and the checks, with the run's date, commit and GPU."""
-    from reports.fmt import fmt
-
     e = res.env
     out = [f"Run {e.date}, commit {e.git_sha[:7]}, {e.gpu or 'no GPU'} ({BENCHMARK}).", ""]
     rows = [s for s in res.series if "impl" in s.params and s.params.get("kind") is None]
@@ -621,8 +573,7 @@ def markdown(res: Result) -> str:
 def compile_report(log=print) -> list[dict]:
     """Without a GPU: compile every peer kernel (the sweep's MoE configs included) for sm_90a and
     report registers, spills, shared memory and whether the dots became wgmma."""
-    from . import peer_kernels as K
-    from .peer import SWEEP
+    from . import peer_kernels as K  # heavy: triton (megakernel.peer_kernels)
 
     ptr = lambda t: f"*{t}"  # noqa: E731
     attn_sig = {"q_ptr": ptr("bf16"), "k_ptr": ptr("bf16"), "v_ptr": ptr("bf16"), "ctx_ptr": ptr("i32"),
@@ -676,11 +627,8 @@ def compile_report(log=print) -> list[dict]:
     return out
 
 
-def main(argv=None) -> int:
-    import argparse
-    import os
-
-    ap = argparse.ArgumentParser(prog="python -m megakernel.peer_bench", description=__doc__.split("\n")[0])
+def main(argv=None, prog: str = "python -m megakernel.peer_bench") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--points", default=",".join(f"{p}:{t}:{c}" for p, t, c in POINTS),
                     help="comma-separated preset:T:ctx (default: %(default)s)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
@@ -699,22 +647,16 @@ def main(argv=None) -> int:
         p, t, ctx = item.split(":")
         points.append((p, int(t), int(ctx)))
     if a.markdown:
-        from microbench.results import load
-
         print(markdown(load(a.markdown)), end="")
         return 0
     if a.compile_only:
         rep = compile_report()
         return 1 if any("error" in r for r in rep) else 0
     if a.precompile:
-        from .build import build_gpu
-        from .pipeline import plan_for
-
         for p, t in dict.fromkeys((p, t) for p, t, _ in points):
             u = build_gpu(plan_for(p, None, 132, tokens=t)).usage
             print(f"  megakernel {p} T={t}: {u.code_bytes} B, {u.registers} registers, spills {u.spills}")
         return 0
-    from microbench.device import no_gpu_reason
 
     reason = no_gpu_reason()
     if reason:

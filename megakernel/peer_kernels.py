@@ -49,11 +49,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import re
+import subprocess
+import tempfile
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+from triton.runtime import interpreter as I
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 from .fp4_layout import BIT_MAP
 
@@ -117,9 +127,6 @@ def interpreted(check_overflow: bool = False):
     """Run every launch of this module through Triton's CPU interpreter inside the block.
     check_overflow: the interpreter's int32 overflow assertions on add/sub/mul (address
     arithmetic); several times slower, so off unless asked for."""
-    from triton.runtime import interpreter as I
-    from triton.runtime.jit import JITFunction
-
     cache: dict = {}
     B = I.InterpreterBuilder
     orig = (JITFunction.__call__, B.create_dot, B.cast_impl, I._patch_lang_tensor, I.interpreter_builder.options)
@@ -169,8 +176,6 @@ def interpreted(check_overflow: bool = False):
 
 def _launch(kernel, grid, *args, **kw):
     if interpreting():
-        from triton.runtime.interpreter import InterpretedFunction
-
         fn = getattr(kernel, "fn", kernel)
         return InterpretedFunction(fn)[grid](*args, **kw)
     return kernel[grid](*args, **kw)
@@ -721,9 +726,6 @@ def compile_sm90_ir(kernel, signature: dict, constexprs: dict, num_warps: int = 
     """Triton's compiled kernel for sm_90a, no GPU needed (its .asm holds ttir / ttgir / ptx).
     `aligned`: argument names assumed 16-byte aligned / divisible by 16, as the JIT specialises
     real launches."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
@@ -736,13 +738,6 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 4, 
                  aligned: tuple[str, ...] = ()) -> dict:
     """Compile `kernel` for sm_90a without a GPU (Triton's own ptxas) and report the machine code:
     registers, spill bytes, shared memory, wgmma use (compile_sm90_ir's arguments)."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
     c = compile_sm90_ir(kernel, signature, constexprs, num_warps, num_stages, aligned)
     ptx = c.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:

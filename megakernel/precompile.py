@@ -10,12 +10,13 @@ import argparse
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
+from .build import build_gpu
+from .config import preset
+from .plan import make_plan
+from .plans import CHECK_POINTS, FULL, NONE, QUICK, plan_for, technique_switches
+
 
 def plans(n_sm: int = 132):
-    from .config import preset
-    from .pipeline import CHECK_POINTS, FULL, NONE, QUICK, plan_for, technique_switches
-    from .plan import make_plan
-
     out = []
     tech = technique_switches(None, n_sm)
     allsw = {k: v for d in tech.values() for k, v in d.items()}
@@ -42,14 +43,19 @@ def plans(n_sm: int = 132):
 
 
 def _one(plan) -> str:
-    from .build import build_gpu
-
     u = build_gpu(plan).usage
     return f"{plan.cfg.name}: {u.code_bytes} B, {u.registers} regs, spills {u.spills}"
 
 
-def main(argv=None) -> int:
-    a = argparse.ArgumentParser(description=__doc__)
+def quality_build(preset: str, tokens: int) -> str:
+    """The build tests/bench/test_bench_megakernel.py times at (preset, tokens) on this GPU,
+    compiled into the kernel cache (`megabench gate --quality-run` precompiles it, each injection)."""
+    build_gpu(plan_for(preset, tokens=tokens))
+    return f"megakernel {preset} T={tokens}"
+
+
+def main(argv=None, prog: str = "python -m megakernel.precompile") -> int:
+    a = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("--sm", type=int, default=132)
     a.add_argument("-j", type=int, default=2)
     args = a.parse_args(argv)

@@ -28,6 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from microbench.constants import BY_NAME
+from microbench.results import REPO_ROOT, latest, results_root
+
 from .config import ConfigError, ModelConfig
 
 
@@ -98,8 +101,6 @@ def step_bytes(cfg: ModelConfig, n_tokens: int, ctx: int, distinct_per_layer: Se
 
 
 def _result_roots(roots: Sequence[Path] | None) -> list[Path]:
-    from microbench.results import REPO_ROOT, results_root
-
     if roots is not None:
         return [Path(r) for r in roots]
     out = [results_root()]
@@ -112,9 +113,6 @@ def _result_roots(roots: Sequence[Path] | None) -> list[Path]:
 def read_ceiling(gpu: str | None = None, roots: Sequence[Path] | None = None) -> tuple[float, str]:
     """(bytes/s, source) of the best available read-bandwidth measurement for `gpu` (any GPU when
     None), searching `roots` (default: the results folder and the committed reports/results)."""
-    from microbench.constants import BY_NAME
-    from microbench.results import latest
-
     def pick(bench: str):
         best = None
         for root in _result_roots(roots):

@@ -14,6 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from microbench.results import Derived, Result, Series
+
+from .bench_baselines import step_context, weights_for
+from .plans import constants_env, plan_for
+from .runtime import Engine
+
+
 BENCHMARK = "megakernel.sm_map"
 
 
@@ -57,11 +64,7 @@ def to_result(rows, env=None):
     """A megabench Result (megakernel.sm_map) of [(preset, T, ctx, variant name, switches, Placement)]:
     one series per row, its samples each launch transition's same-SM share; derived
     same_sm_<preset>_T<t>_ctx<ctx>_<variant>. Not gated (a placement, not a time)."""
-    from microbench.results import Derived, Result, Series
-
     if env is None:
-        from .pipeline import constants_env
-
         env = constants_env()
     series, derived = [], {}
     for preset, t, ctx, name, switches, m in rows:
@@ -81,10 +84,6 @@ def to_result(rows, env=None):
 def measure(preset: str, n_tokens: int, ctx: int, switches: dict, steps: int = 3) -> Placement:
     """On the GPU: `steps` profiled mega steps of the build (plan_for with `switches`); the last
     one's records."""
-    from .bench_baselines import step_context, weights_for
-    from .pipeline import plan_for
-    from .runtime import Engine
-
     sc = step_context(preset, n_tokens, ctx)
     plan = plan_for(preset, None, None, tokens=n_tokens, profile=True, profile_cap=128, **switches)
     eng = Engine(weights_for(preset), plan, sc.cache0.clone(), backend="gpu")

@@ -34,7 +34,7 @@ import weakref
 import torch
 
 from .config import ConfigError
-from .fp4_layout import scale_planes, swizzle_units, to_rotated_words
+from .fp4_layout import from_rotated_words, scale_planes, swizzle_units, to_rotated_words
 from .plan import ROW_PAD, GemmTile
 
 # the kernel's weight pointer (abi LayerPtrs / Params field) -> the op whose tile it is stored for
@@ -113,8 +113,6 @@ def tile_fp4_scales(scales: torch.Tensor, t: GemmTile) -> torch.Tensor:
 
 def untile_fp4(codes: torch.Tensor, scales: torch.Tensor, t: GemmTile) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of tile_fp4_codes / tile_fp4_scales: storage words [E, N, K/2] and [E, N, K/16] (tests)."""
-    from .fp4_layout import from_rotated_words
-
     e, c, n, _ = codes.shape
     x = swizzle_units(from_rotated_words(codes) if t.rotated else codes, t.swizzle)
     s = scales.reshape(e, c, n, 2, t.kc // 32).transpose(-1, -2).reshape(e, c, n, t.kc // 16)

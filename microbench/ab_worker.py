@@ -47,6 +47,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -73,16 +74,16 @@ def _import_tree(root: Path) -> dict:
     if root.resolve() not in got.parents:
         raise RuntimeError(f"`import microbench` resolved to {got}, outside the side's tree {root}")
     try:
-        from microbench.compiler import DEFAULT_ARCH
+        from microbench.compiler import DEFAULT_ARCH  # the side's tree, once sys.path names it
 
         info["arch"] = DEFAULT_ARCH
     except Exception as e:  # an old tree: say so, the controller decides
         info["arch"] = f"unknown ({e.__class__.__name__})"
     try:
-        from microbench.device import gpu_count
+        from microbench.device import gpu_count  # the side's tree, once sys.path names it
 
         if gpu_count() > 0:
-            from microbench.device import device_info
+            from microbench.device import device_info  # the side's tree, once sys.path names it
 
             d = device_info(0)
             info["device"] = {"name": d.name, "cc": list(d.cc), "sm_count": d.sm_count,
@@ -198,7 +199,7 @@ class _Capture:
         return rec
 
     def pyfunc_call(self, pyfuncitem):
-        import pytest
+        import pytest  # the pytest backend only: the worker's top imports only the standard library
 
         if "benchmark" not in pyfuncitem.fixturenames:
             self.skipped.append({"id": pyfuncitem.nodeid, "reason": "not a benchmark (no benchmark fixture)"})
@@ -246,10 +247,10 @@ class _Capture:
 def _capture_plugin(variants: list[dict], ids: list[str] | None = None) -> _Capture:
     """The plugin object: the two hooks that must run before pytest's own (tryfirst), and a
     recorder that pytest-benchmark's own hooks accept as its fixture (they check the type)."""
-    import pytest
+    import pytest  # the pytest backend only: the worker's top imports only the standard library
 
     try:
-        from pytest_benchmark.fixture import BenchmarkFixture
+        from pytest_benchmark.fixture import BenchmarkFixture  # the pytest backend only, as pytest
     except ImportError:  # no pytest-benchmark: nothing checks the type
         BenchmarkFixture = object  # noqa: N806
 
@@ -282,7 +283,7 @@ class PytestBackend:
         self.capture: _Capture | None = None
 
     def prepare(self, select: dict, variants: list[dict]) -> dict:
-        import pytest
+        import pytest  # the pytest backend only: the worker's top imports only the standard library
 
         bench = self.root / "tests" / "bench"
         classes = select.get("classes") or []
@@ -345,8 +346,6 @@ class PytestBackend:
 def k_match(expr: str, name: str) -> bool:
     """pytest's -k rule on one name: words are case-insensitive substrings, joined by and / or /
     not and parentheses."""
-    import re
-
     toks = re.findall(r"\(|\)|[^\s()]+", expr)
     py = []
     for t in toks:
@@ -358,7 +357,6 @@ def k_match(expr: str, name: str) -> bool:
         return bool(eval(" ".join(py) or "True", {"__builtins__": {}}, {}))  # only True/False/and/or/not
     except SyntaxError:
         raise CaseError(f"-k {expr!r}: not an expression of words, and, or, not, parentheses") from None
-
 
 
 class SyntheticBackend:

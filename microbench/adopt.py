@@ -8,106 +8,43 @@ last: it reads the revision named by the adoption file
 
 which changes only through `megabench adopt`, and only with a measurement: the megakernel
 results that ran the build with that revision (their env records constants_revision, set by
-megakernel/pipeline.py when it loads constants). So a re-tuned ring or prefetch budget reaches
-the build only after the build it changes has been measured. A fresh `megabench run` on
-2026-12-01 re-tuned l2_prefetch_budget_bytes 40 MiB -> 0 and the ring 3 x 16 -> 2 x 32 KiB, and
-the megakernel built from them unmeasured; this file is why that cannot happen again.
+megakernel/plans.py when it loads constants). So a re-tuned ring or prefetch budget reaches the
+build only after the build it changes has been measured: a fresh run's re-tune never reaches the
+build unmeasured.
 
-Pins (reports/constants/pins/<gpu-slug>.json) hold a constant at a stated value in every new
-revision, with the reason (a rule that flips between runs of the same GPU, whose flip would change
-the build): tune records `source: "pinned"`, the pinned value, the reason, and what the latest
-result measured beside it. Both files are versioned data with their reasons, in folders below the
-constants folder (its top level holds exactly one current file per GPU).
+Pins (microbench/pins.py) hold a constant at a stated value in every new revision; tune applies
+them. Adoption files are versioned data with their reasons, in a folder below the constants
+folder (its top level holds exactly one current file per GPU).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as _dt
 import json
+import re
+import subprocess
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from .constants import BY_NAME, RENAMED, SPECS
+from .atomic import write_text
+from .constants import RENAMED, SPECS, gpu_slug
 from .errors import ResultsFileError
-from .results import REPO_ROOT
+from .pins import VERSION, folder_of, load_pins, read_document
+from .results import REPO_ROOT, load
+from .tune import DEFAULT_RULE, from_document
 
-PINS_SCHEMA = "megabench.constants_pins"
 ADOPTION_SCHEMA = "megabench.constants_adoption"
-VERSION = 1
-
-
-def _dir(directory) -> Path:
-    from .tune import constants_dir
-
-    return Path(directory) if directory else constants_dir()
-
-
-def _slug(gpu: str | None) -> str:
-    from .tune import gpu_slug
-
-    return gpu_slug(gpu)
-
-
-def _read(p: Path, schema: str) -> dict:
-    from .results import read_json
-
-    d = read_json(p)
-    if not isinstance(d, dict) or d.get("schema") != schema:
-        raise ResultsFileError(f"{p}: schema {d.get('schema') if isinstance(d, dict) else None!r}, expected {schema!r}")
-    v = d.get("version")
-    if not isinstance(v, int) or v > VERSION:
-        raise ResultsFileError(f"{p}: version {v!r}, this reads up to {VERSION}")
-    return d
 
 
 def _write(p: Path, doc: dict) -> None:
-    from .atomic import write_text
-
     write_text(p, json.dumps(doc, indent=1) + "\n", mkdir=True)
-
-
-# ----------------------------------------------------------------------------- pins
-@dataclasses.dataclass(frozen=True)
-class Pin:
-    name: str
-    value: float | int
-    reason: str
-    since: str
-    evidence: tuple[str, ...] = ()
-
-
-def pins_path(gpu: str | None, directory=None) -> Path:
-    return _dir(directory) / "pins" / f"{_slug(gpu)}.json"
-
-
-def load_pins(gpu: str | None, directory=None) -> dict[str, Pin]:
-    """{constant name: Pin} for `gpu` ({} without a pins file). A pin of an unknown constant, a
-    pin without a reason, a non-integer pin of an integer constant are refused by name."""
-    p = pins_path(gpu, directory)
-    if gpu is None or not p.exists():
-        return {}
-    d = _read(p, PINS_SCHEMA)
-    if d.get("gpu") != gpu:
-        raise ResultsFileError(f"{p}: pins for {d.get('gpu')!r}, not {gpu!r}")
-    out = {}
-    for name, e in (d.get("pins") or {}).items():
-        spec = BY_NAME.get(name)
-        if spec is None:
-            raise ResultsFileError(f"{p}: pin of unknown constant {name!r} (microbench/constants.py)")
-        if not isinstance(e, dict) or not str(e.get("reason", "")).strip():
-            raise ResultsFileError(f"{p}: pin of {name} states no reason; a pinned constant must say why")
-        v = e.get("value")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (spec.integer and v != int(v)):
-            raise ResultsFileError(f"{p}: pin of {name}: value {v!r} is not a {'whole ' if spec.integer else ''}number")
-        out[name] = Pin(name, int(v) if spec.integer else float(v), str(e["reason"]), str(e.get("since", "")),
-                        tuple(e.get("evidence", ())))
-    return out
 
 
 # ----------------------------------------------------------------------------- adoption
 def adoption_path(gpu: str | None, directory=None) -> Path:
-    return _dir(directory) / "adopted" / f"{_slug(gpu)}.json"
+    return folder_of(directory) / "adopted" / f"{gpu_slug(gpu)}.json"
 
 
 def load_adoption(gpu: str | None, directory=None) -> dict | None:
@@ -115,7 +52,7 @@ def load_adoption(gpu: str | None, directory=None) -> dict | None:
     p = adoption_path(gpu, directory)
     if not p.exists():
         return None
-    d = _read(p, ADOPTION_SCHEMA)
+    d = read_document(p, ADOPTION_SCHEMA)
     for k in ("gpu", "revision", "revision_file", "reason"):
         if d.get(k) in (None, ""):
             raise ResultsFileError(f"{p}: no {k!r}")
@@ -129,7 +66,7 @@ def has_adoption(gpu: str | None, directory=None) -> bool:
     without a GPU to choose: an error naming the problem, as for constants files)."""
     if gpu is not None:
         return adoption_path(gpu, directory).exists()
-    folder = _dir(directory) / "adopted"
+    folder = folder_of(directory) / "adopted"
     n = len(list(folder.glob("*.json"))) if folder.is_dir() else 0
     if n > 1:
         raise ResultsFileError(f"{folder}: {n} adoption files and no GPU to choose one; pass gpu=")
@@ -138,8 +75,8 @@ def has_adoption(gpu: str | None, directory=None) -> bool:
 
 def adoptions(directory=None) -> list[dict]:
     """Every adoption record in the constants folder (one per GPU)."""
-    folder = _dir(directory) / "adopted"
-    return [_read(p, ADOPTION_SCHEMA) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+    folder = folder_of(directory) / "adopted"
+    return [read_document(p, ADOPTION_SCHEMA) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
 
 
 def revision_document(gpu: str | None, revision_file: str, directory=None) -> dict:
@@ -147,7 +84,7 @@ def revision_document(gpu: str | None, revision_file: str, directory=None) -> di
     (constants.RENAMED) are mapped to new ones and constants the revision predates are filled
     with their documented default, each saying so in its provenance. Only the adopted build
     reads revisions this way; tune's own loader stays strict."""
-    p = _dir(directory) / revision_file
+    p = folder_of(directory) / revision_file
     try:
         doc = json.loads(p.read_text())
     except FileNotFoundError:
@@ -163,8 +100,6 @@ def revision_document(gpu: str | None, revision_file: str, directory=None) -> di
             consts[new] = e
     for s in SPECS:
         if s.name not in consts:
-            from .tune import DEFAULT_RULE
-
             consts[s.name] = {"value": int(s.default) if s.integer else float(s.default), "unit": s.unit,
                               "source": "default", "doc": s.doc, "rule": DEFAULT_RULE,
                               "reason": f"not in {revision_file} (the constant was added after it)"}
@@ -174,12 +109,10 @@ def revision_document(gpu: str | None, revision_file: str, directory=None) -> di
 def load_adopted(gpu: str | None = None, directory=None):
     """TunedConstants of the adopted revision for `gpu` (the only adoption when gpu is None and
     exactly one exists). Raises ResultsFileError when there is none."""
-    from .tune import from_document
-
     if gpu is None:
         recs = adoptions(directory)
         if len(recs) != 1:
-            raise ResultsFileError(f"{_dir(directory) / 'adopted'}: {len(recs)} adoption files; pass gpu=")
+            raise ResultsFileError(f"{folder_of(directory) / 'adopted'}: {len(recs)} adoption files; pass gpu=")
         rec = recs[0]
     else:
         rec = load_adoption(gpu, directory)
@@ -187,7 +120,7 @@ def load_adopted(gpu: str | None = None, directory=None):
             raise ResultsFileError(f"no adopted constants revision for {gpu} ({adoption_path(gpu, directory)}); "
                                    "adopt one with `megabench adopt` after measuring the build with it")
     doc = revision_document(rec["gpu"], rec["revision_file"], directory)
-    src = str(_dir(directory) / rec["revision_file"])
+    src = str(folder_of(directory) / rec["revision_file"])
     c = from_document(doc, source=src, gpu=gpu)
     if c.revision != rec["revision"]:
         raise ResultsFileError(f"{src}: is revision {c.revision}, the adoption file names {rec['revision']}")
@@ -200,12 +133,10 @@ def adopt(gpu: str, revision: int, measured_by: Sequence[str | Path], reason: st
     """Make `revision` the one the megakernel builds from, given the megakernel results that
     measured the build with it. Refused unless every result is a megakernel.* result on `gpu`
     whose env.constants_revision is `revision`, and the reason is stated."""
-    from .results import load
-
     if not reason.strip():
         raise ResultsFileError("adopt: state the reason (what the measurement showed)")
-    d = _dir(directory)
-    rev_file = f"history/{_slug(gpu)}-r{int(revision):04d}.json"
+    d = folder_of(directory)
+    rev_file = f"history/{gpu_slug(gpu)}-r{int(revision):04d}.json"
     if not (d / rev_file).exists():
         raise ResultsFileError(f"adopt: {d / rev_file} does not exist")
     if not measured_by:
@@ -237,27 +168,6 @@ def adopt(gpu: str, revision: int, measured_by: Sequence[str | Path], reason: st
     return out
 
 
-def pinned_entries(gpu: str | None, measured: Mapping, directory=None, pins: Mapping | None = None) -> dict:
-    """For tune: {name: (value, provenance)} of the pinned constants, each provenance naming the
-    pin's reason and what the latest result measured (from `measured`: name -> tune Entry)."""
-    pins = load_pins(gpu, directory) if pins is None else pins
-    out = {}
-    for name, pin in pins.items():
-        m = measured.get(name)
-        mp = dict(m.provenance) if m is not None else {}
-        prov = {"benchmark": BY_NAME[name].benchmark, "derived_key": BY_NAME[name].derived_key,
-                "result_file": mp.get("result_file"), "date": mp.get("date") or pin.since, "gpu": gpu,
-                "gpu_key": mp.get("gpu_key"), "git_sha": mp.get("git_sha") or "pinned",
-                "rule": f"PINNED: {pin.reason}", "spread": [pin.value, pin.value],
-                "pinned_since": pin.since, "pin_evidence": list(pin.evidence),
-                "pins_file": str(pins_path(gpu, directory)),
-                "measured_value": m.value if m is not None else None,
-                "measured_source": m.source if m is not None else None,
-                "measured_rule": mp.get("rule"), "measured_spread": mp.get("spread")}
-        out[name] = (pin.value, prov)
-    return out
-
-
 # ----------------------------------------------------------------------------- CLI
 def add_parser(sub) -> None:
     s = sub.add_parser("adopt", help="make a measured constants revision the one the megakernel builds from",
@@ -273,8 +183,6 @@ def add_parser(sub) -> None:
 
 
 def _raw():
-    import argparse
-
     return argparse.RawDescriptionHelpFormatter
 
 
@@ -297,16 +205,13 @@ def revision_at_commit(sha: str, gpu: str | None) -> int | None:
     """The constants revision the committed current file had at commit `sha` (what a megakernel
     result credited to that commit was built from, before results recorded it themselves); None
     when git or the file at that commit is not there."""
-    import re
-    import subprocess
-
-    key = (sha, _slug(gpu))
+    key = (sha, gpu_slug(gpu))
     if key in _AT_COMMIT:
         return _AT_COMMIT[key]
     rev = None
     if re.fullmatch(r"[0-9a-f]{7,40}", sha or ""):
         try:
-            out = subprocess.run(["git", "show", f"{sha}:reports/constants/{_slug(gpu)}.json"], cwd=REPO_ROOT,
+            out = subprocess.run(["git", "show", f"{sha}:reports/constants/{gpu_slug(gpu)}.json"], cwd=REPO_ROOT,
                                  capture_output=True, text=True, timeout=30)
             if out.returncode == 0:
                 r = json.loads(out.stdout).get("revision")

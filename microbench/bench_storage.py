@@ -31,6 +31,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pytest_benchmark.stats import Stats
+
 from . import atomic
 from .errors import OutputError, ResultsFileError
 from .gate import steps_divisor
@@ -47,8 +49,6 @@ def machine_id() -> str:
 
 
 def _stats_of(data: Sequence[float]) -> dict:
-    from pytest_benchmark.stats import Stats
-
     s = Stats()
     for x in data:
         s.update(float(x))
@@ -127,8 +127,8 @@ def write_baseline(files: Sequence[Path], name: str, storage: Path = STORAGE, mi
         raise ResultsFileError(str(e)) from None
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m microbench.bench_storage", description=__doc__,
+def main(argv=None, prog: str = "python -m microbench.bench_storage") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", type=Path, help="pytest-benchmark JSON files (--benchmark-json)")
     ap.add_argument("--name", required=True, help="the run's name: NNNN_<name>.json")

@@ -20,8 +20,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cubin import ResourceUsage, resource_usage, text_sizes
+from .atomic import write_bytes
+from .cubin import ResourceUsage, parse_ptxas_log, resource_usage, text_sizes
 from .errors import CompileError, KernelDoesNotFitError
+from .launch import ensure_context
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Project header folders: always on the include path and hashed into the cache key.
@@ -55,20 +57,20 @@ def cache_dir() -> Path:
 def toolchain_versions() -> dict[str, str]:
     out = {}
     try:
-        from cuda.bindings import nvrtc
+        from cuda.bindings import nvrtc  # heavy: cuda
 
         _, major, minor = nvrtc.nvrtcVersion()
         out["nvrtc"] = f"{major}.{minor}"
     except Exception as e:  # pragma: no cover - only without cuda-bindings
         out["nvrtc"] = f"unavailable ({e.__class__.__name__})"
     try:
-        import cuda.core
+        import cuda.core  # heavy: cuda
 
         out["cuda-core"] = cuda.core.__version__
     except Exception:
         out["cuda-core"] = "unavailable"
     try:
-        import cuda.bindings
+        import cuda.bindings  # heavy: cuda
 
         out["cuda-bindings"] = cuda.bindings.__version__
     except Exception:
@@ -81,7 +83,7 @@ def cuda_include_dirs() -> tuple[str, ...]:
     """CUDA toolkit headers (cuda_bf16.h, ...) and CCCL (cooperative groups, cuda::std)."""
     dirs: list[str] = []
     try:
-        import cuda.pathfinder as pf
+        import cuda.pathfinder as pf  # heavy: cuda
 
         for lib in ("cudart", "cccl"):
             try:
@@ -159,11 +161,9 @@ class CompiledModule:
     def kernel(self, kname: str):
         """cuda.core Kernel for `kname` on the current device (needs a GPU)."""
         if kname not in self._kernels:
-            from .launch import ensure_context
-
             ensure_context()
             if self._loaded is None:
-                from cuda.core import ObjectCode
+                from cuda.core import ObjectCode  # heavy: cuda
 
                 self._loaded = ObjectCode.from_cubin(self.cubin, name=self.name)
             self._kernels[kname] = self._loaded.get_kernel(kname)
@@ -207,9 +207,8 @@ def compile_cuda(source: str | Path, *, name: str | None = None, arch: str = DEF
     opts = dict(extra_options or {})
     # The key names content, not locations: the headers of every include dir but the toolkit's by
     # their bytes, toolkit headers by the NVRTC version that ships them, so a cache built on one
-    # machine is valid on another. Danger: a dir left out of the hash (those outside the repository
-    # were, until 2026-12-01) makes two kernel trees with the same top-level text share one cubin
-    # (an A/B variant tree outside the repository built as another tree's cubin).
+    # machine is valid on another. Danger: a dir left out of the hash makes two kernel trees with the
+    # same top-level text share one cubin (an A/B variant tree built as another tree's cubin).
     tv = toolchain_versions()
     key_material = json.dumps({
         "fmt": CACHE_FORMAT, "src": text, "name": name, "arch": arch, "defines": defs,
@@ -232,7 +231,7 @@ def compile_cuda(source: str | Path, *, name: str | None = None, arch: str = DEF
             pass  # a torn cache entry: recompile and overwrite it
 
     def options(with_lineinfo: bool):
-        from cuda.core import ProgramOptions
+        from cuda.core import ProgramOptions  # heavy: cuda
 
         return ProgramOptions(arch=arch, std="c++17", include_path=incs, define_macro=list(defs.items()) or None,
                               lineinfo=with_lineinfo or None, ptxas_options=["-v"], max_register_count=max_registers,
@@ -240,9 +239,8 @@ def compile_cuda(source: str | Path, *, name: str | None = None, arch: str = DEF
 
     image, log_s = _nvrtc_cubin(text, options(lineinfo), f"{name} for {arch} with defines {defs}")
     if lineinfo and _report_missing(image, log_s):
-        # NVRTC 13.0 on the H200 machine (cu13 wheel, 2026-12-01) returned an empty log for some
-        # sources compiled with -lineinfo and -v together (every kernel then looked like it had no
-        # entries). The same source without line info reports its registers, spills and smem;
+        # NVRTC 13.0 can return an empty log for a source compiled with -lineinfo and -v together
+        # (every kernel then looks like it has no entries). The same source without line info reports its registers, spills and smem;
         # line info changes no allocation, so that report describes the image kept here. Where
         # that log is empty too, cubin.resource_usage reads the image's own attributes.
         _, log_s = _nvrtc_cubin(text, options(False), f"{name} for {arch} with defines {defs} (for its ptxas report)")
@@ -257,7 +255,7 @@ def compile_cuda(source: str | Path, *, name: str | None = None, arch: str = DEF
 
 def _nvrtc_cubin(text: str, options, what: str) -> tuple[bytes, str]:
     """NVRTC C++ -> (cubin, its log with ptxas -v's report). Raises CompileError naming `what`."""
-    from cuda.core import Program
+    from cuda.core import Program  # heavy: cuda
 
     log = io.StringIO()
     try:
@@ -269,8 +267,6 @@ def _nvrtc_cubin(text: str, options, what: str) -> tuple[bytes, str]:
 
 def _report_missing(image: bytes, log: str) -> bool:
     """The cubin has kernels but the log has no ptxas report of any of them."""
-    from .cubin import parse_ptxas_log
-
     try:
         entries = text_sizes(image)
     except Exception:
@@ -290,7 +286,7 @@ def compile_ptx(ptx: str, *, name: str = "ptx", arch: str = DEFAULT_ARCH, use_ca
         meta = json.loads(meta_p.read_text())
         image = cubin_p.read_bytes()
         return CompiledModule(name, arch, image, meta["log"], {}, key, cubin_p, resource_usage(image, meta["log"]))
-    from cuda.core import Linker, LinkerOptions, ObjectCode
+    from cuda.core import Linker, LinkerOptions, ObjectCode  # heavy: cuda
 
     try:
         linker = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch=arch, verbose=True,
@@ -310,7 +306,7 @@ def compile_ptx(ptx: str, *, name: str = "ptx", arch: str = DEFAULT_ARCH, use_ca
 def cuda_to_ptx(source: str, *, arch: str = DEFAULT_ARCH, defines: Mapping[str, object] | None = None,
                 include_dirs: Iterable[str] = ()) -> str:
     """NVRTC C++ -> PTX text without a driver (cuda.core 1.2's compile('ptx') asks the driver)."""
-    from cuda.bindings import nvrtc
+    from cuda.bindings import nvrtc  # heavy: cuda
 
     incs = [*include_dirs, *map(str, PROJECT_INCLUDE_DIRS), *cuda_include_dirs()]
     opts = [f"--gpu-architecture={arch.replace('sm_', 'compute_')}".encode(), b"-std=c++17"]
@@ -334,7 +330,6 @@ def cuda_to_ptx(source: str, *, arch: str = DEFAULT_ARCH, defines: Mapping[str, 
 
 def _atomic_write(path: Path, data: bytes) -> None:
     # a cache entry: no fsync (a torn entry after a crash is detected and recompiled)
-    from .atomic import write_bytes
 
     write_bytes(path, data, durable=False)
 

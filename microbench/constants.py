@@ -6,7 +6,7 @@ microbenchmark publishes a constant by putting a `Derived` under exactly `derive
 versioned constants file, and falls back to `default` (loudly) when a class has not reported.
 Defaults are conservative: they keep the megakernel correct and safe, not fast.
 
-`feeds_build` marks the constants the megakernel build reads (megakernel/pipeline.py plan_for,
+`feeds_build` marks the constants the megakernel build reads (megakernel/plans.py plan_for,
 technique_switches, code_budget): those must come out the same from two runs on two machines
 (tests/test_stability.py), and the build reads them only from an adopted constants revision
 (microbench/adopt.py), never straight from whatever tune last wrote.
@@ -17,7 +17,12 @@ them paired points 1.6% apart in cycles/instruction; they are named for what the
 """
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
+
+from .results import REPO_ROOT
 
 
 @dataclass(frozen=True)
@@ -90,3 +95,12 @@ BY_NAME = {s.name: s for s in SPECS}
 FEEDS_BUILD = tuple(s.name for s in SPECS if s.feeds_build)
 # old name -> new name (constants revisions written before the rename still load)
 RENAMED = {"icache_l1_bytes": "icache_l0_bytes", "icache_l2_bytes": "icache_sm_bytes"}
+
+
+def constants_dir() -> Path:
+    return Path(os.environ.get("MEGABENCH_CONSTANTS_DIR", REPO_ROOT / "reports" / "constants"))
+
+
+def gpu_slug(gpu: str | None) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200' (the same slug results files use)."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", gpu or "cpu").strip("-").lower()

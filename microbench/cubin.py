@@ -3,8 +3,8 @@
 Two sources, cross-checked: the ptxas `-v` report (registers, spills, stack, barriers) and the
 cubin's ELF section table (machine-code bytes per kernel, static shared memory). Code bytes are
 what the instruction-cache budget is compared against, so they come from the ELF, not a guess.
-Where the compiler's log has no report of an entry (nvJitLink and NVRTC 13.0 on the H200 machine
-returned empty logs, 2026-12-01), its registers and stack frame come from the cubin's `.nv.info`
+Where the compiler's log has no report of an entry (nvJitLink and NVRTC 13.0 can return empty
+logs), its registers and stack frame come from the cubin's `.nv.info`
 attributes instead (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE; the same numbers where both exist, a CPU
 test checks), with `report="elf"`: the ELF holds no spill counts, so those read 0 there.
 """

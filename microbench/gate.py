@@ -1,18 +1,4 @@
-"""`megabench gate`: the performance-regression gate, and the deterministic kernel-metrics gate.
-
-Three ways to gate timings, best first:
-
-1. In-run A/B (`megabench gate --ab REV`, microbench/gate_ab.py): the baseline revision and the
-   working tree are built and timed interleaved in one run on the GPU, judged on paired round
-   ratios. The mode CI should use: it sees through run-to-run drift, because both builds share it.
-2. Stored results (`megabench gate BASELINE CANDIDATE`), this module: each side is a megabench
-   result file, a pytest-benchmark JSON (per-round data kept: `--benchmark-json`, or
-   `--benchmark-save` with `--benchmark-save-data`) or a folder of them. A file is one named run;
-   a folder means the newest run of each benchmark in it (the newest result file of a benchmark,
-   the newest pytest-benchmark file holding a case). Earlier runs in a folder are history, never
-   noise: a folder's runs span a changing code base.
-3. pytest-benchmark's own `--benchmark-compare-fail` against the committed storage layout
-   (reports/benchmarks/<machine_id>/, microbench/bench_storage.py).
+"""The stored-results gate: a verdict per series from two sets of saved results.
 
 The stored rule, per series present on both sides:
 
@@ -54,13 +40,6 @@ its GPU in `machine_info["megabench"]["gpu_key"]`; one that does not is refused 
 pytest-benchmark case whose round covered several steps (extra_info `steps_per_round`, before
 `time_per: step`) is compared per step.
 
-Kernel-metrics gate (`megabench gate --kernels`): recompiles every .cu in the repository on the
-CPU (NVRTC, the defines recorded in the baseline; none for a new source) and compares registers,
-spills, static shared memory and code bytes with reports/kernel_metrics.json. Fails when spills
-grow by more than --max-spill-increase bytes (default 0), registers by more than
---max-reg-increase (default 0), static smem by more than --max-smem-increase bytes (default 0), or
-code bytes by more than --max-code-increase percent (default 10). `--update` rewrites the baseline.
-
 Exit codes (every gate):
   0  no regression (and every verdict known, or --allow-unknown)
   1  at least one regression (timing) / metric increase beyond its threshold (kernels)
@@ -72,21 +51,18 @@ Exit codes (every gate):
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime as _dt
-import json
 import math
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tabulate import tabulate
 
-from . import atomic
 from .errors import ResultsFileError
-from .results import REPO_ROOT, SCHEMA as RESULT_SCHEMA, load, read_json
+from .results import REPO_ROOT, find, load, read_json, results_root
+from .results import SCHEMA as RESULT_SCHEMA
 from .stats import Summary, mann_whitney
 
 EXIT_OK, EXIT_REGRESSION, EXIT_INPUT, EXIT_GPU, EXIT_UNKNOWN = 0, 1, 2, 3, 4
@@ -224,7 +200,7 @@ def fitness(s, env, min_repeats: int = 8) -> tuple[int | None, str, bool, str]:
     m, n = s.metrics, len(s.samples)
     if m.get("gated") is False:
         return None, "", False, str(m.get("not_gated_reason") or "its benchmark marks it not gated")
-    if s.timer == "cupti":  # results of 2026-12-01 predate the peer's gated=False on these
+    if s.timer == "cupti":  # older peer results do not mark these gated=False
         return None, "", False, ("profiler accounting (CUPTI) of un-graphed passes: a diagnostic of where a step's "
                                  "time goes, not a timing to gate (its step series is)")
     contiguous = m.get("repeat_layout") == "contiguous"
@@ -403,8 +379,6 @@ class CrossRun:
 def load_cross_run(path: str | Path | None = None, gpu: str | None = None) -> CrossRun | None:
     """The newest gate.aa_spread result (a file, or under a results folder; default the results
     root and the committed reports/results) for `gpu` (a model name, e.g. 'NVIDIA H200')."""
-    from .results import find, results_root
-
     if path is not None and Path(path).is_file():
         files = [Path(path)]
     else:
@@ -536,8 +510,6 @@ class GateReport:
         return out
 
     def to_markdown(self) -> str:
-        from tabulate import tabulate
-
         lines = [f"**{self.summary_line()}**", "", f"Rule: {self.config.describe()}.", ""]
         lines += [f"- {n}" for n in self.notes]
         if self.notes:
@@ -619,328 +591,3 @@ def _short(p: str) -> str:
         return str(Path(p).resolve().relative_to(REPO_ROOT))
     except ValueError:
         return str(p)
-
-
-# ----------------------------------------------------------------------------- kernel metrics
-KM_SCHEMA = "megabench.kernel_metrics"
-KM_VERSION = 1
-KM_FIELDS = ("registers", "spill_store_bytes", "spill_load_bytes", "stack_frame_bytes", "static_smem_bytes",
-             "barriers", "code_bytes")
-
-
-def kernel_metrics_path() -> Path:
-    return REPO_ROOT / "reports" / "kernel_metrics.json"
-
-
-@dataclass(frozen=True)
-class KernelThresholds:
-    max_spill_increase: int = 0  # bytes (stores + loads)
-    max_reg_increase: int = 0  # registers per thread
-    max_smem_increase: int = 0  # bytes of static shared memory
-    max_code_increase_pct: float = 10.0
-
-    def describe(self) -> str:
-        return (f"fail when spills grow > {self.max_spill_increase} B, registers > +{self.max_reg_increase}, "
-                f"static smem > +{self.max_smem_increase} B, or code bytes > +{self.max_code_increase_pct:g}%")
-
-
-def _tracked_cu(root: Path) -> set[str] | None:
-    from .results import _git
-
-    out = _git("ls-files", "*.cu")
-    return set(out.splitlines()) if out else None
-
-
-def _build_key(source: str, defines: Mapping[str, str]) -> str:
-    return source + ("" if not defines else "[" + ",".join(f"{k}={v}" for k, v in sorted(defines.items())) + "]")
-
-
-def load_kernel_baseline(path: Path | None = None) -> dict:
-    p = Path(path) if path else kernel_metrics_path()
-    try:
-        d = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ResultsFileError(f"{p}: no kernel-metrics baseline; create it with `megabench gate --kernels --update`") from None
-    except json.JSONDecodeError as e:
-        raise ResultsFileError(f"{p}: not valid JSON ({e})") from None
-    if not isinstance(d, dict) or d.get("schema") != KM_SCHEMA:
-        raise ResultsFileError(f"{p}: schema is {d.get('schema') if isinstance(d, dict) else None!r}, expected {KM_SCHEMA!r}")
-    v = d.get("version")
-    if not isinstance(v, int) or v > KM_VERSION:
-        raise ResultsFileError(f"{p}: kernel-metrics version {v!r} (this reads up to {KM_VERSION})")
-    if not isinstance(d.get("builds"), list):
-        raise ResultsFileError(f"{p}: no 'builds' list")
-    for i, b in enumerate(d["builds"]):
-        if not isinstance(b, dict) or not isinstance(b.get("source"), str) or not isinstance(b.get("kernels"), dict):
-            raise ResultsFileError(f"{p}: build #{i} malformed (needs source, defines, kernels)")
-        for kname, m in b["kernels"].items():
-            lacking = [f for f in KM_FIELDS if not isinstance(m.get(f) if isinstance(m, dict) else None, int)]
-            if lacking:
-                raise ResultsFileError(f"{p}: {b['source']} kernel {kname}: missing/non-integer {lacking}")
-    return d
-
-
-def measure_kernels(builds: Sequence[tuple[str, Mapping[str, str]]], arch: str = "sm_90a") -> dict[str, dict]:
-    """{build key: {"source", "defines", "kernels": {kernel: metrics}}} compiled now (NVRTC, CPU)."""
-    from .compiler import compile_cuda
-
-    out = {}
-    for src, defs in builds:
-        p = REPO_ROOT / src
-        mod = compile_cuda(p, arch=arch, defines=dict(defs))
-        kernels = {k: {f: int(getattr(u, f)) for f in KM_FIELDS} for k, u in sorted(mod.resources.items())}
-        out[_build_key(src, defs)] = {"source": src, "defines": dict(defs), "kernels": kernels}
-    return out
-
-
-def planned_builds(baseline: dict | None, tracked_only: bool = False,
-                   only: Sequence[str] | None = None) -> tuple[list[tuple[str, dict]], list[str]]:
-    """Builds to compile: the baseline's (source, defines) records whose source still exists, plus
-    every other .cu with no defines. Returns (builds, baseline sources that vanished)."""
-    from .compiler import all_cuda_sources
-
-    # never a virtual environment's or another hidden folder's sources (a CI venv inside the checkout
-    # ships numba/torch .cu files that are not ours)
-    present = [str(p.relative_to(REPO_ROOT)) for p in all_cuda_sources()
-               if not any(part.startswith(".") or part == "site-packages" for part in p.relative_to(REPO_ROOT).parts)]
-    if tracked_only:
-        tracked = _tracked_cu(REPO_ROOT)
-        if tracked is not None:
-            present = [p for p in present if p in tracked]
-    if only:
-        missing = sorted(set(only) - set(present))
-        if missing:
-            raise ResultsFileError(f"no such .cu in the repository: {missing}")
-        present = [p for p in present if p in only]
-    builds, gone, covered = [], [], set()
-    for b in (baseline or {}).get("builds", []):
-        if only and b["source"] not in only:
-            continue
-        if b["source"] in present:
-            builds.append((b["source"], {str(k): str(v) for k, v in (b.get("defines") or {}).items()}))
-            covered.add(b["source"])
-        else:
-            gone.append(b["source"])
-    builds += [(s, {}) for s in present if s not in covered]
-    return builds, gone
-
-
-def compare_kernels(baseline: dict, current: Mapping[str, dict], th: KernelThresholds = KernelThresholds()):
-    """Rows of every kernel whose metrics changed, appeared or vanished, and the failures among them."""
-    base = {_build_key(b["source"], b.get("defines") or {}): b for b in baseline.get("builds", [])}
-    rows, failures = [], []
-    for bk in sorted(set(base) | set(current)):
-        bk_base = base.get(bk, {}).get("kernels", {})
-        bk_cur = current.get(bk, {}).get("kernels", {})
-        for kname in sorted(set(bk_base) | set(bk_cur)):
-            o, n = bk_base.get(kname), bk_cur.get(kname)
-            if o is None or n is None:
-                if bk not in current and bk in base:
-                    continue  # vanished sources are reported separately
-                rows.append({"build": bk, "kernel": kname, "change": "new kernel" if o is None else "kernel removed",
-                             "verdict": "info"})
-                continue
-            diffs, fails = [], []
-            ospill = o["spill_store_bytes"] + o["spill_load_bytes"]
-            nspill = n["spill_store_bytes"] + n["spill_load_bytes"]
-            if nspill != ospill:
-                diffs.append(f"spills {ospill}->{nspill} B")
-                if nspill - ospill > th.max_spill_increase:
-                    fails.append("spills")
-            if n["registers"] != o["registers"]:
-                diffs.append(f"registers {o['registers']}->{n['registers']}")
-                if n["registers"] - o["registers"] > th.max_reg_increase:
-                    fails.append("registers")
-            if n["static_smem_bytes"] != o["static_smem_bytes"]:
-                diffs.append(f"smem {o['static_smem_bytes']}->{n['static_smem_bytes']} B")
-                if n["static_smem_bytes"] - o["static_smem_bytes"] > th.max_smem_increase:
-                    fails.append("smem")
-            if n["code_bytes"] != o["code_bytes"]:
-                pct = 100.0 * (n["code_bytes"] - o["code_bytes"]) / max(1, o["code_bytes"])
-                diffs.append(f"code {o['code_bytes']}->{n['code_bytes']} B ({pct:+.1f}%)")
-                if pct > th.max_code_increase_pct:
-                    fails.append("code bytes")
-            for f in ("stack_frame_bytes", "barriers"):
-                if n[f] != o[f]:
-                    diffs.append(f"{f.replace('_', ' ')} {o[f]}->{n[f]}")
-            if diffs:
-                row = {"build": bk, "kernel": kname, "change": "; ".join(diffs),
-                       "verdict": ("FAIL: " + ", ".join(fails)) if fails else "ok"}
-                rows.append(row)
-                if fails:
-                    failures.append(row)
-    return rows, failures
-
-
-def kernel_gate(update: bool = False, path: Path | None = None, th: KernelThresholds = KernelThresholds(),
-                tracked_only: bool = False, out=sys.stdout, only: Sequence[str] | None = None) -> int:
-    from tabulate import tabulate
-
-    from .compiler import DEFAULT_ARCH, toolchain_versions
-
-    p = Path(path) if path else kernel_metrics_path()
-    if update:
-        atomic.check_writable(p)  # a baseline path in a folder that is not there: refused before compiling
-    baseline = None
-    if p.exists() or not update:
-        baseline = load_kernel_baseline(p)
-    if update and only:
-        raise ResultsFileError("--update rewrites the whole baseline: do not combine it with --source")
-    builds, gone = planned_builds(baseline, tracked_only, only)
-    arch = (baseline or {}).get("arch", DEFAULT_ARCH)
-    current = measure_kernels(builds, arch)
-    tool = toolchain_versions()
-    nk = sum(len(b["kernels"]) for b in current.values())
-    if only and baseline:
-        baseline = {**baseline, "builds": [b for b in baseline["builds"] if b["source"] in only]}
-    rows, failures = compare_kernels(baseline or {"builds": []}, current, th)
-    print(f"kernel metrics: {len(current)} builds, {nk} kernels compiled for {arch} (NVRTC {tool.get('nvrtc')})",
-          file=out)
-    if baseline and baseline.get("toolchain", {}).get("nvrtc") != tool.get("nvrtc"):
-        print(f"WARNING: baseline was compiled with NVRTC {baseline.get('toolchain', {}).get('nvrtc')}, this is "
-              f"{tool.get('nvrtc')}: differences may be the compiler's, not the code's", file=out)
-    if gone:
-        print(f"sources in the baseline that no longer exist: {', '.join(gone)}", file=out)
-    if rows:
-        print(tabulate(rows, headers="keys", tablefmt="github"), file=out)
-    else:
-        print("no kernel changed", file=out)
-    print(th.describe(), file=out)
-    if update:
-        doc = {"schema": KM_SCHEMA, "version": KM_VERSION, "arch": arch,
-               "toolchain": {k: v for k, v in tool.items()},
-               "generated": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               "note": "Deterministic compile metrics per kernel (NVRTC -> cubin, ptxas -v and ELF sections). "
-                       "CI recompiles every .cu and fails on increases: `megabench gate --kernels`. "
-                       "Regenerate deliberately with `megabench gate --kernels --update` and commit it with the change.",
-               "builds": [current[k] for k in sorted(current)]}
-        atomic.write_json(p, doc)  # every kernel compiled and measured above: nothing half-written
-        print(f"wrote {p} ({len(current)} builds, {nk} kernels)", file=out)
-        return EXIT_OK
-    if failures:
-        print(f"FAIL: {len(failures)} kernel(s) grew beyond the thresholds; if intended, run "
-              "`megabench gate --kernels --update` and commit reports/kernel_metrics.json", file=out)
-        return EXIT_REGRESSION
-    new = [r for r in rows if r["change"] == "new kernel"]
-    if new:
-        print(f"{len(new)} kernel(s) have no baseline yet (not a failure): record them with --update", file=out)
-    return EXIT_OK
-
-
-# ----------------------------------------------------------------------------- CLI
-def add_parser(sub) -> None:
-    s = sub.add_parser("gate", help="performance-regression gate (timing and kernel metrics)", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("baseline", nargs="?", type=Path, help="baseline: result file, pytest-benchmark JSON or folder")
-    s.add_argument("candidate", nargs="?", type=Path, help="candidate: result file, pytest-benchmark JSON or folder")
-    s.add_argument("--floor", type=float, default=GateConfig.floor, help="minimum slowdown that can count (default 0.05)")
-    s.add_argument("--k", type=float, default=GateConfig.k, help="noise multiple the slowdown must exceed (default 1)")
-    s.add_argument("--alpha", type=float, default=GateConfig.alpha, help="Mann-Whitney significance level (default 0.01)")
-    s.add_argument("--min-samples", type=int, default=GateConfig.min_samples, help="raw samples needed a side (default 8)")
-    s.add_argument("--allow-unknown", action="store_true", help="unknown verdicts do not fail the gate")
-    s.add_argument("--aa-spread", default=None, metavar="PATH|none",
-                   help="recorded A/A cross-run spreads (a gate.aa_spread result or a results folder; default: the "
-                        "newest for the GPU under the results root and reports/results; 'none': within-run noise only)")
-    s.add_argument("--assume-gpu", default=None, metavar="KEY",
-                   help="GPU key for pytest-benchmark files that do not record one, e.g. 'NVIDIA H200@1980MHz'")
-    s.add_argument("--markdown", type=Path, default=None, help="also write the verdict table here (job summary)")
-    s.add_argument("--json", type=Path, default=None, help="also write the verdicts as JSON here")
-    s.add_argument("--kernels", action="store_true", help="gate deterministic kernel metrics instead (CPU)")
-    s.add_argument("--update", action="store_true", help="with --kernels: rewrite the baseline file")
-    s.add_argument("--kernel-baseline", type=Path, default=None, help="default reports/kernel_metrics.json")
-    s.add_argument("--tracked-only", action="store_true", help="with --kernels: only .cu files git tracks")
-    s.add_argument("--source", action="append", default=None, metavar="PATH.cu",
-                   help="with --kernels: check only this source (repeatable; repository-relative path)")
-    s.add_argument("--max-spill-increase", type=int, default=KernelThresholds.max_spill_increase)
-    s.add_argument("--max-reg-increase", type=int, default=KernelThresholds.max_reg_increase)
-    s.add_argument("--max-smem-increase", type=int, default=KernelThresholds.max_smem_increase)
-    s.add_argument("--max-code-increase", type=float, default=KernelThresholds.max_code_increase_pct, metavar="PCT")
-    s.add_argument("--quality", nargs="*", default=None, metavar="RUN",
-                   help="the gate's measured quality from two or more gate.quality_run results (files or folders; "
-                        "default reports/results/gate): gate.quality and gate.aa_spread (microbench/gate_quality.py)")
-    s.add_argument("--quality-run", action="store_true",
-                   help="GPU: the measurement behind --quality, one in-run A/B session with injected slowdowns "
-                        "(~3 minutes on an H200); writes gate.quality_run under --out DIR")
-    s.add_argument("--results", type=Path, default=None, help="with --quality --save: results root to save into")
-    s.add_argument("--save", action="store_true", help="with --quality: save gate.quality and gate.aa_spread")
-    g = s.add_argument_group("in-run A/B (the gate's main mode; microbench/gate_ab.py)")
-    g.add_argument("--ab", metavar="REV", default=None,
-                   help="baseline git revision: checked out in a temporary worktree and timed against the working "
-                        "tree in alternating rounds on this GPU")
-    g.add_argument("--ab-tree", metavar="PATH", default=None, help="baseline tree (instead of --ab REV)")
-    g.add_argument("--candidate-tree", metavar="PATH", default=None, help="candidate tree (default: this working tree)")
-    g.add_argument("--classes", action="append", default=None, metavar="C[,C...]",
-                   help="benchmark classes to time (tests/bench/test_bench_<class>.py; repeatable; default: all but "
-                        "the torch baselines, without shard8 points: gate_ab.DEFAULT_SELECTION)")
-    g.add_argument("-k", dest="select_k", default=None, metavar="EXPR", help="pytest -k expression choosing cases")
-    g.add_argument("--marker", default=None, metavar="EXPR", help="pytest -m expression choosing cases")
-    g.add_argument("--rounds", type=int, default=None, help="A/B rounds (default 10; --quality-run gate_quality.ROUNDS)")
-    g.add_argument("--min-rounds", type=int, default=8, help="rounds needed for a verdict (default 8)")
-    g.add_argument("--ab-floor", type=float, default=0.03, help="smallest slowdown an A/B calls a regression (0.03)")
-    g.add_argument("--replicas", type=int, default=3, metavar="R",
-                   help="worker processes a side (default 3): the process-level test's units; 1 tests rounds only")
-    g.add_argument("--backend", default="pytest", metavar="pytest|synthetic:SPEC.json",
-                   help="what the workers time: the trees' pytest-benchmark cases, or synthetic cases (CPU tests)")
-    g.add_argument("--out", type=Path, default=None,
-                   help="with --ab: save the gate.ab result (and markdown) here; with --quality-run: required")
-    g.add_argument("--inject-ppm", type=int, default=0, metavar="PPM",
-                   help="candidate built with the gate's calibrated slowdown (MB_INJECT_PPM, mb/inject.cuh: 50000 = "
-                        "each hooked launch 5%% longer): an A/B that must find a regression")
-    s.set_defaults(fn=_cmd)
-
-
-def _cmd(args) -> int:
-    cfg = GateConfig(args.floor, args.k, args.alpha, args.min_samples)
-    if args.kernels:
-        th = KernelThresholds(args.max_spill_increase, args.max_reg_increase, args.max_smem_increase,
-                              args.max_code_increase)
-        return kernel_gate(args.update, args.kernel_baseline, th, args.tracked_only, only=args.source)
-    if args.ab or args.ab_tree:
-        if args.baseline is not None or args.candidate is not None:
-            print("megabench gate: --ab/--ab-tree compare trees; do not also give BASELINE CANDIDATE files",
-                  file=sys.stderr)
-            return EXIT_INPUT
-        from .gate_ab import cmd_ab
-
-        return cmd_ab(args)
-    if args.quality_run:
-        from .gate_quality import cmd_quality_run
-
-        return cmd_quality_run(args)
-    if args.quality is not None:
-        from .gate_quality import cmd_quality
-
-        return cmd_quality(args)
-    if args.baseline is None or args.candidate is None:
-        print("megabench gate: give BASELINE and CANDIDATE (or --kernels / --quality)", file=sys.stderr)
-        return EXIT_INPUT
-    atomic.check_writable(args.markdown, args.json)  # before the work: a typo'd folder writes neither
-    ignored: list[str] = []
-    base = load_measurements(args.baseline, args.assume_gpu, ignored, cfg.min_samples)
-    cand = load_measurements(args.candidate, args.assume_gpu, ignored, cfg.min_samples)
-    cross = None
-    if str(args.aa_spread) != "none":
-        models = sorted({(m.gpu_key or "").split("@", 1)[0] for m in cand if m.gpu_key})
-        cross = load_cross_run(args.aa_spread, models[0] if len(models) == 1 else None)
-        if cross is None and args.aa_spread is not None:
-            print(f"megabench gate: no gate.aa_spread result for {models} in {args.aa_spread}", file=sys.stderr)
-            return EXIT_INPUT
-    try:
-        rep = compare(base, cand, cfg, cross)
-    except GpuMismatchError as e:
-        print(f"megabench gate: {e}", file=sys.stderr)
-        return EXIT_GPU
-    if ignored:
-        rep.notes.append(f"ignored {len(ignored)} JSON file(s) that are not performance results "
-                         "(gate analyses, constants, other JSON)")
-    md = rep.to_markdown()
-    print(md)
-    if args.markdown:
-        atomic.write_text(args.markdown, md)
-    if args.json:
-        atomic.write_json(args.json, rep.to_json())
-    code = rep.exit_code(args.allow_unknown)
-    if code == EXIT_UNKNOWN:
-        print("gate: some verdicts are unknown (no raw samples or too few); not a pass. Use --allow-unknown to "
-              "accept that.", file=sys.stderr)
-    return code

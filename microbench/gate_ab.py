@@ -40,21 +40,19 @@ mean over its r workers, a_i = exp(mean_p log a_pi), and likewise b_i:
                stays SAME: the gate is for regressions.
 
 Why the process test: two processes of the same build differ by a steady offset of their own
-(their memory placement and code layout). On the H200 (gate.quality_run, 2026-12-01) one process
-of a 64 KiB fence case ran 7.6% slower than another for the whole run, a ping-pong 4.2% faster,
-while each process's rounds agreed within 0.1-1%. Rounds cannot see such an offset: they are
+(their memory placement and code layout), steady for the whole run and several times larger than
+the spread of one process's rounds (the recorded gate.quality_run results show it, aa_offsets).
+Rounds cannot see such an offset: they are
 all of one pair of processes, and the signed-rank test calls it significant at once. The
 independent units of that noise are the processes, so the verdict also asks whether B's workers
 differ from A's by more than the workers within each side differ from each other. With one
 worker a side (`--replicas 1`) only the rounds are tested, and the report says so.
-Where such an offset has a known cause the case removes it at the source (2026-12-02): the
-ping-pong and publish cases average each sample over 8 flag placements (one allocation's flags
-sat 3-4% off another's, steady), the fence probe is pinned to one SM (a lone block's SM moves
-its time by up to 8%), and the sync cases keep their runners alive (the fence probe's 171/181 us
-levels came with its freed runner, whose loader stopped early: runners.KEEP_NOTE; kept alive, its
-workers agree within 0.2%); see microbench/sync/bench.py.
-One offset remains, cause not found: the empty launch's workers differ by up to 12%, so the
-process test stays, and a case like it reads unknown rather than same or regression.
+Where such an offset has a known cause the case removes it at the source: the ping-pong and
+publish cases average each sample over 8 flag placements (one allocation's flags sit steadily off
+another's), the fence probe is pinned to one SM (a lone block's SM moves its time), and the sync
+cases keep their runners alive (a freed runner's loader stops early: runners.KEEP_NOTE); see
+microbench/sync/bench.py. Offsets without a known cause remain (the empty launch's workers), so
+the process test stays, and such a case reads unknown rather than same or regression.
 
 Why a floor: even so, two builds of the same code differ by their code layout (layout placebos of
 the megakernel moved its step by -0.5..+1.1%, megakernel/ab.py), so a significant 1% is real but
@@ -87,10 +85,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tabulate import tabulate
 
 from . import atomic
+from .compiler import INJECT_ENV
 from .errors import MegabenchError
 from .gate import EXIT_GPU, EXIT_INPUT, EXIT_OK, EXIT_REGRESSION, EXIT_UNKNOWN, Verdict, direction_of, fmt_value
+from .results import Derived, Env, Result, Series, git_dirty, git_sha, read_json
 from .stats import student_t_quantile, student_t_sf, wilcoxon_signed_rank
 
 WORKER = Path(__file__).resolve().with_name("ab_worker.py")
@@ -319,8 +320,6 @@ def tree_label(root: Path) -> str:
     an earlier commit's): the commit its results are credited to, dirty by MEGABENCH_SOURCE_TREE
     (microbench/results.py), as the result files say."""
     if os.environ.get("MEGABENCH_GIT_SHA") and root.resolve() == REPO_ROOT.resolve():
-        from .results import git_dirty, git_sha
-
         return git_sha(full=True)[:12] + ("+dirty" if git_dirty() else "")
     r = _git(root, "rev-parse", "--short=12", "HEAD")
     if r.returncode != 0:
@@ -578,8 +577,6 @@ class ABReport:
         return out
 
     def to_markdown(self) -> str:
-        from tabulate import tabulate
-
         lines = [f"**{self.summary_line()}**", "", f"Rule: {self.cfg.describe()}.", ""]
         for name, s in self.sides.items():
             lines.append(f"- {name}: {s.get('label', '')} ({s.get('root')})")
@@ -615,8 +612,6 @@ class ABReport:
     def to_result(self, env=None):
         """A typed Result `gate.ab`: per case the round figures of each side (not gated across runs:
         they only mean something beside each other) and the change as a derived value."""
-        from .results import Derived, Env, Result, Series
-
         env = env or Env.capture()
         series, derived = [], {}
         by_key = {v.key: v for v in self.verdicts}
@@ -745,8 +740,6 @@ def prepared_hello(w: Worker) -> dict:
 # ----------------------------------------------------------------------------- CLI
 def synthetic_specs(path: Path) -> tuple[dict, dict]:
     """`--backend synthetic:SPEC`: {"baseline": {...}, "candidate": {...}} (ab_worker.SyntheticBackend)."""
-    from .results import read_json
-
     d = read_json(path)  # a missing or malformed file: ResultsFileError naming it
     if not isinstance(d, dict) or not isinstance(d.get("baseline"), dict) or not isinstance(d.get("candidate"), dict):
         raise ABInputError(f"{path}: a synthetic spec needs 'baseline' and 'candidate' objects")
@@ -781,8 +774,6 @@ def cmd_ab(args) -> int:
         raise ABInputError(f"candidate tree {cand_root} does not exist")
     candidate = SideSpec("candidate", cand_root, tree_label(cand_root), backend, spec_c)
     if args.inject_ppm:
-        from .compiler import INJECT_ENV
-
         candidate.variants = [{"name": "", "env": {INJECT_ENV: str(args.inject_ppm)}}]
         candidate.label += f" with MB_INJECT_PPM={args.inject_ppm}"
 

@@ -7,9 +7,8 @@ on two fresh machines). One in-run A/B session of the working tree against itsel
   each case of QUALITY_CASES several times: as built, and, for cases whose kernels carry the
   injection hook (mb/inject.cuh), built with MB_INJECT_PPM = 20000 / 50000 / 100000: the last
   block of every launch spins 2 / 5 / 10% of its own run time (`@p2`, `@p5`, `@p10`). The sides
-  hold the same builds, so they differ by nothing but their processes (until 2026-12-01 only B
-  held the injected builds, and the empty-launch case ran a steady 3-4% slower in B: the
-  asymmetry, not noise, which the A/A trials then counted as false alarms);
+  hold the same builds, so they differ by nothing but their processes (were only B to hold the
+  injected builds, that asymmetry, not noise, would be counted by the A/A trials as false alarms);
 - every round times, per worker, A's case as built and B's case as built and injected, the
   workers interleaved and the order reversed every other round (microbench/gate_ab.py), ROUNDS
   rounds; the run's figures are saved as a typed result
@@ -20,7 +19,7 @@ Analysis (`megabench gate --quality RUN RUN [--save]`, CPU), of two such runs:
 - a trial is one gate verdict on BLOCK (10) consecutive rounds, the size a CI run uses;
 - in-run A/B mode: A/A trials are verdicts of A's workers against B's, detection trials of A's
   against B@pN's (gate_ab.replicated_verdict, its default floor and alpha). Runs with another
-  number of workers a side (the 2026-12-01 runs had one) are tallied apart, their measures
+  number of workers a side are tallied apart, their measures
   suffixed `_<r>w`. An A/A trial is two-sided: a false
   alarm when either orientation (A vs B, B vs A) is called a regression, so the one-sided rate a
   CI run meets is about half of it;
@@ -49,27 +48,34 @@ import dataclasses
 import datetime as _dt
 import json
 import math
+import multiprocessing as mp
 import os
 import platform
 import re
 import socket
-import sys
 import tempfile
+import textwrap
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tabulate import tabulate
 
-from .errors import ResultsFileError
+from . import atomic
+from .clocks.probes import LAUNCH_DEFINES
+from .compiler import compile_cuda
+from .device import no_gpu_reason
+from .errors import NoGPUError, ResultsFileError
 from .gate import CrossRun, GateConfig, Measurement, judge, key_class
 from .gate_ab import (ABConfig, Comparison, Entry, SideSpec, pool_prepared, prepare_sides, replicate,
                       replicated_verdict, run_rounds, tree_label)
-from .results import REPO_ROOT, Derived, Env, Result, Series, find, load, results_root
+from .results import REPO_ROOT, Derived, Env, Result, Series, find, git_dirty, git_sha, load, results_root
 
 PPMS = (20000, 50000, 100000)
-# One worker a side timed 73 figures a round in 2.4 s on the H200 (2026-12-01); three a side time
-# three times as many: 20 rounds, two trials of BLOCK per case, ~2.5 min of rounds
+# 20 rounds: two trials of BLOCK per case; with three workers a side, a few minutes of rounds on an H200
 ROUNDS = 20
 BLOCK = 10
 MIN_INJECT_FRACTION = 0.5  # a measured injection under this share of nominal is not counted as injected
@@ -79,8 +85,8 @@ METHOD = "two quality runs (gate.quality_run) on fresh machines, trials of 10 ro
 
 # (pytest nodeid, kernels carry the injection hook). Every worker holds each hooked case four times
 # (as built and at each injection) with its own buffers; the two 2 GiB cases (the 1 GiB copy's source
-# and destination, the read ceiling's buffer) are timed as built only: hooked, they made a worker
-# hold about 26 GiB, and the six workers of three a side ran the H200 out of memory (2026-12-02).
+# and destination, the read ceiling's buffer) are timed as built only: hooked, each worker would hold
+# every copy of them, and six workers of three a side do not fit one H200's memory.
 QUALITY_CASES = (
     ("tests/bench/test_bench_basics.py::test_copy[mb_copy_v4-64MiB]", True),
     ("tests/bench/test_bench_basics.py::test_copy[mb_copy_v4-1024MiB]", False),
@@ -218,43 +224,36 @@ def quality_sides(root: Path, cases: Sequence[tuple[str, bool]] = QUALITY_CASES,
 
 
 def _precompile_one(task: tuple) -> str:
-    kind, args, ppm = task
+    """One build of the precompile: (build, args, ppm) with `build(*args)` a module-level function
+    (spawned processes pickle it by name) run with the injection set to `ppm`."""
+    build, args, ppm = task
     if ppm:
         os.environ["MEGABENCH_INJECT_PPM"] = str(ppm)
     else:
         os.environ.pop("MEGABENCH_INJECT_PPM", None)
-    if kind == "megakernel":
-        from megakernel.build import build_gpu
-        from megakernel.pipeline import plan_for
-
-        preset, t = args
-        build_gpu(plan_for(preset, tokens=t))  # what tests/bench/test_bench_megakernel.py builds
-        return f"megakernel {preset} T={t} ppm={ppm}"
-    from .compiler import REPO_ROOT as ROOT, compile_cuda
-
-    path, defines = args
-    compile_cuda(ROOT / path, arch="sm_90a", defines=defines)
-    return f"{path} ppm={ppm}"
+    return f"{build(*args)} ppm={ppm}"
 
 
-def precompile(ppms: Sequence[int] = PPMS, jobs: int | None = None, log: Callable[[str], None] = print) -> float:
-    """Compile, in parallel, the builds the quality run's B side will ask for (megakernel small at
-    T=1 and 16, the hooked microbench sources), each plain and at every ppm, into the kernel cache:
-    the workers prepare sequentially, and ~8 megakernel builds one after another would cost a
-    minute of the GPU machine's time. A build not listed here is simply compiled by its worker."""
-    import multiprocessing as mp
-    import time
-    from concurrent.futures import ProcessPoolExecutor
+def compile_source(path: str, defines: dict) -> str:
+    """A hooked microbench source of the quality cases, compiled into the kernel cache."""
+    compile_cuda(REPO_ROOT / path, arch="sm_90a", defines=defines)
+    return path
 
-    from .clocks.probes import LAUNCH_DEFINES
 
-    tasks = [("megakernel", ("small", t), p) for p in (0, *ppms) for t in (16, 1)]
-    tasks += [("source", (path, dict(LAUNCH_DEFINES) if path.endswith("launch.cu") else {}), p)
+def precompile(ppms: Sequence[int] = PPMS, jobs: int | None = None, log: Callable[[str], None] = print,
+               builds: Sequence[tuple[Callable[..., str], tuple]] = ()) -> float:
+    """Compile, in parallel, the builds the quality run's B side will ask for (the hooked microbench
+    sources, and `builds`: (function, args) pairs the caller adds, e.g. the megakernel cases'
+    builds), each plain and at every ppm, into the kernel cache: the workers prepare sequentially,
+    and builds compiled one after another cost GPU-machine time. A build not listed here is simply
+    compiled by its worker."""
+    tasks = [(fn, args, p) for p in (0, *ppms) for fn, args in builds]
+    tasks += [(compile_source, (path, dict(LAUNCH_DEFINES) if path.endswith("launch.cu") else {}), p)
               for p in (0, *ppms) for path in HOOKED_SOURCES]
     t0 = time.monotonic()
     jobs = jobs or max(1, min(len(tasks), (os.cpu_count() or 2) - 1))
     # spawned, not forked: the parent has initialised CUDA (its GPU check), and a forked child's
-    # driver calls fail (it saw "0 devices" on the H200, 2026-12-01, and the run stopped)
+    # driver calls fail
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
         done = list(ex.map(_precompile_one, tasks))
     dt = time.monotonic() - t0
@@ -265,23 +264,19 @@ def precompile(ppms: Sequence[int] = PPMS, jobs: int | None = None, log: Callabl
 def quality_run(out: Path, rounds: int = ROUNDS, cfg: ABConfig = ABConfig(), backend: str = "pytest",
                 spec: dict | None = None, cases: Sequence[tuple[str, bool]] = QUALITY_CASES,
                 ppms: Sequence[int] = PPMS, root: Path = REPO_ROOT, log: Callable[[str], None] = print,
-                do_precompile: bool = True, env: Env | None = None) -> tuple[Result, Path]:
+                do_precompile: bool = True, env: Env | None = None,
+                builds: Sequence[tuple[Callable[..., str], tuple]] = ()) -> tuple[Result, Path]:
     """The measurement (module docstring). Writes DIR/gate/gate.quality_run-*.json (+ .md) and
-    returns (result, path)."""
-    import time
-
+    returns (result, path). `builds`: extra builds to precompile (precompile)."""
     t_start = time.monotonic()
     if backend == "pytest":
-        from .device import no_gpu_reason
-        from .errors import NoGPUError
-
         reason = no_gpu_reason()
         if reason:
             raise NoGPUError(f"the gate's quality run times kernels on a GPU: {reason}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if backend == "pytest" and do_precompile:
-        precompile(ppms, log=log)
+        precompile(ppms, log=log, builds=builds)
     a, b = quality_sides(Path(root), cases, ppms, backend, spec)
     sa, sb = replicate(a, cfg.replicas), replicate(b, cfg.replicas)
     work = Path(tempfile.mkdtemp(prefix="quality-run-logs-", dir=out))  # worker logs come back with the result
@@ -346,8 +341,6 @@ def quality_run(out: Path, rounds: int = ROUNDS, cfg: ABConfig = ABConfig(), bac
     one = analyse([load_run(res, str(path))], BLOCK)
     md = "\n".join([f"# gate quality run {env.date} on {env.gpu} ({env.host})", "", *res_notes, "",
                     *summary_lines(one), ""])
-    from . import atomic
-
     atomic.write_text(path.with_name(path.name.split(".json")[0] + ".md"), md)
     (work / "hellos.json").write_text(json.dumps(hellos, indent=1))
     log(md)
@@ -699,7 +692,6 @@ def to_results(an: Analysis) -> tuple[Result, Result]:
     """(gate.quality, gate.aa_spread) from an analysis of two or more runs."""
     runs = an.runs
     src_env = max((r.env for r in runs), key=lambda e: e.date)
-    from .results import git_dirty, git_sha
 
     env = dataclasses.replace(
         src_env, date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), git_sha=git_sha(full=True),
@@ -801,7 +793,7 @@ def aa_offsets(runs: Sequence[RunData]) -> dict[str, list[float]]:
     """{case: [the A/A offset of each run that has both sides]}: exp(median log(B / A)) over all of
     a run's rounds. Two processes of one tree differ by a steady offset per process (where their
     flags and buffers landed, their launch path), which paired rounds cannot average away: it is
-    what the in-run A/A false alarms are made of (2026-12-01: up to 7.6% on a fence series)."""
+    what the in-run A/A false alarms are made of."""
     out: dict[str, list[float]] = {}
     for run in runs:
         for case, f in sorted(run.figures.items()):
@@ -877,7 +869,7 @@ def run_analysis(paths: Sequence[Path] | None = None, save: bool = False, save_r
 def newest_build(runs: Sequence[RunData]) -> list[RunData]:
     """The runs of the newest build (commit, dirty or not) that has two or more: one build's runs
     measure one gate and one set of cases. Runs of earlier builds timed other cases under the same
-    names (before 2026-12-02 the fence probe's loader stopped in the workers: runners.KEEP_NOTE)."""
+    names (a case's kernel or runner can change under one name: runners.KEEP_NOTE)."""
     groups: dict[tuple, list[RunData]] = {}
     for r in sorted(runs, key=lambda r: r.env.date, reverse=True):
         groups.setdefault((r.env.git_sha, r.env.git_dirty), []).append(r)
@@ -991,15 +983,11 @@ def trust_line(root: Path | None = None) -> str:
 
 
 def _wrap(text: str, width: int = 160) -> list[str]:
-    import textwrap
-
     return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""]
 
 
 def report_lines(root: Path | None = None, heading: str = "## How much to trust the gate") -> list[str]:
     """The report's section on the gate's measured quality (markdown lines; prose wrapped at 160)."""
-    from tabulate import tabulate
-
     out = [heading, ""]
     got = latest_quality(root)
     if got is None:
@@ -1045,32 +1033,3 @@ def report_lines(root: Path | None = None, heading: str = "## How much to trust 
     for n in r.notes:
         out += _wrap(f"Note: {n}") + [""]
     return out
-
-
-# ----------------------------------------------------------------------------- CLI
-def cmd_quality_run(args) -> int:
-    from .gate_ab import synthetic_specs
-
-    if args.replicas < 1:
-        print(f"megabench gate: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
-        return 2
-    cfg = ABConfig(floor=args.ab_floor, alpha=args.alpha, min_rounds=args.min_rounds, replicas=args.replicas)
-    backend, spec = "pytest", None
-    if args.backend and args.backend != "pytest":
-        kind, _, sp = args.backend.partition(":")
-        if kind != "synthetic" or not sp:
-            print(f"megabench gate: --backend {args.backend!r}: 'pytest' or 'synthetic:SPEC.json'", file=sys.stderr)
-            return 2
-        backend = "synthetic"
-        spec = synthetic_specs(Path(sp))[0]
-    if args.out is None:
-        print("megabench gate --quality-run: give --out DIR", file=sys.stderr)
-        return 2
-    quality_run(args.out, args.rounds or ROUNDS, cfg, backend, spec)
-    return 0
-
-
-def cmd_quality(args) -> int:
-    q, aa, text = run_analysis(args.quality or None, save=args.save, save_root=args.results)
-    print(text)
-    return 0

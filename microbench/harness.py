@@ -28,6 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .compiler import compile_cuda
+from .device import read_clocks, require_gpu
+from .launch import LaunchSpec, ensure_context, launch
 from .results import Bound, Series
 
 HARNESS_SRC = Path(__file__).resolve().parent / "cuda" / "harness.cu"
@@ -73,13 +76,9 @@ class Harness:
     policy: Policy = field(default_factory=Policy.default)
 
     def __post_init__(self):
-        from .compiler import compile_cuda
-        from .device import require_gpu
-        from .launch import ensure_context
-
         self.info = require_gpu(self.device_index)
         ensure_context(self.device_index)
-        import torch
+        import torch  # heavy: torch
 
         self._torch = torch
         mod = compile_cuda(HARNESS_SRC, arch=self.info.arch)
@@ -93,8 +92,6 @@ class Harness:
     # ------------------------------------------------------------------ building blocks
     def flush_l2(self) -> None:
         """Queue an L2 eviction pass (2x L2 bytes, read-modify-write)."""
-        from .launch import LaunchSpec, launch
-
         if self._flush_buf is None:
             n = 2 * self.info.l2_bytes
             self._flush_buf = self._torch.empty(n // 4, dtype=self._torch.int32, device="cuda").random_()
@@ -105,8 +102,6 @@ class Harness:
         return self._k_empty
 
     def _block(self) -> None:
-        from .launch import LaunchSpec, launch
-
         self._flag[0] = 0
         self._status.zero_()
         launch(self._k_block, LaunchSpec(grid=1, block=1), self._flag.data_ptr(),
@@ -116,8 +111,6 @@ class Harness:
         self._flag[0] = 1
 
     def clocks(self) -> dict:
-        from .device import read_clocks
-
         c = read_clocks(self.device_index)
         return {"sm_mhz": c.sm_mhz, "mem_mhz": c.mem_mhz, "sm_max_mhz": c.sm_max_mhz}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from .device import device_info, require_gpu
 from .errors import KernelDoesNotFitError, NoGPUError
 
 DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in (cuKernelSetAttribute)
@@ -19,7 +20,7 @@ def ensure_context(index: int | None = None):
     index: the device torch already works on (0 before torch's CUDA starts), so a process that
     drives GPU 1 (one process per GPU) is not switched back to GPU 0 by a later lookup."""
     if index is None:
-        import torch
+        import torch  # heavy: torch
 
         index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
     return _ensure_context(index)
@@ -27,14 +28,12 @@ def ensure_context(index: int | None = None):
 
 @functools.lru_cache(maxsize=None)
 def _ensure_context(index: int):
-    from .device import require_gpu
-
     require_gpu(index)
-    import torch
+    import torch  # heavy: torch
 
     torch.cuda.init()
     torch.cuda.set_device(index)
-    from cuda.core import Device
+    from cuda.core import Device  # heavy: cuda
 
     dev = Device(index)
     dev.set_current()
@@ -50,7 +49,7 @@ _STREAMS: dict[int, object] = {}
 
 def current_stream():
     """torch's current stream as a cuda.core Stream (cached by handle)."""
-    import torch
+    import torch  # heavy: torch
 
     ts = torch.cuda.current_stream()
     key = ts.cuda_stream
@@ -77,7 +76,7 @@ class LaunchSpec:
         return _prod(self.grid) * (_prod(self.cluster) if self.cluster else 1)
 
     def config(self):
-        from cuda.core import LaunchConfig
+        from cuda.core import LaunchConfig  # heavy: cuda
 
         kw = dict(grid=self.grid, block=self.block, shmem_size=self.smem)
         if self.cluster:
@@ -100,9 +99,7 @@ def _prod(x) -> int:
 
 def set_max_dynamic_smem(kernel, nbytes: int, index: int = 0) -> None:
     """Opt a kernel into `nbytes` of dynamic shared memory (needed above 48 KB)."""
-    from cuda.bindings import driver
-
-    from .device import device_info
+    from cuda.bindings import driver  # heavy: cuda
 
     info = device_info(index)
     if nbytes > info.smem_per_block_optin:
@@ -118,8 +115,6 @@ def set_max_dynamic_smem(kernel, nbytes: int, index: int = 0) -> None:
 
 def max_resident_blocks(kernel, spec: LaunchSpec, index: int = 0) -> int:
     """How many blocks of this kernel/launch fit on the whole GPU at once."""
-    from .device import device_info
-
     info = device_info(index)
     if spec.cluster:
         clusters = kernel.occupancy.max_active_clusters(spec.config(), stream=current_stream())
@@ -154,12 +149,12 @@ _CHECKED: dict = {}
 
 def launch(kernel, spec: LaunchSpec, *args, stream=None, persistent: bool = False) -> None:
     """Launch on torch's current stream. Tensors become pointers; ints are 64-bit unless np-typed."""
-    from cuda.core import launch as _launch
+    from cuda.core import launch as _launch  # heavy: cuda
 
     # Keyed by the kernel object itself (kept alive by the dict): an id() or a driver handle of a
     # freed kernel can be reused by a new one, which would then skip its smem opt-in.
     # The opt-in is per device: a process driving GPU 1 (one process per GPU) must set it there.
-    import torch
+    import torch  # heavy: torch
 
     index = torch.cuda.current_device()
     key = (kernel, spec, index)

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .results import Bound, Derived, Env, Result, Series, load, scan
+
 BENCHMARK = "run.wall"
 
 
@@ -81,8 +83,6 @@ class Estimates:
     def load(cls, gpu: str | None, quick: bool, roots: Iterable[Path], seeds=None, kind_seeds=None) -> Estimates:
         """From the newest run.wall result of `gpu` in `quick` mode under any of `roots` (missing
         roots and unreadable files are passed over: an estimate must never stop a run)."""
-        from .results import load, scan
-
         best = None
         for root in dict.fromkeys(Path(r) for r in roots):
             if not root.is_dir():
@@ -222,8 +222,6 @@ class Progress:
         that came from) and per stage (`stage/<stage>`), and `total`, bound by the budget (time
         bound: fraction_of_bound = budget / wall, at least 1 within the budget). Host clock; not
         gated (a run's wall time is not a kernel's performance)."""
-        from .results import Bound, Derived, Env, Result, Series
-
         series = []
         for d in self.done:
             if d.status == "skipped":

@@ -15,24 +15,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from .clocks.bench import pdl_derived, residual_derived
+from .icache.derive import rederive_capacity, rederive_spliced
 from .results import Derived, Result
+from .sync.bench import poll_load_latency
+from .weights.bench import l2_usable_of, ring_derived
 
 
 def _icache_capacity(r: Result) -> dict[str, Derived]:
-    from .icache.derive import rederive_capacity
-
     return rederive_capacity(r)
 
 
 def _icache_spliced(r: Result) -> dict[str, Derived]:
-    from .icache.derive import rederive_spliced
-
     return rederive_spliced(r)
 
 
 def _weights_ring(r: Result) -> dict[str, Derived]:
-    from .weights.bench import ring_derived
-
     ring = [s for s in r.series if s.name.startswith("ring/") and s.bound is not None]
     if not ring:
         raise KeyError("no ring/<config> series with a read-ceiling bound")
@@ -40,8 +38,6 @@ def _weights_ring(r: Result) -> dict[str, Derived]:
 
 
 def _weights_l2(r: Result) -> dict[str, Derived]:
-    from .weights.bench import l2_usable_of
-
     bw = [s for s in r.series if s.name.startswith("l2_bandwidth/")]
     if len(bw) < 3:
         raise KeyError("fewer than 3 l2_bandwidth/<size> series")
@@ -55,23 +51,17 @@ def _weights_l2(r: Result) -> dict[str, Derived]:
 
 
 def _sync_flags(r: Result) -> dict[str, Derived]:
-    from .sync.bench import poll_load_latency
-
     s = r.series_named("poll_load/acq_gpu")
     old = r.derived.get("poll_load_latency_s")
     return {"poll_load_latency_s": poll_load_latency(s.samples, (s.name,), old.note if old else "")}
 
 
 def _clocks_launch(r: Result) -> dict[str, Derived]:
-    from .clocks.bench import pdl_derived
-
     a, b = r.series_named("chain/plain/exclusive"), r.series_named("chain/pdl/exclusive")
     return pdl_derived(a.samples, b.samples, (a.name, b.name))
 
 
 def _clocks_skew(r: Result) -> dict[str, Derived]:
-    from .clocks.bench import residual_derived
-
     old = r.derived.get("clock64_calibration_residual_ns")
     return {"clock64_calibration_residual_ns": residual_derived(r.series_named("skew/calibration_residual_rms").samples,
                                                                 old.note if old else "")}

@@ -20,13 +20,17 @@ import platform
 import re
 import socket
 import subprocess
+import sys
 import tempfile
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ResultsFileError
+from .atomic import write_bytes
+from .compiler import toolchain_versions
+from .device import device_info, gpu_count
+from .errors import OutputError, ResultsFileError
 from .stats import Summary
 
 SCHEMA = "megabench.result"
@@ -82,9 +86,8 @@ def _dirty(expected: str | None) -> bool:
     """Whether the sources differ from the commit the results are credited to. With
     MEGABENCH_SOURCE_TREE (`python -m microbench.results source-tree` at that commit) the sources'
     tree id on disk is compared with it, so a copy whose .git lags behind its files is judged by
-    its files: the GPU machine receives the caller's files beside the .git of an earlier commit,
-    and `git status` there had made every H200 result until 2026-11-30 say dirty. Without it,
-    `git status` of the tracked files."""
+    its files (a machine that receives the caller's files beside the .git of an earlier commit
+    would otherwise call every result dirty). Without it, `git status` of the tracked files."""
     if expected:
         got = source_tree_id()
         return not got or got != expected.strip()
@@ -117,26 +120,21 @@ class Env:
     date: str  # ISO 8601 UTC
     machine_kind: str | None = None  # e.g. "nvidia-h200" (MEGABENCH_MACHINE_KIND)
     # the tuned constants a megakernel build read (megakernel results only; None elsewhere):
-    # the revision number and the file, as megakernel/pipeline.py tuned() loaded them
+    # the revision number and the file, as megakernel/plans.py tuned() loaded them
     constants_revision: int | None = None
     constants_file: str | None = None
 
     @classmethod
     def capture(cls, gpu_index: int | None = 0) -> Env:
-        from .compiler import toolchain_versions
-        from .device import gpu_count
-
         tv = toolchain_versions()
         try:
-            import torch
+            import torch  # heavy: torch
 
             tver = torch.__version__
         except Exception:
             tver = "unavailable"
         info = None
         if gpu_index is not None and gpu_count() > gpu_index:
-            from .device import device_info
-
             info = device_info(gpu_index)
         sha = git_sha()
         dirty = git_dirty()
@@ -361,8 +359,6 @@ class Result:
         suffix = ".json"
         if len(data) > GZIP_MIN_BYTES:
             data, suffix = gzip.compress(data, compresslevel=9, mtime=0), ".json.gz"
-        from .atomic import write_bytes
-        from .errors import OutputError
 
         for i in range(1000):
             stem = base + (f"-{i}" if i else "")
@@ -453,8 +449,6 @@ def latest(benchmark: str, root: Path | None = None, gpu: str | None = None) -> 
 def _main(argv: list[str] | None = None) -> int:
     """`python -m microbench.results source-tree`: the tree id to pass as MEGABENCH_SOURCE_TREE
     (with MEGABENCH_GIT_SHA) to a run on a copy of this checkout."""
-    import sys
-
     args = sys.argv[1:] if argv is None else argv
     if args != ["source-tree"]:
         print("usage: python -m microbench.results source-tree", file=sys.stderr)

@@ -11,16 +11,18 @@ pin, whatever the runs say; the table still shows them.
 `check` answers for one constant, `table` for all of them (the report's stability rows);
 tests/test_stability.py asserts that no unpinned constant flips between machines in the
 committed results. `recorded=True` compares the values the files record instead (what tune
-used before its rules were fixed): on the committed 2026-11-29 runs the ring then flips 2 x 32
-vs 3 x 16 KiB.
+used before its rules were fixed), under which a constant can flip where the current rule agrees.
 """
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import rederive
 from .constants import BY_NAME, SPECS, ConstantSpec
+from .pins import load_pins
 from .results import REPO_ROOT, find, load, results_root
 
 
@@ -74,8 +76,6 @@ def _rel(p: Path) -> str:
 def runs(spec: ConstantSpec, root=None, gpu: str | None = None, recorded: bool = False,
          _cache: dict | None = None) -> list[Run]:
     """The latest run of `spec`'s benchmark on each machine, oldest first."""
-    from . import rederive
-
     roots = [Path(x) for x in root] if isinstance(root, (list, tuple)) else [Path(root) if root else results_root()]
     cache = _cache if _cache is not None else {}
     latest: dict[str, tuple] = {}
@@ -125,20 +125,16 @@ def table(root: Path | None = None, gpu: str | None = "NVIDIA H200", pins: Mappi
           names=None, recorded: bool = False) -> list[Verdict]:
     """A verdict for every constant the build reads (or `names`)."""
     if pins is None:
-        from .adopt import load_pins
-
         pins = load_pins(gpu)
     cache: dict = {}
     todo = names if names is not None else [s.name for s in SPECS if s.feeds_build]
     return [check(n, root, gpu, pins, recorded, cache) for n in todo]
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "python -m microbench.stability") -> int:
     """`python -m microbench.stability [--root DIR ...] [--gpu NAME]`: the table, and exit 1 when
     an unpinned build constant flips between machines (one-machine constants are listed, not failed)."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m microbench.stability", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     ap.add_argument("--root", action="append", default=None, help="results folder(s) (default the results root)")
     ap.add_argument("--gpu", default="NVIDIA H200")
     a = ap.parse_args(argv)

@@ -27,9 +27,13 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+
+from .errors import MegabenchError, OutputError
+from .results import REPO_ROOT, Derived, Env, Result, Series
 
 LOG_ENV = "MEGABENCH_TESTRUN_LOG"
 PLUGIN = "microbench.testrun"  # this module, as `-p` names it in the child
@@ -165,8 +169,6 @@ def run_pytest(args: list[str], log_path: Path, time_limit_s: float | None = Non
                python: str = sys.executable) -> tuple[int, float, bool, list[str]]:
     """The README's test command with `args`, this module as a plugin; (exit code, seconds,
     stopped at the time limit, the command)."""
-    from .results import REPO_ROOT
-
     cmd = [python, *README_COMMAND, "-p", PLUGIN, *args]
     env = {**os.environ, LOG_ENV: str(log_path)}
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -202,8 +204,6 @@ def run_pytest(args: list[str], log_path: Path, time_limit_s: float | None = Non
 
 def to_result(counts: dict, exit_code: int, duration_s: float, cmd: list[str], stopped: bool,
               time_limit_s: float | None = None):
-    from .results import Derived, Env, Result, Series
-
     env = Env.capture()
     m = machine()
     shown = " ".join(["python", *cmd[1:]])
@@ -245,10 +245,6 @@ def summary_line(counts: dict, exit_code: int, duration_s: float) -> str:
 def run_tests(args: list[str], results: Path | None = None, time_limit_s: float | None = None,
              save: bool = True, log=print) -> tuple[int, object, Path | None]:
     """Run, count, save. Returns (exit code, the Result, the saved file or None)."""
-    import tempfile
-
-    from .errors import OutputError
-
     if results is not None and not Path(results).is_dir():  # a typo: refused before an hour of tests
         raise OutputError(f"results folder {results} does not exist" if not Path(results).exists()
                           else f"results folder {results} is not a folder")
@@ -294,7 +290,6 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_args(p)
     a = p.parse_args(argv)
-    from .errors import MegabenchError
 
     try:
         return _cmd(a)

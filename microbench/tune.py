@@ -29,6 +29,7 @@ naming the file and the problem. TunedConstants is a frozen dataclass generated 
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as _dt
 import difflib
@@ -40,24 +41,16 @@ import types
 from collections.abc import Mapping
 from pathlib import Path
 
-from .constants import BY_NAME, SPECS, ConstantSpec
-from . import atomic
+from . import atomic, rederive
+from .constants import BY_NAME, SPECS, ConstantSpec, constants_dir, gpu_slug
 from .errors import OutputError, ResultsFileError
-from .results import REPO_ROOT, Result, find, load, read_json, results_root, scan
+from .pins import load_pins, pinned_entries
+from .results import REPO_ROOT, Result, find, git_sha, load, read_json, results_root, scan
 
 SCHEMA = "megabench.constants"
 VERSION = 1
 DEFAULT_RULE = "documented conservative default (microbench/constants.py): keeps the megakernel correct, not fast"
 PROVENANCE_KEYS = ("benchmark", "derived_key", "result_file", "date", "gpu", "gpu_key", "git_sha", "rule", "spread")
-
-
-def constants_dir() -> Path:
-    return Path(os.environ.get("MEGABENCH_CONSTANTS_DIR", REPO_ROOT / "reports" / "constants"))
-
-
-def gpu_slug(gpu: str | None) -> str:
-    """'NVIDIA H200' -> 'nvidia-h200' (the same slug results files use)."""
-    return re.sub(r"[^A-Za-z0-9]+", "-", gpu or "cpu").strip("-").lower()
 
 
 def _rel(p: Path) -> str:
@@ -129,8 +122,6 @@ def collect(root: Path | None = None, gpu: str | None = None,
     Raises ResultsFileError for a malformed result file, a unit that disagrees with the spec, a
     non-finite value or a rule-less derivation: those are bugs to fix, not gaps to paper over.
     """
-    from . import rederive
-
     root = Path(root) if root else results_root()
     gpu = gpu or default_gpu(root)
     cache: dict[str, tuple[Result | None, Path | None, dict, set]] = {}
@@ -174,8 +165,6 @@ def collect(root: Path | None = None, gpu: str | None = None,
                     "spread": None, "reason": why}
             out[spec.name] = Entry(spec, value, "default", prov)
     if pins:
-        from .adopt import pinned_entries
-
         for name, (value, prov) in pinned_entries(gpu, out, pins=pins).items():
             out[name] = Entry(BY_NAME[name], value, "pinned", prov)
     return gpu, out
@@ -264,8 +253,6 @@ def write(doc: dict, out_dir: Path | None = None, force: bool = False) -> tuple[
 
 
 def _git_sha() -> str:
-    from .results import git_sha
-
     return git_sha()
 
 
@@ -326,8 +313,6 @@ def check_gpu(gpu: str | None, root: Path | None = None, new_gpu: bool = False) 
 def _document(root, gpu, out_dir, only, new_gpu: bool = False) -> tuple[str | None, dict]:
     """collect, `only` applied (tune --only), rendered: what tune writes and --dry-run prints.
     Bad input (missing folder, unreadable result, unknown GPU) is refused here, before any write."""
-    from .adopt import load_pins
-
     check_gpu(gpu, root, new_gpu)
     gpu = gpu or default_gpu(Path(root) if root else results_root())
     gpu, entries = collect(root, gpu, pins=load_pins(gpu, out_dir))
@@ -527,8 +512,6 @@ def add_parser(sub) -> None:
 
 
 def _raw():
-    import argparse
-
     return argparse.RawDescriptionHelpFormatter
 
 

@@ -31,7 +31,7 @@ class Watchdog:
     """A zeroed record on the GPU plus the bound; pass `.ptr` and `.bound_ns` to the kernel."""
 
     def __init__(self, bound_ns: int, device: str = "cuda"):
-        import torch
+        import torch  # heavy: torch
 
         self.bound_ns = int(bound_ns)
         self.rec = torch.zeros(fields()["FIELDS"], dtype=torch.int64, device=device)

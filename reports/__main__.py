@@ -1,6 +1,6 @@
 """`python -m reports` is `megabench report`."""
 import sys
 
-from .cli import main
+from .report_cli import main
 
 sys.exit(main())

@@ -27,18 +27,29 @@ file stays as it was.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megakernel import critical_path
+from microbench import rederive
+from microbench.adopt import load_adopted, load_adoption
+from microbench.constants import BY_NAME, SPECS, constants_dir, gpu_slug
+from microbench.device import no_gpu_reason
 from microbench.errors import ResultsFileError
+from microbench.fmt import MAX_LINE, Footnotes, fmt, fmt_fraction, fmt_params, fmt_spread, md_escape, md_table, wrap
+from microbench.gate import GateConfig, GpuMismatchError, compare, load_measurements
+from microbench.gate_quality import report_lines
+from microbench.pins import load_pins
 from microbench.results import REPO_ROOT, Result, find, load, results_root
+from microbench.tune import collect, load_constants
 
+from . import constants_cli, crosscheck, paper, plots, study, summary
 from . import megakernel as mk
-from . import paper, plots, summary
-from .fmt import Footnotes, fmt, fmt_fraction, fmt_params, fmt_spread, md_escape, wrap
+from .classes import NAMES as CLASSES
 
 CLASS_INFO = {
     "basics": ("Launch overhead and copy bandwidth",
@@ -84,7 +95,6 @@ XGPU_BESIDE = (
 MAX_SERIES_ROWS = 40
 # results whose every series is a comparison point the text refers to (every size x implementation)
 SERIES_ROWS = {"xgpu.collectives": 100}
-MAX_LINE = 300  # the summary, class and megakernel sections keep every line within this
 APPENDIX = "## Appendix"  # every heading from the first of these on is an appendix
 # megakernel results shown in an appendix instead of the megakernel section
 APPENDIX_RESULTS = ("megakernel.ab", "megakernel.timeline_detail")
@@ -95,23 +105,6 @@ def _rel(p) -> str:
         return str(Path(p).resolve().relative_to(REPO_ROOT))
     except ValueError:
         return str(p)
-
-
-def _table(rows: Sequence[dict]) -> str:
-    """A GitHub table (pandas + tabulate, padded); one whose padded lines would exceed MAX_LINE is
-    written unpadded instead (same table once rendered)."""
-    import pandas as pd
-
-    if not rows:
-        return ""
-    cells = [{k: md_escape(v) if isinstance(v, str) else v for k, v in r.items()} for r in rows]
-    text = pd.DataFrame(cells).to_markdown(index=False, tablefmt="github")
-    if max(len(line) for line in text.splitlines()) <= MAX_LINE:
-        return text
-    cols = list(dict.fromkeys(k for r in cells for k in r))
-    out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    out += ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |" for r in cells]
-    return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------- catalogue
@@ -158,8 +151,6 @@ class Catalog:
         return [rs[-1] for b, rs in sorted(self.runs.items()) if b.split(".")[0] == cls]
 
     def classes(self) -> list[str]:
-        from microbench.registry import CLASSES
-
         present = sorted({b.split(".")[0] for b in self.runs} - set(CLASSES) - set(SPECIAL) - set(EXTRA_CLASSES))
         return list(CLASSES) + list(EXTRA_CLASSES) + present
 
@@ -177,6 +168,7 @@ class Context:
     step_rows: list
     timeline: Result | None
     figures: list = field(default_factory=list)
+    built: dict = field(default_factory=dict)  # constant -> what the default build renders (built_text)
 
     def fig_link(self, path: Path, caption: str) -> list[str]:
         rel = Path(path).resolve().relative_to(self.out_dir.resolve())
@@ -188,8 +180,6 @@ def paper_value(ctx: Context, f: dict) -> tuple[str, str]:
     """(ours, how ours is obtained) for one of the study's figures; ours is "-" where nothing here
     corresponds to it and "not measured yet" where something would (reports/study.py: the rules,
     pinned constants and values re-derived with the current rule)."""
-    from . import study
-
     ours, how = study._ours(ctx, f)
     for extra in (f.get("note_ours"), f.get("note") if f.get("ours") is not None else None):
         if extra:
@@ -203,7 +193,6 @@ def _paper_rows(ctx: Context, figs: Sequence[dict], notes: Footnotes) -> list[di
     for f in figs:
         if f.get("ours") is None:
             continue
-        from . import study
 
         ours, how = paper_value(ctx, f)
         rows.append({"quantity": f["quantity"], f"study ({paper.setup('gb300')['short']})": paper.value_text(f),
@@ -217,15 +206,11 @@ def _study_table(ctx: Context, figs: Sequence[dict], lead: str) -> list[str]:
     rows = _paper_rows(ctx, figs, notes)
     if not rows:
         return []
-    return [*wrap(lead), "", _table(rows), "", *notes.lines()]
+    return [*wrap(lead), "", md_table(rows), "", *notes.lines()]
 
 
 # ----------------------------------------------------------------------------- derived values
 def _derived_rows(results: Sequence[Result], notes: Footnotes, keep=lambda r, k: True) -> list[dict]:
-    from microbench.constants import SPECS
-
-    from microbench import rederive
-
     tuned = {(s.benchmark, s.derived_key): s.name for s in SPECS}
     rows = []
     for r in results:
@@ -247,7 +232,6 @@ def _pivot(result: Result, notes: Footnotes, ops: Sequence[str]) -> tuple[list[s
     cols, table, _ = mk.op_pivot(result.derived, ops)
     if not cols:
         return [], set()
-    import re
 
     rows, shown = [], set()
     heads = {}
@@ -264,12 +248,12 @@ def _pivot(result: Result, notes: Footnotes, ops: Sequence[str]) -> tuple[list[s
             if k:
                 shown.add(k)
         rows.append(row)
-    return [_table(rows), ""], shown
+    return [md_table(rows), ""], shown
 
 
 def _ops(result: Result) -> list[str]:
     try:
-        from megakernel.plan import OP_KINDS
+        from megakernel.plan import OP_KINDS  # heavy: torch (megakernel.plan)
 
         return list(OP_KINDS)
     except ImportError:  # the report also renders results without the megakernel package
@@ -296,7 +280,7 @@ def _banner(ctx: Context, gpu_present: bool) -> list[str]:
 def section_summary(ctx: Context) -> list[str]:
     out = ["## Summary", "", "### The megakernel against every baseline", ""]
     if ctx.step_rows:
-        out += [_table(summary.step_table(ctx.step_rows)), "", *wrap(summary.step_caption(ctx.step_rows)), ""]
+        out += [md_table(summary.step_table(ctx.step_rows)), "", *wrap(summary.step_caption(ctx.step_rows)), ""]
         v = summary.study_verify_line(ctx.step_rows)
         if v:
             out += [*wrap(v), ""]
@@ -307,7 +291,7 @@ def section_summary(ctx: Context) -> list[str]:
     out += ["### The overhead classes beside the study", "",
             *wrap(f"One key figure per class, ours ({ctx.cat.gpu or 'not measured'}) beside the study's ({st['hardware']}): "
                   "different hardware, so read them side by side. Every figure of a class is in its section."), "",
-            _table(summary.class_rows(ctx, paper_value)), "",
+            md_table(summary.class_rows(ctx, paper_value)), "", *wrap(summary.FEEDS_CAPTION), "",
             "### How sure we are", ""]
     for line in summary.trust_lines(ctx):
         out += wrap(line, first="- ", rest="  ")
@@ -351,7 +335,7 @@ def section_class(ctx: Context, cls: str, n: int) -> list[str]:
         notes = Footnotes("Rules and notes")
         rows = _derived_rows([r for _, r in results], notes)
         if rows:
-            out += ["### Derived values", "", _table(rows), "", *notes.lines()]
+            out += ["### Derived values", "", md_table(rows), "", *notes.lines()]
     st = paper.setup("gb300")
     study = _study_table(ctx, paper.figures(cls), f"The study's figures ({st['hardware']}; {st['config']}) beside ours "
                                                   f"({ctx.cat.gpu or 'not measured'}); different hardware, so read "
@@ -362,7 +346,7 @@ def section_class(ctx: Context, cls: str, n: int) -> list[str]:
         notes = Footnotes("What each side measures")
         rows = _xgpu_beside_rows(ctx, notes)
         out += [*wrap("One GPU beside several (latest results of each; the machines are named in each result's "
-                      "environment):"), "", _table(rows), "", *notes.lines()]
+                      "environment):"), "", md_table(rows), "", *notes.lines()]
     out += _notes_lines(results)
     for _, r in results:
         for p, cap in plots.curve_plots(r, cls, ctx.fig_dir, _byte_marks(r)) + plots.hist_plots(r, ctx.fig_dir):
@@ -423,7 +407,7 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
     rows = _derived_rows([r for _, r in results], notes,
                          keep=lambda r, k: "mega+" not in k and not (r is tl and k in shown))
     if rows or pivots:
-        out += ["### Derived values", "", _table(rows), ""]
+        out += ["### Derived values", "", md_table(rows), ""]
         if pivots:
             out += [*wrap(f"Per op, from `{tl.benchmark}` (one column per quantity; its rule in the notes, "
                           "`<op>` standing for the row's op):"), "", *pivots]
@@ -434,7 +418,7 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
         if phases:
             out += ["### In-kernel timeline", "", *wrap(f"From `{tl.benchmark}` of {tl.env.date[:10]} "
                                                          f"({tl.env.git_sha[:7]}), one launch, per block:"), "",
-                    _table([{"phase": a["phase"], "blocks": a["blocks"], "start (median)": fmt(a["start"], "s"),
+                    md_table([{"phase": a["phase"], "blocks": a["blocks"], "start (median)": fmt(a["start"], "s"),
                              "end p10": fmt(a["end_p10"], "s"), "end (median)": fmt(a["end"], "s"),
                              "end p90": fmt(a["end_p90"], "s")} for a in phases]), ""]
             for p, cap in plots.timeline_plot(phases, ctx.fig_dir, tl.benchmark):
@@ -445,38 +429,18 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
     return out
 
 
-def _critical_path(ctx: Context) -> list[str] | None:
-    """HOOK: the critical-path model of a megakernel layer (each segment's predicted bound beside its
-    measured time), from the module `megakernel.critical_path` when it exists (None when it does
-    not). Either of its functions is used: `report_rows(results) -> list[dict]` (the latest result
-    of every benchmark in, one short dict per row out) or `table(root) -> str` (its own markdown
-    from the results folder; prose lines are wrapped here, tables kept). Once the module exists,
-    an import error or a missing function is shown, not hidden."""
-    import importlib
-    import importlib.util
-
+def _critical_path(ctx: Context) -> list[str]:
+    """The critical-path model of a megakernel layer (each segment's predicted bound beside its
+    measured time): megakernel.critical_path.table over the results folder; prose lines are
+    wrapped here, tables kept. Results without the timelines the model reads: said, not hidden."""
     try:
-        present = importlib.util.find_spec("megakernel.critical_path") is not None
-    except (ImportError, ValueError):  # no megakernel package at all
-        present = False
-    if not present:
-        return None
-    cp = importlib.import_module("megakernel.critical_path")
-    if hasattr(cp, "report_rows"):
-        rows = cp.report_rows(ctx.cat.latest_all())
-        return [_table(rows), ""] if rows else ["Not measured yet (no results the critical-path model reads).", ""]
-    if hasattr(cp, "table"):
-        from microbench.errors import ResultsFileError
-
-        try:
-            text = cp.table(ctx.cat.root)
-        except ResultsFileError as e:  # results without the timelines the model reads: said, not hidden
-            return [*wrap(f"Not measured yet: {e}."), ""]
-        out = []
-        for line in text.splitlines():
-            out += [line] if line.startswith("|") or not line.strip() else wrap(line)
-        return out + [""]
-    return ["`megakernel.critical_path` has neither `report_rows(results)` nor `table(root)`: not wired yet.", ""]
+        text = critical_path.table(ctx.cat.root)
+    except ResultsFileError as e:
+        return [*wrap(f"Not measured yet: {e}."), ""]
+    out = []
+    for line in text.splitlines():
+        out += [line] if line.startswith("|") or not line.strip() else wrap(line)
+    return out + [""]
 
 
 CRITICAL_PATH = "### Critical path of a layer"
@@ -486,16 +450,12 @@ def section_critical_path(ctx: Context) -> list[str]:
     """The critical-path block in the megakernel's section, or a pointer to Appendix B when its
     tables are wider than the section's lines may be."""
     block = _critical_path(ctx)
-    if block is None:
-        return []
     if max((len(line) for line in block), default=0) <= MAX_LINE:
         return [CRITICAL_PATH, "", *block]
     return [CRITICAL_PATH, "", "Its tables are wider than this section's lines: see Appendix B.", ""]
 
 
 def section_changes(ctx: Context, bench_dir: Path | None, baseline: Path | None) -> list[str]:
-    from microbench.gate import GateConfig, GpuMismatchError, compare, load_measurements
-
     out = ["## What changed since the baseline", ""]
     cfg = GateConfig()
     comparisons = []
@@ -516,8 +476,6 @@ def section_changes(ctx: Context, bench_dir: Path | None, baseline: Path | None)
     if baseline is not None:
         comparisons = [(f"newest results vs baseline `{_rel(baseline)}`", load_measurements(baseline, gpu_key), newest)]
     elif bench_dir is not None and bench_dir.is_dir() and ctx.cat.gpu:
-        from microbench.tune import gpu_slug
-
         files = []
         for p in sorted(bench_dir.glob("*.json")):
             ms = load_measurements(p, gpu_key if f"-{gpu_slug(ctx.cat.gpu)}-" in p.name else None)
@@ -549,7 +507,7 @@ def section_changes(ctx: Context, bench_dir: Path | None, baseline: Path | None)
             if r["verdict"].lower() not in ("same", "not gated"):
                 rows.append({**r, "why": notes.cell(r.get("why"), 40)})
     out += lines + ["", *wrap(f"Rule: {cfg.describe()}."), ""]
-    out += [_table(rows), "", *notes.lines()] if rows else ["Every compared series is the same within its noise.", ""]
+    out += [md_table(rows), "", *notes.lines()] if rows else ["Every compared series is the same within its noise.", ""]
     return out
 
 
@@ -558,8 +516,6 @@ def _run_name(r: Result) -> str:
 
 
 def section_constants(ctx: Context) -> list[str]:
-    from microbench.tune import constants_dir, gpu_slug, load_constants
-
     out = ["## Tuned constants", ""]
     if ctx.tune_error:
         return out + [*wrap(f"**Could not tune from these results:** {ctx.tune_error}"), ""]
@@ -586,7 +542,7 @@ def section_constants(ctx: Context) -> list[str]:
                                 if measured else notes.cell(p.get("reason", ""), 60)),
                      "spread": fmt_spread(p.get("spread"), e.spec.unit),
                      "rule": notes.ref(p["rule"] if measured else "documented default (microbench/constants.py)")})
-    out += [_table(rows), "", *notes.lines()]
+    out += [md_table(rows), "", *notes.lines()]
     if ctx.cat.gpu:
         cf = constants_dir() / f"{gpu_slug(ctx.cat.gpu)}.json"
         if cf.exists():
@@ -621,7 +577,7 @@ def appendix_ablations(ctx: Context) -> list[str]:
                              "measured": f"{r.date[:10]} {r.commit}"})
         out += [*wrap("The megakernel with its techniques switched off one at a time (`all_but_<t>`), on one at a "
                       "time (`only_<t>`), all (`all`), none (`none`); `vs mega` against the default build of the same "
-                      "run."), "", _table(rows), ""]
+                      "run."), "", md_table(rows), ""]
     got = ctx.cat.latest("megakernel.ab")
     if got is not None:
         path, r = got
@@ -641,7 +597,7 @@ def appendix_ablations(ctx: Context) -> list[str]:
                 *wrap(f"`{path.name}` ({r.env.date[:16].replace('T', ' ')}Z, {r.env.git_sha[:7]}); "
                       f"{n_ab} A/B result(s) in the results folder; the notes of each A/B are "
                       "`reports/results/megakernel/ab-*.md`, indexed by `reports/LEVERS.md`."), "",
-                _table(rows), ""]
+                md_table(rows), ""]
     if len(out) == 2:
         out += ["No ablation or A/B results yet.", ""]
     return out
@@ -659,14 +615,14 @@ def appendix_timelines(ctx: Context) -> list[str]:
         out += [f"### `{r.benchmark}`", "",
                 *wrap(f"The profiler's detail build (every sub-phase stamped): `{path.name}`, "
                       f"{r.env.date[:16].replace('T', ' ')}Z, {r.env.git_sha[:7]}. Its per-op values:"), "",
-                *pivots, _table(rows), "", *notes.lines()]
+                *pivots, md_table(rows), "", *notes.lines()]
         if phases:
             out += ["Its phases, per block:", "",
-                    _table([{"phase": a["phase"], "blocks": a["blocks"], "start (median)": fmt(a["start"], "s"),
+                    md_table([{"phase": a["phase"], "blocks": a["blocks"], "start (median)": fmt(a["start"], "s"),
                              "end (median)": fmt(a["end"], "s"), "end p90": fmt(a["end_p90"], "s")} for a in phases]), ""]
         out += _notes_lines([got])
     block = _critical_path(ctx)
-    if block is not None and max((len(line) for line in block), default=0) > MAX_LINE:
+    if max((len(line) for line in block), default=0) > MAX_LINE:
         out += [CRITICAL_PATH, "", *block]
     traces = sorted(p for p in ctx.cat.root.rglob("*") if p.is_file() and (
         ".trace." in p.name or p.name.startswith("ncu-") or p.name.endswith(".png")))
@@ -734,7 +690,7 @@ def appendix_series(ctx: Context) -> list[str]:
             out += [f"### `{r.benchmark}`", "",
                     *wrap(f"Measured {e.date} on {e.gpu} ({'quick' if r.quick else 'full'} sweep), commit "
                           f"`{e.git_sha[:7]}`{' (dirty)' if e.git_dirty else ''}; file `{_rel(path)}`."), "",
-                    _table(rows), ""]
+                    md_table(rows), ""]
             if more:
                 out += [f"({more} more series in the JSON file.)", ""]
             if sources:
@@ -762,8 +718,6 @@ def appendix_no_counterpart(ctx: Context) -> list[str]:
 
 def appendix_quality(ctx: Context) -> list[str]:
     """The gate's measured false-alarm and detection rates (microbench/gate_quality.py owns the text)."""
-    from microbench.gate_quality import report_lines
-
     return report_lines(ctx.cat.root, heading=f"{APPENDIX} E. How much to trust the gate")
 
 
@@ -793,7 +747,7 @@ def appendix_environment(ctx: Context) -> list[str]:
         {"": "baseline key", "value": f"`{e.gpu_key}` (gate baselines are per GPU model and max SM clock)"},
     ]
     commits = sorted({x.git_sha[:7] + (" (dirty)" if x.git_dirty else "") for x in envs})
-    out += [_table(rows), "", *wrap(f"Commits of the results ({len(commits)}): " + ", ".join(commits) + "."), ""]
+    out += [md_table(rows), "", *wrap(f"Commits of the results ({len(commits)}): " + ", ".join(commits) + "."), ""]
     return out
 
 
@@ -810,7 +764,6 @@ def render(ctx: Context, gpu_present: bool, bench_dir: Path | None, baseline: Pa
         n += 1
     body += section_megakernel(ctx, n)
     body += section_changes(ctx, bench_dir, baseline)
-    from . import crosscheck
 
     body += crosscheck.section(ctx)
     body += section_constants(ctx) + crosscheck.adoption_lines(ctx)
@@ -828,8 +781,6 @@ def build(root: Path | None = None, out_dir: Path | None = None, bench_dir: Path
     """Render the report atomically; returns the path of REPORT.md. Raises ResultsFileError (naming
     the path) on a missing results/benchmarks/baseline path or a malformed input, before anything
     under `out_dir` changes."""
-    from microbench.tune import collect
-
     out_dir = Path(out_dir) if out_dir else REPO_ROOT / "reports"
     if bench_dir is not None and not Path(bench_dir).is_dir():
         raise ResultsFileError(f"{bench_dir}: no such pytest-benchmark folder (--benchmarks)")
@@ -837,16 +788,12 @@ def build(root: Path | None = None, out_dir: Path | None = None, bench_dir: Path
         raise ResultsFileError(f"{baseline}: no such baseline file or folder (--baseline)")
     bench_dir = Path(bench_dir) if bench_dir else REPO_ROOT / "reports" / "benchmarks"
     if gpu_present is None:
-        from microbench.device import no_gpu_reason
-
         gpu_present = no_gpu_reason() is None
     cat = Catalog.load(root, gpu)  # parses every result: a bad one stops here, nothing written yet
     if gpu is not None and cat.gpu != gpu:
         raise ResultsFileError(f"{cat.root}: no results for GPU {gpu!r} (there are: {', '.join(cat.other_gpus) or 'none'})")
     tune_err = None
     try:
-        from microbench.adopt import load_pins
-
         _, entries = collect(cat.root, cat.gpu, pins=load_pins(cat.gpu))
     except Exception as e:
         entries, tune_err = {}, str(e)
@@ -858,7 +805,7 @@ def build(root: Path | None = None, out_dir: Path | None = None, bench_dir: Path
     anchor = next(p for p in (out_dir, *out_dir.parents) if p.is_dir())  # nearest existing folder
     stage = Path(tempfile.mkdtemp(prefix=".report-", dir=anchor))
     try:
-        ctx = Context(cat, stage / "figures", stage, entries, tune_err, rows, timeline)
+        ctx = Context(cat, stage / "figures", stage, entries, tune_err, rows, timeline, built=built_text(cat))
         ctx.fig_dir.mkdir()
         text = render(ctx, gpu_present, bench_dir, baseline)
         _validate(text, stage)
@@ -871,8 +818,6 @@ def build(root: Path | None = None, out_dir: Path | None = None, bench_dir: Path
 
 def _validate(text: str, stage: Path) -> None:
     """Every figure the text links exists in the staged folder."""
-    import re
-
     for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
         if not (stage / link).is_file():
             raise ResultsFileError(f"report: figure {link} is linked but was not written")
@@ -895,26 +840,32 @@ def _commit(stage: Path, out_dir: Path) -> None:
 
 
 def _anchor(h: str) -> str:
-    import re
-
     t = h.lstrip("#").strip().lower()
     t = re.sub(r"[^\w\- ]", "", t)
     return t.replace(" ", "-")
 
 
+def built_text(cat: Catalog) -> dict[str, str]:
+    """{constant: what the default build renders from the adopted revision, as text} for the
+    constants that feed the build (reports/constants_cli.py), planned for the SMs of the newest
+    megakernel.build result's GPU and shown at the headline preset (shard8); {} without an adoption
+    or such a result."""
+    got = cat.latest("megakernel.build")
+    if not cat.gpu or got is None or not got[1].env.sm_count or load_adoption(cat.gpu) is None:
+        return {}
+    vals = constants_cli.build_values(load_adopted(cat.gpu), got[1].env.sm_count)
+    return {n: constants_cli.value_text(v["shard8"], BY_NAME[n].unit) for n, v in vals.items()}
+
+
 def readme_block(root: Path | None = None, gpu: str | None = None) -> str:
     """The README's headline block (reports/summary.py), from the same rows as the report's summary."""
-    from microbench.tune import collect
-
     cat = Catalog.load(root, gpu)
     try:
-        from microbench.adopt import load_pins
-
         _, entries = collect(cat.root, cat.gpu, pins=load_pins(cat.gpu))
     except Exception:
         entries = {}
     baseline_runs = [r for b, rs in cat.runs.items() if b.startswith("model.") for _, r in rs]
     rows = mk.with_fastest_baselines(mk.step_rows(cat.step_sources()), baseline_runs)
     tl = cat.latest("megakernel.timeline")
-    ctx = Context(cat, Path("."), Path("."), entries, None, rows, tl[1] if tl else None)
-    return summary.readme_block(ctx, paper_value, _table)
+    ctx = Context(cat, Path("."), Path("."), entries, None, rows, tl[1] if tl else None, built=built_text(cat))
+    return summary.readme_block(ctx, paper_value, md_table)

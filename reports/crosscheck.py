@@ -14,9 +14,15 @@ import functools
 import json
 from pathlib import Path
 
-from microbench import rederive
+import numpy as np
 
-from .fmt import fmt, fmt_spread, wrap
+from microbench import rederive
+from microbench.adopt import load_adoption
+from microbench.datasheet import hbm_peak
+from microbench.fmt import Footnotes, fmt, fmt_spread, md_table, wrap
+from microbench.pins import load_pins
+from microbench.stability import table as stability_table
+from microbench.weights import rules
 
 REFERENCES = Path(__file__).with_name("references.json")
 KiB, MiB = 1024, 1 << 20
@@ -79,10 +85,6 @@ def _weights(ctx):
     u = _d(ctx, "weights.l2", "l2_usable_bytes")
     lvl = _d(ctx, "weights.l2", "l2_bandwidth_bytes_per_s")
     if u:
-        from microbench.weights import rules
-
-        import numpy as np
-
         theirs = rules.l2_usable([p[0] for p in pts], [np.full(3, p[1]) for p in pts], 62914560)
         out.append(_row("weights", "end of the L2 bandwidth plateau", fmt_spread(u.spread, "B"),
                         f"{fmt_spread(theirs.spread, 'B')} (te42kyfo/gpu-benches H200 curve, the same rule)",
@@ -100,8 +102,6 @@ def _weights(ctx):
                         u.spread[0] * 0.8 <= step.value <= u.spread[1], "latency rises between 32 and 48 MiB"))
     rc = _d(ctx, "weights.read_ceiling", "read_ceiling_bytes_per_s")
     if rc:
-        from microbench.datasheet import hbm_peak
-
         peak = hbm_peak(ctx.cat.gpu)
         if peak:
             out.append(_row("weights", "HBM read ceiling", fmt(rc.value, "B/s"), f"{fmt(peak, 'B/s')} (datasheet)",
@@ -209,13 +209,10 @@ def rows(ctx) -> list[dict]:
 
 
 def stability_rows(ctx) -> list[dict]:
-    from microbench.adopt import load_pins
-    from microbench.stability import table
-
     if not ctx.cat.gpu:
         return []
     out = []
-    for v in table(ctx.cat.root, ctx.cat.gpu, load_pins(ctx.cat.gpu)):
+    for v in stability_table(ctx.cat.root, ctx.cat.gpu, load_pins(ctx.cat.gpu)):
         out.append({"constant": f"`{v.name}`", "verdict": v.status,
                     "runs (machine: value, spread)": "; ".join(
                         f"{r.machine[:8]}: {r.value:g} ({fmt_spread(r.spread, '') if r.spread else 'no spread'})"
@@ -225,30 +222,25 @@ def stability_rows(ctx) -> list[dict]:
 
 
 def section(ctx) -> list[str]:
-    from .build import _table
-
     out = ["## Independent cross-checks", "",
            *wrap("Each class's figures beside a second method of ours, a public measurement of this GPU (or of its "
                  "architecture), or the datasheet. Sources: `reports/references.json`, `microbench/datasheet.py`."), ""]
-    from .fmt import Footnotes
 
     notes = Footnotes("Notes")
     rs = [{k: (notes.cell(v, 60) if k in ("ours", "independent", "note") else v) for k, v in r.items()}
           for r in rows(ctx)]  # long cells become numbered notes: the section's lines stay readable
-    out += [_table(rs), "", *notes.lines()] if rs else ["Nothing to cross-check yet (no results).", ""]
+    out += [md_table(rs), "", *notes.lines()] if rs else ["Nothing to cross-check yet (no results).", ""]
     st = stability_rows(ctx)
     if st:
         out += ["### The build's constants on two machines", "",
                 *wrap("For every constant the megakernel build reads: the latest run on each machine (GPU UUID), "
                       "valued by the current rule from its samples; two runs agree when equal or their spreads "
                       "overlap (`microbench/stability.py`, tests/test_stability.py). `one machine`: needs a second "
-                      "run (`.ci/gpu-session stability45`)."), "", _table(st), ""]
+                      "run (`.ci/gpu-session stability45`)."), "", md_table(st), ""]
     return out
 
 
 def adoption_lines(ctx) -> list[str]:
-    from microbench.adopt import load_adoption, load_pins
-
     if not ctx.cat.gpu:
         return []
     out = []

@@ -46,11 +46,13 @@ Build record (megakernel.build): derived "launch_code_bytes_max" (B), the larges
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from microbench.adopt import result_revision
 from microbench.results import Result, Series
 
 PRESET_ORDER = ("shard8", "small", "tiny")
@@ -210,7 +212,6 @@ def step_rows(results: Sequence[Result]) -> list[StepRow]:
 def _revision(r: Result) -> tuple:
     if not r.benchmark.startswith("megakernel."):
         return None, "a torch baseline: reads no tuned constants"
-    from microbench.adopt import result_revision
 
     return result_revision(r)
 
@@ -235,7 +236,7 @@ def with_fastest_baselines(rows: Sequence[StepRow], baseline_runs: Sequence[Resu
         if k not in newest or r.date > newest[k].date:
             newest[k] = r
     # a configuration the megakernel was timed at gets each baseline's fastest committed run there,
-    # also where the newest baseline run did not reach it (2026-12-01: shard8's ran out of memory)
+    # also where the newest baseline run did not reach it (a run that ran out of memory at shard8)
     cfgs = {r.config for r in newest.values()}
     for k, b in best.items():
         if k[1] in cfgs and k not in newest:
@@ -333,8 +334,6 @@ def op_pivot(derived: dict, ops: Sequence[str]) -> tuple[list[str], dict[str, di
     """Per-op derived values (`<what>_<op>_s`, e.g. idle_wait_expert1_s) as a table with one row per
     op and one column per `<what>`: (columns, {op: {column: key}}, keys left over). A `<what>` with
     a single op stays a plain row. The longest op name that fits wins (attn_combine before attn)."""
-    import re
-
     by_op = sorted(ops, key=len, reverse=True)
     hits: dict[str, dict[str, str]] = {}
     for k in derived:

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .fmt import fmt
+from microbench.fmt import fmt
+
+from .megakernel import config_label, config_rank, impl_rank
 
 PREFERRED_X = {
     "basics": ("bytes",),
@@ -35,10 +37,10 @@ MAX_PLOTS_PER_RESULT = 4
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # heavy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     return plt
 
@@ -164,7 +166,6 @@ def hist_plots(result, fig_dir: Path):
 def step_bars(rows: Sequence, fig_dir: Path):
     if not rows:
         return []
-    from .megakernel import config_label, config_rank, impl_rank
 
     plt = _plt()
     cfgs = sorted({r.config for r in rows}, key=config_rank, reverse=True)  # the headline point on top

@@ -44,7 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from microbench.errors import ResultsFileError
-from microbench.results import REPO_ROOT, SCHEMA, results_root
+from microbench.results import REPO_ROOT, SCHEMA, Result, results_root
+
+from . import megakernel as mk
 
 GLOB_PREFIX = 6
 ARTEFACT_SUFFIXES = (".trace.json.gz", ".trace.json", "-details.txt", "-sass.csv.gz", "-stalls.md", ".png",
@@ -193,8 +195,6 @@ def _names(text: str, markdown: bool) -> tuple[set[str], list[str]]:
 def plan(root: Path | None = None, repo: Path | None = None) -> Plan:
     """What the retention rule keeps under `root` (default the results root), and why. Reads the
     whole folder first: a results file that cannot be parsed stops the plan (ResultsFileError)."""
-    from . import megakernel as mk
-
     root = Path(root) if root else results_root()
     repo = Path(repo) if repo else REPO_ROOT
     if not root.is_dir():
@@ -215,7 +215,6 @@ def plan(root: Path | None = None, repo: Path | None = None) -> Plan:
         e.reasons.append(f"newest {bench} on {gpu}")
 
     # the runs the report shows besides the newest: each torch baseline's fastest run
-    from microbench.results import Result
 
     for gpu in sorted({g for _, g in newest}, key=str):
         latest = [Result.from_json(e.result["doc"], str(e.path)) for (b, g), e in newest.items() if g == gpu]

@@ -19,10 +19,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from microbench import rederive
+from microbench.adopt import load_adopted, result_revision
+from microbench.errors import ResultsFileError
+from microbench.fmt import fmt, fmt_range, fmt_spread
+from microbench.weights.bench import STUDY_EXPERT_BYTES
 
-from . import megakernel as mk
 from . import paper
-from .fmt import fmt, fmt_range, fmt_spread
+from . import megakernel as mk
 
 STUDY_ACCEPTANCE = 6.6  # tokens the study accepts per 16-token verify step (GSM8K, its draft model)
 
@@ -49,8 +52,6 @@ def _series(ctx, bench: str, name: str):
 
 
 def _adopted(ctx):
-    from microbench.adopt import load_adopted
-
     try:
         return load_adopted(ctx.cat.gpu) if ctx.cat.gpu else None
     except Exception:  # no or a broken adoption: the constants section says so
@@ -67,7 +68,6 @@ def _ring_built(ctx, f):
     s = rows.get("shard8") or next(iter(rows.values()), None)
     if s is None or "ring_stages" not in s.params:
         return None
-    from microbench.adopt import result_revision
 
     rev, how = result_revision(r)
     adopted = _adopted(ctx)
@@ -87,7 +87,6 @@ def _hot_bet_bytes(ctx, f):
     be = ctx.tune_entries.get("hot_expert_break_even_overlap")
     if d is None:
         return None
-    from microbench.weights.bench import STUDY_EXPERT_BYTES
 
     k = re.search(r"k=(\d+) prefetched \(([\d.]+) MiB\)", d.note or "") or re.search(
         r"k=(\d+) prefetched \(([\d.]+) MiB\)", (_derived(ctx, "weights.hot_experts", "hot_expert_break_even_overlap")
@@ -255,8 +254,18 @@ def _fmt(v, unit: str) -> str:
     return fmt(v, unit)
 
 
+def check_computed(figs: Sequence[dict], source: str = str(paper.PATH)) -> None:
+    """Every figure whose ours is computed names a function of COMPUTED; else ResultsFileError."""
+    for f in figs:
+        ours = f.get("ours")
+        if ours is not None and ours.get("kind") == "computed" and ours.get("name") not in COMPUTED:
+            raise ResultsFileError(f"{source}: {f.get('id')}: computed figure {ours.get('name')!r} is not in "
+                                   "reports/study.py COMPUTED")
+
+
 def rows(ctx, figs: Sequence[dict]) -> list[dict]:
     """The study-vs-ours table rows for `figs` (reports/build.py renders them)."""
+    check_computed(figs)
     out = []
     for f in figs:
         st = paper.setup(f["setup"])

@@ -10,6 +10,7 @@ import pytest
 from megabench_synth import H200, class_results, env, save_all, series
 
 from microbench import adopt
+from microbench import pins as pins_mod
 from microbench.errors import ResultsFileError
 from microbench.results import REPO_ROOT, Result
 
@@ -19,11 +20,9 @@ COMMITTED = REPO_ROOT / "reports" / "constants"
 @pytest.fixture
 def cdir(tmp_path, monkeypatch):
     """A copy of the committed constants folder, made the constants folder."""
-    import microbench.tune as tune
-
     d = tmp_path / "constants"
     shutil.copytree(COMMITTED, d)
-    monkeypatch.setattr(tune, "constants_dir", lambda: d)
+    monkeypatch.setenv("MEGABENCH_CONSTANTS_DIR", str(d))
     monkeypatch.delenv("MEGABENCH_CONSTANTS", raising=False)
     return d
 
@@ -51,7 +50,7 @@ def _new_revision(cdir, **values):
 
 
 def test_a_retuned_revision_does_not_reach_the_build(cdir):
-    from megakernel.pipeline import constants_env, plan_for, tuned
+    from megakernel.plans import constants_env, plan_for, tuned
 
     _new_revision(cdir, ring_stages=3, ring_stage_bytes=16384, l2_prefetch_budget_bytes=0)
     c = tuned()
@@ -63,7 +62,7 @@ def test_a_retuned_revision_does_not_reach_the_build(cdir):
 
 
 def test_a_candidate_revision_is_built_only_when_named(cdir, monkeypatch):
-    from megakernel.pipeline import constants_env, tuned
+    from megakernel.plans import constants_env, tuned
 
     _new_revision(cdir, ring_stages=3, ring_stage_bytes=16384)
     monkeypatch.setenv("MEGABENCH_CONSTANTS", str(cdir / "history" / "nvidia-h200-r0005.json"))
@@ -71,7 +70,7 @@ def test_a_candidate_revision_is_built_only_when_named(cdir, monkeypatch):
 
 
 def test_without_an_adoption_the_current_file_is_used_with_a_warning(cdir):
-    from megakernel.pipeline import tuned
+    from megakernel.plans import tuned
 
     (cdir / "adopted" / "nvidia-h200.json").unlink()
     with pytest.warns(UserWarning, match="no adopted constants revision"):
@@ -110,7 +109,7 @@ def test_pins_hold_a_constant_and_record_what_was_measured(tmp_path):
 
     res = tmp_path / "results"
     save_all(class_results(), res)
-    pins = adopt.load_pins(H200, COMMITTED)
+    pins = pins_mod.load_pins(H200, COMMITTED)
     assert set(pins) == {"l2_prefetch_budget_bytes", "spin_bound_ns", "poll_backoff_ns"}
     assert pins["l2_prefetch_budget_bytes"].value == 40 << 20
     assert pins["spin_bound_ns"].value == 20_000_000  # its rule gave 20 and 10 ms on two fresh machines
@@ -137,7 +136,7 @@ def test_bad_pins_are_refused(tmp_path, edit, message):
     (tmp_path / "pins").mkdir()
     (tmp_path / "pins" / "nvidia-h200.json").write_text(json.dumps(d))
     with pytest.raises(ResultsFileError, match=message):
-        adopt.load_pins(H200, tmp_path)
+        pins_mod.load_pins(H200, tmp_path)
 
 
 def test_older_megakernel_results_are_credited_with_their_commit_s_revision():

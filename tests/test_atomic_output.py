@@ -13,7 +13,7 @@ import pytest
 from megabench_synth import H200, class_results, save_all
 
 from microbench import atomic
-from microbench.cli import main
+from reports.cli import main
 from microbench.errors import OutputError, ResultsFileError
 from microbench.results import REPO_ROOT
 
@@ -167,9 +167,9 @@ def test_load_constants_unknown_gpu_is_an_error_unless_defaults_are_asked_for(co
 
 
 def test_cpu_build_with_a_second_constants_file_is_an_error_not_all_defaults(copies, monkeypatch):
-    from megakernel.pipeline import plan_for
+    from megakernel.plans import plan_for
 
-    monkeypatch.setattr("microbench.device.gpu_count", lambda: 0)  # a CPU build, on a GPU machine too
+    monkeypatch.setattr("megakernel.plans.gpu_count", lambda: 0)  # a CPU build, on a GPU machine too
 
     _, const = copies
     shutil.copy(const / "nvidia-h200.json", const / "nvidia-h20.json")
@@ -197,9 +197,9 @@ def test_gate_outputs_in_a_missing_folder_are_refused_before_the_work(tmp_path, 
 
 
 def test_kernel_gate_update_into_a_missing_folder_compiles_nothing(tmp_path, capsys, monkeypatch):
-    import microbench.gate as gate
+    import microbench.kernel_gate as km
 
-    monkeypatch.setattr(gate, "measure_kernels", lambda *a, **k: pytest.fail("compiled before refusing"))
+    monkeypatch.setattr(km, "measure_kernels", lambda *a, **k: pytest.fail("compiled before refusing"))
     rc = main(["gate", "--kernels", "--update", "--kernel-baseline", str(tmp_path / "typo" / "km.json")])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
 

@@ -202,9 +202,7 @@ def fakes(monkeypatch):
 
 @pytest.mark.parametrize("ncu", sorted(NCU_CASES))
 def test_timers_dry_run(fakes, ncu):
-    import microbench.clocks.ncu_tick as nt
-
-    fakes.setattr(nt, "tick_under_ncu", lambda device=0, timeout_s=0: NCU_CASES[ncu])
+    fakes.setattr(bench, "tick_under_ncu", lambda device=0, timeout_s=0: NCU_CASES[ncu])
     res = bench.run_timers(FakeHarness(), quick=True, save=True)
     d = res.derived
     assert d["globaltimer_tick_ns"].value == 32 and d["globaltimer_tick_ns"].spread == (32.0, 32.0)
@@ -262,10 +260,9 @@ def test_broken_variant_is_refused_before_timing(fakes):
 
 
 def test_every_clocks_constant_is_derived_and_the_note_renders(fakes):
-    import microbench.clocks.ncu_tick as nt
     from microbench.clocks.note import render
 
-    fakes.setattr(nt, "tick_under_ncu", lambda device=0, timeout_s=0: NCU_CASES["absent"])
+    fakes.setattr(bench, "tick_under_ncu", lambda device=0, timeout_s=0: NCU_CASES["absent"])
     results = {name: fn(FakeHarness(), quick=True, save=True) for name, fn in bench.BENCHMARKS.items()}
     for spec in SPECS:
         if spec.benchmark.startswith("clocks."):

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from megabench_synth import env, series
 
-from microbench.cli import main
+from reports.cli import main
 from microbench.errors import ResultsFileError
 from microbench.gate import (EXIT_GPU, EXIT_INPUT, EXIT_OK, EXIT_REGRESSION, EXIT_UNKNOWN, CrossRun, GateConfig,
-                             GpuMismatchError, KernelThresholds, Measurement, compare, compare_kernels, judge,
-                             kernel_gate, key_class, load_kernel_baseline, load_measurements, newest)
+                             GpuMismatchError, Measurement, compare, judge, key_class, load_measurements, newest)
+from microbench.kernel_gate import KernelThresholds, compare_kernels, kernel_gate, load_kernel_baseline
 from microbench.results import REPO_ROOT, Result, Series
 
 KEY = "NVIDIA H200@1980MHz"
@@ -338,9 +338,9 @@ def test_kernel_gate_on_the_repository(tmp_path):
 def test_kernel_gate_update_writes_a_valid_file(tmp_path, monkeypatch):
     import io
 
-    from microbench import gate
+    from microbench import kernel_gate as km
 
-    monkeypatch.setattr(gate, "measure_kernels", lambda builds, arch: {
+    monkeypatch.setattr(km, "measure_kernels", lambda builds, arch: {
         "a.cu": {"source": "a.cu", "defines": {}, "kernels": BASE["builds"][0]["kernels"]}})
     p = tmp_path / "km.json"
     assert kernel_gate(update=True, path=p, out=io.StringIO()) == EXIT_OK

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from microbench.cli import main
+from reports.cli import main
 from microbench.gate import EXIT_GPU, EXIT_INPUT, EXIT_OK, EXIT_REGRESSION, EXIT_UNKNOWN, Measurement, judge
 from microbench.gate_ab import (ABConfig, ABGpuMismatch, ABInputError, Comparison, Entry, SideSpec, checkout,
                                 paired_verdict, replicas_to_resolve, run_ab, run_rounds)

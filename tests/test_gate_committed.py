@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from microbench.cli import main
+from reports.cli import main
 from microbench.gate import EXIT_OK, EXIT_REGRESSION, compare, load_measurements
 from microbench.results import REPO_ROOT
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from megabench_synth import env
 
-from microbench.cli import main
+from reports.cli import main
 from microbench.errors import ResultsFileError
 from microbench.gate import load_cross_run
 from microbench.gate_quality import (METHOD, QUALITY_CASES, Tally, analyse, effective_n, find_runs, quality_run,
@@ -283,9 +283,7 @@ def test_estimates_of_the_replaced_method_are_not_shown_as_measurements(tmp_path
 
 def test_precompile_spawns_its_workers(monkeypatch):
     # The parent has initialised CUDA before it precompiles (its GPU check); a forked child's driver
-    # calls then fail, which on the H200 (2026-12-01) stopped the quality run with "0 devices".
-    import concurrent.futures
-
+    # calls then fail.
     seen = {}
 
     class Pool:
@@ -301,9 +299,9 @@ def test_precompile_spawns_its_workers(monkeypatch):
         def map(self, fn, tasks):
             return [f"{t[0]}" for t in tasks]
 
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Pool)
     from microbench import gate_quality
 
+    monkeypatch.setattr(gate_quality, "ProcessPoolExecutor", Pool)
     gate_quality.precompile(log=lambda s: None)
     assert seen["method"] == "spawn"
 

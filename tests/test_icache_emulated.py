@@ -179,6 +179,7 @@ def emu(monkeypatch):
     import microbench.basics.bench as basics
 
     monkeypatch.setattr(basics, "copy_case", fake_copy_case)
+    monkeypatch.setattr(bench, "copy_case", fake_copy_case)  # icache.bench imports it at its top
     return e
 
 

@@ -60,7 +60,7 @@ def test_preset_kernels_compile_for_sm90a_without_spills(name, tokens, built):
     from microbench.compiler import compile_cuda
 
     from megakernel.build import MB_INC
-    from megakernel.pipeline import plan_for
+    from megakernel.plans import plan_for
 
     if built == "plan_for":
         plan = plan_for(name, n_sm=132, tokens=tokens)
@@ -142,7 +142,7 @@ def test_compute_registers_split_the_budget_between_roles(tiny):
         with pytest.raises(ValueError, match="compute_registers"):
             make_plan(cfg, 4, compute_registers=bad)
     # the pipeline's builds (profiled or not) take the budgets unless a switch says otherwise
-    from megakernel.pipeline import NONE, ROLE_REGISTERS, plan_for
+    from megakernel.plans import NONE, ROLE_REGISTERS, plan_for
 
     assert plan_for("tiny", None, 4).compute_registers == ROLE_REGISTERS == 224
     assert plan_for("tiny", None, 4, profile=True).compute_registers == ROLE_REGISTERS
@@ -211,12 +211,12 @@ def test_plan_reads_tuned_constants_and_refuses_a_malformed_file(tmp_path, monke
     """No constants file: documented defaults, said out loud. A malformed one: an error naming it,
     never a silent fallback. The tuned spin bound gets the phase allowance added."""
     import microbench.tune as tune
-    from megakernel.pipeline import PHASE_ALLOWANCE_NS, plan_for
+    from megakernel.plans import PHASE_ALLOWANCE_NS, plan_for
     from microbench.errors import ResultsFileError
 
     monkeypatch.delenv("MEGABENCH_CONSTANTS", raising=False)
-    monkeypatch.setattr(tune, "constants_dir", lambda: tmp_path)
-    monkeypatch.setattr("microbench.device.gpu_count", lambda: 0)  # a CPU build, on a GPU machine too
+    monkeypatch.setenv("MEGABENCH_CONSTANTS_DIR", str(tmp_path))
+    monkeypatch.setattr("megakernel.plans.gpu_count", lambda: 0)  # a CPU build, on a GPU machine too
     with pytest.warns(UserWarning, match="documented defaults"):
         p = plan_for("tiny", None, 4)
     d = tune.TunedConstants.defaults()

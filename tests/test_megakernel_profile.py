@@ -151,7 +151,7 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
     """profile_detail: the profiler also stamps each staging pass and each ring wait inside the
     units, each unit's opening and closing, and top-k's steps; the host assigns them to the op
     phase around them and splits the unit boundaries. The outputs keep their bits."""
-    from megakernel.pipeline import BOUNDARY_SEGMENTS, detail_by_op, unit_boundaries
+    from megakernel.spans import BOUNDARY_SEGMENTS, detail_by_op, unit_boundaries
 
     cfg, w, base, _ = tiny
     toks, par = step_inputs(cfg, 8, 3)
@@ -186,7 +186,7 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
             assert len(host) == 1, (phases, d.launch, d.block, d.begin_ns)
     # one closing per unit; an opening exactly for the units that open (program.cuh unit_opens):
     # a block's later unit of an op with a group dependency, or of a routed op's next slot
-    from megakernel.pipeline import _detail_spans
+    from megakernel.spans import _detail_spans
     from megakernel.program import DEP_GROUP
 
     group_ops = {o.kind for o in eng.program.ops if any(d.mode == DEP_GROUP for d in o.deps)}
@@ -206,7 +206,7 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
     for _, g in steps.groupby(["launch", "block"]):
         assert list(g["arg"]) == [0, 1, 2] * (len(g) // 3)
         assert (g["end_ns"].to_numpy()[:-1] <= g["begin_ns"].to_numpy()[1:]).all()
-    from megakernel.pipeline import topk_steps
+    from megakernel.spans import topk_steps
 
     ts = topk_steps(df)
     assert sorted(ts) == [0, 1, 2] and all(v >= 0 for v in ts.values())
@@ -223,7 +223,8 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
     # the slot crossings from the same closings: each routed op phase's units span one slot or more
     import pandas as pd
 
-    from megakernel.pipeline import end_tails, slot_crossings, slot_units
+    from megakernel.plans import slot_units
+    from megakernel.spans import end_tails, slot_crossings
 
     assert slot_units(plan) == tiles
     cr = slot_crossings(df, tiles)
@@ -241,7 +242,7 @@ def test_profile_detail_stamps_staging_and_ring_waits_per_op(tiny):
             sum(len({u // tiles[op] for u in v}) > 1 for v in like) / len(like))
     tails = end_tails(df)
     assert {"expert1", "expert2", "oproj"} <= set(tails) and min(tails.values()) >= 0
-    from megakernel.pipeline import layer_segments
+    from megakernel.spans import layer_segments
 
     segs = layer_segments(df)
     assert set(segs) == {"front", "experts", "back"} and min(segs.values()) > 0
@@ -255,7 +256,7 @@ def test_end_tails_and_slot_crossings_on_a_handmade_timeline():
     slot) is compared with the one-slot blocks of the same unit count only."""
     import pandas as pd
 
-    from megakernel.pipeline import end_tails, slot_crossings
+    from megakernel.spans import end_tails, slot_crossings
 
     rows = []
     for launch, ends in ((0, (10, 12, 19)), (1, (10, 11, 14))):
@@ -281,7 +282,7 @@ def test_layer_segments_on_a_handmade_timeline():
     LM head's launch has none). Waits are not phases of an op."""
     import pandas as pd
 
-    from megakernel.pipeline import layer_segments
+    from megakernel.spans import layer_segments
 
     rows = []
     # launch 0: blocks start at 0, 2, 4 (median 2); experts 12..45; the last phase ends at 50
@@ -347,7 +348,7 @@ def test_sm_map_refuses_a_source_tree_a_bad_point_and_no_gpu(capsys, monkeypatch
     assert "PRESET:T:CTX" in capsys.readouterr().err
     assert cli.main(["sm-map", "--variant", f"v={cli.__file__.rsplit('/', 1)[0]}/csrc"]) == 2
     assert "not a source tree" in capsys.readouterr().err
-    monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: "no CUDA device (test)")
+    monkeypatch.setattr("megakernel.cli.no_gpu_reason", lambda: "no CUDA device (test)")
     assert cli.main(["sm-map", "--variant", "k48:keys_per_split=48"]) == 2
     assert "sm-map needs a GPU: no CUDA device (test)" in capsys.readouterr().err
 

@@ -89,7 +89,7 @@ def test_fused_expert_plan_and_program(fusable):
     gate rows' columns of W2, all d_pool rows in chunks), on the same block (DEP_LOCAL: same
     contiguous assignment, same unit count), so gate/up publishes no groups; red holds no down
     projection results; refused, with the reason, where the shapes do not allow it."""
-    from megakernel.pipeline import plan_for, slot_units
+    from megakernel.plans import plan_for, slot_units
     from megakernel.plan import fuses_experts
     from megakernel.program import ASSIGN_CONTIG, DEP_LOCAL, SIGNAL_GROUPS
 

@@ -274,6 +274,7 @@ def test_cli_rebuilds_the_profiled_build_for_its_tree_size(sample, monkeypatch, 
         module=types.SimpleNamespace(cubin=b"")))
     monkeypatch.setattr(microbench.sass, "cubin_instruction_chains",
                         lambda cubin, kernel: instruction_chains(LISTING.splitlines(), kernel))
+    monkeypatch.setattr(cli, "cubin_instruction_chains", microbench.sass.cubin_instruction_chains)  # top import
     for t, rows in ((16, 256), (1, 128)):
         assert cli.main(["ncu-stalls", str(sample), "--preset", "shard8", "--tokens", str(t), "--top-source", "2"]) == 0
         assert "## Top 2 source positions" in capsys.readouterr().out

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from megakernel import peer, reference, routing, tree  # noqa: E402
 from megakernel import peer_kernels as K  # noqa: E402
 from megakernel.config import ConfigError, preset  # noqa: E402
-from megakernel.pipeline import REL_TOL  # noqa: E402
+from megakernel.plans import REL_TOL  # noqa: E402
 from megakernel.roofline import step_bytes  # noqa: E402
 from megakernel.weights import generate  # noqa: E402
 from microbench.errors import CorrectnessError  # noqa: E402

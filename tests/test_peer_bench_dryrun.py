@@ -53,10 +53,12 @@ def dry(monkeypatch):
     monkeypatch.setitem(config.PRESETS, "micro", _micro())
     monkeypatch.setattr(bb, "DEVICE", "cpu")
     monkeypatch.setattr(peer, "SWEEP", ((64, 128, 4, 3), (32, 128, 4, 4)))
+    monkeypatch.setattr(peer_bench, "SWEEP", peer.SWEEP)
     monkeypatch.setattr(peer_bench, "GREEDY_STEPS", 2)
     monkeypatch.setattr(peer_bench, "GREEDY_PRESETS", ("micro",))
     fake = kernel_count.KernelCount(1, 31, 0, 0, 31, 0, (("k", 31),))
     monkeypatch.setattr(kernel_count, "count_kernels", lambda fn, steps=1: (fn(), fake)[1])
+    monkeypatch.setattr(peer_bench, "count_kernels", kernel_count.count_kernels)  # imported at its top
 
     class Graph:  # replays the step un-graphed
         def __init__(self, runner):
@@ -69,6 +71,7 @@ def dry(monkeypatch):
             return self.logits
 
     monkeypatch.setattr(peer, "StepGraph", Graph)
+    monkeypatch.setattr(peer_bench, "StepGraph", peer.StepGraph)
     def kernel_times(runner, steps=3, breakdown=None):  # one step run; fixed per-op times, one kernel each
         runner.run()
         if breakdown is not None:
@@ -76,6 +79,7 @@ def dry(monkeypatch):
         return {op: [1e-6 * (i + 1)] * steps for i, op in enumerate(peer.OPS)}, "cupti"
 
     monkeypatch.setattr(peer, "kernel_times", kernel_times)
+    monkeypatch.setattr(peer_bench, "kernel_times", peer.kernel_times)
     with K.interpreted():
         yield peer_bench
     bb.release()
@@ -176,12 +180,14 @@ def test_tuned_configs_from_the_newest_sweep(tmp_path):
 
 
 def test_pipeline_peer_row_refuses_what_it_cannot_run(monkeypatch):
-    from megakernel import peer
+    from megakernel import peer, peer_bench
     from megakernel.peer_bench import peer_point
 
     monkeypatch.setattr(peer, "available", lambda: None)
+    monkeypatch.setattr(peer_bench, "available", peer.available)
     with pytest.raises(RuntimeError, match="multiples of 128"):
         peer_point(FakeHarness(), "tiny", 16, 100, (4.6e12, "test"))
     monkeypatch.setattr(peer, "available", lambda: "triton is not installed (test)")
+    monkeypatch.setattr(peer_bench, "available", peer.available)
     with pytest.raises(RuntimeError, match="triton is not installed"):
         peer_point(FakeHarness(), "small", 16, 512, (4.6e12, "test"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from megabench_synth import class_results, env
 
-from microbench import pipeline
-from microbench.cli import main
+from reports import run as pipeline
+from reports.cli import main
 from microbench.results import REPO_ROOT
 
 
@@ -16,7 +16,7 @@ def _snapshot(d):
 
 @pytest.mark.slow  # the whole no-GPU pipeline (~35 s); CI runs it
 def test_run_without_gpu_uses_committed_results(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: "test: no driver")
+    monkeypatch.setattr("reports.run.no_gpu_reason", lambda: "test: no driver")
     constants = REPO_ROOT / "reports" / "constants"
     results = REPO_ROOT / "reports" / "results"
     before, before_r = _snapshot(constants), _snapshot(results)
@@ -60,10 +60,10 @@ class FakeStage:
 def test_run_with_gpu_pipeline_order(tmp_path, capsys, monkeypatch):
     root = tmp_path / "results"
     calls = []
-    monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: None)
-    monkeypatch.setattr("microbench.device.device_info", lambda i=0: type("I", (), {"name": "NVIDIA H200"})())
+    monkeypatch.setattr("reports.run.no_gpu_reason", lambda: None)
+    monkeypatch.setattr("reports.run.device_info", lambda i=0: type("I", (), {"name": "NVIDIA H200"})())
     monkeypatch.setattr("microbench.xgpu.launcher.gpus_or_reason", lambda: (1, "1 GPU on this node"))
-    monkeypatch.setattr("microbench.harness.Harness", lambda: "H")
+    monkeypatch.setattr("reports.run.Harness", lambda: "H")
     monkeypatch.setattr("microbench.results.Env.capture", classmethod(lambda cls, gpu_index=0: env()))
     monkeypatch.setenv("MEGABENCH_RESULTS", str(tmp_path / "elsewhere"))
 
@@ -81,7 +81,7 @@ def test_run_with_gpu_pipeline_order(tmp_path, capsys, monkeypatch):
     fake = {b: make(b) for b in ("sync.flags", "weights.ring")}
     fake["sync.publish"] = broken
     fake["model.baselines"] = lambda *a, **k: pytest.fail("the torch baselines run in the megakernel stage")
-    monkeypatch.setattr("microbench.registry.benchmarks", lambda classes=None: fake)
+    monkeypatch.setattr("reports.classes.benchmarks", lambda classes=None: fake)
     stages = []
     monkeypatch.setattr(pipeline, "megakernel_stage", lambda **kw: stages.append(FakeStage(calls, **kw)) or stages[-1])
     rc = main(["run", "--full", "--results", str(root), "--out", str(tmp_path / "rep"),
@@ -129,7 +129,7 @@ def test_megakernel_stage_builds_the_adopted_revision_not_the_fresh_one(tmp_path
 
 
 def test_unknown_class_is_refused(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: pytest.fail("checked after the arguments"))
+    monkeypatch.setattr("reports.run.no_gpu_reason", lambda: pytest.fail("checked after the arguments"))
     rc = main(["run", "--classes", "nosuch", "--results", str(tmp_path), "--no-report",
                "--constants-out", str(tmp_path / "c")])
     assert rc == 2 and "unknown classes ['nosuch']" in capsys.readouterr().err
@@ -149,7 +149,7 @@ def test_help(cmd, capsys):
 
 
 def test_profile_samples_spread_and_window_hold_the_same_launch_count():
-    from megakernel.pipeline import PROFILE_SAMPLE_EVERY, profile_samples
+    from megakernel.plans import PROFILE_SAMPLE_EVERY, profile_samples
 
     spread, window = profile_samples(63)  # shard8: 63 launches, the middle one 31
     assert spread == tuple(range(3, 63, PROFILE_SAMPLE_EVERY)) and 31 in spread and len(spread) == 9

@@ -13,7 +13,7 @@ from microbench.results import REPO_ROOT, Bound, Derived, Result, Series
 from reports import megakernel as mk
 from reports import paper
 from reports.build import build
-from reports.fmt import fmt, fmt_range
+from microbench.fmt import fmt, fmt_range
 
 
 def _icache_curve(date="2026-11-29T10:00:00Z"):
@@ -234,39 +234,34 @@ def test_rules_are_notes_not_repeated_per_row(tmp_path):
     assert sum(1 for line in sec.splitlines() if line.startswith("| `sync.flags`") and "| [1] " in line) == 5
 
 
-def test_critical_path_hook(tmp_path, monkeypatch):
-    """Absent module: no section. A module with report_rows: its rows are rendered in the
-    megakernel's section. A module without it: said, not hidden."""
-    import importlib.machinery
-    import sys
+def test_critical_path_table_in_the_section_or_appendix_b(tmp_path, monkeypatch):
+    """megakernel.critical_path.table's markdown: prose wrapped, a narrow table in the megakernel's
+    section, a wide one in Appendix B; results without what the model reads: said, not hidden."""
     import types
+
+    from microbench.errors import ResultsFileError
 
     root = tmp_path / "r"
     save_all(_megakernel(), root)
     (tmp_path / "nb").mkdir()
-    text = build(root, tmp_path / "o0", bench_dir=tmp_path / "nb", gpu_present=False).read_text()
-    if importlib.util.find_spec("megakernel.critical_path") is None:
-        assert "Critical path" not in text
-    mod = types.ModuleType("megakernel.critical_path")
-    mod.__spec__ = importlib.machinery.ModuleSpec("megakernel.critical_path", None)
-    mod.report_rows = lambda results: [{"segment": "front", "bound": "6 us", "measured": "31 us",
-                                        "results": len(results)}]
-    monkeypatch.setitem(sys.modules, "megakernel.critical_path", mod)
-    text = build(root, tmp_path / "o1", bench_dir=tmp_path / "nb", gpu_present=False).read_text()
-    sec = _section(text, "The megakernel and its baselines")
-    assert "### Critical path of a layer" in sec and "| front " in sec and "31 us" in sec
-    del mod.report_rows
-    text = build(root, tmp_path / "o2", bench_dir=tmp_path / "nb", gpu_present=False).read_text()
-    assert "has neither `report_rows(results)` nor `table(root)`" in text
-    # its own markdown: prose wrapped, a narrow table in the section, a wide one in Appendix B
-    mod.table = lambda root: "A long line of prose. " * 30 + "\n\n| segment | us |\n|---|---|\n| front | 31.2 |\n"
+    cp = types.SimpleNamespace(table=lambda root: "A long line of prose. " * 30
+                               + "\n\n| segment | us |\n|---|---|\n| front | 31.2 |\n")
+    monkeypatch.setattr("reports.build.critical_path", cp)
     text = build(root, tmp_path / "o3", bench_dir=tmp_path / "nb", gpu_present=False).read_text()
     sec = _section(text, "The megakernel and its baselines")
-    assert "| front | 31.2 |" in sec and max(len(line) for line in sec.splitlines()) <= 300
-    mod.table = lambda root: "| segment | how |\n|---|---|\n| front | " + "x" * 400 + " |\n"
+    assert "### Critical path of a layer" in sec and "| front | 31.2 |" in sec
+    assert max(len(line) for line in sec.splitlines()) <= 300
+    cp.table = lambda root: "| segment | how |\n|---|---|\n| front | " + "x" * 400 + " |\n"
     text = build(root, tmp_path / "o4", bench_dir=tmp_path / "nb", gpu_present=False).read_text()
     assert "see Appendix B" in _section(text, "The megakernel and its baselines")
     assert "| front | xxx" in _section(text, "## Appendix B.")
+
+    def missing(root):
+        raise ResultsFileError("no megakernel.timeline result")
+
+    cp.table = missing
+    text = build(root, tmp_path / "o5", bench_dir=tmp_path / "nb", gpu_present=False).read_text()
+    assert "Not measured yet: no megakernel.timeline result." in _section(text, "The megakernel and its baselines")
 
 
 def test_impl_names_and_configurations_to_come():
@@ -367,7 +362,7 @@ def written(tmp_path):
 
 
 def test_report_with_a_typo_in_results_fails_and_touches_nothing(written, tmp_path, capsys):
-    from microbench.cli import main
+    from reports.cli import main
 
     _, out, before = written
     typo = tmp_path / "resutls"
@@ -380,7 +375,7 @@ def test_report_with_a_typo_in_results_fails_and_touches_nothing(written, tmp_pa
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage_gz"])
 def test_report_with_a_malformed_result_fails_and_touches_nothing(written, tmp_path, capsys, damage):
-    from microbench.cli import main
+    from reports.cli import main
 
     root, out, before = written
     victim = sorted(root.rglob("icache.capacity-*.json*"))[0]
@@ -398,7 +393,7 @@ def test_report_with_a_malformed_result_fails_and_touches_nothing(written, tmp_p
 
 
 def test_report_bad_benchmarks_or_baseline_path_fails(written, tmp_path, capsys):
-    from microbench.cli import main
+    from reports.cli import main
 
     root, out, before = written
     assert main(["report", "--results", str(root), "--out", str(out), "--benchmarks", str(tmp_path / "nob")]) == 2
@@ -432,7 +427,7 @@ def test_readme_headline_block_is_current():
 
 
 def test_update_readme_rewrites_only_the_block(tmp_path, capsys):
-    from reports.cli import main
+    from reports.report_cli import main
     from reports.summary import README_END, README_START
 
     root = tmp_path / "r"

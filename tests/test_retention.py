@@ -8,7 +8,7 @@ import os
 import pytest
 from megabench_synth import env, series
 
-from microbench.cli import main
+from reports.cli import main
 from microbench.errors import ResultsFileError
 from microbench.results import REPO_ROOT, Derived, Result
 from reports import retention

@@ -8,7 +8,7 @@ import argparse
 import pytest
 from megabench_synth import H200, env
 
-from microbench import pipeline
+from reports import run as pipeline
 from microbench.gate import compare, load_measurements
 from microbench.progress import BENCHMARK, Estimates, Item, Progress
 from microbench.results import load
@@ -56,7 +56,7 @@ def test_default_keeps_checks_headline_timings_and_the_peer_and_leaves_the_rest_
 
 
 def test_full_adds_the_ablation_timelines_and_long_contexts(gpu_wiring, tmp_path):
-    from megakernel.pipeline import ablation_names
+    from megakernel.plans import ablation_names
 
     mk = _names(pipeline.items(_args(full=True), tmp_path, gpu=True), "megakernel")
     names = ablation_names()
@@ -210,9 +210,9 @@ def test_estimates_come_from_the_newest_run_of_this_gpu_and_mode(tmp_path, monke
 
 
 def test_plan_flag_prints_the_estimate_and_runs_nothing(tmp_path, capsys, monkeypatch):
-    from microbench.cli import main
+    from reports.cli import main
 
-    monkeypatch.setattr("microbench.device.no_gpu_reason", lambda: "test: no driver")
+    monkeypatch.setattr("reports.run.no_gpu_reason", lambda: "test: no driver")
     rc = main(["run", "--plan", "--results", str(tmp_path), "--no-report"])
     out = capsys.readouterr().out
     assert rc == 0 and "plan: 1 item in 5 stages" in out and "  tune/tune: 3.0 s (seed)" in out
@@ -248,10 +248,11 @@ def fake_gpu_work(monkeypatch):
     """megakernel.pipeline.Stage with every GPU call replaced by a recording stand-in."""
     import types
 
-    import megakernel.bench_baselines as bb
+    import megakernel.measure as measure
     import megakernel.pipeline as mp
-    import megakernel.precompile as pre
+    from megakernel.measure import Check
     from megakernel.results_names import step_params, step_series_name
+    from microbench.errors import CorrectnessError
     from microbench.results import Bound, Result, Series
 
     calls = []
@@ -265,8 +266,8 @@ def fake_gpu_work(monkeypatch):
     def check_point(p, t, ctx, plan):
         calls.append(("check", p, t, ctx, plan))
         if (p, t) == ("shard8", 16):
-            raise mp.CorrectnessError("shard8 T=16: mega and chain modes differ bitwise")
-        return mp.Check(p, t, ctx, 1e-3, True, True, True, True)
+            raise CorrectnessError("shard8 T=16: mega and chain modes differ bitwise")
+        return Check(p, t, ctx, 1e-3, True, True, True, True)
 
     def bench_point(h, p, t, ctx, plan, mode, ceiling, impl=None, program_mode="layer"):
         calls.append(("time", p, t, ctx, mode, plan))
@@ -297,22 +298,24 @@ def fake_gpu_work(monkeypatch):
 
     monkeypatch.setattr(mp, "PEERS", {"peer": peer("peer", (16,)), "other": peer("other")})
     monkeypatch.setattr(mp, "plan_for", lambda p, c=None, sm=None, **kw: ("plan", p, tuple(sorted(kw.items()))))
+    monkeypatch.setattr(measure, "plan_for", mp.plan_for)  # ablation_point plans and times in megakernel.measure
+    monkeypatch.setattr(measure, "bench_point", bench_point)
     monkeypatch.setattr(mp, "check_point", check_point)
     monkeypatch.setattr(mp, "bench_point", bench_point)
     monkeypatch.setattr(mp, "greedy_check", lambda p, plan: calls.append(("greedy", p)) or 64)
     monkeypatch.setattr(mp, "build_result", lambda plans, budget: Result("megakernel.build", env(), ()))
     monkeypatch.setattr(mp, "code_budget", lambda c=None: 96 * 1024)
     # the code per op beside the build, as on a machine with nvdisasm (the H200 has one; CI may not)
-    monkeypatch.setattr("microbench.sass.find_nvdisasm", lambda: "/fake/nvdisasm")
+    monkeypatch.setattr(mp, "find_nvdisasm", lambda: "/fake/nvdisasm")
     monkeypatch.setattr(mp, "code_result", lambda points, n_sm, c=None: calls.append(("code", tuple(points)))
                         or Result("megakernel.code", env(), ()))
     monkeypatch.setattr(mp, "timeline", lambda h, p, t, ctx, c, log=None, detail=False: Result(
         "megakernel.timeline_detail" if detail else "megakernel.timeline", env(), ()))
-    monkeypatch.setattr(pre, "_one", lambda plan: calls.append(("compile", plan)))
-    monkeypatch.setattr(bb, "Collector", Collector)
-    monkeypatch.setattr(bb, "weights_for", lambda p: calls.append(("weights", p)))
-    monkeypatch.setattr(bb, "release", lambda p=None: calls.append(("release", p)))
-    monkeypatch.setattr("megakernel.roofline.read_ceiling", lambda gpu=None: (4.6e12, "test"))
+    monkeypatch.setattr(mp, "_one", lambda plan: calls.append(("compile", plan)))
+    monkeypatch.setattr(mp, "Collector", Collector)
+    monkeypatch.setattr(mp, "weights_for", lambda p: calls.append(("weights", p)))
+    monkeypatch.setattr(mp, "release", lambda p=None: calls.append(("release", p)))
+    monkeypatch.setattr(mp, "read_ceiling", lambda gpu=None: (4.6e12, "test"))
     h = types.SimpleNamespace(info=types.SimpleNamespace(sm_count=132, name=H200))
     return calls, h
 
@@ -357,7 +360,7 @@ def test_stage_checks_before_timing_and_saves_what_it_measured(fake_gpu_work):
 
 
 def test_full_stage_compiles_and_runs_the_ablation_and_timelines(fake_gpu_work):
-    from megakernel.pipeline import ablation_names
+    from megakernel.plans import ablation_names
 
     calls, h = fake_gpu_work
     st = _stage(h, quick=False, ablate=True, timeline=True, detail=True, presets=("small",))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from microbench import stability
-from microbench.adopt import load_pins
+from microbench.pins import load_pins
 from microbench.constants import FEEDS_BUILD, SPECS
 from microbench.results import REPO_ROOT
 
@@ -38,10 +38,10 @@ def test_build_constants_agree_between_machines(name):
 def test_every_build_constant_is_checked():
     assert set(FEEDS_BUILD) == {"max_code_bytes_per_launch", "ring_stages", "ring_stage_bytes", "evict_first_pays",
                                 "poll_backoff_ns", "sentinel_pays", "spin_bound_ns", "pdl_pays"}
-    # every one is something megakernel/pipeline.py reads
+    # every one is something megakernel/plans.py reads
     import inspect
 
-    import megakernel.pipeline as p
+    import megakernel.plans as p
 
     src = inspect.getsource(p)
     assert all(f'"{n}"' in src for n in FEEDS_BUILD)

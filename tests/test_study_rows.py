@@ -7,14 +7,14 @@ import pytest
 
 from microbench.results import REPO_ROOT
 from reports import crosscheck, paper, study
-from reports.fmt import fmt_fraction
+from microbench.fmt import fmt_fraction
 
 ROOT = REPO_ROOT / "reports" / "results"
 
 
 @pytest.fixture(scope="module")
 def ctx():
-    from microbench.adopt import load_pins
+    from microbench.pins import load_pins
     from microbench.tune import collect
     from reports import megakernel as mk
     from reports.build import Catalog, Context
@@ -136,3 +136,12 @@ def test_cross_check_rows(ctx):
     assert any(r["verdict"] == "pinned" for r in st)
     lines = "\n".join(crosscheck.adoption_lines(ctx))
     assert "adopted revision 4" in lines and "pinned" in lines
+
+
+def test_a_computed_figure_must_name_a_function_of_the_study():
+    from microbench.errors import ResultsFileError
+    from reports.study import check_computed
+
+    check_computed([{"id": "weights.ring", "ours": {"kind": "computed", "name": "ring_built"}}])
+    with pytest.raises(ResultsFileError, match="'nope' is not in reports/study.py COMPUTED"):
+        check_computed([{"id": "weights.ring", "ours": {"kind": "computed", "name": "nope"}}])

@@ -268,7 +268,9 @@ def dry(monkeypatch, tmp_path):
     monkeypatch.setattr(R, "random_src", lambda nbytes, seed: torch.zeros(1024, dtype=torch.int32))
     monkeypatch.setattr(R.time, "sleep", lambda s: None)
     state = {"broken": set(), "launches": 0, "fence_grids": [], "params": []}
-    monkeypatch.setattr(L, "launch", emulate(state))
+    fake_launch = emulate(state)
+    monkeypatch.setattr(L, "launch", fake_launch)
+    monkeypatch.setattr(R, "launch", fake_launch)  # runners import launch at their top
     yield types.SimpleNamespace(h=FakeHarness(), B=B, R=R, state=state)
 
 

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from microbench.cli import main
+from reports.cli import main
 from microbench.results import find, load
 from microbench.testrun import COUNTS, count, run_tests
 

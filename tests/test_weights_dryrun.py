@@ -221,6 +221,7 @@ def dry(monkeypatch, tmp_path):
     fake_launch = emulate(mem, state["broken"])
     monkeypatch.setattr(K, "launch", fake_launch)
     monkeypatch.setattr(L, "launch", fake_launch)
+    monkeypatch.setattr(B, "launch", fake_launch)  # the bench module imports launch at its top
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: types.SimpleNamespace(
@@ -235,6 +236,7 @@ def dry(monkeypatch, tmp_path):
         yield {"granted_limit": set_aside, "old_limit": 0, "set_aside": set_aside}
 
     monkeypatch.setattr(l2policy, "persisting_window", window)
+    monkeypatch.setattr(B, "persisting_window", window)  # the bench module imports it at its top
     for d in (B._CEILING, B._RING, B._BUDGET):
         d.clear()
     yield types.SimpleNamespace(h=FakeHarness(), B=B, state=state)

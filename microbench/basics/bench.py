@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..compiler import compile_cuda
+from ..datasheet import hbm_peak
 from ..errors import CorrectnessError
 from ..harness import Case, Harness, Prepared, full_sweeps, run_case
 from ..launch import LaunchSpec, launch
@@ -36,7 +37,7 @@ def _module(h: Harness):
 
 def check_copy(src, dst, what: str) -> None:
     """Bit-exact comparison; names the first wrong 4-byte word."""
-    import torch
+    import torch  # heavy: torch
 
     if not torch.equal(src, dst):
         bad = (src != dst).nonzero()
@@ -45,7 +46,7 @@ def check_copy(src, dst, what: str) -> None:
 
 
 def _buffers(nbytes: int):
-    import torch
+    import torch  # heavy: torch
 
     src = torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda")
     dst = torch.full_like(src, -0x21524111)  # poison: 0xDEADBEEF
@@ -89,7 +90,7 @@ def empty_launch_case(batch: int = 200) -> Case:
 
 def _graph_case(nodes: int = 200) -> Case:
     def prepare(h: Harness) -> Prepared:
-        import torch
+        import torch  # heavy: torch
 
         k = h.empty_kernel()
         spec = LaunchSpec(grid=1, block=32)
@@ -110,7 +111,7 @@ def _graph_case(nodes: int = 200) -> Case:
 
 def host_submit_samples(h: Harness, n: int = 200, reps: int = 15) -> np.ndarray:
     """Host seconds per Python launch() call (device kept busy-free: the queue never fills)."""
-    import torch
+    import torch  # heavy: torch
 
     k = h.empty_kernel()
     spec = LaunchSpec(grid=1, block=32)
@@ -128,8 +129,6 @@ def host_submit_samples(h: Harness, n: int = 200, reps: int = 15) -> np.ndarray:
 
 
 def run_copy(h: Harness | None = None, quick: bool | None = None, save: bool = True) -> Result:
-    from ..datasheet import hbm_peak
-
     h = h or Harness()
     quick = (not full_sweeps()) if quick is None else quick
     series: list[Series] = []

@@ -1,4 +1,4 @@
-"""Clocks, SM-to-SM skew, launch-to-launch timing and the in-kernel profiler (issue 6).
+"""Clocks, SM-to-SM skew, launch-to-launch timing and the in-kernel profiler.
 
 profiler.py (ProfileEvents, ProfileLayout, ProfileBuffer, decode, Timeline, trace export, plot)
 and calibrate.py are the reusable profiler; the device side is microbench/cuda/mb/profile.cuh.

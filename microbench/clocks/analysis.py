@@ -231,7 +231,7 @@ def expected_instr_stamps(phases: int, repeat: int) -> int:
 
 def instr_reference(x0, coef, phases: int, nblocks: int):
     """Exact torch reference of instr.cu's output buffer (uint32 arithmetic in int64)."""
-    import torch
+    import torch  # heavy: torch
 
     x = x0.to(torch.int64).reshape(nblocks, -1) & 0xFFFFFFFF
     for p in range(phases):

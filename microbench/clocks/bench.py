@@ -1,4 +1,4 @@
-"""Clocks, SM-to-SM skew, launch-to-launch timing and the in-kernel profiler's cost (issue 6).
+"""Clocks, SM-to-SM skew, launch-to-launch timing and the in-kernel profiler's cost.
 
 - clocks.timers: %globaltimer tick (smallest nonzero increment of back-to-back reads, and the
   whole increment distribution), its update period in %clock64 cycles, the %clock64 rate
@@ -22,13 +22,18 @@ from pathlib import Path
 
 import numpy as np
 
+from ..datasheet import hbm_peak
 from ..errors import CorrectnessError
 from ..harness import Case, Harness, Prepared, full_sweeps, run_case
 from ..launch import LaunchSpec, launch
 from ..results import Bound, Derived, Env, Result, Series, results_root
-from ..stats import bootstrap_ci, mann_whitney
+from ..sass import count_matching, find_disassembler, sass_by_kernel
+from ..stats import Summary, bootstrap_ci, mann_whitney
+from ..watchdog import Watchdog
 from . import analysis as an
 from .calibrate import fit_clock_calibration, quantisation_floor_ns
+from .events import INSTR, LAUNCH
+from .ncu_tick import tick_under_ncu
 from .probes import (CHAIN_CONFIGS, LAUNCH_DEFINES, PROFILE_OFF, SkewProbe, chain_run, chain_smem, clock_rate_probe,
                      module, read_cost_probe, stamp_cost_probe, tick_probe)
 from .profiler import ProfileBuffer, ProfileLayout, Timeline, edge_series
@@ -58,9 +63,6 @@ def _pcts(x, ps=(10, 50, 90)) -> dict:
 
 # ====================================================================================== timers
 def run_timers(h: Harness | None = None, quick: bool | None = None, save: bool = True) -> Result:
-    from .ncu_tick import tick_under_ncu
-    from ..sass import count_matching, find_disassembler, sass_by_kernel
-
     h = h or Harness()
     quick = _quick(quick)
     dev = h.device_index
@@ -258,7 +260,7 @@ def chain_case(pdl: bool, config: str, launches: int = 8) -> Case:
     """Device time of a chain of `launches` launches (profiler given a null buffer)."""
 
     def prepare(h: Harness) -> Prepared:
-        import torch
+        import torch  # heavy: torch
 
         k = module("launch", h.device_index, LAUNCH_DEFINES).kernel("clk_chain")
         smem = chain_smem(h.info, config)
@@ -286,8 +288,6 @@ def chain_case(pdl: bool, config: str, launches: int = 8) -> Case:
 def _chain_calibrated(tl: Timeline, floor_ns: float):
     """Chain metrics on the clock64 timeline: per-SM offsets over the whole chain when clock64 runs
     on across launches (in-sample RMS within 2x the quantisation floor), else per (launch, SM)."""
-    from .events import LAUNCH
-
     s = tl.stamps
     cal = fit_clock_calibration(s.sm, s.c64, s.gt, key_fields=("sm",))
     keys = ("sm",)
@@ -318,8 +318,6 @@ PDL_RULE = ("pdl_pays = 1 if the chain of 8 persistent launches (one block per S
 def pdl_derived(plain_samples, pdl_samples, inputs=()) -> dict[str, Derived]:
     """pdl_pays and pdl_chain_gain from the two exclusive chains' samples (run_launch; also
     applied to recorded results by microbench/rederive.py)."""
-    from ..stats import Summary
-
     a = np.asarray(plain_samples, dtype=np.float64)
     b = np.asarray(pdl_samples, dtype=np.float64)
 
@@ -448,10 +446,7 @@ class InstrKernel:
     """One compiled variant of instr.cu with its buffers: fresh random input, poisoned outputs."""
 
     def __init__(self, h: Harness, variant: str, per_block: int, x0=None, coef=None):
-        import torch
-
-        from ..watchdog import Watchdog
-        from .events import INSTR
+        import torch  # heavy: torch
 
         if per_block % 4:
             raise ValueError("per_block must be a multiple of 4 (16-byte vectors)")
@@ -493,7 +488,7 @@ class InstrKernel:
     def run_and_check(self) -> Timeline | None:
         """One launch on poisoned outputs, checked against the exact torch reference; for
         profiled variants the stamps are decoded and counted too."""
-        import torch
+        import torch  # heavy: torch
 
         self.poison()
         self.before_each()
@@ -542,8 +537,6 @@ def instr_case(variant: str, per_block: int | None = None, bound: Bound | None =
         work = 2.0 * INSTR_PHASES * kern.n * 4
         b = bound
         if b is None and variant == "off":
-            from ..datasheet import hbm_peak
-
             peak = hbm_peak(h.info.name)
             b = Bound("bandwidth", peak, "B/s", "datasheet HBM peak (phase p reads what p-1 wrote: partly "
                       "L2-resident)") if peak else None
@@ -558,7 +551,7 @@ def instr_case(variant: str, per_block: int | None = None, bound: Bound | None =
 def check_bitwise_identical(h: Harness, per_block: int = 16 * 1024) -> int:
     """Run the uninstrumented and instrumented builds on the same input: outputs must be equal
     bit for bit. Returns the number of words compared."""
-    import torch
+    import torch  # heavy: torch
 
     off = InstrKernel(h, "off", per_block)
     on = InstrKernel(h, "stamps_x1", per_block, x0=off.x[: off.n].clone(), coef=off.coef.clone())

@@ -20,18 +20,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..atomic import write_json
 from ..compiler import REPO_ROOT
+from .probes import tick_probe
 
 NCU_ARGS = ["--clock-control", "none", "--target-processes", "all", "-k", "regex:clk_tick_probe", "-c", "1",
             "--metrics", "gpu__time_duration.sum"]
 
 
 def _child(out: str, device: int) -> int:
-    from .probes import tick_probe
-
     first = tick_probe(device, blocks=4, max_changes=512)  # profiled by ncu (-c 1)
     second = tick_probe(device, blocks=4, max_changes=512)  # ncu attached, not profiling
-    from ..atomic import write_json
 
     write_json(out, {"profiled": first.to_dict(), "attached_not_profiled": second.to_dict()}, indent=None)
     return 0

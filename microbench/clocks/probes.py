@@ -13,10 +13,13 @@ from pathlib import Path
 import numpy as np
 
 from ..compiler import CompiledModule, compile_cuda
+from ..device import device_info, read_clocks
 from ..errors import CorrectnessError
-from ..launch import LaunchSpec, launch
+from ..launch import LaunchSpec, ensure_context, launch
+from ..watchdog import Watchdog
 from .analysis import TickStats, analyse_rate, analyse_tick, check_skew
-from .profiler import PROFILE_OFF, ProfileBuffer, ProfileLayout
+from .events import LAUNCH, TIMERS
+from .profiler import PROFILE_OFF, ProfileBuffer, ProfileLayout, Timeline
 
 SRC = Path(__file__).resolve().parent
 SPIN_BOUND_NS = 500_000_000  # a skew/chain wait that takes longer than 0.5 s is broken, not slow
@@ -29,17 +32,13 @@ LAUNCH_DEFINES = {"MB_PROFILE": 1, "MB_PROF_CLOCK64": 1}
 
 
 def module(name: str, device: int = 0, defines: dict | None = None) -> CompiledModule:
-    from ..device import device_info
-
     return compile_cuda(SRC / f"{name}.cu", arch=device_info(device).arch, defines=defines or {})
 
 
 @contextlib.contextmanager
 def on_device(device: int):
     """Make `device` current for torch (allocations, the current stream) and cuda.core."""
-    import torch
-
-    from ..launch import ensure_context
+    import torch  # heavy: torch
 
     ensure_context(device)
     with torch.cuda.device(device):
@@ -47,7 +46,7 @@ def on_device(device: int):
 
 
 def _u64(n: int, device: int):
-    import torch
+    import torch  # heavy: torch
 
     return torch.zeros(n, dtype=torch.int64, device=f"cuda:{device}")
 
@@ -60,7 +59,7 @@ def _np_u64(t) -> np.ndarray:
 def tick_probe(device: int = 0, blocks: int = 8, max_changes: int = 1024, max_reads: int = 1 << 24,
                max_ns: int = 50_000_000) -> TickStats:
     """Back-to-back %globaltimer reads on lane 0 of `blocks` blocks; every change logged."""
-    import torch
+    import torch  # heavy: torch
 
     with on_device(device):
         k = module("timers", device, TIMERS_DEFINES).kernel("clk_tick_probe")
@@ -87,9 +86,7 @@ class RateProbe:
 def clock_rate_probe(device: int = 0, interval_ns: int = 50_000_000, nvml_samples: int = 3) -> RateProbe:
     """%clock64 cycles against %globaltimer ns over `interval_ns`, one block per SM, with NVML
     read from the host while the kernel runs."""
-    import torch
-
-    from ..device import device_info, read_clocks
+    import torch  # heavy: torch
 
     info = device_info(device)
     with on_device(device):
@@ -112,7 +109,7 @@ READS_PER_ITER = 32  # CLK_READS_PER_ITER in timers.cu (mode 3 reads a pair per 
 def read_cost_probe(device: int = 0, iters: int = 256, reps: int = 16) -> dict[str, np.ndarray]:
     """Cycles per read (per pair for mode 3), minus the same loop without reads; `reps` launches
     per mode after one warm-up launch (instruction cache), paired rep by rep with the baseline."""
-    import torch
+    import torch  # heavy: torch
 
     with on_device(device):
         k = module("timers", device, TIMERS_DEFINES).kernel("clk_read_cost")
@@ -134,10 +131,7 @@ def read_cost_probe(device: int = 0, iters: int = 256, reps: int = 16) -> dict[s
 def stamp_cost_probe(device: int = 0, n: int = 256, reps: int = 16, clock64: bool = True) -> np.ndarray:
     """Cycles per profiler stamp (lane 0, back to back, records in capacity) minus the same loop
     with the profiler given a null buffer. The recorded stamps are decoded and checked first."""
-    import torch
-
-    from .events import TIMERS
-    from .profiler import Timeline
+    import torch  # heavy: torch
 
     defines = TIMERS_DEFINES if clock64 else TIMERS_DEFINES_NO_CLOCK64
     with on_device(device):
@@ -195,8 +189,6 @@ class SkewProbe:
     """One stamper block per SM (dynamic smem above half the SM's, so no two share an SM)."""
 
     def __init__(self, device: int = 0):
-        from ..device import device_info
-
         self.device = device
         self.info = device_info(device)
         self.kernel = None
@@ -210,9 +202,7 @@ class SkewProbe:
         """Enqueue one skew kernel of `trials` trials. flag/arrive: u32 pointers (int or tensor)
         shared with other grids (then set `expected` to all their stampers, releaser=False on all
         but one, sys_scope=True); default: fresh zeroed counters on this device."""
-        import torch
-
-        from ..watchdog import Watchdog
+        import torch  # heavy: torch
 
         blocks = self.spec.blocks
         expected = blocks if expected is None else int(expected)
@@ -238,7 +228,7 @@ class SkewProbe:
     @staticmethod
     def collect(run: SkewRun) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gt[T, B], c64[T, B], sm[B]) after synchronising; raises on a watchdog trip or bad data."""
-        import torch
+        import torch  # heavy: torch
 
         torch.cuda.synchronize(run.device)
         names = skew_wait_names()
@@ -274,10 +264,7 @@ def chain_run(h, *, launches: int = 8, pdl: bool = False, config: str = "exclusi
     """`launches` back-to-back launches of clk_chain (the first plain, the rest plain or PDL),
     queued behind the harness's blocking kernel so the host's submission rate is not measured.
     Returns the decoded Timeline (globaltimer clock; clock64 recorded too)."""
-    import torch
-
-    from .events import LAUNCH
-    from .profiler import Timeline
+    import torch  # heavy: torch
 
     if device != h.device_index:
         raise ValueError(f"chain_run on GPU {device} needs a Harness of that GPU (got GPU {h.device_index})")

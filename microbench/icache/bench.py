@@ -33,12 +33,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..basics.bench import copy_case
+from ..datasheet import hbm_peak
 from ..errors import CorrectnessError
 from ..harness import CLOCK_DROP_FRACTION, Case, Harness, Prepared, full_sweeps, run_case
 from ..launch import LaunchSpec, launch
-from ..results import Bound, Derived, Env, Result, Series
+from ..results import Bound, Derived, Env, Result, Series, latest
 from . import derive
-from .gen import (B_MAX, NACC, R_FIRST0, R_PASSES, R_TIMED0, R_TOTAL_CYC, R_TOTAL_NS, REC_WORDS, R_SMID,
+from .gen import (B_MAX, NACC, REC_WORDS, R_FIRST0, R_PASSES, R_SMID, R_TIMED0, R_TOTAL_CYC, R_TOTAL_NS,
                   STAGE_BYTES_PER_WARP, X_MAX, Generated, check_exact_range, compile_many, instructions_for,
                   loop_kernel, loop_reference, probe_kernel, stream_kernel)
 
@@ -61,7 +63,7 @@ DEVICE = "cuda"
 
 def _sync() -> None:
     if DEVICE == "cuda":
-        import torch
+        import torch  # heavy: torch
 
         torch.cuda.synchronize()
 
@@ -91,8 +93,8 @@ def capacity_sizes(quick: bool) -> tuple[int, ...]:
     return tuple(sorted({int(round(v / 256)) * 256 for v in raw}))
 
 
-# Where the H200's 1-warp curve changes level (2026-11-29: between 19.3 and 60 KiB, partly at
-# 34 KiB, and between 106 and 187 KiB): a denser grid there tells a plateau from a transition.
+# Where the H200's 1-warp curve changes level (the committed icache.capacity results: tens of KiB,
+# and around the SM's instruction cache): a denser grid there tells a plateau from a transition.
 DENSE_KIB = (16, 20, 24, 28, 32, 40, 48, 56, 96, 112, 128, 144, 160, 176)
 DENSE_WARPS = (1, 4)
 
@@ -211,7 +213,7 @@ class GenKernel:
     float32 partial sum is an exact integer and the output has a closed form (gen.py)."""
 
     def __init__(self, h: Harness, gen: Generated, mod, warps: int, passes: int = 1):
-        import torch
+        import torch  # heavy: torch
 
         if gen.kind not in ("loop", "probe"):
             raise ValueError(f"GenKernel runs loop/probe kernels, not {gen.kind}")
@@ -250,7 +252,7 @@ class GenKernel:
 
     def check(self) -> np.ndarray:
         """Assert outputs and records; returns records [warps, words] (int64, host)."""
-        import torch
+        import torch  # heavy: torch
 
         what = f"{self.gen.name} ({self.gen.kind} {self.gen.params.get('blocks', self.gen.params.get('total'))}, " \
                f"{self.warps} warps/SM)"
@@ -530,7 +532,7 @@ class PrefetchRig:
     """The probe, the evictor and the sequence each state needs before the measured launch."""
 
     def __init__(self, h: Harness, probe: Generated, evictor: Generated, mods):
-        import torch
+        import torch  # heavy: torch
 
         self.h = h
         self.probe = GenKernel(h, probe, mods[probe.name], PROBE_WARPS)
@@ -556,7 +558,7 @@ class PrefetchRig:
 
     def sample(self, state: str) -> np.ndarray:
         """One measured probe launch in `state`; checked; returns stamps [warps, nseg+1]."""
-        import torch
+        import torch  # heavy: torch
 
         self.out_b.fill_(float("nan"))
         self.rec_b.fill_(-1)
@@ -664,7 +666,7 @@ def stream_case(stages: int, bound: Bound | None = None, warps: int = STREAM_WAR
         raise ValueError("passes_override must be fewer passes than the buffer holds (more would read past it)")
 
     def prepare(h: Harness) -> Prepared:
-        import torch
+        import torch  # heavy: torch
 
         g = stream_kernel(stages, arch=h.info.arch)
         mod = compile_many([g])[g.name]
@@ -703,8 +705,6 @@ def stream_case(stages: int, bound: Bound | None = None, warps: int = STREAM_WAR
 
 def _overflow_note(h: Harness, over_bytes: int, fit_bytes: int) -> str:
     """Does the 'overflowing' body really exceed the capacity measured on this GPU model?"""
-    from ..results import latest
-
     cap = latest("icache.capacity", gpu=getattr(h.info, "name", None))
     levels = {k: d.value for k, d in (cap.derived.items() if cap else ()) if k in ("icache_l0_bytes",
                                                                                  "icache_sm_bytes")}
@@ -718,9 +718,6 @@ def _overflow_note(h: Harness, over_bytes: int, fit_bytes: int) -> str:
 
 
 def run_code_vs_data(h: Harness | None = None, quick: bool | None = None, save: bool = True) -> Result:
-    from ..basics.bench import copy_case
-    from ..datasheet import hbm_peak
-
     h = h or Harness()
     quick = (not full_sweeps()) if quick is None else quick
     sw = sweep(quick)

@@ -30,9 +30,16 @@ Kinds:
 from __future__ import annotations
 
 import hashlib
+import json
+import multiprocessing as mp
+import os
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from ..compiler import CACHE_FORMAT, cache_dir, compile_ptx, toolchain_versions
 from ..cubin import SASS_INSTRUCTION_BYTES
 from ..errors import CompileError
 
@@ -167,7 +174,6 @@ _PROLOGUE = """\tmov.u32 \t%r1, %tid.x;
 \tld.param.f32 \t%f34, [p_never];
 """ + "".join(f"\tld.global.v4.f32 \t{{%f{4 * j}, %f{4 * j + 1}, %f{4 * j + 2}, %f{4 * j + 3}}}, [%rd5+{16 * j}];\n"
               for j in range(8))
-
 
 
 def _prologue(rec_bytes: int) -> str:
@@ -374,8 +380,6 @@ def check_code_size(gen: Generated, code_bytes: int, cal: Generated, cal_code_by
 
 def compile_checked(gen: Generated, *, use_cache: bool = True):
     """Assemble (nvJitLink) and check the code size; returns the CompiledModule."""
-    from ..compiler import compile_ptx
-
     mod = compile_ptx(gen.ptx, name=gen.name, arch=_arch_of(gen), use_cache=use_cache)
     if gen.calibration is not None:
         c = gen.calibration
@@ -391,10 +395,6 @@ def compile_many(gens: Sequence[Generated], *, workers: int | None = None) -> di
     as one). Children are spawned, never forked: the parent may hold a CUDA context, and they only
     run nvJitLink. They write the compile cache; the parent then loads and size-checks each kernel.
     """
-    import multiprocessing as mp
-    import os
-    from concurrent.futures import ProcessPoolExecutor
-
     uniq = {g.name: g for g in gens}
     cals = {g.calibration.name: g.calibration for g in uniq.values() if g.calibration is not None}
     todo = [g for g in [*cals.values(), *uniq.values()] if not _ptx_cache_hit(g.ptx, g.name, _arch_of(g))]
@@ -411,8 +411,6 @@ def compile_many(gens: Sequence[Generated], *, workers: int | None = None) -> di
 
 def _assemble(job: tuple[str, str, str]) -> int:
     """Pool worker: PTX -> cubin into the compile cache; returns the code bytes."""
-    from ..compiler import compile_ptx
-
     ptx, name, arch = job
     return compile_ptx(ptx, name=name, arch=arch).usage(name).code_bytes
 
@@ -420,10 +418,6 @@ def _assemble(job: tuple[str, str, str]) -> int:
 def _ptx_cache_hit(ptx: str, name: str, arch: str) -> bool:
     """Whether compile_ptx would find this PTX in the cache. Mirrors compile_ptx's key; a CPU test
     checks the two stay in step (if they drift, kernels are only assembled twice, never wrong)."""
-    import json
-
-    from ..compiler import CACHE_FORMAT, cache_dir, toolchain_versions
-
     tv = toolchain_versions()
     key = hashlib.sha256(json.dumps({"fmt": CACHE_FORMAT, "ptx": ptx, "arch": arch,
                                      "tool": {"nvrtc": tv.get("nvrtc"), "cuda-core": tv.get("cuda-core")}}
@@ -440,8 +434,6 @@ def _arch_of(gen: Generated) -> str:
 # ------------------------------------------------------------------------- reference
 def loop_reference(gen: Generated, x, b0: float, b1: float, passes: int):
     """Expected accumulators after `passes` passes (float64, exact for integer data)."""
-    import numpy as np
-
     c0 = np.asarray(gen.params["count_b0"], dtype=np.float64)
     c1 = np.asarray(gen.params["count_b1"], dtype=np.float64)
     x = np.asarray(x, dtype=np.float64).reshape(-1, NACC)

@@ -10,13 +10,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from microbench.compiler import compile_cuda
+from microbench.device import no_gpu_reason
+from microbench.launch import LaunchSpec, launch
+
 KERNELS = ("probe_cluster_raw", "probe_cluster_ring", "probe_cta_raw", "probe_cta_ring", "probe_cta_ring_otherlane")
 ROUNDS = {"raw": 1, "ring": 3}
 WORDS = 256
 
 
 def expected(src, rounds: int):
-    import torch
+    import torch  # heavy: torch
 
     t = torch.arange(32, device=src.device)
     acc = torch.zeros(32, dtype=torch.float32, device=src.device)
@@ -27,16 +31,11 @@ def expected(src, rounds: int):
 
 
 def main(argv=None) -> int:
-    from microbench.device import no_gpu_reason
-
     reason = no_gpu_reason()
     if reason:
         print(f"ring_probe needs a GPU: {reason}", file=sys.stderr)
         return 2
-    import torch
-
-    from microbench.compiler import compile_cuda
-    from microbench.launch import LaunchSpec, launch
+    import torch  # heavy: torch
 
     mod = compile_cuda(Path(__file__).with_suffix(".cu"))
     g = torch.Generator(device="cuda").manual_seed(7)

@@ -1,5 +1,5 @@
-"""Flags, fences and sentinel synchronisation between SMs of one GPU (overhead class 3 of
-../shared/PAPER.md; issue 5). Every wait is bounded (mb/spin.cuh); every in-kernel number is
+"""Flags, fences and sentinel synchronisation between SMs of one GPU (the study's third overhead
+class: reports/paper_figures.json). Every wait is bounded (mb/spin.cuh); every in-kernel number is
 %clock64 converted with the NVML SM clock read after a warm-up, cross-checked by %globaltimer.
 
 - sync.flags: single strong loads of a flag (acquire/relaxed x gpu/sys, volatile, weak, .cg) from
@@ -370,7 +370,7 @@ def run_fences(h: Harness | None = None, quick: bool | None = None, save: bool =
         rate = r.load_bytes_landed / np.maximum(r.load_ns, 1) * 1e9
         rate_med = float(np.median(rate)) if r.load_bytes else 0.0
         # Not a bound: fence.acq_rel need not wait for async-proxy bulk loads to land, and one SM's
-        # fence beat the time to land them by 1.5-4x (2026-11-29). Kept as a reference in metrics.
+        # fence can finish well before they have landed. Kept as a reference in metrics.
         land_s = r.load_bytes / rate_med if r.load_bytes and rate_med > 0 else None
         base = {0: float(np.median(r.cycles[:, 0, 0, :])), 1: float(np.median(r.cycles[:, 0, 1, :]))}
         for kind in R.FK_NAMES[1:]:
@@ -619,14 +619,12 @@ BENCHMARKS = {"sync.flags": run_flags, "sync.fences": run_fences, "sync.publish"
 
 # ============================================================================ pytest-benchmark cases
 # Flag placements a ping-pong or publish case averages over. Where a flag lies decides its L2 round
-# trip: in one process on the H200 (2026-12-02; reports/notes/2026-12-02-h200-session-2.md), 8
-# separate allocations timed in 4 interleaved passes were each steady to 0.1-0.5%, but the 8
-# differed by -3.4..+3.8% (ping-pong) and -1.0..+2.9% (256 B publish). With one allocation a case,
-# each process of the A/B gate had an offset of its own (a worker 7% off another of the same
-# tree), which the gate's process-level test could not tell from a regression below 13%, and an
-# injected variant (a separate allocation) got a placement of its own too. A sample now launches
-# once on each of PLACEMENTS allocations (`batch`), so it is the mean over placements and each
-# process draws 8 of them.
+# trip: separate allocations are each steady but differ from each other by a few percent
+# (reports/notes has the H200's numbers). With one allocation a case, each process of the A/B gate
+# would carry an offset of its own, which the gate's process-level test cannot tell from a
+# regression, and an injected variant (a separate allocation) a placement of its own too. A sample
+# launches once on each of PLACEMENTS allocations (`batch`), so it is the mean over placements and
+# each process draws PLACEMENTS of them.
 PLACEMENTS = 8
 
 
@@ -710,15 +708,12 @@ def barrier_case(mode: str, d: int = 0, stops: int = 1000) -> Case:
 
 def fence_case(k: int = 64 * KiB) -> Case:
     """One block's fence probe with k bytes of bulk loads in flight, pinned to the GPU's first SM.
-    Fence cost depends on the SM: one launch of 132 blocks on the H200 (2026-12-02) spread the
-    blocks' times over -6.1..+2.8% by SM, in groups of neighbouring SMs, and a lone block lands
-    where the block scheduler puts it. Pinned, every process times the same SM.
+    Fence cost depends on the SM (neighbouring SMs in groups, a few percent apart), and a lone
+    block lands where the block scheduler puts it. Pinned, every process times the same SM.
 
-    The A/B gate's workers once timed this case at 171 or 181 us against 263 us in a fresh process:
-    the runner was freed after prepare and its loader read a reused watchdog word as tripped, so
-    the fences ran without loads in flight (runners.KEEP_NOTE). Kept alive, the quality run's six
-    workers agree within 0.2% (260.6-261.1 us, H200, 2026-12-02), and the check now requires the
-    loader to stream through the timed loops.
+    Danger: a freed runner's loader can read a reused watchdog word as tripped and stop, and the
+    fences then run without loads in flight (runners.KEEP_NOTE); the check requires the loader to
+    stream through the timed loops.
     """
 
     def prepare(h: Harness) -> Prepared:

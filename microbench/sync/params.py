@@ -88,7 +88,7 @@ class Layout:
 
 def upload(blocks: list[np.ndarray], device: str = "cuda"):
     """Stack parameter blocks into one device tensor; returns (tensor, [pointer of each block])."""
-    import torch
+    import torch  # heavy: torch
 
     if not blocks:
         raise ValueError("no parameter blocks to upload")

@@ -14,7 +14,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..compiler import compile_cuda, inject_ppm
 from ..errors import CorrectnessError, SpinTimeoutError
+from ..launch import LaunchSpec, launch
+from ..watchdog import Watchdog, fields
 from .params import Layout, parse_enum, source
 from .params import upload as _upload
 from .sentinel import BF16, F32, SentinelRule
@@ -50,8 +53,6 @@ def describe_what(what: int) -> str:
 
 def check_watchdog(wd, context: str, addr_text=None) -> None:
     """Raise SpinTimeoutError if a wait gave up; `addr_text(addr)` may name the polled slot."""
-    from ..watchdog import fields
-
     rec = wd.rec.cpu().tolist()
     f = fields()
     if rec[f["TRIPPED"]] == 0:
@@ -63,15 +64,11 @@ def check_watchdog(wd, context: str, addr_text=None) -> None:
 
 
 def module(name: str, arch: str):
-    from ..compiler import inject_ppm
-
     return _module(name, arch, inject_ppm())  # a quality run's injected build is another module
 
 
 @functools.lru_cache(maxsize=None)
 def _module(name: str, arch: str, inject: int):
-    from ..compiler import compile_cuda
-
     return compile_cuda(source(f"{name}.cu"), arch=arch)
 
 
@@ -87,9 +84,7 @@ def one_per_sm_smem(info) -> int:
 def heat_and_read_clock(h, mod, kname: str, ms: float = 40.0) -> float:
     """Busy every SM for `ms`, read the NVML SM clock while it runs, return MHz (0: no NVML).
     The caller queues its measurements right after, so the clock has no idle gap to fall in."""
-    import torch
-
-    from ..launch import LaunchSpec, launch
+    import torch  # heavy: torch
 
     sink = torch.zeros(1, device=DEVICE)
     launch(mod.kernel(kname), LaunchSpec(grid=h.info.sm_count * 2, block=256), np.uint64(int(ms * 1e6)), sink)
@@ -102,7 +97,7 @@ def upload(blocks):
 
 
 def _sync() -> None:
-    import torch
+    import torch  # heavy: torch
 
     torch.cuda.synchronize()
 
@@ -112,7 +107,7 @@ def _u64(t) -> np.ndarray:
 
 
 def random_src(nbytes: int, seed: int):
-    import torch
+    import torch  # heavy: torch
 
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     return torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device=DEVICE, generator=g)
@@ -133,9 +128,7 @@ class PollLoad:
 
 
 def run_poll_load(h, naddr: int = 64, chain: int = 16, buf_bytes: int = 64 * MiB, seed: int = 0) -> PollLoad:
-    import torch
-
-    from ..launch import LaunchSpec, launch
+    import torch  # heavy: torch
 
     if naddr < 1 or chain < 1:
         raise ValueError("naddr and chain must be positive")
@@ -164,9 +157,7 @@ def run_poll_load(h, naddr: int = 64, chain: int = 16, buf_bytes: int = 64 * MiB
 def probe_clusters(h, sizes=(2, 4, 8), waves: int = 3) -> list[list[int]]:
     """SM sets that shared a thread-block cluster (same GPC), from cluster launches with one
     block per SM. Raises CorrectnessError when the cluster ranks come back wrong."""
-    import torch
-
-    from ..launch import LaunchSpec, launch
+    import torch  # heavy: torch
 
     info = h.info
     mod = module("flags", info.arch)
@@ -186,13 +177,11 @@ def probe_clusters(h, sizes=(2, 4, 8), waves: int = 3) -> list[list[int]]:
 
 
 # KEEP_NOTE. A `prepared()` launch function keeps its runner alive (`go.keep` holds `self`): the
-# parameter block points at the runner's watchdog record, loader source and data. Until
-# 2026-12-02 it did not, and a pytest case that kept only its launch freed the runner at once;
-# torch's allocator then handed the freed blocks to the next allocations. In the A/B gate's
-# workers (many cases prepared in one process) the fence probe's loader read a reused watchdog
-# word as "tripped" and stopped after 80 KiB instead of streaming 17.8 MB, so the case timed
-# fences with no bulk loads in flight: 171 or 181 us in the workers against 263 us in a fresh
-# process (H200, reports/notes/2026-12-02-h200-session-3.md). Kept alive, a launch's memory is its own.
+# parameter block points at the runner's watchdog record, loader source and data. Danger: a case
+# that kept only its launch would free the runner at once, torch's allocator would hand the freed
+# blocks to the next allocations, and in a process that prepares many cases (the A/B gate's
+# workers) the fence probe's loader would read a reused watchdog word as "tripped" and stop early,
+# so the case would time fences with no bulk loads in flight. Kept alive, a launch's memory is its own.
 
 # ============================================================================ ping-pong
 PP = Layout(source("flags.cu"), "PPParam", "PP_", "PP_NPARAMS")
@@ -249,9 +238,7 @@ class PingPong:
     """Runs many ping-pong launches back to back; flags stay monotonic across launches."""
 
     def __init__(self, h, flag_lines: int = 1 << 15, src_bytes: int = 256 * MiB, bound_ns: int = DEFAULT_BOUND_NS):
-        import torch
-
-        from ..watchdog import Watchdog
+        import torch  # heavy: torch
 
         self.h = h
         self.info = h.info
@@ -277,9 +264,7 @@ class PingPong:
         return self.flags.data_ptr() + line * 128
 
     def run(self, configs: Sequence[PPConfig]) -> list[PPRun]:
-        import torch
-
-        from ..launch import LaunchSpec, launch
+        import torch  # heavy: torch
 
         if not configs:
             return []
@@ -358,9 +343,7 @@ class PingPong:
     def prepared(self, c: PPConfig):
         """(launch, reset, check) for one configuration relaunched with base 0: `reset` zeroes its
         flags and claims (stream-ordered, untimed), `check` synchronises and validates the last run."""
-        import torch
-
-        from ..launch import LaunchSpec, launch
+        import torch  # heavy: torch
 
         if c.byst != "none" or c.load_bytes:
             raise ValueError("prepared ping-pong cases run without load or bystanders")
@@ -435,8 +418,6 @@ class FenceRun:
 
 class Fences:
     def __init__(self, h, src_bytes: int = 512 * MiB, bound_ns: int = DEFAULT_BOUND_NS):
-        from ..watchdog import Watchdog
-
         self.h = h
         self.info = h.info
         self.mod = module("fences", h.info.arch)
@@ -461,9 +442,7 @@ class Fences:
         (one_per_sm_smem), of which the first on `smid` to claim the word runs the probe and the
         others return at once (fences.cu). `reset` zeroes the claim and the records (untimed,
         stream-ordered); `check` synchronises and validates the last launch, its SM included."""
-        import torch
-
-        from ..launch import LaunchSpec, launch
+        import torch  # heavy: torch
 
         nk = FK["FK_KINDS"]
         smem = max(one_per_sm_smem(self.info), (nk * 2 * loops * 8 + 127) // 128 * 128 + 128 + k)
@@ -502,9 +481,7 @@ class Fences:
 
     def run(self, configs: Sequence[tuple[int, int]], reps: int, loops: int) -> list[FenceRun]:
         """configs: (nblocks, k bytes in flight per block)."""
-        import torch
-
-        from ..launch import LaunchSpec, launch
+        import torch  # heavy: torch
 
         nk = FK["FK_KINDS"]
         rec_bytes = (nk * 2 * loops * 8 + 127) // 128 * 128
@@ -637,8 +614,6 @@ def fill_word(mode: str) -> int:
 
 class Publish:
     def __init__(self, h, bound_ns: int = DEFAULT_BOUND_NS):
-        from ..watchdog import Watchdog
-
         self.h = h
         self.info = h.info
         self.mod = module("publish", h.info.arch)
@@ -646,7 +621,7 @@ class Publish:
         self.states: list[PubState] = []  # every live state, to name a slot from a watchdog address
 
     def setup(self, cfg: PubConfig) -> PubState:
-        import torch
+        import torch  # heavy: torch
 
         cfg.validate()
         n, C = cfg.n, cfg.copies
@@ -694,9 +669,7 @@ class Publish:
     def launch(self, st: PubState, warmup: int, rounds: int, src=None, dst=None, brk: str = "none",
                keep: list | None = None):
         """Queue one launch; returns (out, meta) device tensors (read after synchronising)."""
-        import torch
-
-        from ..launch import LaunchSpec, launch
+        import torch  # heavy: torch
 
         cfg = st.config
         smem = max(one_per_sm_smem(self.info), rounds * 8)
@@ -716,7 +689,7 @@ class Publish:
         return out, meta
 
     def finish(self, st: PubState, out, meta, what: str) -> PubRun:
-        import torch
+        import torch  # heavy: torch
 
         _sync()
         check_watchdog(self.wd, f"sync publish {what}", lambda addr: self.slot_text(st, addr))
@@ -735,7 +708,7 @@ class Publish:
         """Move randomised payloads (special values included) for `rounds` rounds with slot reuse
         and compare every received message bit-exactly with the Python rule's encoding.
         Raises CorrectnessError naming the first wrong element. Returns coverage counts."""
-        import torch
+        import torch  # heavy: torch
 
         cfg = st.config
         nw = cfg.bytes // 4
@@ -770,9 +743,7 @@ class Publish:
     def prepared(self, cfg: PubConfig):
         """(launch, reset, check) for one configuration relaunched from a fresh state each sample:
         `reset` refills the slots and zeroes flags, acks and claims (untimed, stream-ordered)."""
-        import torch
-
-        from ..launch import LaunchSpec, launch
+        import torch  # heavy: torch
 
         st = self.setup(cfg)
         rounds, warmup = cfg.rounds, cfg.warmup
@@ -884,9 +855,7 @@ class Barriers:
     """Persistent grid of one block per SM; counters and flags monotonic across launches."""
 
     def __init__(self, h, bound_ns: int = DEFAULT_BOUND_NS):
-        import torch
-
-        from ..watchdog import Watchdog
+        import torch  # heavy: torch
 
         self.h = h
         self.info = h.info
@@ -916,9 +885,7 @@ class Barriers:
 
     def launch(self, mode: str, stops: int, d: int = 0, seed: int = 0, verify: bool = False,
                delay: tuple[int, int, int] = (NONE, 0, 0), keep: list | None = None):
-        import torch
-
-        from ..launch import LaunchSpec, launch
+        import torch  # heavy: torch
 
         if mode not in BM:
             raise ValueError(f"barrier mode {mode!r} not one of {sorted(BM)}")
@@ -939,7 +906,7 @@ class Barriers:
         return mode, stops, d if dep else 0, out, errors
 
     def finish(self, pending) -> BarrierRun:
-        import torch
+        import torch  # heavy: torch
 
         mode, stops, d, out, errors = pending
         _sync()
@@ -957,9 +924,7 @@ class Barriers:
 
     def prepared(self, mode: str, stops: int, d: int = 0, seed: int = 0):
         """(launch, reset, check): one launch from base 0; `reset` zeroes counter, flags, data."""
-        import torch
-
-        from ..launch import LaunchSpec, launch
+        import torch  # heavy: torch
 
         dep = mode.startswith("depflags")
         deps = torch.from_numpy(self.deps(d, seed)).to(DEVICE) if dep else torch.zeros(1, dtype=torch.int32, device=DEVICE)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..compiler import compile_cuda
 from ..sass import Insn, disassemble, find_disassembler  # noqa: F401  (callers use sass.find_disassembler)
+from .params import source
 
 STRONG_LOAD = {"gpu": re.compile(r"\bLDG\.E\.STRONG\.GPU\b"), "sys": re.compile(r"\bLDG\.E\.STRONG\.SYS\b")}
 
@@ -58,9 +60,6 @@ PROBE_KERNELS = (("sync_poll_probe_gpu", "gpu"), ("sync_poll_probe_sys", "sys"))
 def check_sync_poll_loops(tool: str, arch: str = "sm_90a") -> list[PollLoopReport]:
     """Reports for every ping-pong kernel (poll loops = loops with the back-off NANOSLEEP) and the
     two minimal probes (every loop is the poll) of microbench/sync/flags.cu."""
-    from ..compiler import compile_cuda
-    from .params import source
-
     d = disassemble(compile_cuda(source("flags.cu"), arch=arch).cubin, tool)
     out = [check_poll_loops(d[k], k, scope) for k, scope in POLL_KERNELS]
     out += [check_poll_loops(d[k], k, scope, marker=None) for k, scope in PROBE_KERNELS]

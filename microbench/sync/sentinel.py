@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import write_text
+
 HEADER = Path(__file__).resolve().parent.parent / "cuda" / "mb" / "sentinel_rules.cuh"
 
 
@@ -109,8 +111,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     text = render_header()
     if args.write:
-        from ..atomic import write_text
-
         write_text(HEADER, text)
         print(f"wrote {HEADER}")
     else:

@@ -1,5 +1,5 @@
 """Weight streaming: read ceiling, shared-memory ring, L2 capacity/latency/hints, L2 prefetch,
-and the hot-expert bet (overhead class 2 of ../shared/PAPER.md).
+and the hot-expert bet (the study's second overhead class: reports/paper_figures.json).
 
 - weights.read_ceiling: best plain streaming read (16-byte loads, UNROLL in flight, persistent
   grid sized by the occupancy calculator) over 2 GiB (34x the H200's L2), every word summed and
@@ -34,17 +34,20 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..datasheet import hbm_peak
 from ..errors import CorrectnessError, KernelDoesNotFitError, MegabenchError
 from ..harness import Case, Harness, Policy, full_sweeps
+from ..launch import LaunchSpec, launch
 from ..results import Bound, Derived, Env, Result, Series, latest
 from ..stats import bootstrap_ci, fit_steps
-from . import kernels as K
 from . import plan, rules
+from . import kernels as K
+from .l2policy import persisting_window
 from .plan import KiB, MiB, RingConfig
 
 CEILING_BYTES = 2 << 30  # 2 GiB: >= 8x L2 on every GPU this project targets
 RING_BYTES = 1 << 30
-STUDY_RING = RingConfig(5, 32 * KiB)  # the study's 5 x 32 KB (PAPER.md), used when no ring was tuned
+STUDY_RING = RingConfig(5, 32 * KiB)  # the study's 5 x 32 KB (reports/paper_figures.json), used when no ring was tuned
 CONSUMER_WARPS = 4
 
 # Results measured earlier in this process, per harness, so later benchmarks of the same run are
@@ -69,7 +72,7 @@ def _run(h: Harness, case: Case, policy: Policy | None = None) -> Series:
                  cold=p.cold, policy=policy, before_each=p.before_each, metrics=p.metrics)
     after = getattr(p, "after", None)
     if after is not None:
-        import torch
+        import torch  # heavy: torch
 
         torch.cuda.synchronize()
         after()
@@ -77,7 +80,7 @@ def _run(h: Harness, case: Case, policy: Policy | None = None) -> Series:
 
 
 def _release() -> None:
-    import torch
+    import torch  # heavy: torch
 
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -104,8 +107,6 @@ def read_case(nbytes: int, cfg: plan.ReadConfig, reps: int = 1, bound: Bound | N
 
 
 def _datasheet(h: Harness) -> Bound | None:
-    from ..datasheet import hbm_peak
-
     peak = hbm_peak(h.info.name)
     return Bound("bandwidth", peak, "B/s", f"datasheet HBM peak for {h.info.name} (not measured)") if peak else None
 
@@ -166,8 +167,8 @@ def ring_case(cfg: RingConfig, nbytes: int | None = None, consumer_warps: int = 
 
 
 # The megakernel fills a stage with one bulk copy per padded weight row (512 B .. 2 KB): does that
-# cost bandwidth against one copy per stage? Swept at 4 x 16 KB (one copy streams within ~2% of
-# the best ring there).
+# cost bandwidth against one copy per stage? Swept at 4 x 16 KB, a ring whose single copy per stage
+# streams close to the best ring's rate, so the pieces are what moves.
 PIECES_RING = RingConfig(4, 16384)
 PIECES = (1, 2, 4, 8, 16, 32)
 QUICK_PIECES = (1, 16, 32)
@@ -343,7 +344,7 @@ def l2_rebound(series: list[Series]) -> list[Series]:
 
 
 def _l2_latency(h: Harness, quick: bool) -> tuple[list[Series], dict]:
-    import torch
+    import torch  # heavy: torch
 
     rng = np.random.default_rng(20261129)
     steps, n_samples, n_lat = (1 << 14, 5, 256) if quick else (1 << 18, 5, 1024)
@@ -393,9 +394,7 @@ STREAM_BYTES = 256 * MiB  # the stream between two reads of the reused set (> 4x
 def _l2_hints(h: Harness, quick: bool, bound: Bound, scrub: K.Scrubber) -> tuple[list[Series], dict]:
     """Does a reused set survive a 256 MiB stream? Timed: reading the reused set H; untimed
     before each sample: the stream S (or nothing / a clean scrub for the two references)."""
-    import torch
-
-    from .l2policy import persisting_window
+    import torch  # heavy: torch
 
     l2 = h.info.l2_bytes
     hbytes = max(1, round(0.4 * l2 / MiB)) * MiB
@@ -405,7 +404,6 @@ def _l2_hints(h: Harness, quick: bool, bound: Bound, scrub: K.Scrubber) -> tuple
     H.first_check()
     S.first_check()
     norm = K.module("read", h.info.arch).kernel("mb_l2_priority_normal")
-    from ..launch import LaunchSpec, launch
 
     def normalise():
         launch(norm, LaunchSpec(grid=h.info.sm_count * 4, block=256), H.buf, np.uint64(hbytes // 128))

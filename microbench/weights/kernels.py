@@ -35,7 +35,7 @@ def module(which: str, arch: str):
 
 def random_words(nbytes: int):
     """Fresh random 32-bit words on the GPU (full range, never zeros-only)."""
-    import torch
+    import torch  # heavy: torch
 
     if nbytes % 4:
         raise ValueError(f"{nbytes} B is not a whole number of 32-bit words")
@@ -50,7 +50,7 @@ class Checked(Prepared):
 
 
 def _mismatch(got, exp, what: str, unit: str) -> None:
-    import torch
+    import torch  # heavy: torch
 
     if not torch.equal(got, exp):
         bad = (got != exp).nonzero().flatten()
@@ -68,7 +68,7 @@ SUM_BLOCK = 1 << 26
 
 def rowsum64(x):
     """int64 sums of each row of a 2-D int32 tensor, in bounded-memory blocks of rows."""
-    import torch
+    import torch  # heavy: torch
 
     step = max(1, SUM_BLOCK // max(1, x.shape[1]))
     return torch.cat([x[i:i + step].sum(1, dtype=torch.int64) for i in range(0, x.shape[0], step)]) \
@@ -77,7 +77,7 @@ def rowsum64(x):
 
 def colsum64(x):
     """int64 sums of each column of a 2-D int32 tensor, in bounded-memory blocks of rows."""
-    import torch
+    import torch  # heavy: torch
 
     step = max(1, SUM_BLOCK // max(1, x.shape[1]))
     out = torch.zeros(x.shape[1], dtype=torch.int64, device=x.device)
@@ -97,7 +97,7 @@ class ReadKernel:
     unless given), with its per-block output."""
 
     def __init__(self, h: Harness, kernel: str, threads: int, blocks_per_sm: int | None = None):
-        import torch
+        import torch  # heavy: torch
 
         self.name = kernel
         self.k = module("read", h.info.arch).kernel(kernel)
@@ -146,7 +146,7 @@ class ReadJob:
     def first_check(self) -> None:
         """Run, check, poison the output, run again, check (a block that silently stopped writing
         would otherwise pass on the first run's values)."""
-        import torch
+        import torch  # heavy: torch
 
         self()
         torch.cuda.synchronize()
@@ -182,7 +182,7 @@ def read_case_prepare(h: Harness, nbytes: int, cfg: plan.ReadConfig, reps: int =
 # ------------------------------------------------------------------------------------ ring
 def ring_reference(buf, stage_bytes: int, grid: int, nchunks: int | None = None):
     """Per-block sums (mod 2^32) when block b consumes chunks b, b+grid, ... of `stage_bytes`."""
-    import torch
+    import torch  # heavy: torch
 
     words = stage_bytes // 4
     n = nchunks if nchunks is not None else buf.numel() // words
@@ -198,7 +198,7 @@ class RingKernel:
 
     def __init__(self, h: Harness, cfg: plan.RingConfig, consumer_warps: int = 4, kernel: str = "mb_ring_stream",
                  bound_ns: int = RING_BOUND_NS, outputs_per_block: int = 1, grid: int | None = None):
-        import torch
+        import torch  # heavy: torch
 
         grid = h.info.sm_count if grid is None else grid
         if not 1 <= grid <= h.info.sm_count:
@@ -234,7 +234,7 @@ class RingJob:
     def __init__(self, h: Harness, cfg: plan.RingConfig, nbytes: int = 1 << 30, consumer_warps: int = 4,
                  kernel: str = "mb_ring_stream", bound_ns: int = RING_BOUND_NS, pieces: int | None = None,
                  grid: int | None = None):
-        import torch
+        import torch  # heavy: torch
 
         if pieces is not None:
             if not (1 <= pieces <= 32 and cfg.stage_bytes % (16 * pieces) == 0):
@@ -285,7 +285,7 @@ def ring_case_prepare(h: Harness, cfg: plan.RingConfig, nbytes: int = 1 << 30, c
 # ------------------------------------------------------------------------------------ phases
 def item_sums(experts, expert_bytes: int, stage_bytes: int):
     """[experts, chunks_per_expert] int64 sums of each stage-sized chunk of each expert."""
-    import torch
+    import torch  # heavy: torch
 
     n_exp = experts.numel() * 4 // expert_bytes
     cpe = plan.chunks_per_expert(expert_bytes, stage_bytes)
@@ -300,7 +300,7 @@ def item_sums(experts, expert_bytes: int, stage_bytes: int):
 def phase_reference(sums, read_list: Sequence[int], grid: int):
     """Per-block phase-B sums when item q (chunk q % cpe of expert read_list[q // cpe]) goes to
     block q % grid."""
-    import torch
+    import torch  # heavy: torch
 
     cpe = sums.shape[1]
     if not read_list:
@@ -319,7 +319,7 @@ class PhaseJob:
     def __init__(self, h: Harness, cfg: plan.RingConfig, expert_bytes: int, n_experts: int,
                  prefetch: Sequence[int], read: Sequence[int], busy_cycles: int, pa_bytes: int = 0,
                  consumer_warps: int = 4, pool=None):
-        import torch
+        import torch  # heavy: torch
 
         if expert_bytes % 16:
             raise ValueError(f"expert size {expert_bytes} B must be a multiple of 16 (bulk-copy granule)")
@@ -388,7 +388,7 @@ class Chase:
     """A random single-cycle pointer chain over `working_set` bytes (one element per 128-B line)."""
 
     def __init__(self, h: Harness, working_set: int, rng: np.random.Generator, stride: int = plan.CHASE_STRIDE):
-        import torch
+        import torch  # heavy: torch
 
         self.n = plan.chase_elements(working_set, stride)
         self.stride = stride

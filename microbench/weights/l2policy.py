@@ -14,7 +14,7 @@ from ..errors import MegabenchError
 
 
 def _drv():
-    from cuda.bindings import driver
+    from cuda.bindings import driver  # heavy: cuda
 
     return driver
 
@@ -85,7 +85,7 @@ def persisting_window(stream_handle: int, base_ptr: int, num_bytes: int, set_asi
             "cuStreamSetAttribute(ACCESS_POLICY_WINDOW)")
         yield {"set_aside": int(set_aside), "old_limit": old_limit, "granted_limit": persisting_limit()}
     finally:
-        import torch
+        import torch  # heavy: torch
 
         torch.cuda.synchronize()  # the window's kernels must be done before the lines are reset
         _ok(d.cuStreamSetAttribute(stream, attr, window_value(0, 0, 0.0, persisting=False)),

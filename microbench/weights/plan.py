@@ -78,7 +78,7 @@ class SmemBudget:
         return cls(info.smem_per_block_optin, info.smem_per_sm, info.reserved_smem_per_block, static_bytes)
 
 
-# The H200 as measured by the foundation (device.py on 2026-11-29); CPU tests plan against it.
+# The H200's shared memory as device.py reads it; CPU tests plan against it.
 H200_SMEM = SmemBudget(optin_per_block=232448, per_sm=233472, reserved_per_block=1024, static_bytes=128)
 
 
@@ -116,8 +116,8 @@ FULL_STAGES = tuple(range(2, 9))
 FULL_STAGE_BYTES = tuple(k * KiB for k in (4, 8, 12, 16, 24, 32, 48, 64))
 # The ring rule chooses among these only (weights/rules.py choose_ring): 2-8 stages of 8, 16, 32 or
 # 64 KiB. The quick grid measures every one that fits and the full grid adds 4, 12, 24 and 48 KiB
-# stages to show the curve: the choice must not depend on which grid ran (on 2026-11-29 the full
-# grid chose 3 x 16 KiB, which the quick grid had not measured, where the quick one chose 2 x 32 KiB).
+# stages to show the curve: the choice must not depend on which grid ran (a candidate only one grid
+# measures can be chosen by that grid alone).
 CANDIDATE_STAGE_BYTES = tuple(k * KiB for k in (8, 16, 32, 64))
 QUICK_RING = tuple(RingConfig(s, b) for b in CANDIDATE_STAGE_BYTES for s in FULL_STAGES)
 

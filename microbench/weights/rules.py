@@ -111,10 +111,9 @@ def choose_ring(stages: Sequence[int], stage_bytes: Sequence[int], bw_samples: S
     """Smallest ring (stages x stage_bytes) on the bandwidth plateau: within `frac` of the best.
 
     The ring is a latency-hiding buffer: bandwidth rises with the bytes in flight until they
-    cover the bandwidth-delay product, then stays flat (on the H200, 2026-11-29: rings of >= 64 KiB
-    within ~1.5% of the best, 48 KiB 4-8% below it, 32 KiB 16-20% below). A threshold on the flat
-    part sits far from any configuration; one at 95% sat 0.8% from 3 x 16 KiB, which the full grid
-    then chose and the quick grid (without it) did not. A configuration qualifies when its median
+    cover the bandwidth-delay product, then stays flat. A threshold on the flat part sits far from
+    any configuration; one on the rising part can sit next to one that only one grid measured,
+    and then the quick and the full grid choose differently. A configuration qualifies when its median
     bandwidth >= frac x best median, or when it misses by less than its own noise (the upper end of
     its 90% bootstrap interval reaches the line). Among qualifiers the cheaper wins: fewer ring
     bytes, then fewer stages (fewer barrier round trips per byte), then the faster. The spread is
@@ -228,8 +227,8 @@ def l2_usable(sizes: Sequence[int], bw_samples: Sequence[np.ndarray], l2_bytes: 
     size; all sizes when None). Plateau: the longest run of consecutive working sets whose median
     read bandwidth lies within `tol` of that level. Value: its largest size; spread: (value, the
     next measured size), widened by the 5-95% range of the value over bootstrap resamples. The
-    H200 (2026-11-29): ~8.8 TB/s from 4 to 40 MiB, 7.4 at 48 MiB; 11.5 / 9.8 TB/s at 1 / 2 MiB (the
-    near partition), which the rule this replaces took as the plateau and so answered 2 MiB.
+    smallest sizes read faster still (the near L2 partition): they are not the plateau, and a
+    rule that took them for it would answer the size of the near partition.
     """
     order = np.argsort(sizes)
     sizes = np.asarray(sizes, dtype=np.float64)[order]

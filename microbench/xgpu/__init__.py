@@ -1,2 +1,2 @@
-"""Cross-GPU synchronisation and clocks (issue 11): one process per GPU under torchrun.
+"""Cross-GPU synchronisation and clocks: one process per GPU under torchrun.
 See bench.py for what is measured, world.py for the process group and peer memory."""

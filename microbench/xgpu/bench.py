@@ -1,6 +1,5 @@
-"""Synchronisation and clocks between the GPUs of one node (issue 11; ../shared/PAPER.md measured a
-one-way flag between two GPUs at about 1.9 us, polls queued behind bulk copies at 1.0-2.6 us,
-and GPUs drifting up to 4 us apart). One process per GPU under torchrun; rank 0 writes results.
+"""Synchronisation and clocks between the GPUs of one node (the study's figures for them:
+reports/paper_figures.json, sync.flag_gpu_to_gpu, xgpu.poll_behind_bulk, sync.gpu_drift). One process per GPU under torchrun; rank 0 writes results.
 
 - xgpu.flags: one-way flag latency between an SM of rank 0 and an SM of another rank by
   ping-pong (microbench/sync/flags.cu with one role per GPU; st.release.sys writes into the
@@ -28,25 +27,32 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 
 import numpy as np
 
-from ..errors import CorrectnessError
-from ..results import Bound, Derived, Env, Result, Series, latest
+from ..atomic import write_json
+from ..errors import CorrectnessError, SpinTimeoutError
+from ..harness import Harness
+from ..results import REPO_ROOT, Bound, Derived, Env, Result, Series, latest, read_json, results_root
 from ..sync import analysis as SA
 from ..sync import bench as SB
 from ..sync import runners as SR
 from ..sync.sentinel import BF16
+from ..teardown import leave
 from . import analysis as A
 from . import runners as X
+from . import world as W
 from .world import MULTICAST_OFF, PeerBuffer, World, WorldError, all_gather_object
 
 KiB, MiB = 1024, 1 << 20
 LOAD_BYTES = 64 * KiB
 PEER_SWEEP_BYTES = (4 * KiB, 16 * KiB)  # with LOAD_BYTES: bulk copies in flight per SM, every SM pulling over the link
 CLOCK_SPAN_S = {True: 10.0, False: 60.0}
+STUDY_FIGURES = REPO_ROOT / "reports" / "paper_figures.json"
+
 # slot-reuse variants timed beside the double-buffered slots: name -> (copies, fence every m rounds, label)
 REUSE_VARIANTS = {"sentinel3": (3, 1, "sentinel (3 copies)"),
                   "sentinel4f2": (4, 2, "sentinel (4 copies, fence every 2 rounds)"),
@@ -54,11 +60,10 @@ REUSE_VARIANTS = {"sentinel3": (3, 1, "sentinel (3 copies)"),
 
 
 def _study(fid: str) -> str:
-    """The study's figure `fid` as text, from reports/paper_figures.json (the one copy of them)."""
+    """The study's figure `fid` as text, read from the study's figures (reports/paper_figures.json,
+    data the report validates; read here as data so the harness does not import the report)."""
     try:
-        from reports import paper
-
-        f = next(x for x in paper.load()["figures"] if x["id"] == fid)
+        f = next(x for x in read_json(STUDY_FIGURES)["figures"] if x["id"] == fid)
     except Exception as e:  # a note, not a measurement: say what is missing instead of failing the run
         return f"(study figure {fid} unavailable: {type(e).__name__})"
     if "value" in f:
@@ -110,9 +115,7 @@ class Run:
     """One rank's share of the whole run (every method is collective)."""
 
     def __init__(self, w: World, quick: bool):
-        import torch
-
-        from ..harness import Harness
+        import torch  # heavy: torch
 
         self.w, self.quick = w, quick
         self.h = Harness(device_index=w.device)
@@ -163,7 +166,7 @@ class Run:
     # ------------------------------------------------------------------ peer copy bandwidth
     def peer_bandwidth(self, nbytes: int = 128 * MiB, reps: int = 5) -> float:
         """Rank 0 copies into rank 1's buffer (copy engine over the link), others idle: bytes / s."""
-        import torch
+        import torch  # heavy: torch
 
         half = self.src.nbytes // 2
         nbytes = min(nbytes, half)
@@ -200,8 +203,8 @@ def verify_collective(run: Run, coll: X.Collectives, op: str, nbytes: int, copie
     """Bit-exact check of one size against the Python rule, and against NCCL on the same data
     (2 x copies + 1 rounds, at least 7: every copy is reused at least twice)."""
     rounds = max(7, 2 * copies + 1)
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: torch
+    import torch.distributed as dist  # heavy: torch
 
     w = run.w
     src_np = _payload(op, rounds, nbytes, seed=1000 * w.rank + nbytes % 997)
@@ -248,8 +251,8 @@ def verify_collective(run: Run, coll: X.Collectives, op: str, nbytes: int, copie
 def nccl_time(w: World, op: str, nbytes: int, reps: int = 50, samples: int = 15) -> dict:
     """NCCL per-call device time for one payload: a CUDA graph of `reps` calls (replayed `samples`
     times, CUDA events around each replay) and the same calls issued eagerly from Python."""
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: torch
+    import torch.distributed as dist  # heavy: torch
 
     if op == "allreduce":
         t = torch.randn(nbytes // 4, device="cuda")
@@ -531,7 +534,7 @@ def clocks_result(run: Run, c0, c1, stop_runs, offsets_mid, flag_s) -> Result:
 
 # ============================================================================ main
 def run_all(w: World, quick: bool = True, save: bool = True) -> dict[str, Result]:
-    import torch
+    import torch  # heavy: torch
 
     run = Run(w, quick)
     run.notes.append(f"{w.size} ranks, one process per GPU (torchrun); GPUs: "
@@ -600,8 +603,6 @@ def run_all(w: World, quick: bool = True, save: bool = True) -> dict[str, Result
 def _latest(bench: str, key: str, gpu: str) -> float | None:
     """A derived value of the latest `bench` result on this GPU model: from this run's results
     folder, else from the committed ones (a GPU session writes into an empty folder)."""
-    from ..results import REPO_ROOT, results_root
-
     for root in dict.fromkeys((results_root(), REPO_ROOT / "reports" / "results")):
         try:
             r = latest(bench, root=root, gpu=gpu)
@@ -614,8 +615,6 @@ def _latest(bench: str, key: str, gpu: str) -> float | None:
 
 
 def _topology() -> str:
-    import subprocess
-
     try:
         p = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
         text = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout)  # nvidia-smi underlines the header with ANSI codes
@@ -633,8 +632,6 @@ def _say(w: World, msg: str) -> None:
 def selftest(w: World) -> dict:
     """Checks that must fail do: rank 1 skips its half of a clock ping-pong, so rank 0's bounded
     wait gives up and every rank raises SpinTimeoutError naming the wait (never a hung GPU)."""
-    from ..errors import SpinTimeoutError
-
     flags = PeerBuffer(w, 64 * KiB)
     flags.fill32(0, X._stream())
     X.sync_all()
@@ -662,7 +659,6 @@ def main(argv=None) -> int:
     ap.add_argument("--summary", help="rank 0 writes a JSON summary here")
     ap.add_argument("--selftest", action="store_true", help="only the checks that must fail (a lost partner)")
     args = ap.parse_args(argv)
-    from . import world as W
 
     w = W.init()
     res = {} if args.selftest else run_all(w, quick=not args.full, save=not args.no_save)
@@ -671,8 +667,6 @@ def main(argv=None) -> int:
         s["selftest"] = selftest(w)  # collective: every rank
     if w.rank == 0:
         if args.summary:
-            from ..atomic import write_json
-
             write_json(args.summary, s)
         for b, r in res.items():
             print(f"[xgpu] {b}")
@@ -680,11 +674,10 @@ def main(argv=None) -> int:
                 print(f"    -> {k} = {d.value:.4g} {d.unit}")
         for k, v in s.get("selftest", {}).items():
             print(f"[xgpu] selftest {k}: {v}")
-    import torch.distributed as dist
+    import torch.distributed as dist  # heavy: torch
 
     dist.barrier()
     dist.destroy_process_group()
-    from ..cli import leave
 
     leave(0)
     return 0

@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 
+from ..device import gpu_count, no_gpu_reason
 from ..errors import MegabenchError
+from .world import check_multicast_off
 
 
 def command(nproc: int, full: bool = False, save: bool = True, summary: str | None = None,
@@ -29,8 +31,6 @@ def command(nproc: int, full: bool = False, save: bool = True, summary: str | No
 
 def gpus_or_reason() -> tuple[int, str | None]:
     """(GPU count, why the cross-GPU benchmarks cannot run here or None)."""
-    from ..device import gpu_count, no_gpu_reason
-
     reason = no_gpu_reason()
     if reason:
         return 0, f"no GPU ({reason})"
@@ -42,8 +42,6 @@ def gpus_or_reason() -> tuple[int, str | None]:
 
 def run(nproc: int | None = None, full: bool = False, save: bool = True, summary: str | None = None,
         timeout: float | None = None, selftest: bool = False) -> int:
-    from .world import check_multicast_off
-
     n, reason = gpus_or_reason()
     if reason:
         raise MegabenchError(f"xgpu: {reason}")

@@ -14,10 +14,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..device import device_info
 from ..errors import CorrectnessError
 from ..harness import Case, Prepared
+from ..launch import LaunchSpec, launch
+from ..results import Bound
+from ..sync.params import upload
+from ..watchdog import Watchdog
 from . import analysis as A
 from . import runners as X
+from .bench import _latest, _payload
 from .world import WorldError
 
 ROUNDS = 96  # rounds per timed launch: a multiple of every copy count used here (module docstring)
@@ -25,8 +31,8 @@ ROUNDS = 96  # rounds per timed launch: a multiple of every copy count used here
 
 def enable_peer_access(n: int) -> None:
     """Let each of GPUs 0..n-1 address the others' memory (refusing clearly where it cannot)."""
-    import torch
-    from cuda.bindings import runtime as rt
+    import torch  # heavy: torch
+    from cuda.bindings import runtime as rt  # heavy: cuda
 
     for a in range(n):
         for b in range(n):
@@ -44,10 +50,7 @@ class LocalCollective:
     """Slots, watchdogs and parameter blocks of one collective on GPUs 0..n-1."""
 
     def __init__(self, op: str, nbytes: int, n: int = 2, copies: int = 2, fence_every: int = 1):
-        import torch
-
-        from ..device import device_info
-        from ..watchdog import Watchdog
+        import torch  # heavy: torch
 
         if op not in X.OPS:
             raise ValueError(f"unknown collective {op!r} (one of {sorted(X.OPS)})")
@@ -69,9 +72,7 @@ class LocalCollective:
 
     def params(self, warmup: int, rounds: int, srcs=None, dsts=None) -> list[int]:
         """Upload one parameter block per GPU (each on its own GPU); returns their pointers."""
-        import torch
-
-        from ..sync.params import upload
+        import torch  # heavy: torch
 
         out = []
         for d in range(self.n):
@@ -89,9 +90,7 @@ class LocalCollective:
     def launch(self, ptrs: list[int]) -> None:
         """One launch on every GPU, each on its own current stream (GPU 0's last, so the harness's
         events on GPU 0 bracket a launch whose partners are already queued)."""
-        import torch
-
-        from ..launch import LaunchSpec, launch
+        import torch  # heavy: torch
 
         spec = LaunchSpec(grid=self.blocks, block=X.XC_THREADS)
         k = self.mod.kernel(X.OPS[self.op][0])
@@ -100,7 +99,7 @@ class LocalCollective:
                 launch(k, spec, ptrs[d])
 
     def check(self, context: str) -> None:
-        import torch
+        import torch  # heavy: torch
 
         for d in range(self.n):
             torch.cuda.synchronize(d)
@@ -110,12 +109,11 @@ class LocalCollective:
     def verify(self, rounds: int | None = None, seed: int = 0) -> None:
         """Random payloads with every special class through slot reuse (every copy used twice by
         default), compared bit-for-bit."""
-        import torch
+        import torch  # heavy: torch
 
         rounds = rounds or 2 * self.copies
         if rounds % self.copies:
             raise ValueError(f"{rounds} rounds: a multiple of the {self.copies} copies keeps launches in step")
-        from .bench import _payload
 
         host = [_payload(self.op, rounds, self.nbytes, seed=seed + 1000 * d) for d in range(self.n)]
         srcs = [torch.from_numpy(h.copy()).to(f"cuda:{d}") for d, h in enumerate(host)]
@@ -137,7 +135,7 @@ def collective_case(op: str, nbytes: int, rounds: int = ROUNDS, copies: int = 2,
         raise ValueError(f"{rounds} rounds a launch: a multiple of the {copies} copies keeps launches in step")
 
     def prepare(h) -> Prepared:
-        import torch
+        import torch  # heavy: torch
 
         if torch.cuda.device_count() < 2:
             raise WorldError(f"the cross-GPU cases need 2 GPUs; this process sees {torch.cuda.device_count()}")
@@ -146,14 +144,11 @@ def collective_case(op: str, nbytes: int, rounds: int = ROUNDS, copies: int = 2,
         ptrs = lc.params(0, rounds)
         lc.launch(ptrs)
         lc.check(f"sentinel {op} of {nbytes} B (first timed launch)")
-        from .bench import _latest
 
         flag = _latest("xgpu.flags", "flag_latency_gpu_to_gpu_s", h.info.name)
         bw = _latest("xgpu.collectives", "xgpu_peer_copy_bw", h.info.name)
         bound = None
         if flag and bw:
-            from ..results import Bound
-
             bound = Bound("time", rounds * (flag + (lc.n - 1) * nbytes / bw), "s",
                           f"{rounds} rounds x (one cross-GPU one-way flag {flag * 1e6:.2f} us + (N-1) x payload at "
                           f"{bw / 1e9:.0f} GB/s), both from the latest xgpu results on this GPU model")

@@ -17,11 +17,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ..compiler import compile_cuda
+from ..device import device_info
 from ..errors import CorrectnessError, SpinTimeoutError
+from ..launch import LaunchSpec, launch
 from ..sync import runners as SR
 from ..sync.params import Layout, parse_enum
 from ..sync.params import upload as _upload
 from ..sync.sentinel import BF16, F32
+from ..watchdog import Watchdog, fields
 from . import analysis as A
 from .world import PeerBuffer, World
 
@@ -60,21 +64,19 @@ def describe_what(what: int) -> str:
 
 @functools.lru_cache(maxsize=None)
 def module(arch: str):
-    from ..compiler import compile_cuda
-
     return compile_cuda(SRC, arch=arch)
 
 
 def _stream() -> int:
-    import torch
+    import torch  # heavy: torch
 
     return int(torch.cuda.current_stream().cuda_stream)
 
 
 def sync_all() -> None:
     """Finish this rank's GPU work, then wait for every rank (the host-side step boundary)."""
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: torch
+    import torch.distributed as dist  # heavy: torch
 
     torch.cuda.synchronize()
     dist.barrier()
@@ -82,8 +84,8 @@ def sync_all() -> None:
 
 def gather(t):
     """[ranks, *t.shape] of a same-shaped CUDA tensor from every rank (NCCL), as numpy on the host."""
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: torch
+    import torch.distributed as dist  # heavy: torch
 
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t.contiguous())
@@ -92,8 +94,8 @@ def gather(t):
 
 def check_all(wd, context: str, describe=None) -> None:
     """Raise on every rank if any rank's watchdog tripped (the tripping rank names the wait)."""
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: torch
+    import torch.distributed as dist  # heavy: torch
 
     tripped = _tripped(wd)
     flags = gather(torch.tensor([tripped], dtype=torch.int32, device="cuda")).ravel()
@@ -105,8 +107,6 @@ def check_all(wd, context: str, describe=None) -> None:
 
 
 def _tripped(wd) -> int:
-    from ..watchdog import fields
-
     return int(wd.rec.cpu()[fields()["TRIPPED"]].item() != 0)
 
 
@@ -125,10 +125,7 @@ class HostAnchor:
 
 def host_anchor(w: World, rounds: int = 400) -> HostAnchor:
     """Every rank at once: its GPU's %globaltimer against host time (pinned-memory exchanges)."""
-    import torch
-
-    from ..launch import LaunchSpec, launch
-    from ..watchdog import Watchdog
+    import torch  # heavy: torch
 
     mod = module(_arch())
     seq = torch.zeros(32, dtype=torch.int32, pin_memory=True)
@@ -168,10 +165,7 @@ class ClockPair:
     def measure(self, rounds: int = 2000, gap_ns: int = 1000, keep: float = A.KEEP,
                 absent: int | None = None) -> dict[int, A.Offset]:
         """`absent`: a rank that skips its launch (the self-test of a lost partner)."""
-        import torch
-
-        from ..launch import LaunchSpec, launch
-        from ..watchdog import Watchdog
+        import torch  # heavy: torch
 
         w, mod = self.w, module(_arch())
         res = {}
@@ -237,9 +231,7 @@ class XPPRun:
 
 class PingPongX:
     def __init__(self, w: World, info, flags: PeerBuffer, line0: int, src: PeerBuffer):
-        import torch
-
-        from ..watchdog import Watchdog
+        import torch  # heavy: torch
 
         self.w, self.info, self.flags, self.line0, self.src = w, info, flags, line0, src
         self.mod = SR.module("flags", info.arch)
@@ -249,9 +241,7 @@ class PingPongX:
         self.wd = Watchdog(BOUND_NS)
 
     def run(self, c: XPP) -> XPPRun:
-        import torch
-
-        from ..launch import LaunchSpec, launch
+        import torch  # heavy: torch
 
         w, info = self.w, self.info
         PP, PM = SR.PP, SR.PM
@@ -356,8 +346,6 @@ class Collectives:
     MAX_COPIES = 8  # the variants the slots are sized for: 3 copies, and 2m copies fenced every m rounds
 
     def __init__(self, w: World, info, max_bytes: int):
-        from ..watchdog import Watchdog
-
         if not 2 <= w.size <= 255:
             raise ValueError(f"{w.size} ranks: the collectives take 2..255 (a watchdog id holds the sender in 8 bits)")
         self.w, self.info, self.max_bytes = w, info, int(max_bytes)
@@ -378,9 +366,7 @@ class Collectives:
         """One launch on every rank. `src` (uint8 CUDA tensor [rounds, nbytes]) switches to verify
         mode: every round's result is written out and returned. Every launch leaves every slot
         empty, so launches with 2 and 3 copies may follow each other."""
-        import torch
-
-        from ..launch import LaunchSpec, launch
+        import torch  # heavy: torch
 
         if op not in OPS:
             raise ValueError(f"unknown collective {op!r} (one of {sorted(OPS)})")
@@ -441,8 +427,6 @@ class StopsRun:
 
 class StopsX:
     def __init__(self, w: World, info, flags: PeerBuffer, line0: int, work_src):
-        from ..watchdog import Watchdog
-
         self.w, self.info, self.flags, self.line0, self.work_src = w, info, flags, line0, work_src
         need = (line0 + w.size + 2) * LINE
         if need > flags.nbytes:
@@ -452,9 +436,7 @@ class StopsX:
         self.wd = Watchdog(BOUND_NS)
 
     def run(self, stops: int, work_bytes: int = 0, work_ns: int = 0) -> StopsRun:
-        import torch
-
-        from ..launch import LaunchSpec, launch
+        import torch  # heavy: torch
 
         if (work_bytes == 0) == (work_ns == 0):
             raise ValueError("give exactly one of work_bytes (HBM read per block per stop) and work_ns (spin)")
@@ -487,7 +469,6 @@ class StopsX:
 
 
 def _arch() -> str:
-    from ..device import device_info
-    import torch
+    import torch  # heavy: torch
 
     return device_info(torch.cuda.current_device()).arch

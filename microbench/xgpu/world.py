@@ -9,7 +9,7 @@ Peer memory is legacy CUDA IPC: each rank allocates with cuMemAlloc, exports a h
 enabled lazily by the driver). One allocation per PeerBuffer, so a handle always names the base
 of its allocation (cuIpcGetMemHandle requires that; torch's caching allocator would not give it).
 
-NVLink multicast stays off (../shared/TOOLCHAIN.md): a program that uses it can take the
+NVLink multicast stays off: a program that uses it can take the
 host's shared GPUs out of service. `check_multicast_off` sets the three switches where they are
 unset and refuses to start where one is set to enable it; nothing here calls cuMulticastCreate.
 """
@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import MegabenchError, NoGPUError
+from ..launch import ensure_context
 
 # variable -> the value that keeps multicast off
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -89,11 +90,10 @@ def world_from_env(env: dict | None = None, gpu_count: int | None = None) -> Wor
 def init(backend: str = "nccl") -> World:
     """Join the process group (NCCL) on this rank's GPU, multicast off."""
     check_multicast_off()
-    import torch
-    import torch.distributed as dist
+    import torch  # heavy: torch
+    import torch.distributed as dist  # heavy: torch
 
     w = world_from_env(gpu_count=torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    from ..launch import ensure_context
 
     ensure_context(w.device)
     if not dist.is_initialized():
@@ -107,7 +107,7 @@ class CudaIpc:
     """The driver calls PeerBuffer needs, on the current context (tests substitute a fake)."""
 
     def __init__(self):
-        from cuda.bindings import driver
+        from cuda.bindings import driver  # heavy: cuda
 
         self.d = driver
 
@@ -147,7 +147,7 @@ class CudaIpc:
 
 
 def all_gather_object(obj) -> list:
-    import torch.distributed as dist
+    import torch.distributed as dist  # heavy: torch
 
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)

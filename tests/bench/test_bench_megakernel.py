@@ -14,7 +14,8 @@ def _case(preset, T, ctx, mode):
     from microbench.results import Bound
 
     from megakernel.bench_baselines import step_context, weights_for
-    from megakernel.pipeline import REL_TOL, graph_of, plan_for
+    from megakernel.measure import graph_of
+    from megakernel.plans import REL_TOL, plan_for
     from megakernel.roofline import roofline
     from megakernel.runtime import Engine, check_close
 

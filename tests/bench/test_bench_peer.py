@@ -27,7 +27,7 @@ def _peer_case(preset, T, ctx):
 
     from megakernel.bench_baselines import step_context, weights_for
     from megakernel.peer import PeerModel, PeerRunner, StepGraph, check_step
-    from megakernel.pipeline import REL_TOL
+    from megakernel.plans import REL_TOL
     from megakernel.roofline import roofline
 
     def prepare(h):

@@ -29,7 +29,7 @@ def test_injected_copy_is_slower_by_its_ppm_and_still_correct(harness, monkeypat
 
 
 def test_in_run_ab_catches_an_injected_5pct(tmp_path):
-    from microbench.cli import main
+    from reports.cli import main
 
     js = tmp_path / "ab.json"
     code = main(["gate", "--ab-tree", str(REPO_ROOT), "--inject-ppm", "50000", *CASES, "--json", str(js)])
@@ -41,7 +41,7 @@ def test_in_run_ab_catches_an_injected_5pct(tmp_path):
 
 
 def test_in_run_aa_finds_nothing(tmp_path):
-    from microbench.cli import main
+    from reports.cli import main
 
     js = tmp_path / "aa.json"
     code = main(["gate", "--ab-tree", str(REPO_ROOT), *CASES, "--json", str(js)])

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.gpu
 # and attn_combine sums 33 parts per slice (its early load round and one more)
 @pytest.mark.parametrize("preset,T,ctx", [("tiny", 16, 100), ("tiny", 1, 0), ("small", 16, 1500), ("small", 16, 4000)])
 def test_mega_equals_chain_and_matches_reference(preset, T, ctx):
-    from megakernel.pipeline import check_point, plan_for
+    from megakernel.measure import check_point
+    from megakernel.plans import plan_for
 
     c = check_point(preset, T, ctx, plan_for(preset))
     assert c.bitwise_chain and c.bitwise_repeat and c.bitwise_kv and c.bitwise_real_routing
@@ -27,7 +28,7 @@ def test_every_technique_keeps_the_bits_on_the_gpu():
     default compute the same logits over two consecutive steps (the second reuses the sentinel
     slots), in mega and chain mode, and the sentinel slots are empty (-0.0) after each step."""
     from megakernel.bench_baselines import step_context, weights_for
-    from megakernel.pipeline import NONE, plan_for, technique_switches
+    from megakernel.plans import NONE, plan_for, technique_switches
     from megakernel.runtime import Engine
 
     sc = step_context("small", 16, 1500)
@@ -48,7 +49,8 @@ def test_every_technique_keeps_the_bits_on_the_gpu():
 
 
 def test_greedy_tokens_equal_reference_tiny():
-    from megakernel.pipeline import greedy_check, plan_for
+    from megakernel.measure import greedy_check
+    from megakernel.plans import plan_for
 
     assert greedy_check("tiny", plan_for("tiny"), steps=16) == 16
 

@@ -28,7 +28,7 @@ def test_peer_matches_reference_and_its_graph_replays_the_step(small, T, ctx):
 
     from megakernel.bench_baselines import step_context
     from megakernel.peer import PeerRunner, StepGraph, check_step
-    from megakernel.pipeline import REL_TOL
+    from megakernel.plans import REL_TOL
 
     sc = step_context("small", T, ctx)
     cache = sc.cache0.clone()
@@ -51,7 +51,7 @@ def test_peer_real_routing_matches_reference(small):
     from megakernel import reference
     from megakernel.bench_baselines import step_context
     from megakernel.peer import PeerRunner, check_step
-    from megakernel.pipeline import REL_TOL
+    from megakernel.plans import REL_TOL
 
     sc = step_context("small", 16, 1100)
     ref_cache = sc.cache0.clone()
@@ -108,7 +108,7 @@ def test_chain_with_and_without_pdl_equal_mega():
     import torch
 
     from megakernel.bench_baselines import step_context, weights_for
-    from megakernel.pipeline import plan_for
+    from megakernel.plans import plan_for
     from megakernel.runtime import Engine
 
     sc = step_context("small", 16, 512)

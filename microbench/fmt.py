@@ -1,7 +1,11 @@
-"""Numbers with units, the way an engineer reads them (1.27 us, 4.28 TB/s, 60 MiB, 73.9%)."""
+"""Numbers with units, the way an engineer reads them (1.27 us, 4.28 TB/s, 60 MiB, 73.9%), and the
+markdown the report and the result notes are written in (escaped cells, wrapped prose, footnotes,
+tables within MAX_LINE)."""
 from __future__ import annotations
 
 import math
+import textwrap
+from collections.abc import Sequence
 
 
 def _sig(v: float, digits: int = 4) -> str:
@@ -82,12 +86,11 @@ def md_escape(s: str) -> str:
 
 
 WRAP = 160  # prose lines of the report are wrapped here (markdown joins them); tables cannot wrap
+MAX_LINE = 300  # the summary, class and megakernel sections keep every line within this
 
 
 def wrap(text: str, first: str = "", rest: str = "", width: int = WRAP) -> list[str]:
     """`text` as lines of at most `width` characters (a single word longer than that stays whole)."""
-    import textwrap
-
     return textwrap.wrap(str(text), width=width, initial_indent=first, subsequent_indent=rest,
                          break_long_words=False, break_on_hyphens=False) or [first.rstrip()]
 
@@ -135,3 +138,20 @@ def fmt_fraction(series) -> str:
     if f > 1.01:
         return f"{f:.1%} (!) bound beaten: not a bound of this quantity"
     return f"{f:.1%}"
+
+
+def md_table(rows: Sequence[dict]) -> str:
+    """A GitHub table (pandas + tabulate, padded); one whose padded lines would exceed MAX_LINE is
+    written unpadded instead (same table once rendered)."""
+    import pandas as pd  # heavy: pandas, only where a table is rendered
+
+    if not rows:
+        return ""
+    cells = [{k: md_escape(v) if isinstance(v, str) else v for k, v in r.items()} for r in rows]
+    text = pd.DataFrame(cells).to_markdown(index=False, tablefmt="github")
+    if max(len(line) for line in text.splitlines()) <= MAX_LINE:
+        return text
+    cols = list(dict.fromkeys(k for r in cells for k in r))
+    out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    out += ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |" for r in cells]
+    return "\n".join(out)

@@ -1,7 +1,7 @@
 """`megabench run`: the whole pipeline, one command, with progress and a time budget.
 
 With a GPU (default: quick, within BUDGET_S = 5 minutes on one H200):
-               1 microbenchmarks: every registered class but `model` (registry, quick sweeps), each
+               1 microbenchmarks: every class but `model` (reports/classes.py, quick sweeps), each
                  result saved as a new file; they feed every tuned constant
                2 cross-GPU microbenchmarks (microbench/xgpu under torchrun) with 2+ GPUs, else skipped
                3 gate quality from the recorded quality runs (gate.quality result; the GPU runs are
@@ -32,23 +32,34 @@ its failed check); the exit code is 1 if any failed, 2 for a bad argument.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import argparse
+import os
 import sys
 import tempfile
 from functools import partial
 from pathlib import Path
 
+from microbench.adopt import load_adopted, load_adoption
+from microbench.device import device_info, no_gpu_reason
+from microbench.gate_quality import pipeline_step
+from microbench.harness import Harness
+from microbench.progress import Estimates, Item, Progress
+from microbench.results import REPO_ROOT, results_root
+from microbench.teardown import leave
+from microbench.tune import load_constants, summary, tune
+from microbench.xgpu import launcher
+
+from . import classes as classes_
+from .build import build
+
 BUDGET_S = 300.0
-BUDGET_NOTE = ("issue 43: `megabench run` (default) finishes on one H200 in 5 minutes or less; wall time on the "
+BUDGET_NOTE = ("`megabench run` (default) finishes on one H200 in 5 minutes or less; wall time on the "
                "host monotonic clock")
 
-# Seconds per item before a run.wall result has measured it (microbench/progress.py). From
-# committed evidence: the saved dates of the results of fe6e526's run (2026-11-29 11:55-11:57Z, one
-# benchmark after the other: icache 1-3 s apart, weights 2-8 s, sync 1-16 s), and issue 43's H200
-# run: microbenchmarks + gate quality + tune 194 s, of which model.baselines took 123-131 s
-# (its own wall-time notes), so ~65 s for the 19 others. The report: 20 s of CPU time over the
-# committed results (CPU machine, 2026-12-01; far fewer results under a session's own root).
+# Seconds per item before a run.wall result has measured it (microbench/progress.py): estimates only,
+# read off the committed results (their saved times one after the other, the baselines' own
+# wall-time notes); a run.wall result of this GPU and mode replaces them. Danger: too low a seed
+# only makes the first run's plan optimistic, it never stops an item.
 SEEDS = {
     "microbenchmarks/basics.copy": 4.0, "microbenchmarks/basics.launch": 6.0,
     "microbenchmarks/icache.capacity": 6.0, "microbenchmarks/icache.spliced": 1.0,
@@ -61,7 +72,7 @@ SEEDS = {
     "microbenchmarks/clocks.timers": 4.0, "microbenchmarks/clocks.skew": 1.0, "microbenchmarks/clocks.launch": 1.0,
     "microbenchmarks/clocks.instrumentation": 5.0,
     "gate quality/gate quality": 3.0, "tune/tune": 3.0, "report/report": 20.0,
-    "cross-GPU microbenchmarks/xgpu": 60.0,  # one full session of xgpu.* (2026-11-30 14:55-14:57Z)
+    "cross-GPU microbenchmarks/xgpu": 60.0,  # one session of xgpu.*, read off the committed results' times
 }
 KIND_SEEDS = {"microbenchmark": 4.0}
 
@@ -88,17 +99,15 @@ def add_parser(sub) -> None:
 
 
 def _raw():
-    import argparse
-
     return argparse.RawDescriptionHelpFormatter
 
 
 # ---------------------------------------------------------------------- the stages' items
 def megakernel_stage(**kw):
-    """megakernel.pipeline.Stage(**kw) if that module exists, else None (the stage is not available)."""
-    if importlib.util.find_spec("megakernel") is None or importlib.util.find_spec("megakernel.pipeline") is None:
-        return None
-    return importlib.import_module("megakernel.pipeline").Stage(**kw)
+    """megakernel.pipeline.Stage(**kw): the megakernel stage's items."""
+    from megakernel.pipeline import Stage  # heavy: torch (megakernel.plan)
+
+    return Stage(**kw)
 
 
 class _Run:
@@ -112,8 +121,6 @@ class _Run:
     @property
     def h(self):
         if self._h is None:
-            from .harness import Harness
-
             self._h = Harness()
         return self._h
 
@@ -132,12 +139,8 @@ class _Run:
 def build_constants(current: Path):
     """The constants the megakernel stage builds from: the revision adopted in the constants folder
     of `current` (microbench/adopt.py), not the one tune has just written. A re-tuned ring or budget
-    reaches the build only after it has been measured and adopted (issue 45: a fresh run re-tuned
-    the ring and the L2 budget and the megakernel built from them unmeasured). Without an adoption
-    there, the fresh revision, said out loud."""
-    from .adopt import load_adopted, load_adoption
-    from .tune import load_constants
-
+    reaches the build only after it has been measured and adopted, never unmeasured. Without an
+    adoption there, the fresh revision, said out loud."""
     fresh = load_constants(current)
     rec = load_adoption(fresh.gpu, current.parent)
     if rec is None:
@@ -147,7 +150,7 @@ def build_constants(current: Path):
     if rec["revision"] != fresh.revision:
         print(f"megakernel: builds the adopted revision {rec['revision']}, not revision {fresh.revision} that tune has "
               f"just written; to move the build: MEGABENCH_CONSTANTS={current.parent}/history/<its file> "
-              "python -m megakernel.cli check-and-bench, then `megabench adopt`", flush=True)
+              "megabench mk check-and-bench, then `megabench adopt`", flush=True)
     return load_adopted(fresh.gpu, current.parent)
 
 
@@ -155,79 +158,56 @@ def _selected(classes) -> tuple[dict, bool]:
     """({benchmark: run} for the microbenchmark stage, whether the naive torch baselines were asked
     for by name: `--classes model`; `--full` runs them too). The default run leaves them out: they
     are the model written plainly in torch, not what anyone would run (the peer is the competent
-    baseline, and runs by default), they cost ~36 s of the 300 s budget at small alone, and at
-    shard8 they ran out of memory beside the megakernel's tiled weights (H200, 2026-12-01 19:10Z)."""
-    from .registry import CLASSES, benchmarks
-
-    todo = benchmarks(classes)
+    baseline, and runs by default), they would take a large share of the budget, and at shard8 they
+    do not fit in memory beside the megakernel's tiled weights."""
+    todo = classes_.benchmarks(classes)
     return {k: v for k, v in todo.items() if not k.startswith("model.")}, bool(classes and "model" in classes)
 
 
 def items(args, root: Path, gpu: bool):
     """Every item of the run, in order (microbench.progress.Item); skipped stages are items with
     the reason."""
-    from .progress import Item
-
     run = _Run(args, root)
     out = []
     if not gpu:
         out.append(Item("microbenchmarks", "all", None, skip="no GPU"))
         out.append(Item("cross-GPU microbenchmarks", "xgpu", None, skip="no GPU; they need 2 or more"))
         out.append(Item("tune", "tune", partial(_tune_cpu, root, args)))
-        mk = ("no GPU" if importlib.util.find_spec("megakernel.pipeline")
-              else "no GPU; megakernel.pipeline not available yet")
-        out.append(Item("megakernel", "all", None, skip=mk))
+        out.append(Item("megakernel", "all", None, skip="no GPU"))
     else:
         micro, baselines = _selected(args.classes)
         out += [Item("microbenchmarks", name, partial(run.bench, fn), "microbenchmark") for name, fn in micro.items()]
-        from .xgpu import launcher
-
         _, why = launcher.gpus_or_reason()
         out.append(Item("cross-GPU microbenchmarks", "xgpu", partial(_xgpu, args.full), skip=why or None))
         out.append(Item("gate quality", "gate quality", partial(_quality, root)))
         run.mega = megakernel_stage(quick=not args.full, ablate=args.full, timeline=args.full, detail=args.full,
                                     baselines=baselines or args.full)
         out.append(Item("tune", "tune", partial(run.tune, args.constants_out)))
-        if run.mega is None:
-            out.append(Item("megakernel", "all", None, skip="megakernel.pipeline is not available yet"))
-        else:
-            out += run.mega.items("megakernel")
+        out += run.mega.items("megakernel")
     out.append(Item("report", "report", partial(_report, root, args.out),
                     skip="--no-report" if args.no_report else None))
     return out
 
 
 def estimates(gpu_name: str | None, quick: bool, root: Path):
-    from .progress import Estimates
-    from .results import REPO_ROOT
+    from megakernel import pipeline as mk  # heavy: torch (megakernel.plan)
 
     seeds, kinds = dict(SEEDS), dict(KIND_SEEDS)
-    if importlib.util.find_spec("megakernel.pipeline") is not None:
-        mk = importlib.import_module("megakernel.pipeline")
-        seeds.update({f"megakernel/{k}": v for k, v in mk.SEEDS.items()})
-        kinds.update(mk.KIND_SEEDS)
+    seeds.update({f"megakernel/{k}": v for k, v in mk.SEEDS.items()})
+    kinds.update(mk.KIND_SEEDS)
     return Estimates.load(gpu_name, quick, [root, REPO_ROOT / "reports" / "results"], seeds, kinds)
 
 
 # ---------------------------------------------------------------------- the command
 def _cmd(args) -> int:
-    import os
-
-    from .device import no_gpu_reason
-    from .progress import Progress
-    from .registry import CLASSES
-    from .results import results_root
-
-    unknown = sorted(set(args.classes or ()) - set(CLASSES))
+    unknown = sorted(set(args.classes or ()) - set(classes_.NAMES))
     if unknown:
-        print(f"megabench run: unknown classes {unknown}; known: {list(CLASSES)}", file=sys.stderr)
+        print(f"megabench run: unknown classes {unknown}; known: {list(classes_.NAMES)}", file=sys.stderr)
         return 2
     reason = no_gpu_reason()
     root = args.results or results_root()
     gpu_name = None
     if reason is None:
-        from .device import device_info
-
         gpu_name = device_info().name
         os.environ["MEGABENCH_RESULTS"] = str(root)  # benchmarks save where tune and report read
     else:
@@ -258,11 +238,7 @@ def _cmd(args) -> int:
     rc = _finish(pr)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
-        from .cli import leave
-
-        # every result is saved by now: leave without the interpreter's teardown, which aborted
-        # `megabench run` at exit on two fresh H200 machines ("double free or corruption", rc 134,
-        # 2026-12-01) as it did `megabench bench` (cli.leave)
+        # every result is saved by now: leave without the interpreter's teardown (microbench.teardown)
         leave(rc)
     return rc
 
@@ -272,16 +248,12 @@ def _say(line: str) -> None:
 
 
 def _xgpu(full: bool) -> None:
-    from .xgpu import launcher
-
     rc = launcher.run(full=full)
     if rc:
         raise RuntimeError(f"torchrun exited with {rc} (the ranks' output above names the failure)")
 
 
 def _quality(root: Path):
-    from .gate_quality import pipeline_step
-
     print(pipeline_step(root))  # the analysis of recorded quality runs: seconds, no GPU
 
 
@@ -293,16 +265,12 @@ def _tune_cpu(root: Path, args) -> Path:
 
 
 def _tune(root: Path, out_dir: Path | None) -> Path:
-    from .tune import summary, tune
-
     doc, cur, rev, created = tune(root, None, out_dir)
     print(summary(doc, cur, rev, created))
     return cur
 
 
 def _report(root: Path, out: Path | None) -> Path:
-    from reports.build import build
-
     p = build(root, out)
     print(f"    report: {p}")
     return p
