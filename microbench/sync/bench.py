@@ -619,7 +619,7 @@ BENCHMARKS = {"sync.flags": run_flags, "sync.fences": run_fences, "sync.publish"
 
 # ============================================================================ pytest-benchmark cases
 # Flag placements a ping-pong or publish case averages over. Where a flag lies decides its L2 round
-# trip: in one process on the H200 (2026-12-02; reports/notes/2026-12-02-h200-session-2.md), 8
+# trip: in one process on the H200 (2026-12-02; reports/notes/h200-sessions.md), 8
 # separate allocations timed in 4 interleaved passes were each steady to 0.1-0.5%, but the 8
 # differed by -3.4..+3.8% (ping-pong) and -1.0..+2.9% (256 B publish). With one allocation a case,
 # each process of the A/B gate had an offset of its own (a worker 7% off another of the same

@@ -192,7 +192,7 @@ def probe_clusters(h, sizes=(2, 4, 8), waves: int = 3) -> list[list[int]]:
 # workers (many cases prepared in one process) the fence probe's loader read a reused watchdog
 # word as "tripped" and stopped after 80 KiB instead of streaming 17.8 MB, so the case timed
 # fences with no bulk loads in flight: 171 or 181 us in the workers against 263 us in a fresh
-# process (H200, reports/notes/2026-12-02-h200-session-3.md). Kept alive, a launch's memory is its own.
+# process (H200, reports/notes/h200-sessions.md). Kept alive, a launch's memory is its own.
 
 # ============================================================================ ping-pong
 PP = Layout(source("flags.cu"), "PPParam", "PP_", "PP_NPARAMS")
