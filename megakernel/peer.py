@@ -1,10 +1,11 @@
-"""The peer baseline: one decode/verify step as a serving engine runs it at batch 1 on Hopper.
-
-What a user would run instead of the megakernel, built with the libraries a serving engine uses:
-  - experts: a Triton fused-MoE (peer_kernels.moe_up / moe_down) that touches only the routed
-    experts and dequantises NVFP4 in registers, after a routing kernel that does top-k and the
-    serving engines' sort/align of token-expert pairs (peer_kernels.route); its block sizes are
-    tuned on the GPU by a small sweep (`tune_moe`);
+"""The peer baseline: one decode/verify step at batch 1 on Hopper from a serving engine's generic
+pieces. Not what a serving engine runs for NVFP4 experts on Hopper (a Marlin-class MoE kernel:
+reports/notes/peer-baseline.md). Built from:
+  - experts: a Triton fused-MoE in the style of vLLM's generic Triton fused-MoE kernel
+    (peer_kernels.moe_up / moe_down) that touches only the routed experts and dequantises NVFP4
+    in registers, after a routing kernel that does top-k and the generic kernel's sort/align of
+    token-expert pairs (peer_kernels.route); its block sizes are tuned on the GPU by a small
+    sweep (`tune_moe`);
   - dense projections: cuBLAS through torch.mm (bf16 x bf16 -> fp32, the reference's precision);
     the router and the pooler are one GEMM (their weights stacked once, the pooler's rows in the
     experts' plane order);

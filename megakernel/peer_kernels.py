@@ -1,4 +1,5 @@
-"""Triton kernels of the peer baseline (peer.py): the decode step as a serving engine runs it.
+"""Triton kernels of the peer baseline (peer.py): a fused MoE in the style of vLLM's generic Triton
+fused-MoE kernel, and the small ops around it.
 
 Kernels (one launch each, per layer unless said):
   add_rmsnorm    x += delta (fp32 residual), h = bf16(rmsnorm(x) * g); or x = embed[token] first
@@ -9,8 +10,9 @@ Kernels (one launch each, per layer unless said):
   attn_combine   merges the splits' partials (log-sum-exp) -> bf16 [T, Hq hd]
   route          one program: top-k of the router logits (ties to the lower index, like
                  reference.topk_route) or the forced routes, softmax of the k logits, then the
-                 serving engines' "align": token-expert pairs sorted by expert, each expert's run
-                 padded to whole BLOCK_M blocks, the expert of every block, the block count
+                 "align" of vLLM's generic fused MoE: token-expert pairs sorted by expert, each
+                 expert's run padded to whole BLOCK_M blocks, the expert of every block, the block
+                 count
   moe_up         fused MoE gate/up for the routed experts only: one program per (BLOCK_N gate
                  rows and the same up rows, expert block; the static grid's padding blocks exit
                  at once, after the live ones in launch order); NVFP4 dequantised in registers, bf16

@@ -8,7 +8,7 @@ Defaults are conservative: they keep the megakernel correct and safe, not fast.
 
 `feeds_build` marks the constants the megakernel build reads (megakernel/plans.py plan_for,
 technique_switches, code_budget): those must come out the same from two runs on two machines
-(tests/test_stability.py), and the build reads them only from an adopted constants revision
+(`python -m microbench.stability`), and the build reads them only from an adopted constants revision
 (microbench/adopt.py), never straight from whatever tune last wrote.
 
 RENAMED maps a constant's old name to its new one (an older constants revision still loads:

@@ -71,7 +71,7 @@ IMPL_LABELS = {
     "chain": "kernel chain (ours: same ops, a launch each, CUDA graph, PDL)",
     "chain_pdl": "kernel chain with PDL (ours)",
     "chain_nopdl": "kernel chain without PDL (ours)",
-    "peer": "peer: Triton fused MoE + cuBLAS, one CUDA graph",
+    "peer": "peer: Triton fused MoE (vLLM's generic kernel style) + cuBLAS, one CUDA graph",
     "peer_compile": "peer's torch parts under torch.compile",
     "torch_compile": "naive torch expression, torch.compile",
     "torch_graph": "naive torch expression, CUDA graph",

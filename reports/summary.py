@@ -115,7 +115,11 @@ def step_caption(rows: Sequence[mk.StepRow]) -> str:
             "configuration, the naive torch expressions their fastest committed run (date and commit in `measured`: "
             "a ratio across two runs is one of those). \"naive torch expression\": the model written plainly "
             "in torch, which dequantises every padded expert slot to bf16 each step; it is not what a serving "
-            "engine runs.")
+            "engine runs. \"peer\": our Triton fused MoE in the style of vLLM's generic Triton fused-MoE kernel, "
+            "cuBLAS for the dense ops, one CUDA graph; for NVFP4 experts on Hopper a serving engine runs a "
+            "Marlin-class MoE kernel instead, which reaches about twice the read-ceiling share of the peer's "
+            "fused MoE (a reading of published figures at another shape and GPU, not measured here: "
+            "reports/notes/peer-baseline.md).")
 
 
 def study_verify_line(rows: Sequence[mk.StepRow]) -> str | None:

@@ -1,12 +1,17 @@
 """Synthetic typed results for CPU tests of tune, report and gate (no GPU, known answers)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from microbench.constants import SPECS
 from microbench.results import Bound, Derived, Env, Result, Series
 
 H200 = "NVIDIA H200"
+# small copies of committed files, each named with its source in tests/fixtures/README.md: what a
+# test reads from them stays put when a new GPU run or a prune changes reports/
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def env(gpu=H200, date="2026-11-29T10:00:00Z", sha="abc1234", clock=1980) -> Env:

@@ -1,40 +1,44 @@
 """The megakernel builds from an adopted constants revision, never from what tune wrote last;
 adopting needs a measurement of the build with that revision; pinned constants keep their value
-and say why. CPU only: constants folders are copied to tmp_path."""
+and say why. CPU only: constants folders are copied to tmp_path.
+
+The constants folder here is a fixture (tests/fixtures/constants: the committed folder as it was
+with revision 4 adopted and 5 current, provenance strings shortened), so a new tune, adoption or
+pin in reports/constants changes nothing these tests assert."""
 from __future__ import annotations
 
 import json
 import shutil
 
 import pytest
-from megabench_synth import H200, class_results, env, save_all, series
+from megabench_synth import FIXTURES, H200, class_results, env, save_all, series
 
 from microbench import adopt
 from microbench import pins as pins_mod
 from microbench.errors import ResultsFileError
-from microbench.results import REPO_ROOT, Result
+from microbench.results import Result
 
-COMMITTED = REPO_ROOT / "reports" / "constants"
+CONSTANTS = FIXTURES / "constants"  # a copy of reports/constants at revision 4 adopted, 5 current
 
 
 @pytest.fixture
 def cdir(tmp_path, monkeypatch):
-    """A copy of the committed constants folder, made the constants folder."""
+    """A copy of the fixture constants folder, made the constants folder."""
     d = tmp_path / "constants"
-    shutil.copytree(COMMITTED, d)
+    shutil.copytree(CONSTANTS, d)
     monkeypatch.setenv("MEGABENCH_CONSTANTS_DIR", str(d))
     monkeypatch.delenv("MEGABENCH_CONSTANTS", raising=False)
     return d
 
 
-def test_the_committed_adoption_loads_revision_4_with_renamed_constants():
-    c = adopt.load_adopted(H200, COMMITTED)
+def test_an_adopted_revision_older_than_a_rename_loads_under_the_new_names():
+    c = adopt.load_adopted(H200, CONSTANTS)
     assert c.revision == 4 and (c.ring_stages, c.ring_stage_bytes) == (2, 32 * 1024)
     assert c.l2_prefetch_budget_bytes == 40 << 20
     # revision 4 predates the icache rename: its values load under the new names, saying so
     assert c.icache_sm_bytes == 11264 and "renamed since" in c.provenance["icache_sm_bytes"]["note"]
     assert all(p.get("adopted") for p in c.provenance.values())
-    assert adopt.load_adopted(None, COMMITTED).revision == 4  # the only adoption
+    assert adopt.load_adopted(None, CONSTANTS).revision == 4  # the only adoption
 
 
 def _new_revision(cdir, **values):
@@ -109,7 +113,7 @@ def test_pins_hold_a_constant_and_record_what_was_measured(tmp_path):
 
     res = tmp_path / "results"
     save_all(class_results(), res)
-    pins = pins_mod.load_pins(H200, COMMITTED)
+    pins = pins_mod.load_pins(H200, CONSTANTS)
     assert set(pins) == {"l2_prefetch_budget_bytes", "spin_bound_ns", "poll_backoff_ns"}
     assert pins["l2_prefetch_budget_bytes"].value == 40 << 20
     assert pins["spin_bound_ns"].value == 20_000_000  # its rule gave 20 and 10 ms on two fresh machines
@@ -131,7 +135,7 @@ def test_pins_hold_a_constant_and_record_what_was_measured(tmp_path):
     (lambda d: d.update(gpu="NVIDIA H100"), "pins for"),
 ])
 def test_bad_pins_are_refused(tmp_path, edit, message):
-    d = json.loads((COMMITTED / "pins" / "nvidia-h200.json").read_text())
+    d = json.loads((CONSTANTS / "pins" / "nvidia-h200.json").read_text())
     edit(d)
     (tmp_path / "pins").mkdir()
     (tmp_path / "pins" / "nvidia-h200.json").write_text(json.dumps(d))
@@ -142,8 +146,9 @@ def test_bad_pins_are_refused(tmp_path, edit, message):
 def test_older_megakernel_results_are_credited_with_their_commit_s_revision():
     from microbench.results import find, load
 
-    files = [p for p in find("megakernel.build", REPO_ROOT / "reports" / "results") if "58f75e5" in p.name]
-    if not files or adopt.revision_at_commit("58f75e5", H200) is None:
-        pytest.skip("the commit 58f75e5 or its result is not in this checkout")
+    files = [p for p in find("megakernel.build", FIXTURES / "results") if "58f75e5" in p.name]
+    assert files, "the fixture copy of the megakernel.build result of 58f75e5"
+    if adopt.revision_at_commit("58f75e5", H200) is None:
+        pytest.skip("the commit 58f75e5 is not in this checkout's git history")
     rev, how = adopt.result_revision(load(files[0]))
     assert rev == 4 and "58f75e5" in how

@@ -30,11 +30,12 @@ def _files(*dirs) -> dict[str, bytes]:
 
 @pytest.fixture
 def copies(tmp_path, monkeypatch):
-    """(results root with synthetic H200 results, a copy of the committed constants folder), and
-    $MEGABENCH_CONSTANTS_DIR / $MEGABENCH_RESULTS pointing at them."""
+    """(results root with synthetic H200 results, a copy of the fixture constants folder: a copy of
+    the committed one that a new tune or adoption does not change), and $MEGABENCH_CONSTANTS_DIR /
+    $MEGABENCH_RESULTS pointing at them."""
     res, const = tmp_path / "results", tmp_path / "constants"
     save_all(class_results(), res)
-    shutil.copytree(REPO_ROOT / "reports" / "constants", const)
+    shutil.copytree(REPO_ROOT / "tests" / "fixtures" / "constants", const)
     monkeypatch.setenv("MEGABENCH_CONSTANTS_DIR", str(const))
     monkeypatch.setenv("MEGABENCH_RESULTS", str(res))
     monkeypatch.delenv("MEGABENCH_CONSTANTS", raising=False)

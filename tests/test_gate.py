@@ -251,11 +251,16 @@ def test_cli_pytest_benchmark(tmp_path, capsys):
 
 
 def test_committed_h200_files_gate_against_themselves():
+    """Every committed result loads as gate measurements, each with its GPU, and the basics class
+    judged against itself is the same everywhere it is judged. No count or GPU of the committed
+    runs is asserted: a new GPU run or a prune changes those."""
     res = REPO_ROOT / "reports" / "results"
     ms = load_measurements(res)
-    assert ms and all(m.gpu_key == KEY for m in ms if "basics" in m.key)
-    rep = compare([m for m in ms if m.key.startswith("basics.")], [m for m in ms if m.key.startswith("basics.")])
-    assert rep.count("regression") == 0 and rep.count("same") >= 8
+    assert ms and all(m.gpu_key and m.samples for m in ms)
+    basics = [m for m in ms if m.key.startswith("basics.")]
+    rep = compare(basics, basics)
+    judged = [v.verdict for v in rep.verdicts if v.verdict != "not gated"]
+    assert judged and set(judged) == {"same"}
     bench = sorted((REPO_ROOT / "reports" / "benchmarks").glob("*.json"))
     if bench:
         pm = load_measurements(bench[0], assume_gpu=KEY)

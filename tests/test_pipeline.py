@@ -109,12 +109,14 @@ def test_run_with_gpu_pipeline_order(tmp_path, capsys, monkeypatch):
 
 def test_megakernel_stage_builds_the_adopted_revision_not_the_fresh_one(tmp_path, capsys):
     """Issue 45: a fresh run re-tuned the ring and the L2 budget and the megakernel built from them
-    unmeasured. With an adoption in the constants folder, the stage builds that revision."""
+    unmeasured. With an adoption in the constants folder, the stage builds that revision. The folder
+    is the fixture copy of the committed one (revision 4 adopted, 5 current): a new adoption in
+    reports/constants does not change what this asserts."""
     import json
     import shutil
 
     c = tmp_path / "c"
-    shutil.copytree(REPO_ROOT / "reports" / "constants", c)
+    shutil.copytree(REPO_ROOT / "tests" / "fixtures" / "constants", c)
     cur = json.loads((c / "nvidia-h200.json").read_text())
     doc = json.loads((c / cur["revision_file"]).read_text())
     doc["constants"]["ring_stages"]["value"] = 3

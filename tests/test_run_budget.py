@@ -231,7 +231,7 @@ def test_stage_compiles_every_build_its_items_ask_for_in_spawned_processes(monke
     from microbench.tune import load_constants
 
     st = Stage(quick=True, presets=("tiny", "small"), ablate=False, log=lambda *a: None, compile_workers=2,
-               constants=load_constants(REPO_ROOT / "reports" / "constants" / "nvidia-h200.json"))
+               constants=load_constants(REPO_ROOT / "tests" / "fixtures" / "constants" / "nvidia-h200.json"))
     st._h = types.SimpleNamespace(info=types.SimpleNamespace(sm_count=132, name=H200))
     plans = st.plans_needed()
     assert plans[0] == st.plan("tiny") and {st.plan("small", t) for t in (1, 16)} <= set(plans)
