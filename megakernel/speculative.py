@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from microbench.stats import bootstrap_ci
+
 from . import reference
 from . import tree as treelib
 from .config import ConfigError
@@ -166,6 +168,43 @@ def speculative_decode(w: ModelWeights, cache: reference.KVCache, prompt: Sequen
     return res
 
 
+# Named drafter agreements (DraftConfig.agree) for `megabench decode --acceptance NAME`. "study":
+# the agreement at which the pair's measured mean acceptance on a 16-token binary_ish(16, 3) tree
+# comes to the study's 6.6 (the calibration and its measured mean are in the decode results;
+# `megabench decode --acceptance study` measures it again). "perfect": the drafter knows the
+# whole backbone, so only the target's own departures from it end a path.
+ACCEPTANCE = {"study": 0.87, "perfect": 1.0}
+
+
+def agreement(name: str) -> float:
+    try:
+        return ACCEPTANCE[name]
+    except KeyError:
+        raise ConfigError(f"unknown acceptance configuration {name!r}; have {sorted(ACCEPTANCE)}") from None
+
+
+def histogram(lengths: Sequence[int], n_max: int) -> list[int]:
+    """Counts of steps that emitted 1..n_max tokens (index 0: one token, the bonus alone)."""
+    out = [0] * n_max
+    for a in lengths:
+        if not 1 <= a <= n_max:
+            raise ConfigError(f"an acceptance length of {a} outside 1..{n_max}")
+        out[a - 1] += 1
+    return out
+
+
+def depth_rates(lengths: Sequence[int], max_depth: int) -> list[float]:
+    """Acceptance rate at each draft depth d = 1..max_depth: of the steps whose path reached depth
+    d - 1, the share that accepted a draft at depth d (NaN where none reached it). A step that
+    emitted a tokens accepted a - 1 drafts, so it reached depths 0..a-1 and accepted 1..a-1."""
+    out = []
+    for d in range(1, max_depth + 1):
+        reached = sum(1 for a in lengths if a - 1 >= d - 1)
+        took = sum(1 for a in lengths if a - 1 >= d)
+        out.append(took / reached if reached else float("nan"))
+    return out
+
+
 @dataclass(frozen=True)
 class AcceptanceReport:
     lengths: tuple[int, ...]  # tokens emitted per verify step, every step of every prompt
@@ -175,25 +214,40 @@ class AcceptanceReport:
     n_prompts: int
     n_tree: int
     branch_depth: int
+    histogram: tuple[int, ...] = ()  # steps that emitted 1, 2, ... n_tree tokens
+    depth_rates: tuple[float, ...] = ()  # acceptance rate at draft depth 1, 2, ...
+
+
+def summarise(lengths: Sequence[int], follow_rate: float, n_prompts: int, n_tree: int,
+              branch_depth: int) -> AcceptanceReport:
+    """An AcceptanceReport of measured acceptance lengths (mean, bootstrap interval, histogram,
+    per-depth rates over the tree's deepest path)."""
+    if not lengths:
+        raise ConfigError("no verify steps to summarise")
+    arr = np.asarray(lengths, dtype=float)
+    lo, hi = bootstrap_ci(arr, stat=np.mean)
+    parents = treelib.binary_ish(n_tree, branch_depth) if branch_depth > 0 else treelib.chain(n_tree)
+    return AcceptanceReport(tuple(int(a) for a in lengths), float(arr.mean()), (float(lo), float(hi)), follow_rate,
+                            n_prompts, n_tree, branch_depth, tuple(histogram(lengths, n_tree)),
+                            tuple(depth_rates(lengths, max(treelib.depths(parents)))))
+
+
+def follow_rate(succ: torch.Tensor, seq: Sequence[int]) -> tuple[int, int]:
+    """(tokens equal to succ(previous), transitions) over a token sequence."""
+    s = succ.cpu()
+    return sum(int(s[a]) == b for a, b in zip(seq[:-1], seq[1:])), max(len(seq) - 1, 0)
 
 
 def measure_acceptance(w: ModelWeights, prompts: Sequence[Sequence[int]], n_new: int, drafter,
                        verifier: Verifier = reference.step, n_tree: int | None = None, branch_depth: int = 3,
                        cache_factory: Callable[[], reference.KVCache] | None = None) -> AcceptanceReport:
     """Run the speculative loop on each prompt from an empty cache and summarise acceptance."""
-    from microbench.stats import bootstrap_ci
-
     lengths: list[int] = []
     follow = total = 0
-    succ = w.succ.cpu()
     for prompt in prompts:
         cache = cache_factory() if cache_factory else reference.KVCache(w.cfg, device=w.device)
         r = speculative_decode(w, cache, prompt, n_new, drafter, verifier, n_tree, branch_depth)
         lengths += r.acceptance_lengths
-        seq = [int(prompt[-1])] + r.tokens
-        follow += sum(int(succ[a]) == b for a, b in zip(seq[:-1], seq[1:]))
-        total += len(seq) - 1
-    arr = np.asarray(lengths, dtype=float)
-    lo, hi = bootstrap_ci(arr, stat=np.mean)
-    return AcceptanceReport(tuple(lengths), float(arr.mean()), (float(lo), float(hi)), follow / max(total, 1),
-                            len(prompts), n_tree or w.cfg.max_tree, branch_depth)
+        f, n = follow_rate(w.succ, [int(prompt[-1])] + r.tokens)
+        follow, total = follow + f, total + n
+    return summarise(lengths, follow / max(total, 1), len(prompts), n_tree or w.cfg.max_tree, branch_depth)

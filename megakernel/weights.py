@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .fp4_layout import canonical_scales, from_kernel_words, to_kernel_words
 from .nvfp4 import NVFP4Tensor, random_nvfp4
 
@@ -104,11 +104,21 @@ def _bank(cfg: ModelConfig, n: int, k: int, std: float, g, device) -> ExpertBank
     return ExpertBank.from_natural([random_nvfp4(n, k, std, g, device=device) for _ in range(cfg.n_experts)], device)
 
 
-def generate(cfg: ModelConfig, device="cpu", seed: int | None = None) -> ModelWeights:
+def generate(cfg: ModelConfig, device="cpu", seed: int | None = None,
+             share: ModelWeights | None = None) -> ModelWeights:
     """Deterministic weights for `cfg` on `device` (the same seed on another device type draws
-    different numbers: generators are per device type)."""
+    different numbers: generators are per device type). `share`: another model's weights whose
+    embedding, final norm, LM head and successor table this model uses as they are (the same
+    tensors, not copies: a drafter reads the target's vocabulary projections); its vocabulary and
+    width must be cfg's."""
     cfg.validate()
     device = torch.device(device)
+    if share is not None and (share.cfg.vocab, share.cfg.d_model) != (cfg.vocab, cfg.d_model):
+        raise ConfigError(f"{cfg.name} shares {share.cfg.name}'s embedding and LM head: vocab x d_model "
+                          f"{cfg.vocab} x {cfg.d_model} != {share.cfg.vocab} x {share.cfg.d_model}")
+    if share is not None and share.device != device:
+        raise ConfigError(f"{cfg.name} shares {share.cfg.name}'s tensors: both must be on one device "
+                          f"({device} != {share.device})")
     g = torch.Generator(device=device)
     g.manual_seed(cfg.seed if seed is None else seed)
     d, p, f, rs = cfg.d_model, cfg.d_pool, cfg.d_expert, cfg.residual_scale
@@ -125,14 +135,35 @@ def generate(cfg: ModelConfig, device="cpu", seed: int | None = None) -> ModelWe
             w2=_bank(cfg, p, f, 2 / math.sqrt(f), g, device),
             unpool=_randn((d, p), rs / math.sqrt(p), g, device),
         ))
+    cos, sin = rope_tables(cfg, device)
+    if share is not None:
+        return ModelWeights(cfg, share.embed, share.final_norm, share.lm_head, layers, cos, sin, share.succ)
     embed = torch.randn((cfg.vocab, d), generator=g, device=device, dtype=torch.float32)
     succ = torch.randperm(cfg.vocab, generator=g, device=device)
     pred = torch.empty_like(succ)
     pred[succ] = torch.arange(cfg.vocab, device=device)
     noise = torch.randn((cfg.vocab, d), generator=g, device=device, dtype=torch.float32)
     lm_head = (cfg.backbone * embed[pred] + noise) / math.sqrt(d)
-    cos, sin = rope_tables(cfg, device)
     return ModelWeights(cfg, embed.to(BF16), _gain(d, g, device), lm_head.to(BF16), layers, cos, sin, succ)
+
+
+def disagreeing_successors(succ: torch.Tensor, agree: float, seed: int) -> tuple[torch.Tensor, int]:
+    """A successor permutation equal to `succ` on a fraction `agree` of the tokens and different on
+    the rest: (table, number of tokens where it differs). The tokens that differ, a seeded random
+    set S, take each other's successors in a cycle (S[i] -> succ[S[i-1]]), so the table stays a
+    permutation and no token of S keeps its own successor. |S| is (1 - agree) x vocab rounded to a
+    count a cycle can derange (0 or at least 2)."""
+    if not (isinstance(agree, (int, float)) and math.isfinite(agree) and 0.0 <= agree <= 1.0):
+        raise ConfigError(f"agree {agree!r}: want a fraction of tokens from 0 to 1")
+    n = succ.numel()
+    k = int(round((1.0 - agree) * n))
+    k = 0 if k < 1 else max(k, 2)
+    out = succ.clone()
+    if k:
+        g = torch.Generator().manual_seed(seed)
+        s = torch.randperm(n, generator=g)[:k].to(succ.device)
+        out[s] = succ[s.roll(1)]
+    return out, k
 
 
 def weight_bytes(w: ModelWeights) -> int:

@@ -9,7 +9,7 @@ import torch
 
 from megakernel import config, draft, reference, speculative as sp, tree
 from megakernel.config import ConfigError
-from megakernel.weights import generate
+from megakernel.weights import disagreeing_successors, generate
 
 F64 = torch.float64
 N_NEW = 23
@@ -110,16 +110,69 @@ def test_drafter_proposes_fifteen_tokens_in_one_pass(setup):
     cfg, w, prompt, _ = setup
     dm = draft.DraftModel(w)
     assert len(dm.layers) == draft.STUDY_DRAFT_LAYERS == 5
+    assert dm.w.embed is w.embed and dm.w.lm_head is w.lm_head and dm.w.final_norm is w.final_norm  # shared
+    assert dm.cfg.vocab == cfg.vocab and dm.cfg.n_layers == 5 and dm.cfg.max_context == draft.DRAFT_CONTEXT
     p = dm.propose(prompt, 3)
     assert tuple(p.shape) == (15, 2) and dm.passes == 1
     assert bool((p[:, 0] != p[:, 1]).all())
     assert "5 layers" in draft.describe(dm)
-    # with its layers switched off the stand-in is exactly the backbone chain (shared LM head)
-    plain = draft.DraftModel(generate(config.preset("tiny")), draft.DraftConfig(mix=0.0))
-    seeds = plain.seeds(prompt[-1])
-    assert torch.equal(plain.propose(prompt, 3)[:, 0], plain.target.succ[seeds])
+    # with its layers switched off the drafter's top-1 is the target's backbone successor of each
+    # seed (shared LM head); its seeds follow its own table, which disagrees on 1 - agree
+    for agree in (1.0, 0.5):
+        plain = draft.DraftModel(generate(config.preset("tiny")), draft.DraftConfig(mix=0.0, agree=agree))
+        seeds = plain.seeds(prompt[-1])
+        assert torch.equal(seeds[1:], plain.w.succ[seeds[:-1]])
+        assert torch.equal(plain.propose(prompt, 3)[:, 0], plain.target.succ[seeds])
     with pytest.raises(ConfigError, match="mix"):
         draft.DraftConfig(mix=-1.0).validate()
+    with pytest.raises(ConfigError, match="agree"):
+        draft.DraftConfig(agree=1.5).validate()
+    with pytest.raises(ConfigError, match="n_slots"):
+        draft.DraftConfig(n_slots=16).validate()
+
+
+def test_disagreeing_successors_differ_on_exactly_their_share():
+    g = torch.Generator().manual_seed(1)
+    succ = torch.randperm(1000, generator=g)
+    for agree, k in ((1.0, 0), (0.9, 100), (0.9995, 0), (0.998, 2), (0.0, 1000)):
+        d, n = disagreeing_successors(succ, agree, seed=5)
+        assert n == k
+        assert torch.equal(torch.sort(d).values, torch.arange(1000))  # still a permutation
+        assert int((d != succ).sum()) == k  # no token of the set keeps its successor
+    assert torch.equal(disagreeing_successors(succ, 0.9, 5)[0], disagreeing_successors(succ, 0.9, 5)[0])
+    with pytest.raises(ConfigError, match="agree"):
+        disagreeing_successors(succ, -0.1, 5)
+
+
+def test_histogram_and_depth_rates_on_hand_made_lengths():
+    lengths = [1, 3, 3, 13, 2]
+    assert sp.histogram(lengths, 16)[:4] == [1, 1, 2, 0] and sum(sp.histogram(lengths, 16)) == 5
+    r = sp.depth_rates(lengths, 12)
+    # depth 1: all 5 reached it, 4 accepted a draft there; depth 2: 4 reached, 3 took; depth 3: 3 -> 1
+    assert r[:3] == [4 / 5, 3 / 4, 1 / 3] and r[11] == 1.0
+    assert all(x == 1.0 for x in r[3:])  # only the 13-token step got past depth 3
+    with pytest.raises(ConfigError, match="outside 1..16"):
+        sp.histogram([17], 16)
+    rep = sp.summarise(lengths, 1.0, 1, 16, 3)
+    assert rep.histogram == tuple(sp.histogram(lengths, 16)) and len(rep.depth_rates) == 12
+
+
+def test_agreement_sets_the_measured_acceptance():
+    """The knob works on the synthetic pair: lower agreement, shorter accepted paths; the named
+    "study" agreement measures 6.6 +- 0.5 on tiny (a fresh measurement of this pair, seeded)."""
+    cfg = config.preset("tiny")
+    w = generate(cfg)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, cfg.vocab, (8,), generator=g).tolist() for _ in range(16)]
+    means = {}
+    for name in ("perfect", "study"):
+        dm = draft.DraftModel(w, draft.DraftConfig(agree=sp.agreement(name)))
+        means[name] = sp.measure_acceptance(w, prompts if name == "study" else prompts[:2], 100, dm)
+    assert means["perfect"].mean == 13.0  # every path reaches the main chain's end (12 drafts + bonus)
+    assert abs(means["study"].mean - 6.6) <= 0.5, means["study"].mean
+    assert min(means["study"].depth_rates) < 1.0 and sum(means["study"].histogram) == len(means["study"].lengths)
+    with pytest.raises(ConfigError, match="unknown acceptance"):
+        sp.agreement("stduy")
 
 
 def test_verifier_is_pluggable(setup):
