@@ -38,6 +38,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from microbench.errors import ResultsFileError
+from microbench.results import REPO_ROOT, latest
+
+from .config import preset as get_preset
+from .roofline import kv_row_bytes, kv_rows_read, roofline
+
 # a layer launch's ops in program order (program.build), and each op's producers in that launch
 CHAIN = ("attn", "attn_combine", "oproj", "router", "pool", "topk", "expert1", "expert2", "moe_combine", "unpool",
          "qkv")
@@ -150,21 +156,14 @@ class Lever:
 
 # ---------------------------------------------------------------------------------- inputs
 def _latest(benchmark: str, root: Path | None):
-    from microbench.results import REPO_ROOT, latest
-
     r = latest(benchmark, root=root or REPO_ROOT / "reports" / "results")
     if r is None:
-        from microbench.errors import ResultsFileError
-
         raise ResultsFileError(f"critical path: no {benchmark} result under {root or 'reports/results'}")
     return r
 
 
 def _trace_spans(detail, root: Path | None) -> dict:
     """{(launch, block): [(name, begin_us, dur_us, arg)]} of the detail result's Perfetto trace."""
-    from microbench.errors import ResultsFileError
-    from microbench.results import REPO_ROOT
-
     name = next((n.split(": ", 1)[1].split(";")[0] for n in detail.notes if n.startswith("Perfetto trace")), None)
     base = (root or REPO_ROOT / "reports" / "results") / "megakernel"
     path = base / f"{name}.gz" if name and (base / f"{name}.gz").exists() else base / (name or "")
@@ -208,10 +207,8 @@ def inputs(root: Path | None = None) -> Inputs:
     """The model's inputs from the latest committed megakernel.timeline / timeline_detail results
     (and the detail trace they name), sync.flags, sync.fences, weights.l2, weights.read_ceiling
     and megakernel.step under `root` (default reports/results)."""
-    from .bench_baselines import study_like_distinct
-    from .config import preset as get_preset
-    from .plans import middle_launch
-    from .roofline import roofline
+    from .bench_baselines import study_like_distinct  # heavy: torch (megakernel.bench_baselines)
+    from .plans import middle_launch  # heavy: torch (megakernel.plans)
 
     tl, detail = _latest("megakernel.timeline", root), _latest("megakernel.timeline_detail", root)
     flags, fences, l2 = _latest("sync.flags", root), _latest("sync.fences", root), _latest("weights.l2", root)
@@ -228,8 +225,6 @@ def inputs(root: Path | None = None) -> Inputs:
     edges = {k: (v["start"], v["end"]) for k, v in edges.items()}
     missing = [op for op in CHAIN if op not in edges]
     if missing:
-        from microbench.errors import ResultsFileError
-
         raise ResultsFileError(f"critical path: the timeline result has no phases {missing}")
     spans = _trace_spans(detail, root)
     pub, stage, chunk = _trace_medians(spans)
@@ -277,9 +272,6 @@ def ncu_ops(root: Path | None, preset: str, launch: int) -> dict:
     `## Per op` table that `megakernel.cli ncu-stalls --preset` writes, with its copy waits split
     off: ncu_stalls.by_op): {"ops": {CHAIN op: row}, "sources": {"ncu": file}}, or {} when no
     summary of the launch has that table (older ones only counted samples per op)."""
-    from microbench.errors import ResultsFileError
-    from microbench.results import REPO_ROOT
-
     base = (root or REPO_ROOT / "reports" / "results") / "megakernel"
     found = sorted((m.group("stamp"), p) for p in base.glob("ncu-mega-*-stalls.md")
                    if (m := NCU_STALLS.fullmatch(p.name)) and m.group("preset") == preset
@@ -312,9 +304,6 @@ def cold_code_inputs(root: Path | None, preset: str, tokens: int, tl) -> dict:
     """The cold-code inputs: megakernel.code's bytes per op at (preset, tokens), checked against
     the H200's own megakernel.build (the same kernel, or the code result is stale: {"stale": why}),
     and the instruction-cache levels of icache.capacity. {} when there is no megakernel.code result."""
-    from microbench.errors import ResultsFileError
-    from microbench.results import REPO_ROOT, latest
-
     base = root or REPO_ROOT / "reports" / "results"
     code = latest("megakernel.code", root=base)
     if code is None:
@@ -351,9 +340,7 @@ def cold_code_inputs(root: Path | None, preset: str, tokens: int, tl) -> dict:
 # ---------------------------------------------------------------------------------- the rows
 def op_bytes(inp: Inputs) -> dict[str, int]:
     """HBM bytes of each op of the middle layer launch (attention of layer l, qkv of l + 1)."""
-    from .config import preset as get_preset
-    from .plans import middle_launch
-    from .roofline import kv_row_bytes, kv_rows_read
+    from .plans import middle_launch  # heavy: torch (megakernel.plans)
 
     c = get_preset(inp.preset)
     layer = middle_launch(inp.launches) - 1
@@ -371,7 +358,7 @@ def op_bytes(inp: Inputs) -> dict[str, int]:
 def expert_chunks_per_block(inp: Inputs) -> dict[str, int]:
     """The most chunks a block streams in each expert GEMM (its units x a unit's chunks), for the
     build the timeline ran (pipeline.plan_for with the tuned constants, tokens = T)."""
-    from .plans import plan_for, slot_units
+    from .plans import plan_for, slot_units  # heavy: torch (megakernel.plans)
 
     plan = plan_for(inp.preset, None, inp.n_sm, tokens=inp.n_tokens)
     per_slot = slot_units(plan)
@@ -449,8 +436,7 @@ def hop_cost_s(inp: Inputs, producer: str, consumer: str) -> float:
 
 def levers(inp: Inputs, rs: Sequence[Row] | None = None) -> list[Lever]:
     """The structural changes not built yet, largest predicted saving per layer first."""
-    from .config import preset as get_preset
-    from .plans import plan_for
+    from .plans import plan_for  # heavy: torch (megakernel.plans)
 
     c = get_preset(inp.preset)
     rs = rs or rows(inp)
