@@ -18,7 +18,7 @@ Measured: the median over blocks of each op phase's start and end in the middle 
 the committed `megakernel.timeline` result (shard8 T=16 ctx 2048, the point `megabench run`
 traces), the op durations and the gaps between them (a hop's time is the consumer's start minus
 its producer's end; a parallel pair's consumer counts from the later producer). The rows sum to
-the layer launch's period; `pipeline.layer_segments` (derived layer_front_s, ...) cuts the same
+the layer launch's period; `spans.layer_segments` (derived layer_front_s, ...) cuts the same
 launch at the first gate/up start and the last down-projection end (over blocks, not medians),
 so its segments differ from the rows' sums by the blocks' spread.
 
@@ -79,7 +79,7 @@ class Inputs:
     chunk_s: dict  # expert1 / expert2 -> a chunk's compute
     edges: dict  # op -> (start, end) s, medians over blocks, the middle launch
     end_tail_s: dict  # op -> last block's end minus the median block's
-    segments_s: dict  # pipeline.layer_segments of the timeline result
+    segments_s: dict  # spans.layer_segments of the timeline result
     step_s: float  # the unprofiled step the timeline timed
     roofline_s: float
     launches: int
@@ -269,7 +269,7 @@ def _md_table(lines: list[str]) -> list[dict]:
 
 def ncu_ops(root: Path | None, preset: str, launch: int) -> dict:
     """The per-op account of the newest Nsight Compute stall summary of this launch (the
-    `## Per op` table that `megakernel.cli ncu-stalls --preset` writes, with its copy waits split
+    `## Per op` table that `megabench mk ncu-stalls --preset` writes, with its copy waits split
     off: ncu_stalls.by_op): {"ops": {CHAIN op: row}, "sources": {"ncu": file}}, or {} when no
     summary of the launch has that table (older ones only counted samples per op)."""
     base = (root or REPO_ROOT / "reports" / "results") / "megakernel"
@@ -311,7 +311,7 @@ def cold_code_inputs(root: Path | None, preset: str, tokens: int, tl) -> dict:
     mine = [s for s in code.series if s.params.get("preset") == preset and s.params.get("tokens") == tokens]
     if not mine:
         raise ResultsFileError(f"critical path: the megakernel.code result of {code.env.date} has no {preset} "
-                               f"T={tokens} build (`python -m megakernel.cli code --point {preset}:{tokens} --save`)")
+                               f"T={tokens} build (`megabench mk code --point {preset}:{tokens} --save`)")
     by_src = {s.params["op"]: int(s.summary.median) for s in mine}
     total = int(mine[0].metrics["kernel_code_bytes"])
     build = _latest("megakernel.build", root)
@@ -319,7 +319,7 @@ def cold_code_inputs(root: Path | None, preset: str, tokens: int, tl) -> dict:
     if ran != total:  # a kernel changed since: the column is left out, saying why (render)
         return {"stale": f"megakernel.code ({code.env.git_sha[:7]}, {code.env.date}) has a {total} B kernel but the "
                          f"GPU's megakernel.build ({build.env.git_sha[:7]}, {build.env.date}) ran {ran} B: the code "
-                         "result is stale (`python -m megakernel.cli code --save`)"}
+                         "result is stale (`megabench mk code --save`)"}
     ic = _latest("icache.capacity", root)
     levels = sorted((k, d.value) for k, d in ic.derived.items() if re.fullmatch(r"icache_plateau\d+_cpi_w1", k))
     if not levels or "icache_sm_miss_cpi_w1" not in ic.derived or "icache_sm_bytes" not in ic.derived:
@@ -357,7 +357,7 @@ def op_bytes(inp: Inputs) -> dict[str, int]:
 
 def expert_chunks_per_block(inp: Inputs) -> dict[str, int]:
     """The most chunks a block streams in each expert GEMM (its units x a unit's chunks), for the
-    build the timeline ran (pipeline.plan_for with the tuned constants, tokens = T)."""
+    build the timeline ran (plans.plan_for with the tuned constants, tokens = T)."""
     from .plans import plan_for, slot_units  # heavy: torch (megakernel.plans)
 
     plan = plan_for(inp.preset, None, inp.n_sm, tokens=inp.n_tokens)
@@ -541,7 +541,7 @@ def cold_code_lines(inp: Inputs, rs: Sequence[Row]) -> list[str]:
     """The cold-code column's reading: per segment, the ops' excess over their bound beside one
     pass over their code from L2 (a candidate term, not in the bound)."""
     if not inp.clock_hz:
-        why = inp.sources.get("code_stale", "no megakernel.code result: `python -m megakernel.cli code --save`")
+        why = inp.sources.get("code_stale", "no megakernel.code result: `megabench mk code --save`")
         return [f"Cold code: not shown ({why})."]
     us, kb = 1e6, 1024
     parts = []
