@@ -186,7 +186,7 @@ def _sanitize(a) -> int:
     return 0
 
 
-def _launches_profiled(eng, launches, targets, t: int, ctx: int, label) -> None:
+def _launches_profiled(eng, launches, targets, label) -> None:
     """Run `launches` of the prepared step in order, the indices in `targets` alone inside
     cudaProfilerStart/Stop (for `ncu --profile-from-start off`); label(li, first, n, grid) names
     each profiled launch on stdout."""
@@ -196,7 +196,7 @@ def _launches_profiled(eng, launches, targets, t: int, ctx: int, label) -> None:
         if li in targets:
             torch.cuda.synchronize()
             torch.cuda.profiler.start()
-        eng._launch(first, n, wait, grid, t, ctx, li)
+        eng._launch(first, n, wait, grid, li)
         if li in targets:
             torch.cuda.synchronize()
             torch.cuda.profiler.stop()
@@ -215,7 +215,7 @@ def _ncu_op(a) -> int:
     eng = Engine(weights_for(a.preset), plan_for(a.preset, tokens=a.tokens), sc.cache0.clone(), backend="gpu")
     routes = [r.cuda() for r in sc.routes]
     eng.step(sc.tokens, sc.parents, a.ctx, mode="chain", routes=routes)  # module load, warm caches
-    t = eng.prepare(sc.tokens, sc.parents, a.ctx, routes)
+    eng.prepare(sc.tokens, sc.parents, a.ctx, routes)
     ops = eng.program.ops
     unknown = set(a.op) - {o.kind for o in ops}
     if unknown:
@@ -227,7 +227,7 @@ def _ncu_op(a) -> int:
     if not targets:
         print(f"ncu-op: layer {a.layer} has none of {a.op}", file=sys.stderr)
         return 2
-    _launches_profiled(eng, eng.launches("chain")[:max(targets) + 1], targets, t, a.ctx,
+    _launches_profiled(eng, eng.launches("chain")[:max(targets) + 1], targets,
                        lambda li, first, n, grid: f"profiled launch {li}: {ops[li].kind} layer {ops[li].layer} "
                                                   f"(grid {grid})")
     return 0
@@ -251,7 +251,7 @@ def _ncu_mega(a) -> int:
         with kernel_tree(v.csrc):
             eng = Engine(w, _plan(a.preset, v, None, a.tokens), sc.cache0.clone(), backend="gpu")
         eng.step(sc.tokens, sc.parents, a.ctx, mode="mega", routes=routes)  # module load, warm caches
-        t = eng.prepare(sc.tokens, sc.parents, a.ctx, routes)
+        eng.prepare(sc.tokens, sc.parents, a.ctx, routes)
         launches = eng.launches("mega")
         if not 0 <= a.launch < len(launches):
             print(f"ncu-mega: launch {a.launch} outside 0..{len(launches) - 1} ({a.preset})", file=sys.stderr)
@@ -259,7 +259,7 @@ def _ncu_mega(a) -> int:
         # the step's own launches up to L, in order (L's waits are on counters they bump); PDL off,
         # so the profiled launch runs alone, as ncu runs it anyway
         eng.counters[eng.parity].zero_()
-        _launches_profiled(eng, launches[:a.launch + 1], {a.launch}, t, a.ctx,
+        _launches_profiled(eng, launches[:a.launch + 1], {a.launch},
                            lambda li, first, n, grid: f"{v.name}: profiled mega launch {li} "
                                                       f"(ops {first}..{first + n - 1}, grid {grid})")
         eng._check_watchdog(True)  # a wait that gave up would make the profile a partial launch's

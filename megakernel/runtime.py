@@ -104,6 +104,7 @@ class Engine:
         self._alloc()
         self._keep: list[torch.Tensor] = []  # the tiled dense weights the kernel points into
         self._layers_blob = self._layer_ptrs()
+        self._kv_blob = self._kv_table()
         self.wd = Watchdog(plan.spin_bound_ns, device=self.dev)
         self.parity = 0
         self._dirty = [False, False]
@@ -189,9 +190,11 @@ class Engine:
         self.empty_sentinel_slots()
         self.counters = z(2, self.program.n_counters, dt=torch.int32)
         self.prog_t = torch.from_numpy(self.program.encode()).to(dev)
+        self.step_t = z(abi.STEP_INTS, dt=torch.int32)  # the step block (abi.STEP_FIELDS)
         self.tokens_t = z(tm, dt=torch.int32)
         self.depth_t = z(tm, dt=torch.int32)
         self.anc_t = z(tm, dt=torch.int32)
+        self.row_req_t = z(tm, dt=torch.int32)  # every row of request 0
         self.route_t = z(c.n_layers, tm, c.top_k, dt=torch.int32)
 
     def _tiled(self, w: torch.Tensor, field: str) -> torch.Tensor:
@@ -219,10 +222,17 @@ class Engine:
             w2c, w2s = self._fp4_copies(lw.w2, "expert2")
             s.w1_codes, s.w1_scales, s.w1_ts = _ptr(w1c), _ptr(w1s), _ptr(lw.w1.tensor_scale)
             s.w2_codes, s.w2_scales, s.w2_ts = _ptr(w2c), _ptr(w2s), _ptr(lw.w2.tensor_scale)
-            s.k_cache, s.v_cache = _ptr(self.cache.k[l]), _ptr(self.cache.v[l])
         blob = torch.frombuffer(bytearray(ctypes.string_at(ctypes.addressof(arr), ctypes.sizeof(arr))),
                                 dtype=torch.uint8)
         return blob.to(self.dev)
+
+    def _kv_table(self) -> torch.Tensor:
+        """Params.kv: [L][B_MAX][2] addresses of each request's K and V cache per layer (request 0:
+        this engine's cache; 0 for the others)."""
+        tab = torch.zeros(self.cfg.n_layers, abi.B_MAX, 2, dtype=torch.int64)
+        for l in range(self.cfg.n_layers):
+            tab[l, 0, 0], tab[l, 0, 1] = _ptr(self.cache.k[l]), _ptr(self.cache.v[l])
+        return tab.to(self.dev)
 
     def _params(self, override: bool) -> torch.Tensor:
         b = self.buf
@@ -232,7 +242,9 @@ class Engine:
         P.lm_head = _ptr(self._lm_head)
         P.rope_cos, P.rope_sin = _ptr(self.w.rope_cos), _ptr(self.w.rope_sin)
         P.program = _ptr(self.prog_t)
+        P.step, P.kv = _ptr(self.step_t), _ptr(self._kv_blob)
         P.tokens, P.depth, P.anc = _ptr(self.tokens_t), _ptr(self.depth_t), _ptr(self.anc_t)
+        P.row_req = _ptr(self.row_req_t)
         P.route_override = _ptr(self.route_t) if override else 0
         for name in ("x", "ss_part", "xg", "q", "att_o", "att_ml", "att_out", "router_logits", "route_sel",
                      "route_w", "route_slot", "route_pos", "slot_expert", "slot_ntok", "slot_tok", "n_slots",
@@ -304,6 +316,7 @@ class Engine:
         anc = treelib.ancestor_mask(parents)
         bits = [int(sum(1 << j for j in range(t) if anc[i, j])) for i in range(t)]
         pad = c.max_tree - t
+        self.step_t.copy_(torch.tensor(abi.pack_step([ctx], [t]), dtype=torch.int32))
         self.tokens_t.copy_(torch.tensor(tokens + [0] * pad, dtype=torch.int32))
         self.depth_t.copy_(torch.tensor(depth + [0] * pad, dtype=torch.int32))
         self.anc_t.copy_(torch.tensor(bits + [0] * pad, dtype=torch.int32))
@@ -343,21 +356,20 @@ class Engine:
         return launch_pdl_flags(self.program, self.plan.pdl, mode)
 
     def prepare(self, tokens, parents, ctx: int, routes=None) -> int:
-        """Copy a step's inputs to the device and pack the parameter block. Returns T."""
+        """Copy a step's inputs (the step block, abi.STEP_FIELDS, and the rows) to the device and
+        pack the parameter block. Returns T."""
         t = self._set_inputs(tokens, parents, ctx, routes)
         self._params_dev = self._params(routes is not None)
-        self._step = (t, ctx)
         return t
 
     def launch_step(self, mode: str = "mega") -> None:
         """Enqueue the kernels of the prepared step (nothing else: this is what timing measures)."""
-        t, ctx = self._step
         if mode == "mega" and self._dirty[self.parity]:
             self.counters[self.parity].zero_()
         if self.prof is not None:
             self.prof.reset()
         for li, ((first, n, wait, grid), pdl) in enumerate(zip(self.launches(mode), self.launch_pdl(mode))):
-            self._launch(first, n, wait, grid, t, ctx, li, pdl=pdl)
+            self._launch(first, n, wait, grid, li, pdl=pdl)
         if mode == "mega":
             self._dirty[self.parity] = True
             self._dirty[self.parity ^ 1] = False  # the step's argmax cleared it
@@ -369,7 +381,7 @@ class Engine:
         self.launch_step(mode)
         return t
 
-    def _launch(self, first, n, wait, grid, t, ctx, li=0, pdl=False):
+    def _launch(self, first, n, wait, grid, li=0, pdl=False):
         recorded = self.prof is not None and (self._prof_launches is None or li in self._prof_launches)
         pb, pm = self.prof.args(li) if recorded else (0, np.uint64(0))
         plain = self.prof is not None and not recorded  # a sampled profile: the unprofiled build
@@ -379,14 +391,14 @@ class Engine:
             # one shared-memory size for both builds (the profile_launches setter checks it)
             spec = LaunchSpec(grid=grid, block=self.plan.threads, smem=self.plan.smem_bytes, pdl=pdl)
             kernel = self._plain if plain else self.kernel
-            launch(kernel, spec, self._params_dev, np.int32(first), np.int32(n), np.int32(wait), np.int32(t),
-                   np.int32(ctx), np.int32(self.parity), pb, pm, persistent=bool(wait))
+            launch(kernel, spec, self._params_dev, np.int32(first), np.int32(n), np.int32(wait),
+                   np.int32(self.parity), pb, pm, persistent=bool(wait))
         else:
             err = ctypes.create_string_buffer(2048)
             dll = self._plain if plain else self.dll
             if dll.emu_set_schedule(EMU_SCHEDULES[self.emu_schedule]):  # the library's state: set every launch
                 raise EmulationError(f"the emulation does not know schedule {self.emu_schedule!r}")
-            rc = dll.mk_emu_run(self._params_dev.data_ptr(), grid, first, n, wait, t, ctx, self.parity,
+            rc = dll.mk_emu_run(self._params_dev.data_ptr(), grid, first, n, wait, self.parity,
                                 self.emu_seed, err, len(err), pb, int(pm))
             self.emu_seed += 1
             if rc:
