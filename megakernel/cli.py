@@ -10,6 +10,13 @@
   sanitize-step [--fused]   one tiny step in mega and chain mode (run under
                           compute-sanitizer; --fused: d_pool and d_expert of 256, the fused expert unit)
   program [--preset P]    print the launches and op instances of one step
+  step [--preset P] [--batch B] [--tokens T | --tree-sizes T0,T1,..] [--ctx C | --ctxs C0,C1,..] [--seed S]
+       [--check] [--schedule S ...]   one step of B requests, each with its own tree, context and KV cache
+                          (rows of all requests <= 16: B x T <= 16), a seeded random mix where sizes
+                          or contexts are not given; without a GPU tiny runs in the host emulation
+                          (other presets need one); --check: each request against the reference,
+                          against its own B=1 step (bitwise) and mega against chain (bitwise, at each
+                          emulated schedule); exit 1 on a mismatch (megakernel.batch)
   sm-map [--point PRESET:T:CTX ...] [--variant NAME[:KEY=VALUE,...] ...] [--out FILE.md] [--save [DIR]]   on a GPU:
                           which SM each block ran on, launch after launch, and how often a block
                           keeps its SM (megakernel.sm_map)
@@ -267,6 +274,80 @@ def _ncu_mega(a) -> int:
     return 0
 
 
+def _int_list(text: str | None, what: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{what} {text!r}: want comma-separated integers, e.g. 3,1,4") from None
+    if not out or any(x < 0 for x in out):
+        raise ConfigError(f"{what} {text!r}: want non-negative integers, one per request")
+    return out
+
+
+def _step(a) -> int:
+    from .batch import check_batch, make_requests, mix, random_caches  # heavy: torch (megakernel.batch)
+    from .plan import make_plan  # heavy: torch (megakernel.plan)
+    from .runtime import Engine  # heavy: torch (megakernel.runtime)
+
+    why = no_gpu_reason()
+    if why and a.preset != "tiny":
+        print(f"step --preset {a.preset} needs a GPU ({why}); without one only tiny runs, in the host emulation",
+              file=sys.stderr)
+        return 2
+    cfg = get_preset(a.preset)
+    try:
+        sizes, ctxs = _int_list(a.tree_sizes, "--tree-sizes"), _int_list(a.ctxs, "--ctxs")
+        batch = a.batch or len(sizes or ctxs or [1])
+        for name, v in (("--tree-sizes", sizes), ("--ctxs", ctxs)):
+            if v is not None and len(v) != batch:
+                raise ConfigError(f"{name}: {len(v)} values for a batch of {batch} requests")
+        shape = mix(cfg, batch, a.seed, a.tokens if sizes is None else None, a.ctx if ctxs is None else None)
+        shape = [((sizes or [t] * batch)[r] if sizes else t, ctxs[r] if ctxs else c) for r, (t, c) in enumerate(shape)]
+        for r, (t, c) in enumerate(shape):
+            try:
+                cfg.check_step(c, t)
+            except ConfigError as e:
+                raise ConfigError(f"request {r}: {e}") from None
+        rows = sum(t for t, _ in shape)
+        if rows > cfg.max_tree:
+            raise ConfigError(f"{batch} requests of {'+'.join(str(t) for t, _ in shape)} = {rows} token rows: a step "
+                              f"holds at most {cfg.max_tree} (B x T <= {cfg.max_tree}: one m16 tile of tokens in every "
+                              "GEMM; more tiles are not built)")
+    except ConfigError as e:
+        print(f"step: {e}", file=sys.stderr)
+        return 2
+    if why:
+        from .weights import generate  # heavy: torch (megakernel.weights)
+
+        print(f"no GPU ({why}): {a.preset} in the host emulation (the kernel's CUDA source on CPU fibers)")
+        backend, dev = "emu", "cpu"
+        w = generate(cfg)
+        plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
+    else:
+        from .bench_baselines import weights_for  # heavy: torch (megakernel.bench_baselines)
+        from .plans import plan_for  # heavy: torch (megakernel.plans)
+
+        backend, dev = "gpu", "cuda"
+        w = weights_for(a.preset)
+        plan = plan_for(a.preset, tokens=rows)
+    caches0 = random_caches(cfg, batch, a.seed, device=dev)
+    reqs = make_requests(cfg, shape, a.seed)
+    kw = {"emu_schedule": a.schedule[0]} if backend == "emu" else {}
+    out = Engine(w, plan, [c.clone() for c in caches0], backend=backend, **kw).step_batch(reqs, mode=a.mode)
+    print(f"{a.preset}: {batch} request(s), {rows} rows, {a.mode} mode ({backend})")
+    for r, (t, c) in enumerate(shape):
+        print(f"  request {r}: T={t} ctx={c}: greedy tokens {out.request(r).tokens.tolist()}")
+    if not a.check:
+        return 0
+    res = check_batch(w, plan, caches0, reqs, backend=backend, schedules=tuple(a.schedule))
+    for line in res.lines():
+        print("  " + line)
+    print("check: " + ("passed" if res.ok else f"FAILED ({len(res.problems)} mismatches)"))
+    return 0 if res.ok else 1
+
+
 def _program(a) -> int:
     from .plan import make_plan  # heavy: torch (megakernel.plan)
     from .program import build  # heavy: torch (megakernel.program)
@@ -471,6 +552,19 @@ def add_tools(sub) -> None:
     s.add_argument("--mode", default="layer", choices=["layer", "step"])
     s.add_argument("--sm", type=int, default=132)
     s.set_defaults(fn=_program)
+    s = sub.add_parser("step", help="one step of B requests (tiny in the emulation without a GPU); --check")
+    s.add_argument("--preset", default="tiny", choices=PRESET_NAMES)
+    s.add_argument("--batch", type=int, default=None, help="requests in the step (default 1, or the lists' length)")
+    s.add_argument("--tokens", type=int, default=None, help="tree tokens of every request (default: the seeded mix)")
+    s.add_argument("--ctx", type=int, default=None, help="cached positions of every request (default: the seeded mix)")
+    s.add_argument("--tree-sizes", default=None, help="tree tokens per request, comma-separated")
+    s.add_argument("--ctxs", default=None, help="cached positions per request, comma-separated")
+    s.add_argument("--seed", type=int, default=0, help="the mix's, the tokens' and the caches' seed")
+    s.add_argument("--mode", default="mega", choices=["mega", "chain"])
+    s.add_argument("--check", action="store_true", help="reference per request, B=1 equality, mega == chain")
+    s.add_argument("--schedule", nargs="+", default=["random", "last"], choices=["random", "last", "block"],
+                   help="emulated mega schedules the check runs (the first also runs the printed step)")
+    s.set_defaults(fn=_step)
     s = sub.add_parser("ncu-op", help="on a GPU: a chain step up to the named ops, only those inside the profiler range")
     s.add_argument("--preset", default="shard8", choices=PRESET_NAMES)
     s.add_argument("--tokens", type=int, default=16)

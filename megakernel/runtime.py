@@ -5,6 +5,16 @@ the host emulation.
     out = eng.step(tokens, parents, ctx, mode="mega")     # or mode="chain" / "chain_nopdl"
     out.logits [T, V] fp32, out.tokens [T] (greedy), cache updated in place like reference.step
 
+A batch: B requests in one step, each with its own tree, context and KV cache:
+
+    eng = Engine(weights, plan, [cache0, cache1, ...], backend="gpu")
+    out = eng.step_batch([Request(tokens0, parents0, ctx0), Request(tokens1, parents1, ctx1)])
+    out.request(r).logits [T_r, V], out.request(r).tokens [T_r]; cache r updated in place
+
+The requests' rows are concatenated (at most T_MAX = 16 rows in all: one m16 token tile in every
+GEMM). Every op but attention is row-independent and attention splits each request's keys as if
+it ran alone, so request r's logits, tokens and cache are bitwise those of its own B=1 step.
+
 Chain mode launches one op instance per kernel launch in program order (the study's baseline
 structure: our own kernel chain), with programmatic dependent launch where the plan has it and the
 op allows (launch_pdl_flags; "chain_nopdl": the same chain without); mega mode launches each `Program.launches` range as one
@@ -30,7 +40,7 @@ from .fp4_layout import is_canonical
 from .plan import Plan
 from .program import (WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE, WHAT_NORM_ROWS, WHAT_RING_EMPTY,
                       WHAT_RING_FULL, WHAT_SENTINEL, Program, build as build_program)
-from .reference import KVCache
+from .reference import KVCache, Request
 from .weights import BF16, ModelWeights
 
 
@@ -53,8 +63,20 @@ EMU_SCHEDULES = {"random": 0, "last": 1, "block": 2}
 
 @dataclass
 class StepOut:
-    logits: torch.Tensor  # [T, V] fp32
-    tokens: torch.Tensor  # [T] int64: greedy token after each tree position
+    logits: torch.Tensor  # [rows, V] fp32
+    tokens: torch.Tensor  # [rows] int64: greedy token after each tree position
+    row0: tuple[int, ...] = ()  # each request's first row, then the row count (empty: one request)
+
+    @property
+    def n_requests(self) -> int:
+        return max(1, len(self.row0) - 1)
+
+    def request(self, r: int) -> StepOut:
+        """Request r's rows (views)."""
+        b = self.row0 or (0, self.logits.shape[0])
+        if not 0 <= r < len(b) - 1:
+            raise IndexError(f"request {r}: this step has {len(b) - 1}")
+        return StepOut(self.logits[b[r]:b[r + 1]], self.tokens[b[r]:b[r + 1]])
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -69,7 +91,7 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 class Engine:
-    def __init__(self, weights: ModelWeights, plan: Plan, cache: KVCache, *, backend: str = "gpu",
+    def __init__(self, weights: ModelWeights, plan: Plan, cache: KVCache | Sequence[KVCache], *, backend: str = "gpu",
                  program_mode: str = "layer", grid: int | None = None, emu_seed: int = 1,
                  code_budget: int | None = None, profile_launches: Iterable[int] | None = None,
                  emu_schedule: str = "random"):
@@ -79,7 +101,15 @@ class Engine:
             raise ValueError(f"emu_schedule {emu_schedule!r}: one of {', '.join(EMU_SCHEDULES)}")
         if plan.cfg != weights.cfg:
             raise ConfigError("plan and weights are for different model configs")
-        self.w, self.plan, self.cfg, self.cache = weights, plan, weights.cfg, cache
+        # one KV cache per request a step may hold (request r reads and writes caches[r])
+        self.caches = [cache] if isinstance(cache, KVCache) else list(cache)
+        if not 1 <= len(self.caches) <= abi.B_MAX or not all(isinstance(c, KVCache) for c in self.caches):
+            raise ConfigError(f"Engine takes a KVCache or a list of 1..{abi.B_MAX} of them (one per request)")
+        if any(c.cfg != weights.cfg for c in self.caches):
+            raise ConfigError("a KV cache is for another model config than the weights")
+        if len({id(c) for c in self.caches}) != len(self.caches):
+            raise ConfigError("the same KV cache twice: each request needs its own (one writes the other's rows)")
+        self.w, self.plan, self.cfg, self.cache = weights, plan, weights.cfg, self.caches[0]
         self.backend = backend
         self.program: Program = build_program(plan, program_mode)
         self.dev = weights.device
@@ -194,7 +224,7 @@ class Engine:
         self.tokens_t = z(tm, dt=torch.int32)
         self.depth_t = z(tm, dt=torch.int32)
         self.anc_t = z(tm, dt=torch.int32)
-        self.row_req_t = z(tm, dt=torch.int32)  # every row of request 0
+        self.row_req_t = z(tm, dt=torch.int32)
         self.route_t = z(c.n_layers, tm, c.top_k, dt=torch.int32)
 
     def _tiled(self, w: torch.Tensor, field: str) -> torch.Tensor:
@@ -227,11 +257,15 @@ class Engine:
         return blob.to(self.dev)
 
     def _kv_table(self) -> torch.Tensor:
-        """Params.kv: [L][B_MAX][2] addresses of each request's K and V cache per layer (request 0:
-        this engine's cache; 0 for the others)."""
+        """Params.kv: [L][B_MAX][2] addresses of each request's K and V cache per layer (0 past the
+        engine's caches: a step never has more requests than caches, _set_inputs checks)."""
         tab = torch.zeros(self.cfg.n_layers, abi.B_MAX, 2, dtype=torch.int64)
-        for l in range(self.cfg.n_layers):
-            tab[l, 0, 0], tab[l, 0, 1] = _ptr(self.cache.k[l]), _ptr(self.cache.v[l])
+        for r, cache in enumerate(self.caches):
+            for l in range(self.cfg.n_layers):
+                for i, t in enumerate((cache.k[l], cache.v[l])):
+                    if t.device.type != self.dev.type or t.dtype != BF16 or not t.is_contiguous():
+                        raise ConfigError(f"KV cache {r} layer {l}: want contiguous bf16 on {self.dev}")
+                    tab[l, r, i] = _ptr(t)
         return tab.to(self.dev)
 
     def _params(self, override: bool) -> torch.Tensor:
@@ -301,40 +335,66 @@ class Engine:
                 WHAT_LOADER_PACE: f"{name}: the first weight chunk of the routed op landing (loader, opening pace)",
                 }.get(code, f"{name} code {code}")
 
-    def _set_inputs(self, tokens, parents, ctx, routes):
+    def _set_inputs(self, requests: Sequence[Request], routes) -> tuple[int, ...]:
+        """Check a step's requests and copy their rows, the step block and the forced routing (if
+        any) to the device. Returns each request's first row, then the row count."""
         c = self.cfg
-        tokens = [int(x) for x in (tokens.tolist() if torch.is_tensor(tokens) else tokens)]
-        t = len(tokens)
-        c.check_step(ctx, t)
-        if len(parents) != t:
-            raise ConfigError(f"{t} tokens but {len(parents)} parents")
-        if any(not 0 <= x < c.vocab for x in tokens):
-            raise ConfigError(f"token ids must be in [0, {c.vocab})")
-        depth = treelib.depths(parents)
-        if ctx + max(depth) >= c.max_context:
-            raise ConfigError(f"position {ctx + max(depth)} outside the RoPE table ({c.max_context})")
-        anc = treelib.ancestor_mask(parents)
-        bits = [int(sum(1 << j for j in range(t) if anc[i, j])) for i in range(t)]
-        pad = c.max_tree - t
-        self.step_t.copy_(torch.tensor(abi.pack_step([ctx], [t]), dtype=torch.int32))
-        self.tokens_t.copy_(torch.tensor(tokens + [0] * pad, dtype=torch.int32))
-        self.depth_t.copy_(torch.tensor(depth + [0] * pad, dtype=torch.int32))
-        self.anc_t.copy_(torch.tensor(bits + [0] * pad, dtype=torch.int32))
+        reqs = list(requests)
+        if not reqs:
+            raise ConfigError("a step needs at least one request")
+        if len(reqs) > len(self.caches):
+            raise ConfigError(f"{len(reqs)} requests but this engine has {len(self.caches)} KV caches (one per request)")
+        toks_all, depth_all, anc_all, req_all, ctxs, counts = [], [], [], [], [], []
+        for r, q in enumerate(reqs):
+            what = f"request {r}: " if len(reqs) > 1 else ""
+            tokens = [int(x) for x in (q.tokens.tolist() if torch.is_tensor(q.tokens) else q.tokens)]
+            t, ctx = len(tokens), int(q.ctx)
+            try:
+                c.check_step(ctx, t)
+            except ConfigError as e:
+                raise ConfigError(f"{what}{e}") from None
+            if len(q.parents) != t:
+                raise ConfigError(f"{what}{t} tokens but {len(q.parents)} parents")
+            if any(not 0 <= x < c.vocab for x in tokens):
+                raise ConfigError(f"{what}token ids must be in [0, {c.vocab})")
+            depth = treelib.depths(q.parents)
+            if ctx + max(depth) >= c.max_context:
+                raise ConfigError(f"{what}position {ctx + max(depth)} outside the RoPE table ({c.max_context})")
+            anc = treelib.ancestor_mask(q.parents)  # bits relative to the request's first row
+            toks_all += tokens
+            depth_all += depth
+            anc_all += [int(sum(1 << j for j in range(t) if anc[i, j])) for i in range(t)]
+            req_all += [r] * t
+            ctxs.append(ctx)
+            counts.append(t)
+        rows = len(toks_all)
+        if rows > c.max_tree:
+            raise ConfigError(f"{len(reqs)} requests of {'+'.join(map(str, counts))} = {rows} token rows in one step; "
+                              f"a step holds at most {c.max_tree} (B x T <= {c.max_tree}: one m16 tile of tokens in "
+                              "every GEMM; more token tiles are not built)")
+        pad = c.max_tree - rows
         if routes is not None:
             if len(routes) != c.n_layers:
                 raise ConfigError(f"routes for {len(routes)} layers, model has {c.n_layers}")
-            r = torch.zeros(c.n_layers, c.max_tree, c.top_k, dtype=torch.int32)
+            rt = torch.zeros(c.n_layers, c.max_tree, c.top_k, dtype=torch.int32)
             for l, rl in enumerate(routes):
                 rl = torch.as_tensor(rl).to(torch.int64).cpu()
-                if rl.shape != (t, c.top_k):
-                    raise ConfigError(f"layer {l}: route shape {tuple(rl.shape)} != ({t}, {c.top_k})")
+                if rl.shape != (rows, c.top_k):
+                    raise ConfigError(f"layer {l}: route shape {tuple(rl.shape)} != ({rows}, {c.top_k})")
                 if (rl < 0).any() or (rl >= c.n_experts).any():
                     raise ConfigError(f"layer {l}: expert ids outside [0, {c.n_experts})")
                 if any(len(set(row.tolist())) != c.top_k for row in rl):
                     raise ConfigError(f"layer {l}: a token is routed to the same expert twice")
-                r[l, :t] = rl.to(torch.int32)
-            self.route_t.copy_(r)
-        return t
+                rt[l, :rows] = rl.to(torch.int32)
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        self.step_t.copy_(i32(abi.pack_step(ctxs, counts)))
+        self.tokens_t.copy_(i32(toks_all + [0] * pad))
+        self.depth_t.copy_(i32(depth_all + [0] * pad))
+        self.anc_t.copy_(i32(anc_all + [0] * pad))
+        self.row_req_t.copy_(i32(req_all + [0] * pad))
+        if routes is not None:
+            self.route_t.copy_(rt)
+        return tuple(int(sum(counts[:r])) for r in range(len(counts) + 1))
 
     # ------------------------------------------------------------------ running
     def launches(self, mode: str) -> list[tuple[int, int, int, int]]:
@@ -356,11 +416,16 @@ class Engine:
         return launch_pdl_flags(self.program, self.plan.pdl, mode)
 
     def prepare(self, tokens, parents, ctx: int, routes=None) -> int:
-        """Copy a step's inputs (the step block, abi.STEP_FIELDS, and the rows) to the device and
-        pack the parameter block. Returns T."""
-        t = self._set_inputs(tokens, parents, ctx, routes)
+        """Copy a one-request step's inputs to the device and pack the parameter block. Returns T."""
+        return self.prepare_batch([Request(tokens, parents, ctx)], routes)
+
+    def prepare_batch(self, requests: Sequence[Request], routes=None) -> int:
+        """Copy a step of these requests (request r on caches[r]) to the device and pack the
+        parameter block. `routes` (forced routing): per layer [rows, top_k] over the requests'
+        rows in order. Returns the step's rows."""
+        self._row0 = self._set_inputs(requests, routes)
         self._params_dev = self._params(routes is not None)
-        return t
+        return self._row0[-1]
 
     def launch_step(self, mode: str = "mega") -> None:
         """Enqueue the kernels of the prepared step (nothing else: this is what timing measures)."""
@@ -377,9 +442,13 @@ class Engine:
 
     def enqueue(self, tokens, parents, ctx: int, *, mode: str = "mega", routes=None) -> int:
         """prepare() + launch_step() (no synchronisation). Returns T."""
-        t = self.prepare(tokens, parents, ctx, routes)
+        return self.enqueue_batch([Request(tokens, parents, ctx)], mode=mode, routes=routes)
+
+    def enqueue_batch(self, requests: Sequence[Request], *, mode: str = "mega", routes=None) -> int:
+        """prepare_batch() + launch_step() (no synchronisation). Returns the step's rows."""
+        rows = self.prepare_batch(requests, routes)
         self.launch_step(mode)
-        return t
+        return rows
 
     def _launch(self, first, n, wait, grid, li=0, pdl=False):
         recorded = self.prof is not None and (self._prof_launches is None or li in self._prof_launches)
@@ -430,11 +499,17 @@ class Engine:
             raise
 
     def step(self, tokens, parents: Sequence[int], ctx: int, *, mode: str = "mega", routes=None) -> StepOut:
-        t = self.enqueue(tokens, parents, ctx, mode=mode, routes=routes)
+        """One request's step on caches[0]."""
+        return self.step_batch([Request(tokens, parents, ctx)], mode=mode, routes=routes)
+
+    def step_batch(self, requests: Sequence[Request], *, mode: str = "mega", routes=None) -> StepOut:
+        """A step of these requests (request r on caches[r]); out.request(r) is request r's."""
+        rows = self.enqueue_batch(requests, mode=mode, routes=routes)
         if self.backend == "gpu":
             torch.cuda.synchronize()
         self._check_watchdog(mode == "mega")
-        return StepOut(self.buf["logits"][:t].clone(), self.buf["out_tokens"][:t].to(torch.int64).clone())
+        return StepOut(self.buf["logits"][:rows].clone(), self.buf["out_tokens"][:rows].to(torch.int64).clone(),
+                       self._row0)
 
 
 CHAIN_MODES = ("chain", "chain_nopdl")
