@@ -25,6 +25,7 @@ from megakernel_cases import tiny
 
 # (T_r, ctx_r) per request: mixed trees and contexts, one at 0 and ones past tiny's window of 16
 SHAPES = {2: ((7, 0), (9, 40)), 3: ((1, 17), (8, 0), (4, 100)), 4: ((4, 3), (1, 0), (6, 64), (5, 20))}
+MIX_SEED = 10  # megakernel.batch.mix's random mix of 3 requests (tiny: contexts 4, 61, 1)
 
 
 def _tree(tmp_path, rel: str, old: str, new: str):
@@ -37,14 +38,16 @@ def _tree(tmp_path, rel: str, old: str, new: str):
     return d
 
 
-@pytest.mark.parametrize("b", [2, 3, 4])
+@pytest.mark.parametrize("b", [2, 3, 4, "mix"])
 def test_batched_requests_are_bitwise_their_own_b1_steps(tiny, b):
-    """The whole check (megakernel.batch.check_batch) at B = 2, 3, 4: each request alone at B=1
-    against the batch (bitwise logits, tokens, KV cache, with the kernel's own routing, so the
-    batch's expert slots are the union), mega against chain at the random and adversarial
-    schedules (bitwise), and each request against the reference with its routing forced."""
+    """The whole check (megakernel.batch.check_batch) at B = 2, 3, 4 and a seeded random mix:
+    each request alone at B=1 against the batch (bitwise logits, tokens, KV cache, with the
+    kernel's own routing, so the batch's expert slots are the union), mega against chain at the
+    random and adversarial schedules (bitwise), and each request against the reference with its
+    routing forced."""
     cfg, w, _, plan = tiny
-    shape = SHAPES[b]
+    shape = SHAPES[b] if b != "mix" else tuple(mix(cfg, 3, seed=MIX_SEED))
+    b = len(shape)
     res = check_batch(w, plan, random_caches(cfg, b, seed=b), make_requests(cfg, shape, seed=b),
                       schedules=("random", "last", "block") if b == 4 else ("random", "last"), seed=b)
     assert res.ok, res.lines()
@@ -251,3 +254,45 @@ def test_mk_step_command_exits_1_on_a_mismatch(monkeypatch, capsys):
                      "--schedule", "random"]) == 1
     out = capsys.readouterr().out
     assert "request 1 differs from its own B=1 step" in out and "check: FAILED" in out
+
+
+def test_report_draws_the_batch_curve_from_results_and_says_when_it_has_none(tmp_path):
+    """reports.megakernel.batch_curve: per (preset, ctx, step shape) the megakernel's and chain's
+    rows at each B against their own B=1 row; nothing without a batched row. The study's figures
+    stay compared with batch-1 rows (pick) when batched rows of the same T and context exist."""
+    from megabench_synth import env, series
+    from microbench.results import Bound, Result
+
+    from reports import megakernel as mk
+
+    def row(impl, b, t, step):
+        return series(f"shard8/B{b}/T{t}/ctx2048/{impl}", step, params={"impl": impl, "preset": "shard8", "tokens": t,
+                                                                          "context": 2048, "batch": b},
+                      bound=Bound("time", 1e-3, "s", "roofline"))
+
+    one = [row("mega", 1, 1, 2e-3), row("chain", 1, 1, 3e-3), row("mega", 1, 16, 4e-3)]
+    rows = mk.step_rows([Result("megakernel.step", env(), tuple(one))])
+    assert mk.batch_curve(rows) == []
+    more = one + [row("mega", 4, 1, 2.5e-3), row("chain", 4, 1, 4.5e-3), row("mega", 4, 4, 4.4e-3)]
+    rows = mk.step_rows([Result("megakernel.step", env(), tuple(more))])
+    curve = mk.batch_curve(rows)
+    got = {(c["shape"], c["B"], c["impl"]): c for c in curve}
+    assert set(got) == {("T=1", 1, "mega"), ("T=1", 4, "mega"), ("T=1", 1, "chain"), ("T=1", 4, "chain"),
+                        ("B x T = 16", 1, "mega"), ("B x T = 16", 4, "mega")}
+    assert got[("T=1", 4, "mega")]["step vs B=1"] == "x1.25" and got[("T=1", 4, "mega")]["tokens/s vs B=1"] == "x3.20"
+    assert got[("B x T = 16", 4, "mega")]["tokens/s vs B=1"] == "x0.91"
+    assert mk.pick(rows, "mega", tokens=1).batch == 1  # the study's batch-1 figures
+
+
+def test_bench_cases_time_the_full_runs_batch_grid():
+    """tests/bench/test_bench_megakernel.py writes the batched grid out (collecting it needs no
+    torch): it must be plans.BATCH_FULL, which `megabench run --full` times."""
+    import importlib.util
+
+    from megakernel.plans import BATCH_FULL
+
+    path = CSRC.parents[1] / "tests" / "bench" / "test_bench_megakernel.py"
+    spec = importlib.util.spec_from_file_location("bench_megakernel_cases", path)
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    assert m.BATCH_POINTS == [(p, b, t, c) for p in ("small", "shard8") for b, t, c in BATCH_FULL[p]]
