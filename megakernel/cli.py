@@ -299,12 +299,13 @@ def _step(a) -> int:
     cfg = get_preset(a.preset)
     try:
         sizes, ctxs = _int_list(a.tree_sizes, "--tree-sizes"), _int_list(a.ctxs, "--ctxs")
-        batch = a.batch or len(sizes or ctxs or [1])
+        batch = a.batch if a.batch is not None else len(sizes or ctxs or [1])
         for name, v in (("--tree-sizes", sizes), ("--ctxs", ctxs)):
             if v is not None and len(v) != batch:
                 raise ConfigError(f"{name}: {len(v)} values for a batch of {batch} requests")
+        # the seeded mix where a list does not say (a random tree never takes more than T_MAX / B rows)
         shape = mix(cfg, batch, a.seed, a.tokens if sizes is None else None, a.ctx if ctxs is None else None)
-        shape = [((sizes or [t] * batch)[r] if sizes else t, ctxs[r] if ctxs else c) for r, (t, c) in enumerate(shape)]
+        shape = [(sizes[r] if sizes else t, ctxs[r] if ctxs else c) for r, (t, c) in enumerate(shape)]
         for r, (t, c) in enumerate(shape):
             try:
                 cfg.check_step(c, t)

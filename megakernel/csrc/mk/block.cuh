@@ -129,6 +129,10 @@ MK_DEV int attn_span(const Blk& b, int layer) { return b.misc[MISC_SPAN + (is_gl
 // Every compute thread, once per launch after pdl_wait(): the step block and the rows' requests
 // into shared memory, and warp 0's lanes r < B_MAX each request's splits and (a butterfly) their
 // sums; one L2 round trip a launch, then a barrier. Units read all of it from shared memory.
+// Invariant (nothing here bounds it): 1 <= n_req <= B_MAX, 1 <= rows <= T_MAX, row0 increasing with
+// row0[n_req] = rows, row_req[t] the request whose rows hold t. The host checks every step it
+// writes (runtime.Engine); a device op that writes the step block must keep it, or units index
+// past the step's buffers.
 MK_DEV void load_step(Blk& b) {
   const Params& p = *b.p;
   static_assert(STEP_INTS + T_MAX + 32 <= COMPUTE_THREADS, "one word per compute thread past warp 0");

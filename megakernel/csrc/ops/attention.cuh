@@ -7,7 +7,8 @@
 // requests, so its partials, and its bits, are those of the request run alone.
 // Query rows are r = j*16 + t: q head kvh*G + j, row t of the step, so each m16 tile of rows is
 // one q head over all rows; a unit scores its request's rows only (the others masked, and not
-// written: att_o rows of different requests are disjoint). Warp w takes head j = w % G and key group kg = w / G (WARPS/G groups split
+// written: att_o rows of different requests are disjoint).
+// Warp w takes head j = w % G and key group kg = w / G (WARPS/G groups split
 // each staged block of ATT_KB keys); each (split, key group) writes an unnormalised partial (O, running max m, sum l) that
 // attn_combine merges in fixed order. Masks: a cached key at sequence s is visible to token t
 // in a sliding layer iff s >= ctx + depth(t) - W + 1 (global: always); new key i iff i is an
