@@ -8,7 +8,14 @@ host pointer), so the layout is the natural C layout of these fields in order.
 The step block (`Params.step`, int32 words, STEP_FIELDS) is the shape of one step: its token rows,
 its requests, each request's cached positions and first row. It lives in device memory, not in
 launch parameters, so a CUDA graph replays any step of the same program and a device loop can
-advance it. Per-row arrays (tokens, depth, anc, row_req) stay Params pointers of their own.
+advance it (the speculative step's `advance` op writes each request's ctx). Per-row arrays (tokens,
+depth, anc, row_req) stay Params pointers of their own.
+
+The speculative step's state (`Params.spec`, int32 words, SPEC_FIELDS per request, SPEC_INTS apart)
+is shared by the drafter's engine and the verifier's (megakernel/decode.py): each request's root,
+how many tokens it wants, how many it has emitted and the emitted tokens themselves, the last
+step's accepted path, and the counts of its acceptance lengths. Only device ops write it during a
+run (`accept`, `advance`); the host writes it before and reads it after.
 """
 from __future__ import annotations
 
@@ -38,11 +45,11 @@ PARAM_FIELDS = (
     ("rope_cos", "const float*"),  # [MAX_CTX][HD/2]
     ("rope_sin", "const float*"),
     ("program", "const int32_t*"),  # op instances, OPINST_INTS each
-    ("step", "const int32_t*"),  # [STEP_INTS] the step's shape (STEP_FIELDS)
+    ("step", "int32_t*"),  # [STEP_INTS] the step's shape (STEP_FIELDS); spec programs' `advance` writes ctx
     ("kv", "uint16_t* const*"),  # [L][B_MAX][2] request r's K (0) and V (1) cache of a layer, [HKV][slots][HD]
-    ("tokens", "const int32_t*"),  # [T_MAX] per row
-    ("depth", "const int32_t*"),  # [T_MAX] per row: depth in its request's tree
-    ("anc", "const uint32_t*"),  # [T_MAX] per row: bit j: row row0 + j of its request is an ancestor or itself
+    ("tokens", "int32_t*"),  # [T_MAX] per row (spec programs: written by their seed / tree op)
+    ("depth", "int32_t*"),  # [T_MAX] per row: depth in its request's tree
+    ("anc", "uint32_t*"),  # [T_MAX] per row: bit j: row row0 + j of its request is an ancestor or itself
     ("row_req", "const int32_t*"),  # [T_MAX] per row: its request
     ("route_override", "const int32_t*"),  # [L][T_MAX][TOPK] or null
     ("x", "float*"),  # [T_MAX][D] residual stream
@@ -69,7 +76,14 @@ PARAM_FIELDS = (
     ("logits", "float*"),  # [T_MAX][V]
     ("amax_val", "float*"),  # [V/16][T_MAX]
     ("amax_idx", "int32_t*"),  # [V/16][T_MAX]
+    ("amax_val2", "float*"),  # [V/16][T_MAX] each LM-head unit's second best per row (the top-2)
+    ("amax_idx2", "int32_t*"),  # [V/16][T_MAX]
     ("out_tokens", "int32_t*"),  # [T_MAX]
+    ("top2", "int32_t*"),  # [T_MAX][2] the two best tokens per row by (logit desc, index asc)
+    ("spec", "int32_t*"),  # [n_req][SPEC_INTS] the speculative step's state (SPEC_FIELDS), or null
+    ("spec_top2", "const int32_t*"),  # verify: the drafter's top2 (its rows), the `tree` op's input
+    ("spec_seed", "const int32_t*"),  # draft: [V][SEED_COLS] succ_d^j(v), the `seed` op's table
+    ("spec_tree", "const int32_t*"),  # verify: [T_MAX][TREE_INTS] each row's node of its request's tree
     ("counters", "uint32_t*"),  # [2][n_counters]
     ("watchdog", "unsigned long long*"),  # [WD_FIELDS]
     ("n_counters", "int32_t"),
@@ -113,6 +127,44 @@ def pack_step(ctx: list[int], n_rows: list[int]) -> list[int]:
     return w
 
 
+# The speculative step's state of one request, in order: (name, int32 words). root: the last emitted
+# token, the next tree's root (its K/V not cached yet); want: tokens the run asks for (the request
+# is active while n_out < want: an inactive request's steps emit and move nothing); n_out: tokens
+# emitted so far; len: the last step's accepted path length, root included (= tokens it emitted; 0
+# when the request was inactive); bonus: the last step's bonus token; path: the accepted nodes
+# (rows relative to the request's first row, root first); hist[a]: steps that emitted a tokens;
+# out: the emitted tokens. Written by the host before a run and by `accept` / `advance` during it.
+MAX_OUT = 2048  # emitted tokens a request holds: a run asks for at most MAX_OUT - T_MAX of them
+SPEC_FIELDS = (("root", 1), ("want", 1), ("n_out", 1), ("len", 1), ("bonus", 1), ("path", 16), ("hist", 17),
+               ("out", MAX_OUT))
+SPEC_INTS = sum(n for _, n in SPEC_FIELDS)
+# The verify tree's shape per row (Params.spec_tree), in order: the node's parent (a row relative
+# to its request's first row; -1 for the root), depth, rank (0: the drafter's top-1 at that depth,
+# 1: its top-2) and ancestor mask (bit j: row j of the request is an ancestor or itself)
+TREE_FIELDS = (("parent", 1), ("depth", 1), ("rank", 1), ("anc", 1))
+TREE_INTS = sum(n for _, n in TREE_FIELDS)
+# The drafter's seed table (Params.spec_seed): row v holds succ_d^j(v) for j = 0..SEED_COLS-1, so a
+# draft row's token is one load instead of the end of a chain of j dependent ones
+SEED_COLS = 16
+
+
+def spec_offsets() -> dict[str, int]:
+    """Word offset of each SPEC_FIELDS entry within a request's state."""
+    return _offsets(SPEC_FIELDS)
+
+
+def tree_offsets() -> dict[str, int]:
+    return _offsets(TREE_FIELDS)
+
+
+def _offsets(fields) -> dict[str, int]:
+    out, at = {}, 0
+    for name, n in fields:
+        out[name] = at
+        at += n
+    return out
+
+
 def _ctype(c: str):
     return ctypes.c_int32 if c == "int32_t" else ctypes.c_uint64
 
@@ -130,7 +182,12 @@ def render_structs() -> str:
     out = ["namespace mk {", f"constexpr int B_MAX = {B_MAX};  // requests of one step (abi.py)",
            "// the step block's words (abi.py STEP_FIELDS)"]
     out += [f"constexpr int STEP_{n.upper()} = {off[n]};" for n, _ in STEP_FIELDS]
-    out += [f"constexpr int STEP_INTS = {STEP_INTS};", "struct LayerPtrs {"]
+    out += [f"constexpr int STEP_INTS = {STEP_INTS};", "// the speculative state's words per request (abi.py SPEC_FIELDS)"]
+    out += [f"constexpr int SPEC_{n.upper()} = {o};" for n, o in spec_offsets().items()]
+    out += [f"constexpr int SPEC_INTS = {SPEC_INTS}, MAX_OUT = {MAX_OUT};",
+            "// a verify tree row's words (abi.py TREE_FIELDS) and the drafter's seed table's columns"]
+    out += [f"constexpr int TREE_{n.upper()} = {o};" for n, o in tree_offsets().items()]
+    out += [f"constexpr int TREE_INTS = {TREE_INTS}, SEED_COLS = {SEED_COLS};", "struct LayerPtrs {"]
     out += [f"  {t} {n};" for n, t in LAYER_FIELDS]
     out += ["};", f"static_assert(sizeof(LayerPtrs) == {ctypes.sizeof(LayerPtrs)}, \"abi.py LayerPtrs\");",
             "struct Params {"]

@@ -8,6 +8,9 @@ Two uses:
   reference: the schedule is checked on the CPU without a GPU.
 - `diff_ops()` replays a chain-mode run op by op against a kernel's buffers (GPU or emulation)
   and names the first op whose output disagrees, for debugging a kernel change.
+- `run_spec()` executes a spec program (the drafter's pass or the verifier's step, program.py
+  build's `spec`) the same way, its speculative ops on a copy of the speculative state (SpecIO,
+  abi.py's layouts), so their declared dependencies are checked in random orders too.
 """
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from . import tree as treelib
+from dataclasses import dataclass
+
+from . import abi, tree as treelib
 from .program import (DEP_ALL, DEP_LOCAL, DEP_SENTINEL, Program, attn_unit, cached_keys, group_size, n_units,
                       needed_group, splits, unit_group)
 from .plan import MOE_COMBINE_COLS
@@ -24,6 +29,16 @@ from .reference import KVCache, Request, rmsnorm
 from .weights import BF16, ModelWeights
 
 F32 = torch.float32
+
+
+@dataclass
+class SpecIO:
+    """A spec program's inputs and outputs in the interpreter, in the kernel's layouts (abi.py):
+    `state` [n_req, SPEC_INTS] (read and written), `table` the seed table (draft) or the tree table
+    (verify), `top2` the draft rows' top-2 (the draft's argmax writes it, the verifier's tree reads it)."""
+    state: torch.Tensor
+    table: torch.Tensor
+    top2: torch.Tensor
 
 
 class Interpreter:
@@ -241,6 +256,71 @@ class Interpreter:
             v, i = b["amax_val"][:, t], b["amax_idx"][:, t]
             best = v.max()
             b["out_tokens"][t] = i[v == best].min()
+        if getattr(self, "spec", None) is not None and self.prog_spec == "draft":  # (logit desc, index asc)
+            self.spec.top2[: self.T] = torch.sort(b["logits"][: self.T], dim=-1, descending=True, stable=True).indices[:, :2]
+
+    # the speculative ops (ops/seed.cuh, tree.cuh, accept.cuh, compact.cuh, advance.cuh)
+    def _seed(self, layer, r):
+        st, o = self.spec.state, abi.spec_offsets()
+        root = int(st[r, o["root"]])
+        for j in range(self.tree_sizes[r]):
+            self.tokens[self.row0[r] + j] = int(self.spec.table[root, j])
+
+    def _tree(self, layer, r):
+        o, st = abi.tree_offsets(), self.spec.state
+        n, r0 = self.tree_sizes[r], self.row0[r]
+        anc = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            row = self.spec.table[r0 + i]
+            d, k = int(row[o["depth"]]), int(row[o["rank"]])
+            self.tokens[r0 + i] = int(st[r, abi.spec_offsets()["root"]]) if i == 0 else \
+                int(self.spec.top2[r0 - r + d - 1, k])
+            self.depth[r0 + i] = d
+            anc[i] = torch.tensor([bool((int(row[o["anc"]]) >> j) & 1) for j in range(n)])
+        self.anc[r] = anc
+
+    def _accept(self, layer, r):
+        o, st = abi.spec_offsets(), self.spec.state
+        n, r0 = self.tree_sizes[r], self.row0[r]
+        par = [int(self.spec.table[r0 + i, abi.tree_offsets()["parent"]]) for i in range(n)]
+        toks, greedy = self.tokens[r0:r0 + n], self.buf["out_tokens"][r0:r0 + n].tolist()
+        path, node = [0], 0
+        while True:
+            nxt = [c for c in range(node + 1, n) if par[c] == node and toks[c] == greedy[node]]
+            if not nxt:
+                break
+            node = nxt[0]
+            path.append(node)
+        n_out = int(st[r, o["n_out"]])
+        active = n_out < int(st[r, o["want"]]) and n_out + n <= abi.MAX_OUT
+        st[r, o["path"]:o["path"] + len(path)] = torch.tensor(path)
+        st[r, o["len"]] = len(path) if active else 0
+        st[r, o["bonus"]] = greedy[node]
+        if active:
+            emitted = [toks[i] for i in path[1:]] + [greedy[node]]
+            st[r, o["out"] + n_out:o["out"] + n_out + len(emitted)] = torch.tensor(emitted)
+
+    def _compact(self, layer, u):
+        c, o = self.cfg, abi.spec_offsets()
+        nreq = len(self.tree_sizes)
+        r, kvh, l = u % nreq, (u // nreq) % c.n_kv_heads, u // (nreq * c.n_kv_heads)
+        n = int(self.spec.state[r, o["len"]])
+        path = self.spec.state[r, o["path"]:o["path"] + n].tolist()
+        kc, ctx = self.caches[r], self.ctxs[r]
+        src = torch.tensor([kc.slot(l, ctx + i) for i in path], dtype=torch.long)
+        dst = torch.tensor([kc.slot(l, ctx + i) for i in range(n)], dtype=torch.long)
+        for t in (kc.k[l], kc.v[l]):
+            t[kvh, dst] = t[kvh, src].clone()  # every source row read before any is written
+
+    def _advance(self, layer, u):
+        o, st = abi.spec_offsets(), self.spec.state
+        for r in range(len(self.tree_sizes)):
+            n = int(st[r, o["len"]])
+            if n > 0:
+                self.ctxs[r] += n
+                st[r, o["root"]] = st[r, o["bonus"]]
+                st[r, o["n_out"]] += n
+                st[r, o["hist"] + n] += 1
 
     # ------------------------------------------------------------------ executing a step
     def setup(self, tokens, parents, ctx, routes=None):
@@ -279,8 +359,30 @@ class Interpreter:
     def run_batch(self, requests, routes=None, order: str = "random", seed: int = 0,
                   program: Program | None = None) -> torch.Tensor:
         """run() of a step of these requests (request r on caches[r]). Returns logits [rows, V]."""
-        prog = program or self.prog
+        self.spec = None
         self.setup_batch(requests, routes)
+        return self._execute(program or self.prog, order, seed)
+
+    def run_spec(self, spec: SpecIO, rows: list[int], ctxs: list[int], order: str = "random", seed: int = 0,
+                 program: Program | None = None) -> torch.Tensor:
+        """A spec program's step (`program`, default this interpreter's, must be one) of requests of
+        `rows` rows at contexts `ctxs` (request r on caches[r]); its seed or tree op writes the
+        rows' tokens (the drafter's depths and ancestors are its chains), `spec` is read and
+        written as the kernel's buffers are. Returns logits [rows, V]; self.ctxs holds the contexts
+        after it (the verifier's advance)."""
+        prog = program or self.prog
+        if prog.spec is None:
+            raise ValueError("run_spec: a spec program (program.build's spec) wanted")
+        self.spec, self.prog_spec = spec, prog.spec
+        chains = [Request([0] * t, treelib.chain(t), c) for t, c in zip(rows, ctxs)]
+        self.setup_batch(chains)
+        self.tokens = [self.cfg.vocab - 1] * self.T  # the seed / tree op must write them
+        if prog.spec == "verify":  # so must the tree op the depths and ancestors
+            self.depth = [0] * self.T
+            self.anc = [torch.eye(t, dtype=torch.bool) for t in rows]
+        return self._execute(prog, order, seed)
+
+    def _execute(self, prog: Program, order: str, seed: int) -> torch.Tensor:
         rng = random.Random(seed)
         n_done = [0] * len(prog.ops)
         group_done: list[dict[int, int]] = [dict() for _ in prog.ops]

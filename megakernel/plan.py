@@ -16,9 +16,14 @@ from . import fp4_layout
 from .abi import B_MAX, STEP_INTS
 from .config import ModelConfig
 
-# op kinds, in the order they run inside a layer (the C++ enum is rendered from this tuple)
+# op kinds, in the order they run inside a layer (the C++ enum is rendered from this tuple), then the
+# speculative step's, which only spec programs hold (program.build): the drafter's `seed` (its rows'
+# tokens from the roots) and the verifier's `tree` (the verify tree from the draft's top-2), `accept`
+# (greedy walk, emitted tokens), `compact` (the accepted rows' K/V to consecutive positions) and
+# `advance` (the step state the next step reads). Appended: the other kinds keep their numbers
 OP_KINDS = ("embed", "qkv", "attn", "attn_combine", "oproj", "router", "pool", "topk", "expert1", "expert2",
-            "moe_combine", "unpool", "lm_head", "argmax")
+            "moe_combine", "unpool", "lm_head", "argmax", "seed", "tree", "accept", "compact", "advance")
+SPEC_KINDS = ("seed", "tree", "accept", "compact", "advance")
 OP = {k: i for i, k in enumerate(OP_KINDS)}
 WARPS = 8  # compute warps per block (one mma m16 row tile of tokens each)
 LOADER_WARPS = 1  # the weight-streaming warp (ring producer)

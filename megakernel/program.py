@@ -13,9 +13,14 @@ Units and groups (the same rules are written in csrc/mk/program.cuh; tests cross
   expert1      count * F/(R1/2) (dynamic)   slot (MAX_SLOTS groups)
   expert2      count * P/R2 (dynamic)       -   (Plan.fused_experts: count * F/(R1/2), expert1's)
   moe_combine  P/16         unpool D/Rr     lm_head V/16      argmax 1
+  seed, tree, accept  B (one per request)   compact L * HKV * B   advance 1
 (row counts: the plan's tiles, R1 / R2 its expert units' rows, Rp the pooler's (plan.pool_rows),
 Rr oproj's and unpool's (plan.residual_rows);
-MOE_COMBINE_COLS)
+MOE_COMBINE_COLS; B the step's requests)
+Spec programs (build's `spec`): the drafter's ("draft") opens with `seed` before embed; the
+verifier's ("verify") opens with `tree` before embed and ends with a launch of its own holding
+`accept`, `compact` and `advance` (in every mode, so that a timing can split them off). Plain
+programs hold none of these.
 A step holds B requests (abi.py's step block): T is the step's token rows, the requests' trees
 concatenated; an attention unit is (kv head, request, split), each kv head's units the requests'
 splits in request order (attn_unit). The rules take t and ctx as ints (one request) or as one of
@@ -46,7 +51,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .config import ModelConfig
-from .plan import MOE_COMBINE_COLS, OP, OP_KINDS, Plan
+from .plan import MOE_COMBINE_COLS, OP, OP_KINDS, SPEC_KINDS, Plan
 
 OPINST_INTS = 16
 MAX_DEPS = 3
@@ -141,10 +146,13 @@ def attn_unit(plan: Plan, layer: int, unit: int, t, ctx) -> tuple[int, int, int,
 
 def n_units(plan: Plan, kind: str, layer: int, t, ctx, count: int) -> int:
     c = plan.cfg
-    rows = sum(n for n, _ in requests(t, ctx))
+    reqs = requests(t, ctx)
+    rows = sum(n for n, _ in reqs)
     if kind == "attn":
         return c.n_kv_heads * attn_span(plan, layer, t, ctx)
     return {
+        "seed": len(reqs), "tree": len(reqs), "accept": len(reqs),
+        "compact": c.n_layers * c.n_kv_heads * len(reqs), "advance": 1,
         "embed": rows,
         "qkv": c.qkv_rows // plan.tiles["qkv"].rows,
         "attn_combine": c.n_heads * rows,
@@ -246,6 +254,7 @@ class Program:
     launches: tuple[tuple[int, int], ...]  # (first op, number of ops) per launch
     n_counters: int  # per parity
     mode: str  # "layer" (one launch per layer) or "step" (one launch)
+    spec: str | None = None  # None (a plain step), "draft" or "verify" (build's `spec`)
 
     def encode(self) -> np.ndarray:
         rows = [o.encode() for o in self.ops]
@@ -259,15 +268,24 @@ class Program:
         return "\n".join(out)
 
 
-def build(plan: Plan, mode: str = "layer") -> Program:
+SPECS = (None, "draft", "verify")
+
+
+def build(plan: Plan, mode: str = "layer", spec: str | None = None) -> Program:
     """Op instances of one decode step, their dependencies, counters and launches.
 
     mode "layer": launch 0 = embed + qkv(0); launch l+1 = attention(l) .. qkv(l+1) (the study's
     shape: attention of layer l through the qkv projection and KV write of layer l+1); the last
     layer's launch ends with the LM head and argmax. mode "step": the whole step in one launch.
+    spec "draft": the drafter's pass, `seed` (its rows' tokens) before embed; in "layer" mode
+    launch 0 runs through qkv(1), so a pass is one launch per draft layer. spec "verify": the
+    verifier's step, `tree` before embed, and after argmax a launch of `accept`, `compact` and
+    `advance` (in "step" mode too). None: the plain step, none of these ops.
     """
     if mode not in ("layer", "step"):
         raise ValueError(f"program mode {mode!r}: 'layer' or 'step'")
+    if spec not in SPECS:
+        raise ValueError(f"program spec {spec!r}: one of {SPECS}")
     c = plan.cfg
     ops: list[OpInst] = []
     counters = 0
@@ -298,9 +316,16 @@ def build(plan: Plan, mode: str = "layer") -> Program:
         launches.append((start, len(ops) - start))
         start = len(ops)
 
-    add("embed", 0, [])
+    if spec == "draft":
+        add("seed", 0, [])
+        add("embed", 0, [("seed", DEP_ALL)])
+    elif spec == "verify":
+        add("tree", 0, [])
+        add("embed", 0, [("tree", DEP_ALL)])
+    else:
+        add("embed", 0, [])
     add("qkv", 0, [("embed", DEP_ALL)])
-    if mode == "layer":
+    if mode == "layer" and spec != "draft":
         cut()
     for l in range(c.n_layers):
         add("attn", l, [("qkv", DEP_GROUP)])
@@ -324,6 +349,12 @@ def build(plan: Plan, mode: str = "layer") -> Program:
             cut()
     if mode == "step":
         cut()
+    if spec == "verify":  # its own launch: the step's split times it apart (megakernel/decode.py)
+        last_layer = c.n_layers - 1
+        add("accept", last_layer, [])  # reads argmax's tokens: the previous launch
+        add("compact", last_layer, [("accept", DEP_ALL)])
+        add("advance", last_layer, [("compact", DEP_ALL)])
+        cut()
     # A dependency on an op of an earlier launch is met before the launch's compute warps start:
     # by stream order, and with PDL by griddepcontrol.wait (the previous grid complete, its memory
     # visible; megakernel.cu). So it is not waited for, and its producer bumps no counter for it:
@@ -336,7 +367,7 @@ def build(plan: Plan, mode: str = "layer") -> Program:
     group = {d.producer for o in ops for d in o.deps if d.mode == DEP_GROUP}
     ops = [replace(o, signal=(SIGNAL_TOTAL if o.index in total else 0) | (SIGNAL_GROUPS if o.index in group else 0))
            for o in ops]
-    prog = Program(plan, tuple(ops), tuple(launches), counters, mode)
+    prog = Program(plan, tuple(ops), tuple(launches), counters, mode, spec)
     check(prog)
     return prog
 
@@ -349,6 +380,18 @@ def check(prog: Program) -> None:
         for i in range(first, first + n):
             launch_of[i] = li
     assert sorted(launch_of) == list(range(len(prog.ops))), "every op in exactly one launch"
+    kinds = [o.kind for o in prog.ops]
+    if prog.spec is None:
+        assert not set(kinds) & set(SPEC_KINDS), "a plain program holds no speculative op"
+    elif prog.spec == "draft":
+        assert kinds[:2] == ["seed", "embed"] and kinds.count("seed") == 1 \
+            and not {"tree", "accept", "compact", "advance"} & set(kinds), "draft: seed, then the plain step"
+    else:
+        # advance is the only writer of the state the next step reads: every op that reads it
+        # (tree, accept, compact) runs before it, and the last launch holds the three alone
+        first, n = prog.launches[-1]
+        assert kinds[0] == "tree" and kinds[1] == "embed" and kinds[first:] == ["accept", "compact", "advance"] \
+            and n == 3 and kinds.count("tree") == 1 and "seed" not in kinds, "verify: tree first, accept launch last"
     for o in prog.ops:
         assert o.kind in OP_KINDS
         if o.kind in ("expert1", "expert2"):

@@ -15,6 +15,11 @@ The requests' rows are concatenated (at most T_MAX = 16 rows in all: one m16 tok
 GEMM). Every op but attention is row-independent and attention splits each request's keys as if
 it ran alone, so request r's logits, tokens and cache are bitwise those of its own B=1 step.
 
+A speculative pair (megakernel/decode.py builds it): the drafter's Engine (`spec=SpecLink("draft",
+...)`, its program the draft pass) and the verifier's (`spec=SpecLink("verify", ...)`: its plain
+program for prefill and plain steps, and the spec step, `launch_spec`) share the speculative state
+and the drafter's top-2 (SpecLink), so a run of steps needs nothing from the host between steps.
+
 Chain mode launches one op instance per kernel launch in program order (the study's baseline
 structure: our own kernel chain), with programmatic dependent launch where the plan has it and the
 op allows (launch_pdl_flags; "chain_nopdl": the same chain without); mega mode launches each `Program.launches` range as one
@@ -66,6 +71,32 @@ EMU_SCHEDULES = {"random": 0, "last": 1, "block": 2}
 
 
 @dataclass
+class SpecLink:
+    """What a speculative engine shares with its partner (decode.py SpecState makes both links).
+    role "draft": its program is the draft pass (`seed` first), `table` the seed table
+    [V][SEED_COLS] (abi.py), `top2` the buffer its argmax writes the top-2 into; role "verify": its
+    spec program is the verify step (`tree` first, then accept / compact / advance), `table` the tree
+    table [T_MAX][TREE_INTS], `top2` the drafter's (the tree op's input). `state`: int32 [n_req,
+    SPEC_INTS], the requests' speculative state (abi.py SPEC_FIELDS); `rows`: this engine's rows
+    per request in a spec step (draft: the tree's tokens less one; verify: the tree's tokens)."""
+    role: str
+    state: torch.Tensor
+    rows: tuple[int, ...]
+    table: torch.Tensor
+    top2: torch.Tensor
+
+    def __post_init__(self):
+        if self.role not in ("draft", "verify"):
+            raise ConfigError(f"spec role {self.role!r}: 'draft' or 'verify'")
+        n = len(self.rows)
+        if not 1 <= n <= abi.B_MAX or tuple(self.state.shape) != (n, abi.SPEC_INTS) or self.state.dtype != torch.int32:
+            raise ConfigError(f"spec state {tuple(self.state.shape)} {self.state.dtype}: want int32 [{n}, {abi.SPEC_INTS}] "
+                              f"for {n} requests (1..{abi.B_MAX})")
+        if self.top2.dtype != torch.int32 or self.top2.numel() < 2 * sum(self.rows):
+            raise ConfigError("spec top2: want int32 with two entries per draft row")
+
+
+@dataclass
 class StepOut:
     logits: torch.Tensor  # [rows, V] fp32
     tokens: torch.Tensor  # [rows] int64: greedy token after each tree position
@@ -98,7 +129,7 @@ class Engine:
     def __init__(self, weights: ModelWeights, plan: Plan, cache: KVCache | Sequence[KVCache], *, backend: str = "gpu",
                  program_mode: str = "layer", grid: int | None = None, emu_seed: int = 1,
                  code_budget: int | None = None, profile_launches: Iterable[int] | None = None,
-                 emu_schedule: str = "random"):
+                 emu_schedule: str = "random", spec: SpecLink | None = None, share: Engine | None = None):
         if backend not in ("gpu", "emu"):
             raise ValueError(f"backend {backend!r}: 'gpu' or 'emu'")
         if emu_schedule not in EMU_SCHEDULES:
@@ -115,7 +146,21 @@ class Engine:
             raise ConfigError("the same KV cache twice: each request needs its own (one writes the other's rows)")
         self.w, self.plan, self.cfg, self.cache = weights, plan, weights.cfg, self.caches[0]
         self.backend = backend
-        self.program: Program = build_program(plan, program_mode)
+        self.spec = spec
+        # the drafter's only program is its pass; the verifier keeps the plain step (prefill, plain
+        # decoding) beside its spec step: both run the same kernel on the same buffers and counters
+        role = spec.role if spec else None
+        self.program: Program = (build_program(plan, program_mode, spec="draft") if role == "draft"
+                                 else build_program(plan, program_mode))
+        self.spec_program: Program | None = (build_program(plan, program_mode, spec="verify") if role == "verify"
+                                             else self.program if role == "draft" else None)
+        if spec is not None and len(spec.rows) > len(self.caches):
+            raise ConfigError(f"a speculative step of {len(spec.rows)} requests needs as many KV caches, this engine "
+                              f"has {len(self.caches)}")
+        if spec is not None and sum(spec.rows) > self.cfg.max_tree:
+            raise ConfigError(f"a speculative step of {'+'.join(map(str, spec.rows))} rows: at most "
+                              f"{self.cfg.max_tree} (one m16 tile of tokens)")
+        self._last_program = self.program  # the program the last launch ran (describe_wait)
         self.dev = weights.device
         if backend == "gpu" and self.dev.type != "cuda":
             raise ConfigError("backend 'gpu' needs weights on a CUDA device")
@@ -124,7 +169,8 @@ class Engine:
         self.grid = grid or (plan.n_sm if backend == "gpu" else 4)
         self.prof = None
         if plan.profile:
-            n = max(len(self.program.launches), len(self.program.ops))  # a slice per launch of either mode
+            progs = [self.program] + ([self.spec_program] if self.spec_program is not None else [])
+            n = max(max(len(p.launches), len(p.ops)) for p in progs)  # a slice per launch of either mode
             self.prof = ProfileBuffer(ProfileLayout(self.grid, 1, plan.profile_cap), launches=n,
                                       device="cpu" if backend == "emu" else (self.dev.index or 0))
         self._prof_launches = None
@@ -135,6 +181,7 @@ class Engine:
         self._check_weights()
         self._alloc()
         self._keep: list[torch.Tensor] = []  # the tiled dense weights the kernel points into
+        self._share = share
         self._layers_blob = self._layer_ptrs()
         self._kv_blob = self._kv_table()
         self.wd = Watchdog(plan.spin_bound_ns, device=self.dev)
@@ -147,6 +194,12 @@ class Engine:
             self.dll = build_emu(plan)
         self.profile_launches = profile_launches  # after the build: a sample also loads the plain one
         self._params_dev = None
+        self._spec_params_dev = None
+        if spec is not None:
+            self._spec_params_dev = self._params(False, self.spec_program)
+            if spec.role == "draft":  # its pass is its step: launch_step runs it
+                self._params_dev = self._spec_params_dev
+            self.set_spec_rows([0] * len(spec.rows))
 
     @property
     def profile_launches(self) -> frozenset[int] | None:
@@ -209,11 +262,19 @@ class Engine:
             # Plan.fused_experts: each down-projection unit's fp32 partial (a slot's K-parts)
             "ypart": (z(p.max_slots, p.fused_parts, 16, c.d_pool) if p.fused_experts else z(1)),
             "z": z(tm, c.d_pool, dt=BF16), "logits": z(tm, c.vocab), "amax_val": z(c.vocab // 16, tm),
-            "amax_idx": z(c.vocab // 16, tm, dt=torch.int32), "out_tokens": z(tm, dt=torch.int32),
+            "amax_idx": z(c.vocab // 16, tm, dt=torch.int32), "amax_val2": z(c.vocab // 16, tm),
+            "amax_idx2": z(c.vocab // 16, tm, dt=torch.int32), "out_tokens": z(tm, dt=torch.int32),
+            # the drafter's top-2 lives in the pair's shared buffer (SpecLink.top2): the verifier reads it
+            "top2": (self.spec.top2 if self.spec is not None and self.spec.role == "draft"
+                     else z(tm, 2, dt=torch.int32)),
         }
         self.empty_sentinel_slots()
-        self.counters = z(2, self.program.n_counters, dt=torch.int32)
+        # one pair of counter halves for every program of this engine (argmax clears the other half whole)
+        n_ctr = max(self.program.n_counters, self.spec_program.n_counters if self.spec_program else 0)
+        self.counters = z(2, n_ctr, dt=torch.int32)
         self.prog_t = torch.from_numpy(self.program.encode()).to(dev)
+        self.spec_prog_t = (torch.from_numpy(self.spec_program.encode()).to(dev)
+                            if self.spec_program is not None else None)
         self.step_t = z(abi.STEP_INTS, dt=torch.int32)  # the step block (abi.STEP_FIELDS)
         self.tokens_t = z(tm, dt=torch.int32)
         self.depth_t = z(tm, dt=torch.int32)
@@ -235,7 +296,14 @@ class Engine:
         return out
 
     def _layer_ptrs(self) -> torch.Tensor:
-        self._lm_head = self._tiled(self.w.lm_head, "lm_head")
+        sh = self._share
+        if sh is not None and (sh.w.embed is not self.w.embed or sh.w.lm_head is not self.w.lm_head):
+            raise ConfigError("share: the engine whose LM head this one reads must hold the same embedding and "
+                              "LM head tensors (a drafter shares the target's)")
+        if sh is not None and sh.plan.tiles["lm_head"] == self.plan.tiles["lm_head"] and sh.dev == self.dev:
+            self._lm_head = sh._lm_head  # the same tiled copy: one LM head in device memory, not two
+        else:
+            self._lm_head = self._tiled(self.w.lm_head, "lm_head")
         arr = (abi.LayerPtrs * self.cfg.n_layers)()
         for l, lw in enumerate(self.w.layers):
             s = arr[l]
@@ -262,26 +330,35 @@ class Engine:
                     tab[l, r, i] = _ptr(t)
         return tab.to(self.dev)
 
-    def _params(self, override: bool) -> torch.Tensor:
+    def _params(self, override: bool, program: Program | None = None) -> torch.Tensor:
+        """The parameter block of `program` (default the plain one; the spec program's reads and
+        writes the speculative state and the pair's top-2 and tables, SpecLink)."""
         b = self.buf
         P = abi.Params()
         P.layers = _ptr(self._layers_blob)
         P.embed, P.final_norm = _ptr(self.w.embed), _ptr(self.w.final_norm)
         P.lm_head = _ptr(self._lm_head)
         P.rope_cos, P.rope_sin = _ptr(self.w.rope_cos), _ptr(self.w.rope_sin)
-        P.program = _ptr(self.prog_t)
+        prog = program or self.program
+        P.program = _ptr(self.spec_prog_t if prog is self.spec_program and prog is not self.program else self.prog_t)
+        if prog.spec is not None:
+            P.spec = _ptr(self.spec.state)
+            if self.spec.role == "draft":
+                P.spec_seed = _ptr(self.spec.table)
+            else:
+                P.spec_tree, P.spec_top2 = _ptr(self.spec.table), _ptr(self.spec.top2)
         P.step, P.kv = _ptr(self.step_t), _ptr(self._kv_blob)
         P.tokens, P.depth, P.anc = _ptr(self.tokens_t), _ptr(self.depth_t), _ptr(self.anc_t)
         P.row_req = _ptr(self.row_req_t)
         P.route_override = _ptr(self.route_t) if override else 0
         for name in ("x", "ss_part", "xg", "q", "att_o", "att_ml", "att_out", "router_logits", "route_sel",
                      "route_w", "route_slot", "route_pos", "slot_expert", "slot_ntok", "slot_tok", "n_slots",
-                     "pooled", "act", "yexp", "ypart", "z", "logits", "amax_val", "amax_idx",
-                     "out_tokens"):
+                     "pooled", "act", "yexp", "ypart", "z", "logits", "amax_val", "amax_idx", "amax_val2",
+                     "amax_idx2", "out_tokens", "top2"):
             setattr(P, name, _ptr(b[name]))
         P.counters = _ptr(self.counters)
         P.watchdog = self.wd.ptr
-        P.n_counters = self.program.n_counters
+        P.n_counters = self.counters.shape[1]
         blob = torch.frombuffer(bytearray(abi.pack(P)), dtype=torch.uint8)
         return blob.to(self.dev)
 
@@ -311,12 +388,13 @@ class Engine:
 
     def describe_wait(self, what: int) -> str:
         i, code = what >> 4, what & 15
-        if not 0 <= i < len(self.program.ops):
+        prog = self._last_program
+        if not 0 <= i < len(prog.ops):
             return f"wait id {what}"
-        o = self.program.ops[i]
-        name = f"{o.kind}(L{o.layer}) [op {i}]"
+        o = prog.ops[i]
+        name = f"{o.kind}(L{o.layer}) [op {i}" + (f" of the {prog.spec} program]" if prog.spec else "]")
         if code < WHAT_RING_FULL and code < len(o.deps):
-            pr = self.program.ops[o.deps[code].producer]
+            pr = prog.ops[o.deps[code].producer]
             mode = "all units" if o.deps[code].mode == 0 else "one group"
             return f"{name} dependency {code}: {mode} of {pr.kind}(L{pr.layer}) [op {pr.index}]"
         return {WHAT_RING_FULL: f"{name}: a weight chunk in the ring (consumer)",
@@ -391,23 +469,47 @@ class Engine:
         return tuple(int(sum(counts[:r])) for r in range(len(counts) + 1))
 
     # ------------------------------------------------------------------ running
-    def launches(self, mode: str) -> list[tuple[int, int, int, int]]:
-        """(first op, ops, wait, grid) of each kernel launch of one step. Modes: "mega", "chain"
-        (one launch per op instance, with PDL where the plan has it: launch_pdl) and
-        "chain_nopdl" (the same launches, none with PDL)."""
+    def launches(self, mode: str, program: Program | None = None) -> list[tuple[int, int, int, int]]:
+        """(first op, ops, wait, grid) of each kernel launch of one step of `program` (default the
+        plain one). Modes: "mega", "chain" (one launch per op instance, with PDL where the plan has
+        it: launch_pdl) and "chain_nopdl" (the same launches, none with PDL)."""
+        prog = program or self.program
         if mode == "mega":
-            return [(f, n, 1, self.grid) for f, n in self.program.launches]
+            return [(f, n, 1, self.grid) for f, n in prog.launches]
         if mode in CHAIN_MODES:
-            out = []
-            for o in self.program.ops:
-                static = {"topk": 1, "argmax": 1}.get(o.kind)
-                out.append((o.index, 1, 0, min(self.grid, static) if static else self.grid))
-            return out
+            n_req = len(self.spec.rows) if self.spec is not None else 1
+            static = {"topk": 1, "argmax": 1, "advance": 1, "seed": n_req, "tree": n_req, "accept": n_req}
+            return [(o.index, 1, 0, min(self.grid, static[o.kind]) if o.kind in static else self.grid)
+                    for o in prog.ops]
         raise ValueError(f"mode {mode!r}: 'mega', 'chain' or 'chain_nopdl'")
 
-    def launch_pdl(self, mode: str) -> list[bool]:
+    def launch_pdl(self, mode: str, program: Program | None = None) -> list[bool]:
         """Whether each launch of `mode` is a programmatic dependent launch (launch_pdl_flags)."""
-        return launch_pdl_flags(self.program, self.plan.pdl, mode)
+        return launch_pdl_flags(program or self.program, self.plan.pdl, mode)
+
+    def set_spec_rows(self, ctxs: Sequence[int]) -> None:
+        """The spec step's shape (SpecLink.rows per request, each request's context `ctxs[r]`) into
+        the step block and the rows' requests; the drafter's rows also get their fixed chains (depth
+        j, ancestors 0..j: its pass is a chain of seeds at context 0). The verifier's plain steps
+        share these buffers: call this again before spec steps that follow plain ones."""
+        if self.spec is None:
+            raise ConfigError("set_spec_rows: this engine has no speculative role")
+        rows = list(self.spec.rows)
+        if len(ctxs) != len(rows):
+            raise ConfigError(f"{len(ctxs)} contexts for {len(rows)} requests")
+        for r, (c, t) in enumerate(zip(ctxs, rows)):
+            try:
+                self.cfg.check_step(int(c), t)
+            except ConfigError as e:
+                raise ConfigError(f"request {r}: {e}") from None
+        pad = self.cfg.max_tree - sum(rows)
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        self.step_t.copy_(i32(abi.pack_step([int(c) for c in ctxs], rows)))
+        self.row_req_t.copy_(i32([r for r, t in enumerate(rows) for _ in range(t)] + [0] * pad))
+        if self.spec.role == "draft":
+            self.depth_t.copy_(i32([j for t in rows for j in range(t)] + [0] * pad))
+            self.anc_t.copy_(i32([(1 << (j + 1)) - 1 for t in rows for j in range(t)] + [0] * pad))
+        self._row0 = tuple(int(sum(rows[:r])) for r in range(len(rows) + 1))
 
     def prepare(self, tokens, parents, ctx: int, routes=None) -> int:
         """Copy a one-request step's inputs to the device and pack the parameter block. Returns T."""
@@ -417,19 +519,63 @@ class Engine:
         """Copy a step of these requests (request r on caches[r]) to the device and pack the
         parameter block. `routes` (forced routing): per layer [rows, top_k] over the requests'
         rows in order. Returns the step's rows."""
+        if self.spec is not None and self.spec.role == "draft":
+            raise ConfigError("the drafter's step is its pass (its rows' tokens come from its seed op): launch_step "
+                              "runs it, force_routes forces its routing")
         self._row0 = self._set_inputs(requests, routes)
         self._params_dev = self._params(routes is not None)
         return self._row0[-1]
 
-    def launch_step(self, mode: str = "mega") -> None:
-        """Enqueue the kernels of the prepared step (nothing else: this is what timing measures)."""
-        if mode == "mega" and self._dirty[self.parity]:
-            self.counters[self.parity].zero_()
-        if self.prof is not None:
-            self.prof.reset()
-        for li, ((first, n, wait, grid), pdl) in enumerate(zip(self.launches(mode), self.launch_pdl(mode))):
-            self._launch(first, n, wait, grid, li, pdl=pdl)
-        if mode == "mega":
+    def force_routes(self, routes: Sequence[torch.Tensor] | None) -> None:
+        """The spec step's routing forced (per layer [rows, top_k] over its rows in order, as
+        prepare's `routes`), or the kernel's own top-k again (None). For checks against a reference
+        whose router near-ties could flip an expert."""
+        if self.spec is None:
+            raise ConfigError("force_routes: this engine has no speculative role (prepare takes routes)")
+        c, rows = self.cfg, sum(self.spec.rows)
+        if routes is not None:
+            if len(routes) != c.n_layers:
+                raise ConfigError(f"routes for {len(routes)} layers, model has {c.n_layers}")
+            rt = torch.zeros(c.n_layers, c.max_tree, c.top_k, dtype=torch.int32)
+            for l, rl in enumerate(routes):
+                rl = torch.as_tensor(rl).to(torch.int64).cpu()
+                if rl.shape != (rows, c.top_k) or (rl < 0).any() or (rl >= c.n_experts).any():
+                    raise ConfigError(f"layer {l}: routes {tuple(rl.shape)} of experts in [0, {c.n_experts}) wanted, "
+                                      f"shape ({rows}, {c.top_k})")
+                rt[l, :rows] = rl.to(torch.int32)
+            self.route_t.copy_(rt)
+        self._spec_params_dev = self._params(routes is not None, self.spec_program)
+        if self.spec.role == "draft":
+            self._params_dev = self._spec_params_dev
+
+    def launch_step(self, mode: str = "mega", *, spec: bool = False, part: range | None = None) -> None:
+        """Enqueue the kernels of the prepared step (nothing else: this is what timing measures).
+        spec: the verifier's spec step instead of the plain one (the drafter's step is its pass
+        either way). part: only these launch indices of the step, in order (a step's split into
+        draft / verify / accept: decode.py); the counters are cleaned before its first launch and
+        the parity turns after its last, so the parts of one step must be launched in order."""
+        if spec and self.spec_program is None:
+            raise ConfigError("launch_step(spec=True): this engine has no spec program (SpecLink)")
+        prog = self.spec_program if spec else self.program
+        params = self._spec_params_dev if spec else self._params_dev
+        if params is None:
+            raise ConfigError("launch_step: no step prepared (prepare / prepare_batch first)")
+        todo = list(zip(self.launches(mode, prog), self.launch_pdl(mode, prog)))
+        part = range(len(todo)) if part is None else part
+        if part and (part[0] < 0 or part[-1] >= len(todo) or part.step != 1):
+            raise ValueError(f"part {part}: launches 0..{len(todo) - 1}, consecutive")
+        if not part:
+            return
+        if part[0] == 0:
+            if mode == "mega" and self._dirty[self.parity]:
+                self.counters[self.parity].zero_()
+            if self.prof is not None:
+                self.prof.reset()
+        self._last_program = prog
+        for li in part:
+            (first, n, wait, grid), pdl = todo[li]
+            self._launch(first, n, wait, grid, li, pdl=pdl, params=params)
+        if mode == "mega" and part[-1] == len(todo) - 1:
             self._dirty[self.parity] = True
             self._dirty[self.parity ^ 1] = False  # the step's argmax cleared it
             self.parity ^= 1
@@ -444,7 +590,8 @@ class Engine:
         self.launch_step(mode)
         return rows
 
-    def _launch(self, first, n, wait, grid, li=0, pdl=False):
+    def _launch(self, first, n, wait, grid, li=0, pdl=False, params=None):
+        params = self._params_dev if params is None else params
         recorded = self.prof is not None and (self._prof_launches is None or li in self._prof_launches)
         pb, pm = self.prof.args(li) if recorded else (0, np.uint64(0))
         plain = self.prof is not None and not recorded  # a sampled profile: the unprofiled build
@@ -452,14 +599,14 @@ class Engine:
             # one shared-memory size for both builds (the profile_launches setter checks it)
             spec = LaunchSpec(grid=grid, block=self.plan.threads, smem=self.plan.smem_bytes, pdl=pdl)
             kernel = self._plain if plain else self.kernel
-            launch(kernel, spec, self._params_dev, np.int32(first), np.int32(n), np.int32(wait),
+            launch(kernel, spec, params, np.int32(first), np.int32(n), np.int32(wait),
                    np.int32(self.parity), pb, pm, persistent=bool(wait))
         else:
             err = ctypes.create_string_buffer(2048)
             dll = self._plain if plain else self.dll
             if dll.emu_set_schedule(EMU_SCHEDULES[self.emu_schedule]):  # the library's state: set every launch
                 raise EmulationError(f"the emulation does not know schedule {self.emu_schedule!r}")
-            rc = dll.mk_emu_run(self._params_dev.data_ptr(), grid, first, n, wait, self.parity,
+            rc = dll.mk_emu_run(params.data_ptr(), grid, first, n, wait, self.parity,
                                 self.emu_seed, err, len(err), pb, int(pm))
             self.emu_seed += 1
             if rc:

@@ -49,8 +49,8 @@ constexpr int SMEM_BYTES = 67424;
 constexpr unsigned long long SPIN_BOUND_NS = 2000000000ull;
 constexpr unsigned POLL_BACKOFF_NS = 0u;
 // op kinds
-enum OpKind : int { OP_EMBED = 0, OP_QKV = 1, OP_ATTN = 2, OP_ATTN_COMBINE = 3, OP_OPROJ = 4, OP_ROUTER = 5, OP_POOL = 6, OP_TOPK = 7, OP_EXPERT1 = 8, OP_EXPERT2 = 9, OP_MOE_COMBINE = 10, OP_UNPOOL = 11, OP_LM_HEAD = 12, OP_ARGMAX = 13 };
-constexpr int OP_KINDS = 14;
+enum OpKind : int { OP_EMBED = 0, OP_QKV = 1, OP_ATTN = 2, OP_ATTN_COMBINE = 3, OP_OPROJ = 4, OP_ROUTER = 5, OP_POOL = 6, OP_TOPK = 7, OP_EXPERT1 = 8, OP_EXPERT2 = 9, OP_MOE_COMBINE = 10, OP_UNPOOL = 11, OP_LM_HEAD = 12, OP_ARGMAX = 13, OP_SEED = 14, OP_TREE = 15, OP_ACCEPT = 16, OP_COMPACT = 17, OP_ADVANCE = 18 };
+constexpr int OP_KINDS = 19;
 // GEMM tiles: rows per unit, K chunk, K
 constexpr int TILE_QKV_ROWS = 16;
 constexpr int TILE_QKV_KC = 128;
@@ -115,6 +115,22 @@ constexpr int STEP_N_REQ = 1;
 constexpr int STEP_CTX = 2;
 constexpr int STEP_ROW0 = 18;
 constexpr int STEP_INTS = 35;
+// the speculative state's words per request (abi.py SPEC_FIELDS)
+constexpr int SPEC_ROOT = 0;
+constexpr int SPEC_WANT = 1;
+constexpr int SPEC_N_OUT = 2;
+constexpr int SPEC_LEN = 3;
+constexpr int SPEC_BONUS = 4;
+constexpr int SPEC_PATH = 5;
+constexpr int SPEC_HIST = 21;
+constexpr int SPEC_OUT = 38;
+constexpr int SPEC_INTS = 2086, MAX_OUT = 2048;
+// a verify tree row's words (abi.py TREE_FIELDS) and the drafter's seed table's columns
+constexpr int TREE_PARENT = 0;
+constexpr int TREE_DEPTH = 1;
+constexpr int TREE_RANK = 2;
+constexpr int TREE_ANC = 3;
+constexpr int TREE_INTS = 4, SEED_COLS = 16;
 struct LayerPtrs {
   const uint16_t* attn_norm;
   const uint16_t* wqkv;
@@ -139,11 +155,11 @@ struct Params {
   const float* rope_cos;
   const float* rope_sin;
   const int32_t* program;
-  const int32_t* step;
+  int32_t* step;
   uint16_t* const* kv;
-  const int32_t* tokens;
-  const int32_t* depth;
-  const uint32_t* anc;
+  int32_t* tokens;
+  int32_t* depth;
+  uint32_t* anc;
   const int32_t* row_req;
   const int32_t* route_override;
   float* x;
@@ -170,12 +186,19 @@ struct Params {
   float* logits;
   float* amax_val;
   int32_t* amax_idx;
+  float* amax_val2;
+  int32_t* amax_idx2;
   int32_t* out_tokens;
+  int32_t* top2;
+  int32_t* spec;
+  const int32_t* spec_top2;
+  const int32_t* spec_seed;
+  const int32_t* spec_tree;
   uint32_t* counters;
   unsigned long long* watchdog;
   int32_t n_counters;
 };
-static_assert(sizeof(Params) == 336, "abi.py Params");
+static_assert(sizeof(Params) == 392, "abi.py Params");
 }  // namespace mk
 namespace mk {
 constexpr int OPINST_INTS = 16, MAX_DEPS = 3, OPREC_DEPS = 8;
@@ -255,26 +278,46 @@ constexpr int FP4_SWIZZLE_MAX = 8;
 #define MK_EV_WAIT_ARGMAX_END         55u  // end of phase wait_argmax: waiting for the dependencies of the block's first argmax unit
 #define MK_EV_ARGMAX_BEGIN            56u  // begin of phase argmax: the block's argmax units
 #define MK_EV_ARGMAX_END              57u  // end of phase argmax: the block's argmax units
-#define MK_EV_LAUNCH_END              58u  // instant: block finished its last unit (arg = first op of the launch)
-#define MK_EV_STAGE_BEGIN             59u  // begin of phase stage: staging an activation operand into shared memory (0 norm, 1 rows)
-#define MK_EV_STAGE_END               60u  // end of phase stage: staging an activation operand into shared memory (0 norm, 1 rows)
-#define MK_EV_RING_WAIT_BEGIN         61u  // begin of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
-#define MK_EV_RING_WAIT_END           62u  // end of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
-#define MK_EV_ATTN_LOAD_BEGIN         63u  // begin of phase attn_load: attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared memory, to the barrier after (arg = round)
-#define MK_EV_ATTN_LOAD_END           64u  // end of phase attn_load: attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared memory, to the barrier after (arg = round)
-#define MK_EV_PUBLISH_BEGIN           65u  // begin of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
-#define MK_EV_PUBLISH_END             66u  // end of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
-#define MK_EV_FP4_TAIL_BEGIN          67u  // begin of phase fp4_tail: expert GEMM: thread 0's last chunk done to every warp's results in shared memory (the barrier after them: the slowest warp's lag)
-#define MK_EV_FP4_TAIL_END            68u  // end of phase fp4_tail: expert GEMM: thread 0's last chunk done to every warp's results in shared memory (the barrier after them: the slowest warp's lag)
-#define MK_EV_EPILOGUE_BEGIN          69u  // begin of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
-#define MK_EV_EPILOGUE_END            70u  // end of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
-#define MK_EV_UNIT_OPEN_BEGIN         71u  // begin of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase) and only where the unit opens (program.cuh unit_opens; arg = unit)
-#define MK_EV_UNIT_OPEN_END           72u  // end of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase) and only where the unit opens (program.cuh unit_opens; arg = unit)
-#define MK_EV_UNIT_CLOSE_BEGIN        73u  // begin of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
-#define MK_EV_UNIT_CLOSE_END          74u  // end of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
-#define MK_EV_TOPK_STEP_BEGIN         75u  // begin of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
-#define MK_EV_TOPK_STEP_END           76u  // end of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
-#define MK_EV_COUNT                   76u
+#define MK_EV_WAIT_SEED_BEGIN         58u  // begin of phase wait_seed: waiting for the dependencies of the block's first seed unit
+#define MK_EV_WAIT_SEED_END           59u  // end of phase wait_seed: waiting for the dependencies of the block's first seed unit
+#define MK_EV_SEED_BEGIN              60u  // begin of phase seed: the block's seed units
+#define MK_EV_SEED_END                61u  // end of phase seed: the block's seed units
+#define MK_EV_WAIT_TREE_BEGIN         62u  // begin of phase wait_tree: waiting for the dependencies of the block's first tree unit
+#define MK_EV_WAIT_TREE_END           63u  // end of phase wait_tree: waiting for the dependencies of the block's first tree unit
+#define MK_EV_TREE_BEGIN              64u  // begin of phase tree: the block's tree units
+#define MK_EV_TREE_END                65u  // end of phase tree: the block's tree units
+#define MK_EV_WAIT_ACCEPT_BEGIN       66u  // begin of phase wait_accept: waiting for the dependencies of the block's first accept unit
+#define MK_EV_WAIT_ACCEPT_END         67u  // end of phase wait_accept: waiting for the dependencies of the block's first accept unit
+#define MK_EV_ACCEPT_BEGIN            68u  // begin of phase accept: the block's accept units
+#define MK_EV_ACCEPT_END              69u  // end of phase accept: the block's accept units
+#define MK_EV_WAIT_COMPACT_BEGIN      70u  // begin of phase wait_compact: waiting for the dependencies of the block's first compact unit
+#define MK_EV_WAIT_COMPACT_END        71u  // end of phase wait_compact: waiting for the dependencies of the block's first compact unit
+#define MK_EV_COMPACT_BEGIN           72u  // begin of phase compact: the block's compact units
+#define MK_EV_COMPACT_END             73u  // end of phase compact: the block's compact units
+#define MK_EV_WAIT_ADVANCE_BEGIN      74u  // begin of phase wait_advance: waiting for the dependencies of the block's first advance unit
+#define MK_EV_WAIT_ADVANCE_END        75u  // end of phase wait_advance: waiting for the dependencies of the block's first advance unit
+#define MK_EV_ADVANCE_BEGIN           76u  // begin of phase advance: the block's advance units
+#define MK_EV_ADVANCE_END             77u  // end of phase advance: the block's advance units
+#define MK_EV_LAUNCH_END              78u  // instant: block finished its last unit (arg = first op of the launch)
+#define MK_EV_STAGE_BEGIN             79u  // begin of phase stage: staging an activation operand into shared memory (0 norm, 1 rows)
+#define MK_EV_STAGE_END               80u  // end of phase stage: staging an activation operand into shared memory (0 norm, 1 rows)
+#define MK_EV_RING_WAIT_BEGIN         81u  // begin of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
+#define MK_EV_RING_WAIT_END           82u  // end of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
+#define MK_EV_ATTN_LOAD_BEGIN         83u  // begin of phase attn_load: attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared memory, to the barrier after (arg = round)
+#define MK_EV_ATTN_LOAD_END           84u  // end of phase attn_load: attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared memory, to the barrier after (arg = round)
+#define MK_EV_PUBLISH_BEGIN           85u  // begin of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
+#define MK_EV_PUBLISH_END             86u  // end of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
+#define MK_EV_FP4_TAIL_BEGIN          87u  // begin of phase fp4_tail: expert GEMM: thread 0's last chunk done to every warp's results in shared memory (the barrier after them: the slowest warp's lag)
+#define MK_EV_FP4_TAIL_END            88u  // end of phase fp4_tail: expert GEMM: thread 0's last chunk done to every warp's results in shared memory (the barrier after them: the slowest warp's lag)
+#define MK_EV_EPILOGUE_BEGIN          89u  // begin of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
+#define MK_EV_EPILOGUE_END            90u  // end of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
+#define MK_EV_UNIT_OPEN_BEGIN         91u  // begin of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase) and only where the unit opens (program.cuh unit_opens; arg = unit)
+#define MK_EV_UNIT_OPEN_END           92u  // end of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase) and only where the unit opens (program.cuh unit_opens; arg = unit)
+#define MK_EV_UNIT_CLOSE_BEGIN        93u  // begin of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
+#define MK_EV_UNIT_CLOSE_END          94u  // end of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
+#define MK_EV_TOPK_STEP_BEGIN         95u  // begin of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
+#define MK_EV_TOPK_STEP_END           96u  // end of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
+#define MK_EV_COUNT                   96u
 
 static_assert(MK_EV_COUNT <= 0xFFFFu, "profiler event ids are 16 bits");
 static_assert(MK_EV_WAIT_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 0 && MK_EV_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 2 && MK_EV_EMBED_END == MK_EV_EMBED_BEGIN + 1, "profiler ids of embed");
@@ -291,3 +334,8 @@ static_assert(MK_EV_WAIT_MOE_COMBINE_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 10 &&
 static_assert(MK_EV_WAIT_UNPOOL_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 11 && MK_EV_UNPOOL_BEGIN == MK_EV_WAIT_UNPOOL_BEGIN + 2 && MK_EV_UNPOOL_END == MK_EV_UNPOOL_BEGIN + 1, "profiler ids of unpool");
 static_assert(MK_EV_WAIT_LM_HEAD_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 12 && MK_EV_LM_HEAD_BEGIN == MK_EV_WAIT_LM_HEAD_BEGIN + 2 && MK_EV_LM_HEAD_END == MK_EV_LM_HEAD_BEGIN + 1, "profiler ids of lm_head");
 static_assert(MK_EV_WAIT_ARGMAX_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 13 && MK_EV_ARGMAX_BEGIN == MK_EV_WAIT_ARGMAX_BEGIN + 2 && MK_EV_ARGMAX_END == MK_EV_ARGMAX_BEGIN + 1, "profiler ids of argmax");
+static_assert(MK_EV_WAIT_SEED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 14 && MK_EV_SEED_BEGIN == MK_EV_WAIT_SEED_BEGIN + 2 && MK_EV_SEED_END == MK_EV_SEED_BEGIN + 1, "profiler ids of seed");
+static_assert(MK_EV_WAIT_TREE_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 15 && MK_EV_TREE_BEGIN == MK_EV_WAIT_TREE_BEGIN + 2 && MK_EV_TREE_END == MK_EV_TREE_BEGIN + 1, "profiler ids of tree");
+static_assert(MK_EV_WAIT_ACCEPT_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 16 && MK_EV_ACCEPT_BEGIN == MK_EV_WAIT_ACCEPT_BEGIN + 2 && MK_EV_ACCEPT_END == MK_EV_ACCEPT_BEGIN + 1, "profiler ids of accept");
+static_assert(MK_EV_WAIT_COMPACT_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 17 && MK_EV_COMPACT_BEGIN == MK_EV_WAIT_COMPACT_BEGIN + 2 && MK_EV_COMPACT_END == MK_EV_COMPACT_BEGIN + 1, "profiler ids of compact");
+static_assert(MK_EV_WAIT_ADVANCE_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 18 && MK_EV_ADVANCE_BEGIN == MK_EV_WAIT_ADVANCE_BEGIN + 2 && MK_EV_ADVANCE_END == MK_EV_ADVANCE_BEGIN + 1, "profiler ids of advance");

@@ -21,6 +21,12 @@
 #include "ops/router.cuh"
 #include "ops/topk.cuh"
 #include "ops/unpool.cuh"
+// the speculative step's ops (spec programs only: program.py build's `spec`)
+#include "ops/accept.cuh"
+#include "ops/advance.cuh"
+#include "ops/compact.cuh"
+#include "ops/seed.cuh"
+#include "ops/tree.cuh"
 
 namespace mk {
 
@@ -74,6 +80,11 @@ MK_DEV int n_units(const Blk& b, const Op& o) {
     case OP_UNPOOL: return D / TILE_UNPOOL_ROWS;
     case OP_LM_HEAD: return V / 16;
     case OP_ARGMAX: return 1;
+    case OP_SEED: return step_nreq(b);
+    case OP_TREE: return step_nreq(b);
+    case OP_ACCEPT: return step_nreq(b);
+    case OP_COMPACT: return L * HKV * step_nreq(b);
+    case OP_ADVANCE: return 1;
   }
   return 0;
 }
@@ -287,6 +298,11 @@ MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
     case OP_UNPOOL: run_unpool(b, o.layer, u, what); break;
     case OP_LM_HEAD: run_lm_head(b, o.layer, u, what); break;
     case OP_ARGMAX: run_argmax(b); break;
+    case OP_SEED: run_seed(b, u); break;
+    case OP_TREE: run_tree(b, u); break;
+    case OP_ACCEPT: run_accept(b, u); break;
+    case OP_COMPACT: run_compact(b, u); break;
+    case OP_ADVANCE: run_advance(b); break;
   }
 }
 

@@ -104,8 +104,9 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
   for (int h = 0; h < 2; ++h) {
     const int t = g + 8 * h;
     tok_ok[h] = t >= t0 && t < t0 + nt;
-    anc[h] = tok_ok[h] ? p.anc[t] : 0u;
-    lim[h] = tok_ok[h] ? ctx + p.depth[t] - WINDOW + 1 : 0;  // first visible cached seq (sliding)
+    // at L2: a verify tree op writes them, in this launch in "step" programs
+    anc[h] = tok_ok[h] ? ldg_cg(p.anc + t) : 0u;
+    lim[h] = tok_ok[h] ? ctx + ldg_cgi(p.depth + t) - WINDOW + 1 : 0;  // first visible cached seq (sliding)
   }
   float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
   float o[HD / 8][4];

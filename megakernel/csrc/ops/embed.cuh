@@ -8,7 +8,7 @@ namespace mk {
 
 MK_DEV void run_embed(Blk& b, int unit) {
   const Params& p = *b.p;
-  const int tok = p.tokens[unit];
+  const int tok = ldg_cgi(p.tokens + unit);  // L2: a spec program's seed / tree op wrote it in this launch
   for (int g = tid(); g < D / 8; g += COMPUTE_THREADS) {
     const uint4 e = ldg_nc4(p.embed + static_cast<size_t>(tok) * D + 8 * g);
     const uint32_t w[4] = {e.x, e.y, e.z, e.w};

@@ -1,6 +1,7 @@
 // lm_head: logits = rmsnorm(x, final_norm) @ lm_head^T (fp32; the norm factor applied to the fp32
-// result, gemm.cuh stage_normed), plus each unit's argmax per token
-// (value desc, index asc) for the final reduction. Unit = 16 vocabulary rows.
+// result, gemm.cuh stage_normed), plus each unit's best and second best per token
+// (value desc, index asc) for the final reduction (argmax.cuh: the greedy token and the top-2).
+// Unit = 16 vocabulary rows.
 #pragma once
 #include "mk/gemm.cuh"
 #include "mk/layers.cuh"
@@ -24,18 +25,25 @@ MK_COLD_LOOP
   }
   if (tid() < step_rows(b)) {
     const int t = tid();
-    float best = neg_inf();
-    int bi = 0x7fffffff;
+    float best = neg_inf(), second = neg_inf();
+    int bi = 0x7fffffff, si = 0x7fffffff;
     const float r = norm_factor(b, t);
     for (int n = 0; n < 16; ++n) {
       const float v = gemm_sum<16>(b, t, n) * r;
       if (v > best) {  // strict: the first (lowest) index wins ties
+        second = best;
+        si = bi;
         best = v;
         bi = unit * 16 + n;
+      } else if (v > second) {
+        second = v;
+        si = unit * 16 + n;
       }
     }
     p.amax_val[unit * T_MAX + t] = best;
     p.amax_idx[unit * T_MAX + t] = bi;
+    p.amax_val2[unit * T_MAX + t] = second;
+    p.amax_idx2[unit * T_MAX + t] = si;
   }
 }
 

@@ -37,7 +37,7 @@ MK_DEV QkvRope qkv_begin(const Blk& b, int unit) {
   q.mine = tid() < 16 * (R / 2) && q.t < step_rows(b);
   q.cs = 1.f, q.sn = 0.f;
   if (q.mine && q.head < HQ + HKV) {
-    const int pos = req_ctx(b, row_req(b, q.t)) + p.depth[q.t];
+    const int pos = req_ctx(b, row_req(b, q.t)) + ldg_cgi(p.depth + q.t);  // L2: a verify tree op may write it in this launch
     q.cs = p.rope_cos[pos * (HD / 2) + q.d / 2];
     q.sn = p.rope_sin[pos * (HD / 2) + q.d / 2];
   }
