@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -50,7 +51,7 @@ from microbench.atomic import check_writable, write_text
 from microbench.device import no_gpu_reason
 from microbench.errors import MegabenchError, ResultsFileError
 from microbench.harness import Harness, Policy
-from microbench.results import REPO_ROOT, find, load
+from microbench.results import REPO_ROOT, Env, find, load
 from microbench.sass import cubin_instruction_chains, find_nvdisasm, instruction_chains
 from microbench.teardown import leave
 
@@ -350,6 +351,125 @@ def _step(a) -> int:
         print("  " + line)
     print("check: " + ("passed" if res.ok else f"FAILED ({len(res.problems)} mismatches)"))
     return 0 if res.ok else 1
+
+
+def _decode(a) -> int:
+    """`megabench decode`: a speculative run on the device (megakernel.decode), its acceptance and
+    the step's split; --check against plain greedy decoding (exit 1 on a difference)."""
+    import torch  # heavy: torch
+
+    from . import speculative  # heavy: torch (megakernel.speculative)
+    from .decode import BATCHES, SpecPair, decode, max_tokens, summary_lines  # heavy: torch (megakernel.decode)
+    from .decode import to_result as decode_result  # heavy: torch (megakernel.decode)
+    from .draft import DraftConfig, draft_model_config  # heavy: torch (megakernel.draft)
+    from .reference import KVCache  # heavy: torch (megakernel.reference)
+
+    why = no_gpu_reason()
+    if why and a.preset != "tiny":
+        print(f"decode --preset {a.preset} needs a GPU ({why}); without one only tiny runs, in the host emulation",
+              file=sys.stderr)
+        return 2
+    cfg = get_preset(a.preset)
+    try:
+        if a.ranks != 1:
+            # the tensor-parallel megakernel's hook: SpecPair(ranks=R) builds R ranks once it is built
+            raise ConfigError(f"--ranks {a.ranks}: tensor parallelism is not built yet; decode runs one rank")
+        if a.batch not in BATCHES:
+            raise ConfigError(f"--batch {a.batch}: a speculative step takes {', '.join(map(str, BATCHES))} requests")
+        if a.prompt_len < 1:
+            raise ConfigError(f"--prompt-len {a.prompt_len}: want at least 1 token (the first root)")
+        most = max_tokens(cfg, a.batch, a.prompt_len)
+        if not 1 <= a.tokens <= most:
+            raise ConfigError(f"--tokens {a.tokens}: {a.preset} at --batch {a.batch} with a prompt of {a.prompt_len} "
+                              f"holds 1..{most} tokens per request (MAX_OUT and its {cfg.max_context} cached positions)")
+        if a.agree is not None:
+            name, agree, source = "custom", a.agree, "given with --agree"
+            DraftConfig(agree=agree).validate()
+        else:
+            name = a.acceptance
+            agree, source = speculative.agreement(name, a.preset), speculative.agreement_source(name, a.preset)
+    except ConfigError as e:
+        print(f"decode: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        check_writable(a.json)
+    print(f"acceptance {name!r} on {a.preset}: agree {agree:g} ({source})")
+    dcfg = draft_model_config(cfg, DraftConfig(agree=agree))
+    if why:
+        from .plan import make_plan  # heavy: torch (megakernel.plan)
+        from .weights import generate  # heavy: torch (megakernel.weights)
+
+        print(f"no GPU ({why}): {a.preset} in the host emulation (the kernel's CUDA source on CPU fibers); its times "
+              "are the CPU's, not a GPU's")
+        backend, dev = "emu", "cpu"
+        w = generate(cfg)
+        plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
+        dplan = make_plan(dcfg, 4, spin_bound_ns=3_000_000_000)
+    else:
+        from .bench_baselines import weights_for  # heavy: torch (megakernel.bench_baselines)
+        from .plans import plan_for  # heavy: torch (megakernel.plans)
+
+        backend, dev = "gpu", "cuda"
+        w = weights_for(a.preset)
+        plan = plan_for(a.preset, tokens=cfg.max_tree)
+        dplan = plan_for(dcfg, tokens=dcfg.max_tree - 1)
+    pair = SpecPair(w, plan, dplan, [KVCache(cfg, device=dev) for _ in range(a.batch)], batch=a.batch, agree=agree,
+                    backend=backend, emu_schedule=a.schedule)
+    g = torch.Generator().manual_seed(a.seed)
+    prompts = [torch.randint(0, cfg.vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.batch)]
+    print(f"{a.preset}: {a.batch} request(s) of a {pair.T}-token tree (branch depth {pair.branch_depth}), drafter "
+          f"{pair.dm.cfg.n_layers} layers over {pair.T - 1} slots, {a.mode} mode ({backend}); {a.tokens} tokens each "
+          f"after a prompt of {a.prompt_len}", flush=True)
+    out = decode(pair, prompts, a.tokens, a.mode, check=a.check, poison=a.check,
+                 progress=lambda line: print("  " + line, flush=True))
+    for line in summary_lines(out, emulated=not pair.gpu):
+        print(line)
+    for r, t in enumerate(out.read.tokens):
+        print(f"request {r}: {len(t)} tokens: {t[:24]}{' ...' if len(t) > 24 else ''}")
+    if out.check is not None:
+        c = out.check
+        print(f"check against plain greedy decoding (T=1 megakernel steps): tokens "
+              f"{'equal' if all(c.tokens_equal) else 'DIFFER'}; {c.kv_rows} KV rows of the committed positions: "
+              f"worst {c.kv_rel_err:.2e} of the plain run's ({c.kv_worst}), {c.kv_flips} above the reference bound "
+              f"(router near-ties; another node's row would be ~1.4)")
+        for p in c.problems:
+            print(f"  MISMATCH: {p}")
+        print("check: " + ("passed" if c.ok else f"FAILED ({len(c.problems)} mismatches)"))
+    if pair.gpu:
+        from .plans import constants_env  # heavy: torch (megakernel.plans)
+
+        env = constants_env()
+    else:
+        env = Env.capture()
+    res = decode_result(out, preset=a.preset, batch=a.batch, mode=a.mode, agree=agree, acceptance=name,
+                    acceptance_source=source, prompt_len=a.prompt_len, n=a.tokens, env=env, emulated=not pair.gpu)
+    print("saved", res.save())
+    if a.json:
+        print("wrote", write_text(Path(a.json), json.dumps(res.to_json(), indent=1) + "\n"))
+    return 1 if out.check is not None and not out.check.ok else 0
+
+
+def add_decode_parser(sub) -> None:
+    """`megabench decode` (a top-level command: reports/cli.py adds it with this)."""
+    s = sub.add_parser("decode", help="speculative decoding on the device: drafter and verifier megakernels, accepted "
+                                      "tokens/s, acceptance, the step's split (tiny in the emulation without a GPU)")
+    s.add_argument("--preset", default="tiny", choices=PRESET_NAMES)
+    s.add_argument("--tokens", type=int, default=64, help="tokens each request emits (default 64)")
+    s.add_argument("--mode", default="mega", choices=["mega", "chain"])
+    acc = s.add_mutually_exclusive_group()
+    acc.add_argument("--acceptance", default="study", help="a named drafter agreement (megakernel/speculative.py "
+                                                           "ACCEPTANCE: study, perfect; default study)")
+    acc.add_argument("--agree", type=float, default=None, help="the drafter's agreement with the target's backbone, 0..1")
+    s.add_argument("--batch", type=int, default=1, help="requests, each its own tree of 16 / B tokens (1, 2, 4, 8)")
+    s.add_argument("--ranks", type=int, default=1, help="tensor-parallel ranks (1: not built beyond one)")
+    s.add_argument("--prompt-len", type=int, default=8, help="random prompt tokens per request (default 8)")
+    s.add_argument("--seed", type=int, default=0, help="the prompts' seed")
+    s.add_argument("--check", action="store_true", help="compare with plain greedy decoding (T=1 steps), token for "
+                                                        "token and KV row for KV row; exit 1 when they differ")
+    s.add_argument("--schedule", default="random", choices=["random", "last", "block"],
+                   help="the emulation's schedule for mega launches (no GPU)")
+    s.add_argument("--json", default=None, metavar="PATH", help="also write the typed result (megakernel.decode) here")
+    s.set_defaults(fn=_decode)
 
 
 def _program(a) -> int:

@@ -19,6 +19,7 @@ from microbench.errors import KernelDoesNotFitError
 from microbench.results import REPO_ROOT, Env
 from microbench.tune import DEFAULTS_ENV, NoConstantsFileError, TunedConstants, load_constants
 
+from .config import ModelConfig
 from .config import preset as get_preset
 from .plan import Plan, fuses_experts, make_plan
 
@@ -104,10 +105,13 @@ def _get(constants, key):
 ROLE_REGISTERS = 224
 
 
-def plan_for(preset: str, constants=None, n_sm: int | None = None, **switches) -> Plan:
-    """Plan from the tuned constants (documented defaults where no constants file exists)."""
+def plan_for(preset: str | ModelConfig, constants=None, n_sm: int | None = None, **switches) -> Plan:
+    """Plan from the tuned constants (documented defaults where no constants file exists). `preset`:
+    a preset's name, or a model config of the family (the drafter's, draft.draft_model_config:
+    the same tuned constants build it, it has none of its own)."""
 
-    cfg = get_preset(preset)
+    cfg = preset if isinstance(preset, ModelConfig) else get_preset(preset)
+    preset = cfg.name
     n_sm = n_sm or device_info().sm_count
     c = tuned(constants)
     # the tuned ring is the least that streams at full rate; spare shared memory adds stages of

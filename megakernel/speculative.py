@@ -181,6 +181,29 @@ ACCEPTANCE: dict[str, dict[str, float]] = {
 }
 
 
+# Where each named agreement comes from, printed beside it by `megabench decode` (the runs behind the
+# measured ones: reports/notes/acceptance-calibration.md)
+CALIBRATION_NOTE = "reports/notes/acceptance-calibration.md"
+ACCEPTANCE_SOURCE: dict[str, dict[str, str]] = {
+    "study": {
+        "tiny": "measured on tiny with the torch reference: 6.95 of 16 (16 prompts x 100 tokens), the named mean "
+                "6.6 +- 0.5; tests/test_model_spec.py measures it again on every run",
+        "small": "measured on small with the torch reference: 6.92 of 16 (8 prompts x 64 tokens, 79 steps)",
+        "shard8": "small's value, not measured on shard8: its weights need a GPU (this run's own mean measures it)",
+    },
+    "perfect": {p: "by construction: the drafter's successor table is the target's backbone" for p in
+                ("tiny", "small", "shard8")},
+}
+
+
+def agreement_source(name: str, preset: str = "tiny") -> str:
+    """Where the named agreement for a preset comes from (ACCEPTANCE_SOURCE), with the note that
+    holds the measurements."""
+    agreement(name, preset)  # refuses an unknown name or preset by name
+    how = ACCEPTANCE_SOURCE.get(name, {}).get(preset, "no record of how it was reached")
+    return f"{how}; {CALIBRATION_NOTE}" if name == "study" else how
+
+
 def agreement(name: str, preset: str = "tiny") -> float:
     """The drafter's agreement of a named acceptance configuration for a preset."""
     try:

@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description=mk_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mk_cli.add_tools(s.add_subparsers(dest="tool", required=True, metavar="TOOL"))
     s.set_defaults(fn=_mk)
+    mk_cli.add_decode_parser(sub)
     for name, (what, _) in PASSTHROUGH.items():
         s = sub.add_parser(name, help=what, add_help=False, prefix_chars="\0")  # its own parser reads every argument
         s.add_argument("args", nargs=argparse.REMAINDER)

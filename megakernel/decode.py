@@ -1,0 +1,562 @@
+"""Speculative decoding on the device: the drafter's pass, the verify tree, greedy acceptance, KV
+compaction and the next step's state, all in megakernel launches, nothing read back between steps.
+
+One step (SpecPair.launch_step), three parts:
+  draft   the drafter's Engine (draft.DraftModel's weights, its own Plan and build of the same
+          kernel source, reading the target's embedding, final norm and tiled LM head): `seed`
+          writes request r's rows s_j = succ_d^j(root_r), then the pass (one launch per draft layer
+          in mega mode); its argmax writes every row's top-2 into the pair's top-2 buffer;
+  verify  the target's Engine, its spec program: `tree` builds each request's verify tree from its
+          root and the draft's top-2 (speculative.build_tree's rule), then the target's step;
+  accept  a launch of its own: `accept` (greedy walk: the path, the bonus, the emitted tokens),
+          `compact` (the path's K/V to consecutive positions), `advance` (ctx, root, counts).
+What a step reads is on the device (abi.py SPEC_FIELDS and the step block), so a run of steps is
+the same launches again: on the GPU two CUDA graphs of each part, one per parity of the dependency
+counters, replayed alternately; in the emulation the same launches in the same order. The parity
+stays a launch parameter, baked into each graph: the loader warp's routing wait reads the counters
+of its parity before the previous launch has ended (it never waits for that launch), so a parity
+kept in device memory would be read before the launch that flips it has finished.
+
+What the drafter conditions on: the root (the target's last emitted token) and its own successor
+table, which agrees with the target's backbone on a fraction `agree` of the tokens (draft.py). It
+reads none of the target's hidden features (DFlash conditions on those); `agree` is the knob that
+sets how often the synthetic target departs from what the drafter can guess, so an acceptance
+measured here is a property of the synthetic pair.
+
+A run (SpecPair.run) is rounds of steps: a round launches k steps and reads nothing until its end,
+then reads the requests' emitted counts. k is the most steps after which no request can finish
+before the round's last step (a step emits at most the tree's depth + 1 tokens), so no step of a
+round runs for a finished request at B = 1. A request that has emitted what it wants turns inactive
+on the device (accept): its later steps emit and move nothing.
+
+Correctness (decode(check=True)): greedy speculative output equals plain greedy decoding token for
+token, the plain run being T=1 megakernel steps of the same Engine (its plain program) from the same
+prefill, and the KV rows of every position both runs committed agree within REL_TOL (a skipped
+compaction leaves another node's K/V there, far outside it).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from microbench.results import Derived, Env, Result, Series
+
+from . import abi, speculative, tree as treelib
+from .config import ConfigError, ModelConfig
+from .draft import DraftConfig, DraftModel
+from .plan import Plan
+from .plans import REL_TOL
+from .reference import KVCache, Request
+from .runtime import Engine, SpecLink
+from .weights import ModelWeights
+
+BATCHES = (1, 2, 4, 8)  # requests of a speculative step: max_tree / B tree tokens each
+PROMPT_LEN = 8  # tokens of each request's random prompt (decode's default)
+BENCHMARK = "megakernel.decode"
+PARTS = ("draft", "verify", "accept")
+# The committed KV rows of the speculative run against the plain run's: a row of the same token
+# agrees within REL_TOL unless a router near-tie flipped one of its experts in one run and not the
+# other (real routing: the runs' rows see different batch shapes), which moves it by a fraction of
+# this bound; a row left by a missed compaction or a stale step is another node's K/V, an unrelated
+# vector about sqrt(2) away. Rows above REL_TOL are counted and printed as flips.
+KV_ROW_TOL = 0.5
+
+
+def tree_shape(cfg: ModelConfig, batch: int) -> tuple[int, list[int], int]:
+    """(T, parents, branch depth) of each request's verify tree in a step of `batch` requests: T =
+    max_tree / B tokens on binary_ish(T, min(3, (T - 2) // 2)), the study's binary_ish(16, 3) at B =
+    1 (a 12-deep main chain, top-2 siblings at depths 1-3), a chain where no sibling fits (T = 2).
+    The drafter guesses T - 1 slots per request."""
+    if batch not in BATCHES or cfg.max_tree % batch or cfg.max_tree // batch < 2:
+        raise ConfigError(f"batch {batch!r}: a speculative step takes {', '.join(map(str, BATCHES))} requests of "
+                          f"{cfg.max_tree} / B >= 2 tree tokens each")
+    t = cfg.max_tree // batch
+    bd = max(0, min(3, (t - 2) // 2))
+    parents = treelib.binary_ish(t, bd) if bd else treelib.chain(t)
+    speculative.tree_ranks(parents)  # the drafter's top-2 names every node
+    return t, parents, bd
+
+
+def seed_table(succ: torch.Tensor) -> torch.Tensor:
+    """[V][SEED_COLS] int32: row v holds succ^j(v) for j = 0..SEED_COLS-1 (the seed op's table)."""
+    cols = [torch.arange(succ.numel(), device=succ.device)]
+    for _ in range(abi.SEED_COLS - 1):
+        cols.append(succ[cols[-1]])
+    return torch.stack(cols, dim=1).to(torch.int32).contiguous()
+
+
+def tree_table(parents: Sequence[int], n_req: int, max_tree: int, device) -> torch.Tensor:
+    """[max_tree][TREE_INTS] int32: each step row's node of its request's tree (every request the
+    same shape): parent and ancestor bits relative to the request's first row, depth, rank."""
+    assert [n for n, _ in abi.TREE_FIELDS] == ["parent", "depth", "rank", "anc"]
+    ranks = speculative.tree_ranks(parents)
+    anc = treelib.ancestor_mask(parents)
+    node = [[int(p), d, k, sum(1 << j for j in range(len(parents)) if anc[i, j])]
+            for i, (p, (d, k)) in enumerate(zip(parents, ranks))]
+    rows = node * n_req
+    if len(rows) > max_tree:
+        raise ConfigError(f"{n_req} trees of {len(parents)} tokens: more than the step's {max_tree} rows")
+    rows += [[0] * abi.TREE_INTS] * (max_tree - len(rows))
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def max_tokens(cfg: ModelConfig, batch: int, prompt_len: int) -> int:
+    """The most tokens a request of a run may ask for: its emitted tokens fit MAX_OUT, and every
+    step, also one after the request has finished, fits the target's cache (the last active step
+    may overshoot by the tree's depth; later ones verify a whole tree past that)."""
+    t, parents, _ = tree_shape(cfg, batch)
+    emit = max(treelib.depths(parents)) + 1
+    by_cache = cfg.max_context - (prompt_len - 1) - emit - t + 1
+    return max(0, min(abi.MAX_OUT - t, by_cache))
+
+
+@dataclass
+class StepTimes:
+    """One step's parts (s): the draft launches, the verify launches, the accept launch, and the
+    step's wall time (to the next step's start within a round). GPU: CUDA events between the
+    parts' graph replays; emulation: host time of the emulated launches, not a GPU timing."""
+    draft: float
+    verify: float
+    accept: float
+    wall: float
+
+    @property
+    def gaps(self) -> float:
+        return self.wall - self.draft - self.verify - self.accept
+
+
+@dataclass
+class RunStats:
+    steps: list[StepTimes] = field(default_factory=list)
+    rounds: list[int] = field(default_factory=list)  # steps per round
+    timer: str = "host"  # "cuda_event" (GPU) or "host" (emulation)
+
+    @property
+    def seconds(self) -> float:
+        return float(sum(s.wall for s in self.steps))
+
+
+@dataclass
+class SpecRead:
+    """What the host reads at the end of a run, per request."""
+    tokens: list[list[int]]  # emitted tokens, cut to what the run asked for
+    emitted: list[int]  # tokens emitted (the last step may overshoot what was asked)
+    hist: list[list[int]]  # hist[r][a]: steps of request r that emitted a tokens
+    ctx: list[int]  # each request's cached positions after the run
+
+    def lengths(self) -> list[int]:
+        """Every step's acceptance length (tokens emitted), all requests, from the device counts."""
+        return [a for h in self.hist for a, n in enumerate(h) for _ in range(n)]
+
+
+class SpecPair:
+    """The drafter's Engine and the target's for B requests (request r on caches[r]), sharing the
+    speculative state (abi.SPEC_FIELDS), the draft's top-2 and the target's embedding / LM head."""
+
+    def __init__(self, w: ModelWeights, plan: Plan, draft_plan: Plan, caches: Sequence[KVCache], *, batch: int = 1,
+                 agree: float = 1.0, backend: str = "gpu", grid: int | None = None, emu_seed: int = 1,
+                 emu_schedule: str = "random", ranks: int = 1):
+        if ranks != 1:
+            # the tensor-parallel megakernel wires R ranks here (one target Engine per rank group)
+            raise ConfigError(f"--ranks {ranks}: tensor parallelism is not built yet; a speculative run takes 1 rank")
+        cfg = w.cfg
+        self.w, self.cfg, self.B = w, cfg, batch
+        self.T, self.parents, self.branch_depth = tree_shape(cfg, batch)
+        self.dm = DraftModel(w, DraftConfig(agree=agree, n_slots=self.T - 1))
+        if draft_plan.cfg != self.dm.cfg:
+            raise ConfigError(f"draft plan for {draft_plan.cfg.name}, the drafter is {self.dm.cfg.name}")
+        if len(caches) != batch:
+            raise ConfigError(f"{len(caches)} KV caches for {batch} requests (one each)")
+        dev = w.device
+        self.state = torch.zeros(batch, abi.SPEC_INTS, dtype=torch.int32, device=dev)
+        self.top2 = torch.zeros(self.dm.cfg.max_tree, 2, dtype=torch.int32, device=dev)
+        kw = dict(backend=backend, grid=grid, emu_seed=emu_seed, emu_schedule=emu_schedule)
+        self.target = Engine(w, plan, list(caches), spec=SpecLink(
+            "verify", self.state, (self.T,) * batch, tree_table(self.parents, batch, cfg.max_tree, dev), self.top2),
+            **kw)
+        self.draft_caches = [KVCache(self.dm.cfg, device=dev) for _ in range(batch)]
+        self.draft = Engine(self.dm.w, draft_plan, self.draft_caches, spec=SpecLink(
+            "draft", self.state, (self.T - 1,) * batch, seed_table(self.dm.w.succ), self.top2), share=self.target,
+            **kw)
+        self.gpu = backend == "gpu"
+        self._graphs = {}
+
+    @property
+    def caches(self) -> list[KVCache]:
+        return self.target.caches
+
+    @property
+    def max_emit(self) -> int:
+        """Tokens a step emits at most per request: the tree's depth + 1 (the bonus)."""
+        return max(treelib.depths(self.parents)) + 1
+
+    # ------------------------------------------------------------------ setup
+    def poison(self) -> None:
+        """NaN in every float scratch buffer and KV cache of both engines, so a read of a row no
+        step wrote shows in the result (before prefill: it writes the prompt's rows)."""
+        for eng in (self.target, self.draft):
+            eng.poison()
+            for c in eng.caches:
+                for t in (*c.k, *c.v):
+                    t.fill_(float("nan"))
+
+    def _poison_rows(self) -> None:
+        """Wrong (in-range) values in what the spec ops write before it is read: the verify rows'
+        tokens, depths and ancestor masks (tree), the draft rows' tokens (seed), the top-2 (the
+        draft's argmax) and each request's path, length and bonus (accept)."""
+        v = self.cfg.vocab - 1
+        self.target.tokens_t.fill_(v)
+        self.target.depth_t.fill_(0)
+        self.target.anc_t.fill_(1)
+        self.draft.tokens_t.fill_(v)
+        self.top2.fill_(v)
+        o = abi.spec_offsets()
+        self.state[:, o["path"]:o["path"] + dict(abi.SPEC_FIELDS)["path"]] = self.T - 1
+        self.state[:, o["len"]] = self.T
+        self.state[:, o["bonus"]] = v
+
+    def prefill(self, prompts: Sequence[Sequence[int]], mode: str = "mega") -> int:
+        """Cache every request's prompt but its last token (the first root) with the target's plain
+        steps: chain-shaped chunks of max_tree / B tokens a request. Returns the context."""
+        lens = {len(p) for p in prompts}
+        if len(prompts) != self.B or len(lens) != 1 or min(lens) < 1:
+            raise ConfigError(f"{len(prompts)} prompts of lengths {sorted(lens)}: want {self.B} of one length >= 1")
+        n, chunk, ctx = min(lens) - 1, self.cfg.max_tree // self.B, 0
+        while ctx < n:
+            k = min(chunk, n - ctx)
+            self.target.step_batch([Request([int(x) for x in p[ctx:ctx + k]], treelib.chain(k), ctx) for p in prompts],
+                                   mode=mode)
+            ctx += k
+        return n
+
+    def start(self, prompts: Sequence[Sequence[int]], want: int, ctx: int, *, poison: bool = False) -> None:
+        """The state of a run: request r's root is prompts[r][-1] at context `ctx` (prefill cached the
+        rest), wanting `want` tokens; both engines' spec rows set (after any plain step)."""
+        most = max_tokens(self.cfg, self.B, ctx + 1)
+        if not 1 <= want <= most:
+            raise ConfigError(f"{want} tokens per request: {self.cfg.name} with a prompt of {ctx + 1} holds 1..{most} "
+                              f"({abi.MAX_OUT} emitted tokens at most, {self.cfg.max_context} cached positions)")
+        st = torch.zeros(self.B, abi.SPEC_INTS, dtype=torch.int32)
+        o = abi.spec_offsets()
+        st[:, o["root"]] = torch.tensor([int(p[-1]) for p in prompts], dtype=torch.int32)
+        st[:, o["want"]] = want
+        self.state.copy_(st)
+        if poison:
+            self._poison_rows()
+        self.target.set_spec_rows([ctx] * self.B)
+        self.draft.set_spec_rows([0] * self.B)
+
+    # ------------------------------------------------------------------ steps
+    def launch_part(self, i: int, mode: str) -> None:
+        n = len(self.target.launches(mode, self.target.spec_program))
+        if i == 0:
+            self.draft.launch_step(mode)
+        elif i == 1:
+            self.target.launch_step(mode, spec=True, part=range(n - 1))
+        else:
+            self.target.launch_step(mode, spec=True, part=range(n - 1, n))
+
+    def launch_step(self, mode: str = "mega") -> None:
+        """One step's launches, in order (draft, verify, accept), reading nothing."""
+        for i in range(len(PARTS)):
+            self.launch_part(i, mode)
+
+    def _capture(self, mode: str):
+        """Two CUDA graphs of each part (draft, verify, accept), for the counters' two parities.
+        Danger: the launches' parameters (the parity, the buffers) are baked in: a graph replays only
+        with this pair's buffers alive, in the parity order it was captured in."""
+        if mode not in self._graphs:
+            graphs = []
+            for _ in range(2):
+                parts = []
+                for i in range(len(PARTS)):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        self.launch_part(i, mode)
+                    parts.append(g)
+                graphs.append(parts)
+            self._graphs[mode] = graphs
+        return self._graphs[mode]
+
+    def _mark(self):
+        if self.gpu:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def _between(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.gpu else b - a
+
+    def _counts(self) -> tuple[list[int], list[int]]:
+        o = abi.spec_offsets()
+        st = self.state[:, [o["n_out"], o["want"]]].cpu()
+        return st[:, 0].tolist(), st[:, 1].tolist()
+
+    def _check_watchdogs(self, mode: str) -> None:
+        if self.gpu:
+            torch.cuda.synchronize()
+        for eng in (self.draft, self.target):
+            eng._check_watchdog(mode == "mega")
+
+    def warm_up(self, mode: str = "mega") -> None:
+        """GPU: one step outside any graph (module loads, shared-memory attributes, co-residency
+        checks) and the graphs captured. It advances the state: start() the run afterwards."""
+        if self.gpu:
+            self.launch_step(mode)
+            self._check_watchdogs(mode)
+            self._capture(mode)
+
+    def run(self, mode: str = "mega", progress: Callable[[str], None] | None = None) -> RunStats:
+        """Steps until every request has emitted what it wants (start()), in rounds (module
+        docstring). GPU: the captured graphs (warm_up), CUDA events between the parts."""
+        graphs = self._capture(mode) if self.gpu else None
+        stats = RunStats(timer="cuda_event" if self.gpu else "host")
+        k_all = 0
+        while True:
+            n_out, want = self._counts()
+            left = [w - n for n, w in zip(n_out, want) if n < w]
+            if progress is not None:
+                progress(f"round {len(stats.rounds)}: {sum(min(n, w) for n, w in zip(n_out, want))}/{sum(want)} tokens "
+                         f"after {len(stats.steps)} steps")
+            if not left:
+                break
+            k = max(1, -(-min(left) // self.max_emit))
+            marks = []
+            for j in range(k):
+                m = [self._mark()]
+                for i in range(len(PARTS)):
+                    if graphs is not None:
+                        graphs[k_all % 2][i].replay()
+                    else:
+                        self.launch_part(i, mode)
+                    m.append(self._mark())
+                marks.append(m)
+                k_all += 1
+                if progress is not None and not self.gpu:
+                    progress(f"  step {len(stats.steps) + j + 1} launched (round {len(stats.rounds)}, {j + 1} of {k})")
+            self._check_watchdogs(mode)
+            for j, m in enumerate(marks):
+                end = marks[j + 1][0] if j + 1 < len(marks) else m[3]
+                stats.steps.append(StepTimes(*(self._between(m[i], m[i + 1]) for i in range(3)),
+                                             self._between(m[0], end)))
+            stats.rounds.append(k)
+        return stats
+
+    def read(self) -> SpecRead:
+        """The requests' emitted tokens, counts, acceptance histograms and contexts (one copy)."""
+        o = abi.spec_offsets()
+        st = self.state.cpu()
+        ctx = self.target.step_t.cpu()[abi.step_offsets()["ctx"]:][:self.B].tolist()
+        out = []
+        for r in range(self.B):
+            n, want = int(st[r, o["n_out"]]), int(st[r, o["want"]])
+            out.append(st[r, o["out"]:o["out"] + min(n, want)].tolist())
+        return SpecRead(out, st[:, o["n_out"]].tolist(), st[:, o["hist"]:o["hist"] + self.T + 1].tolist(), ctx)
+
+    def plain_greedy(self, prompts: Sequence[Sequence[int]], n: int, ctx: int, mode: str = "mega") -> list[list[int]]:
+        """Plain greedy decoding of n tokens per request from the prefilled caches: T=1 steps of the
+        target's plain program (all requests in one step, each bitwise its own B=1 step)."""
+        roots = [int(p[-1]) for p in prompts]
+        out: list[list[int]] = [[] for _ in prompts]
+        for k in range(n):
+            step = self.target.step_batch([Request([t], [-1], ctx + k) for t in roots], mode=mode)
+            roots = step.tokens.tolist()
+            for r, t in enumerate(roots):
+                out[r].append(int(t))
+        return out
+
+
+# ---------------------------------------------------------------------- a whole run, checked
+@dataclass
+class DecodeCheck:
+    tokens_equal: list[bool]  # per request: speculative == plain greedy, token for token
+    first_diff: list[int | None]  # per request: the first position where they differ
+    kv_rel_err: float  # the worst per-position relative error of the committed KV rows, spec vs plain
+    kv_worst: str  # where it is
+    kv_rows: int  # rows compared (positions x layers x K and V x requests)
+    kv_flips: int  # of them, rows above REL_TOL (a router near-tie: KV_ROW_TOL)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class PlainRun:
+    """Plain greedy decoding from a prefill: each request's tokens and its KV caches afterwards."""
+    tokens: list[list[int]]
+    caches: list[KVCache]
+    ctx: int  # the cached positions after the run (prefill + the tokens' roots)
+
+
+@dataclass
+class DecodeOutcome:
+    read: SpecRead
+    stats: RunStats
+    report: speculative.AcceptanceReport
+    check: DecodeCheck | None
+    plain: PlainRun | None = None
+
+
+def _resident(cfg: ModelConfig, layer: int, c_spec: int, c_plain: int) -> range:
+    """Positions whose K/V both runs still hold in `layer`: every committed one in a global layer;
+    in a sliding one the last W before the spec run's end (later trees overwrote the older ring
+    slots) that the plain run's ring also holds."""
+    hi = min(c_spec, c_plain)
+    if cfg.is_global(layer):
+        return range(0, hi)
+    return range(max(0, c_spec - cfg.window, c_plain - cfg.ring_slots), hi)
+
+
+def compare_kv(cfg: ModelConfig, spec: Sequence[KVCache], plain: Sequence[KVCache], c_spec: Sequence[int],
+               c_plain: Sequence[int]) -> tuple[float, str, int, int]:
+    """Per committed position both runs hold, the relative error (over heads and head_dim) of the
+    speculative run's K row and V row against the plain run's: (the worst, where, rows compared,
+    rows above REL_TOL). A row that is not finite counts as inf."""
+    worst, where, rows, over = 0.0, "no rows compared", 0, 0
+    for r, (a, b) in enumerate(zip(spec, plain)):
+        for l in range(cfg.n_layers):
+            pos = list(_resident(cfg, l, c_spec[r], c_plain[r]))
+            if not pos:
+                continue
+            for name, ta, tb in (("K", a.k[l], b.k[l]), ("V", a.v[l], b.v[l])):
+                sl = torch.tensor([a.slot(l, p) for p in pos], device=ta.device)
+                x, y = ta[:, sl].double().cpu(), tb[:, sl].double().cpu()  # [Hkv, n, hd]
+                num = (x - y).pow(2).sum(dim=(0, 2)).sqrt()
+                den = y.pow(2).sum(dim=(0, 2)).sqrt().clamp_min(1e-30)
+                err = torch.where(torch.isfinite(num), num / den, torch.full_like(num, float("inf")))
+                rows, over = rows + len(pos), over + int((~(err <= REL_TOL)).sum())
+                i = int(torch.argmax(err))
+                if not float(err[i]) <= worst:
+                    worst, where = float(err[i]), f"request {r} layer {l} {name} position {pos[i]}"
+    return worst, where, rows, over
+
+
+def decode(pair: SpecPair, prompts: Sequence[Sequence[int]], n: int, mode: str = "mega", *, check: bool = False,
+           poison: bool = False, progress: Callable[[str], None] | None = None,
+           plain: PlainRun | None = None) -> DecodeOutcome:
+    """Prefill, a speculative run of n tokens per request, its acceptance from the device counts,
+    and with `check` the plain greedy run from the same prefill compared token for token and KV
+    row for KV row (`plain`: that run already made, of at least n tokens, from the same prompts
+    and weights). `poison`: NaN scratch and caches, wrong row inputs (SpecPair.poison)."""
+    if poison:
+        pair.poison()
+    ctx = pair.prefill(prompts, mode)
+    snap = [c.clone() for c in pair.caches] if check else None
+    pair.start(prompts, n, ctx)  # the warm-up step (GPU) verifies past the prefill, not over it
+    pair.warm_up(mode)
+    pair.start(prompts, n, ctx, poison=poison)
+    stats = pair.run(mode, progress)
+    got = pair.read()
+    emitted = [[int(p[-1])] + t for p, t in zip(prompts, got.tokens)]
+    f = t_all = 0
+    for seq in emitted:
+        a, b = speculative.follow_rate(pair.w.succ, seq)
+        f, t_all = f + a, t_all + b
+    rep = speculative.summarise(got.lengths(), f / max(t_all, 1), len(prompts), pair.T, pair.branch_depth)
+    if not check:
+        return DecodeOutcome(got, stats, rep, None)
+    if plain is None:
+        plain = plain_run(pair, prompts, n, ctx, snap, mode, progress)
+    equal, first = [], []
+    for s, p in zip(got.tokens, plain.tokens):
+        p = p[:n]
+        equal.append(s == p)
+        first.append(next((i for i, (x, y) in enumerate(zip(s, p)) if x != y), None if s == p else min(len(s), len(p))))
+    c_spec, c_plain = got.ctx, [plain.ctx] * len(prompts)
+    err, where, rows, flips = compare_kv(pair.cfg, pair.caches, plain.caches, c_spec, c_plain)
+    problems = [f"request {r}: speculative tokens differ from plain greedy decoding from token {first[r]}"
+                for r in range(len(prompts)) if not equal[r]]
+    if not err <= KV_ROW_TOL:
+        problems.append(f"a committed KV row differs from the plain run's: relative error {err:.3g} at {where} (another "
+                        f"node's row, not a router near-tie: bound {KV_ROW_TOL:g})")
+    if any(len(t) != n for t in got.tokens):
+        problems.append(f"emitted {[len(t) for t in got.tokens]} tokens, asked for {n} per request")
+    return DecodeOutcome(got, stats, rep, DecodeCheck(equal, first, err, where, rows, flips, problems), plain)
+
+
+def plain_run(pair: SpecPair, prompts: Sequence[Sequence[int]], n: int, ctx: int, prefilled: Sequence[KVCache],
+              mode: str = "mega", progress: Callable[[str], None] | None = None) -> PlainRun:
+    """Plain greedy decoding of n tokens per request with the pair's target (its plain program, T=1
+    steps) from the prefilled caches `prefilled` (copied into the engine's caches in place: the
+    kernel holds their addresses); the engine's caches get back what they held before."""
+    before = [c.clone() for c in pair.caches]
+    for c, s in zip(pair.caches, prefilled):
+        for a, b in zip(c.k + c.v, s.k + s.v):
+            a.copy_(b)
+    if progress is not None:
+        progress(f"plain greedy decoding: {n} T=1 steps ({mode})")
+    toks = pair.plain_greedy(prompts, n, ctx, mode)
+    out = PlainRun(toks, [c.clone() for c in pair.caches], ctx + n)
+    for c, s in zip(pair.caches, before):
+        for a, b in zip(c.k + c.v, s.k + s.v):
+            a.copy_(b)
+    return out
+
+
+# ---------------------------------------------------------------------- the typed result
+def summary_lines(out: DecodeOutcome, *, emulated: bool) -> list[str]:
+    """What `megabench decode` prints at the end: accepted tokens/s, the mean acceptance and its
+    histogram, the per-depth rates and the step's split."""
+    st, rep = out.stats, out.report
+    tokens = sum(len(t) for t in out.read.tokens)
+    committed = sum(out.read.emitted)
+    rate = committed / st.seconds if st.seconds > 0 else float("nan")
+    label = " (host emulation: the CPU's time, not a GPU rate)" if emulated else ""
+    lines = [f"accepted tokens/s: {rate:,.1f}{label}: {committed} tokens committed by {len(st.steps)} steps in "
+             f"{st.seconds:.3f} s ({tokens} asked for)",
+             f"mean acceptance: {rep.mean:.2f} of {rep.n_tree} tokens per step (90% interval {rep.ci[0]:.2f}-"
+             f"{rep.ci[1]:.2f}, bonus included); a property of the synthetic draft/target pair",
+             "histogram (tokens per step: steps): " + ", ".join(f"{a}: {n}" for a, n in enumerate(rep.histogram, 1) if n),
+             "acceptance rate by depth: " + ", ".join(f"{x:.2f}" if x == x else "-" for x in rep.depth_rates)]
+    if len(out.read.hist) > 1:  # each request its own acceptance
+        lines.append("per request: " + ", ".join(
+            f"{r}: {sum(a * n for a, n in enumerate(h)) / max(1, sum(h)):.2f} over {sum(h)} steps"
+            for r, h in enumerate(out.read.hist)))
+    med = {p: float(np.median([getattr(s, p) for s in st.steps])) for p in (*PARTS, "wall", "gaps")}
+    what = "host emulation, not a GPU timing" if emulated else "CUDA events, median per step"
+    lines.append(f"step split ({what}): draft {med['draft'] * 1e3:.3f} ms, verify {med['verify'] * 1e3:.3f} ms, "
+                 f"accept and compaction {med['accept'] * 1e3:.3f} ms, gaps {med['gaps'] * 1e3:.3f} ms "
+                 f"(step {med['wall'] * 1e3:.3f} ms)")
+    return lines
+
+
+def to_result(out: DecodeOutcome, *, preset: str, batch: int, mode: str, agree: float, acceptance: str,
+              acceptance_source: str, prompt_len: int, n: int, env: Env, emulated: bool) -> Result:
+    """The run as a typed `megakernel.decode` result: one series of step wall times with the
+    acceptance (histogram, per-depth rates), the split and the check in its metrics; derived the
+    accepted tokens/s and the mean acceptance. The report draws GPU runs only (emulated ones are
+    the CPU's time)."""
+    st, rep = out.stats, out.report
+    committed = sum(out.read.emitted)
+    rate = committed / st.seconds if st.seconds > 0 else 0.0
+    med = {p: float(np.median([getattr(s, p) for s in st.steps])) for p in (*PARTS, "gaps")}
+    t = len(out.read.hist[0]) - 1
+    name = f"{preset}/B{batch}/T{t}/{mode}/agree{agree:g}"
+    check = "not run" if out.check is None else ("passed" if out.check.ok else "FAILED")
+    params = {"preset": preset, "batch": batch, "tree_tokens": t, "branch_depth": rep.branch_depth, "mode": mode,
+              "agree": agree, "acceptance": acceptance, "prompt_len": prompt_len, "tokens": n,
+              "backend": "emu" if emulated else "gpu"}
+    metrics = {"accepted_tokens_per_s": rate, "accepted_tokens": committed, "steps": len(st.steps),
+               "rounds": list(st.rounds), "accepted_tokens_per_step": rep.mean, "histogram": list(rep.histogram),
+               "depth_rates": [x if x == x else None for x in rep.depth_rates], "follow_rate": rep.follow_rate,
+               "acceptance_source": acceptance_source, "check": check, "emulated": emulated,
+               **{f"{p}_s": v for p, v in med.items()}}
+    s = Series.from_samples(name, [x.wall for x in st.steps], timer=st.timer, unit="s", params=params, metrics=metrics)
+    how = "host emulation: the CPU's time, not a GPU rate" if emulated else "CUDA events around the steps' graphs"
+    derived = {
+        "accepted_tokens_per_s": Derived(rate, "tok/s", f"tokens committed / the steps' wall time ({how})",
+                                         inputs=(name,)),
+        "mean_acceptance": Derived(rep.mean, "tokens/step", "mean tokens committed per verify step, bonus included "
+                                   "(device counts); bootstrap 90% interval", spread=rep.ci, inputs=(name,),
+                                   note="a property of the synthetic draft/target pair, not the study's workload"),
+    }
+    notes = (f"acceptance {acceptance!r}: agree {agree:g} ({acceptance_source})",
+             f"{len(st.steps)} steps in {len(st.rounds)} rounds; nothing read back between the steps of a round")
+    return Result(BENCHMARK, env, (s,), derived, quick=True, notes=notes)
