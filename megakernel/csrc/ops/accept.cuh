@@ -29,9 +29,11 @@ MK_DEV void run_accept(Blk& b, int r) {
   if (tid() == 0) {
     int node = 0, len = 1;
     s[48] = 0;
+MK_COLD_LOOP
     for (;;) {
       const int want = s[32 + node];
       int next = -1;
+MK_COLD_LOOP
       for (int c = node + 1; c < n && next < 0; ++c)
         if (s[16 + c] == node && s[c] == want) next = c;
       if (next < 0) break;
