@@ -442,7 +442,8 @@ def _decode(a) -> int:
     else:
         env = Env.capture()
     res = decode_result(out, preset=a.preset, batch=a.batch, mode=a.mode, agree=agree, acceptance=name,
-                    acceptance_source=source, prompt_len=a.prompt_len, n=a.tokens, env=env, emulated=not pair.gpu)
+                    acceptance_source=source, prompt_len=a.prompt_len, n=a.tokens, env=env, emulated=not pair.gpu,
+                    launches=pair.part_launches(a.mode))
     print("saved", res.save())
     if a.json:
         print("wrote", write_text(Path(a.json), json.dumps(res.to_json(), indent=1) + "\n"))

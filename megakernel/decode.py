@@ -260,6 +260,11 @@ class SpecPair:
         else:
             self.target.launch_step(mode, spec=True, part=range(n - 1, n))
 
+    def part_launches(self, mode: str = "mega") -> tuple[int, int, int]:
+        """Kernel launches of each part of a step (draft, verify, accept) in `mode`."""
+        n = len(self.target.launches(mode, self.target.spec_program))
+        return len(self.draft.launches(mode)), n - 1, 1
+
     def launch_step(self, mode: str = "mega") -> None:
         """One step's launches, in order (draft, verify, accept), reading nothing."""
         for i in range(len(PARTS)):
@@ -281,6 +286,18 @@ class SpecPair:
                 graphs.append(parts)
             self._graphs[mode] = graphs
         return self._graphs[mode]
+
+    def step_graph(self, mode: str = "mega", steps: int = 2):
+        """One CUDA graph of `steps` whole steps (an even number: the counters' parities alternate
+        and every replay starts from clean counters), for timing a step as a benchmark case does
+        (each replay advances the state like the steps it holds). warm_up() first."""
+        if not self.gpu or steps < 2 or steps % 2:
+            raise ConfigError(f"step_graph: an even number of steps >= 2 on the GPU, got {steps} ({self.target.backend})")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(steps):
+                self.launch_step(mode)
+        return g
 
     def _mark(self):
         if self.gpu:
@@ -528,7 +545,8 @@ def summary_lines(out: DecodeOutcome, *, emulated: bool) -> list[str]:
 
 
 def to_result(out: DecodeOutcome, *, preset: str, batch: int, mode: str, agree: float, acceptance: str,
-              acceptance_source: str, prompt_len: int, n: int, env: Env, emulated: bool) -> Result:
+              acceptance_source: str, prompt_len: int, n: int, env: Env, emulated: bool,
+              launches: tuple[int, int, int]) -> Result:
     """The run as a typed `megakernel.decode` result: one series of step wall times with the
     acceptance (histogram, per-depth rates), the split and the check in its metrics; derived the
     accepted tokens/s and the mean acceptance. The report draws GPU runs only (emulated ones are
@@ -547,7 +565,7 @@ def to_result(out: DecodeOutcome, *, preset: str, batch: int, mode: str, agree: 
                "rounds": list(st.rounds), "accepted_tokens_per_step": rep.mean, "histogram": list(rep.histogram),
                "depth_rates": [x if x == x else None for x in rep.depth_rates], "follow_rate": rep.follow_rate,
                "acceptance_source": acceptance_source, "check": check, "emulated": emulated,
-               **{f"{p}_s": v for p, v in med.items()}}
+               **{f"{p}_s": v for p, v in med.items()}, **{f"{p}_launches": k for p, k in zip(PARTS, launches)}}
     s = Series.from_samples(name, [x.wall for x in st.steps], timer=st.timer, unit="s", params=params, metrics=metrics)
     how = "host emulation: the CPU's time, not a GPU rate" if emulated else "CUDA events around the steps' graphs"
     derived = {
