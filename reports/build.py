@@ -404,6 +404,7 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
                       "times B = 2, 4, 8 at T = 1 and the B x T = 16 points (B = 2 T = 8, B = 4 T = 4) against B = 1, "
                       "chain and mega (megakernel/plans.py BATCH_FULL); the study's claim that a megakernel finds "
                       "larger batches easier then shows here as a measured curve."), ""]
+    out += _section_decode(ctx)
     if results:
         out += _results_line(results)
     st = paper.setup("gb300")
@@ -440,6 +441,52 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
     else:
         out += ["In-kernel timeline: not measured yet (`megakernel.timeline`).", ""]
     out += section_critical_path(ctx)
+    return out
+
+
+def _section_decode(ctx: Context) -> list[str]:
+    """Speculative decoding on the device (`megabench decode`, megakernel.decode): the GPU runs with
+    their acceptance, accepted tokens/s and the step's split beside the study's draft and verify
+    halves, and the accepted tokens/s against acceptance figure (measured points, the projection
+    of the T=16 step labelled)."""
+    rows = mk.decode_rows([r for _, r in ctx.cat.runs.get("megakernel.decode", [])])
+    out = ["### Speculative decoding on the device", ""]
+    out += [*wrap("A step is three parts, all megakernel launches with nothing read back between steps "
+                  "(megakernel/decode.py): the drafter's pass (5 layers over 15 slots, one launch per layer in mega "
+                  "mode, the target's embedding and LM head; its rows' tokens from the root and its own successor "
+                  "table, which agrees with the target's backbone on a fraction `agree` of the tokens), the target's "
+                  "verify of a 16-token tree built on the device from the draft's top-2, and a launch of greedy "
+                  "acceptance, KV compaction and the next step's state. The acceptance is measured from the device's "
+                  "counts (tokens committed per step, bonus included) and is a property of the synthetic "
+                  "draft/target pair: the named 'study' agreement per preset gives 6.6 +- 0.5 of 16 "
+                  "(reports/notes/acceptance-calibration.md says how it was reached)."), ""]
+    if rows:
+        out += [md_table(mk.decode_table(rows)), ""]
+        mega = mk.pick_decode(rows, "mega")
+        if mega is not None:
+            def part(k: str) -> str:
+                t, n = mega.metric(f"{k}_s"), mega.metric(f"{k}_launches")
+                return "not measured" if t is None else fmt(t, "s") + (f" ({n:g} launches)" if n is not None else "")
+
+            side = [{"half": "draft", "study (GB300, TP8)": "1.16 ms (175 kernels) -> 0.44 ms (8)", "ours": part("draft")},
+                    {"half": "verify", "study (GB300, TP8)": "10.9 ms (~1,450 kernels) -> 5.3 ms (97)",
+                     "ours": part("verify")},
+                    {"half": "accept and compaction", "study (GB300, TP8)": "in its 8 draft launches",
+                     "ours": part("accept")},
+                    {"half": "accepted tokens/s", "study (GB300, TP8)": "517 -> 1,109 tok/s at 6.6 accepted",
+                     "ours": f"{fmt(mega.tok_s, 'tok/s')} at {mega.mean:.2f} accepted ({mega.preset}, one GPU, the "
+                             "synthetic pair's acceptance)"}]
+            out += [*wrap(f"The study's halves beside ours ({mega.preset}, mega mode, {mega.date[:10]} {mega.commit}):"),
+                    "", md_table(side), ""]
+    else:
+        out += [*wrap(f"Not measured yet on {ctx.cat.gpu or 'any GPU'}: no GPU run of `megabench decode` in the results "
+                      "(`megabench decode --preset shard8 --tokens 256 --check` saves one; the CPU emulation checks the "
+                      "device loop against plain greedy decoding in tests/test_megakernel_spec*.py, with no timing). "
+                      "Until then every accepted-tokens rate here is a projection at the study's 6.6, labelled as one."),
+                ""]
+    curve = mk.acceptance_curve(ctx.step_rows, rows)
+    for p, cap in plots.acceptance_plot(curve, ctx.fig_dir):
+        out += ctx.fig_link(p, cap)
     return out
 
 

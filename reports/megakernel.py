@@ -43,6 +43,13 @@ edge params, e.g. the clocks profiler's demo): one series per (phase, edge):
   samples   per-block offsets in seconds from the launch's earliest stamp (timer "globaltimer")
 
 Build record (megakernel.build): derived "launch_code_bytes_max" (B), the largest launch's code.
+
+Speculative runs (megakernel.decode, megakernel/decode.py to_result): one series per run, its
+samples the steps' wall times (s), params preset, batch, tree_tokens, mode ("mega" | "chain"),
+agree, acceptance (the named configuration or "custom"), backend ("gpu" | "emu"); metrics
+accepted_tokens_per_s, accepted_tokens_per_step (the measured mean), histogram, depth_rates,
+draft_s / verify_s / accept_s / gaps_s (medians per step), draft_launches / verify_launches /
+accept_launches, check. Only GPU runs are read (decode_rows): an emulated run's times are a CPU's.
 """
 from __future__ import annotations
 
@@ -164,7 +171,8 @@ class StepRow:
             return float(self.batch), "plain decode: every token is accepted"
         if self.tokens == STUDY_VERIFY_TOKENS:
             return (STUDY_ACCEPTANCE * self.batch,
-                    f"the study's {STUDY_ACCEPTANCE:g} of {STUDY_VERIFY_TOKENS}, assumed: no draft model runs here")
+                    f"PROJECTION at the study's {STUDY_ACCEPTANCE:g} of {STUDY_VERIFY_TOKENS}, assumed: a verify step's "
+                    "rate, no draft half; measured accepted tokens/s are megakernel.decode's")
         return t, "not stated: tokens processed (T x batch)"
 
     @property
@@ -388,3 +396,89 @@ def op_pivot(derived: dict, ops: Sequence[str]) -> tuple[list[str], dict[str, di
     order = {op: i for i, op in enumerate(ops)}
     table = dict(sorted(table.items(), key=lambda kv: order.get(kv[0], len(order))))
     return cols, table, [k for k in derived if k not in used]
+
+
+# ----------------------------------------------------------------------------- speculative runs
+@dataclass(frozen=True)
+class DecodeRow:
+    """One `megabench decode` run on a GPU (megakernel.decode)."""
+    series: Series
+    preset: str
+    batch: int
+    mode: str
+    agree: float
+    acceptance: str
+    commit: str
+    date: str
+
+    def metric(self, key: str) -> float | None:
+        v = self.series.metrics.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    @property
+    def tok_s(self) -> float:
+        return self.metric("accepted_tokens_per_s") or 0.0
+
+    @property
+    def mean(self) -> float:
+        return self.metric("accepted_tokens_per_step") or 0.0
+
+    @property
+    def step_s(self) -> float:
+        return self.series.summary.median
+
+
+def decode_rows(results: Sequence[Result]) -> list[DecodeRow]:
+    """The GPU runs of `megabench decode` among `results`, newest last (an emulated run's times are
+    a CPU's: never a row)."""
+    rows = []
+    for r in results:
+        if r.benchmark != "megakernel.decode" or not r.env.gpu:
+            continue
+        for s in r.series:
+            p = s.params
+            if p.get("backend", "gpu") != "gpu":
+                continue
+            rows.append(DecodeRow(s, str(p.get("preset", "?")), int(p.get("batch", 1)), str(p.get("mode", "mega")),
+                                  float(p.get("agree", float("nan"))), str(p.get("acceptance", "?")),
+                                  r.env.git_sha[:7], r.env.date))
+    return sorted(rows, key=lambda d: d.date)
+
+
+def pick_decode(rows: Sequence[DecodeRow], mode: str = "mega") -> DecodeRow | None:
+    """The run the study's figures are compared with: `mode`, batch 1, the named 'study' acceptance
+    where there is one, shard8 first, the newest."""
+    rs = [d for d in rows if d.mode == mode and d.batch == 1]
+    if not rs:
+        return None
+    return max(rs, key=lambda d: (d.acceptance == "study", -PRESET_ORDER.index(d.preset) if d.preset in PRESET_ORDER
+                                  else -9, d.date))
+
+
+def decode_table(rows: Sequence[DecodeRow]) -> list[dict]:
+    """One row per GPU run: its acceptance and rate, and the step's split."""
+    out = []
+    for d in rows:
+        ms = lambda k: fmt(d.metric(k), "s") if d.metric(k) is not None else ""  # noqa: E731
+        out.append({"preset": d.preset, "B": d.batch, "mode": d.mode, "acceptance": f"{d.acceptance} (agree {d.agree:g})",
+                    "mean accepted": f"{d.mean:.2f}", "accepted tokens/s": fmt(d.tok_s, "tok/s"),
+                    "step": fmt(d.step_s, "s"), "draft": ms("draft_s"), "verify": ms("verify_s"),
+                    "accept + compaction": ms("accept_s"), "gaps": ms("gaps_s"),
+                    "check": str(d.series.metrics.get("check", "")), "run": f"{d.commit} {d.date[:10]}"})
+    return out
+
+
+def acceptance_curve(rows: Sequence[StepRow], decode: Sequence[DecodeRow]) -> dict | None:
+    """Accepted tokens/s against acceptance: the projection of the megakernel's T=16 step (a
+    tokens per step over its step time, no draft half) and the measured runs of its preset, or None
+    without a T=16 megakernel row. {preset, step_s, projection: [(a, tok/s)], study: (6.6, tok/s),
+    measured: [(mean, tok/s, label)]}."""
+    mega = pick(rows, "mega", STUDY_VERIFY_TOKENS)
+    if mega is None:
+        return None
+    accs = list(np.linspace(1.0, 13.0, 25))
+    measured = [(d.mean, d.tok_s, f"{d.mode} B={d.batch} {d.acceptance} ({d.date[:10]})") for d in decode
+                if d.preset == mega.preset]
+    return {"preset": mega.preset, "context": mega.context, "step_s": mega.step_s,
+            "projection": [(a, a / mega.step_s) for a in accs],
+            "study": (STUDY_ACCEPTANCE, STUDY_ACCEPTANCE / mega.step_s), "measured": measured}

@@ -208,3 +208,32 @@ def timeline_plot(phases: Sequence[dict], fig_dir: Path, title: str):
     ax.grid(True, axis="x", alpha=0.3)
     p = _save(fig, fig_dir / "megakernel-timeline.png")
     return [(p, f"{title}: per-phase timeline across blocks (in-kernel %globaltimer stamps)")]
+
+
+def acceptance_plot(curve: dict | None, fig_dir: Path):
+    """Accepted tokens/s against the mean acceptance (megakernel.acceptance_curve): the projection
+    line of the megakernel's T=16 step, the study's 6.6 marked on it, the measured runs as points."""
+    if not curve:
+        return []
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    xs, ys = zip(*curve["projection"])
+    ax.plot(xs, ys, color="tab:blue", linestyle="--",
+            label=f"PROJECTION: a / the T=16 step ({fmt(curve['step_s'], 's')}), no draft half")
+    a, v = curve["study"]
+    ax.plot([a], [v], "o", color="tab:blue", fillstyle="none")
+    ax.annotate(f"projection at the study's {a:g}: {v:,.0f} tok/s", (a, v), textcoords="offset points", xytext=(6, -12),
+                fontsize=7)
+    for m, t, label in curve["measured"]:
+        ax.plot([m], [t], "s", markersize=6, label=f"measured: {label}")
+    if not curve["measured"]:
+        ax.text(0.02, 0.95, "no measured run yet (megabench decode on a GPU)", transform=ax.transAxes, fontsize=8,
+                va="top")
+    ax.set_xlabel("mean tokens committed per step (acceptance, bonus included)")
+    ax.set_ylabel("accepted tokens/s")
+    ax.set_title(f"{curve['preset']}: accepted tokens/s against acceptance", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    p = _save(fig, fig_dir / "megakernel-acceptance.png")
+    return [(p, f"{curve['preset']}: accepted tokens/s against acceptance: measured speculative runs (points) and "
+                "the projection of the T=16 step alone (dashed, labelled), the study's 6.6 marked")]

@@ -150,17 +150,58 @@ def _fence_all_sms(ctx, f):
             + "; kinds run in a fixed order")
 
 
+def _decode_rows(ctx) -> list:
+    return mk.decode_rows([r for _, r in ctx.cat.runs.get("megakernel.decode", [])])
+
+
 def _tok_s(impl: str):
+    """Accepted tokens/s: measured by `megabench decode` (megakernel.decode, mega mode for the
+    megakernel, chain mode for the baseline kernel chain) where a GPU run exists, the projection at
+    the study's acceptance beside it; else that projection alone, labelled (a 4th element: the
+    value cell's label)."""
     def fn(ctx, f):
         r = mk.pick(ctx.step_rows, impl, 16)
-        if r is None:
+        proj = None
+        if r is not None:
+            acc, how = r.acceptance
+            proj = (acc / r.step_s, f"{r.impl}, {r.preset}, T={r.tokens}, ctx={r.context}: {acc:g} accepted tokens per "
+                    f"step ({how}) / step time {fmt(r.step_s, 's')}; one shard of the model on one GPU, no collectives, "
+                    f"no draft half ({r.tokens_per_step[0] / r.step_s:,.0f} tok/s counting every token processed)")
+        d = mk.pick_decode(_decode_rows(ctx), "mega" if impl == "mega" else "chain")
+        if d is not None:
+            beside = f"; beside it the PROJECTION {proj[0]:,.0f} tok/s ({proj[1]})" if proj else ""
+            return (d.tok_s, "tok/s", f"MEASURED by `megabench decode` ({d.mode} mode, {d.preset}, {d.date[:10]} "
+                    f"{d.commit}): draft, verify and accept on the device, {d.mean:.2f} tokens accepted per step on "
+                    f"average (the synthetic pair's '{d.acceptance}' agreement {d.agree:g}){beside}")
+        if proj is None:
             return None
-        acc, how = r.acceptance
-        return (acc / r.step_s, "tok/s", f"{r.impl}, {r.preset}, T={r.tokens}, ctx={r.context}: {acc:g} accepted "
-                f"tokens per step ({how}) / step time {fmt(r.step_s, 's')}; one shard of the model on one H200, no "
-                f"collectives, no draft half ({r.tokens_per_step[0] / r.step_s:,.0f} tok/s counting every token "
-                "processed)")
+        return proj[0], "tok/s", proj[1] + "; no `megabench decode` GPU run yet", "projection"
     return fn
+
+
+def _decode_part(part: str, mode: str):
+    """One part of the measured speculative step (megakernel.decode's median per step), or its launches."""
+    def fn(ctx, f):
+        d = mk.pick_decode(_decode_rows(ctx), mode)
+        if d is None:
+            return None
+        if f["unit"] == "launches":
+            n = d.metric(f"{part}_launches")
+            return (n, "launches", f"`megabench decode` {d.mode} mode, {d.preset}: launches of the {part} part") \
+                if n is not None else None
+        t = d.metric(f"{part}_s")
+        return (t, "s", f"`megabench decode` {d.mode} mode, {d.preset}, {d.date[:10]} {d.commit}: median {part} part "
+                "per step (CUDA events between the parts' graphs)") if t is not None else None
+    return fn
+
+
+def _tokens_accepted(ctx, f):
+    d = mk.pick_decode(_decode_rows(ctx), "mega")
+    if d is None:
+        return None
+    return (d.mean, "tokens", f"`megabench decode` {d.preset}, {d.date[:10]} {d.commit}: mean tokens committed per "
+            f"step (bonus included) from the device's counts, the '{d.acceptance}' agreement {d.agree:g}: a property "
+            "of the synthetic draft/target pair")
 
 
 def _verify_ratio(ctx, f):
@@ -175,7 +216,9 @@ COMPUTED: dict[str, Callable] = {
     "ring_built": _ring_built, "hot_bet_bytes": _hot_bet_bytes, "hot_saving_share": _hot_saving_share,
     "xgpu_loaded_local": _xgpu_loaded_local, "gpu_drift_max": _gpu_drift_max, "fence_all_sms": _fence_all_sms,
     "accepted_tok_s_mega": _tok_s("mega"), "accepted_tok_s_baseline": _tok_s("best_baseline"),
-    "verify_ratio": _verify_ratio,
+    "verify_ratio": _verify_ratio, "tokens_accepted": _tokens_accepted,
+    "draft_s_mega": _decode_part("draft", "mega"), "draft_s_chain": _decode_part("draft", "chain"),
+    "draft_launches_mega": _decode_part("draft", "mega"), "draft_launches_chain": _decode_part("draft", "chain"),
 }
 
 
@@ -187,7 +230,9 @@ def _ours(ctx, f) -> tuple[str, str]:
     kind = o["kind"]
     if kind == "computed":
         got = COMPUTED[o["name"]](ctx, f)
-        return (_fmt(got[0], got[1]), got[2]) if got else ("not measured yet", f"needs {o.get('needs', o['name'])}")
+        if not got:
+            return "not measured yet", f"needs {o.get('needs', o['name'])}"
+        return _fmt(got[0], got[1]) + (f" ({got[3]})" if len(got) > 3 else ""), got[2]
     if kind == "constant":
         e = ctx.tune_entries.get(o["name"])
         if e is not None and e.source in ("measured", "pinned"):

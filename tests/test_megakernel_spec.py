@@ -377,3 +377,48 @@ def test_the_named_acceptance_says_where_it_comes_from():
     assert speculative.agreement("study", "shard8") == speculative.agreement("study", "small")
     with pytest.raises(ConfigError, match="no agreement for preset"):
         speculative.agreement_source("study", "shard9")
+
+
+# ---------------------------------------------------------------------- the report
+def test_report_reads_gpu_decode_runs_and_keeps_projections_labelled(tmp_path):
+    """A GPU `megabench decode` run becomes the measured accepted tokens/s (the study's throughput
+    rows, the draft half, tokens accepted) with the projection beside it; an emulated run is never
+    read; without a GPU run the projection stays, labelled as one."""
+    from megabench_synth import env, save_all, series
+
+    from microbench.results import Result
+    from reports import megakernel as mk
+    from reports.build import build
+
+    step = Result("megakernel.step", env(), (series("shard8/T16/ctx2048/mega", 6e-3, params={
+        "impl": "mega", "preset": "shard8", "tokens": 16, "context": 2048}),))
+    metrics = {"accepted_tokens_per_s": 812.0, "accepted_tokens_per_step": 6.5, "draft_s": 1.2e-3, "verify_s": 6.6e-3,
+               "accept_s": 2.5e-5, "gaps_s": 1.5e-4, "draft_launches": 5, "verify_launches": 64, "accept_launches": 1,
+               "check": "passed"}
+    params = {"preset": "shard8", "batch": 1, "tree_tokens": 16, "mode": "mega", "agree": 0.83, "acceptance": "study",
+              "backend": "gpu"}
+    dec = Result("megakernel.decode", env(date="2026-11-30T10:00:00Z", sha="dec0000"),
+                 (series("shard8/B1/T16/mega/agree0.83", 8e-3, params=params, metrics=metrics),))
+    emu = Result("megakernel.decode", env(gpu=None, date="2026-11-30T11:00:00Z"),
+                 (series("tiny/B1/T16/mega/agree0.87", 3.0, timer="host", params={**params, "backend": "emu"},
+                         metrics=metrics),))
+    rows = mk.decode_rows([dec, emu])
+    assert len(rows) == 1 and rows[0].tok_s == 812.0 and mk.pick_decode(rows).commit == "dec0000"
+    curve = mk.acceptance_curve(mk.step_rows([step]), rows)
+    assert curve["study"][1] == pytest.approx(6.6 / 6e-3, rel=0.05) and curve["measured"][0][:2] == (6.5, 812.0)
+
+    def report(results):
+        root = tmp_path / f"results{len(results)}"
+        save_all(results, root)
+        return build(root, tmp_path / f"out{len(results)}", bench_dir=root).read_text()
+
+    text = report([step, dec])
+    row = next(line for line in text.splitlines() if line.startswith("| decode throughput, megakernel"))
+    assert "812 tok/s" in row and "projection" not in row
+    assert "MEASURED by `megabench decode`" in text and "beside it the PROJECTION" in text
+    assert "| draft half of the step, megakernel" in text and "1.2 ms" in text
+    assert "| tokens accepted per step on average" in text and "6.5 tokens" in text
+    assert "megakernel-acceptance.png" in text and (tmp_path / "out2" / "figures" / "megakernel-acceptance.png").exists()
+    text = report([step])
+    row = next(line for line in text.splitlines() if line.startswith("| decode throughput, megakernel"))
+    assert "(projection)" in row and "Not measured yet" in text
