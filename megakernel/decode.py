@@ -236,6 +236,8 @@ class SpecPair:
     def start(self, prompts: Sequence[Sequence[int]], want: int, ctx: int, *, poison: bool = False) -> None:
         """The state of a run: request r's root is prompts[r][-1] at context `ctx` (prefill cached the
         rest), wanting `want` tokens; both engines' spec rows set (after any plain step)."""
+        if len(prompts) != self.B or not all(len(p) for p in prompts):
+            raise ConfigError(f"{len(prompts)} prompts for {self.B} requests: one non-empty prompt each")
         most = max_tokens(self.cfg, self.B, ctx + 1)
         if not 1 <= want <= most:
             raise ConfigError(f"{want} tokens per request: {self.cfg.name} with a prompt of {ctx + 1} holds 1..{most} "
@@ -252,6 +254,8 @@ class SpecPair:
 
     # ------------------------------------------------------------------ steps
     def launch_part(self, i: int, mode: str) -> None:
+        """Part i of a step (PARTS: 0 the draft pass, 1 the verify launches, 2 the accept launch),
+        reading nothing. The parts of a step run in order (the target's counters turn after 2)."""
         n = len(self.target.launches(mode, self.target.spec_program))
         if i == 0:
             self.draft.launch_step(mode)
@@ -271,21 +275,29 @@ class SpecPair:
             self.launch_part(i, mode)
 
     def _capture(self, mode: str):
-        """Two CUDA graphs of each part (draft, verify, accept), for the counters' two parities.
-        Danger: the launches' parameters (the parity, the buffers) are baked in: a graph replays only
-        with this pair's buffers alive, in the parity order it was captured in."""
-        if mode not in self._graphs:
-            graphs = []
-            for _ in range(2):
-                parts = []
-                for i in range(len(PARTS)):
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        self.launch_part(i, mode)
-                    parts.append(g)
-                graphs.append(parts)
-            self._graphs[mode] = graphs
-        return self._graphs[mode]
+        """Two CUDA graphs of each part (draft, verify, accept), for the counters' two parities (the
+        capture leaves the engines' parity bookkeeping where it was: two steps). Danger: the
+        launches' parameters (the parity, the buffers) are baked in: a graph replays only with this
+        pair's buffers alive, in the parity order it was captured in, starting from the parity the
+        engines are at when it is captured (run replays from graphs[0] after an even number of
+        replayed steps, which note_replayed keeps true)."""
+        now = (self.draft.parity, self.target.parity)
+        got = self._graphs.get(mode)
+        if got is not None and now == got[1]:
+            return got[0]
+        if got is not None and now == (got[1][0] ^ 1, got[1][1] ^ 1):
+            return got[0][1:] + got[0][:1]  # the engines are one step on: graphs[1] first
+        graphs = []
+        for _ in range(2):
+            parts = []
+            for i in range(len(PARTS)):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    self.launch_part(i, mode)
+                parts.append(g)
+            graphs.append(parts)
+        self._graphs[mode] = (graphs, now)
+        return graphs
 
     def step_graph(self, mode: str = "mega", steps: int = 2):
         """One CUDA graph of `steps` whole steps (an even number: the counters' parities alternate
@@ -362,6 +374,9 @@ class SpecPair:
                 stats.steps.append(StepTimes(*(self._between(m[i], m[i + 1]) for i in range(3)),
                                              self._between(m[0], end)))
             stats.rounds.append(k)
+        if graphs is not None:  # the graphs' steps ran without launch_step: its bookkeeping follows them
+            for eng in (self.draft, self.target):
+                eng.note_replayed(k_all, mode)
         return stats
 
     def read(self) -> SpecRead:

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-
-from dataclasses import dataclass
 
 from . import abi, tree as treelib
 from .program import (DEP_ALL, DEP_LOCAL, DEP_SENTINEL, Program, attn_unit, cached_keys, group_size, n_units,

@@ -526,6 +526,18 @@ class Engine:
         self._params_dev = self._params(routes is not None)
         return self._row0[-1]
 
+    def note_replayed(self, steps: int, mode: str) -> None:
+        """A CUDA graph of captured steps ran `steps` more steps than launch_step saw (each a whole
+        step): bring the host's counter bookkeeping (parity, which half is dirty) along, as if
+        launch_step had launched them. Danger: without it, the next launch_step after an odd
+        number of replayed steps would use a half its last step left dirty, and its waits would
+        pass early."""
+        if mode == "mega":
+            for _ in range(steps):
+                self._dirty[self.parity] = True
+                self._dirty[self.parity ^ 1] = False
+                self.parity ^= 1
+
     def force_routes(self, routes: Sequence[torch.Tensor] | None) -> None:
         """The spec step's routing forced (per layer [rows, top_k] over its rows in order, as
         prepare's `routes`), or the kernel's own top-k again (None). For checks against a reference

@@ -57,6 +57,9 @@ def test_spec_programs_hold_their_ops_where_the_design_puts_them(model, mode):
     assert verify.launches[-1] == (len(kinds) - 3, 3)  # accept / compaction / advance: a launch of their own
     assert len(verify.launches) == len(plain.launches) + 1
     assert [o.kind for o in verify.ops[1:-3]] == [o.kind for o in plain.ops]  # the plain step in between
+    from megakernel.profile_events import EVENTS
+
+    assert all(EVENTS.macro(f"{k}_begin") for k in ("seed", "tree", "accept", "compact", "advance"))  # profiled ops
     dplan = make_plan(draft_model_config(cfg), 4)
     d = build(dplan, mode, spec="draft")
     assert [o.kind for o in d.ops][:3] == ["seed", "embed", "qkv"]
@@ -343,6 +346,11 @@ def test_a_finished_request_stays_put(model):
             assert torch.equal(pair.state[:, o[name]:o[name] + n], state[:, o[name]:o[name] + n]), name
     again = pair.read()
     assert again.ctx == first.ctx and again.tokens == first.tokens and again.hist == first.hist
+    # a wait of the spec program is named by its op, program and producer (the watchdog's message)
+    comp = next(o for o in pair.target.spec_program.ops if o.kind == "compact")
+    assert pair.target.describe_wait(comp.index * 16) == (f"compact(L{comp.layer}) [op {comp.index} of the verify "
+                                                          f"program] dependency 0: all units of accept(L{comp.layer}) "
+                                                          f"[op {comp.index - 1}]")
     c0 = first.ctx[0]
     for l in range(cfg.n_layers):  # the committed rows stay what they were
         a, b = pair.caches[0], caches[0]
