@@ -17,7 +17,7 @@ it ran alone, so request r's logits, tokens and cache are bitwise those of its o
 
 A speculative pair (megakernel/decode.py builds it): the drafter's Engine (`spec=SpecLink("draft",
 ...)`, its program the draft pass) and the verifier's (`spec=SpecLink("verify", ...)`: its plain
-program for prefill and plain steps, and the spec step, `launch_spec`) share the speculative state
+program for prefill and plain steps, and the spec step, `launch_step(spec=True)`) share the speculative state
 and the drafter's top-2 (SpecLink), so a run of steps needs nothing from the host between steps.
 
 Chain mode launches one op instance per kernel launch in program order (the study's baseline
@@ -72,7 +72,7 @@ EMU_SCHEDULES = {"random": 0, "last": 1, "block": 2}
 
 @dataclass
 class SpecLink:
-    """What a speculative engine shares with its partner (decode.py SpecState makes both links).
+    """What a speculative engine shares with its partner (decode.py SpecPair makes both links).
     role "draft": its program is the draft pass (`seed` first), `table` the seed table
     [V][SEED_COLS] (abi.py), `top2` the buffer its argmax writes the top-2 into; role "verify": its
     spec program is the verify step (`tree` first, then accept / compact / advance), `table` the tree

@@ -4,8 +4,8 @@ preset or GPU, an unreadable or malformed file), named on stderr; the others are
 
 The commands live on the floor of what they combine: the harness's (info, tune, adopt, xgpu,
 test-run, icache, stability, bench-storage, source-tree) in microbench, the megakernel's tools
-under `mk`, and here the ones that put both together (bench, run, constants, report, gate,
-prune-results).
+under `mk` (and `decode`, speculative decoding on the device, at the top level: megakernel/cli.py),
+and here the ones that put both together (bench, run, constants, report, gate, prune-results).
 """
 from __future__ import annotations
 
