@@ -130,10 +130,12 @@ static void mk_emu_body(void* a) {
   mk_run(x->p, x->first, x->n_ops, x->wait, x->T, x->ctx, x->parity, x->pb, x->pm);
 }
 extern "C" int emu_launch(void (*)(void*), void*, int, int, int, unsigned long long, char*, int);
+extern "C" int emu_set_launch_ranks(int);
 extern "C" int mk_emu_run(const void* p, int grid, int first, int n_ops, int wait, int T, int ctx, int parity,
                           unsigned long long seed, char* err, int errlen, unsigned long long* pb,
                           unsigned long long pm) {
   MkEmuArgs a{static_cast<const mk::Params*>(p), first, n_ops, wait, T, ctx, parity, pb, pm};
+  emu_set_launch_ranks(mk::RANKS_PER_LAUNCH);  // the schedule's ranks (emu.cpp SCHED_RANK)
   return emu_launch(mk_emu_body, &a, grid, mk::THREADS, mk::SMEM_BYTES, seed, err, errlen);
 }
 """

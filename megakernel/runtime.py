@@ -47,8 +47,24 @@ class EmulationError(RuntimeError):
 # (it runs only when every other block is blocked) until its next unit; "block", one block per op
 # instance, drawn from the seed, is delayed while it runs that op's units. The random schedule
 # rarely starves a block, so a missing wait mostly goes unnoticed there; the delayed producers
-# make the consumers run first wherever a dependency lets them.
-EMU_SCHEDULES = {"random": 0, "last": 1, "block": 2}
+# make the consumers run first wherever a dependency lets them. "rank": every block of one rank
+# of a launch (Plan.launch_ranks; drawn from the seed) is delayed, so that the other ranks wait for
+# its data until only it can run.
+EMU_SCHEDULES = {"random": 0, "last": 1, "block": 2, "rank": 3}
+
+
+@dataclass(frozen=True)
+class RankLink:
+    """What a rank's engine shares with the other ranks of its plan (runtime's RankEngine, or one
+    process per GPU): its rank, the watchdog record of its launch (every rank of a launch writes
+    one record, so a wait that gives up ends the others' waits too), and with tensor parallelism
+    its receive slots (`recv`: .ptr, and .fill(offset, bytes, word)) and the table of every rank's
+    receive slots as this rank addresses them (`peers`: int64 [tp_ranks] on its device)."""
+
+    rank: int
+    watchdog: Watchdog
+    recv: object | None = None
+    peers: torch.Tensor | None = None
 
 
 @dataclass
@@ -72,14 +88,19 @@ class Engine:
     def __init__(self, weights: ModelWeights, plan: Plan, cache: KVCache, *, backend: str = "gpu",
                  program_mode: str = "layer", grid: int | None = None, emu_seed: int = 1,
                  code_budget: int | None = None, profile_launches: Iterable[int] | None = None,
-                 emu_schedule: str = "random"):
+                 emu_schedule: str = "random", link: RankLink | None = None):
         if backend not in ("gpu", "emu"):
             raise ValueError(f"backend {backend!r}: 'gpu' or 'emu'")
         if emu_schedule not in EMU_SCHEDULES:
             raise ValueError(f"emu_schedule {emu_schedule!r}: one of {', '.join(EMU_SCHEDULES)}")
         if plan.cfg != weights.cfg:
             raise ConfigError("plan and weights are for different model configs")
+        if link is None and (plan.launch_ranks > 1 or plan.tp_ranks > 1):
+            raise ConfigError(f"a plan of {max(plan.launch_ranks, plan.tp_ranks)} ranks runs in a RankEngine (ranks.py), "
+                              "or one process per GPU (ranks.run_torchrun): an Engine alone is one rank")
         self.w, self.plan, self.cfg, self.cache = weights, plan, weights.cfg, cache
+        self.link = link
+        self.rank = link.rank if link else 0
         self.backend = backend
         self.program: Program = build_program(plan, program_mode)
         self.dev = weights.device
@@ -104,7 +125,7 @@ class Engine:
         self._alloc()
         self._keep: list[torch.Tensor] = []  # the tiled dense weights the kernel points into
         self._layers_blob = self._layer_ptrs()
-        self.wd = Watchdog(plan.spin_bound_ns, device=self.dev)
+        self.wd = link.watchdog if link else Watchdog(plan.spin_bound_ns, device=self.dev)
         self.parity = 0
         self._dirty = [False, False]
         if backend == "gpu":
@@ -185,6 +206,7 @@ class Engine:
             "ypart": (z(p.max_slots, p.fused_parts, 16, c.d_pool) if p.fused_experts else z(1)),
             "z": z(tm, c.d_pool, dt=BF16), "logits": z(tm, c.vocab), "amax_val": z(c.vocab // 16, tm),
             "amax_idx": z(c.vocab // 16, tm, dt=torch.int32), "out_tokens": z(tm, dt=torch.int32),
+            "rank_slots": z(1 + p.max_slots, dt=torch.int32),  # TP expert_parallel: this rank's slots
         }
         self.empty_sentinel_slots()
         self.counters = z(2, self.program.n_counters, dt=torch.int32)
@@ -242,6 +264,10 @@ class Engine:
         P.counters = _ptr(self.counters)
         P.watchdog = self.wd.ptr
         P.n_counters = self.program.n_counters
+        P.rank = self.rank
+        if self.plan.tp_ranks:
+            P.recv, P.peers = self.link.recv.ptr, _ptr(self.link.peers)
+            P.rank_slots = _ptr(b["rank_slots"])
         blob = torch.frombuffer(bytearray(abi.pack(P)), dtype=torch.uint8)
         return blob.to(self.dev)
 

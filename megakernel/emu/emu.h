@@ -7,9 +7,12 @@ namespace mk {
 MK_DEV int tid() { return emu::cur_thread(); }
 MK_DEV int warp() { return emu::cur_thread() >> 5; }
 MK_DEV int lane() { return emu::cur_thread() & 31; }
-MK_DEV int bid() { return emu::cur_block(); }
-MK_DEV int nblocks() { return emu::grid_dim(); }
-MK_DEV int nblocks_here() { return emu::grid_dim(); }
+// ranks of a launch as arch.cuh has them: block b of n is rank b * RANKS_PER_LAUNCH / n
+MK_DEV int nblocks() { return emu::grid_dim() / RANKS_PER_LAUNCH; }
+MK_DEV int launch_rank() { return emu::cur_block() / nblocks(); }
+MK_DEV int launch_block() { return emu::cur_block(); }
+MK_DEV int bid() { return emu::cur_block() - launch_rank() * nblocks(); }
+MK_DEV int nblocks_here() { return nblocks(); }
 MK_DEV unsigned char* smem() { return emu::cur_smem(); }
 // the caller's file:line (GCC/Clang builtins as default arguments) names the barrier instruction
 MK_DEV void sync_compute(const char* f = __builtin_FILE(), int l = __builtin_LINE()) {

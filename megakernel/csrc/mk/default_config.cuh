@@ -9,7 +9,7 @@ namespace mk {
 constexpr int D = 128;
 constexpr int V = 512;
 constexpr int L = 3;
-constexpr int HQ = 4;
+constexpr int HQ = 4;  // a rank's (Plan.rcfg)
 constexpr int HKV = 2;
 constexpr int HD = 64;
 constexpr int G = 2;
@@ -19,6 +19,7 @@ constexpr int E = 8;
 constexpr int TOPK = 2;
 constexpr int P = 64;
 constexpr int F = 64;
+constexpr int F_SH = 64, P_SH = 64;  // a rank's gate rows and down-projection rows per expert
 constexpr int WINDOW = 16;
 constexpr int RING_SLOTS = 32;
 constexpr int MAX_CTX = 128;
@@ -36,6 +37,11 @@ constexpr int THREADS = 288;
 constexpr int COMPUTE_REGS = 0;  // per-role budgets (Plan.compute_registers; 0 = off)
 constexpr int LOADER_REGS = 0;
 constexpr int COMPUTE_THREADS = 256;
+// ranks (Plan.launch_ranks, tp_ranks, tp_groups, expert_parallel)
+constexpr int RANKS_PER_LAUNCH = 1;
+constexpr int TP = 0, TP_GROUPS = 1;
+constexpr bool EXPERT_PARALLEL = false;
+constexpr unsigned long long RECV_AR = 0ull, RECV_ACT = 0ull, RECV_Y = 0ull, RECV_BYTES = 0ull;
 constexpr int ROW_PAD = 16;
 // ring (tuned constants: weights.ring) and smem carve-up
 constexpr int RING_STAGES = 4;
@@ -166,8 +172,12 @@ struct Params {
   uint32_t* counters;
   unsigned long long* watchdog;
   int32_t n_counters;
+  int32_t rank;
+  unsigned char* recv;
+  unsigned char* const* peers;
+  int32_t* rank_slots;
 };
-static_assert(sizeof(Params) == 312, "abi.py Params");
+static_assert(sizeof(Params) == 336, "abi.py Params");
 }  // namespace mk
 namespace mk {
 constexpr int OPINST_INTS = 16, MAX_DEPS = 3, OPREC_DEPS = 8;

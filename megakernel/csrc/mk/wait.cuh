@@ -23,8 +23,10 @@ MK_DEV bool tripped(const Params& p) {
 MK_DEV void report(const Params& p, uint32_t what, const void* addr, uint64_t expected, uint64_t seen,
                    uint64_t elapsed) {
   if (atomic_cas64(&p.watchdog[mb::WD_TRIPPED], 0ull, 1ull) == 0ull) {
-    p.watchdog[mb::WD_BLOCK] = bid();
-    p.watchdog[mb::WD_THREAD] = tid();
+    p.watchdog[mb::WD_BLOCK] = launch_block();  // the launch's: with several ranks a launch, it names the rank
+    // with ranks, the waiter's rank above bit 16 (every rank of a launch writes one record)
+    if constexpr (RANKS_PER_LAUNCH > 1 || TP > 1) p.watchdog[mb::WD_THREAD] = tid() | (p.rank << 16);
+    else p.watchdog[mb::WD_THREAD] = tid();
     p.watchdog[mb::WD_WHAT] = what;
     p.watchdog[mb::WD_ADDR] = reinterpret_cast<uintptr_t>(addr);
     p.watchdog[mb::WD_EXPECTED] = expected;
