@@ -15,7 +15,8 @@ from .config import ModelConfig
 
 # op kinds, in the order they run inside a layer (the C++ enum is rendered from this tuple)
 OP_KINDS = ("embed", "qkv", "attn", "attn_combine", "oproj", "router", "pool", "topk", "expert1", "expert2",
-            "moe_combine", "unpool", "lm_head", "argmax")
+            "moe_combine", "unpool", "lm_head", "argmax",
+            "attn_reduce")  # TP: the attention all-reduce, after oproj (kept last: the kinds' ids stay)
 OP = {k: i for i, k in enumerate(OP_KINDS)}
 WARPS = 8  # compute warps per block (one mma m16 row tile of tokens each)
 LOADER_WARPS = 1  # the weight-streaming warp (ring producer)

@@ -32,7 +32,25 @@ from .config import ConfigError
 from .plan import Plan
 from .reference import KVCache
 from .runtime import EMU_SCHEDULES, EmulationError, Engine, RankLink, StepOut
-from .weights import ModelWeights
+from .weights import ModelWeights, shard
+
+
+class RecvSlots:
+    """A rank's receive slots (Plan.recv_layout) in one tensor of its device: the emulation's and
+    one GPU's (one process per GPU: PeerRecv)."""
+
+    def __init__(self, nbytes: int, device):
+        self.t = torch.empty(max(4, nbytes) // 4, dtype=torch.int32, device=device)
+
+    @property
+    def ptr(self) -> int:
+        return self.t.data_ptr()
+
+    def fill(self, offset: int, nbytes: int, word: int) -> None:
+        self.t[offset // 4:(offset + nbytes) // 4].fill_(word - (1 << 32) if word >= 1 << 31 else word)
+
+    def words(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.t[offset // 4:(offset + nbytes) // 4]
 
 
 def rank_cache(cache: KVCache, rank: int, ranks: int) -> KVCache:
@@ -75,10 +93,13 @@ class RankEngine:
             grid = max(1, plan.n_sm // r) if backend == "gpu" else 2
         self.grid = grid
         self.wd = Watchdog(plan.spin_bound_ns, device=dev)
+        self.recv = [RecvSlots(plan.recv_bytes, dev) for _ in range(r)] if plan.tp_ranks else [None] * r
+        peers = torch.tensor([x.ptr for x in self.recv], dtype=torch.int64, device=dev) if plan.tp_ranks else None
         self.engines: list[Engine] = []
         for k in range(r):
-            link = RankLink(k, self.wd)
-            self.engines.append(Engine(weights, plan, caches[k], backend=backend, program_mode=program_mode,
+            link = RankLink(k, self.wd, self.recv[k], peers)
+            w = shard(weights, k, r) if plan.tp_ranks else weights
+            self.engines.append(Engine(w, plan, caches[k], backend=backend, program_mode=program_mode,
                                        grid=grid, emu_seed=emu_seed, emu_schedule=emu_schedule, link=link))
         self.emu_seed, self.emu_schedule = emu_seed, emu_schedule
         self.program = self.engines[0].program

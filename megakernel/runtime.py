@@ -21,21 +21,35 @@ import numpy as np
 import torch
 
 from microbench.errors import CorrectnessError, SpinTimeoutError
-from microbench.sync.sentinel import F32 as F32_SLOT
+from microbench.sync.sentinel import BF16 as BF16_SLOT, F32 as F32_SLOT
 from microbench.watchdog import Watchdog
 
 from . import abi, tiling, tree as treelib
 from .config import ConfigError
 from .fp4_layout import is_canonical
 from .plan import Plan
-from .program import (WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE, WHAT_NORM_ROWS, WHAT_RING_EMPTY,
-                      WHAT_RING_FULL, WHAT_SENTINEL, Program, build as build_program)
+from .program import (WHAT_AR, WHAT_GATHER_ACT, WHAT_GATHER_Y, WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE,
+                      WHAT_NORM_ROWS, WHAT_RING_EMPTY, WHAT_RING_FULL, WHAT_SENTINEL, Program, build as build_program)
 from .reference import KVCache
 from .weights import BF16, ModelWeights
 
 
+def _as_i32(word: int) -> int:
+    """A 32-bit word as the int32 a tensor holds."""
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
 # an empty fp32 sentinel slot as an int32 word (the rule's single source: microbench/sync/sentinel.py)
-_EMPTY_F32_SLOT = F32_SLOT.fill_word - (1 << 32) if F32_SLOT.fill_word >= 1 << 31 else F32_SLOT.fill_word
+_EMPTY_F32_SLOT = _as_i32(F32_SLOT.fill_word)
+
+
+def stack_k_groups(w: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, G * k] -> [G * N, k]: the K groups of a matrix stacked, group-major (TP oproj's copy:
+    unit g * (N / rows) + tile is tile `tile` of group g; ops/tp_oproj.cuh)."""
+    n, kk = w.shape
+    if kk % k:
+        raise ConfigError(f"stack_k_groups: {kk} columns are not whole groups of {k}")
+    return w.reshape(n, kk // k, k).permute(1, 0, 2).reshape(-1, k).contiguous()
 
 
 class EmulationError(RuntimeError):
@@ -95,7 +109,7 @@ class Engine:
             raise ValueError(f"emu_schedule {emu_schedule!r}: one of {', '.join(EMU_SCHEDULES)}")
         if plan.cfg != weights.cfg:
             raise ConfigError("plan and weights are for different model configs")
-        if link is None and (plan.launch_ranks > 1 or plan.tp_ranks > 1):
+        if link is None and (plan.launch_ranks > 1 or plan.tp_ranks):
             raise ConfigError(f"a plan of {max(plan.launch_ranks, plan.tp_ranks)} ranks runs in a RankEngine (ranks.py), "
                               "or one process per GPU (ranks.run_torchrun): an Engine alone is one rank")
         self.w, self.plan, self.cfg, self.cache = weights, plan, weights.cfg, cache
@@ -236,7 +250,10 @@ class Engine:
             s = arr[l]
             s.attn_norm, s.ffn_norm = _ptr(lw.attn_norm), _ptr(lw.ffn_norm)
             for field in tiling.LAYER_WEIGHTS:  # tiled: a ring chunk is one copy
-                setattr(s, field, _ptr(self._tiled(getattr(lw, field), field)))
+                w = getattr(lw, field)
+                if field == "wo" and self.plan.tp_ranks:  # TP: the rank's K groups stacked (ops/tp_oproj.cuh)
+                    w = stack_k_groups(w, self.plan.tiles["oproj"].k)
+                setattr(s, field, _ptr(self._tiled(w, field)))
             w1c, w1s = self._fp4_copies(lw.w1, "expert1")
             w2c, w2s = self._fp4_copies(lw.w2, "expert2")
             s.w1_codes, s.w1_scales, s.w1_ts = _ptr(w1c), _ptr(w1s), _ptr(lw.w1.tensor_scale)
@@ -288,15 +305,42 @@ class Engine:
         fill) would be read as fresh data by the next step, so every such path calls this."""
         if self.plan.sentinel_route:
             self.buf["router_logits"].view(torch.int32).fill_(_EMPTY_F32_SLOT)
+        if self.plan.tp_ranks:  # TP: this rank's receive slots (mk/tp.cuh)
+            for name, (off, n) in self.plan.recv_layout.items():
+                self.link.recv.fill(off, n, F32_SLOT.fill_word if name == "ar" else BF16_SLOT.fill_word)
 
     def unemptied_sentinel_slots(self) -> int:
-        """How many sentinel slots hold data (0 after a step: every reader resets what it read)."""
-        if not self.plan.sentinel_route:
-            return 0
-        return int((self.buf["router_logits"].view(torch.int32) != _EMPTY_F32_SLOT).sum())
+        """How many sentinel slots hold data (0 after a step: every reader resets what it read);
+        with TP, this rank's receive slots count too (words of them, where the engine can read them)."""
+        n = 0
+        if self.plan.sentinel_route:
+            n += int((self.buf["router_logits"].view(torch.int32) != _EMPTY_F32_SLOT).sum())
+        if self.plan.tp_ranks:
+            n += sum(self.recv_words_written().values())
+        return n
+
+    def recv_words_written(self) -> dict[str, int]:
+        """TP: 32-bit words of each receive-slot region of this rank that hold data (not empty)."""
+        out = {}
+        for name, (off, nbytes) in self.plan.recv_layout.items():
+            words = self.link.recv.words(off, nbytes)
+            empty = F32_SLOT.fill_word if name == "ar" else BF16_SLOT.fill_word
+            out[name] = int((words != _as_i32(empty)).sum())
+        return out
 
     def describe_wait(self, what: int) -> str:
         i, code = what >> 4, what & 15
+        if self.plan.tp_ranks and code in (WHAT_AR, WHAT_GATHER_ACT, WHAT_GATHER_Y):  # mk/tp.cuh what_x
+            i, src, slot = i & 0xFFF, (what >> 16) & 15, what >> 20
+            if not 0 <= i < len(self.program.ops):
+                return f"wait id {what}"
+            o = self.program.ops[i]
+            copy = "receive slots"
+            thing = {WHAT_AR: f"rank {src}'s oproj partial of K group {slot} in its all-reduce {copy}",
+                     WHAT_GATHER_ACT: f"rank {src}'s gate/up activations of expert slot {slot} in its gather {copy}",
+                     WHAT_GATHER_Y: f"rank {src}'s expert outputs of expert slot {slot} in its gather {copy}"}[code]
+            return (f"{o.kind}(L{o.layer}) [op {i}]: {thing} (still empty: rank {src} never pushed them, or a "
+                    "slot was reset after its push or read from the idle copy)")
         if not 0 <= i < len(self.program.ops):
             return f"wait id {what}"
         o = self.program.ops[i]

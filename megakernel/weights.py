@@ -175,3 +175,30 @@ def weight_bytes(w: ModelWeights) -> int:
         for b in (lw.w1, lw.w2):
             n += b.codes.numel() + b.scales.numel() + b.tensor_scale.numel() * 4
     return n
+
+
+def shard(w: ModelWeights, rank: int, ranks: int) -> ModelWeights:
+    """Rank `rank`'s share of the weights at tensor parallelism `ranks` (the study's sharding;
+    Plan.tp_ranks): wqkv holds the rows of its q heads, then of its k heads, then of its v heads
+    (heads rank * H / R ..); wo the columns of its q heads (its K-share of the output projection).
+    Everything else is the model's own tensor (replicated: norms, router, pooler, unpooler,
+    experts, embedding, LM head). The config stays the model's: the shapes of a rank are the
+    plan's (Plan.rcfg)."""
+    c = w.cfg
+    if not (isinstance(ranks, int) and ranks >= 1 and c.n_kv_heads % ranks == 0 and 0 <= rank < ranks):
+        raise ConfigError(f"{c.name}: shard {rank} of {ranks}: want 0 <= rank < ranks and ranks dividing the "
+                          f"{c.n_kv_heads} kv heads")
+    hd, hq, hkv = c.head_dim, c.n_heads // ranks, c.n_kv_heads // ranks
+
+    def heads(first: int, n: int) -> slice:
+        return slice(first * hd, (first + n) * hd)
+
+    layers = []
+    for lw in w.layers:
+        q = lw.wqkv[heads(rank * hq, hq)]
+        k = lw.wqkv[heads(c.n_heads + rank * hkv, hkv)]
+        v = lw.wqkv[heads(c.n_heads + c.n_kv_heads + rank * hkv, hkv)]
+        layers.append(LayerWeights(lw.attn_norm, torch.cat([q, k, v]).contiguous(),
+                                   lw.wo[:, heads(rank * hq, hq)].contiguous(), lw.ffn_norm, lw.router, lw.pool,
+                                   lw.w1, lw.w2, lw.unpool))
+    return ModelWeights(c, w.embed, w.final_norm, w.lm_head, layers, w.rope_cos, w.rope_sin, w.succ)

@@ -1,18 +1,22 @@
 """Ranks of the megakernel in the CPU emulation (megakernel/ranks.py): several ranks in one launch,
-each with its own parameter block and rank-local block indices."""
+each with its own parameter block and rank-local block indices, and tensor parallelism over them
+(the tinytp preset): every R gives the bits of R = 1, which agrees with the reference."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from megakernel.plan import make_plan
+from megakernel.config import preset
+from megakernel.plan import make_plan, max_tp_ranks
 from megakernel.program import DEP_ALL
 from megakernel.ranks import RankEngine
-from megakernel.runtime import Engine
+from megakernel.reference import KVCache
+from megakernel.runtime import Engine, check_close
+from megakernel.weights import generate
 from microbench.errors import SpinTimeoutError
 
-from megakernel_cases import step_inputs, tiny
+from megakernel_cases import reference_logits, step_inputs, tiny
 
 
 @pytest.mark.parametrize("ranks,mode,schedule", [(2, "mega", "random"), (2, "chain", "random"), (3, "mega", "rank"),
@@ -50,3 +54,76 @@ def test_a_rank_that_can_never_finish_trips_a_wait_naming_its_rank(tiny):
     toks, par = step_inputs(cfg, 4, 1)
     with pytest.raises(SpinTimeoutError, match=r"rank 1 block [23] .*argmax\(L2\) \[op \d+\] dependency 0"):
         eng.step(toks, par, 10, mode="mega")
+
+
+# ---------------------------------------------------------------- tensor parallelism
+TP_BOUND_NS = 60_000_000_000  # a starved rank ("rank" schedule) waits through the others' whole launch
+
+
+@pytest.fixture(scope="module")
+def tinytp():
+    """The tinytp preset (heads and expert widths shard over up to 8 ranks), its weights, a random
+    KV cache, a T=8 step and the reference's logits and routing."""
+    cfg = preset("tinytp")
+    w = generate(cfg)
+    base = KVCache(cfg).fill_random(torch.Generator().manual_seed(3))
+    toks, par = step_inputs(cfg, 8, 2)
+    ref, routes = reference_logits(w, base.clone(), toks, par, 40)
+    return cfg, w, base, toks, par, ref, routes
+
+
+def tp_run(tinytp, ranks, mode="mega", schedule="random", seed=1, **plan_kw):
+    """One step of the TP build at `ranks` ranks in one emulated launch (2 blocks a rank), from
+    poisoned buffers, the reference's routing forced: (rank 0's StepOut, the cache, the engine)."""
+    cfg, w, base, toks, par, _, routes = tinytp
+    plan = make_plan(cfg, 4, tp_ranks=ranks, launch_ranks=ranks, spin_bound_ns=TP_BOUND_NS, **plan_kw)
+    cache = base.clone()
+    eng = RankEngine(w, plan, cache, backend="emu", grid=2, emu_schedule=schedule, emu_seed=seed)
+    eng.poison()
+    return eng.step(toks, par, 40, mode=mode, routes=routes), cache, eng
+
+
+@pytest.fixture(scope="module")
+def tp_one(tinytp):
+    """The unsharded result: R = 1 of the TP build (mega mode)."""
+    out, cache, _ = tp_run(tinytp, 1)
+    return out, cache
+
+
+def assert_same_step(got, want, what):
+    (g, gc, eng), (w, wc) = got, want
+    for k, o in enumerate(eng.rank_outputs()):
+        assert torch.equal(o.logits, w.logits) and torch.equal(o.tokens, w.tokens), f"{what}: rank {k}"
+    assert gc.equal(wc), f"{what}: KV cache"
+    left = [e.recv_words_written() for e in eng.engines]
+    assert all(not any(x.values()) for x in left), f"{what}: receive slots left written {left}"
+
+
+def test_the_unsharded_tp_build_matches_the_reference(tinytp, tp_one):
+    """R = 1 of the TP build (oproj's K groups summed in group order, its slots' encoding) is within
+    the megakernel's tolerance of the torch reference, and leaves its receive slots empty."""
+    *_, ref, _ = tinytp
+    out, _ = tp_one
+    check_close(out.logits, ref, "TP build, R = 1", rel=1e-2)
+    assert torch.equal(out.tokens, ref.argmax(-1))
+
+
+@pytest.mark.parametrize("ranks,mode,schedule", [
+    (1, "chain", "random"), (2, "mega", "random"), (2, "chain", "random"), (2, "mega", "rank"), (2, "mega", "last"),
+    pytest.param(4, "mega", "block", marks=pytest.mark.slow), pytest.param(4, "chain", "random", marks=pytest.mark.slow)])
+def test_tp_ranks_compute_the_bits_of_one_rank(tinytp, tp_one, ranks, mode, schedule):
+    """R ranks in one emulated launch, from poisoned buffers: every rank's logits and tokens, and
+    the KV cache (each rank writes its kv heads), are bitwise those of R = 1; every receive slot is
+    empty again afterwards (each reader reset what it read)."""
+    assert_same_step(tp_run(tinytp, ranks, mode, schedule), tp_one, f"R={ranks} {mode} {schedule}")
+
+
+def test_tp_plans_refuse_what_cannot_shard(tiny):
+    cfg = tiny[0]
+    with pytest.raises(ValueError, match="2 kv heads do not divide over 4 ranks"):
+        make_plan(cfg, 4, tp_ranks=4)
+    with pytest.raises(ValueError, match="split expert GEMMs"):
+        make_plan(preset("tinytp"), 4, tp_ranks=2, fused_experts=True)
+    with pytest.raises(ValueError, match="launches one rank"):
+        make_plan(preset("tinytp"), 4, tp_ranks=4, launch_ranks=2)
+    assert max_tp_ranks(preset("tinytp")) == 8 and max_tp_ranks(cfg) == 2

@@ -203,6 +203,9 @@ MK_DEV void st_relaxed(void* p, uint32_t v) {
   *reinterpret_cast<volatile uint32_t*>(p) = v;
   emu::note_sync_write(true);
 }
+MK_DEV uint32_t ld_relaxed_sys(const void* p) { return ld_relaxed(p); }  // one memory: scopes are the GPU's business
+MK_DEV void st_relaxed_sys(void* p, uint32_t v) { st_relaxed(p, v); }
+MK_DEV void fence_acq_rel_sys() {}
 MK_DEV uint32_t ld_acquire(const uint32_t* p) { emu::yield(); return *reinterpret_cast<const volatile uint32_t*>(p); }
 MK_DEV void red_release(uint32_t* p, uint32_t v) { *p += v; emu::note_sync_write(true); }
 MK_DEV void fence_release() {}

@@ -180,6 +180,10 @@ MK_DEV uint4 ldg_nc4(const void* p) { return mb::ld_nc_v4(p); }
 // defined read of the old or the new word, never a data race.
 MK_DEV uint32_t ld_relaxed(const void* p) { return mb::ld_relaxed_gpu(static_cast<const uint32_t*>(p)); }
 MK_DEV void st_relaxed(void* p, uint32_t v) { mb::st_relaxed_gpu(static_cast<uint32_t*>(p), v); }
+// The same between GPUs (tensor parallelism with one process per GPU: peer memory, mk/tp.cuh)
+MK_DEV uint32_t ld_relaxed_sys(const void* p) { return mb::ld_relaxed_sys(static_cast<const uint32_t*>(p)); }
+MK_DEV void st_relaxed_sys(void* p, uint32_t v) { mb::st_relaxed_sys(static_cast<uint32_t*>(p), v); }
+MK_DEV void fence_acq_rel_sys() { mb::fence_acq_rel_sys(); }
 MK_DEV uint32_t ld_acquire(const uint32_t* p) { return mb::ld_acquire_gpu(p); }
 MK_DEV void red_release(uint32_t* p, uint32_t v) { mb::red_add_release_gpu(p, v); }
 // A release of several counters: one fence, then relaxed adds (each a release pattern with the

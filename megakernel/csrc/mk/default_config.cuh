@@ -55,8 +55,8 @@ constexpr int SMEM_BYTES = 67184;
 constexpr unsigned long long SPIN_BOUND_NS = 2000000000ull;
 constexpr unsigned POLL_BACKOFF_NS = 0u;
 // op kinds
-enum OpKind : int { OP_EMBED = 0, OP_QKV = 1, OP_ATTN = 2, OP_ATTN_COMBINE = 3, OP_OPROJ = 4, OP_ROUTER = 5, OP_POOL = 6, OP_TOPK = 7, OP_EXPERT1 = 8, OP_EXPERT2 = 9, OP_MOE_COMBINE = 10, OP_UNPOOL = 11, OP_LM_HEAD = 12, OP_ARGMAX = 13 };
-constexpr int OP_KINDS = 14;
+enum OpKind : int { OP_EMBED = 0, OP_QKV = 1, OP_ATTN = 2, OP_ATTN_COMBINE = 3, OP_OPROJ = 4, OP_ROUTER = 5, OP_POOL = 6, OP_TOPK = 7, OP_EXPERT1 = 8, OP_EXPERT2 = 9, OP_MOE_COMBINE = 10, OP_UNPOOL = 11, OP_LM_HEAD = 12, OP_ARGMAX = 13, OP_ATTN_REDUCE = 14 };
+constexpr int OP_KINDS = 15;
 // GEMM tiles: rows per unit, K chunk, K
 constexpr int TILE_QKV_ROWS = 16;
 constexpr int TILE_QKV_KC = 128;
@@ -186,6 +186,7 @@ constexpr int DEP_ALL = 0, DEP_GROUP = 1, DEP_SENTINEL = 2, DEP_LOCAL = 3;
 constexpr int ASSIGN_STRIDED = 0, ASSIGN_CONTIG = 1;
 constexpr int SIGNAL_TOTAL = 1, SIGNAL_GROUPS = 2;
 constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10, WHAT_LOADER_GATE = 11, WHAT_SENTINEL = 12, WHAT_NORM_ROWS = 13, WHAT_LOADER_PACE = 14;
+constexpr uint32_t WHAT_AR = 5, WHAT_GATHER_ACT = 6, WHAT_GATHER_Y = 7;
 }  // namespace mk
 namespace mk {
 // NVFP4 device word (megakernel/fp4_layout.py): pair e = OR over
@@ -257,26 +258,30 @@ constexpr int FP4_SWIZZLE_MAX = 8;
 #define MK_EV_WAIT_ARGMAX_END         55u  // end of phase wait_argmax: waiting for the dependencies of the block's first argmax unit
 #define MK_EV_ARGMAX_BEGIN            56u  // begin of phase argmax: the block's argmax units
 #define MK_EV_ARGMAX_END              57u  // end of phase argmax: the block's argmax units
-#define MK_EV_LAUNCH_END              58u  // instant: block finished its last unit (arg = first op of the launch)
-#define MK_EV_STAGE_BEGIN             59u  // begin of phase stage: staging an activation operand into shared memory (0 norm, 1 rows)
-#define MK_EV_STAGE_END               60u  // end of phase stage: staging an activation operand into shared memory (0 norm, 1 rows)
-#define MK_EV_RING_WAIT_BEGIN         61u  // begin of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
-#define MK_EV_RING_WAIT_END           62u  // end of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
-#define MK_EV_ATTN_LOAD_BEGIN         63u  // begin of phase attn_load: attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared memory, to the barrier after (arg = round)
-#define MK_EV_ATTN_LOAD_END           64u  // end of phase attn_load: attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared memory, to the barrier after (arg = round)
-#define MK_EV_PUBLISH_BEGIN           65u  // begin of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
-#define MK_EV_PUBLISH_END             66u  // end of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
-#define MK_EV_FP4_TAIL_BEGIN          67u  // begin of phase fp4_tail: expert GEMM: thread 0's last chunk done to every warp's results in shared memory (the barrier after them: the slowest warp's lag)
-#define MK_EV_FP4_TAIL_END            68u  // end of phase fp4_tail: expert GEMM: thread 0's last chunk done to every warp's results in shared memory (the barrier after them: the slowest warp's lag)
-#define MK_EV_EPILOGUE_BEGIN          69u  // begin of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
-#define MK_EV_EPILOGUE_END            70u  // end of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
-#define MK_EV_UNIT_OPEN_BEGIN         71u  // begin of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase) and only where the unit opens (program.cuh unit_opens; arg = unit)
-#define MK_EV_UNIT_OPEN_END           72u  // end of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase) and only where the unit opens (program.cuh unit_opens; arg = unit)
-#define MK_EV_UNIT_CLOSE_BEGIN        73u  // begin of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
-#define MK_EV_UNIT_CLOSE_END          74u  // end of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
-#define MK_EV_TOPK_STEP_BEGIN         75u  // begin of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
-#define MK_EV_TOPK_STEP_END           76u  // end of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
-#define MK_EV_COUNT                   76u
+#define MK_EV_WAIT_ATTN_REDUCE_BEGIN  58u  // begin of phase wait_attn_reduce: waiting for the dependencies of the block's first attn_reduce unit
+#define MK_EV_WAIT_ATTN_REDUCE_END    59u  // end of phase wait_attn_reduce: waiting for the dependencies of the block's first attn_reduce unit
+#define MK_EV_ATTN_REDUCE_BEGIN       60u  // begin of phase attn_reduce: the block's attn_reduce units
+#define MK_EV_ATTN_REDUCE_END         61u  // end of phase attn_reduce: the block's attn_reduce units
+#define MK_EV_LAUNCH_END              62u  // instant: block finished its last unit (arg = first op of the launch)
+#define MK_EV_STAGE_BEGIN             63u  // begin of phase stage: staging an activation operand into shared memory (0 norm, 1 rows)
+#define MK_EV_STAGE_END               64u  // end of phase stage: staging an activation operand into shared memory (0 norm, 1 rows)
+#define MK_EV_RING_WAIT_BEGIN         65u  // begin of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
+#define MK_EV_RING_WAIT_END           66u  // end of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
+#define MK_EV_ATTN_LOAD_BEGIN         67u  // begin of phase attn_load: attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared memory, to the barrier after (arg = round)
+#define MK_EV_ATTN_LOAD_END           68u  // end of phase attn_load: attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared memory, to the barrier after (arg = round)
+#define MK_EV_PUBLISH_BEGIN           69u  // begin of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
+#define MK_EV_PUBLISH_END             70u  // end of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
+#define MK_EV_FP4_TAIL_BEGIN          71u  // begin of phase fp4_tail: expert GEMM: thread 0's last chunk done to every warp's results in shared memory (the barrier after them: the slowest warp's lag)
+#define MK_EV_FP4_TAIL_END            72u  // end of phase fp4_tail: expert GEMM: thread 0's last chunk done to every warp's results in shared memory (the barrier after them: the slowest warp's lag)
+#define MK_EV_EPILOGUE_BEGIN          73u  // begin of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
+#define MK_EV_EPILOGUE_END            74u  // end of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
+#define MK_EV_UNIT_OPEN_BEGIN         75u  // begin of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase) and only where the unit opens (program.cuh unit_opens; arg = unit)
+#define MK_EV_UNIT_OPEN_END           76u  // end of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase) and only where the unit opens (program.cuh unit_opens; arg = unit)
+#define MK_EV_UNIT_CLOSE_BEGIN        77u  // begin of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
+#define MK_EV_UNIT_CLOSE_END          78u  // end of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
+#define MK_EV_TOPK_STEP_BEGIN         79u  // begin of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
+#define MK_EV_TOPK_STEP_END           80u  // end of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
+#define MK_EV_COUNT                   80u
 
 static_assert(MK_EV_COUNT <= 0xFFFFu, "profiler event ids are 16 bits");
 static_assert(MK_EV_WAIT_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 0 && MK_EV_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 2 && MK_EV_EMBED_END == MK_EV_EMBED_BEGIN + 1, "profiler ids of embed");
@@ -293,3 +298,4 @@ static_assert(MK_EV_WAIT_MOE_COMBINE_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 10 &&
 static_assert(MK_EV_WAIT_UNPOOL_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 11 && MK_EV_UNPOOL_BEGIN == MK_EV_WAIT_UNPOOL_BEGIN + 2 && MK_EV_UNPOOL_END == MK_EV_UNPOOL_BEGIN + 1, "profiler ids of unpool");
 static_assert(MK_EV_WAIT_LM_HEAD_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 12 && MK_EV_LM_HEAD_BEGIN == MK_EV_WAIT_LM_HEAD_BEGIN + 2 && MK_EV_LM_HEAD_END == MK_EV_LM_HEAD_BEGIN + 1, "profiler ids of lm_head");
 static_assert(MK_EV_WAIT_ARGMAX_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 13 && MK_EV_ARGMAX_BEGIN == MK_EV_WAIT_ARGMAX_BEGIN + 2 && MK_EV_ARGMAX_END == MK_EV_ARGMAX_BEGIN + 1, "profiler ids of argmax");
+static_assert(MK_EV_WAIT_ATTN_REDUCE_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 14 && MK_EV_ATTN_REDUCE_BEGIN == MK_EV_WAIT_ATTN_REDUCE_BEGIN + 2 && MK_EV_ATTN_REDUCE_END == MK_EV_ATTN_REDUCE_BEGIN + 1, "profiler ids of attn_reduce");

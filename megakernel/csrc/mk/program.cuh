@@ -20,6 +20,7 @@
 #include "ops/qkv_rope.cuh"
 #include "ops/router.cuh"
 #include "ops/topk.cuh"
+#include "ops/tp_oproj.cuh"
 #include "ops/unpool.cuh"
 
 namespace mk {
@@ -59,6 +60,10 @@ MK_DEV bool has_weights(int kind) {
 MK_DEV bool is_dynamic(int kind) { return kind == OP_EXPERT1 || kind == OP_EXPERT2; }
 
 MK_DEV int n_units(const Blk& b, const Op& o) {
+  if constexpr (TP > 0) {  // tensor parallelism's own unit counts (a build without TP has none of this code)
+    if (o.kind == OP_OPROJ) return OPROJ_GR * OPROJ_TILES;
+    if (o.kind == OP_ATTN_REDUCE) return OPROJ_TILES;
+  }
   switch (o.kind) {
     case OP_EMBED: return b.T;
     case OP_QKV: return QKV_ROWS / TILE_QKV_ROWS;
@@ -261,6 +266,10 @@ MK_DEV UnitRange my_units(const Op& o, int total) {
 
 MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
   const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_FULL;
+  if constexpr (TP > 0) {  // tensor parallelism's ops (ops/tp_oproj.cuh)
+    if (o.kind == OP_OPROJ) return run_oproj_tp(b, o.layer, u, what);
+    if (o.kind == OP_ATTN_REDUCE) return run_attn_reduce(b, o.layer, u, what);
+  }
   switch (o.kind) {
     case OP_EMBED: run_embed(b, u); break;
     case OP_QKV: run_qkv(b, o.layer, u, what); break;
@@ -292,6 +301,9 @@ MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
 
 MK_DEV bool load_unit(const Blk& b, int i, const Op& o, int u, unsigned& c, LoaderSlot& ls) {
   const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_EMPTY;
+  if constexpr (TP > 0) {
+    if (o.kind == OP_OPROJ) return load_oproj_tp(b, o.layer, u, c, what);
+  }
   switch (o.kind) {
     case OP_QKV: return load_qkv(b, o.layer, u, c, what);
     case OP_OPROJ: return load_oproj(b, o.layer, u, c, what);
