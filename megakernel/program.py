@@ -20,6 +20,10 @@ Tensor parallelism (Plan.tp_ranks R, tp_groups NG; the heads and expert rows are
                into every rank's receive slots (csrc/ops/tp_oproj.cuh)
   attn_reduce  D/Rr         sums the NG partials in group order into x ("sentinel" <- oproj: it
                             polls its receive slots, which every rank's oproj fills)
+  expert1      count * (F/R)/(R1/2), pushed into every rank's slots (the activations' gather)
+  expert2      count * (P/R)/R2, "sentinel" <- expert1: polls the gathered activations; pushes
+  moe_combine  also polls the gathered expert outputs (and resets the layer's activations)
+  (expert_parallel: count = the rank's own slots, whole rows: F/(R1/2) and P/R2 units a slot)
 A dependency is ("all", producer): every unit of the producer instance, or ("group", producer):
 the one group of the producer the consumer unit needs (attn <- qkv by kv head, attn_combine <-
 attn by kv head, expert2 <- expert1 by slot), or ("sentinel", producer): every unit of it, but
@@ -70,7 +74,7 @@ WHAT_AR, WHAT_GATHER_ACT, WHAT_GATHER_Y = 5, 6, 7
 MAX_TP_OPS = 4096
 # consumer <- producer edges on which the consumer polls sentinel slots (plan.sentinel_route: top-k
 # <- router; TP: the all-reduce <- oproj, and each gather's readers <- its producers)
-SENTINEL_EDGES = (("topk", "router"), ("attn_reduce", "oproj"))
+SENTINEL_EDGES = (("topk", "router"), ("attn_reduce", "oproj"), ("expert2", "expert1"))
 
 
 @dataclass(frozen=True)
@@ -299,8 +303,11 @@ def build(plan: Plan, mode: str = "layer") -> Program:
         add("topk", l, [("router", DEP_SENTINEL if plan.sentinel_route else DEP_ALL)],
             rot=lightest_block(plan, [ops[last["router"]], ops[last["pool"]]]))
         add("expert1", l, [("topk", DEP_ALL), ("pool", DEP_ALL)], ASSIGN_CONTIG)
-        add("expert2", l, [("topk", DEP_ALL), ("expert1", DEP_LOCAL if plan.fused_experts else DEP_GROUP)],
-            ASSIGN_CONTIG)
+        # TP: the gathered activations are polled (every rank's gate/up units push them)
+        add("expert2", l, [("topk", DEP_ALL), ("expert1", DEP_SENTINEL if plan.tp_ranks else
+                                                DEP_LOCAL if plan.fused_experts else DEP_GROUP)], ASSIGN_CONTIG)
+        # TP: also polls the gathered expert outputs; its wait for this rank's expert2 orders the
+        # reset of the activations those units read (csrc/ops/tp_experts.cuh)
         add("moe_combine", l, [("topk", DEP_ALL), ("expert2", DEP_ALL)])
         add("unpool", l, [("moe_combine", DEP_ALL)])
         if l + 1 < c.n_layers:

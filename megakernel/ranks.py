@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from microbench.errors import SpinTimeoutError
+from microbench.errors import CorrectnessError, SpinTimeoutError
 from microbench.launch import LaunchSpec, launch
 from microbench.watchdog import Watchdog, fields as wd_fields
 
@@ -98,7 +98,7 @@ class RankEngine:
         self.engines: list[Engine] = []
         for k in range(r):
             link = RankLink(k, self.wd, self.recv[k], peers)
-            w = shard(weights, k, r) if plan.tp_ranks else weights
+            w = shard(weights, k, r, plan.expert_parallel) if plan.tp_ranks else weights
             self.engines.append(Engine(w, plan, caches[k], backend=backend, program_mode=program_mode,
                                        grid=grid, emu_seed=emu_seed, emu_schedule=emu_schedule, link=link))
         self.emu_seed, self.emu_schedule = emu_seed, emu_schedule
@@ -190,6 +190,16 @@ class RankEngine:
         self._outs = [StepOut(e.buf["logits"][:t].clone(), e.buf["out_tokens"][:t].to(torch.int64).clone())
                       for e in self.engines]
         return self._outs[0]
+
+    def check_slots_empty(self) -> None:
+        """CorrectnessError naming each rank and receive region (Plan.recv_layout) that holds data
+        after a step: every reader resets what it read, so a slot left written is a reset that was
+        never done, and the reader of that copy two layers on would take the stale data for fresh."""
+        left = {k: {n: c for n, c in e.recv_words_written().items() if c} for k, e in enumerate(self.engines)}
+        bad = {k: v for k, v in left.items() if v}
+        if bad:
+            raise CorrectnessError("receive slots left written after the step (32-bit words): " + "; ".join(
+                f"rank {k}: " + ", ".join(f"{n} {c}" for n, c in v.items()) for k, v in bad.items()))
 
     def rank_outputs(self) -> list[StepOut]:
         """Each rank's logits and tokens of the last step (with tensor parallelism every rank

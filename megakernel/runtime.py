@@ -335,12 +335,11 @@ class Engine:
             if not 0 <= i < len(self.program.ops):
                 return f"wait id {what}"
             o = self.program.ops[i]
-            copy = "receive slots"
-            thing = {WHAT_AR: f"rank {src}'s oproj partial of K group {slot} in its all-reduce {copy}",
-                     WHAT_GATHER_ACT: f"rank {src}'s gate/up activations of expert slot {slot} in its gather {copy}",
-                     WHAT_GATHER_Y: f"rank {src}'s expert outputs of expert slot {slot} in its gather {copy}"}[code]
-            return (f"{o.kind}(L{o.layer}) [op {i}]: {thing} (still empty: rank {src} never pushed them, or a "
-                    "slot was reset after its push or read from the idle copy)")
+            thing = {WHAT_AR: f"rank {src}'s oproj partial of K group {slot} (all-reduce)",
+                     WHAT_GATHER_ACT: f"rank {src}'s gate/up activations of expert slot {slot} (gather)",
+                     WHAT_GATHER_Y: f"rank {src}'s expert outputs of expert slot {slot} (gather)"}[code]
+            return (f"{o.kind}(L{o.layer}) [op {i}]: {thing} in the waiting rank's receive slots (still empty: rank "
+                    f"{src} never pushed them, or a slot was reset after its push, or the wait read the idle copy)")
         if not 0 <= i < len(self.program.ops):
             return f"wait id {what}"
         o = self.program.ops[i]

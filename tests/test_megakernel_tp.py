@@ -3,18 +3,22 @@ each with its own parameter block and rank-local block indices, and tensor paral
 (the tinytp preset): every R gives the bits of R = 1, which agrees with the reference."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
+from megakernel import ab
+from megakernel.build import CSRC
 from megakernel.config import preset
-from megakernel.plan import make_plan, max_tp_ranks
+from megakernel.plan import OP, make_plan, max_tp_ranks
 from megakernel.program import DEP_ALL
 from megakernel.ranks import RankEngine
 from megakernel.reference import KVCache
 from megakernel.runtime import Engine, check_close
 from megakernel.weights import generate
-from microbench.errors import SpinTimeoutError
+from microbench.errors import CorrectnessError, SpinTimeoutError
 
 from megakernel_cases import reference_logits, step_inputs, tiny
 
@@ -72,11 +76,11 @@ def tinytp():
     return cfg, w, base, toks, par, ref, routes
 
 
-def tp_run(tinytp, ranks, mode="mega", schedule="random", seed=1, **plan_kw):
+def tp_run(tinytp, ranks, mode="mega", schedule="random", seed=1, bound_ns=TP_BOUND_NS, **plan_kw):
     """One step of the TP build at `ranks` ranks in one emulated launch (2 blocks a rank), from
     poisoned buffers, the reference's routing forced: (rank 0's StepOut, the cache, the engine)."""
     cfg, w, base, toks, par, _, routes = tinytp
-    plan = make_plan(cfg, 4, tp_ranks=ranks, launch_ranks=ranks, spin_bound_ns=TP_BOUND_NS, **plan_kw)
+    plan = make_plan(cfg, 4, tp_ranks=ranks, launch_ranks=ranks, spin_bound_ns=bound_ns, **plan_kw)
     cache = base.clone()
     eng = RankEngine(w, plan, cache, backend="emu", grid=2, emu_schedule=schedule, emu_seed=seed)
     eng.poison()
@@ -95,8 +99,7 @@ def assert_same_step(got, want, what):
     for k, o in enumerate(eng.rank_outputs()):
         assert torch.equal(o.logits, w.logits) and torch.equal(o.tokens, w.tokens), f"{what}: rank {k}"
     assert gc.equal(wc), f"{what}: KV cache"
-    left = [e.recv_words_written() for e in eng.engines]
-    assert all(not any(x.values()) for x in left), f"{what}: receive slots left written {left}"
+    eng.check_slots_empty()
 
 
 def test_the_unsharded_tp_build_matches_the_reference(tinytp, tp_one):
@@ -108,9 +111,15 @@ def test_the_unsharded_tp_build_matches_the_reference(tinytp, tp_one):
     assert torch.equal(out.tokens, ref.argmax(-1))
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("ranks,mode,schedule", [
     (1, "chain", "random"), (2, "mega", "random"), (2, "chain", "random"), (2, "mega", "rank"), (2, "mega", "last"),
-    pytest.param(4, "mega", "block", marks=pytest.mark.slow), pytest.param(4, "chain", "random", marks=pytest.mark.slow)])
+    (4, "mega", "random"), (8, "mega", "random"), (8, "chain", "random"),
+    pytest.param(4, "mega", "block", marks=SLOW), pytest.param(4, "mega", "rank", marks=SLOW),
+    pytest.param(4, "chain", "random", marks=SLOW), pytest.param(8, "mega", "last", marks=SLOW),
+    pytest.param(8, "mega", "block", marks=SLOW), pytest.param(8, "mega", "rank", marks=SLOW)])
 def test_tp_ranks_compute_the_bits_of_one_rank(tinytp, tp_one, ranks, mode, schedule):
     """R ranks in one emulated launch, from poisoned buffers: every rank's logits and tokens, and
     the KV cache (each rank writes its kv heads), are bitwise those of R = 1; every receive slot is
@@ -127,3 +136,54 @@ def test_tp_plans_refuse_what_cannot_shard(tiny):
     with pytest.raises(ValueError, match="launches one rank"):
         make_plan(preset("tinytp"), 4, tp_ranks=4, launch_ranks=2)
     assert max_tp_ranks(preset("tinytp")) == 8 and max_tp_ranks(cfg) == 2
+
+
+def kernel_with(tmp_path, rel: str, old: str, new: str):
+    """A copy of the kernel's source tree with `old` replaced by `new` once in csrc/`rel`."""
+    tree_dir = tmp_path / "csrc"
+    shutil.copytree(CSRC, tree_dir)
+    f = tree_dir / rel
+    assert f.read_text().count(old) == 1, f"{rel} no longer has {old!r} once"
+    f.write_text(f.read_text().replace(old, new))
+    return tree_dir
+
+
+def test_a_sentinel_never_reset_fails_the_check(tinytp, tmp_path):
+    """Mutation: the all-reduce's reader no longer resets the partials it read. The step's slots
+    are left written, and the check after the step (which every TP test runs) names the rank and
+    the region; the same check passes on the repository's kernel (test_tp_ranks_compute_...)."""
+    tree = kernel_with(tmp_path, "ops/tp_oproj.cuh",
+                       "    for (int g = 0; g < TP_GROUPS; ++g) tp_store(slot[g], F32_EMPTY);  // this thread alone read them",
+                       "")
+    with ab.kernel_tree(tree):
+        _, _, eng = tp_run(tinytp, 2, "chain")
+    with pytest.raises(CorrectnessError, match=r"rank 0: ar \d+.*rank 1: ar \d+"):
+        eng.check_slots_empty()
+
+
+def test_a_gather_that_reads_the_idle_copy_trips_a_named_wait(tinytp, tmp_path):
+    """Mutation: the down projection polls the gathered activations in the other copy of its
+    layer's slots (the idle one, empty). Its bounded wait gives up, and the error names the rank
+    that waited, the op and the slot: whose activations, of which expert slot."""
+    tree = kernel_with(tmp_path, "ops/tp_experts.cuh", "const uint16_t* rows = act_slot(p.recv, cp, s, 0, 0);",
+                       "const uint16_t* rows = act_slot(p.recv, cp ^ 1, s, 0, 0);")
+    with ab.kernel_tree(tree), pytest.raises(SpinTimeoutError, match=(
+            r"rank [01] block \d+ thread \d+ gave up waiting for expert2\(L0\) \[op \d+\]: rank [01]'s gate/up "
+            r"activations of expert slot \d+ \(gather\) in the waiting rank's receive slots")):
+        tp_run(tinytp, 2, "chain", bound_ns=1_500_000_000)
+
+
+def test_a_rank_that_never_pushes_trips_a_wait_naming_it(tinytp):
+    """Rank 1's oproj of layer 0 turned into an op that pushes nothing (its program table's record
+    says embed): the all-reduce's poll of rank 1's partials gives up at the bound, and the error
+    names the op, rank 1 and one of its K groups (tp_groups / 2 .. of 8 at R = 2)."""
+    cfg, w, base, toks, par, _, routes = tinytp
+    plan = make_plan(cfg, 4, tp_ranks=2, launch_ranks=2, spin_bound_ns=1_500_000_000)
+    eng = RankEngine(w, plan, base.clone(), backend="emu", grid=2)
+    e1 = eng.engines[1]
+    i = next(o.index for o in e1.program.ops if o.kind == "oproj" and o.layer == 0)
+    enc = e1.program.encode().reshape(-1, 16)
+    enc[i, 0] = OP["embed"]
+    e1.prog_t.copy_(torch.from_numpy(np.ascontiguousarray(enc.reshape(-1))))
+    with pytest.raises(SpinTimeoutError, match=r"attn_reduce\(L0\) \[op \d+\]: rank 1's oproj partial of K group [4-7] \("):
+        eng.step(toks, par, 40, mode="chain", routes=routes)

@@ -20,6 +20,7 @@
 #include "ops/qkv_rope.cuh"
 #include "ops/router.cuh"
 #include "ops/topk.cuh"
+#include "ops/tp_experts.cuh"
 #include "ops/tp_oproj.cuh"
 #include "ops/unpool.cuh"
 
@@ -266,9 +267,12 @@ MK_DEV UnitRange my_units(const Op& o, int total) {
 
 MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
   const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_FULL;
-  if constexpr (TP > 0) {  // tensor parallelism's ops (ops/tp_oproj.cuh)
+  if constexpr (TP > 0) {  // tensor parallelism's ops (ops/tp_oproj.cuh, ops/tp_experts.cuh)
     if (o.kind == OP_OPROJ) return run_oproj_tp(b, o.layer, u, what);
     if (o.kind == OP_ATTN_REDUCE) return run_attn_reduce(b, o.layer, u, what);
+    if (o.kind == OP_EXPERT1) return run_expert1_tp(b, o.layer, u, what);
+    if (o.kind == OP_EXPERT2) return run_expert2_tp(b, o.layer, u, what);
+    if (o.kind == OP_MOE_COMBINE) return run_moe_combine_tp(b, o.layer, u, what);
   }
   switch (o.kind) {
     case OP_EMBED: run_embed(b, u); break;
@@ -303,6 +307,8 @@ MK_DEV bool load_unit(const Blk& b, int i, const Op& o, int u, unsigned& c, Load
   const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_EMPTY;
   if constexpr (TP > 0) {
     if (o.kind == OP_OPROJ) return load_oproj_tp(b, o.layer, u, c, what);
+    if (o.kind == OP_EXPERT1) return load_expert1_tp(b, ls, o.layer, u, c, what);
+    if (o.kind == OP_EXPERT2) return load_expert2_tp(b, ls, o.layer, u, c, what);
   }
   switch (o.kind) {
     case OP_QKV: return load_qkv(b, o.layer, u, c, what);
