@@ -187,3 +187,31 @@ def test_a_rank_that_never_pushes_trips_a_wait_naming_it(tinytp):
     e1.prog_t.copy_(torch.from_numpy(np.ascontiguousarray(enc.reshape(-1))))
     with pytest.raises(SpinTimeoutError, match=r"attn_reduce\(L0\) \[op \d+\]: rank 1's oproj partial of K group [4-7] \("):
         eng.step(toks, par, 40, mode="chain", routes=routes)
+
+
+@pytest.mark.parametrize("ranks,mode,schedule", [(2, "mega", "block"), (4, "chain", "random"), (8, "mega", "random"),
+                                                 pytest.param(8, "mega", "rank", marks=SLOW)])
+def test_the_expert_parallel_arrangement_computes_the_same_bits(tinytp, tp_one, ranks, mode, schedule):
+    """Plan.expert_parallel: each slot's expert GEMM units all on the rank that owns its expert
+    (expert e on rank e % R, whole rows), over that rank's own slots (top-k's rank_slots): the same
+    units, so the bits of the N-sharded build and of R = 1."""
+    assert_same_step(tp_run(tinytp, ranks, mode, schedule, expert_parallel=True), tp_one,
+                     f"expert-parallel R={ranks} {mode} {schedule}")
+
+
+def test_the_expert_parallel_arrangement_puts_each_slot_on_its_owner(tinytp):
+    """The arrangement really differs: each rank runs the down-projection units of the slots whose
+    expert it owns (its expert2 counter, which the MoE combine waits for), per layer; over the ranks
+    they are every unit of the layer's slots, as the N-sharded ranks' are."""
+    cfg, *_, routes = tinytp
+    ranks = 4
+    out = {ep: tp_run(tinytp, ranks, expert_parallel=ep)[2] for ep in (False, True)}
+    tiles = {ep: e.plan.expert_rows[1] // e.plan.tiles["expert2"].rows for ep, e in out.items()}
+    for o in out[True].program.ops:
+        if o.kind != "expert2":
+            continue
+        experts = sorted(set(routes[o.layer].flatten().tolist()))
+        done = {ep: [int(e.counters[e.parity ^ 1][o.counter]) for e in eng.engines] for ep, eng in out.items()}
+        assert done[True] == [tiles[True] * sum(1 for x in experts if x % ranks == k) for k in range(ranks)], o.layer
+        assert done[False] == [tiles[False] * len(experts)] * ranks, o.layer
+        assert sum(done[True]) == sum(done[False])

@@ -74,8 +74,8 @@ MK_DEV int n_units(const Blk& b, const Op& o) {
     case OP_ROUTER: return E / TILE_ROUTER_ROWS;
     case OP_POOL: return P / TILE_POOL_ROWS;
     case OP_TOPK: return 1;
-    case OP_EXPERT1: return ldg_cgi(b.p->n_slots) * EXP1_TILES;
-    case OP_EXPERT2: return ldg_cgi(b.p->n_slots) * EXP2_TILES;
+    case OP_EXPERT1: return ldg_cgi(routed_count(*b.p)) * EXP1_TILES;
+    case OP_EXPERT2: return ldg_cgi(routed_count(*b.p)) * EXP2_TILES;
     case OP_MOE_COMBINE: return P / MOE_COMBINE_COLS;
     case OP_UNPOOL: return D / TILE_UNPOOL_ROWS;
     case OP_LM_HEAD: return V / 16;
@@ -185,7 +185,8 @@ MK_DEV bool unit_opens(const Op& o, int u, int prev) {
 MK_DEV void slot_fetch(Blk& b, int kind, int layer, int u) {
   // fused: the down projection's record is gate/up's (same expert and count; its token rows
   // are not read again): a block whose units lie in one slot reuses it
-  const int s = u / slot_tiles(kind), tag = tag_of(kind == OP_EXPERT1 || FUSED_EXPERTS ? TAG_EXP1 : TAG_EXP2, layer, s);
+  const int s = unit_slot(*b.p, u / slot_tiles(kind));
+  const int tag = tag_of(kind == OP_EXPERT1 || FUSED_EXPERTS ? TAG_EXP1 : TAG_EXP2, layer, s);
   int* info = b.misc + MISC_SLOT;
   const bool have = info[2] == tag;  // written by this warp before the last barrier
   // Danger: lane 0 rewrites the tag below; a lane that read it afterwards would skip its row
@@ -417,7 +418,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
         for (int k = 0; k < MAX_DEPS; ++k)  // constant indices: `o` stays in registers
           if (k < o.n_deps && o.dep_mode[k] == DEP_ALL) pre |= 1u << k;
       } else if (tid() == 0) {
-        b.misc[MISC_NSLOTS] = ldg_cgi(b.p->n_slots);  // chain mode: top-k's launch has ended
+        b.misc[MISC_NSLOTS] = ldg_cgi(routed_count(*b.p));  // chain mode: top-k's launch has ended
       }
       if (sync_compute_or(fail)) return;  // the routing is visible to every thread from here
     }
@@ -557,7 +558,7 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
       routed_layer = o.layer;
       routed_nslots = nslots;
     } else if (is_dynamic(o.kind)) {
-      nslots = ldg_cgi(b.p->n_slots);
+      nslots = ldg_cgi(routed_count(*b.p));
     }
     const UnitRange r = my_units(o, is_dynamic(o.kind) ? nslots * slot_tiles(o.kind) : n_units(b, o));
     // The opening pace: the ring drained while this warp waited for the routing, and every

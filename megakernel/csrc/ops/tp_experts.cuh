@@ -37,7 +37,7 @@ MK_DEV int y_owner(int e, int c) { return EXPERT_PARALLEL ? e % TP : c / P_SH; }
 
 MK_DEV bool load_expert1_tp(const Blk& b, LoaderSlot& ls, int layer, int unit, unsigned& c, uint32_t what) {
   const LayerPtrs& L = b.p->layers[layer];
-  const int s = unit / EXP1_TILES, j = unit % EXP1_TILES;
+  const int s = unit_slot(*b.p, unit / EXP1_TILES), j = unit % EXP1_TILES;
   const int e = bank_expert(loader_expert(b, ls, layer, s));
   auto run0 = [j](int r) { return r * F_SH + j * H1; };
   return produce_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_KC, P, 2 * F_SH, 2>(
@@ -47,10 +47,10 @@ MK_DEV bool load_expert1_tp(const Blk& b, LoaderSlot& ls, int layer, int unit, u
 
 MK_DEV void run_expert1_tp(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
-  const int s = unit / EXP1_TILES, j = unit % EXP1_TILES, tag = tag_of(TAG_EXP1, layer, s);
+  const int s = unit_slot(p, unit / EXP1_TILES), j = unit % EXP1_TILES, tag = tag_of(TAG_EXP1, layer, s);
   const SlotInfo si = slot_info(b);
   const int ntok = si.ntok;
-  const float ts = ldg_cgf(p.layers[layer].w1_ts + si.expert);  // waited for in the epilogue (slot.cuh)
+  const float ts = ldg_cgf(p.layers[layer].w1_ts + bank_expert(si.expert));  // waited for in the epilogue (slot.cuh)
   stage_gather_rows<P>(b, p.pooled, ntok, tag);
   gemm_fp4<TILE_EXPERT1_ROWS, TILE_EXPERT1_KC, P, TILE_EXPERT1_SW>(b, ntok, what);
   detail_stamp(b, MK_EV_EPILOGUE_BEGIN, 0);
@@ -74,7 +74,7 @@ MK_COLD_LOOP
 
 MK_DEV bool load_expert2_tp(const Blk& b, LoaderSlot& ls, int layer, int unit, unsigned& c, uint32_t what) {
   const LayerPtrs& L = b.p->layers[layer];
-  const int s = unit / EXP2_TILES, j = unit % EXP2_TILES;
+  const int s = unit_slot(*b.p, unit / EXP2_TILES), j = unit % EXP2_TILES;
   const int e = bank_expert(loader_expert(b, ls, layer, s));
   return produce_fp4<N2, TILE_EXPERT2_KC, F, P_SH, 1>(b, L.w2_codes + static_cast<size_t>(e) * P_SH * (F / 2),
                                                      L.w2_scales + static_cast<size_t>(e) * P_SH * (F / 16),
@@ -115,10 +115,10 @@ MK_DEV void run_expert2_tp(Blk& b, int layer, int unit, uint32_t what) {
   // gemm_fp4 does not take: this code is then never used, but compiled)
   constexpr int R = TP ? N2 : 16;
   const Params& p = *b.p;
-  const int s = unit / EXP2_TILES, j = unit % EXP2_TILES, tag = tag_of(TAG_EXP2, layer, s);
+  const int s = unit_slot(p, unit / EXP2_TILES), j = unit % EXP2_TILES, tag = tag_of(TAG_EXP2, layer, s);
   const SlotInfo si = slot_info(b);
   const int ntok = si.ntok;
-  const float ts = ldg_cgf(p.layers[layer].w2_ts + si.expert);
+  const float ts = ldg_cgf(p.layers[layer].w2_ts + bank_expert(si.expert));
   const int cp = recv_copy(b, layer);
   const uint16_t* rows = act_slot(p.recv, cp, s, 0, 0);
   if (b.misc[MISC_TAG] != tag) poll_act(b, rows, ntok, si.expert, s, what);  // staged already: polled then
