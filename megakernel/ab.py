@@ -41,11 +41,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import inspect
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
+
+from microbench.errors import CompileError, CorrectnessError, KernelDoesNotFitError, ResultsFileError, SpinTimeoutError
+from microbench.harness import Harness, Policy
+from microbench.results import Bound, Derived, Result, Series
+
 from .config import ConfigError
+from .roofline import roofline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +113,7 @@ def parse_point(text: str) -> tuple[str, int, int]:
 @contextlib.contextmanager
 def kernel_tree(csrc: Path | None) -> Iterator[None]:
     """Build from `csrc` (None: the repository's) inside the block."""
-    from . import build
+    from . import build  # heavy: torch (megakernel.build)
 
     old = build.CSRC
     build.CSRC = csrc or old
@@ -192,9 +201,7 @@ class PointResult:
 def check_switches(variants: Sequence[Variant]) -> None:
     """Refuse, before anything is built, a variant whose switch is no Plan switch (make_plan's
     keyword arguments): a misspelt switch, or a lever removed from the code (reports/LEVERS.md)."""
-    import inspect
-
-    from .plan import make_plan
+    from .plan import make_plan  # heavy: torch (megakernel.plan)
 
     known = set(inspect.signature(make_plan).parameters) - {"cfg", "n_sm"}
     for v in variants:
@@ -206,7 +213,7 @@ def check_switches(variants: Sequence[Variant]) -> None:
 
 
 def _plan(preset: str, v: Variant, n_sm: int | None, n_tokens: int):
-    from .plans import plan_for
+    from .plans import plan_for  # heavy: torch (megakernel.plans)
 
     return plan_for(preset, None, n_sm, **{"tokens": n_tokens, **v.switch_dict})  # the build for the point's T
 
@@ -216,7 +223,7 @@ def build_variants(points: Sequence[tuple[str, int, int]], variants: Sequence[Va
     """Compile every (preset, T, variant) of the points for sm_90a into the kernel cache; no GPU
     needed (the plan may depend on T: plan.expert1_unit_rows). Returns (preset, T, variant name,
     ResourceUsage)."""
-    from .build import build_gpu
+    from .build import build_gpu  # heavy: torch (megakernel.build)
 
     check_switches(variants)
     plan_of = plan_of or (lambda preset, v, t: _plan(preset, v, n_sm, t))
@@ -229,18 +236,14 @@ def build_variants(points: Sequence[tuple[str, int, int]], variants: Sequence[Va
 
 
 def _gpu_context(preset: str, n_tokens: int, ctx: int):
-    from .bench_baselines import step_context, weights_for
+    from .bench_baselines import step_context, weights_for  # heavy: torch (megakernel.bench_baselines)
 
     sc = step_context(preset, n_tokens, ctx)
     return weights_for(preset), sc.cache0, sc.tokens, sc.parents, [r.cuda() for r in sc.routes], sc.ref_logits
 
 
 def _gpu_timer(policy=None):
-    import numpy as np
-
-    from microbench.harness import Harness, Policy
-
-    from .measure import graph_of
+    from .measure import graph_of  # heavy: torch (megakernel.measure)
 
     h = Harness(policy=policy or Policy(budget_s=0.3, max_samples=100, chunk=8))
     graphs = {}
@@ -255,8 +258,7 @@ def _gpu_timer(policy=None):
 
 
 def _gpu_bound(preset: str, n_tokens: int, ctx: int) -> tuple[float, str]:
-    from .bench_baselines import step_context, weights_for
-    from .roofline import roofline
+    from .bench_baselines import step_context, weights_for  # heavy: torch (megakernel.bench_baselines)
 
     rf = roofline(weights_for(preset).cfg, n_tokens, ctx, step_context(preset, n_tokens, ctx).distinct)
     return rf.seconds, rf.source
@@ -274,11 +276,9 @@ def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], 
     reference, a wait that gave up, an emulation error) is reported in PointResult.failed and not
     timed, so one broken variant does not cost the others' run; the first variant's failure raises
     (there is nothing to compare against)."""
-    import torch
+    import torch  # heavy: torch
 
-    from microbench.errors import CompileError, CorrectnessError, KernelDoesNotFitError, SpinTimeoutError
-
-    from .runtime import EmulationError, Engine, check_close
+    from .runtime import EmulationError, Engine, check_close  # heavy: torch (megakernel.runtime)
 
     if len({v.name for v in variants}) != len(variants) or not variants:
         raise ConfigError("A/B: give one or more variants with distinct names")
@@ -340,7 +340,7 @@ def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], 
 
 def table(results: Sequence[PointResult]) -> str:
     """Markdown: one row per (point, variant); a verdict column where some point has placebos."""
-    import pandas as pd
+    import pandas as pd  # heavy: pandas
 
     rows, verdicts = [], any(x.placebos for x in results)  # the column only where some point has placebos
     for r in results:
@@ -369,9 +369,7 @@ TREE_SUFFIXES = (".cu", ".cuh", ".h")
 def tree_id(csrc: Path | None) -> str:
     """Content hash of a kernel source tree (relative paths and bytes of its .cu/.cuh/.h files;
     None: the repository's), so that a saved A/B names exactly what each variant built."""
-    import hashlib
-
-    from . import build
+    from . import build  # heavy: torch (megakernel.build)
 
     root = Path(csrc) if csrc else build.CSRC
     h = hashlib.sha256()
@@ -388,10 +386,8 @@ def to_result(results: Sequence[PointResult], variants: Sequence[Variant], env=N
     against the first variant. `table(from_result(r))` gives the markdown `ab --out` writes. Not
     gated across runs (gate_direction none): a variant's name means a different tree in each A/B,
     and its verdict is its change against the first variant of the same run."""
-    from microbench.results import Bound, Derived, Result, Series
-
     if env is None:
-        from .plans import constants_env
+        from .plans import constants_env  # heavy: torch (megakernel.plans)
 
         env = constants_env()  # which constants revision the variants' builds read
     by_name = {v.name: v for v in variants}
@@ -419,8 +415,6 @@ def to_result(results: Sequence[PointResult], variants: Sequence[Variant], env=N
 
 def from_result(res) -> list[PointResult]:
     """The PointResults a saved A/B holds (variants in their run order)."""
-    from microbench.errors import ResultsFileError
-
     if res.benchmark != AB_BENCHMARK:
         raise ResultsFileError(f"{res.benchmark}: not an A/B result ({AB_BENCHMARK})")
     points: dict[tuple, PointResult] = {}

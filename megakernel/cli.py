@@ -10,6 +10,9 @@
   sanitize-step [--fused]   one tiny step in mega and chain mode (run under
                           compute-sanitizer; --fused: d_pool and d_expert of 256, the fused expert unit)
   program [--preset P]    print the launches and op instances of one step
+  default-config [--write]   csrc/mk/default_config.cuh, the generated header megakernel.cu compiles
+                          with alone (tiny preset, 132 SMs, the profiler's events included): printed,
+                          or regenerated with --write (no GPU)
   sm-map [--point PRESET:T:CTX ...] [--variant NAME[:KEY=VALUE,...] ...] [--out FILE.md] [--save [DIR]]   on a GPU:
                           which SM each block ran on, launch after launch, and how often a block
                           keeps its SM (megakernel.sm_map)
@@ -275,6 +278,24 @@ def _program(a) -> int:
     return 0
 
 
+def _default_config(a) -> int:
+    """Print csrc/mk/default_config.cuh as build.default_config_text renders it, or with --write
+    replace the committed file (atomically; left alone when it is already current)."""
+    from .build import CSRC, default_config_text  # heavy: torch (megakernel.build)
+
+    text = default_config_text()
+    if not a.write:
+        print(text, end="")
+        return 0
+    path = CSRC / "mk" / "default_config.cuh"
+    if path.is_file() and path.read_text() == text:
+        print(f"{path}: already current")
+        return 0
+    write_text(path, text)
+    print("wrote", path)
+    return 0
+
+
 def _source_label(chain: list[str]) -> str:
     """"expert_gemm1 mk/gemm.cuh:367": the op an instruction belongs to and its innermost source line."""
     from .build import op_of_chain  # heavy: torch (megakernel.build)
@@ -471,6 +492,10 @@ def add_tools(sub) -> None:
     s.add_argument("--mode", default="layer", choices=["layer", "step"])
     s.add_argument("--sm", type=int, default=132)
     s.set_defaults(fn=_program)
+    s = sub.add_parser("default-config", help="the generated header csrc/mk/default_config.cuh (tiny preset, 132 "
+                                              "SMs, profiler events included): print it, or --write it (no GPU)")
+    s.add_argument("--write", action="store_true", help="regenerate megakernel/csrc/mk/default_config.cuh")
+    s.set_defaults(fn=_default_config)
     s = sub.add_parser("ncu-op", help="on a GPU: a chain step up to the named ops, only those inside the profiler range")
     s.add_argument("--preset", default="shard8", choices=PRESET_NAMES)
     s.add_argument("--tokens", type=int, default=16)

@@ -18,7 +18,7 @@ Measured: the median over blocks of each op phase's start and end in the middle 
 the committed `megakernel.timeline` result (shard8 T=16 ctx 2048, the point `megabench run`
 traces), the op durations and the gaps between them (a hop's time is the consumer's start minus
 its producer's end; a parallel pair's consumer counts from the later producer). The rows sum to
-the layer launch's period; `pipeline.layer_segments` (derived layer_front_s, ...) cuts the same
+the layer launch's period; `spans.layer_segments` (derived layer_front_s, ...) cuts the same
 launch at the first gate/up start and the last down-projection end (over blocks, not medians),
 so its segments differ from the rows' sums by the blocks' spread.
 
@@ -37,6 +37,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from microbench.errors import ResultsFileError
+from microbench.results import REPO_ROOT, latest
+
+from .config import preset as get_preset
+from .roofline import kv_row_bytes, kv_rows_read, roofline
 
 # a layer launch's ops in program order (program.build), and each op's producers in that launch
 CHAIN = ("attn", "attn_combine", "oproj", "router", "pool", "topk", "expert1", "expert2", "moe_combine", "unpool",
@@ -73,7 +79,7 @@ class Inputs:
     chunk_s: dict  # expert1 / expert2 -> a chunk's compute
     edges: dict  # op -> (start, end) s, medians over blocks, the middle launch
     end_tail_s: dict  # op -> last block's end minus the median block's
-    segments_s: dict  # pipeline.layer_segments of the timeline result
+    segments_s: dict  # spans.layer_segments of the timeline result
     step_s: float  # the unprofiled step the timeline timed
     roofline_s: float
     launches: int
@@ -150,21 +156,14 @@ class Lever:
 
 # ---------------------------------------------------------------------------------- inputs
 def _latest(benchmark: str, root: Path | None):
-    from microbench.results import REPO_ROOT, latest
-
     r = latest(benchmark, root=root or REPO_ROOT / "reports" / "results")
     if r is None:
-        from microbench.errors import ResultsFileError
-
         raise ResultsFileError(f"critical path: no {benchmark} result under {root or 'reports/results'}")
     return r
 
 
 def _trace_spans(detail, root: Path | None) -> dict:
     """{(launch, block): [(name, begin_us, dur_us, arg)]} of the detail result's Perfetto trace."""
-    from microbench.errors import ResultsFileError
-    from microbench.results import REPO_ROOT
-
     name = next((n.split(": ", 1)[1].split(";")[0] for n in detail.notes if n.startswith("Perfetto trace")), None)
     base = (root or REPO_ROOT / "reports" / "results") / "megakernel"
     path = base / f"{name}.gz" if name and (base / f"{name}.gz").exists() else base / (name or "")
@@ -208,10 +207,8 @@ def inputs(root: Path | None = None) -> Inputs:
     """The model's inputs from the latest committed megakernel.timeline / timeline_detail results
     (and the detail trace they name), sync.flags, sync.fences, weights.l2, weights.read_ceiling
     and megakernel.step under `root` (default reports/results)."""
-    from .bench_baselines import study_like_distinct
-    from .config import preset as get_preset
-    from .plans import middle_launch
-    from .roofline import roofline
+    from .bench_baselines import study_like_distinct  # heavy: torch (megakernel.bench_baselines)
+    from .plans import middle_launch  # heavy: torch (megakernel.plans)
 
     tl, detail = _latest("megakernel.timeline", root), _latest("megakernel.timeline_detail", root)
     flags, fences, l2 = _latest("sync.flags", root), _latest("sync.fences", root), _latest("weights.l2", root)
@@ -228,8 +225,6 @@ def inputs(root: Path | None = None) -> Inputs:
     edges = {k: (v["start"], v["end"]) for k, v in edges.items()}
     missing = [op for op in CHAIN if op not in edges]
     if missing:
-        from microbench.errors import ResultsFileError
-
         raise ResultsFileError(f"critical path: the timeline result has no phases {missing}")
     spans = _trace_spans(detail, root)
     pub, stage, chunk = _trace_medians(spans)
@@ -274,12 +269,9 @@ def _md_table(lines: list[str]) -> list[dict]:
 
 def ncu_ops(root: Path | None, preset: str, launch: int) -> dict:
     """The per-op account of the newest Nsight Compute stall summary of this launch (the
-    `## Per op` table that `megakernel.cli ncu-stalls --preset` writes, with its copy waits split
+    `## Per op` table that `megabench mk ncu-stalls --preset` writes, with its copy waits split
     off: ncu_stalls.by_op): {"ops": {CHAIN op: row}, "sources": {"ncu": file}}, or {} when no
     summary of the launch has that table (older ones only counted samples per op)."""
-    from microbench.errors import ResultsFileError
-    from microbench.results import REPO_ROOT
-
     base = (root or REPO_ROOT / "reports" / "results") / "megakernel"
     found = sorted((m.group("stamp"), p) for p in base.glob("ncu-mega-*-stalls.md")
                    if (m := NCU_STALLS.fullmatch(p.name)) and m.group("preset") == preset
@@ -312,9 +304,6 @@ def cold_code_inputs(root: Path | None, preset: str, tokens: int, tl) -> dict:
     """The cold-code inputs: megakernel.code's bytes per op at (preset, tokens), checked against
     the H200's own megakernel.build (the same kernel, or the code result is stale: {"stale": why}),
     and the instruction-cache levels of icache.capacity. {} when there is no megakernel.code result."""
-    from microbench.errors import ResultsFileError
-    from microbench.results import REPO_ROOT, latest
-
     base = root or REPO_ROOT / "reports" / "results"
     code = latest("megakernel.code", root=base)
     if code is None:
@@ -322,7 +311,7 @@ def cold_code_inputs(root: Path | None, preset: str, tokens: int, tl) -> dict:
     mine = [s for s in code.series if s.params.get("preset") == preset and s.params.get("tokens") == tokens]
     if not mine:
         raise ResultsFileError(f"critical path: the megakernel.code result of {code.env.date} has no {preset} "
-                               f"T={tokens} build (`python -m megakernel.cli code --point {preset}:{tokens} --save`)")
+                               f"T={tokens} build (`megabench mk code --point {preset}:{tokens} --save`)")
     by_src = {s.params["op"]: int(s.summary.median) for s in mine}
     total = int(mine[0].metrics["kernel_code_bytes"])
     build = _latest("megakernel.build", root)
@@ -330,7 +319,7 @@ def cold_code_inputs(root: Path | None, preset: str, tokens: int, tl) -> dict:
     if ran != total:  # a kernel changed since: the column is left out, saying why (render)
         return {"stale": f"megakernel.code ({code.env.git_sha[:7]}, {code.env.date}) has a {total} B kernel but the "
                          f"GPU's megakernel.build ({build.env.git_sha[:7]}, {build.env.date}) ran {ran} B: the code "
-                         "result is stale (`python -m megakernel.cli code --save`)"}
+                         "result is stale (`megabench mk code --save`)"}
     ic = _latest("icache.capacity", root)
     levels = sorted((k, d.value) for k, d in ic.derived.items() if re.fullmatch(r"icache_plateau\d+_cpi_w1", k))
     if not levels or "icache_sm_miss_cpi_w1" not in ic.derived or "icache_sm_bytes" not in ic.derived:
@@ -351,9 +340,7 @@ def cold_code_inputs(root: Path | None, preset: str, tokens: int, tl) -> dict:
 # ---------------------------------------------------------------------------------- the rows
 def op_bytes(inp: Inputs) -> dict[str, int]:
     """HBM bytes of each op of the middle layer launch (attention of layer l, qkv of l + 1)."""
-    from .config import preset as get_preset
-    from .plans import middle_launch
-    from .roofline import kv_row_bytes, kv_rows_read
+    from .plans import middle_launch  # heavy: torch (megakernel.plans)
 
     c = get_preset(inp.preset)
     layer = middle_launch(inp.launches) - 1
@@ -370,8 +357,8 @@ def op_bytes(inp: Inputs) -> dict[str, int]:
 
 def expert_chunks_per_block(inp: Inputs) -> dict[str, int]:
     """The most chunks a block streams in each expert GEMM (its units x a unit's chunks), for the
-    build the timeline ran (pipeline.plan_for with the tuned constants, tokens = T)."""
-    from .plans import plan_for, slot_units
+    build the timeline ran (plans.plan_for with the tuned constants, tokens = T)."""
+    from .plans import plan_for, slot_units  # heavy: torch (megakernel.plans)
 
     plan = plan_for(inp.preset, None, inp.n_sm, tokens=inp.n_tokens)
     per_slot = slot_units(plan)
@@ -449,8 +436,7 @@ def hop_cost_s(inp: Inputs, producer: str, consumer: str) -> float:
 
 def levers(inp: Inputs, rs: Sequence[Row] | None = None) -> list[Lever]:
     """The structural changes not built yet, largest predicted saving per layer first."""
-    from .config import preset as get_preset
-    from .plans import plan_for
+    from .plans import plan_for  # heavy: torch (megakernel.plans)
 
     c = get_preset(inp.preset)
     rs = rs or rows(inp)
@@ -555,7 +541,7 @@ def cold_code_lines(inp: Inputs, rs: Sequence[Row]) -> list[str]:
     """The cold-code column's reading: per segment, the ops' excess over their bound beside one
     pass over their code from L2 (a candidate term, not in the bound)."""
     if not inp.clock_hz:
-        why = inp.sources.get("code_stale", "no megakernel.code result: `python -m megakernel.cli code --save`")
+        why = inp.sources.get("code_stale", "no megakernel.code result: `megabench mk code --save`")
         return [f"Cold code: not shown ({why})."]
     us, kb = 1e6, 1024
     parts = []

@@ -23,7 +23,7 @@ cuBLAS and what it fuses and tunes are the norms, RoPE, the KV write and the com
 
 Numerics follow reference.py's contract (its rounding points): residual fp32, norm outputs, q/k/v,
 pooled, expert activations and outputs, combine and attention outputs bf16, fp32 accumulation
-everywhere. Validated with runtime.check_close at the megakernel's bound (pipeline.REL_TOL).
+everywhere. Validated with runtime.check_close at the megakernel's bound (plans.REL_TOL).
 
     m = PeerModel(weights)                       # up_cfg / down_cfg from tune_moe
     r = PeerRunner(m, cache, parents, r_read=ctx, forced=True)

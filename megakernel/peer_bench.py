@@ -19,7 +19,7 @@ Per point (preset, T, ctx; default the pipeline's quick points shard8 T=16, T=1 
 shard8 T=16, the study's count); "real" lets each build's own top-k route (random weights: about
 as many distinct experts as uniform routing gives), each row's roofline from the reference's
 own routing of the same inputs. Every row is checked before it is timed: the peer against
-reference.step with the megakernel's bound (pipeline.REL_TOL) on logits and every layer's KV cache
+reference.step with the megakernel's bound (plans.REL_TOL) on logits and every layer's KV cache
 (forced and real routing; runtime.check_close), the chain's and chain_nopdl's logits bitwise equal
 to mega's. Greedy decoding with the peer over 64 steps equals the reference's on small.
 
@@ -167,7 +167,7 @@ def _attempt(c: _Ctx, what: str, fn):
 def megakernel_rows(c: _Ctx, preset: str, n_tokens: int, ctx: int, constants=None, rows=None) -> None:
     """mega / chain (PDL) / chain_nopdl from one engine. rows: {routing: modes to time}
     (default every mode, forced and real). Every mode run is checked bitwise against mega's
-    logits and tokens first; forced mega against the reference (pipeline.REL_TOL)."""
+    logits and tokens first; forced mega against the reference (plans.REL_TOL)."""
     rows = rows or {"forced": ("mega", "chain", "chain_nopdl"), "real": ("mega", "chain", "chain_nopdl")}
     sc = step_context(preset, n_tokens, ctx)
     w = weights_for(preset)

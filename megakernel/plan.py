@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from microbench.errors import KernelDoesNotFitError
+
 from . import fp4_layout
 from .config import ModelConfig
 
@@ -120,8 +122,6 @@ def _expert_tile(cap: int, k: int, budget: int, paired: bool) -> GemmTile:
     while need(rows) > budget and rows // 2 >= EXPERT_MIN_ROWS:
         rows //= 2
     if need(rows) > budget:
-        from microbench.errors import KernelDoesNotFitError
-
         raise KernelDoesNotFitError(
             f"expert unit of {rows} rows x {kc} columns of K={k}: a chunk needs {need(rows)} B, the ring "
             f"stage holds {budget} B of fp4 weights")
@@ -178,8 +178,6 @@ def _fused_down_tile(c: ModelConfig, h1: int, budget: int) -> GemmTile:
         rows *= 2
     t = GemmTile(rows, h1, c.d_expert, True, min(fp4_layout.SWIZZLE_MAX, h1 // 32))
     if t.stage_bytes > budget:
-        from microbench.errors import KernelDoesNotFitError
-
         raise KernelDoesNotFitError(f"fused_experts: a down-projection chunk of {rows} rows x {h1} columns needs "
                                     f"{t.stage_bytes} B, the ring stage holds {budget} B of fp4 weights")
     return t
@@ -607,8 +605,6 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     if fused_experts:  # what the ring left: kept gate/up activations (Plan.keep_units)
         p = replace(p, keep_units=min(keep_max, max(0, (smem_limit - p.smem_bytes) // p.keep_unit_bytes)))
     if p.smem_bytes > smem_limit:
-        from microbench.errors import KernelDoesNotFitError
-
         raise KernelDoesNotFitError(
             f"megakernel for {cfg.name} needs {p.smem_bytes} B of shared memory per block (activations "
             f"{p.abuf_bytes}, ring {p.ring_stages} x {p.stage_bytes}, reduction {p.red_bytes}); the device "

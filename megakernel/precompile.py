@@ -32,7 +32,7 @@ def plans(n_sm: int = 132):
             variants.append({**allsw, **{k: NONE[k] for k in sw}})
         for sw in variants:
             out.append(plan_for(p, None, n_sm, **sw))
-        out.append(plan_for(p, None, n_sm, profile=False, profile_cap=128))  # pipeline.timeline: the default build
+        out.append(plan_for(p, None, n_sm, profile=False, profile_cap=128))  # measure.timeline: the default build
         out.append(plan_for(p, None, n_sm, profile=True, profile_cap=128))
         if p == "shard8":  # cli timeline-detail
             out.append(plan_for(p, None, n_sm, profile=True, profile_detail=True, profile_cap=1024))

@@ -20,14 +20,18 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from microbench.clocks.profiler import ProfileBuffer, ProfileLayout, Timeline
 from microbench.errors import CorrectnessError, SpinTimeoutError
+from microbench.launch import LaunchSpec, launch
 from microbench.sync.sentinel import BF16 as BF16_SLOT, F32 as F32_SLOT
 from microbench.watchdog import Watchdog
 
 from . import abi, tiling, tree as treelib
+from .build import build_emu, build_gpu
 from .config import ConfigError
 from .fp4_layout import is_canonical
 from .plan import Plan
+from .profile_events import EVENTS
 from .program import (WHAT_AR, WHAT_GATHER_ACT, WHAT_GATHER_Y, WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE,
                       WHAT_NORM_ROWS, WHAT_RING_EMPTY, WHAT_RING_FULL, WHAT_SENTINEL, Program, build as build_program)
 from .reference import KVCache
@@ -125,8 +129,6 @@ class Engine:
         self.grid = grid or (plan.n_sm if backend == "gpu" else 4)
         self.prof = None
         if plan.profile:
-            from microbench.clocks.profiler import ProfileBuffer, ProfileLayout
-
             n = max(len(self.program.launches), len(self.program.ops))  # a slice per launch of either mode
             self.prof = ProfileBuffer(ProfileLayout(self.grid, 1, plan.profile_cap), launches=n,
                                       device="cpu" if backend == "emu" else (self.dev.index or 0))
@@ -143,13 +145,9 @@ class Engine:
         self.parity = 0
         self._dirty = [False, False]
         if backend == "gpu":
-            from .build import build_gpu
-
             self.build = build_gpu(plan, code_budget=code_budget)
             self.kernel = self.build.kernel()
         else:
-            from .build import build_emu
-
             self.dll = build_emu(plan)
         self.profile_launches = profile_launches  # after the build: a sample also loads the plain one
         self._params_dev = None
@@ -179,13 +177,9 @@ class Engine:
                 raise ConfigError(f"profile_launches: the unprofiled build needs {plain.smem_bytes} B of shared "
                                   f"memory, the profiled one {self.plan.smem_bytes} B")
             if self.backend == "gpu":
-                from .build import build_gpu
-
                 self._plain_build = build_gpu(plain, code_budget=self._code_budget)
                 self._plain = self._plain_build.kernel()
             else:
-                from .build import build_emu
-
                 self._plain = build_emu(plain)
         self._prof_launches = sel
 
@@ -443,8 +437,6 @@ class Engine:
         pb, pm = self.prof.args(li) if recorded else (0, np.uint64(0))
         plain = self.prof is not None and not recorded  # a sampled profile: the unprofiled build
         if self.backend == "gpu":
-            from microbench.launch import LaunchSpec, launch
-
             # one shared-memory size for both builds (the profile_launches setter checks it)
             spec = LaunchSpec(grid=grid, block=self.plan.threads, smem=self.plan.smem_bytes, pdl=pdl)
             kernel = self._plain if plain else self.kernel
@@ -465,10 +457,6 @@ class Engine:
     def timeline(self, mode: str = "mega"):
         """The profiler's stamps of the last step as a microbench.clocks Timeline (needs a plan
         built with profile=True)."""
-        from microbench.clocks.profiler import Timeline
-
-        from .profile_events import EVENTS
-
         if self.prof is None:
             raise ConfigError("this engine was built without the profiler (make_plan(..., profile=True))")
         names = [f"launch {i}: ops {f}..{f + n - 1}" for i, (f, n, _, _) in enumerate(self.launches(mode))]

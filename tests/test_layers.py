@@ -25,9 +25,6 @@ HEAVY = frozenset({"torch", "triton", "matplotlib", "pandas", "cuda", "pynvml", 
 HEAVY_PARTS = frozenset({"torch._dynamo", "torch._inductor"})
 # modules whose in-function imports are deferred for another reason, stated on each line
 DEFERRED = {"microbench/ab_worker.py": "imports the side's tree only once sys.path names it"}
-# modules whose in-function imports are not yet hoisted (other work changes them in this round)
-NOT_YET = {f"megakernel/{m}.py" for m in ("plan", "program", "critical_path", "ab", "runtime", "interp", "build",
-                                          "draft", "speculative", "tree", "weights", "reference")}
 
 
 def _lint(root: Path) -> subprocess.CompletedProcess:
@@ -104,10 +101,10 @@ def _targets(node, mod: str, is_pkg: bool) -> list[str]:
     return [full] + [f"{full}.{a.name}" for a in node.names]
 
 
-def in_function_import_problems(root: Path, packages=PACKAGES, deferred=DEFERRED, not_yet=NOT_YET) -> list[str]:
+def in_function_import_problems(root: Path, packages=PACKAGES, deferred=DEFERRED) -> list[str]:
     """Every import inside a function of the packages under `root` that is not an optional heavy
     dependency saying so on its line (`# heavy: DEP`, DEP in the imported module's import-time
-    closure and not in the importing module's), nor in `deferred` / `not_yet`."""
+    closure and not in the importing module's), nor in `deferred`."""
     files = {_module(root, p): p for pkg in packages for p in (root / pkg).rglob("*.py")}
     trees = {m: ast.parse(p.read_text()) for m, p in files.items()}
     top: dict[str, set[str]] = {}
@@ -137,8 +134,6 @@ def in_function_import_problems(root: Path, packages=PACKAGES, deferred=DEFERRED
     problems = []
     for m, t in trees.items():
         rel = str(files[m].relative_to(root))
-        if rel in not_yet:
-            continue
         lines = files[m].read_text().splitlines()
         own = heavy(m, set())
         for fn in (n for n in ast.walk(t) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
@@ -177,7 +172,7 @@ def test_the_in_function_import_rule_can_fail(tmp_path, body, found):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "ok.py").write_text("def f():\n    import torch  # heavy: torch\n    return torch\n")
-    assert in_function_import_problems(tmp_path, ("pkg",), {}, set()) == []
+    assert in_function_import_problems(tmp_path, ("pkg",), {}) == []
     (tmp_path / "pkg" / "bad.py").write_text(body)
-    got = in_function_import_problems(tmp_path, ("pkg",), {}, set())
+    got = in_function_import_problems(tmp_path, ("pkg",), {})
     assert len(got) == 1 and found in got[0] and got[0].startswith("pkg/bad.py:"), got

@@ -20,7 +20,7 @@ from megakernel_cases import modes_match_reference, step_inputs, tiny
 
 def test_default_config_header_is_current():
     assert (CSRC / "mk" / "default_config.cuh").read_text() == default_config_text(), \
-        "regenerate csrc/mk/default_config.cuh with megakernel.build.default_config_text()"
+        "regenerate csrc/mk/default_config.cuh: megabench mk default-config --write"
 
 
 @pytest.mark.parametrize("name", ["tiny", "small", "shard8"])

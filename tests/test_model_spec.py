@@ -166,13 +166,15 @@ def test_agreement_sets_the_measured_acceptance():
     prompts = [torch.randint(0, cfg.vocab, (8,), generator=g).tolist() for _ in range(16)]
     means = {}
     for name in ("perfect", "study"):
-        dm = draft.DraftModel(w, draft.DraftConfig(agree=sp.agreement(name)))
+        dm = draft.DraftModel(w, draft.DraftConfig(agree=sp.agreement(name, "tiny")))
         means[name] = sp.measure_acceptance(w, prompts if name == "study" else prompts[:2], 100, dm)
     assert means["perfect"].mean == 13.0  # every path reaches the main chain's end (12 drafts + bonus)
     assert abs(means["study"].mean - 6.6) <= 0.5, means["study"].mean
     assert min(means["study"].depth_rates) < 1.0 and sum(means["study"].histogram) == len(means["study"].lengths)
     with pytest.raises(ConfigError, match="unknown acceptance"):
         sp.agreement("stduy")
+    with pytest.raises(ConfigError, match="no agreement for preset"):
+        sp.agreement("study", "shard9")
 
 
 def test_verifier_is_pluggable(setup):

@@ -185,8 +185,8 @@ def ring_pieces_case(cfg: RingConfig, pieces: int, nbytes: int | None = None, bo
 
 
 # How few blocks stream at the read ceiling? A megakernel whose blocks take roles (each block's
-# layer code within its SM's instruction cache: megakernel/critical_path.py roles) streams a dense
-# op from a third of the SMs. Swept at the chosen ring and at the deepest ring that fits, over
+# layer code within its SM's instruction cache; a lever built and removed, reports/LEVERS.md) streams
+# a dense op from a third of the SMs. Swept at the chosen ring and at the deepest ring that fits, over
 # these shares of the SMs (one block per SM).
 BLOCK_SHARES = (1.0, 0.5, 1 / 3, 0.25)
 BLOCKS_AT_CEILING = 0.95  # a share "streams at the ceiling" within this much of the full grid's rate
