@@ -1,6 +1,8 @@
 """Ranks of the megakernel in the CPU emulation (megakernel/ranks.py): several ranks in one launch,
 each with its own parameter block and rank-local block indices, and tensor parallelism over them
-(the tinytp preset): every R gives the bits of R = 1, which agrees with the reference."""
+(the tinytp preset): every R, N-sharded or expert-parallel, gives the bits of R = 1, which agrees
+with the reference; mutations of the collectives fail the checks or trip named bounded waits; the
+profiled step's collective waits, where the ranks run, and the step command."""
 from __future__ import annotations
 
 import shutil
@@ -11,14 +13,16 @@ import torch
 
 from megakernel import ab
 from megakernel.build import CSRC
-from megakernel.config import preset
+from megakernel.config import ConfigError, preset
 from megakernel.plan import OP, make_plan, max_tp_ranks
 from megakernel.program import DEP_ALL
-from megakernel.ranks import RankEngine
+from megakernel.ranks import COLLECTIVES, RankEngine, collective_waits, skews, stalls, tp_waits_result
 from megakernel.reference import KVCache
 from megakernel.runtime import Engine, check_close
 from megakernel.weights import generate
 from microbench.errors import CorrectnessError, SpinTimeoutError
+from microbench.results import Env
+from reports import build as report_build
 
 from megakernel_cases import reference_logits, step_inputs, tiny
 
@@ -215,3 +219,72 @@ def test_the_expert_parallel_arrangement_puts_each_slot_on_its_owner(tinytp):
         assert done[True] == [tiles[True] * sum(1 for x in experts if x % ranks == k) for k in range(ranks)], o.layer
         assert done[False] == [tiles[False] * len(experts)] * ranks, o.layer
         assert sum(done[True]) == sum(done[False])
+
+
+def test_a_profiled_step_times_every_collective_of_every_rank(tinytp):
+    """The profiled TP build (emulated, so on the emulation's clock): a wait and a readiness for
+    every (layer, collective, rank), a skew per (layer, collective), stalls per (layer, rank); as
+    megakernel.tp_waits they make a wait series per collective and rank, a stall series per rank,
+    a skew series per collective, and the two derived values the report sets beside the study's."""
+    cfg = tinytp[0]
+    _, _, eng = tp_run(tinytp, 2, profile=True, profile_cap=256)
+    tl = eng.timeline("mega")
+    assert not tl.problems
+    waits = collective_waits(tl, eng.program, eng.rank_of("mega"))
+    keys = {(w.layer, w.collective, w.rank) for w in waits if w.wait_ns is not None and w.ready_ns is not None}
+    assert keys == {(l, c, r) for l in range(cfg.n_layers) for c, *_ in COLLECTIVES for r in range(2)}
+    assert all(w.wait_ns >= 0 for w in waits)
+    sk, st = skews(waits), stalls(waits)
+    assert set(sk) == {(l, c) for l in range(cfg.n_layers) for c, *_ in COLLECTIVES} and min(sk.values()) >= 0
+    assert set(st) == {(l, r) for l in range(cfg.n_layers) for r in range(2)}
+    res = tp_waits_result(waits, preset="tinytp", ranks=2, where="emu", one_clock=True, tokens=8, ctx=40,
+                          env=Env.capture(None))
+    names = {s.name for s in res.series}
+    assert {f"tinytp/R2/{c}/rank{r}/wait" for c, *_ in COLLECTIVES for r in range(2)} <= names
+    assert {"tinytp/R2/rank0/stall", "tinytp/R2/allreduce/skew"} <= names
+    assert set(res.derived) == {"tp_skew_max_s", "tp_stall_per_layer_s"}
+    apart = tp_waits_result(waits, preset="tinytp", ranks=2, where="torchrun", one_clock=False, tokens=8, ctx=40,
+                            env=Env.capture(None))
+    assert "tp_skew_max_s" not in apart.derived and any("skew not measured" in n for n in apart.notes)
+
+    class Cat:  # the report's catalogue, holding this result or none
+        def __init__(self, r):
+            self.r = r
+
+        def latest(self, name):
+            return (None, self.r) if self.r is not None and name == self.r.benchmark else None
+
+    class Ctx:
+        def __init__(self, r):
+            self.cat = Cat(r)
+
+    shown = "\n".join(report_build.section_tp(Ctx(res)))
+    assert "4 us" in shown and "12.5 us" in shown and "not measured yet" not in shown
+    assert "not measured yet" in "\n".join(report_build.section_tp(Ctx(None)))
+
+
+def test_where_ranks_run_follows_the_gpus_present(monkeypatch):
+    """torchrun where the node has R GPUs, else one GPU shared, else the emulation; each says why,
+    and a forced choice that cannot run here is refused with the reason."""
+    from megakernel import ranks
+
+    def node(n):
+        monkeypatch.setattr(ranks, "gpu_count", lambda: n)
+        monkeypatch.setattr(ranks, "no_gpu_reason", lambda: None if n else "no NVIDIA driver")
+
+    node(0)
+    assert ranks.where_ranks(2)[0] == "emu" and "no NVIDIA driver" in ranks.where_ranks(2)[1]
+    with pytest.raises(ConfigError, match="gpu needs a GPU: no NVIDIA driver"):
+        ranks.where_ranks(2, "gpu")
+    node(1)
+    where, why = ranks.where_ranks(2)
+    assert where == "gpu" and "share its SMs" in why
+    assert ranks.where_ranks(2, "emu")[0] == "emu"
+    with pytest.raises(ConfigError, match="2 ranks need 2 GPUs, this node has 1"):
+        ranks.where_ranks(2, "torchrun")
+    node(8)
+    assert ranks.where_ranks(8)[0] == "torchrun" and ranks.where_ranks(1)[0] == "gpu"
+    cmd = ranks.torchrun_command(4, ["--check"])
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m", "megakernel.ranks",
+                       "--check"]
+

@@ -281,7 +281,9 @@ constexpr int FP4_SWIZZLE_MAX = 8;
 #define MK_EV_UNIT_CLOSE_END          78u  // end of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
 #define MK_EV_TOPK_STEP_BEGIN         79u  // begin of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
 #define MK_EV_TOPK_STEP_END           80u  // end of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
-#define MK_EV_COUNT                   80u
+#define MK_EV_XWAIT_BEGIN             81u  // begin of phase xwait: tensor parallelism: a block polling its receive slots for other ranks' data, from its first load to every thread of the block holding its words (arg: 0 the attention all-reduce's partials, 1 the gathered gate/up activations, 2 the gathered expert outputs)
+#define MK_EV_XWAIT_END               82u  // end of phase xwait: tensor parallelism: a block polling its receive slots for other ranks' data, from its first load to every thread of the block holding its words (arg: 0 the attention all-reduce's partials, 1 the gathered gate/up activations, 2 the gathered expert outputs)
+#define MK_EV_COUNT                   82u
 
 static_assert(MK_EV_COUNT <= 0xFFFFu, "profiler event ids are 16 bits");
 static_assert(MK_EV_WAIT_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 0 && MK_EV_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 2 && MK_EV_EMBED_END == MK_EV_EMBED_BEGIN + 1, "profiler ids of embed");

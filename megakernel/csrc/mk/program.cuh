@@ -436,6 +436,8 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
       dc = DepCache{pre, {-1, -1, -1}};
       pd = Pending{0u, -1, 0u, 0u};
       o0 = o;
+      // TP: the end of this block's first poll of other ranks' data (mk/tp.cuh xwait_end), 0: none yet
+      if constexpr (TP > 0 && PROFILE) *reinterpret_cast<uint64_t*>(b.misc + MISC_PWAIT) = 0;
     }
     // run_unit reads the record from shared memory (published by the barrier before it), so the
     // register copy is dead through the units (only profiler builds keep its kind for stamps)
@@ -493,6 +495,9 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
           ProfSlot& ps = *prof_slot_of(b, i, first);
           // top-k with sentinel slots waits inside the op: its wait phase ends when the poll did
           if (SENTINEL_ROUTE && o.kind == OP_TOPK) ps.t[1] = *reinterpret_cast<const uint64_t*>(b.misc + MISC_PWAIT);
+          // TP: an op that polls other ranks' data waits for them inside its first unit (mk/tp.cuh)
+          if (polls_others(o.kind) && *reinterpret_cast<const uint64_t*>(b.misc + MISC_PWAIT))
+            ps.t[1] = *reinterpret_cast<const uint64_t*>(b.misc + MISC_PWAIT);
           ps.t[2] = now_ns();
           ps.op = i;
           ps.rec = prof.reserve(4u) << 8 | static_cast<uint32_t>(o.kind + 1);

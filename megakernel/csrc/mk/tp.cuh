@@ -103,4 +103,21 @@ MK_DEV bool poll_again(const Params& p, PollClock& c, uint32_t what, const void*
   return true;
 }
 
+// The profiler's view of a collective wait (profiled builds only). Detail builds stamp an "xwait"
+// phase around the block's poll (arg: 0 the all-reduce, 1 the activations' gather, 2 the outputs'
+// gather: profile_events.XWAITS); every profiled build ends the op's wait phase, on this block, at
+// the end of its first such poll (compute_loop), not at its first unit's opening: the wait for the
+// other ranks is the op's wait. Every compute thread calls xwait_end (a barrier, so that the end is
+// the block's: every thread holds its words).
+MK_DEV void xwait_begin(const Blk& b, uint32_t code) { detail_stamp(b, MK_EV_XWAIT_BEGIN, code); }
+MK_DEV void xwait_end(const Blk& b, uint32_t code) {
+  if constexpr (PROFILE) {
+    sync_compute();
+    uint64_t& pw = *reinterpret_cast<uint64_t*>(b.misc + MISC_PWAIT);
+    if (tid() == 0 && pw == 0) pw = now_ns();
+    detail_stamp(b, MK_EV_XWAIT_END, code);
+  }
+}
+MK_DEV bool polls_others(int kind) { return TP > 0 && (kind == OP_ATTN_REDUCE || kind == OP_EXPERT2 || kind == OP_MOE_COMBINE); }
+
 }  // namespace mk

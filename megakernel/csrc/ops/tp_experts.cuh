@@ -88,6 +88,7 @@ MK_DEV void poll_act(Blk& b, const uint16_t* rows, int ntok, int expert, int slo
   constexpr int K8 = F / 8, RPR = COMPUTE_THREADS / K8, NT = (16 * K8 + COMPUTE_THREADS - 1) / COMPUTE_THREADS;
   const int r0 = tid() / K8, k8 = tid() % K8;
   const Params& p = *b.p;
+  xwait_begin(b, 1);
   for (PollClock pc;;) {
     const uint32_t* miss = nullptr;
     uint32_t seen = 0;
@@ -102,12 +103,13 @@ MK_DEV void poll_act(Blk& b, const uint16_t* rows, int ntok, int expert, int slo
         if (!bf16x2_ready(v)) miss = w + q, seen = v;
       }
     }
-    if (!miss) return;
+    if (!miss) break;
     if (!poll_again(p, pc, what_x(what, WHAT_GATHER_ACT, act_owner(expert, 8 * k8), slot), miss, BF16X2_EMPTY, seen)) {
       b.failed = true;
-      return;
+      break;
     }
   }
+  xwait_end(b, 1);
 }
 
 MK_DEV void run_expert2_tp(Blk& b, int layer, int unit, uint32_t what) {
@@ -156,6 +158,7 @@ MK_COLD_LOOP
   const bool mine = t < b.T;
   uint32_t pairs[TOPK];
   uint32_t* slot[TOPK];
+  xwait_begin(b, 2);
   if (mine) {
 #pragma unroll
     for (int r = 0; r < TOPK; ++r) {
@@ -183,6 +186,7 @@ MK_COLD_LOOP
       acc = acc + w_s[t * TOPK + r] * bf2f(static_cast<uint16_t>((col & 1) ? pairs[r] >> 16 : pairs[r] & 0xffffu));
     p.z[t * P + col] = f2bf(acc);  // as ops/moe_combine.cuh
   }
+  xwait_end(b, 2);
   sync_compute();  // both threads of a pair have polled it
   if (mine && (col & 1) == 0) {
 #pragma unroll

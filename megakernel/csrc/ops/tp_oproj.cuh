@@ -54,6 +54,7 @@ MK_DEV void run_attn_reduce(Blk& b, int layer, int unit, uint32_t what) {
   const int n = tid() % R;
   const Residual<R> r = residual_begin<R>(b, unit, p.layers[layer].ffn_norm);
   const int cp = recv_copy(b, layer);
+  xwait_begin(b, 0);
   float sum[NO];
 #pragma unroll
   for (int j = 0; j < NO; ++j) {
@@ -85,6 +86,7 @@ MK_DEV void run_attn_reduce(Blk& b, int layer, int unit, uint32_t what) {
 #pragma unroll
     for (int g = 0; g < TP_GROUPS; ++g) tp_store(slot[g], F32_EMPTY);  // this thread alone read them
   }
+  xwait_end(b, 0);
   residual_store<R>(b, p, r, unit, 1, n, [&sum](int j, int, int) { return sum[j]; });
   sync_compute();  // every reset of the unit, then their release (mk/tp.cuh)
   if (tid() == 0) reuse_fence();
