@@ -10,6 +10,13 @@
   sanitize-step [--fused]   one tiny step in mega and chain mode (run under
                           compute-sanitizer; --fused: d_pool and d_expert of 256, the fused expert unit)
   program [--preset P]    print the launches and op instances of one step
+  step [--ranks R] [--check] [--preset P] [--tokens T] [--ctx C] [--mode M] [--steps N] [--expert-parallel]
+       [--where emu|gpu|torchrun] [--profile [--save [DIR]]]   decode steps of the tensor-parallel build at
+                          R ranks where they can run here (torchrun across R GPUs, else R ranks sharing one
+                          GPU, else the CPU emulation; it says which); --check: bitwise the unsharded build
+                          (R = 1) and the expert-parallel arrangement, close to the reference, slots empty;
+                          --profile: the waits at each collective, stalls per layer and skew per rank
+                          (megakernel.tp_waits; --save writes it, GPU runs only)
   default-config [--write]   csrc/mk/default_config.cuh, the generated header megakernel.cu compiles
                           with alone (tiny preset, 132 SMs, the profiler's events included): printed,
                           or regenerated with --write (no GPU)
@@ -43,7 +50,7 @@ from microbench.atomic import check_writable, write_text
 from microbench.device import no_gpu_reason
 from microbench.errors import MegabenchError, ResultsFileError
 from microbench.harness import Harness, Policy
-from microbench.results import REPO_ROOT, find, load
+from microbench.results import REPO_ROOT, Env, find, load
 from microbench.sass import cubin_instruction_chains, find_nvdisasm, instruction_chains
 from microbench.teardown import leave
 
@@ -278,6 +285,44 @@ def _program(a) -> int:
     return 0
 
 
+def _step(a) -> int:
+    """Decode steps of the TP build at --ranks ranks (megakernel/ranks.py step_ranks)."""
+    from .ranks import COLLECTIVES, skews, stalls, step_ranks, tp_waits_result  # heavy: torch (megakernel.ranks)
+
+    if a.save is not None and not a.profile:
+        print("step: --save writes the profiled step's waits: add --profile", file=sys.stderr)
+        return 2
+    run = step_ranks(a.preset, a.ranks, tokens=a.tokens, ctx=a.ctx, mode=a.mode, steps=a.steps,
+                     expert_parallel=a.expert_parallel, check=a.check, profile=a.profile, where=a.where)
+    for i, t in enumerate(run.tokens):
+        print(f"step {i}: tokens {t}")
+    if a.profile:
+        clock = "the emulation's clock (CPU time, not a GPU's)" if run.where == "emu" else "%globaltimer"
+        print(f"collective waits ({clock}): the longest block's wait per rank, median over layers")
+        for key, what, _, _ in COLLECTIVES:
+            per = {}
+            for w in run.waits:
+                if w.collective == key and w.wait_ns is not None:
+                    per.setdefault(w.rank, []).append(w.wait_ns)
+            print(f"  {what}: " + ", ".join(f"rank {r} {sorted(v)[len(v) // 2] / 1e3:.1f} us" for r, v in sorted(per.items())))
+        one_clock = run.where != "torchrun"
+        sk = skews(run.waits) if one_clock else {}
+        st = stalls(run.waits)
+        if sk:
+            print(f"  skew between ranks: up to {max(sk.values()) / 1e3:.1f} us")
+        if st:
+            print(f"  stall per layer: up to {max(st.values()) / 1e3:.1f} us (one rank, one layer)")
+        if a.save is not None:
+            if run.where == "emu":
+                print("step: the emulation's waits are CPU time, not a GPU's: printed, not saved", file=sys.stderr)
+                return 2
+            env = Env.capture()
+            r = tp_waits_result(run.waits, preset=a.preset, ranks=a.ranks, where=run.why, one_clock=one_clock,
+                                tokens=a.tokens, ctx=a.ctx, env=env)
+            print("saved", r.save(Path(a.save) if a.save else None))
+    return 0
+
+
 def _default_config(a) -> int:
     """Print csrc/mk/default_config.cuh as build.default_config_text renders it, or with --write
     replace the committed file (atomically; left alone when it is already current)."""
@@ -492,6 +537,22 @@ def add_tools(sub) -> None:
     s.add_argument("--mode", default="layer", choices=["layer", "step"])
     s.add_argument("--sm", type=int, default=132)
     s.set_defaults(fn=_program)
+    s = sub.add_parser("step", help="decode steps of the tensor-parallel build at --ranks R (emulation, one GPU or "
+                                    "torchrun, by what is here); --check: bitwise R = 1")
+    s.add_argument("--ranks", type=int, default=1, help="tensor-parallel ranks (1, 2, 4 or 8)")
+    s.add_argument("--preset", default="tinytp", choices=PRESET_NAMES)
+    s.add_argument("--tokens", type=int, default=8, help="tokens of the first step (a chain)")
+    s.add_argument("--ctx", type=int, default=40)
+    s.add_argument("--mode", default="mega", choices=["mega", "chain"])
+    s.add_argument("--steps", type=int, default=1, help="steps: the first, then greedy steps of one token")
+    s.add_argument("--expert-parallel", action="store_true", help="each slot's expert units on its expert's owner")
+    s.add_argument("--check", action="store_true", help="bitwise the unsharded build and the other arrangement; "
+                                                        "close to the reference; receive slots empty")
+    s.add_argument("--where", choices=["emu", "gpu", "torchrun"], help="force where the ranks run")
+    s.add_argument("--profile", action="store_true", help="the waits at each collective (profiled build)")
+    s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
+                   help="with --profile on a GPU: save megakernel.tp_waits under DIR (default reports/results)")
+    s.set_defaults(fn=_step)
     s = sub.add_parser("default-config", help="the generated header csrc/mk/default_config.cuh (tiny preset, 132 "
                                               "SMs, profiler events included): print it, or --write it (no GPU)")
     s.add_argument("--write", action="store_true", help="regenerate megakernel/csrc/mk/default_config.cuh")

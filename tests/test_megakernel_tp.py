@@ -22,7 +22,7 @@ from megakernel.runtime import Engine, check_close
 from megakernel.weights import generate
 from microbench.errors import CorrectnessError, SpinTimeoutError
 from microbench.results import Env
-from reports import build as report_build
+from reports import build as report_build, cli as report_cli
 
 from megakernel_cases import reference_logits, step_inputs, tiny
 
@@ -288,3 +288,13 @@ def test_where_ranks_run_follows_the_gpus_present(monkeypatch):
     assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m", "megakernel.ranks",
                        "--check"]
 
+
+@SLOW
+def test_the_step_command_runs_two_ranks_with_its_check_on_the_cpu(capsys):
+    """`megabench mk step --ranks 2 --check` here (no GPU): it says it runs the emulation, checks the
+    two ranks bitwise against the unsharded build and the expert-parallel arrangement, and decodes
+    a second step."""
+    assert report_cli.main(["mk", "step", "--ranks", "2", "--check", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 ranks: the CPU emulation" in out
+    assert out.count("check passed") == 3 and "step 1: tokens [" in out
