@@ -17,8 +17,9 @@ from collections.abc import Callable
 import torch
 
 from . import tree as treelib
-from .program import DEP_ALL, DEP_LOCAL, DEP_SENTINEL, Program, cached_keys, group_size, n_units, needed_group, splits, unit_group
+from .config import ConfigError
 from .plan import MOE_COMBINE_COLS
+from .program import DEP_ALL, DEP_LOCAL, DEP_SENTINEL, Program, cached_keys, group_size, n_units, needed_group, splits, unit_group
 from .reference import KVCache, rmsnorm
 from .weights import BF16, ModelWeights
 
@@ -27,6 +28,10 @@ F32 = torch.float32
 
 class Interpreter:
     def __init__(self, w: ModelWeights, prog: Program, cache: KVCache):
+        if prog.plan.tp_ranks or prog.plan.launch_ranks > 1:
+            # a TP program's units are one rank's and its collectives poll the other ranks' data
+            raise ConfigError("the interpreter runs one rank of an unsharded program; a program of ranks "
+                              "(Plan.tp_ranks, launch_ranks) runs in the emulation (ranks.RankEngine)")
         self.w, self.prog, self.cache, self.cfg, self.plan = w, prog, cache, w.cfg, prog.plan
         c, p = self.cfg, self.plan
         tm, dev = c.max_tree, w.device

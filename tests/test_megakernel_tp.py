@@ -298,3 +298,12 @@ def test_the_step_command_runs_two_ranks_with_its_check_on_the_cpu(capsys):
     out = capsys.readouterr().out
     assert "2 ranks: the CPU emulation" in out
     assert out.count("check passed") == 3 and "step 1: tokens [" in out
+
+
+def test_the_torch_interpreter_refuses_a_program_of_ranks(tinytp):
+    from megakernel.interp import Interpreter
+    from megakernel.program import build
+
+    cfg, w, base, *_ = tinytp
+    with pytest.raises(ConfigError, match="runs in the emulation"):
+        Interpreter(w, build(make_plan(cfg, 4, tp_ranks=2, launch_ranks=2)), base.clone())
