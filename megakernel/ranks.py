@@ -548,7 +548,7 @@ def rank_main(argv=None) -> int:
     if a.check and me == 0:  # the reference's routing (forced on every rank) and the unsharded step
         tr = Trace()
         ref = reference_step(w, cache0.clone(), toks, par, a.ctx, trace=tr)
-        routes = [tr.tensors[f"L{l}.route"] for l in range(cfg.n_layers)]
+        routes = [tr.tensors[f"L{l}.route"].cpu() for l in range(cfg.n_layers)]  # gathered to every rank
         p1 = make_plan(cfg, plan.n_sm, tp_ranks=1, spin_bound_ns=2_000_000_000)
         one = RankEngine(w, p1, cache0.clone(), backend="gpu").step(toks, par, a.ctx, mode=a.mode, routes=routes)
     routes = world.all_gather_object(routes)[0]  # rank 0's
