@@ -1,9 +1,14 @@
-"""The kernel's parameter block, defined once here: rendered into C++ (`render_structs`) and
-packed from Python (`pack`) with ctypes, so the two sides cannot drift apart.
+"""The kernel's parameter block and its step block, defined once here: rendered into C++
+(`render_structs`) and packed from Python (`pack`, `pack_step`), so the two sides cannot drift apart.
 
-Every field is a pointer (8 bytes) or a 32-bit int; C++ sees the typed pointer written below.
-The kernel reads the block through a pointer to device memory (the host emulation through a
+Every Params field is a pointer (8 bytes) or a 32-bit int; C++ sees the typed pointer written
+below. The kernel reads the block through a pointer to device memory (the host emulation through a
 host pointer), so the layout is the natural C layout of these fields in order.
+
+The step block (`Params.step`, int32 words, STEP_FIELDS) is the shape of one step: its token rows,
+its requests, each request's cached positions and first row. It lives in device memory, not in
+launch parameters, so a CUDA graph replays any step of the same program and a device loop can
+advance it. Per-row arrays (tokens, depth, anc, row_req) stay Params pointers of their own.
 """
 from __future__ import annotations
 
@@ -23,8 +28,6 @@ LAYER_FIELDS = (
     ("w2_codes", "const uint8_t*"),  # [E][P][F/2]
     ("w2_scales", "const uint8_t*"),  # [E][P][F/16]
     ("w2_ts", "const float*"),  # [E]
-    ("k_cache", "uint16_t*"),  # [HKV][slots][HD]
-    ("v_cache", "uint16_t*"),
 )
 
 PARAM_FIELDS = (
@@ -35,9 +38,12 @@ PARAM_FIELDS = (
     ("rope_cos", "const float*"),  # [MAX_CTX][HD/2]
     ("rope_sin", "const float*"),
     ("program", "const int32_t*"),  # op instances, OPINST_INTS each
-    ("tokens", "const int32_t*"),  # [T]
-    ("depth", "const int32_t*"),  # [T]
-    ("anc", "const uint32_t*"),  # [T] ancestor bitmask (bit j: token j is an ancestor or itself)
+    ("step", "const int32_t*"),  # [STEP_INTS] the step's shape (STEP_FIELDS)
+    ("kv", "uint16_t* const*"),  # [L][B_MAX][2] request r's K (0) and V (1) cache of a layer, [HKV][slots][HD]
+    ("tokens", "const int32_t*"),  # [T_MAX] per row
+    ("depth", "const int32_t*"),  # [T_MAX] per row: depth in its request's tree
+    ("anc", "const uint32_t*"),  # [T_MAX] per row: bit j: row row0 + j of its request is an ancestor or itself
+    ("row_req", "const int32_t*"),  # [T_MAX] per row: its request
     ("route_override", "const int32_t*"),  # [L][T_MAX][TOPK] or null
     ("x", "float*"),  # [T_MAX][D] residual stream
     ("ss_part", "float*"),  # [2][T_MAX][D/8] sums of squares of x per 8 features (gemm.cuh ss8)
@@ -76,6 +82,43 @@ PARAM_FIELDS = (
 )
 
 
+# Requests of one step: at most one per token row (a request has >= 1 row, rows <= T_MAX <= 16).
+B_MAX = 16
+# The step block, in order: (name, int32 words). rows: token rows of the step (1..T_MAX), the
+# requests' trees concatenated; n_req: requests (1..B_MAX); ctx[r]: request r's cached positions
+# before this step; row0[r]: its first row (row0[n_req] = rows). Words past n_req are unused.
+STEP_FIELDS = (("rows", 1), ("n_req", 1), ("ctx", B_MAX), ("row0", B_MAX + 1))
+
+
+def step_offsets() -> dict[str, int]:
+    """Word offset of each STEP_FIELDS entry."""
+    out, at = {}, 0
+    for name, n in STEP_FIELDS:
+        out[name] = at
+        at += n
+    return out
+
+
+STEP_INTS = sum(n for _, n in STEP_FIELDS)
+
+
+def pack_step(ctx: list[int], n_rows: list[int]) -> list[int]:
+    """The step block of requests with these cached positions and row counts (int32 words)."""
+    if not 1 <= len(ctx) == len(n_rows) <= B_MAX:
+        raise ValueError(f"{len(ctx)} requests with {len(n_rows)} row counts: want 1..{B_MAX} of each")
+    o = step_offsets()
+    w = [0] * STEP_INTS
+    w[o["rows"]] = sum(n_rows)
+    w[o["n_req"]] = len(ctx)
+    at = 0
+    for r, (c, n) in enumerate(zip(ctx, n_rows)):
+        w[o["ctx"] + r] = int(c)
+        w[o["row0"] + r] = at
+        at += int(n)
+    w[o["row0"] + len(ctx)] = at
+    return w
+
+
 def _ctype(c: str):
     return ctypes.c_int32 if c == "int32_t" else ctypes.c_uint64
 
@@ -89,7 +132,11 @@ class Params(ctypes.Structure):
 
 
 def render_structs() -> str:
-    out = ["namespace mk {", "struct LayerPtrs {"]
+    off = step_offsets()
+    out = ["namespace mk {", f"constexpr int B_MAX = {B_MAX};  // requests of one step (abi.py)",
+           "// the step block's words (abi.py STEP_FIELDS)"]
+    out += [f"constexpr int STEP_{n.upper()} = {off[n]};" for n, _ in STEP_FIELDS]
+    out += [f"constexpr int STEP_INTS = {STEP_INTS};", "struct LayerPtrs {"]
     out += [f"  {t} {n};" for n, t in LAYER_FIELDS]
     out += ["};", f"static_assert(sizeof(LayerPtrs) == {ctypes.sizeof(LayerPtrs)}, \"abi.py LayerPtrs\");",
             "struct Params {"]

@@ -122,17 +122,17 @@ def code_bytes_by_op(b: Build) -> dict[str, int]:
 
 # ---------------------------------------------------------------------- host emulation
 EMU_GLUE = r"""
-struct MkEmuArgs { const mk::Params* p; int first, n_ops, wait, T, ctx, parity; unsigned long long* pb, pm; };
+struct MkEmuArgs { const mk::Params* p; int first, n_ops, wait, parity; unsigned long long* pb, pm; };
 static void mk_emu_body(void* a) {
   const MkEmuArgs* x = static_cast<const MkEmuArgs*>(a);
-  mk_run(x->p, x->first, x->n_ops, x->wait, x->T, x->ctx, x->parity, x->pb, x->pm);
+  mk_run(x->p, x->first, x->n_ops, x->wait, x->parity, x->pb, x->pm);
 }
 extern "C" int emu_launch(void (*)(void*), void*, int, int, int, unsigned long long, char*, int);
 extern "C" int emu_set_launch_ranks(int);
-extern "C" int mk_emu_run(const void* p, int grid, int first, int n_ops, int wait, int T, int ctx, int parity,
+extern "C" int mk_emu_run(const void* p, int grid, int first, int n_ops, int wait, int parity,
                           unsigned long long seed, char* err, int errlen, unsigned long long* pb,
                           unsigned long long pm) {
-  MkEmuArgs a{static_cast<const mk::Params*>(p), first, n_ops, wait, T, ctx, parity, pb, pm};
+  MkEmuArgs a{static_cast<const mk::Params*>(p), first, n_ops, wait, parity, pb, pm};
   emu_set_launch_ranks(mk::RANKS_PER_LAUNCH);  // the schedule's ranks (emu.cpp SCHED_RANK)
   return emu_launch(mk_emu_body, &a, grid, mk::THREADS, mk::SMEM_BYTES, seed, err, errlen);
 }
@@ -177,8 +177,7 @@ def build_emu(plan: Plan, opt: str = "-O1", extra_flags: tuple[str, ...] | None 
     dll = ctypes.CDLL(str(lib))
     dll.mk_emu_run.restype = ctypes.c_int
     dll.mk_emu_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_ulonglong]
+                               ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong]
     dll.emu_set_schedule.restype = ctypes.c_int
     dll.emu_set_schedule.argtypes = [ctypes.c_int]
     return dll

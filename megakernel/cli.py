@@ -10,16 +10,23 @@
   sanitize-step [--fused]   one tiny step in mega and chain mode (run under
                           compute-sanitizer; --fused: d_pool and d_expert of 256, the fused expert unit)
   program [--preset P]    print the launches and op instances of one step
-  step [--ranks R] [--check] [--preset P] [--tokens T] [--ctx C] [--mode M] [--steps N] [--expert-parallel]
+  default-config [--write]   csrc/mk/default_config.cuh, the generated header megakernel.cu compiles
+                          with alone (tiny preset, 132 SMs, the profiler's events included): printed,
+                          or regenerated with --write (no GPU)
+  step [--preset P] [--batch B] [--tokens T | --tree-sizes T0,T1,..] [--ctx C | --ctxs C0,C1,..] [--seed S]
+       [--check] [--schedule S ...]   one step of B requests, each with its own tree, context and KV cache
+                          (rows of all requests <= 16: B x T <= 16), a seeded random mix where sizes
+                          or contexts are not given; without a GPU tiny runs in the host emulation
+                          (other presets need one); --check: each request against the reference,
+                          against its own B=1 step (bitwise) and mega against chain (bitwise, at each
+                          emulated schedule); exit 1 on a mismatch (megakernel.batch)
+  step --ranks R [--check] [--preset P] [--tokens T] [--ctx C] [--mode M] [--steps N] [--expert-parallel]
        [--where emu|gpu|torchrun] [--profile [--save [DIR]]]   decode steps of the tensor-parallel build at
                           R ranks where they can run here (torchrun across R GPUs, else R ranks sharing one
                           GPU, else the CPU emulation; it says which); --check: bitwise the unsharded build
                           (R = 1) and the expert-parallel arrangement, close to the reference, slots empty;
                           --profile: the waits at each collective, stalls per layer and skew per rank
                           (megakernel.tp_waits; --save writes it, GPU runs only)
-  default-config [--write]   csrc/mk/default_config.cuh, the generated header megakernel.cu compiles
-                          with alone (tiny preset, 132 SMs, the profiler's events included): printed,
-                          or regenerated with --write (no GPU)
   sm-map [--point PRESET:T:CTX ...] [--variant NAME[:KEY=VALUE,...] ...] [--out FILE.md] [--save [DIR]]   on a GPU:
                           which SM each block ran on, launch after launch, and how often a block
                           keeps its SM (megakernel.sm_map)
@@ -196,7 +203,7 @@ def _sanitize(a) -> int:
     return 0
 
 
-def _launches_profiled(eng, launches, targets, t: int, ctx: int, label) -> None:
+def _launches_profiled(eng, launches, targets, label) -> None:
     """Run `launches` of the prepared step in order, the indices in `targets` alone inside
     cudaProfilerStart/Stop (for `ncu --profile-from-start off`); label(li, first, n, grid) names
     each profiled launch on stdout."""
@@ -206,7 +213,7 @@ def _launches_profiled(eng, launches, targets, t: int, ctx: int, label) -> None:
         if li in targets:
             torch.cuda.synchronize()
             torch.cuda.profiler.start()
-        eng._launch(first, n, wait, grid, t, ctx, li)
+        eng._launch(first, n, wait, grid, li)
         if li in targets:
             torch.cuda.synchronize()
             torch.cuda.profiler.stop()
@@ -225,7 +232,7 @@ def _ncu_op(a) -> int:
     eng = Engine(weights_for(a.preset), plan_for(a.preset, tokens=a.tokens), sc.cache0.clone(), backend="gpu")
     routes = [r.cuda() for r in sc.routes]
     eng.step(sc.tokens, sc.parents, a.ctx, mode="chain", routes=routes)  # module load, warm caches
-    t = eng.prepare(sc.tokens, sc.parents, a.ctx, routes)
+    eng.prepare(sc.tokens, sc.parents, a.ctx, routes)
     ops = eng.program.ops
     unknown = set(a.op) - {o.kind for o in ops}
     if unknown:
@@ -237,7 +244,7 @@ def _ncu_op(a) -> int:
     if not targets:
         print(f"ncu-op: layer {a.layer} has none of {a.op}", file=sys.stderr)
         return 2
-    _launches_profiled(eng, eng.launches("chain")[:max(targets) + 1], targets, t, a.ctx,
+    _launches_profiled(eng, eng.launches("chain")[:max(targets) + 1], targets,
                        lambda li, first, n, grid: f"profiled launch {li}: {ops[li].kind} layer {ops[li].layer} "
                                                   f"(grid {grid})")
     return 0
@@ -261,7 +268,7 @@ def _ncu_mega(a) -> int:
         with kernel_tree(v.csrc):
             eng = Engine(w, _plan(a.preset, v, None, a.tokens), sc.cache0.clone(), backend="gpu")
         eng.step(sc.tokens, sc.parents, a.ctx, mode="mega", routes=routes)  # module load, warm caches
-        t = eng.prepare(sc.tokens, sc.parents, a.ctx, routes)
+        eng.prepare(sc.tokens, sc.parents, a.ctx, routes)
         launches = eng.launches("mega")
         if not 0 <= a.launch < len(launches):
             print(f"ncu-mega: launch {a.launch} outside 0..{len(launches) - 1} ({a.preset})", file=sys.stderr)
@@ -269,12 +276,105 @@ def _ncu_mega(a) -> int:
         # the step's own launches up to L, in order (L's waits are on counters they bump); PDL off,
         # so the profiled launch runs alone, as ncu runs it anyway
         eng.counters[eng.parity].zero_()
-        _launches_profiled(eng, launches[:a.launch + 1], {a.launch}, t, a.ctx,
+        _launches_profiled(eng, launches[:a.launch + 1], {a.launch},
                            lambda li, first, n, grid: f"{v.name}: profiled mega launch {li} "
                                                       f"(ops {first}..{first + n - 1}, grid {grid})")
         eng._check_watchdog(True)  # a wait that gave up would make the profile a partial launch's
         del eng
     return 0
+
+
+def _int_list(text: str | None, what: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{what} {text!r}: want comma-separated integers, e.g. 3,1,4") from None
+    if not out or any(x < 0 for x in out):
+        raise ConfigError(f"{what} {text!r}: want non-negative integers, one per request")
+    return out
+
+
+def _step(a) -> int:
+    """`step`: with --ranks the tensor-parallel build's steps (_step_ranks), else a step of B requests."""
+    if a.ranks is not None:
+        extra = [f for f, v in (("--batch", a.batch), ("--tree-sizes", a.tree_sizes), ("--ctxs", a.ctxs)) if v is not None]
+        if extra:
+            print(f"step: --ranks with {', '.join(extra)}: batched steps of the tensor-parallel build are not built",
+                  file=sys.stderr)
+            return 2
+        return _step_ranks(a)
+    tp_only = [f for f, v in (("--steps", a.steps != 1), ("--expert-parallel", a.expert_parallel), ("--where", a.where),
+                              ("--profile", a.profile), ("--save", a.save is not None)) if v]
+    if tp_only:
+        print(f"step: {', '.join(tp_only)} belong to the tensor-parallel steps: add --ranks R", file=sys.stderr)
+        return 2
+    a.preset = a.preset or "tiny"
+    return _step_batch(a)
+
+
+def _step_batch(a) -> int:
+    from .batch import check_batch, make_requests, mix, random_caches  # heavy: torch (megakernel.batch)
+    from .plan import make_plan  # heavy: torch (megakernel.plan)
+    from .runtime import Engine  # heavy: torch (megakernel.runtime)
+
+    why = no_gpu_reason()
+    if why and a.preset != "tiny":
+        print(f"step --preset {a.preset} needs a GPU ({why}); without one only tiny runs, in the host emulation",
+              file=sys.stderr)
+        return 2
+    cfg = get_preset(a.preset)
+    try:
+        sizes, ctxs = _int_list(a.tree_sizes, "--tree-sizes"), _int_list(a.ctxs, "--ctxs")
+        batch = a.batch if a.batch is not None else len(sizes or ctxs or [1])
+        for name, v in (("--tree-sizes", sizes), ("--ctxs", ctxs)):
+            if v is not None and len(v) != batch:
+                raise ConfigError(f"{name}: {len(v)} values for a batch of {batch} requests")
+        # the seeded mix where a list does not say (a random tree never takes more than T_MAX / B rows)
+        shape = mix(cfg, batch, a.seed, a.tokens if sizes is None else None, a.ctx if ctxs is None else None)
+        shape = [(sizes[r] if sizes else t, ctxs[r] if ctxs else c) for r, (t, c) in enumerate(shape)]
+        for r, (t, c) in enumerate(shape):
+            try:
+                cfg.check_step(c, t)
+            except ConfigError as e:
+                raise ConfigError(f"request {r}: {e}") from None
+        rows = sum(t for t, _ in shape)
+        if rows > cfg.max_tree:
+            raise ConfigError(f"{batch} requests of {'+'.join(str(t) for t, _ in shape)} = {rows} token rows: a step "
+                              f"holds at most {cfg.max_tree} (B x T <= {cfg.max_tree}: one m16 tile of tokens in every "
+                              "GEMM; more tiles are not built)")
+    except ConfigError as e:
+        print(f"step: {e}", file=sys.stderr)
+        return 2
+    if why:
+        from .weights import generate  # heavy: torch (megakernel.weights)
+
+        print(f"no GPU ({why}): {a.preset} in the host emulation (the kernel's CUDA source on CPU fibers)")
+        backend, dev = "emu", "cpu"
+        w = generate(cfg)
+        plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
+    else:
+        from .bench_baselines import weights_for  # heavy: torch (megakernel.bench_baselines)
+        from .plans import plan_for  # heavy: torch (megakernel.plans)
+
+        backend, dev = "gpu", "cuda"
+        w = weights_for(a.preset)
+        plan = plan_for(a.preset, tokens=rows)
+    caches0 = random_caches(cfg, batch, a.seed, device=dev)
+    reqs = make_requests(cfg, shape, a.seed)
+    kw = {"emu_schedule": a.schedule[0]} if backend == "emu" else {}
+    out = Engine(w, plan, [c.clone() for c in caches0], backend=backend, **kw).step_batch(reqs, mode=a.mode)
+    print(f"{a.preset}: {batch} request(s), {rows} rows, {a.mode} mode ({backend})")
+    for r, (t, c) in enumerate(shape):
+        print(f"  request {r}: T={t} ctx={c}: greedy tokens {out.request(r).tokens.tolist()}")
+    if not a.check:
+        return 0
+    res = check_batch(w, plan, caches0, reqs, backend=backend, schedules=tuple(a.schedule))
+    for line in res.lines():
+        print("  " + line)
+    print("check: " + ("passed" if res.ok else f"FAILED ({len(res.problems)} mismatches)"))
+    return 0 if res.ok else 1
 
 
 def _program(a) -> int:
@@ -285,15 +385,16 @@ def _program(a) -> int:
     return 0
 
 
-def _step(a) -> int:
+def _step_ranks(a) -> int:
     """Decode steps of the TP build at --ranks ranks (megakernel/ranks.py step_ranks)."""
     from .ranks import COLLECTIVES, skews, stalls, step_ranks, tp_waits_result  # heavy: torch (megakernel.ranks)
 
     if a.save is not None and not a.profile:
         print("step: --save writes the profiled step's waits: add --profile", file=sys.stderr)
         return 2
-    run = step_ranks(a.preset, a.ranks, tokens=a.tokens, ctx=a.ctx, mode=a.mode, steps=a.steps,
-                     expert_parallel=a.expert_parallel, check=a.check, profile=a.profile, where=a.where)
+    run = step_ranks(a.preset or "tinytp", a.ranks, tokens=8 if a.tokens is None else a.tokens,
+                     ctx=40 if a.ctx is None else a.ctx, mode=a.mode, steps=a.steps, expert_parallel=a.expert_parallel,
+                     check=a.check, profile=a.profile, where=a.where, seed=a.seed)
     for i, t in enumerate(run.tokens):
         print(f"step {i}: tokens {t}")
     if a.profile:
@@ -317,8 +418,9 @@ def _step(a) -> int:
                 print("step: the emulation's waits are CPU time, not a GPU's: printed, not saved", file=sys.stderr)
                 return 2
             env = Env.capture()
-            r = tp_waits_result(run.waits, preset=a.preset, ranks=a.ranks, where=run.why, one_clock=one_clock,
-                                tokens=a.tokens, ctx=a.ctx, env=env)
+            r = tp_waits_result(run.waits, preset=a.preset or "tinytp", ranks=a.ranks, where=run.why,
+                                one_clock=one_clock, tokens=8 if a.tokens is None else a.tokens,
+                                ctx=40 if a.ctx is None else a.ctx, env=env)
             print("saved", r.save(Path(a.save) if a.save else None))
     return 0
 
@@ -537,26 +639,34 @@ def add_tools(sub) -> None:
     s.add_argument("--mode", default="layer", choices=["layer", "step"])
     s.add_argument("--sm", type=int, default=132)
     s.set_defaults(fn=_program)
-    s = sub.add_parser("step", help="decode steps of the tensor-parallel build at --ranks R (emulation, one GPU or "
-                                    "torchrun, by what is here); --check: bitwise R = 1")
-    s.add_argument("--ranks", type=int, default=1, help="tensor-parallel ranks (1, 2, 4 or 8)")
-    s.add_argument("--preset", default="tinytp", choices=PRESET_NAMES)
-    s.add_argument("--tokens", type=int, default=8, help="tokens of the first step (a chain)")
-    s.add_argument("--ctx", type=int, default=40)
-    s.add_argument("--mode", default="mega", choices=["mega", "chain"])
-    s.add_argument("--steps", type=int, default=1, help="steps: the first, then greedy steps of one token")
-    s.add_argument("--expert-parallel", action="store_true", help="each slot's expert units on its expert's owner")
-    s.add_argument("--check", action="store_true", help="bitwise the unsharded build and the other arrangement; "
-                                                        "close to the reference; receive slots empty")
-    s.add_argument("--where", choices=["emu", "gpu", "torchrun"], help="force where the ranks run")
-    s.add_argument("--profile", action="store_true", help="the waits at each collective (profiled build)")
-    s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
-                   help="with --profile on a GPU: save megakernel.tp_waits under DIR (default reports/results)")
-    s.set_defaults(fn=_step)
     s = sub.add_parser("default-config", help="the generated header csrc/mk/default_config.cuh (tiny preset, 132 "
                                               "SMs, profiler events included): print it, or --write it (no GPU)")
     s.add_argument("--write", action="store_true", help="regenerate megakernel/csrc/mk/default_config.cuh")
     s.set_defaults(fn=_default_config)
+    s = sub.add_parser("step", help="one step of B requests (tiny in the emulation without a GPU), or with --ranks R "
+                                    "decode steps of the tensor-parallel build (emulation, one GPU or torchrun, by "
+                                    "what is here); --check")
+    s.add_argument("--preset", default=None, choices=PRESET_NAMES, help="default: tiny, with --ranks tinytp")
+    s.add_argument("--batch", type=int, default=None, help="requests in the step (default 1, or the lists' length)")
+    s.add_argument("--tokens", type=int, default=None, help="tree tokens of every request (default: the seeded mix)")
+    s.add_argument("--ctx", type=int, default=None, help="cached positions of every request (default: the seeded mix)")
+    s.add_argument("--tree-sizes", default=None, help="tree tokens per request, comma-separated")
+    s.add_argument("--ctxs", default=None, help="cached positions per request, comma-separated")
+    s.add_argument("--seed", type=int, default=0, help="the mix's, the tokens' and the caches' seed")
+    s.add_argument("--mode", default="mega", choices=["mega", "chain"])
+    s.add_argument("--check", action="store_true", help="reference per request, B=1 equality, mega == chain")
+    s.add_argument("--schedule", nargs="+", default=["random", "last"], choices=["random", "last", "block"],
+                   help="emulated mega schedules the check runs (the first also runs the printed step)")
+    # tensor parallelism (megakernel/ranks.py step_ranks): --ranks picks these steps
+    s.add_argument("--ranks", type=int, default=None, help="tensor-parallel ranks (1, 2, 4 or 8): the TP build's "
+                                                           "steps (--tokens default 8, --ctx 40)")
+    s.add_argument("--steps", type=int, default=1, help="--ranks: the first step, then greedy steps of one token")
+    s.add_argument("--expert-parallel", action="store_true", help="--ranks: each slot's expert units on its owner")
+    s.add_argument("--where", choices=["emu", "gpu", "torchrun"], help="--ranks: force where the ranks run")
+    s.add_argument("--profile", action="store_true", help="--ranks: the waits at each collective (profiled build)")
+    s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
+                   help="--ranks --profile on a GPU: save megakernel.tp_waits under DIR (default reports/results)")
+    s.set_defaults(fn=_step)
     s = sub.add_parser("ncu-op", help="on a GPU: a chain step up to the named ops, only those inside the profiler range")
     s.add_argument("--preset", default="shard8", choices=PRESET_NAMES)
     s.add_argument("--tokens", type=int, default=16)

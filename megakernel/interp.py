@@ -19,20 +19,22 @@ import torch
 from . import tree as treelib
 from .config import ConfigError
 from .plan import MOE_COMBINE_COLS
-from .program import DEP_ALL, DEP_LOCAL, DEP_SENTINEL, Program, cached_keys, group_size, n_units, needed_group, splits, unit_group
-from .reference import KVCache, rmsnorm
+from .program import (DEP_ALL, DEP_LOCAL, DEP_SENTINEL, Program, attn_unit, cached_keys, group_size, n_units,
+                      needed_group, splits, unit_group)
+from .reference import KVCache, Request, rmsnorm
 from .weights import BF16, ModelWeights
 
 F32 = torch.float32
 
 
 class Interpreter:
-    def __init__(self, w: ModelWeights, prog: Program, cache: KVCache):
+    def __init__(self, w: ModelWeights, prog: Program, cache: KVCache | list[KVCache]):
         if prog.plan.tp_ranks or prog.plan.launch_ranks > 1:
             # a TP program's units are one rank's and its collectives poll the other ranks' data
             raise ConfigError("the interpreter runs one rank of an unsharded program; a program of ranks "
                               "(Plan.tp_ranks, launch_ranks) runs in the emulation (ranks.RankEngine)")
-        self.w, self.prog, self.cache, self.cfg, self.plan = w, prog, cache, w.cfg, prog.plan
+        self.caches = [cache] if isinstance(cache, KVCache) else list(cache)  # request r's: caches[r]
+        self.w, self.prog, self.cache, self.cfg, self.plan = w, prog, self.caches[0], w.cfg, prog.plan
         c, p = self.cfg, self.plan
         tm, dev = c.max_tree, w.device
         nan = lambda *s, dt=F32: torch.full(s, float("nan"), dtype=dt, device=dev)  # noqa: E731
@@ -69,8 +71,8 @@ class Interpreter:
         r0, head = n * u, n * u // c.head_dim
         y = self._norm(lw.attn_norm).to(F32) @ lw.wqkv[r0:r0 + n].to(F32).T  # [T, n]
         d0 = r0 % c.head_dim
-        if head < c.n_heads + c.n_kv_heads:
-            pos = self.ctx + torch.tensor(self.depth, device=y.device)
+        if head < c.n_heads + c.n_kv_heads:  # row t at its request's ctx + its depth
+            pos = torch.tensor([self.ctxs[q] + d for q, d in zip(self.row_req, self.depth)], device=y.device)
             cs = self.w.rope_cos[pos][:, d0 // 2:d0 // 2 + n // 2]
             sn = self.w.rope_sin[pos][:, d0 // 2:d0 // 2 + n // 2]
             a, bb = y[:, 0::2].clone(), y[:, 1::2].clone()
@@ -81,44 +83,47 @@ class Interpreter:
         else:
             is_k = head < c.n_heads + c.n_kv_heads
             kvh = head - c.n_heads - (0 if is_k else c.n_kv_heads)
-            cache = (self.cache.k if is_k else self.cache.v)[layer]
-            slots = self.cache.slot(layer, torch.arange(self.ctx, self.ctx + self.T, device=y.device))
-            cache[kvh, slots, d0:d0 + n] = y
+            for q, (r0q, ctx) in enumerate(zip(self.row0, self.ctxs)):  # each request's rows into its cache
+                rows = slice(r0q, self.row0[q + 1])
+                kc = self.caches[q]
+                slots = kc.slot(layer, torch.arange(ctx, ctx + rows.stop - rows.start, device=y.device))
+                (kc.k if is_k else kc.v)[layer][kvh, slots, d0:d0 + n] = y[rows]
 
     def _attn(self, layer, u):
         c, b = self.cfg, self.buf
-        ns = splits(c, self.plan, layer, self.ctx, self.T)
-        kvh, split = divmod(u, ns)
-        nc = cached_keys(c, layer, self.ctx)
-        allseq = list(range(self.ctx - nc, self.ctx + self.T))  # the cached keys it sees, then the new ones
+        kvh, q, split, ns = attn_unit(self.plan, layer, u, self.tree_sizes, self.ctxs)
+        ctx, t0, nt, kc = self.ctxs[q], self.row0[q], self.tree_sizes[q], self.caches[q]
+        nc = cached_keys(c, layer, ctx)
+        allseq = list(range(ctx - nc, ctx + nt))  # the cached keys it sees, then the new ones
         per = -(-len(allseq) // ns)
         seqs = allseq[split * per:(split + 1) * per]
         kg = self.plan.attn_key_groups
-        b["att_ml"][kvh, split * kg:(split + 1) * kg, :, 1] = 0.0  # other key groups: empty partials
-        b["att_ml"][kvh, split * kg:(split + 1) * kg, :, 0] = float("-inf")
+        mine = [j * 16 + t for j in range(c.group) for t in range(t0, t0 + nt)]  # the request's rows only
+        b["att_ml"][kvh, split * kg:(split + 1) * kg, mine, 1] = 0.0  # other key groups: empty partials
+        b["att_ml"][kvh, split * kg:(split + 1) * kg, mine, 0] = float("-inf")
         if not seqs:
             return
         dev = b["q"].device
-        sl = self.cache.slot(layer, torch.tensor(seqs, device=dev))
-        kk = self.cache.k[layer][kvh, sl].to(F32)  # [n, hd]
-        vv = self.cache.v[layer][kvh, sl].to(F32)
-        pos = [self.ctx + d for d in self.depth]
+        sl = kc.slot(layer, torch.tensor(seqs, device=dev))
+        kk = kc.k[layer][kvh, sl].to(F32)  # [n, hd]
+        vv = kc.v[layer][kvh, sl].to(F32)
+        pos = [ctx + d for d in self.depth[t0:t0 + nt]]
         for j in range(c.group):
             h = kvh * c.group + j
-            q = b["q"][: self.T, h].to(F32)  # [T, hd]
-            s = (q @ kk.T) * (c.head_dim ** -0.5)
+            qq = b["q"][t0:t0 + nt, h].to(F32)  # [T_q, hd]: the request's rows only
+            s = (qq @ kk.T) * (c.head_dim ** -0.5)
             sq = torch.tensor(seqs, device=dev)
-            cached = sq < self.ctx
+            cached = sq < ctx
             pos_t = torch.tensor(pos, device=dev)[:, None]
             win = torch.ones_like(s, dtype=torch.bool) if c.is_global(layer) else sq[None, :] >= pos_t - c.window + 1
-            newi = (sq - self.ctx).clamp(min=0)
-            anc = self.anc.to(dev)[: self.T][:, newi]
+            newi = (sq - ctx).clamp(min=0)
+            anc = self.anc[q].to(dev)[:, newi]
             mask = torch.where(cached[None, :], win, anc)
             s = s.masked_fill(~mask, float("-inf"))
             m = s.amax(dim=1)
             muse = torch.where(torch.isinf(m), torch.zeros_like(m), m)
             p = torch.exp(s - muse[:, None])
-            row = slice(j * 16, j * 16 + self.T)
+            row = slice(j * 16 + t0, j * 16 + t0 + nt)
             part = split * kg
             b["att_o"][kvh, part, row] = p @ vv
             b["att_ml"][kvh, part, row, 0] = m
@@ -128,7 +133,8 @@ class Interpreter:
         c, b = self.cfg, self.buf
         h, t = divmod(u, self.T)
         kvh, j = divmod(h, c.group)
-        n = splits(c, self.plan, layer, self.ctx, self.T) * self.plan.attn_key_groups
+        q = self.row_req[t]  # the row's request: its own splits' partials
+        n = splits(c, self.plan, layer, self.ctxs[q], self.tree_sizes[q]) * self.plan.attn_key_groups
         ml = b["att_ml"][kvh, :n, j * 16 + t]
         o = b["att_o"][kvh, :n, j * 16 + t]
         ok = ml[:, 1] > 0
@@ -243,23 +249,43 @@ class Interpreter:
 
     # ------------------------------------------------------------------ executing a step
     def setup(self, tokens, parents, ctx, routes=None):
-        self.tokens = [int(x) for x in (tokens.tolist() if torch.is_tensor(tokens) else tokens)]
-        self.T, self.ctx = len(self.tokens), ctx
-        self.cfg.check_step(ctx, self.T)
-        self.depth = treelib.depths(parents)
-        self.anc = treelib.ancestor_mask(parents)
+        self.setup_batch([Request(tokens, parents, ctx)], routes)
+
+    def setup_batch(self, requests, routes=None):
+        """A step of these requests (request r on caches[r]); `routes`: per layer [rows, top_k]."""
+        if len(requests) > len(self.caches):
+            raise ValueError(f"{len(requests)} requests but {len(self.caches)} caches")
+        self.tokens, self.depth, self.row_req, self.row0, self.ctxs, self.tree_sizes, self.anc = [], [], [], [0], [], [], []
+        for r, q in enumerate(requests):
+            toks = [int(x) for x in (q.tokens.tolist() if torch.is_tensor(q.tokens) else q.tokens)]
+            self.cfg.check_step(q.ctx, len(toks))
+            self.tokens += toks
+            self.depth += treelib.depths(q.parents)
+            self.anc.append(treelib.ancestor_mask(q.parents))  # [T_r, T_r], the request's own rows
+            self.row_req += [r] * len(toks)
+            self.row0.append(self.row0[-1] + len(toks))
+            self.ctxs.append(int(q.ctx))
+            self.tree_sizes.append(len(toks))
+        self.T = len(self.tokens)
+        if self.T > self.cfg.max_tree:
+            raise ValueError(f"{self.T} rows in one step: at most {self.cfg.max_tree}")
         self.routes = routes
 
     def _units(self, i: int) -> int:
         o = self.prog.ops[i]
-        return n_units(self.plan, o.kind, o.layer, self.T, self.ctx, int(self.buf["n_slots"][0]))
+        return n_units(self.plan, o.kind, o.layer, self.tree_sizes, self.ctxs, int(self.buf["n_slots"][0]))
 
     def run(self, tokens, parents, ctx, routes=None, order: str = "random", seed: int = 0,
             program: Program | None = None) -> torch.Tensor:
         """Execute a step unit by unit; `order` "program" (op order) or "random" (any order the
         declared dependencies allow). Returns logits [T, V]."""
+        return self.run_batch([Request(tokens, parents, ctx)], routes, order, seed, program)
+
+    def run_batch(self, requests, routes=None, order: str = "random", seed: int = 0,
+                  program: Program | None = None) -> torch.Tensor:
+        """run() of a step of these requests (request r on caches[r]). Returns logits [rows, V]."""
         prog = program or self.prog
-        self.setup(tokens, parents, ctx, routes)
+        self.setup_batch(requests, routes)
         rng = random.Random(seed)
         n_done = [0] * len(prog.ops)
         group_done: list[dict[int, int]] = [dict() for _ in prog.ops]
@@ -288,9 +314,9 @@ class Interpreter:
                 elif d.mode == DEP_LOCAL:  # the producer's unit of the same index
                     units = [u for u in units if u not in pending[d.producer]]
                 else:
-                    need = group_size(self.plan, p.kind, p.layer, self.T, self.ctx)
+                    need = group_size(self.plan, p.kind, p.layer, self.tree_sizes, self.ctxs)
                     units = [u for u in units if group_done[d.producer].get(
-                        needed_group(self.plan, o.kind, p.kind, o.layer, u, self.T, self.ctx), 0) >= need]
+                        needed_group(self.plan, o.kind, p.kind, o.layer, u, self.tree_sizes, self.ctxs), 0) >= need]
             return units
 
         def countable(i) -> bool:  # an expert op's unit count is known once top-k (dep 0) is done
@@ -313,7 +339,7 @@ class Interpreter:
             self.unit(i, u)
             o = prog.ops[i]
             n_done[i] += 1
-            g = unit_group(self.plan, o.kind, o.layer, u, self.T, self.ctx)
+            g = unit_group(self.plan, o.kind, o.layer, u, self.tree_sizes, self.ctxs)
             if g is not None:
                 group_done[i][g] = group_done[i].get(g, 0) + 1
             pending[i].remove(u)

@@ -11,8 +11,9 @@ time, with kernel launches per step counted by the profiler and the roofline as 
 Stage lays this out as progress items (microbench.progress) enumerated before anything runs, so the
 run's estimate is known up front; its first item compiles every build in parallel processes. The
 default run (quick) takes the checks and the headline points (plans.QUICK) for chain, mega, the
-torch baselines and PEERS; full adds plans.FULL's long contexts, the ablation, the timeline and the
-detail timeline. `run` executes the same items in order and raises on the first failure.
+torch baselines and PEERS; full adds plans.FULL's long contexts, the batched steps (plans.BATCH_FULL:
+B requests in one step, chain and mega; the peer takes one request a step and is left out there),
+the ablation, the timeline and the detail timeline. `run` executes the same items in order and raises on the first failure.
 """
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ from microbench.results import Derived, Result, Series
 from microbench.sass import find_nvdisasm
 
 from . import baselines as B
+from .batch import bench_batch_point
 from .bench_baselines import FULL_POINTS, QUICK_POINTS, Collector, release, weights_for
 from .measure import Check, ablation_point, bench_point, build_result, check_point, code_result, greedy_check, timeline
 from .peer_bench import peer_point
 from .plan import Plan
-from .plans import (CHECK_POINTS, FULL, PRESETS, QUICK, ablation_names, ablation_variants, code_budget, constants_env,
-                    plan_for)
+from .plans import (BATCH_FULL, CHECK_POINTS, FULL, PRESETS, QUICK, ablation_names, ablation_variants, code_budget,
+                    constants_env, plan_for)
 from .precompile import _one
 from .roofline import read_ceiling
 
@@ -113,8 +115,14 @@ class Stage:
     def baseline_points(self, p: str) -> list[tuple[int, int]]:
         return (QUICK_POINTS if self.quick else FULL_POINTS).get(p, []) if self.baselines else []
 
+    def batch_points(self, p: str) -> list[tuple[int, int, int]]:
+        """(B, T, ctx) of the batched steps timed (full runs only)."""
+        return [] if self.quick else BATCH_FULL.get(p, [])
+
     def tokens(self, p: str) -> list[int]:
-        return sorted({t for t, _ in CHECK_POINTS.get(p, [])} | {t for t, _ in self.points(p)})
+        """Every step size (rows) a build is asked for: a batched step's build is its B x T rows'."""
+        return sorted({t for t, _ in CHECK_POINTS.get(p, [])} | {t for t, _ in self.points(p)}
+                      | {b * t for b, t, _ in self.batch_points(p)})
 
     def _ablated(self, p: str) -> bool:
         return self.ablate and p in ("small", "shard8") and bool(self.points(p))
@@ -149,6 +157,10 @@ class Stage:
                 for mode in ("chain", "mega"):
                     out.append(item(f"{p} T={t} ctx={c} {mode}", partial(self._time, p, t, c, mode), f"time/{p}",
                                     (g,)))
+            for b, t, c in self.batch_points(p):
+                for mode in ("chain", "mega"):
+                    out.append(item(f"{p} B={b} T={t} ctx={c} {mode}", partial(self._time_batch, p, b, t, c, mode),
+                                    f"time/{p}", (g,)))
             bpts = self.baseline_points(p)
             if bpts:
                 out.append(item(f"{p} acceptance", partial(self._acceptance, p), "acceptance", (gb,)))
@@ -261,6 +273,11 @@ class Stage:
         self.series.append(s)
         self._say(s)
 
+    def _time_batch(self, p: str, b: int, t: int, ctx: int, mode: str) -> None:
+        s = bench_batch_point(self.h, p, b, t, ctx, self.plan(p, b * t), mode, self.ceiling)
+        self.series.append(s)
+        self._say(s)
+
     def _collector(self):
         if self._col is None:
             self._col = Collector(quick=self.quick, strict=True)  # the harness policy model.baselines always had
@@ -293,13 +310,16 @@ class Stage:
 
     def _save(self) -> list:
         derived = {}
-        by = {(s.params["preset"], s.params["T"], s.params["ctx"], s.params["impl"]): s for s in self.series}
-        for (p, t, ctx, impl), s in by.items():
-            if impl.startswith("mega") and (p, t, ctx, "chain") in by:
-                ch = by[(p, t, ctx, "chain")]
-                derived[f"speedup_vs_chain/{p}/T{t}/ctx{ctx}/{impl}"] = Derived(
+        by = {(s.params["preset"], s.params["T"], s.params["ctx"], s.params["impl"], s.params.get("batch", 1)): s
+              for s in self.series}
+        for (p, t, ctx, impl, b), s in by.items():
+            if impl.startswith("mega") and (p, t, ctx, "chain", b) in by:
+                ch = by[(p, t, ctx, "chain", b)]
+                at = f"B{b}/" if b != 1 else ""
+                derived[f"speedup_vs_chain/{p}/{at}T{t}/ctx{ctx}/{impl}"] = Derived(
                     ch.summary.median / s.summary.median, "x", "median chain step time / median mega step time "
-                    "(both replayed from CUDA graphs)", inputs=(ch.name, s.name))
+                    "(both replayed from CUDA graphs)" + (f", {b} requests a step" if b != 1 else ""),
+                    inputs=(ch.name, s.name))
         if self.checks:
             derived["max_rel_err_vs_reference"] = Derived(
                 max(c.rel_err for c in self.checks), "", "max over the checked points of ||mega - reference|| / "
@@ -307,6 +327,11 @@ class Stage:
         notes = self.notes + [f"checked {c.preset} T={c.n_tokens} ctx={c.ctx}: rel err {c.rel_err:.2e}; mega == chain "
                               f"bitwise (logits, KV caches), repeated mega run bitwise identical, bitwise with the "
                               f"kernel's own routing (logits, tokens, KV caches)" for c in self.checks]
+        if any(s.params.get("batch", 1) != 1 for s in self.series):
+            notes.append("batched steps (params batch = B requests a step, each its own tree, context and KV cache; "
+                         "roofline: the union of routed experts, the dense weights once, each request's KV reads): "
+                         "the peer takes one request a step (one context, one cache, one tree: megakernel.peer) and "
+                         "is not timed at B > 1")
         if self.series or self.checks:
             env = constants_env(None, self.constants)  # which constants revision the builds read
             self.results.append(Result("megakernel.step", env, tuple(self.series), derived,

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from microbench.errors import KernelDoesNotFitError
 
 from . import fp4_layout
+from .abi import B_MAX, STEP_INTS
 from .config import ModelConfig
 
 # op kinds, in the order they run inside a layer (the C++ enum is rendered from this tuple)
@@ -449,13 +450,14 @@ class Plan:
     @property
     def misc_bytes(self) -> int:
         """The ring's mbarriers and block.cuh's MISC ints (top-k scratch, profiler slots, kept-unit
-        tags), as block.cuh lays them out, in 16-byte units. Sized exactly, not rounded up to a
+        tags, the step block's copy), as block.cuh lays them out, in 16-byte units. Sized exactly, not rounded up to a
         fixed size: every byte left over can decide whether another ring stage fits. block.cuh's
         static_assert fails the build if this differs from its layout."""
         c = self.cfg
         rtag = MISC_SCRATCH + c.max_tree * c.top_k + 2 * ((c.n_experts + 31) // 32) + c.n_experts  # MISC_RTAG
         pslot = (rtag + 1 + 16 + 1) & ~1  # MISC_PSLOT: past RTAG and RNORM[16], 8-byte aligned
-        ints = pslot + 8 * PROF_OPS + 2 + 2 + KEEP_MAX  # PSLOT, PWIN, PWAIT, KEEP
+        # PSLOT, PWIN, PWAIT, KEEP, then the step's shape: STEP, ROW_REQ, SPLITS, SPAN
+        ints = pslot + 8 * PROF_OPS + 2 + 2 + KEEP_MAX + STEP_INTS + (c.max_tree + 3) // 4 + B_MAX + 2
         bars = 2 * self.ring_stages + 1  # full and empty per stage, xbar
         return -(-(bars * 8 + 4 * ints) // 16) * 16
 

@@ -28,6 +28,12 @@ FULL = {"small": [(t, c) for c in (512, 4096) for t in (1, 16)],
 CHECK_POINTS = {"tiny": [(1, 0), (16, 20), (16, 100)], "small": [(1, 300), (16, 1500)],
                 "shard8": [(1, 300), (16, 2500)]}
 REL_TOL = 1e-2  # bf16 activations between ops, fp32 accumulation: observed ~3e-3 on tiny
+# Batched steps (megakernel.batch) the full run and the benchmark cases time, (B, T, ctx) at the
+# headline contexts: B = 2, 4, 8 at T = 1 and the B x T = 16 points one m16 token tile allows
+# (B = 2 T = 8, B = 4 T = 4); B = 1 is FULL's own T = 1 and T = 16 at the same contexts. B x T
+# beyond 16 is not built (megakernel.batch.NOT_BUILT)
+BATCH_GRID = ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4))
+BATCH_FULL = {"small": [(b, t, 512) for b, t in BATCH_GRID], "shard8": [(b, t, 2048) for b, t in BATCH_GRID]}
 
 
 # The tuned spin bound covers latency-bound waits only (its rule says so); a megakernel block also

@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 from .build import build_gpu
 from .config import preset
 from .plan import make_plan
-from .plans import CHECK_POINTS, FULL, NONE, QUICK, plan_for, technique_switches
+from .plans import BATCH_FULL, CHECK_POINTS, FULL, NONE, QUICK, plan_for, technique_switches
 
 
 def plans(n_sm: int = 132):
@@ -22,7 +22,9 @@ def plans(n_sm: int = 132):
     allsw = {k: v for d in tech.values() for k, v in d.items()}
     for p in ("tiny", "small", "shard8"):
         out.append(plan_for(p, None, n_sm))
-        for t in sorted({t for pts in (CHECK_POINTS, QUICK, FULL) for t, _ in pts.get(p, [])}):
+        rows = {t for pts in (CHECK_POINTS, QUICK, FULL) for t, _ in pts.get(p, [])}
+        rows |= {b * t for b, t, _ in BATCH_FULL.get(p, [])}  # a batched step runs the build of its B x T rows
+        for t in sorted(rows):
             out.append(plan_for(p, None, n_sm, tokens=t))  # the build each checked / timed T runs
         if p == "tiny":
             continue

@@ -6,7 +6,8 @@ Units and groups (the same rules are written in csrc/mk/program.cuh; tests cross
   op           units                        group of a unit (counter it bumps besides total)
   embed        T                            -
   qkv          QKV_ROWS/16                   kv head its rows feed (HKV groups)
-  attn         HKV * splits(layer, ctx, T)  kv head (HKV groups)
+  attn         HKV * S, S = sum over the    kv head (HKV groups)
+               requests of splits(layer, ctx_r, T_r)
   attn_combine HQ * T                       -
   oproj        D/Rr         router E/8      pool P/Rp         topk 1
   expert1      count * F/(R1/2) (dynamic)   slot (MAX_SLOTS groups)
@@ -24,6 +25,10 @@ Tensor parallelism (Plan.tp_ranks R, tp_groups NG; the heads and expert rows are
   expert2      count * (P/R)/R2, "sentinel" <- expert1: polls the gathered activations; pushes
   moe_combine  also polls the gathered expert outputs (and resets the layer's activations)
   (expert_parallel: count = the rank's own slots, whole rows: F/(R1/2) and P/R2 units a slot)
+A step holds B requests (abi.py's step block): T is the step's token rows, the requests' trees
+concatenated; an attention unit is (kv head, request, split), each kv head's units the requests'
+splits in request order (attn_unit). The rules take t and ctx as ints (one request) or as one of
+each per request.
 A dependency is ("all", producer): every unit of the producer instance, or ("group", producer):
 the one group of the producer the consumer unit needs (attn <- qkv by kv head, attn_combine <-
 attn by kv head, expert2 <- expert1 by slot), or ("sentinel", producer): every unit of it, but
@@ -44,6 +49,7 @@ the launch therefore never waits, so the launch always progresses (given co-resi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -123,14 +129,43 @@ def cached_keys(cfg: ModelConfig, layer: int, ctx: int) -> int:
     return ctx if cfg.is_global(layer) else min(ctx, cfg.window - 1)
 
 
-def n_units(plan: Plan, kind: str, layer: int, t: int, ctx: int, count: int) -> int:
+def requests(t: int | Sequence[int], ctx: int | Sequence[int]) -> list[tuple[int, int]]:
+    """(T_r, ctx_r) of each request of a step: t and ctx are ints (one request) or one per request."""
+    ts = [int(t)] if isinstance(t, (int, np.integer)) else [int(x) for x in t]
+    cs = [int(ctx)] if isinstance(ctx, (int, np.integer)) else [int(x) for x in ctx]
+    if len(ts) != len(cs) or not ts:
+        raise ValueError(f"{len(ts)} requests' tree sizes but {len(cs)} contexts")
+    return list(zip(ts, cs))
+
+
+def attn_span(plan: Plan, layer: int, t, ctx) -> int:
+    """Attention units per kv head: every request's splits, each as if it ran alone (splits of its
+    own ctx and T only, so its partials and bits are those of its B=1 step)."""
+    return sum(splits(plan.cfg, plan, layer, c, n) for n, c in requests(t, ctx))
+
+
+def attn_unit(plan: Plan, layer: int, unit: int, t, ctx) -> tuple[int, int, int, int]:
+    """(kv head, request, split, the request's splits) of attention unit `unit` (attention.cuh attn_unit)."""
+    kvh, v = divmod(unit, attn_span(plan, layer, t, ctx))
+    reqs = requests(t, ctx)
+    for r, (n, c) in enumerate(reqs):
+        ns = splits(plan.cfg, plan, layer, c, n)
+        if v < ns or r + 1 == len(reqs):
+            return kvh, r, v, ns
+        v -= ns
+    raise AssertionError("unreachable")
+
+
+def n_units(plan: Plan, kind: str, layer: int, t, ctx, count: int) -> int:
     c = plan.rcfg  # the heads of one rank (Plan.tp_ranks), else the model's
     f_sh, p_sh = plan.expert_rows
+    rows = sum(n for n, _ in requests(t, ctx))
+    if kind == "attn":
+        return c.n_kv_heads * attn_span(plan, layer, t, ctx)
     return {
-        "embed": t,
+        "embed": rows,
         "qkv": c.qkv_rows // plan.tiles["qkv"].rows,
-        "attn": c.n_kv_heads * splits(c, plan, layer, ctx, t),
-        "attn_combine": c.n_heads * t,
+        "attn_combine": c.n_heads * rows,
         # TP: a unit per (K group of the rank, feature tile): the group's fp32 partial
         "oproj": tp_groups_of_rank(plan) * c.d_model // plan.tiles["oproj"].rows,
         "attn_reduce": c.d_model // plan.tiles["oproj"].rows,
@@ -152,7 +187,7 @@ def tp_groups_of_rank(plan: Plan) -> int:
     return plan.tp_groups // plan.tp_ranks if plan.tp_ranks else 1
 
 
-def unit_group(plan: Plan, kind: str, layer: int, unit: int, t: int, ctx: int) -> int | None:
+def unit_group(plan: Plan, kind: str, layer: int, unit: int, t, ctx) -> int | None:
     """Group counter (relative) a unit bumps, or None."""
     c = plan.rcfg
     if kind == "qkv":
@@ -163,25 +198,27 @@ def unit_group(plan: Plan, kind: str, layer: int, unit: int, t: int, ctx: int) -
             return head - c.n_heads
         return head - c.n_heads - c.n_kv_heads
     if kind == "attn":
-        return unit // splits(c, plan, layer, ctx, t)
+        return unit // attn_span(plan, layer, t, ctx)
     if kind == "expert1":
         return unit // (plan.expert_rows[0] // (plan.tiles["expert1"].rows // 2))
     return None
 
 
-def group_size(plan: Plan, kind: str, layer: int, t: int, ctx: int) -> int:
+def group_size(plan: Plan, kind: str, layer: int, t, ctx) -> int:
     c = plan.rcfg
-    return {"qkv": (c.group + 2) * c.head_dim // plan.tiles["qkv"].rows, "attn": splits(c, plan, layer, ctx, t),
+    if kind == "attn":
+        return attn_span(plan, layer, t, ctx)
+    return {"qkv": (c.group + 2) * c.head_dim // plan.tiles["qkv"].rows,
             "expert1": plan.expert_rows[0] // (plan.tiles["expert1"].rows // 2)}[kind]
 
 
-def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int, t: int, ctx: int) -> int:
+def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int, t, ctx) -> int:
     """Which group of `producer` the consumer unit waits for."""
     c = plan.cfg
     if consumer == "attn" and producer == "qkv":  # by kv head
-        return unit // splits(c, plan, layer, ctx, t)
-    if consumer == "attn_combine" and producer == "attn":
-        return (unit // t) // c.group
+        return unit // attn_span(plan, layer, t, ctx)
+    if consumer == "attn_combine" and producer == "attn":  # by kv head (unit: q head x row)
+        return (unit // sum(n for n, _ in requests(t, ctx))) // c.group
     if consumer == "expert2" and producer == "expert1":
         return unit // (plan.expert_rows[1] // plan.tiles["expert2"].rows)
     raise ValueError(f"no group dependency rule {consumer} <- {producer}")

@@ -48,7 +48,7 @@ from .config import ConfigError, preset as get_preset
 from .plan import Plan, make_plan
 from .plans import REL_TOL
 from .profile_events import EVENTS
-from .reference import KVCache, Trace, step as reference_step
+from .reference import KVCache, Request, Trace, step as reference_step
 from .results_names import TP_WAITS
 from .runtime import EMU_SCHEDULES, EmulationError, Engine, RankLink, StepOut, check_close
 from .weights import ModelWeights, generate, shard
@@ -84,12 +84,13 @@ def rank_cache(cache: KVCache, rank: int, ranks: int) -> KVCache:
 
 
 class RankEngine:
-    """The plan's launch_ranks ranks in one launch (emulation or one GPU). `cache`: the model's KV
-    cache (tensor parallelism: each rank writes its kv heads in place), or without tensor
-    parallelism a list of one cache per rank. `grid`: blocks per rank (default: the GPU's SMs
-    shared out, or 2 in the emulation)."""
+    """The plan's launch_ranks ranks in one launch (emulation or one GPU), with the step API of
+    Engine (step, step_batch). `cache`, with tensor parallelism: the model's KV cache, or a list of
+    one per request (Engine's batches); each rank writes its kv heads of them in place. Without
+    tensor parallelism: a list of one per rank (each a KVCache or a list per request). `grid`:
+    blocks per rank (default: the GPU's SMs shared out, or 2 in the emulation)."""
 
-    def __init__(self, weights: ModelWeights, plan: Plan, cache: KVCache | Sequence[KVCache], *,
+    def __init__(self, weights: ModelWeights, plan: Plan, cache, *,
                  backend: str = "emu", program_mode: str = "layer", grid: int | None = None, emu_seed: int = 1,
                  emu_schedule: str = "random"):
         r = plan.launch_ranks
@@ -99,9 +100,11 @@ class RankEngine:
         if emu_schedule not in EMU_SCHEDULES:
             raise ValueError(f"emu_schedule {emu_schedule!r}: one of {', '.join(EMU_SCHEDULES)}")
         if plan.tp_ranks:
-            if not isinstance(cache, KVCache):
-                raise ConfigError("tensor parallelism: one KV cache, every rank writes its kv heads of it")
-            caches = [rank_cache(cache, k, r) for k in range(r)]
+            reqs = [cache] if isinstance(cache, KVCache) else list(cache)
+            if not reqs or not all(isinstance(c, KVCache) for c in reqs):
+                raise ConfigError("tensor parallelism: the model's KV cache (or one per request); each rank writes "
+                                  "its kv heads of it")
+            caches = [[rank_cache(c, k, r) for c in reqs] for k in range(r)]
         else:
             caches = [cache] * r if isinstance(cache, KVCache) and r == 1 else list(cache)
             if len(caches) != r or len({id(c) for c in caches}) != r:
@@ -141,17 +144,18 @@ class RankEngine:
 
     # ------------------------------------------------------------------ running
     def prepare(self, tokens, parents, ctx: int, routes=None) -> int:
+        """A one-request step: prepare_batch."""
+        return self.prepare_batch([Request(tokens, parents, ctx)], routes)
+
+    def prepare_batch(self, requests: Sequence[Request], routes=None) -> int:
         """Every rank's inputs and parameter block (the same step on each); one device copy of
-        the blocks in rank order. Returns T."""
-        t = 0
+        the blocks in rank order. Returns the step's rows."""
         for e in self.engines:
-            t = e.prepare(tokens, parents, ctx, routes)
+            rows = e.prepare_batch(requests, routes)
         self._params_dev = torch.cat([e._params_dev for e in self.engines])
-        self._step = (t, ctx)
-        return t
+        return rows
 
     def launch_step(self, mode: str = "mega") -> None:
-        t, ctx = self._step
         e0 = self.engines[0]
         for e in self.engines:
             if mode == "mega" and e._dirty[e.parity]:
@@ -159,28 +163,27 @@ class RankEngine:
         if self.prof is not None:
             self.prof.reset()
         for li, ((first, n, wait, grid), pdl) in enumerate(zip(e0.launches(mode), e0.launch_pdl(mode))):
-            self._launch(first, n, wait, grid, t, ctx, li, pdl=pdl)
+            self._launch(first, n, wait, grid, li, pdl=pdl)
         if mode == "mega":
             for e in self.engines:
                 e._dirty[e.parity] = True
                 e._dirty[e.parity ^ 1] = False
                 e.parity ^= 1
 
-    def _launch(self, first: int, n: int, wait: int, grid: int, t: int, ctx: int, li: int = 0,
-                pdl: bool = False) -> None:
+    def _launch(self, first: int, n: int, wait: int, grid: int, li: int = 0, pdl: bool = False) -> None:
         """One launch of every rank: `grid` blocks per rank, the blocks of rank k after rank k-1's."""
         e0 = self.engines[0]
         total = grid * self.ranks
         pb, pm = self.prof.args(li) if self.prof is not None else (0, np.uint64(0))
         if self.backend == "gpu":
             spec = LaunchSpec(grid=total, block=self.plan.threads, smem=self.plan.smem_bytes, pdl=pdl)
-            launch(e0.kernel, spec, self._params_dev, np.int32(first), np.int32(n), np.int32(wait), np.int32(t),
-                   np.int32(ctx), np.int32(e0.parity), pb, pm, persistent=bool(wait))
+            launch(e0.kernel, spec, self._params_dev, np.int32(first), np.int32(n), np.int32(wait),
+                   np.int32(e0.parity), pb, pm, persistent=bool(wait))
             return
         err = ctypes.create_string_buffer(2048)
         if e0.dll.emu_set_schedule(EMU_SCHEDULES[self.emu_schedule]):
             raise EmulationError(f"the emulation does not know schedule {self.emu_schedule!r}")
-        rc = e0.dll.mk_emu_run(self._params_dev.data_ptr(), total, first, n, wait, t, ctx, e0.parity, self.emu_seed,
+        rc = e0.dll.mk_emu_run(self._params_dev.data_ptr(), total, first, n, wait, e0.parity, self.emu_seed,
                                err, len(err), pb, int(pm))
         self.emu_seed += 1
         if rc:
@@ -208,14 +211,19 @@ class RankEngine:
         raise SpinTimeoutError(msg)
 
     def step(self, tokens, parents: Sequence[int], ctx: int, *, mode: str = "mega", routes=None) -> StepOut:
-        """One step on every rank; rank 0's logits and tokens (rank_outputs(): every rank's)."""
-        t = self.prepare(tokens, parents, ctx, routes)
+        """One request's step on every rank: step_batch."""
+        return self.step_batch([Request(tokens, parents, ctx)], mode=mode, routes=routes)
+
+    def step_batch(self, requests: Sequence[Request], *, mode: str = "mega", routes=None) -> StepOut:
+        """A step of these requests on every rank; rank 0's logits and tokens (rank_outputs():
+        every rank's; out.request(r): request r's rows)."""
+        rows = self.prepare_batch(requests, routes)
         self.launch_step(mode)
         if self.backend == "gpu":
             torch.cuda.synchronize()
         self._check_watchdog()
-        self._outs = [StepOut(e.buf["logits"][:t].clone(), e.buf["out_tokens"][:t].to(torch.int64).clone())
-                      for e in self.engines]
+        self._outs = [StepOut(e.buf["logits"][:rows].clone(), e.buf["out_tokens"][:rows].to(torch.int64).clone(),
+                              e._row0) for e in self.engines]
         return self._outs[0]
 
     def check_slots_empty(self) -> None:

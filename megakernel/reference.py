@@ -230,6 +230,32 @@ def step(w: ModelWeights, cache: KVCache, tokens: Sequence[int] | torch.Tensor, 
     return logits
 
 
+@dataclass(frozen=True)
+class Request:
+    """One request of a batched step: its tree's tokens and parents (parent -1: the root) and the
+    cached positions of its own KV cache before the step."""
+    tokens: Sequence[int] | torch.Tensor
+    parents: Sequence[int]
+    ctx: int
+
+
+def step_batch(w: ModelWeights, caches: Sequence[KVCache], requests: Sequence[Request],
+               routes: Sequence[torch.Tensor] | None = None, traces: Sequence[Trace] | None = None) -> torch.Tensor:
+    """The batched step's contract: each request's own `step` on its own cache (request r on
+    caches[r]), nothing shared. Logits [rows, V], the requests' rows in order. `routes` (forced):
+    per layer [rows, top_k] over those rows; `traces`: one per request."""
+    if len(caches) < len(requests):
+        raise ConfigError(f"{len(requests)} requests but {len(caches)} caches (one per request)")
+    out, row = [], 0
+    for r, q in enumerate(requests):
+        t = len(q.tokens)
+        rr = None if routes is None else [rl[row:row + t] for rl in routes]
+        out.append(step(w, caches[r], q.tokens, q.parents, q.ctx, routes=rr,
+                        trace=None if traces is None else traces[r]))
+        row += t
+    return torch.cat(out)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy choice per row, ties to the lowest index (torch.argmax's documented behaviour
     returns the first maximal index)."""

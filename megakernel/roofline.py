@@ -12,6 +12,10 @@ What a step must touch (each counted once, as if nothing stayed in L2 between st
   kv_write   T new K and V rows per layer
   lm_head    the LM head and the final norm gain
   embed      T embedding rows
+A batch of B requests (batch_step_bytes) moves the dense weights and the LM head once, the union of
+the experts every row of the batch routes to (per layer), each request's own KV reads (its
+context, its tree) and writes, and an embedding row per token row: what B separate steps would
+read B times, a batched step reads once, except each request's KV.
 Ignored (< 0.01% at every preset): RoPE table rows, routing metadata, activations that a fused
 kernel keeps on chip. Activations that torch materialises (the baselines' dequantised expert
 weights, intermediate tensors) are deliberately NOT counted: the roofline is the floor for any
@@ -77,7 +81,22 @@ def kv_rows_read(cfg: ModelConfig, layer: int, n_tokens: int, ctx: int) -> int:
 def step_bytes(cfg: ModelConfig, n_tokens: int, ctx: int, distinct_per_layer: Sequence[int] | int) -> StepBytes:
     """Bytes a step over `n_tokens` tree tokens at context `ctx` must move, given how many distinct
     experts each layer routes to (one int for every layer, or one per layer)."""
-    cfg.check_step(ctx, n_tokens)
+    return batch_step_bytes(cfg, [(n_tokens, ctx)], distinct_per_layer)
+
+
+def batch_step_bytes(cfg: ModelConfig, requests: Sequence[tuple[int, int]],
+                     distinct_per_layer: Sequence[int] | int) -> StepBytes:
+    """Bytes a step of B requests, (tree tokens, context) each, must move, given how many distinct
+    experts each layer routes to over all of the step's rows (the union; one int for every layer,
+    or one per layer)."""
+    if not requests:
+        raise ConfigError(f"{cfg.name}: a step needs at least one request")
+    for t, c in requests:
+        cfg.check_step(c, t)
+    n_tokens = sum(t for t, _ in requests)
+    if n_tokens > cfg.max_tree:
+        raise ConfigError(f"{cfg.name}: {len(requests)} requests of {n_tokens} token rows in all; a step holds at "
+                          f"most {cfg.max_tree}")
     if isinstance(distinct_per_layer, int):
         distinct = [distinct_per_layer] * cfg.n_layers
     else:
@@ -93,7 +112,7 @@ def step_bytes(cfg: ModelConfig, n_tokens: int, ctx: int, distinct_per_layer: Se
     return StepBytes(
         dense=cfg.n_layers * cfg.dense_layer_bytes(),
         experts=sum(distinct) * cfg.expert_bytes,
-        kv_read=sum(kv_rows_read(cfg, l, n_tokens, ctx) for l in range(cfg.n_layers)) * row,
+        kv_read=sum(kv_rows_read(cfg, l, t, c) for l in range(cfg.n_layers) for t, c in requests) * row,
         kv_write=cfg.n_layers * n_tokens * row,
         lm_head=2 * cfg.vocab * cfg.d_model + 2 * cfg.d_model,
         embed=2 * n_tokens * cfg.d_model,
@@ -138,7 +157,13 @@ def read_ceiling(gpu: str | None = None, roots: Sequence[Path] | None = None) ->
 
 def roofline(cfg: ModelConfig, n_tokens: int, ctx: int, distinct_per_layer: Sequence[int] | int,
              ceiling: tuple[float, str] | None = None, gpu: str | None = None) -> Roofline:
+    return batch_roofline(cfg, [(n_tokens, ctx)], distinct_per_layer, ceiling, gpu)
+
+
+def batch_roofline(cfg: ModelConfig, requests: Sequence[tuple[int, int]], distinct_per_layer: Sequence[int] | int,
+                   ceiling: tuple[float, str] | None = None, gpu: str | None = None) -> Roofline:
+    """The roofline of a step of B requests, (tree tokens, context) each (batch_step_bytes)."""
     value, source = ceiling if ceiling is not None else read_ceiling(gpu)
     if not value > 0:
         raise ConfigError(f"read ceiling must be positive, got {value} ({source})")
-    return Roofline(step_bytes(cfg, n_tokens, ctx, distinct_per_layer), float(value), source)
+    return Roofline(batch_step_bytes(cfg, requests, distinct_per_layer), float(value), source)

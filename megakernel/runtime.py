@@ -5,6 +5,16 @@ the host emulation.
     out = eng.step(tokens, parents, ctx, mode="mega")     # or mode="chain" / "chain_nopdl"
     out.logits [T, V] fp32, out.tokens [T] (greedy), cache updated in place like reference.step
 
+A batch: B requests in one step, each with its own tree, context and KV cache:
+
+    eng = Engine(weights, plan, [cache0, cache1, ...], backend="gpu")
+    out = eng.step_batch([Request(tokens0, parents0, ctx0), Request(tokens1, parents1, ctx1)])
+    out.request(r).logits [T_r, V], out.request(r).tokens [T_r]; cache r updated in place
+
+The requests' rows are concatenated (at most T_MAX = 16 rows in all: one m16 token tile in every
+GEMM). Every op but attention is row-independent and attention splits each request's keys as if
+it ran alone, so request r's logits, tokens and cache are bitwise those of its own B=1 step.
+
 Chain mode launches one op instance per kernel launch in program order (the study's baseline
 structure: our own kernel chain), with programmatic dependent launch where the plan has it and the
 op allows (launch_pdl_flags; "chain_nopdl": the same chain without); mega mode launches each `Program.launches` range as one
@@ -34,7 +44,7 @@ from .plan import Plan
 from .profile_events import EVENTS
 from .program import (WHAT_AR, WHAT_GATHER_ACT, WHAT_GATHER_Y, WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE,
                       WHAT_NORM_ROWS, WHAT_RING_EMPTY, WHAT_RING_FULL, WHAT_SENTINEL, Program, build as build_program)
-from .reference import KVCache
+from .reference import KVCache, Request
 from .weights import BF16, ModelWeights
 
 
@@ -87,8 +97,20 @@ class RankLink:
 
 @dataclass
 class StepOut:
-    logits: torch.Tensor  # [T, V] fp32
-    tokens: torch.Tensor  # [T] int64: greedy token after each tree position
+    logits: torch.Tensor  # [rows, V] fp32
+    tokens: torch.Tensor  # [rows] int64: greedy token after each tree position
+    row0: tuple[int, ...] = ()  # each request's first row, then the row count (empty: one request)
+
+    @property
+    def n_requests(self) -> int:
+        return max(1, len(self.row0) - 1)
+
+    def request(self, r: int) -> StepOut:
+        """Request r's rows (views)."""
+        b = self.row0 or (0, self.logits.shape[0])
+        if not 0 <= r < len(b) - 1:
+            raise IndexError(f"request {r}: this step has {len(b) - 1}")
+        return StepOut(self.logits[b[r]:b[r + 1]], self.tokens[b[r]:b[r + 1]])
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -103,7 +125,7 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 class Engine:
-    def __init__(self, weights: ModelWeights, plan: Plan, cache: KVCache, *, backend: str = "gpu",
+    def __init__(self, weights: ModelWeights, plan: Plan, cache: KVCache | Sequence[KVCache], *, backend: str = "gpu",
                  program_mode: str = "layer", grid: int | None = None, emu_seed: int = 1,
                  code_budget: int | None = None, profile_launches: Iterable[int] | None = None,
                  emu_schedule: str = "random", link: RankLink | None = None):
@@ -116,9 +138,17 @@ class Engine:
         if link is None and (plan.launch_ranks > 1 or plan.tp_ranks):
             raise ConfigError(f"a plan of {max(plan.launch_ranks, plan.tp_ranks)} ranks runs in a RankEngine (ranks.py), "
                               "or one process per GPU (ranks.run_torchrun): an Engine alone is one rank")
-        self.w, self.plan, self.cfg, self.cache = weights, plan, weights.cfg, cache
         self.link = link
         self.rank = link.rank if link else 0
+        # one KV cache per request a step may hold (request r reads and writes caches[r])
+        self.caches = [cache] if isinstance(cache, KVCache) else list(cache)
+        if not 1 <= len(self.caches) <= abi.B_MAX or not all(isinstance(c, KVCache) for c in self.caches):
+            raise ConfigError(f"Engine takes a KVCache or a list of 1..{abi.B_MAX} of them (one per request)")
+        if any(c.cfg != weights.cfg for c in self.caches):
+            raise ConfigError("a KV cache is for another model config than the weights")
+        if len({id(c) for c in self.caches}) != len(self.caches):
+            raise ConfigError("the same KV cache twice: each request needs its own (one writes the other's rows)")
+        self.w, self.plan, self.cfg, self.cache = weights, plan, weights.cfg, self.caches[0]
         self.backend = backend
         self.program: Program = build_program(plan, program_mode)
         self.dev = weights.device
@@ -141,6 +171,7 @@ class Engine:
         self._alloc()
         self._keep: list[torch.Tensor] = []  # the tiled dense weights the kernel points into
         self._layers_blob = self._layer_ptrs()
+        self._kv_blob = self._kv_table()
         self.wd = link.watchdog if link else Watchdog(plan.spin_bound_ns, device=self.dev)
         self.parity = 0
         self._dirty = [False, False]
@@ -219,9 +250,11 @@ class Engine:
         self.empty_sentinel_slots()
         self.counters = z(2, self.program.n_counters, dt=torch.int32)
         self.prog_t = torch.from_numpy(self.program.encode()).to(dev)
+        self.step_t = z(abi.STEP_INTS, dt=torch.int32)  # the step block (abi.STEP_FIELDS)
         self.tokens_t = z(tm, dt=torch.int32)
         self.depth_t = z(tm, dt=torch.int32)
         self.anc_t = z(tm, dt=torch.int32)
+        self.row_req_t = z(tm, dt=torch.int32)
         self.route_t = z(c.n_layers, tm, c.top_k, dt=torch.int32)
 
     def _tiled(self, w: torch.Tensor, field: str) -> torch.Tensor:
@@ -252,10 +285,21 @@ class Engine:
             w2c, w2s = self._fp4_copies(lw.w2, "expert2")
             s.w1_codes, s.w1_scales, s.w1_ts = _ptr(w1c), _ptr(w1s), _ptr(lw.w1.tensor_scale)
             s.w2_codes, s.w2_scales, s.w2_ts = _ptr(w2c), _ptr(w2s), _ptr(lw.w2.tensor_scale)
-            s.k_cache, s.v_cache = _ptr(self.cache.k[l]), _ptr(self.cache.v[l])
         blob = torch.frombuffer(bytearray(ctypes.string_at(ctypes.addressof(arr), ctypes.sizeof(arr))),
                                 dtype=torch.uint8)
         return blob.to(self.dev)
+
+    def _kv_table(self) -> torch.Tensor:
+        """Params.kv: [L][B_MAX][2] addresses of each request's K and V cache per layer (0 past the
+        engine's caches: a step never has more requests than caches, _set_inputs checks)."""
+        tab = torch.zeros(self.cfg.n_layers, abi.B_MAX, 2, dtype=torch.int64)
+        for r, cache in enumerate(self.caches):
+            for l in range(self.cfg.n_layers):
+                for i, t in enumerate((cache.k[l], cache.v[l])):
+                    if t.device.type != self.dev.type or t.dtype != BF16 or not t.is_contiguous():
+                        raise ConfigError(f"KV cache {r} layer {l}: want contiguous bf16 on {self.dev}")
+                    tab[l, r, i] = _ptr(t)
+        return tab.to(self.dev)
 
     def _params(self, override: bool) -> torch.Tensor:
         b = self.buf
@@ -265,7 +309,9 @@ class Engine:
         P.lm_head = _ptr(self._lm_head)
         P.rope_cos, P.rope_sin = _ptr(self.w.rope_cos), _ptr(self.w.rope_sin)
         P.program = _ptr(self.prog_t)
+        P.step, P.kv = _ptr(self.step_t), _ptr(self._kv_blob)
         P.tokens, P.depth, P.anc = _ptr(self.tokens_t), _ptr(self.depth_t), _ptr(self.anc_t)
+        P.row_req = _ptr(self.row_req_t)
         P.route_override = _ptr(self.route_t) if override else 0
         for name in ("x", "ss_part", "xg", "q", "att_o", "att_ml", "att_out", "router_logits", "route_sel",
                      "route_w", "route_slot", "route_pos", "slot_expert", "slot_ntok", "slot_tok", "n_slots",
@@ -352,39 +398,66 @@ class Engine:
                 WHAT_LOADER_PACE: f"{name}: the first weight chunk of the routed op landing (loader, opening pace)",
                 }.get(code, f"{name} code {code}")
 
-    def _set_inputs(self, tokens, parents, ctx, routes):
+    def _set_inputs(self, requests: Sequence[Request], routes) -> tuple[int, ...]:
+        """Check a step's requests and copy their rows, the step block and the forced routing (if
+        any) to the device. Returns each request's first row, then the row count."""
         c = self.cfg
-        tokens = [int(x) for x in (tokens.tolist() if torch.is_tensor(tokens) else tokens)]
-        t = len(tokens)
-        c.check_step(ctx, t)
-        if len(parents) != t:
-            raise ConfigError(f"{t} tokens but {len(parents)} parents")
-        if any(not 0 <= x < c.vocab for x in tokens):
-            raise ConfigError(f"token ids must be in [0, {c.vocab})")
-        depth = treelib.depths(parents)
-        if ctx + max(depth) >= c.max_context:
-            raise ConfigError(f"position {ctx + max(depth)} outside the RoPE table ({c.max_context})")
-        anc = treelib.ancestor_mask(parents)
-        bits = [int(sum(1 << j for j in range(t) if anc[i, j])) for i in range(t)]
-        pad = c.max_tree - t
-        self.tokens_t.copy_(torch.tensor(tokens + [0] * pad, dtype=torch.int32))
-        self.depth_t.copy_(torch.tensor(depth + [0] * pad, dtype=torch.int32))
-        self.anc_t.copy_(torch.tensor(bits + [0] * pad, dtype=torch.int32))
+        reqs = list(requests)
+        if not reqs:
+            raise ConfigError("a step needs at least one request")
+        if len(reqs) > len(self.caches):
+            raise ConfigError(f"{len(reqs)} requests but this engine has {len(self.caches)} KV caches (one per request)")
+        toks_all, depth_all, anc_all, req_all, ctxs, counts = [], [], [], [], [], []
+        for r, q in enumerate(reqs):
+            what = f"request {r}: " if len(reqs) > 1 else ""
+            tokens = [int(x) for x in (q.tokens.tolist() if torch.is_tensor(q.tokens) else q.tokens)]
+            t, ctx = len(tokens), int(q.ctx)
+            try:
+                c.check_step(ctx, t)
+            except ConfigError as e:
+                raise ConfigError(f"{what}{e}") from None
+            if len(q.parents) != t:
+                raise ConfigError(f"{what}{t} tokens but {len(q.parents)} parents")
+            if any(not 0 <= x < c.vocab for x in tokens):
+                raise ConfigError(f"{what}token ids must be in [0, {c.vocab})")
+            depth = treelib.depths(q.parents)
+            if ctx + max(depth) >= c.max_context:
+                raise ConfigError(f"{what}position {ctx + max(depth)} outside the RoPE table ({c.max_context})")
+            anc = treelib.ancestor_mask(q.parents)  # bits relative to the request's first row
+            toks_all += tokens
+            depth_all += depth
+            anc_all += [int(sum(1 << j for j in range(t) if anc[i, j])) for i in range(t)]
+            req_all += [r] * t
+            ctxs.append(ctx)
+            counts.append(t)
+        rows = len(toks_all)
+        if rows > c.max_tree:
+            raise ConfigError(f"{len(reqs)} requests of {'+'.join(map(str, counts))} = {rows} token rows in one step; "
+                              f"a step holds at most {c.max_tree} (B x T <= {c.max_tree}: one m16 tile of tokens in "
+                              "every GEMM; more token tiles are not built)")
+        pad = c.max_tree - rows
         if routes is not None:
             if len(routes) != c.n_layers:
                 raise ConfigError(f"routes for {len(routes)} layers, model has {c.n_layers}")
-            r = torch.zeros(c.n_layers, c.max_tree, c.top_k, dtype=torch.int32)
+            rt = torch.zeros(c.n_layers, c.max_tree, c.top_k, dtype=torch.int32)
             for l, rl in enumerate(routes):
                 rl = torch.as_tensor(rl).to(torch.int64).cpu()
-                if rl.shape != (t, c.top_k):
-                    raise ConfigError(f"layer {l}: route shape {tuple(rl.shape)} != ({t}, {c.top_k})")
+                if rl.shape != (rows, c.top_k):
+                    raise ConfigError(f"layer {l}: route shape {tuple(rl.shape)} != ({rows}, {c.top_k})")
                 if (rl < 0).any() or (rl >= c.n_experts).any():
                     raise ConfigError(f"layer {l}: expert ids outside [0, {c.n_experts})")
                 if any(len(set(row.tolist())) != c.top_k for row in rl):
                     raise ConfigError(f"layer {l}: a token is routed to the same expert twice")
-                r[l, :t] = rl.to(torch.int32)
-            self.route_t.copy_(r)
-        return t
+                rt[l, :rows] = rl.to(torch.int32)
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        self.step_t.copy_(i32(abi.pack_step(ctxs, counts)))
+        self.tokens_t.copy_(i32(toks_all + [0] * pad))
+        self.depth_t.copy_(i32(depth_all + [0] * pad))
+        self.anc_t.copy_(i32(anc_all + [0] * pad))
+        self.row_req_t.copy_(i32(req_all + [0] * pad))
+        if routes is not None:
+            self.route_t.copy_(rt)
+        return tuple(int(sum(counts[:r])) for r in range(len(counts) + 1))
 
     # ------------------------------------------------------------------ running
     def launches(self, mode: str) -> list[tuple[int, int, int, int]]:
@@ -406,21 +479,25 @@ class Engine:
         return launch_pdl_flags(self.program, self.plan.pdl, mode)
 
     def prepare(self, tokens, parents, ctx: int, routes=None) -> int:
-        """Copy a step's inputs to the device and pack the parameter block. Returns T."""
-        t = self._set_inputs(tokens, parents, ctx, routes)
+        """Copy a one-request step's inputs to the device and pack the parameter block. Returns T."""
+        return self.prepare_batch([Request(tokens, parents, ctx)], routes)
+
+    def prepare_batch(self, requests: Sequence[Request], routes=None) -> int:
+        """Copy a step of these requests (request r on caches[r]) to the device and pack the
+        parameter block. `routes` (forced routing): per layer [rows, top_k] over the requests'
+        rows in order. Returns the step's rows."""
+        self._row0 = self._set_inputs(requests, routes)
         self._params_dev = self._params(routes is not None)
-        self._step = (t, ctx)
-        return t
+        return self._row0[-1]
 
     def launch_step(self, mode: str = "mega") -> None:
         """Enqueue the kernels of the prepared step (nothing else: this is what timing measures)."""
-        t, ctx = self._step
         if mode == "mega" and self._dirty[self.parity]:
             self.counters[self.parity].zero_()
         if self.prof is not None:
             self.prof.reset()
         for li, ((first, n, wait, grid), pdl) in enumerate(zip(self.launches(mode), self.launch_pdl(mode))):
-            self._launch(first, n, wait, grid, t, ctx, li, pdl=pdl)
+            self._launch(first, n, wait, grid, li, pdl=pdl)
         if mode == "mega":
             self._dirty[self.parity] = True
             self._dirty[self.parity ^ 1] = False  # the step's argmax cleared it
@@ -428,11 +505,15 @@ class Engine:
 
     def enqueue(self, tokens, parents, ctx: int, *, mode: str = "mega", routes=None) -> int:
         """prepare() + launch_step() (no synchronisation). Returns T."""
-        t = self.prepare(tokens, parents, ctx, routes)
-        self.launch_step(mode)
-        return t
+        return self.enqueue_batch([Request(tokens, parents, ctx)], mode=mode, routes=routes)
 
-    def _launch(self, first, n, wait, grid, t, ctx, li=0, pdl=False):
+    def enqueue_batch(self, requests: Sequence[Request], *, mode: str = "mega", routes=None) -> int:
+        """prepare_batch() + launch_step() (no synchronisation). Returns the step's rows."""
+        rows = self.prepare_batch(requests, routes)
+        self.launch_step(mode)
+        return rows
+
+    def _launch(self, first, n, wait, grid, li=0, pdl=False):
         recorded = self.prof is not None and (self._prof_launches is None or li in self._prof_launches)
         pb, pm = self.prof.args(li) if recorded else (0, np.uint64(0))
         plain = self.prof is not None and not recorded  # a sampled profile: the unprofiled build
@@ -440,14 +521,14 @@ class Engine:
             # one shared-memory size for both builds (the profile_launches setter checks it)
             spec = LaunchSpec(grid=grid, block=self.plan.threads, smem=self.plan.smem_bytes, pdl=pdl)
             kernel = self._plain if plain else self.kernel
-            launch(kernel, spec, self._params_dev, np.int32(first), np.int32(n), np.int32(wait), np.int32(t),
-                   np.int32(ctx), np.int32(self.parity), pb, pm, persistent=bool(wait))
+            launch(kernel, spec, self._params_dev, np.int32(first), np.int32(n), np.int32(wait),
+                   np.int32(self.parity), pb, pm, persistent=bool(wait))
         else:
             err = ctypes.create_string_buffer(2048)
             dll = self._plain if plain else self.dll
             if dll.emu_set_schedule(EMU_SCHEDULES[self.emu_schedule]):  # the library's state: set every launch
                 raise EmulationError(f"the emulation does not know schedule {self.emu_schedule!r}")
-            rc = dll.mk_emu_run(self._params_dev.data_ptr(), grid, first, n, wait, t, ctx, self.parity,
+            rc = dll.mk_emu_run(self._params_dev.data_ptr(), grid, first, n, wait, self.parity,
                                 self.emu_seed, err, len(err), pb, int(pm))
             self.emu_seed += 1
             if rc:
@@ -475,11 +556,17 @@ class Engine:
             raise
 
     def step(self, tokens, parents: Sequence[int], ctx: int, *, mode: str = "mega", routes=None) -> StepOut:
-        t = self.enqueue(tokens, parents, ctx, mode=mode, routes=routes)
+        """One request's step on caches[0]."""
+        return self.step_batch([Request(tokens, parents, ctx)], mode=mode, routes=routes)
+
+    def step_batch(self, requests: Sequence[Request], *, mode: str = "mega", routes=None) -> StepOut:
+        """A step of these requests (request r on caches[r]); out.request(r) is request r's."""
+        rows = self.enqueue_batch(requests, mode=mode, routes=routes)
         if self.backend == "gpu":
             torch.cuda.synchronize()
         self._check_watchdog(mode == "mega")
-        return StepOut(self.buf["logits"][:t].clone(), self.buf["out_tokens"][:t].to(torch.int64).clone())
+        return StepOut(self.buf["logits"][:rows].clone(), self.buf["out_tokens"][:rows].to(torch.int64).clone(),
+                       self._row0)
 
 
 CHAIN_MODES = ("chain", "chain_nopdl")

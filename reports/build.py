@@ -391,6 +391,20 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
                       "Summary; the ablation's builds are in Appendix A."), ""]
         for p, cap in plots.step_bars(main, ctx.fig_dir):
             out += ctx.fig_link(p, cap)
+    out += ["### Larger batches", ""]
+    curve = mk.batch_curve(ctx.step_rows)
+    if curve:
+        out += [*wrap("B requests in one step (each its own tree, context and KV cache; each bitwise its own B=1 "
+                      "step), the study's claim that a megakernel finds larger batches easier as measured: step "
+                      "time and tokens processed per second (B x T a step) against the same implementation at "
+                      "B=1, and the fraction of the batch's roofline (the union of routed experts, the dense "
+                      "weights once, each request's KV reads). The peer takes one request a step and has no "
+                      "batched rows."), "", md_table(curve), ""]
+    else:
+        out += [*wrap("Not measured yet: no batched step (params batch > 1) in the results. `megabench run --full` "
+                      "times B = 2, 4, 8 at T = 1 and the B x T = 16 points (B = 2 T = 8, B = 4 T = 4) against B = 1, "
+                      "chain and mega (megakernel/plans.py BATCH_FULL); the study's claim that a megakernel finds "
+                      "larger batches easier then shows here as a measured curve."), ""]
     if results:
         out += _results_line(results)
     st = paper.setup("gb300")

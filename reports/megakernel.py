@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from microbench.adopt import result_revision
+from microbench.fmt import fmt
 from microbench.results import Result, Series
 
 PRESET_ORDER = ("shard8", "small", "tiny")
@@ -262,7 +263,8 @@ TIE = 0.01  # with_fastest_baselines: runs this close to the fastest count as eq
 
 def _pref(row: StepRow) -> tuple:
     pi = PRESET_ORDER.index(row.preset) if row.preset in PRESET_ORDER else len(PRESET_ORDER)
-    return (pi, row.routing != "forced", -row.tokens, -row.context, -row.batch)
+    # the study runs batch 1: a batched row is never the one its figures are compared with
+    return (pi, row.routing != "forced", row.batch != 1, -row.tokens, -row.context, row.batch)
 
 
 def pick(rows: Sequence[StepRow], impl: str, tokens: int | None = None) -> StepRow | None:
@@ -312,6 +314,41 @@ def figure_value(rows: Sequence[StepRow], timeline: Result | None, ours: dict) -
             if s.params.get("phase") == ours.get("phase") and s.params.get("edge") == edge:
                 return float(np.percentile(s.samples, int(q[1:]))), "s", f"{edge} of {ours.get('phase')}, {q}"
     return None
+
+
+def batch_curve(rows: Sequence[StepRow]) -> list[dict]:
+    """The study's claim that a megakernel finds larger batches easier, as measured: for each
+    (preset, context) and step shape (T = 1 at B = 1, 2, 4, 8; B x T = 16 rows at B = 1, 2, 4), the
+    megakernel's and its chain's step time, tokens processed per second (B x T a step), the
+    fraction of the batch's roofline, and both against the same implementation at B = 1. Forced
+    routing only; a shape with no batched row is left out."""
+    rs = [r for r in rows if r.routing == "forced" and r.impl in ("mega", "chain")]
+
+    def shape(r: StepRow) -> str:
+        return "T=1" if r.tokens == 1 else f"B x T = {r.tokens * r.batch}"
+
+    groups: dict[tuple, dict[int, StepRow]] = {}
+    for r in rs:
+        g = groups.setdefault((r.preset, r.context, shape(r), r.impl), {})
+        if r.batch not in g or r.date > g[r.batch].date:
+            g[r.batch] = r
+    out = []
+    order = sorted(groups, key=lambda k: (PRESET_ORDER.index(k[0]) if k[0] in PRESET_ORDER else 9, k[1], k[2], k[3]))
+    for key in order:
+        g = groups[key]
+        if max(g) == 1:
+            continue
+        base = g.get(1)
+        for b in sorted(g):
+            r = g[b]
+            frac = r.roofline_fraction
+            out.append({"preset": r.preset, "ctx": r.context, "shape": key[2], "B": b, "T": r.tokens, "impl": r.impl,
+                        "step time": fmt(r.step_s, "s"), "tokens/s": fmt(r.tokens_per_s, "tok/s"),
+                        "of roofline": f"{frac:.1%}" if frac else "",
+                        "step vs B=1": f"x{r.step_s / base.step_s:.2f}" if base else "no B=1 row",
+                        "tokens/s vs B=1": f"x{r.tokens_per_s / base.tokens_per_s:.2f}" if base else "no B=1 row",
+                        "run": f"{r.commit} {r.date[:10]}"})
+    return out
 
 
 def timeline_phases(result: Result) -> list[dict]:

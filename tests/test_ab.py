@@ -175,11 +175,11 @@ def test_ncu_commands_put_only_the_target_launches_inside_the_profiler_range(mon
     monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: calls.append("stop"))
 
     class Eng:
-        def _launch(self, first, n, wait, grid, t, ctx, li):
+        def _launch(self, first, n, wait, grid, li):
             calls.append(li)
 
     launches = [(10 * i, 1, 1, 132) for i in range(5)]
-    cli._launches_profiled(Eng(), launches, {1, 3}, 16, 2048, lambda li, first, n, grid: f"launch {li} op {first}")
+    cli._launches_profiled(Eng(), launches, {1, 3}, lambda li, first, n, grid: f"launch {li} op {first}")
     assert calls == [0, "start", 1, "stop", 2, "start", 3, "stop", 4]
     assert capsys.readouterr().out.split("\n")[:2] == ["launch 1 op 10", "launch 3 op 30"]
 

@@ -90,6 +90,29 @@ def test_adversarial_schedule_catches_every_observable_missing_wait(tiny, monkey
     assert not missed, f"missing waits the adversarial schedule did not catch: {missed}"
 
 
+def test_emulation_refuses_the_step_shape_read_by_the_loader_warp(tiny, tmp_path):
+    """The loader warp streams weights before pdl_wait(): it must never read the step block, which
+    a device loop's previous launch may still be writing (abi.STEP_FIELDS). The emulation poisons
+    the shape there, so a loader that reads it fails the launch by name instead of racing."""
+    import shutil
+
+    from megakernel import ab
+    from megakernel.runtime import EmulationError
+
+    cfg, w, base, plan = tiny
+    tree = tmp_path / "csrc"
+    shutil.copytree(CSRC, tree)
+    f = tree / "mk" / "program.cuh"
+    line = "  int routed_layer = -1, routed_nslots = 0;"
+    assert f.read_text().count(line) == 1
+    f.write_text(f.read_text().replace(line, line + "\n  if (step_rows(b) == 12345) return;"))
+    toks, par = step_inputs(cfg, 3, 2)
+    with ab.kernel_tree(tree):
+        eng = Engine(w, plan, base.clone(), backend="emu")
+    with pytest.raises(EmulationError, match="step's shape read before load_step"):
+        eng.step(toks, par, 10, mode="mega")
+
+
 _ALIGN_PROBE = r"""
 #define MK_HOST_EMU 1
 #include "mk/default_config.cuh"

@@ -40,10 +40,10 @@ def test_sentinel_route_wait_is_bounded_and_named(tiny):
     plan = make_plan(cfg, 4, sentinel_route=True, spin_bound_ns=200_000_000)
     eng = Engine(w, plan, base.clone(), backend="emu")
     toks, par = step_inputs(cfg, 4, 1)
-    t = eng.prepare(toks, par, 10)
+    eng.prepare(toks, par, 10)
     i = next(o.index for o in eng.program.ops if o.kind == "topk")
     with pytest.raises(SpinTimeoutError, match=r"topk\(L0\) \[op \d+\].*sentinel slots"):
-        eng._launch(i, 1, 0, 4, t, 10)
+        eng._launch(i, 1, 0, 4)
         eng._check_watchdog(0)  # what step() does after its launches
 
 

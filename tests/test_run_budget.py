@@ -64,6 +64,10 @@ def test_full_adds_the_ablation_timelines_and_long_contexts(gpu_wiring, tmp_path
     assert [n for n in mk if " ablation " in n] == [f"{p} ablation {v}" for p in ("small", "shard8") for v in names]
     assert "shard8 timeline" in mk and "shard8 timeline detail" in mk
     assert {"shard8 T=16 ctx=8192 mega", "shard8 T=16 ctx=8192 eager", "small T=1 ctx=4096 compile"} <= set(mk)
+    # the batched steps (plans.BATCH_FULL), chain and mega, --full only
+    assert [n for n in mk if " B=" in n and n.startswith("shard8")] == [
+        f"shard8 B={b} T={t} ctx=2048 {m}" for b, t in ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4)) for m in ("chain", "mega")]
+    assert not [n for n in _names(pipeline.items(_args(), tmp_path, gpu=True), "megakernel") if " B=" in n]
 
 
 def test_classes_model_runs_the_naive_baselines(gpu_wiring, tmp_path):
@@ -302,6 +306,12 @@ def fake_gpu_work(monkeypatch):
     monkeypatch.setattr(measure, "bench_point", bench_point)
     monkeypatch.setattr(mp, "check_point", check_point)
     monkeypatch.setattr(mp, "bench_point", bench_point)
+    def bench_batch_point(h, p, b, t, ctx, plan, mode, ceiling):
+        calls.append(("time_batch", p, b, t, ctx, mode, plan))
+        return Series.from_samples(f"{p}/B{b}/T{t}/ctx{ctx}/{mode}", [1e-3 if mode == "mega" else 2e-3] * 10,
+                                   timer="cuda_event", unit="s", params=step_params(p, t, ctx, mode, 8, batch=b))
+
+    monkeypatch.setattr(mp, "bench_batch_point", bench_batch_point)
     monkeypatch.setattr(mp, "greedy_check", lambda p, plan: calls.append(("greedy", p)) or 64)
     monkeypatch.setattr(mp, "build_result", lambda plans, budget: Result("megakernel.build", env(), ()))
     monkeypatch.setattr(mp, "code_budget", lambda c=None: 96 * 1024)
@@ -370,6 +380,15 @@ def test_full_stage_compiles_and_runs_the_ablation_and_timelines(fake_gpu_work):
         it.fn()
     impls = [c[4] for c in calls if c[0] == "time" and c[3] == 4096 and c[2] == 16]
     assert impls[:2] == ["chain", "mega"] and len(impls) == 2 + len(ablation_names())
+    # the batched steps on the build of their B x T rows, with their own speed-ups and the peer's note
+    batched = [c[1:6] for c in calls if c[0] == "time_batch"]
+    assert batched == [("small", b, t, 512, m) for b, t in ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4))
+                       for m in ("chain", "mega")]
+    assert all(c[6] == ("plan", "small", (("tokens", c[2] * c[3]),)) for c in calls if c[0] == "time_batch")
+    step = next(r for r in st.results if r.benchmark == "megakernel.step")
+    assert step.derived["speedup_vs_chain/small/B4/T1/ctx512/mega"].value == pytest.approx(2.0)
+    assert "speedup_vs_chain/small/T1/ctx512/mega" in step.derived
+    assert any("not timed at B > 1" in n for n in step.notes)
     compiled = [c[1] for c in calls if c[0] == "compile"]
     assert len(compiled) > len(ablation_names())  # every variant's build, before any is timed
     assert [r.benchmark for r in st.results] == ["megakernel.build", "megakernel.step"]  # no timeline for small

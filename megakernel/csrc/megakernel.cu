@@ -1,6 +1,6 @@
 // The megakernel: one persistent launch runs a range of op instances of the decode step.
 //
-//   mk_run(params, first, n_ops, wait, T, ctx, parity)
+//   mk_run(params, first, n_ops, wait, parity)
 //     params: the parameter block of each rank of the launch (Plan.launch_ranks; one without ranks)
 //     wait = 1 (mega mode): one block per SM, all co-resident; units of later ops wait on the
 //              dependency counters of the units they need (program.cuh), never on a grid barrier.
@@ -9,6 +9,11 @@
 //              modes are bitwise equal by construction, and tests check it.
 // Block = WARPS compute warps + 1 loader warp (bulk copies into the shared-memory ring), and with
 // per-role register budgets (COMPUTE_REGS) 3 spare warps that complete the loader's warpgroup.
+// The step's shape (token rows, requests, each request's context and rows) is not a parameter:
+// the compute warps read it from params->step after pdl_wait() (abi.py STEP_FIELDS, load_step),
+// so a CUDA graph replays any step and a device loop can advance it. parity (which half of the
+// dependency counters this launch uses) stays one: the loader's routing wait reads those counters
+// before the previous launch has ended.
 // The last two parameters are the profiler's (mb/profile.cuh): (0, 0) records nothing.
 // Constants come from megakernel/plan.py (rendered above this file when built; the committed
 // default_config.cuh — the tiny preset — lets this file compile on its own).
@@ -20,7 +25,7 @@
 // The launch bounds give 9 warps 168 registers each; 12 warps (COMPUTE_REGS) get 168 too, the
 // budget setmaxnreg starts from. One block per SM: every block of a launch must be co-resident.
 extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
-    mk_run(const mk::Params* __restrict__ params, int first, int n_ops, int wait, int T, int ctx, int parity,
+    mk_run(const mk::Params* __restrict__ params, int first, int n_ops, int wait, int parity,
            MB_PROF_PARAMS) {
   // The regression gate's calibrated slowdown (mb/inject.cuh, `megabench gate --quality-run`): an
   // empty statement unless MB_INJECT_PPM is defined; then the launch's last block spins for that
@@ -43,7 +48,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
   // The profiler (two pointers, five counters) lives in shared memory and only thread 0 stamps
   // (the layout records warp 0 lane 0 alone). Danger: as registers of every thread it would be
   // live through every op's code and push the profiled build past 168 registers (spills).
-  Blk b = make_blk(params + launch_rank(), T, ctx, parity, wait);  // this block's rank's (Plan.launch_ranks)
+  Blk b = make_blk(params + launch_rank(), parity, wait);  // this block's rank's (Plan.launch_ranks)
   mb::prof::Profiler& prof = *reinterpret_cast<mb::prof::Profiler*>(b.misc + MISC_PROF);
   if (tid() == 0) {
     prof = mb::prof::Profiler(MB_PROF_ARGS);
@@ -76,7 +81,8 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
     setmaxnreg_dec<LOADER_REGS>();  // a spare warp: gives its registers back and leaves
   } else {
     if constexpr (COMPUTE_REGS > 0) setmaxnreg_inc<COMPUTE_REGS>();
-    if (PDL) pdl_wait();  // activations, caches and counters of the previous launch are complete
+    if (PDL) pdl_wait();  // activations, caches, counters and the step block of the previous launch are complete
+    load_step(b);
     // launches the host does not record (no buffer) skip the instants and the flush too
     const bool rec = mb_prof_buf != nullptr;
     compute_loop(b, first, n_ops, prof, rec);

@@ -48,6 +48,24 @@ def test_every_technique_keeps_the_bits_on_the_gpu():
     assert allsw["sentinel_route"] and allsw["compute_registers"] > 0
 
 
+# B requests in one step on the GPU (megakernel.batch.check_batch): each request bitwise its own B=1
+# step (on the GPU this also rests on an mma's result for a token not depending on its column in
+# the tile), mega == chain, each within the reference's bound; mixed contexts, past the window too
+@pytest.mark.parametrize("preset,shape", [("tiny", ((4, 3), (1, 0), (6, 64), (5, 20))),
+                                          ("small", ((1, 3000), (1, 0), (1, 1500), (1, 700), (2, 5000), (2, 100))),
+                                          ("small", ((8, 1200), (8, 40)))])
+def test_batched_requests_are_bitwise_their_own_b1_steps_on_the_gpu(preset, shape):
+    from megakernel.batch import check_batch, make_requests, random_caches
+    from megakernel.bench_baselines import weights_for
+    from megakernel.plans import plan_for
+
+    w = weights_for(preset)
+    rows = sum(t for t, _ in shape)
+    res = check_batch(w, plan_for(preset, tokens=rows), random_caches(w.cfg, len(shape), device="cuda"),
+                      make_requests(w.cfg, shape), backend="gpu")
+    assert res.ok, res.lines()
+
+
 def test_greedy_tokens_equal_reference_tiny():
     from megakernel.measure import greedy_check
     from megakernel.plans import plan_for

@@ -15,6 +15,7 @@
 // consumers walk the same chunk sequence (program.cuh), so c agrees on both sides.
 #pragma once
 #include "mb/profile.cuh"
+#include "mk/layers.cuh"
 #include "mk/wait.cuh"
 
 namespace mk {
@@ -39,7 +40,17 @@ constexpr int MISC_PWIN = MISC_PSLOT + 8 * PROF_OPS;  // the first op of the slo
 constexpr int MISC_PWAIT = MISC_PWIN + 2;
 // [KEEP_MAX] fused: the unit tag whose activations each kept-unit buffer holds (-1: none; ops/expert_gemm1.cuh)
 constexpr int MISC_KEEP = MISC_PWAIT + 2;
-constexpr int MISC_INTS = MISC_KEEP + KEEP_MAX;
+// The step's shape, written by the compute warps after pdl_wait() (load_step); the loader warp
+// never reads it. [STEP_INTS] the step block (abi.py STEP_FIELDS), [T_MAX / 4] each row's request
+// (a byte each), [B_MAX] each request's attention splits in a global layer (low 16 bits) and a
+// sliding one (high), [2] their sums. Packed: every byte of misc can decide whether a ring stage
+// fits (Plan.misc_bytes)
+constexpr int MISC_STEP = MISC_KEEP + KEEP_MAX;
+constexpr int MISC_ROW_REQ = MISC_STEP + STEP_INTS;
+constexpr int MISC_SPLITS = MISC_ROW_REQ + (T_MAX + 3) / 4;
+constexpr int MISC_SPAN = MISC_SPLITS + B_MAX;
+constexpr int MISC_INTS = MISC_SPAN + 2;
+static_assert(MAX_SPLITS < (1 << 16), "a request's splits fit 16 bits");
 static_assert(KEEP_UNITS <= KEEP_MAX && KEEP_BYTES % 16 == 0, "kept units: their tags fit MISC_KEEP; aligned buffers");
 
 struct Blk {
@@ -52,14 +63,20 @@ struct Blk {
   uint64_t* empty;
   uint64_t* xbar;  // the normed operand's bulk copies (gemm.cuh stage_normed): one arrival + tx bytes
   int* misc;
-  int T, ctx, parity, wait;
+  // the step's token rows and requests: valid in the compute warps from load_step on (after
+  // pdl_wait: a device loop's previous launch may write the step block). Never read by the
+  // loader warp, which runs before pdl_wait; the emulation poisons them there (step_rows)
+  int rows_, nreq_;
+  int parity, wait;
   unsigned chunk;  // consumer's position in the chunk sequence
   unsigned xuse;   // compute threads: phases of xbar waited for
   bool failed;     // one of this thread's bounded waits gave up (stop at the next unit boundary)
   unsigned pace;   // loader: the chunk it lets land before it copies more (~0u: none; loader_loop)
 };
 
-MK_DEV Blk make_blk(const Params* p, int T, int ctx, int parity, int wait) {
+constexpr int STEP_UNREAD = -(1 << 30);  // Blk.rows_ / nreq_ before load_step
+
+MK_DEV Blk make_blk(const Params* p, int parity, int wait) {
   Blk b;
   unsigned char* s = smem();
   b.p = p;
@@ -71,8 +88,7 @@ MK_DEV Blk make_blk(const Params* p, int T, int ctx, int parity, int wait) {
   b.empty = b.full + RING_STAGES;
   b.xbar = b.empty + RING_STAGES;
   b.misc = reinterpret_cast<int*>(b.xbar + 1);
-  b.T = T;
-  b.ctx = ctx;
+  b.rows_ = b.nreq_ = STEP_UNREAD;
   b.parity = parity;
   b.wait = wait;
   b.chunk = 0;
@@ -85,6 +101,68 @@ static_assert(((2 * RING_STAGES + 1) * 8 + MISC_INTS * 4 + 15) / 16 * 16 == MISC
               "mbarriers + misc are the tail of SMEM_BYTES that Plan.misc_bytes sized");
 static_assert(sizeof(mb::prof::Profiler) <= 4 * (MISC_SCRATCH - MISC_PROF) && MISC_PROF % 2 == 0,
               "the profiler fits MISC_PROF, 8-byte aligned");
+
+// The step's shape (abi.py STEP_FIELDS). The emulation refuses a read before load_step (the
+// loader warp's, or a compute warp's before pdl_wait): on the GPU it would race a device loop's
+// update of the step block.
+MK_DEV int step_checked(int v) {
+#ifdef MK_HOST_EMU
+  if (v == STEP_UNREAD) emu::fail("the step's shape read before load_step (by the loader warp, or before pdl_wait)");
+#endif
+  return v;
+}
+MK_DEV int step_rows(const Blk& b) { return step_checked(b.rows_); }  // token rows of the step, all requests
+MK_DEV int step_nreq(const Blk& b) { return step_checked(b.nreq_); }  // requests
+MK_DEV int req_ctx(const Blk& b, int r) { return b.misc[MISC_STEP + STEP_CTX + r]; }    // r's cached positions
+MK_DEV int req_row0(const Blk& b, int r) { return b.misc[MISC_STEP + STEP_ROW0 + r]; }  // r's first row
+MK_DEV int req_rows(const Blk& b, int r) { return req_row0(b, r + 1) - req_row0(b, r); }
+MK_DEV int row_req(const Blk& b, int t) {  // row t's request
+  return reinterpret_cast<const unsigned char*>(b.misc + MISC_ROW_REQ)[t];
+}
+// request r's attention splits in `layer` (program.py splits of its own ctx and rows), and the
+// sum over the requests: the attention units of one kv head (program.py attn_span)
+MK_DEV int req_splits(const Blk& b, int layer, int r) {
+  return (static_cast<unsigned>(b.misc[MISC_SPLITS + r]) >> (is_global(layer) ? 0 : 16)) & 0xffffu;
+}
+MK_DEV int attn_span(const Blk& b, int layer) { return b.misc[MISC_SPAN + (is_global(layer) ? 0 : 1)]; }
+
+// Every compute thread, once per launch after pdl_wait(): the step block and the rows' requests
+// into shared memory, and warp 0's lanes r < B_MAX each request's splits and (a butterfly) their
+// sums; one L2 round trip a launch, then a barrier. Units read all of it from shared memory.
+// Invariant (nothing here bounds it): 1 <= n_req <= B_MAX, 1 <= rows <= T_MAX, row0 increasing with
+// row0[n_req] = rows, row_req[t] the request whose rows hold t. The host checks every step it
+// writes (runtime.Engine); a device op that writes the step block must keep it, or units index
+// past the step's buffers.
+MK_DEV void load_step(Blk& b) {
+  const Params& p = *b.p;
+  static_assert(STEP_INTS + T_MAX + 32 <= COMPUTE_THREADS, "one word per compute thread past warp 0");
+  static_assert(T_MAX <= B_MAX && B_MAX <= 32, "a request has at least one row; a lane per request");
+  if (warp() == 0) {  // (words past n_req are read and unused)
+    const int r = lane() < B_MAX ? lane() : 0;
+    const int nreq = ldg_cgi(p.step + STEP_N_REQ), ctx = ldg_cgi(p.step + STEP_CTX + r);
+    const int n = ldg_cgi(p.step + STEP_ROW0 + r + 1) - ldg_cgi(p.step + STEP_ROW0 + r);
+    const bool mine = lane() < B_MAX && lane() < nreq;
+    int sg = mine ? attn_splits_of(true, ctx, n) : 0, ss = mine ? attn_splits_of(false, ctx, n) : 0;
+    if (lane() < B_MAX) b.misc[MISC_SPLITS + r] = sg | (ss << 16);
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) {
+      sg += shfl_xor_i(sg, m);
+      ss += shfl_xor_i(ss, m);
+    }
+    if (lane() == 0) {
+      b.misc[MISC_SPAN] = sg;
+      b.misc[MISC_SPAN + 1] = ss;
+    }
+  } else if (tid() < 32 + STEP_INTS) {
+    b.misc[MISC_STEP + tid() - 32] = ldg_cgi(p.step + tid() - 32);
+  } else if (tid() < 32 + STEP_INTS + T_MAX) {
+    const int t = tid() - 32 - STEP_INTS;
+    reinterpret_cast<unsigned char*>(b.misc + MISC_ROW_REQ)[t] = static_cast<unsigned char>(ldg_cgi(p.row_req + t));
+  }
+  sync_compute();
+  b.rows_ = b.misc[MISC_STEP + STEP_ROWS];
+  b.nreq_ = b.misc[MISC_STEP + STEP_N_REQ];
+}
 
 MK_DEV unsigned char* stage_of(const Blk& b, unsigned c) { return b.ring + (c % RING_STAGES) * STAGE_BYTES; }
 
@@ -117,8 +195,13 @@ MK_DEV void ring_release(Blk& b) {
 // through another lane's wait, shfl and __syncwarp as races; microbench/sanitize/ring_probe.cu).
 // Lane 0 then announces `tx` bytes on the stage's `full`. Returns false (for every lane) when a
 // wait gave up.
+// TP: the compute warps this wait waits for may be in a bounded wait for another rank's data
+// (mk/tp.cuh), which began after this one; twice the bound lets that wait, the cause, be the one
+// the watchdog record names (the first to give up is recorded).
+constexpr uint64_t LOADER_EMPTY_BOUND_NS = TP > 0 ? 2 * SPIN_BOUND_NS : SPIN_BOUND_NS;
 MK_DEV bool ring_produce_begin(const Blk& b, unsigned c, unsigned tx, uint32_t what) {
-  const bool ok = warp_all(wait_mbar(*b.p, &b.empty[c % RING_STAGES], ((c / RING_STAGES) & 1u) ^ 1u, what));
+  const bool ok = warp_all(wait_mbar(*b.p, &b.empty[c % RING_STAGES], ((c / RING_STAGES) & 1u) ^ 1u, what,
+                                     LOADER_EMPTY_BOUND_NS));
   if (ok && lane() == 0) mbar_expect_tx(&b.full[c % RING_STAGES], tx);
   syncwarp();
   // the consumers' reads of this stage (generic proxy, acquired through `empty`) before the bulk

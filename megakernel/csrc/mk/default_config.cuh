@@ -50,7 +50,7 @@ constexpr int ABUF_BYTES = 24064;
 constexpr int NORM_KP = 128;  // columns of a normed operand staged at a time
 constexpr int XG_ROW = 136;  // bf16 per row of xg (gemm.cuh xg_at), the pad included
 constexpr int RED_BYTES = 8192;
-constexpr int SMEM_BYTES = 67184;
+constexpr int SMEM_BYTES = 67424;
 // synchronisation (tuned constants: sync.flags)
 constexpr unsigned long long SPIN_BOUND_NS = 2000000000ull;
 constexpr unsigned POLL_BACKOFF_NS = 0u;
@@ -108,12 +108,19 @@ constexpr int LAYOUT_PAD = 0;  // never-run bytes ahead of the kernel's body
 constexpr int LAYOUT_GAP = 0;  // never-run bytes in the middle of the ops' code
 constexpr bool FUSED_EXPERTS = false;
 constexpr int KEEP_UNITS = 0, KEEP_BYTES = 0, KEEP_MAX = 16;  // fused: kept gate/up units
-constexpr int MISC_BYTES = 1136;  // mbarriers + MISC ints (Plan.misc_bytes)
+constexpr int MISC_BYTES = 1376;  // mbarriers + MISC ints (Plan.misc_bytes)
 constexpr int PROF_OPS = 16, MISC_SCRATCH = 58;  // block.cuh's MISC layout
 constexpr unsigned long long GLOBAL_MASK = 4ull;  // bit l: layer l is global
 constexpr int PARTS = 20;  // attention partials per kv head (MAX_SPLITS x WARPS / G)
 }  // namespace mk
 namespace mk {
+constexpr int B_MAX = 16;  // requests of one step (abi.py)
+// the step block's words (abi.py STEP_FIELDS)
+constexpr int STEP_ROWS = 0;
+constexpr int STEP_N_REQ = 1;
+constexpr int STEP_CTX = 2;
+constexpr int STEP_ROW0 = 18;
+constexpr int STEP_INTS = 35;
 struct LayerPtrs {
   const uint16_t* attn_norm;
   const uint16_t* wqkv;
@@ -128,10 +135,8 @@ struct LayerPtrs {
   const uint8_t* w2_codes;
   const uint8_t* w2_scales;
   const float* w2_ts;
-  uint16_t* k_cache;
-  uint16_t* v_cache;
 };
-static_assert(sizeof(LayerPtrs) == 120, "abi.py LayerPtrs");
+static_assert(sizeof(LayerPtrs) == 104, "abi.py LayerPtrs");
 struct Params {
   const LayerPtrs* layers;
   const uint16_t* embed;
@@ -140,9 +145,12 @@ struct Params {
   const float* rope_cos;
   const float* rope_sin;
   const int32_t* program;
+  const int32_t* step;
+  uint16_t* const* kv;
   const int32_t* tokens;
   const int32_t* depth;
   const uint32_t* anc;
+  const int32_t* row_req;
   const int32_t* route_override;
   float* x;
   float* ss_part;
@@ -177,7 +185,7 @@ struct Params {
   unsigned char* const* peers;
   int32_t* rank_slots;
 };
-static_assert(sizeof(Params) == 336, "abi.py Params");
+static_assert(sizeof(Params) == 360, "abi.py Params");
 }  // namespace mk
 namespace mk {
 constexpr int OPINST_INTS = 16, MAX_DEPS = 3, OPREC_DEPS = 8;

@@ -99,12 +99,12 @@ MK_DEV void stage_normed(Blk& b, int which, const float* ssp, int tag, int panel
     // abuf was last read through the generic proxy (ordered by the barrier before this call):
     // both before the async-proxy copies
     fence_proxy_async();
-    const unsigned bytes = static_cast<unsigned>(b.T * a_stride<KP>());
+    const unsigned bytes = static_cast<unsigned>(step_rows(b) * a_stride<KP>());
     mbar_expect_tx(b.xbar, bytes);
     bulk_copy_keep(b.abuf, xg_at(*b.p, which, 0, panel * KP), bytes, b.xbar);
   }
-  for (int i = tid(); i < (16 - b.T) * (KP / 8); i += COMPUTE_THREADS) {  // rows the copies leave out
-    const int r = b.T + i / (KP / 8), k8 = i % (KP / 8);
+  for (int i = tid(); i < (16 - step_rows(b)) * (KP / 8); i += COMPUTE_THREADS) {  // rows the copies leave out
+    const int r = step_rows(b) + i / (KP / 8), k8 = i % (KP / 8);
     *reinterpret_cast<uint4*>(b.abuf + r * a_stride<KP>() + 16 * k8) = uint4{0u, 0u, 0u, 0u};
   }
   if (b.misc[MISC_RTAG] != tag) {  // the norm factors, under the copies (an earlier panel kept them)
@@ -116,7 +116,7 @@ MK_DEV void stage_normed(Blk& b, int which, const float* ssp, int tag, int panel
 #pragma unroll
       for (int i = 0; i < NS; ++i) {
         const int i4 = lane() + 32 * i;
-        sv[i] = (t < b.T && i4 < NG4) ? ldg_cg4(ssp + t * (K / 8) + 4 * i4) : uint4{0, 0, 0, 0};
+        sv[i] = (t < step_rows(b) && i4 < NG4) ? ldg_cg4(ssp + t * (K / 8) + 4 * i4) : uint4{0, 0, 0, 0};
       }
       float ss = 0.f;
 #pragma unroll
@@ -196,7 +196,7 @@ MK_DEV void stage_rows(Blk& b, int nrows, RowPtr src) {
 template <int K>
 MK_DEV void stage_plain(Blk& b, const uint16_t* src, int tag) {
   if (b.misc[MISC_TAG] == tag) return;
-  stage_rows<K, false>(b, b.T, [src](int r) { return src + r * K; });
+  stage_rows<K, false>(b, step_rows(b), [src](int r) { return src + r * K; });
   if (tid() == 0) b.misc[MISC_TAG] = tag;
 }
 
@@ -275,7 +275,7 @@ MK_DEV Bf16Acc gemm_bf16_at(Blk& b, const Bf16Shape s, uint32_t what, Restage re
   const int ar = s.r8 ? (lane() & 7) : (lane() & 15), ah = s.r8 ? ((lane() >> 3) & 1) : (lane() >> 4);
   const int aofs = ((w & ((1 << s.lt) - 1)) * 16 + ar) * RS + ah * 16;
   const SAddr brow = saddr(b.abuf + ((lane() & 7) + 8 * (lane() >> 4)) * s.as + ((lane() >> 3) & 1) * 16);
-  const bool two = b.T > 8;
+  const bool two = step_rows(b) > 8;
   float acc[2][2][4] = {};  // [k-step parity][token tile]
   auto steps = [&](const SAddr wa, const SAddr bb, const bool tw) {
     auto step = [&](int j, float (&d)[2][4]) {
@@ -640,7 +640,7 @@ MK_DEV Residual<R> residual_begin(const Blk& b, int unit, const uint16_t* gnext)
 #pragma unroll
   for (int j = 0; j < NO; ++j) {
     const int o = tid() + COMPUTE_THREADS * j, t = o / R;
-    r.xo[j] = (o < 16 * R && t < b.T) ? ldg_cgf(p.x + t * D + unit * R + n) : 0.f;
+    r.xo[j] = (o < 16 * R && t < step_rows(b)) ? ldg_cgf(p.x + t * D + unit * R + n) : 0.f;
   }
   r.g = tid() < 16 * R ? bf2f(gnext[unit * R + n]) : 0.f;
   return r;
@@ -654,12 +654,12 @@ MK_DEV void residual_store(Blk& b, const Params& p, const Residual<R>& r, int un
     const int o = tid() + COMPUTE_THREADS * j, t = o / R;
     if (o < 16 * R) {  // whole warps: the sum of squares shuffles within 8 lanes
       const float xn = r.xo[j] + add(j, t, n);
-      if (t < b.T) {
+      if (t < step_rows(b)) {
         p.x[t * D + unit * R + n] = xn;
         *xg_at(p, which, t, unit * R + n) = f2bf(xn * r.g);
       }
       const float ss = ss8_lanes(xn);
-      if (n % 8 == 0 && t < b.T) ss_part(p, which)[t * (D / 8) + unit * (R / 8) + n / 8] = ss;
+      if (n % 8 == 0 && t < step_rows(b)) ss_part(p, which)[t * (D / 8) + unit * (R / 8) + n / 8] = ss;
     }
   }
 }

@@ -66,10 +66,10 @@ MK_DEV int n_units(const Blk& b, const Op& o) {
     if (o.kind == OP_ATTN_REDUCE) return OPROJ_TILES;
   }
   switch (o.kind) {
-    case OP_EMBED: return b.T;
+    case OP_EMBED: return step_rows(b);
     case OP_QKV: return QKV_ROWS / TILE_QKV_ROWS;
-    case OP_ATTN: return HKV * attn_splits(o.layer, b.ctx, b.T);
-    case OP_ATTN_COMBINE: return HQ * b.T;
+    case OP_ATTN: return HKV * attn_span(b, o.layer);
+    case OP_ATTN_COMBINE: return HQ * step_rows(b);
     case OP_OPROJ: return D / TILE_OPROJ_ROWS;
     case OP_ROUTER: return E / TILE_ROUTER_ROWS;
     case OP_POOL: return P / TILE_POOL_ROWS;
@@ -91,7 +91,7 @@ MK_DEV int unit_group(const Blk& b, const Op& o, int u) {
       const int head = u * TILE_QKV_ROWS / HD;
       return head < HQ ? head / G : (head < HQ + HKV ? head - HQ : head - HQ - HKV);
     }
-    case OP_ATTN: return u / attn_splits(o.layer, b.ctx, b.T);
+    case OP_ATTN: return u / attn_span(b, o.layer);
     case OP_EXPERT1: return u / EXP1_TILES;
   }
   return -1;
@@ -99,15 +99,15 @@ MK_DEV int unit_group(const Blk& b, const Op& o, int u) {
 MK_DEV int group_size(const Blk& b, const Op& o) {
   switch (o.kind) {
     case OP_QKV: return (G + 2) * HD / TILE_QKV_ROWS;
-    case OP_ATTN: return attn_splits(o.layer, b.ctx, b.T);
+    case OP_ATTN: return attn_span(b, o.layer);
     case OP_EXPERT1: return EXP1_TILES;
   }
   return 0;
 }
 // the group of producer `pr` that unit u of consumer `o` needs
 MK_DEV int needed_group(const Blk& b, const Op& o, const Op& pr, int u) {
-  if (o.kind == OP_ATTN) return u / attn_splits(o.layer, b.ctx, b.T);  // <- qkv, by kv head
-  if (o.kind == OP_ATTN_COMBINE) return (u / b.T) / G;             // <- attn, by kv head
+  if (o.kind == OP_ATTN) return u / attn_span(b, o.layer);       // <- qkv, by kv head
+  if (o.kind == OP_ATTN_COMBINE) return (u / step_rows(b)) / G;  // <- attn, by kv head
   if (o.kind == OP_EXPERT2) return u / EXP2_TILES;                 // <- expert1, by slot
   return 0;
 }

@@ -9,7 +9,7 @@ namespace mk {
 
 MK_DEV void run_argmax(Blk& b) {
   const Params& p = *b.p;
-  if (tid() < b.T) {
+  if (tid() < step_rows(b)) {
     const int t = tid();
     float best = neg_inf();
     int bi = 0x7fffffff;

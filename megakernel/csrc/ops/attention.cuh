@@ -1,9 +1,14 @@
-// attention over the KV cache with the tree mask (flash-decoding split). Unit = (kv head, split).
+// attention over the KV cache with the tree mask (flash-decoding split). Unit = (kv head, request,
+// split): per kv head, each request's splits in request order (attn_unit).
 //
-// A split scores a contiguous run of the key sequence "cached prefix seen, then the T new tree
-// keys" (already in the cache at sequence indices ctx..ctx+T-1); the runs have equal length.
-// Query rows are r = j*16 + t: q head kvh*G + j, token t, so each m16 tile of rows is one q head
-// over all tokens. Warp w takes head j = w % G and key group kg = w / G (WARPS/G groups split
+// A split scores a contiguous run of its request's key sequence "cached prefix seen, then the T_r
+// new tree keys" (already in the request's cache at sequence indices ctx_r..ctx_r+T_r-1); the runs
+// have equal length. A request's splits depend on its ctx_r and T_r alone, never on the other
+// requests, so its partials, and its bits, are those of the request run alone.
+// Query rows are r = j*16 + t: q head kvh*G + j, row t of the step, so each m16 tile of rows is
+// one q head over all rows; a unit scores its request's rows only (the others masked, and not
+// written: att_o rows of different requests are disjoint).
+// Warp w takes head j = w % G and key group kg = w / G (WARPS/G groups split
 // each staged block of ATT_KB keys); each (split, key group) writes an unnormalised partial (O, running max m, sum l) that
 // attn_combine merges in fixed order. Masks: a cached key at sequence s is visible to token t
 // in a sliding layer iff s >= ctx + depth(t) - W + 1 (global: always); new key i iff i is an
@@ -26,16 +31,38 @@ static_assert(HD % 16 == 0, "P*V loads two 8-wide d tiles per ldmatrix");
 static_assert(ATT_KPW % 16 == 0 && ATT_KPW % ATT_KSUB == 0, "each warp scores whole k16 blocks of keys (G >= 2 with 8 warps)");
 static_assert(G * 16 * ATT_QS + 2 * ATT_KB * ATT_KS <= ABUF_BYTES, "attention tiles fit abuf");
 
+// Unit -> (kv head, request, split): a kv head's units are the requests' splits in request order
+// (attn_span; a request's splits are those of its own ctx and rows: req_splits).
+struct AttnUnit {
+  int kvh, req, split, nsplit;  // nsplit: the request's splits
+};
+MK_DEV AttnUnit attn_unit(const Blk& b, int layer, int unit) {
+  const int span = attn_span(b, layer), last = step_nreq(b) - 1;
+  AttnUnit a;
+  a.kvh = unit / span;
+  a.split = unit % span;
+#pragma unroll 1
+  for (a.req = 0;; ++a.req) {
+    a.nsplit = req_splits(b, layer, a.req);
+    if (a.split < a.nsplit || a.req >= last) break;
+    a.split -= a.nsplit;
+  }
+  return a;
+}
+
 MK_DEV void run_attn(Blk& b, int layer, int unit) {
   const Params& p = *b.p;
-  const LayerPtrs& L = p.layers[layer];
-  const int nsplit = attn_splits(layer, b.ctx, b.T);
-  const int kvh = unit / nsplit, split = unit % nsplit;
-  // this split's run [c0, c1) of the key sequence: the ncached keys seen, then the T new ones
-  const int ncached = cached_keys(layer, b.ctx), nall = ncached + b.T;
+  const AttnUnit au = attn_unit(b, layer, unit);
+  const int kvh = au.kvh, split = au.split, nsplit = au.nsplit;
+  // the request's rows [t0, t0 + nt) of the step, its cached positions and its caches
+  const int ctx = req_ctx(b, au.req), t0 = req_row0(b, au.req), nt = req_rows(b, au.req);
+  const uint16_t* k_cache = p.kv[(layer * B_MAX + au.req) * 2];
+  const uint16_t* v_cache = p.kv[(layer * B_MAX + au.req) * 2 + 1];
+  // this split's run [c0, c1) of the key sequence: the ncached keys seen, then the nt new ones
+  const int ncached = cached_keys(layer, ctx), nall = ncached + nt;
   const int per = cdiv(nall, nsplit);
   const int c0 = imin(split * per, nall), c1 = imin(c0 + per, nall);
-  const int s0 = b.ctx - ncached + imin(c0, ncached);               // first cached sequence index
+  const int s0 = ctx - ncached + imin(c0, ncached);                 // first cached sequence index
   const int ncache_keys = imin(c1, ncached) - imin(c0, ncached);  // cached keys in the run
   const int new0 = imax(c0, ncached) - ncached;                     // first new key in the run
   const int total = c1 - c0;
@@ -56,10 +83,11 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
     constexpr int QR = COMPUTE_THREADS / (HD / 8), QH = QR / 16;  // rows, q heads per round
     static_assert(COMPUTE_THREADS % (HD / 8) == 0 && QR % 16 == 0, "a Q round is whole q heads of 16 tokens");
     const int tq = (tid() / (HD / 8)) % 16, jq = tid() / (HD / 8) / 16;
-    // (an absent token's address is clamped to a real row and not loaded)
-    const uint16_t* qb = p.q + (imin(tq, b.T - 1) * HQ + kvh * G + jq) * HD + 8 * (tid() % (HD / 8));
+    // (a row of another request, or none, is zero: its address is clamped to a real row and not loaded)
+    const bool qmine = tq >= t0 && tq < t0 + nt;
+    const uint16_t* qb = p.q + (imin(imax(tq, t0), t0 + nt - 1) * HQ + kvh * G + jq) * HD + 8 * (tid() % (HD / 8));
 #pragma unroll
-    for (int n = 0; n < NQ; ++n) v[n] = tq < b.T ? ldg_cg4(qb + n * QH * HD) : uint4{0, 0, 0, 0};
+    for (int n = 0; n < NQ; ++n) v[n] = qmine ? ldg_cg4(qb + n * QH * HD) : uint4{0, 0, 0, 0};
 #pragma unroll
     for (int n = 0; n < NQ; ++n) {
       const int i = tid() + n * COMPUTE_THREADS, r = i / (HD / 8), d8 = i % (HD / 8);
@@ -68,15 +96,16 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
   }
 
   const int w = warp(), j = w % G, kg = w / G, g = lane() >> 2, t4 = lane() & 3;
-  // the two token rows this thread holds: g and g + 8
+  // the two token rows this thread holds: g and g + 8 (rows of this unit's request only; anc bits
+  // count from the request's first row)
   int tok_ok[2], lim[2];
   uint32_t anc[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int t = g + 8 * h;
-    tok_ok[h] = t < b.T;
+    tok_ok[h] = t >= t0 && t < t0 + nt;
     anc[h] = tok_ok[h] ? p.anc[t] : 0u;
-    lim[h] = tok_ok[h] ? b.ctx + p.depth[t] - WINDOW + 1 : 0;  // first visible cached seq (sliding)
+    lim[h] = tok_ok[h] ? ctx + p.depth[t] - WINDOW + 1 : 0;  // first visible cached seq (sliding)
   }
   float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
   float o[HD / 8][4];
@@ -94,10 +123,10 @@ MK_DEV void run_attn(Blk& b, int layer, int unit) {
       const int i = tid() + n * COMPUTE_THREADS, key = i / (HD / 8), d8 = i % (HD / 8), kidx = kb0 + key;
       kv[n] = vv[n] = uint4{0, 0, 0, 0};
       if (kidx < total) {
-        const int seq = kidx < ncache_keys ? s0 + kidx : b.ctx + new0 + (kidx - ncache_keys);
+        const int seq = kidx < ncache_keys ? s0 + kidx : ctx + new0 + (kidx - ncache_keys);
         const size_t off = (static_cast<size_t>(kvh) * cache_slots(layer) + cache_slot(layer, seq)) * HD + 8 * d8;
-        kv[n] = ldg_cg4(L.k_cache + off);
-        vv[n] = ldg_cg4(L.v_cache + off);
+        kv[n] = ldg_cg4(k_cache + off);
+        vv[n] = ldg_cg4(v_cache + off);
       }
     }
 #pragma unroll
@@ -208,7 +237,7 @@ MK_COLD_LOOP
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int t = g + 8 * h;
-    if (t >= b.T) continue;
+    if (!tok_ok[h]) continue;
     const size_t row = (static_cast<size_t>(kvh) * PARTS + part) * (G * 16) + j * 16 + t;
 #pragma unroll
     for (int dn = 0; dn < HD / 8; ++dn) {

@@ -20,9 +20,9 @@ MK_DEV void run_lm_head(Blk& b, int layer, int unit, uint32_t what) {
 MK_COLD_LOOP
   for (int i = tid(); i < 16 * 16; i += COMPUTE_THREADS) {
     const int t = i / 16, n = i % 16;
-    if (t < b.T) p.logits[t * V + unit * 16 + n] = gemm_sum<16>(b, t, n) * norm_factor(b, t);
+    if (t < step_rows(b)) p.logits[t * V + unit * 16 + n] = gemm_sum<16>(b, t, n) * norm_factor(b, t);
   }
-  if (tid() < b.T) {
+  if (tid() < step_rows(b)) {
     const int t = tid();
     float best = neg_inf();
     int bi = 0x7fffffff;

@@ -14,14 +14,14 @@ MK_DEV void run_moe_combine(Blk& b, int unit) {
   int* row_s = reinterpret_cast<int*>(b.abuf + T_MAX * TOPK * 4);
   if (tid() == 0) b.misc[MISC_TAG] = -1;  // abuf reused as scratch
 MK_COLD_LOOP
-  for (int i = tid(); i < b.T * TOPK; i += COMPUTE_THREADS) {
+  for (int i = tid(); i < step_rows(b) * TOPK; i += COMPUTE_THREADS) {
     w_s[i] = ldg_cgf(p.route_w + i);
     row_s[i] = ldg_cgi(p.route_slot + i) * 16 + ldg_cgi(p.route_pos + i);
   }
   sync_compute();
   static_assert(P % MOE_COMBINE_COLS == 0 && MOE_COMBINE_COLS % 2 == 0, "whole bf16 pairs");
 MK_COLD_LOOP
-  for (int i = tid(); i < b.T * MOE_COMBINE_COLS; i += COMPUTE_THREADS) {
+  for (int i = tid(); i < step_rows(b) * MOE_COMBINE_COLS; i += COMPUTE_THREADS) {
     const int t = i / MOE_COMBINE_COLS, col = unit * MOE_COMBINE_COLS + i % MOE_COMBINE_COLS;
     if constexpr (FUSED_EXPERTS) {
       float acc = 0.f;

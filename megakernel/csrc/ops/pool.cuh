@@ -23,7 +23,7 @@ MK_DEV void pool_end(Blk& b, int unit, const Bf16Acc& acc) {
 MK_COLD_LOOP
   for (int i = tid(); i < 16 * R; i += COMPUTE_THREADS) {
     const int t = i / R, n = i % R;
-    if (t < b.T) p.pooled[t * P + unit * R + n] = f2bf(gemm_sum<R>(b, t, n) * norm_factor(b, t));
+    if (t < step_rows(b)) p.pooled[t * P + unit * R + n] = f2bf(gemm_sum<R>(b, t, n) * norm_factor(b, t));
   }
 }
 

@@ -1,8 +1,9 @@
 // qkv projection with RoPE and the KV-cache write. Unit = TILE_QKV_ROWS output rows of wqkv (rows
 // are q heads, then k heads, then v heads; the rows divide head_dim, so a unit never straddles heads).
 // A = rmsnorm(x, attn_norm) (the norm factor applied to the fp32 result, gemm.cuh stage_normed);
-// q, k get interleaved RoPE at position ctx + depth(t) from the shared cos/sin tables; q -> p.q,
-// k/v -> the layer's cache at sequence index ctx + t (ring slot in sliding layers). Rounding: fp32
+// q, k get interleaved RoPE at position ctx_r + depth(t) from the shared cos/sin tables (r: row t's
+// request); q -> p.q, k/v -> request r's cache of the layer at sequence index ctx_r + t - row0_r
+// (ring slot in sliding layers). Rounding: fp32
 // accumulate, RoPE in fp32 (each product and sum rounded), one rounding to bf16.
 #pragma once
 #include "mk/gemm.cuh"
@@ -33,10 +34,10 @@ MK_DEV QkvRope qkv_begin(const Blk& b, int unit) {
   // this op)
   q.t = tid() / (R / 2), q.n = 2 * (tid() % (R / 2));
   q.d = row0 % HD + q.n;  // even: the pair (d, d+1) rotates together
-  q.mine = tid() < 16 * (R / 2) && q.t < b.T;
+  q.mine = tid() < 16 * (R / 2) && q.t < step_rows(b);
   q.cs = 1.f, q.sn = 0.f;
   if (q.mine && q.head < HQ + HKV) {
-    const int pos = b.ctx + p.depth[q.t];
+    const int pos = req_ctx(b, row_req(b, q.t)) + p.depth[q.t];
     q.cs = p.rope_cos[pos * (HD / 2) + q.d / 2];
     q.sn = p.rope_sin[pos * (HD / 2) + q.d / 2];
   }
@@ -62,11 +63,12 @@ MK_DEV void qkv_end(Blk& b, int layer, const QkvRope& q, const Bf16Acc& acc) {
     if (head < HQ) {
       *reinterpret_cast<uint32_t*>(p.q + (t * HQ + head) * HD + d) = packed;
     } else {
-      const LayerPtrs& L = p.layers[layer];
       const bool is_k = head < HQ + HKV;
       const int kvh = is_k ? head - HQ : head - HQ - HKV;
-      uint16_t* cache = is_k ? L.k_cache : L.v_cache;
-      const size_t off = (static_cast<size_t>(kvh) * cache_slots(layer) + cache_slot(layer, b.ctx + t)) * HD + d;
+      // (the request's fields from shared memory here, not held in registers across the GEMM)
+      const int r = row_req(b, t), seq = req_ctx(b, r) + t - req_row0(b, r);
+      uint16_t* cache = p.kv[(layer * B_MAX + r) * 2 + (is_k ? 0 : 1)];
+      const size_t off = (static_cast<size_t>(kvh) * cache_slots(layer) + cache_slot(layer, seq)) * HD + d;
       *reinterpret_cast<uint32_t*>(cache + off) = packed;
     }
   }

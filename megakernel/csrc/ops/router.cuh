@@ -20,7 +20,7 @@ MK_DEV void router_end(Blk& b, int unit, const Bf16Acc& acc) {
 MK_COLD_LOOP
   for (int i = tid(); i < 16 * R; i += COMPUTE_THREADS) {
     const int t = i / R, n = i % R;
-    if (t >= b.T) continue;
+    if (t >= step_rows(b)) continue;
     float* dst = p.router_logits + t * E + unit * R + n;
     // sentinel slots (topk.cuh): -0.0 means "not written yet", so a -0.0 logit is stored as +0.0
     // (top-k keys them alike); a strong store, polled by top-k's block

@@ -89,7 +89,7 @@ MK_COLD_LOOP
   // (unrolled over the ranks it is ~27 KB of SASS, on every layer's critical path).
   static_assert(T_MAX <= 2 * WARPS, "two tokens per warp");
   const int tt[2] = {warp(), warp() + WARPS};
-  const bool ok[2] = {tt[0] < b.T, tt[1] < b.T};
+  const bool ok[2] = {tt[0] < step_rows(b), tt[1] < step_rows(b)};
   int mysel[2] = {0, 0};
   float myv[2] = {0.f, 0.f};
   uint32_t raw[2][TOPK_PER_LANE] = {};  // SENTINEL_ROUTE: this lane's polled logits (topk_poll)
@@ -171,7 +171,7 @@ MK_COLD_LOOP
   for (int h = 0; h < 2; ++h) {
     const int t = h ? tt[1] : tt[0], sel = h ? mysel[1] : mysel[0];
     const float v = h ? myv[1] : myv[0];
-    if (t >= b.T) break;
+    if (t >= step_rows(b)) break;
     float mx = neg_inf();
 #pragma unroll
     for (int r = 0; r < TOPK; ++r) mx = fmax_(mx, shfl_f(v, r));
@@ -193,7 +193,7 @@ MK_COLD_LOOP
   // Both from bit sets (order-independent ORs, so the result is the same however threads run):
   // the expert bitmap gives slots by prefix popcount, each expert's token mask gives counts and
   // rows by popcount. No thread loops over the entries.
-  const int n = b.T * TOPK;
+  const int n = step_rows(b) * TOPK;
 MK_COLD_LOOP
   for (int i = tid(); i < n; i += COMPUTE_THREADS) {
     const int e = sel_s[i];

@@ -146,7 +146,7 @@ MK_DEV void run_moe_combine_tp(Blk& b, int layer, int unit, uint32_t what) {
   int* exp_s = row_s + T_MAX * TOPK;  // the expert of each (token, rank): a wait's message
   if (tid() == 0) b.misc[MISC_TAG] = -1;  // abuf reused as scratch
 MK_COLD_LOOP
-  for (int i = tid(); i < b.T * TOPK; i += COMPUTE_THREADS) {
+  for (int i = tid(); i < step_rows(b) * TOPK; i += COMPUTE_THREADS) {
     w_s[i] = ldg_cgf(p.route_w + i);
     row_s[i] = ldg_cgi(p.route_slot + i) * 16 + ldg_cgi(p.route_pos + i);
     exp_s[i] = ldg_cgi(p.route_sel + i);
@@ -155,7 +155,7 @@ MK_COLD_LOOP
   static_assert(P % MOE_COMBINE_COLS == 0 && MOE_COMBINE_COLS % 2 == 0, "whole bf16 pairs");
   static_assert(T_MAX * MOE_COMBINE_COLS <= COMPUTE_THREADS, "one output per thread");
   const int t = tid() / MOE_COMBINE_COLS, col = unit * MOE_COMBINE_COLS + tid() % MOE_COMBINE_COLS;
-  const bool mine = t < b.T;
+  const bool mine = t < step_rows(b);
   uint32_t pairs[TOPK];
   uint32_t* slot[TOPK];
   xwait_begin(b, 2);

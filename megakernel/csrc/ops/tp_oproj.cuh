@@ -35,13 +35,13 @@ MK_DEV void run_oproj_tp(Blk& b, int layer, int unit, uint32_t what) {
   const int tag = tag_of(TAG_ATT_OUT, layer, gl);
   if (b.misc[MISC_TAG] != tag) {  // the group's columns of the attention's output rows
     const uint16_t* src = p.att_out + gl * K_G;
-    stage_rows<K_G, false>(b, b.T, [src](int r) { return src + r * ATT_W; });
+    stage_rows<K_G, false>(b, step_rows(b), [src](int r) { return src + r * ATT_W; });
     if (tid() == 0) b.misc[MISC_TAG] = tag;
   }
   gemm_stash<R>(b, gemm_bf16<R, TILE_OPROJ_KC, K_G>(b, what));
   const int cp = recv_copy(b, layer);
 MK_COLD_LOOP
-  for (int o = tid(); o < b.T * R; o += COMPUTE_THREADS) {
+  for (int o = tid(); o < step_rows(b) * R; o += COMPUTE_THREADS) {
     const int t = o / R, n = o % R;
     const uint32_t v = f32_slot(gemm_sum<R>(b, t, n));
     for (int d = 0; d < TP; ++d) tp_store(ar_slot(peer_recv(p, d), cp, g, t, tile * R + n), v);
@@ -60,7 +60,7 @@ MK_DEV void run_attn_reduce(Blk& b, int layer, int unit, uint32_t what) {
   for (int j = 0; j < NO; ++j) {
     const int o = tid() + COMPUTE_THREADS * j, t = o / R;
     sum[j] = 0.f;
-    if (o >= 16 * R || t >= b.T) continue;
+    if (o >= 16 * R || t >= step_rows(b)) continue;
     float* slot[TP_GROUPS];
     uint32_t v[TP_GROUPS];
 #pragma unroll

@@ -1,0 +1,248 @@
+"""Batched decode steps: B requests in one megakernel step (runtime.Engine.step_batch), their shapes,
+their check and their timing.
+
+The contract is reference.step_batch: request r's logits, greedy tokens and KV cache are those of
+its own step on its own cache. The kernel keeps them bitwise equal to request r run alone (B=1):
+every op but attention is row-independent (the dense projections and the expert GEMMs compute each
+row's dot products in one fixed order whatever the other rows hold; the routing is per row, its
+slots the union over the batch), and attention splits each request's keys by its own context and
+tree size only (program.attn_span), so nothing of another request enters a request's reductions.
+`check_batch` checks all three: each request against the reference (within REL_TOL), against its
+own B=1 step (bitwise: logits, tokens, KV cache) and mega against chain (bitwise, at every emulated
+schedule given).
+
+Rows: the requests' trees are concatenated into at most T_MAX = 16 rows, one m16 tile of tokens in
+every GEMM: B = 1..16 at T = 1, B = 2 at T <= 8, B = 4 at T <= 4, B = 8 at T <= 2. More rows would
+need a second token tile in every GEMM, which is not built (Engine refuses them, naming B x T).
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from microbench.errors import CorrectnessError
+from microbench.results import Bound, Series
+
+from . import reference, tree
+from .bench_baselines import DEVICE, study_like_distinct, weights_for
+from .config import ConfigError, ModelConfig
+from .kernel_count import count_kernels
+from .measure import graph_of
+from .plan import Plan
+from .plans import REL_TOL
+from .reference import KVCache, Request, Trace
+from .results_names import step_params
+from .roofline import batch_roofline
+from .routing import distinct_per_layer, synthetic_routes
+from .runtime import Engine, StepOut, check_close
+from .weights import ModelWeights
+
+# B x T points (B = 2, 4, 8 x T = 4, 8, 16) that need more than the one m16 token tile every GEMM
+# has: not built (the timed grid is plans.BATCH_FULL)
+NOT_BUILT = ((2, 16), (4, 8), (4, 16), (8, 4), (8, 8), (8, 16))
+
+
+def mix(cfg: ModelConfig, batch: int, seed: int = 0, tokens: int | None = None,
+        ctx: int | None = None) -> list[tuple[int, int]]:
+    """(T_r, ctx_r) of `batch` requests: `tokens` / `ctx` for every request where given, else a
+    seeded random mix (trees of 1..T_MAX // B tokens; contexts anywhere the cache allows, so past
+    the sliding window too). Refuses a batch of more rows than one step holds."""
+    if not isinstance(batch, int) or not 1 <= batch <= cfg.max_tree:
+        raise ConfigError(f"batch {batch!r}: want 1..{cfg.max_tree} requests (each has at least one row)")
+    g = random.Random(seed)
+    out = []
+    for _ in range(batch):
+        t = tokens if tokens is not None else g.randint(1, max(1, cfg.max_tree // batch))
+        c = ctx if ctx is not None else g.randint(0, cfg.max_context - t)
+        out.append((int(t), int(c)))
+    rows = sum(t for t, _ in out)
+    if rows > cfg.max_tree:
+        raise ConfigError(f"B x T = {batch} x {tokens} = {rows} token rows in one step; a step holds at most "
+                          f"{cfg.max_tree} (one m16 tile of tokens in every GEMM; more tiles are not built)")
+    return out
+
+
+def make_requests(cfg: ModelConfig, shape: Sequence[tuple[int, int]], seed: int = 0) -> list[Request]:
+    """Random tokens on a binary-ish tree of T_r tokens at context ctx_r, one request per (T_r, ctx_r)."""
+    g = torch.Generator().manual_seed(seed)
+    return [Request(torch.randint(0, cfg.vocab, (t,), generator=g), tree.binary_ish(t) if t > 1 else [-1], c)
+            for t, c in shape]
+
+
+def random_caches(cfg: ModelConfig, n: int, seed: int = 0, device="cpu") -> list[KVCache]:
+    """n KV caches of random slots (a prefilled prompt's stand-in), each from its own seed."""
+    return [KVCache(cfg, device=device).fill_random(torch.Generator(device=device).manual_seed(seed + 7919 * r))
+            for r in range(n)]
+
+
+def _routes(traces: Sequence[Trace], n_layers: int) -> list[torch.Tensor]:
+    """The reference's routing of every request, per layer over the batch's rows in order."""
+    return [torch.cat([tr.tensors[f"L{l}.route"] for tr in traces]) for l in range(n_layers)]
+
+
+@dataclass
+class BatchCheck:
+    shape: tuple[tuple[int, int], ...]  # (T_r, ctx_r) per request
+    rel_err: tuple[float, ...] = ()  # per request: batched mega (reference routing) vs reference.step
+    greedy: tuple[bool, ...] = ()  # per request: its greedy tokens equal the reference's
+    alone: tuple[bool, ...] = ()  # per request: logits, tokens and KV cache bitwise those of its B=1 step
+    chain: dict[str, bool] = field(default_factory=dict)  # per mega run: bitwise equal to chain (logits, tokens, caches)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def lines(self) -> list[str]:
+        out = []
+        for r, (t, c) in enumerate(self.shape):
+            out.append(f"request {r}: T={t} ctx={c}: rel err {self.rel_err[r]:.2e} vs reference, greedy tokens "
+                       f"{'equal' if self.greedy[r] else 'DIFFER'}, {'bitwise' if self.alone[r] else 'NOT bitwise'} "
+                       "its own B=1 step (logits, tokens, KV cache)")
+        for name, eq in self.chain.items():
+            out.append(f"mega ({name}) {'==' if eq else '!='} chain bitwise (logits, tokens, KV caches)")
+        return out + [f"MISMATCH: {p}" for p in self.problems]
+
+
+def _same(a: StepOut, b: StepOut, ca: KVCache, cb: KVCache) -> bool:
+    return torch.equal(a.logits, b.logits) and torch.equal(a.tokens, b.tokens) and ca.equal(cb)
+
+
+def check_batch(w: ModelWeights, plan: Plan, caches0: Sequence[KVCache], requests: Sequence[Request], *,
+                backend: str = "emu", schedules: Sequence[str] = ("random", "last"), grid: int | None = None,
+                rel: float = REL_TOL, seed: int = 1) -> BatchCheck:
+    """A batched step checked three ways (module docstring), from poisoned buffers: each request
+    against the reference with its routing forced (within `rel`, greedy tokens equal), against
+    its own B=1 step (bitwise, the kernel's own routing: the batch's expert slots are the union),
+    and mega against chain (bitwise, one mega run per emulated schedule; the GPU runs one).
+    Returns the findings; nothing raises on a mismatch (BatchCheck.ok)."""
+    reqs = list(requests)
+    shape = tuple((len(q.tokens), int(q.ctx)) for q in reqs)
+    res = BatchCheck(shape)
+    n = len(reqs)
+
+    def engine(caches, schedule="random"):
+        kw = {"emu_schedule": schedule, "emu_seed": seed} if backend == "emu" else {}
+        return Engine(w, plan, caches, backend=backend, grid=grid, **kw)
+
+    # each request alone (B=1, mega), the kernel's own routing
+    alone = []
+    for r, q in enumerate(reqs):
+        c = caches0[r].clone()
+        alone.append((engine([c]).step(q.tokens, q.parents, q.ctx, mode="mega"), c))
+    # the batch: chain, then mega per schedule
+    runs = {}
+    for name, mode, sched in [("chain", "chain", "random")] + [(s, "mega", s) for s in
+                                                                (schedules if backend == "emu" else ("gpu",))]:
+        cs = [c.clone() for c in caches0[:n]]
+        eng = engine(cs, sched if backend == "emu" else "random")
+        eng.poison()
+        runs[name] = (eng.step_batch(reqs, mode=mode), cs)
+    ch_out, ch_caches = runs.pop("chain")
+    for name, (out, cs) in runs.items():
+        res.chain[name] = torch.equal(out.logits, ch_out.logits) and torch.equal(out.tokens, ch_out.tokens) and all(
+            a.equal(b) for a, b in zip(cs, ch_caches))
+        if not res.chain[name]:
+            res.problems.append(f"mega ({name}) differs from chain")
+    res.alone = tuple(_same(ch_out.request(r), alone[r][0], ch_caches[r], alone[r][1]) for r in range(n))
+    res.problems += [f"request {r} differs from its own B=1 step" for r in range(n) if not res.alone[r]]
+    # the reference, its routing forced on the kernel (a router near-tie must not flip an expert)
+    traces = [Trace() for _ in reqs]
+    ref_caches = [c.clone() for c in caches0[:n]]
+    ref = reference.step_batch(w, ref_caches, reqs, traces=traces)
+    routes = _routes(traces, w.cfg.n_layers)
+    cs = [c.clone() for c in caches0[:n]]
+    eng = engine(cs)
+    eng.poison()
+    forced = eng.step_batch(reqs, mode="mega", routes=routes)
+    errs, greedy = [], []
+    b = forced.row0
+    for r in range(n):
+        got, want = forced.request(r), ref[b[r]:b[r + 1]]
+        try:
+            errs.append(check_close(got.logits, want, f"request {r} vs reference", rel=rel))
+            for x, y in zip(cs[r].k + cs[r].v, ref_caches[r].k + ref_caches[r].v):
+                check_close(x, y, f"request {r}: KV cache vs reference", rel=rel)
+        except CorrectnessError as e:
+            errs.append(float("nan"))
+            res.problems.append(str(e))
+        greedy.append(bool(torch.equal(got.tokens.cpu(), reference.argmax(want).cpu())))
+        if not greedy[-1]:
+            res.problems.append(f"request {r}: greedy tokens differ from the reference's")
+    res.rel_err, res.greedy = tuple(errs), tuple(greedy)
+    return res
+
+
+# ---------------------------------------------------------------------- timing on a GPU
+@dataclass
+class BatchContext:
+    preset: str
+    shape: tuple[tuple[int, int], ...]
+    requests: list[Request]
+    caches0: list[KVCache]
+    routes: list[torch.Tensor]  # per layer [rows, top_k] on the GPU: every request's synthetic routing
+    distinct: list[int]  # per layer: the union of the batch's experts
+    ref_logits: torch.Tensor  # [rows, V]: reference.step_batch with that routing
+
+
+_CONTEXTS: dict = {}
+
+
+def batch_context(preset: str, batch: int, tokens: int, ctx: int, seed: int = 0) -> BatchContext:
+    """B requests of T tokens at context ctx with the study-like synthetic routing of a T-token step
+    each (bench_baselines.study_like_distinct; independent requests, so the batch's union is up to B
+    times a request's experts), random caches, and the reference's logits. Cached per process."""
+    key = (preset, batch, tokens, ctx, seed)
+    if key not in _CONTEXTS:
+        w = weights_for(preset)
+        cfg = w.cfg
+        shape = tuple(mix(cfg, batch, seed, tokens, ctx))
+        reqs = make_requests(cfg, shape, seed)
+        per = []
+        for r in range(batch):
+            g = torch.Generator().manual_seed(seed + 7919 * r + 1000 * tokens + ctx)
+            per.append(synthetic_routes(cfg, tokens, study_like_distinct(cfg, tokens), g))
+        routes = [torch.cat([p[l] for p in per]).to(DEVICE) for l in range(cfg.n_layers)]
+        caches0 = random_caches(cfg, batch, seed, device=DEVICE)
+        ref = reference.step_batch(w, [c.clone() for c in caches0], reqs, routes=routes)
+        _CONTEXTS[key] = BatchContext(preset, shape, reqs, caches0, routes, distinct_per_layer(routes), ref)
+    return _CONTEXTS[key]
+
+
+def batch_series_name(preset: str, batch: int, tokens: int, ctx: int, impl: str) -> str:
+    """`{preset}/B{B}/T{T}/ctx{ctx}/{impl}` (the report reads the params; B=1 steps keep the
+    results_names.step_series_name form)."""
+    return f"{preset}/B{int(batch)}/T{int(tokens)}/ctx{int(ctx)}/{impl}"
+
+
+def bench_batch_point(h, preset: str, batch: int, tokens: int, ctx: int, plan: Plan, mode: str, ceiling) -> Series:
+    """A batched step of `mode` ("mega" or "chain") replayed from a CUDA graph, checked per request
+    against the reference before it is timed, against the batch's roofline (roofline.batch_roofline:
+    the union of routed experts, the dense weights once, each request's KV reads)."""
+    bc = batch_context(preset, batch, tokens, ctx)
+    w = weights_for(preset)
+    eng = Engine(w, plan, [c.clone() for c in bc.caches0], backend="gpu")
+    out = eng.step_batch(bc.requests, mode=mode, routes=bc.routes)
+    for r in range(batch):  # this very engine, per request, before its timing counts
+        b = out.row0
+        check_close(out.request(r).logits, bc.ref_logits[b[r]:b[r + 1]],
+                    f"{preset} B={batch} T={tokens} ctx={ctx} {mode} request {r}: before timing", rel=REL_TOL)
+    kc = count_kernels(lambda: eng.launch_step(mode))
+    g, per = graph_of(eng, mode)
+    t = h.time(g.replay)
+    rf = batch_roofline(w.cfg, bc.shape, bc.distinct, ceiling=ceiling)
+    samples = np.asarray(t.samples_s) / per
+    bound = Bound("time", rf.seconds, "s", f"roofline of {batch} requests: {rf.bytes.total} B (experts: the union "
+                  f"over the batch, dense weights once, each request's KV) / {rf.read_ceiling:.3e} B/s ({rf.source})")
+    return Series.from_samples(
+        batch_series_name(preset, batch, tokens, ctx, mode), samples, timer="cuda_event", unit="s",
+        params=step_params(preset, tokens, ctx, mode, int(round(float(np.mean(bc.distinct)))), batch=batch,
+                           launch="cuda_graph"),
+        bound=bound, clocks=t.clocks, warnings=t.warnings,
+        metrics={"launches_per_step": kc.kernels_per_step, "bytes_per_step": rf.bytes.total, "roofline_s": rf.seconds,
+                 "tokens_per_step": batch * tokens, "requests": batch, "grid": eng.grid,
+                 "distinct_experts_union_max": max(bc.distinct), "smem_bytes": plan.smem_bytes})
