@@ -17,7 +17,7 @@ from megakernel.config import ConfigError, preset
 from megakernel.plan import OP, make_plan, max_tp_ranks
 from megakernel.program import DEP_ALL
 from megakernel.ranks import COLLECTIVES, RankEngine, collective_waits, skews, stalls, tp_waits_result
-from megakernel.reference import KVCache
+from megakernel.reference import KVCache, Request
 from megakernel.runtime import Engine, check_close
 from megakernel.weights import generate
 from microbench.errors import CorrectnessError, SpinTimeoutError
@@ -312,3 +312,31 @@ def test_the_torch_interpreter_refuses_a_program_of_ranks(tinytp):
     cfg, w, base, *_ = tinytp
     with pytest.raises(ConfigError, match="runs in the emulation"):
         Interpreter(w, build(make_plan(cfg, 4, tp_ranks=2, launch_ranks=2)), base.clone())
+
+
+def test_tp_steps_batches_of_requests_bitwise(tinytp):
+    """Two requests in one step (their own trees, contexts and caches: Engine's batches) at R = 2:
+    bitwise R = 1's batched step on every rank, each request's rows and cache bitwise its own step
+    alone, every receive slot empty."""
+    cfg, w, *_ = tinytp
+    caches = [KVCache(cfg).fill_random(torch.Generator().manual_seed(s)) for s in (3, 4)]
+    g = torch.Generator().manual_seed(1)
+    reqs = [Request(torch.randint(0, cfg.vocab, (5,), generator=g).tolist(), [-1, 0, 1, 1, 2], 30),
+            Request(torch.randint(0, cfg.vocab, (3,), generator=g).tolist(), [-1, 0, 1], 70)]
+    got = {}
+    for ranks in (1, 2):
+        cs = [c.clone() for c in caches]
+        eng = RankEngine(w, make_plan(cfg, 4, tp_ranks=ranks, launch_ranks=ranks, spin_bound_ns=TP_BOUND_NS), cs,
+                         backend="emu", grid=2)
+        eng.poison()
+        eng.step_batch(reqs, mode="mega")
+        eng.check_slots_empty()
+        got[ranks] = (eng.rank_outputs(), cs)
+    (one, c1), (two, c2) = got[1], got[2]
+    for k, o in enumerate(two):
+        assert torch.equal(o.logits, one[0].logits) and torch.equal(o.tokens, one[0].tokens), k
+    assert all(a.equal(b) for a, b in zip(c1, c2))
+    for r, req in enumerate(reqs):
+        alone = RankEngine(w, make_plan(cfg, 4, tp_ranks=2, launch_ranks=2, spin_bound_ns=TP_BOUND_NS),
+                           caches[r].clone(), backend="emu", grid=2).step(req.tokens, req.parents, req.ctx)
+        assert torch.equal(alone.logits, two[0].request(r).logits), r
