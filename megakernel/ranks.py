@@ -12,7 +12,10 @@ b of the launch's grid runs rank b * R / grid (csrc/mk/arch.cuh). Where the rank
   one GPU        R partitions of the SMs in one launch (timings are those of R ranks sharing a
                  GPU, and say so)
   torchrun       one process per GPU, one rank each (Plan.launch_ranks = 1), receive slots in
-                 peer memory (run_rank_process)
+                 peer memory (rank_main, started by run_torchrun)
+where_ranks picks among them by what is present, and step_ranks runs decode steps wherever that is
+(`megabench mk step --ranks R`; the decode loop's hook). A profiled step's collective waits come out
+of its timeline (collective_waits) and go into `megakernel.tp_waits` (tp_waits_result).
 Without tensor parallelism (tp_ranks 0) a launch of R ranks runs R copies of the unsharded model,
 each on its own cache: the plumbing of rank-local block indices and parameter blocks alone.
 """
@@ -34,9 +37,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from microbench.atomic import write_json
 from microbench.clocks.profiler import ProfileBuffer, ProfileLayout, Timeline
 from microbench.device import device_info, gpu_count, no_gpu_reason
-from microbench.atomic import write_json
 from microbench.errors import CorrectnessError, MegabenchError, SpinTimeoutError
 from microbench.launch import LaunchSpec, launch
 from microbench.results import Derived, Env, Result, Series
@@ -96,7 +99,7 @@ class RankEngine:
         r = plan.launch_ranks
         if plan.tp_ranks and plan.tp_ranks != r:
             raise ConfigError(f"a plan of {plan.tp_ranks} TP ranks with {r} a launch: one launch holds every rank "
-                              "(RankEngine) or one (a process per GPU: run_rank_process)")
+                              "(RankEngine) or one (a process per GPU: run_torchrun)")
         if emu_schedule not in EMU_SCHEDULES:
             raise ValueError(f"emu_schedule {emu_schedule!r}: one of {', '.join(EMU_SCHEDULES)}")
         if plan.tp_ranks:
