@@ -87,6 +87,12 @@ PARAM_FIELDS = (
     ("counters", "uint32_t*"),  # [2][n_counters]
     ("watchdog", "unsigned long long*"),  # [WD_FIELDS]
     ("n_counters", "int32_t"),
+    # ranks (Plan.launch_ranks, tp_ranks): each rank has its own parameter block; a launch of several
+    # ranks gets them in rank order and each block picks its rank's (megakernel.cu)
+    ("rank", "int32_t"),  # this block's TP rank (0 without TP)
+    ("recv", "unsigned char*"),  # TP: this rank's receive slots (Plan.recv_layout), in its own memory
+    ("peers", "unsigned char* const*"),  # TP: [tp_ranks] every rank's receive slots as this rank addresses them
+    ("rank_slots", "int32_t*"),  # TP expert_parallel: [1 + MAX_SLOTS] this rank's slot count, then its slots
 )
 
 

@@ -48,6 +48,8 @@ def program_constants() -> str:
         f"WHAT_LOADER_ROUTE = {program.WHAT_LOADER_ROUTE}, WHAT_LOADER_GATE = {program.WHAT_LOADER_GATE}, "
         f"WHAT_SENTINEL = {program.WHAT_SENTINEL}, WHAT_NORM_ROWS = {program.WHAT_NORM_ROWS}, "
         f"WHAT_LOADER_PACE = {program.WHAT_LOADER_PACE};",
+        f"constexpr uint32_t WHAT_AR = {program.WHAT_AR}, WHAT_GATHER_ACT = {program.WHAT_GATHER_ACT}, "
+        f"WHAT_GATHER_Y = {program.WHAT_GATHER_Y};",
         "}  // namespace mk",
     ]) + "\n"
 
@@ -126,10 +128,12 @@ static void mk_emu_body(void* a) {
   mk_run(x->p, x->first, x->n_ops, x->wait, x->parity, x->pb, x->pm);
 }
 extern "C" int emu_launch(void (*)(void*), void*, int, int, int, unsigned long long, char*, int);
+extern "C" int emu_set_launch_ranks(int);
 extern "C" int mk_emu_run(const void* p, int grid, int first, int n_ops, int wait, int parity,
                           unsigned long long seed, char* err, int errlen, unsigned long long* pb,
                           unsigned long long pm) {
   MkEmuArgs a{static_cast<const mk::Params*>(p), first, n_ops, wait, parity, pb, pm};
+  emu_set_launch_ranks(mk::RANKS_PER_LAUNCH);  // the schedule's ranks (emu.cpp SCHED_RANK)
   return emu_launch(mk_emu_body, &a, grid, mk::THREADS, mk::SMEM_BYTES, seed, err, errlen);
 }
 """

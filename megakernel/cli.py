@@ -20,6 +20,13 @@
                           (other presets need one); --check: each request against the reference,
                           against its own B=1 step (bitwise) and mega against chain (bitwise, at each
                           emulated schedule); exit 1 on a mismatch (megakernel.batch)
+  step --ranks R [--check] [--preset P] [--tokens T] [--ctx C] [--mode M] [--steps N] [--expert-parallel]
+       [--where emu|gpu|torchrun] [--profile [--save [DIR]]]   decode steps of the tensor-parallel build at
+                          R ranks where they can run here (torchrun across R GPUs, else R ranks sharing one
+                          GPU, else the CPU emulation; it says which); --check: bitwise the unsharded build
+                          (R = 1) and the expert-parallel arrangement, close to the reference, slots empty;
+                          --profile: the waits at each collective, stalls per layer and skew per rank
+                          (megakernel.tp_waits; --save writes it, GPU runs only)
   sm-map [--point PRESET:T:CTX ...] [--variant NAME[:KEY=VALUE,...] ...] [--out FILE.md] [--save [DIR]]   on a GPU:
                           which SM each block ran on, launch after launch, and how often a block
                           keeps its SM (megakernel.sm_map)
@@ -291,6 +298,24 @@ def _int_list(text: str | None, what: str) -> list[int] | None:
 
 
 def _step(a) -> int:
+    """`step`: with --ranks the tensor-parallel build's steps (_step_ranks), else a step of B requests."""
+    if a.ranks is not None:
+        extra = [f for f, v in (("--batch", a.batch), ("--tree-sizes", a.tree_sizes), ("--ctxs", a.ctxs)) if v is not None]
+        if extra:
+            print(f"step: --ranks with {', '.join(extra)}: batched steps of the tensor-parallel build are not built",
+                  file=sys.stderr)
+            return 2
+        return _step_ranks(a)
+    tp_only = [f for f, v in (("--steps", a.steps != 1), ("--expert-parallel", a.expert_parallel), ("--where", a.where),
+                              ("--profile", a.profile), ("--save", a.save is not None)) if v]
+    if tp_only:
+        print(f"step: {', '.join(tp_only)} belong to the tensor-parallel steps: add --ranks R", file=sys.stderr)
+        return 2
+    a.preset = a.preset or "tiny"
+    return _step_batch(a)
+
+
+def _step_batch(a) -> int:
     from .batch import check_batch, make_requests, mix, random_caches  # heavy: torch (megakernel.batch)
     from .plan import make_plan  # heavy: torch (megakernel.plan)
     from .runtime import Engine  # heavy: torch (megakernel.runtime)
@@ -478,6 +503,46 @@ def _program(a) -> int:
     from .program import build  # heavy: torch (megakernel.program)
 
     print(build(make_plan(get_preset(a.preset), a.sm), a.mode).describe())
+    return 0
+
+
+def _step_ranks(a) -> int:
+    """Decode steps of the TP build at --ranks ranks (megakernel/ranks.py step_ranks)."""
+    from .ranks import COLLECTIVES, skews, stalls, step_ranks, tp_waits_result  # heavy: torch (megakernel.ranks)
+
+    if a.save is not None and not a.profile:
+        print("step: --save writes the profiled step's waits: add --profile", file=sys.stderr)
+        return 2
+    run = step_ranks(a.preset or "tinytp", a.ranks, tokens=8 if a.tokens is None else a.tokens,
+                     ctx=40 if a.ctx is None else a.ctx, mode=a.mode, steps=a.steps, expert_parallel=a.expert_parallel,
+                     check=a.check, profile=a.profile, where=a.where, seed=a.seed)
+    for i, t in enumerate(run.tokens):
+        print(f"step {i}: tokens {t}")
+    if a.profile:
+        clock = "the emulation's clock (CPU time, not a GPU's)" if run.where == "emu" else "%globaltimer"
+        print(f"collective waits ({clock}): the longest block's wait per rank, median over layers")
+        for key, what, _, _ in COLLECTIVES:
+            per = {}
+            for w in run.waits:
+                if w.collective == key and w.wait_ns is not None:
+                    per.setdefault(w.rank, []).append(w.wait_ns)
+            print(f"  {what}: " + ", ".join(f"rank {r} {sorted(v)[len(v) // 2] / 1e3:.1f} us" for r, v in sorted(per.items())))
+        one_clock = run.where != "torchrun"
+        sk = skews(run.waits) if one_clock else {}
+        st = stalls(run.waits)
+        if sk:
+            print(f"  skew between ranks: up to {max(sk.values()) / 1e3:.1f} us")
+        if st:
+            print(f"  stall per layer: up to {max(st.values()) / 1e3:.1f} us (one rank, one layer)")
+        if a.save is not None:
+            if run.where == "emu":
+                print("step: the emulation's waits are CPU time, not a GPU's: printed, not saved", file=sys.stderr)
+                return 2
+            env = Env.capture()
+            r = tp_waits_result(run.waits, preset=a.preset or "tinytp", ranks=a.ranks, where=run.why,
+                                one_clock=one_clock, tokens=8 if a.tokens is None else a.tokens,
+                                ctx=40 if a.ctx is None else a.ctx, env=env)
+            print("saved", r.save(Path(a.save) if a.save else None))
     return 0
 
 
@@ -699,8 +764,10 @@ def add_tools(sub) -> None:
                                               "SMs, profiler events included): print it, or --write it (no GPU)")
     s.add_argument("--write", action="store_true", help="regenerate megakernel/csrc/mk/default_config.cuh")
     s.set_defaults(fn=_default_config)
-    s = sub.add_parser("step", help="one step of B requests (tiny in the emulation without a GPU); --check")
-    s.add_argument("--preset", default="tiny", choices=PRESET_NAMES)
+    s = sub.add_parser("step", help="one step of B requests (tiny in the emulation without a GPU), or with --ranks R "
+                                    "decode steps of the tensor-parallel build (emulation, one GPU or torchrun, by "
+                                    "what is here); --check")
+    s.add_argument("--preset", default=None, choices=PRESET_NAMES, help="default: tiny, with --ranks tinytp")
     s.add_argument("--batch", type=int, default=None, help="requests in the step (default 1, or the lists' length)")
     s.add_argument("--tokens", type=int, default=None, help="tree tokens of every request (default: the seeded mix)")
     s.add_argument("--ctx", type=int, default=None, help="cached positions of every request (default: the seeded mix)")
@@ -711,6 +778,15 @@ def add_tools(sub) -> None:
     s.add_argument("--check", action="store_true", help="reference per request, B=1 equality, mega == chain")
     s.add_argument("--schedule", nargs="+", default=["random", "last"], choices=["random", "last", "block"],
                    help="emulated mega schedules the check runs (the first also runs the printed step)")
+    # tensor parallelism (megakernel/ranks.py step_ranks): --ranks picks these steps
+    s.add_argument("--ranks", type=int, default=None, help="tensor-parallel ranks (1, 2, 4 or 8): the TP build's "
+                                                           "steps (--tokens default 8, --ctx 40)")
+    s.add_argument("--steps", type=int, default=1, help="--ranks: the first step, then greedy steps of one token")
+    s.add_argument("--expert-parallel", action="store_true", help="--ranks: each slot's expert units on its owner")
+    s.add_argument("--where", choices=["emu", "gpu", "torchrun"], help="--ranks: force where the ranks run")
+    s.add_argument("--profile", action="store_true", help="--ranks: the waits at each collective (profiled build)")
+    s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
+                   help="--ranks --profile on a GPU: save megakernel.tp_waits under DIR (default reports/results)")
     s.set_defaults(fn=_step)
     s = sub.add_parser("ncu-op", help="on a GPU: a chain step up to the named ops, only those inside the profiler range")
     s.add_argument("--preset", default="shard8", choices=PRESET_NAMES)

@@ -170,6 +170,13 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=64, n_experts=8, top_k=2, d_pool=64, d_expert=64, max_context=128,
         assumptions=_COMMON + (("size", "smallest config the kernels accept: the whole CPU suite runs in seconds"),),
     ),
+    "tinytp": ModelConfig(
+        name="tinytp", vocab=512, d_model=128, n_layers=3, global_layers=(2,), window=16, n_heads=16, n_kv_heads=8,
+        head_dim=64, n_experts=8, top_k=2, d_pool=128, d_expert=128, max_context=128,
+        assumptions=_COMMON + (("size", "tiny's vocabulary, width and depth, with heads and expert widths that shard "
+                                        "over up to 8 tensor-parallel ranks (one kv head, 16 gate/up rows and 16 "
+                                        "down-projection rows each at 8): the CPU suite's TP model"),),
+    ),
     "small": ModelConfig(
         name="small", vocab=32768, d_model=2048, n_layers=12, global_layers=spread_globals(12, 3), window=1024,
         n_heads=16, n_kv_heads=4, head_dim=128, n_experts=64, top_k=8, d_pool=1024, d_expert=1024,

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from . import abi, tree as treelib
+from .config import ConfigError
+from .plan import MOE_COMBINE_COLS
 from .program import (DEP_ALL, DEP_LOCAL, DEP_SENTINEL, Program, attn_unit, cached_keys, group_size, n_units,
                       needed_group, splits, unit_group)
-from .plan import MOE_COMBINE_COLS
 from .reference import KVCache, Request, rmsnorm
 from .weights import BF16, ModelWeights
 
@@ -42,6 +43,10 @@ class SpecIO:
 
 class Interpreter:
     def __init__(self, w: ModelWeights, prog: Program, cache: KVCache | list[KVCache]):
+        if prog.plan.tp_ranks or prog.plan.launch_ranks > 1:
+            # a TP program's units are one rank's and its collectives poll the other ranks' data
+            raise ConfigError("the interpreter runs one rank of an unsharded program; a program of ranks "
+                              "(Plan.tp_ranks, launch_ranks) runs in the emulation (ranks.RankEngine)")
         self.caches = [cache] if isinstance(cache, KVCache) else list(cache)  # request r's: caches[r]
         self.w, self.prog, self.cache, self.cfg, self.plan = w, prog, self.caches[0], w.cfg, prog.plan
         c, p = self.cfg, self.plan

@@ -22,7 +22,9 @@ from .config import ModelConfig
 # (greedy walk, emitted tokens), `compact` (the accepted rows' K/V to consecutive positions) and
 # `advance` (the step state the next step reads). Appended: the other kinds keep their numbers
 OP_KINDS = ("embed", "qkv", "attn", "attn_combine", "oproj", "router", "pool", "topk", "expert1", "expert2",
-            "moe_combine", "unpool", "lm_head", "argmax", "seed", "tree", "accept", "compact", "advance")
+            "moe_combine", "unpool", "lm_head", "argmax",
+            "attn_reduce",  # TP: the attention all-reduce, after oproj
+            "seed", "tree", "accept", "compact", "advance")
 SPEC_KINDS = ("seed", "tree", "accept", "compact", "advance")
 OP = {k: i for i, k in enumerate(OP_KINDS)}
 WARPS = 8  # compute warps per block (one mma m16 row tile of tokens each)
@@ -136,6 +138,32 @@ def _expert_tile(cap: int, k: int, budget: int, paired: bool) -> GemmTile:
 
 
 FUSED_PASS_ROWS = 2 * 16 * WARPS  # gemm.cuh gemm_fp4_down: two 16-row tiles per compute warp per pass
+
+
+TP_RANKS = (1, 2, 4, 8)  # the tensor-parallel degrees a build takes (the study runs 8)
+
+
+def tp_problem(cfg: ModelConfig, ranks: int) -> str | None:
+    """Why `cfg` cannot be sharded over `ranks` tensor-parallel ranks (None: it can): every rank
+    needs whole kv heads, and whole 16-row tiles of its gate/up rows (d_expert / R) and of its
+    down-projection rows (d_pool / R); oproj's K groups (attn_width / R at the most) need whole
+    64-column chunks."""
+    if ranks not in TP_RANKS:
+        return f"{ranks} ranks: a build takes {', '.join(map(str, TP_RANKS))}"
+    if cfg.n_kv_heads % ranks:
+        return f"{cfg.n_kv_heads} kv heads do not divide over {ranks} ranks"
+    for name, n in (("d_expert", cfg.d_expert), ("d_pool", cfg.d_pool)):
+        if n % (16 * ranks):
+            return f"{name}={n}: {ranks} ranks get no whole 16-row tiles of it"
+    if cfg.attn_width % (MIN_CHUNK_COLS * ranks):
+        return f"attn_width={cfg.attn_width}: {ranks} K groups of oproj are not whole {MIN_CHUNK_COLS}-column chunks"
+    return None
+
+
+def max_tp_ranks(cfg: ModelConfig) -> int:
+    """The most tensor-parallel ranks the model allows (TP_RANKS): oproj's fixed K groups
+    (Plan.tp_groups), so that its all-reduce sums the same partials in the same order at every R."""
+    return max(r for r in TP_RANKS if tp_problem(cfg, r) is None)
 
 
 def fuses_experts(cfg: ModelConfig) -> bool:
@@ -273,6 +301,22 @@ class Plan:
     # back (setmaxnreg.dec to loader_registers); ptxas allocates each role's code to its budget
     compute_registers: int = 0
     ring_fill: int = 0  # of ring_stages, those added from spare shared memory (make_plan fill_ring)
+    # ranks that share one launch (runtime.RankEngine): block b of a launch of `grid` blocks is rank
+    # b * launch_ranks / grid, and every block index and count the kernel uses is its rank's (arch.cuh
+    # bid, nblocks). 1: a launch is one rank's (every build without ranks, and one process per GPU),
+    # which compiles to the code of a build that knows nothing of ranks
+    launch_ranks: int = 1
+    # tensor parallelism (0: none). R >= 1: the model sharded over R ranks as the study shards it:
+    # attention by heads (a rank's q and kv heads, its KV cache), oproj K-sharded into tp_groups
+    # fixed groups whose fp32 partials every rank sums in group order (the attention all-reduce),
+    # gate/up and the down projection N-sharded, each followed by a bf16 all-gather; the rest
+    # replicated. R = 1 is the unsharded result of the same build (it computes every group itself)
+    tp_ranks: int = 0
+    tp_groups: int = 0  # oproj's K groups (the most ranks the model allows: max_tp_ranks)
+    # TP: a slot's expert GEMM units on the rank that owns its expert (expert e on rank e % R, whole
+    # rows) instead of N-sharded over every rank: the expert-parallel arrangement, with the same
+    # units and so the same bits
+    expert_parallel: bool = False
     tiles: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -298,7 +342,47 @@ class Plan:
         return self.cfg.max_distinct_experts(self.cfg.max_tree)
 
     @property
+    def rcfg(self) -> ModelConfig:
+        """The shapes one rank holds: its q and kv heads (tp_ranks); the model itself otherwise."""
+        if not self.tp_ranks:
+            return self.cfg
+        c = self.cfg
+        return replace(c, n_heads=c.n_heads // self.tp_ranks, n_kv_heads=c.n_kv_heads // self.tp_ranks)
+
+    @property
+    def expert_rows(self) -> tuple[int, int]:
+        """Rows per expert of a rank's share of the expert banks: (gate rows, down-projection rows).
+        N-sharded TP: d_expert / R and d_pool / R; whole experts otherwise (expert_parallel, no TP)."""
+        c = self.cfg
+        if self.tp_ranks and not self.expert_parallel:
+            return c.d_expert // self.tp_ranks, c.d_pool // self.tp_ranks
+        return c.d_expert, c.d_pool
+
+    @property
+    def recv_layout(self) -> dict[str, tuple[int, int]]:
+        """TP: a rank's receive slots, {name: (byte offset, bytes)} in one block every rank can
+        address, each double-buffered by layer parity (csrc/mk/tp.cuh): "ar" the attention
+        all-reduce's fp32 partials [2][tp_groups][T_MAX][D], "act" the gate/up activations' bf16
+        gather [2][MAX_SLOTS][16][F], "y" the expert outputs' bf16 gather [2][MAX_SLOTS][16][P].
+        Each region starts 256-byte aligned."""
+        if not self.tp_ranks:
+            return {}
+        c = self.cfg
+        out, off = {}, 0
+        for name, n in (("ar", 2 * self.tp_groups * c.max_tree * c.d_model * 4),
+                        ("act", 2 * self.max_slots * 16 * c.d_expert * 2), ("y", 2 * self.max_slots * 16 * c.d_pool * 2)):
+            out[name] = (off, n)
+            off += -(-n // 256) * 256
+        return out
+
+    @property
+    def recv_bytes(self) -> int:
+        return sum(-(-n // 256) * 256 for _, n in self.recv_layout.values())
+
+    @property
     def max_splits(self) -> int:
+        # the whole model's kv heads, also in a TP build: a rank's attention splits (and so its
+        # bits) are those of the unsharded model
         c = self.cfg
         most_keys = max(c.max_context, c.window) + c.max_tree  # cached keys seen + the new tree keys
         return max(1, min(self.n_sm // c.n_kv_heads if self.n_sm >= c.n_kv_heads else 1,
@@ -334,7 +418,7 @@ class Plan:
         """Activation operand: 16 token rows x the widest K staged at once, padded (attention
         reuses it)."""
         c = self.cfg
-        kmax = max(self.norm_k, c.attn_width, c.d_pool, c.d_expert)
+        kmax = max(self.norm_k, self.rcfg.attn_width, c.d_pool, c.d_expert)
         return max(16 * (kmax * 2 + ROW_PAD), self.attn_smem_bytes)
 
     @property
@@ -437,7 +521,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               profile_detail: bool = False, residual_unit_rows: int | None = None, tokens: int | None = None,
               expert1_rows: int | None = None, expert2_rows: int | None = None, layout_pad: int = 0,
               layout_gap: int = 0, fused_experts: bool = False, keep_max: int = KEEP_MAX,
-              compute_registers: int = 0) -> Plan:
+              compute_registers: int = 0, launch_ranks: int = 1, tp_ranks: int = 0,
+              expert_parallel: bool = False) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -450,8 +535,27 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     (fused_experts; tests: fewer kept units than a block runs). layout_pad: a code-layout placebo
     (Plan.layout_pad), a multiple of 16 bytes up to 64 KB; layout_gap: the same in the middle of
     the ops' code (Plan.layout_gap). compute_registers: Plan's (0 = off, or a multiple of 8 from
-    176 to 232)."""
+    176 to 232). launch_ranks, tp_ranks, expert_parallel: Plan's. A TP build (tp_ranks >= 1) cuts
+    oproj's K into max_tp_ranks(cfg) groups and sizes its expert units for that many ranks, so that
+    its tiles, and so its bits, are the same at every R."""
     cfg.validate()
+    if not (isinstance(launch_ranks, int) and launch_ranks >= 1):
+        raise ValueError(f"launch_ranks {launch_ranks!r}: want a positive number of ranks per launch")
+    ng = 0
+    if tp_ranks or expert_parallel:
+        why = tp_problem(cfg, tp_ranks) if isinstance(tp_ranks, int) and tp_ranks >= 1 else \
+            f"tp_ranks {tp_ranks!r}: want 1, 2, 4 or 8 (expert_parallel is an arrangement of a TP build)"
+        if why:
+            raise ValueError(f"{cfg.name}: tensor parallelism: {why}")
+        if fused_experts:
+            raise ValueError("tensor parallelism runs the split expert GEMMs: the fused down projection is a K-part "
+                             "of gate/up, which cannot be sharded on its output rows (fused_experts=False)")
+        if launch_ranks not in (1, tp_ranks):
+            raise ValueError(f"launch_ranks {launch_ranks}: a TP build of {tp_ranks} ranks launches one rank (one "
+                             f"process per GPU) or all {tp_ranks} together")
+        if expert_parallel and cfg.n_experts % tp_ranks:
+            raise ValueError(f"expert_parallel: {cfg.n_experts} experts do not divide over {tp_ranks} ranks")
+        ng = max_tp_ranks(cfg)
     if not (isinstance(compute_registers, int) and (compute_registers == 0 or (
             BASE_REGISTERS < compute_registers <= 232 and compute_registers % 8 == 0))):
         # 232: the loader's warpgroup keeps 40 (setmaxnreg takes multiples of 8 from 24 to 256)
@@ -469,7 +573,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
                          f"{c.d_model} and the {32 * WARPS} compute threads")
     tiles = {
         "qkv": _tile(DENSE_ROWS, c.d_model, budget),
-        "oproj": _tile(rr, c.attn_width, budget),
+        # TP: a unit is one of the tp_groups K groups of oproj (its partial, the all-reduce's input)
+        "oproj": _tile(rr, c.attn_width // ng if ng else c.attn_width, budget),
         "router": _tile(ROUTER_ROWS, c.d_model, budget),
         "pool": _tile(pool_rows(c, n_sm, budget), c.d_model, budget),
         "unpool": _tile(rr, c.d_pool, budget),
@@ -478,7 +583,9 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     # fp4 chunks may exceed the budget by their scales (1/8 of the codes): 256 rows x 256 columns of
     # codes fill a 36 KB stage at a 32 KB budget
     e1 = expert1_rows or expert1_unit_rows(c, n_sm, tokens or c.max_tree)
-    tiles["expert1"] = _expert_tile(min(e1, 2 * c.d_expert), c.d_pool, budget * 9 // 8, True)
+    # TP: units no larger than the share of the most ranks, the same at every R (a unit's rows set
+    # how its warps accumulate: gemm_fp4), so that every R computes the same bits
+    tiles["expert1"] = _expert_tile(min(e1, 2 * c.d_expert // (ng or 1)), c.d_pool, budget * 9 // 8, True)
     if fused_experts:  # chunks no larger than the other ops' (the ring's stage size stays theirs)
         tiles["expert2"] = _fused_down_tile(c, tiles["expert1"].rows // 2, max(t.stage_bytes for t in tiles.values()))
     else:
@@ -487,7 +594,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         # tensor-parallel build needs a down projection sharded on its output rows, which the fused
         # unit (a K-part of every output row) cannot give.
         e2 = expert2_rows or expert2_unit_rows(c, n_sm, tokens or c.max_tree)
-        tiles["expert2"] = _expert_tile(min(e2, c.d_pool), c.d_expert, budget * 9 // 8, False)
+        tiles["expert2"] = _expert_tile(min(e2, c.d_pool // (ng or 1)), c.d_expert, budget * 9 // 8, False)
     for op in ("expert1", "expert2"):
         tiles[op] = replace(tiles[op], rotated=fp4_rotated)
     if profile_detail and not profile:
@@ -496,7 +603,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              loader_ahead=loader_ahead, pdl=pdl, profile_cap=profile_cap, stream_evict_first=stream_evict_first,
              sentinel_route=sentinel_route, keys_per_split=keys_per_split, profile_detail=profile_detail,
              fp4_rotated=fp4_rotated, tiles=tiles, layout_pad=layout_pad, layout_gap=layout_gap,
-             fused_experts=fused_experts, compute_registers=compute_registers)
+             fused_experts=fused_experts, compute_registers=compute_registers, launch_ranks=launch_ranks,
+             tp_ranks=tp_ranks, tp_groups=ng, expert_parallel=expert_parallel)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -509,9 +617,10 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
             f"megakernel for {cfg.name} needs {p.smem_bytes} B of shared memory per block (activations "
             f"{p.abuf_bytes}, ring {p.ring_stages} x {p.stage_bytes}, reduction {p.red_bytes}); the device "
             f"allows {smem_limit}. Use fewer/smaller ring stages.")
+    f_sh, p_sh = p.expert_rows
     for name, t in tiles.items():
-        n = {"qkv": c.qkv_rows, "oproj": c.d_model, "router": c.n_experts, "pool": c.d_pool, "unpool": c.d_model,
-             "lm_head": c.vocab, "expert1": 2 * c.d_expert, "expert2": c.d_pool}[name]
+        n = {"qkv": p.rcfg.qkv_rows, "oproj": c.d_model, "router": c.n_experts, "pool": c.d_pool, "unpool": c.d_model,
+             "lm_head": c.vocab, "expert1": 2 * f_sh, "expert2": p_sh}[name]
         if n % t.rows:
             raise ValueError(f"{name}: {n} output rows not a multiple of the {t.rows}-row tile")
     if c.head_dim % 8 or c.qkv_rows % 8:
@@ -521,7 +630,9 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
 
 def render(plan: Plan) -> str:
     """The C++ constants header (prepended to the kernel source)."""
-    c = plan.cfg
+    c, rc = plan.cfg, plan.rcfg  # rc: the heads one rank holds (tp_ranks), else the model's
+    f_sh, p_sh = plan.expert_rows
+    recv = plan.recv_layout
     lines = [
         "// GENERATED by megakernel/plan.py:render() from the model config and tuned constants. Do not edit.",
         "#pragma once",
@@ -532,16 +643,17 @@ def render(plan: Plan) -> str:
         f"constexpr int D = {c.d_model};",
         f"constexpr int V = {c.vocab};",
         f"constexpr int L = {c.n_layers};",
-        f"constexpr int HQ = {c.n_heads};",
-        f"constexpr int HKV = {c.n_kv_heads};",
+        f"constexpr int HQ = {rc.n_heads};  // a rank's (Plan.rcfg)",
+        f"constexpr int HKV = {rc.n_kv_heads};",
         f"constexpr int HD = {c.head_dim};",
         f"constexpr int G = {c.group};",
-        f"constexpr int QKV_ROWS = {c.qkv_rows};",
-        f"constexpr int ATT_W = {c.attn_width};",
+        f"constexpr int QKV_ROWS = {rc.qkv_rows};",
+        f"constexpr int ATT_W = {rc.attn_width};",
         f"constexpr int E = {c.n_experts};",
         f"constexpr int TOPK = {c.top_k};",
         f"constexpr int P = {c.d_pool};",
         f"constexpr int F = {c.d_expert};",
+        f"constexpr int F_SH = {f_sh}, P_SH = {p_sh};  // a rank's gate rows and down-projection rows per expert",
         f"constexpr int WINDOW = {c.window};",
         f"constexpr int RING_SLOTS = {c.ring_slots};",
         f"constexpr int MAX_CTX = {c.max_context};",
@@ -559,6 +671,12 @@ def render(plan: Plan) -> str:
         f"constexpr int COMPUTE_REGS = {plan.compute_registers};  // per-role budgets (Plan.compute_registers; 0 = off)",
         f"constexpr int LOADER_REGS = {plan.loader_registers};",
         f"constexpr int COMPUTE_THREADS = {32 * WARPS};",
+        "// ranks (Plan.launch_ranks, tp_ranks, tp_groups, expert_parallel)",
+        f"constexpr int RANKS_PER_LAUNCH = {plan.launch_ranks};",
+        f"constexpr int TP = {plan.tp_ranks}, TP_GROUPS = {plan.tp_groups or 1};",
+        f"constexpr bool EXPERT_PARALLEL = {'true' if plan.expert_parallel else 'false'};",
+        f"constexpr unsigned long long RECV_AR = {recv.get('ar', (0, 0))[0]}ull, RECV_ACT = {recv.get('act', (0, 0))[0]}ull, "
+        f"RECV_Y = {recv.get('y', (0, 0))[0]}ull, RECV_BYTES = {plan.recv_bytes}ull;",
         f"constexpr int ROW_PAD = {ROW_PAD};",
         "// ring (tuned constants: weights.ring) and smem carve-up",
         f"constexpr int RING_STAGES = {plan.ring_stages};",

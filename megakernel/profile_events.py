@@ -58,8 +58,13 @@ TOPK_STEPS = ("the selections", "the logits' reset and the softmax with its stor
               "the slots: expert bitmap, prefix, slot records")  # topk_step's arg (ops/topk.cuh stamps 0, 1, 2)
 EVENTS.phase("topk_step", "top-k's steps after its poll (arg: " + ", ".join("%d %s" % (i, s) for i, s in enumerate(TOPK_STEPS))
              + "); thread 0's view, which runs tokens 0 and 8")
+XWAITS = ("the attention all-reduce's partials", "the gathered gate/up activations",
+          "the gathered expert outputs")  # xwait's arg (csrc/mk/tp.cuh xwait_begin)
+EVENTS.phase("xwait", "tensor parallelism: a block polling its receive slots for other ranks' data, from its "
+                      "first load to every thread of the block holding its words (arg: " +
+             ", ".join("%d %s" % (i, s) for i, s in enumerate(XWAITS)) + ")")
 DETAIL_PHASES = ("stage", "ring_wait", "attn_load", "publish", "fp4_tail", "epilogue", "unit_open", "unit_close",
-                 "topk_step")
+                 "topk_step", "xwait")
 
 
 def render_op_tables() -> str:

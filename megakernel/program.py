@@ -21,6 +21,15 @@ Spec programs (build's `spec`): the drafter's ("draft") opens with `seed` before
 verifier's ("verify") opens with `tree` before embed and ends with a launch of its own holding
 `accept`, `compact` and `advance` (in every mode, so that a timing can split them off). Plain
 programs hold none of these.
+Tensor parallelism (Plan.tp_ranks R, tp_groups NG; the heads and expert rows are one rank's):
+  oproj        NG/R * D/Rr: (the rank's K group, feature tile), the group's fp32 partial, pushed
+               into every rank's receive slots (csrc/ops/tp_oproj.cuh)
+  attn_reduce  D/Rr         sums the NG partials in group order into x ("sentinel" <- oproj: it
+                            polls its receive slots, which every rank's oproj fills)
+  expert1      count * (F/R)/(R1/2), pushed into every rank's slots (the activations' gather)
+  expert2      count * (P/R)/R2, "sentinel" <- expert1: polls the gathered activations; pushes
+  moe_combine  also polls the gathered expert outputs (and resets the layer's activations)
+  (expert_parallel: count = the rank's own slots, whole rows: F/(R1/2) and P/R2 units a slot)
 A step holds B requests (abi.py's step block): T is the step's token rows, the requests' trees
 concatenated; an attention unit is (kv head, request, split), each kv head's units the requests'
 splits in request order (attn_unit). The rules take t and ctx as ints (one request) or as one of
@@ -69,6 +78,14 @@ DEP_ALL, DEP_GROUP, DEP_SENTINEL, DEP_LOCAL = 0, 1, 2, 3
 # dependency, these name the ring and the loader (rendered into the kernel by build.py)
 WHAT_RING_FULL, WHAT_RING_EMPTY, WHAT_LOADER_ROUTE, WHAT_LOADER_GATE, WHAT_SENTINEL, WHAT_NORM_ROWS = 8, 9, 10, 11, 12, 13
 WHAT_LOADER_PACE = 14
+# TP's collective waits (csrc/mk/tp.cuh): the id also carries the rank whose data is awaited (bits
+# 16..19) and the slot (bits 20..31: the all-reduce's K group, or a gather's expert slot), and the
+# op index is 12 bits (MAX_TP_OPS)
+WHAT_AR, WHAT_GATHER_ACT, WHAT_GATHER_Y = 5, 6, 7
+MAX_TP_OPS = 4096
+# consumer <- producer edges on which the consumer polls sentinel slots (plan.sentinel_route: top-k
+# <- router; TP: the all-reduce <- oproj, and each gather's readers <- its producers)
+SENTINEL_EDGES = (("topk", "router"), ("attn_reduce", "oproj"), ("expert2", "expert1"))
 
 
 @dataclass(frozen=True)
@@ -145,7 +162,8 @@ def attn_unit(plan: Plan, layer: int, unit: int, t, ctx) -> tuple[int, int, int,
 
 
 def n_units(plan: Plan, kind: str, layer: int, t, ctx, count: int) -> int:
-    c = plan.cfg
+    c = plan.rcfg  # the heads of one rank (Plan.tp_ranks), else the model's
+    f_sh, p_sh = plan.expert_rows
     reqs = requests(t, ctx)
     rows = sum(n for n, _ in reqs)
     if kind == "attn":
@@ -156,13 +174,15 @@ def n_units(plan: Plan, kind: str, layer: int, t, ctx, count: int) -> int:
         "embed": rows,
         "qkv": c.qkv_rows // plan.tiles["qkv"].rows,
         "attn_combine": c.n_heads * rows,
-        "oproj": c.d_model // plan.tiles["oproj"].rows,
+        # TP: a unit per (K group of the rank, feature tile): the group's fp32 partial
+        "oproj": tp_groups_of_rank(plan) * c.d_model // plan.tiles["oproj"].rows,
+        "attn_reduce": c.d_model // plan.tiles["oproj"].rows,
         "router": c.n_experts // plan.tiles["router"].rows,
         "pool": c.d_pool // plan.tiles["pool"].rows,
         "topk": 1,
-        "expert1": count * (c.d_expert // (plan.tiles["expert1"].rows // 2)),
+        "expert1": count * (f_sh // (plan.tiles["expert1"].rows // 2)),
         "expert2": count * (c.d_expert // (plan.tiles["expert1"].rows // 2) if plan.fused_experts
-                            else c.d_pool // plan.tiles["expert2"].rows),
+                            else p_sh // plan.tiles["expert2"].rows),
         "moe_combine": c.d_pool // MOE_COMBINE_COLS,
         "unpool": c.d_model // plan.tiles["unpool"].rows,
         "lm_head": c.vocab // 16,
@@ -170,9 +190,14 @@ def n_units(plan: Plan, kind: str, layer: int, t, ctx, count: int) -> int:
     }[kind]
 
 
+def tp_groups_of_rank(plan: Plan) -> int:
+    """oproj's K groups one rank computes (Plan.tp_groups / tp_ranks; 1 without TP)."""
+    return plan.tp_groups // plan.tp_ranks if plan.tp_ranks else 1
+
+
 def unit_group(plan: Plan, kind: str, layer: int, unit: int, t, ctx) -> int | None:
     """Group counter (relative) a unit bumps, or None."""
-    c = plan.cfg
+    c = plan.rcfg
     if kind == "qkv":
         head = unit * plan.tiles["qkv"].rows // c.head_dim
         if head < c.n_heads:
@@ -183,16 +208,16 @@ def unit_group(plan: Plan, kind: str, layer: int, unit: int, t, ctx) -> int | No
     if kind == "attn":
         return unit // attn_span(plan, layer, t, ctx)
     if kind == "expert1":
-        return unit // (c.d_expert // (plan.tiles["expert1"].rows // 2))
+        return unit // (plan.expert_rows[0] // (plan.tiles["expert1"].rows // 2))
     return None
 
 
 def group_size(plan: Plan, kind: str, layer: int, t, ctx) -> int:
-    c = plan.cfg
+    c = plan.rcfg
     if kind == "attn":
         return attn_span(plan, layer, t, ctx)
     return {"qkv": (c.group + 2) * c.head_dim // plan.tiles["qkv"].rows,
-            "expert1": c.d_expert // (plan.tiles["expert1"].rows // 2)}[kind]
+            "expert1": plan.expert_rows[0] // (plan.tiles["expert1"].rows // 2)}[kind]
 
 
 def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int, t, ctx) -> int:
@@ -203,12 +228,12 @@ def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int
     if consumer == "attn_combine" and producer == "attn":  # by kv head (unit: q head x row)
         return (unit // sum(n for n, _ in requests(t, ctx))) // c.group
     if consumer == "expert2" and producer == "expert1":
-        return unit // (c.d_pool // plan.tiles["expert2"].rows)
+        return unit // (plan.expert_rows[1] // plan.tiles["expert2"].rows)
     raise ValueError(f"no group dependency rule {consumer} <- {producer}")
 
 
 def n_groups(plan: Plan, kind: str) -> int:
-    c = plan.cfg
+    c = plan.rcfg
     return {"qkv": c.n_kv_heads, "attn": c.n_kv_heads, "expert1": plan.max_slots}.get(kind, 0)
 
 
@@ -331,13 +356,20 @@ def build(plan: Plan, mode: str = "layer", spec: str | None = None) -> Program:
         add("attn", l, [("qkv", DEP_GROUP)])
         add("attn_combine", l, [("attn", DEP_GROUP)])
         add("oproj", l, [("attn_combine", DEP_ALL)])
-        add("router", l, [("oproj", DEP_ALL)])
-        add("pool", l, [("oproj", DEP_ALL)], rot=pool_rotation(plan, ops[last["router"]]))
+        x = "oproj"  # the op whose x the ffn norm reads
+        if plan.tp_ranks:  # the attention all-reduce: polls every rank's partials in its receive slots
+            add("attn_reduce", l, [("oproj", DEP_SENTINEL)])
+            x = "attn_reduce"
+        add("router", l, [(x, DEP_ALL)])
+        add("pool", l, [(x, DEP_ALL)], rot=pool_rotation(plan, ops[last["router"]]))
         add("topk", l, [("router", DEP_SENTINEL if plan.sentinel_route else DEP_ALL)],
             rot=lightest_block(plan, [ops[last["router"]], ops[last["pool"]]]))
         add("expert1", l, [("topk", DEP_ALL), ("pool", DEP_ALL)], ASSIGN_CONTIG)
-        add("expert2", l, [("topk", DEP_ALL), ("expert1", DEP_LOCAL if plan.fused_experts else DEP_GROUP)],
-            ASSIGN_CONTIG)
+        # TP: the gathered activations are polled (every rank's gate/up units push them)
+        add("expert2", l, [("topk", DEP_ALL), ("expert1", DEP_SENTINEL if plan.tp_ranks else
+                                                DEP_LOCAL if plan.fused_experts else DEP_GROUP)], ASSIGN_CONTIG)
+        # TP: also polls the gathered expert outputs; its wait for this rank's expert2 orders the
+        # reset of the activations those units read (csrc/ops/tp_experts.cuh)
         add("moe_combine", l, [("topk", DEP_ALL), ("expert2", DEP_ALL)])
         add("unpool", l, [("moe_combine", DEP_ALL)])
         if l + 1 < c.n_layers:
@@ -392,6 +424,8 @@ def check(prog: Program) -> None:
         first, n = prog.launches[-1]
         assert kinds[0] == "tree" and kinds[1] == "embed" and kinds[first:] == ["accept", "compact", "advance"] \
             and n == 3 and kinds.count("tree") == 1 and "seed" not in kinds, "verify: tree first, accept launch last"
+    # a collective wait's id keeps the op index in 12 bits (csrc/mk/tp.cuh what_x; runtime.describe_wait)
+    assert not prog.plan.tp_ranks or len(prog.ops) <= MAX_TP_OPS, f"{len(prog.ops)} op instances, TP takes {MAX_TP_OPS}"
     for o in prog.ops:
         assert o.kind in OP_KINDS
         if o.kind in ("expert1", "expert2"):
@@ -403,8 +437,9 @@ def check(prog: Program) -> None:
             assert d.producer < o.index, f"{o.kind}(L{o.layer}) depends on a later op"
             assert launch_of[d.producer] == launch_of[o.index], f"{o.kind}(L{o.layer}) waits for an earlier launch"
             p = prog.ops[d.producer]
-            if d.mode == DEP_SENTINEL:  # the kernel polls sentinel slots on this edge only (ops/topk.cuh)
-                assert (o.kind, p.kind) == ("topk", "router"), f"{o.kind} <- {p.kind}: no sentinel slots"
+            if d.mode == DEP_SENTINEL:  # the kernel polls sentinel slots on these edges only (ops/topk.cuh, TP's)
+                assert (o.kind, p.kind) in SENTINEL_EDGES and (p.kind == "router" or prog.plan.tp_ranks), \
+                    f"{o.kind} <- {p.kind}: no sentinel slots"
             if d.mode == DEP_LOCAL:  # unit u of both on the same block: same assignment, same count
                 assert (o.kind, p.kind) == ("expert2", "expert1") and o.assign == p.assign == ASSIGN_CONTIG \
                     and prog.plan.fused_experts, f"{o.kind} <- {p.kind}: no block-local rule"

@@ -39,3 +39,8 @@ def step_params(preset: str, n_tokens: int, ctx: int, impl: str, distinct_expert
             raise ValueError(f"step_params: {k!r} is a fixed key")
     p.update(extra)
     return p
+
+
+# A profiled tensor-parallel step's waits at its collectives (megakernel/ranks.py tp_waits_result;
+# the report's tensor-parallelism block)
+TP_WAITS = "megakernel.tp_waits"

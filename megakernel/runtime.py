@@ -38,7 +38,7 @@ import torch
 from microbench.clocks.profiler import ProfileBuffer, ProfileLayout, Timeline
 from microbench.errors import CorrectnessError, SpinTimeoutError
 from microbench.launch import LaunchSpec, launch
-from microbench.sync.sentinel import F32 as F32_SLOT
+from microbench.sync.sentinel import BF16 as BF16_SLOT, F32 as F32_SLOT
 from microbench.watchdog import Watchdog
 
 from . import abi, tiling, tree as treelib
@@ -47,14 +47,28 @@ from .config import ConfigError
 from .fp4_layout import is_canonical
 from .plan import Plan
 from .profile_events import EVENTS
-from .program import (WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE, WHAT_NORM_ROWS, WHAT_RING_EMPTY,
-                      WHAT_RING_FULL, WHAT_SENTINEL, Program, build as build_program)
+from .program import (WHAT_AR, WHAT_GATHER_ACT, WHAT_GATHER_Y, WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE,
+                      WHAT_NORM_ROWS, WHAT_RING_EMPTY, WHAT_RING_FULL, WHAT_SENTINEL, Program, build as build_program)
 from .reference import KVCache, Request
 from .weights import BF16, ModelWeights
 
 
+def _as_i32(word: int) -> int:
+    """A 32-bit word as the int32 a tensor holds."""
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
 # an empty fp32 sentinel slot as an int32 word (the rule's single source: microbench/sync/sentinel.py)
-_EMPTY_F32_SLOT = F32_SLOT.fill_word - (1 << 32) if F32_SLOT.fill_word >= 1 << 31 else F32_SLOT.fill_word
+_EMPTY_F32_SLOT = _as_i32(F32_SLOT.fill_word)
+
+
+def stack_k_groups(w: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, G * k] -> [G * N, k]: the K groups of a matrix stacked, group-major (TP oproj's copy:
+    unit g * (N / rows) + tile is tile `tile` of group g; ops/tp_oproj.cuh)."""
+    n, kk = w.shape
+    if kk % k:
+        raise ConfigError(f"stack_k_groups: {kk} columns are not whole groups of {k}")
+    return w.reshape(n, kk // k, k).permute(1, 0, 2).reshape(-1, k).contiguous()
 
 
 class EmulationError(RuntimeError):
@@ -66,8 +80,24 @@ class EmulationError(RuntimeError):
 # (it runs only when every other block is blocked) until its next unit; "block", one block per op
 # instance, drawn from the seed, is delayed while it runs that op's units. The random schedule
 # rarely starves a block, so a missing wait mostly goes unnoticed there; the delayed producers
-# make the consumers run first wherever a dependency lets them.
-EMU_SCHEDULES = {"random": 0, "last": 1, "block": 2}
+# make the consumers run first wherever a dependency lets them. "rank": every block of one rank
+# of a launch (Plan.launch_ranks; drawn from the seed) is delayed, so that the other ranks wait for
+# its data until only it can run.
+EMU_SCHEDULES = {"random": 0, "last": 1, "block": 2, "rank": 3}
+
+
+@dataclass(frozen=True)
+class RankLink:
+    """What a rank's engine shares with the other ranks of its plan (runtime's RankEngine, or one
+    process per GPU): its rank, the watchdog record of its launch (every rank of a launch writes
+    one record, so a wait that gives up ends the others' waits too), and with tensor parallelism
+    its receive slots (`recv`: .ptr, and .fill(offset, bytes, word)) and the table of every rank's
+    receive slots as this rank addresses them (`peers`: int64 [tp_ranks] on its device)."""
+
+    rank: int
+    watchdog: Watchdog
+    recv: object | None = None
+    peers: torch.Tensor | None = None
 
 
 @dataclass
@@ -129,13 +159,19 @@ class Engine:
     def __init__(self, weights: ModelWeights, plan: Plan, cache: KVCache | Sequence[KVCache], *, backend: str = "gpu",
                  program_mode: str = "layer", grid: int | None = None, emu_seed: int = 1,
                  code_budget: int | None = None, profile_launches: Iterable[int] | None = None,
-                 emu_schedule: str = "random", spec: SpecLink | None = None, share: Engine | None = None):
+                 emu_schedule: str = "random", spec: SpecLink | None = None, share: Engine | None = None,
+                 link: RankLink | None = None):
         if backend not in ("gpu", "emu"):
             raise ValueError(f"backend {backend!r}: 'gpu' or 'emu'")
         if emu_schedule not in EMU_SCHEDULES:
             raise ValueError(f"emu_schedule {emu_schedule!r}: one of {', '.join(EMU_SCHEDULES)}")
         if plan.cfg != weights.cfg:
             raise ConfigError("plan and weights are for different model configs")
+        if link is None and (plan.launch_ranks > 1 or plan.tp_ranks):
+            raise ConfigError(f"a plan of {max(plan.launch_ranks, plan.tp_ranks)} ranks runs in a RankEngine (ranks.py), "
+                              "or one process per GPU (ranks.run_torchrun): an Engine alone is one rank")
+        self.link = link
+        self.rank = link.rank if link else 0
         # one KV cache per request a step may hold (request r reads and writes caches[r])
         self.caches = [cache] if isinstance(cache, KVCache) else list(cache)
         if not 1 <= len(self.caches) <= abi.B_MAX or not all(isinstance(c, KVCache) for c in self.caches):
@@ -184,7 +220,7 @@ class Engine:
         self._share = share
         self._layers_blob = self._layer_ptrs()
         self._kv_blob = self._kv_table()
-        self.wd = Watchdog(plan.spin_bound_ns, device=self.dev)
+        self.wd = link.watchdog if link else Watchdog(plan.spin_bound_ns, device=self.dev)
         self.parity = 0
         self._dirty = [False, False]
         if backend == "gpu":
@@ -267,6 +303,7 @@ class Engine:
             # the drafter's top-2 lives in the pair's shared buffer (SpecLink.top2): the verifier reads it
             "top2": (self.spec.top2 if self.spec is not None and self.spec.role == "draft"
                      else z(tm, 2, dt=torch.int32)),
+            "rank_slots": z(1 + p.max_slots, dt=torch.int32),  # TP expert_parallel: this rank's slots
         }
         self.empty_sentinel_slots()
         # one pair of counter halves for every program of this engine (argmax clears the other half whole)
@@ -309,7 +346,10 @@ class Engine:
             s = arr[l]
             s.attn_norm, s.ffn_norm = _ptr(lw.attn_norm), _ptr(lw.ffn_norm)
             for field in tiling.LAYER_WEIGHTS:  # tiled: a ring chunk is one copy
-                setattr(s, field, _ptr(self._tiled(getattr(lw, field), field)))
+                w = getattr(lw, field)
+                if field == "wo" and self.plan.tp_ranks:  # TP: the rank's K groups stacked (ops/tp_oproj.cuh)
+                    w = stack_k_groups(w, self.plan.tiles["oproj"].k)
+                setattr(s, field, _ptr(self._tiled(w, field)))
             w1c, w1s = self._fp4_copies(lw.w1, "expert1")
             w2c, w2s = self._fp4_copies(lw.w2, "expert2")
             s.w1_codes, s.w1_scales, s.w1_ts = _ptr(w1c), _ptr(w1s), _ptr(lw.w1.tensor_scale)
@@ -359,6 +399,10 @@ class Engine:
         P.counters = _ptr(self.counters)
         P.watchdog = self.wd.ptr
         P.n_counters = self.counters.shape[1]
+        P.rank = self.rank
+        if self.plan.tp_ranks:
+            P.recv, P.peers = self.link.recv.ptr, _ptr(self.link.peers)
+            P.rank_slots = _ptr(b["rank_slots"])
         blob = torch.frombuffer(bytearray(abi.pack(P)), dtype=torch.uint8)
         return blob.to(self.dev)
 
@@ -379,16 +423,42 @@ class Engine:
         fill) would be read as fresh data by the next step, so every such path calls this."""
         if self.plan.sentinel_route:
             self.buf["router_logits"].view(torch.int32).fill_(_EMPTY_F32_SLOT)
+        if self.plan.tp_ranks:  # TP: this rank's receive slots (mk/tp.cuh)
+            for name, (off, n) in self.plan.recv_layout.items():
+                self.link.recv.fill(off, n, F32_SLOT.fill_word if name == "ar" else BF16_SLOT.fill_word)
 
     def unemptied_sentinel_slots(self) -> int:
-        """How many sentinel slots hold data (0 after a step: every reader resets what it read)."""
-        if not self.plan.sentinel_route:
-            return 0
-        return int((self.buf["router_logits"].view(torch.int32) != _EMPTY_F32_SLOT).sum())
+        """How many sentinel slots hold data (0 after a step: every reader resets what it read);
+        with TP, this rank's receive slots count too (words of them, where the engine can read them)."""
+        n = 0
+        if self.plan.sentinel_route:
+            n += int((self.buf["router_logits"].view(torch.int32) != _EMPTY_F32_SLOT).sum())
+        if self.plan.tp_ranks:
+            n += sum(self.recv_words_written().values())
+        return n
+
+    def recv_words_written(self) -> dict[str, int]:
+        """TP: 32-bit words of each receive-slot region of this rank that hold data (not empty)."""
+        out = {}
+        for name, (off, nbytes) in self.plan.recv_layout.items():
+            words = self.link.recv.words(off, nbytes)
+            empty = F32_SLOT.fill_word if name == "ar" else BF16_SLOT.fill_word
+            out[name] = int((words != _as_i32(empty)).sum())
+        return out
 
     def describe_wait(self, what: int) -> str:
         i, code = what >> 4, what & 15
         prog = self._last_program
+        if self.plan.tp_ranks and code in (WHAT_AR, WHAT_GATHER_ACT, WHAT_GATHER_Y):  # mk/tp.cuh what_x
+            i, src, slot = i & 0xFFF, (what >> 16) & 15, what >> 20
+            if not 0 <= i < len(prog.ops):
+                return f"wait id {what}"
+            o = prog.ops[i]
+            thing = {WHAT_AR: f"rank {src}'s oproj partial of K group {slot} (all-reduce)",
+                     WHAT_GATHER_ACT: f"rank {src}'s gate/up activations of expert slot {slot} (gather)",
+                     WHAT_GATHER_Y: f"rank {src}'s expert outputs of expert slot {slot} (gather)"}[code]
+            return (f"{o.kind}(L{o.layer}) [op {i}]: {thing} in the waiting rank's receive slots (still empty: rank "
+                    f"{src} never pushed them, or a slot was reset after its push, or the wait read the idle copy)")
         if not 0 <= i < len(prog.ops):
             return f"wait id {what}"
         o = prog.ops[i]

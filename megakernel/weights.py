@@ -175,3 +175,55 @@ def weight_bytes(w: ModelWeights) -> int:
         for b in (lw.w1, lw.w2):
             n += b.codes.numel() + b.scales.numel() + b.tensor_scale.numel() * 4
     return n
+
+
+def _bank_rows(bank: ExpertBank, rows: list[slice]) -> ExpertBank:
+    """The bank with only these rows of every expert (in this order)."""
+    return ExpertBank(torch.cat([bank.codes[:, r] for r in rows], 1).contiguous(),
+                      torch.cat([bank.scales[:, r] for r in rows], 1).contiguous(), bank.tensor_scale)
+
+
+def _bank_experts(bank: ExpertBank, experts: list[int]) -> ExpertBank:
+    """The bank with only these experts (in this order)."""
+    idx = torch.tensor(experts, device=bank.codes.device)
+    return ExpertBank(bank.codes[idx].contiguous(), bank.scales[idx].contiguous(), bank.tensor_scale[idx].contiguous())
+
+
+def shard(w: ModelWeights, rank: int, ranks: int, expert_parallel: bool = False) -> ModelWeights:
+    """Rank `rank`'s share of the weights at tensor parallelism `ranks` (the study's sharding;
+    Plan.tp_ranks): wqkv holds the rows of its q heads, then of its k heads, then of its v heads
+    (heads rank * H / R ..); wo the columns of its q heads (its K-share of the output projection);
+    the expert banks, N-sharded, the gate rows rank * f / R .. and the matching up rows of w1
+    (gate rows first, as the model's) and the rows rank * p / R .. of w2, of every expert; with
+    `expert_parallel`, whole experts e = rank, rank + R, ... (both banks, their tensor scales too).
+    Everything else is the model's own tensor (replicated: norms, router, pooler, unpooler,
+    embedding, LM head). The config stays the model's: the shapes of a rank are the plan's
+    (Plan.rcfg, Plan.expert_rows)."""
+    c = w.cfg
+    if not (isinstance(ranks, int) and ranks >= 1 and c.n_kv_heads % ranks == 0 and 0 <= rank < ranks):
+        raise ConfigError(f"{c.name}: shard {rank} of {ranks}: want 0 <= rank < ranks and ranks dividing the "
+                          f"{c.n_kv_heads} kv heads")
+    if c.d_expert % ranks or c.d_pool % ranks or (expert_parallel and c.n_experts % ranks):
+        raise ConfigError(f"{c.name}: {ranks} ranks do not divide d_expert {c.d_expert}, d_pool {c.d_pool}"
+                          + (f" and {c.n_experts} experts" if expert_parallel else ""))
+    f, fr, pr = c.d_expert, c.d_expert // ranks, c.d_pool // ranks
+    mine = list(range(rank, c.n_experts, ranks))
+    hd, hq, hkv = c.head_dim, c.n_heads // ranks, c.n_kv_heads // ranks
+
+    def heads(first: int, n: int) -> slice:
+        return slice(first * hd, (first + n) * hd)
+
+    layers = []
+    for lw in w.layers:
+        q = lw.wqkv[heads(rank * hq, hq)]
+        k = lw.wqkv[heads(c.n_heads + rank * hkv, hkv)]
+        v = lw.wqkv[heads(c.n_heads + c.n_kv_heads + rank * hkv, hkv)]
+        if expert_parallel:
+            w1, w2 = _bank_experts(lw.w1, mine), _bank_experts(lw.w2, mine)
+        else:
+            w1 = _bank_rows(lw.w1, [slice(rank * fr, (rank + 1) * fr), slice(f + rank * fr, f + (rank + 1) * fr)])
+            w2 = _bank_rows(lw.w2, [slice(rank * pr, (rank + 1) * pr)])
+        layers.append(LayerWeights(lw.attn_norm, torch.cat([q, k, v]).contiguous(),
+                                   lw.wo[:, heads(rank * hq, hq)].contiguous(), lw.ffn_norm, lw.router, lw.pool,
+                                   w1, w2, lw.unpool))
+    return ModelWeights(c, w.embed, w.final_norm, w.lm_head, layers, w.rope_cos, w.rope_sin, w.succ)

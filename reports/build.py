@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megakernel import critical_path
+from megakernel.results_names import TP_WAITS
 from microbench import rederive
 from microbench.adopt import load_adopted, load_adoption
 from microbench.constants import BY_NAME, SPECS, constants_dir, gpu_slug
@@ -440,6 +441,7 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
                 out += ctx.fig_link(p, cap)
     else:
         out += ["In-kernel timeline: not measured yet (`megakernel.timeline`).", ""]
+    out += section_tp(ctx)
     out += section_critical_path(ctx)
     return out
 
@@ -505,6 +507,32 @@ def _critical_path(ctx: Context) -> list[str]:
 
 
 CRITICAL_PATH = "### Critical path of a layer"
+# the study's figures the tensor-parallel waits stand beside: (paper_figures id, our quantity, our
+# derived key in megakernel.tp_waits)
+TP_BESIDE = (("sync.gpu_drift", "skew between ranks at a collective (the largest)", "tp_skew_max_s"),
+             ("breakdown.idle_after_gemm2", "stalls at the collectives per layer (the worst rank's median)",
+              "tp_stall_per_layer_s"))
+
+
+def section_tp(ctx: Context) -> list[str]:
+    """Tensor parallelism's collectives (megakernel.tp_waits, megakernel/ranks.py) beside the
+    study's drift and idle time, or "not measured yet"."""
+    out = ["### Tensor parallelism's collectives", ""]
+    got = ctx.cat.latest(TP_WAITS)
+    figs = {f["id"]: f for f in paper.figures()}
+    rows = []
+    for fid, what, key in TP_BESIDE:
+        d = got[1].derived.get(key) if got else None
+        rows.append({"quantity": what, "ours": fmt(d.value, d.unit) if d else "not measured yet",
+                     "study": f"{paper.value_text(figs[fid])}: {figs[fid]['quantity']}"})
+    out += [md_table(rows), ""]
+    if got:
+        r = got[1]
+        out += wrap(f"From `{TP_WAITS}` of {r.env.date[:10]} ({r.env.git_sha[:7]}): " + "; ".join(r.notes) + ".")
+    else:
+        out += wrap(f"Not measured yet (`{TP_WAITS}`): `megabench mk step --ranks R --profile --save` on a GPU "
+                    "(one GPU: the ranks share its SMs; R GPUs: one process each under torchrun).")
+    return out + [""]
 
 
 def section_critical_path(ctx: Context) -> list[str]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megakernel.build import CSRC, source
-from megakernel.runtime import Engine
+from megakernel.runtime import EMU_SCHEDULES, Engine
 from microbench.errors import SpinTimeoutError
 
 from megakernel_cases import step_inputs, tiny
@@ -54,7 +54,7 @@ def test_emulation_refuses_an_unknown_schedule(tiny):
     with pytest.raises(ValueError, match="emu_schedule"):
         Engine(w, plan, base.clone(), backend="emu", emu_schedule="sometimes")
     eng = Engine(w, plan, base.clone(), backend="emu")
-    assert eng.dll.emu_set_schedule(3) == 1 and eng.dll.emu_set_schedule(0) == 0
+    assert eng.dll.emu_set_schedule(max(EMU_SCHEDULES.values()) + 1) == 1 and eng.dll.emu_set_schedule(0) == 0
 
 
 # Dependencies whose loss the tiny build cannot show: expert GEMM 2's unit of a slot runs on the

@@ -1,6 +1,7 @@
 // The megakernel: one persistent launch runs a range of op instances of the decode step.
 //
 //   mk_run(params, first, n_ops, wait, parity)
+//     params: the parameter block of each rank of the launch (Plan.launch_ranks; one without ranks)
 //     wait = 1 (mega mode): one block per SM, all co-resident; units of later ops wait on the
 //              dependency counters of the units they need (program.cuh), never on a grid barrier.
 //     wait = 0 (chain mode): the host launches one op instance per launch, in order; stream order
@@ -47,7 +48,7 @@ extern "C" __global__ void __launch_bounds__(mk::THREADS, 1)
   // The profiler (two pointers, five counters) lives in shared memory and only thread 0 stamps
   // (the layout records warp 0 lane 0 alone). Danger: as registers of every thread it would be
   // live through every op's code and push the profiled build past 168 registers (spills).
-  Blk b = make_blk(params, parity, wait);
+  Blk b = make_blk(params + launch_rank(), parity, wait);  // this block's rank's (Plan.launch_ranks)
   mb::prof::Profiler& prof = *reinterpret_cast<mb::prof::Profiler*>(b.misc + MISC_PROF);
   if (tid() == 0) {
     prof = mb::prof::Profiler(MB_PROF_ARGS);

@@ -124,7 +124,9 @@ std::vector<Block> g_blocks;
 // "unblocked" forever and starve the delayed one until the kernel's bounded wait trips; the
 // kernel's poll loops do not (wait.cuh, topk.cuh, program.cuh).
 constexpr int BLOCKED_RETURNS = 3;
-enum Schedule { SCHED_RANDOM = 0, SCHED_LAST_UNIT = 1, SCHED_BLOCK_PER_OP = 2 };
+// SCHED_RANK: every block of one rank of the launch (Plan.launch_ranks; drawn from the launch's
+// seed) is delayed for the whole launch: a rank that runs only when every other rank waits for it
+enum Schedule { SCHED_RANDOM = 0, SCHED_LAST_UNIT = 1, SCHED_BLOCK_PER_OP = 2, SCHED_RANK = 3 };
 struct BlockSched {
   unsigned long long ep = 0, count_ep = ~0ull;
   int blocked = 0;  // fibers of this block blocked in epoch count_ep
@@ -133,6 +135,7 @@ struct BlockSched {
   int op = -1, unit = -1;
 };
 int g_schedule = SCHED_RANDOM;
+int g_ranks = 1;  // ranks per launch (emu_set_launch_ranks): block b of g_grid is rank b * g_ranks / g_grid
 unsigned long long g_seed = 0;
 std::vector<BlockSched> g_bsched;
 std::unordered_map<uint64_t*, MBar> g_mbar;
@@ -248,7 +251,8 @@ void unit_hint(int op, int unit, int total) {
   if (s.op == op && s.unit == unit) return;  // every compute thread calls; the first decides
   s.op = op;
   s.unit = unit;
-  if (g_schedule == SCHED_LAST_UNIT) {
+  if (g_schedule == SCHED_RANK) {  // fixed for the launch (emu_launch)
+  } else if (g_schedule == SCHED_LAST_UNIT) {
     s.delayed = unit == total - 1;
   } else {  // SCHED_BLOCK_PER_OP: one block per op instance, drawn from the launch's seed
     s.delayed = static_cast<int>(mix64(g_seed * 0x9e3779b97f4a7c15ull + static_cast<unsigned long long>(op)) %
@@ -486,8 +490,16 @@ static void drop_live(Fiber* f) {
 // delaying one block per op instance (drawn from the launch's seed) while it runs that op's units
 // (emu.cpp BlockSched). Returns 0, or 1 for an unknown schedule.
 extern "C" int emu_set_schedule(int schedule) {
-  if (schedule < emu::SCHED_RANDOM || schedule > emu::SCHED_BLOCK_PER_OP) return 1;
+  if (schedule < emu::SCHED_RANDOM || schedule > emu::SCHED_RANK) return 1;
   emu::g_schedule = schedule;
+  return 0;
+}
+
+// The ranks of the following launches (Plan.launch_ranks; the kernel's RANKS_PER_LAUNCH): the
+// schedule SCHED_RANK delays one of them. Returns 0, or 1 when fewer than one.
+extern "C" int emu_set_launch_ranks(int ranks) {
+  if (ranks < 1) return 1;
+  emu::g_ranks = ranks;
   return 0;
 }
 
@@ -513,6 +525,10 @@ extern "C" int emu_launch(void (*body)(void*), void* arg, int grid, int block, i
   g_live.clear();
   g_seed = seed;
   g_bsched.assign(grid, BlockSched{});
+  if (g_schedule == SCHED_RANK) {
+    const int starved = static_cast<int>(mix64(seed) % static_cast<unsigned long long>(g_ranks));
+    for (int bi = 0; bi < grid; ++bi) g_bsched[bi].delayed = bi * g_ranks / grid == starved;
+  }
   const bool adversarial = g_schedule != SCHED_RANDOM;
   for (int bi = 0; bi < grid; ++bi)
     for (int t = 0; t < block; ++t) {

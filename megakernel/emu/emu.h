@@ -7,9 +7,12 @@ namespace mk {
 MK_DEV int tid() { return emu::cur_thread(); }
 MK_DEV int warp() { return emu::cur_thread() >> 5; }
 MK_DEV int lane() { return emu::cur_thread() & 31; }
-MK_DEV int bid() { return emu::cur_block(); }
-MK_DEV int nblocks() { return emu::grid_dim(); }
-MK_DEV int nblocks_here() { return emu::grid_dim(); }
+// ranks of a launch as arch.cuh has them: block b of n is rank b * RANKS_PER_LAUNCH / n
+MK_DEV int nblocks() { return emu::grid_dim() / RANKS_PER_LAUNCH; }
+MK_DEV int launch_rank() { return emu::cur_block() / nblocks(); }
+MK_DEV int launch_block() { return emu::cur_block(); }
+MK_DEV int bid() { return emu::cur_block() - launch_rank() * nblocks(); }
+MK_DEV int nblocks_here() { return nblocks(); }
 MK_DEV unsigned char* smem() { return emu::cur_smem(); }
 // the caller's file:line (GCC/Clang builtins as default arguments) names the barrier instruction
 MK_DEV void sync_compute(const char* f = __builtin_FILE(), int l = __builtin_LINE()) {
@@ -200,6 +203,9 @@ MK_DEV void st_relaxed(void* p, uint32_t v) {
   *reinterpret_cast<volatile uint32_t*>(p) = v;
   emu::note_sync_write(true);
 }
+MK_DEV uint32_t ld_relaxed_sys(const void* p) { return ld_relaxed(p); }  // one memory: scopes are the GPU's business
+MK_DEV void st_relaxed_sys(void* p, uint32_t v) { st_relaxed(p, v); }
+MK_DEV void fence_acq_rel_sys() {}
 MK_DEV uint32_t ld_acquire(const uint32_t* p) { emu::yield(); return *reinterpret_cast<const volatile uint32_t*>(p); }
 MK_DEV void red_release(uint32_t* p, uint32_t v) { *p += v; emu::note_sync_write(true); }
 MK_DEV void fence_release() {}

@@ -27,13 +27,23 @@ MK_DEV int tid() {
 }
 MK_DEV int warp() { return threadIdx.x >> 5; }
 MK_DEV int lane() { return threadIdx.x & 31; }
-MK_DEV int bid() { return blockIdx.x; }
-MK_DEV int nblocks() { return gridDim.x; }
+// Ranks of a launch (Plan.launch_ranks): block b of a grid of n blocks is rank b * RANKS_PER_LAUNCH
+// / n, and bid() / nblocks() are its index and count among its rank's blocks, so every unit
+// assignment and rotation is a rank's own (the host launches a multiple of RANKS_PER_LAUNCH
+// blocks). With one rank per launch these are blockIdx.x and gridDim.x: the code of a build
+// without ranks.
+MK_DEV int launch_rank() {
+  if constexpr (RANKS_PER_LAUNCH == 1) return 0;
+  else return static_cast<int>(blockIdx.x / (gridDim.x / RANKS_PER_LAUNCH));
+}
+MK_DEV int launch_block() { return blockIdx.x; }  // the block in the whole launch (watchdog records)
+MK_DEV int nblocks() { return static_cast<int>(gridDim.x) / RANKS_PER_LAUNCH; }
+MK_DEV int bid() { return static_cast<int>(blockIdx.x) - launch_rank() * nblocks(); }
 // %nctaid.x the same way, for a loop stride that must not become a register live across the loop
 MK_DEV int nblocks_here() {
   int r;
   asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(r));
-  return r;
+  return r / RANKS_PER_LAUNCH;
 }
 
 extern __shared__ __align__(128) unsigned char mk_smem_[];
@@ -170,6 +180,10 @@ MK_DEV uint4 ldg_nc4(const void* p) { return mb::ld_nc_v4(p); }
 // defined read of the old or the new word, never a data race.
 MK_DEV uint32_t ld_relaxed(const void* p) { return mb::ld_relaxed_gpu(static_cast<const uint32_t*>(p)); }
 MK_DEV void st_relaxed(void* p, uint32_t v) { mb::st_relaxed_gpu(static_cast<uint32_t*>(p), v); }
+// The same between GPUs (tensor parallelism with one process per GPU: peer memory, mk/tp.cuh)
+MK_DEV uint32_t ld_relaxed_sys(const void* p) { return mb::ld_relaxed_sys(static_cast<const uint32_t*>(p)); }
+MK_DEV void st_relaxed_sys(void* p, uint32_t v) { mb::st_relaxed_sys(static_cast<uint32_t*>(p), v); }
+MK_DEV void fence_acq_rel_sys() { mb::fence_acq_rel_sys(); }
 MK_DEV uint32_t ld_acquire(const uint32_t* p) { return mb::ld_acquire_gpu(p); }
 MK_DEV void red_release(uint32_t* p, uint32_t v) { mb::red_add_release_gpu(p, v); }
 // A release of several counters: one fence, then relaxed adds (each a release pattern with the

@@ -195,8 +195,13 @@ MK_DEV void ring_release(Blk& b) {
 // through another lane's wait, shfl and __syncwarp as races; microbench/sanitize/ring_probe.cu).
 // Lane 0 then announces `tx` bytes on the stage's `full`. Returns false (for every lane) when a
 // wait gave up.
+// TP: the compute warps this wait waits for may be in a bounded wait for another rank's data
+// (mk/tp.cuh), which began after this one; twice the bound lets that wait, the cause, be the one
+// the watchdog record names (the first to give up is recorded).
+constexpr uint64_t LOADER_EMPTY_BOUND_NS = TP > 0 ? 2 * SPIN_BOUND_NS : SPIN_BOUND_NS;
 MK_DEV bool ring_produce_begin(const Blk& b, unsigned c, unsigned tx, uint32_t what) {
-  const bool ok = warp_all(wait_mbar(*b.p, &b.empty[c % RING_STAGES], ((c / RING_STAGES) & 1u) ^ 1u, what));
+  const bool ok = warp_all(wait_mbar(*b.p, &b.empty[c % RING_STAGES], ((c / RING_STAGES) & 1u) ^ 1u, what,
+                                     LOADER_EMPTY_BOUND_NS));
   if (ok && lane() == 0) mbar_expect_tx(&b.full[c % RING_STAGES], tx);
   syncwarp();
   // the consumers' reads of this stage (generic proxy, acquired through `empty`) before the bulk

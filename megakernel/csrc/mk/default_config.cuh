@@ -9,7 +9,7 @@ namespace mk {
 constexpr int D = 128;
 constexpr int V = 512;
 constexpr int L = 3;
-constexpr int HQ = 4;
+constexpr int HQ = 4;  // a rank's (Plan.rcfg)
 constexpr int HKV = 2;
 constexpr int HD = 64;
 constexpr int G = 2;
@@ -19,6 +19,7 @@ constexpr int E = 8;
 constexpr int TOPK = 2;
 constexpr int P = 64;
 constexpr int F = 64;
+constexpr int F_SH = 64, P_SH = 64;  // a rank's gate rows and down-projection rows per expert
 constexpr int WINDOW = 16;
 constexpr int RING_SLOTS = 32;
 constexpr int MAX_CTX = 128;
@@ -36,6 +37,11 @@ constexpr int THREADS = 288;
 constexpr int COMPUTE_REGS = 0;  // per-role budgets (Plan.compute_registers; 0 = off)
 constexpr int LOADER_REGS = 0;
 constexpr int COMPUTE_THREADS = 256;
+// ranks (Plan.launch_ranks, tp_ranks, tp_groups, expert_parallel)
+constexpr int RANKS_PER_LAUNCH = 1;
+constexpr int TP = 0, TP_GROUPS = 1;
+constexpr bool EXPERT_PARALLEL = false;
+constexpr unsigned long long RECV_AR = 0ull, RECV_ACT = 0ull, RECV_Y = 0ull, RECV_BYTES = 0ull;
 constexpr int ROW_PAD = 16;
 // ring (tuned constants: weights.ring) and smem carve-up
 constexpr int RING_STAGES = 4;
@@ -49,8 +55,8 @@ constexpr int SMEM_BYTES = 67424;
 constexpr unsigned long long SPIN_BOUND_NS = 2000000000ull;
 constexpr unsigned POLL_BACKOFF_NS = 0u;
 // op kinds
-enum OpKind : int { OP_EMBED = 0, OP_QKV = 1, OP_ATTN = 2, OP_ATTN_COMBINE = 3, OP_OPROJ = 4, OP_ROUTER = 5, OP_POOL = 6, OP_TOPK = 7, OP_EXPERT1 = 8, OP_EXPERT2 = 9, OP_MOE_COMBINE = 10, OP_UNPOOL = 11, OP_LM_HEAD = 12, OP_ARGMAX = 13, OP_SEED = 14, OP_TREE = 15, OP_ACCEPT = 16, OP_COMPACT = 17, OP_ADVANCE = 18 };
-constexpr int OP_KINDS = 19;
+enum OpKind : int { OP_EMBED = 0, OP_QKV = 1, OP_ATTN = 2, OP_ATTN_COMBINE = 3, OP_OPROJ = 4, OP_ROUTER = 5, OP_POOL = 6, OP_TOPK = 7, OP_EXPERT1 = 8, OP_EXPERT2 = 9, OP_MOE_COMBINE = 10, OP_UNPOOL = 11, OP_LM_HEAD = 12, OP_ARGMAX = 13, OP_ATTN_REDUCE = 14, OP_SEED = 15, OP_TREE = 16, OP_ACCEPT = 17, OP_COMPACT = 18, OP_ADVANCE = 19 };
+constexpr int OP_KINDS = 20;
 // GEMM tiles: rows per unit, K chunk, K
 constexpr int TILE_QKV_ROWS = 16;
 constexpr int TILE_QKV_KC = 128;
@@ -197,8 +203,12 @@ struct Params {
   uint32_t* counters;
   unsigned long long* watchdog;
   int32_t n_counters;
+  int32_t rank;
+  unsigned char* recv;
+  unsigned char* const* peers;
+  int32_t* rank_slots;
 };
-static_assert(sizeof(Params) == 392, "abi.py Params");
+static_assert(sizeof(Params) == 416, "abi.py Params");
 }  // namespace mk
 namespace mk {
 constexpr int OPINST_INTS = 16, MAX_DEPS = 3, OPREC_DEPS = 8;
@@ -207,6 +217,7 @@ constexpr int DEP_ALL = 0, DEP_GROUP = 1, DEP_SENTINEL = 2, DEP_LOCAL = 3;
 constexpr int ASSIGN_STRIDED = 0, ASSIGN_CONTIG = 1;
 constexpr int SIGNAL_TOTAL = 1, SIGNAL_GROUPS = 2;
 constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10, WHAT_LOADER_GATE = 11, WHAT_SENTINEL = 12, WHAT_NORM_ROWS = 13, WHAT_LOADER_PACE = 14;
+constexpr uint32_t WHAT_AR = 5, WHAT_GATHER_ACT = 6, WHAT_GATHER_Y = 7;
 }  // namespace mk
 namespace mk {
 // NVFP4 device word (megakernel/fp4_layout.py): pair e = OR over
@@ -278,46 +289,52 @@ constexpr int FP4_SWIZZLE_MAX = 8;
 #define MK_EV_WAIT_ARGMAX_END         55u  // end of phase wait_argmax: waiting for the dependencies of the block's first argmax unit
 #define MK_EV_ARGMAX_BEGIN            56u  // begin of phase argmax: the block's argmax units
 #define MK_EV_ARGMAX_END              57u  // end of phase argmax: the block's argmax units
-#define MK_EV_WAIT_SEED_BEGIN         58u  // begin of phase wait_seed: waiting for the dependencies of the block's first seed unit
-#define MK_EV_WAIT_SEED_END           59u  // end of phase wait_seed: waiting for the dependencies of the block's first seed unit
-#define MK_EV_SEED_BEGIN              60u  // begin of phase seed: the block's seed units
-#define MK_EV_SEED_END                61u  // end of phase seed: the block's seed units
-#define MK_EV_WAIT_TREE_BEGIN         62u  // begin of phase wait_tree: waiting for the dependencies of the block's first tree unit
-#define MK_EV_WAIT_TREE_END           63u  // end of phase wait_tree: waiting for the dependencies of the block's first tree unit
-#define MK_EV_TREE_BEGIN              64u  // begin of phase tree: the block's tree units
-#define MK_EV_TREE_END                65u  // end of phase tree: the block's tree units
-#define MK_EV_WAIT_ACCEPT_BEGIN       66u  // begin of phase wait_accept: waiting for the dependencies of the block's first accept unit
-#define MK_EV_WAIT_ACCEPT_END         67u  // end of phase wait_accept: waiting for the dependencies of the block's first accept unit
-#define MK_EV_ACCEPT_BEGIN            68u  // begin of phase accept: the block's accept units
-#define MK_EV_ACCEPT_END              69u  // end of phase accept: the block's accept units
-#define MK_EV_WAIT_COMPACT_BEGIN      70u  // begin of phase wait_compact: waiting for the dependencies of the block's first compact unit
-#define MK_EV_WAIT_COMPACT_END        71u  // end of phase wait_compact: waiting for the dependencies of the block's first compact unit
-#define MK_EV_COMPACT_BEGIN           72u  // begin of phase compact: the block's compact units
-#define MK_EV_COMPACT_END             73u  // end of phase compact: the block's compact units
-#define MK_EV_WAIT_ADVANCE_BEGIN      74u  // begin of phase wait_advance: waiting for the dependencies of the block's first advance unit
-#define MK_EV_WAIT_ADVANCE_END        75u  // end of phase wait_advance: waiting for the dependencies of the block's first advance unit
-#define MK_EV_ADVANCE_BEGIN           76u  // begin of phase advance: the block's advance units
-#define MK_EV_ADVANCE_END             77u  // end of phase advance: the block's advance units
-#define MK_EV_LAUNCH_END              78u  // instant: block finished its last unit (arg = first op of the launch)
-#define MK_EV_STAGE_BEGIN             79u  // begin of phase stage: staging an activation operand into shared memory (0 norm, 1 rows)
-#define MK_EV_STAGE_END               80u  // end of phase stage: staging an activation operand into shared memory (0 norm, 1 rows)
-#define MK_EV_RING_WAIT_BEGIN         81u  // begin of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
-#define MK_EV_RING_WAIT_END           82u  // end of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
-#define MK_EV_ATTN_LOAD_BEGIN         83u  // begin of phase attn_load: attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared memory, to the barrier after (arg = round)
-#define MK_EV_ATTN_LOAD_END           84u  // end of phase attn_load: attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared memory, to the barrier after (arg = round)
-#define MK_EV_PUBLISH_BEGIN           85u  // begin of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
-#define MK_EV_PUBLISH_END             86u  // end of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
-#define MK_EV_FP4_TAIL_BEGIN          87u  // begin of phase fp4_tail: expert GEMM: thread 0's last chunk done to every warp's results in shared memory (the barrier after them: the slowest warp's lag)
-#define MK_EV_FP4_TAIL_END            88u  // end of phase fp4_tail: expert GEMM: thread 0's last chunk done to every warp's results in shared memory (the barrier after them: the slowest warp's lag)
-#define MK_EV_EPILOGUE_BEGIN          89u  // begin of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
-#define MK_EV_EPILOGUE_END            90u  // end of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
-#define MK_EV_UNIT_OPEN_BEGIN         91u  // begin of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase) and only where the unit opens (program.cuh unit_opens; arg = unit)
-#define MK_EV_UNIT_OPEN_END           92u  // end of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase) and only where the unit opens (program.cuh unit_opens; arg = unit)
-#define MK_EV_UNIT_CLOSE_BEGIN        93u  // begin of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
-#define MK_EV_UNIT_CLOSE_END          94u  // end of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
-#define MK_EV_TOPK_STEP_BEGIN         95u  // begin of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
-#define MK_EV_TOPK_STEP_END           96u  // end of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
-#define MK_EV_COUNT                   96u
+#define MK_EV_WAIT_ATTN_REDUCE_BEGIN  58u  // begin of phase wait_attn_reduce: waiting for the dependencies of the block's first attn_reduce unit
+#define MK_EV_WAIT_ATTN_REDUCE_END    59u  // end of phase wait_attn_reduce: waiting for the dependencies of the block's first attn_reduce unit
+#define MK_EV_ATTN_REDUCE_BEGIN       60u  // begin of phase attn_reduce: the block's attn_reduce units
+#define MK_EV_ATTN_REDUCE_END         61u  // end of phase attn_reduce: the block's attn_reduce units
+#define MK_EV_WAIT_SEED_BEGIN         62u  // begin of phase wait_seed: waiting for the dependencies of the block's first seed unit
+#define MK_EV_WAIT_SEED_END           63u  // end of phase wait_seed: waiting for the dependencies of the block's first seed unit
+#define MK_EV_SEED_BEGIN              64u  // begin of phase seed: the block's seed units
+#define MK_EV_SEED_END                65u  // end of phase seed: the block's seed units
+#define MK_EV_WAIT_TREE_BEGIN         66u  // begin of phase wait_tree: waiting for the dependencies of the block's first tree unit
+#define MK_EV_WAIT_TREE_END           67u  // end of phase wait_tree: waiting for the dependencies of the block's first tree unit
+#define MK_EV_TREE_BEGIN              68u  // begin of phase tree: the block's tree units
+#define MK_EV_TREE_END                69u  // end of phase tree: the block's tree units
+#define MK_EV_WAIT_ACCEPT_BEGIN       70u  // begin of phase wait_accept: waiting for the dependencies of the block's first accept unit
+#define MK_EV_WAIT_ACCEPT_END         71u  // end of phase wait_accept: waiting for the dependencies of the block's first accept unit
+#define MK_EV_ACCEPT_BEGIN            72u  // begin of phase accept: the block's accept units
+#define MK_EV_ACCEPT_END              73u  // end of phase accept: the block's accept units
+#define MK_EV_WAIT_COMPACT_BEGIN      74u  // begin of phase wait_compact: waiting for the dependencies of the block's first compact unit
+#define MK_EV_WAIT_COMPACT_END        75u  // end of phase wait_compact: waiting for the dependencies of the block's first compact unit
+#define MK_EV_COMPACT_BEGIN           76u  // begin of phase compact: the block's compact units
+#define MK_EV_COMPACT_END             77u  // end of phase compact: the block's compact units
+#define MK_EV_WAIT_ADVANCE_BEGIN      78u  // begin of phase wait_advance: waiting for the dependencies of the block's first advance unit
+#define MK_EV_WAIT_ADVANCE_END        79u  // end of phase wait_advance: waiting for the dependencies of the block's first advance unit
+#define MK_EV_ADVANCE_BEGIN           80u  // begin of phase advance: the block's advance units
+#define MK_EV_ADVANCE_END             81u  // end of phase advance: the block's advance units
+#define MK_EV_LAUNCH_END              82u  // instant: block finished its last unit (arg = first op of the launch)
+#define MK_EV_STAGE_BEGIN             83u  // begin of phase stage: staging an activation operand into shared memory (0 norm, 1 rows)
+#define MK_EV_STAGE_END               84u  // end of phase stage: staging an activation operand into shared memory (0 norm, 1 rows)
+#define MK_EV_RING_WAIT_BEGIN         85u  // begin of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
+#define MK_EV_RING_WAIT_END           86u  // end of phase ring_wait: thread 0 waiting for a weight chunk in the ring (arg = chunk number)
+#define MK_EV_ATTN_LOAD_BEGIN         87u  // begin of phase attn_load: attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared memory, to the barrier after (arg = round)
+#define MK_EV_ATTN_LOAD_END           88u  // end of phase attn_load: attention: a round's K/V rows (and, in round 0, the Q rows) loaded into shared memory, to the barrier after (arg = round)
+#define MK_EV_PUBLISH_BEGIN           89u  // begin of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
+#define MK_EV_PUBLISH_END             90u  // end of phase publish: thread 0 releasing an op's or group's done-counter: waits for the block's stores to reach L2 (arg: 0 the op's counter, 1 a group's)
+#define MK_EV_FP4_TAIL_BEGIN          91u  // begin of phase fp4_tail: expert GEMM: thread 0's last chunk done to every warp's results in shared memory (the barrier after them: the slowest warp's lag)
+#define MK_EV_FP4_TAIL_END            92u  // end of phase fp4_tail: expert GEMM: thread 0's last chunk done to every warp's results in shared memory (the barrier after them: the slowest warp's lag)
+#define MK_EV_EPILOGUE_BEGIN          93u  // begin of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
+#define MK_EV_EPILOGUE_END            94u  // end of phase epilogue: expert GEMM: the unit's epilogue, from the results in shared memory to its stores issued (before the unit's closing barrier)
+#define MK_EV_UNIT_OPEN_BEGIN         95u  // begin of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase) and only where the unit opens (program.cuh unit_opens; arg = unit)
+#define MK_EV_UNIT_OPEN_END           96u  // end of phase unit_open: a unit's dependency wait on thread 0 and the barrier that starts the unit, from the block's second unit of an op on (the first's is the op's wait phase) and only where the unit opens (program.cuh unit_opens; arg = unit)
+#define MK_EV_UNIT_CLOSE_BEGIN        97u  // begin of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
+#define MK_EV_UNIT_CLOSE_END          98u  // end of phase unit_close: the barrier that ends a unit and thread 0's signal bookkeeping (arg = unit)
+#define MK_EV_TOPK_STEP_BEGIN         99u  // begin of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
+#define MK_EV_TOPK_STEP_END           100u  // end of phase topk_step: top-k's steps after its poll (arg: 0 the selections, 1 the logits' reset and the softmax with its stores, to the barrier after, 2 the slots: expert bitmap, prefix, slot records); thread 0's view, which runs tokens 0 and 8
+#define MK_EV_XWAIT_BEGIN             101u  // begin of phase xwait: tensor parallelism: a block polling its receive slots for other ranks' data, from its first load to every thread of the block holding its words (arg: 0 the attention all-reduce's partials, 1 the gathered gate/up activations, 2 the gathered expert outputs)
+#define MK_EV_XWAIT_END               102u  // end of phase xwait: tensor parallelism: a block polling its receive slots for other ranks' data, from its first load to every thread of the block holding its words (arg: 0 the attention all-reduce's partials, 1 the gathered gate/up activations, 2 the gathered expert outputs)
+#define MK_EV_COUNT                   102u
 
 static_assert(MK_EV_COUNT <= 0xFFFFu, "profiler event ids are 16 bits");
 static_assert(MK_EV_WAIT_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 0 && MK_EV_EMBED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 2 && MK_EV_EMBED_END == MK_EV_EMBED_BEGIN + 1, "profiler ids of embed");
@@ -334,8 +351,9 @@ static_assert(MK_EV_WAIT_MOE_COMBINE_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 10 &&
 static_assert(MK_EV_WAIT_UNPOOL_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 11 && MK_EV_UNPOOL_BEGIN == MK_EV_WAIT_UNPOOL_BEGIN + 2 && MK_EV_UNPOOL_END == MK_EV_UNPOOL_BEGIN + 1, "profiler ids of unpool");
 static_assert(MK_EV_WAIT_LM_HEAD_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 12 && MK_EV_LM_HEAD_BEGIN == MK_EV_WAIT_LM_HEAD_BEGIN + 2 && MK_EV_LM_HEAD_END == MK_EV_LM_HEAD_BEGIN + 1, "profiler ids of lm_head");
 static_assert(MK_EV_WAIT_ARGMAX_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 13 && MK_EV_ARGMAX_BEGIN == MK_EV_WAIT_ARGMAX_BEGIN + 2 && MK_EV_ARGMAX_END == MK_EV_ARGMAX_BEGIN + 1, "profiler ids of argmax");
-static_assert(MK_EV_WAIT_SEED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 14 && MK_EV_SEED_BEGIN == MK_EV_WAIT_SEED_BEGIN + 2 && MK_EV_SEED_END == MK_EV_SEED_BEGIN + 1, "profiler ids of seed");
-static_assert(MK_EV_WAIT_TREE_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 15 && MK_EV_TREE_BEGIN == MK_EV_WAIT_TREE_BEGIN + 2 && MK_EV_TREE_END == MK_EV_TREE_BEGIN + 1, "profiler ids of tree");
-static_assert(MK_EV_WAIT_ACCEPT_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 16 && MK_EV_ACCEPT_BEGIN == MK_EV_WAIT_ACCEPT_BEGIN + 2 && MK_EV_ACCEPT_END == MK_EV_ACCEPT_BEGIN + 1, "profiler ids of accept");
-static_assert(MK_EV_WAIT_COMPACT_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 17 && MK_EV_COMPACT_BEGIN == MK_EV_WAIT_COMPACT_BEGIN + 2 && MK_EV_COMPACT_END == MK_EV_COMPACT_BEGIN + 1, "profiler ids of compact");
-static_assert(MK_EV_WAIT_ADVANCE_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 18 && MK_EV_ADVANCE_BEGIN == MK_EV_WAIT_ADVANCE_BEGIN + 2 && MK_EV_ADVANCE_END == MK_EV_ADVANCE_BEGIN + 1, "profiler ids of advance");
+static_assert(MK_EV_WAIT_ATTN_REDUCE_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 14 && MK_EV_ATTN_REDUCE_BEGIN == MK_EV_WAIT_ATTN_REDUCE_BEGIN + 2 && MK_EV_ATTN_REDUCE_END == MK_EV_ATTN_REDUCE_BEGIN + 1, "profiler ids of attn_reduce");
+static_assert(MK_EV_WAIT_SEED_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 15 && MK_EV_SEED_BEGIN == MK_EV_WAIT_SEED_BEGIN + 2 && MK_EV_SEED_END == MK_EV_SEED_BEGIN + 1, "profiler ids of seed");
+static_assert(MK_EV_WAIT_TREE_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 16 && MK_EV_TREE_BEGIN == MK_EV_WAIT_TREE_BEGIN + 2 && MK_EV_TREE_END == MK_EV_TREE_BEGIN + 1, "profiler ids of tree");
+static_assert(MK_EV_WAIT_ACCEPT_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 17 && MK_EV_ACCEPT_BEGIN == MK_EV_WAIT_ACCEPT_BEGIN + 2 && MK_EV_ACCEPT_END == MK_EV_ACCEPT_BEGIN + 1, "profiler ids of accept");
+static_assert(MK_EV_WAIT_COMPACT_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 18 && MK_EV_COMPACT_BEGIN == MK_EV_WAIT_COMPACT_BEGIN + 2 && MK_EV_COMPACT_END == MK_EV_COMPACT_BEGIN + 1, "profiler ids of compact");
+static_assert(MK_EV_WAIT_ADVANCE_BEGIN == MK_EV_WAIT_EMBED_BEGIN + 4 * 19 && MK_EV_ADVANCE_BEGIN == MK_EV_WAIT_ADVANCE_BEGIN + 2 && MK_EV_ADVANCE_END == MK_EV_ADVANCE_BEGIN + 1, "profiler ids of advance");

@@ -645,16 +645,15 @@ MK_DEV Residual<R> residual_begin(const Blk& b, int unit, const uint16_t* gnext)
   r.g = tid() < 16 * R ? bf2f(gnext[unit * R + n]) : 0.f;
   return r;
 }
-template <int R>
-MK_DEV void residual_end(Blk& b, const Residual<R>& r, int unit, int which, const Bf16Acc& acc) {
-  const Params& p = *b.p;
-  const int n = tid() % R;
-  gemm_stash<R>(b, acc);
+// The residual add's stores: x + add(j, t, n) for this thread's output j (token t, feature n = tid
+// % R of the unit), then the next norm's sums of squares and bf16(x * gain) as above
+template <int R, typename Add>
+MK_DEV void residual_store(Blk& b, const Params& p, const Residual<R>& r, int unit, int which, int n, Add add) {
 #pragma unroll
   for (int j = 0; j < Residual<R>::NO; ++j) {
     const int o = tid() + COMPUTE_THREADS * j, t = o / R;
     if (o < 16 * R) {  // whole warps: the sum of squares shuffles within 8 lanes
-      const float xn = r.xo[j] + gemm_sum<R>(b, t, n);
+      const float xn = r.xo[j] + add(j, t, n);
       if (t < step_rows(b)) {
         p.x[t * D + unit * R + n] = xn;
         *xg_at(p, which, t, unit * R + n) = f2bf(xn * r.g);
@@ -663,6 +662,13 @@ MK_DEV void residual_end(Blk& b, const Residual<R>& r, int unit, int which, cons
       if (n % 8 == 0 && t < step_rows(b)) ss_part(p, which)[t * (D / 8) + unit * (R / 8) + n / 8] = ss;
     }
   }
+}
+template <int R>
+MK_DEV void residual_end(Blk& b, const Residual<R>& r, int unit, int which, const Bf16Acc& acc) {
+  const Params& p = *b.p;
+  const int n = tid() % R;
+  gemm_stash<R>(b, acc);
+  residual_store<R>(b, p, r, unit, which, n, [&b](int, int t, int n) { return gemm_sum<R>(b, t, n); });
 }
 template <int R, int KC, int K>
 MK_DEV void gemm_residual_add(Blk& b, int unit, int which, const uint16_t* gnext, uint32_t what) {

@@ -20,6 +20,8 @@
 #include "ops/qkv_rope.cuh"
 #include "ops/router.cuh"
 #include "ops/topk.cuh"
+#include "ops/tp_experts.cuh"
+#include "ops/tp_oproj.cuh"
 #include "ops/unpool.cuh"
 // the speculative step's ops (spec programs only: program.py build's `spec`)
 #include "ops/accept.cuh"
@@ -65,6 +67,10 @@ MK_DEV bool has_weights(int kind) {
 MK_DEV bool is_dynamic(int kind) { return kind == OP_EXPERT1 || kind == OP_EXPERT2; }
 
 MK_DEV int n_units(const Blk& b, const Op& o) {
+  if constexpr (TP > 0) {  // tensor parallelism's own unit counts (a build without TP has none of this code)
+    if (o.kind == OP_OPROJ) return OPROJ_GR * OPROJ_TILES;
+    if (o.kind == OP_ATTN_REDUCE) return OPROJ_TILES;
+  }
   switch (o.kind) {
     case OP_EMBED: return step_rows(b);
     case OP_QKV: return QKV_ROWS / TILE_QKV_ROWS;
@@ -74,8 +80,8 @@ MK_DEV int n_units(const Blk& b, const Op& o) {
     case OP_ROUTER: return E / TILE_ROUTER_ROWS;
     case OP_POOL: return P / TILE_POOL_ROWS;
     case OP_TOPK: return 1;
-    case OP_EXPERT1: return ldg_cgi(b.p->n_slots) * EXP1_TILES;
-    case OP_EXPERT2: return ldg_cgi(b.p->n_slots) * EXP2_TILES;
+    case OP_EXPERT1: return ldg_cgi(routed_count(*b.p)) * EXP1_TILES;
+    case OP_EXPERT2: return ldg_cgi(routed_count(*b.p)) * EXP2_TILES;
     case OP_MOE_COMBINE: return P / MOE_COMBINE_COLS;
     case OP_UNPOOL: return D / TILE_UNPOOL_ROWS;
     case OP_LM_HEAD: return V / 16;
@@ -190,7 +196,8 @@ MK_DEV bool unit_opens(const Op& o, int u, int prev) {
 MK_DEV void slot_fetch(Blk& b, int kind, int layer, int u) {
   // fused: the down projection's record is gate/up's (same expert and count; its token rows
   // are not read again): a block whose units lie in one slot reuses it
-  const int s = u / slot_tiles(kind), tag = tag_of(kind == OP_EXPERT1 || FUSED_EXPERTS ? TAG_EXP1 : TAG_EXP2, layer, s);
+  const int s = unit_slot(*b.p, u / slot_tiles(kind));
+  const int tag = tag_of(kind == OP_EXPERT1 || FUSED_EXPERTS ? TAG_EXP1 : TAG_EXP2, layer, s);
   int* info = b.misc + MISC_SLOT;
   const bool have = info[2] == tag;  // written by this warp before the last barrier
   // Danger: lane 0 rewrites the tag below; a lane that read it afterwards would skip its row
@@ -272,6 +279,13 @@ MK_DEV UnitRange my_units(const Op& o, int total) {
 
 MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
   const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_FULL;
+  if constexpr (TP > 0) {  // tensor parallelism's ops (ops/tp_oproj.cuh, ops/tp_experts.cuh)
+    if (o.kind == OP_OPROJ) return run_oproj_tp(b, o.layer, u, what);
+    if (o.kind == OP_ATTN_REDUCE) return run_attn_reduce(b, o.layer, u, what);
+    if (o.kind == OP_EXPERT1) return run_expert1_tp(b, o.layer, u, what);
+    if (o.kind == OP_EXPERT2) return run_expert2_tp(b, o.layer, u, what);
+    if (o.kind == OP_MOE_COMBINE) return run_moe_combine_tp(b, o.layer, u, what);
+  }
   switch (o.kind) {
     case OP_EMBED: run_embed(b, u); break;
     case OP_QKV: run_qkv(b, o.layer, u, what); break;
@@ -308,6 +322,11 @@ MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
 
 MK_DEV bool load_unit(const Blk& b, int i, const Op& o, int u, unsigned& c, LoaderSlot& ls) {
   const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_EMPTY;
+  if constexpr (TP > 0) {
+    if (o.kind == OP_OPROJ) return load_oproj_tp(b, o.layer, u, c, what);
+    if (o.kind == OP_EXPERT1) return load_expert1_tp(b, ls, o.layer, u, c, what);
+    if (o.kind == OP_EXPERT2) return load_expert2_tp(b, ls, o.layer, u, c, what);
+  }
   switch (o.kind) {
     case OP_QKV: return load_qkv(b, o.layer, u, c, what);
     case OP_OPROJ: return load_oproj(b, o.layer, u, c, what);
@@ -415,7 +434,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
         for (int k = 0; k < MAX_DEPS; ++k)  // constant indices: `o` stays in registers
           if (k < o.n_deps && o.dep_mode[k] == DEP_ALL) pre |= 1u << k;
       } else if (tid() == 0) {
-        b.misc[MISC_NSLOTS] = ldg_cgi(b.p->n_slots);  // chain mode: top-k's launch has ended
+        b.misc[MISC_NSLOTS] = ldg_cgi(routed_count(*b.p));  // chain mode: top-k's launch has ended
       }
       if (sync_compute_or(fail)) return;  // the routing is visible to every thread from here
     }
@@ -433,6 +452,8 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
       dc = DepCache{pre, {-1, -1, -1}};
       pd = Pending{0u, -1, 0u, 0u};
       o0 = o;
+      // TP: the end of this block's first poll of other ranks' data (mk/tp.cuh xwait_end), 0: none yet
+      if constexpr (TP > 0 && PROFILE) *reinterpret_cast<uint64_t*>(b.misc + MISC_PWAIT) = 0;
     }
     // run_unit reads the record from shared memory (published by the barrier before it), so the
     // register copy is dead through the units (only profiler builds keep its kind for stamps)
@@ -490,6 +511,9 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
           ProfSlot& ps = *prof_slot_of(b, i, first);
           // top-k with sentinel slots waits inside the op: its wait phase ends when the poll did
           if (SENTINEL_ROUTE && o.kind == OP_TOPK) ps.t[1] = *reinterpret_cast<const uint64_t*>(b.misc + MISC_PWAIT);
+          // TP: an op that polls other ranks' data waits for them inside its first unit (mk/tp.cuh)
+          if (polls_others(o.kind) && *reinterpret_cast<const uint64_t*>(b.misc + MISC_PWAIT))
+            ps.t[1] = *reinterpret_cast<const uint64_t*>(b.misc + MISC_PWAIT);
           ps.t[2] = now_ns();
           ps.op = i;
           ps.rec = prof.reserve(4u) << 8 | static_cast<uint32_t>(o.kind + 1);
@@ -555,7 +579,7 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
       routed_layer = o.layer;
       routed_nslots = nslots;
     } else if (is_dynamic(o.kind)) {
-      nslots = ldg_cgi(b.p->n_slots);
+      nslots = ldg_cgi(routed_count(*b.p));
     }
     const UnitRange r = my_units(o, is_dynamic(o.kind) ? nslots * slot_tiles(o.kind) : n_units(b, o));
     // The opening pace: the ring drained while this warp waited for the routing, and every

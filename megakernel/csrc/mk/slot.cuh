@@ -22,6 +22,15 @@ MK_DEV SlotInfo slot_info(const Blk& b) {
   return SlotInfo{info[0], info[1]};
 }
 
+// The routed slot of a routed op's unit group k (units k * tiles ..): k itself, or with
+// Plan.expert_parallel the rank's k-th own slot (top-k's rank_slots), and the count of them
+// (chain mode; mega mode reads it from top-k's counter)
+MK_DEV int unit_slot(const Params& p, int k) {
+  if constexpr (EXPERT_PARALLEL) return ldg_cgi(p.rank_slots + 1 + k);
+  else return k;
+}
+MK_DEV const int32_t* routed_count(const Params& p) { return EXPERT_PARALLEL ? p.rank_slots : p.n_slots; }
+
 // Loader warp: the expert's weight base of the last slot it streamed, in registers.
 struct LoaderSlot {
   int layer = -1, slot = -1, expert = 0;

@@ -23,8 +23,10 @@ MK_DEV bool tripped(const Params& p) {
 MK_DEV void report(const Params& p, uint32_t what, const void* addr, uint64_t expected, uint64_t seen,
                    uint64_t elapsed) {
   if (atomic_cas64(&p.watchdog[mb::WD_TRIPPED], 0ull, 1ull) == 0ull) {
-    p.watchdog[mb::WD_BLOCK] = bid();
-    p.watchdog[mb::WD_THREAD] = tid();
+    p.watchdog[mb::WD_BLOCK] = launch_block();  // the launch's: with several ranks a launch, it names the rank
+    // with ranks, the waiter's rank above bit 16 (every rank of a launch writes one record)
+    if constexpr (RANKS_PER_LAUNCH > 1 || TP > 1) p.watchdog[mb::WD_THREAD] = tid() | (p.rank << 16);
+    else p.watchdog[mb::WD_THREAD] = tid();
     p.watchdog[mb::WD_WHAT] = what;
     p.watchdog[mb::WD_ADDR] = reinterpret_cast<uintptr_t>(addr);
     p.watchdog[mb::WD_EXPECTED] = expected;
@@ -60,15 +62,17 @@ MK_DEV Seen wait_counter_seen(const Params& p, const uint32_t* ctr, uint32_t tar
   }
 }
 
-// Wait for the completion of the mbarrier phase with the given parity.
-MK_DEV bool wait_mbar(const Params& p, uint64_t* bar, uint32_t parity, uint32_t what) {
+// Wait for the completion of the mbarrier phase with the given parity; `bound`: SPIN_BOUND_NS, or
+// more for a wait that is the consequence of another bounded wait (ring_produce_begin).
+MK_DEV bool wait_mbar(const Params& p, uint64_t* bar, uint32_t parity, uint32_t what,
+                      uint64_t bound = SPIN_BOUND_NS) {
   if (mbar_test(bar, parity)) return true;
   const uint64_t t0 = now_ns();
   for (uint32_t i = 1;; ++i) {
     if (mbar_test(bar, parity)) return true;
     if ((i & 63u) == 0u) {
       const uint64_t dt = now_ns() - t0;
-      if (dt > SPIN_BOUND_NS) {
+      if (dt > bound) {
         report(p, what, bar, parity, 0xFFFFFFFFull, dt);
         return false;
       }

@@ -10,7 +10,7 @@
 namespace mk {
 
 constexpr int H1 = TILE_EXPERT1_ROWS / 2;  // gate rows (and up rows) per unit
-constexpr int EXP1_TILES = F / H1;
+constexpr int EXP1_TILES = F_SH / H1;  // a slot's units: of the rank's gate rows (F_SH = F without TP)
 constexpr int KEEP_UNIT = 16 * (2 * H1 + ROW_PAD);  // a kept unit's bytes (plan.keep_unit_bytes)
 constexpr int KEEP_SLOTS = KEEP_UNITS > 0 ? KEEP_UNITS : 1;  // unit u is kept in buffer u % KEEP_SLOTS
 static_assert(KEEP_UNITS == 0 || KEEP_UNIT * KEEP_UNITS == KEEP_BYTES, "plan.keep_bytes");

@@ -13,7 +13,7 @@
 namespace mk {
 
 constexpr int N2 = TILE_EXPERT2_ROWS;
-constexpr int EXP2_TILES = FUSED_EXPERTS ? EXP1_TILES : P / N2;
+constexpr int EXP2_TILES = FUSED_EXPERTS ? EXP1_TILES : P_SH / N2;  // of the rank's rows (P_SH = P without TP)
 static_assert(!FUSED_EXPERTS || (TILE_EXPERT2_KC == H1 && TILE_EXPERT2_K == H1 * (F / H1) && P % N2 == 0),
               "fused: a chunk is N2 rows of one gate/up unit's H1 columns (plan._fused_down_tile)");
 

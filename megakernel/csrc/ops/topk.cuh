@@ -214,6 +214,15 @@ MK_COLD_LOOP
   auto slot_of = [bitmap, before](int e) {
     return before[e >> 5] + popc(static_cast<uint32_t>(bitmap[e >> 5]) & ((1u << (e & 31)) - 1u));
   };
+  if constexpr (EXPERT_PARALLEL) {  // TP's expert-parallel arrangement: this rank's slots, experts e % TP == rank
+    if (tid() == 0) {
+      int n = 0;
+      for (int e = p.rank; e < E; e += TP)
+        if ((static_cast<uint32_t>(bitmap[e >> 5]) >> (e & 31)) & 1u) p.rank_slots[1 + n++] = slot_of(e);
+      p.rank_slots[0] = n;
+      b.misc[MISC_NSLOTS] = n;  // the routed ops' unit count on this rank (program.cuh signal_op_end)
+    }
+  }
 MK_COLD_LOOP
   for (int e = tid(); e < E; e += COMPUTE_THREADS) {
     const uint32_t m = static_cast<uint32_t>(tokmask[e]);
