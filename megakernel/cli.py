@@ -1,7 +1,8 @@
 """The megakernel's tools: `megabench mk <tool>` (alias `python -m megakernel.cli <tool>`):
   build [--preset P]      compile for sm_90a (no GPU needed) and print code bytes / registers / spills / smem,
                           and code bytes per op when nvdisasm is there
-  check-and-bench [--full] [--presets ...]   on a GPU: the pipeline (checks, then timings), results saved
+  check-and-bench [--full | --batches] [--presets ...]   on a GPU: the pipeline (checks, then timings), results
+                          saved; --batches: the quick points and the batch curve (plans.BATCH_FULL)
   timeline [--preset P]   on a GPU: one profiled step (megakernel.timeline: the trace, the idle time
                           per op, the profiler's cost recording every launch, one in 7, and as many
                           consecutive ones)
@@ -27,6 +28,10 @@
                           (R = 1) and the expert-parallel arrangement, close to the reference, slots empty;
                           --profile: the waits at each collective, stalls per layer and skew per rank
                           (megakernel.tp_waits; --save writes it, GPU runs only)
+  stress [--preset P] [--steps N] [--save [DIR]]   twin engines decoding N steps (T=1, real routing),
+                          alternating mega and chain: every step's logits, token and the KV caches
+                          compared bitwise; exit 1 on a mismatch or a wait that gave up
+                          (megakernel/stress.py; tiny in the host emulation without a GPU)
   sm-map [--point PRESET:T:CTX ...] [--variant NAME[:KEY=VALUE,...] ...] [--out FILE.md] [--save [DIR]]   on a GPU:
                           which SM each block ran on, launch after launch, and how often a block
                           keeps its SM (megakernel.sm_map)
@@ -153,7 +158,7 @@ def _check_and_bench(a) -> int:
         return 2
     from .pipeline import run  # heavy: torch (megakernel.pipeline)
 
-    results = run(quick=not a.full, presets=tuple(a.presets))
+    results = run(quick=not a.full, presets=tuple(a.presets), batches=a.batches, ablate=not a.batches)
     for r in results:
         print(f"[{r.benchmark}]")
         for s in r.series:
@@ -546,6 +551,44 @@ def _step_ranks(a) -> int:
     return 0
 
 
+def _stress(a) -> int:
+    """`megabench mk stress`: twin engines decoding, alternating mega and chain (megakernel/stress.py)."""
+    from .stress import stress, to_result  # heavy: torch (megakernel.stress)
+
+    why = no_gpu_reason()
+    if why and a.preset != "tiny":
+        print(f"stress --preset {a.preset} needs a GPU ({why}); without one only tiny runs, in the host emulation",
+              file=sys.stderr)
+        return 2
+    cfg = get_preset(a.preset)
+    if why:
+        from .plan import make_plan  # heavy: torch (megakernel.plan)
+        from .weights import generate  # heavy: torch (megakernel.weights)
+
+        print(f"no GPU ({why}): tiny in the host emulation")
+        w, plan, backend = generate(cfg), make_plan(cfg, 4, spin_bound_ns=3_000_000_000), "emu"
+    else:
+        from .bench_baselines import weights_for  # heavy: torch (megakernel.bench_baselines)
+        from .plans import plan_for  # heavy: torch (megakernel.plans)
+
+        w, plan, backend = weights_for(a.preset), plan_for(a.preset, tokens=1), "gpu"
+    try:
+        run = stress(w, plan, a.steps, backend=backend, progress=lambda line: print("  " + line, flush=True))
+    except ConfigError as e:
+        print(f"stress: {e}", file=sys.stderr)
+        return 2
+    print(f"{run.preset}: {run.steps} steps, twins alternating mega/chain ({run.backend}) in {run.seconds:.1f} s: "
+          f"{run.n_mismatches} mismatches, {len(run.hangs)} hangs, {run.kv_checks} KV-cache comparisons")
+    for m in run.mismatches + run.hangs:
+        print("  " + m)
+    if a.save is not None:
+        if backend == "emu":
+            print("stress: an emulated run is printed, not saved", file=sys.stderr)
+        else:
+            print("saved", to_result(run, Env.capture()).save(Path(a.save) if a.save else None))
+    return 0 if run.ok else 1
+
+
 def _default_config(a) -> int:
     """Print csrc/mk/default_config.cuh as build.default_config_text renders it, or with --write
     replace the committed file (atomically; left alone when it is already current)."""
@@ -736,6 +779,8 @@ def add_tools(sub) -> None:
     s.set_defaults(fn=_code)
     s = sub.add_parser("check-and-bench", help="on a GPU: the megakernel stage (checks, then timings), results saved")
     s.add_argument("--full", action="store_true")
+    s.add_argument("--batches", action="store_true", help="the quick points and the batched steps (plans.BATCH_FULL: "
+                                                          "B requests a step, chain and mega), no ablation")
     s.add_argument("--presets", nargs="*", default=["tiny", "small", "shard8"], choices=PRESET_NAMES)
     s.set_defaults(fn=_check_and_bench)
     for name, what in (("timeline", "on a GPU: one profiled step (megakernel.timeline)"),
@@ -788,6 +833,13 @@ def add_tools(sub) -> None:
     s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
                    help="--ranks --profile on a GPU: save megakernel.tp_waits under DIR (default reports/results)")
     s.set_defaults(fn=_step)
+    s = sub.add_parser("stress", help="twin engines decoding, alternating mega and chain: mismatches and hangs "
+                                      "(tiny in the emulation without a GPU)")
+    s.add_argument("--preset", default="shard8", choices=PRESET_NAMES)
+    s.add_argument("--steps", type=int, default=2000, help="decode steps after a 4-token prompt (default 2000)")
+    s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
+                   help="on a GPU: save megakernel.stress under DIR (default reports/results)")
+    s.set_defaults(fn=_stress)
     s = sub.add_parser("ncu-op", help="on a GPU: a chain step up to the named ops, only those inside the profiler range")
     s.add_argument("--preset", default="shard8", choices=PRESET_NAMES)
     s.add_argument("--tokens", type=int, default=16)

@@ -97,7 +97,8 @@ class Stage:
 
     def __init__(self, quick: bool = True, constants=None, save: bool = True, presets=PRESETS, log=print,
                  ablate: bool = True, timeline: bool | None = None, detail: bool = False, baselines: bool = False,
-                 compile_workers: int | None = None):
+                 compile_workers: int | None = None, batches: bool = False):
+        self.batches = batches  # the batched steps in a quick run too (plans.BATCH_FULL)
         self.quick, self.constants, self.save, self.presets, self.log = quick, constants, save, tuple(presets), log
         self.ablate, self.timeline = ablate, ablate if timeline is None else timeline
         self.detail, self.baselines, self.compile_workers = detail, baselines, compile_workers
@@ -116,8 +117,8 @@ class Stage:
         return (QUICK_POINTS if self.quick else FULL_POINTS).get(p, []) if self.baselines else []
 
     def batch_points(self, p: str) -> list[tuple[int, int, int]]:
-        """(B, T, ctx) of the batched steps timed (full runs only)."""
-        return [] if self.quick else BATCH_FULL.get(p, [])
+        """(B, T, ctx) of the batched steps timed (full runs, or `batches`)."""
+        return BATCH_FULL.get(p, []) if self.batches or not self.quick else []
 
     def tokens(self, p: str) -> list[int]:
         """Every step size (rows) a build is asked for: a batched step's build is its B x T rows'."""
@@ -345,10 +346,10 @@ class Stage:
 
 
 def run(quick: bool = True, constants=None, save: bool = True, presets=PRESETS, log=print, ablate: bool = True,
-        timeline: bool | None = None, detail: bool = False, baselines: bool = False):
+        timeline: bool | None = None, detail: bool = False, baselines: bool = False, batches: bool = False):
     """Checks, then timings (Stage), every item in order; the first failure raises. Returns the
     Results (saved unless save=False)."""
-    st = Stage(quick, constants, save, presets, log, ablate, timeline, detail, baselines)
+    st = Stage(quick, constants, save, presets, log, ablate, timeline, detail, baselines, batches=batches)
     for it in st.items():
         it.fn()
     return st.results
