@@ -25,22 +25,35 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 
+import torch
+
 from microbench.compiler import cache_dir
+from microbench.errors import CorrectnessError
 from microbench.harness import Harness, Policy
 from microbench.progress import Item
 from microbench.results import Derived, Result, Series
 from microbench.sass import find_nvdisasm
 
-from . import baselines as B
+from . import baselines as B, speculative
 from .batch import bench_batch_point
 from .bench_baselines import FULL_POINTS, QUICK_POINTS, Collector, release, weights_for
+from .config import preset as get_preset
+from .decode import SpecPair, decode
+from .decode import to_result as decode_result
+from .draft import DraftConfig, draft_model_config
 from .measure import Check, ablation_point, bench_point, build_result, check_point, code_result, greedy_check, timeline
 from .peer_bench import peer_point
 from .plan import Plan
 from .plans import (BATCH_FULL, CHECK_POINTS, FULL, PRESETS, QUICK, ablation_names, ablation_variants, code_budget,
                     constants_env, plan_for)
 from .precompile import _one
+from .reference import KVCache
 from .roofline import read_ceiling
+
+# The speculative decode item (draft, verify, accept and compaction on the device, checked against
+# plain greedy decoding, then its accepted tokens/s): these presets, this many tokens
+DECODE_PRESETS = ("small", "shard8")
+DECODE_TOKENS = 64
 
 # Other implementations timed beside mega and chain at every timed point of the stage (the torch
 # baselines have items of their own): name -> fn(h, preset, n_tokens, ctx, ceiling, constants=...)
@@ -76,7 +89,7 @@ SEEDS = {
 KIND_SEEDS = {"compile": 15.0,  # a round of parallel NVRTC builds (the slowest, shard8, ~10 s) + process start
               "check/tiny": 1.5, "check/small": 3.0, "check/shard8": 5.0,
               "time/tiny": 2.0, "time/small": 2.5, "time/shard8": 3.5,
-              "baseline": 8.0, "acceptance": 3.0, "weights": 10.0, "greedy": 5.0,
+              "baseline": 8.0, "acceptance": 3.0, "weights": 10.0, "greedy": 5.0, "decode": 8.0,
               "peer": PEER_SEED_S, "ablation/small": 3.0, "ablation/shard8": 4.0,
               "timeline": 15.0, "release": 1.0, "": 5.0}
 
@@ -154,6 +167,8 @@ class Stage:
                 out.append(item(f"{p} check T={t} ctx={c}", partial(self._check, p, t, c), f"check/{p}", (g,)))
             if p in ("tiny", "small"):
                 out.append(item(f"{p} greedy", partial(self._greedy, p), "greedy", (g,)))
+            if p in DECODE_PRESETS and self.points(p):
+                out.append(item(f"{p} speculative decode", partial(self._decode, p), "decode", (g,)))
             for t, c in self.points(p):
                 for mode in ("chain", "mega"):
                     out.append(item(f"{p} T={t} ctx={c} {mode}", partial(self._time, p, t, c, mode), f"time/{p}",
@@ -207,6 +222,13 @@ class Stage:
             self._plans[(p, t)] = plan_for(p, self.constants, self.h.info.sm_count, **kw)
         return self._plans[(p, t)]
 
+    def draft_plan(self, p: str) -> Plan:
+        """The drafter's build for preset p (megakernel/draft.py: a config of the target's family)."""
+        if (p, "draft") not in self._plans:
+            dcfg = draft_model_config(get_preset(p), DraftConfig(agree=speculative.agreement("study", p)))
+            self._plans[(p, "draft")] = plan_for(dcfg, self.constants, self.h.info.sm_count, tokens=dcfg.max_tree - 1)
+        return self._plans[(p, "draft")]
+
     def plans_needed(self) -> list[Plan]:
         """Every build the items will ask for (the compile item's list)."""
         sm = self.h.info.sm_count
@@ -214,6 +236,8 @@ class Stage:
         for p in self.presets:
             out.append(self.plan(p))
             out += [self.plan(p, t) for t in self.tokens(p)]
+            if p in DECODE_PRESETS and self.points(p):
+                out.append(self.draft_plan(p))
             if not self.points(p):
                 continue
             t = self.points(p)[-1][0]
@@ -268,6 +292,26 @@ class Stage:
         n = greedy_check(p, self.plan(p))
         self.notes.append(f"{p}: greedy decoding over {n} steps equals the reference's tokens")
         self.log(f"  greedy {p}: {n} steps equal")
+
+    def _decode(self, p: str) -> None:
+        """A speculative decode of DECODE_TOKENS tokens (mega mode, the named 'study' acceptance),
+        checked token for token against plain greedy decoding before its rate counts."""
+        w = weights_for(p)
+        agree = speculative.agreement("study", p)
+        pair = SpecPair(w, self.plan(p, w.cfg.max_tree), self.draft_plan(p), [KVCache(w.cfg, device="cuda")],
+                        agree=agree, backend="gpu")
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, w.cfg.vocab, (8,), generator=g).tolist()]
+        out = decode(pair, prompts, DECODE_TOKENS, "mega", check=True)
+        if not out.check.ok:
+            raise CorrectnessError(f"{p}: speculative decoding differs from plain greedy: {out.check.problems[:3]}")
+        r = decode_result(out, preset=p, batch=1, mode="mega", agree=agree, acceptance="study",
+                          acceptance_source=speculative.agreement_source("study", p), prompt_len=8, n=DECODE_TOKENS,
+                          env=constants_env(None, self.constants), emulated=False,
+                          launches=pair.part_launches("mega"))
+        self.results.append(r)
+        self.log(f"  decode {p}: {r.derived['accepted_tokens_per_s'].value:.0f} accepted tok/s at "
+                 f"{r.derived['mean_acceptance'].value:.2f} tokens a step, equal to plain greedy")
 
     def _time(self, p: str, t: int, ctx: int, mode: str) -> None:
         s = bench_point(self.h, p, t, ctx, self.plan(p, t), mode, self.ceiling)

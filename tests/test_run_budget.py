@@ -313,6 +313,8 @@ def fake_gpu_work(monkeypatch):
 
     monkeypatch.setattr(mp, "bench_batch_point", bench_batch_point)
     monkeypatch.setattr(mp, "greedy_check", lambda p, plan: calls.append(("greedy", p)) or 64)
+    monkeypatch.setattr(mp.Stage, "_decode", lambda self, p: calls.append(("decode", p)))
+    monkeypatch.setattr(mp.Stage, "draft_plan", lambda self, p: ("plan", f"{p} drafter", ()))
     monkeypatch.setattr(mp, "build_result", lambda plans, budget: Result("megakernel.build", env(), ()))
     monkeypatch.setattr(mp, "code_budget", lambda c=None: 96 * 1024)
     # the code per op beside the build, as on a machine with nvdisasm (the H200 has one; CI may not)
@@ -353,6 +355,9 @@ def test_stage_checks_before_timing_and_saves_what_it_measured(fake_gpu_work):
         ("shard8", t, 2048, b) for t in (1, 16) for b in ("eager", "graph", "compile")]
     assert calls.index(("weights", "shard8")) < calls.index(("check", "shard8", 1, 300, ("plan", "shard8", (("tokens", 1),))))
     assert ("release", "shard8") in calls and ("greedy", "small") in calls
+    # the speculative decode after the preset's checks, in its group: refused after shard8's failed check
+    assert ("decode", "small") in calls and ("decode", "shard8") not in calls
+    assert calls.index(("greedy", "small")) < calls.index(("decode", "small"))
     # the peers (their own group: the peer checks itself) at every timed point, or at their
     # quick_tokens in the quick run, saved with the step
     assert [c[1:] for c in calls if c[0] == "peer" and c[2] == "small"] == [
@@ -362,6 +367,7 @@ def test_stage_checks_before_timing_and_saves_what_it_measured(fake_gpu_work):
     assert "small/T16/ctx512/peer" in {s.name for s in step.series}
     compiled = [c[1] for c in calls if c[0] == "compile"]
     assert ("plan", "shard8", (("tokens", 16),)) in compiled and len(compiled) == len(set(compiled))
+    assert ("plan", "small drafter", ()) in compiled and ("plan", "shard8 drafter", ()) in compiled
     assert [r.benchmark for r in st.results] == ["megakernel.build", "megakernel.code", "megakernel.step",
                                                  "model.baselines"]
     assert step.derived["speedup_vs_chain/small/T16/ctx512/mega"].value == pytest.approx(2.0)
