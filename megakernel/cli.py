@@ -82,6 +82,17 @@ def _no_gpu(command: str) -> bool:
     return bool(reason)
 
 
+def _tiny_without_gpu(command: str, preset: str):
+    """Why there is no GPU (None: there is one), or False (after saying so on stderr) when `preset`
+    needs one: without a GPU only tiny runs, in the host emulation."""
+    why = no_gpu_reason()
+    if why and preset != "tiny":
+        print(f"{command} --preset {preset} needs a GPU ({why}); without one only tiny runs, in the host emulation",
+              file=sys.stderr)
+        return False
+    return why
+
+
 def _build(a) -> int:
     from .build import build_gpu, code_bytes_by_op  # heavy: torch (megakernel.build)
     from .plan import make_plan  # heavy: torch (megakernel.plan)
@@ -325,10 +336,8 @@ def _step_batch(a) -> int:
     from .plan import make_plan  # heavy: torch (megakernel.plan)
     from .runtime import Engine  # heavy: torch (megakernel.runtime)
 
-    why = no_gpu_reason()
-    if why and a.preset != "tiny":
-        print(f"step --preset {a.preset} needs a GPU ({why}); without one only tiny runs, in the host emulation",
-              file=sys.stderr)
+    why = _tiny_without_gpu("step", a.preset)
+    if why is False:
         return 2
     cfg = get_preset(a.preset)
     try:
@@ -555,10 +564,8 @@ def _stress(a) -> int:
     """`megabench mk stress`: twin engines decoding, alternating mega and chain (megakernel/stress.py)."""
     from .stress import stress, to_result  # heavy: torch (megakernel.stress)
 
-    why = no_gpu_reason()
-    if why and a.preset != "tiny":
-        print(f"stress --preset {a.preset} needs a GPU ({why}); without one only tiny runs, in the host emulation",
-              file=sys.stderr)
+    why = _tiny_without_gpu("stress", a.preset)
+    if why is False:
         return 2
     cfg = get_preset(a.preset)
     if why:

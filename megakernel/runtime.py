@@ -477,6 +477,25 @@ class Engine:
                 WHAT_LOADER_PACE: f"{name}: the first weight chunk of the routed op landing (loader, opening pace)",
                 }.get(code, f"{name} code {code}")
 
+    def _route_table(self, routes, rows: int) -> torch.Tensor:
+        """Forced routing, per layer [rows, top_k] expert ids, as the kernel's route table
+        [L][max_tree][top_k] (rows past `rows` zero). Refused: a layer count, a shape, an id out of
+        range, or a token routed to the same expert twice (the kernel's slots assume distinct)."""
+        c = self.cfg
+        if len(routes) != c.n_layers:
+            raise ConfigError(f"routes for {len(routes)} layers, model has {c.n_layers}")
+        rt = torch.zeros(c.n_layers, c.max_tree, c.top_k, dtype=torch.int32)
+        for l, rl in enumerate(routes):
+            rl = torch.as_tensor(rl).to(torch.int64).cpu()
+            if rl.shape != (rows, c.top_k):
+                raise ConfigError(f"layer {l}: route shape {tuple(rl.shape)} != ({rows}, {c.top_k})")
+            if (rl < 0).any() or (rl >= c.n_experts).any():
+                raise ConfigError(f"layer {l}: expert ids outside [0, {c.n_experts})")
+            if any(len(set(row.tolist())) != c.top_k for row in rl):
+                raise ConfigError(f"layer {l}: a token is routed to the same expert twice")
+            rt[l, :rows] = rl.to(torch.int32)
+        return rt
+
     def _set_inputs(self, requests: Sequence[Request], routes) -> tuple[int, ...]:
         """Check a step's requests and copy their rows, the step block and the forced routing (if
         any) to the device. Returns each request's first row, then the row count."""
@@ -515,19 +534,7 @@ class Engine:
                               f"a step holds at most {c.max_tree} (B x T <= {c.max_tree}: one m16 tile of tokens in "
                               "every GEMM; more token tiles are not built)")
         pad = c.max_tree - rows
-        if routes is not None:
-            if len(routes) != c.n_layers:
-                raise ConfigError(f"routes for {len(routes)} layers, model has {c.n_layers}")
-            rt = torch.zeros(c.n_layers, c.max_tree, c.top_k, dtype=torch.int32)
-            for l, rl in enumerate(routes):
-                rl = torch.as_tensor(rl).to(torch.int64).cpu()
-                if rl.shape != (rows, c.top_k):
-                    raise ConfigError(f"layer {l}: route shape {tuple(rl.shape)} != ({rows}, {c.top_k})")
-                if (rl < 0).any() or (rl >= c.n_experts).any():
-                    raise ConfigError(f"layer {l}: expert ids outside [0, {c.n_experts})")
-                if any(len(set(row.tolist())) != c.top_k for row in rl):
-                    raise ConfigError(f"layer {l}: a token is routed to the same expert twice")
-                rt[l, :rows] = rl.to(torch.int32)
+        rt = self._route_table(routes, rows) if routes is not None else None
         i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
         self.step_t.copy_(i32(abi.pack_step(ctxs, counts)))
         self.tokens_t.copy_(i32(toks_all + [0] * pad))
@@ -614,18 +621,8 @@ class Engine:
         whose router near-ties could flip an expert."""
         if self.spec is None:
             raise ConfigError("force_routes: this engine has no speculative role (prepare takes routes)")
-        c, rows = self.cfg, sum(self.spec.rows)
         if routes is not None:
-            if len(routes) != c.n_layers:
-                raise ConfigError(f"routes for {len(routes)} layers, model has {c.n_layers}")
-            rt = torch.zeros(c.n_layers, c.max_tree, c.top_k, dtype=torch.int32)
-            for l, rl in enumerate(routes):
-                rl = torch.as_tensor(rl).to(torch.int64).cpu()
-                if rl.shape != (rows, c.top_k) or (rl < 0).any() or (rl >= c.n_experts).any():
-                    raise ConfigError(f"layer {l}: routes {tuple(rl.shape)} of experts in [0, {c.n_experts}) wanted, "
-                                      f"shape ({rows}, {c.top_k})")
-                rt[l, :rows] = rl.to(torch.int32)
-            self.route_t.copy_(rt)
+            self.route_t.copy_(self._route_table(routes, sum(self.spec.rows)))
         self._spec_params_dev = self._params(routes is not None, self.spec_program)
         if self.spec.role == "draft":
             self._params_dev = self._spec_params_dev
