@@ -105,7 +105,7 @@ def to_result(run: StressRun, env: Env) -> Result:
     params = {"preset": run.preset, "steps": run.steps, "backend": run.backend, "modes": "alternating mega/chain twins"}
     metrics = {"mismatches": run.n_mismatches, "hangs": len(run.hangs), "kv_checks": run.kv_checks,
                "first_mismatches": run.mismatches, "hang_reports": run.hangs}
-    s = Series.from_samples(f"{run.preset}/stress", [run.seconds], timer="perf_counter", unit="s", params=params,
+    s = Series.from_samples(f"{run.preset}/stress", [run.seconds], timer="host", unit="s", params=params,
                             metrics=metrics)
     derived = {"mismatches": Derived(float(run.n_mismatches), "steps", "steps whose twins differed (logits, token or "
                                      "KV cache)", inputs=(s.name,)),

@@ -406,6 +406,7 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
                       "chain and mega (megakernel/plans.py BATCH_FULL); the study's claim that a megakernel finds "
                       "larger batches easier then shows here as a measured curve."), ""]
     out += _section_decode(ctx)
+    out += _section_stress(ctx)
     if results:
         out += _results_line(results)
     st = paper.setup("gb300")
@@ -490,6 +491,24 @@ def _section_decode(ctx: Context) -> list[str]:
     for p, cap in plots.acceptance_plot(curve, ctx.fig_dir):
         out += ctx.fig_link(p, cap)
     return out
+
+
+def _section_stress(ctx: Context) -> list[str]:
+    """The newest twin-engine stress run (megakernel.stress, `megabench mk stress`): its counts."""
+    got = ctx.cat.latest("megakernel.stress")
+    out = ["### Long decode, mega and chain alternating", ""]
+    if got is None:
+        return out + [*wrap("Not run yet on a GPU (`megabench mk stress --preset shard8 --steps 2000 --save`: twin "
+                            "engines decoding with real routing, one in mega and one in chain mode, swapped every "
+                            "step; logits, tokens and KV caches compared bitwise)."), ""]
+    r = got[1]
+    s = r.series[0]
+    m = s.metrics
+    verdict = "passed" if not m.get("mismatches") and not m.get("hangs") else "FAILED"
+    return out + [*wrap(f"{s.params.get('steps')} decode steps of {s.params.get('preset')} (T=1, real routing), twin "
+                        f"engines alternating mega and chain: {m.get('mismatches')} mismatches, {m.get('hangs')} "
+                        f"waits that gave up, {m.get('kv_checks')} KV-cache comparisons; {verdict} "
+                        f"({r.env.gpu}, {r.env.date[:10]} {r.env.git_sha[:7]})."), ""]
 
 
 def _critical_path(ctx: Context) -> list[str]:

@@ -694,3 +694,20 @@ def test_pytest_benchmark_comparison_pairs_files_that_share_cases(tmp_path):
     line = next(ln for ln in text.splitlines() if "pytest-benchmark: `" in ln)
     assert "`sync-c.json` vs the newest earlier file with any of its cases, `sync-a.json`" in line, line
     assert "nothing compared" not in line
+
+
+def test_the_stress_run_shows_its_counts_and_fails_loudly(tmp_path):
+    """The long-decode block reads the newest megakernel.stress: its counts, and FAILED on a mismatch."""
+    from megakernel.stress import StressRun, to_result
+
+    for i, bad in enumerate((0, 3)):
+        root = tmp_path / f"r{i}"
+        run = StressRun("shard8", 2000, n_mismatches=bad, kv_checks=20,
+                        mismatches=[f"step {k}: logits differ" for k in range(bad)])
+        to_result(run, env()).save(root)
+        text = build(root, tmp_path / f"o{i}", bench_dir=root, gpu_present=True).read_text()
+        block = text.split("### Long decode, mega and chain alternating", 1)[1].split("###", 1)[0]
+        assert "2000 decode steps of shard8" in block and f"{bad} mismatches" in block
+        assert ("FAILED" in block) == bool(bad)
+    text = build(tmp_path / "r0", tmp_path / "o9", bench_dir=None, gpu_present=False).read_text()
+    assert "Long decode" in text
