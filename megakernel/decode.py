@@ -647,21 +647,22 @@ def summary_lines(out: DecodeOutcome, *, emulated: bool) -> list[str]:
 
 def to_result(out: DecodeOutcome, *, preset: str, batch: int, mode: str, agree: float, acceptance: str,
               acceptance_source: str, prompt_len: int, n: int, env: Env, emulated: bool,
-              launches: tuple[int, int, int]) -> Result:
+              launches: tuple[int, int, int], ranks: int = 1, where: str | None = None) -> Result:
     """The run as a typed `megakernel.decode` result: one series of step wall times with the
     acceptance (histogram, per-depth rates), the split and the check in its metrics; derived the
     accepted tokens/s and the mean acceptance. The report draws GPU runs only (emulated ones are
-    the CPU's time)."""
+    the CPU's time). `ranks`: the verifier's tensor-parallel ranks (params; a run of R > 1 names
+    its series .../R{ranks} and says where its ranks ran, `where`)."""
     st, rep = out.stats, out.report
     committed = sum(out.read.emitted)
     rate = committed / st.seconds if st.seconds > 0 else 0.0
     med = {p: float(np.median([getattr(s, p) for s in st.steps])) for p in (*PARTS, "gaps")}
     t = len(out.read.hist[0]) - 1
-    name = f"{preset}/B{batch}/T{t}/{mode}/agree{agree:g}"
+    name = f"{preset}/B{batch}/T{t}/{mode}/agree{agree:g}" + (f"/R{ranks}" if ranks > 1 else "")
     check = "not run" if out.check is None else ("passed" if out.check.ok else "FAILED")
     params = {"preset": preset, "batch": batch, "tree_tokens": t, "branch_depth": rep.branch_depth, "mode": mode,
               "agree": agree, "acceptance": acceptance, "prompt_len": prompt_len, "tokens": n,
-              "backend": "emu" if emulated else "gpu"}
+              "backend": "emu" if emulated else "gpu", "ranks": ranks}
     metrics = {"accepted_tokens_per_s": rate, "accepted_tokens": committed, "steps": len(st.steps),
                "rounds": list(st.rounds), "accepted_tokens_per_step": rep.mean, "histogram": list(rep.histogram),
                "depth_rates": [x if x == x else None for x in rep.depth_rates], "follow_rate": rep.follow_rate,
@@ -678,4 +679,7 @@ def to_result(out: DecodeOutcome, *, preset: str, batch: int, mode: str, agree: 
     }
     notes = (f"acceptance {acceptance!r}: agree {agree:g} ({acceptance_source})",
              f"{len(st.steps)} steps in {len(st.rounds)} rounds; nothing read back between the steps of a round")
+    if ranks > 1:
+        notes += (f"the verifier as {ranks} tensor-parallel ranks: {where or 'in one launch'}; the drafter once, "
+                  "unsharded",)
     return Result(BENCHMARK, env, (s,), derived, quick=True, notes=notes)
