@@ -423,8 +423,8 @@ def _decode(a) -> int:
         return 2
     emulated = where == "emu" if where is not None else bool(why)
     if emulated and a.preset != "tiny":
-        print(f"decode --preset {a.preset} needs a GPU ({why or 'the emulation was asked for'}); in the host emulation "
-              "only tiny runs", file=sys.stderr)
+        print(f"decode --preset {a.preset} needs a GPU ({why}); without one only tiny runs, in the host emulation"
+              if why else f"decode --preset {a.preset} --where emu: the host emulation runs only tiny", file=sys.stderr)
         return 2
     try:
         if a.batch not in BATCHES:

@@ -170,6 +170,11 @@ class RankEngine:
         self._params_dev = torch.cat([e._params_dev for e in self.engines])
         return rows
 
+    @property
+    def parity(self) -> int:
+        """The counters' parity of the next step (every rank's: launch_step turns them together)."""
+        return self.engines[0].parity
+
     def launches(self, mode: str, program=None) -> list[tuple[int, int, int, int]]:
         """(first op, ops, wait, grid per rank) of each launch of `program` (Engine.launches; every
         rank's program is the same)."""
@@ -244,7 +249,8 @@ class RankEngine:
 
     def _check_watchdog(self, wait: bool = True) -> None:
         """SpinTimeoutError naming the rank, the op and what it waited for, when a wait gave up;
-        then every rank's counters and sentinel slots are reset, as Engine does for one."""
+        then every rank's counters and sentinel slots are reset, as Engine does for one. `wait`:
+        unused (Engine._check_watchdog's signature, so a pair checks either kind alike)."""
         rec = self.wd.rec.cpu().tolist()
         f = wd_fields()
         if rec[f["TRIPPED"]] == 0:
