@@ -32,7 +32,9 @@ on the device (accept): its later steps emit and move nothing.
 Correctness (decode(check=True)): greedy speculative output equals plain greedy decoding token for
 token, the plain run being T=1 megakernel steps of the same Engine (its plain program) from the same
 prefill, and the KV rows of every position both runs committed agree within REL_TOL (a skipped
-compaction leaves another node's K/V there, far outside it).
+compaction leaves another node's K/V there, far outside it). With the verifier as R tensor-parallel
+ranks (SpecPair's ranks), the plain run is the unsharded build (the same TP build at R = 1) and
+every rank's copy of the speculative state and its step contexts must also be rank 0's, bitwise.
 """
 from __future__ import annotations
 
