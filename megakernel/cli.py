@@ -413,9 +413,13 @@ def _decode(a) -> int:
                 raise ConfigError(f"--ranks {a.ranks}: {a.preset} does not shard so: {bad}")
             where, where_why = where_ranks(a.ranks, a.where)
             if where == "torchrun":
-                raise ConfigError(f"--ranks {a.ranks} across {a.ranks} GPUs (torchrun, one process per GPU) is not built "
-                                  "for the decode loop (each process would need its own drafter and the spec state's "
-                                  "copies compared across processes); --where gpu runs the ranks sharing one GPU")
+                not_built = (f"--ranks {a.ranks} across {a.ranks} GPUs (torchrun, one process per GPU) is not built for "
+                             "the decode loop (a drafter in each process, the spec state's copies compared across "
+                             "processes)")
+                if a.where == "torchrun":
+                    raise ConfigError(f"{not_built}; --where gpu runs the ranks sharing one GPU")
+                where, where_why = where_ranks(a.ranks, "gpu")
+                print(f"decode: {not_built}: running them on one GPU instead", file=sys.stderr)
         if a.schedule == "rank" and a.ranks == 1:
             raise ConfigError("--schedule rank starves one rank of a launch of several: add --ranks R (R > 1)")
     except ConfigError as e:
@@ -530,7 +534,8 @@ def add_decode_parser(sub) -> None:
                    help="the verifier as R tensor-parallel ranks (2, 4, 8 where the preset's kv heads divide; tiny: "
                         "2) in one launch: the CPU emulation without a GPU, else R ranks sharing one GPU's SMs "
                         "(it says which); the drafter runs once, unsharded; --check also compares every rank's "
-                        "speculative state; R GPUs under torchrun are not built for decode (refused)")
+                        "speculative state; R GPUs under torchrun are not built for decode (--where torchrun is "
+                        "refused; where that would be the pick, the ranks share one GPU and it says so)")
     s.add_argument("--where", choices=["emu", "gpu", "torchrun"], default=None,
                    help="--ranks: force where the ranks run (default: ranks.where_ranks's pick)")
     s.add_argument("--prompt-len", type=int, default=8, help="random prompt tokens per request (default 8)")

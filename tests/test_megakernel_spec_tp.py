@@ -5,8 +5,8 @@ buffers, in mega and chain mode, under the random schedule and the "rank" one (o
 whole launches), the run's tokens equal plain greedy decoding by the unsharded build (the same TP
 build at R = 1, T=1 steps), every committed KV row is that run's, and every rank's speculative state
 is rank 0's. Mutated kernels where only rank 1 skips a compaction or accepts a token fewer must fail
-that check. And `megabench decode --preset tiny --ranks 2 --check`. Each run takes tens of seconds
-on a CPU: slow (CI runs them)."""
+that check. And `megabench decode --preset tiny --ranks 2 --check`, and where the command runs its
+ranks. Each run takes tens of seconds on a CPU: slow (CI runs them)."""
 from __future__ import annotations
 
 import shutil
@@ -24,7 +24,7 @@ from megakernel.ranks import RankEngine
 from megakernel.reference import KVCache
 from megakernel.weights import generate
 
-pytestmark = pytest.mark.slow
+SLOW = pytest.mark.slow
 
 N = 32
 R = 2
@@ -64,6 +64,7 @@ def _decode(setup, mode, schedule, n=N, seed=3):
     return pair, decode(pair, prompts, n, mode, check=True, poison=True, plain=plain)
 
 
+@SLOW
 @pytest.mark.parametrize("mode,schedule", [("mega", "random"), ("mega", "rank"), ("chain", "random"),
                                            ("chain", "rank")])
 def test_tp_speculative_decoding_is_plain_greedy_decoding(setup, mode, schedule):
@@ -93,12 +94,14 @@ def _mutated(setup, tmp_path, edit):
         return _decode(setup, "mega", "random")
 
 
+@SLOW
 def test_the_check_fails_when_one_rank_skips_a_compaction(setup, tmp_path):
     pair, out = _mutated(setup, tmp_path, SKIP_ON_RANK1)
     assert not out.check.ok
     assert out.check.kv_rel_err > KV_ROW_TOL  # rank 1's kv head holds another node's K/V at ctx + 2
 
 
+@SLOW
 def test_the_check_fails_when_one_rank_accepts_a_different_count(setup, tmp_path):
     pair, out = _mutated(setup, tmp_path, SHORT_ON_RANK1)
     assert not out.check.ok
@@ -106,6 +109,7 @@ def test_the_check_fails_when_one_rank_accepts_a_different_count(setup, tmp_path
         out.check.problems
 
 
+@SLOW
 def test_a_pair_of_ranks_refuses_a_plan_that_is_not_theirs(setup):
     cfg, w, plan, dplan, prompts, plain = setup
     with pytest.raises(ConfigError, match="TP build of 2 ranks in one launch"):
@@ -116,6 +120,7 @@ def test_a_pair_of_ranks_refuses_a_plan_that_is_not_theirs(setup):
         RankEngine(w, plan, KVCache(cfg), backend="emu", spec=[])
 
 
+@SLOW
 def test_decode_command_runs_two_ranks_with_its_check(capsys):
     """`megabench decode --preset tiny --ranks 2 --tokens 32 --check` in the emulation: it says where
     the ranks run, and the check against plain greedy decoding and across the ranks passes."""
@@ -137,3 +142,33 @@ def test_decode_command_runs_two_ranks_with_its_check(capsys):
     s = res.series[0]
     assert s.params["ranks"] == 2 and s.name.endswith("/R2") and s.metrics["check"] == "passed"
     assert any("2 tensor-parallel ranks" in n for n in res.notes)
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_decode_command_never_starts_torchrun(monkeypatch, capsys, forced):
+    """On a node of 2 GPUs where_ranks picks torchrun for 2 ranks, which the decode loop does not
+    build: forced (--where torchrun) it is refused naming what is not built; picked, the command
+    says so and runs the ranks on one GPU (here the run stops at the GPU-only weights, which this
+    test replaces by a refusal of its own)."""
+    from megakernel import cli as mk_cli, ranks
+
+    from reports.cli import main
+
+    monkeypatch.setattr(ranks, "no_gpu_reason", lambda: None)
+    monkeypatch.setattr(ranks, "gpu_count", lambda: 2)
+    monkeypatch.setattr(mk_cli, "no_gpu_reason", lambda: None)
+
+    def no_gpu_weights(*a, **k):
+        raise ConfigError("stopped before the GPU: the test's refusal")
+
+    monkeypatch.setattr("megakernel.bench_baselines.weights_for", no_gpu_weights)
+    argv = ["decode", "--preset", "tiny", "--ranks", "2"] + (["--where", "torchrun"] if forced else [])
+    if forced:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "torchrun, one process per GPU) is not built for the decode loop" in err and "--where gpu" in err
+        return
+    assert main(argv) != 0
+    cap = capsys.readouterr()
+    assert "the test's refusal" in cap.err and "is not built for the decode loop" in cap.err and "running them on one GPU instead" in cap.err
+    assert "2 tensor-parallel ranks of the verifier: one GPU" in cap.out
