@@ -394,25 +394,52 @@ def _step_batch(a) -> int:
 
 def _decode(a) -> int:
     """`megabench decode`: a speculative run on the device (megakernel.decode), its acceptance and
-    the step's split; --check against plain greedy decoding (exit 1 on a difference)."""
+    the step's split; --check against plain greedy decoding (exit 1 on a difference). --ranks R:
+    the verifier as R tensor-parallel ranks in one launch (the CPU emulation, or one GPU with its
+    SMs shared out; ranks.where_ranks picks and the run says which); R GPUs under torchrun are
+    refused (not built for the decode loop)."""
     import torch  # heavy: torch
 
     from . import speculative  # heavy: torch (megakernel.speculative)
     from .decode import BATCHES, SpecPair, decode, max_tokens, summary_lines  # heavy: torch (megakernel.decode)
     from .decode import to_result as decode_result  # heavy: torch (megakernel.decode)
     from .draft import DraftConfig, draft_model_config  # heavy: torch (megakernel.draft)
+    from .plan import tp_problem  # heavy: torch (megakernel.plan)
+    from .ranks import where_ranks  # heavy: torch (megakernel.ranks)
     from .reference import KVCache  # heavy: torch (megakernel.reference)
 
     why = no_gpu_reason()
-    if why and a.preset != "tiny":
-        print(f"decode --preset {a.preset} needs a GPU ({why}); without one only tiny runs, in the host emulation",
-              file=sys.stderr)
-        return 2
     cfg = get_preset(a.preset)
+    where, where_why = None, None
     try:
-        if a.ranks != 1:
-            # the tensor-parallel megakernel's hook: SpecPair(ranks=R) builds R ranks once it is built
-            raise ConfigError(f"--ranks {a.ranks}: tensor parallelism is not built yet; decode runs one rank")
+        if a.ranks < 1:
+            raise ConfigError(f"--ranks {a.ranks}: want 1 or a number of tensor-parallel ranks (2, 4, 8)")
+        if a.where is not None and a.ranks == 1:
+            raise ConfigError("--where picks where --ranks R ranks run: add --ranks R (R > 1)")
+        if a.ranks > 1:
+            bad = tp_problem(cfg, a.ranks)
+            if bad:
+                raise ConfigError(f"--ranks {a.ranks}: {a.preset} does not shard so: {bad}")
+            where, where_why = where_ranks(a.ranks, a.where)
+            if where == "torchrun":
+                not_built = (f"--ranks {a.ranks} across {a.ranks} GPUs (torchrun, one process per GPU) is not built for "
+                             "the decode loop (a drafter in each process, the spec state's copies compared across "
+                             "processes)")
+                if a.where == "torchrun":
+                    raise ConfigError(f"{not_built}; --where gpu runs the ranks sharing one GPU")
+                where, where_why = where_ranks(a.ranks, "gpu")
+                print(f"decode: {not_built}: running them on one GPU instead", file=sys.stderr)
+        if a.schedule == "rank" and a.ranks == 1:
+            raise ConfigError("--schedule rank starves one rank of a launch of several: add --ranks R (R > 1)")
+    except ConfigError as e:
+        print(f"decode: {e}", file=sys.stderr)
+        return 2
+    emulated = where == "emu" if where is not None else bool(why)
+    if emulated and a.preset != "tiny":
+        print(f"decode --preset {a.preset} needs a GPU ({why}); without one only tiny runs, in the host emulation"
+              if why else f"decode --preset {a.preset} --where emu: the host emulation runs only tiny", file=sys.stderr)
+        return 2
+    try:
         if a.batch not in BATCHES:
             raise ConfigError(f"--batch {a.batch}: a speculative step takes {', '.join(map(str, BATCHES))} requests")
         if a.prompt_len < 1:
@@ -433,16 +460,21 @@ def _decode(a) -> int:
     if a.json:
         check_writable(a.json)
     print(f"acceptance {name!r} on {a.preset}: agree {agree:g} ({source})")
+    if where is not None:
+        print(f"{a.ranks} tensor-parallel ranks of the verifier: {where_why}; the drafter runs once, unsharded")
     dcfg = draft_model_config(cfg, DraftConfig(agree=agree))
-    if why:
+    tp = dict(tp_ranks=a.ranks, launch_ranks=a.ranks) if a.ranks > 1 else {}
+    if emulated:
         from .plan import make_plan  # heavy: torch (megakernel.plan)
         from .weights import generate  # heavy: torch (megakernel.weights)
 
-        print(f"no GPU ({why}): {a.preset} in the host emulation (the kernel's CUDA source on CPU fibers); its times "
-              "are the CPU's, not a GPU's")
+        if why:
+            print(f"no GPU ({why}): {a.preset} in the host emulation (the kernel's CUDA source on CPU fibers); its "
+                  "times are the CPU's, not a GPU's")
         backend, dev = "emu", "cpu"
         w = generate(cfg)
-        plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
+        # R ranks: a starved rank (the 'rank' schedule) waits through the others' whole launch
+        plan = make_plan(cfg, 4, spin_bound_ns=60_000_000_000 if tp else 3_000_000_000, **tp)
         dplan = make_plan(dcfg, 4, spin_bound_ns=3_000_000_000)
     else:
         from .bench_baselines import weights_for  # heavy: torch (megakernel.bench_baselines)
@@ -450,15 +482,16 @@ def _decode(a) -> int:
 
         backend, dev = "gpu", "cuda"
         w = weights_for(a.preset)
-        plan = plan_for(a.preset, tokens=cfg.max_tree)
+        plan = plan_for(a.preset, tokens=cfg.max_tree, **tp)
         dplan = plan_for(dcfg, tokens=dcfg.max_tree - 1)
     pair = SpecPair(w, plan, dplan, [KVCache(cfg, device=dev) for _ in range(a.batch)], batch=a.batch, agree=agree,
-                    backend=backend, emu_schedule=a.schedule)
+                    backend=backend, emu_schedule=a.schedule, ranks=a.ranks)
     g = torch.Generator().manual_seed(a.seed)
     prompts = [torch.randint(0, cfg.vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.batch)]
+    verifier = f", the verifier {a.ranks} ranks" if a.ranks > 1 else ""
     print(f"{a.preset}: {a.batch} request(s) of a {pair.T}-token tree (branch depth {pair.branch_depth}), drafter "
-          f"{pair.dm.cfg.n_layers} layers over {pair.T - 1} slots, {a.mode} mode ({backend}); {a.tokens} tokens each "
-          f"after a prompt of {a.prompt_len}", flush=True)
+          f"{pair.dm.cfg.n_layers} layers over {pair.T - 1} slots{verifier}, {a.mode} mode ({backend}); {a.tokens} "
+          f"tokens each after a prompt of {a.prompt_len}", flush=True)
     out = decode(pair, prompts, a.tokens, a.mode, check=a.check, poison=a.check,
                  progress=lambda line: print("  " + line, flush=True))
     for line in summary_lines(out, emulated=not pair.gpu):
@@ -467,10 +500,15 @@ def _decode(a) -> int:
         print(f"request {r}: {len(t)} tokens: {t[:24]}{' ...' if len(t) > 24 else ''}")
     if out.check is not None:
         c = out.check
-        print(f"check against plain greedy decoding (T=1 megakernel steps): tokens "
+        plain = "the unsharded build's T=1 megakernel steps" if a.ranks > 1 else "T=1 megakernel steps"
+        print(f"check against plain greedy decoding ({plain}): tokens "
               f"{'equal' if all(c.tokens_equal) else 'DIFFER'}; {c.kv_rows} KV rows of the committed positions: "
               f"worst {c.kv_rel_err:.2e} of the plain run's ({c.kv_worst}), {c.kv_flips} above the reference bound "
               f"(router near-ties; another node's row would be ~1.4)")
+        if a.ranks > 1:
+            ranks_ok = not any(p.startswith("rank ") for p in c.problems)
+            print(f"check across ranks: every rank's speculative state (emitted tokens, counts, path, root, histogram) "
+                  f"and step contexts {'equal to' if ranks_ok else 'DIFFER from'} rank 0's")
         for p in c.problems:
             print(f"  MISMATCH: {p}")
         print("check: " + ("passed" if c.ok else f"FAILED ({len(c.problems)} mismatches)"))
@@ -481,8 +519,8 @@ def _decode(a) -> int:
     else:
         env = Env.capture()
     res = decode_result(out, preset=a.preset, batch=a.batch, mode=a.mode, agree=agree, acceptance=name,
-                    acceptance_source=source, prompt_len=a.prompt_len, n=a.tokens, env=env, emulated=not pair.gpu,
-                    launches=pair.part_launches(a.mode))
+                        acceptance_source=source, prompt_len=a.prompt_len, n=a.tokens, env=env, emulated=not pair.gpu,
+                        launches=pair.part_launches(a.mode), ranks=a.ranks, where=where_why)
     print("saved", res.save())
     if a.json:
         print("wrote", write_text(Path(a.json), json.dumps(res.to_json(), indent=1) + "\n"))
@@ -501,13 +539,21 @@ def add_decode_parser(sub) -> None:
                                                            "ACCEPTANCE: study, perfect; default study)")
     acc.add_argument("--agree", type=float, default=None, help="the drafter's agreement with the target's backbone, 0..1")
     s.add_argument("--batch", type=int, default=1, help="requests, each its own tree of 16 / B tokens (1, 2, 4, 8)")
-    s.add_argument("--ranks", type=int, default=1, help="tensor-parallel ranks (1: not built beyond one)")
+    s.add_argument("--ranks", type=int, default=1,
+                   help="the verifier as R tensor-parallel ranks (2, 4, 8 where the preset's kv heads divide; tiny: "
+                        "2) in one launch: the CPU emulation without a GPU, else R ranks sharing one GPU's SMs "
+                        "(it says which); the drafter runs once, unsharded; --check also compares every rank's "
+                        "speculative state; R GPUs under torchrun are not built for decode (--where torchrun is "
+                        "refused; where that would be the pick, the ranks share one GPU and it says so)")
+    s.add_argument("--where", choices=["emu", "gpu", "torchrun"], default=None,
+                   help="--ranks: force where the ranks run (default: ranks.where_ranks's pick)")
     s.add_argument("--prompt-len", type=int, default=8, help="random prompt tokens per request (default 8)")
     s.add_argument("--seed", type=int, default=0, help="the prompts' seed")
     s.add_argument("--check", action="store_true", help="compare with plain greedy decoding (T=1 steps), token for "
                                                         "token and KV row for KV row; exit 1 when they differ")
-    s.add_argument("--schedule", default="random", choices=["random", "last", "block"],
-                   help="the emulation's schedule for mega launches (no GPU)")
+    s.add_argument("--schedule", default="random", choices=["random", "last", "block", "rank"],
+                   help="the emulation's schedule for mega launches (no GPU); rank: one rank of the verifier's "
+                        "starved (--ranks R)")
     s.add_argument("--json", default=None, metavar="PATH", help="also write the typed result (megakernel.decode) here")
     s.set_defaults(fn=_decode)
 

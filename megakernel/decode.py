@@ -32,13 +32,15 @@ on the device (accept): its later steps emit and move nothing.
 Correctness (decode(check=True)): greedy speculative output equals plain greedy decoding token for
 token, the plain run being T=1 megakernel steps of the same Engine (its plain program) from the same
 prefill, and the KV rows of every position both runs committed agree within REL_TOL (a skipped
-compaction leaves another node's K/V there, far outside it).
+compaction leaves another node's K/V there, far outside it). With the verifier as R tensor-parallel
+ranks (SpecPair's ranks), the plain run is the unsharded build (the same TP build at R = 1) and
+every rank's copy of the speculative state and its step contexts must also be rank 0's, bitwise.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -50,6 +52,7 @@ from .config import ConfigError, ModelConfig
 from .draft import DraftConfig, DraftModel
 from .plan import Plan
 from .plans import REL_TOL
+from .ranks import RankEngine
 from .reference import KVCache, Request
 from .runtime import Engine, SpecLink
 from .weights import ModelWeights
@@ -155,39 +158,71 @@ class SpecRead:
 
 class SpecPair:
     """The drafter's Engine and the target's for B requests (request r on caches[r]), sharing the
-    speculative state (abi.SPEC_FIELDS), the draft's top-2 and the target's embedding / LM head."""
+    speculative state (abi.SPEC_FIELDS), the draft's top-2 and the target's embedding / LM head.
+
+    ranks R > 1 (the plan a TP build of R ranks in one launch: make_plan(tp_ranks=R,
+    launch_ranks=R)): the verifier is a RankEngine (ranks.py), R ranks in one launch (the CPU
+    emulation, or one GPU with its SMs shared out), each rank its kv heads of caches[r] and its
+    expert-row shard. Each rank runs the verify spec program (tree, the TP step, accept / compact /
+    advance) on its own copy of the speculative state (`states[k]`): every rank's LM head and
+    argmax compute the same bits (the all-reduce and gathers sum in one fixed order), so every
+    rank's accept walks the same path, and the copies stay equal (decode(check=True) asserts it);
+    compact on rank k moves only its kv heads (units: layers x its kv heads x requests).
+    The drafter runs once, unsharded, in launches of its own before the ranks' verify launches:
+    its seed reads rank 0's state (equal to every rank's) and its argmax writes the one top-2 that
+    every rank's tree op reads. Replicating it on each rank would compute the same bits R times in
+    launches that share the same device (the emulation, one GPU); one process per GPU (torchrun)
+    would hold a drafter of its own on each, which the decode loop does not build."""
 
     def __init__(self, w: ModelWeights, plan: Plan, draft_plan: Plan, caches: Sequence[KVCache], *, batch: int = 1,
                  agree: float = 1.0, backend: str = "gpu", grid: int | None = None, emu_seed: int = 1,
                  emu_schedule: str = "random", ranks: int = 1):
-        if ranks != 1:
-            # the tensor-parallel megakernel wires R ranks here (one target Engine per rank group)
-            raise ConfigError(f"--ranks {ranks}: tensor parallelism is not built yet; a speculative run takes 1 rank")
+        if not isinstance(ranks, int) or ranks < 1:
+            raise ConfigError(f"ranks {ranks!r}: want a positive number of tensor-parallel ranks")
+        if ranks > 1 and (plan.tp_ranks != ranks or plan.launch_ranks != ranks):
+            raise ConfigError(f"{ranks} ranks: the verifier's plan must be a TP build of {ranks} ranks in one launch "
+                              f"(make_plan(tp_ranks={ranks}, launch_ranks={ranks})), got tp_ranks {plan.tp_ranks}, "
+                              f"launch_ranks {plan.launch_ranks}")
+        if ranks == 1 and (plan.tp_ranks > 1 or plan.launch_ranks > 1):
+            raise ConfigError(f"a plan of {max(plan.tp_ranks, plan.launch_ranks)} ranks: pass ranks= to match")
         cfg = w.cfg
-        self.w, self.cfg, self.B = w, cfg, batch
+        self.w, self.cfg, self.B, self.ranks = w, cfg, batch, ranks
         self.T, self.parents, self.branch_depth = tree_shape(cfg, batch)
         self.dm = DraftModel(w, DraftConfig(agree=agree, n_slots=self.T - 1))
         if draft_plan.cfg != self.dm.cfg:
             raise ConfigError(f"draft plan for {draft_plan.cfg.name}, the drafter is {self.dm.cfg.name}")
+        if draft_plan.tp_ranks or draft_plan.launch_ranks > 1:
+            raise ConfigError("the drafter runs unsharded: its plan is one rank (no tp_ranks, launch_ranks 1)")
         if len(caches) != batch:
             raise ConfigError(f"{len(caches)} KV caches for {batch} requests (one each)")
         dev = w.device
-        self.state = torch.zeros(batch, abi.SPEC_INTS, dtype=torch.int32, device=dev)
+        self._caches = list(caches)
+        # one copy of the speculative state per rank (rank k's accept and advance write states[k])
+        self.states = [torch.zeros(batch, abi.SPEC_INTS, dtype=torch.int32, device=dev) for _ in range(ranks)]
+        self.state = self.states[0]  # what the drafter reads and the host reads back
         self.top2 = torch.zeros(self.dm.cfg.max_tree, 2, dtype=torch.int32, device=dev)
         kw = dict(backend=backend, grid=grid, emu_seed=emu_seed, emu_schedule=emu_schedule)
-        self.target = Engine(w, plan, list(caches), spec=SpecLink(
-            "verify", self.state, (self.T,) * batch, tree_table(self.parents, batch, cfg.max_tree, dev), self.top2),
-            **kw)
+        table = tree_table(self.parents, batch, cfg.max_tree, dev)
+        links = [SpecLink("verify", st, (self.T,) * batch, table, self.top2) for st in self.states]
+        if ranks == 1:
+            self.target = Engine(w, plan, list(caches), spec=links[0], **kw)
+            self.verifiers = [self.target]
+        else:
+            self.target = RankEngine(w, plan, list(caches), spec=links, **kw)
+            self.verifiers = list(self.target.engines)
         self.draft_caches = [KVCache(self.dm.cfg, device=dev) for _ in range(batch)]
+        # the drafter under the 'rank' schedule (one rank of its own) gets the random one
+        dkw = {**kw, "emu_schedule": "random" if emu_schedule == "rank" else emu_schedule}
         self.draft = Engine(self.dm.w, draft_plan, self.draft_caches, spec=SpecLink(
-            "draft", self.state, (self.T - 1,) * batch, seed_table(self.dm.w.succ), self.top2), share=self.target,
-            **kw)
+            "draft", self.state, (self.T - 1,) * batch, seed_table(self.dm.w.succ), self.top2),
+            share=self.verifiers[0], **dkw)
         self.gpu = backend == "gpu"
         self._graphs = {}
 
     @property
     def caches(self) -> list[KVCache]:
-        return self.target.caches
+        """The requests' KV caches (at R ranks, every rank writes its kv heads of them in place)."""
+        return self._caches
 
     @property
     def max_emit(self) -> int:
@@ -198,26 +233,28 @@ class SpecPair:
     def poison(self) -> None:
         """NaN in every float scratch buffer and KV cache of both engines, so a read of a row no
         step wrote shows in the result (before prefill: it writes the prompt's rows)."""
-        for eng in (self.target, self.draft):
-            eng.poison()
-            for c in eng.caches:
-                for t in (*c.k, *c.v):
-                    t.fill_(float("nan"))
+        self.target.poison()
+        self.draft.poison()
+        for c in (*self.caches, *self.draft.caches):
+            for t in (*c.k, *c.v):
+                t.fill_(float("nan"))
 
     def _poison_rows(self) -> None:
         """Wrong (in-range) values in what the spec ops write before it is read: the verify rows'
         tokens, depths and ancestor masks (tree), the draft rows' tokens (seed), the top-2 (the
         draft's argmax) and each request's path, length and bonus (accept)."""
         v = self.cfg.vocab - 1
-        self.target.tokens_t.fill_(v)
-        self.target.depth_t.fill_(0)
-        self.target.anc_t.fill_(1)
+        for e in self.verifiers:
+            e.tokens_t.fill_(v)
+            e.depth_t.fill_(0)
+            e.anc_t.fill_(1)
         self.draft.tokens_t.fill_(v)
         self.top2.fill_(v)
         o = abi.spec_offsets()
-        self.state[:, o["path"]:o["path"] + dict(abi.SPEC_FIELDS)["path"]] = self.T - 1
-        self.state[:, o["len"]] = self.T
-        self.state[:, o["bonus"]] = v
+        for st in self.states:
+            st[:, o["path"]:o["path"] + dict(abi.SPEC_FIELDS)["path"]] = self.T - 1
+            st[:, o["len"]] = self.T
+            st[:, o["bonus"]] = v
 
     def prefill(self, prompts: Sequence[Sequence[int]], mode: str = "mega") -> int:
         """Cache every request's prompt but its last token (the first root) with the target's plain
@@ -246,7 +283,8 @@ class SpecPair:
         o = abi.spec_offsets()
         st[:, o["root"]] = torch.tensor([int(p[-1]) for p in prompts], dtype=torch.int32)
         st[:, o["want"]] = want
-        self.state.copy_(st)
+        for x in self.states:
+            x.copy_(st)
         if poison:
             self._poison_rows()
         self.target.set_spec_rows([ctx] * self.B)
@@ -329,8 +367,8 @@ class SpecPair:
     def _check_watchdogs(self, mode: str) -> None:
         if self.gpu:
             torch.cuda.synchronize()
-        for eng in (self.draft, self.target):
-            eng._check_watchdog(mode == "mega")
+        self.draft._check_watchdog(mode == "mega")
+        self.target._check_watchdog(mode == "mega")
 
     def warm_up(self, mode: str = "mega") -> None:
         """GPU: one step outside any graph (module loads, shared-memory attributes, co-residency
@@ -383,24 +421,63 @@ class SpecPair:
         """The requests' emitted tokens, counts, acceptance histograms and contexts (one copy)."""
         o = abi.spec_offsets()
         st = self.state.cpu()
-        ctx = self.target.step_t.cpu()[abi.step_offsets()["ctx"]:][:self.B].tolist()
+        ctx = self.verifiers[0].step_t.cpu()[abi.step_offsets()["ctx"]:][:self.B].tolist()
         out = []
         for r in range(self.B):
             n, want = int(st[r, o["n_out"]]), int(st[r, o["want"]])
             out.append(st[r, o["out"]:o["out"] + min(n, want)].tolist())
         return SpecRead(out, st[:, o["n_out"]].tolist(), st[:, o["hist"]:o["hist"] + self.T + 1].tolist(), ctx)
 
+    def rank_problems(self) -> list[str]:
+        """At R ranks: where a rank's speculative state (abi.SPEC_FIELDS: its emitted tokens, counts,
+        path, root, histogram) or its step contexts differ from rank 0's, bitwise; empty when every
+        rank's copy is rank 0's (each rank's accept decided the same path every step)."""
+        o = abi.spec_offsets()
+        ctx_at = abi.step_offsets()["ctx"]
+        st0 = self.states[0].cpu()
+        ctx0 = self.verifiers[0].step_t.cpu()[ctx_at:ctx_at + self.B]
+        out = []
+        for k in range(1, self.ranks):
+            st = self.states[k].cpu()
+            for name, n in abi.SPEC_FIELDS:
+                a, b = st[:, o[name]:o[name] + n], st0[:, o[name]:o[name] + n]
+                if not torch.equal(a, b):
+                    r = int((a != b).any(dim=1).nonzero()[0])
+                    out.append(f"rank {k}'s speculative state differs from rank 0's: {name} of request {r} "
+                               f"({a[r].tolist()[:8]} against {b[r].tolist()[:8]})")
+            ctx = self.verifiers[k].step_t.cpu()[ctx_at:ctx_at + self.B]
+            if not torch.equal(ctx, ctx0):
+                out.append(f"rank {k}'s step contexts {ctx.tolist()} differ from rank 0's {ctx0.tolist()}")
+        return out
+
     def plain_greedy(self, prompts: Sequence[Sequence[int]], n: int, ctx: int, mode: str = "mega") -> list[list[int]]:
         """Plain greedy decoding of n tokens per request from the prefilled caches: T=1 steps of the
         target's plain program (all requests in one step, each bitwise its own B=1 step)."""
-        roots = [int(p[-1]) for p in prompts]
-        out: list[list[int]] = [[] for _ in prompts]
-        for k in range(n):
-            step = self.target.step_batch([Request([t], [-1], ctx + k) for t in roots], mode=mode)
-            roots = step.tokens.tolist()
-            for r, t in enumerate(roots):
-                out[r].append(int(t))
-        return out
+        return greedy(self.target, prompts, n, ctx, mode)
+
+    def unsharded(self) -> tuple[RankEngine, list[KVCache]]:
+        """At R ranks: the unsharded build of the verifier's plan (the same TP build at R = 1: one
+        rank holding every head and expert row, whose bits every R reproduces, test_megakernel_tp)
+        and its KV caches (one per request, its own), for the check's plain run."""
+        if self.ranks == 1:
+            raise ConfigError("unsharded: the pair's verifier is one rank already")
+        plan = replace(self.target.plan, tp_ranks=1, launch_ranks=1)
+        caches = [KVCache(self.cfg, device=self.w.device) for _ in range(self.B)]
+        return RankEngine(self.w, plan, caches, backend=self.target.backend, emu_seed=self.target.emu_seed,
+                          emu_schedule=self.target.emu_schedule), caches
+
+
+def greedy(engine, prompts: Sequence[Sequence[int]], n: int, ctx: int, mode: str = "mega") -> list[list[int]]:
+    """n T=1 greedy steps of `engine`'s plain program (an Engine or a RankEngine: its rank 0's
+    tokens) for every request at once, from context `ctx`, each request's root its prompt's last."""
+    roots = [int(p[-1]) for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    for k in range(n):
+        step = engine.step_batch([Request([t], [-1], ctx + k) for t in roots], mode=mode)
+        roots = step.tokens.tolist()
+        for r, t in enumerate(roots):
+            out[r].append(int(t))
+    return out
 
 
 # ---------------------------------------------------------------------- a whole run, checked
@@ -510,14 +587,25 @@ def decode(pair: SpecPair, prompts: Sequence[Sequence[int]], n: int, mode: str =
                         f"node's row, not a router near-tie: bound {KV_ROW_TOL:g})")
     if any(len(t) != n for t in got.tokens):
         problems.append(f"emitted {[len(t) for t in got.tokens]} tokens, asked for {n} per request")
+    problems += pair.rank_problems()
     return DecodeOutcome(got, stats, rep, DecodeCheck(equal, first, err, where, rows, flips, problems), plain)
 
 
 def plain_run(pair: SpecPair, prompts: Sequence[Sequence[int]], n: int, ctx: int, prefilled: Sequence[KVCache],
               mode: str = "mega", progress: Callable[[str], None] | None = None) -> PlainRun:
-    """Plain greedy decoding of n tokens per request with the pair's target (its plain program, T=1
-    steps) from the prefilled caches `prefilled` (copied into the engine's caches in place: the
-    kernel holds their addresses); the engine's caches get back what they held before."""
+    """Plain greedy decoding of n tokens per request from the prefilled caches `prefilled`. One
+    rank: the pair's target (its plain program, T=1 steps), its caches given `prefilled` in place
+    (the kernel holds their addresses) and afterwards what they held before. R ranks: the
+    unsharded build (SpecPair.unsharded) on copies of `prefilled`; the pair is not touched."""
+    if pair.ranks > 1:
+        eng, caches = pair.unsharded()
+        for c, s in zip(caches, prefilled):
+            for a, b in zip(c.k + c.v, s.k + s.v):
+                a.copy_(b)
+        if progress is not None:
+            progress(f"plain greedy decoding: {n} T=1 steps ({mode}) of the unsharded build (R = 1)")
+        toks = greedy(eng, prompts, n, ctx, mode)
+        return PlainRun(toks, [c.clone() for c in caches], ctx + n)
     before = [c.clone() for c in pair.caches]
     for c, s in zip(pair.caches, prefilled):
         for a, b in zip(c.k + c.v, s.k + s.v):
@@ -561,21 +649,22 @@ def summary_lines(out: DecodeOutcome, *, emulated: bool) -> list[str]:
 
 def to_result(out: DecodeOutcome, *, preset: str, batch: int, mode: str, agree: float, acceptance: str,
               acceptance_source: str, prompt_len: int, n: int, env: Env, emulated: bool,
-              launches: tuple[int, int, int]) -> Result:
+              launches: tuple[int, int, int], ranks: int = 1, where: str | None = None) -> Result:
     """The run as a typed `megakernel.decode` result: one series of step wall times with the
     acceptance (histogram, per-depth rates), the split and the check in its metrics; derived the
     accepted tokens/s and the mean acceptance. The report draws GPU runs only (emulated ones are
-    the CPU's time)."""
+    the CPU's time). `ranks`: the verifier's tensor-parallel ranks (params; a run of R > 1 names
+    its series .../R{ranks} and says where its ranks ran, `where`)."""
     st, rep = out.stats, out.report
     committed = sum(out.read.emitted)
     rate = committed / st.seconds if st.seconds > 0 else 0.0
     med = {p: float(np.median([getattr(s, p) for s in st.steps])) for p in (*PARTS, "gaps")}
     t = len(out.read.hist[0]) - 1
-    name = f"{preset}/B{batch}/T{t}/{mode}/agree{agree:g}"
+    name = f"{preset}/B{batch}/T{t}/{mode}/agree{agree:g}" + (f"/R{ranks}" if ranks > 1 else "")
     check = "not run" if out.check is None else ("passed" if out.check.ok else "FAILED")
     params = {"preset": preset, "batch": batch, "tree_tokens": t, "branch_depth": rep.branch_depth, "mode": mode,
               "agree": agree, "acceptance": acceptance, "prompt_len": prompt_len, "tokens": n,
-              "backend": "emu" if emulated else "gpu"}
+              "backend": "emu" if emulated else "gpu", "ranks": ranks}
     metrics = {"accepted_tokens_per_s": rate, "accepted_tokens": committed, "steps": len(st.steps),
                "rounds": list(st.rounds), "accepted_tokens_per_step": rep.mean, "histogram": list(rep.histogram),
                "depth_rates": [x if x == x else None for x in rep.depth_rates], "follow_rate": rep.follow_rate,
@@ -592,4 +681,7 @@ def to_result(out: DecodeOutcome, *, preset: str, batch: int, mode: str, agree: 
     }
     notes = (f"acceptance {acceptance!r}: agree {agree:g} ({acceptance_source})",
              f"{len(st.steps)} steps in {len(st.rounds)} rounds; nothing read back between the steps of a round")
+    if ranks > 1:
+        notes += (f"the verifier as {ranks} tensor-parallel ranks: {where or 'in one launch'}; the drafter once, "
+                  "unsharded",)
     return Result(BENCHMARK, env, (s,), derived, quick=True, notes=notes)

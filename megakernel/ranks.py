@@ -53,7 +53,7 @@ from .plans import REL_TOL
 from .profile_events import EVENTS
 from .reference import KVCache, Request, Trace, step as reference_step
 from .results_names import TP_WAITS
-from .runtime import EMU_SCHEDULES, EmulationError, Engine, RankLink, StepOut, check_close
+from .runtime import EMU_SCHEDULES, EmulationError, Engine, RankLink, SpecLink, StepOut, check_close
 from .weights import ModelWeights, generate, shard
 
 
@@ -91,12 +91,19 @@ class RankEngine:
     Engine (step, step_batch). `cache`, with tensor parallelism: the model's KV cache, or a list of
     one per request (Engine's batches); each rank writes its kv heads of them in place. Without
     tensor parallelism: a list of one per rank (each a KVCache or a list per request). `grid`:
-    blocks per rank (default: the GPU's SMs shared out, or 2 in the emulation)."""
+    blocks per rank (default: the GPU's SMs shared out, or 2 in the emulation). `spec`: one
+    SpecLink("verify", ...) per rank (each its own copy of the speculative state): every rank gets
+    the verifier's spec program beside its plain one, and launch_step(spec=True) runs it on every
+    rank (decode.py SpecPair at --ranks R)."""
 
     def __init__(self, weights: ModelWeights, plan: Plan, cache, *,
                  backend: str = "emu", program_mode: str = "layer", grid: int | None = None, emu_seed: int = 1,
-                 emu_schedule: str = "random"):
+                 emu_schedule: str = "random", spec: Sequence[SpecLink] | None = None):
         r = plan.launch_ranks
+        if spec is not None and (len(spec) != r or any(x.role != "verify" for x in spec)
+                                 or len({id(x.state) for x in spec}) != r):
+            raise ConfigError(f"a speculative RankEngine of {r} ranks: one SpecLink('verify', ...) per rank, each with "
+                              "its own state (every rank's accept and advance write theirs)")
         if plan.tp_ranks and plan.tp_ranks != r:
             raise ConfigError(f"a plan of {plan.tp_ranks} TP ranks with {r} a launch: one launch holds every rank "
                               "(RankEngine) or one (a process per GPU: run_torchrun)")
@@ -125,10 +132,15 @@ class RankEngine:
             link = RankLink(k, self.wd, self.recv[k], peers)
             w = shard(weights, k, r, plan.expert_parallel) if plan.tp_ranks else weights
             self.engines.append(Engine(w, plan, caches[k], backend=backend, program_mode=program_mode,
-                                       grid=grid, emu_seed=emu_seed, emu_schedule=emu_schedule, link=link))
+                                       grid=grid, emu_seed=emu_seed, emu_schedule=emu_schedule, link=link,
+                                       spec=None if spec is None else spec[k]))
         self.emu_seed, self.emu_schedule = emu_seed, emu_schedule
         self.program = self.engines[0].program
+        self.spec_program = self.engines[0].spec_program
+        self.spec = spec
         self._params_dev = None
+        # every rank's spec parameter block, in rank order (pointers only: packed once, as Engine's)
+        self._spec_params_dev = None if spec is None else torch.cat([e._spec_params_dev for e in self.engines])
         self._outs: list[StepOut] = []
         self.prof = None  # the profiler's buffer of the whole launch (every rank's blocks)
         if plan.profile:
@@ -158,44 +170,87 @@ class RankEngine:
         self._params_dev = torch.cat([e._params_dev for e in self.engines])
         return rows
 
-    def launch_step(self, mode: str = "mega") -> None:
-        e0 = self.engines[0]
+    @property
+    def parity(self) -> int:
+        """The counters' parity of the next step (every rank's: launch_step turns them together)."""
+        return self.engines[0].parity
+
+    def launches(self, mode: str, program=None) -> list[tuple[int, int, int, int]]:
+        """(first op, ops, wait, grid per rank) of each launch of `program` (Engine.launches; every
+        rank's program is the same)."""
+        return self.engines[0].launches(mode, program)
+
+    def set_spec_rows(self, ctxs: Sequence[int]) -> None:
+        """Every rank's spec step shape (Engine.set_spec_rows): the same contexts on each."""
         for e in self.engines:
-            if mode == "mega" and e._dirty[e.parity]:
-                e.counters[e.parity].zero_()
-        if self.prof is not None:
-            self.prof.reset()
-        for li, ((first, n, wait, grid), pdl) in enumerate(zip(e0.launches(mode), e0.launch_pdl(mode))):
-            self._launch(first, n, wait, grid, li, pdl=pdl)
-        if mode == "mega":
+            e.set_spec_rows(ctxs)
+
+    def note_replayed(self, steps: int, mode: str) -> None:
+        """Engine.note_replayed on every rank (a CUDA graph of whole steps ran `steps` more)."""
+        for e in self.engines:
+            e.note_replayed(steps, mode)
+
+    def launch_step(self, mode: str = "mega", *, spec: bool = False, part: range | None = None) -> None:
+        """Every rank's launches of the prepared step (Engine.launch_step: spec, the verifier's spec
+        step; part, only these launch indices, in order). Every rank's counters are cleaned before
+        the step's first launch and every rank's parity turns after its last, so the parts of a
+        step are launched in order, and all ranks stay at one parity (one launch holds them all)."""
+        e0 = self.engines[0]
+        if spec and self._spec_params_dev is None:
+            raise ConfigError("launch_step(spec=True): this RankEngine has no spec program (spec links)")
+        prog = self.spec_program if spec else self.program
+        params = self._spec_params_dev if spec else self._params_dev
+        if params is None:
+            raise ConfigError("launch_step: no step prepared (prepare / prepare_batch first)")
+        todo = list(zip(e0.launches(mode, prog), e0.launch_pdl(mode, prog)))
+        part = range(len(todo)) if part is None else part
+        if part and (part[0] < 0 or part[-1] >= len(todo) or part.step != 1):
+            raise ValueError(f"part {part}: launches 0..{len(todo) - 1}, consecutive")
+        if not part:
+            return
+        if part[0] == 0:
+            for e in self.engines:
+                if mode == "mega" and e._dirty[e.parity]:
+                    e.counters[e.parity].zero_()
+            if self.prof is not None:
+                self.prof.reset()
+        for e in self.engines:
+            e._last_program = prog
+        for li in part:
+            (first, n, wait, grid), pdl = todo[li]
+            self._launch(first, n, wait, grid, li, pdl=pdl, params=params)
+        if mode == "mega" and part[-1] == len(todo) - 1:
             for e in self.engines:
                 e._dirty[e.parity] = True
                 e._dirty[e.parity ^ 1] = False
                 e.parity ^= 1
 
-    def _launch(self, first: int, n: int, wait: int, grid: int, li: int = 0, pdl: bool = False) -> None:
+    def _launch(self, first: int, n: int, wait: int, grid: int, li: int = 0, pdl: bool = False,
+                params: torch.Tensor | None = None) -> None:
         """One launch of every rank: `grid` blocks per rank, the blocks of rank k after rank k-1's."""
         e0 = self.engines[0]
+        params = self._params_dev if params is None else params
         total = grid * self.ranks
         pb, pm = self.prof.args(li) if self.prof is not None else (0, np.uint64(0))
         if self.backend == "gpu":
             spec = LaunchSpec(grid=total, block=self.plan.threads, smem=self.plan.smem_bytes, pdl=pdl)
-            launch(e0.kernel, spec, self._params_dev, np.int32(first), np.int32(n), np.int32(wait),
+            launch(e0.kernel, spec, params, np.int32(first), np.int32(n), np.int32(wait),
                    np.int32(e0.parity), pb, pm, persistent=bool(wait))
             return
         err = ctypes.create_string_buffer(2048)
         if e0.dll.emu_set_schedule(EMU_SCHEDULES[self.emu_schedule]):
             raise EmulationError(f"the emulation does not know schedule {self.emu_schedule!r}")
-        rc = e0.dll.mk_emu_run(self._params_dev.data_ptr(), total, first, n, wait, e0.parity, self.emu_seed,
+        rc = e0.dll.mk_emu_run(params.data_ptr(), total, first, n, wait, e0.parity, self.emu_seed,
                                err, len(err), pb, int(pm))
         self.emu_seed += 1
         if rc:
             self._check_watchdog()
             raise EmulationError(f"ops {first}..{first + n - 1}: {err.value.decode(errors='replace')}")
 
-    def _check_watchdog(self) -> None:
+    def _check_watchdog(self, wait: bool = True) -> None:
         """SpinTimeoutError naming the rank, the op and what it waited for, when a wait gave up;
-        then every rank's counters and sentinel slots are reset, as Engine does for one."""
+        then every rank's counters and sentinel slots are reset, as Engine does for one. `wait`:
+        unused (Engine._check_watchdog's signature, so a pair checks either kind alike)."""
         rec = self.wd.rec.cpu().tolist()
         f = wd_fields()
         if rec[f["TRIPPED"]] == 0:

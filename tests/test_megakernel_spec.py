@@ -362,7 +362,8 @@ def test_a_finished_request_stays_put(model):
 @pytest.mark.parametrize("argv,msg", [
     (["--preset", "small"], "needs a GPU"),
     (["--tokens", "94"], "holds 1..93"),
-    (["--ranks", "2"], "tensor parallelism is not built yet"),
+    (["--ranks", "4"], "2 kv heads do not divide over 4 ranks"),
+    (["--where", "emu"], "add --ranks R"),
     (["--batch", "3"], "--batch 3"),
     (["--agree", "1.5"], "agree"),
     (["--acceptance", "stduy"], "unknown acceptance"),
