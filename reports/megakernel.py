@@ -410,6 +410,7 @@ class DecodeRow:
     acceptance: str
     commit: str
     date: str
+    ranks: int = 1  # the verifier's tensor-parallel ranks (sharing one GPU where the result says so)
 
     def metric(self, key: str) -> float | None:
         v = self.series.metrics.get(key)
@@ -441,14 +442,14 @@ def decode_rows(results: Sequence[Result]) -> list[DecodeRow]:
                 continue
             rows.append(DecodeRow(s, str(p.get("preset", "?")), int(p.get("batch", 1)), str(p.get("mode", "mega")),
                                   float(p.get("agree", float("nan"))), str(p.get("acceptance", "?")),
-                                  r.env.git_sha[:7], r.env.date))
+                                  r.env.git_sha[:7], r.env.date, int(p.get("ranks", 1))))
     return sorted(rows, key=lambda d: d.date)
 
 
 def pick_decode(rows: Sequence[DecodeRow], mode: str = "mega") -> DecodeRow | None:
-    """The run the study's figures are compared with: `mode`, batch 1, the named 'study' acceptance
+    """The run the study's figures are compared with: `mode`, batch 1, one rank, the named 'study' acceptance
     where there is one, shard8 first, the newest."""
-    rs = [d for d in rows if d.mode == mode and d.batch == 1]
+    rs = [d for d in rows if d.mode == mode and d.batch == 1 and d.ranks == 1]
     if not rs:
         return None
     return max(rs, key=lambda d: (d.acceptance == "study", -PRESET_ORDER.index(d.preset) if d.preset in PRESET_ORDER
@@ -460,7 +461,7 @@ def decode_table(rows: Sequence[DecodeRow]) -> list[dict]:
     out = []
     for d in rows:
         ms = lambda k: fmt(d.metric(k), "s") if d.metric(k) is not None else ""  # noqa: E731
-        out.append({"preset": d.preset, "B": d.batch, "mode": d.mode, "acceptance": f"{d.acceptance} (agree {d.agree:g})",
+        out.append({"preset": d.preset, "B": d.batch, "ranks": d.ranks, "mode": d.mode, "acceptance": f"{d.acceptance} (agree {d.agree:g})",
                     "mean accepted": f"{d.mean:.2f}", "accepted tokens/s": fmt(d.tok_s, "tok/s"),
                     "step": fmt(d.step_s, "s"), "draft": ms("draft_s"), "verify": ms("verify_s"),
                     "accept + compaction": ms("accept_s"), "gaps": ms("gaps_s"),
@@ -477,8 +478,8 @@ def acceptance_curve(rows: Sequence[StepRow], decode: Sequence[DecodeRow]) -> di
     if mega is None:
         return None
     accs = list(np.linspace(1.0, 13.0, 25))
-    measured = [(d.mean, d.tok_s, f"{d.mode} B={d.batch} {d.acceptance} ({d.date[:10]})") for d in decode
-                if d.preset == mega.preset]
+    measured = [(d.mean, d.tok_s, f"{d.mode} B={d.batch}{f' R={d.ranks}' if d.ranks > 1 else ''} {d.acceptance} "
+                                  f"({d.date[:10]})") for d in decode if d.preset == mega.preset]
     return {"preset": mega.preset, "context": mega.context, "step_s": mega.step_s,
             "projection": [(a, a / mega.step_s) for a in accs],
             "study": (STUDY_ACCEPTANCE, STUDY_ACCEPTANCE / mega.step_s), "measured": measured}
