@@ -796,25 +796,12 @@ def rank_main(argv=None) -> int:
     its environment; run_torchrun starts it): a SpecPair of this rank on its GPU (its verifier's
     receive slots in peer memory, a drafter of its own), the run (decode_rank); rank 0 writes the
     summary: the printed lines, the check, the typed result (megakernel.decode) as JSON."""
-    ap = argparse.ArgumentParser(prog="torchrun ... -m megakernel.decode", description=rank_main.__doc__.splitlines()[0])
-    ap.add_argument("--preset", required=True)
-    ap.add_argument("--tokens", type=int, required=True)
-    ap.add_argument("--mode", default="mega", choices=["mega", "chain"])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--agree", type=float, required=True)
-    ap.add_argument("--acceptance", required=True, help="the acceptance's name (recorded)")
-    ap.add_argument("--acceptance-source", required=True, help="where its agreement comes from (recorded)")
-    ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--check", action="store_true")
-    ap.add_argument("--summary", help="rank 0 writes its summary (JSON) here")
-    a = ap.parse_args(argv)
+    a = rank_parser().parse_args(argv)
     wld, dev = start_rank()
     cfg = get_preset(a.preset)
     role = rank_role(cfg, wld.rank, wld.size, wld.local_rank, check=a.check)
     w = generate(cfg, device=dev)
-    plan = plan_for(a.preset, tokens=cfg.max_tree, tp_ranks=role.ranks)
-    dplan = plan_for(draft_model_config(cfg, DraftConfig(agree=a.agree)), tokens=cfg.max_tree - 1)
+    plan, dplan = rank_plans(a.preset, a.agree, role.ranks)
     link, buf = open_rank(wld, plan, dev)
     pair = SpecPair(w, plan, dplan, [KVCache(cfg, device=dev) for _ in range(a.batch)], batch=a.batch, agree=a.agree,
                     backend="gpu", ranks=role.ranks, link=link)
@@ -830,6 +817,32 @@ def rank_main(argv=None) -> int:
         print(json.dumps({k: s[k] for k in ("ranks", "error", "check")}))
     end_rank(buf)
     return 0
+
+
+def rank_plans(preset: str, agree: float, ranks: int, n_sm: int | None = None) -> tuple[Plan, Plan]:
+    """The plans of one process's rank: the verifier's TP build of `ranks` ranks, one a launch
+    (the GPU's SMs all its own), and the drafter's, unsharded (plans.plan_for: the tuned constants)."""
+    cfg = get_preset(preset)
+    dcfg = draft_model_config(cfg, DraftConfig(agree=agree))
+    return (plan_for(preset, n_sm=n_sm, tokens=cfg.max_tree, tp_ranks=ranks),
+            plan_for(dcfg, n_sm=n_sm, tokens=dcfg.max_tree - 1))
+
+
+def rank_parser() -> argparse.ArgumentParser:
+    """rank_main's command line (decode_rank_args writes it)."""
+    ap = argparse.ArgumentParser(prog="torchrun ... -m megakernel.decode", description=rank_main.__doc__.splitlines()[0])
+    ap.add_argument("--preset", required=True)
+    ap.add_argument("--tokens", type=int, required=True)
+    ap.add_argument("--mode", default="mega", choices=["mega", "chain"])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--agree", type=float, required=True)
+    ap.add_argument("--acceptance", required=True, help="the acceptance's name (recorded)")
+    ap.add_argument("--acceptance-source", required=True, help="where its agreement comes from (recorded)")
+    ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--summary", help="rank 0 writes its summary (JSON) here")
+    return ap
 
 
 def rank0_summary(out: DecodeOutcome | None, problems: Sequence[str], *, preset: str, batch: int, mode: str,
