@@ -67,7 +67,7 @@ from .draft import DraftConfig, DraftModel, draft_model_config
 from .plan import Plan
 from .plans import REL_TOL, constants_env, plan_for
 from .ranks import (RankEngine, RankRecord, end_rank, gather_problems, launch_torchrun, open_rank, rank_engine,
-                    rank_role, start_rank, torchrun_why)
+                    rank_role, start_rank)
 from .reference import KVCache, Request
 from .runtime import Engine, RankLink, SpecLink
 from .weights import ModelWeights, generate

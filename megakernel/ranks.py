@@ -12,7 +12,9 @@ b of the launch's grid runs rank b * R / grid (csrc/mk/arch.cuh). Where the rank
   one GPU        R partitions of the SMs in one launch (timings are those of R ranks sharing a
                  GPU, and say so)
   torchrun       one process per GPU, one rank each (Plan.launch_ranks = 1), receive slots in
-                 peer memory (rank_main, started by run_torchrun)
+                 peer memory (rank_main, started by run_torchrun; the decode loop's is decode.py's,
+                 built from the same parts: rank_role, open_rank, rank_engine, the RankRecord that
+                 rank 0 gathers and gather_problems checks, launch_torchrun)
 where_ranks picks among them by what is present, and step_ranks runs decode steps wherever that is
 (`megabench mk step --ranks R`; the decode loop's hook). A profiled step's collective waits come out
 of its timeline (collective_waits) and go into `megakernel.tp_waits` (tp_waits_result).
