@@ -158,22 +158,23 @@ def prompts_for(cfg: ModelConfig, batch: int, prompt_len: int, seed: int) -> lis
 STATE, CONTEXTS, TOKENS = "speculative state", "step context", "emitted tokens"
 
 
-def spec_state_difference(a, b) -> str | None:
-    """Where speculative state `a` (int32 [B, SPEC_INTS], abi.SPEC_FIELDS) differs from `b`: the
-    first field and request that differ, with both values; None where equal, bitwise."""
+def spec_state_differences(a, b) -> list[str]:
+    """Where speculative state `a` (int32 [B, SPEC_INTS], abi.SPEC_FIELDS) differs from `b`,
+    bitwise: each field that differs, with its first request that does and both values."""
     a, b = torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()
     if a.shape != b.shape:
-        return f"shape {tuple(a.shape)} against {tuple(b.shape)}"
+        return [f"shape {tuple(a.shape)} against {tuple(b.shape)}"]
     o = abi.spec_offsets()
+    out = []
     for name, n in abi.SPEC_FIELDS:
         x, y = a[:, o[name]:o[name] + n], b[:, o[name]:o[name] + n]
         if not torch.equal(x, y):
             r = int((x != y).any(dim=1).nonzero()[0])
-            return f"{name} of request {r} ({x[r].tolist()[:8]} against {y[r].tolist()[:8]})"
-    return None
+            out.append(f"{name} of request {r} ({x[r].tolist()[:8]} against {y[r].tolist()[:8]})")
+    return out
 
 
-RANK_COMPARE = {STATE: spec_state_difference}
+RANK_COMPARE = {STATE: spec_state_differences}
 
 
 @dataclass

@@ -639,7 +639,8 @@ def first_difference(a, b) -> str | None:
 def gather_problems(records: Sequence[RankRecord], ranks: int, compare: dict | None = None) -> list[str]:
     """What is wrong with every rank's record as rank 0 gathered them: a rank missing or twice, a
     rank's error, and every output of rank k (k > 0) that is not rank 0's: rank 0's keys, each
-    compared by compare[key](rank k's, rank 0's) -> a difference or None (default first_difference).
+    compared by compare[key](rank k's, rank 0's) -> a difference, a list of them (a problem each)
+    or None (default first_difference).
     Empty: every rank ran and agrees with rank 0."""
     seen = sorted(r.rank for r in records)
     if seen != list(range(ranks)):
@@ -663,8 +664,7 @@ def gather_problems(records: Sequence[RankRecord], ranks: int, compare: dict | N
                 out.append(f"rank {k} sent no {key}")
                 continue
             d = compare.get(key, first_difference)(by[k].data[key], want)
-            if d:
-                out.append(f"rank {k}'s {key} differs from rank 0's: {d}")
+            out += [f"rank {k}'s {key} differs from rank 0's: {x}" for x in ([d] if isinstance(d, str) else d or [])]
     return out
 
 

@@ -269,6 +269,10 @@ def test_the_gather_check_fails_where_one_rank_differs(seed):
     recs[k].data[STATE][r, col] ^= 1 << int(torch.randint(0, 31, (1,), generator=rng))
     bad = gathered_problems(recs, 4)
     assert len(bad) == 1 and bad[0].startswith(f"rank {k}'s {STATE} differs from rank 0's: {name} of request {r} "), bad
+    other = names[(names.index(name) + 1) % len(names)]  # a second field: a problem of its own
+    recs[k].data[STATE][1 - r, o[other]] += 1
+    bad = gathered_problems(recs, 4)
+    assert sorted(p.split(": ")[1].split(" of request")[0] for p in bad) == sorted([name, other]), bad
 
     cfg, recs, _ = _gathered(seed=seed)
     recs[k].data[TOKENS][r][7] += 1
