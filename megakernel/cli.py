@@ -395,13 +395,12 @@ def _step_batch(a) -> int:
 def _decode(a) -> int:
     """`megabench decode`: a speculative run on the device (megakernel.decode), its acceptance and
     the step's split; --check against plain greedy decoding (exit 1 on a difference). --ranks R:
-    the verifier as R tensor-parallel ranks in one launch (the CPU emulation, or one GPU with its
-    SMs shared out; ranks.where_ranks picks and the run says which); R GPUs under torchrun are
-    refused (not built for the decode loop)."""
-    import torch  # heavy: torch
-
+    the verifier as R tensor-parallel ranks where ranks.where_ranks picks (or --where): R GPUs
+    under torchrun (one process per GPU, a drafter in each: decode.run_torchrun), else R ranks in
+    one launch on one GPU with its SMs shared out, else the CPU emulation; the run says which."""
     from . import speculative  # heavy: torch (megakernel.speculative)
     from .decode import BATCHES, SpecPair, decode, max_tokens, summary_lines  # heavy: torch (megakernel.decode)
+    from .decode import prompts_for  # heavy: torch (megakernel.decode)
     from .decode import to_result as decode_result  # heavy: torch (megakernel.decode)
     from .draft import DraftConfig, draft_model_config  # heavy: torch (megakernel.draft)
     from .plan import tp_problem  # heavy: torch (megakernel.plan)
@@ -421,14 +420,6 @@ def _decode(a) -> int:
             if bad:
                 raise ConfigError(f"--ranks {a.ranks}: {a.preset} does not shard so: {bad}")
             where, where_why = where_ranks(a.ranks, a.where)
-            if where == "torchrun":
-                not_built = (f"--ranks {a.ranks} across {a.ranks} GPUs (torchrun, one process per GPU) is not built for "
-                             "the decode loop (a drafter in each process, the spec state's copies compared across "
-                             "processes)")
-                if a.where == "torchrun":
-                    raise ConfigError(f"{not_built}; --where gpu runs the ranks sharing one GPU")
-                where, where_why = where_ranks(a.ranks, "gpu")
-                print(f"decode: {not_built}: running them on one GPU instead", file=sys.stderr)
         if a.schedule == "rank" and a.ranks == 1:
             raise ConfigError("--schedule rank starves one rank of a launch of several: add --ranks R (R > 1)")
     except ConfigError as e:
@@ -460,6 +451,9 @@ def _decode(a) -> int:
     if a.json:
         check_writable(a.json)
     print(f"acceptance {name!r} on {a.preset}: agree {agree:g} ({source})")
+    if where == "torchrun":
+        print(f"{a.ranks} tensor-parallel ranks of the verifier: {where_why}; a drafter in each process", flush=True)
+        return _decode_torchrun(a, name, agree, source)
     if where is not None:
         print(f"{a.ranks} tensor-parallel ranks of the verifier: {where_why}; the drafter runs once, unsharded")
     dcfg = draft_model_config(cfg, DraftConfig(agree=agree))
@@ -486,8 +480,7 @@ def _decode(a) -> int:
         dplan = plan_for(dcfg, tokens=dcfg.max_tree - 1)
     pair = SpecPair(w, plan, dplan, [KVCache(cfg, device=dev) for _ in range(a.batch)], batch=a.batch, agree=agree,
                     backend=backend, emu_schedule=a.schedule, ranks=a.ranks)
-    g = torch.Generator().manual_seed(a.seed)
-    prompts = [torch.randint(0, cfg.vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.batch)]
+    prompts = prompts_for(cfg, a.batch, a.prompt_len, a.seed)
     verifier = f", the verifier {a.ranks} ranks" if a.ranks > 1 else ""
     print(f"{a.preset}: {a.batch} request(s) of a {pair.T}-token tree (branch depth {pair.branch_depth}), drafter "
           f"{pair.dm.cfg.n_layers} layers over {pair.T - 1} slots{verifier}, {a.mode} mode ({backend}); {a.tokens} "
@@ -520,11 +513,42 @@ def _decode(a) -> int:
         env = Env.capture()
     res = decode_result(out, preset=a.preset, batch=a.batch, mode=a.mode, agree=agree, acceptance=name,
                         acceptance_source=source, prompt_len=a.prompt_len, n=a.tokens, env=env, emulated=not pair.gpu,
-                        launches=pair.part_launches(a.mode), ranks=a.ranks, where=where_why)
+                        launches=pair.part_launches(a.mode), ranks=a.ranks, where=where, where_why=where_why)
     print("saved", res.save())
     if a.json:
         print("wrote", write_text(Path(a.json), json.dumps(res.to_json(), indent=1) + "\n"))
     return 1 if out.check is not None and not out.check.ok else 0
+
+
+def _decode_torchrun(a, name: str, agree: float, source: str) -> int:
+    """`megabench decode --ranks R` across R GPUs under torchrun (decode.run_torchrun): rank 0's
+    lines and check printed, its typed result saved; exit 1 where the check failed, 2 where the
+    run could not (a rank's error, ranks that disagree, a process that failed)."""
+    from .decode import run_torchrun  # heavy: torch (megakernel.decode)
+
+    print(f"{a.preset}: {a.batch} request(s), the verifier {a.ranks} ranks, one process per GPU, {a.mode} mode (gpu); "
+          f"{a.tokens} tokens each after a prompt of {a.prompt_len}", flush=True)
+    try:
+        s, res = run_torchrun(a.ranks, preset=a.preset, tokens=a.tokens, mode=a.mode, batch=a.batch, agree=agree,
+                              acceptance=name, acceptance_source=source, prompt_len=a.prompt_len, seed=a.seed,
+                              check=a.check)
+    except MegabenchError as e:
+        print(f"decode: {e}", file=sys.stderr)
+        return 2
+    for line in s["lines"]:
+        print(line)
+    for r, t in enumerate(s["tokens"]):
+        print(f"request {r}: {len(t)} tokens: {t[:24]}{' ...' if len(t) > 24 else ''}")
+    if s["check"] != "not run":
+        print("check against plain greedy decoding (the unsharded build's T=1 megakernel steps on rank 0's GPU) and "
+              "across ranks (every rank's emitted tokens, speculative state and step contexts gathered to rank 0)")
+        for p in s["problems"]:
+            print(f"  MISMATCH: {p}")
+        print("check: " + ("passed" if s["check"] == "passed" else f"FAILED ({len(s['problems'])} mismatches)"))
+    print("saved", res.save())
+    if a.json:
+        print("wrote", write_text(Path(a.json), json.dumps(res.to_json(), indent=1) + "\n"))
+    return 1 if s["check"] == "FAILED" else 0
 
 
 def add_decode_parser(sub) -> None:
@@ -541,12 +565,14 @@ def add_decode_parser(sub) -> None:
     s.add_argument("--batch", type=int, default=1, help="requests, each its own tree of 16 / B tokens (1, 2, 4, 8)")
     s.add_argument("--ranks", type=int, default=1,
                    help="the verifier as R tensor-parallel ranks (2, 4, 8 where the preset's kv heads divide; tiny: "
-                        "2) in one launch: the CPU emulation without a GPU, else R ranks sharing one GPU's SMs "
-                        "(it says which); the drafter runs once, unsharded; --check also compares every rank's "
-                        "speculative state; R GPUs under torchrun are not built for decode (--where torchrun is "
-                        "refused; where that would be the pick, the ranks share one GPU and it says so)")
+                        "2): R GPUs under torchrun where the node has R (one process per GPU, a drafter in each), "
+                        "else R ranks sharing one GPU's SMs in one launch, else the CPU emulation (it says which; "
+                        "in one launch the drafter runs once, unsharded); --check also compares every rank's "
+                        "speculative state")
     s.add_argument("--where", choices=["emu", "gpu", "torchrun"], default=None,
-                   help="--ranks: force where the ranks run (default: ranks.where_ranks's pick)")
+                   help="--ranks: force where the ranks run: emu (the CPU emulation, one launch), gpu (the ranks "
+                        "sharing one GPU's SMs, one launch), torchrun (one process per GPU; refused where the node "
+                        "has fewer than R GPUs); default: ranks.where_ranks's pick")
     s.add_argument("--prompt-len", type=int, default=8, help="random prompt tokens per request (default 8)")
     s.add_argument("--seed", type=int, default=0, help="the prompts' seed")
     s.add_argument("--check", action="store_true", help="compare with plain greedy decoding (T=1 steps), token for "

@@ -35,9 +35,19 @@ prefill, and the KV rows of every position both runs committed agree within REL_
 compaction leaves another node's K/V there, far outside it). With the verifier as R tensor-parallel
 ranks (SpecPair's ranks), the plain run is the unsharded build (the same TP build at R = 1) and
 every rank's copy of the speculative state and its step contexts must also be rank 0's, bitwise.
+
+One process per GPU (torchrun, `megabench decode --ranks R --where torchrun`; rank_main): each
+process holds a SpecPair of its rank (SpecPair's link): the verifier a plain Engine of the rank's
+shard with its RankLink (receive slots in peer memory) and its copy of the state, and a drafter of
+its own. Every process runs the same steps; rank 0 gathers every rank's emitted tokens, state and
+kv heads, checks them (decode_rank) and writes the summary that the launching process prints
+and saves (run_torchrun).
 """
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -45,21 +55,27 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from microbench.atomic import write_json
+from microbench.errors import MegabenchError
 from microbench.results import Derived, Env, Result, Series
+from microbench.xgpu import world
 
 from . import abi, speculative, tree as treelib
 from .config import ConfigError, ModelConfig
-from .draft import DraftConfig, DraftModel
+from .config import preset as get_preset
+from .draft import DraftConfig, DraftModel, draft_model_config
 from .plan import Plan
-from .plans import REL_TOL
-from .ranks import RankEngine
+from .plans import REL_TOL, constants_env, plan_for
+from .ranks import (RankEngine, RankRecord, end_rank, gather_problems, launch_torchrun, open_rank, rank_engine,
+                    rank_role, start_rank)
 from .reference import KVCache, Request
-from .runtime import Engine, SpecLink
-from .weights import ModelWeights
+from .runtime import Engine, RankLink, SpecLink
+from .weights import ModelWeights, generate
 
 BATCHES = (1, 2, 4, 8)  # requests of a speculative step: max_tree / B tree tokens each
 PROMPT_LEN = 8  # tokens of each request's random prompt (decode's default)
 BENCHMARK = "megakernel.decode"
+DECODE_MODULE = "megakernel.decode"  # what torchrun starts in each process (rank_main)
 PARTS = ("draft", "verify", "accept")
 # The committed KV rows of the speculative run against the plain run's: a row of the same token
 # agrees within REL_TOL unless a router near-tie flipped one of its experts in one run and not the
@@ -117,6 +133,50 @@ def max_tokens(cfg: ModelConfig, batch: int, prompt_len: int) -> int:
     return max(0, min(abi.MAX_OUT - t, by_cache))
 
 
+def prefill_steps(engine, cfg: ModelConfig, batch: int, prompts: Sequence[Sequence[int]], mode: str = "mega") -> int:
+    """Cache every request's prompt but its last token with `engine`'s plain steps (an Engine or a
+    RankEngine): chain-shaped chunks of max_tree / B tokens a request. Returns the context."""
+    lens = {len(p) for p in prompts}
+    if len(prompts) != batch or len(lens) != 1 or min(lens) < 1:
+        raise ConfigError(f"{len(prompts)} prompts of lengths {sorted(lens)}: want {batch} of one length >= 1")
+    n, chunk, ctx = min(lens) - 1, cfg.max_tree // batch, 0
+    while ctx < n:
+        k = min(chunk, n - ctx)
+        engine.step_batch([Request([int(x) for x in p[ctx:ctx + k]], treelib.chain(k), ctx) for p in prompts],
+                          mode=mode)
+        ctx += k
+    return n
+
+
+def prompts_for(cfg: ModelConfig, batch: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """`batch` random prompts of `prompt_len` tokens from `seed` (the same in every process)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, cfg.vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+
+
+# what rank 0 compares of every rank's copy (ranks.gather_problems keys)
+STATE, CONTEXTS, TOKENS = "speculative state", "step context", "emitted tokens"
+
+
+def spec_state_differences(a, b) -> list[str]:
+    """Where speculative state `a` (int32 [B, SPEC_INTS], abi.SPEC_FIELDS) differs from `b`,
+    bitwise: each field that differs, with its first request that does and both values."""
+    a, b = torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()
+    if a.shape != b.shape:
+        return [f"shape {tuple(a.shape)} against {tuple(b.shape)}"]
+    o = abi.spec_offsets()
+    out = []
+    for name, n in abi.SPEC_FIELDS:
+        x, y = a[:, o[name]:o[name] + n], b[:, o[name]:o[name] + n]
+        if not torch.equal(x, y):
+            r = int((x != y).any(dim=1).nonzero()[0])
+            out.append(f"{name} of request {r} ({x[r].tolist()[:8]} against {y[r].tolist()[:8]})")
+    return out
+
+
+RANK_COMPARE = {STATE: spec_state_differences}
+
+
 @dataclass
 class StepTimes:
     """One step's parts (s): the draft launches, the verify launches, the accept launch, and the
@@ -171,22 +231,37 @@ class SpecPair:
     The drafter runs once, unsharded, in launches of its own before the ranks' verify launches:
     its seed reads rank 0's state (equal to every rank's) and its argmax writes the one top-2 that
     every rank's tree op reads. Replicating it on each rank would compute the same bits R times in
-    launches that share the same device (the emulation, one GPU); one process per GPU (torchrun)
-    would hold a drafter of its own on each, which the decode loop does not build."""
+    launches that share the same device (the emulation, one GPU).
+
+    `link` (one process per GPU, torchrun: the plan a TP build of R ranks, one a launch,
+    make_plan(tp_ranks=R)): this process's rank link.rank alone. Its verifier is a plain Engine
+    (ranks.rank_engine: its shard, its kv heads of caches[r], the RankLink whose receive slots are
+    in peer memory) with its one copy of the state, and the pair holds a drafter of its own: the
+    tree op reads the top-2 from this GPU's memory, and the drafter is a small fraction of a step,
+    so each process computing the same top-2 costs less than sending it across GPUs every step
+    (and needs no step of one GPU to wait for another's drafter). Every process runs the same
+    steps; the ranks meet only at the verifier's collectives, so a process that runs a step the
+    others do not waits at its first collective until its watchdog's bound (a wait that gives
+    up). The caches' other kv heads are not written here (decode_rank gathers them on rank 0)."""
 
     def __init__(self, w: ModelWeights, plan: Plan, draft_plan: Plan, caches: Sequence[KVCache], *, batch: int = 1,
                  agree: float = 1.0, backend: str = "gpu", grid: int | None = None, emu_seed: int = 1,
-                 emu_schedule: str = "random", ranks: int = 1):
+                 emu_schedule: str = "random", ranks: int = 1, link: RankLink | None = None):
         if not isinstance(ranks, int) or ranks < 1:
             raise ConfigError(f"ranks {ranks!r}: want a positive number of tensor-parallel ranks")
-        if ranks > 1 and (plan.tp_ranks != ranks or plan.launch_ranks != ranks):
+        if link is not None:
+            if ranks < 2 or plan.tp_ranks != ranks or plan.launch_ranks != 1 or not 0 <= link.rank < ranks:
+                raise ConfigError(f"a pair of one process's rank (link: rank {link.rank}) of {ranks}: the verifier's "
+                                  f"plan must be a TP build of {ranks} ranks, one a launch (make_plan(tp_ranks={ranks}))"
+                                  f", got tp_ranks {plan.tp_ranks}, launch_ranks {plan.launch_ranks}")
+        elif ranks > 1 and (plan.tp_ranks != ranks or plan.launch_ranks != ranks):
             raise ConfigError(f"{ranks} ranks: the verifier's plan must be a TP build of {ranks} ranks in one launch "
                               f"(make_plan(tp_ranks={ranks}, launch_ranks={ranks})), got tp_ranks {plan.tp_ranks}, "
                               f"launch_ranks {plan.launch_ranks}")
         if ranks == 1 and (plan.tp_ranks > 1 or plan.launch_ranks > 1):
             raise ConfigError(f"a plan of {max(plan.tp_ranks, plan.launch_ranks)} ranks: pass ranks= to match")
         cfg = w.cfg
-        self.w, self.cfg, self.B, self.ranks = w, cfg, batch, ranks
+        self.w, self.cfg, self.B, self.ranks, self.link = w, cfg, batch, ranks, link
         self.T, self.parents, self.branch_depth = tree_shape(cfg, batch)
         self.dm = DraftModel(w, DraftConfig(agree=agree, n_slots=self.T - 1))
         if draft_plan.cfg != self.dm.cfg:
@@ -197,14 +272,19 @@ class SpecPair:
             raise ConfigError(f"{len(caches)} KV caches for {batch} requests (one each)")
         dev = w.device
         self._caches = list(caches)
-        # one copy of the speculative state per rank (rank k's accept and advance write states[k])
-        self.states = [torch.zeros(batch, abi.SPEC_INTS, dtype=torch.int32, device=dev) for _ in range(ranks)]
+        # one copy of the speculative state per rank here (rank k's accept and advance write states[k]);
+        # one process's rank (link): its own copy alone
+        here = 1 if link is not None else ranks
+        self.states = [torch.zeros(batch, abi.SPEC_INTS, dtype=torch.int32, device=dev) for _ in range(here)]
         self.state = self.states[0]  # what the drafter reads and the host reads back
         self.top2 = torch.zeros(self.dm.cfg.max_tree, 2, dtype=torch.int32, device=dev)
         kw = dict(backend=backend, grid=grid, emu_seed=emu_seed, emu_schedule=emu_schedule)
         table = tree_table(self.parents, batch, cfg.max_tree, dev)
         links = [SpecLink("verify", st, (self.T,) * batch, table, self.top2) for st in self.states]
-        if ranks == 1:
+        if link is not None:
+            self.target = rank_engine(w, plan, list(caches), link, spec=links[0], **kw)
+            self.verifiers = [self.target]
+        elif ranks == 1:
             self.target = Engine(w, plan, list(caches), spec=links[0], **kw)
             self.verifiers = [self.target]
         else:
@@ -259,16 +339,7 @@ class SpecPair:
     def prefill(self, prompts: Sequence[Sequence[int]], mode: str = "mega") -> int:
         """Cache every request's prompt but its last token (the first root) with the target's plain
         steps: chain-shaped chunks of max_tree / B tokens a request. Returns the context."""
-        lens = {len(p) for p in prompts}
-        if len(prompts) != self.B or len(lens) != 1 or min(lens) < 1:
-            raise ConfigError(f"{len(prompts)} prompts of lengths {sorted(lens)}: want {self.B} of one length >= 1")
-        n, chunk, ctx = min(lens) - 1, self.cfg.max_tree // self.B, 0
-        while ctx < n:
-            k = min(chunk, n - ctx)
-            self.target.step_batch([Request([int(x) for x in p[ctx:ctx + k]], treelib.chain(k), ctx) for p in prompts],
-                                   mode=mode)
-            ctx += k
-        return n
+        return prefill_steps(self.target, self.cfg, self.B, prompts, mode)
 
     def start(self, prompts: Sequence[Sequence[int]], want: int, ctx: int, *, poison: bool = False) -> None:
         """The state of a run: request r's root is prompts[r][-1] at context `ctx` (prefill cached the
@@ -428,27 +499,21 @@ class SpecPair:
             out.append(st[r, o["out"]:o["out"] + min(n, want)].tolist())
         return SpecRead(out, st[:, o["n_out"]].tolist(), st[:, o["hist"]:o["hist"] + self.T + 1].tolist(), ctx)
 
-    def rank_problems(self) -> list[str]:
-        """At R ranks: where a rank's speculative state (abi.SPEC_FIELDS: its emitted tokens, counts,
-        path, root, histogram) or its step contexts differ from rank 0's, bitwise; empty when every
-        rank's copy is rank 0's (each rank's accept decided the same path every step)."""
-        o = abi.spec_offsets()
+    def rank_records(self) -> list[RankRecord]:
+        """Each rank's speculative state and step contexts held here (one process's rank: its own),
+        as rank 0 compares them (rank_problems, decode_rank)."""
         ctx_at = abi.step_offsets()["ctx"]
-        st0 = self.states[0].cpu()
-        ctx0 = self.verifiers[0].step_t.cpu()[ctx_at:ctx_at + self.B]
-        out = []
-        for k in range(1, self.ranks):
-            st = self.states[k].cpu()
-            for name, n in abi.SPEC_FIELDS:
-                a, b = st[:, o[name]:o[name] + n], st0[:, o[name]:o[name] + n]
-                if not torch.equal(a, b):
-                    r = int((a != b).any(dim=1).nonzero()[0])
-                    out.append(f"rank {k}'s speculative state differs from rank 0's: {name} of request {r} "
-                               f"({a[r].tolist()[:8]} against {b[r].tolist()[:8]})")
-            ctx = self.verifiers[k].step_t.cpu()[ctx_at:ctx_at + self.B]
-            if not torch.equal(ctx, ctx0):
-                out.append(f"rank {k}'s step contexts {ctx.tolist()} differ from rank 0's {ctx0.tolist()}")
-        return out
+        k0 = self.link.rank if self.link is not None else 0
+        return [RankRecord(k0 + k, None, {STATE: st.cpu(), CONTEXTS: e.step_t.cpu()[ctx_at:ctx_at + self.B]})
+                for k, (st, e) in enumerate(zip(self.states, self.verifiers))]
+
+    def rank_problems(self) -> list[str]:
+        """At R ranks in one launch: where a rank's speculative state (abi.SPEC_FIELDS: its emitted
+        tokens, counts, path, root, histogram) or its step contexts differ from rank 0's, bitwise;
+        empty when every rank's copy is rank 0's (each rank's accept decided the same path every
+        step). One process's rank: empty (decode_rank compares the gathered copies)."""
+        recs = self.rank_records()
+        return gather_problems(recs, len(recs), RANK_COMPARE) if self.link is None else []
 
     def plain_greedy(self, prompts: Sequence[Sequence[int]], n: int, ctx: int, mode: str = "mega") -> list[list[int]]:
         """Plain greedy decoding of n tokens per request from the prefilled caches: T=1 steps of the
@@ -558,37 +623,55 @@ def decode(pair: SpecPair, prompts: Sequence[Sequence[int]], n: int, mode: str =
         pair.poison()
     ctx = pair.prefill(prompts, mode)
     snap = [c.clone() for c in pair.caches] if check else None
-    pair.start(prompts, n, ctx)  # the warm-up step (GPU) verifies past the prefill, not over it
-    pair.warm_up(mode)
-    pair.start(prompts, n, ctx, poison=poison)
-    stats = pair.run(mode, progress)
-    got = pair.read()
-    emitted = [[int(p[-1])] + t for p, t in zip(prompts, got.tokens)]
-    f = t_all = 0
-    for seq in emitted:
-        a, b = speculative.follow_rate(pair.w.succ, seq)
-        f, t_all = f + a, t_all + b
-    rep = speculative.summarise(got.lengths(), f / max(t_all, 1), len(prompts), pair.T, pair.branch_depth)
+    got, stats = _spec_run(pair, prompts, n, ctx, mode, poison, progress)
+    rep = acceptance(pair, prompts, got)
     if not check:
         return DecodeOutcome(got, stats, rep, None)
     if plain is None:
         plain = plain_run(pair, prompts, n, ctx, snap, mode, progress)
+    c = check_against_plain(pair.cfg, got, plain, pair.caches, n, pair.rank_problems())
+    return DecodeOutcome(got, stats, rep, c, plain)
+
+
+def _spec_run(pair: SpecPair, prompts, n: int, ctx: int, mode: str, poison: bool, progress) -> tuple[SpecRead, RunStats]:
+    """From the prefill: the warm-up (GPU), the run's state, its steps and what it read."""
+    pair.start(prompts, n, ctx)  # the warm-up step (GPU) verifies past the prefill, not over it
+    pair.warm_up(mode)
+    pair.start(prompts, n, ctx, poison=poison)
+    stats = pair.run(mode, progress)
+    return pair.read(), stats
+
+
+def acceptance(pair: SpecPair, prompts, got: SpecRead) -> speculative.AcceptanceReport:
+    """The run's acceptance from the device counts, and how often the emitted tokens follow the
+    drafter's successor table."""
+    f = t_all = 0
+    for p, t in zip(prompts, got.tokens):
+        a, b = speculative.follow_rate(pair.w.succ, [int(p[-1])] + t)
+        f, t_all = f + a, t_all + b
+    return speculative.summarise(got.lengths(), f / max(t_all, 1), len(prompts), pair.T, pair.branch_depth)
+
+
+def check_against_plain(cfg: ModelConfig, got: SpecRead, plain: PlainRun, caches: Sequence[KVCache], n: int,
+                        rank_problems: Sequence[str] = ()) -> DecodeCheck:
+    """The speculative run (`got`, its KV `caches`) against plain greedy decoding, token for token
+    and committed KV row for row, with the ranks' disagreements (`rank_problems`) among its problems."""
     equal, first = [], []
     for s, p in zip(got.tokens, plain.tokens):
         p = p[:n]
         equal.append(s == p)
         first.append(next((i for i, (x, y) in enumerate(zip(s, p)) if x != y), None if s == p else min(len(s), len(p))))
-    c_spec, c_plain = got.ctx, [plain.ctx] * len(prompts)
-    err, where, rows, flips = compare_kv(pair.cfg, pair.caches, plain.caches, c_spec, c_plain)
+    c_spec, c_plain = got.ctx, [plain.ctx] * len(got.tokens)
+    err, where, rows, flips = compare_kv(cfg, caches, plain.caches, c_spec, c_plain)
     problems = [f"request {r}: speculative tokens differ from plain greedy decoding from token {first[r]}"
-                for r in range(len(prompts)) if not equal[r]]
+                for r in range(len(got.tokens)) if not equal[r]]
     if not err <= KV_ROW_TOL:
         problems.append(f"a committed KV row differs from the plain run's: relative error {err:.3g} at {where} (another "
                         f"node's row, not a router near-tie: bound {KV_ROW_TOL:g})")
     if any(len(t) != n for t in got.tokens):
         problems.append(f"emitted {[len(t) for t in got.tokens]} tokens, asked for {n} per request")
-    problems += pair.rank_problems()
-    return DecodeOutcome(got, stats, rep, DecodeCheck(equal, first, err, where, rows, flips, problems), plain)
+    problems += list(rank_problems)
+    return DecodeCheck(equal, first, err, where, rows, flips, problems)
 
 
 def plain_run(pair: SpecPair, prompts: Sequence[Sequence[int]], n: int, ctx: int, prefilled: Sequence[KVCache],
@@ -620,6 +703,193 @@ def plain_run(pair: SpecPair, prompts: Sequence[Sequence[int]], n: int, ctx: int
     return out
 
 
+def plain_from_prompts(pair: SpecPair, prompts: Sequence[Sequence[int]], n: int, mode: str = "mega",
+                       progress: Callable[[str], None] | None = None) -> PlainRun:
+    """Plain greedy decoding of n tokens per request by the unsharded build (SpecPair.unsharded)
+    from a prefill of its own (the same chunks as the pair's: the TP build's bits are the
+    unsharded build's): the check of one process's rank, whose caches hold its kv heads alone."""
+    eng, caches = pair.unsharded()
+    ctx = prefill_steps(eng, pair.cfg, pair.B, prompts, mode)
+    if progress is not None:
+        progress(f"plain greedy decoding: a prefill and {n} T=1 steps ({mode}) of the unsharded build (R = 1)")
+    toks = greedy(eng, prompts, n, ctx, mode)
+    return PlainRun(toks, [c.clone() for c in caches], ctx + n)
+
+
+def rank_record(pair: SpecPair, got: SpecRead | None, error: str | None, *, kv: bool) -> RankRecord:
+    """What this process's rank sends rank 0 after a run: its error, or its emitted tokens, its
+    state and step contexts (compared with rank 0's) and, with `kv`, its kv heads of every
+    request's cache (not compared: rank 0 assembles the caches from them), under "kv"."""
+    if error is not None or got is None:
+        return RankRecord(pair.link.rank, error or "no run", {})
+    data = {TOKENS: got.tokens, **pair.rank_records()[0].data}
+    rec = RankRecord(pair.link.rank, None, data)
+    if kv:
+        h = pair.cfg.n_kv_heads // pair.ranks
+        k = pair.link.rank
+        return RankRecord(rec.rank, None, {**data, "kv": [[t[k * h:(k + 1) * h].cpu() for t in c.k + c.v]
+                                                          for c in pair.caches]})
+    return rec
+
+
+def gathered_problems(records: Sequence[RankRecord], ranks: int) -> list[str]:
+    """Rank 0's check of every rank's record (rank_record): every rank ran, and its emitted tokens,
+    speculative state and step contexts are rank 0's, bitwise (the KV heads are each rank's own)."""
+    strip = [RankRecord(r.rank, r.error, {k: v for k, v in r.data.items() if k != "kv"}) for r in records]
+    return gather_problems(strip, ranks, RANK_COMPARE)
+
+
+def assemble_kv(caches: Sequence[KVCache], records: Sequence[RankRecord], ranks: int) -> None:
+    """Every rank's kv heads (rank_record's "kv") written into its heads of `caches` in place."""
+    h = caches[0].cfg.n_kv_heads // ranks
+    for rec in records:
+        k = rec.rank
+        for c, heads in zip(caches, rec.data["kv"]):
+            for t, x in zip(c.k + c.v, heads):
+                t[k * h:(k + 1) * h].copy_(x)
+
+
+def decode_rank(pair: SpecPair, prompts: Sequence[Sequence[int]], n: int, mode: str = "mega", *, check: bool = False,
+                poison: bool = False, gather: Callable[[object], list] = world.all_gather_object,
+                barrier: Callable[[], None] = lambda: None,
+                progress: Callable[[str], None] | None = None) -> tuple[DecodeOutcome | None, list[str]]:
+    """decode() for one process's rank (SpecPair's link), every process calling it alike: the
+    prefill, the run and its read; then every rank's record gathered (`gather`: a collective,
+    world.all_gather_object) and, on rank 0, checked (gathered_problems) and with `check` the
+    run against the unsharded build's plain greedy decoding on rank 0's GPU, KV rows assembled
+    from every rank's heads. Returns (rank 0: the outcome, the other ranks: None; the problems of
+    the gather, also inside the check's problems with `check`). `barrier` (a collective): after
+    the poison, before the first step, so no rank pushes into a peer's slots being poisoned.
+    A wait that gives up is caught and gathered as the rank's error (the others' waits give up too,
+    each after its watchdog's bound)."""
+    if pair.link is None:
+        raise ConfigError("decode_rank: a pair of one process's rank (SpecPair(..., link=...)); decode() runs the rest")
+    if poison:
+        pair.poison()
+    if pair.gpu:
+        torch.cuda.synchronize()
+    barrier()
+    got, stats, err = None, None, None
+    try:
+        ctx = pair.prefill(prompts, mode)
+        got, stats = _spec_run(pair, prompts, n, ctx, mode, poison, progress)
+    except MegabenchError as e:
+        err = str(e)
+    records = gather(rank_record(pair, got, err, kv=check))
+    if pair.link.rank != 0:
+        return None, []
+    problems = gathered_problems(records, pair.ranks)
+    if got is None:
+        return None, problems
+    rep = acceptance(pair, prompts, got)
+    if not check:
+        return DecodeOutcome(got, stats, rep, None), problems
+    if any(r.error or "kv" not in r.data for r in records):
+        return None, problems
+    assemble_kv(pair.caches, records, pair.ranks)
+    plain = plain_from_prompts(pair, prompts, n, mode, progress)
+    return DecodeOutcome(got, stats, rep, check_against_plain(pair.cfg, got, plain, pair.caches, n, problems),
+                         plain), problems
+
+
+def rank_main(argv=None) -> int:
+    """One rank of `megabench decode --ranks R` under torchrun (RANK, WORLD_SIZE, LOCAL_RANK from
+    its environment; run_torchrun starts it): a SpecPair of this rank on its GPU (its verifier's
+    receive slots in peer memory, a drafter of its own), the run (decode_rank); rank 0 writes the
+    summary: the printed lines, the check, the typed result (megakernel.decode) as JSON."""
+    a = rank_parser().parse_args(argv)
+    wld, dev = start_rank()
+    cfg = get_preset(a.preset)
+    role = rank_role(cfg, wld.rank, wld.size, wld.local_rank, check=a.check)
+    w = generate(cfg, device=dev)
+    plan, dplan = rank_plans(a.preset, a.agree, role.ranks)
+    link, buf = open_rank(wld, plan, dev)
+    pair = SpecPair(w, plan, dplan, [KVCache(cfg, device=dev) for _ in range(a.batch)], batch=a.batch, agree=a.agree,
+                    backend="gpu", ranks=role.ranks, link=link)
+    prompts = prompts_for(cfg, a.batch, a.prompt_len, a.seed)
+    out, problems = decode_rank(pair, prompts, a.tokens, a.mode, check=a.check, poison=a.check,
+                                barrier=torch.distributed.barrier)
+    if role.gathers:
+        s = rank0_summary(out, problems, preset=a.preset, batch=a.batch, mode=a.mode, agree=a.agree,
+                          acceptance=a.acceptance, acceptance_source=a.acceptance_source, prompt_len=a.prompt_len,
+                          n=a.tokens, ranks=role.ranks, launches=pair.part_launches(a.mode))
+        if a.summary:
+            write_json(a.summary, s)
+        print(json.dumps({k: s[k] for k in ("ranks", "error", "check")}))
+    end_rank(buf)
+    return 0
+
+
+def rank_plans(preset: str, agree: float, ranks: int, n_sm: int | None = None) -> tuple[Plan, Plan]:
+    """The plans of one process's rank: the verifier's TP build of `ranks` ranks, one a launch
+    (the GPU's SMs all its own), and the drafter's, unsharded (plans.plan_for: the tuned constants)."""
+    cfg = get_preset(preset)
+    dcfg = draft_model_config(cfg, DraftConfig(agree=agree))
+    return (plan_for(preset, n_sm=n_sm, tokens=cfg.max_tree, tp_ranks=ranks),
+            plan_for(dcfg, n_sm=n_sm, tokens=dcfg.max_tree - 1))
+
+
+def rank_parser() -> argparse.ArgumentParser:
+    """rank_main's command line (decode_rank_args writes it)."""
+    ap = argparse.ArgumentParser(prog="torchrun ... -m megakernel.decode", description=rank_main.__doc__.splitlines()[0])
+    ap.add_argument("--preset", required=True)
+    ap.add_argument("--tokens", type=int, required=True)
+    ap.add_argument("--mode", default="mega", choices=["mega", "chain"])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--agree", type=float, required=True)
+    ap.add_argument("--acceptance", required=True, help="the acceptance's name (recorded)")
+    ap.add_argument("--acceptance-source", required=True, help="where its agreement comes from (recorded)")
+    ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--summary", help="rank 0 writes its summary (JSON) here")
+    return ap
+
+
+def rank0_summary(out: DecodeOutcome | None, problems: Sequence[str], *, preset: str, batch: int, mode: str,
+                  agree: float, acceptance: str, acceptance_source: str, prompt_len: int, n: int, ranks: int,
+                  launches: tuple[int, int, int], env: Env | None = None) -> dict:
+    """What rank 0 of a torchrun decode writes: `error` (a rank's error or, without a check, a rank
+    unlike rank 0: the run fails), else the printed lines, each request's tokens, the check
+    ("not run", "passed", "FAILED") and its problems, and the typed result (to_result) as JSON."""
+    s = {"ranks": ranks, "preset": preset, "error": None, "check": "not run", "problems": list(problems),
+         "lines": [], "tokens": [], "result": None}
+    if out is None or (problems and out.check is None):
+        s["error"] = "; ".join(problems) or "rank 0 has no outcome"
+        return s
+    s["lines"] = summary_lines(out, emulated=False)
+    s["tokens"] = out.read.tokens
+    if out.check is not None:
+        s["check"] = "passed" if out.check.ok else "FAILED"
+        s["problems"] = list(out.check.problems)
+    res = to_result(out, preset=preset, batch=batch, mode=mode, agree=agree, acceptance=acceptance,
+                    acceptance_source=acceptance_source, prompt_len=prompt_len, n=n,
+                    env=constants_env() if env is None else env, emulated=False, launches=launches, ranks=ranks,
+                    where="torchrun", where_why=f"torchrun, one process per GPU ({ranks} GPUs), a drafter in each")
+    s["result"] = res.to_json()
+    return s
+
+
+def run_torchrun(ranks: int, *, preset: str, tokens: int, mode: str, batch: int, agree: float, acceptance: str,
+                 acceptance_source: str, prompt_len: int, seed: int, check: bool,
+                 timeout: float | None = 1800) -> tuple[dict, Result]:
+    """`megabench decode --ranks R` across R GPUs of this node, one process each (rank_main under
+    torchrun, ranks.launch_torchrun); rank 0's summary and its typed result."""
+    args = decode_rank_args(preset=preset, tokens=tokens, mode=mode, batch=batch, agree=agree, acceptance=acceptance,
+                            acceptance_source=acceptance_source, prompt_len=prompt_len, seed=seed, check=check)
+    s = launch_torchrun(ranks, args, module=DECODE_MODULE, what="decode",
+                        timeout=timeout)
+    return s, Result.from_json(s["result"], source="rank 0 of the torchrun decode")
+
+
+def decode_rank_args(*, preset: str, tokens: int, mode: str, batch: int, agree: float, acceptance: str,
+                     acceptance_source: str, prompt_len: int, seed: int, check: bool) -> list[str]:
+    """rank_main's command line for these settings (torchrun's arguments after the module)."""
+    return ["--preset", preset, "--tokens", str(tokens), "--mode", mode, "--batch", str(batch), "--agree", repr(agree),
+            "--acceptance", acceptance, "--acceptance-source", acceptance_source, "--prompt-len", str(prompt_len),
+            "--seed", str(seed)] + ["--check"] * check
+
+
 # ---------------------------------------------------------------------- the typed result
 def summary_lines(out: DecodeOutcome, *, emulated: bool) -> list[str]:
     """What `megabench decode` prints at the end: accepted tokens/s, the mean acceptance and its
@@ -649,12 +919,18 @@ def summary_lines(out: DecodeOutcome, *, emulated: bool) -> list[str]:
 
 def to_result(out: DecodeOutcome, *, preset: str, batch: int, mode: str, agree: float, acceptance: str,
               acceptance_source: str, prompt_len: int, n: int, env: Env, emulated: bool,
-              launches: tuple[int, int, int], ranks: int = 1, where: str | None = None) -> Result:
+              launches: tuple[int, int, int], ranks: int = 1, where: str | None = None,
+              where_why: str | None = None) -> Result:
     """The run as a typed `megakernel.decode` result: one series of step wall times with the
     acceptance (histogram, per-depth rates), the split and the check in its metrics; derived the
     accepted tokens/s and the mean acceptance. The report draws GPU runs only (emulated ones are
     the CPU's time). `ranks`: the verifier's tensor-parallel ranks (params; a run of R > 1 names
-    its series .../R{ranks} and says where its ranks ran, `where`)."""
+    its series .../R{ranks}); `where`: where it ran (params: "emu", "gpu" (at R > 1 the ranks
+    sharing one GPU's SMs) or "torchrun" (one process per GPU); default by `emulated`), `where_why`
+    the sentence that says so (notes)."""
+    where = where or ("emu" if emulated else "gpu")
+    if where not in ("emu", "gpu", "torchrun"):
+        raise ConfigError(f"where {where!r}: emu, gpu or torchrun")
     st, rep = out.stats, out.report
     committed = sum(out.read.emitted)
     rate = committed / st.seconds if st.seconds > 0 else 0.0
@@ -664,7 +940,7 @@ def to_result(out: DecodeOutcome, *, preset: str, batch: int, mode: str, agree: 
     check = "not run" if out.check is None else ("passed" if out.check.ok else "FAILED")
     params = {"preset": preset, "batch": batch, "tree_tokens": t, "branch_depth": rep.branch_depth, "mode": mode,
               "agree": agree, "acceptance": acceptance, "prompt_len": prompt_len, "tokens": n,
-              "backend": "emu" if emulated else "gpu", "ranks": ranks}
+              "backend": "emu" if emulated else "gpu", "ranks": ranks, "where": where}
     metrics = {"accepted_tokens_per_s": rate, "accepted_tokens": committed, "steps": len(st.steps),
                "rounds": list(st.rounds), "accepted_tokens_per_step": rep.mean, "histogram": list(rep.histogram),
                "depth_rates": [x if x == x else None for x in rep.depth_rates], "follow_rate": rep.follow_rate,
@@ -682,6 +958,10 @@ def to_result(out: DecodeOutcome, *, preset: str, batch: int, mode: str, agree: 
     notes = (f"acceptance {acceptance!r}: agree {agree:g} ({acceptance_source})",
              f"{len(st.steps)} steps in {len(st.rounds)} rounds; nothing read back between the steps of a round")
     if ranks > 1:
-        notes += (f"the verifier as {ranks} tensor-parallel ranks: {where or 'in one launch'}; the drafter once, "
-                  "unsharded",)
+        drafter = "a drafter in each process" if where == "torchrun" else "the drafter once, unsharded"
+        notes += (f"the verifier as {ranks} tensor-parallel ranks: {where_why or where}; {drafter}",)
     return Result(BENCHMARK, env, (s,), derived, quick=True, notes=notes)
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main())

@@ -12,7 +12,9 @@ b of the launch's grid runs rank b * R / grid (csrc/mk/arch.cuh). Where the rank
   one GPU        R partitions of the SMs in one launch (timings are those of R ranks sharing a
                  GPU, and say so)
   torchrun       one process per GPU, one rank each (Plan.launch_ranks = 1), receive slots in
-                 peer memory (rank_main, started by run_torchrun)
+                 peer memory (rank_main, started by run_torchrun; the decode loop's is decode.py's,
+                 built from the same parts: rank_role, open_rank, rank_engine, the RankRecord that
+                 rank 0 gathers and gather_problems checks, launch_torchrun)
 where_ranks picks among them by what is present, and step_ranks runs decode steps wherever that is
 (`megabench mk step --ranks R`; the decode loop's hook). A profiled step's collective waits come out
 of its timeline (collective_waits) and go into `megakernel.tp_waits` (tp_waits_result).
@@ -48,7 +50,7 @@ from microbench.xgpu import world
 from microbench.xgpu.world import check_multicast_off
 
 from .config import ConfigError, preset as get_preset
-from .plan import Plan, make_plan
+from .plan import Plan, make_plan, tp_problem
 from .plans import REL_TOL
 from .profile_events import EVENTS
 from .reference import KVCache, Request, Trace, step as reference_step
@@ -548,15 +550,156 @@ class PeerRecv:
         return out
 
 
-def torchrun_command(ranks: int, args: Sequence[str]) -> list[str]:
+@dataclass(frozen=True)
+class RankRole:
+    """What one process of a torchrun world builds: its rank of `ranks`, the GPU it drives, the kv
+    heads of the model's cache its engine writes (rank_cache), and whether it is rank 0, which
+    gathers every rank's outputs, checks them and writes the summary (`gathers`) and, with a check,
+    also builds the unsharded build (R = 1) on its GPU as the check's reference (`unsharded`)."""
+
+    rank: int
+    ranks: int
+    device: int
+    kv_heads: range
+    gathers: bool
+    unsharded: bool
+
+
+def rank_role(cfg, rank: int, ranks: int, local_rank: int, *, check: bool) -> RankRole:
+    """The role of process `rank` of a torchrun world of `ranks` (torchrun's RANK, WORLD_SIZE,
+    LOCAL_RANK) for the TP build of `cfg`; ConfigError where `cfg` does not shard so or the
+    numbers do not make a world (one process per GPU, two or more)."""
+    if ranks < 2:
+        raise ConfigError(f"a torchrun world of {ranks} process(es): one process per GPU, 2 or more")
+    if not 0 <= rank < ranks or local_rank < 0:
+        raise ConfigError(f"rank {rank} (local {local_rank}) outside a world of {ranks}")
+    bad = tp_problem(cfg, ranks)
+    if bad:
+        raise ConfigError(f"{cfg.name} does not shard over {ranks} ranks: {bad}")
+    h = cfg.n_kv_heads // ranks
+    return RankRole(rank, ranks, local_rank, range(rank * h, (rank + 1) * h), rank == 0, check and rank == 0)
+
+
+def open_rank(wld, plan: Plan, dev) -> tuple[RankLink, object]:
+    """This process's RankLink: its receive slots in peer memory (a PeerBuffer of plan.recv_bytes,
+    every rank's mapped here) and its watchdog. Collective: every rank calls it, in the same order.
+    Returns the link and the buffer (close it after the last step, every rank past a barrier)."""
+    buf = world.PeerBuffer(wld, plan.recv_bytes)
+    peers = torch.tensor(buf.ptrs, dtype=torch.int64, device=dev)
+    return RankLink(wld.rank, Watchdog(plan.spin_bound_ns, device=dev), PeerRecv(buf), peers), buf
+
+
+def rank_engine(w: ModelWeights, plan: Plan, cache, link: RankLink, *, expert_parallel: bool = False,
+                backend: str = "gpu", spec: SpecLink | None = None, **kw) -> Engine:
+    """Rank link.rank's engine of the TP build `plan` (one rank a launch: a process of its own):
+    its shard of `w`, its kv heads of `cache` (the model's KVCache or one per request) and `spec`
+    (a SpecLink of the verify role: the rank's copy of the speculative state)."""
+    if not plan.tp_ranks or plan.launch_ranks != 1:
+        raise ConfigError(f"a rank of its own process: a TP plan of one rank a launch, got tp_ranks {plan.tp_ranks}, "
+                          f"launch_ranks {plan.launch_ranks}")
+    r = plan.tp_ranks
+    caches = [cache] if isinstance(cache, KVCache) else list(cache)
+    return Engine(shard(w, link.rank, r, expert_parallel), plan, [rank_cache(c, link.rank, r) for c in caches],
+                  backend=backend, link=link, spec=spec, **kw)
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """What one rank sends rank 0 at the end of a run: its error (None: it ran) and its outputs
+    (`data`: name -> value, the same on every rank where the ranks agree)."""
+
+    rank: int
+    error: str | None
+    data: dict
+
+
+def first_difference(a, b) -> str | None:
+    """Where `a` differs from `b` (tensors bitwise, lists and numbers by value), None where equal."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        a, b = torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()
+        if a.shape != b.shape:
+            return f"shape {tuple(a.shape)} against {tuple(b.shape)}"
+        if torch.equal(a, b):
+            return None
+        ne = ~((a == b) | (a.isnan() & b.isnan())) if a.is_floating_point() else a != b
+        if not ne.any():
+            return None
+        i = tuple(int(x) for x in ne.nonzero()[0])
+        return f"at {list(i)}: {a[i].item()} against {b[i].item()}"
+    if a == b:
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{len(a)} entries against {len(b)}"
+        i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        return f"entry {i}: {first_difference(a[i], b[i]) or a[i]}"
+    return f"{a!r} against {b!r}"
+
+
+def gather_problems(records: Sequence[RankRecord], ranks: int, compare: dict | None = None) -> list[str]:
+    """What is wrong with every rank's record as rank 0 gathered them: a rank missing or twice, a
+    rank's error, and every output of rank k (k > 0) that is not rank 0's: rank 0's keys, each
+    compared by compare[key](rank k's, rank 0's) -> a difference, a list of them (a problem each)
+    or None (default first_difference).
+    Empty: every rank ran and agrees with rank 0."""
+    seen = sorted(r.rank for r in records)
+    if seen != list(range(ranks)):
+        missing = sorted(set(range(ranks)) - set(seen))
+        twice = sorted({k for k in seen if seen.count(k) > 1})
+        out = [f"gathered ranks {seen} for a world of {ranks}" + (f": missing {missing}" if missing else "")
+               + (f", twice {twice}" if twice else "")]
+    else:
+        out = []
+    by = {r.rank: r for r in records}
+    out += [f"rank {k}: {by[k].error}" for k in sorted(by) if by[k].error]
+    if 0 not in by or by[0].error:
+        return out
+    ref = by[0].data
+    compare = compare or {}
+    for k in sorted(by):
+        if k == 0 or by[k].error:
+            continue
+        for key, want in ref.items():
+            if key not in by[k].data:
+                out.append(f"rank {k} sent no {key}")
+                continue
+            d = compare.get(key, first_difference)(by[k].data[key], want)
+            out += [f"rank {k}'s {key} differs from rank 0's: {x}" for x in ([d] if isinstance(d, str) else d or [])]
+    return out
+
+
+TORCHRUN_MODULE = "megakernel.ranks"
+
+
+def torchrun_command(ranks: int, args: Sequence[str], module: str = TORCHRUN_MODULE) -> list[str]:
+    """The command line that starts `ranks` processes of `module` on this node (one per GPU)."""
+    if ranks < 2:
+        raise ConfigError(f"torchrun of {ranks} process(es): one process per GPU, 2 or more")
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
-            "megakernel.ranks", *args]
+            module, *args]
 
 
-def run_torchrun(ranks: int, preset_name: str, *, tokens: int, ctx: int, mode: str, steps: int, expert_parallel: bool,
-                 check: bool, profile: bool, seed: int, log=print, timeout: float | None = 1800) -> RanksRun:
-    """step_ranks across `ranks` GPUs of this node, one process each (rank_main under torchrun),
-    NVLink multicast off (microbench.xgpu.world.check_multicast_off); rank 0's summary comes back."""
+def torchrun_outcome(rc: int, summary: dict | None, ranks: int, what: str) -> dict:
+    """Rank 0's summary of a torchrun of `ranks` processes that ended with exit code `rc`;
+    MegabenchError where there is none, where it names an error, or where a process failed
+    (rc != 0) after rank 0 wrote it."""
+    if summary is None:
+        raise MegabenchError(f"{what} across {ranks} GPUs (torchrun) ended with exit code {rc} and no summary from "
+                             "rank 0")
+    if summary.get("error"):
+        raise MegabenchError(f"{what} across {ranks} GPUs (torchrun): {summary['error']}")
+    if rc != 0:
+        raise MegabenchError(f"{what} across {ranks} GPUs (torchrun): rank 0 wrote its summary but torchrun ended "
+                             f"with exit code {rc} (a process failed)")
+    return summary
+
+
+def launch_torchrun(ranks: int, args: Sequence[str], *, module: str = TORCHRUN_MODULE, what: str = "steps",
+                    timeout: float | None = 1800) -> dict:
+    """`module` under torchrun across `ranks` GPUs of this node, NVLink multicast off
+    (microbench.xgpu.world.check_multicast_off), `args` and `--summary PATH` on its command line;
+    rank 0's summary (torchrun_outcome). Danger: a process that dies without its rank's gather
+    leaves the others waiting in it; `timeout` bounds the whole run."""
     n = gpu_count()
     if n < ranks:
         raise ConfigError(f"torchrun: {ranks} ranks need {ranks} GPUs, this node has {n}")
@@ -564,19 +707,45 @@ def run_torchrun(ranks: int, preset_name: str, *, tokens: int, ctx: int, mode: s
     check_multicast_off(env)
     with tempfile.TemporaryDirectory() as td:
         out = Path(td) / "summary.json"
-        args = ["--preset", preset_name, "--tokens", str(tokens), "--ctx", str(ctx), "--mode", mode, "--steps",
-                str(steps), "--seed", str(seed), "--summary", str(out)]
-        args += ["--expert-parallel"] * expert_parallel + ["--check"] * check + ["--profile"] * profile
-        rc = subprocess.run(torchrun_command(ranks, args), env=env, timeout=timeout).returncode
-        if not out.is_file():
-            raise MegabenchError(f"torchrun across {ranks} GPUs ended with exit code {rc} and no summary from rank 0")
-        s = json.loads(out.read_text())
-    if s.get("error"):
-        raise MegabenchError(f"torchrun across {ranks} GPUs: {s['error']}")
+        rc = subprocess.run(torchrun_command(ranks, [*args, "--summary", str(out)], module), env=env,
+                            timeout=timeout).returncode
+        summary = json.loads(out.read_text()) if out.is_file() else None
+    return torchrun_outcome(rc, summary, ranks, what)
+
+
+def torchrun_why(ranks: int) -> str:
+    return f"torchrun, one process per GPU ({ranks} of the node's {gpu_count()}), peer memory through CUDA IPC"
+
+
+def run_torchrun(ranks: int, preset_name: str, *, tokens: int, ctx: int, mode: str, steps: int, expert_parallel: bool,
+                 check: bool, profile: bool, seed: int, log=print, timeout: float | None = 1800) -> RanksRun:
+    """step_ranks across `ranks` GPUs of this node, one process each (rank_main under torchrun);
+    rank 0's summary comes back."""
+    args = ["--preset", preset_name, "--tokens", str(tokens), "--ctx", str(ctx), "--mode", mode, "--steps",
+            str(steps), "--seed", str(seed)]
+    args += ["--expert-parallel"] * expert_parallel + ["--check"] * check + ["--profile"] * profile
+    s = launch_torchrun(ranks, args, what="steps", timeout=timeout)
     for c in s["checks"]:
         log(f"check passed: {c}")
-    why = f"torchrun, one process per GPU ({ranks} of the node's {n}), peer memory through CUDA IPC"
-    return RanksRun("torchrun", why, s["tokens"], s["checks"], [CollectiveWait(**w) for w in s["waits"]])
+    return RanksRun("torchrun", torchrun_why(ranks), s["tokens"], s["checks"],
+                    [CollectiveWait(**w) for w in s["waits"]])
+
+
+def start_rank():
+    """This torchrun process's world (microbench.xgpu.world.init: RANK, WORLD_SIZE, LOCAL_RANK,
+    multicast off) on its GPU: (world, device)."""
+    wld = world.init()
+    torch.cuda.set_device(wld.device)
+    return wld, torch.device("cuda", wld.device)
+
+
+def end_rank(buf) -> None:
+    """After a rank's last step: every rank past a barrier (no rank reads or pushes into a peer's
+    slots any more), then its peer buffer closed and the process group left."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.close()
+    dist.destroy_process_group()
 
 
 def rank_main(argv=None) -> int:
@@ -596,22 +765,19 @@ def rank_main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--summary", help="rank 0 writes its summary (JSON) here")
     a = ap.parse_args(argv)
-    wld = world.init()
-    torch.cuda.set_device(wld.device)
-    dev = torch.device("cuda", wld.device)
+    wld, dev = start_rank()
     cfg = get_preset(a.preset)
+    role = rank_role(cfg, wld.rank, wld.size, wld.local_rank, check=a.check)
     w = generate(cfg, device=dev)
     cache0 = KVCache(cfg, device=dev).fill_random(torch.Generator(device=dev).manual_seed(a.seed))
     toks, par = step_inputs(cfg, a.tokens, a.seed)
-    r, me = wld.size, wld.rank
+    r, me = role.ranks, role.rank
     plan = make_plan(cfg, device_info(wld.device).sm_count, tp_ranks=r, expert_parallel=a.expert_parallel,
                      spin_bound_ns=2_000_000_000, profile=a.profile, profile_cap=256)
-    buf = world.PeerBuffer(wld, plan.recv_bytes)
-    peers = torch.tensor(buf.ptrs, dtype=torch.int64, device=dev)
-    link = RankLink(me, Watchdog(plan.spin_bound_ns, device=dev), PeerRecv(buf), peers)
-    eng = Engine(shard(w, me, r, a.expert_parallel), plan, rank_cache(cache0.clone(), me, r), backend="gpu", link=link)
+    link, buf = open_rank(wld, plan, dev)
+    eng = rank_engine(w, plan, cache0.clone(), link, expert_parallel=a.expert_parallel)
     routes, ref, one = None, None, None
-    if a.check and me == 0:  # the reference's routing (forced on every rank) and the unsharded step
+    if role.unsharded:  # the reference's routing (forced on every rank) and the unsharded step
         tr = Trace()
         ref = reference_step(w, cache0.clone(), toks, par, a.ctx, trace=tr)
         routes = [tr.tensors[f"L{l}.route"].cpu() for l in range(cfg.n_layers)]  # gathered to every rank
@@ -630,27 +796,26 @@ def rank_main(argv=None) -> int:
             done.append([int(eng.step([done[-1][-1]], [-1], pos, mode=a.mode).tokens[0])])
             pos += 1
     except MegabenchError as e:  # a bounded wait that gave up: said by rank 0, the others may wait on it
-        err, left = f"rank {me}: {e}", {}
+        err, left = str(e), {}
     waits = []
     if a.profile and err is None:
         waits = [dataclasses.asdict(x) for x in collective_waits(eng.timeline(a.mode), eng.program, lambda l, b: me)]
-    got = world.all_gather_object((me, err, None if out is None else (out.logits.cpu(), out.tokens.cpu()), left,
-                                   done, waits))
-    if me == 0:
+    data = {} if out is None else {"logits": out.logits.cpu(), "tokens": out.tokens.cpu(), "steps' tokens": done}
+    got = world.all_gather_object((RankRecord(me, err, data), left, waits))
+    if role.gathers:
         s = {"ranks": r, "preset": a.preset, "error": None, "checks": [], "tokens": done,
-             "waits": [x for g in got for x in g[5]]}
-        errs = [g[1] for g in got if g[1]]
+             "waits": [x for g in got for x in g[2]]}
         try:
-            if errs:
-                raise MegabenchError("; ".join(errs))
-            outs = [StepOut(*g[2]) for g in sorted(got, key=lambda g: g[0])]
-            check_step(outs, outs[0], f"R = {r}: every rank alike")
+            bad = gather_problems([g[0] for g in got], r)
+            if bad:  # a rank's error (a wait that gave up) or a rank unlike rank 0
+                raise MegabenchError("; ".join(bad))
             s["checks"].append(f"R = {r}: every rank's logits and tokens alike")
             if a.check:
                 check_close(one.logits, ref, f"{a.preset} TP build, R = 1, vs the reference", rel=REL_TOL)
                 s["checks"].append(f"R = 1 within {REL_TOL:g} of the torch reference (its routing forced)")
+                outs = [StepOut(g[0].data["logits"], g[0].data["tokens"]) for g in sorted(got, key=lambda g: g[0].rank)]
                 check_step(outs, one, f"R = {r} across GPUs")
-                bad = {g[0]: g[3] for g in got if g[3]}
+                bad = {g[0].rank: g[1] for g in got if g[1]}
                 if bad:
                     raise CorrectnessError(f"receive slots left written after the step: {bad}")
                 s["checks"].append(f"R = {r} across GPUs: every rank bitwise R = 1's, every receive slot empty")
@@ -659,9 +824,7 @@ def rank_main(argv=None) -> int:
         if a.summary:
             write_json(a.summary, s)
         print(json.dumps({k: s[k] for k in ("ranks", "error", "checks", "tokens")}))
-    dist.barrier()
-    buf.close()
-    dist.destroy_process_group()
+    end_rank(buf)
     return 0
 
 
