@@ -55,7 +55,7 @@ from .plans import REL_TOL
 from .profile_events import EVENTS
 from .reference import KVCache, Request, Trace, step as reference_step
 from .results_names import TP_WAITS
-from .runtime import EMU_SCHEDULES, EmulationError, Engine, RankLink, SpecLink, StepOut, check_close
+from .runtime import EMU_SCHEDULES, EmulationError, Engine, RankLink, SpecLink, StepOut, check_close, step_launches
 from .weights import ModelWeights, generate, shard
 
 
@@ -200,14 +200,7 @@ class RankEngine:
         e0 = self.engines[0]
         if spec and self._spec_params_dev is None:
             raise ConfigError("launch_step(spec=True): this RankEngine has no spec program (spec links)")
-        prog = self.spec_program if spec else self.program
-        params = self._spec_params_dev if spec else self._params_dev
-        if params is None:
-            raise ConfigError("launch_step: no step prepared (prepare / prepare_batch first)")
-        todo = list(zip(e0.launches(mode, prog), e0.launch_pdl(mode, prog)))
-        part = range(len(todo)) if part is None else part
-        if part and (part[0] < 0 or part[-1] >= len(todo) or part.step != 1):
-            raise ValueError(f"part {part}: launches 0..{len(todo) - 1}, consecutive")
+        prog, params, todo, part = step_launches(self, e0, mode, spec, part)
         if not part:
             return
         if part[0] == 0:

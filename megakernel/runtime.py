@@ -155,6 +155,23 @@ def _ptr(t: torch.Tensor | None) -> int:
     return t.data_ptr()
 
 
+def step_launches(owner, e, mode: str, spec: bool, part: range | None):
+    """The prepared step's program, params blob, launches (with their PDL flags) and the part of
+    them to enqueue, for Engine.launch_step and RankEngine.launch_step (`owner` holds the prepared
+    params, `e` the engine whose launch table every rank shares). Refused: no step prepared, or a
+    part that is not a consecutive run of the step's launches (the counters' clean and the parity
+    turn assume the parts of one step go in order)."""
+    prog = owner.spec_program if spec else owner.program
+    params = owner._spec_params_dev if spec else owner._params_dev
+    if params is None:
+        raise ConfigError("launch_step: no step prepared (prepare / prepare_batch first)")
+    todo = list(zip(e.launches(mode, prog), e.launch_pdl(mode, prog)))
+    part = range(len(todo)) if part is None else part
+    if part and (part[0] < 0 or part[-1] >= len(todo) or part.step != 1):
+        raise ValueError(f"part {part}: launches 0..{len(todo) - 1}, consecutive")
+    return prog, params, todo, part
+
+
 class Engine:
     def __init__(self, weights: ModelWeights, plan: Plan, cache: KVCache | Sequence[KVCache], *, backend: str = "gpu",
                  program_mode: str = "layer", grid: int | None = None, emu_seed: int = 1,
@@ -635,14 +652,7 @@ class Engine:
         the parity turns after its last, so the parts of one step must be launched in order."""
         if spec and self.spec_program is None:
             raise ConfigError("launch_step(spec=True): this engine has no spec program (SpecLink)")
-        prog = self.spec_program if spec else self.program
-        params = self._spec_params_dev if spec else self._params_dev
-        if params is None:
-            raise ConfigError("launch_step: no step prepared (prepare / prepare_batch first)")
-        todo = list(zip(self.launches(mode, prog), self.launch_pdl(mode, prog)))
-        part = range(len(todo)) if part is None else part
-        if part and (part[0] < 0 or part[-1] >= len(todo) or part.step != 1):
-            raise ValueError(f"part {part}: launches 0..{len(todo) - 1}, consecutive")
+        prog, params, todo, part = step_launches(self, self, mode, spec, part)
         if not part:
             return
         if part[0] == 0:

@@ -410,7 +410,8 @@ class DecodeRow:
     acceptance: str
     commit: str
     date: str
-    ranks: int = 1  # the verifier's tensor-parallel ranks (sharing one GPU where the result says so)
+    ranks: int = 1  # the verifier's tensor-parallel ranks
+    where: str = "gpu"  # "gpu": one GPU (R ranks sharing its SMs), "torchrun": one process per GPU
 
     def metric(self, key: str) -> float | None:
         v = self.series.metrics.get(key)
@@ -442,7 +443,8 @@ def decode_rows(results: Sequence[Result]) -> list[DecodeRow]:
                 continue
             rows.append(DecodeRow(s, str(p.get("preset", "?")), int(p.get("batch", 1)), str(p.get("mode", "mega")),
                                   float(p.get("agree", float("nan"))), str(p.get("acceptance", "?")),
-                                  r.env.git_sha[:7], r.env.date, int(p.get("ranks", 1))))
+                                  r.env.git_sha[:7], r.env.date, int(p.get("ranks", 1)),
+                                  str(p.get("where", "gpu"))))
     return sorted(rows, key=lambda d: d.date)
 
 
@@ -461,7 +463,8 @@ def decode_table(rows: Sequence[DecodeRow]) -> list[dict]:
     out = []
     for d in rows:
         ms = lambda k: fmt(d.metric(k), "s") if d.metric(k) is not None else ""  # noqa: E731
-        out.append({"preset": d.preset, "B": d.batch, "ranks": d.ranks, "mode": d.mode, "acceptance": f"{d.acceptance} (agree {d.agree:g})",
+        ranks = str(d.ranks) if d.ranks == 1 else f"{d.ranks} ({'one per GPU' if d.where == 'torchrun' else 'one GPU'})"
+        out.append({"preset": d.preset, "B": d.batch, "ranks": ranks, "mode": d.mode, "acceptance": f"{d.acceptance} (agree {d.agree:g})",
                     "mean accepted": f"{d.mean:.2f}", "accepted tokens/s": fmt(d.tok_s, "tok/s"),
                     "step": fmt(d.step_s, "s"), "draft": ms("draft_s"), "verify": ms("verify_s"),
                     "accept + compaction": ms("accept_s"), "gaps": ms("gaps_s"),

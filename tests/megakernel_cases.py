@@ -9,9 +9,11 @@ import shutil
 import pytest
 import torch
 
-from megakernel import tree
+from megakernel import speculative, tree
 from megakernel.build import CSRC
 from megakernel.config import preset
+from megakernel.decode import SpecPair, decode, plain_run
+from megakernel.draft import DraftConfig, draft_model_config
 from megakernel.plan import make_plan
 from megakernel.reference import KVCache, Trace, step
 from megakernel.runtime import Engine, check_close
@@ -76,3 +78,31 @@ def modes_match_reference(cfg, plan, cache_seed, t, input_seed, ctx, what):
     assert torch.equal(outs["chain"].logits, outs["mega"].logits)
     check_close(outs["mega"].logits, ref, what, rel=1e-2)
     return outs["mega"].logits
+
+
+def spec_setup(n: int, *, prompt_seed: int, ranks: int = 1, bound_ns: int = 3_000_000_000):
+    """tiny's weights, the verifier's plan (the TP plan of `ranks` ranks where ranks > 1), the
+    drafter's plan at the 'study' agreement, a random prompt and the plain greedy run of n tokens
+    from the pair's prefill (the unsharded build's at ranks > 1), shared by a module's runs."""
+    cfg = preset("tiny")
+    w = generate(cfg)
+    tp = {"tp_ranks": ranks, "launch_ranks": ranks} if ranks > 1 else {}
+    plan = make_plan(cfg, 4, spin_bound_ns=bound_ns, **tp)
+    agree = speculative.agreement("study", "tiny")
+    dplan = make_plan(draft_model_config(cfg, DraftConfig(agree=agree)), 4, spin_bound_ns=3_000_000_000)
+    g = torch.Generator().manual_seed(prompt_seed)
+    prompts = [torch.randint(0, cfg.vocab, (8,), generator=g).tolist()]
+    pair = SpecPair(w, plan, dplan, [KVCache(cfg)], agree=agree, backend="emu", **({"ranks": ranks} if ranks > 1 else {}))
+    pair.poison()
+    ctx = pair.prefill(prompts)
+    plain = plain_run(pair, prompts, n, ctx, [c.clone() for c in pair.caches])
+    return cfg, w, plan, dplan, prompts, plain
+
+
+def spec_decode(setup, mode: str, schedule: str, n: int, *, seed: int = 3, ranks: int = 1):
+    """A fresh pair on spec_setup's plans decoding n tokens from poisoned buffers, checked against
+    the setup's plain run. Returns (pair, outcome)."""
+    cfg, w, plan, dplan, prompts, plain = setup
+    pair = SpecPair(w, plan, dplan, [KVCache(cfg)], agree=speculative.agreement("study", "tiny"), backend="emu",
+                    emu_schedule=schedule, emu_seed=seed, **({"ranks": ranks} if ranks > 1 else {}))
+    return pair, decode(pair, prompts, n, mode, check=True, poison=True, plain=plain)

@@ -10,16 +10,11 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 
 from megakernel import ab, speculative
 from megakernel.build import CSRC
-from megakernel.config import preset
-from megakernel.decode import KV_ROW_TOL, SpecPair, decode, plain_run
-from megakernel.draft import DraftConfig, draft_model_config
-from megakernel.plan import make_plan
-from megakernel.reference import KVCache
-from megakernel.weights import generate
+from megakernel.decode import KV_ROW_TOL
+from megakernel_cases import spec_decode, spec_setup
 
 pytestmark = pytest.mark.slow
 
@@ -32,24 +27,11 @@ SKIP_ONE = ("ops/compact.cuh", "      const bool moved = src != i;", "      cons
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = preset("tiny")
-    w = generate(cfg)
-    plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
-    dplan = make_plan(draft_model_config(cfg, DraftConfig(agree=STUDY)), 4, spin_bound_ns=3_000_000_000)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, cfg.vocab, (8,), generator=g).tolist()]
-    pair = SpecPair(w, plan, dplan, [KVCache(cfg)], agree=STUDY, backend="emu")
-    pair.poison()
-    ctx = pair.prefill(prompts)
-    plain = plain_run(pair, prompts, N, ctx, [c.clone() for c in pair.caches])
-    return cfg, w, plan, dplan, prompts, plain
+    return spec_setup(N, prompt_seed=0)
 
 
 def _decode(setup, mode, schedule, n=N, seed=3):
-    cfg, w, plan, dplan, prompts, plain = setup
-    pair = SpecPair(w, plan, dplan, [KVCache(cfg)], agree=STUDY, backend="emu", emu_schedule=schedule,
-                    emu_seed=seed)
-    return decode(pair, prompts, n, mode, check=True, poison=True, plain=plain)
+    return spec_decode(setup, mode, schedule, n, seed=seed)[1]
 
 
 @pytest.mark.parametrize("mode,schedule", [("mega", "random"), ("mega", "last"), ("mega", "block"),

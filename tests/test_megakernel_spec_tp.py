@@ -22,12 +22,13 @@ from microbench.errors import MegabenchError
 from megakernel import abi, ab, speculative
 from megakernel.build import CSRC
 from megakernel.config import ConfigError, preset
-from megakernel.decode import KV_ROW_TOL, SpecPair, decode, plain_run
+from megakernel.decode import KV_ROW_TOL, SpecPair
 from megakernel.draft import DraftConfig, draft_model_config
 from megakernel.plan import make_plan
 from megakernel.ranks import RankEngine
 from megakernel.reference import KVCache
 from megakernel.weights import generate
+from megakernel_cases import spec_decode, spec_setup
 
 SLOW = pytest.mark.slow
 
@@ -49,24 +50,11 @@ SHORT_ON_RANK1 = ("ops/accept.cuh", "    st[SPEC_LEN] = active ? len : 0;",
 def setup():
     """tiny's weights, the R = 2 TP plan, the drafter's plan, a random prompt and the unsharded
     build's plain greedy run of N tokens from its prefill (shared by the runs: the same prefill)."""
-    cfg = preset("tiny")
-    w = generate(cfg)
-    plan = make_plan(cfg, 4, tp_ranks=R, launch_ranks=R, spin_bound_ns=BOUND_NS)
-    dplan = make_plan(draft_model_config(cfg, DraftConfig(agree=STUDY)), 4, spin_bound_ns=3_000_000_000)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, cfg.vocab, (8,), generator=g).tolist()]
-    pair = SpecPair(w, plan, dplan, [KVCache(cfg)], agree=STUDY, backend="emu", ranks=R)
-    pair.poison()
-    ctx = pair.prefill(prompts)
-    plain = plain_run(pair, prompts, N, ctx, [c.clone() for c in pair.caches])
-    return cfg, w, plan, dplan, prompts, plain
+    return spec_setup(N, prompt_seed=1, ranks=R, bound_ns=BOUND_NS)
 
 
 def _decode(setup, mode, schedule, n=N, seed=3):
-    cfg, w, plan, dplan, prompts, plain = setup
-    pair = SpecPair(w, plan, dplan, [KVCache(cfg)], agree=STUDY, backend="emu", emu_schedule=schedule,
-                    emu_seed=seed, ranks=R)
-    return pair, decode(pair, prompts, n, mode, check=True, poison=True, plain=plain)
+    return spec_decode(setup, mode, schedule, n, seed=seed, ranks=R)
 
 
 @SLOW
