@@ -469,7 +469,8 @@ def _section_decode(ctx: Context) -> list[str]:
         if mega is not None:
             def part(k: str) -> str:
                 t, n = mega.metric(f"{k}_s"), mega.metric(f"{k}_launches")
-                return "not measured" if t is None else fmt(t, "s") + (f" ({n:g} launches)" if n is not None else "")
+                return "not measured" if t is None else fmt(t, "s") + (
+                    f" ({n:g} launch{'' if n == 1 else 'es'})" if n is not None else "")
 
             side = [{"half": "draft", "study (GB300, TP8)": "1.16 ms (175 kernels) -> 0.44 ms (8)", "ours": part("draft")},
                     {"half": "verify", "study (GB300, TP8)": "10.9 ms (~1,450 kernels) -> 5.3 ms (97)",

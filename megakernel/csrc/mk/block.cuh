@@ -22,11 +22,16 @@ namespace mk {
 
 constexpr int MISC_TAG = 0;      // which activation operand abuf holds (-1: none)
 constexpr int MISC_OPS_DONE = 1;  // ops of this launch the compute warps have finished
+// [2] the routed ops' slot count, what their routing wait read (program.cuh routed_slot). Two
+// copies: a block with no unit of a routed op passes no barrier between its readers and the next
+// routed op's writer, so the next writer takes the other copy; the barrier of the routed op in
+// between (every compute thread runs it) orders a copy's readers before its next write
+constexpr int MISC_ROUTED = 2;
 constexpr int MISC_ROWS = 4;     // [16] gathered row indices of an expert operand
 constexpr int MISC_DEPS = 20;    // [4] thread 0's DepCache of the current op (program.cuh)
 constexpr int MISC_PEND = 24;    // [4] thread 0's Pending signals of the current op
 constexpr int MISC_SLOT = 28;    // [3] the current expert slot's expert, token count and operand tag (slot.cuh)
-constexpr int MISC_NSLOTS = 31;  // this layer's routed slots: top-k's count, or what a routed op's wait read
+constexpr int MISC_NSLOTS = 31;  // top-k's slot count, from its unit to its signal (program.cuh signal_op_end)
 constexpr int MISC_OP = 32;      // [16] thread 0's copy of the current op record (program.cuh)
 constexpr int MISC_PROF = 48;     // [10] the profiler's state (megakernel.cu; 8-byte aligned)
 static_assert(MISC_SCRATCH == MISC_PROF + 10, "top-k scratch (rendered from plan.py) starts past the profiler's state");

@@ -397,6 +397,15 @@ MK_DEV void prof_flush(Blk& b, mb::prof::Profiler& prof, bool more) {
   }
 }
 
+// Where a routed op keeps the slot count its routing wait read (block.cuh MISC_ROUTED). Unfused,
+// gate/up and down take a copy each, so a layer's down projection never overwrites the copy its
+// gate/up's slower warps may still read; fused, the down projection writes none and reads its
+// gate/up's, so the copy alternates by layer. Invariant: between two writes of one copy, every
+// compute thread passes a routed op's barrier (sync_compute_or), after its reads of that copy.
+MK_DEV int routed_slot(const Op& o) {
+  return MISC_ROUTED + (FUSED_EXPERTS ? (o.layer & 1) : (o.kind == OP_EXPERT2 ? 1 : 0));
+}
+
 MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, bool rec) {
   volatile int* ops_done = b.misc + MISC_OPS_DONE;
   for (int i = first; i < first + nops; ++i) {
@@ -414,7 +423,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
     // signal and the op. One call site: the wait's code is inlined once.
     uint32_t pre = 0u;  // bit d: dependency d is satisfied from here (DepCache)
     // fused: the down projection follows gate/up of its layer on this block, which waited for
-    // the routing and left its slot count in MISC_NSLOTS (every block waits, with units or not)
+    // the routing and left its slot count in its routed_slot (every block waits, with units or not)
     const bool routed_here = FUSED_EXPERTS && o.kind == OP_EXPERT2 && b.wait;  // chain mode: a launch of its own
     if (is_dynamic(o.kind)) {
       if (stamp) t_route = now_ns();
@@ -428,17 +437,17 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
         if (lane() == 0 && d < o.n_deps && rec_d[1] == DEP_ALL) {
           const Seen w = wait_dep_seen(b, o, rec_d[0], DEP_ALL, 0, static_cast<uint32_t>(i * 16 + d));
           fail = !w.ok;
-          if (d == 0) b.misc[MISC_NSLOTS] = static_cast<int>(w.v >> ROUTE_SHIFT);
+          if (d == 0) b.misc[routed_slot(o)] = static_cast<int>(w.v >> ROUTE_SHIFT);
         }
 #pragma unroll
         for (int k = 0; k < MAX_DEPS; ++k)  // constant indices: `o` stays in registers
           if (k < o.n_deps && o.dep_mode[k] == DEP_ALL) pre |= 1u << k;
       } else if (tid() == 0) {
-        b.misc[MISC_NSLOTS] = ldg_cgi(routed_count(*b.p));  // chain mode: top-k's launch has ended
+        b.misc[routed_slot(o)] = ldg_cgi(routed_count(*b.p));  // chain mode: top-k's launch has ended
       }
       if (sync_compute_or(fail)) return;  // the routing is visible to every thread from here
     }
-    const int total = is_dynamic(o.kind) ? b.misc[MISC_NSLOTS] * slot_tiles(o.kind) : n_units(b, o);
+    const int total = is_dynamic(o.kind) ? b.misc[routed_slot(o)] * slot_tiles(o.kind) : n_units(b, o);
     const UnitRange r = my_units(o, total);
     bool first_unit = true;
     // thread 0's bookkeeping, and the op record its waits and signals read, live in shared
