@@ -189,7 +189,8 @@ ACCEPTANCE_SOURCE: dict[str, dict[str, str]] = {
         "tiny": "measured on tiny with the torch reference: 6.95 of 16 (16 prompts x 100 tokens), the named mean "
                 "6.6 +- 0.5; tests/test_model_spec.py measures it again on every run",
         "small": "measured on small with the torch reference: 6.92 of 16 (8 prompts x 64 tokens, 79 steps)",
-        "shard8": "small's value, not measured on shard8: its weights need a GPU (this run's own mean measures it)",
+        "shard8": "small's value; on shard8 only the device loop measures it (one GPU run, one prompt: "
+                  "reports/notes/acceptance-calibration.md; this run's own mean measures it again)",
     },
     "perfect": {p: "by construction: the drafter's successor table is the target's backbone" for p in
                 ("tiny", "small", "shard8")},
