@@ -141,6 +141,19 @@ class ABConfig:
 
 
 # ----------------------------------------------------------------------------- the verdict
+
+def print_report(rep, markdown: str | None, json_path: str | None) -> str:
+    """Print a gate report's markdown, and write it (markdown) and its JSON where asked
+    (atomically). Returns the markdown."""
+    md = rep.to_markdown()
+    print(md)
+    if markdown:
+        atomic.write_text(markdown, md)
+    if json_path:
+        atomic.write_json(json_path, rep.to_json())
+    return md
+
+
 def _bootstrap_median(d: np.ndarray, ci: float, seed: int = 0, n_boot: int = 2000) -> tuple[float, float]:
     if d.size < 2:
         return float(d[0]), float(d[0])
@@ -784,12 +797,7 @@ def cmd_ab(args) -> int:
         except ABGpuMismatch as e:
             print(f"megabench gate: refused: {e}", file=sys.stderr)
             return EXIT_GPU
-        md = rep.to_markdown()
-        print(md)
-        if args.markdown:
-            atomic.write_text(args.markdown, md)
-        if args.json:
-            atomic.write_json(args.json, rep.to_json())
+        md = print_report(rep, args.markdown, args.json)
         if args.out:
             p = rep.to_result().save(Path(args.out))
             atomic.write_text(p.with_name(p.name.split(".json")[0] + ".md"), md)

@@ -28,7 +28,7 @@ from microbench import gate as stored
 from microbench import kernel_gate as km
 from microbench.gate import (EXIT_GPU, EXIT_INPUT, EXIT_UNKNOWN, GateConfig, GpuMismatchError, compare, load_cross_run,
                              load_measurements)
-from microbench.gate_ab import ABConfig, cmd_ab, synthetic_specs
+from microbench.gate_ab import ABConfig, cmd_ab, print_report, synthetic_specs
 from microbench.gate_quality import ROUNDS, quality_run, run_analysis
 from microbench.kernel_gate import KernelThresholds, kernel_gate
 
@@ -134,12 +134,7 @@ def _cmd(args) -> int:
     if ignored:
         rep.notes.append(f"ignored {len(ignored)} JSON file(s) that are not performance results "
                          "(gate analyses, constants, other JSON)")
-    md = rep.to_markdown()
-    print(md)
-    if args.markdown:
-        atomic.write_text(args.markdown, md)
-    if args.json:
-        atomic.write_json(args.json, rep.to_json())
+    print_report(rep, args.markdown, args.json)
     code = rep.exit_code(args.allow_unknown)
     if code == EXIT_UNKNOWN:
         print("gate: some verdicts are unknown (no raw samples or too few); not a pass. Use --allow-unknown to "

@@ -106,3 +106,14 @@ def spec_decode(setup, mode: str, schedule: str, n: int, *, seed: int = 3, ranks
     pair = SpecPair(w, plan, dplan, [KVCache(cfg)], agree=speculative.agreement("study", "tiny"), backend="emu",
                     emu_schedule=schedule, emu_seed=seed, **({"ranks": ranks} if ranks > 1 else {}))
     return pair, decode(pair, prompts, n, mode, check=True, poison=True, plain=plain)
+
+
+def mutated_csrc(tmp_path, rel: str, old: str, new: str):
+    """A copy of the kernel's source tree with `old` replaced by `new` in csrc/`rel` (where it must
+    stand exactly once): the kernel of a mutation test (ab.kernel_tree builds from it)."""
+    d = tmp_path / "csrc"
+    shutil.copytree(CSRC, d)
+    f = d / rel
+    assert f.read_text().count(old) == 1, f"{rel} no longer has {old!r} once"
+    f.write_text(f.read_text().replace(old, new))
+    return d

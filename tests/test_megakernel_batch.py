@@ -6,7 +6,6 @@ chain at the random and adversarial schedules; each request agrees with the refe
 attention group waited for short) must make those checks fail."""
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -17,11 +16,11 @@ from megakernel.build import CSRC
 from megakernel.config import ConfigError, preset
 from megakernel.interp import Interpreter
 from megakernel.program import attn_span, attn_unit, build, group_size, n_units, splits, unit_group
-from megakernel.reference import Request, Trace
+from megakernel.reference import Trace
 from megakernel.roofline import batch_step_bytes, kv_row_bytes, step_bytes
 from megakernel.runtime import Engine, check_close
 
-from megakernel_cases import tiny
+from megakernel_cases import mutated_csrc, tiny
 
 # (T_r, ctx_r) per request: mixed trees and contexts, one at 0 and ones past tiny's window of 16
 SHAPES = {2: ((7, 0), (9, 40)), 3: ((1, 17), (8, 0), (4, 100)), 4: ((4, 3), (1, 0), (6, 64), (5, 20))}
@@ -30,12 +29,7 @@ MIX_SEED = 10  # megakernel.batch.mix's random mix of 3 requests (tiny: contexts
 
 def _tree(tmp_path, rel: str, old: str, new: str):
     """A copy of the kernel's source with `old` (once in csrc/`rel`) replaced by `new`."""
-    d = tmp_path / "csrc"
-    shutil.copytree(CSRC, d)
-    f = d / rel
-    assert f.read_text().count(old) == 1, f"{rel} no longer has {old!r} once"
-    f.write_text(f.read_text().replace(old, new))
-    return d
+    return mutated_csrc(tmp_path, rel, old, new)
 
 
 @pytest.mark.parametrize("b", [2, 3, 4, "mix"])

@@ -7,14 +7,12 @@ node's row). A mutated kernel whose compaction skips one accepted token must fai
 runs them)."""
 from __future__ import annotations
 
-import shutil
 
 import pytest
 
 from megakernel import ab, speculative
-from megakernel.build import CSRC
 from megakernel.decode import KV_ROW_TOL
-from megakernel_cases import spec_decode, spec_setup
+from megakernel_cases import mutated_csrc, spec_decode, spec_setup
 
 pytestmark = pytest.mark.slow
 
@@ -49,13 +47,7 @@ def test_speculative_decoding_is_plain_greedy_decoding(setup, mode, schedule):
 
 
 def test_the_check_fails_when_compaction_skips_an_accepted_token(setup, tmp_path):
-    rel, old, new = SKIP_ONE
-    d = tmp_path / "csrc"
-    shutil.copytree(CSRC, d)
-    f = d / rel
-    assert f.read_text().count(old) == 1, f"{rel} no longer has {old!r} once"
-    f.write_text(f.read_text().replace(old, new))
-    with ab.kernel_tree(d):
+    with ab.kernel_tree(mutated_csrc(tmp_path, *SKIP_ONE)):
         out = _decode(setup, "mega", "random", n=32)
     assert not out.check.ok
     assert out.check.kv_rel_err > 1.0  # another node's K/V at ctx + 2: not a near-tie

@@ -12,7 +12,6 @@ the CPU with synthetic data and torchrun replaced; its run is tests/gpu/'s."""
 from __future__ import annotations
 
 import copy
-import shutil
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ import torch
 from microbench.errors import MegabenchError
 
 from megakernel import abi, ab, speculative
-from megakernel.build import CSRC
 from megakernel.config import ConfigError, preset
 from megakernel.decode import KV_ROW_TOL, SpecPair
 from megakernel.draft import DraftConfig, draft_model_config
@@ -28,7 +26,7 @@ from megakernel.plan import make_plan
 from megakernel.ranks import RankEngine
 from megakernel.reference import KVCache
 from megakernel.weights import generate
-from megakernel_cases import spec_decode, spec_setup
+from megakernel_cases import mutated_csrc, spec_decode, spec_setup
 
 SLOW = pytest.mark.slow
 
@@ -77,13 +75,7 @@ def test_tp_speculative_decoding_is_plain_greedy_decoding(setup, mode, schedule)
 
 
 def _mutated(setup, tmp_path, edit):
-    rel, old, new = edit
-    d = tmp_path / "csrc"
-    shutil.copytree(CSRC, d)
-    f = d / rel
-    assert f.read_text().count(old) == 1, f"{rel} no longer has {old!r} once"
-    f.write_text(f.read_text().replace(old, new))
-    with ab.kernel_tree(d):
+    with ab.kernel_tree(mutated_csrc(tmp_path, *edit)):
         return _decode(setup, "mega", "random")
 
 

@@ -5,14 +5,12 @@ with the reference; mutations of the collectives fail the checks or trip named b
 profiled step's collective waits, where the ranks run, and the step command."""
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
 from megakernel import ab
-from megakernel.build import CSRC
 from megakernel.config import ConfigError, preset
 from megakernel.plan import OP, make_plan, max_tp_ranks
 from megakernel.program import DEP_ALL
@@ -24,7 +22,7 @@ from microbench.errors import CorrectnessError, SpinTimeoutError
 from microbench.results import Env
 from reports import build as report_build, cli as report_cli
 
-from megakernel_cases import reference_logits, step_inputs, tiny
+from megakernel_cases import mutated_csrc, reference_logits, step_inputs, tiny
 
 
 @pytest.mark.parametrize("ranks,mode,schedule", [(2, "mega", "random"), (2, "chain", "random"), (3, "mega", "rank"),
@@ -147,12 +145,7 @@ def test_tp_plans_refuse_what_cannot_shard(tiny):
 
 def kernel_with(tmp_path, rel: str, old: str, new: str):
     """A copy of the kernel's source tree with `old` replaced by `new` once in csrc/`rel`."""
-    tree_dir = tmp_path / "csrc"
-    shutil.copytree(CSRC, tree_dir)
-    f = tree_dir / rel
-    assert f.read_text().count(old) == 1, f"{rel} no longer has {old!r} once"
-    f.write_text(f.read_text().replace(old, new))
-    return tree_dir
+    return mutated_csrc(tmp_path, rel, old, new)
 
 
 def test_a_sentinel_never_reset_fails_the_check(tinytp, tmp_path):
