@@ -395,7 +395,7 @@ def test_decode_command_runs_its_ranks_under_torchrun(monkeypatch, capsys, tmp_p
     assert (a.preset, a.tokens, a.agree, a.seed, a.check, a.batch, a.mode) == ("tiny", 40, 0.5, 9, True, 1, "mega")
     for what in ("2 tensor-parallel ranks of the verifier: torchrun, one process per GPU", "a drafter in each process",
                  "accepted tokens/s:", "request 0: 40 tokens", "check: passed", "saved "):
-        assert what in out, what
+        assert what in out, (what, out)
     res = load(out.split("saved ")[-1].split()[0])
     assert res.series[0].params["where"] == "torchrun" and res.series[0].params["ranks"] == 2
     assert str(tmp_path) in out
