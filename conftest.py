@@ -215,9 +215,9 @@ def device_bench(benchmark, harness, request):
 @pytest.fixture(autouse=True)
 def _interned_space_intact():
     """Native code (the emulation's kernels, ctypes) writing outside its buffers can land in the
-    interpreter's own objects: the cached one-character string " " is one (print's separator
-    turned into NUL once, mid-suite). After every test: it is still a space, or the test that
-    broke it fails, named."""
+    interpreter's own objects, silently: the cached one-character string " " is one (print's
+    default separator). After every test it must still be a space, or the test that broke it
+    fails, named."""
     yield
     if ord(" ") != 32:
         pytest.fail(f"the interpreter's cached ' ' string now holds {ord(' ')}: native code wrote outside its buffers")
