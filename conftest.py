@@ -212,12 +212,18 @@ def device_bench(benchmark, harness, request):
     return run
 
 
+_ONE_BYTE = bytes(range(256))
+
+
 @pytest.fixture(autouse=True)
-def _interned_space_intact():
-    """Native code (the emulation's kernels, ctypes) writing outside its buffers can land in the
-    interpreter's own objects, silently: the cached one-character string " " is one (print's
-    default separator). After every test it must still be a space, or the test that broke it
-    fails, named."""
+def _shared_one_byte_objects_intact():
+    """The interpreter shares one object per one-byte bytes and per one-character str (b" " * 1 is
+    that object). Native code handed one as an output buffer (NVRTC's log, ctypes) writes into
+    every use of it in the process: b" " holding NUL turns print's separator into NUL wherever
+    text is encoded. After every test each must still hold its own value, or the test that broke
+    one fails, named."""
     yield
-    if ord(" ") != 32:
-        pytest.fail(f"the interpreter's cached ' ' string now holds {ord(' ')}: native code wrote outside its buffers")
+    bad = [i for i in range(256) if _ONE_BYTE[i:i + 1][0] != i or ord(chr(i)) != i]
+    if bad:
+        pytest.fail(f"the interpreter's shared one-byte objects of values {bad[:8]} no longer hold them: "
+                    "native code wrote into a buffer it did not own")

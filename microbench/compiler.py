@@ -315,15 +315,18 @@ def cuda_to_ptx(source: str, *, arch: str = DEFAULT_ARCH, defines: Mapping[str, 
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"ptxgen.cu", 0, [], [])
     try:
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        # NVRTC writes into the buffers it is given: they must be fresh and mutable. `b" " * n` is
+        # neither when n == 1 (an empty log is one NUL): it is the interpreter's shared b" ", and
+        # the NUL written into it turns print's separator into NUL wherever text is encoded.
         _, n = nvrtc.nvrtcGetProgramLogSize(prog)
-        logb = b" " * n
+        logb = bytearray(n)
         nvrtc.nvrtcGetProgramLog(prog, logb)
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise CompileError(f"NVRTC failed: {logb.decode(errors='replace')}")
+            raise CompileError("NVRTC failed: " + bytes(logb).rstrip(b"\0").decode(errors="replace"))
         _, n = nvrtc.nvrtcGetPTXSize(prog)
-        buf = b" " * n
+        buf = bytearray(n)
         nvrtc.nvrtcGetPTX(prog, buf)
-        return buf.rstrip(b"\0").decode()
+        return bytes(buf).rstrip(b"\0").decode()
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

@@ -106,6 +106,18 @@ def test_ptx_roundtrip_through_nvjitlink():
     assert "k" in mod.resources and mod.resources["k"].code_bytes > 0
 
 
+def test_ptx_generation_writes_only_its_own_buffers():
+    """NVRTC writes its log and PTX into the buffers cuda_to_ptx hands it. A source that compiles
+    cleanly has an empty log (one NUL): handed the interpreter's shared one-byte b" ", NVRTC
+    would write that NUL into every b" " of the process. The shared objects stay intact, and a
+    failing source's log still comes back in the error."""
+    one_byte = bytes(range(256))
+    cuda_to_ptx('extern "C" __global__ void k(int* x) { x[threadIdx.x] = threadIdx.x; }')
+    assert [i for i in range(256) if one_byte[i:i + 1][0] != i] == []
+    with pytest.raises(CompileError, match="undefined"):
+        cuda_to_ptx('extern "C" __global__ void k(int* x) { x[0] = undefined_thing; }')
+
+
 def test_racecheck_ring_probe_compiles_for_sm90a():
     """The ring-protocol probes compute-sanitizer runs on the GPU (microbench/sanitize) build here."""
     from pathlib import Path
