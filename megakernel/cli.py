@@ -331,6 +331,11 @@ def _step(a) -> int:
     return _step_batch(a)
 
 
+# --schedule picks the host emulation's fiber schedule; given for a run on GPUs it would be ignored
+_GPU_SCHEDULES = ("--schedule picks the host emulation's schedule, and this run is on the GPU, whose hardware "
+                  "schedules its blocks: drop --schedule (the emulation runs where there is no GPU)")
+
+
 def _step_batch(a) -> int:
     from .batch import check_batch, make_requests, mix, random_caches  # heavy: torch (megakernel.batch)
     from .plan import make_plan  # heavy: torch (megakernel.plan)
@@ -354,6 +359,8 @@ def _step_batch(a) -> int:
                 cfg.check_step(c, t)
             except ConfigError as e:
                 raise ConfigError(f"request {r}: {e}") from None
+        if a.schedule is not None and not why:
+            raise ConfigError(_GPU_SCHEDULES)
         rows = sum(t for t, _ in shape)
         if rows > cfg.max_tree:
             raise ConfigError(f"{batch} requests of {'+'.join(str(t) for t, _ in shape)} = {rows} token rows: a step "
@@ -378,14 +385,15 @@ def _step_batch(a) -> int:
         plan = plan_for(a.preset, tokens=rows)
     caches0 = random_caches(cfg, batch, a.seed, device=dev)
     reqs = make_requests(cfg, shape, a.seed)
-    kw = {"emu_schedule": a.schedule[0]} if backend == "emu" else {}
+    schedules = tuple(a.schedule or ("random", "last"))
+    kw = {"emu_schedule": schedules[0]} if backend == "emu" else {}
     out = Engine(w, plan, [c.clone() for c in caches0], backend=backend, **kw).step_batch(reqs, mode=a.mode)
     print(f"{a.preset}: {batch} request(s), {rows} rows, {a.mode} mode ({backend})")
     for r, (t, c) in enumerate(shape):
         print(f"  request {r}: T={t} ctx={c}: greedy tokens {out.request(r).tokens.tolist()}")
     if not a.check:
         return 0
-    res = check_batch(w, plan, caches0, reqs, backend=backend, schedules=tuple(a.schedule))
+    res = check_batch(w, plan, caches0, reqs, backend=backend, schedules=schedules)
     for line in res.lines():
         print("  " + line)
     print("check: " + ("passed" if res.ok else f"FAILED ({len(res.problems)} mismatches)"))
@@ -426,6 +434,9 @@ def _decode(a) -> int:
         print(f"decode: {e}", file=sys.stderr)
         return 2
     emulated = where == "emu" if where is not None else bool(why)
+    if a.schedule is not None and not emulated:
+        print(f"decode: {_GPU_SCHEDULES}", file=sys.stderr)
+        return 2
     if emulated and a.preset != "tiny":
         print(f"decode --preset {a.preset} needs a GPU ({why}); without one only tiny runs, in the host emulation"
               if why else f"decode --preset {a.preset} --where emu: the host emulation runs only tiny", file=sys.stderr)
@@ -479,7 +490,7 @@ def _decode(a) -> int:
         plan = plan_for(a.preset, tokens=cfg.max_tree, **tp)
         dplan = plan_for(dcfg, tokens=dcfg.max_tree - 1)
     pair = SpecPair(w, plan, dplan, [KVCache(cfg, device=dev) for _ in range(a.batch)], batch=a.batch, agree=agree,
-                    backend=backend, emu_schedule=a.schedule, ranks=a.ranks)
+                    backend=backend, emu_schedule=a.schedule or "random", ranks=a.ranks)
     prompts = prompts_for(cfg, a.batch, a.prompt_len, a.seed)
     verifier = f", the verifier {a.ranks} ranks" if a.ranks > 1 else ""
     print(f"{a.preset}: {a.batch} request(s) of a {pair.T}-token tree (branch depth {pair.branch_depth}), drafter "
@@ -577,9 +588,9 @@ def add_decode_parser(sub) -> None:
     s.add_argument("--seed", type=int, default=0, help="the prompts' seed")
     s.add_argument("--check", action="store_true", help="compare with plain greedy decoding (T=1 steps), token for "
                                                         "token and KV row for KV row; exit 1 when they differ")
-    s.add_argument("--schedule", default="random", choices=["random", "last", "block", "rank"],
-                   help="the emulation's schedule for mega launches (no GPU); rank: one rank of the verifier's "
-                        "starved (--ranks R)")
+    s.add_argument("--schedule", default=None, choices=["random", "last", "block", "rank"],
+                   help="the host emulation's schedule for mega launches (default random; the emulation only); rank: "
+                        "one rank of the verifier's starved (--ranks R)")
     s.add_argument("--json", default=None, metavar="PATH", help="also write the typed result (megakernel.decode) here")
     s.set_defaults(fn=_decode)
 
@@ -900,8 +911,9 @@ def add_tools(sub) -> None:
     s.add_argument("--seed", type=int, default=0, help="the mix's, the tokens' and the caches' seed")
     s.add_argument("--mode", default="mega", choices=["mega", "chain"])
     s.add_argument("--check", action="store_true", help="reference per request, B=1 equality, mega == chain")
-    s.add_argument("--schedule", nargs="+", default=["random", "last"], choices=["random", "last", "block"],
-                   help="emulated mega schedules the check runs (the first also runs the printed step)")
+    s.add_argument("--schedule", nargs="+", default=None, choices=["random", "last", "block"],
+                   help="emulated mega schedules the check runs (the first also runs the printed step; default random "
+                        "last); the host emulation only")
     # tensor parallelism (megakernel/ranks.py step_ranks): --ranks picks these steps
     s.add_argument("--ranks", type=int, default=None, help="tensor-parallel ranks (1, 2, 4 or 8): the TP build's "
                                                            "steps (--tokens default 8, --ctx 40)")

@@ -227,6 +227,25 @@ def test_mk_step_command_checks_a_batch_in_the_emulation(capsys):
     assert "17 token rows" in capsys.readouterr().err
 
 
+def test_schedule_options_are_refused_for_a_run_on_the_gpu(monkeypatch, capsys):
+    """--schedule picks the host emulation's fiber schedule. `mk step` and `decode` on a GPU would
+    ignore it, so they refuse it by name (exit 2) before building anything; without it they go on."""
+    from megakernel import cli
+    from reports.cli import main
+
+    monkeypatch.setattr(cli, "no_gpu_reason", lambda: None)
+    built = []
+    monkeypatch.setattr("megakernel.bench_baselines.weights_for", lambda *a, **k: built.append(a) or 1 / 0)
+    assert cli.main(["step", "--preset", "tiny", "--batch", "2", "--schedule", "last"]) == 2
+    assert "--schedule picks the host emulation's schedule" in capsys.readouterr().err
+    assert main(["decode", "--preset", "tiny", "--tokens", "8", "--schedule", "block"]) == 2
+    assert "--schedule picks the host emulation's schedule" in capsys.readouterr().err
+    assert built == []
+    with pytest.raises(ZeroDivisionError):  # without --schedule the step goes on to the GPU's weights
+        cli.main(["step", "--preset", "tiny", "--batch", "2"])
+    assert len(built) == 1
+
+
 def test_mk_step_command_exits_1_on_a_mismatch(monkeypatch, capsys):
     """A batched step whose request 1 differs from its own B=1 step (its logits nudged here) fails
     the command's check with exit 1."""
