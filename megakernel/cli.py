@@ -321,6 +321,10 @@ def _step(a) -> int:
             print(f"step: --ranks with {', '.join(extra)}: batched steps of the tensor-parallel build are not built",
                   file=sys.stderr)
             return 2
+        if a.schedule is not None:
+            print("step: --ranks with --schedule: the tensor-parallel steps run the emulation's random schedule "
+                  "(`megabench decode --ranks R --schedule rank` starves one rank)", file=sys.stderr)
+            return 2
         return _step_ranks(a)
     tp_only = [f for f, v in (("--steps", a.steps != 1), ("--expert-parallel", a.expert_parallel), ("--where", a.where),
                               ("--profile", a.profile), ("--save", a.save is not None)) if v]

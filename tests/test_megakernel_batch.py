@@ -229,7 +229,8 @@ def test_mk_step_command_checks_a_batch_in_the_emulation(capsys):
 
 def test_schedule_options_are_refused_for_a_run_on_the_gpu(monkeypatch, capsys):
     """--schedule picks the host emulation's fiber schedule. `mk step` and `decode` on a GPU would
-    ignore it, so they refuse it by name (exit 2) before building anything; without it they go on."""
+    ignore it, as would the tensor-parallel steps (`mk step --ranks R`), so they refuse it by name
+    (exit 2) before building anything; without it they go on."""
     from megakernel import cli
     from reports.cli import main
 
@@ -240,6 +241,8 @@ def test_schedule_options_are_refused_for_a_run_on_the_gpu(monkeypatch, capsys):
     assert "--schedule picks the host emulation's schedule" in capsys.readouterr().err
     assert main(["decode", "--preset", "tiny", "--tokens", "8", "--schedule", "block"]) == 2
     assert "--schedule picks the host emulation's schedule" in capsys.readouterr().err
+    assert main(["mk", "step", "--ranks", "2", "--schedule", "last"]) == 2  # not taken by the rank steps either
+    assert "--ranks with --schedule" in capsys.readouterr().err
     assert built == []
     with pytest.raises(ZeroDivisionError):  # without --schedule the step goes on to the GPU's weights
         cli.main(["step", "--preset", "tiny", "--batch", "2"])
