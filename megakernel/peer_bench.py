@@ -606,10 +606,11 @@ def compile_report(log=print) -> list[dict]:
     route_sig = {"logits_ptr": ptr("fp32"), "ld": "i32", "forced_ptr": ptr("i32"), "forced": "i32",
                  "ids_ptr": ptr("i32"), "w_ptr": ptr("fp32"), "sorted_ptr": ptr("i32"), "bexp_ptr": ptr("i32"),
                  "nblk_ptr": ptr("i32"), "T": "i32", "E": "i32", "max_blocks": "i32"}
-    for t in (1, 16):
+    for t in (1, 16, 128):  # 128: a batch of 8 requests of 16 rows (peer.BatchPeerRunner)
+        tc, pc = min(K.ROUTE_ROWS, K._p2(max(t, 2))), min(K.ROUTE_PAIRS, K._p2(max(2, 8 * t)))
         jobs.append((f"route T={t}", K._route_kernel, route_sig,
-                     {"K": 8, "KP": 8, "TP": K._p2(max(t, 2)), "EP": 256, "PP": K._p2(max(2, 8 * t)), "BM": K.BLOCK_M,
-                      "MAXJ": 1, "FILL": 256}, 4, 3, aligned(route_sig)))
+                     {"K": 8, "KP": 8, "TC": tc, "NTC": -(-t // tc), "EP": 256, "PC": pc, "NPC": -(-8 * t // pc),
+                      "BM": K.BLOCK_M, "MAXJ": -(-t // K.BLOCK_M), "FILL": 256}, 4, 3, aligned(route_sig)))
     comb_sig = {"o_ptr": ptr("fp32"), "ml_ptr": ptr("fp32"), "out_ptr": ptr("bf16"), "n_splits": "i32",
                 "rows_pad": "i32"}
     jobs.append(("attn_combine", K._attn_combine_kernel, comb_sig, {"G": 8, "HKV": 1, "HD": 128, "NS": 64}, 4, 3,
