@@ -48,7 +48,7 @@ from microbench.errors import CorrectnessError
 from . import tree as treelib
 from .baselines import _prepare_dynamo, capture_graph, first_run_s, out_dtype_supported, route_agreement, step_tokens
 from .config import ConfigError, ModelConfig
-from .reference import KVCache
+from .reference import KVCache, Request
 from .roofline import kv_row_bytes, kv_rows_read
 from .runtime import check_close
 from .weights import BF16, ModelWeights
@@ -527,6 +527,47 @@ class PeerRunner:
         return self.compile_s
 
 
+class BatchPeerRunner(PeerRunner):
+    """The peer's step over B requests (the contract of reference.step_batch): request r has its
+    own tree (parents[r], T_r tokens), its own context and read bound and its own KVCache; the
+    step's rows are the requests' trees concatenated (rows = sum T_r, no tile limit: whatever fits
+    memory). The norms, the dense GEMMs (qkv, o-proj, router+pool, unpool, lm_head) and the fused
+    MoE (route, moe_up, moe_down, combine) run once over all rows, so the experts read are the
+    union over the batch; RoPE + the KV write and attention: one launch per request over its rows.
+
+        r = BatchPeerRunner(m, caches, [q.parents for q in reqs], r_read=[q.ctx for q in reqs], forced=True)
+        r.set_requests(reqs, routes)       # routes: per layer [rows, top_k]; logits = r.run()  [rows, V]
+    """
+
+    def __init__(self, model: PeerModel, caches: Sequence[KVCache], parents: Sequence[Sequence[int]], *,
+                 r_read, forced: bool, small_ops: str = "triton", compile: bool = False, n_sm: int = 132):
+        caches, parents = list(caches), list(parents)
+        if parents and not all(isinstance(p, Sequence) and not isinstance(p, (str, bytes)) for p in parents):
+            raise ConfigError("parents: one parent list per request (a list of lists)")
+        r_reads = [r_read] * len(parents) if isinstance(r_read, (int, np.integer)) else list(r_read)
+        self._setup(model, caches, parents, r_reads, forced, small_ops, compile, n_sm)
+        self.caches = [rq.cache for rq in self.requests]
+        self.row0 = [rq.rows.start for rq in self.requests] + [self.n_tokens]
+
+    def set_inputs(self, tokens: Sequence, ctxs: Sequence[int], routes: Sequence[torch.Tensor] | None = None) -> None:
+        """tokens[r]: request r's T_r token ids; ctxs[r]: its context; routes (forced runners):
+        per layer [rows, top_k] over the batch's rows in request order."""
+        self._set_inputs(list(tokens), list(ctxs), routes)
+
+    def set_requests(self, requests: Sequence[Request], routes: Sequence[torch.Tensor] | None = None) -> None:
+        """set_inputs from reference.Request objects, whose trees must be this runner's."""
+        requests = list(requests)
+        if len(requests) != self.n_requests:
+            raise ConfigError(f"{len(requests)} requests for a runner of {self.n_requests}")
+        for i, (q, rq) in enumerate(zip(requests, self.requests)):
+            if list(q.parents) != rq.parents:
+                raise ConfigError(f"request {i}: its tree is not the one this runner was built for")
+        self._set_inputs([q.tokens for q in requests], [int(q.ctx) for q in requests], routes)
+
+    def request_logits(self, logits: torch.Tensor, r: int) -> torch.Tensor:
+        return logits[self.requests[r].rows]
+
+
 class StepGraph:
     """One CUDA graph of a runner's whole step (warm-up x3 on a side stream, capture, replay)."""
 
@@ -556,24 +597,22 @@ class PeerCheck:
                 + ("" if self.routes_equal else " (routing differs from the reference's: see the note)"))
 
 
-def check_step(runner: PeerRunner, logits: torch.Tensor, cache: KVCache, ref_logits: torch.Tensor,
-               ref_cache: KVCache, what: str, rel: float, ref_routes: Sequence[torch.Tensor] | None = None) -> PeerCheck:
-    """The megakernel's bound (runtime.check_close) on the logits and on every layer's K and V
-    cache. With real routing (ref_routes: the reference's own top-k per layer), a routing that
-    differs from the reference's (a near tie flipped by rounding) limits the check to what the
-    difference cannot reach: the layers before the first differing one (KV) and the tokens whose
-    routes, and their ancestors', agree everywhere (logits); CorrectnessError if none is left."""
+def _check_request(what: str, parents, got_routes, logits, cache: KVCache, ref_logits, ref_cache: KVCache, rel: float,
+                   ref_routes) -> PeerCheck:
+    """One request's check (check_step's docstring); got_routes / ref_routes: per layer [T, k]
+    of this request's rows (ref_routes None: forced routing, nothing to compare)."""
+    n_layers = len(got_routes)
     same = True
-    first_diff = runner.cfg.n_layers
+    first_diff = n_layers
     if ref_routes is not None:
-        got = [runner.routes[l].long().cpu() for l in range(runner.cfg.n_layers)]
+        got = [g.long().cpu() for g in got_routes]
         for l, (a, b) in enumerate(zip(got, ref_routes)):
             if not torch.equal(a.sort(dim=-1).values, b.long().cpu().sort(dim=-1).values):
                 same, first_diff = False, l
                 break
     rows = slice(None)
     if not same:
-        agree = route_agreement(runner.parents, got, [r.cpu() for r in ref_routes])
+        agree = route_agreement(parents, got, [r.cpu() for r in ref_routes])
         if not bool(agree.any()):
             raise CorrectnessError(f"{what}: real routing differs from the reference's at layer {first_diff} for "
                                    "every token: nothing left to compare")
@@ -584,6 +623,43 @@ def check_step(runner: PeerRunner, logits: torch.Tensor, cache: KVCache, ref_log
         for name, a, b in (("K", cache.k[l], ref_cache.k[l]), ("V", cache.v[l], ref_cache.v[l])):
             kv = max(kv, check_close(a, b, f"{what}: peer vs reference ({name} cache of layer {l})", rel=rel))
     return PeerCheck(what, err, kv, same)
+
+
+def check_step(runner: PeerRunner, logits: torch.Tensor, cache: KVCache, ref_logits: torch.Tensor,
+               ref_cache: KVCache, what: str, rel: float, ref_routes: Sequence[torch.Tensor] | None = None) -> PeerCheck:
+    """The megakernel's bound (runtime.check_close) on the logits and on every layer's K and V
+    cache. With real routing (ref_routes: the reference's own top-k per layer), a routing that
+    differs from the reference's (a near tie flipped by rounding) limits the check to what the
+    difference cannot reach: the layers before the first differing one (KV) and the tokens whose
+    routes, and their ancestors', agree everywhere (logits); CorrectnessError if none is left.
+    One request; check_batch_step for a BatchPeerRunner."""
+    if runner.n_requests != 1:
+        raise ConfigError(f"check_step checks one request; this runner has {runner.n_requests}: check_batch_step")
+    return _check_request(what, runner.requests[0].parents, [runner.routes[l] for l in range(runner.cfg.n_layers)],
+                          logits, cache, ref_logits, ref_cache, rel, ref_routes)
+
+
+def check_batch_step(runner: PeerRunner, logits: torch.Tensor, caches: Sequence[KVCache], ref_logits: torch.Tensor,
+                     ref_caches: Sequence[KVCache], what: str, rel: float,
+                     ref_routes: Sequence[torch.Tensor] | None = None) -> list[PeerCheck]:
+    """check_step per request of a batched step: request r's rows of the logits against the
+    reference's (reference.step_batch: [rows, V] in request order), its cache caches[r] against
+    ref_caches[r], each layer, and with real routing (ref_routes: per layer [rows, k]) the near-tie
+    rule on its own rows and tree. Raises on the first request that fails, naming it."""
+    n = runner.n_requests
+    if len(caches) != n or len(ref_caches) != n:
+        raise ConfigError(f"{len(caches)} caches and {len(ref_caches)} reference caches for {n} requests")
+    if logits.shape[0] != runner.n_tokens or ref_logits.shape[0] != runner.n_tokens:
+        raise ConfigError(f"logits of {logits.shape[0]} rows, reference's {ref_logits.shape[0]}: the step has "
+                          f"{runner.n_tokens}")
+    out = []
+    for r, rq in enumerate(runner.requests):
+        rows = rq.rows
+        out.append(_check_request(
+            f"{what} request {r}", rq.parents, [runner.routes[l][rows] for l in range(runner.cfg.n_layers)],
+            logits[rows], caches[r], ref_logits[rows], ref_caches[r], rel,
+            None if ref_routes is None else [x[rows] for x in ref_routes]))
+    return out
 
 
 def route_tie_gap(ref_router_logits: torch.Tensor, routes: torch.Tensor) -> float:
