@@ -14,6 +14,11 @@ schedule given).
 Rows: the requests' trees are concatenated into at most T_MAX = 16 rows, one m16 tile of tokens in
 every GEMM: B = 1..16 at T = 1, B = 2 at T <= 8, B = 4 at T <= 4, B = 8 at T <= 2. More rows would
 need a second token tile in every GEMM, which is not built (Engine refuses them, naming B x T).
+
+The peer at the same B (peer.BatchPeerRunner, timed by peer_bench.peer_batch_point on this
+module's batch_context): norms, dense GEMMs and the fused MoE once over all rows, RoPE + KV write
+and attention one launch per request; no tile limit; checked per request against the reference
+(logits and KV caches within REL_TOL; not bitwise its B=1 step, its GEMMs run over other row counts).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The peer baseline: one decode/verify step at batch 1 on Hopper from a serving engine's generic
-pieces. Not what a serving engine runs for NVFP4 experts on Hopper (a Marlin-class MoE kernel:
+"""The peer baseline: one decode/verify step on Hopper from a serving engine's generic pieces, for
+one request (PeerRunner) or B requests a step (BatchPeerRunner). Not what a serving engine runs for NVFP4 experts on Hopper (a Marlin-class MoE kernel:
 reports/notes/peer-baseline.md). Built from:
   - experts: a Triton fused-MoE in the style of vLLM's generic Triton fused-MoE kernel
     (peer_kernels.moe_up / moe_down) that touches only the routed experts and dequantises NVFP4
@@ -15,6 +15,17 @@ reports/notes/peer-baseline.md). Built from:
   - the whole step captured in ONE CUDA graph (`StepGraph`); positions, the context and the tree
     come from device buffers, so one capture serves any context up to its read bound.
 
+B requests a step (BatchPeerRunner; the contract of reference.step_batch: each request its own
+tree, context and KVCache, rows concatenated, any number of rows that fits memory):
+  - norms, dense GEMMs (qkv, o-proj, router+pool, unpool, lm_head) and the fused MoE (route,
+    moe_up, moe_down, combine): one launch each over all the batch's rows (the experts read are
+    the union over the batch: the sorted ids group every request's pairs by expert);
+  - RoPE + KV write: one launch per request over its rows (its context, its cache);
+  - attention: one launch (partial + combine) per request over its rows (its context, its tree
+    mask, its cache), the requests' launches in order on one stream sharing one scratch.
+Each request agrees with its B=1 step within the bound, not bitwise: the dense GEMMs run over
+another row count. B = 1 is the single-request step.
+
 Two flavours of the small ops: "triton" (the kernels above: the peer) and "torch" (the same
 maths as torch expressions, for `compile=True`: torch.compile of the peer's torch parts, mode
 "max-autotune-no-cudagraphs", because the step is already one CUDA graph of ours; inductor's
@@ -29,6 +40,8 @@ everywhere. Validated with runtime.check_close at the megakernel's bound (plans.
     r = PeerRunner(m, cache, parents, r_read=ctx, forced=True)
     r.set_inputs(tokens, ctx, routes); logits = r.run()          # un-graphed
     g = StepGraph(r); g.replay()                                  # the timed form
+    rb = BatchPeerRunner(m, caches, [q.parents for q in reqs], r_read=[q.ctx for q in reqs], forced=True)
+    rb.set_requests(reqs, routes); logits = rb.run()              # [sum T_r, V]; check_batch_step
 """
 from __future__ import annotations
 

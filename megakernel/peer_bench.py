@@ -35,7 +35,9 @@ mega's speed-up over each other row at the same point and routing.
 
 In `megabench run` (megakernel.pipeline.PEERS), within its time budget: `peer_point` (the peer's
 step, block sizes from the newest megakernel.peer sweep) and chain_nopdl at every timed point,
-saved in megakernel.step beside chain (now with PDL) and mega.
+saved in megakernel.step beside chain (now with PDL) and mega; at the batched points
+(megakernel.pipeline.BATCH_PEERS, full runs or --batches) `peer_batch_point`: the peer at B
+requests a step (peer.BatchPeerRunner) beside batch.bench_batch_point's mega and chain.
 """
 from __future__ import annotations
 
