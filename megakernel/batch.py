@@ -14,6 +14,11 @@ schedule given).
 Rows: the requests' trees are concatenated into at most T_MAX = 16 rows, one m16 tile of tokens in
 every GEMM: B = 1..16 at T = 1, B = 2 at T <= 8, B = 4 at T <= 4, B = 8 at T <= 2. More rows would
 need a second token tile in every GEMM, which is not built (Engine refuses them, naming B x T).
+
+The peer at the same B (peer.BatchPeerRunner, timed by peer_bench.peer_batch_point on this
+module's batch_context): norms, dense GEMMs and the fused MoE once over all rows, RoPE + KV write
+and attention one launch per request; no tile limit; checked per request against the reference
+(logits and KV caches within REL_TOL; not bitwise its B=1 step, its GEMMs run over other row counts).
 """
 from __future__ import annotations
 
@@ -27,8 +32,8 @@ import torch
 from microbench.errors import CorrectnessError
 from microbench.results import Bound, Series
 
-from . import reference, tree
-from .bench_baselines import DEVICE, study_like_distinct, weights_for
+from . import bench_baselines, reference, tree
+from .bench_baselines import study_like_distinct, weights_for
 from .config import ConfigError, ModelConfig
 from .kernel_count import count_kernels
 from .measure import graph_of
@@ -187,6 +192,7 @@ class BatchContext:
     routes: list[torch.Tensor]  # per layer [rows, top_k] on the GPU: every request's synthetic routing
     distinct: list[int]  # per layer: the union of the batch's experts
     ref_logits: torch.Tensor  # [rows, V]: reference.step_batch with that routing
+    ref_caches: list[KVCache]  # each request's cache after that reference step (the peer's KV check)
 
 
 _CONTEXTS: dict = {}
@@ -206,11 +212,23 @@ def batch_context(preset: str, batch: int, tokens: int, ctx: int, seed: int = 0)
         for r in range(batch):
             g = torch.Generator().manual_seed(seed + 7919 * r + 1000 * tokens + ctx)
             per.append(synthetic_routes(cfg, tokens, study_like_distinct(cfg, tokens), g))
-        routes = [torch.cat([p[l] for p in per]).to(DEVICE) for l in range(cfg.n_layers)]
-        caches0 = random_caches(cfg, batch, seed, device=DEVICE)
-        ref = reference.step_batch(w, [c.clone() for c in caches0], reqs, routes=routes)
-        _CONTEXTS[key] = BatchContext(preset, shape, reqs, caches0, routes, distinct_per_layer(routes), ref)
+        dev = bench_baselines.DEVICE  # read at the call: the CPU dry runs set "cpu"
+        routes = [torch.cat([p[l] for p in per]).to(dev) for l in range(cfg.n_layers)]
+        caches0 = random_caches(cfg, batch, seed, device=dev)
+        ref_caches = [c.clone() for c in caches0]
+        ref = reference.step_batch(w, ref_caches, reqs, routes=routes)
+        _CONTEXTS[key] = BatchContext(preset, shape, reqs, caches0, routes, distinct_per_layer(routes), ref, ref_caches)
     return _CONTEXTS[key]
+
+
+def release(preset: str | None = None) -> None:
+    """Forget the batch contexts of a preset (all when None): their caches, the reference's caches
+    and logits go with the next collection (bench_baselines.release calls this)."""
+    for k in [k for k in _CONTEXTS if preset is None or k[0] == preset]:
+        del _CONTEXTS[k]
+
+
+bench_baselines.RELEASE_HOOKS.append(release)  # bench_baselines.release frees the batch contexts too
 
 
 def batch_series_name(preset: str, batch: int, tokens: int, ctx: int, impl: str) -> str:

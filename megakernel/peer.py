@@ -1,5 +1,5 @@
-"""The peer baseline: one decode/verify step at batch 1 on Hopper from a serving engine's generic
-pieces. Not what a serving engine runs for NVFP4 experts on Hopper (a Marlin-class MoE kernel:
+"""The peer baseline: one decode/verify step on Hopper from a serving engine's generic pieces, for
+one request (PeerRunner) or B requests a step (BatchPeerRunner). Not what a serving engine runs for NVFP4 experts on Hopper (a Marlin-class MoE kernel:
 reports/notes/peer-baseline.md). Built from:
   - experts: a Triton fused-MoE in the style of vLLM's generic Triton fused-MoE kernel
     (peer_kernels.moe_up / moe_down) that touches only the routed experts and dequantises NVFP4
@@ -15,6 +15,17 @@ reports/notes/peer-baseline.md). Built from:
   - the whole step captured in ONE CUDA graph (`StepGraph`); positions, the context and the tree
     come from device buffers, so one capture serves any context up to its read bound.
 
+B requests a step (BatchPeerRunner; the contract of reference.step_batch: each request its own
+tree, context and KVCache, rows concatenated, any number of rows that fits memory):
+  - norms, dense GEMMs (qkv, o-proj, router+pool, unpool, lm_head) and the fused MoE (route,
+    moe_up, moe_down, combine): one launch each over all the batch's rows (the experts read are
+    the union over the batch: the sorted ids group every request's pairs by expert);
+  - RoPE + KV write: one launch per request over its rows (its context, its cache);
+  - attention: one launch (partial + combine) per request over its rows (its context, its tree
+    mask, its cache), the requests' launches in order on one stream sharing one scratch.
+Each request agrees with its B=1 step within the bound, not bitwise: the dense GEMMs run over
+another row count. B = 1 is the single-request step.
+
 Two flavours of the small ops: "triton" (the kernels above: the peer) and "torch" (the same
 maths as torch expressions, for `compile=True`: torch.compile of the peer's torch parts, mode
 "max-autotune-no-cudagraphs", because the step is already one CUDA graph of ours; inductor's
@@ -29,6 +40,8 @@ everywhere. Validated with runtime.check_close at the megakernel's bound (plans.
     r = PeerRunner(m, cache, parents, r_read=ctx, forced=True)
     r.set_inputs(tokens, ctx, routes); logits = r.run()          # un-graphed
     g = StepGraph(r); g.replay()                                  # the timed form
+    rb = BatchPeerRunner(m, caches, [q.parents for q in reqs], r_read=[q.ctx for q in reqs], forced=True)
+    rb.set_requests(reqs, routes); logits = rb.run()              # [sum T_r, V]; check_batch_step
 """
 from __future__ import annotations
 
@@ -48,7 +61,7 @@ from microbench.errors import CorrectnessError
 from . import tree as treelib
 from .baselines import _prepare_dynamo, capture_graph, first_run_s, out_dtype_supported, route_agreement, step_tokens
 from .config import ConfigError, ModelConfig
-from .reference import KVCache
+from .reference import KVCache, Request
 from .roofline import kv_row_bytes, kv_rows_read
 from .runtime import check_close
 from .weights import BF16, ModelWeights
@@ -215,43 +228,84 @@ def _torch_combine(y, w, t, k):
 
 
 # ---------------------------------------------------------------------- one step
+@dataclass(eq=False)
+class PeerRequest:
+    """One request of a runner's step: its cache, its tree, its read bound, its rows of the step
+    (rows: a slice of every [rows, ...] buffer) and its device views (ctx_t [1], depth_t / anc_t
+    [T_r] int32: slices of the runner's buffers), and its attention's split configs."""
+    cache: KVCache
+    parents: list[int]
+    r_read: int
+    rows: slice
+    ctx_t: torch.Tensor
+    depth_t: torch.Tensor
+    anc_t: torch.Tensor
+    ar_t: torch.Tensor
+    attn_cfg: dict
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.parents)
+
+
 class PeerRunner:
     """Static buffers and the step for one tree shape and read bound. set_inputs() (outside any
     graph) fills the inputs; run() only enqueues device work and returns the logits [T, V] fp32
     (inside a captured graph: the graph's output tensor). forced: routes come from set_inputs
     (the timed points' synthetic routing) instead of top-k; routes[l] after a step holds the
-    routing each layer used."""
+    routing each layer used. BatchPeerRunner: the same step over B requests."""
 
     def __init__(self, model: PeerModel, cache: KVCache, parents: Sequence[int], *, r_read: int, forced: bool,
                  small_ops: str = "triton", compile: bool = False, n_sm: int = 132):
+        self._setup(model, [cache], [parents], [r_read], forced, small_ops, compile, n_sm)
+        rq = self.requests[0]
+        self.cache, self.parents, self.r_read = rq.cache, rq.parents, rq.r_read
+
+    def _setup(self, model: PeerModel, caches: Sequence[KVCache], trees: Sequence[Sequence[int]],
+               r_reads: Sequence[int], forced: bool, small_ops: str, compile: bool, n_sm: int) -> None:
         K = _kernels()
         cfg = model.cfg
-        if cache.cfg != cfg:
-            raise ConfigError(f"KV cache is for {cache.cfg.name}, weights for {cfg.name}")
+        if not len(caches) == len(trees) == len(r_reads) >= 1:
+            raise ConfigError(f"{len(caches)} caches, {len(trees)} trees and {len(r_reads)} read bounds: want one of "
+                              "each per request, at least one request")
+        for i, cache in enumerate(caches):
+            if not isinstance(cache, KVCache):
+                raise ConfigError(f"request {i}: cache must be a reference.KVCache, got {type(cache).__name__}")
+            if cache.cfg != cfg:
+                raise ConfigError(f"KV cache is for {cache.cfg.name}, weights for {cfg.name}"
+                                  + (f" (request {i})" if len(caches) > 1 else ""))
+            if any(cache is c for c in caches[:i]):  # two requests writing one cache: each step's rows collide
+                raise ConfigError(f"requests {next(j for j in range(i) if caches[j] is cache)} and {i} share one KV "
+                                  "cache: each request needs its own")
         if small_ops not in ("triton", "torch"):
             raise ConfigError(f"small_ops {small_ops!r}: 'triton' or 'torch'")
         if compile and small_ops != "torch":
             raise ConfigError("compile=True compiles the torch flavour (small_ops='torch')")
-        self.parents = treelib.validate(parents)
-        t = len(self.parents)
-        if not 1 <= t <= cfg.max_tree:
-            raise ConfigError(f"{t} tree tokens; {cfg.name} verifies 1..{cfg.max_tree}")
-        if not 0 <= r_read <= cfg.max_context - t:
-            raise ConfigError(f"read bound {r_read} outside 0..{cfg.max_context - t}")
-        self.model, self.cfg, self.cache, self.n_tokens, self.r_read = model, cfg, cache, t, r_read
+        who = (lambda i: f"request {i}: ") if len(caches) > 1 else (lambda i: "")  # noqa: E731
+        trees = [treelib.validate(p) for p in trees]
+        for i, (pa, rr) in enumerate(zip(trees, r_reads)):
+            t = len(pa)
+            if not 1 <= t <= cfg.max_tree:
+                raise ConfigError(f"{who(i)}{t} tree tokens; {cfg.name} verifies 1..{cfg.max_tree}")
+            if not isinstance(rr, (int, np.integer)) or not 0 <= rr <= cfg.max_context - t:
+                raise ConfigError(f"{who(i)}read bound {rr} outside 0..{cfg.max_context - t}")
+        t = sum(len(pa) for pa in trees)  # the step's rows: the requests' trees concatenated
+        self.model, self.cfg, self.n_tokens = model, cfg, t
         self.forced, self.small_ops, self.compiled = forced, small_ops, compile
         self._K = _opaque_kernels() if compile else _kernels()  # the layer's launchers (see _opaque_kernels)
         dev = model.w.device
         self.device = dev
         i32 = dict(dtype=torch.int32, device=dev)
-        depth = treelib.depths(self.parents)
-        anc = treelib.ancestor_mask(self.parents)
+        depth, anc_bits = [], []
+        for pa in trees:
+            anc = treelib.ancestor_mask(pa)
+            depth += treelib.depths(pa)
+            anc_bits += [sum(1 << j for j in range(len(pa)) if anc[i, j]) for i in range(len(pa))]
         self.depth = depth
         self.tokens_t = torch.zeros(t, dtype=torch.long, device=dev)
-        self.ctx_t = torch.zeros(1, **i32)
+        self.ctx_t = torch.zeros(len(trees), **i32)  # request r's context at [r]
         self.depth_t = torch.tensor(depth, **i32)
-        self.anc_t = torch.tensor([sum(1 << j for j in range(t) if anc[i, j]) for i in range(t)], **i32)
-        self.ar_t = torch.arange(t, device=dev)
+        self.anc_t = torch.tensor(anc_bits, **i32)  # bit j: the request's own tree token j (its rows' ancestors)
         self.routes_in = torch.zeros(cfg.n_layers, t, cfg.top_k, **i32)
         self.routes = torch.zeros(cfg.n_layers, t, cfg.top_k, **i32)  # what each layer used
         self.route_w = torch.zeros(cfg.n_layers, t, cfg.top_k, dtype=torch.float32, device=dev)
@@ -269,12 +323,22 @@ class PeerRunner:
         self.act = torch.zeros(n_pairs, cfg.d_expert, dtype=BF16, device=dev)
         self.y = torch.zeros(n_pairs, cfg.d_pool, dtype=BF16, device=dev)
         self.z = torch.zeros(t, cfg.d_pool, dtype=BF16, device=dev)
-        rows = t * cfg.group
-        self.attn_cfg = {g: K.attn_config(self.n_read(g), rows, cfg.n_kv_heads, n_sm) for g in (True, False)}
-        part = max(c.n_splits * (-(-rows // c.block_q)) * c.block_q for c in self.attn_cfg.values())
+        self.requests: list[PeerRequest] = []
+        row = 0
+        for i, (cache, pa, rr) in enumerate(zip(caches, trees, r_reads)):
+            tr, rows = len(pa), slice(row, row + len(pa))
+            attn_cfg = {g: K.attn_config(self._n_read(g, int(rr), tr), tr * cfg.group, cfg.n_kv_heads, n_sm)
+                        for g in (True, False)}
+            self.requests.append(PeerRequest(cache, pa, int(rr), rows, self.ctx_t[i:i + 1], self.depth_t[rows],
+                                             self.anc_t[rows], torch.arange(tr, device=dev), attn_cfg))
+            row += tr
+        # the attention scratch: one request's launch at a time (the launches of one stream run in order)
+        part = max(c.n_splits * (-(-(rq.n_tokens * cfg.group) // c.block_q)) * c.block_q
+                   for rq in self.requests for c in rq.attn_cfg.values())
+        self.attn_cfg = self.requests[0].attn_cfg
         self.o_part = torch.zeros(cfg.n_kv_heads * part * cfg.head_dim, **f32)
         self.ml_part = torch.zeros(cfg.n_kv_heads * part * 2, **f32)
-        self.ctx: int | None = None
+        self.ctxs: list[int] | None = None
         self.profiling: str | None = None  # kernel_times: "cupti" (profiler ranges) | "cuda_event" (events per op)
         self.op_events: list = []
         self.keep_rpo: dict | None = None  # set to {} to keep each layer's router/pool output (tune_moe)
@@ -283,21 +347,52 @@ class PeerRunner:
         if compile:
             self._compile()
 
+    @property
+    def n_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def ctx(self):
+        """The context set_inputs gave (None before): an int for one request, a tuple for a batch."""
+        if self.ctxs is None:
+            return None
+        return self.ctxs[0] if self.n_requests == 1 else tuple(self.ctxs)
+
+    def _n_read(self, is_global: bool, r_read: int, n_tokens: int) -> int:
+        c = self.cfg
+        return min(c.max_context, r_read + n_tokens) if is_global else min(c.ring_slots, r_read + n_tokens)
+
     def n_read(self, is_global: bool) -> int:
         """Key slots a layer of this kind may read at most (the grid covers them; programs past
-        the step's live rows exit at once)."""
-        c = self.cfg
-        return min(c.max_context, self.r_read + self.n_tokens) if is_global else min(c.ring_slots,
-                                                                                      self.r_read + self.n_tokens)
+        the step's live rows exit at once); for a batch, the most over its requests."""
+        return max(self._n_read(is_global, rq.r_read, rq.n_tokens) for rq in self.requests)
 
     # ------------------------------------------------------------------ inputs
     def set_inputs(self, tokens, ctx: int, routes: Sequence[torch.Tensor] | None = None) -> None:
-        cfg, t = self.cfg, self.n_tokens
-        tok = step_tokens(cfg, tokens, t, ctx)
-        if ctx > self.r_read:
-            raise ConfigError(f"ctx {ctx} exceeds this runner's read bound {self.r_read}")
-        if ctx + max(self.depth) >= cfg.max_context:
-            raise ConfigError(f"position {ctx + max(self.depth)} outside the RoPE table ({cfg.max_context})")
+        if self.n_requests != 1:
+            raise ConfigError(f"a batch of {self.n_requests} requests: BatchPeerRunner.set_inputs takes a token list "
+                              "and a context per request")
+        self._set_inputs([tokens], [ctx], routes)
+
+    def _set_inputs(self, tokens: Sequence, ctxs: Sequence[int], routes: Sequence[torch.Tensor] | None) -> None:
+        """Every check before anything is written: a refused call leaves the runner's inputs as they were."""
+        cfg, t, n = self.cfg, self.n_tokens, self.n_requests
+        if len(tokens) != n or len(ctxs) != n:
+            raise ConfigError(f"{len(tokens)} token lists and {len(ctxs)} contexts for {n} requests")
+        who = (lambda i: f"request {i}: ") if n > 1 else (lambda i: "")  # noqa: E731
+        toks = []
+        for i, (rq, tk, ctx) in enumerate(zip(self.requests, tokens, ctxs)):
+            if not isinstance(ctx, (int, np.integer)) or isinstance(ctx, bool):
+                raise ConfigError(f"{who(i)}ctx {ctx!r} is not an integer")
+            try:
+                toks.append(step_tokens(cfg, tk, rq.n_tokens, ctx))
+            except ConfigError as e:
+                raise ConfigError(f"{who(i)}{e}") from None
+            if ctx > rq.r_read:
+                raise ConfigError(f"{who(i)}ctx {ctx} exceeds this runner's read bound {rq.r_read}")
+            top = ctx + max(self.depth[rq.rows])
+            if top >= cfg.max_context:
+                raise ConfigError(f"{who(i)}position {top} outside the RoPE table ({cfg.max_context})")
         if (routes is not None) != self.forced:
             raise ConfigError("routes given to a runner with real routing, or missing for a forced one")
         if routes is not None:
@@ -305,13 +400,14 @@ class PeerRunner:
                 raise ConfigError(f"routes for {len(routes)} layers, model has {cfg.n_layers}")
             r = torch.stack([torch.as_tensor(x).to(torch.int64).cpu() for x in routes])
             if tuple(r.shape) != (cfg.n_layers, t, cfg.top_k) or int(r.min()) < 0 or int(r.max()) >= cfg.n_experts:
-                raise ConfigError(f"each route must be [{t}, {cfg.top_k}] expert ids in 0..{cfg.n_experts - 1}")
+                raise ConfigError(f"each route must be [{t}, {cfg.top_k}] expert ids in 0..{cfg.n_experts - 1}"
+                                  + (f" (the batch's {t} rows)" if n > 1 else ""))
             if any(len(set(row.tolist())) != cfg.top_k for row in r.reshape(-1, cfg.top_k)):
                 raise ConfigError("a token is routed to the same expert twice")
             self.routes_in.copy_(r.to(torch.int32))
-        self.tokens_t.copy_(tok)
-        self.ctx_t.fill_(int(ctx))
-        self.ctx = int(ctx)
+        self.tokens_t.copy_(torch.cat(toks))
+        self.ctx_t.copy_(torch.tensor([int(c) for c in ctxs], dtype=torch.int32))
+        self.ctxs = [int(c) for c in ctxs]
 
     # ------------------------------------------------------------------ the step
     def _op(self, name: str):
@@ -342,7 +438,8 @@ class PeerRunner:
         for l, lw in enumerate(w.layers):
             rpo, delta = self._layer(cfg.is_global(l), l == 0 and self.small_ops == "triton", delta, lw.attn_norm, lw.wqkv, lw.wo, lw.ffn_norm, m.rp[l],
                                      lw.w1.codes, lw.w1.scales, lw.w1.tensor_scale, lw.w2.codes, lw.w2.scales,
-                                     lw.w2.tensor_scale, lw.unpool, self.cache.k[l], self.cache.v[l], self.routes[l],
+                                     lw.w2.tensor_scale, lw.unpool, tuple(rq.cache.k[l] for rq in self.requests),
+                                     tuple(rq.cache.v[l] for rq in self.requests), self.routes[l],
                                      self.route_w[l], self.routes_in[l])
             if self.keep_rpo is not None:
                 self.keep_rpo[l] = rpo
@@ -359,10 +456,13 @@ class PeerRunner:
         return logits
 
     def _layer_eager(self, glob: bool, first: bool, delta, attn_norm, wqkv, wo, ffn_norm, rp, w1c, w1s, w1t, w2c, w2s,
-                     w2t, unpool, kc, vc, routes, route_w, routes_in):
-        """One decoder layer (weights and cache as arguments, so torch.compile compiles it once per
+                     w2t, unpool, kcs, vcs, routes, route_w, routes_in):
+        """One decoder layer (weights and caches as arguments, so torch.compile compiles it once per
         layer kind; `first` matters to the Triton flavour only, whose first norm also gathers the
-        embedding). Returns (the router/pool GEMM's output, the unpooler's fp32 output)."""
+        embedding). kcs / vcs: the layer's K / V cache of each request. The norms, GEMMs and the
+        fused MoE run once over all the step's rows; RoPE + the KV write and attention once per
+        request over its rows (request r's rows read and write only caches r). Returns (the
+        router/pool GEMM's output, the unpooler's fp32 output)."""
         K, cfg, m = self._K, self.cfg, self.model
         tri = self.small_ops == "triton"
         with self._op("attn_norm"):
@@ -376,22 +476,27 @@ class PeerRunner:
                 h = _torch_norm(self.x, delta, attn_norm, cfg.rms_eps)
         with self._op("qkv"):
             qkv = m.mm32(h, wqkv)
-        with self._op("rope_kv"):
+        with self._op("rope_kv"):  # one launch per request: its rows, its context, its cache
             if tri:
-                K.rope_kv(qkv, m.w.rope_cos, m.w.rope_sin, self.ctx_t, self.depth_t, self.q, kc, vc,
-                          n_heads=cfg.n_heads, n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, is_global=glob,
-                          ring=cfg.ring_slots)
+                for rq, kc, vc in zip(self.requests, kcs, vcs):
+                    K.rope_kv(qkv[rq.rows], m.w.rope_cos, m.w.rope_sin, rq.ctx_t, rq.depth_t, self.q[rq.rows], kc, vc,
+                              n_heads=cfg.n_heads, n_kv=cfg.n_kv_heads, head_dim=cfg.head_dim, is_global=glob,
+                              ring=cfg.ring_slots)
                 q = self.q
             else:
-                pos = (self.ctx_t + self.depth_t).long()
-                seq = self.ctx_t.long() + self.ar_t
-                slots = seq if glob else seq.remainder(cfg.ring_slots)
-                q = _torch_rope_kv(qkv, m.w.rope_cos, m.w.rope_sin, pos, slots, kc, vc, cfg.n_heads, cfg.n_kv_heads,
-                                   cfg.head_dim)
-        with self._op("attn"):
-            K.attention(q, kc, vc, self.ctx_t, self.depth_t, self.anc_t, self.att, self.o_part, self.ml_part,
-                        self.attn_cfg[glob], n_tokens=self.n_tokens, group=cfg.group, head_dim=cfg.head_dim,
-                        is_global=glob, ring=cfg.ring_slots, window=cfg.window)
+                qs = []
+                for rq, kc, vc in zip(self.requests, kcs, vcs):
+                    pos = (rq.ctx_t + rq.depth_t).long()
+                    seq = rq.ctx_t.long() + rq.ar_t
+                    slots = seq if glob else seq.remainder(cfg.ring_slots)
+                    qs.append(_torch_rope_kv(qkv[rq.rows], m.w.rope_cos, m.w.rope_sin, pos, slots, kc, vc,
+                                             cfg.n_heads, cfg.n_kv_heads, cfg.head_dim))
+                q = qs[0] if len(qs) == 1 else torch.cat(qs)
+        with self._op("attn"):  # one launch (partial + combine) per request, its own tree mask and context
+            for rq, kc, vc in zip(self.requests, kcs, vcs):
+                K.attention(q[rq.rows], kc, vc, rq.ctx_t, rq.depth_t, rq.anc_t, self.att[rq.rows], self.o_part,
+                            self.ml_part, rq.attn_cfg[glob], n_tokens=rq.n_tokens, group=cfg.group,
+                            head_dim=cfg.head_dim, is_global=glob, ring=cfg.ring_slots, window=cfg.window)
         with self._op("oproj"):
             o = m.mm32(self.att, wo)
         with self._op("ffn_norm"):
@@ -435,6 +540,47 @@ class PeerRunner:
         return self.compile_s
 
 
+class BatchPeerRunner(PeerRunner):
+    """The peer's step over B requests (the contract of reference.step_batch): request r has its
+    own tree (parents[r], T_r tokens), its own context and read bound and its own KVCache; the
+    step's rows are the requests' trees concatenated (rows = sum T_r, no tile limit: whatever fits
+    memory). The norms, the dense GEMMs (qkv, o-proj, router+pool, unpool, lm_head) and the fused
+    MoE (route, moe_up, moe_down, combine) run once over all rows, so the experts read are the
+    union over the batch; RoPE + the KV write and attention: one launch per request over its rows.
+
+        r = BatchPeerRunner(m, caches, [q.parents for q in reqs], r_read=[q.ctx for q in reqs], forced=True)
+        r.set_requests(reqs, routes)       # routes: per layer [rows, top_k]; logits = r.run()  [rows, V]
+    """
+
+    def __init__(self, model: PeerModel, caches: Sequence[KVCache], parents: Sequence[Sequence[int]], *,
+                 r_read, forced: bool, small_ops: str = "triton", compile: bool = False, n_sm: int = 132):
+        caches, parents = list(caches), list(parents)
+        if parents and not all(isinstance(p, Sequence) and not isinstance(p, (str, bytes)) for p in parents):
+            raise ConfigError("parents: one parent list per request (a list of lists)")
+        r_reads = [r_read] * len(parents) if isinstance(r_read, (int, np.integer)) else list(r_read)
+        self._setup(model, caches, parents, r_reads, forced, small_ops, compile, n_sm)
+        self.caches = [rq.cache for rq in self.requests]
+        self.row0 = [rq.rows.start for rq in self.requests] + [self.n_tokens]
+
+    def set_inputs(self, tokens: Sequence, ctxs: Sequence[int], routes: Sequence[torch.Tensor] | None = None) -> None:
+        """tokens[r]: request r's T_r token ids; ctxs[r]: its context; routes (forced runners):
+        per layer [rows, top_k] over the batch's rows in request order."""
+        self._set_inputs(list(tokens), list(ctxs), routes)
+
+    def set_requests(self, requests: Sequence[Request], routes: Sequence[torch.Tensor] | None = None) -> None:
+        """set_inputs from reference.Request objects, whose trees must be this runner's."""
+        requests = list(requests)
+        if len(requests) != self.n_requests:
+            raise ConfigError(f"{len(requests)} requests for a runner of {self.n_requests}")
+        for i, (q, rq) in enumerate(zip(requests, self.requests)):
+            if list(q.parents) != rq.parents:
+                raise ConfigError(f"request {i}: its tree is not the one this runner was built for")
+        self._set_inputs([q.tokens for q in requests], [int(q.ctx) for q in requests], routes)
+
+    def request_logits(self, logits: torch.Tensor, r: int) -> torch.Tensor:
+        return logits[self.requests[r].rows]
+
+
 class StepGraph:
     """One CUDA graph of a runner's whole step (warm-up x3 on a side stream, capture, replay)."""
 
@@ -464,24 +610,22 @@ class PeerCheck:
                 + ("" if self.routes_equal else " (routing differs from the reference's: see the note)"))
 
 
-def check_step(runner: PeerRunner, logits: torch.Tensor, cache: KVCache, ref_logits: torch.Tensor,
-               ref_cache: KVCache, what: str, rel: float, ref_routes: Sequence[torch.Tensor] | None = None) -> PeerCheck:
-    """The megakernel's bound (runtime.check_close) on the logits and on every layer's K and V
-    cache. With real routing (ref_routes: the reference's own top-k per layer), a routing that
-    differs from the reference's (a near tie flipped by rounding) limits the check to what the
-    difference cannot reach: the layers before the first differing one (KV) and the tokens whose
-    routes, and their ancestors', agree everywhere (logits); CorrectnessError if none is left."""
+def _check_request(what: str, parents, got_routes, logits, cache: KVCache, ref_logits, ref_cache: KVCache, rel: float,
+                   ref_routes) -> PeerCheck:
+    """One request's check (check_step's docstring); got_routes / ref_routes: per layer [T, k]
+    of this request's rows (ref_routes None: forced routing, nothing to compare)."""
+    n_layers = len(got_routes)
     same = True
-    first_diff = runner.cfg.n_layers
+    first_diff = n_layers
     if ref_routes is not None:
-        got = [runner.routes[l].long().cpu() for l in range(runner.cfg.n_layers)]
+        got = [g.long().cpu() for g in got_routes]
         for l, (a, b) in enumerate(zip(got, ref_routes)):
             if not torch.equal(a.sort(dim=-1).values, b.long().cpu().sort(dim=-1).values):
                 same, first_diff = False, l
                 break
     rows = slice(None)
     if not same:
-        agree = route_agreement(runner.parents, got, [r.cpu() for r in ref_routes])
+        agree = route_agreement(parents, got, [r.cpu() for r in ref_routes])
         if not bool(agree.any()):
             raise CorrectnessError(f"{what}: real routing differs from the reference's at layer {first_diff} for "
                                    "every token: nothing left to compare")
@@ -492,6 +636,43 @@ def check_step(runner: PeerRunner, logits: torch.Tensor, cache: KVCache, ref_log
         for name, a, b in (("K", cache.k[l], ref_cache.k[l]), ("V", cache.v[l], ref_cache.v[l])):
             kv = max(kv, check_close(a, b, f"{what}: peer vs reference ({name} cache of layer {l})", rel=rel))
     return PeerCheck(what, err, kv, same)
+
+
+def check_step(runner: PeerRunner, logits: torch.Tensor, cache: KVCache, ref_logits: torch.Tensor,
+               ref_cache: KVCache, what: str, rel: float, ref_routes: Sequence[torch.Tensor] | None = None) -> PeerCheck:
+    """The megakernel's bound (runtime.check_close) on the logits and on every layer's K and V
+    cache. With real routing (ref_routes: the reference's own top-k per layer), a routing that
+    differs from the reference's (a near tie flipped by rounding) limits the check to what the
+    difference cannot reach: the layers before the first differing one (KV) and the tokens whose
+    routes, and their ancestors', agree everywhere (logits); CorrectnessError if none is left.
+    One request; check_batch_step for a BatchPeerRunner."""
+    if runner.n_requests != 1:
+        raise ConfigError(f"check_step checks one request; this runner has {runner.n_requests}: check_batch_step")
+    return _check_request(what, runner.requests[0].parents, [runner.routes[l] for l in range(runner.cfg.n_layers)],
+                          logits, cache, ref_logits, ref_cache, rel, ref_routes)
+
+
+def check_batch_step(runner: PeerRunner, logits: torch.Tensor, caches: Sequence[KVCache], ref_logits: torch.Tensor,
+                     ref_caches: Sequence[KVCache], what: str, rel: float,
+                     ref_routes: Sequence[torch.Tensor] | None = None) -> list[PeerCheck]:
+    """check_step per request of a batched step: request r's rows of the logits against the
+    reference's (reference.step_batch: [rows, V] in request order), its cache caches[r] against
+    ref_caches[r], each layer, and with real routing (ref_routes: per layer [rows, k]) the near-tie
+    rule on its own rows and tree. Raises on the first request that fails, naming it."""
+    n = runner.n_requests
+    if len(caches) != n or len(ref_caches) != n:
+        raise ConfigError(f"{len(caches)} caches and {len(ref_caches)} reference caches for {n} requests")
+    if logits.shape[0] != runner.n_tokens or ref_logits.shape[0] != runner.n_tokens:
+        raise ConfigError(f"logits of {logits.shape[0]} rows, reference's {ref_logits.shape[0]}: the step has "
+                          f"{runner.n_tokens}")
+    out = []
+    for r, rq in enumerate(runner.requests):
+        rows = rq.rows
+        out.append(_check_request(
+            f"{what} request {r}", rq.parents, [runner.routes[l][rows] for l in range(runner.cfg.n_layers)],
+            logits[rows], caches[r], ref_logits[rows], ref_caches[r], rel,
+            None if ref_routes is None else [x[rows] for x in ref_routes]))
+    return out
 
 
 def route_tie_gap(ref_router_logits: torch.Tensor, routes: torch.Tensor) -> float:

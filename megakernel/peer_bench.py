@@ -35,7 +35,9 @@ mega's speed-up over each other row at the same point and routing.
 
 In `megabench run` (megakernel.pipeline.PEERS), within its time budget: `peer_point` (the peer's
 step, block sizes from the newest megakernel.peer sweep) and chain_nopdl at every timed point,
-saved in megakernel.step beside chain (now with PDL) and mega.
+saved in megakernel.step beside chain (now with PDL) and mega; at the batched points
+(megakernel.pipeline.BATCH_PEERS, full runs or --batches) `peer_batch_point`: the peer at B
+requests a step (peer.BatchPeerRunner) beside batch.bench_batch_point's mega and chain.
 """
 from __future__ import annotations
 
@@ -64,11 +66,13 @@ from .build import build_gpu
 from .config import preset as get_preset
 from .kernel_count import count_kernels
 from .measure import graph_of
-from .peer import (OPS, SWEEP, TIE_GAP, PeerModel, PeerRunner, StepGraph, available, check_step, default_moe_configs,
-                   distinct_of, free_compiled, greedy, kernel_times, op_bytes, route_tie_gap, tune_moe, unsupported)
+from .batch import batch_context, batch_series_name
+from .peer import (OPS, SWEEP, TIE_GAP, BatchPeerRunner, PeerModel, PeerRunner, StepGraph, available, check_batch_step,
+                   check_step, default_moe_configs, distinct_of, free_compiled, greedy, kernel_times, op_bytes,
+                   route_tie_gap, tune_moe, unsupported)
 from .plans import REL_TOL, plan_for
 from .results_names import step_params, step_series_name
-from .roofline import read_ceiling, roofline
+from .roofline import batch_roofline, read_ceiling, roofline
 from .runtime import Engine, check_close
 
 BENCHMARK = "megakernel.peer"
@@ -520,6 +524,47 @@ def peer_point(h, preset: str, n_tokens: int, ctx: int, ceiling, log=print) -> S
                          "host_launch_calls_per_step": kc.launch_calls}, t.clocks, t.warnings)
 
 
+def peer_batch_point(h, preset: str, batch: int, tokens: int, ctx: int, ceiling, log=print) -> Series:
+    """The peer at B requests a step (peer.BatchPeerRunner) beside batch.bench_batch_point's mega
+    and chain: batch.batch_context's requests, caches and forced routes; block sizes from
+    tuned_configs at the step's B x T rows; every request checked against reference.step_batch
+    (logits and every layer's KV cache, plans.REL_TOL) before and after the graph capture, then
+    one CUDA graph of the whole step replayed; bound roofline.batch_roofline. Raises where the peer
+    cannot run."""
+    why = available() or unsupported(get_preset(preset))
+    if why:
+        raise RuntimeError(f"the peer baseline cannot run: {why}")
+    up, down, src = tuned_configs(preset, batch * tokens)
+    bc = batch_context(preset, batch, tokens, ctx)
+    w = weights_for(preset)
+    m = PeerModel(w, up, down)
+    c = _Ctx(h, ceiling, log, [], [], [], 0.0)
+    caches = [x.clone() for x in bc.caches0]
+    r = BatchPeerRunner(m, caches, [q.parents for q in bc.requests], r_read=[int(q.ctx) for q in bc.requests],
+                        forced=True, n_sm=h.info.sm_count)
+    r.set_requests(bc.requests, bc.routes)
+    tag = f"{preset}/B{batch}/T{tokens}/ctx{ctx}"
+    chks = check_batch_step(r, r.run(), caches, bc.ref_logits, bc.ref_caches, f"{tag} peer", REL_TOL)
+    t, kc = _time_runner(c, r, lambda lg: check_batch_step(r, lg, caches, bc.ref_logits, bc.ref_caches,
+                                                            f"{tag} peer graph replay", REL_TOL))
+    rf = batch_roofline(w.cfg, bc.shape, bc.distinct, ceiling=ceiling)
+    bound = Bound("time", rf.seconds, "s", f"roofline of {batch} requests: {rf.bytes.total} B (experts: the union "
+                  f"over the batch, dense weights once, each request's KV) / {rf.read_ceiling:.3e} B/s ({rf.source})")
+    s = Series.from_samples(
+        batch_series_name(preset, batch, tokens, ctx, "peer"), t.samples_s, timer="cuda_event", unit="s",
+        params=step_params(preset, tokens, ctx, "peer", int(round(float(np.mean(bc.distinct)))), batch=batch,
+                           launch="cuda_graph"),
+        bound=bound, clocks=t.clocks, warnings=t.warnings,
+        metrics={"launches_per_step": kc.kernels_per_step, "host_launch_calls_per_step": kc.launch_calls,
+                 "bytes_per_step": rf.bytes.total, "roofline_s": rf.seconds, "tokens_per_step": batch * tokens,
+                 "requests": batch, "distinct_experts_union_max": max(bc.distinct),
+                 "moe_up_config": up.label(), "moe_down_config": down.label(), "moe_configs_from": src,
+                 "ref_rel_err": max(x.rel_err for x in chks), "ref_kv_rel_err": max(x.kv_rel_err for x in chks)})
+    log(f"  {s.name}: {s.summary.median * 1e3:.3f} ms, {kc.kernels_per_step:g} launches, "
+        f"{s.fraction_of_bound:.1%} of roofline")
+    return s
+
+
 def table(res: Result) -> str:
     """A short text table of the step rows and mega's ratios."""
     rows = [s for s in res.series if "impl" in s.params and s.params.get("kind") is None]
@@ -606,10 +651,11 @@ def compile_report(log=print) -> list[dict]:
     route_sig = {"logits_ptr": ptr("fp32"), "ld": "i32", "forced_ptr": ptr("i32"), "forced": "i32",
                  "ids_ptr": ptr("i32"), "w_ptr": ptr("fp32"), "sorted_ptr": ptr("i32"), "bexp_ptr": ptr("i32"),
                  "nblk_ptr": ptr("i32"), "T": "i32", "E": "i32", "max_blocks": "i32"}
-    for t in (1, 16):
+    for t in (1, 16, 128):  # 128: a batch of 8 requests of 16 rows (peer.BatchPeerRunner)
+        tc, pc = min(K.ROUTE_ROWS, K._p2(max(t, 2))), min(K.ROUTE_PAIRS, K._p2(max(2, 8 * t)))
         jobs.append((f"route T={t}", K._route_kernel, route_sig,
-                     {"K": 8, "KP": 8, "TP": K._p2(max(t, 2)), "EP": 256, "PP": K._p2(max(2, 8 * t)), "BM": K.BLOCK_M,
-                      "MAXJ": 1, "FILL": 256}, 4, 3, aligned(route_sig)))
+                     {"K": 8, "KP": 8, "TC": tc, "NTC": -(-t // tc), "EP": 256, "PC": pc, "NPC": -(-8 * t // pc),
+                      "BM": K.BLOCK_M, "MAXJ": -(-t // K.BLOCK_M), "FILL": 256}, 4, 3, aligned(route_sig)))
     comb_sig = {"o_ptr": ptr("fp32"), "ml_ptr": ptr("fp32"), "out_ptr": ptr("bf16"), "n_splits": "i32",
                 "rows_pad": "i32"}
     jobs.append(("attn_combine", K._attn_combine_kernel, comb_sig, {"G": 8, "HKV": 1, "HD": 128, "NS": 64}, 4, 3,

@@ -12,7 +12,8 @@ Kernels (one launch each, per layer unless said):
                  reference.topk_route) or the forced routes, softmax of the k logits, then the
                  "align" of vLLM's generic fused MoE: token-expert pairs sorted by expert, each
                  expert's run padded to whole BLOCK_M blocks, the expert of every block, the block
-                 count
+                 count; rows and pairs in chunks (ROUTE_ROWS, ROUTE_PAIRS), so a batch's 128 rows
+                 keep one chunk's registers
   moe_up         fused MoE gate/up for the routed experts only: one program per (BLOCK_N gate
                  rows and the same up rows, expert block; the static grid's padding blocks exit
                  at once, after the live ones in launch order); NVFP4 dequantised in registers, bf16
@@ -380,35 +381,38 @@ def attention(q, k_cache, v_cache, ctx_t, depth_t, anc_t, out, o_part, ml_part, 
 # ---------------------------------------------------------------------- routing: top-k and align
 @triton.jit(do_not_specialize=["T", "forced"])
 def _route_kernel(logits_ptr, ld, forced_ptr, forced, ids_ptr, w_ptr, sorted_ptr, bexp_ptr, nblk_ptr, T, E, max_blocks,
-                  K: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr, PP: tl.constexpr,
-                  BM: tl.constexpr, MAXJ: tl.constexpr, FILL: tl.constexpr):
-    t = tl.arange(0, TP)
-    tv = t < T
+                  K: tl.constexpr, KP: tl.constexpr, TC: tl.constexpr, NTC: tl.constexpr, EP: tl.constexpr,
+                  PC: tl.constexpr, NPC: tl.constexpr, BM: tl.constexpr, MAXJ: tl.constexpr, FILL: tl.constexpr):
+    # rows in NTC chunks of TC, pairs in NPC chunks of PC: the registers stay those of one chunk
+    # (a [TC, EP] logit tile, a [PC, PC] rank compare) whatever the batch's row count
     kk = tl.arange(0, KP)
     kv = kk < K
-    if forced != 0:
-        sel = tl.load(forced_ptr + t[:, None] * K + kk[None, :], mask=tv[:, None] & kv[None, :], other=0)
-        val = tl.load(logits_ptr + t[:, None] * ld + sel, mask=tv[:, None] & kv[None, :], other=float("-inf"))
-    else:
-        e = tl.arange(0, EP)
-        lg = tl.load(logits_ptr + t[:, None] * ld + e[None, :], mask=tv[:, None] & (e < E)[None, :],
-                     other=float("-inf"))
-        sel = tl.zeros([TP, KP], tl.int32)
-        val = tl.full([TP, KP], float("-inf"), tl.float32)
-        for r in tl.static_range(K):  # largest first, ties to the lower expert id
-            best = tl.argmax(lg, axis=1, tie_break_left=True)
-            top = tl.max(lg, axis=1)
-            sel = tl.where(kk[None, :] == r, best[:, None], sel)
-            val = tl.where(kk[None, :] == r, top[:, None], val)
-            lg = tl.where(e[None, :] == best[:, None], float("-inf"), lg)
-    val = tl.where(kv[None, :], val, float("-inf"))
-    mx = tl.max(val, axis=1)
-    ex = tl.exp(val - tl.where(tv, mx, 0.0)[:, None])  # padded rows (all -inf): zeros, not NaN
-    ex = tl.where(kv[None, :], ex, 0.0)
-    w = ex / tl.where(tv, tl.sum(ex, axis=1), 1.0)[:, None]
-    st = tv[:, None] & kv[None, :]
-    tl.store(ids_ptr + t[:, None] * K + kk[None, :], sel, mask=st)
-    tl.store(w_ptr + t[:, None] * K + kk[None, :], w, mask=st)
+    for c in range(NTC):
+        t = c * TC + tl.arange(0, TC)
+        tv = t < T
+        if forced != 0:
+            sel = tl.load(forced_ptr + t[:, None] * K + kk[None, :], mask=tv[:, None] & kv[None, :], other=0)
+            val = tl.load(logits_ptr + t[:, None] * ld + sel, mask=tv[:, None] & kv[None, :], other=float("-inf"))
+        else:
+            e = tl.arange(0, EP)
+            lg = tl.load(logits_ptr + t[:, None] * ld + e[None, :], mask=tv[:, None] & (e < E)[None, :],
+                         other=float("-inf"))
+            sel = tl.zeros([TC, KP], tl.int32)
+            val = tl.full([TC, KP], float("-inf"), tl.float32)
+            for r in tl.static_range(K):  # largest first, ties to the lower expert id
+                best = tl.argmax(lg, axis=1, tie_break_left=True)
+                top = tl.max(lg, axis=1)
+                sel = tl.where(kk[None, :] == r, best[:, None], sel)
+                val = tl.where(kk[None, :] == r, top[:, None], val)
+                lg = tl.where(e[None, :] == best[:, None], float("-inf"), lg)
+        val = tl.where(kv[None, :], val, float("-inf"))
+        mx = tl.max(val, axis=1)
+        ex = tl.exp(val - tl.where(tv, mx, 0.0)[:, None])  # padded rows (all -inf): zeros, not NaN
+        ex = tl.where(kv[None, :], ex, 0.0)
+        w = ex / tl.where(tv, tl.sum(ex, axis=1), 1.0)[:, None]
+        st = tv[:, None] & kv[None, :]
+        tl.store(ids_ptr + t[:, None] * K + kk[None, :], sel, mask=st)
+        tl.store(w_ptr + t[:, None] * K + kk[None, :], w, mask=st)
     # align: pair p = t * K + r, sorted by expert, each expert's run padded to whole blocks
     n_pairs = T * K
     for i in range(0, max_blocks * BM, FILL):
@@ -418,19 +422,31 @@ def _route_kernel(logits_ptr, ld, forced_ptr, forced, ids_ptr, w_ptr, sorted_ptr
         f = i + tl.arange(0, FILL)
         tl.store(bexp_ptr + f, tl.zeros([FILL], tl.int32) - 1, mask=f < max_blocks)
     tl.debug_barrier()  # the pairs' ids are in memory, the fills before the scatter below
-    p = tl.arange(0, PP)
-    pv = p < n_pairs
-    ep = tl.load(ids_ptr + p, mask=pv, other=0)
-    counts = tl.histogram(ep, EP, mask=pv)
+    counts = tl.zeros([EP], tl.int32)
+    for c in range(NPC):
+        p = c * PC + tl.arange(0, PC)
+        pv = p < n_pairs
+        ep = tl.load(ids_ptr + p, mask=pv, other=0)
+        counts += tl.histogram(ep, EP, mask=pv)
     nb = (counts + BM - 1) // BM
     start = tl.cumsum(nb, axis=0) - nb  # first block of each expert (experts ascending)
-    rank = tl.sum(((ep[:, None] == ep[None, :]) & (p[None, :] < p[:, None]) & pv[None, :]).to(tl.int32), axis=1)
-    pos = tl.gather(start, ep, axis=0) * BM + rank
-    tl.store(sorted_ptr + pos, p, mask=pv)
+    seen = tl.zeros([EP], tl.int32)  # each expert's pairs in the chunks before this one
+    for c in range(NPC):
+        p = c * PC + tl.arange(0, PC)
+        pv = p < n_pairs
+        ep = tl.load(ids_ptr + p, mask=pv, other=0)
+        rank = tl.gather(seen, ep, axis=0) + tl.sum(
+            ((ep[:, None] == ep[None, :]) & (p[None, :] < p[:, None]) & pv[None, :]).to(tl.int32), axis=1)
+        pos = tl.gather(start, ep, axis=0) * BM + rank
+        tl.store(sorted_ptr + pos, p, mask=pv)
+        seen += tl.histogram(ep, EP, mask=pv)
     ee = tl.arange(0, EP)
     for j in tl.static_range(MAXJ):
         tl.store(bexp_ptr + start + j, ee, mask=(j < nb) & (ee < E))
     tl.store(nblk_ptr, tl.sum(nb, axis=0))
+
+
+ROUTE_ROWS, ROUTE_PAIRS = 16, 128  # the routing kernel's row and pair chunks (one chunk each up to T = 16, k = 8)
 
 
 def max_blocks(n_pairs: int, n_experts: int, block_m: int, max_per_expert: int) -> int:
@@ -449,9 +465,11 @@ def route(logits, ld: int, n_tokens: int, n_experts: int, top_k: int, ids, w, so
     if logits.dtype != torch.float32:  # a bf16 table would compile a kernel of mixed types, or route on rounded logits
         raise TypeError(f"route: the router's logits must be fp32, got {logits.dtype}")
     nb_max = block_expert.numel()
+    tc = min(ROUTE_ROWS, _p2(max(n_tokens, 2)))
+    pc = min(ROUTE_PAIRS, _p2(max(2, n_tokens * top_k)))
     _launch(_route_kernel, (1,), logits, ld, ids if forced is None else forced, int(forced is not None), ids, w,
             sorted_ids, block_expert, n_blocks, n_tokens, n_experts, nb_max, K=top_k, KP=_p2(top_k),
-            TP=_p2(max(n_tokens, 2)), EP=_p2(n_experts), PP=_p2(max(2, n_tokens * top_k)), BM=block_m,
+            TC=tc, NTC=-(-n_tokens // tc), EP=_p2(n_experts), PC=pc, NPC=-(-(n_tokens * top_k) // pc), BM=block_m,
             MAXJ=-(-max_per_expert // block_m), FILL=256, num_warps=4)
 
 

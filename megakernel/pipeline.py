@@ -12,8 +12,8 @@ Stage lays this out as progress items (microbench.progress) enumerated before an
 run's estimate is known up front; its first item compiles every build in parallel processes. The
 default run (quick) takes the checks and the headline points (plans.QUICK) for chain, mega, the
 torch baselines and PEERS; full adds plans.FULL's long contexts, the batched steps (plans.BATCH_FULL:
-B requests in one step, chain and mega; the peer takes one request a step and is left out there),
-the ablation, the timeline and the detail timeline. `run` executes the same items in order and raises on the first failure.
+B requests in one step, chain and mega, and BATCH_PEERS: the peer at the same B), the ablation, the
+timeline and the detail timeline. `run` executes the same items in order and raises on the first failure.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from .decode import SpecPair, decode
 from .decode import to_result as decode_result
 from .draft import DraftConfig, draft_model_config
 from .measure import Check, ablation_point, bench_point, build_result, check_point, code_result, greedy_check, timeline
-from .peer_bench import peer_point
+from .peer_bench import peer_batch_point, peer_point
 from .plan import Plan
 from .plans import (BATCH_FULL, CHECK_POINTS, FULL, PRESETS, QUICK, ablation_names, ablation_variants, code_budget,
                     constants_env, plan_for)
@@ -72,6 +72,18 @@ def _peer_row(h, preset, n_tokens, ctx, ceiling, constants=None):
 _peer_row.quick_tokens = (16,)  # two items of ~10 s: what the default run's budget has left
 PEERS: dict[str, object] = {} if os.environ.get("MEGABENCH_PEER", "1") == "0" else {"peer": _peer_row}
 PEER_SEED_S = 10.0
+
+
+# The peers at the batched points (Stage.batch_points: full runs, or `batches`): name ->
+# fn(h, preset, batch, n_tokens, ctx, ceiling) returning a Series named
+# batch.batch_series_name(preset, B, T, ctx, name), saved in megakernel.step beside mega and chain at
+# the same B. Items "<preset> B=<B> T=<T> ctx=<ctx> <name>", kind "peer" and the PEERS' group (a
+# failure skips that preset's later peer items). MEGABENCH_PEER=0: none.
+def _peer_batch_row(h, preset, batch, n_tokens, ctx, ceiling):
+    return peer_batch_point(h, preset, batch, n_tokens, ctx, ceiling)
+
+
+BATCH_PEERS: dict[str, object] = {} if os.environ.get("MEGABENCH_PEER", "1") == "0" else {"peer": _peer_batch_row}
 
 # Seconds per item before any run.wall result has measured it (microbench.progress.Estimates): read off
 # the committed model.baselines and megakernel results (their wall-time and compile-time notes, their
@@ -190,6 +202,10 @@ class Stage:
                     if only is None or t in only:
                         out.append(item(f"{p} T={t} ctx={c} {name}", partial(self._peer, name, p, t, c), "peer",
                                         (gp,)))
+            for name in BATCH_PEERS:
+                for b, t, c in self.batch_points(p):
+                    out.append(item(f"{p} B={b} T={t} ctx={c} {name}", partial(self._peer_batch, name, p, b, t, c),
+                                    "peer", (gp,)))
             if self._ablated(p):
                 for impl in ablation_names():
                     out.append(item(f"{p} ablation {impl}", partial(self._ablation, p, impl), f"ablation/{p}", (g,)))
@@ -340,6 +356,11 @@ class Stage:
         self.series.append(s)
         self._say(s)
 
+    def _peer_batch(self, name: str, p: str, b: int, t: int, ctx: int) -> None:
+        s = BATCH_PEERS[name](self.h, p, b, t, ctx, self.ceiling)
+        self.series.append(s)
+        self._say(s)
+
     def _say(self, s: Series) -> None:
         launches = f", {s.metrics['launches_per_step']} launches" if "launches_per_step" in s.metrics else ""
         frac = f", {s.fraction_of_bound:.1%} of roofline" if s.fraction_of_bound else ""
@@ -358,13 +379,19 @@ class Stage:
         by = {(s.params["preset"], s.params["T"], s.params["ctx"], s.params["impl"], s.params.get("batch", 1)): s
               for s in self.series}
         for (p, t, ctx, impl, b), s in by.items():
+            at = f"B{b}/" if b != 1 else ""
             if impl.startswith("mega") and (p, t, ctx, "chain", b) in by:
                 ch = by[(p, t, ctx, "chain", b)]
-                at = f"B{b}/" if b != 1 else ""
                 derived[f"speedup_vs_chain/{p}/{at}T{t}/ctx{ctx}/{impl}"] = Derived(
                     ch.summary.median / s.summary.median, "x", "median chain step time / median mega step time "
                     "(both replayed from CUDA graphs)" + (f", {b} requests a step" if b != 1 else ""),
                     inputs=(ch.name, s.name))
+            if impl.startswith("mega") and (p, t, ctx, "peer", b) in by:
+                pr = by[(p, t, ctx, "peer", b)]
+                derived[f"speedup_vs_peer/{p}/{at}T{t}/ctx{ctx}/{impl}"] = Derived(
+                    pr.summary.median / s.summary.median, "x", "median peer step time / median mega step time "
+                    "(both one CUDA graph a step)" + (f", {b} requests a step" if b != 1 else ""),
+                    inputs=(pr.name, s.name))
         if self.checks:
             derived["max_rel_err_vs_reference"] = Derived(
                 max(c.rel_err for c in self.checks), "", "max over the checked points of ||mega - reference|| / "
@@ -374,9 +401,9 @@ class Stage:
                               f"kernel's own routing (logits, tokens, KV caches)" for c in self.checks]
         if any(s.params.get("batch", 1) != 1 for s in self.series):
             notes.append("batched steps (params batch = B requests a step, each its own tree, context and KV cache; "
-                         "roofline: the union of routed experts, the dense weights once, each request's KV reads): "
-                         "the peer takes one request a step (one context, one cache, one tree: megakernel.peer) and "
-                         "is not timed at B > 1")
+                         "roofline: the union of routed experts, the dense weights once, each request's KV reads); "
+                         "the peer at the same B: megakernel.peer.BatchPeerRunner (norms, dense GEMMs and the fused "
+                         "MoE once over all rows; RoPE + KV write and attention one launch per request)")
         if self.series or self.checks:
             env = constants_env(None, self.constants)  # which constants revision the builds read
             self.results.append(Result("megakernel.step", env, tuple(self.series), derived,

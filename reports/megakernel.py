@@ -327,10 +327,12 @@ def figure_value(rows: Sequence[StepRow], timeline: Result | None, ours: dict) -
 def batch_curve(rows: Sequence[StepRow]) -> list[dict]:
     """The study's claim that a megakernel finds larger batches easier, as measured: for each
     (preset, context) and step shape (T = 1 at B = 1, 2, 4, 8; B x T = 16 rows at B = 1, 2, 4), the
-    megakernel's and its chain's step time, tokens processed per second (B x T a step), the
-    fraction of the batch's roofline, and both against the same implementation at B = 1. Forced
-    routing only; a shape with no batched row is left out."""
-    rs = [r for r in rows if r.routing == "forced" and r.impl in ("mega", "chain")]
+    megakernel's, its chain's and the peer's (megakernel.peer at B requests a step) step time,
+    tokens processed per second (B x T a step), the fraction of the batch's roofline, each against
+    the same implementation at B = 1, and mega's speed-up over the chain and the peer at the same B
+    (where results hold both). An implementation appears at the B its results hold (a shape's row of
+    an implementation with no batched row is left out). Forced routing only."""
+    rs = [r for r in rows if r.routing == "forced" and r.impl in ("mega", "chain", "peer")]
 
     def shape(r: StepRow) -> str:
         return "T=1" if r.tokens == 1 else f"B x T = {r.tokens * r.batch}"
@@ -347,14 +349,17 @@ def batch_curve(rows: Sequence[StepRow]) -> list[dict]:
         if max(g) == 1:
             continue
         base = g.get(1)
+        mega = groups.get((*key[:3], "mega"), {})
         for b in sorted(g):
             r = g[b]
             frac = r.roofline_fraction
+            m = mega.get(b)
             out.append({"preset": r.preset, "ctx": r.context, "shape": key[2], "B": b, "T": r.tokens, "impl": r.impl,
                         "step time": fmt(r.step_s, "s"), "tokens/s": fmt(r.tokens_per_s, "tok/s"),
                         "of roofline": f"{frac:.1%}" if frac else "",
                         "step vs B=1": f"x{r.step_s / base.step_s:.2f}" if base else "no B=1 row",
                         "tokens/s vs B=1": f"x{r.tokens_per_s / base.tokens_per_s:.2f}" if base else "no B=1 row",
+                        "mega speed-up": f"x{r.step_s / m.step_s:.2f}" if m is not None and r.impl != "mega" else "",
                         "run": f"{r.commit} {r.date[:10]}"})
     return out
 

@@ -273,9 +273,10 @@ def test_mk_step_command_exits_1_on_a_mismatch(monkeypatch, capsys):
 
 
 def test_report_draws_the_batch_curve_from_results_and_says_when_it_has_none(tmp_path):
-    """reports.megakernel.batch_curve: per (preset, ctx, step shape) the megakernel's and chain's
-    rows at each B against their own B=1 row; nothing without a batched row. The study's figures
-    stay compared with batch-1 rows (pick) when batched rows of the same T and context exist."""
+    """reports.megakernel.batch_curve: per (preset, ctx, step shape) the megakernel's, chain's and
+    peer's rows at each B against their own B=1 row, mega's speed-up over the others at the same B;
+    nothing without a batched row. The study's figures stay compared with batch-1 rows (pick) when
+    batched rows of the same T and context exist. Synthetic series only."""
     from megabench_synth import env, series
     from microbench.results import Bound, Result
 
@@ -297,7 +298,16 @@ def test_report_draws_the_batch_curve_from_results_and_says_when_it_has_none(tmp
                         ("B x T = 16", 1, "mega"), ("B x T = 16", 4, "mega")}
     assert got[("T=1", 4, "mega")]["step vs B=1"] == "x1.25" and got[("T=1", 4, "mega")]["tokens/s vs B=1"] == "x3.20"
     assert got[("B x T = 16", 4, "mega")]["tokens/s vs B=1"] == "x0.91"
+    assert got[("T=1", 4, "chain")]["mega speed-up"] == "x1.80" and got[("T=1", 4, "mega")]["mega speed-up"] == ""
     assert mk.pick(rows, "mega", tokens=1).batch == 1  # the study's batch-1 figures
+    # the peer's rows where results hold one: at B = 1 and 4 at T = 1 (its B=1 row: a plain step row);
+    # a peer with only a B=1 row has no curve of its own
+    peer = more + [row("peer", 1, 1, 3e-3), row("peer", 4, 1, 5e-3), row("peer", 1, 16, 6e-3)]
+    curve = mk.batch_curve(mk.step_rows([Result("megakernel.step", env(), tuple(peer))]))
+    got = {(c["shape"], c["B"], c["impl"]): c for c in curve}
+    assert {k for k in got if k[2] == "peer"} == {("T=1", 1, "peer"), ("T=1", 4, "peer")}
+    assert got[("T=1", 4, "peer")]["step vs B=1"] == "x1.67" and got[("T=1", 4, "peer")]["mega speed-up"] == "x2.00"
+    assert got[("T=1", 1, "peer")]["mega speed-up"] == "x1.50"
 
 
 def test_bench_cases_time_the_full_runs_batch_grid():

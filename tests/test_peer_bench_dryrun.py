@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 
 from megakernel import config  # noqa: E402
 from microbench.harness import Timing  # noqa: E402
+from microbench.errors import CorrectnessError  # noqa: E402
 from microbench.results import Series, find, load  # noqa: E402
 
 
@@ -191,3 +192,43 @@ def test_pipeline_peer_row_refuses_what_it_cannot_run(monkeypatch):
     monkeypatch.setattr(peer_bench, "available", peer.available)
     with pytest.raises(RuntimeError, match="triton is not installed"):
         peer_point(FakeHarness(), "small", 16, 512, (4.6e12, "test"))
+
+
+def _batch_point(pb, monkeypatch):
+    from megakernel import peer
+
+    monkeypatch.setattr(peer, "available", lambda: None)  # the interpreter stands in for the GPU
+    monkeypatch.setattr(pb, "available", peer.available)
+    return pb.peer_batch_point(FakeHarness(), "micro", 2, 4, 12, (4.6e12, "test"), log=lambda *_: None)
+
+
+def test_peer_batch_point_checks_every_request_then_times_one_graph(dry, monkeypatch):
+    """The pipeline's batched peer row (megakernel.pipeline.BATCH_PEERS) end to end on the CPU:
+    batch.batch_context's requests, the per-request check, the series' name, params, bound."""
+    from megakernel.batch import batch_context, batch_series_name
+    from megakernel.roofline import batch_roofline
+
+    s = _batch_point(dry, monkeypatch)
+    assert s.name == batch_series_name("micro", 2, 4, 12, "peer") == "micro/B2/T4/ctx12/peer"
+    p, m = s.params, s.metrics
+    assert (p["impl"], p["batch"], p["tokens"], p["context"], p["launch"]) == ("peer", 2, 4, 12, "cuda_graph")
+    bc = batch_context("micro", 2, 4, 12)
+    rf = batch_roofline(config.preset("micro"), bc.shape, bc.distinct, ceiling=(4.6e12, "test"))
+    assert s.bound.value == m["roofline_s"] == rf.seconds and m["bytes_per_step"] == rf.bytes.total
+    assert m["requests"] == 2 and m["tokens_per_step"] == 8 and m["launches_per_step"] == 31
+    assert 0 < m["ref_rel_err"] < 1e-2 and m["ref_kv_rel_err"] < 1e-2 and m["moe_configs_from"]
+
+
+def test_a_wrong_batched_peer_is_refused_before_timing(dry, monkeypatch):
+    from megakernel import peer
+
+    orig = peer.BatchPeerRunner.set_requests
+
+    def swapped(self, requests, routes=None):  # requests 0 and 1 each on the other's KV cache
+        orig(self, requests, routes)
+        a, b = self.requests[0], self.requests[1]
+        a.cache, b.cache = b.cache, a.cache
+
+    monkeypatch.setattr(peer.BatchPeerRunner, "set_requests", swapped)
+    with pytest.raises(CorrectnessError, match="micro/B2/T4/ctx12 peer request 0"):
+        _batch_point(dry, monkeypatch)

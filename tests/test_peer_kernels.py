@@ -73,7 +73,10 @@ def _route(logits, t, e, k, bm, forced=None):
     return ids, w, s, b, int(n), mb
 
 
-@pytest.mark.parametrize("t,k,e,bm", [(16, 8, 64, 16), (5, 2, 6, 4), (1, 8, 256, 16), (7, 3, 5, 2)])
+# (128, 8, 64, 16): a batch's 128 rows, 8 row chunks and 8 pair chunks (K.ROUTE_ROWS / ROUTE_PAIRS),
+# up to 128 tokens on one expert; (40, 3, 8, 4): a ragged last chunk of each
+@pytest.mark.parametrize("t,k,e,bm", [(16, 8, 64, 16), (5, 2, 6, 4), (1, 8, 256, 16), (7, 3, 5, 2), (128, 8, 64, 16),
+                                      (40, 3, 8, 4)])
 def test_route_forced_aligns_like_the_host_reference(t, k, e, bm):
     g = _gen(3 + t)
     routes = _routes(t, k, e, g)
@@ -92,9 +95,10 @@ def test_route_forced_aligns_like_the_host_reference(t, k, e, bm):
         assert all(int(routes.view(-1)[p]) == int(b[blk]) for p in pairs if p < t * k)
 
 
-def test_route_topk_breaks_ties_like_the_reference():
+@pytest.mark.parametrize("t", [9, 37])  # 37: three chunks of rows, three of pairs
+def test_route_topk_breaks_ties_like_the_reference(t):
     g = _gen(4)
-    t, e, k = 9, 32, 8
+    e, k = 32, 8
     logits = torch.randint(-3, 4, (t, e), generator=g).float()  # many exact ties
     ids, w, s, b, n, mb = _route(logits, t, e, k, 16)
     assert torch.equal(ids.long(), reference.topk_route(logits, k))

@@ -64,9 +64,11 @@ def test_full_adds_the_ablation_timelines_and_long_contexts(gpu_wiring, tmp_path
     assert [n for n in mk if " ablation " in n] == [f"{p} ablation {v}" for p in ("small", "shard8") for v in names]
     assert "shard8 timeline" in mk and "shard8 timeline detail" in mk
     assert {"shard8 T=16 ctx=8192 mega", "shard8 T=16 ctx=8192 eager", "small T=1 ctx=4096 compile"} <= set(mk)
-    # the batched steps (plans.BATCH_FULL), chain and mega, --full only
+    # the batched steps (plans.BATCH_FULL), chain and mega, then the peer at the same B, --full only
+    grid = ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4))
     assert [n for n in mk if " B=" in n and n.startswith("shard8")] == [
-        f"shard8 B={b} T={t} ctx=2048 {m}" for b, t in ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4)) for m in ("chain", "mega")]
+        f"shard8 B={b} T={t} ctx=2048 {m}" for b, t in grid for m in ("chain", "mega")] + [
+        f"shard8 B={b} T={t} ctx=2048 peer" for b, t in grid]
     assert not [n for n in _names(pipeline.items(_args(), tmp_path, gpu=True), "megakernel") if " B=" in n]
 
 
@@ -312,6 +314,13 @@ def fake_gpu_work(monkeypatch):
                                    timer="cuda_event", unit="s", params=step_params(p, t, ctx, mode, 8, batch=b))
 
     monkeypatch.setattr(mp, "bench_batch_point", bench_batch_point)
+
+    def peer_batch(h, p, b, t, ctx, ceiling):  # the peer at a batched point (megakernel.pipeline.BATCH_PEERS)
+        calls.append(("peer_batch", p, b, t, ctx))
+        return Series.from_samples(f"{p}/B{b}/T{t}/ctx{ctx}/peer", [3e-3] * 10, timer="cuda_event", unit="s",
+                                   params=step_params(p, t, ctx, "peer", 8, batch=b))
+
+    monkeypatch.setattr(mp, "BATCH_PEERS", {"peer": peer_batch})
     monkeypatch.setattr(mp, "greedy_check", lambda p, plan: calls.append(("greedy", p)) or 64)
     monkeypatch.setattr(mp.Stage, "_decode", lambda self, p: calls.append(("decode", p)))
     monkeypatch.setattr(mp.Stage, "draft_plan", lambda self, p: ("plan", f"{p} drafter", ()))
@@ -394,7 +403,12 @@ def test_full_stage_compiles_and_runs_the_ablation_and_timelines(fake_gpu_work):
     step = next(r for r in st.results if r.benchmark == "megakernel.step")
     assert step.derived["speedup_vs_chain/small/B4/T1/ctx512/mega"].value == pytest.approx(2.0)
     assert "speedup_vs_chain/small/T1/ctx512/mega" in step.derived
-    assert any("not timed at B > 1" in n for n in step.notes)
+    # the peer at every batched point, saved beside them, mega's speed-up over it at the same B
+    grid = ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4))
+    assert [c[1:] for c in calls if c[0] == "peer_batch"] == [("small", b, t, 512) for b, t in grid]
+    assert {f"small/B{b}/T{t}/ctx512/peer" for b, t in grid} <= {s.name for s in step.series}
+    assert step.derived["speedup_vs_peer/small/B4/T1/ctx512/mega"].value == pytest.approx(3.0)
+    assert any("the peer at the same B" in n for n in step.notes)
     compiled = [c[1] for c in calls if c[0] == "compile"]
     assert len(compiled) > len(ablation_names())  # every variant's build, before any is timed
     assert [r.benchmark for r in st.results] == ["megakernel.build", "megakernel.step"]  # no timeline for small

@@ -2,9 +2,11 @@
 and shard8, T=1 and T=16, and batched steps of B requests (plans.BATCH_FULL: B = 2, 4, 8 at T = 1,
 B = 2 at T = 8, B = 4 at T = 4; B = 1 is the plain cases' T = 1 and T = 16). Each states its
 roofline as its bound (a batch's: the union of routed experts, the dense weights once, each
-request's KV reads) and tokens per step (B x T). The peer takes one request a step and has no batched
-case. A launch is a CUDA-graph replay of 2 steps (the counters' parities alternate); device_bench
-reports per step, so one round is one step (extra_info time_per)."""
+request's KV reads) and tokens per step (B x T). The peer at the same batched points
+(test_peer_batched_step: peer.BatchPeerRunner, one CUDA graph a step, block sizes from
+peer_bench.tuned_configs at B x T rows; skips without triton). A megakernel launch is a CUDA-graph
+replay of 2 steps (the counters' parities alternate); device_bench reports per step, so one round
+is one step (extra_info time_per)."""
 from __future__ import annotations
 
 import pytest
@@ -77,6 +79,42 @@ def _batch_case(preset, B, T, ctx, mode):
                 {"preset": preset, "B": B, "T": T, "ctx": ctx, "mode": mode}, prepare)
 
 
+def _peer_batch_case(preset, B, T, ctx):
+    from microbench.harness import Case, Prepared
+    from microbench.results import Bound
+
+    from megakernel.batch import batch_context, batch_series_name
+    from megakernel.bench_baselines import weights_for
+    from megakernel.peer import BatchPeerRunner, PeerModel, StepGraph, check_batch_step
+    from megakernel.peer_bench import tuned_configs
+    from megakernel.plans import REL_TOL
+    from megakernel.roofline import batch_roofline
+
+    def prepare(h):
+        bc = batch_context(preset, B, T, ctx)
+        w = weights_for(preset)
+        up, down, src = tuned_configs(preset, B * T)
+        caches = [c.clone() for c in bc.caches0]
+        r = BatchPeerRunner(PeerModel(w, up, down), caches, [q.parents for q in bc.requests],
+                            r_read=[q.ctx for q in bc.requests], forced=True, n_sm=h.info.sm_count)
+        r.set_requests(bc.requests, bc.routes)
+        # each request against the reference (logits and KV caches) before anything is timed
+        check_batch_step(r, r.run(), caches, bc.ref_logits, bc.ref_caches, f"{preset} B={B}/peer", REL_TOL)
+        g = StepGraph(r)
+        rf = batch_roofline(w.cfg, bc.shape, bc.distinct)
+        prepared = Prepared(launch=g.replay, bound=Bound("time", rf.seconds, "s", f"roofline of one step of {B} "
+                                                         f"requests: experts the union, dense once, each request's "
+                                                         f"KV ({rf.source})"),
+                            metrics={"roofline_s_per_step": rf.seconds, "tokens_per_step": B * T, "requests": B,
+                                     "moe_up_config": up.label(), "moe_down_config": down.label(),
+                                     "moe_configs_from": src})
+        prepared._graph = g  # keep the graph (and the runner's buffers) alive while it is replayed
+        return prepared
+
+    return Case(f"megakernel/{batch_series_name(preset, B, T, ctx, 'peer')}",
+                {"preset": preset, "B": B, "T": T, "ctx": ctx, "mode": "peer"}, prepare)
+
+
 @pytest.mark.parametrize("mode", ["chain", "mega"])
 @pytest.mark.parametrize("preset,T,ctx", POINTS, ids=lambda v: str(v))
 def test_megakernel_step(device_bench, preset, T, ctx, mode):
@@ -87,3 +125,9 @@ def test_megakernel_step(device_bench, preset, T, ctx, mode):
 @pytest.mark.parametrize("preset,B,T,ctx", BATCH_POINTS, ids=lambda v: str(v))
 def test_megakernel_batched_step(device_bench, preset, B, T, ctx, mode):
     device_bench(_batch_case(preset, B, T, ctx, mode))
+
+
+@pytest.mark.parametrize("preset,B,T,ctx", BATCH_POINTS, ids=lambda v: str(v))
+def test_peer_batched_step(device_bench, preset, B, T, ctx):
+    pytest.importorskip("triton")
+    device_bench(_peer_batch_case(preset, B, T, ctx))
