@@ -380,18 +380,14 @@ class Stage:
               for s in self.series}
         for (p, t, ctx, impl, b), s in by.items():
             at = f"B{b}/" if b != 1 else ""
-            if impl.startswith("mega") and (p, t, ctx, "chain", b) in by:
-                ch = by[(p, t, ctx, "chain", b)]
-                derived[f"speedup_vs_chain/{p}/{at}T{t}/ctx{ctx}/{impl}"] = Derived(
-                    ch.summary.median / s.summary.median, "x", "median chain step time / median mega step time "
-                    "(both replayed from CUDA graphs)" + (f", {b} requests a step" if b != 1 else ""),
-                    inputs=(ch.name, s.name))
-            if impl.startswith("mega") and (p, t, ctx, "peer", b) in by:
-                pr = by[(p, t, ctx, "peer", b)]
-                derived[f"speedup_vs_peer/{p}/{at}T{t}/ctx{ctx}/{impl}"] = Derived(
-                    pr.summary.median / s.summary.median, "x", "median peer step time / median mega step time "
-                    "(both one CUDA graph a step)" + (f", {b} requests a step" if b != 1 else ""),
-                    inputs=(pr.name, s.name))
+            if not impl.startswith("mega"):
+                continue
+            for other, how in (("chain", "both replayed from CUDA graphs"), ("peer", "both one CUDA graph a step")):
+                o = by.get((p, t, ctx, other, b))
+                if o is not None:
+                    derived[f"speedup_vs_{other}/{p}/{at}T{t}/ctx{ctx}/{impl}"] = Derived(
+                        o.summary.median / s.summary.median, "x", f"median {other} step time / median mega step "
+                        f"time ({how})" + (f", {b} requests a step" if b != 1 else ""), inputs=(o.name, s.name))
         if self.checks:
             derived["max_rel_err_vs_reference"] = Derived(
                 max(c.rel_err for c in self.checks), "", "max over the checked points of ||mega - reference|| / "
