@@ -52,10 +52,11 @@ NOT_BUILT = ((2, 16), (4, 8), (4, 16), (8, 4), (8, 8), (8, 16))
 
 
 def mix(cfg: ModelConfig, batch: int, seed: int = 0, tokens: int | None = None,
-        ctx: int | None = None) -> list[tuple[int, int]]:
+        ctx: int | None = None, max_rows: int | None = None) -> list[tuple[int, int]]:
     """(T_r, ctx_r) of `batch` requests: `tokens` / `ctx` for every request where given, else a
     seeded random mix (trees of 1..T_MAX // B tokens; contexts anywhere the cache allows, so past
-    the sliding window too). Refuses a batch of more rows than one step holds."""
+    the sliding window too). Refuses a batch of more rows than one megakernel step holds, or than
+    max_rows where given (the peer's steps take any row count)."""
     if not isinstance(batch, int) or not 1 <= batch <= cfg.max_tree:
         raise ConfigError(f"batch {batch!r}: want 1..{cfg.max_tree} requests (each has at least one row)")
     g = random.Random(seed)
@@ -65,7 +66,10 @@ def mix(cfg: ModelConfig, batch: int, seed: int = 0, tokens: int | None = None,
         c = ctx if ctx is not None else g.randint(0, cfg.max_context - t)
         out.append((int(t), int(c)))
     rows = sum(t for t, _ in out)
-    if rows > cfg.max_tree:
+    if max_rows is not None:
+        if rows > max_rows:
+            raise ConfigError(f"B x T = {batch} x {tokens} = {rows} token rows; this step takes at most {max_rows}")
+    elif rows > cfg.max_tree:
         raise ConfigError(f"B x T = {batch} x {tokens} = {rows} token rows in one step; a step holds at most "
                           f"{cfg.max_tree} (one m16 tile of tokens in every GEMM; more tiles are not built)")
     return out
@@ -198,15 +202,17 @@ class BatchContext:
 _CONTEXTS: dict = {}
 
 
-def batch_context(preset: str, batch: int, tokens: int, ctx: int, seed: int = 0) -> BatchContext:
+def batch_context(preset: str, batch: int, tokens: int, ctx: int, seed: int = 0,
+                  max_rows: int | None = None) -> BatchContext:
     """B requests of T tokens at context ctx with the study-like synthetic routing of a T-token step
     each (bench_baselines.study_like_distinct; independent requests, so the batch's union is up to B
-    times a request's experts), random caches, and the reference's logits. Cached per process."""
+    times a request's experts), random caches, and the reference's logits. Cached per process.
+    max_rows: as mix's (the peer's points past the megakernel's 16 rows pass B x T)."""
     key = (preset, batch, tokens, ctx, seed)
     if key not in _CONTEXTS:
         w = weights_for(preset)
         cfg = w.cfg
-        shape = tuple(mix(cfg, batch, seed, tokens, ctx))
+        shape = tuple(mix(cfg, batch, seed, tokens, ctx, max_rows))
         reqs = make_requests(cfg, shape, seed)
         per = []
         for r in range(batch):

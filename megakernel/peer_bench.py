@@ -535,7 +535,7 @@ def peer_batch_point(h, preset: str, batch: int, tokens: int, ctx: int, ceiling,
     if why:
         raise RuntimeError(f"the peer baseline cannot run: {why}")
     up, down, src = tuned_configs(preset, batch * tokens)
-    bc = batch_context(preset, batch, tokens, ctx)
+    bc = batch_context(preset, batch, tokens, ctx, max_rows=batch * tokens)  # the peer takes any B x T
     w = weights_for(preset)
     m = PeerModel(w, up, down)
     c = _Ctx(h, ceiling, log, [], [], [], 0.0)

@@ -35,6 +35,11 @@ REL_TOL = 1e-2  # bf16 activations between ops, fp32 accumulation: observed ~3e-
 # beyond 16 is not built (megakernel.batch.NOT_BUILT)
 BATCH_GRID = ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4))
 BATCH_FULL = {"small": [(b, t, 512) for b, t in BATCH_GRID], "shard8": [(b, t, 2048) for b, t in BATCH_GRID]}
+# The T = 16 trees at B = 2, 4, 8 (32..128 rows): the peer only, whose kernels take any row
+# count; the megakernel does not build them (NOT_BUILT), so these rows carry no mega speed-up
+PEER_ONLY_GRID = ((2, 16), (4, 16), (8, 16))
+BATCH_PEER_ONLY = {"small": [(b, t, 512) for b, t in PEER_ONLY_GRID],
+                   "shard8": [(b, t, 2048) for b, t in PEER_ONLY_GRID]}
 
 
 # The tuned spin bound covers latency-bound waits only (its rule says so); a megakernel block also

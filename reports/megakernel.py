@@ -327,21 +327,28 @@ def figure_value(rows: Sequence[StepRow], timeline: Result | None, ours: dict) -
 def batch_curve(rows: Sequence[StepRow]) -> list[dict]:
     """The study's claim that a megakernel finds larger batches easier, as measured: for each
     (preset, context) and step shape (T = 1 at B = 1, 2, 4, 8; B x T = 16 rows at B = 1, 2, 4), the
-    megakernel's, its chain's and the peer's (megakernel.peer at B requests a step) step time,
+    megakernel's, its chain's and the peer's (megakernel.peer at B requests a step) step time (and T = 16
+    at B = 2, 4, 8, which only the peer's results hold: the megakernel does not build 32..128 rows),
     tokens processed per second (B x T a step), the fraction of the batch's roofline, each against
     the same implementation at B = 1, and mega's speed-up over the chain and the peer at the same B
     (where results hold both). An implementation appears at the B its results hold (a shape's row of
     an implementation with no batched row is left out). Forced routing only."""
     rs = [r for r in rows if r.routing == "forced" and r.impl in ("mega", "chain", "peer")]
 
-    def shape(r: StepRow) -> str:
-        return "T=1" if r.tokens == 1 else f"B x T = {r.tokens * r.batch}"
+    def shapes(r: StepRow) -> list[str]:
+        # T = 16 at B = 1 is the base of two curves: T = 16 trees at B = 2, 4, 8, and 16 rows split
+        # into B smaller trees
+        out = ["T=1"] if r.tokens == 1 else ["T=16"] if r.tokens == 16 else []
+        if r.tokens != 1 and r.tokens * r.batch == 16:
+            out.append("B x T = 16")
+        return out
 
     groups: dict[tuple, dict[int, StepRow]] = {}
     for r in rs:
-        g = groups.setdefault((r.preset, r.context, shape(r), r.impl), {})
-        if r.batch not in g or r.date > g[r.batch].date:
-            g[r.batch] = r
+        for sh in shapes(r):
+            g = groups.setdefault((r.preset, r.context, sh, r.impl), {})
+            if r.batch not in g or r.date > g[r.batch].date:
+                g[r.batch] = r
     out = []
     order = sorted(groups, key=lambda k: (PRESET_ORDER.index(k[0]) if k[0] in PRESET_ORDER else 9, k[1], k[2], k[3]))
     for key in order:

@@ -196,8 +196,8 @@ def test_roofline_of_a_batch_by_hand():
     assert step_bytes(cfg, 2, 30, 4) == batch_step_bytes(cfg, [(2, 30)], 4)
     with pytest.raises(ConfigError, match="routes to 1 distinct experts"):
         batch_step_bytes(cfg, [(1, 5), (1, 6)], 1)
-    with pytest.raises(ConfigError, match="17 token rows"):
-        batch_step_bytes(cfg, [(16, 0), (1, 0)], 8)
+    # past the megakernel's 16 rows (the peer's batches): the experts' bound grows with the rows
+    assert batch_step_bytes(cfg, [(16, 0), (16, 0)], cfg.n_experts).experts == 3 * cfg.n_experts * cfg.expert_bytes
 
 
 def test_step_block_packs_each_request(tiny):
@@ -308,6 +308,14 @@ def test_report_draws_the_batch_curve_from_results_and_says_when_it_has_none(tmp
     assert {k for k in got if k[2] == "peer"} == {("T=1", 1, "peer"), ("T=1", 4, "peer")}
     assert got[("T=1", 4, "peer")]["step vs B=1"] == "x1.67" and got[("T=1", 4, "peer")]["mega speed-up"] == "x2.00"
     assert got[("T=1", 1, "peer")]["mega speed-up"] == "x1.50"
+    # T = 16 trees at B = 2 (32 rows): the peer's only (plans.BATCH_PEER_ONLY), against its own T = 16
+    # B = 1 row, no mega speed-up; B = 1 T = 16 also stays the base of the 16-row curve
+    t16 = peer + [row("peer", 2, 16, 9e-3)]
+    curve = mk.batch_curve(mk.step_rows([Result("megakernel.step", env(), tuple(t16))]))
+    got = {(c["shape"], c["B"], c["impl"]): c for c in curve}
+    assert {k for k in got if k[0] == "T=16"} == {("T=16", 1, "peer"), ("T=16", 2, "peer")}
+    assert got[("T=16", 2, "peer")]["step vs B=1"] == "x1.50" and got[("T=16", 2, "peer")]["mega speed-up"] == ""
+    assert ("B x T = 16", 1, "mega") in got and ("B x T = 16", 4, "mega") in got
 
 
 def test_bench_cases_time_the_full_runs_batch_grid():
@@ -315,10 +323,11 @@ def test_bench_cases_time_the_full_runs_batch_grid():
     torch): it must be plans.BATCH_FULL, which `megabench run --full` times."""
     import importlib.util
 
-    from megakernel.plans import BATCH_FULL
+    from megakernel.plans import BATCH_FULL, BATCH_PEER_ONLY
 
     path = CSRC.parents[1] / "tests" / "bench" / "test_bench_megakernel.py"
     spec = importlib.util.spec_from_file_location("bench_megakernel_cases", path)
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
     assert m.BATCH_POINTS == [(p, b, t, c) for p in ("small", "shard8") for b, t, c in BATCH_FULL[p]]
+    assert m.PEER_ONLY_POINTS == [(p, b, t, c) for p in ("small", "shard8") for b, t, c in BATCH_PEER_ONLY[p]]

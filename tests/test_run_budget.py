@@ -64,11 +64,12 @@ def test_full_adds_the_ablation_timelines_and_long_contexts(gpu_wiring, tmp_path
     assert [n for n in mk if " ablation " in n] == [f"{p} ablation {v}" for p in ("small", "shard8") for v in names]
     assert "shard8 timeline" in mk and "shard8 timeline detail" in mk
     assert {"shard8 T=16 ctx=8192 mega", "shard8 T=16 ctx=8192 eager", "small T=1 ctx=4096 compile"} <= set(mk)
-    # the batched steps (plans.BATCH_FULL), chain and mega, then the peer at the same B, --full only
+    # the batched steps (plans.BATCH_FULL), chain and mega, then the peer at the same B and at the T = 16
+    # points only it builds (plans.BATCH_PEER_ONLY), --full only
     grid = ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4))
     assert [n for n in mk if " B=" in n and n.startswith("shard8")] == [
         f"shard8 B={b} T={t} ctx=2048 {m}" for b, t in grid for m in ("chain", "mega")] + [
-        f"shard8 B={b} T={t} ctx=2048 peer" for b, t in grid]
+        f"shard8 B={b} T={t} ctx=2048 peer" for b, t in grid + ((2, 16), (4, 16), (8, 16))]
     assert not [n for n in _names(pipeline.items(_args(), tmp_path, gpu=True), "megakernel") if " B=" in n]
 
 
@@ -405,7 +406,8 @@ def test_full_stage_compiles_and_runs_the_ablation_and_timelines(fake_gpu_work):
     assert "speedup_vs_chain/small/T1/ctx512/mega" in step.derived
     # the peer at every batched point, saved beside them, mega's speed-up over it at the same B
     grid = ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4))
-    assert [c[1:] for c in calls if c[0] == "peer_batch"] == [("small", b, t, 512) for b, t in grid]
+    PEER_ONLY = ((2, 16), (4, 16), (8, 16))  # plans.BATCH_PEER_ONLY: the peer alone
+    assert [c[1:] for c in calls if c[0] == "peer_batch"] == [("small", b, t, 512) for b, t in grid + PEER_ONLY]
     assert {f"small/B{b}/T{t}/ctx512/peer" for b, t in grid} <= {s.name for s in step.series}
     assert step.derived["speedup_vs_peer/small/B4/T1/ctx512/mega"].value == pytest.approx(3.0)
     assert any("the peer at the same B" in n for n in step.notes)

@@ -3,7 +3,8 @@ and shard8, T=1 and T=16, and batched steps of B requests (plans.BATCH_FULL: B =
 B = 2 at T = 8, B = 4 at T = 4; B = 1 is the plain cases' T = 1 and T = 16). Each states its
 roofline as its bound (a batch's: the union of routed experts, the dense weights once, each
 request's KV reads) and tokens per step (B x T). The peer at the same batched points
-(test_peer_batched_step: peer.BatchPeerRunner, one CUDA graph a step, block sizes from
+and at T = 16 with B = 2, 4, 8, which the megakernel does not build (test_peer_batched_step:
+peer.BatchPeerRunner, one CUDA graph a step, block sizes from
 peer_bench.tuned_configs at B x T rows; skips without triton). A megakernel launch is a CUDA-graph
 replay of 2 steps (the counters' parities alternate); device_bench reports per step, so one round
 is one step (extra_info time_per)."""
@@ -16,6 +17,8 @@ POINTS = [("small", 1, 512), ("small", 16, 512), ("shard8", 1, 2048), ("shard8",
 # (preset, B, T, ctx): plans.BATCH_FULL, written out so that collecting needs no torch
 BATCH_POINTS = [(p, b, t, c) for p, c in (("small", 512), ("shard8", 2048))
                 for b, t in ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4))]
+# plans.BATCH_PEER_ONLY: T = 16 trees at B = 2, 4, 8 (32..128 rows), which the megakernel does not build
+PEER_ONLY_POINTS = [(p, b, 16, c) for p, c in (("small", 512), ("shard8", 2048)) for b in (2, 4, 8)]
 
 
 def _case(preset, T, ctx, mode):
@@ -91,7 +94,7 @@ def _peer_batch_case(preset, B, T, ctx):
     from megakernel.roofline import batch_roofline
 
     def prepare(h):
-        bc = batch_context(preset, B, T, ctx)
+        bc = batch_context(preset, B, T, ctx, max_rows=B * T)
         w = weights_for(preset)
         up, down, src = tuned_configs(preset, B * T)
         caches = [c.clone() for c in bc.caches0]
@@ -127,7 +130,7 @@ def test_megakernel_batched_step(device_bench, preset, B, T, ctx, mode):
     device_bench(_batch_case(preset, B, T, ctx, mode))
 
 
-@pytest.mark.parametrize("preset,B,T,ctx", BATCH_POINTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("preset,B,T,ctx", BATCH_POINTS + PEER_ONLY_POINTS, ids=lambda v: str(v))
 def test_peer_batched_step(device_bench, preset, B, T, ctx):
     pytest.importorskip("triton")
     device_bench(_peer_batch_case(preset, B, T, ctx))
