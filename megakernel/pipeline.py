@@ -19,6 +19,7 @@ timeline and the detail timeline. `run` executes the same items in order and rai
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import multiprocessing as mp
 import os
@@ -35,7 +36,7 @@ from microbench.progress import Item
 from microbench.results import Derived, Result, Series
 from microbench.sass import find_nvdisasm
 
-from . import baselines as B, speculative
+from . import baselines as B, speculative, tiling
 from .batch import bench_batch_point
 from .bench_baselines import FULL_POINTS, QUICK_POINTS, Collector, release, weights_for
 from .config import preset as get_preset
@@ -363,6 +364,12 @@ class Stage:
         self._say(s)
 
     def _peer_batch(self, name: str, p: str, b: int, t: int, ctx: int) -> None:
+        # the megakernel's tiled weight copies (~57 GB at shard8) are not the peer's: dropped, the
+        # peer's largest batches fit beside the weights and the batch contexts
+        tiling.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         s = BATCH_PEERS[name](self.h, p, b, t, ctx, self.ceiling)
         self.series.append(s)
         self._say(s)
@@ -420,9 +427,22 @@ class Stage:
 
 def run(quick: bool = True, constants=None, save: bool = True, presets=PRESETS, log=print, ablate: bool = True,
         timeline: bool | None = None, detail: bool = False, baselines: bool = False, batches: bool = False):
-    """Checks, then timings (Stage), every item in order; the first failure raises. Returns the
-    Results (saved unless save=False)."""
+    """Checks, then timings (Stage), every item in order. After the first failure only the items
+    marked `always` run (releases, and the save of what was measured before it); then that failure
+    raises. Returns the Results (saved unless save=False)."""
     st = Stage(quick, constants, save, presets, log, ablate, timeline, detail, baselines, batches=batches)
+    first: BaseException | None = None
     for it in st.items():
-        it.fn()
+        if first is not None and not it.always:
+            continue
+        try:
+            it.fn()
+        except Exception as e:
+            if first is not None:
+                log(f"  {it.name} failed too, after the first failure: {type(e).__name__}: {e}")
+                continue
+            first = e
+            log(f"  {it.name} FAILED ({type(e).__name__}: {e}); what was measured before it is still saved")
+    if first is not None:
+        raise first
     return st.results

@@ -67,7 +67,11 @@ def untile_dense(tiled: torch.Tensor, t: GemmTile) -> torch.Tensor:
 
 
 def _cached(w: torch.Tensor, key: tuple, build) -> torch.Tensor:
-    """build(), once per source tensor and key (engines of one model share the copy)."""
+    """build(), once per source tensor and key (engines of one model share the copy). An fp4 bank
+    keeps one layout cached: builds for other step sizes choose other chunk widths (shard8's
+    down-projection bank is ~19 GB a layout, beside ~57 GB of weights and a 37 GB gate/up copy),
+    so a second cached layout is what runs a 141 GB GPU out of memory. The cache drops the
+    previous layout before building the next; an engine still alive keeps its own copy alive."""
     entry = _CACHE.get(id(w))
     if entry is None or entry[0]() is not w:
         entry = (weakref.ref(w), {})
@@ -75,8 +79,19 @@ def _cached(w: torch.Tensor, key: tuple, build) -> torch.Tensor:
         weakref.finalize(w, _CACHE.pop, id(w), None)
     per = entry[1]
     if key not in per:
+        if key[0] == "fp4":
+            for k in [k for k in per if k[0] == "fp4"]:
+                del per[k]
         per[key] = build()
     return per[key]
+
+
+def clear() -> None:
+    """Forget every cached copy (engines alive keep theirs): before work that needs the memory and
+    not the megakernel's layouts (the peer's batched steps at shard8), then the next engine
+    rebuilds them."""
+    for e in _CACHE.values():
+        e[1].clear()
 
 
 def tiled(w: torch.Tensor, t: GemmTile) -> torch.Tensor:

@@ -70,6 +70,9 @@ PROBES = {
 
 
 def test_lint_imports_passes_on_the_packages_and_fails_on_a_bad_import(tmp_path):
+    # a GPU machine with no package index (the project's deps preinstalled, not this dev tool) skips
+    # it; .ci/run installs it and runs lint-imports itself before the tests
+    pytest.importorskip("importlinter", reason="import-linter is not installed (pip install -e .)")
     root = _copy_packages(tmp_path)
     ok = _lint(root)
     assert ok.returncode == 0 and "0 broken" in ok.stdout, ok.stdout[-3000:] + ok.stderr[-2000:]

@@ -429,3 +429,38 @@ def test_a_failing_code_step_is_a_note_not_a_failed_build(fake_gpu_work, monkeyp
     st._build()
     assert [r.benchmark for r in st.results] == ["megakernel.build"]
     assert st.notes == ["megakernel.code not made: RuntimeError: nvdisasm exited 1"]
+
+
+def test_a_failed_item_still_saves_what_was_measured_before_it(fake_gpu_work, monkeypatch):
+    """megakernel.pipeline.run (`mk check-and-bench`): after the first failure only the `always`
+    items run (releases, save), then the failure raises. A run that stopped at its shard8 peer
+    once saved nothing of the minutes before it."""
+    import megakernel.pipeline as mp
+
+    calls, h = fake_gpu_work
+    saved = []
+    monkeypatch.setattr(mp.Stage, "h", property(lambda self: h))
+
+    def save(self):
+        saved.append([s.name for s in self.series])
+        return []
+
+    monkeypatch.setattr(mp.Stage, "_save", save)
+    init = mp.Stage.__init__
+    monkeypatch.setattr(mp.Stage, "__init__", lambda self, *a, **kw: init(self, *a, **{**kw, "compile_workers": 1}))
+
+    def peer_batch(h_, p, b, t, ctx, ceiling):
+        if (b, t) == (2, 16):
+            raise MemoryError("CUDA out of memory (test)")
+        return mp.Series.from_samples(f"{p}/B{b}/T{t}/ctx{ctx}/peer", [3e-3] * 10, timer="cuda_event", unit="s",
+                                      params={})
+
+    monkeypatch.setattr(mp, "BATCH_PEERS", {"peer": peer_batch})
+    monkeypatch.setattr(mp, "check_point", lambda p, t, ctx, plan: mp.Check(p, t, ctx, 1e-3, True, True, True, True))
+    log = []
+    with pytest.raises(MemoryError, match="out of memory"):
+        mp.run(quick=True, save=False, presets=("small",), log=log.append, ablate=False, batches=True)
+    assert len(saved) == 1 and "small/B4/T4/ctx512/peer" in saved[0] and "small/B4/T16/ctx512/peer" not in saved[0]
+    assert "small/B4/T4/ctx512/mega" in saved[0]
+    assert any("B=2 T=16" in line and "FAILED" in line for line in log)
+    assert ("release", "small") in calls  # the always items ran

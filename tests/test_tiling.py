@@ -108,6 +108,23 @@ def test_every_build_of_a_model_shares_one_expert_copy():
     assert c3 is not c1 and not torch.equal(c3, c1)  # other words, another copy
 
 
+def test_a_bank_keeps_one_fp4_layout_cached():
+    """Builds for other step sizes choose other chunk widths; the cache holds one layout of a bank
+    (shard8's down-projection bank in two layouts beside its weights ran a 141 GB H200 out of
+    memory), and a copy an engine still holds stays valid."""
+    import gc
+    import weakref
+
+    t = GemmTile(rows=64, kc=128, k=256, fp4=True, swizzle=4, rotated=True)
+    codes, scales = _bank(2, 128, 256, 5)
+    c1, _ = tiling.fp4_copies(codes, scales, t)
+    gone = weakref.ref(tiling.fp4_copies(codes, scales, replace(t, kc=64, swizzle=2))[0])
+    c3, _ = tiling.fp4_copies(codes, scales, t)  # back to the first layout: rebuilt, equal
+    gc.collect()
+    assert gone() is None and c3 is not c1 and torch.equal(c3, c1)
+    assert tiling.fp4_copies(codes, scales, t)[0] is c3
+
+
 def test_scale_planes_of_a_run_of_steps():
     sc = torch.arange(2 * 32, dtype=torch.int64).to(torch.uint8).reshape(2, 32)
     x = scale_planes(sc, 4)  # runs of 4 steps = 8 bytes: byte 2s + h -> 4h + s
