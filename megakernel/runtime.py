@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from microbench.clocks.profiler import ProfileBuffer, ProfileLayout, Timeline
-from microbench.errors import CorrectnessError, SpinTimeoutError
+from microbench.errors import CorrectnessError, DeviceMemoryError, SpinTimeoutError
 from microbench.launch import LaunchSpec, launch
 from microbench.sync.sentinel import BF16 as BF16_SLOT, F32 as F32_SLOT
 from microbench.watchdog import Watchdog
@@ -172,6 +172,22 @@ def step_launches(owner, e, mode: str, spec: bool, part: range | None):
     return prog, params, todo, part
 
 
+
+# Headroom the copies leave for what a step allocates after them (scratch, graphs, the caller's
+# tensors): below it, a run would fail later, deep in an allocation, instead of here by name.
+COPY_HEADROOM = 2 << 30
+
+
+def check_copies_fit(need: int, free: int, total: int, gpu: str, model: str) -> None:
+    """Raise DeviceMemoryError, naming the model, the bytes and the GPU, when the tiled weight copies
+    an engine is about to allocate (need) do not fit the free memory (free) with COPY_HEADROOM."""
+    if need + COPY_HEADROOM <= free:
+        return
+    raise DeviceMemoryError(
+        f"{model}: the megakernel's tiled weight copies need {need / 2**30:.1f} GiB (+ {COPY_HEADROOM >> 30} GiB "
+        f"headroom) of GPU memory, {gpu} has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB. "
+        f"Run this model on a GPU with more memory, or a smaller preset")
+
 class Engine:
     def __init__(self, weights: ModelWeights, plan: Plan, cache: KVCache | Sequence[KVCache], *, backend: str = "gpu",
                  program_mode: str = "layer", grid: int | None = None, emu_seed: int = 1,
@@ -235,6 +251,11 @@ class Engine:
         self._alloc()
         self._keep: list[torch.Tensor] = []  # the tiled dense weights the kernel points into
         self._share = share
+        if backend == "gpu":
+            free, total = torch.cuda.mem_get_info(self.dev)
+            pool = torch.cuda.memory_reserved(self.dev) - torch.cuda.memory_allocated(self.dev)
+            check_copies_fit(self.copies_needed(), free + pool, total, torch.cuda.get_device_name(self.dev),
+                             self.cfg.name)
         self._layers_blob = self._layer_ptrs()
         self._kv_blob = self._kv_table()
         self.wd = link.watchdog if link else Watchdog(plan.spin_bound_ns, device=self.dev)
@@ -335,6 +356,22 @@ class Engine:
         self.anc_t = z(tm, dt=torch.int32)
         self.row_req_t = z(tm, dt=torch.int32)
         self.route_t = z(c.n_layers, tm, c.top_k, dt=torch.int32)
+
+    def copies_needed(self) -> int:
+        """Bytes of the tiled weight copies _layer_ptrs will allocate (those the tiling cache does
+        not hold yet): the LM head unless shared, each layer's dense projections and both expert
+        banks' codes and scales."""
+        n = 0
+        sh = self._share
+        if not (sh is not None and sh.plan.tiles["lm_head"] == self.plan.tiles["lm_head"] and sh.dev == self.dev):
+            n += tiling.copy_bytes(self.w.lm_head, tiling.weight_tile(self.plan, "lm_head"))
+        for lw in self.w.layers:
+            for field in tiling.LAYER_WEIGHTS:
+                n += tiling.copy_bytes(getattr(lw, field), tiling.weight_tile(self.plan, field))
+            for bank, op in ((lw.w1, "expert1"), (lw.w2, "expert2")):
+                t = self.plan.tiles[op]
+                n += tiling.copy_bytes(bank.codes, t) + tiling.copy_bytes(bank.scales, t)
+        return n
 
     def _tiled(self, w: torch.Tensor, field: str) -> torch.Tensor:
         """The kernel's copy of dense weight `w` (tiling.py), kept alive with this engine."""

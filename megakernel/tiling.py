@@ -86,6 +86,19 @@ def _cached(w: torch.Tensor, key: tuple, build) -> torch.Tensor:
     return per[key]
 
 
+def copy_bytes(w: torch.Tensor, t: GemmTile) -> int:
+    """Bytes of the kernel's copy of w for tile t (tile_dense's padded rows; an fp4 bank's codes or
+    scales: the same bytes as the source), 0 where the cache already holds it."""
+    entry = _CACHE.get(id(w))
+    per = entry[1] if entry is not None and entry[0]() is w else {}
+    if t.fp4:
+        return 0 if ("fp4", t.kc, t.k, t.swizzle, t.rotated) in per else w.numel() * w.element_size()
+    if ("dense", t.rows, t.kc, t.k) in per:
+        return 0
+    n, k = w.shape
+    return n * (k // t.kc) * (t.kc + ROW_PAD // 2) * w.element_size()
+
+
 def clear() -> None:
     """Forget every cached copy (engines alive keep theirs): before work that needs the memory and
     not the megakernel's layouts (the peer's batched steps at shard8), then the next engine

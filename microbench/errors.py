@@ -22,6 +22,10 @@ class KernelDoesNotFitError(MegabenchError):
     """A launch asks for more than the device gives (co-residency, smem, registers, code budget)."""
 
 
+class DeviceMemoryError(MegabenchError):
+    """What a run would allocate does not fit the GPU's free memory (named before allocating it)."""
+
+
 class ResultsFileError(MegabenchError):
     """A results or constants file is malformed, of an unknown/future schema, or incompatible."""
 

@@ -142,3 +142,35 @@ def test_tile_fp4_refuses_dense_tiles_and_banks_of_another_shape():
         tiling.tile_fp4_codes(codes, replace(t, k=256, kc=128))
     with pytest.raises(ConfigError, match=r"want uint8 scales \[E, N, 16\]"):
         tiling.tile_fp4_scales(scales, replace(t, k=256, kc=128))
+
+
+def test_an_engine_counts_the_copies_it_allocates_and_refuses_what_does_not_fit(tiny_weights_for_copies):
+    """runtime.Engine.copies_needed is what _layer_ptrs allocates (tiling.copy_bytes, exact, 0 for
+    copies the cache holds), and check_copies_fit names model, bytes and GPU before allocating:
+    shard8 on a 80 GB card once ran out of memory deep inside the tiling instead."""
+    from microbench.errors import DeviceMemoryError
+
+    from megakernel import runtime
+    from megakernel.plans import plan_for
+    from megakernel.reference import KVCache
+
+    w = tiny_weights_for_copies
+    tiling.clear()
+    eng_plan = plan_for("tiny", None, 4)
+    probe = runtime.Engine.__new__(runtime.Engine)
+    probe.w, probe.plan, probe._share, probe.dev = w, eng_plan, None, w.device
+    need = probe.copies_needed()
+    eng = runtime.Engine(w, eng_plan, KVCache(w.cfg), backend="emu")
+    got = sum({id(t): t.numel() * t.element_size() for t in eng._keep}.values())
+    assert need == got > 0
+    assert probe.copies_needed() == 0  # all cached now
+    runtime.check_copies_fit(need, need + runtime.COPY_HEADROOM, 80 << 30, "GPU", "tiny")
+    with pytest.raises(DeviceMemoryError, match=r"shard8: .* need 56\.0 GiB .* NVIDIA H100 80GB HBM3 has 20\.0 GiB free"):
+        runtime.check_copies_fit(56 << 30, 20 << 30, 80 << 30, "NVIDIA H100 80GB HBM3", "shard8")
+
+
+@pytest.fixture
+def tiny_weights_for_copies():
+    from megakernel.weights import generate
+
+    return generate(preset("tiny"))
