@@ -155,10 +155,12 @@ class Lever:
 
 
 # ---------------------------------------------------------------------------------- inputs
-def _latest(benchmark: str, root: Path | None):
-    r = latest(benchmark, root=root or REPO_ROOT / "reports" / "results")
+def _latest(benchmark: str, root: Path | None, gpu: str | None = None):
+    """The newest `benchmark` result (of `gpu` where given: the model's inputs are one GPU's)."""
+    r = latest(benchmark, root=root or REPO_ROOT / "reports" / "results", gpu=gpu)
     if r is None:
-        raise ResultsFileError(f"critical path: no {benchmark} result under {root or 'reports/results'}")
+        raise ResultsFileError(f"critical path: no {benchmark} result{' of ' + gpu if gpu else ''} under "
+                               f"{root or 'reports/results'}")
     return r
 
 
@@ -210,9 +212,14 @@ def inputs(root: Path | None = None) -> Inputs:
     from .bench_baselines import study_like_distinct  # heavy: torch (megakernel.bench_baselines)
     from .plans import middle_launch  # heavy: torch (megakernel.plans)
 
-    tl, detail = _latest("megakernel.timeline", root), _latest("megakernel.timeline_detail", root)
-    flags, fences, l2 = _latest("sync.flags", root), _latest("sync.fences", root), _latest("weights.l2", root)
-    rc = _latest("weights.read_ceiling", root)
+    # every input from the GPU of the newest detail timeline (the model's subject): a newer run on
+    # another GPU (a build, a step) must not mix into its rows
+    detail = _latest("megakernel.timeline_detail", root)
+    gpu = detail.env.gpu
+    tl = _latest("megakernel.timeline", root, gpu)
+    flags, fences = _latest("sync.flags", root, gpu), _latest("sync.fences", root, gpu)
+    l2 = _latest("weights.l2", root, gpu)
+    rc = _latest("weights.read_ceiling", root, gpu)
     preset, t, ctx = TIMELINE_POINT
     cfg = get_preset(preset)
     distinct = study_like_distinct(cfg, t)
@@ -314,13 +321,13 @@ def cold_code_inputs(root: Path | None, preset: str, tokens: int, tl) -> dict:
                                f"T={tokens} build (`megabench mk code --point {preset}:{tokens} --save`)")
     by_src = {s.params["op"]: int(s.summary.median) for s in mine}
     total = int(mine[0].metrics["kernel_code_bytes"])
-    build = _latest("megakernel.build", root)
+    build = _latest("megakernel.build", root, tl.env.gpu)
     ran = next((int(s.metrics["code_bytes"]) for s in build.series if s.name == f"build/{preset}"), None)
     if ran != total:  # a kernel changed since: the column is left out, saying why (render)
         return {"stale": f"megakernel.code ({code.env.git_sha[:7]}, {code.env.date}) has a {total} B kernel but the "
                          f"GPU's megakernel.build ({build.env.git_sha[:7]}, {build.env.date}) ran {ran} B: the code "
                          "result is stale (`megabench mk code --save`)"}
-    ic = _latest("icache.capacity", root)
+    ic = _latest("icache.capacity", root, tl.env.gpu)
     levels = sorted((k, d.value) for k, d in ic.derived.items() if re.fullmatch(r"icache_plateau\d+_cpi_w1", k))
     if not levels or "icache_sm_miss_cpi_w1" not in ic.derived or "icache_sm_bytes" not in ic.derived:
         raise ResultsFileError(f"critical path: icache.capacity of {ic.env.date} resolved no instruction-cache levels")

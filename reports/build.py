@@ -125,8 +125,16 @@ class Catalog:
         allr = [(p, load(p)) for p in find(None, root)]
         gpus = sorted({r.env.gpu for _, r in allr if r.env.gpu})
         if gpu is None:
-            dated = sorted((r.env.date, r.env.gpu) for _, r in allr if r.env.gpu and not r.benchmark.startswith("gate."))
-            gpu = dated[-1][1] if dated else (gpus[-1] if gpus else None)
+            # the GPU whose results cover the most benchmarks, the newest among equals: a partial run
+            # on another GPU (a few benchmarks) does not turn the whole report over to it
+            cover: dict[str, tuple[set, str]] = {}
+            for _, r in allr:
+                if r.env.gpu and not r.benchmark.startswith("gate."):
+                    names, date = cover.setdefault(r.env.gpu, (set(), ""))
+                    names.add(r.benchmark)
+                    cover[r.env.gpu] = (names, max(date, r.env.date))
+            ranked = sorted(cover, key=lambda g: (len(cover[g][0]), cover[g][1]))
+            gpu = ranked[-1] if ranked else (gpus[-1] if gpus else None)
         runs: dict[str, list] = {}
         for p, r in allr:
             if r.env.gpu == gpu:

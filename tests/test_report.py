@@ -711,3 +711,24 @@ def test_the_stress_run_shows_its_counts_and_fails_loudly(tmp_path):
         assert ("FAILED" in block) == bool(bad)
     text = build(tmp_path / "r0", tmp_path / "o9", bench_dir=None, gpu_present=False).read_text()
     assert "Long decode" in text
+
+
+def test_the_default_gpu_is_the_one_whose_results_cover_the_most(tmp_path):
+    """Catalog.load without --gpu: a newer partial run on another GPU (one benchmark, as an H100
+    session that could run only part of the work) does not turn the report over to it; among GPUs
+    covering as many benchmarks the newest wins."""
+    from megabench_synth import H200
+
+    from reports.build import Catalog
+
+    h100 = "NVIDIA H100 80GB HBM3"
+    root = tmp_path / "r"
+    full = class_results(date="2026-12-01T10:00:00Z")
+    partial = [Result("megakernel.step", env(gpu=h100, date="2026-12-05T16:00:00Z"), (series("small/T1/ctx512/mega"),))]
+    save_all(full + partial, root)
+    cat = Catalog.load(root)
+    assert cat.gpu == H200 and h100 in cat.other_gpus
+    assert Catalog.load(root, gpu=h100).gpu == h100
+    save_all(class_results(gpu=h100, date="2026-12-06T10:00:00Z"), tmp_path / "r2")
+    save_all(full, tmp_path / "r2")
+    assert Catalog.load(tmp_path / "r2").gpu == h100  # as many benchmarks, newer
