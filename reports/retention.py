@@ -178,9 +178,24 @@ def _referrer_files(repo: Path, root: Path) -> list[Path]:
     return out
 
 
+# a shell brace list in a name (`megakernel.decode-20261205T12{2226,2323}Z-*`): the names it stands for
+# are named too; unexpanded, the stamp pattern never matches and the files looked unnamed
+BRACED = re.compile(r"[A-Za-z0-9_.\-*]*\{[A-Za-z0-9_.\-,]*,[A-Za-z0-9_.\-,]*\}[A-Za-z0-9_.\-*{},]*")
+BRACE = re.compile(r"\{([^{}]*)\}")
+
+
+def _expand_braces(tok: str) -> list[str]:
+    m = BRACE.search(tok)
+    if m is None:
+        return [tok]
+    return [x for alt in m.group(1).split(",") for x in _expand_braces(tok[:m.start()] + alt + tok[m.end():])]
+
+
 def _names(text: str, markdown: bool) -> tuple[set[str], list[str]]:
-    """(stems named, glob patterns) in a text."""
+    """(stems named, glob patterns) in a text; in markdown, brace lists expanded as the shell does."""
     stems, globs = set(), []
+    if markdown:
+        text = text + "\n" + " ".join(x for tok in BRACED.findall(text) for x in _expand_braces(tok))
     for tok in NAME_TOKEN.findall(text):
         elided = "..." in tok
         tok = ELIDED.sub("*", tok.rstrip(".-")).lstrip(".-")

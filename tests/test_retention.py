@@ -193,3 +193,14 @@ def test_reports_folder_fits_its_budget():
     assert total <= REPORTS_BUDGET_BYTES, (
         f"reports/ holds {total / 1e6:.1f} MB, over its {REPORTS_BUDGET_BYTES / 1e6:.0f} MB budget: run "
         "`megabench prune-results --dry-run`, then without --dry-run, and commit the pruning on its own")
+
+
+def test_a_brace_list_in_a_note_names_every_file_it_stands_for(repo):
+    """`basics.copy-20261128T{000000,120000}Z-*` names both runs (as the shell would expand it); the
+    rule once read no name in it and pruned results a session note listed that way."""
+    repo, root, p, names = repo
+    (repo / "reports" / "notes" / "2026-11-29-diary.md").write_text(
+        "runs: `basics.copy-20261128T{000000,120000}Z-*`\n")
+    plan = retention.plan(root, repo)
+    for k in ("copy_old", "copy_mid"):  # copy_mid: nothing else keeps it
+        assert any(r.startswith("named by reports/notes/2026-11-29-diary.md") for r in _reasons(plan, p[k])), k
