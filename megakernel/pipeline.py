@@ -14,7 +14,8 @@ default run (quick) takes the checks and the headline points (plans.QUICK) for c
 torch baselines and PEERS; full adds plans.FULL's long contexts, the batched steps (plans.BATCH_FULL:
 B requests in one step, chain and mega, and BATCH_PEERS: the peer at the same B and at the T = 16
 trees of B = 2, 4, 8 the megakernel does not build, plans.BATCH_PEER_ONLY), the ablation, the
-timeline and the detail timeline. `run` executes the same items in order and raises on the first failure.
+timeline and the detail timeline. `run` executes the same items in order; after a failure only the
+`always` items (releases, the save) run, then the failure raises.
 """
 from __future__ import annotations
 

@@ -172,7 +172,6 @@ def step_launches(owner, e, mode: str, spec: bool, part: range | None):
     return prog, params, todo, part
 
 
-
 # Headroom the copies leave for what a step allocates after them (scratch, graphs, the caller's
 # tensors): below it, a run would fail later, deep in an allocation, instead of here by name.
 COPY_HEADROOM = 2 << 30
@@ -187,6 +186,7 @@ def check_copies_fit(need: int, free: int, total: int, gpu: str, model: str) -> 
         f"{model}: the megakernel's tiled weight copies need {need / 2**30:.1f} GiB (+ {COPY_HEADROOM >> 30} GiB "
         f"headroom) of GPU memory, {gpu} has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB. "
         f"Run this model on a GPU with more memory, or a smaller preset")
+
 
 class Engine:
     def __init__(self, weights: ModelWeights, plan: Plan, cache: KVCache | Sequence[KVCache], *, backend: str = "gpu",

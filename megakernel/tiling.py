@@ -68,10 +68,10 @@ def untile_dense(tiled: torch.Tensor, t: GemmTile) -> torch.Tensor:
 
 def _cached(w: torch.Tensor, key: tuple, build) -> torch.Tensor:
     """build(), once per source tensor and key (engines of one model share the copy). An fp4 bank
-    keeps one layout cached: builds for other step sizes choose other chunk widths (shard8's
-    down-projection bank is ~19 GB a layout, beside ~57 GB of weights and a 37 GB gate/up copy),
-    so a second cached layout is what runs a 141 GB GPU out of memory. The cache drops the
-    previous layout before building the next; an engine still alive keeps its own copy alive."""
+    keeps one layout cached: builds for other step sizes choose other chunk widths, and a second
+    layout of a large model's banks does not fit beside its weights (shard8: ~19 GB a
+    down-projection layout, 57 GB of weights, a 37 GB gate/up copy, on a 141 GB GPU). The cache
+    drops the previous layout before building the next; an engine still alive keeps its own copy."""
     entry = _CACHE.get(id(w))
     if entry is None or entry[0]() is not w:
         entry = (weakref.ref(w), {})

@@ -556,7 +556,7 @@ def compare(base: Sequence[Measurement], cand: Sequence[Measurement], cfg: GateC
                                "if you know it")
     cand_keys = sorted({m.gpu_key for m in cand})
     if len(cand_keys) > 1:
-        raise GpuMismatchError(f"the candidate mixes GPUs {cand_keys}: gate one GPU at a time")
+        raise GpuMismatchError(f"the candidate mixes GPUs {cand_keys}: gate one GPU at a time (--gpu KEY)")
     if not cand_keys:
         raise ResultsFileError("the candidate holds no measurements")
     g = cand_keys[0]

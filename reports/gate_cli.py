@@ -50,6 +50,9 @@ def add_parser(sub) -> None:
                         "newest for the GPU under the results root and reports/results; 'none': within-run noise only)")
     s.add_argument("--assume-gpu", default=None, metavar="KEY",
                    help="GPU key for pytest-benchmark files that do not record one, e.g. 'NVIDIA H200@1980MHz'")
+    s.add_argument("--gpu", default=None, metavar="KEY",
+                   help="gate only this GPU's measurements, 'MODEL@CLOCKMHz' or 'MODEL' (a results folder holding "
+                        "several GPUs' runs: one GPU at a time)")
     s.add_argument("--markdown", type=Path, default=None, help="also write the verdict table here (job summary)")
     s.add_argument("--json", type=Path, default=None, help="also write the verdicts as JSON here")
     s.add_argument("--kernels", action="store_true", help="gate deterministic kernel metrics instead (CPU)")
@@ -119,6 +122,16 @@ def _cmd(args) -> int:
     ignored: list[str] = []
     base = load_measurements(args.baseline, args.assume_gpu, ignored, cfg.min_samples)
     cand = load_measurements(args.candidate, args.assume_gpu, ignored, cfg.min_samples)
+    if args.gpu is not None:
+        def mine(m) -> bool:
+            return m.gpu_key is not None and args.gpu in (m.gpu_key, m.gpu_key.split("@", 1)[0])
+
+        have = sorted({m.gpu_key for m in [*base, *cand] if m.gpu_key})
+        base, cand = [m for m in base if mine(m)], [m for m in cand if mine(m)]
+        if not cand:
+            print(f"megabench gate: --gpu {args.gpu!r}: the candidate has no measurements of it; it has {have}",
+                  file=sys.stderr)
+            return EXIT_INPUT
     cross = None
     if str(args.aa_spread) != "none":
         models = sorted({(m.gpu_key or "").split("@", 1)[0] for m in cand if m.gpu_key})

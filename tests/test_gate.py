@@ -355,3 +355,23 @@ def test_kernel_gate_update_writes_a_valid_file(tmp_path, monkeypatch):
 def test_committed_kernel_baseline_is_valid():
     doc = load_kernel_baseline()
     assert doc["builds"]
+
+
+def test_cli_gpu_gates_one_gpu_of_a_mixed_folder(tmp_path, capsys):
+    """A results folder holding two GPUs' runs is refused as a candidate (mixing GPUs) unless --gpu
+    names one; then only that GPU's runs are gated (a slowdown on it is still found), and a GPU the
+    candidate lacks is an input error naming the GPUs it has."""
+    _result(tmp_path / "mixed", seed=1)
+    _result(tmp_path / "mixed", gpu="NVIDIA H100 80GB HBM3", seed=2)
+    _result(tmp_path / "slow", median=1.2e-3, seed=4)
+    _result(tmp_path / "slow", gpu="NVIDIA H100 80GB HBM3", seed=5)
+    mixed = str(tmp_path / "mixed")
+    assert main(["gate", mixed, mixed, "--aa-spread", "none"]) == EXIT_GPU
+    assert "--gpu KEY" in capsys.readouterr().err
+    assert main(["gate", mixed, mixed, "--aa-spread", "none", "--gpu", "NVIDIA H100 80GB HBM3"]) == EXIT_OK
+    assert main(["gate", mixed, str(tmp_path / "slow"), "--aa-spread", "none", "--gpu", "NVIDIA H200"]) == EXIT_REGRESSION
+    assert main(["gate", mixed, str(tmp_path / "slow"), "--aa-spread", "none", "--gpu",
+                 "NVIDIA H100 80GB HBM3"]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["gate", mixed, mixed, "--aa-spread", "none", "--gpu", "NVIDIA B200"]) == EXIT_INPUT
+    assert "no measurements of it" in capsys.readouterr().err

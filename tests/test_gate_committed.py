@@ -32,9 +32,13 @@ def committed():
 
 
 def test_committed_results_pass_against_themselves(capsys):
-    assert main(["gate", str(RESULTS), str(RESULTS), "--aa-spread", "none"]) == EXIT_OK
-    out = capsys.readouterr().out
-    assert "unknown" not in out.split("\n")[0] and " same" in out.split("\n")[0]
+    # the folder holds several GPUs' runs: each gated on its own (--gpu), every one passing
+    gpus = sorted({m.gpu_key for m in load_measurements(RESULTS) if m.gpu_key})
+    assert gpus
+    for g in gpus:
+        assert main(["gate", str(RESULTS), str(RESULTS), "--aa-spread", "none", "--gpu", g]) == EXIT_OK, g
+        out = capsys.readouterr().out
+        assert "unknown" not in out.split("\n")[0] and " same" in out.split("\n")[0], g
     # one early file (basics, 11-29) predates the GPU label: the documented --assume-gpu names it
     assert main(["gate", str(BENCH), str(BENCH), "--aa-spread", "none", "--assume-gpu", "NVIDIA H200@1980MHz"]) == EXIT_OK
 

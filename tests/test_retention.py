@@ -196,8 +196,8 @@ def test_reports_folder_fits_its_budget():
 
 
 def test_a_brace_list_in_a_note_names_every_file_it_stands_for(repo):
-    """`basics.copy-20261128T{000000,120000}Z-*` names both runs (as the shell would expand it); the
-    rule once read no name in it and pruned results a session note listed that way."""
+    """`basics.copy-20261128T{000000,120000}Z-*` names both runs (as the shell would expand it).
+    Danger: read as no name, the results a note lists that way would be pruned."""
     repo, root, p, names = repo
     (repo / "reports" / "notes" / "2026-11-29-diary.md").write_text(
         "runs: `basics.copy-20261128T{000000,120000}Z-*`\n")

@@ -433,8 +433,8 @@ def test_a_failing_code_step_is_a_note_not_a_failed_build(fake_gpu_work, monkeyp
 
 def test_a_failed_item_still_saves_what_was_measured_before_it(fake_gpu_work, monkeypatch):
     """megakernel.pipeline.run (`mk check-and-bench`): after the first failure only the `always`
-    items run (releases, save), then the failure raises. A run that stopped at its shard8 peer
-    once saved nothing of the minutes before it."""
+    items run (releases, save), then the failure raises: a late failure does not lose the
+    minutes of GPU time measured before it."""
     import megakernel.pipeline as mp
 
     calls, h = fake_gpu_work

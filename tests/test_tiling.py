@@ -110,8 +110,8 @@ def test_every_build_of_a_model_shares_one_expert_copy():
 
 def test_a_bank_keeps_one_fp4_layout_cached():
     """Builds for other step sizes choose other chunk widths; the cache holds one layout of a bank
-    (shard8's down-projection bank in two layouts beside its weights ran a 141 GB H200 out of
-    memory), and a copy an engine still holds stays valid."""
+    (two layouts of shard8's banks beside its weights do not fit a 141 GB GPU), and a copy an engine
+    still holds stays valid."""
     import gc
     import weakref
 
@@ -146,8 +146,8 @@ def test_tile_fp4_refuses_dense_tiles_and_banks_of_another_shape():
 
 def test_an_engine_counts_the_copies_it_allocates_and_refuses_what_does_not_fit(tiny_weights_for_copies):
     """runtime.Engine.copies_needed is what _layer_ptrs allocates (tiling.copy_bytes, exact, 0 for
-    copies the cache holds), and check_copies_fit names model, bytes and GPU before allocating:
-    shard8 on a 80 GB card once ran out of memory deep inside the tiling instead."""
+    copies the cache holds), and check_copies_fit names model, bytes and GPU before allocating
+    (otherwise shard8 on an 80 GB card fails deep inside the tiling with an allocator trace)."""
     from microbench.errors import DeviceMemoryError
 
     from megakernel import runtime
