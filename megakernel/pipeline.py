@@ -20,7 +20,6 @@ timeline and the detail timeline. `run` executes the same items in order; after 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import multiprocessing as mp
 import os
@@ -368,9 +367,6 @@ class Stage:
         # the megakernel's tiled weight copies (~57 GB at shard8) are not the peer's: dropped, the
         # peer's largest batches fit beside the weights and the batch contexts
         tiling.clear()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
         s = BATCH_PEERS[name](self.h, p, b, t, ctx, self.ceiling)
         self.series.append(s)
         self._say(s)

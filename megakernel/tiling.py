@@ -29,6 +29,8 @@ a shard8 layer).
 """
 from __future__ import annotations
 
+import gc
+import math
 import weakref
 
 import torch
@@ -55,7 +57,7 @@ def tile_dense(w: torch.Tensor, t: GemmTile) -> torch.Tensor:
     n, k = w.shape
     if k != t.k or n % t.rows or k % t.kc:
         raise ConfigError(f"tile_dense: [{n}, {k}] is not whole tiles of {t.rows} rows x {t.kc} of K={t.k}")
-    out = torch.zeros(n // t.rows, k // t.kc, t.rows, t.kc + ROW_PAD // 2, dtype=w.dtype, device=w.device)
+    out = torch.zeros(_dense_shape(n, k, t), dtype=w.dtype, device=w.device)
     out[..., :t.kc] = w.reshape(n // t.rows, t.rows, k // t.kc, t.kc).permute(0, 2, 1, 3)
     return out
 
@@ -64,6 +66,20 @@ def untile_dense(tiled: torch.Tensor, t: GemmTile) -> torch.Tensor:
     """Inverse of tile_dense: [N, K] row-major (tests)."""
     u, c, r, _ = tiled.shape
     return tiled[..., :t.kc].permute(0, 2, 1, 3).reshape(u * r, c * t.kc)
+
+
+def _dense_shape(n: int, k: int, t: GemmTile) -> tuple[int, int, int, int]:
+    """tile_dense's copy of an [n, k] matrix: [units, chunks, rows, kc + ROW_PAD / 2]."""
+    return n // t.rows, k // t.kc, t.rows, t.kc + ROW_PAD // 2
+
+
+def _dense_key(t: GemmTile) -> tuple:
+    return ("dense", t.rows, t.kc, t.k)
+
+
+def _fp4_key(t: GemmTile) -> tuple:
+    """What an fp4 copy depends on: columns, swizzle and words, not a build's unit rows."""
+    return ("fp4", t.kc, t.k, t.swizzle, t.rotated)
 
 
 def _cached(w: torch.Tensor, key: tuple, build) -> torch.Tensor:
@@ -92,24 +108,26 @@ def copy_bytes(w: torch.Tensor, t: GemmTile) -> int:
     entry = _CACHE.get(id(w))
     per = entry[1] if entry is not None and entry[0]() is w else {}
     if t.fp4:
-        return 0 if ("fp4", t.kc, t.k, t.swizzle, t.rotated) in per else w.numel() * w.element_size()
-    if ("dense", t.rows, t.kc, t.k) in per:
+        return 0 if _fp4_key(t) in per else w.numel() * w.element_size()
+    if _dense_key(t) in per:
         return 0
-    n, k = w.shape
-    return n * (k // t.kc) * (t.kc + ROW_PAD // 2) * w.element_size()
+    return math.prod(_dense_shape(*w.shape, t)) * w.element_size()
 
 
 def clear() -> None:
-    """Forget every cached copy (engines alive keep theirs): before work that needs the memory and
-    not the megakernel's layouts (the peer's batched steps at shard8), then the next engine
-    rebuilds them."""
+    """Forget every cached copy (engines alive keep theirs) and give their device memory back:
+    before work that needs the memory and not the megakernel's layouts (the peer's batched steps
+    at shard8); the next engine rebuilds them."""
     for e in _CACHE.values():
         e[1].clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def tiled(w: torch.Tensor, t: GemmTile) -> torch.Tensor:
     """tile_dense(w, t), built once per source tensor and tile shape."""
-    return _cached(w, ("dense", t.rows, t.kc, t.k), lambda: tile_dense(w, t))
+    return _cached(w, _dense_key(t), lambda: tile_dense(w, t))
 
 
 def _check_fp4(x: torch.Tensor, t: GemmTile, per: int, what: str) -> None:
@@ -150,7 +168,7 @@ def untile_fp4(codes: torch.Tensor, scales: torch.Tensor, t: GemmTile) -> tuple[
 def fp4_copies(codes: torch.Tensor, scales: torch.Tensor, t: GemmTile) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's copies of an expert bank for fp4 tile t (tile_fp4_codes / tile_fp4_scales),
     built once per source tensor and layout (the unit rows are not part of it)."""
-    key = ("fp4", t.kc, t.k, t.swizzle, t.rotated)
+    key = _fp4_key(t)
     return (_cached(codes, key, lambda: tile_fp4_codes(codes, t)),
             _cached(scales, key, lambda: tile_fp4_scales(scales, t)))
 

@@ -94,15 +94,9 @@ def _peer_batch_case(preset, B, T, ctx):
     from megakernel.roofline import batch_roofline
 
     def prepare(h):
-        import gc
-
-        import torch
-
         from megakernel import tiling
 
         tiling.clear()  # the megakernel cases' tiled weights are not the peer's: room for its largest batches
-        gc.collect()
-        torch.cuda.empty_cache()
         bc = batch_context(preset, B, T, ctx, max_rows=B * T)
         w = weights_for(preset)
         up, down, src = tuned_configs(preset, B * T)
