@@ -306,6 +306,12 @@ class Plan:
     # bid, nblocks). 1: a launch is one rank's (every build without ranks, and one process per GPU),
     # which compiles to the code of a build that knows nothing of ranks
     launch_ranks: int = 1
+    # row groups (groups.GroupEngine): a step of more rows than one m16 token tile is whole requests
+    # packed into up to this many groups of at most max_tree rows, each with its own parameter
+    # block (buffers, step block, routing), their op instances interleaved in one launch
+    # (program.grouped): every op sees one group's rows, so each group's bits are those of its own
+    # step. 1: no groups, which compiles to the code of a build that knows nothing of them
+    row_groups: int = 1
     # tensor parallelism (0: none). R >= 1: the model sharded over R ranks as the study shards it:
     # attention by heads (a rank's q and kv heads, its KV cache), oproj K-sharded into tp_groups
     # fixed groups whose fp32 partials every rank sums in group order (the attention all-reduce),
@@ -463,7 +469,10 @@ class Plan:
         rtag = MISC_SCRATCH + c.max_tree * c.top_k + 2 * ((c.n_experts + 31) // 32) + c.n_experts  # MISC_RTAG
         pslot = (rtag + 1 + 16 + 1) & ~1  # MISC_PSLOT: past RTAG and RNORM[16], 8-byte aligned
         # PSLOT, PWIN, PWAIT, KEEP, then the step's shape: STEP, ROW_REQ, SPLITS, SPAN
-        ints = pslot + 8 * PROF_OPS + 2 + 2 + KEEP_MAX + STEP_INTS + (c.max_tree + 3) // 4 + B_MAX + 2
+        # (row groups: a copy of the step's shape per group, then two routed-count copies per group)
+        area = STEP_INTS + (c.max_tree + 3) // 4 + B_MAX + 2
+        g = self.row_groups
+        ints = pslot + 8 * PROF_OPS + 2 + 2 + KEEP_MAX + g * area + (2 * g if g > 1 else 0)
         bars = 2 * self.ring_stages + 1  # full and empty per stage, xbar
         return -(-(bars * 8 + 4 * ints) // 16) * 16
 
@@ -484,6 +493,9 @@ RING_FILL_MAX = 8  # fill_ring stops at this many stages
 # deeper ring in place of kept gate/up units (shard8 T=16's 4th 36 KB stage, 147,456 B) was slower
 # where the units it displaced were kept (reports/LEVERS.md, ring depth).
 RING_FILL_BYTES = 136 * 1024
+# row groups (Plan.row_groups): each adds a copy of the step's shape to misc (misc_bytes); 8 hold B = 8
+# requests of a 16-row tree
+MAX_ROW_GROUPS = 8
 KEEP_MAX = 16  # fused_experts: at most this many kept gate/up units (rendered: block.cuh MISC_KEEP)
 
 
@@ -522,7 +534,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               expert1_rows: int | None = None, expert2_rows: int | None = None, layout_pad: int = 0,
               layout_gap: int = 0, fused_experts: bool = False, keep_max: int = KEEP_MAX,
               compute_registers: int = 0, launch_ranks: int = 1, tp_ranks: int = 0,
-              expert_parallel: bool = False) -> Plan:
+              expert_parallel: bool = False, row_groups: int = 1) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -535,12 +547,16 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     (fused_experts; tests: fewer kept units than a block runs). layout_pad: a code-layout placebo
     (Plan.layout_pad), a multiple of 16 bytes up to 64 KB; layout_gap: the same in the middle of
     the ops' code (Plan.layout_gap). compute_registers: Plan's (0 = off, or a multiple of 8 from
-    176 to 232). launch_ranks, tp_ranks, expert_parallel: Plan's. A TP build (tp_ranks >= 1) cuts
+    176 to 232). launch_ranks, tp_ranks, expert_parallel, row_groups: Plan's. A TP build (tp_ranks >= 1) cuts
     oproj's K into max_tp_ranks(cfg) groups and sizes its expert units for that many ranks, so that
     its tiles, and so its bits, are the same at every R."""
     cfg.validate()
     if not (isinstance(launch_ranks, int) and launch_ranks >= 1):
         raise ValueError(f"launch_ranks {launch_ranks!r}: want a positive number of ranks per launch")
+    if not (isinstance(row_groups, int) and 1 <= row_groups <= MAX_ROW_GROUPS):
+        raise ValueError(f"row_groups {row_groups!r}: want 1..{MAX_ROW_GROUPS} groups of rows per step")
+    if row_groups > 1 and (tp_ranks or launch_ranks > 1):
+        raise ValueError(f"row_groups {row_groups}: row groups run on one rank (no tp_ranks, launch_ranks 1)")
     ng = 0
     if tp_ranks or expert_parallel:
         why = tp_problem(cfg, tp_ranks) if isinstance(tp_ranks, int) and tp_ranks >= 1 else \
@@ -604,7 +620,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              sentinel_route=sentinel_route, keys_per_split=keys_per_split, profile_detail=profile_detail,
              fp4_rotated=fp4_rotated, tiles=tiles, layout_pad=layout_pad, layout_gap=layout_gap,
              fused_experts=fused_experts, compute_registers=compute_registers, launch_ranks=launch_ranks,
-             tp_ranks=tp_ranks, tp_groups=ng, expert_parallel=expert_parallel)
+             tp_ranks=tp_ranks, tp_groups=ng, expert_parallel=expert_parallel, row_groups=row_groups)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -673,6 +689,7 @@ def render(plan: Plan) -> str:
         f"constexpr int COMPUTE_THREADS = {32 * WARPS};",
         "// ranks (Plan.launch_ranks, tp_ranks, tp_groups, expert_parallel)",
         f"constexpr int RANKS_PER_LAUNCH = {plan.launch_ranks};",
+        f"constexpr int GROUPS = {plan.row_groups};  // row groups of a step (Plan.row_groups)",
         f"constexpr int TP = {plan.tp_ranks}, TP_GROUPS = {plan.tp_groups or 1};",
         f"constexpr bool EXPERT_PARALLEL = {'true' if plan.expert_parallel else 'false'};",
         f"constexpr unsigned long long RECV_AR = {recv.get('ar', (0, 0))[0]}ull, RECV_ACT = {recv.get('act', (0, 0))[0]}ull, "

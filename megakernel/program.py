@@ -106,6 +106,7 @@ class OpInst:
     rot: int  # block rotation of the strided assignment
     assign: int
     signal: int = 3  # which counters some consumer waits for: SIGNAL_TOTAL | SIGNAL_GROUPS (0: none is bumped)
+    group: int = 0  # row groups (grouped): whose rows and parameter block the instance runs
 
     def encode(self) -> list[int]:
         row = [OP[self.kind], self.layer, self.counter, self.group_base, self.n_groups, self.rot, self.assign,
@@ -115,7 +116,7 @@ class OpInst:
             row += [d.producer, d.mode]
         row += [0] * (2 * (MAX_DEPS - len(self.deps)))
         assert len(row) == OPREC_DEPS + 2 * MAX_DEPS  # the signal's int (program.cuh load_op)
-        row += [int(self.signal)]
+        row += [int(self.signal), int(self.group)]  # the group: program.cuh op_group
         row += [0] * (OPINST_INTS - len(row))
         return row
 
@@ -280,6 +281,7 @@ class Program:
     n_counters: int  # per parity
     mode: str  # "layer" (one launch per layer) or "step" (one launch)
     spec: str | None = None  # None (a plain step), "draft" or "verify" (build's `spec`)
+    groups: int = 1  # row groups whose instances it interleaves (grouped)
 
     def encode(self) -> np.ndarray:
         rows = [o.encode() for o in self.ops]
@@ -404,6 +406,49 @@ def build(plan: Plan, mode: str = "layer", spec: str | None = None) -> Program:
     return prog
 
 
+def grouped(prog: Program, groups: int) -> Program:
+    """The program of a step of `groups` row groups (Plan.row_groups, groups.GroupEngine): each
+    instance of `prog` once per group, with the group's own counters and dependencies only on its
+    own group's instances, interleaved instance by instance inside each launch so that the groups'
+    units of one weight tile run close together (the later ones' weights may still be in L2).
+    A fused gate/up and its down projection stay adjacent per group: the down projection's units
+    run on the blocks that ran the gate/up units of its index (DEP_LOCAL) and read the
+    activations those kept (block.cuh enter_group forgets every kept unit on a change of group).
+    Every group's instances are those of its own step, so a group's bits are those of its step
+    alone; the launches are `prog`'s, each `groups` times as long."""
+    if not isinstance(groups, int) or not 1 <= groups <= prog.plan.row_groups:
+        raise ValueError(f"{groups!r} row groups: the plan's build takes 1..{prog.plan.row_groups}")
+    if groups == 1:
+        return prog
+    if prog.spec is not None:
+        raise ValueError(f"row groups run plain steps; a {prog.spec} program has one group")
+    order: list[tuple[int, int]] = []  # (instance of prog, group)
+    launches = []
+    for first, n in prog.launches:
+        start = len(order)
+        for i in range(first, first + n):
+            o = prog.ops[i]
+            if o.kind == "expert2" and any(d.mode == DEP_LOCAL for d in o.deps):
+                continue  # emitted right after its gate/up, group by group
+            pair = (i + 1 < first + n and prog.ops[i + 1].kind == "expert2"
+                    and any(d.mode == DEP_LOCAL and d.producer == i for d in prog.ops[i + 1].deps))
+            for g in range(groups):
+                order.append((i, g))
+                if pair:
+                    order.append((i + 1, g))
+        launches.append((start, len(order) - start))
+    at = {key: k for k, key in enumerate(order)}
+    nc = prog.n_counters
+    ops = []
+    for k, (i, g) in enumerate(order):
+        o = prog.ops[i]
+        ops.append(replace(o, index=k, group=g, deps=tuple(Dep(at[(d.producer, g)], d.mode) for d in o.deps),
+                           counter=o.counter + g * nc, group_base=o.group_base + g * nc if o.n_groups else -1))
+    out = Program(prog.plan, tuple(ops), tuple(launches), nc * groups, prog.mode, prog.spec, groups)
+    check(out)
+    return out
+
+
 def check(prog: Program) -> None:
     """Structural checks: deps point backwards within the same launch (a dependency on an
     earlier launch is satisfied by stream order), kinds and groups are consistent."""
@@ -440,9 +485,12 @@ def check(prog: Program) -> None:
             if d.mode == DEP_SENTINEL:  # the kernel polls sentinel slots on these edges only (ops/topk.cuh, TP's)
                 assert (o.kind, p.kind) in SENTINEL_EDGES and (p.kind == "router" or prog.plan.tp_ranks), \
                     f"{o.kind} <- {p.kind}: no sentinel slots"
+            assert p.group == o.group, f"{o.kind}(L{o.layer}) of group {o.group} waits for group {p.group}"
             if d.mode == DEP_LOCAL:  # unit u of both on the same block: same assignment, same count
                 assert (o.kind, p.kind) == ("expert2", "expert1") and o.assign == p.assign == ASSIGN_CONTIG \
                     and prog.plan.fused_experts, f"{o.kind} <- {p.kind}: no block-local rule"
+                # the gate/up it reads kept units of runs right before it (block.cuh enter_group)
+                assert d.producer == o.index - 1, f"{o.kind}(L{o.layer}): its gate/up is not the instance before it"
             if d.mode == DEP_GROUP:
                 needed_group(prog.plan, o.kind, p.kind, o.layer, 0, 1, 0)  # raises if no rule
                 assert p.n_groups > 0

@@ -50,16 +50,22 @@ constexpr int MISC_KEEP = MISC_PWAIT + 2;
 // (a byte each), [B_MAX] each request's attention splits in a global layer (low 16 bits) and a
 // sliding one (high), [2] their sums. Packed: every byte of misc can decide whether a ring stage
 // fits (Plan.misc_bytes)
+// Row groups (GROUPS > 1): one such area per group, STEP_AREA ints apart, the current group's at
+// Blk.gofs past these offsets; then [2 x GROUPS] the routed slot counts (MISC_ROUTED's) per group.
 constexpr int MISC_STEP = MISC_KEEP + KEEP_MAX;
 constexpr int MISC_ROW_REQ = MISC_STEP + STEP_INTS;
 constexpr int MISC_SPLITS = MISC_ROW_REQ + (T_MAX + 3) / 4;
 constexpr int MISC_SPAN = MISC_SPLITS + B_MAX;
-constexpr int MISC_INTS = MISC_SPAN + 2;
+constexpr int STEP_AREA = MISC_SPAN + 2 - MISC_STEP;
+constexpr int MISC_GROUTED = MISC_STEP + GROUPS * STEP_AREA;
+constexpr int MISC_INTS = MISC_GROUTED + (GROUPS > 1 ? 2 * GROUPS : 0);
+static_assert(GROUPS >= 1 && (GROUPS == 1 || RANKS_PER_LAUNCH == 1), "row groups run on one rank");
 static_assert(MAX_SPLITS < (1 << 16), "a request's splits fit 16 bits");
 static_assert(KEEP_UNITS <= KEEP_MAX && KEEP_BYTES % 16 == 0, "kept units: their tags fit MISC_KEEP; aligned buffers");
 
 struct Blk {
-  const Params* p;
+  const Params* p;  // the current op's group's (row groups), else the block's rank's
+  const Params* p0;  // row groups: group 0's; group g's is p0 + g
   unsigned char* abuf;
   unsigned char* ring;
   float* red;
@@ -72,6 +78,8 @@ struct Blk {
   // pdl_wait: a device loop's previous launch may write the step block). Never read by the
   // loader warp, which runs before pdl_wait; the emulation poisons them there (step_rows)
   int rows_, nreq_;
+  int gofs;  // row groups: the current group's step area in misc, past MISC_STEP (0 without groups)
+  int group;  // row groups: the current group (-1 before the first op)
   int parity, wait;
   unsigned chunk;  // consumer's position in the chunk sequence
   unsigned xuse;   // compute threads: phases of xbar waited for
@@ -85,6 +93,7 @@ MK_DEV Blk make_blk(const Params* p, int parity, int wait) {
   Blk b;
   unsigned char* s = smem();
   b.p = p;
+  b.p0 = p;
   b.abuf = s;
   b.ring = s + ABUF_BYTES;
   b.red = reinterpret_cast<float*>(b.ring + RING_STAGES * STAGE_BYTES);
@@ -94,6 +103,8 @@ MK_DEV Blk make_blk(const Params* p, int parity, int wait) {
   b.xbar = b.empty + RING_STAGES;
   b.misc = reinterpret_cast<int*>(b.xbar + 1);
   b.rows_ = b.nreq_ = STEP_UNREAD;
+  b.gofs = 0;
+  b.group = -1;
   b.parity = parity;
   b.wait = wait;
   b.chunk = 0;
@@ -118,18 +129,23 @@ MK_DEV int step_checked(int v) {
 }
 MK_DEV int step_rows(const Blk& b) { return step_checked(b.rows_); }  // token rows of the step, all requests
 MK_DEV int step_nreq(const Blk& b) { return step_checked(b.nreq_); }  // requests
-MK_DEV int req_ctx(const Blk& b, int r) { return b.misc[MISC_STEP + STEP_CTX + r]; }    // r's cached positions
-MK_DEV int req_row0(const Blk& b, int r) { return b.misc[MISC_STEP + STEP_ROW0 + r]; }  // r's first row
+// the current group's step area (a constant 0 in a build without row groups: the same code)
+MK_DEV int gofs(const Blk& b) {
+  if constexpr (GROUPS > 1) return b.gofs;
+  return 0;
+}
+MK_DEV int req_ctx(const Blk& b, int r) { return b.misc[gofs(b) + MISC_STEP + STEP_CTX + r]; }    // r's cached positions
+MK_DEV int req_row0(const Blk& b, int r) { return b.misc[gofs(b) + MISC_STEP + STEP_ROW0 + r]; }  // r's first row
 MK_DEV int req_rows(const Blk& b, int r) { return req_row0(b, r + 1) - req_row0(b, r); }
 MK_DEV int row_req(const Blk& b, int t) {  // row t's request
-  return reinterpret_cast<const unsigned char*>(b.misc + MISC_ROW_REQ)[t];
+  return reinterpret_cast<const unsigned char*>(b.misc + gofs(b) + MISC_ROW_REQ)[t];
 }
 // request r's attention splits in `layer` (program.py splits of its own ctx and rows), and the
 // sum over the requests: the attention units of one kv head (program.py attn_span)
 MK_DEV int req_splits(const Blk& b, int layer, int r) {
-  return (static_cast<unsigned>(b.misc[MISC_SPLITS + r]) >> (is_global(layer) ? 0 : 16)) & 0xffffu;
+  return (static_cast<unsigned>(b.misc[gofs(b) + MISC_SPLITS + r]) >> (is_global(layer) ? 0 : 16)) & 0xffffu;
 }
-MK_DEV int attn_span(const Blk& b, int layer) { return b.misc[MISC_SPAN + (is_global(layer) ? 0 : 1)]; }
+MK_DEV int attn_span(const Blk& b, int layer) { return b.misc[gofs(b) + MISC_SPAN + (is_global(layer) ? 0 : 1)]; }
 
 // Every compute thread, once per launch after pdl_wait(): the step block and the rows' requests
 // into shared memory, and warp 0's lanes r < B_MAX each request's splits and (a butterfly) their
@@ -138,35 +154,64 @@ MK_DEV int attn_span(const Blk& b, int layer) { return b.misc[MISC_SPAN + (is_gl
 // row0[n_req] = rows, row_req[t] the request whose rows hold t. The host checks every step it
 // writes (runtime.Engine); a device op that writes the step block must keep it, or units index
 // past the step's buffers.
+// Row groups: every group's step block into its own area (one barrier for all of them); the
+// group an op runs is entered per op (enter_group).
 MK_DEV void load_step(Blk& b) {
-  const Params& p = *b.p;
   static_assert(STEP_INTS + T_MAX + 32 <= COMPUTE_THREADS, "one word per compute thread past warp 0");
   static_assert(T_MAX <= B_MAX && B_MAX <= 32, "a request has at least one row; a lane per request");
-  if (warp() == 0) {  // (words past n_req are read and unused)
-    const int r = lane() < B_MAX ? lane() : 0;
-    const int nreq = ldg_cgi(p.step + STEP_N_REQ), ctx = ldg_cgi(p.step + STEP_CTX + r);
-    const int n = ldg_cgi(p.step + STEP_ROW0 + r + 1) - ldg_cgi(p.step + STEP_ROW0 + r);
-    const bool mine = lane() < B_MAX && lane() < nreq;
-    int sg = mine ? attn_splits_of(true, ctx, n) : 0, ss = mine ? attn_splits_of(false, ctx, n) : 0;
-    if (lane() < B_MAX) b.misc[MISC_SPLITS + r] = sg | (ss << 16);
+  for (int g = 0; g < GROUPS; ++g) {
+    const Params& p = GROUPS > 1 ? b.p0[g] : *b.p;
+    int* area = b.misc + g * STEP_AREA;  // MISC_* below are group 0's offsets
+    if (warp() == 0) {  // (words past n_req are read and unused)
+      const int r = lane() < B_MAX ? lane() : 0;
+      const int nreq = ldg_cgi(p.step + STEP_N_REQ), ctx = ldg_cgi(p.step + STEP_CTX + r);
+      const int n = ldg_cgi(p.step + STEP_ROW0 + r + 1) - ldg_cgi(p.step + STEP_ROW0 + r);
+      const bool mine = lane() < B_MAX && lane() < nreq;
+      int sg = mine ? attn_splits_of(true, ctx, n) : 0, ss = mine ? attn_splits_of(false, ctx, n) : 0;
+      if (lane() < B_MAX) area[MISC_SPLITS + r] = sg | (ss << 16);
 #pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) {
-      sg += shfl_xor_i(sg, m);
-      ss += shfl_xor_i(ss, m);
+      for (int m = 16; m >= 1; m >>= 1) {
+        sg += shfl_xor_i(sg, m);
+        ss += shfl_xor_i(ss, m);
+      }
+      if (lane() == 0) {
+        area[MISC_SPAN] = sg;
+        area[MISC_SPAN + 1] = ss;
+      }
+    } else if (tid() < 32 + STEP_INTS) {
+      area[MISC_STEP + tid() - 32] = ldg_cgi(p.step + tid() - 32);
+    } else if (tid() < 32 + STEP_INTS + T_MAX) {
+      const int t = tid() - 32 - STEP_INTS;
+      reinterpret_cast<unsigned char*>(area + MISC_ROW_REQ)[t] = static_cast<unsigned char>(ldg_cgi(p.row_req + t));
     }
-    if (lane() == 0) {
-      b.misc[MISC_SPAN] = sg;
-      b.misc[MISC_SPAN + 1] = ss;
-    }
-  } else if (tid() < 32 + STEP_INTS) {
-    b.misc[MISC_STEP + tid() - 32] = ldg_cgi(p.step + tid() - 32);
-  } else if (tid() < 32 + STEP_INTS + T_MAX) {
-    const int t = tid() - 32 - STEP_INTS;
-    reinterpret_cast<unsigned char*>(b.misc + MISC_ROW_REQ)[t] = static_cast<unsigned char>(ldg_cgi(p.row_req + t));
   }
   sync_compute();
   b.rows_ = b.misc[MISC_STEP + STEP_ROWS];
   b.nreq_ = b.misc[MISC_STEP + STEP_N_REQ];
+}
+
+// Row groups: thread-local, every compute thread and the loader warp at each op: the op's group's
+// parameter block and (compute warps) step area. On a change of group, thread 0 also forgets
+// every operand this block staged or kept (abuf's, the norm factors, the slot record, kept
+// gate/up units): their tags name a layer and a slot, not a group, so a unit of another group
+// would take them for its own. Danger: the forgetting is ordered before their next reader only by
+// the barrier that opens the op's first unit (or its routing wait's); program.grouped keeps a
+// fused gate/up and its down projection adjacent, so kept units still serve their own group.
+MK_DEV void enter_group(Blk& b, int g, bool compute) {
+  if constexpr (GROUPS > 1) {
+    b.p = b.p0 + g;
+    if (!compute) return;
+    if (g != b.group && tid() == 0) {
+      b.misc[MISC_TAG] = -1;
+      b.misc[MISC_RTAG] = -1;
+      b.misc[MISC_SLOT + 2] = -1;
+      for (int k = 0; k < KEEP_UNITS; ++k) b.misc[MISC_KEEP + k] = -1;
+    }
+    b.group = g;
+    b.gofs = g * STEP_AREA;
+    b.rows_ = b.misc[b.gofs + MISC_STEP + STEP_ROWS];
+    b.nreq_ = b.misc[b.gofs + MISC_STEP + STEP_N_REQ];
+  }
 }
 
 MK_DEV unsigned char* stage_of(const Blk& b, unsigned c) { return b.ring + (c % RING_STAGES) * STAGE_BYTES; }

@@ -39,6 +39,7 @@ constexpr int LOADER_REGS = 0;
 constexpr int COMPUTE_THREADS = 256;
 // ranks (Plan.launch_ranks, tp_ranks, tp_groups, expert_parallel)
 constexpr int RANKS_PER_LAUNCH = 1;
+constexpr int GROUPS = 1;  // row groups of a step (Plan.row_groups)
 constexpr int TP = 0, TP_GROUPS = 1;
 constexpr bool EXPERT_PARALLEL = false;
 constexpr unsigned long long RECV_AR = 0ull, RECV_ACT = 0ull, RECV_Y = 0ull, RECV_BYTES = 0ull;

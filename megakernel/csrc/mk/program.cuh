@@ -58,6 +58,12 @@ MK_DEV Op load_op(const Params& p, int i) {
   o.signal = r[OPREC_DEPS + 2 * MAX_DEPS];  // after the dependency pairs (program.py OpInst.encode)
   return o;
 }
+// Row groups: whose rows op instance i runs (program.py OpInst.group; the record's last int). Not a
+// field of Op: a build without groups keeps the record it had (its copy in MISC_OP is a store per op)
+MK_DEV int op_group(const Params& p, int i) {
+  if constexpr (GROUPS > 1) return p.program[i * OPINST_INTS + OPREC_DEPS + 2 * MAX_DEPS + 1];
+  return 0;
+}
 
 MK_DEV bool has_weights(int kind) {
   return kind == OP_QKV || kind == OP_OPROJ || kind == OP_ROUTER || kind == OP_POOL || kind == OP_EXPERT1 ||
@@ -402,14 +408,18 @@ MK_DEV void prof_flush(Blk& b, mb::prof::Profiler& prof, bool more) {
 // gate/up's slower warps may still read; fused, the down projection writes none and reads its
 // gate/up's, so the copy alternates by layer. Invariant: between two writes of one copy, every
 // compute thread passes a routed op's barrier (sync_compute_or), after its reads of that copy.
-MK_DEV int routed_slot(const Op& o) {
-  return MISC_ROUTED + (FUSED_EXPERTS ? (o.layer & 1) : (o.kind == OP_EXPERT2 ? 1 : 0));
+// Row groups: each group has its own two copies (the groups' routed ops interleave).
+MK_DEV int routed_slot(const Blk& b, const Op& o) {
+  const int copy = FUSED_EXPERTS ? (o.layer & 1) : (o.kind == OP_EXPERT2 ? 1 : 0);
+  if constexpr (GROUPS > 1) return MISC_GROUTED + 2 * b.group + copy;
+  return MISC_ROUTED + copy;
 }
 
 MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, bool rec) {
   volatile int* ops_done = b.misc + MISC_OPS_DONE;
   for (int i = first; i < first + nops; ++i) {
     const Op o = load_op(*b.p, i);
+    enter_group(b, op_group(*b.p, i), true);
     bool fail = false;
     // a dynamic op's wait phase starts before its routing wait (the block may have no unit of it;
     // the instant is recorded with its first unit): stamped at the first unit, the time a block
@@ -437,17 +447,17 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
         if (lane() == 0 && d < o.n_deps && rec_d[1] == DEP_ALL) {
           const Seen w = wait_dep_seen(b, o, rec_d[0], DEP_ALL, 0, static_cast<uint32_t>(i * 16 + d));
           fail = !w.ok;
-          if (d == 0) b.misc[routed_slot(o)] = static_cast<int>(w.v >> ROUTE_SHIFT);
+          if (d == 0) b.misc[routed_slot(b, o)] = static_cast<int>(w.v >> ROUTE_SHIFT);
         }
 #pragma unroll
         for (int k = 0; k < MAX_DEPS; ++k)  // constant indices: `o` stays in registers
           if (k < o.n_deps && o.dep_mode[k] == DEP_ALL) pre |= 1u << k;
       } else if (tid() == 0) {
-        b.misc[routed_slot(o)] = ldg_cgi(routed_count(*b.p));  // chain mode: top-k's launch has ended
+        b.misc[routed_slot(b, o)] = ldg_cgi(routed_count(*b.p));  // chain mode: top-k's launch has ended
       }
       if (sync_compute_or(fail)) return;  // the routing is visible to every thread from here
     }
-    const int total = is_dynamic(o.kind) ? b.misc[routed_slot(o)] * slot_tiles(o.kind) : n_units(b, o);
+    const int total = is_dynamic(o.kind) ? b.misc[routed_slot(b, o)] * slot_tiles(o.kind) : n_units(b, o);
     const UnitRange r = my_units(o, total);
     bool first_unit = true;
     // thread 0's bookkeeping, and the op record its waits and signals read, live in shared
@@ -576,6 +586,15 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
   for (int i = first; i < first + nops; ++i) {
     const Op o = load_op(*b.p, i);
     if (!has_weights(o.kind)) continue;
+    if constexpr (GROUPS > 1) {  // the group's routing: its slot records, and a fused pair's count
+      const int g = op_group(*b.p, i);
+      if (g != b.group) {
+        ls = LoaderSlot{};
+        routed_layer = -1;
+        b.group = g;
+      }
+      enter_group(b, g, false);
+    }
     if (!loader_gate(b, i, first)) return;
     int nslots = 0;  // a routed op's: from top-k's counter (compute_loop)
     if (is_dynamic(o.kind) && b.wait && FUSED_EXPERTS && o.kind == OP_EXPERT2 && routed_layer == o.layer) {
