@@ -193,7 +193,7 @@ class Engine:
                  program_mode: str = "layer", grid: int | None = None, emu_seed: int = 1,
                  code_budget: int | None = None, profile_launches: Iterable[int] | None = None,
                  emu_schedule: str = "random", spec: SpecLink | None = None, share: Engine | None = None,
-                 link: RankLink | None = None):
+                 link: RankLink | None = None, group_member: bool = False):
         if backend not in ("gpu", "emu"):
             raise ValueError(f"backend {backend!r}: 'gpu' or 'emu'")
         if emu_schedule not in EMU_SCHEDULES:
@@ -203,6 +203,9 @@ class Engine:
         if link is None and (plan.launch_ranks > 1 or plan.tp_ranks):
             raise ConfigError(f"a plan of {max(plan.launch_ranks, plan.tp_ranks)} ranks runs in a RankEngine (ranks.py), "
                               "or one process per GPU (ranks.run_torchrun): an Engine alone is one rank")
+        if plan.row_groups > 1 and not group_member:
+            raise ConfigError(f"a plan of {plan.row_groups} row groups runs in a groups.GroupEngine (its kernel reads "
+                              "a parameter block per group): an Engine alone is one group")
         self.link = link
         self.rank = link.rank if link else 0
         # one KV cache per request a step may hold (request r reads and writes caches[r])
@@ -424,9 +427,12 @@ class Engine:
                     tab[l, r, i] = _ptr(t)
         return tab.to(self.dev)
 
-    def _params(self, override: bool, program: Program | None = None) -> torch.Tensor:
+    def _params(self, override: bool, program: Program | None = None,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The parameter block of `program` (default the plain one; the spec program's reads and
-        writes the speculative state and the pair's top-2 and tables, SpecLink)."""
+        writes the speculative state and the pair's top-2 and tables, SpecLink). shared: (encoded
+        program, counters) of a groups.GroupEngine, which every group's block points to instead of
+        this engine's own."""
         b = self.buf
         P = abi.Params()
         P.layers = _ptr(self._layers_blob)
@@ -450,9 +456,12 @@ class Engine:
                      "pooled", "act", "yexp", "ypart", "z", "logits", "amax_val", "amax_idx", "amax_val2",
                      "amax_idx2", "out_tokens", "top2"):
             setattr(P, name, _ptr(b[name]))
-        P.counters = _ptr(self.counters)
+        counters = self.counters if shared is None else shared[1]
+        if shared is not None:
+            P.program = _ptr(shared[0])
+        P.counters = _ptr(counters)
         P.watchdog = self.wd.ptr
-        P.n_counters = self.counters.shape[1]
+        P.n_counters = counters.shape[1]
         P.rank = self.rank
         if self.plan.tp_ranks:
             P.recv, P.peers = self.link.recv.ptr, _ptr(self.link.peers)
@@ -516,7 +525,8 @@ class Engine:
         if not 0 <= i < len(prog.ops):
             return f"wait id {what}"
         o = prog.ops[i]
-        name = f"{o.kind}(L{o.layer}) [op {i}" + (f" of the {prog.spec} program]" if prog.spec else "]")
+        name = (f"{o.kind}(L{o.layer}) [op {i}" + (f" of the {prog.spec} program" if prog.spec else "")
+                + (f", row group {o.group}]" if prog.groups > 1 else "]"))
         if code < WHAT_RING_FULL and code < len(o.deps):
             pr = prog.ops[o.deps[code].producer]
             mode = "all units" if o.deps[code].mode == 0 else "one group"
@@ -585,8 +595,8 @@ class Engine:
         rows = len(toks_all)
         if rows > c.max_tree:
             raise ConfigError(f"{len(reqs)} requests of {'+'.join(map(str, counts))} = {rows} token rows in one step; "
-                              f"a step holds at most {c.max_tree} (B x T <= {c.max_tree}: one m16 tile of tokens in "
-                              "every GEMM; more token tiles are not built)")
+                              f"an Engine's step holds at most {c.max_tree} (B x T <= {c.max_tree}: one m16 tile of "
+                              "tokens in every GEMM). More rows run as row groups: groups.GroupEngine")
         pad = c.max_tree - rows
         rt = self._route_table(routes, rows) if routes is not None else None
         i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731

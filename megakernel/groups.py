@@ -1,0 +1,194 @@
+"""Steps of more token rows than one m16 tile: row groups in one launch.
+
+An Engine's step holds at most max_tree (16) token rows: every GEMM of the kernel takes its
+activations as one m16 tile of tokens. A GroupEngine serves more (B = 8 requests of a 16-token
+tree: 128 rows) by packing whole requests, in order, into groups of at most 16 rows
+(`pack_groups`). Each group has an Engine of its own (its buffers, step block, routing and
+expert slots, in its own parameter block) and every group's op instances run in one launch per
+launch of the plain step, interleaved instance by instance (program.grouped): qkv of group 0, qkv
+of group 1, ..., so that a block that just streamed a weight tile for one group streams it again
+for the next while L2 may still hold it, and a group waiting on its attention leaves other
+groups' units ready to run.
+
+Bits: each op of a group reads and writes that group's rows only, its units are those of the
+group's own step, and so are its reductions: a request's logits, tokens and KV cache are bitwise
+those of the same request in its group's step alone, and so of its B=1 step (batch.py). Mega
+and chain are bitwise equal as for any program.
+
+Bound: the weights are read once per group (the dense projections of every group, the union of
+each group's experts), from HBM or L2. A group is not a token tile inside a unit: that would
+read each weight tile once for all rows (roofline.batch_roofline counts the weights once).
+
+Usage:
+    eng = GroupEngine(weights, make_plan(cfg, n_sm, row_groups=8), caches)   # one cache per request
+    out = eng.step_batch(requests)        # request r on caches[r], out.request(r)
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from microbench.errors import SpinTimeoutError
+
+from .config import ConfigError
+from .plan import Plan
+from .program import Program, grouped
+from .reference import KVCache, Request
+from .runtime import Engine, StepOut
+from .weights import ModelWeights
+
+
+def pack_groups(rows: Sequence[int], cap: int) -> list[range]:
+    """Consecutive requests packed greedily into groups of at most `cap` rows (a request's rows
+    never split: its attention and tree are one group's). Returns each group's request range."""
+    out, start, n = [], 0, 0
+    for r, t in enumerate(rows):
+        if not 1 <= int(t) <= cap:
+            raise ConfigError(f"request {r}: {t} token rows; a request takes 1..{cap} (one m16 tile)")
+        if n + t > cap:
+            out.append(range(start, r))
+            start, n = r, 0
+        n += int(t)
+    if rows:
+        out.append(range(start, len(rows)))
+    return out
+
+
+def groups_needed(cfg_max_tree: int, rows: Sequence[int]) -> int:
+    """How many row groups a step of requests with these row counts takes (pack_groups)."""
+    return len(pack_groups(rows, cfg_max_tree))
+
+
+class GroupEngine:
+    """B requests in row groups (module docstring), with Engine's step API: step_batch,
+    prepare_batch + launch_step (what a timing replays), poison."""
+
+    def __init__(self, weights: ModelWeights, plan: Plan, caches: Sequence[KVCache], *, backend: str = "gpu",
+                 program_mode: str = "layer", grid: int | None = None, emu_seed: int = 1,
+                 emu_schedule: str = "random"):
+        if plan.row_groups < 2:
+            raise ConfigError(f"a GroupEngine needs a plan of 2 or more row groups (make_plan(row_groups=...)), got "
+                              f"{plan.row_groups}: a step of one group runs in an Engine")
+        if plan.profile:
+            raise ConfigError("row groups: the profiler's buffer is sized for one group's launches (profile=False)")
+        self.caches = list(caches)
+        if not self.caches or len({id(c) for c in self.caches}) != len(self.caches):
+            raise ConfigError("a GroupEngine takes one distinct KV cache per request")
+        self.plan, self.cfg, self.backend = plan, weights.cfg, backend
+        kw = dict(backend=backend, program_mode=program_mode, grid=grid, emu_seed=emu_seed,
+                  emu_schedule=emu_schedule, group_member=True)
+        # a group's engine starts on one cache; prepare_batch gives it its requests' caches
+        self.members = [Engine(weights, plan, [KVCache(weights.cfg, device=weights.device)], **kw)
+                        for _ in range(plan.row_groups)]
+        lead = self.lead = self.members[0]
+        for m in self.members[1:]:
+            m.wd = lead.wd  # one watchdog record for the launch (packed into every group's block below)
+        self.grid = lead.grid
+        self.base = lead.program
+        self._programs: dict[int, tuple[Program, torch.Tensor]] = {}
+        self.counters = torch.zeros(2, self.base.n_counters * plan.row_groups, dtype=torch.int32, device=lead.dev)
+        self.parity = 0
+        self._dirty = [False, False]
+        self.program: Program | None = None
+        self._params_dev: torch.Tensor | None = None
+        self._row0: tuple[int, ...] = ()
+        self._rows: list[int] = []
+
+    def _program(self, groups: int) -> tuple[Program, torch.Tensor]:
+        if groups not in self._programs:
+            prog = grouped(self.base, groups)
+            self._programs[groups] = (prog, torch.from_numpy(prog.encode()).to(self.lead.dev))
+        return self._programs[groups]
+
+    def poison(self) -> None:
+        """Every group's scratch buffers NaN (Engine.poison)."""
+        for m in self.members:
+            m.poison()
+
+    def prepare_batch(self, requests: Sequence[Request], routes=None) -> int:
+        """Pack the requests into groups, copy each group's rows and step block to its engine and
+        pack the launch's parameter blocks (one per group, in group order). `routes` (forced):
+        per layer [rows, top_k] over all the requests' rows in order. Returns the step's rows."""
+        reqs = list(requests)
+        if not reqs:
+            raise ConfigError("a step needs at least one request")
+        if len(reqs) > len(self.caches):
+            raise ConfigError(f"{len(reqs)} requests but this engine has {len(self.caches)} KV caches (one per request)")
+        rows = [len(q.tokens) for q in reqs]
+        groups = pack_groups(rows, self.cfg.max_tree)
+        if len(groups) > self.plan.row_groups:
+            raise ConfigError(f"{len(reqs)} requests of {'+'.join(map(str, rows))} = {sum(rows)} token rows pack into "
+                              f"{len(groups)} groups of at most {self.cfg.max_tree} rows; this build has "
+                              f"{self.plan.row_groups} (make_plan(row_groups=...))")
+        prog, prog_t = self._program(len(groups))
+        starts = [sum(rows[:g.start]) for g in groups] + [sum(rows)]
+        for k, (g, m) in enumerate(zip(groups, self.members)):
+            m.caches = [self.caches[r] for r in g]
+            m._kv_blob = m._kv_table()
+            gr = None if routes is None else [rl[starts[k]:starts[k + 1]] for rl in routes]
+            m._row0 = m._set_inputs([reqs[r] for r in g], gr)
+        # every group's block, the unused ones too: the kernel loads every group's step block
+        # (block.cuh load_step); an unused group's is its last step's (or the empty one)
+        blobs = [m._params(routes is not None and k < len(groups), shared=(prog_t, self.counters))
+                 for k, m in enumerate(self.members)]
+        self.program = prog
+        self._params_dev = torch.cat(blobs)
+        self._groups = groups
+        self._rows = rows
+        self._row0 = tuple(sum(rows[:r]) for r in range(len(rows) + 1))
+        return sum(rows)
+
+    def launches(self, mode: str) -> list[tuple[int, int, int, int]]:
+        return self.lead.launches(mode, self.program)
+
+    def launch_step(self, mode: str = "mega") -> None:
+        """Enqueue the kernels of the prepared step (Engine.launch_step's counter bookkeeping)."""
+        if self._params_dev is None:
+            raise ConfigError("launch_step: no step prepared (prepare_batch first)")
+        prog, lead = self.program, self.lead
+        todo = list(zip(lead.launches(mode, prog), lead.launch_pdl(mode, prog)))
+        if mode == "mega" and self._dirty[self.parity]:
+            self.counters[self.parity].zero_()
+        lead.parity = self.parity
+        lead._last_program = prog
+        for li, ((first, n, wait, grid), pdl) in enumerate(todo):
+            lead._launch(first, n, wait, grid, li, pdl=pdl, params=self._params_dev)
+        if mode == "mega":
+            self._dirty[self.parity] = True
+            self._dirty[self.parity ^ 1] = False  # every group's argmax cleared it
+            self.parity ^= 1
+
+    def note_replayed(self, steps: int, mode: str) -> None:
+        """Engine.note_replayed: a CUDA graph ran `steps` more whole steps."""
+        if mode == "mega":
+            for _ in range(steps):
+                self._dirty[self.parity] = True
+                self._dirty[self.parity ^ 1] = False
+                self.parity ^= 1
+
+    def _check_watchdog(self) -> None:
+        try:
+            self.lead.wd.check(self.lead.describe_wait, context=f"megakernel ({self.cfg.name}, {self.backend}, "
+                                                               f"{len(self._groups)} row groups)")
+        except SpinTimeoutError:
+            self.lead.wd.reset()
+            self.counters.zero_()
+            for m in self.members:
+                m.empty_sentinel_slots()
+            self._dirty = [False, False]
+            raise
+
+    def step_batch(self, requests: Sequence[Request], *, mode: str = "mega", routes=None) -> StepOut:
+        """A step of these requests (request r on caches[r]); out.request(r) is request r's."""
+        self.prepare_batch(requests, routes)
+        self.launch_step(mode)
+        if self.backend == "gpu":
+            torch.cuda.synchronize()
+        self._check_watchdog()
+        logits, tokens = [], []
+        for g, m in zip(self._groups, self.members):
+            n = sum(self._rows[r] for r in g)
+            logits.append(m.buf["logits"][:n].clone())
+            tokens.append(m.buf["out_tokens"][:n].to(torch.int64).clone())
+        return StepOut(torch.cat(logits), torch.cat(tokens), self._row0)
