@@ -11,9 +11,11 @@ tree size only (program.attn_span), so nothing of another request enters a reque
 own B=1 step (bitwise: logits, tokens, KV cache) and mega against chain (bitwise, at every emulated
 schedule given).
 
-Rows: the requests' trees are concatenated into at most T_MAX = 16 rows, one m16 tile of tokens in
-every GEMM: B = 1..16 at T = 1, B = 2 at T <= 8, B = 4 at T <= 4, B = 8 at T <= 2. More rows would
-need a second token tile in every GEMM, which is not built (Engine refuses them, naming B x T).
+Rows: the requests' trees are concatenated. Up to T_MAX = 16 rows they are one m16 tile of tokens in
+every GEMM: B = 1..16 at T = 1, B = 2 at T <= 8, B = 4 at T <= 4, B = 8 at T <= 2, one Engine. Past
+16 rows (B = 2, 4, 8 at T = 16) whole requests are packed into row groups of up to 16 rows, their op
+instances interleaved in one launch (groups.GroupEngine, Plan.row_groups): each request's bits are
+still those of its B=1 step, and the weights are read once per group, not once per step.
 
 The peer at the same B (peer.BatchPeerRunner, timed by peer_bench.peer_batch_point on this
 module's batch_context): norms, dense GEMMs and the fused MoE once over all rows, RoPE + KV write
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -37,7 +39,8 @@ from .bench_baselines import study_like_distinct, weights_for
 from .config import ConfigError, ModelConfig
 from .kernel_count import count_kernels
 from .measure import graph_of
-from .plan import Plan
+from .groups import GroupEngine
+from .plan import MAX_ROW_GROUPS, Plan
 from .plans import REL_TOL
 from .reference import KVCache, Request, Trace
 from .results_names import step_params
@@ -46,17 +49,13 @@ from .routing import distinct_per_layer, synthetic_routes
 from .runtime import Engine, StepOut, check_close
 from .weights import ModelWeights
 
-# B x T points (B = 2, 4, 8 x T = 4, 8, 16) that need more than the one m16 token tile every GEMM
-# has: not built (the timed grid is plans.BATCH_FULL)
-NOT_BUILT = ((2, 16), (4, 8), (4, 16), (8, 4), (8, 8), (8, 16))
-
-
 def mix(cfg: ModelConfig, batch: int, seed: int = 0, tokens: int | None = None,
         ctx: int | None = None, max_rows: int | None = None) -> list[tuple[int, int]]:
     """(T_r, ctx_r) of `batch` requests: `tokens` / `ctx` for every request where given, else a
     seeded random mix (trees of 1..T_MAX // B tokens; contexts anywhere the cache allows, so past
     the sliding window too). Refuses a batch of more rows than one megakernel step holds, or than
-    max_rows where given (the peer's steps take any row count)."""
+    max_rows where given (the peer's steps take any row count), else than row groups hold
+    (plan.MAX_ROW_GROUPS groups of T_MAX rows)."""
     if not isinstance(batch, int) or not 1 <= batch <= cfg.max_tree:
         raise ConfigError(f"batch {batch!r}: want 1..{cfg.max_tree} requests (each has at least one row)")
     g = random.Random(seed)
@@ -69,9 +68,9 @@ def mix(cfg: ModelConfig, batch: int, seed: int = 0, tokens: int | None = None,
     if max_rows is not None:
         if rows > max_rows:
             raise ConfigError(f"B x T = {batch} x {tokens} = {rows} token rows; this step takes at most {max_rows}")
-    elif rows > cfg.max_tree:
+    elif rows > cfg.max_tree * MAX_ROW_GROUPS:
         raise ConfigError(f"B x T = {batch} x {tokens} = {rows} token rows in one step; a step holds at most "
-                          f"{cfg.max_tree} (one m16 tile of tokens in every GEMM; more tiles are not built)")
+                          f"{cfg.max_tree * MAX_ROW_GROUPS} ({MAX_ROW_GROUPS} row groups of {cfg.max_tree})")
     return out
 
 
@@ -117,6 +116,11 @@ class BatchCheck:
         return out + [f"MISMATCH: {p}" for p in self.problems]
 
 
+def engine_for(w: ModelWeights, plan: Plan, caches: Sequence[KVCache], **kw) -> Engine | GroupEngine:
+    """The engine a plan's build runs in: row groups (Plan.row_groups > 1) a GroupEngine, else an Engine."""
+    return (GroupEngine if plan.row_groups > 1 else Engine)(w, plan, list(caches), **kw)
+
+
 def _same(a: StepOut, b: StepOut, ca: KVCache, cb: KVCache) -> bool:
     return torch.equal(a.logits, b.logits) and torch.equal(a.tokens, b.tokens) and ca.equal(cb)
 
@@ -134,15 +138,16 @@ def check_batch(w: ModelWeights, plan: Plan, caches0: Sequence[KVCache], request
     res = BatchCheck(shape)
     n = len(reqs)
 
-    def engine(caches, schedule="random"):
+    def engine(caches, schedule="random", pl=plan):
         kw = {"emu_schedule": schedule, "emu_seed": seed} if backend == "emu" else {}
-        return Engine(w, plan, caches, backend=backend, grid=grid, **kw)
+        return engine_for(w, pl, caches, backend=backend, grid=grid, **kw)
 
-    # each request alone (B=1, mega), the kernel's own routing
+    # each request alone (B=1, mega), the kernel's own routing, on the build without row groups
+    # (the same op code: groups only choose which rows and parameter block an op instance runs)
     alone = []
     for r, q in enumerate(reqs):
         c = caches0[r].clone()
-        alone.append((engine([c]).step(q.tokens, q.parents, q.ctx, mode="mega"), c))
+        alone.append((engine([c], pl=replace(plan, row_groups=1)).step_batch([q], mode="mega"), c))
     # the batch: chain, then mega per schedule
     runs = {}
     for name, mode, sched in [("chain", "chain", "random")] + [(s, "mega", s) for s in
@@ -246,10 +251,12 @@ def batch_series_name(preset: str, batch: int, tokens: int, ctx: int, impl: str)
 def bench_batch_point(h, preset: str, batch: int, tokens: int, ctx: int, plan: Plan, mode: str, ceiling) -> Series:
     """A batched step of `mode` ("mega" or "chain") replayed from a CUDA graph, checked per request
     against the reference before it is timed, against the batch's roofline (roofline.batch_roofline:
-    the union of routed experts, the dense weights once, each request's KV reads)."""
+    the union of routed experts, the dense weights once, each request's KV reads). Past 16 rows the
+    step runs in row groups (groups.GroupEngine), which read the weights once per group: the
+    roofline still counts them once, so its fraction shows what the groups cost."""
     bc = batch_context(preset, batch, tokens, ctx)
     w = weights_for(preset)
-    eng = Engine(w, plan, [c.clone() for c in bc.caches0], backend="gpu")
+    eng = engine_for(w, plan, [c.clone() for c in bc.caches0], backend="gpu")
     out = eng.step_batch(bc.requests, mode=mode, routes=bc.routes)
     for r in range(batch):  # this very engine, per request, before its timing counts
         b = out.row0
@@ -269,4 +276,5 @@ def bench_batch_point(h, preset: str, batch: int, tokens: int, ctx: int, plan: P
         bound=bound, clocks=t.clocks, warnings=t.warnings,
         metrics={"launches_per_step": kc.kernels_per_step, "bytes_per_step": rf.bytes.total, "roofline_s": rf.seconds,
                  "tokens_per_step": batch * tokens, "requests": batch, "grid": eng.grid,
-                 "distinct_experts_union_max": max(bc.distinct), "smem_bytes": plan.smem_bytes})
+                 "distinct_experts_union_max": max(bc.distinct), "smem_bytes": plan.smem_bytes,
+                 "row_groups": plan.row_groups})

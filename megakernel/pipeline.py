@@ -12,8 +12,8 @@ Stage lays this out as progress items (microbench.progress) enumerated before an
 run's estimate is known up front; its first item compiles every build in parallel processes. The
 default run (quick) takes the checks and the headline points (plans.QUICK) for chain, mega, the
 torch baselines and PEERS; full adds plans.FULL's long contexts, the batched steps (plans.BATCH_FULL:
-B requests in one step, chain and mega, and BATCH_PEERS: the peer at the same B and at the T = 16
-trees of B = 2, 4, 8 the megakernel does not build, plans.BATCH_PEER_ONLY), the ablation, the
+B requests in one step, chain and mega, row groups past 16 rows, and BATCH_PEERS: the peer at the
+same B), the ablation, the
 timeline and the detail timeline. `run` executes the same items in order; after a failure only the
 `always` items (releases, the save) run, then the failure raises.
 """
@@ -46,8 +46,8 @@ from .draft import DraftConfig, draft_model_config
 from .measure import Check, ablation_point, bench_point, build_result, check_point, code_result, greedy_check, timeline
 from .peer_bench import peer_batch_point, peer_point
 from .plan import Plan
-from .plans import (BATCH_FULL, BATCH_PEER_ONLY, CHECK_POINTS, FULL, PRESETS, QUICK, ablation_names, ablation_variants,
-                    code_budget, constants_env, plan_for)
+from .plans import (BATCH_FULL, CHECK_POINTS, FULL, PRESETS, QUICK, ablation_names, ablation_variants,
+                    code_budget, constants_env, plan_for, rows_switches)
 from .precompile import _one
 from .reference import KVCache
 from .roofline import read_ceiling
@@ -147,11 +147,6 @@ class Stage:
         """(B, T, ctx) of the batched steps timed (full runs, or `batches`)."""
         return BATCH_FULL.get(p, []) if self.batches or not self.quick else []
 
-    def peer_batch_points(self, p: str) -> list[tuple[int, int, int]]:
-        """(B, T, ctx) the peer is timed at: the batch curve's, and the row counts the megakernel does
-        not build (plans.BATCH_PEER_ONLY)."""
-        return self.batch_points(p) + (BATCH_PEER_ONLY.get(p, []) if self.batch_points(p) else [])
-
     def tokens(self, p: str) -> list[int]:
         """Every step size (rows) a build is asked for: a batched step's build is its B x T rows'."""
         return sorted({t for t, _ in CHECK_POINTS.get(p, [])} | {t for t, _ in self.points(p)}
@@ -210,7 +205,7 @@ class Stage:
                         out.append(item(f"{p} T={t} ctx={c} {name}", partial(self._peer, name, p, t, c), "peer",
                                         (gp,)))
             for name in BATCH_PEERS:
-                for b, t, c in self.peer_batch_points(p):
+                for b, t, c in self.batch_points(p):
                     out.append(item(f"{p} B={b} T={t} ctx={c} {name}", partial(self._peer_batch, name, p, b, t, c),
                                     "peer", (gp,)))
             if self._ablated(p):
@@ -239,9 +234,10 @@ class Stage:
         return self._ceiling
 
     def plan(self, p: str, t: int | None = None) -> Plan:
-        """The build for max_tree tokens (t None) or the one a t-token step runs (plan.expert1_unit_rows)."""
+        """The build for max_tree tokens (t None) or the one a step of t token rows runs
+        (plan.expert1_unit_rows; past max_tree rows, row groups: plans.rows_switches)."""
         if (p, t) not in self._plans:
-            kw = {} if t is None else {"tokens": t}
+            kw = {} if t is None else rows_switches(get_preset(p), t)
             self._plans[(p, t)] = plan_for(p, self.constants, self.h.info.sm_count, **kw)
         return self._plans[(p, t)]
 

@@ -19,9 +19,9 @@ from microbench.errors import KernelDoesNotFitError
 from microbench.results import REPO_ROOT, Env
 from microbench.tune import DEFAULTS_ENV, NoConstantsFileError, TunedConstants, load_constants
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .config import preset as get_preset
-from .plan import Plan, fuses_experts, make_plan
+from .plan import MAX_ROW_GROUPS, Plan, fuses_experts, make_plan
 
 QUICK = {"small": [(1, 512), (16, 512)], "shard8": [(1, 2048), (16, 2048)]}
 FULL = {"small": [(t, c) for c in (512, 4096) for t in (1, 16)],
@@ -30,16 +30,26 @@ CHECK_POINTS = {"tiny": [(1, 0), (16, 20), (16, 100)], "small": [(1, 300), (16, 
                 "shard8": [(1, 300), (16, 2500)]}
 REL_TOL = 1e-2  # bf16 activations between ops, fp32 accumulation: observed ~3e-3 on tiny
 # Batched steps (megakernel.batch) the full run and the benchmark cases time, (B, T, ctx) at the
-# headline contexts: B = 2, 4, 8 at T = 1 and the B x T = 16 points one m16 token tile allows
-# (B = 2 T = 8, B = 4 T = 4); B = 1 is FULL's own T = 1 and T = 16 at the same contexts. B x T
-# beyond 16 is not built (megakernel.batch.NOT_BUILT)
-BATCH_GRID = ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4))
+# headline contexts: B = 2, 4, 8 at T = 1, the B x T = 16 points one m16 token tile holds (B = 2
+# T = 8, B = 4 T = 4), and the study's T = 16 trees at B = 2, 4, 8 (32..128 rows: row groups,
+# groups.GroupEngine). B = 1 is FULL's own T = 1 and T = 16 at the same contexts
+BATCH_GRID = ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4), (2, 16), (4, 16), (8, 16))
 BATCH_FULL = {"small": [(b, t, 512) for b, t in BATCH_GRID], "shard8": [(b, t, 2048) for b, t in BATCH_GRID]}
-# The issue's T = 16 trees at B = 2, 4, 8 (32..128 rows): the peer only, whose kernels take any row
-# count; the megakernel does not build them (NOT_BUILT), so these rows carry no mega speed-up
-PEER_ONLY_GRID = ((2, 16), (4, 16), (8, 16))
-BATCH_PEER_ONLY = {"small": [(b, t, 512) for b, t in PEER_ONLY_GRID],
-                   "shard8": [(b, t, 2048) for b, t in PEER_ONLY_GRID]}
+
+
+def rows_switches(cfg, rows: int) -> dict:
+    """make_plan's switches for the build a step of `rows` token rows runs: up to max_tree rows the
+    build for that many (tokens); past it row groups of max_tree rows (Plan.row_groups), as many
+    as the rows fill (requests of a tree size dividing max_tree pack into them whole)."""
+    if not isinstance(rows, int) or rows < 1:
+        raise ConfigError(f"{rows!r} token rows: want a positive count")
+    if rows <= cfg.max_tree:
+        return {"tokens": rows}
+    groups = -(-rows // cfg.max_tree)
+    if groups > MAX_ROW_GROUPS:
+        raise ConfigError(f"{rows} token rows: row groups of {cfg.max_tree} hold at most "
+                          f"{MAX_ROW_GROUPS * cfg.max_tree} (Plan.row_groups up to {MAX_ROW_GROUPS})")
+    return {"tokens": cfg.max_tree, "row_groups": groups}
 
 
 # The tuned spin bound covers latency-bound waits only (its rule says so); a megakernel block also

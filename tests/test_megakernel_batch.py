@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megakernel import ab, abi, reference
-from megakernel.batch import NOT_BUILT, check_batch, make_requests, mix, random_caches
+from megakernel.batch import check_batch, make_requests, mix, random_caches
 from megakernel.build import CSRC
 from megakernel.config import ConfigError, preset
 from megakernel.interp import Interpreter
@@ -68,7 +68,7 @@ def test_batched_steps_refuse_what_they_cannot_hold(tiny):
     caches = random_caches(cfg, 4)
     eng = Engine(w, plan, caches, backend="emu")
     two = make_requests(cfg, [(8, 0), (9, 5)], seed=1)
-    with pytest.raises(ConfigError, match=r"2 requests of 8\+9 = 17 token rows.*at most 16 \(B x T <= 16"):
+    with pytest.raises(ConfigError, match=r"2 requests of 8\+9 = 17 token rows.*at most 16 \(B x T <= 16.*GroupEngine"):
         eng.step_batch(two)
     with pytest.raises(ConfigError, match="5 requests but this engine has 4 KV caches"):
         eng.step_batch(make_requests(cfg, [(1, 0)] * 5))
@@ -78,11 +78,11 @@ def test_batched_steps_refuse_what_they_cannot_hold(tiny):
         Engine(w, plan, [caches[0], caches[0]], backend="emu")
     with pytest.raises(ConfigError, match="a list of 1..16"):
         Engine(w, plan, [], backend="emu")
-    with pytest.raises(ConfigError, match="B x T = 4 x 8 = 32 token rows"):
-        mix(cfg, 4, tokens=8)
+    with pytest.raises(ConfigError, match=r"B x T = 16 x 9 = 144 token rows.*at most 128 \(8 row groups"):
+        mix(cfg, 16, tokens=9)
+    assert sum(t for t, _ in mix(cfg, 8, tokens=16)) == 128  # row groups (groups.GroupEngine)
     with pytest.raises(ConfigError, match="route shape"):  # forced routing covers every row of the batch
         eng.step_batch(make_requests(cfg, [(2, 0), (3, 1)]), routes=[torch.zeros(2, cfg.top_k)] * cfg.n_layers)
-    assert all(b * t > cfg.max_tree for b, t in NOT_BUILT)
 
 
 def test_program_rules_cover_every_request_split_once(tiny):
@@ -308,7 +308,7 @@ def test_report_draws_the_batch_curve_from_results_and_says_when_it_has_none(tmp
     assert {k for k in got if k[2] == "peer"} == {("T=1", 1, "peer"), ("T=1", 4, "peer")}
     assert got[("T=1", 4, "peer")]["step vs B=1"] == "x1.67" and got[("T=1", 4, "peer")]["mega speed-up"] == "x2.00"
     assert got[("T=1", 1, "peer")]["mega speed-up"] == "x1.50"
-    # T = 16 trees at B = 2 (32 rows): the peer's only (plans.BATCH_PEER_ONLY), against its own T = 16
+    # T = 16 trees at B = 2 (32 rows) where only the peer's results hold one: against its own T = 16
     # B = 1 row, no mega speed-up; B = 1 T = 16 also stays the base of the 16-row curve
     t16 = peer + [row("peer", 2, 16, 9e-3)]
     curve = mk.batch_curve(mk.step_rows([Result("megakernel.step", env(), tuple(t16))]))
@@ -323,11 +323,10 @@ def test_bench_cases_time_the_full_runs_batch_grid():
     torch): it must be plans.BATCH_FULL, which `megabench run --full` times."""
     import importlib.util
 
-    from megakernel.plans import BATCH_FULL, BATCH_PEER_ONLY
+    from megakernel.plans import BATCH_FULL
 
     path = CSRC.parents[1] / "tests" / "bench" / "test_bench_megakernel.py"
     spec = importlib.util.spec_from_file_location("bench_megakernel_cases", path)
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
     assert m.BATCH_POINTS == [(p, b, t, c) for p in ("small", "shard8") for b, t, c in BATCH_FULL[p]]
-    assert m.PEER_ONLY_POINTS == [(p, b, t, c) for p in ("small", "shard8") for b, t, c in BATCH_PEER_ONLY[p]]

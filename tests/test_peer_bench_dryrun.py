@@ -235,8 +235,8 @@ def test_a_wrong_batched_peer_is_refused_before_timing(dry, monkeypatch):
 
 
 def test_peer_batch_point_takes_rows_past_the_megakernels_16(dry, monkeypatch):
-    """plans.BATCH_PEER_ONLY: the peer at B = 2 T = 16 (32 rows), which the megakernel's batch
-    refuses, runs and is checked per request; the megakernel's mix still refuses that shape."""
+    """The peer at B = 2 T = 16 (32 rows, the megakernel's row groups) runs and is checked per
+    request; the megakernel's mix refuses more rows than its row groups hold."""
     from megakernel import peer
     from megakernel.batch import mix
 
@@ -245,5 +245,6 @@ def test_peer_batch_point_takes_rows_past_the_megakernels_16(dry, monkeypatch):
     s = dry.peer_batch_point(FakeHarness(), "micro", 2, 16, 12, (4.6e12, "test"), log=lambda *_: None)
     assert s.metrics["tokens_per_step"] == 32 and s.params["batch"] == 2 and s.params["tokens"] == 16
     assert 0 < s.metrics["ref_rel_err"] < 1e-2
-    with pytest.raises(config.ConfigError, match="at most 16"):
-        mix(config.preset("micro"), 2, tokens=16, ctx=12)
+    cfg = config.preset("micro")
+    with pytest.raises(config.ConfigError, match=f"at most {8 * cfg.max_tree}"):
+        mix(cfg, 9, tokens=cfg.max_tree, ctx=12)

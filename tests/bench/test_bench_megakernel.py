@@ -1,10 +1,9 @@
 """pytest-benchmark cases of the megakernel step (device time): chain mode and mega mode on small
 and shard8, T=1 and T=16, and batched steps of B requests (plans.BATCH_FULL: B = 2, 4, 8 at T = 1,
-B = 2 at T = 8, B = 4 at T = 4; B = 1 is the plain cases' T = 1 and T = 16). Each states its
-roofline as its bound (a batch's: the union of routed experts, the dense weights once, each
-request's KV reads) and tokens per step (B x T). The peer at the same batched points
-and at T = 16 with B = 2, 4, 8, which the megakernel does not build (test_peer_batched_step:
-peer.BatchPeerRunner, one CUDA graph a step, block sizes from
+B = 2 at T = 8, B = 4 at T = 4, and B = 2, 4, 8 at T = 16 in row groups; B = 1 is the plain cases'
+T = 1 and T = 16). Each states its roofline as its bound (a batch's: the union of routed experts,
+the dense weights once, each request's KV reads) and tokens per step (B x T). The peer at the same
+batched points (test_peer_batched_step: peer.BatchPeerRunner, one CUDA graph a step, block sizes from
 peer_bench.tuned_configs at B x T rows; skips without triton). A megakernel launch is a CUDA-graph
 replay of 2 steps (the counters' parities alternate); device_bench reports per step, so one round
 is one step (extra_info time_per)."""
@@ -16,9 +15,7 @@ pytestmark = pytest.mark.gpu
 POINTS = [("small", 1, 512), ("small", 16, 512), ("shard8", 1, 2048), ("shard8", 16, 2048)]
 # (preset, B, T, ctx): plans.BATCH_FULL, written out so that collecting needs no torch
 BATCH_POINTS = [(p, b, t, c) for p, c in (("small", 512), ("shard8", 2048))
-                for b, t in ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4))]
-# plans.BATCH_PEER_ONLY: T = 16 trees at B = 2, 4, 8 (32..128 rows), which the megakernel does not build
-PEER_ONLY_POINTS = [(p, b, 16, c) for p, c in (("small", 512), ("shard8", 2048)) for b in (2, 4, 8)]
+                for b, t in ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4), (2, 16), (4, 16), (8, 16))]
 
 
 def _case(preset, T, ctx, mode):
@@ -53,17 +50,20 @@ def _batch_case(preset, B, T, ctx, mode):
     from microbench.harness import Case, Prepared
     from microbench.results import Bound
 
-    from megakernel.batch import batch_context, batch_series_name
+    from megakernel.batch import batch_context, batch_series_name, engine_for
     from megakernel.bench_baselines import weights_for
+    from megakernel.config import preset as get_preset
     from megakernel.measure import graph_of
-    from megakernel.plans import REL_TOL, plan_for
+    from megakernel.plans import REL_TOL, plan_for, rows_switches
     from megakernel.roofline import batch_roofline
-    from megakernel.runtime import Engine, check_close
+    from megakernel.runtime import check_close
 
     def prepare(h):
         bc = batch_context(preset, B, T, ctx)
         w = weights_for(preset)
-        eng = Engine(w, plan_for(preset, tokens=B * T), [c.clone() for c in bc.caches0], backend="gpu")
+        # the build for B x T rows (past 16: row groups, a GroupEngine)
+        plan = plan_for(preset, **rows_switches(get_preset(preset), B * T))
+        eng = engine_for(w, plan, [c.clone() for c in bc.caches0], backend="gpu")
         out = eng.step_batch(bc.requests, mode=mode, routes=bc.routes)
         for r in range(B):  # each request against the reference before anything is timed
             lo, hi = out.row0[r], out.row0[r + 1]
@@ -74,7 +74,7 @@ def _batch_case(preset, B, T, ctx, mode):
                                                          f"requests: experts the union, dense once, each request's "
                                                          f"KV ({rf.source})"),
                             metrics={"steps_per_round": per, "roofline_s_per_step": rf.seconds,
-                                     "tokens_per_step": B * T, "requests": B})
+                                     "tokens_per_step": B * T, "requests": B, "row_groups": plan.row_groups})
         prepared._engine = eng  # keep the engine (and its buffers) alive while the graph is replayed
         return prepared
 
@@ -133,7 +133,7 @@ def test_megakernel_batched_step(device_bench, preset, B, T, ctx, mode):
     device_bench(_batch_case(preset, B, T, ctx, mode))
 
 
-@pytest.mark.parametrize("preset,B,T,ctx", BATCH_POINTS + PEER_ONLY_POINTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("preset,B,T,ctx", BATCH_POINTS, ids=lambda v: str(v))
 def test_peer_batched_step(device_bench, preset, B, T, ctx):
     pytest.importorskip("triton")
     device_bench(_peer_batch_case(preset, B, T, ctx))

@@ -1,0 +1,195 @@
+"""Row groups (groups.GroupEngine, program.grouped, Plan.row_groups): steps of more token rows than
+one m16 tile, whole requests packed into groups of at most 16 rows whose op instances interleave in
+one launch. Through the host emulation at random and adversarial schedules: mega bitwise chain,
+each request bitwise its own B=1 step (logits, tokens, KV cache) and close to the reference, with
+the split and the fused expert GEMMs. Mutations (a group's cached operand or slot record reused by
+another group, a group's dependency pointing at group 0's producer) must make those checks fail."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from microbench.errors import SpinTimeoutError
+
+from megakernel import ab
+from megakernel.batch import check_batch, engine_for, make_requests, random_caches
+from megakernel.config import ConfigError
+from megakernel.groups import GroupEngine, pack_groups
+from megakernel.plan import make_plan
+from megakernel.plans import rows_switches
+from megakernel.program import DEP_LOCAL, Dep, build, grouped
+from megakernel.runtime import Engine
+
+from megakernel_cases import fusable, mutated_csrc, tiny  # noqa: F401 (fixtures)
+
+# (T_r, ctx_r) per request, past 16 rows: two full trees; three requests packing into 3 groups
+# (16 | 9 | 12: 9 + 12 > 16), contexts past tiny's window of 16 and at 0; four full trees
+SHAPES = {"2x16": ((16, 5), (16, 40)), "mixed": ((16, 5), (9, 40), (12, 0)),
+          "4x16": ((16, 3), (16, 0), (16, 64), (16, 20))}
+
+
+def _grouped_plan(plan, groups):
+    return make_plan(plan.cfg, plan.n_sm, spin_bound_ns=plan.spin_bound_ns, ring_stage_bytes=plan.ring_stage_bytes,
+                     fused_experts=plan.fused_experts, row_groups=groups)
+
+
+def test_pack_groups_keeps_requests_whole_and_in_order():
+    assert pack_groups([16, 16], 16) == [range(0, 1), range(1, 2)]
+    assert pack_groups([16, 9, 12], 16) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert pack_groups([4, 4, 4, 4, 8, 8], 16) == [range(0, 4), range(4, 6)]
+    assert pack_groups([1] * 17, 16) == [range(0, 16), range(16, 17)]
+    with pytest.raises(ConfigError, match="request 1: 17 token rows"):
+        pack_groups([1, 17], 16)
+
+
+def test_rows_switches_name_the_build_of_a_row_count(tiny):
+    cfg = tiny[0]
+    assert rows_switches(cfg, 16) == {"tokens": 16}
+    assert rows_switches(cfg, 32) == {"tokens": 16, "row_groups": 2}
+    assert rows_switches(cfg, 128) == {"tokens": 16, "row_groups": 8}
+    with pytest.raises(ConfigError, match="at most 128"):
+        rows_switches(cfg, 129)
+
+
+def test_grouped_program_keeps_each_group_to_itself(fusable):
+    """Each instance once per group, dependencies inside the group, counters disjoint, launches
+    the plain program's (each `groups` times as long), and a fused gate/up right before its own
+    group's down projection; program.check refuses a dependency across groups."""
+    _, _, _, base_plan = fusable
+    plan = _grouped_plan(base_plan, 3)
+    assert plan.fused_experts
+    one = build(plan)
+    prog = grouped(one, 3)
+    assert len(prog.ops) == 3 * len(one.ops) and prog.groups == 3 and prog.n_counters == 3 * one.n_counters
+    assert [n for _, n in prog.launches] == [3 * n for _, n in one.launches]
+    seen = {}
+    for o in prog.ops:
+        assert all(prog.ops[d.producer].group == o.group for d in o.deps)
+        seen.setdefault((o.kind, o.layer), []).append(o.group)
+        ctrs = {o.counter} | (set(range(o.group_base, o.group_base + o.n_groups)) if o.n_groups else set())
+        assert all(o.group * one.n_counters <= c < (o.group + 1) * one.n_counters for c in ctrs)
+        if any(d.mode == DEP_LOCAL for d in o.deps):
+            assert prog.ops[o.index - 1].kind == "expert1" and prog.ops[o.index - 1].group == o.group
+    assert all(sorted(g) == [0, 1, 2] * (len(g) // 3) for g in seen.values())
+    assert [int(r[15]) for r in prog.encode().reshape(len(prog.ops), -1)] == [o.group for o in prog.ops]
+    bad = list(prog.ops)
+    i = next(o.index for o in prog.ops if o.group == 1 and o.kind == "oproj")
+    bad[i] = type(bad[i])(**{**bad[i].__dict__, "deps": (Dep(bad[i].deps[0].producer - 1, bad[i].deps[0].mode),)})
+    with pytest.raises(AssertionError, match="of group 1 waits for group 0"):
+        from megakernel.program import check
+        check(type(prog)(**{**prog.__dict__, "ops": tuple(bad)}))
+    with pytest.raises(ValueError, match="1..3"):
+        grouped(one, 4)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_grouped_requests_are_bitwise_their_own_b1_steps(tiny, shape):
+    """batch.check_batch past 16 rows: each request against its own B=1 step (bitwise), mega
+    against chain at the random and adversarial schedules (bitwise), and against the reference."""
+    cfg, w, _, base_plan = tiny
+    reqs_shape = SHAPES[shape]
+    n = len(reqs_shape)
+    plan = _grouped_plan(base_plan, len(pack_groups([t for t, _ in reqs_shape], cfg.max_tree)))
+    scheds = ("random", "last", "block") if shape == "4x16" else ("random", "last")
+    res = check_batch(w, plan, random_caches(cfg, n, seed=n + 20), make_requests(cfg, reqs_shape, seed=n + 20),
+                      schedules=scheds, seed=n)
+    assert res.ok, res.lines()
+    assert all(res.alone) and all(res.greedy) and len(res.chain) == len(scheds)
+
+
+def test_grouped_fused_experts_keep_their_own_groups_units(fusable):
+    """The fused expert unit keeps gate/up activations in shared memory for its down projection:
+    across interleaved groups a kept unit must serve its own group only."""
+    cfg, w, _, base_plan = fusable
+    plan = _grouped_plan(base_plan, 2)
+    assert plan.fused_experts and plan.keep_units > 0
+    shape = ((16, 7), (16, 30))
+    res = check_batch(w, plan, random_caches(cfg, 2, seed=5), make_requests(cfg, shape, seed=5),
+                      schedules=("random", "last"), seed=2)
+    assert res.ok, res.lines()
+
+
+def test_a_grouped_build_refuses_what_it_cannot_hold(tiny):
+    cfg, w, _, base_plan = tiny
+    plan = _grouped_plan(base_plan, 2)
+    with pytest.raises(ConfigError, match="runs in a groups.GroupEngine"):
+        Engine(w, plan, random_caches(cfg, 1), backend="emu")
+    with pytest.raises(ConfigError, match="2 or more row groups"):
+        GroupEngine(w, base_plan, random_caches(cfg, 1), backend="emu")
+    eng = engine_for(w, plan, random_caches(cfg, 3), backend="emu")
+    with pytest.raises(ConfigError, match=r"16\+9\+12 = 37 token rows pack into 3 groups.*this build has 2"):
+        eng.step_batch(make_requests(cfg, SHAPES["mixed"]))
+    with pytest.raises(ValueError, match="row_groups 9"):
+        _grouped_plan(base_plan, 9)
+
+
+# name: (file under csrc/, old, new, schedule). Mega runs every group in one launch, chain one op
+# instance per launch (nothing a block keeps outlives a launch): a mutation shows as mega against
+# chain, or mega (the forced-routing run) against the reference
+MUTATIONS = {
+    # a group's units take the operand (and norm factors) another group staged for the same layer
+    "staged operand kept across groups": (
+        "mk/block.cuh", "      b.misc[MISC_TAG] = -1;\n      b.misc[MISC_RTAG] = -1;\n", "", "random"),
+    # the loader streams the expert of the previous group's slot of the same index
+    "loader's slot record kept across groups": ("mk/program.cuh", "        ls = LoaderSlot{};\n", "", "random"),
+}
+
+
+def _caught(res) -> bool:
+    return not res.ok and (not all(res.chain.values()) or not all(res.alone)
+                           or any("vs reference" in p for p in res.problems))
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_group_checks_catch_a_mutated_kernel(tiny, tmp_path, name):
+    rel, old, new, schedule = MUTATIONS[name]
+    cfg, w, _, base_plan = tiny
+    plan = _grouped_plan(base_plan, 2)
+    shape = ((16, 5), (16, 40))
+    reqs, caches0 = make_requests(cfg, shape, seed=7), random_caches(cfg, 2, seed=7)
+    good = check_batch(w, plan, caches0, reqs, schedules=(schedule,), seed=3)
+    assert good.ok, good.lines()
+    with ab.kernel_tree(mutated_csrc(tmp_path, rel, old, new)):
+        bad = check_batch(w, plan, caches0, reqs, schedules=(schedule,), seed=3)
+    assert _caught(bad), bad.lines()
+
+
+def test_group_dependencies_on_group_0_are_caught(tiny, monkeypatch):
+    """program.grouped with every group's dependencies pointing at group 0's producers (and the
+    structural check off): under the adversarial schedule a later group runs before its own
+    producers and mega differs from chain or the reference, or a wait runs into the watchdog."""
+    import megakernel.groups as groups_mod
+    import megakernel.program as program_mod
+
+    cfg, w, _, base_plan = tiny
+    plan = _grouped_plan(base_plan, 2)
+    shape = ((16, 5), (16, 40))
+    reqs, caches0 = make_requests(cfg, shape, seed=7), random_caches(cfg, 2, seed=7)
+    real = program_mod.grouped
+
+    def to_group0(prog, groups):
+        out = real(prog, groups)
+        at = {(o.kind, o.layer, o.group): o.index for o in out.ops}
+        ops = tuple(o.__class__(**{**o.__dict__, "deps": tuple(
+            Dep(at[(out.ops[d.producer].kind, out.ops[d.producer].layer, 0)], d.mode) for d in o.deps)})
+            for o in out.ops)
+        return out.__class__(**{**out.__dict__, "ops": ops})
+
+    monkeypatch.setattr(groups_mod, "grouped", to_group0)
+    try:
+        bad = check_batch(w, plan, caches0, reqs, schedules=("last",), seed=3)
+    except SpinTimeoutError as e:  # a wait for a count its producers never reach: the watchdog names it
+        assert "row group" in str(e)
+        return
+    assert _caught(bad), bad.lines()
+
+
+def test_one_group_step_through_a_grouped_build_is_the_plain_step(tiny):
+    """A step of 16 rows or fewer on a grouped build is one group: bitwise the plain build's step."""
+    cfg, w, _, base_plan = tiny
+    plan = _grouped_plan(base_plan, 2)
+    (q,) = make_requests(cfg, [(12, 33)], seed=9)
+    c1, c2 = random_caches(cfg, 1, seed=9)[0], random_caches(cfg, 1, seed=9)[0]
+    a = Engine(w, base_plan, [c1], backend="emu").step_batch([q])
+    b = GroupEngine(w, plan, [c2], backend="emu").step_batch([q])
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.tokens, b.tokens) and c1.equal(c2)
