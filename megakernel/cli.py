@@ -341,9 +341,9 @@ _GPU_SCHEDULES = ("--schedule picks the host emulation's schedule, and this run 
 
 
 def _step_batch(a) -> int:
-    from .batch import check_batch, make_requests, mix, random_caches  # heavy: torch (megakernel.batch)
-    from .plan import make_plan  # heavy: torch (megakernel.plan)
-    from .runtime import Engine  # heavy: torch (megakernel.runtime)
+    from .batch import check_batch, engine_for, make_requests, mix, random_caches  # heavy: torch (megakernel.batch)
+    from .groups import groups_needed  # heavy: torch (megakernel.groups)
+    from .plan import MAX_ROW_GROUPS, make_plan  # heavy: torch (megakernel.plan)
 
     why = _tiny_without_gpu("step", a.preset)
     if why is False:
@@ -366,10 +366,12 @@ def _step_batch(a) -> int:
         if a.schedule is not None and not why:
             raise ConfigError(_GPU_SCHEDULES)
         rows = sum(t for t, _ in shape)
-        if rows > cfg.max_tree:
-            raise ConfigError(f"{batch} requests of {'+'.join(str(t) for t, _ in shape)} = {rows} token rows: a step "
-                              f"holds at most {cfg.max_tree} (B x T <= {cfg.max_tree}: one m16 tile of tokens in every "
-                              "GEMM; more tiles are not built)")
+        # past max_tree rows: row groups (groups.GroupEngine), as many as the requests pack into
+        groups = groups_needed(cfg.max_tree, [t for t, _ in shape])
+        if groups > MAX_ROW_GROUPS:
+            raise ConfigError(f"{batch} requests of {'+'.join(str(t) for t, _ in shape)} = {rows} token rows pack "
+                              f"into {groups} row groups of at most {cfg.max_tree}; a build has at most "
+                              f"{MAX_ROW_GROUPS}")
     except ConfigError as e:
         print(f"step: {e}", file=sys.stderr)
         return 2
@@ -379,20 +381,21 @@ def _step_batch(a) -> int:
         print(f"no GPU ({why}): {a.preset} in the host emulation (the kernel's CUDA source on CPU fibers)")
         backend, dev = "emu", "cpu"
         w = generate(cfg)
-        plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000)
+        plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, row_groups=groups)
     else:
         from .bench_baselines import weights_for  # heavy: torch (megakernel.bench_baselines)
         from .plans import plan_for  # heavy: torch (megakernel.plans)
 
         backend, dev = "gpu", "cuda"
         w = weights_for(a.preset)
-        plan = plan_for(a.preset, tokens=rows)
+        plan = plan_for(a.preset, **({"tokens": rows} if groups == 1 else {"row_groups": groups}))
     caches0 = random_caches(cfg, batch, a.seed, device=dev)
     reqs = make_requests(cfg, shape, a.seed)
     schedules = tuple(a.schedule or ("random", "last"))
     kw = {"emu_schedule": schedules[0]} if backend == "emu" else {}
-    out = Engine(w, plan, [c.clone() for c in caches0], backend=backend, **kw).step_batch(reqs, mode=a.mode)
-    print(f"{a.preset}: {batch} request(s), {rows} rows, {a.mode} mode ({backend})")
+    out = engine_for(w, plan, [c.clone() for c in caches0], backend=backend, **kw).step_batch(reqs, mode=a.mode)
+    print(f"{a.preset}: {batch} request(s), {rows} rows" + (f" in {groups} row groups" if groups > 1 else "")
+          + f", {a.mode} mode ({backend})")
     for r, (t, c) in enumerate(shape):
         print(f"  request {r}: T={t} ctx={c}: greedy tokens {out.request(r).tokens.tolist()}")
     if not a.check:

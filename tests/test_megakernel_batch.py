@@ -211,8 +211,8 @@ def test_step_block_packs_each_request(tiny):
 
 def test_mk_step_command_checks_a_batch_in_the_emulation(capsys):
     """`megabench mk step --batch 4 --check`: tiny in the emulation without a GPU, every check
-    passes (exit 0); other presets need a GPU (exit 2); a batch of more rows than a step holds is
-    refused by name (exit 2)."""
+    passes (exit 0), past 16 rows too (row groups); other presets need a GPU (exit 2); a batch of
+    more rows than row groups hold is refused by name (exit 2)."""
     from megakernel import cli
     from microbench.device import no_gpu_reason
 
@@ -223,8 +223,11 @@ def test_mk_step_command_checks_a_batch_in_the_emulation(capsys):
     assert "host emulation" in out and "check: passed" in out and out.count("bitwise its own B=1 step") == 4
     assert cli.main(["step", "--preset", "small", "--batch", "2"]) == 2
     assert "needs a GPU" in capsys.readouterr().err
-    assert cli.main(["step", "--batch", "2", "--tree-sizes", "9,8"]) == 2
-    assert "17 token rows" in capsys.readouterr().err
+    assert cli.main(["step", "--batch", "2", "--tree-sizes", "9,8", "--check", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "17 rows in 2 row groups" in out and "check: passed" in out and out.count("bitwise its own B=1 step") == 2
+    assert cli.main(["step", "--batch", "9", "--tree-sizes", ",".join(["16"] * 9), "--ctxs", ",".join(["0"] * 9)]) == 2
+    assert "144 token rows pack into 9 row groups" in capsys.readouterr().err
 
 
 def test_schedule_options_are_refused_for_a_run_on_the_gpu(monkeypatch, capsys):
