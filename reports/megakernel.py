@@ -328,7 +328,8 @@ def batch_curve(rows: Sequence[StepRow]) -> list[dict]:
     """The study's claim that a megakernel finds larger batches easier, as measured: for each
     (preset, context) and step shape (T = 1 at B = 1, 2, 4, 8; B x T = 16 rows at B = 1, 2, 4), the
     megakernel's, its chain's and the peer's (megakernel.peer at B requests a step) step time (and T = 16
-    at B = 2, 4, 8, which only the peer's results hold: the megakernel does not build 32..128 rows),
+    at B = 2, 4, 8: 32..128 rows, which the megakernel and its chain run in row groups of 16, the
+    "row groups" column; results older than row groups hold the peer's alone there),
     tokens processed per second (B x T a step), the fraction of the batch's roofline, each against
     the same implementation at B = 1, and mega's speed-up over the chain and the peer at the same B
     (where results hold both). An implementation appears at the B its results hold (a shape's row of
@@ -367,6 +368,8 @@ def batch_curve(rows: Sequence[StepRow]) -> list[dict]:
                         "step vs B=1": f"x{r.step_s / base.step_s:.2f}" if base else "no B=1 row",
                         "tokens/s vs B=1": f"x{r.tokens_per_s / base.tokens_per_s:.2f}" if base else "no B=1 row",
                         "mega speed-up": f"x{r.step_s / m.step_s:.2f}" if m is not None and r.impl != "mega" else "",
+                        # groups.GroupEngine: the weights read once per group (a result before row groups: one)
+                        "row groups": "" if r.impl == "peer" else str(int(r.series.metrics.get("row_groups", 1))),
                         "run": f"{r.commit} {r.date[:10]}"})
     return out
 

@@ -285,10 +285,10 @@ def test_report_draws_the_batch_curve_from_results_and_says_when_it_has_none(tmp
 
     from reports import megakernel as mk
 
-    def row(impl, b, t, step):
+    def row(impl, b, t, step, groups=None):
         return series(f"shard8/B{b}/T{t}/ctx2048/{impl}", step, params={"impl": impl, "preset": "shard8", "tokens": t,
                                                                           "context": 2048, "batch": b},
-                      bound=Bound("time", 1e-3, "s", "roofline"))
+                      bound=Bound("time", 1e-3, "s", "roofline"), metrics={"row_groups": groups} if groups else None)
 
     one = [row("mega", 1, 1, 2e-3), row("chain", 1, 1, 3e-3), row("mega", 1, 16, 4e-3)]
     rows = mk.step_rows([Result("megakernel.step", env(), tuple(one))])
@@ -319,6 +319,12 @@ def test_report_draws_the_batch_curve_from_results_and_says_when_it_has_none(tmp
     assert {k for k in got if k[0] == "T=16"} == {("T=16", 1, "peer"), ("T=16", 2, "peer")}
     assert got[("T=16", 2, "peer")]["step vs B=1"] == "x1.50" and got[("T=16", 2, "peer")]["mega speed-up"] == ""
     assert ("B x T = 16", 1, "mega") in got and ("B x T = 16", 4, "mega") in got
+    # the megakernel at 32 rows in row groups: its column names them, mega's speed-up over the peer
+    grouped = t16 + [row("mega", 2, 16, 7.5e-3, groups=2)]
+    got = {(c["shape"], c["B"], c["impl"]): c for c in mk.batch_curve(mk.step_rows([Result("megakernel.step", env(),
+                                                                                         tuple(grouped))]))}
+    assert got[("T=16", 2, "mega")]["row groups"] == "2" and got[("T=16", 1, "mega")]["row groups"] == "1"
+    assert got[("T=16", 2, "peer")]["row groups"] == "" and got[("T=16", 2, "peer")]["mega speed-up"] == "x1.20"
 
 
 def test_bench_cases_time_the_full_runs_batch_grid():
