@@ -240,10 +240,9 @@ def n_groups(plan: Plan, kind: str) -> int:
 
 def assigned_units(inst: OpInst, block: int, n_blocks: int, total: int) -> range:
     """Units of `inst` that `block` runs (same formula as program.cuh my_units)."""
-    if inst.assign == ASSIGN_CONTIG:
-        lo = block * total // n_blocks
-        hi = (block + 1) * total // n_blocks
-        return range(lo, hi)
+    if inst.assign == ASSIGN_CONTIG:  # rotated by row groups only (build leaves a contiguous op's rot 0)
+        m = (block - inst.rot) % n_blocks
+        return range(m * total // n_blocks, (m + 1) * total // n_blocks)
     return range((block - inst.rot) % n_blocks, total, n_blocks)
 
 
@@ -329,7 +328,9 @@ def build(plan: Plan, mode: str = "layer", spec: str | None = None) -> Program:
         ds = tuple(Dep(last[k], m) for k, m in deps)
         if len(ds) > MAX_DEPS:
             raise ValueError(f"{kind}: too many deps")
-        if rot is None:  # rotate the strided assignment so consecutive small ops start on different blocks
+        if assign == ASSIGN_CONTIG:  # a contiguous share starts at block 0 (program.grouped rotates it)
+            rot = 0
+        elif rot is None:  # rotate the strided assignment so consecutive small ops start on different blocks
             rot = (idx * 17) % plan.n_sm
         ops.append(OpInst(idx, kind, layer, ds, counter, gb, ng, rot, assign))
         last[kind] = idx
@@ -411,6 +412,9 @@ def grouped(prog: Program, groups: int) -> Program:
     instance of `prog` once per group, with the group's own counters and dependencies only on its
     own group's instances, interleaved instance by instance inside each launch so that the groups'
     units of one weight tile run close together (the later ones' weights may still be in L2).
+    Group g's instances are rotated a further g / groups of the grid (both assignments): an op of
+    fewer units than blocks puts each group's units on blocks of their own, not every group's on
+    the same blocks one after another (a fused pair by the same amount, so its units stay together).
     A fused gate/up and its down projection stay adjacent per group: the down projection's units
     run on the blocks that ran the gate/up units of its index (DEP_LOCAL) and read the
     activations those kept (block.cuh enter_group forgets every kept unit on a change of group).
@@ -443,6 +447,7 @@ def grouped(prog: Program, groups: int) -> Program:
     for k, (i, g) in enumerate(order):
         o = prog.ops[i]
         ops.append(replace(o, index=k, group=g, deps=tuple(Dep(at[(d.producer, g)], d.mode) for d in o.deps),
+                           rot=(o.rot + g * prog.plan.n_sm // groups) % prog.plan.n_sm,
                            counter=o.counter + g * nc, group_base=o.group_base + g * nc if o.n_groups else -1))
     out = Program(prog.plan, tuple(ops), tuple(launches), nc * groups, prog.mode, prog.spec, groups)
     check(out)
@@ -488,7 +493,7 @@ def check(prog: Program) -> None:
             assert p.group == o.group, f"{o.kind}(L{o.layer}) of group {o.group} waits for group {p.group}"
             if d.mode == DEP_LOCAL:  # unit u of both on the same block: same assignment, same count
                 assert (o.kind, p.kind) == ("expert2", "expert1") and o.assign == p.assign == ASSIGN_CONTIG \
-                    and prog.plan.fused_experts, f"{o.kind} <- {p.kind}: no block-local rule"
+                    and o.rot == p.rot and prog.plan.fused_experts, f"{o.kind} <- {p.kind}: no block-local rule"
                 # the gate/up it reads kept units of runs right before it (block.cuh enter_group)
                 assert d.producer == o.index - 1, f"{o.kind}(L{o.layer}): its gate/up is not the instance before it"
             if d.mode == DEP_GROUP:

@@ -71,6 +71,10 @@ def test_grouped_program_keeps_each_group_to_itself(fusable):
         if any(d.mode == DEP_LOCAL for d in o.deps):
             assert prog.ops[o.index - 1].kind == "expert1" and prog.ops[o.index - 1].group == o.group
     assert all(sorted(g) == [0, 1, 2] * (len(g) // 3) for g in seen.values())
+    # each group a third of the grid further round, both assignments (a fused pair together)
+    for o in prog.ops:
+        base = next(b for b in one.ops if (b.kind, b.layer) == (o.kind, o.layer))
+        assert o.rot == (base.rot + o.group * plan.n_sm // 3) % plan.n_sm
     assert [int(r[15]) for r in prog.encode().reshape(len(prog.ops), -1)] == [o.group for o in prog.ops]
     bad = list(prog.ops)
     i = next(o.index for o in prog.ops if o.group == 1 and o.kind == "oproj")
@@ -130,8 +134,6 @@ MUTATIONS = {
     # a group's units take the operand (and norm factors) another group staged for the same layer
     "staged operand kept across groups": (
         "mk/block.cuh", "      b.misc[MISC_TAG] = -1;\n      b.misc[MISC_RTAG] = -1;\n", "", "random"),
-    # the loader streams the expert of the previous group's slot of the same index
-    "loader's slot record kept across groups": ("mk/program.cuh", "        ls = LoaderSlot{};\n", "", "random"),
 }
 
 

@@ -276,10 +276,15 @@ struct UnitRange {
   int begin, end, step;
 };
 // This block's units of op o: a contiguous share, or every nb-th unit from the op's rotation
-// (program.py assigned_units mirrors this).
+// (program.py assigned_units mirrors this). Row groups also rotate the contiguous shares
+// (program.grouped): an op of fewer units than blocks would otherwise put every group's units on
+// the same blocks, one group after another, while the rest of the grid idles.
 MK_DEV UnitRange my_units(const Op& o, int total) {
   const int nb = nblocks(), me = bid();
-  if (o.assign == ASSIGN_CONTIG) return UnitRange{me * total / nb, (me + 1) * total / nb, 1};
+  if (o.assign == ASSIGN_CONTIG) {
+    const int m = GROUPS > 1 ? ((me - o.rot) % nb + nb) % nb : me;
+    return UnitRange{m * total / nb, (m + 1) * total / nb, 1};
+  }
   return UnitRange{((me - o.rot) % nb + nb) % nb, total, nb};
 }
 
