@@ -266,6 +266,31 @@ def test_top2_breaks_ties_toward_the_lower_index(model):
     assert torch.equal(logits2[:, sorted(tied)].min(dim=1).values, logits2[:, sorted(tied)].max(dim=1).values)
 
 
+# the argmax op's merge of its threads' top-2s (ops/argmax.cuh): a mutation must fail the tie test
+# or the top-2 check against draft.top2 of the pass's own logits
+ARGMAX_MUTATIONS = {
+    "ties toward the higher index": ("MK_DEV bool ranks_before(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }",
+                                     "MK_DEV bool ranks_before(float v, int i, float bv, int bi) { return v > bv || (v == bv && i > bi); }"),
+    "a partner's second best dropped": ("      k.insert(o.v0, o.i0);\n      k.insert(o.v1, o.i1);\n",
+                                         "      k.insert(o.v0, o.i0);\n"),
+}
+
+
+@pytest.mark.parametrize("name", list(ARGMAX_MUTATIONS))
+def test_argmax_mutations_are_caught(model, tmp_path, name):
+    from megakernel import ab
+
+    from megakernel_cases import mutated_csrc
+
+    old, new = ARGMAX_MUTATIONS[name]
+    with ab.kernel_tree(mutated_csrc(tmp_path, "ops/argmax.cuh", old, new)):
+        with pytest.raises(AssertionError):
+            test_top2_breaks_ties_toward_the_lower_index(model)
+            roots = [3, 77]
+            _, logits, top2 = _draft_pass(model, 2, "mega", "random", roots)
+            assert torch.equal(top2, draft.top2(logits))
+
+
 # ---------------------------------------------------------------------- the device step
 @pytest.mark.parametrize("batch,agree", [(1, STUDY), (2, 0.7)])
 def test_device_acceptance_is_the_host_rule_on_the_same_logits(model, batch, agree):

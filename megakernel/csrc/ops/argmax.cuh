@@ -1,9 +1,15 @@
-// argmax: the greedy token of each tree position from the LM-head units' partial maxima, scanned
-// in unit order (ties -> lowest index), and the row's top-2 (the two best by (logit desc, index
-// asc) over every unit's best and second best: draft.top2's order), which the drafter's pass hands
-// to the verifier's tree (every build computes it; a plain step leaves it unread). Also clears the
-// other parity's dependency counters, which no launch is using now (the previous step has
-// finished, the next has not started).
+// argmax: the greedy token of each tree position from the LM-head units' partial maxima, and the
+// row's top-2 (the two best by (logit desc, index asc) over every unit's best and second best:
+// draft.top2's order), which the drafter's pass hands to the verifier's tree (every build computes
+// it; a plain step leaves it unread). Also clears the other parity's dependency counters, which no
+// launch is using now (the previous step has finished, the next has not started).
+// The rows' scans run side by side: the compute threads are split into `rows` runs of
+// COMPUTE_THREADS / rows, each scanning a strided share of the V/16 units of its row, then each
+// run's top-2s are merged pairwise in shared memory. Invariant: the top-2 is a selection under a
+// total order (units hold disjoint indices; a sentinel (-inf, INT_MAX) never ranks before
+// anything), so the merge order cannot change it: bitwise the result of a scan in unit order.
+// Bound: one unit on one block, on the critical path of every step; a scan by one thread per row
+// was V/16 dependent rounds of L2 loads.
 #pragma once
 #include "mk/block.cuh"
 #include "mk/layers.cuh"
@@ -13,31 +19,51 @@ namespace mk {
 // (v, i) ranks before (bv, bi): a larger logit, or the same logit at a lower index
 MK_DEV bool ranks_before(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
 
+struct Top2 {
+  float v0, v1;
+  int i0, i1;
+  MK_DEV void insert(float v, int i) {
+    if (ranks_before(v, i, v0, i0)) {
+      v1 = v0;
+      i1 = i0;
+      v0 = v;
+      i0 = i;
+    } else if (ranks_before(v, i, v1, i1)) {
+      v1 = v;
+      i1 = i;
+    }
+  }
+};
+
 MK_DEV void run_argmax(Blk& b) {
   const Params& p = *b.p;
-  if (tid() < step_rows(b)) {
-    const int t = tid();
-    float best = neg_inf(), second = neg_inf();
-    int bi = 0x7fffffff, si = 0x7fffffff;
-    for (int u = 0; u < V / 16; ++u) {
-      const float v = ldg_cgf(p.amax_val + u * T_MAX + t);
-      const int i = ldg_cgi(p.amax_idx + u * T_MAX + t);
-      const float v2 = ldg_cgf(p.amax_val2 + u * T_MAX + t);
-      const int i2 = ldg_cgi(p.amax_idx2 + u * T_MAX + t);
-      if (ranks_before(v, i, best, bi)) {  // the unit's best leads: its second or the old best follows
-        const bool own = ranks_before(v2, i2, best, bi);
-        second = own ? v2 : best;
-        si = own ? i2 : bi;
-        best = v;
-        bi = i;
-      } else if (ranks_before(v, i, second, si)) {  // the unit's second ranks after its best
-        second = v;
-        si = i;
-      }
+  const int rows = step_rows(b), run = COMPUTE_THREADS / rows, t = tid() / run, j = tid() % run;
+  static_assert(COMPUTE_THREADS * sizeof(Top2) <= RED_BYTES, "a top-2 per compute thread fits the reduction buffer");
+  Top2* red = reinterpret_cast<Top2*>(b.red);
+  Top2 k{neg_inf(), neg_inf(), 0x7fffffff, 0x7fffffff};
+  if (t < rows) {
+#pragma unroll 4
+    for (int u = j; u < V / 16; u += run) {
+      k.insert(ldg_cgf(p.amax_val + u * T_MAX + t), ldg_cgi(p.amax_idx + u * T_MAX + t));
+      k.insert(ldg_cgf(p.amax_val2 + u * T_MAX + t), ldg_cgi(p.amax_idx2 + u * T_MAX + t));
     }
-    p.out_tokens[t] = bi;
-    p.top2[2 * t] = bi;
-    p.top2[2 * t + 1] = si;
+  }
+  red[tid()] = k;
+  // a run's entries j and j + s merge into j, for s = 1, 2, 4, ... (every thread reaches each barrier)
+MK_COLD_LOOP
+  for (int s = 1; s < run; s *= 2) {
+    sync_compute();
+    if (t < rows && j % (2 * s) == 0 && j + s < run) {
+      const Top2 o = red[tid() + s];
+      k.insert(o.v0, o.i0);
+      k.insert(o.v1, o.i1);
+      red[tid()] = k;
+    }
+  }
+  if (t < rows && j == 0) {
+    p.out_tokens[t] = k.i0;
+    p.top2[2 * t] = k.i0;
+    p.top2[2 * t + 1] = k.i1;
   }
   if (b.wait) {
     uint32_t* other = p.counters + (b.parity ^ 1) * p.n_counters;
