@@ -47,6 +47,9 @@ class Interpreter:
             # a TP program's units are one rank's and its collectives poll the other ranks' data
             raise ConfigError("the interpreter runs one rank of an unsharded program; a program of ranks "
                               "(Plan.tp_ranks, launch_ranks) runs in the emulation (ranks.RankEngine)")
+        if prog.groups > 1:  # one parameter block's buffers: a group's rows would overwrite another's
+            raise ConfigError(f"the interpreter runs one row group; a program of {prog.groups} row groups "
+                              "runs in the emulation (groups.GroupEngine)")
         self.caches = [cache] if isinstance(cache, KVCache) else list(cache)  # request r's: caches[r]
         self.w, self.prog, self.cache, self.cfg, self.plan = w, prog, self.caches[0], w.cfg, prog.plan
         c, p = self.cfg, self.plan

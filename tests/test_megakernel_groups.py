@@ -125,6 +125,9 @@ def test_a_grouped_build_refuses_what_it_cannot_hold(tiny):
         eng.step_batch(make_requests(cfg, SHAPES["mixed"]))
     with pytest.raises(ValueError, match="row_groups 9"):
         _grouped_plan(base_plan, 9)
+    from megakernel.interp import Interpreter
+    with pytest.raises(ConfigError, match="one row group; a program of 2 row groups"):
+        Interpreter(w, grouped(build(plan), 2), random_caches(cfg, 2))
 
 
 # name: (file under csrc/, old, new, schedule). Mega runs every group in one launch, chain one op
