@@ -16,7 +16,7 @@
                           or regenerated with --write (no GPU)
   step [--preset P] [--batch B] [--tokens T | --tree-sizes T0,T1,..] [--ctx C | --ctxs C0,C1,..] [--seed S]
        [--check] [--schedule S ...]   one step of B requests, each with its own tree, context and KV cache
-                          (rows of all requests <= 16: B x T <= 16), a seeded random mix where sizes
+                          (past 16 rows in row groups of up to 16, at most 8), a seeded random mix where sizes
                           or contexts are not given; without a GPU tiny runs in the host emulation
                           (other presets need one); --check: each request against the reference,
                           against its own B=1 step (bitwise) and mega against chain (bitwise, at each
