@@ -53,9 +53,8 @@ def mix(cfg: ModelConfig, batch: int, seed: int = 0, tokens: int | None = None,
         ctx: int | None = None, max_rows: int | None = None) -> list[tuple[int, int]]:
     """(T_r, ctx_r) of `batch` requests: `tokens` / `ctx` for every request where given, else a
     seeded random mix (trees of 1..T_MAX // B tokens; contexts anywhere the cache allows, so past
-    the sliding window too). Refuses a batch of more rows than one megakernel step holds, or than
-    max_rows where given (the peer's steps take any row count), else than row groups hold
-    (plan.MAX_ROW_GROUPS groups of T_MAX rows)."""
+    the sliding window too). Refuses a batch of more rows than max_rows where given (the peer's
+    steps take any row count), else than row groups hold (plan.MAX_ROW_GROUPS groups of T_MAX rows)."""
     if not isinstance(batch, int) or not 1 <= batch <= cfg.max_tree:
         raise ConfigError(f"batch {batch!r}: want 1..{cfg.max_tree} requests (each has at least one row)")
     g = random.Random(seed)

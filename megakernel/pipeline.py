@@ -13,8 +13,7 @@ run's estimate is known up front; its first item compiles every build in paralle
 default run (quick) takes the checks and the headline points (plans.QUICK) for chain, mega, the
 torch baselines and PEERS; full adds plans.FULL's long contexts, the batched steps (plans.BATCH_FULL:
 B requests in one step, chain and mega, row groups past 16 rows, and BATCH_PEERS: the peer at the
-same B), the ablation, the
-timeline and the detail timeline. `run` executes the same items in order; after a failure only the
+same B), the ablation, the timeline and the detail timeline. `run` executes the same items in order; after a failure only the
 `always` items (releases, the save) run, then the failure raises.
 """
 from __future__ import annotations

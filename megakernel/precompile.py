@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 from .build import build_gpu
 from .config import preset
 from .plan import make_plan
-from .plans import BATCH_FULL, CHECK_POINTS, FULL, NONE, QUICK, plan_for, technique_switches
+from .plans import BATCH_FULL, CHECK_POINTS, FULL, NONE, QUICK, plan_for, rows_switches, technique_switches
 
 
 def plans(n_sm: int = 132):
@@ -24,8 +24,8 @@ def plans(n_sm: int = 132):
         out.append(plan_for(p, None, n_sm))
         rows = {t for pts in (CHECK_POINTS, QUICK, FULL) for t, _ in pts.get(p, [])}
         rows |= {b * t for b, t, _ in BATCH_FULL.get(p, [])}  # a batched step runs the build of its B x T rows
-        for t in sorted(rows):
-            out.append(plan_for(p, None, n_sm, tokens=t))  # the build each checked / timed T runs
+        for t in sorted(rows):  # the build each checked / timed step of t rows runs (past 16: row groups)
+            out.append(plan_for(p, None, n_sm, **rows_switches(preset(p), t)))
         if p == "tiny":
             continue
         variants = [NONE, allsw, {**allsw, "pdl": False}]
