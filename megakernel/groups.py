@@ -94,6 +94,7 @@ class GroupEngine:
         self._params_dev: torch.Tensor | None = None
         self._row0: tuple[int, ...] = ()
         self._rows: list[int] = []
+        self._groups: list[range] = []
 
     def _program(self, groups: int) -> tuple[Program, torch.Tensor]:
         if groups not in self._programs:
@@ -139,9 +140,6 @@ class GroupEngine:
         self._row0 = tuple(sum(rows[:r]) for r in range(len(rows) + 1))
         return sum(rows)
 
-    def launches(self, mode: str) -> list[tuple[int, int, int, int]]:
-        return self.lead.launches(mode, self.program)
-
     def launch_step(self, mode: str = "mega") -> None:
         """Enqueue the kernels of the prepared step (Engine.launch_step's counter bookkeeping)."""
         if self._params_dev is None:
@@ -158,14 +156,6 @@ class GroupEngine:
             self._dirty[self.parity] = True
             self._dirty[self.parity ^ 1] = False  # every group's argmax cleared it
             self.parity ^= 1
-
-    def note_replayed(self, steps: int, mode: str) -> None:
-        """Engine.note_replayed: a CUDA graph ran `steps` more whole steps."""
-        if mode == "mega":
-            for _ in range(steps):
-                self._dirty[self.parity] = True
-                self._dirty[self.parity ^ 1] = False
-                self.parity ^= 1
 
     def _check_watchdog(self) -> None:
         try:

@@ -17,7 +17,8 @@ from megakernel.config import ConfigError
 from megakernel.groups import GroupEngine, pack_groups
 from megakernel.plan import make_plan
 from megakernel.plans import rows_switches
-from megakernel.program import DEP_LOCAL, Dep, build, grouped
+from megakernel.interp import Interpreter
+from megakernel.program import DEP_LOCAL, Dep, build, check, grouped
 from megakernel.runtime import Engine
 
 from megakernel_cases import fusable, mutated_csrc, tiny  # noqa: F401 (fixtures)
@@ -80,7 +81,6 @@ def test_grouped_program_keeps_each_group_to_itself(fusable):
     i = next(o.index for o in prog.ops if o.group == 1 and o.kind == "oproj")
     bad[i] = type(bad[i])(**{**bad[i].__dict__, "deps": (Dep(bad[i].deps[0].producer - 1, bad[i].deps[0].mode),)})
     with pytest.raises(AssertionError, match="of group 1 waits for group 0"):
-        from megakernel.program import check
         check(type(prog)(**{**prog.__dict__, "ops": tuple(bad)}))
     with pytest.raises(ValueError, match="1..3"):
         grouped(one, 4)
@@ -125,7 +125,6 @@ def test_a_grouped_build_refuses_what_it_cannot_hold(tiny):
         eng.step_batch(make_requests(cfg, SHAPES["mixed"]))
     with pytest.raises(ValueError, match="row_groups 9"):
         _grouped_plan(base_plan, 9)
-    from megakernel.interp import Interpreter
     with pytest.raises(ConfigError, match="one row group; a program of 2 row groups"):
         Interpreter(w, grouped(build(plan), 2), random_caches(cfg, 2))
 

@@ -8,8 +8,8 @@
 // run's top-2s are merged pairwise in shared memory. Invariant: the top-2 is a selection under a
 // total order (units hold disjoint indices; a sentinel (-inf, INT_MAX) never ranks before
 // anything), so the merge order cannot change it: bitwise the result of a scan in unit order.
-// Bound: one unit on one block, on the critical path of every step; a scan by one thread per row
-// was V/16 dependent rounds of L2 loads.
+// Bound: one unit on one block, on the critical path of every step: each thread loads the partials
+// of at most ceil(V/16 / (COMPUTE_THREADS / rows)) units, then log2 of its run's length merges.
 #pragma once
 #include "mk/block.cuh"
 #include "mk/layers.cuh"
