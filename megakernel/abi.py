@@ -93,6 +93,15 @@ PARAM_FIELDS = (
     ("recv", "unsigned char*"),  # TP: this rank's receive slots (Plan.recv_layout), in its own memory
     ("peers", "unsigned char* const*"),  # TP: [tp_ranks] every rank's receive slots as this rank addresses them
     ("rank_slots", "int32_t*"),  # TP expert_parallel: [1 + MAX_SLOTS] this rank's slot count, then its slots
+    # Plan.union_experts (row groups): every group's top-k writes its expert_slot; the union tables
+    # are group 0's (ops/topk.cuh union_build), and its pooled / yexp are every group's, stacked
+    ("n_active", "int32_t"),  # the step's row groups (1 without groups)
+    ("expert_slot", "int32_t*"),  # [E] this group's slot of each expert, -1: not routed
+    ("u_nslots", "int32_t*"),  # [1] union slots
+    ("u_expert", "int32_t*"),  # [MAX_USLOTS]
+    ("u_ntok", "int32_t*"),  # [MAX_USLOTS] 1..16
+    ("u_row", "int32_t*"),  # [MAX_USLOTS][16] g * T_MAX + row: its pooled row in the stacked pooled
+    ("u_dst", "int32_t*"),  # [MAX_USLOTS][16] (g * MAX_SLOTS + s) * 16 + position: its row in the stacked yexp
 )
 
 

@@ -84,6 +84,13 @@ class GroupEngine:
         lead = self.lead = self.members[0]
         for m in self.members[1:]:
             m.wd = lead.wd  # one watchdog record for the launch (packed into every group's block below)
+        if plan.union_experts:  # ops/topk.cuh union_build: rows and outputs addressed from group 0's buffers
+            c, dev = weights.cfg, lead.dev
+            pooled = torch.zeros(plan.row_groups, c.max_tree, c.d_pool, dtype=torch.bfloat16, device=dev)
+            yexp = torch.zeros(plan.row_groups, plan.max_slots, 16, c.d_pool, dtype=torch.bfloat16, device=dev)
+            for g, m in enumerate(self.members):
+                m.buf["pooled"], m.buf["yexp"] = pooled[g], yexp[g]
+            lead.buf["act"] = torch.zeros(plan.max_uslots, 16, c.d_expert, dtype=torch.bfloat16, device=dev)
         self.grid = lead.grid
         self.base = lead.program
         self._programs: dict[int, tuple[Program, torch.Tensor]] = {}
@@ -131,8 +138,8 @@ class GroupEngine:
             m._row0 = m._set_inputs([reqs[r] for r in g], gr)
         # every group's block, the unused ones too: the kernel loads every group's step block
         # (block.cuh load_step); an unused group's is its last step's (or the empty one)
-        blobs = [m._params(routes is not None and k < len(groups), shared=(prog_t, self.counters))
-                 for k, m in enumerate(self.members)]
+        blobs = [m._params(routes is not None and k < len(groups), shared=(prog_t, self.counters),
+                           n_active=len(groups)) for k, m in enumerate(self.members)]
         self.program = prog
         self._params_dev = torch.cat(blobs)
         self._groups = groups

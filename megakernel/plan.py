@@ -312,6 +312,12 @@ class Plan:
     # (program.grouped): every op sees one group's rows, so each group's bits are those of its own
     # step. 1: no groups, which compiles to the code of a build that knows nothing of them
     row_groups: int = 1
+    # row groups: the routed experts of every group run as one set of units over the union of the
+    # groups' routing (union slots: an expert's tokens of every group, at most 16 a slot, in group
+    # then row order), so an expert's weights are streamed once per 16 of its tokens in the step,
+    # not once per group that routes to it. Each token's expert output is the same dot products
+    # as in its group's own slot, so the bits are too. Unfused split expert GEMMs only
+    union_experts: bool = False
     # tensor parallelism (0: none). R >= 1: the model sharded over R ranks as the study shards it:
     # attention by heads (a rank's q and kv heads, its KV cache), oproj K-sharded into tp_groups
     # fixed groups whose fp32 partials every rank sums in group order (the attention all-reduce),
@@ -346,6 +352,16 @@ class Plan:
     @property
     def max_slots(self) -> int:
         return self.cfg.max_distinct_experts(self.cfg.max_tree)
+
+    @property
+    def max_uslots(self) -> int:
+        """union_experts: the most union slots a step makes (0 without). An expert with n tokens
+        takes ceil(n / 16) <= n / 16 + 1 slots; the tokens number at most groups x max_tree x top_k,
+        the experts at most the distinct ones of that many tokens."""
+        if not self.union_experts:
+            return 0
+        g, c = self.row_groups, self.cfg
+        return g * c.top_k * c.max_tree // 16 + c.max_distinct_experts(g * c.max_tree)
 
     @property
     def rcfg(self) -> ModelConfig:
@@ -534,7 +550,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               expert1_rows: int | None = None, expert2_rows: int | None = None, layout_pad: int = 0,
               layout_gap: int = 0, fused_experts: bool = False, keep_max: int = KEEP_MAX,
               compute_registers: int = 0, launch_ranks: int = 1, tp_ranks: int = 0,
-              expert_parallel: bool = False, row_groups: int = 1) -> Plan:
+              expert_parallel: bool = False, row_groups: int = 1, union_experts: bool = False) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -547,7 +563,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     (fused_experts; tests: fewer kept units than a block runs). layout_pad: a code-layout placebo
     (Plan.layout_pad), a multiple of 16 bytes up to 64 KB; layout_gap: the same in the middle of
     the ops' code (Plan.layout_gap). compute_registers: Plan's (0 = off, or a multiple of 8 from
-    176 to 232). launch_ranks, tp_ranks, expert_parallel, row_groups: Plan's. A TP build (tp_ranks >= 1) cuts
+    176 to 232). launch_ranks, tp_ranks, expert_parallel, row_groups, union_experts: Plan's. A TP build (tp_ranks >= 1) cuts
     oproj's K into max_tp_ranks(cfg) groups and sizes its expert units for that many ranks, so that
     its tiles, and so its bits, are the same at every R."""
     cfg.validate()
@@ -557,6 +573,9 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         raise ValueError(f"row_groups {row_groups!r}: want 1..{MAX_ROW_GROUPS} groups of rows per step")
     if row_groups > 1 and (tp_ranks or launch_ranks > 1):
         raise ValueError(f"row_groups {row_groups}: row groups run on one rank (no tp_ranks, launch_ranks 1)")
+    if union_experts and (row_groups < 2 or fused_experts):
+        raise ValueError(f"union_experts: the union of row groups' routing needs row_groups >= 2 (got {row_groups}) "
+                         f"and the split expert GEMMs (fused_experts=False, got {fused_experts})")
     ng = 0
     if tp_ranks or expert_parallel:
         why = tp_problem(cfg, tp_ranks) if isinstance(tp_ranks, int) and tp_ranks >= 1 else \
@@ -620,7 +639,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              sentinel_route=sentinel_route, keys_per_split=keys_per_split, profile_detail=profile_detail,
              fp4_rotated=fp4_rotated, tiles=tiles, layout_pad=layout_pad, layout_gap=layout_gap,
              fused_experts=fused_experts, compute_registers=compute_registers, launch_ranks=launch_ranks,
-             tp_ranks=tp_ranks, tp_groups=ng, expert_parallel=expert_parallel, row_groups=row_groups)
+             tp_ranks=tp_ranks, tp_groups=ng, expert_parallel=expert_parallel, row_groups=row_groups,
+             union_experts=union_experts)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -690,6 +710,8 @@ def render(plan: Plan) -> str:
         "// ranks (Plan.launch_ranks, tp_ranks, tp_groups, expert_parallel)",
         f"constexpr int RANKS_PER_LAUNCH = {plan.launch_ranks};",
         f"constexpr int GROUPS = {plan.row_groups};  // row groups of a step (Plan.row_groups)",
+        f"constexpr bool UNION_EXPERTS = {'true' if plan.union_experts else 'false'};  // Plan.union_experts",
+        f"constexpr int MAX_USLOTS = {max(plan.max_uslots, 1)};  // union slots (Plan.max_uslots; 1 without)",
         f"constexpr int TP = {plan.tp_ranks}, TP_GROUPS = {plan.tp_groups or 1};",
         f"constexpr bool EXPERT_PARALLEL = {'true' if plan.expert_parallel else 'false'};",
         f"constexpr unsigned long long RECV_AR = {recv.get('ar', (0, 0))[0]}ull, RECV_ACT = {recv.get('act', (0, 0))[0]}ull, "

@@ -86,6 +86,10 @@ MAX_TP_OPS = 4096
 # consumer <- producer edges on which the consumer polls sentinel slots (plan.sentinel_route: top-k
 # <- router; TP: the all-reduce <- oproj, and each gather's readers <- its producers)
 SENTINEL_EDGES = (("topk", "router"), ("attn_reduce", "oproj"), ("expert2", "expert1"))
+# Plan.union_experts (grouped): the ops that run once over every row group's routing, and the ops
+# whose every group's instance bumps group 0's counters (their consumers wait for all groups)
+UNION_OPS = ("expert1", "expert2")
+UNION_SHARED = ("topk", "pool")
 
 
 @dataclass(frozen=True)
@@ -234,7 +238,12 @@ def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int
 
 
 def n_groups(plan: Plan, kind: str) -> int:
+    """Group counters of an op. Plan.union_experts: gate/up's are per union slot, and top-k's one
+    is the union's ticket (each group's top-k takes a number from it; the last builds the union:
+    csrc/ops/topk.cuh), which no consumer waits for."""
     c = plan.rcfg
+    if plan.union_experts and kind in ("expert1", "topk"):
+        return plan.max_uslots if kind == "expert1" else 1
     return {"qkv": c.n_kv_heads, "attn": c.n_kv_heads, "expert1": plan.max_slots}.get(kind, 0)
 
 
@@ -419,13 +428,19 @@ def grouped(prog: Program, groups: int) -> Program:
     run on the blocks that ran the gate/up units of its index (DEP_LOCAL) and read the
     activations those kept (block.cuh enter_group forgets every kept unit on a change of group).
     Every group's instances are those of its own step, so a group's bits are those of its step
-    alone; the launches are `prog`'s, each `groups` times as long."""
+    alone; the launches are `prog`'s, each `groups` times as long.
+
+    Plan.union_experts: each layer's gate/up and down projection are one instance (group 0's)
+    over the union of every group's routing, after every group's top-k; each group's MoE combine
+    waits for it. Every group's top-k and pooler bump group 0's counters (one counter each,
+    UNION_SHARED): the union's units wait for all of them at once (program.cuh wait_target)."""
     if not isinstance(groups, int) or not 1 <= groups <= prog.plan.row_groups:
         raise ValueError(f"{groups!r} row groups: the plan's build takes 1..{prog.plan.row_groups}")
     if groups == 1:
         return prog
     if prog.spec is not None:
         raise ValueError(f"row groups run plain steps; a {prog.spec} program has one group")
+    union = prog.plan.union_experts
     order: list[tuple[int, int]] = []  # (instance of prog, group)
     launches = []
     for first, n in prog.launches:
@@ -436,19 +451,24 @@ def grouped(prog: Program, groups: int) -> Program:
                 continue  # emitted right after its gate/up, group by group
             pair = (i + 1 < first + n and prog.ops[i + 1].kind == "expert2"
                     and any(d.mode == DEP_LOCAL and d.producer == i for d in prog.ops[i + 1].deps))
-            for g in range(groups):
+            for g in range(1 if union and o.kind in UNION_OPS else groups):
                 order.append((i, g))
                 if pair:
                     order.append((i + 1, g))
         launches.append((start, len(order) - start))
     at = {key: k for k, key in enumerate(order)}
     nc = prog.n_counters
+
+    def producer(d: Dep, g: int) -> int:  # a union op is group 0's only instance
+        return at[(d.producer, 0 if union and prog.ops[d.producer].kind in UNION_OPS else g)]
+
     ops = []
     for k, (i, g) in enumerate(order):
         o = prog.ops[i]
-        ops.append(replace(o, index=k, group=g, deps=tuple(Dep(at[(d.producer, g)], d.mode) for d in o.deps),
+        gc = 0 if union and o.kind in UNION_SHARED else g  # whose counters it bumps
+        ops.append(replace(o, index=k, group=g, deps=tuple(Dep(producer(d, g), d.mode) for d in o.deps),
                            rot=(o.rot + g * prog.plan.n_sm // groups) % prog.plan.n_sm,
-                           counter=o.counter + g * nc, group_base=o.group_base + g * nc if o.n_groups else -1))
+                           counter=o.counter + gc * nc, group_base=o.group_base + gc * nc if o.n_groups else -1))
     out = Program(prog.plan, tuple(ops), tuple(launches), nc * groups, prog.mode, prog.spec, groups)
     check(out)
     return out
@@ -490,7 +510,9 @@ def check(prog: Program) -> None:
             if d.mode == DEP_SENTINEL:  # the kernel polls sentinel slots on these edges only (ops/topk.cuh, TP's)
                 assert (o.kind, p.kind) in SENTINEL_EDGES and (p.kind == "router" or prog.plan.tp_ranks), \
                     f"{o.kind} <- {p.kind}: no sentinel slots"
-            assert p.group == o.group, f"{o.kind}(L{o.layer}) of group {o.group} waits for group {p.group}"
+            # union experts: every group's MoE combine reads the union's expert outputs
+            assert p.group == o.group or (prog.plan.union_experts and p.kind in UNION_OPS and p.group == 0), \
+                f"{o.kind}(L{o.layer}) of group {o.group} waits for group {p.group}"
             if d.mode == DEP_LOCAL:  # unit u of both on the same block: same assignment, same count
                 assert (o.kind, p.kind) == ("expert2", "expert1") and o.assign == p.assign == ASSIGN_CONTIG \
                     and o.rot == p.rot and prog.plan.fused_experts, f"{o.kind} <- {p.kind}: no block-local rule"

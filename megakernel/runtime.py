@@ -345,6 +345,11 @@ class Engine:
             "top2": (self.spec.top2 if self.spec is not None and self.spec.role == "draft"
                      else z(tm, 2, dt=torch.int32)),
             "rank_slots": z(1 + p.max_slots, dt=torch.int32),  # TP expert_parallel: this rank's slots
+            # Plan.union_experts: this group's expert -> slot map and (group 0's) the union tables
+            # (groups.GroupEngine stacks every group's pooled and yexp and sizes group 0's act)
+            "expert_slot": z(c.n_experts, dt=torch.int32), "u_nslots": z(1, dt=torch.int32),
+            "u_expert": z(max(p.max_uslots, 1), dt=torch.int32), "u_ntok": z(max(p.max_uslots, 1), dt=torch.int32),
+            "u_row": z(max(p.max_uslots, 1), 16, dt=torch.int32), "u_dst": z(max(p.max_uslots, 1), 16, dt=torch.int32),
         }
         self.empty_sentinel_slots()
         # one pair of counter halves for every program of this engine (argmax clears the other half whole)
@@ -428,11 +433,11 @@ class Engine:
         return tab.to(self.dev)
 
     def _params(self, override: bool, program: Program | None = None,
-                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None, n_active: int = 1) -> torch.Tensor:
         """The parameter block of `program` (default the plain one; the spec program's reads and
         writes the speculative state and the pair's top-2 and tables, SpecLink). shared: (encoded
         program, counters) of a groups.GroupEngine, which every group's block points to instead of
-        this engine's own."""
+        this engine's own; n_active: its step's row groups."""
         b = self.buf
         P = abi.Params()
         P.layers = _ptr(self._layers_blob)
@@ -454,8 +459,10 @@ class Engine:
         for name in ("x", "ss_part", "xg", "q", "att_o", "att_ml", "att_out", "router_logits", "route_sel",
                      "route_w", "route_slot", "route_pos", "slot_expert", "slot_ntok", "slot_tok", "n_slots",
                      "pooled", "act", "yexp", "ypart", "z", "logits", "amax_val", "amax_idx", "amax_val2",
-                     "amax_idx2", "out_tokens", "top2"):
+                     "amax_idx2", "out_tokens", "top2", "expert_slot", "u_nslots", "u_expert", "u_ntok", "u_row",
+                     "u_dst"):
             setattr(P, name, _ptr(b[name]))
+        P.n_active = n_active
         counters = self.counters if shared is None else shared[1]
         if shared is not None:
             P.program = _ptr(shared[0])

@@ -42,6 +42,11 @@ MK_DEV float shfl_f(float v, int src) {
   emu::warp_exchange(&v, sizeof(float), all);
   return all[src & 31];
 }
+MK_DEV int shfl_i(int v, int src) {
+  int all[32];
+  emu::warp_exchange(&v, sizeof(int), all);
+  return all[src & 31];
+}
 MK_DEV int bcast_i(int v) {
   int all[32];
   emu::warp_exchange(&v, sizeof(int), all);
@@ -213,6 +218,13 @@ MK_DEV void red_relaxed(uint32_t* p, uint32_t v) { *p += v; emu::note_sync_write
 MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long cmp, unsigned long long v) {
   const unsigned long long old = *p;
   if (old == cmp) *p = v;
+  emu::note_sync_write(true);
+  return old;
+}
+MK_DEV uint32_t atom_add_acq_rel(uint32_t* p, uint32_t v) {
+  emu::yield();  // another block may take its ticket first
+  const uint32_t old = *p;
+  *p = old + v;
   emu::note_sync_write(true);
   return old;
 }

@@ -75,6 +75,7 @@ MK_DEV float shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m
 MK_DEV int shfl_xor_i(int v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 MK_DEV int bcast_i(int v) { return __shfl_sync(0xffffffffu, v, 0); }  // lane 0's value
 MK_DEV float shfl_f(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
+MK_DEV int shfl_i(int v, int src) { return __shfl_sync(0xffffffffu, v, src); }
 MK_DEV bool warp_all(bool v) { return __all_sync(0xffffffffu, v) != 0; }
 // One redux.sync each (sm_80+): a warp-wide max / min in one instruction instead of 5 shuffle rounds
 MK_DEV uint32_t warp_max_u32(uint32_t v) { return __reduce_max_sync(0xffffffffu, v); }
@@ -194,6 +195,13 @@ MK_DEV void red_relaxed(uint32_t* p, uint32_t v) {
 }
 MK_DEV unsigned long long atomic_cas64(unsigned long long* p, unsigned long long cmp, unsigned long long v) {
   return atomicCAS(p, cmp, v);
+}
+// A ticket: the old value, acquiring what earlier takers released (each takes it after a release
+// fence) and releasing with the same fence pattern
+MK_DEV uint32_t atom_add_acq_rel(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
 }
 MK_DEV void threadfence() { __threadfence(); }
 MK_DEV void atomic_or_smem(int* p, uint32_t v) { atomicOr(reinterpret_cast<unsigned*>(p), v); }

@@ -40,6 +40,8 @@ constexpr int COMPUTE_THREADS = 256;
 // ranks (Plan.launch_ranks, tp_ranks, tp_groups, expert_parallel)
 constexpr int RANKS_PER_LAUNCH = 1;
 constexpr int GROUPS = 1;  // row groups of a step (Plan.row_groups)
+constexpr bool UNION_EXPERTS = false;  // Plan.union_experts
+constexpr int MAX_USLOTS = 1;  // union slots (Plan.max_uslots; 1 without)
 constexpr int TP = 0, TP_GROUPS = 1;
 constexpr bool EXPERT_PARALLEL = false;
 constexpr unsigned long long RECV_AR = 0ull, RECV_ACT = 0ull, RECV_Y = 0ull, RECV_BYTES = 0ull;
@@ -208,8 +210,15 @@ struct Params {
   unsigned char* recv;
   unsigned char* const* peers;
   int32_t* rank_slots;
+  int32_t n_active;
+  int32_t* expert_slot;
+  int32_t* u_nslots;
+  int32_t* u_expert;
+  int32_t* u_ntok;
+  int32_t* u_row;
+  int32_t* u_dst;
 };
-static_assert(sizeof(Params) == 416, "abi.py Params");
+static_assert(sizeof(Params) == 472, "abi.py Params");
 }  // namespace mk
 namespace mk {
 constexpr int OPINST_INTS = 16, MAX_DEPS = 3, OPREC_DEPS = 8;

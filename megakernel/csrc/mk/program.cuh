@@ -138,12 +138,22 @@ static_assert(T_MAX * TOPK < (1 << (32 - ROUTE_SHIFT)), "the slot count fits abo
 static_assert(WARPS >= MAX_DEPS, "a routed op's dependencies are waited for by one warp each");
 MK_DEV int slot_tiles(int kind) { return kind == OP_EXPERT1 ? EXP1_TILES : EXP2_TILES; }
 
+// The count an "all" wait on producer pr waits for: its units, and with Plan.union_experts
+// every active group's units for top-k and the pooler, whose instances all bump group 0's counter
+// (program.py UNION_SHARED). Top-k's is then met once the union's builder signalled (its slot
+// count, above ROUTE_SHIFT, exceeds any unit count): it took the last ticket, so every group's
+// routing was released before its own release (ops/topk.cuh union_build).
+MK_DEV uint32_t all_target(const Blk& b, const Op& pr) {
+  uint32_t n = static_cast<uint32_t>(n_units(b, pr));
+  if constexpr (UNION_EXPERTS)
+    if (pr.kind == OP_TOPK || pr.kind == OP_POOL) n *= static_cast<uint32_t>(b.p0->n_active);
+  return n;
+}
 // Wait for a dependency of unit u of op o, given as its producer's op index and its mode
 // (Op.dep_op[d], dep_mode[d]); returns the counter value that satisfied it (wait_counter_seen).
 MK_DEV Seen wait_dep_seen(const Blk& b, const Op& o, int dep_op, int dep_mode, int u, uint32_t what) {
   const Op pr = load_op(*b.p, dep_op);
-  if (dep_mode == DEP_ALL)
-    return wait_counter_seen(*b.p, counters(b) + pr.counter, static_cast<uint32_t>(n_units(b, pr)), what);
+  if (dep_mode == DEP_ALL) return wait_counter_seen(*b.p, counters(b) + pr.counter, all_target(b, pr), what);
   const int g = needed_group(b, o, pr, u);
   return wait_counter_seen(*b.p, counters(b) + pr.group_base + g, static_cast<uint32_t>(group_size(b, pr)), what);
 }
@@ -210,6 +220,15 @@ MK_DEV void slot_fetch(Blk& b, int kind, int layer, int u) {
   syncwarp();
   if (have) return;
   const Params& p = *b.p;
+  if constexpr (UNION_EXPERTS) {  // gate/up: its rows in the stacked pooled; down: its outputs' rows
+    if (lane() < 16) b.misc[MISC_ROWS + lane()] = ldg_cgi((kind == OP_EXPERT1 ? p.u_row : p.u_dst) + s * 16 + lane());
+    if (lane() == 0) {
+      info[0] = ldg_cgi(p.u_expert + s);
+      info[1] = ldg_cgi(p.u_ntok + s);
+      info[2] = tag;
+    }
+    return;
+  }
   if (kind == OP_EXPERT1 && lane() < 16) b.misc[MISC_ROWS + lane()] = ldg_cgi(p.slot_tok + s * 16 + lane());
   if (lane() == 0) {
     info[0] = ldg_cgi(p.slot_expert + s);
@@ -305,7 +324,9 @@ MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
     case OP_OPROJ: run_oproj(b, o.layer, u, what); break;
     case OP_ROUTER: run_router(b, o.layer, u, what); break;
     case OP_POOL: run_pool(b, o.layer, u, what); break;
-    case OP_TOPK: run_topk(b, o.layer, static_cast<uint32_t>(i * 16) + WHAT_SENTINEL); break;
+    case OP_TOPK: run_topk(b, o.layer, static_cast<uint32_t>(i * 16) + WHAT_SENTINEL,
+                             UNION_EXPERTS ? counters(b) + o.group_base : nullptr);  // the union's ticket
+      break;
     case OP_EXPERT1:
       // LAYOUT_GAP (Plan.layout_gap), a placebo for A/Bs: never-run instructions (u is never
       // negative) in the middle of the ops' code, moving the code nvcc lays out after them

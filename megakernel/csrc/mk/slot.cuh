@@ -29,7 +29,10 @@ MK_DEV int unit_slot(const Params& p, int k) {
   if constexpr (EXPERT_PARALLEL) return ldg_cgi(p.rank_slots + 1 + k);
   else return k;
 }
-MK_DEV const int32_t* routed_count(const Params& p) { return EXPERT_PARALLEL ? p.rank_slots : p.n_slots; }
+// (Plan.union_experts: the union's, in group 0's block, which the union's ops run in)
+MK_DEV const int32_t* routed_count(const Params& p) {
+  return UNION_EXPERTS ? p.u_nslots : EXPERT_PARALLEL ? p.rank_slots : p.n_slots;
+}
 
 // Loader warp: the expert's weight base of the last slot it streamed, in registers.
 struct LoaderSlot {
@@ -39,7 +42,7 @@ MK_DEV int loader_expert(const Blk& b, LoaderSlot& ls, int layer, int s) {
   if (ls.layer != layer || ls.slot != s) {
     ls.layer = layer;
     ls.slot = s;
-    ls.expert = ldg_cgi(b.p->slot_expert + s);
+    ls.expert = ldg_cgi((UNION_EXPERTS ? b.p->u_expert : b.p->slot_expert) + s);
   }
   return ls.expert;
 }

@@ -58,14 +58,24 @@ MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
                                                    p.ypart + static_cast<size_t>(s * EXP2_TILES + j) * 16 * P, what);
   } else {
     const uint16_t* rows = p.act + static_cast<size_t>(s) * 16 * F;
-    stage_gather_perm<F>(b, rows, ntok, [](int i) { return i; }, tag);
+    if constexpr (UNION_EXPERTS) {
+      // MISC_ROWS holds the slot's output rows (slot_fetch), so the rows are staged in place
+      if (b.misc[MISC_TAG] != tag) {
+        stage_rows<F, true>(b, ntok, [rows](int r) { return rows + static_cast<size_t>(r) * F; });
+        if (tid() == 0) b.misc[MISC_TAG] = tag;
+      }
+    } else {
+      stage_gather_perm<F>(b, rows, ntok, [](int i) { return i; }, tag);
+    }
     gemm_fp4<R, TILE_EXPERT2_KC, F, TILE_EXPERT2_SW>(b, ntok, what);
     detail_stamp(b, MK_EV_EPILOGUE_BEGIN, 0);
     // only the slot's token rows (a slot has ~3 of its 16 at T=16): no pass over rows it lacks
 MK_COLD_LOOP
     for (int i = tid(); i < ntok * R; i += COMPUTE_THREADS) {
       const int r = i / R, n = i % R;
-      p.yexp[(s * 16 + r) * P + j * R + n] = f2bf(fp4_out<R>(b, r, n) * ts);
+      // union: each token's row of its own group's slot, in the stacked yexp (ops/topk.cuh union_build)
+      const int row = UNION_EXPERTS ? b.misc[MISC_ROWS + r] : s * 16 + r;
+      p.yexp[static_cast<size_t>(row) * P + j * R + n] = f2bf(fp4_out<R>(b, r, n) * ts);
     }
     detail_stamp(b, MK_EV_EPILOGUE_END, 0);
   }

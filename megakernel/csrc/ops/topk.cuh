@@ -72,7 +72,92 @@ MK_DEV float topk_polled(const uint32_t (&raw)[TOPK_PER_LANE], int e) {
   return v;
 }
 
-MK_DEV void run_topk(Blk& b, int layer, uint32_t what) {
+// Plan.union_experts: after its own group's routing, each group's top-k takes a ticket (chain mode:
+// the groups' launches run in order, so the last group's); the one that takes the last builds the
+// union slots in group 0's block, and only its signal carries their count (MISC_NSLOTS; the other
+// groups' carry 0). Union slots: experts ascending; an expert's tokens in group order, each group's
+// in its slot's order; cut into slots of at most 16 tokens. u_row names a token's row of the
+// stacked pooled, u_dst its expert output's row of the stacked yexp (its group's own slot and
+// position, which its group's MoE combine reads). Every group released its tables (fence, then
+// its ticket) before the builder's ticket acquired them, and the builder's signal releases the
+// union: a consumer that saw that signal sees both (program.cuh all_target).
+MK_DEV void union_build(Blk& b, uint32_t* ticket) {
+  const Params* g0 = b.p0;
+  const int groups = g0->n_active;
+  int* flag = b.misc + MISC_SCRATCH;  // top-k's scratch, free once its tables are written
+  int* base = flag + T_MAX * TOPK + 2 * ((E + 31) / 32);  // [E] (top-k's token masks): slots, then first slot
+  sync_compute();  // every thread's stores of this group's tables precede thread 0's release
+  if (tid() == 0) {
+    bool last = b.group == groups - 1;
+    if (b.wait) {
+      fence_release();
+      last = atom_add_acq_rel(ticket, 1u) == static_cast<uint32_t>(groups - 1);
+    }
+    flag[0] = last;
+    b.misc[MISC_NSLOTS] = 0;
+  }
+  sync_compute();
+  if (!flag[0]) return;
+MK_COLD_LOOP
+  for (int e = tid(); e < E; e += COMPUTE_THREADS) {
+    int n = 0;
+    for (int g = 0; g < groups; ++g) {
+      const int s = ldg_cgi(g0[g].expert_slot + e);
+      if (s >= 0) n += ldg_cgi(g0[g].slot_ntok + s);
+    }
+    base[e] = (n + 15) / 16;
+  }
+  sync_compute();
+  if (warp() == 0) {  // exclusive prefix over the experts: lane l sums experts l*PER ..
+    constexpr int PER = (E + 31) / 32;
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) sum += lane() * PER + i < E ? base[lane() * PER + i] : 0;
+    int incl = sum;
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {
+      const int v = shfl_i(incl, (lane() - m) & 31);
+      if (lane() >= m) incl += v;
+    }
+    int at = incl - sum;
+#pragma unroll
+    for (int i = 0; i < PER; ++i)
+      if (lane() * PER + i < E) {
+        const int k = base[lane() * PER + i];
+        base[lane() * PER + i] = at;
+        at += k;
+      }
+    if (lane() == 31) {
+      *g0->u_nslots = incl;
+      b.misc[MISC_NSLOTS] = incl;  // published in top-k's counter (program.cuh signal_op_end)
+    }
+  }
+  sync_compute();
+MK_COLD_LOOP
+  for (int e = tid(); e < E; e += COMPUTE_THREADS) {
+    int us = base[e], k = 0;
+    for (int g = 0; g < groups; ++g) {
+      const int s = ldg_cgi(g0[g].expert_slot + e);
+      if (s < 0) continue;
+      const int nt = ldg_cgi(g0[g].slot_ntok + s);
+      for (int pos = 0; pos < nt; ++pos) {
+        g0->u_row[us * 16 + k] = g * T_MAX + ldg_cgi(g0[g].slot_tok + s * 16 + pos);
+        g0->u_dst[us * 16 + k] = (g * MAX_SLOTS + s) * 16 + pos;
+        if (++k == 16) {
+          g0->u_expert[us] = e;
+          g0->u_ntok[us++] = 16;
+          k = 0;
+        }
+      }
+    }
+    if (k) {
+      g0->u_expert[us] = e;
+      g0->u_ntok[us] = k;
+    }
+  }
+}
+
+MK_DEV void run_topk(Blk& b, int layer, uint32_t what, uint32_t* ticket) {
   const Params& p = *b.p;
   int* sel_s = b.misc + MISC_SCRATCH;      // [T_MAX * TOPK] selected expert of (t, rank)
   int* before = sel_s + T_MAX * TOPK;      // [E / 32] slots of the experts in earlier bitmap words
@@ -226,6 +311,7 @@ MK_COLD_LOOP
 MK_COLD_LOOP
   for (int e = tid(); e < E; e += COMPUTE_THREADS) {
     const uint32_t m = static_cast<uint32_t>(tokmask[e]);
+    if constexpr (UNION_EXPERTS) p.expert_slot[e] = m ? slot_of(e) : -1;
     if (!m) continue;
     const int s = slot_of(e);
     p.slot_expert[s] = e;
@@ -240,6 +326,7 @@ MK_COLD_LOOP
     p.route_pos[i] = pos;
   }
   detail_stamp(b, MK_EV_TOPK_STEP_END, 2);
+  if constexpr (UNION_EXPERTS) union_build(b, ticket);
 }
 
 }  // namespace mk
