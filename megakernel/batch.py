@@ -43,7 +43,7 @@ from .groups import GroupEngine
 from .plan import MAX_ROW_GROUPS, Plan
 from .plans import REL_TOL
 from .reference import KVCache, Request, Trace
-from .results_names import step_params
+from .results_names import UNION_IMPL, step_params
 from .roofline import batch_roofline
 from .routing import distinct_per_layer, synthetic_routes
 from .runtime import Engine, StepOut, check_close
@@ -248,11 +248,16 @@ def batch_series_name(preset: str, batch: int, tokens: int, ctx: int, impl: str)
 
 
 def bench_batch_point(h, preset: str, batch: int, tokens: int, ctx: int, plan: Plan, mode: str, ceiling) -> Series:
-    """A batched step of `mode` ("mega" or "chain") replayed from a CUDA graph, checked per request
-    against the reference before it is timed, against the batch's roofline (roofline.batch_roofline:
-    the union of routed experts, the dense weights once, each request's KV reads). Past 16 rows the
-    step runs in row groups (groups.GroupEngine), which read the weights once per group: the
-    roofline still counts them once, so its fraction shows what the groups cost."""
+    """A batched step of `mode` ("mega", "chain", or UNION_IMPL: mega on a union_experts build)
+    replayed from a CUDA graph, checked per request against the reference before it is timed,
+    against the batch's roofline (roofline.batch_roofline: the union of routed experts, the dense
+    weights once, each request's KV reads). Past 16 rows the step runs in row groups
+    (groups.GroupEngine), which read the dense weights once per group, and the experts once per
+    group or (UNION_IMPL) once per 16 of an expert's tokens: the roofline still counts them once,
+    so its fraction shows what the groups cost."""
+    if (mode == UNION_IMPL) != plan.union_experts:
+        raise ConfigError(f"{mode}: the union experts' impl runs on a union_experts build and only there")
+    impl, mode = mode, "mega" if mode == UNION_IMPL else mode
     bc = batch_context(preset, batch, tokens, ctx)
     w = weights_for(preset)
     eng = engine_for(w, plan, [c.clone() for c in bc.caches0], backend="gpu")
@@ -269,11 +274,11 @@ def bench_batch_point(h, preset: str, batch: int, tokens: int, ctx: int, plan: P
     bound = Bound("time", rf.seconds, "s", f"roofline of {batch} requests: {rf.bytes.total} B (experts: the union "
                   f"over the batch, dense weights once, each request's KV) / {rf.read_ceiling:.3e} B/s ({rf.source})")
     return Series.from_samples(
-        batch_series_name(preset, batch, tokens, ctx, mode), samples, timer="cuda_event", unit="s",
-        params=step_params(preset, tokens, ctx, mode, int(round(float(np.mean(bc.distinct)))), batch=batch,
+        batch_series_name(preset, batch, tokens, ctx, impl), samples, timer="cuda_event", unit="s",
+        params=step_params(preset, tokens, ctx, impl, int(round(float(np.mean(bc.distinct)))), batch=batch,
                            launch="cuda_graph"),
         bound=bound, clocks=t.clocks, warnings=t.warnings,
         metrics={"launches_per_step": kc.kernels_per_step, "bytes_per_step": rf.bytes.total, "roofline_s": rf.seconds,
                  "tokens_per_step": batch * tokens, "requests": batch, "grid": eng.grid,
                  "distinct_experts_union_max": max(bc.distinct), "smem_bytes": plan.smem_bytes,
-                 "row_groups": plan.row_groups})
+                 "row_groups": plan.row_groups, "union_experts": int(plan.union_experts)})

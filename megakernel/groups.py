@@ -88,8 +88,12 @@ class GroupEngine:
             c, dev = weights.cfg, lead.dev
             pooled = torch.zeros(plan.row_groups, c.max_tree, c.d_pool, dtype=torch.bfloat16, device=dev)
             yexp = torch.zeros(plan.row_groups, plan.max_slots, 16, c.d_pool, dtype=torch.bfloat16, device=dev)
+            ypart = (torch.zeros(plan.row_groups, plan.max_slots, plan.fused_parts, 16, c.d_pool, device=dev)
+                     if plan.fused_experts else None)
             for g, m in enumerate(self.members):
                 m.buf["pooled"], m.buf["yexp"] = pooled[g], yexp[g]
+                if ypart is not None:
+                    m.buf["ypart"] = ypart[g]
             lead.buf["act"] = torch.zeros(plan.max_uslots, 16, c.d_expert, dtype=torch.bfloat16, device=dev)
         self.grid = lead.grid
         self.base = lead.program

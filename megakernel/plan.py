@@ -316,7 +316,7 @@ class Plan:
     # groups' routing (union slots: an expert's tokens of every group, at most 16 a slot, in group
     # then row order), so an expert's weights are streamed once per 16 of its tokens in the step,
     # not once per group that routes to it. Each token's expert output is the same dot products
-    # as in its group's own slot, so the bits are too. Unfused split expert GEMMs only
+    # as in its group's own slot, so the bits are too
     union_experts: bool = False
     # tensor parallelism (0: none). R >= 1: the model sharded over R ranks as the study shards it:
     # attention by heads (a rank's q and kv heads, its KV cache), oproj K-sharded into tp_groups
@@ -573,9 +573,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         raise ValueError(f"row_groups {row_groups!r}: want 1..{MAX_ROW_GROUPS} groups of rows per step")
     if row_groups > 1 and (tp_ranks or launch_ranks > 1):
         raise ValueError(f"row_groups {row_groups}: row groups run on one rank (no tp_ranks, launch_ranks 1)")
-    if union_experts and (row_groups < 2 or fused_experts):
-        raise ValueError(f"union_experts: the union of row groups' routing needs row_groups >= 2 (got {row_groups}) "
-                         f"and the split expert GEMMs (fused_experts=False, got {fused_experts})")
+    if union_experts and row_groups < 2:
+        raise ValueError(f"union_experts: the union of row groups' routing needs row_groups >= 2 (got {row_groups})")
     ng = 0
     if tp_ranks or expert_parallel:
         why = tp_problem(cfg, tp_ranks) if isinstance(tp_ranks, int) and tp_ranks >= 1 else \

@@ -44,3 +44,8 @@ def step_params(preset: str, n_tokens: int, ctx: int, impl: str, distinct_expert
 # A profiled tensor-parallel step's waits at its collectives (megakernel/ranks.py tp_waits_result;
 # the report's tensor-parallelism block)
 TP_WAITS = "megakernel.tp_waits"
+
+
+# The impl label of a row-group step whose routed experts run over the union of the groups'
+# routing (Plan.union_experts): the megakernel in mega mode on that build (batch.bench_batch_point)
+UNION_IMPL = "mega_union"

@@ -63,6 +63,8 @@ from microbench.adopt import result_revision
 from microbench.fmt import fmt
 from microbench.results import Result, Series
 
+from megakernel.results_names import UNION_IMPL
+
 PRESET_ORDER = ("shard8", "small", "tiny")
 # model.baselines' impl names before they said naive: read as the new ones, so the fastest-run rule
 # (with_fastest_baselines) still sees the older runs of the same implementation
@@ -329,12 +331,13 @@ def batch_curve(rows: Sequence[StepRow]) -> list[dict]:
     (preset, context) and step shape (T = 1 at B = 1, 2, 4, 8; B x T = 16 rows at B = 1, 2, 4), the
     megakernel's, its chain's and the peer's (megakernel.peer at B requests a step) step time (and T = 16
     at B = 2, 4, 8: 32..128 rows, which the megakernel and its chain run in row groups of 16, the
-    "row groups" column; results older than row groups hold the peer's alone there),
+    "row groups" column; results older than row groups hold the peer's alone there; mega_union:
+    the megakernel in row groups whose routed experts run over the union of their routing),
     tokens processed per second (B x T a step), the fraction of the batch's roofline, each against
     the same implementation at B = 1, and mega's speed-up over the chain and the peer at the same B
     (where results hold both). An implementation appears at the B its results hold (a shape's row of
     an implementation with no batched row is left out). Forced routing only."""
-    rs = [r for r in rows if r.routing == "forced" and r.impl in ("mega", "chain", "peer")]
+    rs = [r for r in rows if r.routing == "forced" and r.impl in ("mega", "chain", "peer", UNION_IMPL)]
 
     def shapes(r: StepRow) -> list[str]:
         # T = 16 at B = 1 is the base of two curves: T = 16 trees at B = 2, 4, 8, and 16 rows split

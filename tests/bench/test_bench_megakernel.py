@@ -62,13 +62,16 @@ def _batch_case(preset, B, T, ctx, mode):
         bc = batch_context(preset, B, T, ctx)
         w = weights_for(preset)
         # the build for B x T rows (past 16: row groups, a GroupEngine)
-        plan = plan_for(preset, **rows_switches(get_preset(preset), B * T))
+        # mega_union: row groups whose routed experts run over the union of their routing
+        plan = plan_for(preset, **rows_switches(get_preset(preset), B * T), **(
+            {"union_experts": True} if mode == "mega_union" else {}))
+        kmode = "mega" if mode == "mega_union" else mode
         eng = engine_for(w, plan, [c.clone() for c in bc.caches0], backend="gpu")
-        out = eng.step_batch(bc.requests, mode=mode, routes=bc.routes)
+        out = eng.step_batch(bc.requests, mode=kmode, routes=bc.routes)
         for r in range(B):  # each request against the reference before anything is timed
             lo, hi = out.row0[r], out.row0[r + 1]
             check_close(out.request(r).logits, bc.ref_logits[lo:hi], f"{preset} B={B}/{mode} request {r}", rel=REL_TOL)
-        g, per = graph_of(eng, mode)
+        g, per = graph_of(eng, kmode)
         rf = batch_roofline(w.cfg, bc.shape, bc.distinct)
         prepared = Prepared(launch=g.replay, bound=Bound("time", rf.seconds, "s", f"roofline of one step of {B} "
                                                          f"requests: experts the union, dense once, each request's "
@@ -131,6 +134,11 @@ def test_megakernel_step(device_bench, preset, T, ctx, mode):
 @pytest.mark.parametrize("preset,B,T,ctx", BATCH_POINTS, ids=lambda v: str(v))
 def test_megakernel_batched_step(device_bench, preset, B, T, ctx, mode):
     device_bench(_batch_case(preset, B, T, ctx, mode))
+
+
+@pytest.mark.parametrize("preset,B,T,ctx", [pt for pt in BATCH_POINTS if pt[1] * pt[2] > 16], ids=lambda v: str(v))
+def test_megakernel_batched_step_union_experts(device_bench, preset, B, T, ctx):
+    device_bench(_batch_case(preset, B, T, ctx, "mega_union"))
 
 
 @pytest.mark.parametrize("preset,B,T,ctx", BATCH_POINTS, ids=lambda v: str(v))

@@ -535,11 +535,11 @@ MK_COLD_LOOP
 // output over the unit's whole K (KC columns, one gate/up unit's K-part), so each chunk's results
 // are final. A chunk goes in passes of 256 rows (warp w owns 16-row tiles w and w + 8 of a pass,
 // as gemm_fp4 does a 256-row unit; fp4_tile_step), and each thread stores its
-// accumulators * ts straight to out[token][row] (fp32, tokens < ntok): no shared-memory round
+// accumulators * ts straight to out(token)[row] (fp32, tokens < ntok): no shared-memory round
 // trip and no barrier, the ring orders the stages (every compute thread releases a chunk after
 // its last read of it).
-template <int CR, int KC, int SW, int NCH>
-MK_DEV void gemm_fp4_down(Blk& b, const unsigned char* act, int ntok, float ts, float* out, uint32_t what) {
+template <int CR, int KC, int SW, int NCH, typename TokOut>
+MK_DEV void gemm_fp4_down(Blk& b, const unsigned char* act, int ntok, float ts, TokOut out, uint32_t what) {
   constexpr int PR = 2 * 16 * WARPS, NPASS = CR / PR;  // rows of a pass, passes of a chunk
   constexpr int SR = KC / 32, GS = SR < 4 ? SR : 4, NG = SR / GS, AS = a_stride<KC>();
   static_assert(CR % PR == 0 && SR >= 2 && (SR & (SR - 1)) == 0, "whole 256-row passes; k32 steps a power of two >= 2");
@@ -569,8 +569,8 @@ MK_COLD_LOOP
       for (int n = 0; n < 2; ++n) {
         if (n == 1 && !tw) break;
         const int tok = 8 * n + 2 * t;
-        if (tok < ntok) out[tok * P + row] = acc[i][n][0] * ts, out[tok * P + row + 8] = acc[i][n][2] * ts;
-        if (tok + 1 < ntok) out[(tok + 1) * P + row] = acc[i][n][1] * ts, out[(tok + 1) * P + row + 8] = acc[i][n][3] * ts;
+        if (tok < ntok) out(tok)[row] = acc[i][n][0] * ts, out(tok)[row + 8] = acc[i][n][2] * ts;
+        if (tok + 1 < ntok) out(tok + 1)[row] = acc[i][n][1] * ts, out(tok + 1)[row + 8] = acc[i][n][3] * ts;
       }
     }
   };

@@ -54,8 +54,24 @@ MK_DEV void run_expert2(Blk& b, int layer, int unit, uint32_t what) {
       stage_rows<H1, true>(b, ntok, [&](int r) { return p.act + static_cast<size_t>(s * 16 + r) * F + j * H1; });
       if (tid() == 0) b.misc[MISC_TAG] = -1;  // abuf holds no tagged operand now
     }
-    gemm_fp4_down<N2, H1, TILE_EXPERT2_SW, P / N2>(b, a, ntok, ts,
-                                                   p.ypart + static_cast<size_t>(s * EXP2_TILES + j) * 16 * P, what);
+    if constexpr (UNION_EXPERTS) {
+      // each of this thread's tokens (2t, 2t + 1, 8 + 2t, 9 + 2t) to its own group's slot and
+      // position in the stacked ypart (ops/topk.cuh union_build): the partial its MoE combine reads
+      int dofs[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int tok = 2 * (lane() & 3) + (k & 1) + 8 * (k >> 1);
+        const int d = tok < ntok ? ldg_cgi(p.u_dst + s * 16 + tok) : 0;
+        dofs[k] = ((d / 16) * EXP2_TILES + j) * 16 + d % 16;
+      }
+      gemm_fp4_down<N2, H1, TILE_EXPERT2_SW, P / N2>(
+          b, a, ntok, ts, [&](int tok) { return p.ypart + static_cast<size_t>(dofs[(tok & 1) + 2 * (tok >> 3)]) * P; },
+          what);
+    } else {
+      float* out = p.ypart + static_cast<size_t>(s * EXP2_TILES + j) * 16 * P;
+      gemm_fp4_down<N2, H1, TILE_EXPERT2_SW, P / N2>(
+          b, a, ntok, ts, [out](int tok) { return out + static_cast<size_t>(tok) * P; }, what);
+    }
   } else {
     const uint16_t* rows = p.act + static_cast<size_t>(s) * 16 * F;
     if constexpr (UNION_EXPERTS) {

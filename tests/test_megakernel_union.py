@@ -1,0 +1,150 @@
+"""Union experts (Plan.union_experts): a grouped step's routed experts run once over the union of
+every row group's routing, an expert's tokens of every group in slots of at most 16, instead of
+once per group. Through the host emulation at random and adversarial schedules, with the split and
+the fused expert GEMMs: each request bitwise its own B=1 step and close to the reference, mega
+bitwise chain, experts with more than 16 tokens split over several union slots. Mutations (a union
+row read from the wrong group, outputs written to group 0's rows, the pooler waited for one group
+only, the union built by the last group instead of the last ticket) must make those checks fail."""
+from __future__ import annotations
+
+import pytest
+
+from microbench.errors import SpinTimeoutError
+
+from megakernel import ab
+from megakernel.batch import check_batch, engine_for, make_requests, random_caches
+from megakernel.plan import make_plan
+from megakernel.program import UNION_OPS, UNION_SHARED, build, grouped
+
+from megakernel_cases import fusable, mutated_csrc, tiny  # noqa: F401 (fixtures)
+
+SHAPES = {"4x16": ((16, 3), (16, 0), (16, 64), (16, 20)), "mixed": ((16, 5), (9, 40), (12, 0))}
+
+
+def _union_plan(plan, groups, n_sm=None):
+    return make_plan(plan.cfg, n_sm or plan.n_sm, spin_bound_ns=plan.spin_bound_ns,
+                     ring_stage_bytes=plan.ring_stage_bytes, row_groups=groups, union_experts=True)
+
+
+def test_union_experts_need_row_groups(tiny):
+    cfg = tiny[0]
+    with pytest.raises(ValueError, match="row_groups >= 2"):
+        make_plan(cfg, 4, union_experts=True)
+    plan = _union_plan(tiny[3], 4)
+    # 4 groups x 16 rows x top-2 picks over 8 experts: at most 128 / 16 + 8 slots of 16 tokens
+    assert plan.max_uslots == 4 * 16 * cfg.top_k // 16 + min(cfg.n_experts, 4 * 16 * cfg.top_k)
+
+
+def test_union_program_runs_the_experts_once_per_layer(tiny):
+    """Each layer's gate/up and down projection once (group 0's), after every group's top-k; each
+    group's MoE combine waits for that down projection; every group's top-k and pooler bump group
+    0's counter; the rest is program.grouped's."""
+    cfg, _, _, base_plan = tiny
+    plan = _union_plan(base_plan, 3)
+    one = build(plan)
+    prog = grouped(one, 3)
+    per_group = sum(o.kind not in UNION_OPS for o in one.ops)
+    assert len(prog.ops) == 3 * per_group + (len(one.ops) - per_group)
+    for l in range(cfg.n_layers):
+        union = [o for o in prog.ops if o.layer == l and o.kind in UNION_OPS]
+        assert [(o.kind, o.group) for o in union] == [("expert1", 0), ("expert2", 0)]
+        topks = [o for o in prog.ops if o.layer == l and o.kind == "topk"]
+        assert max(o.index for o in topks) < union[0].index
+        for kind in UNION_SHARED:
+            shared = {o.counter for o in prog.ops if o.layer == l and o.kind == kind}
+            assert len(shared) == 1 and shared == {next(o.counter for o in one.ops if (o.kind, o.layer) == (kind, l))}
+        assert len({o.group_base for o in topks}) == 1  # the union's one ticket
+        combines = [o for o in prog.ops if o.layer == l and o.kind == "moe_combine"]
+        assert sorted(o.group for o in combines) == [0, 1, 2]
+        assert all(union[1].index in {d.producer for d in o.deps} for o in combines)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_union_requests_are_bitwise_their_own_b1_steps(tiny, shape):
+    """batch.check_batch through a union build: each request against its own B=1 step (which has
+    no union: one group's slots), mega against chain at the random and adversarial schedules."""
+    cfg, w, _, base_plan = tiny
+    reqs_shape = SHAPES[shape]
+    n = len(reqs_shape)
+    plan = _union_plan(base_plan, n)
+    scheds = ("random", "last", "block") if shape == "4x16" else ("random", "last")
+    reqs = make_requests(cfg, reqs_shape, seed=n + 30)
+    res = check_batch(w, plan, random_caches(cfg, n, seed=n + 30), reqs, schedules=scheds, seed=n)
+    assert res.ok, res.lines()
+    assert all(res.alone) and all(res.greedy) and len(res.chain) == len(scheds)
+    if shape == "4x16":  # 64 rows x top-2 over 8 experts: some expert has more than 16 tokens
+        eng = engine_for(w, plan, random_caches(cfg, n, seed=n + 30), backend="emu")
+        eng.step_batch(reqs)
+        b = eng.lead.buf
+        k = int(b["u_nslots"][0])
+        experts, ntok = b["u_expert"][:k].tolist(), b["u_ntok"][:k].tolist()
+        assert experts == sorted(experts) and len(set(experts)) < k  # an expert split over slots
+        assert all(1 <= t <= 16 for t in ntok) and sum(ntok) == 64 * cfg.top_k
+
+
+def test_union_fused_experts_write_each_tokens_own_partials(fusable):
+    """The fused expert unit over union slots: its down projection writes each token's fp32
+    partials to its own group's slot and position (the stacked ypart), and kept gate/up units
+    serve the union slot they were computed for."""
+    cfg, w, _, base_plan = fusable
+    plan = make_plan(cfg, 4, spin_bound_ns=base_plan.spin_bound_ns, ring_stage_bytes=base_plan.ring_stage_bytes,
+                     fused_experts=True, row_groups=3, union_experts=True)
+    assert plan.fused_experts and plan.keep_units > 0
+    shape = ((16, 7), (16, 30), (16, 3))
+    res = check_batch(w, plan, random_caches(cfg, 3, seed=5), make_requests(cfg, shape, seed=5),
+                      schedules=("random", "last"), seed=2)
+    assert res.ok, res.lines()
+
+
+# name: (file under csrc/, old, new). Two groups on 8 blocks under the `last` schedule: blocks
+# without a top-k instance run pool units the union's builder does not wait for
+MUTATIONS = {
+    "union row from group 0's pooled": (
+        "ops/topk.cuh", "g0->u_row[us * 16 + k] = g * T_MAX + ldg_cgi(", "g0->u_row[us * 16 + k] = ldg_cgi("),
+    "pooler waited for one group only": (
+        "mk/program.cuh", "if (pr.kind == OP_TOPK || pr.kind == OP_POOL) n *=", "if (pr.kind == OP_TOPK) n *="),
+    "down projection's outputs to group 0's slot rows": (
+        "ops/expert_gemm2.cuh", "const int row = UNION_EXPERTS ? b.misc[MISC_ROWS + r] : s * 16 + r;",
+        "const int row = UNION_EXPERTS ? b.misc[MISC_ROWS + r] % (MAX_SLOTS * 16) : s * 16 + r;"),
+    "union built by the last group, not the last ticket": (
+        "ops/topk.cuh", "last = atom_add_acq_rel(ticket, 1u) == static_cast<uint32_t>(groups - 1);",
+        "atom_add_acq_rel(ticket, 1u);"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_groups(tiny):
+    cfg, w, _, base_plan = tiny
+    plan = _union_plan(base_plan, 2, n_sm=8)
+    shape = ((16, 3), (16, 40))
+    reqs, caches = make_requests(cfg, shape, seed=7), random_caches(cfg, 2, seed=7)
+    good = check_batch(w, plan, caches, reqs, schedules=("last",), seed=3)
+    assert good.ok, good.lines()
+    return w, plan, caches, reqs
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_union_checks_catch_a_mutated_kernel(two_groups, tmp_path, name):
+    rel, old, new = MUTATIONS[name]
+    w, plan, caches, reqs = two_groups
+    with ab.kernel_tree(mutated_csrc(tmp_path, rel, old, new)):
+        try:
+            bad = check_batch(w, plan, caches, reqs, schedules=("last",), seed=3)
+        except SpinTimeoutError:  # a wait that can never be met: the watchdog names it
+            return
+    assert not bad.ok and (not all(bad.chain.values()) or not all(bad.alone)), bad.lines()
+
+
+def test_union_fused_checks_catch_partials_in_group_0s_rows(fusable, tmp_path):
+    """The fused down projection writing every token's partials into group 0's slot rows: the
+    other groups' MoE combines read stale partials (the inputs of the fused test above)."""
+    cfg, w, _, base_plan = fusable
+    plan = make_plan(cfg, 4, spin_bound_ns=base_plan.spin_bound_ns, ring_stage_bytes=base_plan.ring_stage_bytes,
+                     fused_experts=True, row_groups=3, union_experts=True)
+    shape = ((16, 7), (16, 30), (16, 3))
+    tree = mutated_csrc(tmp_path, "ops/expert_gemm2.cuh", "dofs[k] = ((d / 16) * EXP2_TILES + j) * 16 + d % 16;",
+                        "dofs[k] = ((d / 16 % MAX_SLOTS) * EXP2_TILES + j) * 16 + d % 16;")
+    with ab.kernel_tree(tree):
+        bad = check_batch(w, plan, random_caches(cfg, 3, seed=5), make_requests(cfg, shape, seed=5),
+                          schedules=("random",), seed=2)
+    assert not bad.ok and not all(bad.alone), bad.lines()
