@@ -316,7 +316,8 @@ def _int_list(text: str | None, what: str) -> list[int] | None:
 def _step(a) -> int:
     """`step`: with --ranks the tensor-parallel build's steps (_step_ranks), else a step of B requests."""
     if a.ranks is not None:
-        extra = [f for f, v in (("--batch", a.batch), ("--tree-sizes", a.tree_sizes), ("--ctxs", a.ctxs)) if v is not None]
+        extra = [f for f, v in (("--batch", a.batch), ("--tree-sizes", a.tree_sizes), ("--ctxs", a.ctxs),
+                                ("--union-experts", a.union_experts or None)) if v is not None]
         if extra:
             print(f"step: --ranks with {', '.join(extra)}: batched steps of the tensor-parallel build are not built",
                   file=sys.stderr)
@@ -372,6 +373,9 @@ def _step_batch(a) -> int:
             raise ConfigError(f"{batch} requests of {'+'.join(str(t) for t, _ in shape)} = {rows} token rows pack "
                               f"into {groups} row groups of at most {cfg.max_tree}; a build has at most "
                               f"{MAX_ROW_GROUPS}")
+        if a.union_experts and groups == 1:
+            raise ConfigError(f"--union-experts: {rows} token rows are one row group; the union is of 2 or more "
+                              f"(more than {cfg.max_tree} rows)")
     except ConfigError as e:
         print(f"step: {e}", file=sys.stderr)
         return 2
@@ -381,20 +385,22 @@ def _step_batch(a) -> int:
         print(f"no GPU ({why}): {a.preset} in the host emulation (the kernel's CUDA source on CPU fibers)")
         backend, dev = "emu", "cpu"
         w = generate(cfg)
-        plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, row_groups=groups)
+        plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, row_groups=groups, union_experts=a.union_experts)
     else:
         from .bench_baselines import weights_for  # heavy: torch (megakernel.bench_baselines)
         from .plans import plan_for  # heavy: torch (megakernel.plans)
 
         backend, dev = "gpu", "cuda"
         w = weights_for(a.preset)
-        plan = plan_for(a.preset, **({"tokens": rows} if groups == 1 else {"row_groups": groups}))
+        plan = plan_for(a.preset, **({"tokens": rows} if groups == 1 else {"row_groups": groups,
+                                                                           "union_experts": a.union_experts}))
     caches0 = random_caches(cfg, batch, a.seed, device=dev)
     reqs = make_requests(cfg, shape, a.seed)
     schedules = tuple(a.schedule or ("random", "last"))
     kw = {"emu_schedule": schedules[0]} if backend == "emu" else {}
     out = engine_for(w, plan, [c.clone() for c in caches0], backend=backend, **kw).step_batch(reqs, mode=a.mode)
     print(f"{a.preset}: {batch} request(s), {rows} rows" + (f" in {groups} row groups" if groups > 1 else "")
+          + (", experts over the union of their routing" if a.union_experts else "")
           + f", {a.mode} mode ({backend})")
     for r, (t, c) in enumerate(shape):
         print(f"  request {r}: T={t} ctx={c}: greedy tokens {out.request(r).tokens.tolist()}")
@@ -918,6 +924,8 @@ def add_tools(sub) -> None:
     s.add_argument("--seed", type=int, default=0, help="the mix's, the tokens' and the caches' seed")
     s.add_argument("--mode", default="mega", choices=["mega", "chain"])
     s.add_argument("--check", action="store_true", help="reference per request, B=1 equality, mega == chain")
+    s.add_argument("--union-experts", action="store_true", help="past 16 rows: the row groups' routed experts run "
+                                                                "once over the union of their routing")
     s.add_argument("--schedule", nargs="+", default=None, choices=["random", "last", "block"],
                    help="emulated mega schedules the check runs (the first also runs the printed step; default random "
                         "last); the host emulation only")

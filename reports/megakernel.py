@@ -332,7 +332,8 @@ def batch_curve(rows: Sequence[StepRow]) -> list[dict]:
     megakernel's, its chain's and the peer's (megakernel.peer at B requests a step) step time (and T = 16
     at B = 2, 4, 8: 32..128 rows, which the megakernel and its chain run in row groups of 16, the
     "row groups" column; results older than row groups hold the peer's alone there; mega_union:
-    the megakernel in row groups whose routed experts run over the union of their routing),
+    the megakernel in row groups whose routed experts run over the union of their routing, against
+    mega's B = 1 row),
     tokens processed per second (B x T a step), the fraction of the batch's roofline, each against
     the same implementation at B = 1, and mega's speed-up over the chain and the peer at the same B
     (where results hold both). An implementation appears at the B its results hold (a shape's row of
@@ -359,8 +360,8 @@ def batch_curve(rows: Sequence[StepRow]) -> list[dict]:
         g = groups[key]
         if max(g) == 1:
             continue
-        base = g.get(1)
         mega = groups.get((*key[:3], "mega"), {})
+        base = g.get(1) or (mega.get(1) if key[3] == UNION_IMPL else None)  # the union has no B = 1: mega's
         for b in sorted(g):
             r = g[b]
             frac = r.roofline_fraction

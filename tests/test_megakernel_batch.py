@@ -325,6 +325,12 @@ def test_report_draws_the_batch_curve_from_results_and_says_when_it_has_none(tmp
                                                                                          tuple(grouped))]))}
     assert got[("T=16", 2, "mega")]["row groups"] == "2" and got[("T=16", 1, "mega")]["row groups"] == "1"
     assert got[("T=16", 2, "peer")]["row groups"] == "" and got[("T=16", 2, "peer")]["mega speed-up"] == "x1.20"
+    # row groups over the union of their routing: a row of its own, against mega's B = 1 row
+    union = grouped + [row("mega_union", 2, 16, 5e-3, groups=2)]
+    got = {(c["shape"], c["B"], c["impl"]): c for c in mk.batch_curve(mk.step_rows([Result("megakernel.step", env(),
+                                                                                         tuple(union))]))}
+    assert got[("T=16", 2, "mega_union")]["step vs B=1"] == "x1.25"
+    assert got[("T=16", 2, "mega_union")]["mega speed-up"] == "x0.67"
 
 
 def test_bench_cases_time_the_full_runs_batch_grid():

@@ -148,3 +148,19 @@ def test_union_fused_checks_catch_partials_in_group_0s_rows(fusable, tmp_path):
         bad = check_batch(w, plan, random_caches(cfg, 3, seed=5), make_requests(cfg, shape, seed=5),
                           schedules=("random",), seed=2)
     assert not bad.ok and not all(bad.alone), bad.lines()
+
+
+def test_mk_step_union_experts_option(capsys):
+    """`megabench mk step --union-experts`: past 16 rows the union build's step (the emulation
+    without a GPU); at 16 rows or fewer, or with --ranks, refused by name (exit 2)."""
+    from megakernel import cli
+    from microbench.device import no_gpu_reason
+
+    assert cli.main(["step", "--batch", "2", "--tree-sizes", "4,4", "--union-experts"]) == 2
+    assert "8 token rows are one row group" in capsys.readouterr().err
+    assert cli.main(["step", "--ranks", "2", "--union-experts"]) == 2
+    assert "--ranks with --union-experts" in capsys.readouterr().err
+    if not no_gpu_reason():
+        pytest.skip("a GPU is present: the command runs there, not in the emulation")
+    assert cli.main(["step", "--batch", "2", "--tree-sizes", "16,9", "--ctxs", "5,40", "--union-experts"]) == 0
+    assert "25 rows in 2 row groups, experts over the union of their routing" in capsys.readouterr().out
