@@ -220,8 +220,12 @@ MK_DEV void slot_fetch(Blk& b, int kind, int layer, int u) {
   syncwarp();
   if (have) return;
   const Params& p = *b.p;
-  if constexpr (UNION_EXPERTS) {  // gate/up: its rows in the stacked pooled; down: its outputs' rows
-    if (lane() < 16) b.misc[MISC_ROWS + lane()] = ldg_cgi((kind == OP_EXPERT1 ? p.u_row : p.u_dst) + s * 16 + lane());
+  if constexpr (UNION_EXPERTS) {
+    // gate/up: its rows in the stacked pooled; the split down projection: its outputs' rows in the
+    // stacked yexp. The fused one shares gate/up's record (its tag) and reads its rows itself
+    // (ops/expert_gemm2.cuh), so the record's rows are always gate/up's there
+    if (lane() < 16 && (kind == OP_EXPERT1 || !FUSED_EXPERTS))
+      b.misc[MISC_ROWS + lane()] = ldg_cgi((kind == OP_EXPERT1 ? p.u_row : p.u_dst) + s * 16 + lane());
     if (lane() == 0) {
       info[0] = ldg_cgi(p.u_expert + s);
       info[1] = ldg_cgi(p.u_ntok + s);
