@@ -475,14 +475,16 @@ def run(points=POINTS, save: bool = True, log=print, constants=None, compile: bo
     return res
 
 
-def tuned_configs(preset: str, n_tokens: int, roots=None):
-    """(up, down, source): the block sizes the newest megakernel.peer run's sweep chose for this
-    preset and T (its peer_tune series with chosen=1), else peer.default_moe_configs()."""
+def tuned_configs(preset: str, n_tokens: int, roots=None, gpu: str | None = None):
+    """(up, down, source): the block sizes the newest megakernel.peer run's sweep on GPU model `gpu`
+    (None: any, for tools without a GPU) chose for this preset and T (its peer_tune series with
+    chosen=1), else peer.default_moe_configs(). Tuned block sizes never cross GPU models, as the
+    megakernel's constants do not: another model's sweep timed other SMs and another memory."""
     from . import peer_kernels as K  # heavy: triton (megakernel.peer_kernels)
 
     best = None
     for root in roots or (results_root(), REPO_ROOT / "reports" / "results"):
-        r = latest(BENCHMARK, root=Path(root)) if Path(root).exists() else None
+        r = latest(BENCHMARK, root=Path(root), gpu=gpu) if Path(root).exists() else None
         if r is not None and (best is None or r.env.date > best.env.date):
             best = r
     got = {}
@@ -497,7 +499,7 @@ def tuned_configs(preset: str, n_tokens: int, roots=None):
     up, down = default_moe_configs()
     if "moe_up" in got and "moe_down" in got:
         return got["moe_up"], got["moe_down"], f"the sweep of {BENCHMARK} {best.env.date} ({best.env.git_sha[:7]})"
-    return up, down, "defaults (no megakernel.peer sweep of this preset and T found)"
+    return up, down, f"defaults (no megakernel.peer sweep of this preset and T{f' on {gpu}' if gpu else ''} found)"
 
 
 def peer_point(h, preset: str, n_tokens: int, ctx: int, ceiling, log=print) -> Series:
@@ -507,7 +509,7 @@ def peer_point(h, preset: str, n_tokens: int, ctx: int, ceiling, log=print) -> S
     why = available() or unsupported(get_preset(preset))
     if why:
         raise RuntimeError(f"the peer baseline cannot run: {why}")
-    up, down, src = tuned_configs(preset, n_tokens)
+    up, down, src = tuned_configs(preset, n_tokens, gpu=h.info.name)
     sc = step_context(preset, n_tokens, ctx)
     m = PeerModel(weights_for(preset), up, down)
     c = _Ctx(h, ceiling, log, [], [], [], 0.0)
@@ -534,7 +536,7 @@ def peer_batch_point(h, preset: str, batch: int, tokens: int, ctx: int, ceiling,
     why = available() or unsupported(get_preset(preset))
     if why:
         raise RuntimeError(f"the peer baseline cannot run: {why}")
-    up, down, src = tuned_configs(preset, batch * tokens)
+    up, down, src = tuned_configs(preset, batch * tokens, gpu=h.info.name)
     bc = batch_context(preset, batch, tokens, ctx, max_rows=batch * tokens)  # the peer takes any B x T
     w = weights_for(preset)
     m = PeerModel(w, up, down)

@@ -5,6 +5,8 @@ and its records, the checks before timing (a broken step must show as FAILED), t
 (params, metrics, bound), the per-kernel series, mega's ratios, the table, the saved file."""
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 import numpy as np
@@ -172,12 +174,16 @@ def test_tuned_configs_from_the_newest_sweep(tmp_path):
 
     up, down, src = tuned_configs("shard8", 16, roots=[tmp_path])
     assert (up, down) == default_moe_configs() and "defaults" in src
-    Result(BENCHMARK, Env.capture(None), (tune("moe_up", "n64k128w4s3", 0), tune("moe_up", "n128k256w8s3", 1),
+    Result(BENCHMARK, dataclasses.replace(Env.capture(None), gpu="NVIDIA Test A"), (tune("moe_up", "n64k128w4s3", 0), tune("moe_up", "n128k256w8s3", 1),
                                           tune("moe_down", "n32k128w4s4", 1), tune("moe_up", "n64k256w8s3", 1, 1)),
            ).save(tmp_path)
     up, down, src = tuned_configs("shard8", 16, roots=[tmp_path])
     assert (up.label(), down.label()) == ("n128k256w8s3", "n32k128w4s4") and BENCHMARK in src
     assert tuned_configs("shard8", 1, roots=[tmp_path])[2].startswith("defaults")  # only moe_up chosen at T=1
+    # another GPU model's sweep is not this one's: its block sizes were timed on other hardware
+    assert tuned_configs("shard8", 16, roots=[tmp_path], gpu="NVIDIA Test A")[2] == src
+    up, down, other = tuned_configs("shard8", 16, roots=[tmp_path], gpu="NVIDIA Other GPU")
+    assert (up, down) == default_moe_configs() and "defaults" in other and "NVIDIA Other GPU" in other
 
 
 def test_pipeline_peer_row_refuses_what_it_cannot_run(monkeypatch):

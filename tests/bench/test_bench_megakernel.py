@@ -102,7 +102,7 @@ def _peer_batch_case(preset, B, T, ctx):
         tiling.clear()  # the megakernel cases' tiled weights are not the peer's: room for its largest batches
         bc = batch_context(preset, B, T, ctx, max_rows=B * T)
         w = weights_for(preset)
-        up, down, src = tuned_configs(preset, B * T)
+        up, down, src = tuned_configs(preset, B * T, gpu=h.info.name)
         caches = [c.clone() for c in bc.caches0]
         r = BatchPeerRunner(PeerModel(w, up, down), caches, [q.parents for q in bc.requests],
                             r_read=[q.ctx for q in bc.requests], forced=True, n_sm=h.info.sm_count)
