@@ -39,13 +39,13 @@ from .bench_baselines import study_like_distinct, weights_for
 from .config import ConfigError, ModelConfig
 from .kernel_count import count_kernels
 from .measure import graph_of
-from .groups import GroupEngine
+from .groups import GroupEngine, pack_groups
 from .plan import MAX_ROW_GROUPS, Plan
 from .plans import REL_TOL
 from .reference import KVCache, Request, Trace
 from .results_names import UNION_IMPL, step_params
 from .roofline import batch_roofline
-from .routing import distinct_per_layer, synthetic_routes
+from .routing import distinct_per_layer, expert_streams_per_layer, synthetic_routes
 from .runtime import Engine, StepOut, check_close
 from .weights import ModelWeights
 
@@ -281,4 +281,16 @@ def bench_batch_point(h, preset: str, batch: int, tokens: int, ctx: int, plan: P
         metrics={"launches_per_step": kc.kernels_per_step, "bytes_per_step": rf.bytes.total, "roofline_s": rf.seconds,
                  "tokens_per_step": batch * tokens, "requests": batch, "grid": eng.grid,
                  "distinct_experts_union_max": max(bc.distinct), "smem_bytes": plan.smem_bytes,
-                 "row_groups": plan.row_groups, "union_experts": int(plan.union_experts)})
+                 "row_groups": plan.row_groups, "union_experts": int(plan.union_experts),
+                 # the build's expert weight streams a layer (a model from the routing), against the
+                 # roofline's distinct experts: what the row groups cost
+                 "expert_streams_per_layer": float(np.mean(expert_streams_per_layer(
+                     bc.routes, _group_rows(eng, bc.shape), plan.union_experts)))})
+
+
+def _group_rows(eng, shape) -> list[int]:
+    """The rows of each row group the engine's step ran in (one group: an Engine's)."""
+    rows = [t for t, _ in shape]
+    if not isinstance(eng, GroupEngine):
+        return [sum(rows)]
+    return [sum(rows[r] for r in g) for g in pack_groups(rows, eng.cfg.max_tree)]

@@ -29,3 +29,24 @@ def synthetic_routes(cfg: ModelConfig, n_tokens: int, distinct: int, generator: 
 
 def distinct_per_layer(routes: list[torch.Tensor]) -> list[int]:
     return [int(torch.unique(r).numel()) for r in routes]
+
+
+def expert_streams_per_layer(routes: list[torch.Tensor], group_rows: list[int], union: bool) -> list[int]:
+    """How many times a build streams routed experts' weights in each layer (a model, from the
+    forced routing): one row group's step streams each distinct expert of its rows once, so row
+    groups of these row counts stream the sum of their distinct experts; union slots
+    (Plan.union_experts) stream an expert once per 16 of its tokens over every row. The roofline
+    (roofline.batch_step_bytes) counts the distinct experts of all rows: one group's count."""
+    out = []
+    for r in routes:
+        if union:
+            cnt = torch.bincount(r.flatten().long().cpu())
+            out.append(int(((cnt + 15) // 16).sum()))
+            continue
+        n, at = 0, 0
+        for k in group_rows:
+            n += int(torch.unique(r[at:at + k]).numel())
+            at += k
+        out.append(n)
+    return out
+

@@ -408,7 +408,10 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
                       "second (B x T a step) against the same implementation at B=1, and the fraction of the "
                       "batch's roofline (the union of routed experts, the dense weights once, each request's KV "
                       "reads); the peer (megakernel.peer.BatchPeerRunner) at the B its results hold, and mega's "
-                      "speed-up over the chain and the peer at the same B."), "", md_table(curve), ""]
+                      "speed-up over the chain and the peer at the same B. Past 16 rows the megakernel runs in row "
+                      "groups of 16; mega_union runs their routed experts once over the union of their routing; "
+                      "'expert streams' is how many expert weight streams a layer the build makes (a model from the "
+                      "routing, against the roofline's distinct experts)."), "", md_table(curve), ""]
     else:
         out += [*wrap("Not measured yet: no batched step (params batch > 1) in the results. `megabench run --full` "
                       "times B = 2, 4, 8 at T = 1 and the B x T = 16 points (B = 2 T = 8, B = 4 T = 4) against B = 1, "

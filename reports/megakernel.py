@@ -334,7 +334,10 @@ def batch_curve(rows: Sequence[StepRow]) -> list[dict]:
     "row groups" column; results older than row groups hold the peer's alone there; mega_union:
     the megakernel in row groups whose routed experts run over the union of their routing, against
     mega's B = 1 row),
-    tokens processed per second (B x T a step), the fraction of the batch's roofline, each against
+    tokens processed per second (B x T a step), the fraction of the batch's roofline, the routed
+    experts' weight streams a layer that the build makes (a model from the routing: row groups
+    stream each group's experts, the union an expert once per 16 of its tokens; blank in results
+    older than it), each against
     the same implementation at B = 1, and mega's speed-up over the chain and the peer at the same B
     (where results hold both). An implementation appears at the B its results hold (a shape's row of
     an implementation with no batched row is left out). Forced routing only."""
@@ -374,8 +377,14 @@ def batch_curve(rows: Sequence[StepRow]) -> list[dict]:
                         "mega speed-up": f"x{r.step_s / m.step_s:.2f}" if m is not None and r.impl != "mega" else "",
                         # groups.GroupEngine: the weights read once per group (a result before row groups: one)
                         "row groups": "" if r.impl == "peer" else str(int(r.series.metrics.get("row_groups", 1))),
+                        # the build's routed-expert weight streams a layer (routing.expert_streams_per_layer)
+                        "expert streams": _streams(r.series.metrics.get("expert_streams_per_layer")),
                         "run": f"{r.commit} {r.date[:10]}"})
     return out
+
+
+def _streams(v) -> str:
+    return f"{float(v):.1f}" if v is not None else ""
 
 
 def timeline_phases(result: Result) -> list[dict]:

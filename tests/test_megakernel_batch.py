@@ -285,10 +285,11 @@ def test_report_draws_the_batch_curve_from_results_and_says_when_it_has_none(tmp
 
     from reports import megakernel as mk
 
-    def row(impl, b, t, step, groups=None):
+    def row(impl, b, t, step, groups=None, streams=None):
+        m = {**({"row_groups": groups} if groups else {}), **({"expert_streams_per_layer": streams} if streams else {})}
         return series(f"shard8/B{b}/T{t}/ctx2048/{impl}", step, params={"impl": impl, "preset": "shard8", "tokens": t,
                                                                           "context": 2048, "batch": b},
-                      bound=Bound("time", 1e-3, "s", "roofline"), metrics={"row_groups": groups} if groups else None)
+                      bound=Bound("time", 1e-3, "s", "roofline"), metrics=m or None)
 
     one = [row("mega", 1, 1, 2e-3), row("chain", 1, 1, 3e-3), row("mega", 1, 16, 4e-3)]
     rows = mk.step_rows([Result("megakernel.step", env(), tuple(one))])
@@ -326,11 +327,12 @@ def test_report_draws_the_batch_curve_from_results_and_says_when_it_has_none(tmp
     assert got[("T=16", 2, "mega")]["row groups"] == "2" and got[("T=16", 1, "mega")]["row groups"] == "1"
     assert got[("T=16", 2, "peer")]["row groups"] == "" and got[("T=16", 2, "peer")]["mega speed-up"] == "x1.20"
     # row groups over the union of their routing: a row of its own, against mega's B = 1 row
-    union = grouped + [row("mega_union", 2, 16, 5e-3, groups=2)]
+    union = grouped + [row("mega_union", 2, 16, 5e-3, groups=2, streams=43.3)]
     got = {(c["shape"], c["B"], c["impl"]): c for c in mk.batch_curve(mk.step_rows([Result("megakernel.step", env(),
                                                                                          tuple(union))]))}
     assert got[("T=16", 2, "mega_union")]["step vs B=1"] == "x1.25"
     assert got[("T=16", 2, "mega_union")]["mega speed-up"] == "x0.67"
+    assert got[("T=16", 2, "mega_union")]["expert streams"] == "43.3" and got[("T=16", 2, "mega")]["expert streams"] == ""
 
 
 def test_bench_cases_time_the_full_runs_batch_grid():

@@ -164,3 +164,17 @@ def test_mk_step_union_experts_option(capsys):
         pytest.skip("a GPU is present: the command runs there, not in the emulation")
     assert cli.main(["step", "--batch", "2", "--tree-sizes", "16,9", "--ctxs", "5,40", "--union-experts"]) == 0
     assert "25 rows in 2 row groups, experts over the union of their routing" in capsys.readouterr().out
+
+
+def test_expert_streams_model_counts_groups_and_union_slots():
+    """routing.expert_streams_per_layer: row groups stream each group's distinct experts, union
+    slots an expert once per 16 of its tokens over every row."""
+    import torch
+
+    from megakernel.routing import expert_streams_per_layer
+
+    # 40 rows of top-1: expert 0 for rows 0..19 and 30..39, expert 1 for rows 20..29
+    r = torch.tensor([0] * 20 + [1] * 10 + [0] * 10).reshape(40, 1)
+    assert expert_streams_per_layer([r], [16, 16, 8], union=False) == [1 + 2 + 1]
+    assert expert_streams_per_layer([r], [16, 16, 8], union=True) == [2 + 1]  # 30 tokens of 0: 2 slots
+    assert expert_streams_per_layer([r, r[:16]], [40], union=False) == [2, 1]
