@@ -178,3 +178,23 @@ def test_expert_streams_model_counts_groups_and_union_slots():
     assert expert_streams_per_layer([r], [16, 16, 8], union=False) == [1 + 2 + 1]
     assert expert_streams_per_layer([r], [16, 16, 8], union=True) == [2 + 1]  # 30 tokens of 0: 2 slots
     assert expert_streams_per_layer([r, r[:16]], [40], union=False) == [2, 1]
+
+
+def test_union_build_runs_fewer_groups_than_it_has(tiny):
+    """A 4-group union build runs a step of 2 groups (the ticket counts the step's groups, not the
+    build's) bitwise, and a step of one group bitwise the plain build's step."""
+    import torch
+
+    from megakernel.groups import GroupEngine
+    from megakernel.runtime import Engine
+
+    cfg, w, _, base_plan = tiny
+    plan = _union_plan(base_plan, 4)
+    res = check_batch(w, plan, random_caches(cfg, 2, seed=41), make_requests(cfg, ((16, 5), (12, 40)), seed=41),
+                      schedules=("last",), seed=1)
+    assert res.ok, res.lines()
+    (q,) = make_requests(cfg, [(12, 33)], seed=9)
+    c1, c2 = random_caches(cfg, 1, seed=9)[0], random_caches(cfg, 1, seed=9)[0]
+    a = Engine(w, base_plan, [c1], backend="emu").step_batch([q])
+    b = GroupEngine(w, plan, [c2], backend="emu").step_batch([q])
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.tokens, b.tokens) and c1.equal(c2)
