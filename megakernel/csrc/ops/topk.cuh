@@ -82,8 +82,9 @@ MK_DEV float topk_polled(const uint32_t (&raw)[TOPK_PER_LANE], int e) {
 // its ticket) before the builder's ticket acquired them, and the builder's signal releases the
 // union: a consumer that saw that signal sees both (program.cuh all_target).
 MK_DEV void union_build(Blk& b, uint32_t* ticket) {
+  static_assert(E <= COMPUTE_THREADS, "a thread per expert");
   const Params* g0 = b.p0;
-  const int groups = g0->n_active;
+  const int groups = g0->n_active, e = tid();
   int* flag = b.misc + MISC_SCRATCH;  // top-k's scratch, free once its tables are written
   int* base = flag + T_MAX * TOPK + 2 * ((E + 31) / 32);  // [E] (top-k's token masks): slots, then first slot
   sync_compute();  // every thread's stores of this group's tables precede thread 0's release
@@ -98,15 +99,18 @@ MK_DEV void union_build(Blk& b, uint32_t* ticket) {
   }
   sync_compute();
   if (!flag[0]) return;
-MK_COLD_LOOP
-  for (int e = tid(); e < E; e += COMPUTE_THREADS) {
-    int n = 0;
-    for (int g = 0; g < groups; ++g) {
-      const int s = ldg_cgi(g0[g].expert_slot + e);
-      if (s >= 0) n += ldg_cgi(g0[g].slot_ntok + s);
-    }
-    base[e] = (n + 15) / 16;
-  }
+  // This thread's expert in every group: its slot (-1: none) and token count. Each batch of loads
+  // is issued together (unrolled over the build's groups), so the union costs a few L2 round trips
+  // on the layer's critical path, not one per group and token.
+  int sl[GROUPS], nt[GROUPS];
+#pragma unroll
+  for (int g = 0; g < GROUPS; ++g) sl[g] = e < E && g < groups ? ldg_cgi(g0[g].expert_slot + e) : -1;
+#pragma unroll
+  for (int g = 0; g < GROUPS; ++g) nt[g] = sl[g] >= 0 ? ldg_cgi(g0[g].slot_ntok + sl[g]) : 0;
+  int n = 0;
+#pragma unroll
+  for (int g = 0; g < GROUPS; ++g) n += nt[g];
+  if (e < E) base[e] = (n + 15) / 16;
   sync_compute();
   if (warp() == 0) {  // exclusive prefix over the experts: lane l sums experts l*PER ..
     constexpr int PER = (E + 31) / 32;
@@ -133,27 +137,29 @@ MK_COLD_LOOP
     }
   }
   sync_compute();
-MK_COLD_LOOP
-  for (int e = tid(); e < E; e += COMPUTE_THREADS) {
-    int us = base[e], k = 0;
-    for (int g = 0; g < groups; ++g) {
-      const int s = ldg_cgi(g0[g].expert_slot + e);
-      if (s < 0) continue;
-      const int nt = ldg_cgi(g0[g].slot_ntok + s);
-      for (int pos = 0; pos < nt; ++pos) {
-        g0->u_row[us * 16 + k] = g * T_MAX + ldg_cgi(g0[g].slot_tok + s * 16 + pos);
-        g0->u_dst[us * 16 + k] = (g * MAX_SLOTS + s) * 16 + pos;
-        if (++k == 16) {
-          g0->u_expert[us] = e;
-          g0->u_ntok[us++] = 16;
-          k = 0;
-        }
+  if (e >= E || n == 0) return;
+  int us = base[e], k = 0;
+#pragma unroll
+  for (int g = 0; g < GROUPS; ++g) {
+    if (nt[g] == 0) continue;
+    int tok[16];  // the group's slot's token rows, loaded together
+#pragma unroll
+    for (int pos = 0; pos < 16; ++pos) tok[pos] = pos < nt[g] ? ldg_cgi(g0[g].slot_tok + sl[g] * 16 + pos) : 0;
+#pragma unroll
+    for (int pos = 0; pos < 16; ++pos) {
+      if (pos >= nt[g]) break;
+      g0->u_row[us * 16 + k] = g * T_MAX + tok[pos];
+      g0->u_dst[us * 16 + k] = (g * MAX_SLOTS + sl[g]) * 16 + pos;
+      if (++k == 16) {
+        g0->u_expert[us] = e;
+        g0->u_ntok[us++] = 16;
+        k = 0;
       }
     }
-    if (k) {
-      g0->u_expert[us] = e;
-      g0->u_ntok[us] = k;
-    }
+  }
+  if (k) {
+    g0->u_expert[us] = e;
+    g0->u_ntok[us] = k;
   }
 }
 
