@@ -48,7 +48,8 @@ from .fp4_layout import is_canonical
 from .plan import Plan
 from .profile_events import EVENTS
 from .program import (WHAT_AR, WHAT_GATHER_ACT, WHAT_GATHER_Y, WHAT_LOADER_GATE, WHAT_LOADER_PACE, WHAT_LOADER_ROUTE,
-                      WHAT_NORM_ROWS, WHAT_RING_EMPTY, WHAT_RING_FULL, WHAT_SENTINEL, Program, build as build_program)
+                      WHAT_NORM_ROWS, WHAT_RING_EMPTY, WHAT_RING_FULL, WHAT_SENTINEL, UNION_SHARED, Program,
+                      build as build_program)
 from .reference import KVCache, Request
 from .weights import BF16, ModelWeights
 
@@ -536,6 +537,10 @@ class Engine:
                 + (f", row group {o.group}]" if prog.groups > 1 else "]"))
         if code < WHAT_RING_FULL and code < len(o.deps):
             pr = prog.ops[o.deps[code].producer]
+            if self.plan.union_experts and pr.kind in UNION_SHARED and o.deps[code].mode == 0:
+                # one counter for every group's instance (program.grouped)
+                return (f"{name} dependency {code}: all units of every row group's {pr.kind}(L{pr.layer}) "
+                        f"[op {pr.index}'s counter]")
             mode = "all units" if o.deps[code].mode == 0 else "one group"
             return f"{name} dependency {code}: {mode} of {pr.kind}(L{pr.layer}) [op {pr.index}]"
         return {WHAT_RING_FULL: f"{name}: a weight chunk in the ring (consumer)",

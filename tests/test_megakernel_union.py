@@ -198,3 +198,15 @@ def test_union_build_runs_fewer_groups_than_it_has(tiny):
     a = Engine(w, base_plan, [c1], backend="emu").step_batch([q])
     b = GroupEngine(w, plan, [c2], backend="emu").step_batch([q])
     assert torch.equal(a.logits, b.logits) and torch.equal(a.tokens, b.tokens) and c1.equal(c2)
+
+
+def test_a_union_wait_that_cannot_complete_names_every_groups_producer(two_groups, tmp_path):
+    """The union's units wait for every group's top-k and pooler on one counter: a target one too
+    high is never met, and the watchdog stops the step naming the wait (bounded, not a hang)."""
+    w, plan, caches, reqs = two_groups
+    tree = mutated_csrc(tmp_path, "mk/program.cuh", "n *= static_cast<uint32_t>(b.p0->n_active);",
+                        "n *= static_cast<uint32_t>(b.p0->n_active) + 1u;")
+    with ab.kernel_tree(tree), pytest.raises(SpinTimeoutError) as e:
+        check_batch(w, plan, caches, reqs, schedules=("random",), seed=3)
+    msg = str(e.value)
+    assert "row group" in msg and ("all units of every row group's" in msg or "routing of this layer" in msg), msg
