@@ -100,7 +100,7 @@ def test_union_fused_experts_write_each_tokens_own_partials(fusable):
 # without a top-k instance run pool units the union's builder does not wait for
 MUTATIONS = {
     "union row from group 0's pooled": (
-        "ops/topk.cuh", "g0->u_row[us * 16 + k] = g * T_MAX + tok[pos];", "g0->u_row[us * 16 + k] = tok[pos];"),
+        "ops/topk.cuh", "g0->u_row[us * 16 + k % 16] = g * T_MAX + t[pos];", "g0->u_row[us * 16 + k % 16] = t[pos];"),
     "pooler waited for one group only": (
         "mk/program.cuh", "if (pr.kind == OP_TOPK || pr.kind == OP_POOL) n *=", "if (pr.kind == OP_TOPK) n *="),
     "down projection's outputs to group 0's slot rows": (

@@ -83,10 +83,15 @@ MK_DEV float topk_polled(const uint32_t (&raw)[TOPK_PER_LANE], int e) {
 // union: a consumer that saw that signal sees both (program.cuh all_target).
 MK_DEV void union_build(Blk& b, uint32_t* ticket) {
   static_assert(E <= COMPUTE_THREADS, "a thread per expert");
+  static_assert(2 * E * GROUPS * 4 <= ABUF_BYTES, "the builder's tables fit abuf");
   const Params* g0 = b.p0;
   const int groups = g0->n_active, e = tid();
   int* flag = b.misc + MISC_SCRATCH;  // top-k's scratch, free once its tables are written
   int* base = flag + T_MAX * TOPK + 2 * ((E + 31) / 32);  // [E] (top-k's token masks): slots, then first slot
+  // [E][GROUPS] each expert's slot in each group (-1: none), and where that group's tokens start
+  // in the expert's token list. In abuf, which holds no staged operand from here (MISC_TAG)
+  int* sl_s = reinterpret_cast<int*>(b.abuf);
+  int* at_s = sl_s + E * GROUPS;
   sync_compute();  // every thread's stores of this group's tables precede thread 0's release
   if (tid() == 0) {
     bool last = b.group == groups - 1;
@@ -99,18 +104,25 @@ MK_DEV void union_build(Blk& b, uint32_t* ticket) {
   }
   sync_compute();
   if (!flag[0]) return;
-  // This thread's expert in every group: its slot (-1: none) and token count. Each batch of loads
-  // is issued together (unrolled over the build's groups), so the union costs a few L2 round trips
-  // on the layer's critical path, not one per group and token.
-  int sl[GROUPS], nt[GROUPS];
-#pragma unroll
-  for (int g = 0; g < GROUPS; ++g) sl[g] = e < E && g < groups ? ldg_cgi(g0[g].expert_slot + e) : -1;
-#pragma unroll
-  for (int g = 0; g < GROUPS; ++g) nt[g] = sl[g] >= 0 ? ldg_cgi(g0[g].slot_ntok + sl[g]) : 0;
+  if (tid() == 0) b.misc[MISC_TAG] = -1;
+  // Loads are issued in batches (each loop unrolled over the build's groups, or over a slot's 16
+  // rows), so the union costs a few L2 round trips on the layer's critical path. Its code is
+  // fetched cold once per layer, as top-k's is: one copy of each loop body, not one per group.
   int n = 0;
+  if (e < E) {
+    int sl[GROUPS], nt[GROUPS];
 #pragma unroll
-  for (int g = 0; g < GROUPS; ++g) n += nt[g];
-  if (e < E) base[e] = (n + 15) / 16;
+    for (int g = 0; g < GROUPS; ++g) sl[g] = g < groups ? ldg_cgi(g0[g].expert_slot + e) : -1;
+#pragma unroll
+    for (int g = 0; g < GROUPS; ++g) nt[g] = sl[g] >= 0 ? ldg_cgi(g0[g].slot_ntok + sl[g]) : 0;
+#pragma unroll
+    for (int g = 0; g < GROUPS; ++g) {
+      sl_s[e * GROUPS + g] = sl[g];
+      at_s[e * GROUPS + g] = n;
+      n += nt[g];
+    }
+    base[e] = (n + 15) / 16;
+  }
   sync_compute();
   if (warp() == 0) {  // exclusive prefix over the experts: lane l sums experts l*PER ..
     constexpr int PER = (E + 31) / 32;
@@ -137,29 +149,29 @@ MK_DEV void union_build(Blk& b, uint32_t* ticket) {
     }
   }
   sync_compute();
-  if (e >= E || n == 0) return;
-  int us = base[e], k = 0;
+  if (e < E)  // the expert's slots: 16 tokens each, the last the rest
+    for (int k = 0; k < n; k += 16) {
+      g0->u_expert[base[e] + k / 16] = e;
+      g0->u_ntok[base[e] + k / 16] = n - k < 16 ? n - k : 16;
+    }
+  // a thread per (expert, group): the group's slot's tokens to their places in the union
+MK_COLD_LOOP
+  for (int i = tid(); i < E * groups; i += COMPUTE_THREADS) {
+    const int x = i / groups, g = i % groups, s = sl_s[x * GROUPS + g], k0 = at_s[x * GROUPS + g];
+    if (s < 0) continue;
+    const int* tok = g0[g].slot_tok + s * 16;
+    const int nt = ldg_cgi(g0[g].slot_ntok + s);
+    int t[16];
 #pragma unroll
-  for (int g = 0; g < GROUPS; ++g) {
-    if (nt[g] == 0) continue;
-    int tok[16];  // the group's slot's token rows, loaded together
-#pragma unroll
-    for (int pos = 0; pos < 16; ++pos) tok[pos] = pos < nt[g] ? ldg_cgi(g0[g].slot_tok + sl[g] * 16 + pos) : 0;
+    for (int pos = 0; pos < 16; ++pos) t[pos] = ldg_cgi(tok + pos);  // rows past the slot's count: unused
 #pragma unroll
     for (int pos = 0; pos < 16; ++pos) {
-      if (pos >= nt[g]) break;
-      g0->u_row[us * 16 + k] = g * T_MAX + tok[pos];
-      g0->u_dst[us * 16 + k] = (g * MAX_SLOTS + sl[g]) * 16 + pos;
-      if (++k == 16) {
-        g0->u_expert[us] = e;
-        g0->u_ntok[us++] = 16;
-        k = 0;
+      const int k = k0 + pos, us = base[x] + k / 16;
+      if (pos < nt) {
+        g0->u_row[us * 16 + k % 16] = g * T_MAX + t[pos];
+        g0->u_dst[us * 16 + k % 16] = (g * MAX_SLOTS + s) * 16 + pos;
       }
     }
-  }
-  if (k) {
-    g0->u_expert[us] = e;
-    g0->u_ntok[us] = k;
   }
 }
 
