@@ -35,7 +35,11 @@ lies beyond the range the first and its placebos span, widened by the rounds' sp
 
 `build_variants` compiles every (preset, T, variant) into the kernel cache on a machine without a
 GPU (`MEGABENCH_CACHE`), so the GPU's minutes go to timing. Each point runs the build for its T
-(plan_for tokens=T: the expert units follow the tree size, plan.expert1_unit_rows).
+(plan_for tokens=T: the expert units follow the tree size, plan.expert1_unit_rows). A batched point
+PRESET:T:CTX:B is B requests of T tokens at CTX in one step (batch.batch_context's requests and
+forced routing), checked the same way on every request's rows and timed the same way, on the build
+for its B x T rows (past 16: row groups, plans.rows_switches), e.g. `--variant base --variant
+union:union_experts=1 --point small:16:512:8`.
 """
 from __future__ import annotations
 
@@ -101,13 +105,34 @@ def parse_variant(text: str) -> Variant:
     return Variant(name, csrc, tuple(switches))
 
 
-def parse_point(text: str) -> tuple[str, int, int]:
-    """PRESET:T:CTX, e.g. shard8:16:2048."""
+def parse_point(text: str) -> tuple:
+    """PRESET:T:CTX, e.g. shard8:16:2048, or PRESET:T:CTX:B, B requests of T tokens at CTX in one
+    step (batch.batch_context; past 16 rows in row groups): (preset, T, ctx[, B])."""
     try:
-        preset, t, ctx = text.split(":")
-        return preset, int(t), int(ctx)
+        parts = text.split(":")
+        if len(parts) not in (3, 4):
+            raise ValueError
+        preset, t, ctx, *b = parts
+        out = (preset, int(t), int(ctx), *(int(x) for x in b))
     except ValueError:
-        raise ConfigError(f"point {text!r}: want PRESET:T:CTX, e.g. shard8:16:2048") from None
+        raise ConfigError(f"point {text!r}: want PRESET:T:CTX or PRESET:T:CTX:B, e.g. shard8:16:2048 or "
+                          "small:16:512:8") from None
+    if len(out) == 4 and out[3] < 1:
+        raise ConfigError(f"point {text!r}: B must be a positive number of requests")
+    return out
+
+
+def point_parts(p) -> tuple[str, int, int, int]:
+    """(preset, T, ctx, B) of a point (B = 1 where the point gives none)."""
+    return (p[0], int(p[1]), int(p[2]), int(p[3]) if len(p) > 3 else 1)
+
+
+def point_label(preset: str, t: int, ctx: int, b: int = 1) -> str:
+    return f"{preset} T={t} ctx={ctx}" + (f" B={b}" if b > 1 else "")
+
+
+def _series_stem(preset: str, t: int, ctx: int, b: int = 1) -> str:
+    return f"{preset}/B{b}/T{t}/ctx{ctx}" if b > 1 else f"{preset}/T{t}/ctx{ctx}"
 
 
 @contextlib.contextmanager
@@ -159,6 +184,11 @@ class PointResult:
     bound: tuple[float, str] | None = None  # the point's roofline: (seconds per step, its source)
     placebos: tuple[str, ...] = ()  # variants that are layout placebos of the first (is_placebo)
     failed: dict[str, str] = dataclasses.field(default_factory=dict)  # variant -> why its check failed (not timed)
+    batch: int = 1  # requests in the point's step (B)
+
+    @property
+    def label(self) -> str:
+        return point_label(self.preset, self.n_tokens, self.ctx, self.batch)
 
     def median(self, name: str) -> float:
         return statistics.median(self.rounds[name])
@@ -212,23 +242,25 @@ def check_switches(variants: Sequence[Variant]) -> None:
                               f"{', '.join(sorted(known))}; removed levers: reports/LEVERS.md)")
 
 
-def _plan(preset: str, v: Variant, n_sm: int | None, n_tokens: int):
-    from .plans import plan_for  # heavy: torch (megakernel.plans)
+def _plan(preset: str, v: Variant, n_sm: int | None, rows: int):
+    from .config import preset as get_preset
+    from .plans import plan_for, rows_switches  # heavy: torch (megakernel.plans)
 
-    return plan_for(preset, None, n_sm, **{"tokens": n_tokens, **v.switch_dict})  # the build for the point's T
+    # the build for the point's B x T rows (past max_tree: row groups), then the variant's switches
+    return plan_for(preset, None, n_sm, **{**rows_switches(get_preset(preset), rows), **v.switch_dict})
 
 
 def build_variants(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], n_sm: int = 132,
                    plan_of: Callable | None = None) -> list[tuple[str, int, str, object]]:
     """Compile every (preset, T, variant) of the points for sm_90a into the kernel cache; no GPU
     needed (the plan may depend on T: plan.expert1_unit_rows). Returns (preset, T, variant name,
-    ResourceUsage)."""
+    ResourceUsage). A batched point builds for its B x T rows (T in the tuple is then B x T)."""
     from .build import build_gpu  # heavy: torch (megakernel.build)
 
     check_switches(variants)
     plan_of = plan_of or (lambda preset, v, t: _plan(preset, v, n_sm, t))
     out = []
-    for preset, t in sorted({(p[0], p[1]) for p in points}):
+    for preset, t in sorted({(p[0], point_parts(p)[1] * point_parts(p)[3]) for p in points}):
         for v in variants:
             with kernel_tree(v.csrc):
                 out.append((preset, t, v.name, build_gpu(plan_of(preset, v, t)).usage))
@@ -257,25 +289,45 @@ def _gpu_timer(policy=None):
     return time_one
 
 
-def _gpu_bound(preset: str, n_tokens: int, ctx: int) -> tuple[float, str]:
+def _gpu_batch_context(preset: str, n_tokens: int, ctx: int, batch: int):
+    """(weights, caches0, requests, routes, reference logits) of B requests (batch.batch_context)."""
+    from .batch import batch_context  # heavy: torch (megakernel.batch)
+    from .bench_baselines import weights_for  # heavy: torch (megakernel.bench_baselines)
+
+    bc = batch_context(preset, batch, n_tokens, ctx)
+    return weights_for(preset), bc.caches0, bc.requests, bc.routes, bc.ref_logits
+
+
+def _gpu_bound(preset: str, n_tokens: int, ctx: int, batch: int = 1) -> tuple[float, str]:
     from .bench_baselines import step_context, weights_for  # heavy: torch (megakernel.bench_baselines)
 
+    if batch > 1:
+        from .batch import batch_context  # heavy: torch (megakernel.batch)
+        from .roofline import batch_roofline
+
+        bc = batch_context(preset, batch, n_tokens, ctx)
+        rf = batch_roofline(weights_for(preset).cfg, bc.shape, bc.distinct)
+        return rf.seconds, rf.source
     rf = roofline(weights_for(preset).cfg, n_tokens, ctx, step_context(preset, n_tokens, ctx).distinct)
     return rf.seconds, rf.source
 
 
-def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], rounds: int = 5,
+def run_ab(points: Sequence[tuple], variants: Sequence[Variant], rounds: int = 5,
            n_sm: int | None = None, backend: str = "gpu", context: Callable | None = None,
            timer: Callable | None = None, plan_of: Callable | None = None,
-           log: Callable[[str], None] = print, bound_of: Callable | None = None) -> list[PointResult]:
+           log: Callable[[str], None] = print, bound_of: Callable | None = None,
+           batch_context: Callable | None = None) -> list[PointResult]:
     """Check, then time, every variant at every point (module docstring). `context(preset, T, ctx)`
-    -> (weights, cache0, tokens, parents, routes, reference logits); `timer()` -> a function
-    (variant name, engine) -> seconds per step; `bound_of(preset, T, ctx)` -> the point's roofline
-    (seconds per step, source) or None; all three default to the GPU's (the roofline only with the
-    GPU's context). A variant whose build or check fails (mega != chain, too far from the
-    reference, a wait that gave up, an emulation error) is reported in PointResult.failed and not
-    timed, so one broken variant does not cost the others' run; the first variant's failure raises
-    (there is nothing to compare against)."""
+    -> (weights, cache0, tokens, parents, routes, reference logits); a batched point (preset, T,
+    ctx, B) takes `batch_context(preset, T, ctx, B)` -> (weights, caches0, requests, routes,
+    reference logits of every row) and runs in batch.engine_for's engine (past 16 rows a
+    GroupEngine); `plan_of(preset, variant, rows)` -> the variant's build for the step's rows;
+    `timer()` -> a function (variant name, engine) -> seconds per step; `bound_of(preset, T, ctx,
+    B)` -> the point's roofline (seconds per step, source) or None; all default to the GPU's (the
+    roofline only with the GPU's context). A variant whose build or check fails (mega != chain,
+    too far from the reference, a wait that gave up, an emulation error) is reported in
+    PointResult.failed and not timed, so one broken variant does not cost the others' run; the
+    first variant's failure raises (there is nothing to compare against)."""
     import torch  # heavy: torch
 
     from .runtime import EmulationError, Engine, check_close  # heavy: torch (megakernel.runtime)
@@ -285,29 +337,49 @@ def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], 
     if rounds < 1:
         raise ConfigError(f"A/B: rounds must be >= 1, got {rounds}")
     check_switches(variants)
-    if bound_of is None and context is None:
+    if bound_of is None and context is None and batch_context is None:
         bound_of = _gpu_bound
     context = context or _gpu_context
+    batch_context = batch_context or _gpu_batch_context
     plan_of = plan_of or (lambda preset, v, t: _plan(preset, v, n_sm, t))
     results = []
-    for preset, t, ctx in points:
-        w, cache0, tokens, parents, routes, ref = context(preset, t, ctx)
+    for point in points:
+        preset, t, ctx, nb = point_parts(point)
+        where = point_label(preset, t, ctx, nb)
+        if nb > 1:
+            from .batch import engine_for  # heavy: torch (megakernel.batch)
+
+            w, caches0, reqs, routes, ref = batch_context(preset, t, ctx, nb)
+
+            def run(eng, mode):
+                return eng.step_batch(reqs, mode=mode, routes=routes).logits.clone()
+
+            def fresh(plan):
+                return engine_for(w, plan, [c.clone() for c in caches0], backend=backend)
+        else:
+            w, cache0, tokens, parents, routes, ref = context(preset, t, ctx)
+
+            def run(eng, mode):
+                return eng.step(tokens, parents, ctx, mode=mode, routes=routes).logits.clone()
+
+            def fresh(plan):
+                return Engine(w, plan, cache0.clone(), backend=backend)
         engines, checks, first_logits, failed = {}, {}, None, {}
         for v in variants:
             try:
                 with kernel_tree(v.csrc):
-                    plan = plan_of(preset, v, t)
+                    plan = plan_of(preset, v, t * nb)
                     out = {}
                     for mode in ("mega", "chain"):
-                        eng = Engine(w, plan, cache0.clone(), backend=backend)
-                        out[mode] = eng.step(tokens, parents, ctx, mode=mode, routes=routes).logits.clone()
+                        eng = fresh(plan)
+                        out[mode] = run(eng, mode)
                         if mode == "mega":
                             engines[v.name] = eng
                             # the same step again, as the timing replays run it: state a step
                             # leaves for the next (counters' parity, sentinel slots) is checked too
-                            out["again"] = eng.step(tokens, parents, ctx, mode=mode, routes=routes).logits.clone()
+                            out["again"] = run(eng, mode)
                 if not (torch.equal(out["mega"], out["chain"]) and torch.equal(out["again"], out["chain"])):
-                    raise CorrectnessError(f"A/B {preset} T={t} ctx={ctx}: variant {v.name}: mega != chain bitwise "
+                    raise CorrectnessError(f"A/B {where}: variant {v.name}: mega != chain bitwise "
                                            f"(first step {torch.equal(out['mega'], out['chain'])}, repeated step "
                                            f"{torch.equal(out['again'], out['chain'])})")
                 err = check_close(out["mega"], ref, f"A/B variant {v.name}", rel=1e-2)
@@ -317,11 +389,11 @@ def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], 
                     raise
                 failed[v.name] = f"{type(e).__name__}: {e}"
                 engines.pop(v.name, None)
-                log(f"{preset} T={t} ctx={ctx} {v.name}: CHECK FAILED, not timed: {failed[v.name]}")
+                log(f"{where} {v.name}: CHECK FAILED, not timed: {failed[v.name]}")
                 continue
             first_logits = out["mega"] if first_logits is None else first_logits
             checks[v.name] = Checked(err, torch.equal(out["mega"], first_logits))
-            log(f"{preset} T={t} ctx={ctx} {v.name}: mega == chain bitwise, rel err {err:.3e}, "
+            log(f"{where} {v.name}: mega == chain bitwise, rel err {err:.3e}, "
                 f"logits == {variants[0].name}'s: {checks[v.name].same_as_first}")
         timed = [v for v in variants if v.name not in failed]
         time_one = (timer or _gpu_timer)()
@@ -329,10 +401,11 @@ def run_ab(points: Sequence[tuple[str, int, int]], variants: Sequence[Variant], 
         for r in range(rounds):
             for v in (timed if r % 2 == 0 else list(reversed(timed))):
                 times[v.name].append(time_one(v.name, engines[v.name]))
-        res = PointResult(preset, t, ctx, checks, times, bound_of(preset, t, ctx) if bound_of else None,
-                          tuple(v.name for v in timed[1:] if is_placebo(v, variants[0])), failed)
+        bound = (bound_of(preset, t, ctx, nb) if nb > 1 else bound_of(preset, t, ctx)) if bound_of else None
+        res = PointResult(preset, t, ctx, checks, times, bound,
+                          tuple(v.name for v in timed[1:] if is_placebo(v, variants[0])), failed, nb)
         for v in timed:
-            log(f"{preset} T={t} ctx={ctx} {v.name:10s} {res.median(v.name) * 1e3:.3f} ms "
+            log(f"{where} {v.name:10s} {res.median(v.name) * 1e3:.3f} ms "
                 f"{100 * res.change(v.name):+.2f}%  rounds {[round(x * 1e3, 3) for x in times[v.name]]}")
         results.append(res)
     return results
@@ -345,7 +418,7 @@ def table(results: Sequence[PointResult]) -> str:
     rows, verdicts = [], any(x.placebos for x in results)  # the column only where some point has placebos
     for r in results:
         for name, ck in r.checks.items():
-            rows.append({"point": f"{r.preset} T={r.n_tokens} ctx={r.ctx}", "variant": name,
+            rows.append({"point": r.label, "variant": name,
                          "step (median of rounds)": f"{r.median(name) * 1e3:.3f} ms",
                          "change": f"{100 * r.change(name):+.2f}%",
                          "rounds spread": f"{100 * r.spread(name):.2f}%",
@@ -353,7 +426,7 @@ def table(results: Sequence[PointResult]) -> str:
             if verdicts:
                 rows[-1]["vs layout placebos"] = r.verdict(name) if r.placebos else "-"
         for name, why in r.failed.items():  # checked, failed, not timed (run_ab)
-            rows.append({"point": f"{r.preset} T={r.n_tokens} ctx={r.ctx}", "variant": name,
+            rows.append({"point": r.label, "variant": name,
                          "step (median of rounds)": "not timed", "change": "-", "rounds spread": "-",
                          "rel err": "-", "same bits as first": f"CHECK FAILED: {why}"})
             if verdicts:
@@ -392,24 +465,26 @@ def to_result(results: Sequence[PointResult], variants: Sequence[Variant], env=N
         env = constants_env()  # which constants revision the variants' builds read
     by_name = {v.name: v for v in variants}
     series, derived = [], {}
-    notes = tuple(notes) + tuple(f"{r.preset} T={r.n_tokens} ctx={r.ctx} variant {name}: not timed, its check failed: "
+    notes = tuple(notes) + tuple(f"{r.label} variant {name}: not timed, its check failed: "
                                  f"{why}" for r in results for name, why in r.failed.items())
     for r in results:
         first = next(iter(r.rounds))
         for name, xs in r.rounds.items():
             v, ck = by_name[name], r.checks[name]
             bound = (Bound("time", r.bound[0], "s", f"roofline of one step ({r.bound[1]})") if r.bound else None)
-            sname = f"{r.preset}/T{r.n_tokens}/ctx{r.ctx}/{name}"
+            stem = _series_stem(r.preset, r.n_tokens, r.ctx, r.batch)
+            sname = f"{stem}/{name}"
             series.append(Series.from_samples(
                 sname, xs, timer=timer, unit="s", bound=bound,
-                params={"preset": r.preset, "T": r.n_tokens, "ctx": r.ctx, "variant": name,
+                params={"preset": r.preset, "T": r.n_tokens, "ctx": r.ctx, "B": r.batch, "variant": name,
                         "csrc": str(v.csrc) if v.csrc else None, "tree": tree_id(v.csrc),
                         "switches": {k: val for k, val in v.switches}, "rel_err": ck.rel_err,
                         "same_bits_as_first": ck.same_as_first, "order": "alternating rounds"},
                 metrics={"gate_direction": "none"}))
-            derived[f"change_{r.preset}_T{r.n_tokens}_ctx{r.ctx}_{name}"] = Derived(
+            bkey = f"_B{r.batch}" if r.batch > 1 else ""
+            derived[f"change_{r.preset}{bkey}_T{r.n_tokens}_ctx{r.ctx}_{name}"] = Derived(
                 r.change(name), "ratio", f"median of {name}'s round medians / {first}'s - 1",
-                inputs=(sname, f"{r.preset}/T{r.n_tokens}/ctx{r.ctx}/{first}"))
+                inputs=(sname, f"{stem}/{first}"))
     return Result(AB_BENCHMARK, env, tuple(series), derived, quick=False, notes=tuple(notes))
 
 
@@ -422,13 +497,13 @@ def from_result(res) -> list[PointResult]:
     for s in res.series:
         p = s.params
         try:
-            key = (str(p["preset"]), int(p["T"]), int(p["ctx"]))
+            key = (str(p["preset"]), int(p["T"]), int(p["ctx"]), int(p.get("B", 1)))
             ck = Checked(float(p["rel_err"]), bool(p["same_bits_as_first"]))
             name = str(p["variant"])
             ident = (p.get("tree"), dict(p.get("switches") or {}))
         except (KeyError, TypeError, ValueError) as e:
             raise ResultsFileError(f"A/B series {s.name}: malformed params ({e})") from None
-        pr = points.setdefault(key, PointResult(*key, {}, {}, None))
+        pr = points.setdefault(key, PointResult(*key[:3], {}, {}, None, batch=key[3]))
         first = firsts.setdefault(key, ident)
         if pr.rounds and ident[0] is not None and _placebo_of(ident, first):
             pr.placebos += (name,)

@@ -797,7 +797,8 @@ def _ab(a) -> int:
         return 2
     if a.build_only:
         for preset, t, name, u in build_variants(points, variants, a.sm):
-            print(f"{preset} T={t} {name}: {u.registers} registers, {u.spill_store_bytes} B spill stores, "
+            shape = f"T={t}" if t <= get_preset(preset).max_tree else f"{t} rows"  # a batched point: B x T rows
+            print(f"{preset} {shape} {name}: {u.registers} registers, {u.spill_store_bytes} B spill stores, "
                   f"{u.code_bytes} B code")
         return 0
     if _no_gpu("ab"):
@@ -807,7 +808,7 @@ def _ab(a) -> int:
     md = table(results)
     for r in results:  # reported in the table too; said here where a log's tail shows it
         for name, why in r.failed.items():
-            print(f"CHECK FAILED, not timed: {r.preset} T={r.n_tokens} ctx={r.ctx} {name}: {why}", file=sys.stderr)
+            print(f"CHECK FAILED, not timed: {r.label} {name}: {why}", file=sys.stderr)
     if a.out:
         write_text(a.out, md + "\n")
         print("wrote", a.out)
@@ -846,6 +847,9 @@ def _sm_map(a) -> int:
 
     lines = ["| point | variant | launches | same SM |", "|---|---|---|---|"]
     rows = []
+    if any(len(p) > 3 for p in points):
+        print("sm-map: points are PRESET:T:CTX (one request a step)", file=sys.stderr)
+        return 2
     for preset, t, ctx in points:
         for v in variants:
             m = measure(preset, t, ctx, v.switch_dict)
@@ -979,7 +983,8 @@ def add_tools(sub) -> None:
     s = sub.add_parser("ab", help="in-run A/B of kernel variants on a GPU (--build-only: compile them here)")
     s.add_argument("--variant", action="append", required=True,
                    help="NAME[=CSRC_DIR][:KEY=VALUE,...]; the first is the baseline")
-    s.add_argument("--point", action="append", help=f"PRESET:T:CTX (default {' '.join(AB_POINTS)})")
+    s.add_argument("--point", action="append", help=f"PRESET:T:CTX, or PRESET:T:CTX:B for B requests a step "
+                                                    f"(default {' '.join(AB_POINTS)})")
     s.add_argument("--rounds", type=int, default=5)
     s.add_argument("--sm", type=int, default=132, help="--build-only: the grid to plan for")
     s.add_argument("--build-only", action="store_true", help="compile every variant into the kernel cache")

@@ -31,8 +31,14 @@ def test_variants_and_points_parse_or_are_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="plain name"):
         ab.parse_variant("=foo")
     assert ab.parse_point("shard8:16:2048") == ("shard8", 16, 2048)
+    assert ab.parse_point("small:16:512:8") == ("small", 16, 512, 8)
+    assert ab.point_parts(("small", 16, 512)) == ("small", 16, 512, 1)
     with pytest.raises(ConfigError, match="PRESET:T:CTX"):
         ab.parse_point("shard8:16")
+    with pytest.raises(ConfigError, match="PRESET:T:CTX:B"):
+        ab.parse_point("shard8:16:2048:8:1")
+    with pytest.raises(ConfigError, match="B must be a positive"):
+        ab.parse_point("shard8:16:2048:0")
     assert main(["ab", "--variant", "x:oops", "--build-only"]) == 2  # a bad variant: exit 2, no traceback
 
 
@@ -215,3 +221,47 @@ def test_layout_placebos_give_each_variant_a_verdict_that_survives_saving(tmp_pa
     # without placebos there is no verdict column
     plain = ab.PointResult("tiny", 8, 40, {"main": r.checks["main"]}, {"main": rounds["main"]})
     assert "placebos" not in ab.table([plain]) and plain.layout_range() is None
+
+
+def test_a_batched_point_checks_and_times_every_request_of_the_step(tmp_path):
+    """PRESET:T:CTX:B: B requests in one step on the build for their B x T rows (past 16: row
+    groups), checked (mega == chain bitwise, twice; the reference on every row) and timed like a
+    single request's point; here the per-group build against union experts on the emulation, a
+    pure speed change (same bits). Saved and read back with its B."""
+    from megakernel.batch import make_requests, random_caches
+    from megakernel.plans import rows_switches
+    from megakernel.reference import step_batch
+
+    cfg = preset("tiny")
+    w = generate(cfg)
+
+    def batch_context(preset_name, t, ctx, b):  # the reference's routing, forced in the kernel
+        reqs = make_requests(cfg, [(t, ctx + 7 * r) for r in range(b)], seed=5)
+        caches0 = random_caches(cfg, b, seed=5)
+        traces = [Trace() for _ in reqs]
+        ref = step_batch(w, [c.clone() for c in caches0], reqs, traces=traces)
+        routes = [torch.cat([tr.tensors[f"L{l}.route"] for tr in traces]) for l in range(cfg.n_layers)]
+        return w, caches0, reqs, routes, ref
+
+    calls = []
+
+    def timer():
+        def time_one(name, eng):
+            calls.append((name, type(eng).__name__))
+            return (0.8 if name == "union" else 1.0) * 1e-3
+        return time_one
+
+    plan_of = lambda p, v, rows: make_plan(cfg, 4, spin_bound_ns=3_000_000_000,  # noqa: E731
+                                           **{**rows_switches(cfg, rows), **v.switch_dict})
+    variants = [ab.Variant("base"), ab.parse_variant("union:union_experts=true")]
+    (r,) = ab.run_ab([("tiny", 16, 20, 2)], variants, rounds=2, backend="emu", batch_context=batch_context,
+                     timer=timer, plan_of=plan_of, log=lambda s: None)
+    assert r.batch == 2 and r.label == "tiny T=16 ctx=20 B=2"
+    assert calls == [(n, "GroupEngine") for n in ("base", "union", "union", "base")]  # alternating rounds
+    assert r.checks["union"].same_as_first and r.change("union") == pytest.approx(-0.2)
+    assert "| tiny T=16 ctx=20 B=2 | union" in ab.table([r])
+    back = load(ab.to_result([r], variants, timer="host").save(tmp_path))
+    assert back.series_named("tiny/B2/T16/ctx20/union").params["B"] == 2
+    assert "change_tiny_B2_T16_ctx20_union" in back.derived
+    assert ab.table(ab.from_result(back)) == ab.table([r])
+
