@@ -134,7 +134,8 @@ MK_DEV uint32_t* counters(const Blk& b) { return b.p->counters + b.parity * b.p-
 // Top-k's counter carries the layer's slot count above ROUTE_SHIFT (program.py; it has one unit,
 // so its waiters' target of 1 is unchanged): a routed op learns its unit count from the load that
 // ends its routing wait instead of reading n_slots in a second round trip after it.
-static_assert(T_MAX * TOPK < (1 << (32 - ROUTE_SHIFT)), "the slot count fits above ROUTE_SHIFT");
+static_assert(T_MAX * TOPK < (1 << (32 - ROUTE_SHIFT)) && MAX_USLOTS < (1 << (32 - ROUTE_SHIFT)),
+              "the slot count (and the union's, Plan.max_uslots) fits above ROUTE_SHIFT");
 static_assert(WARPS >= MAX_DEPS, "a routed op's dependencies are waited for by one warp each");
 MK_DEV int slot_tiles(int kind) { return kind == OP_EXPERT1 ? EXP1_TILES : EXP2_TILES; }
 
