@@ -58,7 +58,8 @@ from microbench.harness import Harness, Policy
 from microbench.results import Bound, Derived, Result, Series
 
 from .config import ConfigError
-from .roofline import roofline
+from .config import preset as get_preset
+from .roofline import batch_roofline, roofline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +244,6 @@ def check_switches(variants: Sequence[Variant]) -> None:
 
 
 def _plan(preset: str, v: Variant, n_sm: int | None, rows: int):
-    from .config import preset as get_preset
     from .plans import plan_for, rows_switches  # heavy: torch (megakernel.plans)
 
     # the build for the point's B x T rows (past max_tree: row groups), then the variant's switches
@@ -303,7 +303,6 @@ def _gpu_bound(preset: str, n_tokens: int, ctx: int, batch: int = 1) -> tuple[fl
 
     if batch > 1:
         from .batch import batch_context  # heavy: torch (megakernel.batch)
-        from .roofline import batch_roofline
 
         bc = batch_context(preset, batch, n_tokens, ctx)
         rf = batch_roofline(weights_for(preset).cfg, bc.shape, bc.distinct)
