@@ -27,6 +27,11 @@ OP_KINDS = ("embed", "qkv", "attn", "attn_combine", "oproj", "router", "pool", "
             "seed", "tree", "accept", "compact", "advance")
 SPEC_KINDS = ("seed", "tree", "accept", "compact", "advance")
 OP = {k: i for i, k in enumerate(OP_KINDS)}
+# Plan.union_experts (program.grouped): the ops that run once over every row group's routing, and
+# the ops whose every group's instance bumps group 0's counters (rendered: UNION_SHARED_MASK, whose
+# consumers wait for every active group's units, program.cuh all_target)
+UNION_OPS = ("expert1", "expert2")
+UNION_SHARED = ("topk", "pool")
 WARPS = 8  # compute warps per block (one mma m16 row tile of tokens each)
 LOADER_WARPS = 1  # the weight-streaming warp (ring producer)
 THREADS = 32 * (WARPS + LOADER_WARPS)  # the default block; Plan.threads is the plan's
@@ -730,6 +735,7 @@ def render(plan: Plan) -> str:
         "// op kinds",
         "enum OpKind : int { " + ", ".join(f"OP_{k.upper()} = {i}" for i, k in enumerate(OP_KINDS)) + " };",
         f"constexpr int OP_KINDS = {len(OP_KINDS)};",
+        f"constexpr unsigned UNION_SHARED_MASK = {sum(1 << OP[k] for k in UNION_SHARED)}u;  // plan.UNION_SHARED",
         "// GEMM tiles: rows per unit, K chunk, K",
     ]
     for name, t in plan.tiles.items():

@@ -60,7 +60,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .config import ModelConfig
-from .plan import MOE_COMBINE_COLS, OP, OP_KINDS, SPEC_KINDS, Plan
+from .plan import MOE_COMBINE_COLS, OP, OP_KINDS, SPEC_KINDS, UNION_OPS, UNION_SHARED, Plan
 
 OPINST_INTS = 16
 MAX_DEPS = 3
@@ -86,10 +86,6 @@ MAX_TP_OPS = 4096
 # consumer <- producer edges on which the consumer polls sentinel slots (plan.sentinel_route: top-k
 # <- router; TP: the all-reduce <- oproj, and each gather's readers <- its producers)
 SENTINEL_EDGES = (("topk", "router"), ("attn_reduce", "oproj"), ("expert2", "expert1"))
-# Plan.union_experts (grouped): the ops that run once over every row group's routing, and the ops
-# whose every group's instance bumps group 0's counters (their consumers wait for all groups)
-UNION_OPS = ("expert1", "expert2")
-UNION_SHARED = ("topk", "pool")
 
 
 @dataclass(frozen=True)
@@ -433,7 +429,7 @@ def grouped(prog: Program, groups: int) -> Program:
     Plan.union_experts: each layer's gate/up and down projection are one instance (group 0's)
     over the union of every group's routing, after every group's top-k; each group's MoE combine
     waits for it. Every group's top-k and pooler bump group 0's counters (one counter each,
-    UNION_SHARED): the union's units wait for all of them at once (program.cuh wait_target)."""
+    plan.UNION_SHARED): the union's units wait for all of them at once (program.cuh all_target)."""
     if not isinstance(groups, int) or not 1 <= groups <= prog.plan.row_groups:
         raise ValueError(f"{groups!r} row groups: the plan's build takes 1..{prog.plan.row_groups}")
     if groups == 1:

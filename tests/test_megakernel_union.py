@@ -32,7 +32,7 @@ def test_union_experts_need_row_groups(tiny):
         make_plan(cfg, 4, union_experts=True)
     plan = _union_plan(tiny[3], 4)
     # 4 groups x 16 rows x top-2 picks over 8 experts: at most 128 / 16 + 8 slots of 16 tokens
-    assert plan.max_uslots == 4 * 16 * cfg.top_k // 16 + min(cfg.n_experts, 4 * 16 * cfg.top_k)
+    assert (cfg.n_experts, cfg.top_k) == (8, 2) and plan.max_uslots == 16
 
 
 def test_union_program_runs_the_experts_once_per_layer(tiny):
@@ -102,7 +102,7 @@ MUTATIONS = {
     "union row from group 0's pooled": (
         "ops/topk.cuh", "g0->u_row[us * 16 + k % 16] = g * T_MAX + t[pos];", "g0->u_row[us * 16 + k % 16] = t[pos];"),
     "pooler waited for one group only": (
-        "mk/program.cuh", "if (pr.kind == OP_TOPK || pr.kind == OP_POOL) n *=", "if (pr.kind == OP_TOPK) n *="),
+        "mk/program.cuh", "if ((UNION_SHARED_MASK >> pr.kind) & 1u) n *=", "if (pr.kind == OP_TOPK) n *="),
     "down projection's outputs to group 0's slot rows": (
         "ops/expert_gemm2.cuh", "const int row = UNION_EXPERTS ? b.misc[MISC_ROWS + r] : s * 16 + r;",
         "const int row = UNION_EXPERTS ? b.misc[MISC_ROWS + r] % (MAX_SLOTS * 16) : s * 16 + r;"),

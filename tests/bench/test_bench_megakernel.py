@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from megakernel.results_names import UNION_IMPL  # light: no torch at collection
+
 pytestmark = pytest.mark.gpu
 POINTS = [("small", 1, 512), ("small", 16, 512), ("shard8", 1, 2048), ("shard8", 16, 2048)]
 # (preset, B, T, ctx): plans.BATCH_FULL, written out so that collecting needs no torch
@@ -64,8 +66,8 @@ def _batch_case(preset, B, T, ctx, mode):
         # the build for B x T rows (past 16: row groups, a GroupEngine)
         # mega_union: row groups whose routed experts run over the union of their routing
         plan = plan_for(preset, **rows_switches(get_preset(preset), B * T), **(
-            {"union_experts": True} if mode == "mega_union" else {}))
-        kmode = "mega" if mode == "mega_union" else mode
+            {"union_experts": True} if mode == UNION_IMPL else {}))
+        kmode = "mega" if mode == UNION_IMPL else mode
         eng = engine_for(w, plan, [c.clone() for c in bc.caches0], backend="gpu")
         out = eng.step_batch(bc.requests, mode=kmode, routes=bc.routes)
         for r in range(B):  # each request against the reference before anything is timed
@@ -138,7 +140,7 @@ def test_megakernel_batched_step(device_bench, preset, B, T, ctx, mode):
 
 @pytest.mark.parametrize("preset,B,T,ctx", [pt for pt in BATCH_POINTS if pt[1] * pt[2] > 16], ids=lambda v: str(v))
 def test_megakernel_batched_step_union_experts(device_bench, preset, B, T, ctx):
-    device_bench(_batch_case(preset, B, T, ctx, "mega_union"))
+    device_bench(_batch_case(preset, B, T, ctx, UNION_IMPL))
 
 
 @pytest.mark.parametrize("preset,B,T,ctx", BATCH_POINTS, ids=lambda v: str(v))

@@ -60,6 +60,7 @@ constexpr unsigned POLL_BACKOFF_NS = 0u;
 // op kinds
 enum OpKind : int { OP_EMBED = 0, OP_QKV = 1, OP_ATTN = 2, OP_ATTN_COMBINE = 3, OP_OPROJ = 4, OP_ROUTER = 5, OP_POOL = 6, OP_TOPK = 7, OP_EXPERT1 = 8, OP_EXPERT2 = 9, OP_MOE_COMBINE = 10, OP_UNPOOL = 11, OP_LM_HEAD = 12, OP_ARGMAX = 13, OP_ATTN_REDUCE = 14, OP_SEED = 15, OP_TREE = 16, OP_ACCEPT = 17, OP_COMPACT = 18, OP_ADVANCE = 19 };
 constexpr int OP_KINDS = 20;
+constexpr unsigned UNION_SHARED_MASK = 192u;  // plan.UNION_SHARED
 // GEMM tiles: rows per unit, K chunk, K
 constexpr int TILE_QKV_ROWS = 16;
 constexpr int TILE_QKV_KC = 128;

@@ -140,14 +140,14 @@ static_assert(WARPS >= MAX_DEPS, "a routed op's dependencies are waited for by o
 MK_DEV int slot_tiles(int kind) { return kind == OP_EXPERT1 ? EXP1_TILES : EXP2_TILES; }
 
 // The count an "all" wait on producer pr waits for: its units, and with Plan.union_experts
-// every active group's units for top-k and the pooler, whose instances all bump group 0's counter
-// (program.py UNION_SHARED). Top-k's is then met once the union's builder signalled (its slot
+// every active group's units for the kinds whose instances all bump group 0's counter (top-k and
+// the pooler: UNION_SHARED_MASK, rendered from plan.UNION_SHARED). Top-k's is then met once the union's builder signalled (its slot
 // count, above ROUTE_SHIFT, exceeds any unit count): it took the last ticket, so every group's
 // routing was released before its own release (ops/topk.cuh union_build).
 MK_DEV uint32_t all_target(const Blk& b, const Op& pr) {
   uint32_t n = static_cast<uint32_t>(n_units(b, pr));
   if constexpr (UNION_EXPERTS)
-    if (pr.kind == OP_TOPK || pr.kind == OP_POOL) n *= static_cast<uint32_t>(b.p0->n_active);
+    if ((UNION_SHARED_MASK >> pr.kind) & 1u) n *= static_cast<uint32_t>(b.p0->n_active);
   return n;
 }
 // Wait for a dependency of unit u of op o, given as its producer's op index and its mode
