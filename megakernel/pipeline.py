@@ -429,7 +429,8 @@ def run(quick: bool = True, constants=None, save: bool = True, presets=PRESETS, 
         timeline: bool | None = None, detail: bool = False, baselines: bool = False, batches: bool = False):
     """Checks, then timings (Stage), every item in order. After the first failure only the items
     marked `always` run (releases, and the save of what was measured before it); then that failure
-    raises. Returns the Results (saved unless save=False)."""
+    raises. An interrupt counts as a failure: a run stopped at its time limit by SIGINT
+    (`timeout -s INT`) still saves what it measured. Returns the Results (saved unless save=False)."""
     st = Stage(quick, constants, save, presets, log, ablate, timeline, detail, baselines, batches=batches)
     first: BaseException | None = None
     for it in st.items():
@@ -437,7 +438,7 @@ def run(quick: bool = True, constants=None, save: bool = True, presets=PRESETS, 
             continue
         try:
             it.fn()
-        except Exception as e:
+        except (Exception, KeyboardInterrupt) as e:
             if first is not None:
                 log(f"  {it.name} failed too, after the first failure: {type(e).__name__}: {e}")
                 continue
