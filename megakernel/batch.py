@@ -285,10 +285,28 @@ def bench_batch_point(h, preset: str, batch: int, tokens: int, ctx: int, plan: P
                  # the build's expert weight streams a layer (a model from the routing), against the
                  # roofline's distinct experts: what the row groups cost
                  "expert_streams_per_layer": float(np.mean(expert_streams_per_layer(
-                     bc.routes, _group_rows(eng, bc.shape), plan.union_experts)))})
+                     bc.routes, group_rows_of(eng, bc.shape), plan.union_experts)))})
 
 
-def _group_rows(eng, shape) -> list[int]:
+def layer_weight_model(cfg: ModelConfig, layers: Sequence[int], routes: Sequence[torch.Tensor],
+                       group_rows: Sequence[int], union: bool) -> dict[str, int]:
+    """Weight bytes of these layers under a batched step's routing (a model to hold a profiled
+    launch's DRAM reads against, ncu-mega --batch): the dense weights once (the roofline's) and
+    once per row group (what the groups stream unless L2 serves the later ones), and the routed
+    experts' bytes as the build streams them (routing.expert_streams_per_layer) and as the
+    roofline counts them (the distinct experts of every row)."""
+    layers = sorted(set(layers))
+    if not layers or not all(0 <= l < cfg.n_layers for l in layers):
+        raise ConfigError(f"{cfg.name}: layers {layers}: want some of 0..{cfg.n_layers - 1}")
+    sel = [routes[l] for l in layers]
+    streams = expert_streams_per_layer(sel, list(group_rows), union)
+    dense = len(layers) * cfg.dense_layer_bytes()
+    return {"dense_once": dense, "dense_per_group": dense * len(group_rows),
+            "experts_streamed": sum(streams) * cfg.expert_bytes,
+            "experts_distinct": sum(distinct_per_layer(sel)) * cfg.expert_bytes}
+
+
+def group_rows_of(eng, shape) -> list[int]:
     """The rows of each row group the engine's step ran in (one group: an Engine's)."""
     rows = [t for t, _ in shape]
     if not isinstance(eng, GroupEngine):

@@ -37,7 +37,7 @@
                           keeps its SM (megakernel.sm_map)
   ncu-op --op K [K ...]   on a GPU: one chain-mode step up to the named ops of one layer, with only
                           those launches inside cudaProfilerStart/Stop (for `ncu --profile-from-start off`)
-  ncu-mega [--launch L] [--variant NAME[=CSRC_DIR][:KEY=VALUE,...] ...]   on a GPU: per variant, one
+  ncu-mega [--launch L] [--batch B] [--variant NAME[=CSRC_DIR][:KEY=VALUE,...] ...]   on a GPU: per variant, one
                           mega-mode step up to launch L (PDL off), only launch L inside
                           cudaProfilerStart/Stop: the same layer of several builds in one ncu report
   ncu-stalls CSV [--top N] [--hottest N] [--out FILE.md]   markdown summary of the stall samples in
@@ -275,17 +275,35 @@ def _ncu_mega(a) -> int:
 
     try:
         variants = [parse_variant(v) for v in (a.variant or ["base"])]
+        if a.batch < 1:
+            raise ConfigError(f"--batch {a.batch}: want 1 or more requests a step")
     except ConfigError as e:
         print(f"ncu-mega: {e}", file=sys.stderr)
         return 2
-    sc = step_context(a.preset, a.tokens, a.ctx)
     w = weights_for(a.preset)
-    routes = [r.cuda() for r in sc.routes]
+    if a.batch > 1:  # the batch curve's step of B requests (batch.batch_context), past 16 rows in row groups
+        from .batch import group_rows_of, batch_context, engine_for, layer_weight_model  # heavy: torch (megakernel.batch)
+
+        bc = batch_context(a.preset, a.batch, a.tokens, a.ctx)
+
+        def engine(v):
+            eng = engine_for(w, _plan(a.preset, v, None, a.batch * a.tokens), [c.clone() for c in bc.caches0],
+                             backend="gpu")
+            eng.step_batch(bc.requests, mode="mega", routes=bc.routes)  # module load, warm caches
+            eng.prepare_batch(bc.requests, bc.routes)
+            return eng
+    else:
+        sc = step_context(a.preset, a.tokens, a.ctx)
+        routes = [r.cuda() for r in sc.routes]
+
+        def engine(v):
+            eng = Engine(w, _plan(a.preset, v, None, a.tokens), sc.cache0.clone(), backend="gpu")
+            eng.step(sc.tokens, sc.parents, a.ctx, mode="mega", routes=routes)  # module load, warm caches
+            eng.prepare(sc.tokens, sc.parents, a.ctx, routes)
+            return eng
     for v in variants:
         with kernel_tree(v.csrc):
-            eng = Engine(w, _plan(a.preset, v, None, a.tokens), sc.cache0.clone(), backend="gpu")
-        eng.step(sc.tokens, sc.parents, a.ctx, mode="mega", routes=routes)  # module load, warm caches
-        eng.prepare(sc.tokens, sc.parents, a.ctx, routes)
+            eng = engine(v)
         launches = eng.launches("mega")
         if not 0 <= a.launch < len(launches):
             print(f"ncu-mega: launch {a.launch} outside 0..{len(launches) - 1} ({a.preset})", file=sys.stderr)
@@ -295,8 +313,16 @@ def _ncu_mega(a) -> int:
         eng.counters[eng.parity].zero_()
         _launches_profiled(eng, launches[:a.launch + 1], {a.launch},
                            lambda li, first, n, grid: f"{v.name}: profiled mega launch {li} "
-                                                      f"(ops {first}..{first + n - 1}, grid {grid})")
+                                                      f"(ops {first}..{first + n - 1}, grid {grid}, "
+                                                      f"{a.batch} x {a.tokens} rows)")
         eng._check_watchdog(True)  # a wait that gave up would make the profile a partial launch's
+        if a.batch > 1:  # what the launch's DRAM reads are to be held against
+            first, n = launches[a.launch][:2]
+            layers = {o.layer for o in eng.program.ops[first:first + n] if o.layer >= 0}
+            if layers:
+                m = layer_weight_model(w.cfg, layers, bc.routes, group_rows_of(eng, bc.shape), eng.plan.union_experts)
+                print(f"{v.name}: model of layers {sorted(layers)} (their dense and routed expert weights; not the LM head, "
+                      f"embeddings or KV): " + ", ".join(f"{k} {x} B" for k, x in m.items()))
         del eng
     return 0
 
@@ -963,6 +989,8 @@ def add_tools(sub) -> None:
     s.add_argument("--ctx", type=int, default=2048)
     s.add_argument("--launch", type=int, default=31, help="the mega launch to profile (31: a middle layer of shard8)")
     s.add_argument("--variant", action="append", help="as for `ab`; default: the repository's kernel")
+    s.add_argument("--batch", type=int, default=1, help="B requests of --tokens each in the step (the batch "
+                                                        "curve's; past 16 rows in row groups)")
     s.set_defaults(fn=_ncu_mega)
     s = sub.add_parser("ncu-stalls", help="markdown summary of ncu SASS stall samples (no GPU)")
     s.add_argument("csv")

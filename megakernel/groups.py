@@ -168,7 +168,22 @@ class GroupEngine:
             self._dirty[self.parity ^ 1] = False  # every group's argmax cleared it
             self.parity ^= 1
 
-    def _check_watchdog(self) -> None:
+    def launches(self, mode: str = "mega") -> list[tuple[int, int, int, int]]:
+        """(first op, ops, wait, grid) of each launch of the prepared step (Engine.launches)."""
+        if self.program is None:
+            raise ConfigError("launches: no step prepared (prepare_batch first)")
+        return self.lead.launches(mode, self.program)
+
+    def _launch(self, first, n, wait, grid, li=0) -> None:
+        """One launch of the prepared step over every group's parameter blocks, PDL off: the
+        profiling path (cli._launches_profiled) runs a step's launches one by one through this, the
+        counters zeroed first by the caller, as for Engine._launch. Danger: a launch whose
+        predecessors did not run waits on counters nobody bumps, until the watchdog stops it."""
+        self.lead.parity = self.parity
+        self.lead._last_program = self.program
+        self.lead._launch(first, n, wait, grid, li, pdl=False, params=self._params_dev)
+
+    def _check_watchdog(self, wait=True) -> None:
         try:
             self.lead.wd.check(self.lead.describe_wait, context=f"megakernel ({self.cfg.name}, {self.backend}, "
                                                                f"{len(self._groups)} row groups)")

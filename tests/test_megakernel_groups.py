@@ -113,6 +113,55 @@ def test_grouped_fused_experts_keep_their_own_groups_units(fusable):
     assert res.ok, res.lines()
 
 
+def test_a_grouped_step_launched_one_launch_at_a_time_gives_its_own_bits(tiny):
+    """The profiling path (cli.ncu-mega --batch: _launches_profiled over GroupEngine.launches and
+    _launch) runs the prepared step's launches one by one, PDL off: the step's logits, tokens and
+    caches must be bitwise launch_step's. Before a step is prepared it has no launches."""
+    cfg, w, _, base_plan = tiny
+    plan = _grouped_plan(base_plan, 2)
+    reqs = make_requests(cfg, SHAPES["2x16"], seed=3)
+    whole = engine_for(w, plan, random_caches(cfg, 2, seed=3), backend="emu", emu_schedule="last")
+    with pytest.raises(ConfigError, match="prepare_batch first"):
+        whole.launches()
+    ref = whole.step_batch(reqs, routes=None)
+    eng = engine_for(w, plan, random_caches(cfg, 2, seed=3), backend="emu", emu_schedule="last")
+    eng.prepare_batch(reqs)
+    launches = eng.launches("mega")
+    assert len(launches) == len(eng.program.launches) > 1
+    eng.counters[eng.parity].zero_()
+    for li, (first, n, wait, grid) in enumerate(launches):
+        eng._launch(first, n, wait, grid, li)
+    eng._check_watchdog(True)
+    for g, m in zip(eng._groups, eng.members):
+        n = sum(eng._rows[r] for r in g)
+        mine = m.buf["logits"][:n]
+        assert torch.equal(mine, ref.logits[ref.row0[g.start]:ref.row0[g.start] + n])
+    for a, b in zip(eng.caches, whole.caches):
+        assert all(torch.equal(x, y) for x, y in zip(a.k + a.v, b.k + b.v))
+
+
+def test_the_layer_weight_model_counts_dense_per_group_and_experts_as_streamed(tiny):
+    """batch.layer_weight_model (ncu-mega --batch prints it beside a launch's DRAM reads): dense
+    bytes once and once per group; experts as each build streams them, the roofline's distinct
+    count the least of them."""
+    from megakernel.batch import layer_weight_model
+
+    cfg = tiny[0]
+    g = torch.Generator().manual_seed(4)
+    routes = [torch.randint(0, cfg.n_experts, (32, cfg.top_k), generator=g) for _ in range(cfg.n_layers)]
+    per = layer_weight_model(cfg, [1], routes, [16, 16], union=False)
+    uni = layer_weight_model(cfg, [1], routes, [16, 16], union=True)
+    assert per["dense_once"] == cfg.dense_layer_bytes() and per["dense_per_group"] == 2 * cfg.dense_layer_bytes()
+    n0, n1 = (int(torch.unique(routes[1][a:a + 16]).numel()) for a in (0, 16))
+    assert per["experts_streamed"] == (n0 + n1) * cfg.expert_bytes
+    assert uni["experts_distinct"] == per["experts_distinct"] == int(torch.unique(routes[1]).numel()) * cfg.expert_bytes
+    assert per["experts_distinct"] <= uni["experts_streamed"] and per["experts_distinct"] < per["experts_streamed"]
+    two = layer_weight_model(cfg, [0, 1, 1], routes, [32], union=False)
+    assert two["dense_once"] == two["dense_per_group"] == 2 * cfg.dense_layer_bytes()
+    with pytest.raises(ConfigError, match="layers"):
+        layer_weight_model(cfg, [cfg.n_layers], routes, [32], union=False)
+
+
 def test_a_grouped_build_refuses_what_it_cannot_hold(tiny):
     cfg, w, _, base_plan = tiny
     plan = _grouped_plan(base_plan, 2)
