@@ -3,8 +3,8 @@ one m16 tile, whole requests packed into groups of at most 16 rows whose op inst
 one launch. Through the host emulation at random and adversarial schedules: mega bitwise chain,
 each request bitwise its own B=1 step (logits, tokens, KV cache) and close to the reference, with
 the split and the fused expert GEMMs. Mutations (a group's cached operand or slot record reused by
-another group, the groups sharing one pair of routed-count copies, a group's dependency pointing
-at group 0's producer) must make those checks fail."""
+another group, in the compute warps or the loader, the groups sharing one pair of routed-count
+copies, a group's dependency pointing at group 0's producer) must make those checks fail."""
 from __future__ import annotations
 
 import pytest
@@ -135,7 +135,10 @@ TWO_FULL = ((16, 5), (16, 40))
 # A one-row group (2 slots: its token's 2 experts) before a full one. On tiny's 4 blocks
 # (a slot is one unit of each expert op) group 0's routed ops leave blocks without a unit where
 # group 1's have some: warp 0 of such a block passes the routing barrier and goes straight on to
-# group 1's routing wait while the other warps have yet to read group 0's slot count.
+# group 1's routing wait while the other warps have yet to read group 0's slot count. On 2 blocks
+# the groups' rotation (half of the plan's 4 blocks) is a whole turn, so block 0 runs slot 0 of
+# group 0 and then slot 0 of group 1 of one (layer, expert op) back to back: a slot record kept
+# across the change of group names the wrong expert wherever the two groups' first experts differ.
 SMALL_THEN_FULL = ((1, 5), (16, 40))
 
 # name: (file under csrc/, old, new, schedule, shape, emulated grid (None: the Engine's 4)). Mega
@@ -146,6 +149,12 @@ MUTATIONS = {
     # a group's units take the operand (and norm factors) another group staged for the same layer
     "staged operand kept across groups": (
         "mk/block.cuh", "      b.misc[MISC_TAG] = -1;\n      b.misc[MISC_RTAG] = -1;\n", "", "random", TWO_FULL, None),
+    # the compute warps' slot record (expert, token count, token rows) of another group's same slot
+    "compute slot record kept across groups": (
+        "mk/block.cuh", "      b.misc[MISC_SLOT + 2] = -1;\n", "", "random", SMALL_THEN_FULL, 2),
+    # the loader streams the expert of another group's same slot
+    "loader slot record kept across groups": (
+        "mk/program.cuh", "        ls = LoaderSlot{};\n", "", "random", SMALL_THEN_FULL, 2),
     # every group's routed ops keep their slot count in one pair of copies: group 1's routing wait
     # overwrites group 0's count before the warps that warp 0 left behind read it
     "routed-count copies shared by the groups": (
