@@ -3,7 +3,8 @@ one m16 tile, whole requests packed into groups of at most 16 rows whose op inst
 one launch. Through the host emulation at random and adversarial schedules: mega bitwise chain,
 each request bitwise its own B=1 step (logits, tokens, KV cache) and close to the reference, with
 the split and the fused expert GEMMs. Mutations (a group's cached operand or slot record reused by
-another group, a group's dependency pointing at group 0's producer) must make those checks fail."""
+another group, in the compute warps or the loader, the groups sharing one pair of routed-count
+copies, a group's dependency pointing at group 0's producer) must make those checks fail."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,7 @@ from megakernel.plan import make_plan
 from megakernel.plans import rows_switches
 from megakernel.interp import Interpreter
 from megakernel.program import DEP_LOCAL, Dep, build, check, grouped
-from megakernel.runtime import Engine
+from megakernel.runtime import EmulationError, Engine
 
 from megakernel_cases import fusable, mutated_csrc, tiny  # noqa: F401 (fixtures)
 
@@ -178,13 +179,36 @@ def test_a_grouped_build_refuses_what_it_cannot_hold(tiny):
         Interpreter(w, grouped(build(plan), 2), random_caches(cfg, 2))
 
 
-# name: (file under csrc/, old, new, schedule). Mega runs every group in one launch, chain one op
-# instance per launch (nothing a block keeps outlives a launch): a mutation shows as mega against
-# chain, or mega (the forced-routing run) against the reference
+# Two full groups: every expert op has about 8 slots, a unit or more of each group on every block.
+TWO_FULL = ((16, 5), (16, 40))
+# A one-row group (2 slots: its token's 2 experts) before a full one. On tiny's 4 blocks
+# (a slot is one unit of each expert op) group 0's routed ops leave blocks without a unit where
+# group 1's have some: warp 0 of such a block passes the routing barrier and goes straight on to
+# group 1's routing wait while the other warps have yet to read group 0's slot count. On 2 blocks
+# the groups' rotation (half of the plan's 4 blocks) is a whole turn, so block 0 runs slot 0 of
+# group 0 and then slot 0 of group 1 of one (layer, expert op) back to back: a slot record kept
+# across the change of group names the wrong expert wherever the two groups' first experts differ.
+SMALL_THEN_FULL = ((1, 5), (16, 40))
+
+# name: (file under csrc/, old, new, schedule, shape, emulated grid (None: the Engine's 4)). Mega
+# runs every group in one launch, chain one op instance per launch (nothing a block keeps outlives
+# a launch): a mutation shows as mega against chain, or mega (the forced-routing run) against the
+# reference, or (a block's warps disagreeing on an op's units) as a barrier the emulation refuses
 MUTATIONS = {
     # a group's units take the operand (and norm factors) another group staged for the same layer
     "staged operand kept across groups": (
-        "mk/block.cuh", "      b.misc[MISC_TAG] = -1;\n      b.misc[MISC_RTAG] = -1;\n", "", "random"),
+        "mk/block.cuh", "      b.misc[MISC_TAG] = -1;\n      b.misc[MISC_RTAG] = -1;\n", "", "random", TWO_FULL, None),
+    # the compute warps' slot record (expert, token count, token rows) of another group's same slot
+    "compute slot record kept across groups": (
+        "mk/block.cuh", "      b.misc[MISC_SLOT + 2] = -1;\n", "", "random", SMALL_THEN_FULL, 2),
+    # the loader streams the expert of another group's same slot
+    "loader slot record kept across groups": (
+        "mk/program.cuh", "        ls = LoaderSlot{};\n", "", "random", SMALL_THEN_FULL, 2),
+    # every group's routed ops keep their slot count in one pair of copies: group 1's routing wait
+    # overwrites group 0's count before the warps that warp 0 left behind read it
+    "routed-count copies shared by the groups": (
+        "mk/program.cuh", "  if constexpr (GROUPS > 1) return MISC_GROUTED + 2 * b.group + copy;\n", "", "random",
+        SMALL_THEN_FULL, None),
 }
 
 
@@ -195,15 +219,20 @@ def _caught(res) -> bool:
 
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_group_checks_catch_a_mutated_kernel(tiny, tmp_path, name):
-    rel, old, new, schedule = MUTATIONS[name]
+    """The real kernel passes check_batch on the mutation's shape and grid; the mutated one fails it."""
+    rel, old, new, schedule, shape, grid = MUTATIONS[name]
     cfg, w, _, base_plan = tiny
     plan = _grouped_plan(base_plan, 2)
-    shape = ((16, 5), (16, 40))
     reqs, caches0 = make_requests(cfg, shape, seed=7), random_caches(cfg, 2, seed=7)
-    good = check_batch(w, plan, caches0, reqs, schedules=(schedule,), seed=3)
+    assert len(pack_groups([t for t, _ in shape], cfg.max_tree)) == 2
+    good = check_batch(w, plan, caches0, reqs, schedules=(schedule,), seed=3, grid=grid)
     assert good.ok, good.lines()
     with ab.kernel_tree(mutated_csrc(tmp_path, rel, old, new)):
-        bad = check_batch(w, plan, caches0, reqs, schedules=(schedule,), seed=3)
+        try:
+            bad = check_batch(w, plan, caches0, reqs, schedules=(schedule,), seed=3, grid=grid)
+        except EmulationError as e:  # warps of one block running different units of an op
+            assert "different barrier instructions" in str(e)
+            return
     assert _caught(bad), bad.lines()
 
 
