@@ -354,7 +354,7 @@ def _step(a) -> int:
             return 2
         return _step_ranks(a)
     tp_only = [f for f, v in (("--steps", a.steps != 1), ("--expert-parallel", a.expert_parallel), ("--where", a.where),
-                              ("--profile", a.profile), ("--save", a.save is not None)) if v]
+                              ("--save", a.save is not None)) if v]
     if tp_only:
         print(f"step: {', '.join(tp_only)} belong to the tensor-parallel steps: add --ranks R", file=sys.stderr)
         return 2
@@ -368,7 +368,8 @@ _GPU_SCHEDULES = ("--schedule picks the host emulation's schedule, and this run 
 
 
 def _step_batch(a) -> int:
-    from .batch import check_batch, engine_for, make_requests, mix, random_caches  # heavy: torch (megakernel.batch)
+    from .batch import check_batch, engine_for, make_requests, mix, op_time_by_group  # heavy: torch (megakernel.batch)
+    from .batch import random_caches  # heavy: torch (megakernel.batch)
     from .groups import groups_needed  # heavy: torch (megakernel.groups)
     from .plan import MAX_ROW_GROUPS, make_plan  # heavy: torch (megakernel.plan)
 
@@ -405,13 +406,17 @@ def _step_batch(a) -> int:
     except ConfigError as e:
         print(f"step: {e}", file=sys.stderr)
         return 2
+    # the profiled build (same op code, same bits): a block records its units of every group's
+    # instances, so its records per launch grow with the groups
+    prof = {"profile": True, "profile_cap": 128 * groups} if a.profile else {}
     if why:
         from .weights import generate  # heavy: torch (megakernel.weights)
 
         print(f"no GPU ({why}): {a.preset} in the host emulation (the kernel's CUDA source on CPU fibers)")
         backend, dev = "emu", "cpu"
         w = generate(cfg)
-        plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, row_groups=groups, union_experts=a.union_experts)
+        plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, row_groups=groups, union_experts=a.union_experts,
+                         **prof)
     else:
         from .bench_baselines import weights_for  # heavy: torch (megakernel.bench_baselines)
         from .plans import plan_for  # heavy: torch (megakernel.plans)
@@ -419,17 +424,26 @@ def _step_batch(a) -> int:
         backend, dev = "gpu", "cuda"
         w = weights_for(a.preset)
         plan = plan_for(a.preset, **({"tokens": rows} if groups == 1 else {"row_groups": groups,
-                                                                           "union_experts": a.union_experts}))
+                                                                           "union_experts": a.union_experts}), **prof)
     caches0 = random_caches(cfg, batch, a.seed, device=dev)
     reqs = make_requests(cfg, shape, a.seed)
     schedules = tuple(a.schedule or ("random", "last"))
     kw = {"emu_schedule": schedules[0]} if backend == "emu" else {}
-    out = engine_for(w, plan, [c.clone() for c in caches0], backend=backend, **kw).step_batch(reqs, mode=a.mode)
+    eng = engine_for(w, plan, [c.clone() for c in caches0], backend=backend, **kw)
+    out = eng.step_batch(reqs, mode=a.mode)
     print(f"{a.preset}: {batch} request(s), {rows} rows" + (f" in {groups} row groups" if groups > 1 else "")
           + (", experts over the union of their routing" if a.union_experts else "")
           + f", {a.mode} mode ({backend})")
     for r, (t, c) in enumerate(shape):
         print(f"  request {r}: T={t} ctx={c}: greedy tokens {out.request(r).tokens.tolist()}")
+    if a.profile:
+        tl = eng.timeline(a.mode)
+        clock = "the GPU's globaltimer" if backend == "gpu" else "the emulation's CPU time: not a GPU's timing"
+        print(f"profile ({clock}): each op kind's work and wait phases, block-us summed over blocks and layers, "
+              "by row group" + (f"; problems: {'; '.join(tl.problems[:3])}" if tl.problems else ""))
+        for kind, g, work, wait in op_time_by_group(tl.spans_df(), eng.program):
+            print(f"  {kind:<12} group {g}: work {work:12.1f}  wait {wait:12.1f}")
+        del tl
     if not a.check:
         return 0
     res = check_batch(w, plan, caches0, reqs, backend=backend, schedules=schedules)
@@ -965,7 +979,9 @@ def add_tools(sub) -> None:
     s.add_argument("--steps", type=int, default=1, help="--ranks: the first step, then greedy steps of one token")
     s.add_argument("--expert-parallel", action="store_true", help="--ranks: each slot's expert units on its owner")
     s.add_argument("--where", choices=["emu", "gpu", "torchrun"], help="--ranks: force where the ranks run")
-    s.add_argument("--profile", action="store_true", help="--ranks: the waits at each collective (profiled build)")
+    s.add_argument("--profile", action="store_true", help="the profiled build: with --ranks the waits at each "
+                                                             "collective; else each op kind's work and wait time by "
+                                                             "row group")
     s.add_argument("--save", nargs="?", const="", default=None, metavar="DIR",
                    help="--ranks --profile on a GPU: save megakernel.tp_waits under DIR (default reports/results)")
     s.set_defaults(fn=_step)

@@ -29,10 +29,12 @@ from collections.abc import Sequence
 
 import torch
 
+from microbench.clocks.profiler import ProfileBuffer, ProfileLayout, Timeline
 from microbench.errors import SpinTimeoutError
 
 from .config import ConfigError
 from .plan import Plan
+from .profile_events import EVENTS
 from .program import Program, grouped
 from .reference import KVCache, Request
 from .runtime import Engine, StepOut
@@ -70,8 +72,6 @@ class GroupEngine:
         if plan.row_groups < 2:
             raise ConfigError(f"a GroupEngine needs a plan of 2 or more row groups (make_plan(row_groups=...)), got "
                               f"{plan.row_groups}: a step of one group runs in an Engine")
-        if plan.profile:
-            raise ConfigError("row groups: the profiler's buffer is sized for one group's launches (profile=False)")
         self.caches = list(caches)
         if not self.caches or len({id(c) for c in self.caches}) != len(self.caches):
             raise ConfigError("a GroupEngine takes one distinct KV cache per request")
@@ -97,6 +97,19 @@ class GroupEngine:
             lead.buf["act"] = torch.zeros(plan.max_uslots, 16, c.d_expert, dtype=torch.bfloat16, device=dev)
         self.grid = lead.grid
         self.base = lead.program
+        if plan.profile:
+            # one buffer, the lead's, passed to every launch: a slice per launch of the most groups'
+            # program in either mode (chain: one launch per op instance, so groups times the plain
+            # step's). Each block records its units of every group's instances, so a launch holds
+            # about groups times a plain step's records a block: make_plan(profile_cap=...) sizes
+            # them, and a slice that fills counts its overflow (Timeline problems) instead of
+            # writing past its end
+            most = grouped(self.base, plan.row_groups)
+            lead.prof = ProfileBuffer(ProfileLayout(lead.grid, 1, plan.profile_cap),
+                                      launches=max(len(most.launches), len(most.ops)),
+                                      device="cpu" if backend == "emu" else (lead.dev.index or 0))
+            for m in self.members[1:]:
+                m.prof = None  # their launches are the lead's
         self._programs: dict[int, tuple[Program, torch.Tensor]] = {}
         self.counters = torch.zeros(2, self.base.n_counters * plan.row_groups, dtype=torch.int32, device=lead.dev)
         self.parity = 0
@@ -159,6 +172,8 @@ class GroupEngine:
         todo = list(zip(lead.launches(mode, prog), lead.launch_pdl(mode, prog)))
         if mode == "mega" and self._dirty[self.parity]:
             self.counters[self.parity].zero_()
+        if lead.prof is not None:
+            lead.prof.reset()
         lead.parity = self.parity
         lead._last_program = prog
         for li, ((first, n, wait, grid), pdl) in enumerate(todo):
@@ -182,6 +197,17 @@ class GroupEngine:
         self.lead.parity = self.parity
         self.lead._last_program = self.program
         self.lead._launch(first, n, wait, grid, li, pdl=False, params=self._params_dev)
+
+    def timeline(self, mode: str = "mega"):
+        """The profiler's stamps of the last step (a plan built with profile=True) as a Timeline;
+        an op phase's arg is its op index in the step's grouped program (`self.program.ops[i].group`
+        names the group)."""
+        if self.lead.prof is None:
+            raise ConfigError("this engine was built without the profiler (make_plan(..., profile=True))")
+        names = [f"launch {i}: ops {f}..{f + n - 1}" for i, (f, n, _, _) in enumerate(self.launches(mode))]
+        stamps = self.lead.prof.read()
+        return Timeline.build(stamps, EVENTS, launch_names=names + [f"unused {i}" for i in
+                                                                     range(len(names), self.lead.prof.launches)])
 
     def _check_watchdog(self, wait=True) -> None:
         try:

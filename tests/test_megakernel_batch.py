@@ -228,6 +228,11 @@ def test_mk_step_command_checks_a_batch_in_the_emulation(capsys):
     assert "17 rows in 2 row groups" in out and "check: passed" in out and out.count("bitwise its own B=1 step") == 2
     assert cli.main(["step", "--batch", "9", "--tree-sizes", ",".join(["16"] * 9), "--ctxs", ",".join(["0"] * 9)]) == 2
     assert "144 token rows pack into 9 row groups" in capsys.readouterr().err
+    # --profile: the profiled build's op time by row group, labelled as the emulation's clock
+    assert cli.main(["step", "--batch", "2", "--tokens", "16", "--profile", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "the emulation's CPU time: not a GPU's timing" in out and "problems" not in out
+    assert "qkv          group 1: work" in out and "lm_head      group 0: work" in out
 
 
 def test_schedule_options_are_refused_for_a_run_on_the_gpu(monkeypatch, capsys):

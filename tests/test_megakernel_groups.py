@@ -13,7 +13,7 @@ import torch
 from microbench.errors import SpinTimeoutError
 
 from megakernel import ab
-from megakernel.batch import check_batch, engine_for, make_requests, random_caches
+from megakernel.batch import check_batch, engine_for, make_requests, op_time_by_group, random_caches
 from megakernel.config import ConfigError
 from megakernel.groups import GroupEngine, pack_groups
 from megakernel.plan import make_plan
@@ -139,6 +139,34 @@ def test_a_grouped_step_launched_one_launch_at_a_time_gives_its_own_bits(tiny):
         assert torch.equal(mine, ref.logits[ref.row0[g.start]:ref.row0[g.start] + n])
     for a, b in zip(eng.caches, whole.caches):
         assert all(torch.equal(x, y) for x, y in zip(a.k + a.v, b.k + b.v))
+
+
+def test_a_profiled_grouped_step_keeps_its_bits_and_records_every_groups_ops(tiny):
+    """GroupEngine with the in-kernel profiler: one buffer, a slice per launch of the grouped
+    program (chain: groups times the plain step's launches). Each step, chain then mega, is bitwise
+    the unprofiled build's; every op instance of every group has its work phase in the timeline
+    (arg: its op index); and the mega step's timeline holds its own launches only, not the slices
+    the longer chain step before it recorded (the buffer's epoch is reset per step)."""
+    cfg, w, _, base_plan = tiny
+    plan = _grouped_plan(base_plan, 2)
+    prof_plan = make_plan(cfg, base_plan.n_sm, spin_bound_ns=base_plan.spin_bound_ns, row_groups=2, profile=True,
+                          profile_cap=512)
+    reqs = make_requests(cfg, SHAPES["2x16"], seed=9)
+    eng = engine_for(w, prof_plan, random_caches(cfg, 2, seed=9), backend="emu")
+    for mode in ("chain", "mega"):
+        ref = engine_for(w, plan, random_caches(cfg, 2, seed=9), backend="emu").step_batch(reqs, mode=mode)
+        eng.caches = random_caches(cfg, 2, seed=9)
+        out = eng.step_batch(reqs, mode=mode)
+        assert torch.equal(out.logits, ref.logits) and torch.equal(out.tokens, ref.tokens), mode
+        tl = eng.timeline(mode)
+        assert not tl.problems, tl.problems[:3]
+        df = tl.spans_df()
+        ops = eng.program.ops
+        assert {o.group for o in ops} == {0, 1}
+        assert {(o.kind, o.index) for o in ops} <= {(ph, int(a)) for ph, a in zip(df["phase"], df["arg"])}, mode
+        assert int(df["launch"].max()) < len(eng.launches(mode)), mode
+        by = {(k, g): (work, wait) for k, g, work, wait in op_time_by_group(df, eng.program)}
+        assert set(by) == {(o.kind, o.group) for o in ops} and all(work > 0 for work, _ in by.values())
 
 
 def test_the_layer_weight_model_counts_dense_per_group_and_experts_as_streamed(tiny):
