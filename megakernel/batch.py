@@ -306,25 +306,6 @@ def layer_weight_model(cfg: ModelConfig, layers: Sequence[int], routes: Sequence
             "experts_distinct": sum(distinct_per_layer(sel)) * cfg.expert_bytes}
 
 
-def op_time_by_group(spans, program) -> list[tuple[str, int, float, float]]:
-    """(op kind, row group, work, wait) in block-microseconds: each op kind's work phases and its
-    wait phases summed over blocks and layers, split by the group of the op instance that stamped
-    them (a work phase's arg is its op index in `program`; a wait phase's too). From a profiled
-    step's Timeline.spans_df(); program: the step's (GroupEngine.program, or an Engine's)."""
-    ops = program.ops
-    acc: dict[tuple[str, int], list[float]] = {}
-    for ph, arg, dur in zip(spans["phase"], spans["arg"], spans["dur_ns"]):
-        wait = ph.startswith("wait_")
-        kind = ph[5:] if wait else ph
-        i = int(arg)
-        if not 0 <= i < len(ops) or ops[i].kind != kind:
-            continue  # a detail phase (staging, ring waits), not an op's own
-        a = acc.setdefault((kind, ops[i].group), [0.0, 0.0])
-        a[1 if wait else 0] += float(dur) * 1e-3
-    order = {k: n for n, k in enumerate(dict.fromkeys(o.kind for o in ops))}
-    return [(k, g, w, x) for (k, g), (w, x) in sorted(acc.items(), key=lambda kv: (order[kv[0][0]], kv[0][1]))]
-
-
 def group_rows_of(eng, shape) -> list[int]:
     """The rows of each row group the engine's step ran in (one group: an Engine's)."""
     rows = [t for t, _ in shape]

@@ -70,6 +70,7 @@ from microbench.teardown import leave
 from .ab import _plan, build_variants, from_result, kernel_tree, parse_point, parse_variant, run_ab, table, to_result
 from .config import PRESETS, ConfigError
 from .config import preset as get_preset
+from .spans import op_time_by_group
 
 PRESET_NAMES = sorted(PRESETS)
 
@@ -282,7 +283,7 @@ def _ncu_mega(a) -> int:
         return 2
     w = weights_for(a.preset)
     if a.batch > 1:  # the batch curve's step of B requests (batch.batch_context), past 16 rows in row groups
-        from .batch import group_rows_of, batch_context, engine_for, layer_weight_model  # heavy: torch (megakernel.batch)
+        from .batch import batch_context, engine_for, group_rows_of, layer_weight_model  # heavy: torch (megakernel.batch)
 
         bc = batch_context(a.preset, a.batch, a.tokens, a.ctx)
 
@@ -368,8 +369,7 @@ _GPU_SCHEDULES = ("--schedule picks the host emulation's schedule, and this run 
 
 
 def _step_batch(a) -> int:
-    from .batch import check_batch, engine_for, make_requests, mix, op_time_by_group  # heavy: torch (megakernel.batch)
-    from .batch import random_caches  # heavy: torch (megakernel.batch)
+    from .batch import check_batch, engine_for, make_requests, mix, random_caches  # heavy: torch (megakernel.batch)
     from .groups import groups_needed  # heavy: torch (megakernel.groups)
     from .plan import MAX_ROW_GROUPS, make_plan  # heavy: torch (megakernel.plan)
 
@@ -443,7 +443,6 @@ def _step_batch(a) -> int:
               "by row group" + (f"; problems: {'; '.join(tl.problems[:3])}" if tl.problems else ""))
         for kind, g, work, wait in op_time_by_group(tl.spans_df(), eng.program):
             print(f"  {kind:<12} group {g}: work {work:12.1f}  wait {wait:12.1f}")
-        del tl
     if not a.check:
         return 0
     res = check_batch(w, plan, caches0, reqs, backend=backend, schedules=schedules)

@@ -13,7 +13,7 @@ import torch
 from microbench.errors import SpinTimeoutError
 
 from megakernel import ab
-from megakernel.batch import check_batch, engine_for, make_requests, op_time_by_group, random_caches
+from megakernel.batch import check_batch, engine_for, make_requests, random_caches
 from megakernel.config import ConfigError
 from megakernel.groups import GroupEngine, pack_groups
 from megakernel.plan import make_plan
@@ -21,6 +21,7 @@ from megakernel.plans import rows_switches
 from megakernel.interp import Interpreter
 from megakernel.program import DEP_LOCAL, Dep, build, check, grouped
 from megakernel.runtime import EmulationError, Engine
+from megakernel.spans import op_time_by_group
 
 from megakernel_cases import fusable, mutated_csrc, tiny  # noqa: F401 (fixtures)
 
