@@ -70,7 +70,6 @@ from microbench.teardown import leave
 from .ab import _plan, build_variants, from_result, kernel_tree, parse_point, parse_variant, run_ab, table, to_result
 from .config import PRESETS, ConfigError
 from .config import preset as get_preset
-from .spans import op_time_by_group
 
 PRESET_NAMES = sorted(PRESETS)
 
@@ -372,6 +371,7 @@ def _step_batch(a) -> int:
     from .batch import check_batch, engine_for, make_requests, mix, random_caches  # heavy: torch (megakernel.batch)
     from .groups import groups_needed  # heavy: torch (megakernel.groups)
     from .plan import MAX_ROW_GROUPS, make_plan  # heavy: torch (megakernel.plan)
+    from .spans import op_time_by_group  # heavy: torch (megakernel.spans)
 
     why = _tiny_without_gpu("step", a.preset)
     if why is False:
