@@ -29,12 +29,11 @@ from collections.abc import Sequence
 
 import torch
 
-from microbench.clocks.profiler import ProfileBuffer, ProfileLayout, Timeline
+from microbench.clocks.profiler import ProfileBuffer, ProfileLayout
 from microbench.errors import SpinTimeoutError
 
 from .config import ConfigError
 from .plan import Plan
-from .profile_events import EVENTS
 from .program import Program, grouped
 from .reference import KVCache, Request
 from .runtime import Engine, StepOut
@@ -202,12 +201,9 @@ class GroupEngine:
         """The profiler's stamps of the last step (a plan built with profile=True) as a Timeline;
         an op phase's arg is its op index in the step's grouped program (`self.program.ops[i].group`
         names the group)."""
-        if self.lead.prof is None:
-            raise ConfigError("this engine was built without the profiler (make_plan(..., profile=True))")
-        names = [f"launch {i}: ops {f}..{f + n - 1}" for i, (f, n, _, _) in enumerate(self.launches(mode))]
-        stamps = self.lead.prof.read()
-        return Timeline.build(stamps, EVENTS, launch_names=names + [f"unused {i}" for i in
-                                                                     range(len(names), self.lead.prof.launches)])
+        if self.program is None:
+            raise ConfigError("timeline: no step prepared (prepare_batch first)")
+        return self.lead.timeline(mode, self.program)
 
     def _check_watchdog(self, wait=True) -> None:
         try:

@@ -761,12 +761,12 @@ class Engine:
                 self._check_watchdog(wait)
                 raise EmulationError(f"ops {first}..{first + n - 1}: {err.value.decode(errors='replace')}")
 
-    def timeline(self, mode: str = "mega"):
+    def timeline(self, mode: str = "mega", program: Program | None = None):
         """The profiler's stamps of the last step as a microbench.clocks Timeline (needs a plan
-        built with profile=True)."""
+        built with profile=True); its launches named from `program`'s (default the plain one)."""
         if self.prof is None:
             raise ConfigError("this engine was built without the profiler (make_plan(..., profile=True))")
-        names = [f"launch {i}: ops {f}..{f + n - 1}" for i, (f, n, _, _) in enumerate(self.launches(mode))]
+        names = [f"launch {i}: ops {f}..{f + n - 1}" for i, (f, n, _, _) in enumerate(self.launches(mode, program))]
         n = len(names)
         stamps = self.prof.read()
         return Timeline.build(stamps, EVENTS, launch_names=names + [f"unused {i}" for i in range(n, self.prof.launches)])
