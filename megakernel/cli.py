@@ -463,7 +463,7 @@ def _decode(a) -> int:
     from .decode import prompts_for  # heavy: torch (megakernel.decode)
     from .decode import to_result as decode_result  # heavy: torch (megakernel.decode)
     from .draft import DraftConfig, draft_model_config  # heavy: torch (megakernel.draft)
-    from .plan import tp_problem  # heavy: torch (megakernel.plan)
+    from .plan import MAX_ROW_GROUPS, tp_problem  # heavy: torch (megakernel.plan)
     from .ranks import where_ranks  # heavy: torch (megakernel.ranks)
     from .reference import KVCache  # heavy: torch (megakernel.reference)
 
@@ -494,11 +494,16 @@ def _decode(a) -> int:
               if why else f"decode --preset {a.preset} --where emu: the host emulation runs only tiny", file=sys.stderr)
         return 2
     try:
-        if a.batch not in BATCHES:
+        if a.full_trees and (a.batch < 2 or a.ranks > 1):
+            raise ConfigError(f"--full-trees: a row group per request, for --batch 2..{MAX_ROW_GROUPS} on one rank "
+                              f"(got --batch {a.batch}, --ranks {a.ranks})")
+        if a.full_trees and a.batch > MAX_ROW_GROUPS:
+            raise ConfigError(f"--batch {a.batch}: full trees take at most {MAX_ROW_GROUPS} requests (a row group each)")
+        if not a.full_trees and a.batch not in BATCHES:
             raise ConfigError(f"--batch {a.batch}: a speculative step takes {', '.join(map(str, BATCHES))} requests")
         if a.prompt_len < 1:
             raise ConfigError(f"--prompt-len {a.prompt_len}: want at least 1 token (the first root)")
-        most = max_tokens(cfg, a.batch, a.prompt_len)
+        most = max_tokens(cfg, a.batch, a.prompt_len, a.full_trees)
         if not 1 <= a.tokens <= most:
             raise ConfigError(f"--tokens {a.tokens}: {a.preset} at --batch {a.batch} with a prompt of {a.prompt_len} "
                               f"holds 1..{most} tokens per request (MAX_OUT and its {cfg.max_context} cached positions)")
@@ -521,6 +526,7 @@ def _decode(a) -> int:
         print(f"{a.ranks} tensor-parallel ranks of the verifier: {where_why}; the drafter runs once, unsharded")
     dcfg = draft_model_config(cfg, DraftConfig(agree=agree))
     tp = dict(tp_ranks=a.ranks, launch_ranks=a.ranks) if a.ranks > 1 else {}
+    groups = {"row_groups": a.batch} if a.full_trees else {}  # request r in row group r of both engines
     if emulated:
         from .plan import make_plan  # heavy: torch (megakernel.plan)
         from .weights import generate  # heavy: torch (megakernel.weights)
@@ -531,20 +537,21 @@ def _decode(a) -> int:
         backend, dev = "emu", "cpu"
         w = generate(cfg)
         # R ranks: a starved rank (the 'rank' schedule) waits through the others' whole launch
-        plan = make_plan(cfg, 4, spin_bound_ns=60_000_000_000 if tp else 3_000_000_000, **tp)
-        dplan = make_plan(dcfg, 4, spin_bound_ns=3_000_000_000)
+        plan = make_plan(cfg, 4, spin_bound_ns=60_000_000_000 if tp else 3_000_000_000, **tp, **groups)
+        dplan = make_plan(dcfg, 4, spin_bound_ns=3_000_000_000, **groups)
     else:
         from .bench_baselines import weights_for  # heavy: torch (megakernel.bench_baselines)
         from .plans import plan_for  # heavy: torch (megakernel.plans)
 
         backend, dev = "gpu", "cuda"
         w = weights_for(a.preset)
-        plan = plan_for(a.preset, tokens=cfg.max_tree, **tp)
-        dplan = plan_for(dcfg, tokens=dcfg.max_tree - 1)
+        plan = plan_for(a.preset, tokens=cfg.max_tree, **tp, **groups)
+        dplan = plan_for(dcfg, tokens=dcfg.max_tree - 1, **groups)
     pair = SpecPair(w, plan, dplan, [KVCache(cfg, device=dev) for _ in range(a.batch)], batch=a.batch, agree=agree,
                     backend=backend, emu_schedule=a.schedule or "random", ranks=a.ranks)
     prompts = prompts_for(cfg, a.batch, a.prompt_len, a.seed)
     verifier = f", the verifier {a.ranks} ranks" if a.ranks > 1 else ""
+    verifier += f", a row group per request ({a.batch} groups a step)" if a.full_trees else ""
     print(f"{a.preset}: {a.batch} request(s) of a {pair.T}-token tree (branch depth {pair.branch_depth}), drafter "
           f"{pair.dm.cfg.n_layers} layers over {pair.T - 1} slots{verifier}, {a.mode} mode ({backend}); {a.tokens} "
           f"tokens each after a prompt of {a.prompt_len}", flush=True)
@@ -576,7 +583,8 @@ def _decode(a) -> int:
         env = Env.capture()
     res = decode_result(out, preset=a.preset, batch=a.batch, mode=a.mode, agree=agree, acceptance=name,
                         acceptance_source=source, prompt_len=a.prompt_len, n=a.tokens, env=env, emulated=not pair.gpu,
-                        launches=pair.part_launches(a.mode), ranks=a.ranks, where=where, where_why=where_why)
+                        launches=pair.part_launches(a.mode), ranks=a.ranks, where=where, where_why=where_why,
+                        row_groups=a.batch if a.full_trees else 1)
     print("saved", res.save())
     if a.json:
         print("wrote", write_text(Path(a.json), json.dumps(res.to_json(), indent=1) + "\n"))
@@ -626,6 +634,9 @@ def add_decode_parser(sub) -> None:
                                                            "ACCEPTANCE: study, perfect; default study)")
     acc.add_argument("--agree", type=float, default=None, help="the drafter's agreement with the target's backbone, 0..1")
     s.add_argument("--batch", type=int, default=1, help="requests, each its own tree of 16 / B tokens (1, 2, 4, 8)")
+    s.add_argument("--full-trees", action="store_true",
+                   help="every request the whole 16-token tree, each in a row group of its own (--batch 2..8, one "
+                        "rank): each request's steps are its B=1 steps")
     s.add_argument("--ranks", type=int, default=1,
                    help="the verifier as R tensor-parallel ranks (2, 4, 8 where the preset's kv heads divide; tiny: "
                         "2): R GPUs under torchrun where the node has R (one process per GPU, a drafter in each), "

@@ -64,7 +64,8 @@ from . import abi, speculative, tree as treelib
 from .config import ConfigError, ModelConfig
 from .config import preset as get_preset
 from .draft import DraftConfig, DraftModel, draft_model_config
-from .plan import Plan
+from .groups import GroupEngine
+from .plan import MAX_ROW_GROUPS, Plan
 from .plans import REL_TOL, constants_env, plan_for
 from .ranks import (RankEngine, RankRecord, end_rank, gather_problems, launch_torchrun, open_rank, rank_engine,
                     rank_role, start_rank)
@@ -85,11 +86,16 @@ PARTS = ("draft", "verify", "accept")
 KV_ROW_TOL = 0.5
 
 
-def tree_shape(cfg: ModelConfig, batch: int) -> tuple[int, list[int], int]:
+def tree_shape(cfg: ModelConfig, batch: int, full: bool = False) -> tuple[int, list[int], int]:
     """(T, parents, branch depth) of each request's verify tree in a step of `batch` requests: T =
     max_tree / B tokens on binary_ish(T, min(3, (T - 2) // 2)), the study's binary_ish(16, 3) at B =
     1 (a 12-deep main chain, top-2 siblings at depths 1-3), a chain where no sibling fits (T = 2).
-    The drafter guesses T - 1 slots per request."""
+    full: every request the whole max_tree-token tree (the study's at every B), one request per row
+    group (SpecPair's full trees). The drafter guesses T - 1 slots per request."""
+    if full:
+        if not (isinstance(batch, int) and 1 <= batch <= MAX_ROW_GROUPS):
+            raise ConfigError(f"batch {batch!r}: full trees take 1..{MAX_ROW_GROUPS} requests (a row group each)")
+        batch = 1  # each request's tree is a B = 1 step's
     if batch not in BATCHES or cfg.max_tree % batch or cfg.max_tree // batch < 2:
         raise ConfigError(f"batch {batch!r}: a speculative step takes {', '.join(map(str, BATCHES))} requests of "
                           f"{cfg.max_tree} / B >= 2 tree tokens each")
@@ -123,23 +129,25 @@ def tree_table(parents: Sequence[int], n_req: int, max_tree: int, device) -> tor
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
-def max_tokens(cfg: ModelConfig, batch: int, prompt_len: int) -> int:
+def max_tokens(cfg: ModelConfig, batch: int, prompt_len: int, full: bool = False) -> int:
     """The most tokens a request of a run may ask for: its emitted tokens fit MAX_OUT, and every
     step, also one after the request has finished, fits the target's cache (the last active step
     may overshoot by the tree's depth; later ones verify a whole tree past that)."""
-    t, parents, _ = tree_shape(cfg, batch)
+    t, parents, _ = tree_shape(cfg, batch, full)
     emit = max(treelib.depths(parents)) + 1
     by_cache = cfg.max_context - (prompt_len - 1) - emit - t + 1
     return max(0, min(abi.MAX_OUT - t, by_cache))
 
 
-def prefill_steps(engine, cfg: ModelConfig, batch: int, prompts: Sequence[Sequence[int]], mode: str = "mega") -> int:
-    """Cache every request's prompt but its last token with `engine`'s plain steps (an Engine or a
-    RankEngine): chain-shaped chunks of max_tree / B tokens a request. Returns the context."""
+def prefill_steps(engine, cfg: ModelConfig, batch: int, prompts: Sequence[Sequence[int]], mode: str = "mega",
+                  full: bool = False) -> int:
+    """Cache every request's prompt but its last token with `engine`'s plain steps (an Engine, a
+    RankEngine, or with full trees a GroupEngine): chain-shaped chunks of max_tree / B tokens a
+    request (full: max_tree, a row group each). Returns the context."""
     lens = {len(p) for p in prompts}
     if len(prompts) != batch or len(lens) != 1 or min(lens) < 1:
         raise ConfigError(f"{len(prompts)} prompts of lengths {sorted(lens)}: want {batch} of one length >= 1")
-    n, chunk, ctx = min(lens) - 1, cfg.max_tree // batch, 0
+    n, chunk, ctx = min(lens) - 1, cfg.max_tree // (1 if full else batch), 0
     while ctx < n:
         k = min(chunk, n - ctx)
         engine.step_batch([Request([int(x) for x in p[ctx:ctx + k]], treelib.chain(k), ctx) for p in prompts],
@@ -247,6 +255,10 @@ class SpecPair:
     def __init__(self, w: ModelWeights, plan: Plan, draft_plan: Plan, caches: Sequence[KVCache], *, batch: int = 1,
                  agree: float = 1.0, backend: str = "gpu", grid: int | None = None, emu_seed: int = 1,
                  emu_schedule: str = "random", ranks: int = 1, link: RankLink | None = None):
+        if plan.row_groups > 1 or draft_plan.row_groups > 1:
+            if ranks != 1 or link is not None or plan.row_groups < batch or draft_plan.row_groups < batch or batch < 2:
+                raise ConfigError(f"full trees for {batch} requests: one rank, and both plans of at least {batch} row "
+                                  f"groups, B >= 2 (got {plan.row_groups} and {draft_plan.row_groups}, {ranks} ranks)")
         if not isinstance(ranks, int) or ranks < 1:
             raise ConfigError(f"ranks {ranks!r}: want a positive number of tensor-parallel ranks")
         if link is not None:
@@ -262,7 +274,8 @@ class SpecPair:
             raise ConfigError(f"a plan of {max(plan.tp_ranks, plan.launch_ranks)} ranks: pass ranks= to match")
         cfg = w.cfg
         self.w, self.cfg, self.B, self.ranks, self.link = w, cfg, batch, ranks, link
-        self.T, self.parents, self.branch_depth = tree_shape(cfg, batch)
+        self.full = plan.row_groups > 1  # each request the whole tree, in a row group of its own
+        self.T, self.parents, self.branch_depth = tree_shape(cfg, batch, self.full)
         self.dm = DraftModel(w, DraftConfig(agree=agree, n_slots=self.T - 1))
         if draft_plan.cfg != self.dm.cfg:
             raise ConfigError(f"draft plan for {draft_plan.cfg.name}, the drafter is {self.dm.cfg.name}")
@@ -272,6 +285,9 @@ class SpecPair:
             raise ConfigError(f"{len(caches)} KV caches for {batch} requests (one each)")
         dev = w.device
         self._caches = list(caches)
+        if self.full:
+            self._init_groups(plan, draft_plan, backend, grid, emu_seed, emu_schedule)
+            return
         # one copy of the speculative state per rank here (rank k's accept and advance write states[k]);
         # one process's rank (link): its own copy alone
         here = 1 if link is not None else ranks
@@ -296,6 +312,32 @@ class SpecPair:
         self.draft = Engine(self.dm.w, draft_plan, self.draft_caches, spec=SpecLink(
             "draft", self.state, (self.T - 1,) * batch, seed_table(self.dm.w.succ), self.top2),
             share=self.verifiers[0], **dkw)
+        self.gpu = backend == "gpu"
+        self._graphs = {}
+
+    def _init_groups(self, plan: Plan, draft_plan: Plan, backend: str, grid, emu_seed: int, emu_schedule: str) -> None:
+        """Full trees: the verifier and the drafter as GroupEngines, request g in row group g of
+        each, with its own SpecLink: its row of the state, the one tree table (every request's tree
+        is the B = 1 shape), its own top-2 rows (its draft group's argmax writes them, its verify
+        group's tree reads them). Each group's spec ops see a step of one request, so every request
+        runs its B = 1 speculative step, bit for bit (test_megakernel_spec_groups)."""
+        B, cfg, dev = self.B, self.cfg, self.w.device
+        # request g's state row at a 16-byte aligned address (Params.spec, runtime._ptr): rows padded
+        # to a multiple of 4 ints, each group's link a one-row view
+        pad = -(-abi.SPEC_INTS // 4) * 4
+        self._state_rows = torch.zeros(B, pad, dtype=torch.int32, device=dev)
+        self.state = self._state_rows[:, :abi.SPEC_INTS]
+        self.states = [self.state]
+        self.top2 = torch.zeros(B, self.dm.cfg.max_tree, 2, dtype=torch.int32, device=dev)
+        table = tree_table(self.parents, 1, cfg.max_tree, dev)
+        seeds = seed_table(self.dm.w.succ)
+        kw = dict(backend=backend, grid=grid, emu_seed=emu_seed, emu_schedule=emu_schedule)
+        vlinks = [SpecLink("verify", self.state[g:g + 1], (self.T,), table, self.top2[g]) for g in range(B)]
+        self.target = GroupEngine(self.w, plan, list(self._caches), specs=vlinks, **kw)
+        self.verifiers = [self.target]
+        self.draft_caches = [KVCache(self.dm.cfg, device=dev) for _ in range(B)]
+        dlinks = [SpecLink("draft", self.state[g:g + 1], (self.T - 1,), seeds, self.top2[g]) for g in range(B)]
+        self.draft = GroupEngine(self.dm.w, draft_plan, self.draft_caches, specs=dlinks, share=self.target.lead, **kw)
         self.gpu = backend == "gpu"
         self._graphs = {}
 
@@ -324,11 +366,13 @@ class SpecPair:
         tokens, depths and ancestor masks (tree), the draft rows' tokens (seed), the top-2 (the
         draft's argmax) and each request's path, length and bonus (accept)."""
         v = self.cfg.vocab - 1
-        for e in self.verifiers:
+        groups = lambda e: e.members if isinstance(e, GroupEngine) else [e]  # noqa: E731
+        for e in (m for x in self.verifiers for m in groups(x)):
             e.tokens_t.fill_(v)
             e.depth_t.fill_(0)
             e.anc_t.fill_(1)
-        self.draft.tokens_t.fill_(v)
+        for e in groups(self.draft):
+            e.tokens_t.fill_(v)
         self.top2.fill_(v)
         o = abi.spec_offsets()
         for st in self.states:
@@ -339,14 +383,14 @@ class SpecPair:
     def prefill(self, prompts: Sequence[Sequence[int]], mode: str = "mega") -> int:
         """Cache every request's prompt but its last token (the first root) with the target's plain
         steps: chain-shaped chunks of max_tree / B tokens a request. Returns the context."""
-        return prefill_steps(self.target, self.cfg, self.B, prompts, mode)
+        return prefill_steps(self.target, self.cfg, self.B, prompts, mode, self.full)
 
     def start(self, prompts: Sequence[Sequence[int]], want: int, ctx: int, *, poison: bool = False) -> None:
         """The state of a run: request r's root is prompts[r][-1] at context `ctx` (prefill cached the
         rest), wanting `want` tokens; both engines' spec rows set (after any plain step)."""
         if len(prompts) != self.B or not all(len(p) for p in prompts):
             raise ConfigError(f"{len(prompts)} prompts for {self.B} requests: one non-empty prompt each")
-        most = max_tokens(self.cfg, self.B, ctx + 1)
+        most = max_tokens(self.cfg, self.B, ctx + 1, self.full)
         if not 1 <= want <= most:
             raise ConfigError(f"{want} tokens per request: {self.cfg.name} with a prompt of {ctx + 1} holds 1..{most} "
                               f"({abi.MAX_OUT} emitted tokens at most, {self.cfg.max_context} cached positions)")
@@ -492,7 +536,8 @@ class SpecPair:
         """The requests' emitted tokens, counts, acceptance histograms and contexts (one copy)."""
         o = abi.spec_offsets()
         st = self.state.cpu()
-        ctx = self.verifiers[0].step_t.cpu()[abi.step_offsets()["ctx"]:][:self.B].tolist()
+        ctx = (self.target.contexts() if self.full
+               else self.verifiers[0].step_t.cpu()[abi.step_offsets()["ctx"]:][:self.B].tolist())
         out = []
         for r in range(self.B):
             n, want = int(st[r, o["n_out"]]), int(st[r, o["want"]])
@@ -512,6 +557,8 @@ class SpecPair:
         tokens, counts, path, root, histogram) or its step contexts differ from rank 0's, bitwise;
         empty when every rank's copy is rank 0's (each rank's accept decided the same path every
         step). One process's rank: empty (decode_rank compares the gathered copies)."""
+        if self.full:  # one rank
+            return []
         recs = self.rank_records()
         return gather_problems(recs, len(recs), RANK_COMPARE) if self.link is None else []
 
@@ -920,14 +967,15 @@ def summary_lines(out: DecodeOutcome, *, emulated: bool) -> list[str]:
 def to_result(out: DecodeOutcome, *, preset: str, batch: int, mode: str, agree: float, acceptance: str,
               acceptance_source: str, prompt_len: int, n: int, env: Env, emulated: bool,
               launches: tuple[int, int, int], ranks: int = 1, where: str | None = None,
-              where_why: str | None = None) -> Result:
+              where_why: str | None = None, row_groups: int = 1) -> Result:
     """The run as a typed `megakernel.decode` result: one series of step wall times with the
     acceptance (histogram, per-depth rates), the split and the check in its metrics; derived the
     accepted tokens/s and the mean acceptance. The report draws GPU runs only (emulated ones are
     the CPU's time). `ranks`: the verifier's tensor-parallel ranks (params; a run of R > 1 names
     its series .../R{ranks}); `where`: where it ran (params: "emu", "gpu" (at R > 1 the ranks
     sharing one GPU's SMs) or "torchrun" (one process per GPU); default by `emulated`), `where_why`
-    the sentence that says so (notes)."""
+    the sentence that says so (notes); `row_groups`: full trees, a row group per request (params;
+    1: every request's tree in one step of max_tree rows)."""
     where = where or ("emu" if emulated else "gpu")
     if where not in ("emu", "gpu", "torchrun"):
         raise ConfigError(f"where {where!r}: emu, gpu or torchrun")
@@ -940,7 +988,7 @@ def to_result(out: DecodeOutcome, *, preset: str, batch: int, mode: str, agree: 
     check = "not run" if out.check is None else ("passed" if out.check.ok else "FAILED")
     params = {"preset": preset, "batch": batch, "tree_tokens": t, "branch_depth": rep.branch_depth, "mode": mode,
               "agree": agree, "acceptance": acceptance, "prompt_len": prompt_len, "tokens": n,
-              "backend": "emu" if emulated else "gpu", "ranks": ranks, "where": where}
+              "backend": "emu" if emulated else "gpu", "ranks": ranks, "where": where, "row_groups": row_groups}
     metrics = {"accepted_tokens_per_s": rate, "accepted_tokens": committed, "steps": len(st.steps),
                "rounds": list(st.rounds), "accepted_tokens_per_step": rep.mean, "histogram": list(rep.histogram),
                "depth_rates": [x if x == x else None for x in rep.depth_rates], "follow_rate": rep.follow_rate,

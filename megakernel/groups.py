@@ -19,6 +19,12 @@ Bound: the weights are read once per group (the dense projections of every group
 each group's experts), from HBM or L2. A group is not a token tile inside a unit: that would
 read each weight tile once for all rows (roofline.batch_roofline counts the weights once).
 
+Speculative steps (decode.SpecPair with full trees past max_tree rows): `specs`, one SpecLink per
+group, each of one request (request g is group g's alone: a 16-token verify tree, or its 15 draft
+rows, fills a group). Each group's spec ops (seed, tree, accept, compact, advance) read and write
+its own request's state and tables through its own parameter block, so a request's speculative
+step is its B=1 step's, bit for bit, as for plain steps.
+
 Usage:
     eng = GroupEngine(weights, make_plan(cfg, n_sm, row_groups=8), caches)   # one cache per request
     out = eng.step_batch(requests)        # request r on caches[r], out.request(r)
@@ -32,11 +38,12 @@ import torch
 from microbench.clocks.profiler import ProfileBuffer, ProfileLayout
 from microbench.errors import SpinTimeoutError
 
+from . import abi
 from .config import ConfigError
 from .plan import Plan
 from .program import Program, grouped
 from .reference import KVCache, Request
-from .runtime import Engine, StepOut
+from .runtime import Engine, SpecLink, StepOut
 from .weights import ModelWeights
 
 
@@ -63,11 +70,13 @@ def groups_needed(cfg_max_tree: int, rows: Sequence[int]) -> int:
 
 class GroupEngine:
     """B requests in row groups (module docstring), with Engine's step API: step_batch,
-    prepare_batch + launch_step (what a timing replays), poison."""
+    prepare_batch + launch_step (what a timing replays), poison; with `specs`, the speculative
+    step's: set_spec_rows, launch_step(spec=True, part=...), note_replayed."""
 
     def __init__(self, weights: ModelWeights, plan: Plan, caches: Sequence[KVCache], *, backend: str = "gpu",
                  program_mode: str = "layer", grid: int | None = None, emu_seed: int = 1,
-                 emu_schedule: str = "random"):
+                 emu_schedule: str = "random", specs: Sequence[SpecLink] | None = None,
+                 share: Engine | None = None):
         if plan.row_groups < 2:
             raise ConfigError(f"a GroupEngine needs a plan of 2 or more row groups (make_plan(row_groups=...)), got "
                               f"{plan.row_groups}: a step of one group runs in an Engine")
@@ -75,11 +84,24 @@ class GroupEngine:
         if not self.caches or len({id(c) for c in self.caches}) != len(self.caches):
             raise ConfigError("a GroupEngine takes one distinct KV cache per request")
         self.plan, self.cfg, self.backend = plan, weights.cfg, backend
+        self.specs = list(specs) if specs is not None else None
+        if self.specs is not None:
+            roles = {s.role for s in self.specs}
+            if not 2 <= len(self.specs) <= plan.row_groups or len(roles) != 1 \
+                    or any(len(s.rows) != 1 for s in self.specs) or len(self.specs) != len(self.caches):
+                raise ConfigError(f"speculative row groups: one SpecLink of one request per group and per KV cache, "
+                                  f"2..{plan.row_groups} of one role (got {len(self.specs)} links of roles "
+                                  f"{sorted(roles)}, {len(self.caches)} caches)")
+            if plan.union_experts or plan.profile:
+                raise ConfigError("speculative row groups run each group's experts, unprofiled (no union_experts, "
+                                  "no profile)")
         kw = dict(backend=backend, program_mode=program_mode, grid=grid, emu_seed=emu_seed,
-                  emu_schedule=emu_schedule, group_member=True)
-        # a group's engine starts on one cache; prepare_batch gives it its requests' caches
-        self.members = [Engine(weights, plan, [KVCache(weights.cfg, device=weights.device)], **kw)
-                        for _ in range(plan.row_groups)]
+                  emu_schedule=emu_schedule, group_member=True, share=share)
+        # a group's engine starts on one cache; prepare_batch gives it its requests' caches (a
+        # speculative group: its request's, set_spec_rows)
+        self.members = [Engine(weights, plan, [KVCache(weights.cfg, device=weights.device)],
+                               spec=self.specs[g] if self.specs is not None and g < len(self.specs) else None, **kw)
+                        for g in range(plan.row_groups)]
         lead = self.lead = self.members[0]
         for m in self.members[1:]:
             m.wd = lead.wd  # one watchdog record for the launch (packed into every group's block below)
@@ -109,21 +131,51 @@ class GroupEngine:
                                       device="cpu" if backend == "emu" else (lead.dev.index or 0))
             for m in self.members[1:]:
                 m.prof = None  # their launches are the lead's
-        self._programs: dict[int, tuple[Program, torch.Tensor]] = {}
-        self.counters = torch.zeros(2, self.base.n_counters * plan.row_groups, dtype=torch.int32, device=lead.dev)
+        self._programs: dict[tuple[int, bool], tuple[Program, torch.Tensor]] = {}
+        nc = max(self.base.n_counters, lead.spec_program.n_counters if lead.spec_program is not None else 0)
+        self.counters = torch.zeros(2, nc * plan.row_groups, dtype=torch.int32, device=lead.dev)
         self.parity = 0
         self._dirty = [False, False]
         self.program: Program | None = None
+        self.spec_program: Program | None = None
         self._params_dev: torch.Tensor | None = None
+        self._spec_params_dev: torch.Tensor | None = None
         self._row0: tuple[int, ...] = ()
         self._rows: list[int] = []
         self._groups: list[range] = []
+        if self.specs is not None:
+            self.set_spec_rows([0] * len(self.specs))
 
-    def _program(self, groups: int) -> tuple[Program, torch.Tensor]:
-        if groups not in self._programs:
-            prog = grouped(self.base, groups)
-            self._programs[groups] = (prog, torch.from_numpy(prog.encode()).to(self.lead.dev))
-        return self._programs[groups]
+    def _program(self, groups: int, spec: bool = False) -> tuple[Program, torch.Tensor]:
+        if (groups, spec) not in self._programs:
+            prog = grouped(self.lead.spec_program if spec else self.base, groups)
+            self._programs[groups, spec] = (prog, torch.from_numpy(prog.encode()).to(self.lead.dev))
+        return self._programs[groups, spec]
+
+    def set_spec_rows(self, ctxs: Sequence[int]) -> None:
+        """The speculative step's shape: group g runs request g (caches[g]) at context ctxs[g]
+        (Engine.set_spec_rows), and the spec step's parameter blocks are packed. The verifier's
+        plain steps (prefill, plain decoding) repack its groups: call this again before spec steps
+        that follow plain ones. The drafter's step is its pass: its plain program is that pass."""
+        if self.specs is None:
+            raise ConfigError("set_spec_rows: this engine has no speculative role (GroupEngine(specs=...))")
+        if len(ctxs) != len(self.specs):
+            raise ConfigError(f"{len(ctxs)} contexts for {len(self.specs)} speculative groups (one request each)")
+        n = len(self.specs)
+        prog, prog_t = self._program(n, spec=True)
+        for g, m in enumerate(self.members[:n]):
+            m.caches = [self.caches[g]]
+            m._kv_blob = m._kv_table()
+            m.set_spec_rows([int(ctxs[g])])
+        # every group's block, the unused ones too (prepare_batch); an unused group has no spec role
+        blobs = [m._params(False, m.spec_program if g < n else None, shared=(prog_t, self.counters), n_active=n)
+                 for g, m in enumerate(self.members)]
+        self.spec_program, self._spec_params_dev = prog, torch.cat(blobs)
+        if self.specs[0].role == "draft":  # its pass is its step (launch_step runs it)
+            self.program, self._params_dev = prog, self._spec_params_dev
+            self._groups = [range(g, g + 1) for g in range(n)]
+            self._rows = [self.specs[g].rows[0] for g in range(n)]
+            self._row0 = tuple(sum(self._rows[:r]) for r in range(n + 1))
 
     def poison(self) -> None:
         """Every group's scratch buffers NaN (Engine.poison)."""
@@ -135,6 +187,9 @@ class GroupEngine:
         pack the launch's parameter blocks (one per group, in group order). `routes` (forced):
         per layer [rows, top_k] over all the requests' rows in order. Returns the step's rows."""
         reqs = list(requests)
+        if self.specs is not None and self.specs[0].role == "draft":
+            raise ConfigError("the drafter's step is its pass (its rows' tokens come from its seed op): launch_step "
+                              "runs it")
         if not reqs:
             raise ConfigError("a step needs at least one request")
         if len(reqs) > len(self.caches):
@@ -163,30 +218,61 @@ class GroupEngine:
         self._row0 = tuple(sum(rows[:r]) for r in range(len(rows) + 1))
         return sum(rows)
 
-    def launch_step(self, mode: str = "mega") -> None:
-        """Enqueue the kernels of the prepared step (Engine.launch_step's counter bookkeeping)."""
-        if self._params_dev is None:
+    def launch_step(self, mode: str = "mega", *, spec: bool = False, part: range | None = None) -> None:
+        """Enqueue the kernels of the prepared step (Engine.launch_step's counter bookkeeping).
+        spec: the verifier's spec step (set_spec_rows); part: only these launches of the step, in
+        order (the counters are cleaned before its first launch and the parity turns after its last,
+        so the parts of one step go in order)."""
+        if spec and self.spec_program is None:
+            raise ConfigError("launch_step(spec=True): this engine has no spec step (GroupEngine(specs=...))")
+        prog, params = (self.spec_program, self._spec_params_dev) if spec else (self.program, self._params_dev)
+        if params is None:
             raise ConfigError("launch_step: no step prepared (prepare_batch first)")
-        prog, lead = self.program, self.lead
+        lead = self.lead
         todo = list(zip(lead.launches(mode, prog), lead.launch_pdl(mode, prog)))
-        if mode == "mega" and self._dirty[self.parity]:
-            self.counters[self.parity].zero_()
-        if lead.prof is not None:
-            lead.prof.reset()
+        part = range(len(todo)) if part is None else part
+        if part and (part[0] < 0 or part[-1] >= len(todo) or part.step != 1):
+            raise ValueError(f"part {part}: launches 0..{len(todo) - 1}, consecutive")
+        if not part:
+            return
+        if part[0] == 0:
+            if mode == "mega" and self._dirty[self.parity]:
+                self.counters[self.parity].zero_()
+            if lead.prof is not None:
+                lead.prof.reset()
         lead.parity = self.parity
         lead._last_program = prog
-        for li, ((first, n, wait, grid), pdl) in enumerate(todo):
-            lead._launch(first, n, wait, grid, li, pdl=pdl, params=self._params_dev)
-        if mode == "mega":
+        for li in part:
+            (first, n, wait, grid), pdl = todo[li]
+            lead._launch(first, n, wait, grid, li, pdl=pdl, params=params)
+        if mode == "mega" and part[-1] == len(todo) - 1:
             self._dirty[self.parity] = True
             self._dirty[self.parity ^ 1] = False  # every group's argmax cleared it
             self.parity ^= 1
 
-    def launches(self, mode: str = "mega") -> list[tuple[int, int, int, int]]:
-        """(first op, ops, wait, grid) of each launch of the prepared step (Engine.launches)."""
-        if self.program is None:
+    def note_replayed(self, steps: int, mode: str) -> None:
+        """Engine.note_replayed: a CUDA graph ran `steps` whole steps launch_step did not see."""
+        if mode == "mega":
+            for _ in range(steps):
+                self._dirty[self.parity] = True
+                self._dirty[self.parity ^ 1] = False
+                self.parity ^= 1
+
+    def launches(self, mode: str = "mega", program: Program | None = None) -> list[tuple[int, int, int, int]]:
+        """(first op, ops, wait, grid) of each launch of the prepared step, or of `program` (one of
+        this engine's grouped programs: self.spec_program) (Engine.launches)."""
+        prog = program or self.program
+        if prog is None:
             raise ConfigError("launches: no step prepared (prepare_batch first)")
-        return self.lead.launches(mode, self.program)
+        return self.lead.launches(mode, prog)
+
+    def contexts(self) -> list[int]:
+        """Speculative groups: each request's cached positions as the device's step blocks hold them
+        (advance moves them): request g's from group g's."""
+        if self.specs is None:
+            raise ConfigError("contexts: this engine has no speculative role")
+        at = abi.step_offsets()["ctx"]
+        return [int(m.step_t[at].item()) for m in self.members[:len(self.specs)]]
 
     def _launch(self, first, n, wait, grid, li=0) -> None:
         """One launch of the prepared step over every group's parameter blocks, PDL off: the

@@ -426,6 +426,10 @@ def grouped(prog: Program, groups: int) -> Program:
     Every group's instances are those of its own step, so a group's bits are those of its step
     alone; the launches are `prog`'s, each `groups` times as long.
 
+    A spec program (the drafter's pass, the verify step) is grouped the same way: each group's
+    seed / tree first, its accept, compact and advance in the last launch, every one on its own
+    group's state (decode.SpecPair with full trees: one request a group). Not with union_experts.
+
     Plan.union_experts: each layer's gate/up and down projection are one instance (group 0's)
     over the union of every group's routing, after every group's top-k; each group's MoE combine
     waits for it. Every group's top-k and pooler bump group 0's counters (one counter each,
@@ -434,9 +438,9 @@ def grouped(prog: Program, groups: int) -> Program:
         raise ValueError(f"{groups!r} row groups: the plan's build takes 1..{prog.plan.row_groups}")
     if groups == 1:
         return prog
-    if prog.spec is not None:
-        raise ValueError(f"row groups run plain steps; a {prog.spec} program has one group")
     union = prog.plan.union_experts
+    if prog.spec is not None and union:
+        raise ValueError(f"a {prog.spec} program in row groups runs each group's experts (no union_experts)")
     order: list[tuple[int, int]] = []  # (instance of prog, group)
     launches = []
     for first, n in prog.launches:
@@ -482,14 +486,17 @@ def check(prog: Program) -> None:
     if prog.spec is None:
         assert not set(kinds) & set(SPEC_KINDS), "a plain program holds no speculative op"
     elif prog.spec == "draft":
-        assert kinds[:2] == ["seed", "embed"] and kinds.count("seed") == 1 \
+        g = prog.groups  # row groups (grouped): each instance once per group, group after group
+        assert kinds[:2 * g] == ["seed"] * g + ["embed"] * g and kinds.count("seed") == g \
             and not {"tree", "accept", "compact", "advance"} & set(kinds), "draft: seed, then the plain step"
     else:
         # advance is the only writer of the state the next step reads: every op that reads it
-        # (tree, accept, compact) runs before it, and the last launch holds the three alone
-        first, n = prog.launches[-1]
-        assert kinds[0] == "tree" and kinds[1] == "embed" and kinds[first:] == ["accept", "compact", "advance"] \
-            and n == 3 and kinds.count("tree") == 1 and "seed" not in kinds, "verify: tree first, accept launch last"
+        # (tree, accept, compact) runs before it, and the last launch holds the three alone (a
+        # group's three: each group's advance writes its own group's state and step block)
+        g, (first, n) = prog.groups, prog.launches[-1]
+        assert kinds[:2 * g] == ["tree"] * g + ["embed"] * g \
+            and kinds[first:] == ["accept"] * g + ["compact"] * g + ["advance"] * g \
+            and n == 3 * g and kinds.count("tree") == g and "seed" not in kinds, "verify: tree first, accept launch last"
     # a collective wait's id keeps the op index in 12 bits (csrc/mk/tp.cuh what_x; runtime.describe_wait)
     assert not prog.plan.tp_ranks or len(prog.ops) <= MAX_TP_OPS, f"{len(prog.ops)} op instances, TP takes {MAX_TP_OPS}"
     for o in prog.ops:

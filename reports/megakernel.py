@@ -440,6 +440,7 @@ class DecodeRow:
     date: str
     ranks: int = 1  # the verifier's tensor-parallel ranks
     where: str = "gpu"  # "gpu": one GPU (R ranks sharing its SMs), "torchrun": one process per GPU
+    tree: int = 16  # each request's verify tree tokens (16 / B, or 16 with full trees: a row group each)
 
     def metric(self, key: str) -> float | None:
         v = self.series.metrics.get(key)
@@ -472,7 +473,7 @@ def decode_rows(results: Sequence[Result]) -> list[DecodeRow]:
             rows.append(DecodeRow(s, str(p.get("preset", "?")), int(p.get("batch", 1)), str(p.get("mode", "mega")),
                                   float(p.get("agree", float("nan"))), str(p.get("acceptance", "?")),
                                   r.env.git_sha[:7], r.env.date, int(p.get("ranks", 1)),
-                                  str(p.get("where", "gpu"))))
+                                  str(p.get("where", "gpu")), int(p.get("tree_tokens", 16))))
     return sorted(rows, key=lambda d: d.date)
 
 
@@ -492,7 +493,8 @@ def decode_table(rows: Sequence[DecodeRow]) -> list[dict]:
     for d in rows:
         ms = lambda k: fmt(d.metric(k), "s") if d.metric(k) is not None else ""  # noqa: E731
         ranks = str(d.ranks) if d.ranks == 1 else f"{d.ranks} ({'one per GPU' if d.where == 'torchrun' else 'one GPU'})"
-        out.append({"preset": d.preset, "B": d.batch, "ranks": ranks, "mode": d.mode, "acceptance": f"{d.acceptance} (agree {d.agree:g})",
+        out.append({"preset": d.preset, "B": d.batch, "tree": d.tree, "ranks": ranks, "mode": d.mode,
+                    "acceptance": f"{d.acceptance} (agree {d.agree:g})",
                     "mean accepted": f"{d.mean:.2f}", "accepted tokens/s": fmt(d.tok_s, "tok/s"),
                     "step": fmt(d.step_s, "s"), "draft": ms("draft_s"), "verify": ms("verify_s"),
                     "accept + compaction": ms("accept_s"), "gaps": ms("gaps_s"),
@@ -509,7 +511,7 @@ def acceptance_curve(rows: Sequence[StepRow], decode: Sequence[DecodeRow]) -> di
     if mega is None:
         return None
     accs = list(np.linspace(1.0, 13.0, 25))
-    measured = [(d.mean, d.tok_s, f"{d.mode} B={d.batch}{f' R={d.ranks}' if d.ranks > 1 else ''} {d.acceptance} "
+    measured = [(d.mean, d.tok_s, f"{d.mode} B={d.batch} T={d.tree}{f' R={d.ranks}' if d.ranks > 1 else ''} {d.acceptance} "
                                   f"({d.date[:10]})") for d in decode if d.preset == mega.preset]
     return {"preset": mega.preset, "context": mega.context, "step_s": mega.step_s,
             "projection": [(a, a / mega.step_s) for a in accs],

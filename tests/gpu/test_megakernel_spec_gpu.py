@@ -54,3 +54,31 @@ def test_speculative_decoding_equals_plain_greedy_on_the_gpu(preset):
     assert out.check.ok, out.check.problems
     assert len(out.read.tokens[0]) == 256 and 1.0 <= out.report.mean <= 13.0
     assert out.stats.timer == "cuda_event" and all(s.draft > 0 and s.verify > 0 and s.accept > 0 for s in out.stats.steps)
+
+
+def test_full_trees_decode_each_request_as_alone_on_the_gpu():
+    """small, 4 requests of the whole 16-token tree, each in a row group of its own: plain greedy
+    decoding's tokens and KV rows, and each request's tokens and acceptance histogram those of the
+    same request decoded alone (B = 1, the same tree, the same drafter)."""
+    from megakernel import speculative
+    from megakernel.bench_baselines import weights_for
+    from megakernel.decode import SpecPair, decode, prompts_for
+    from megakernel.draft import DraftConfig, draft_model_config
+    from megakernel.plans import plan_for
+    from megakernel.reference import KVCache
+
+    b, n = 4, 64
+    w = weights_for("small")
+    agree = speculative.agreement("study", "small")
+    dcfg = draft_model_config(w.cfg, DraftConfig(agree=agree))
+    prompts = prompts_for(w.cfg, b, 8, 0)
+    pair = SpecPair(w, plan_for("small", tokens=w.cfg.max_tree, row_groups=b),
+                    plan_for(dcfg, tokens=dcfg.max_tree - 1, row_groups=b),
+                    [KVCache(w.cfg, device="cuda") for _ in range(b)], batch=b, agree=agree, backend="gpu")
+    out = decode(pair, prompts, n, "mega", check=True, poison=True)
+    assert out.check.ok, out.check.problems
+    assert pair.T == 16 and out.stats.timer == "cuda_event"
+    for r in range(b):
+        alone = _pair("small")
+        got = decode(alone, prompts[r:r + 1], n, "mega").read
+        assert out.read.tokens[r] == got.tokens[0] and out.read.hist[r] == got.hist[0], r
