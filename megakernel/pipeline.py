@@ -39,7 +39,7 @@ from . import baselines as B, speculative, tiling
 from .batch import bench_batch_point
 from .bench_baselines import FULL_POINTS, QUICK_POINTS, Collector, release, weights_for
 from .config import preset as get_preset
-from .decode import SpecPair, decode
+from .decode import SpecPair, decode, prompts_for
 from .decode import to_result as decode_result
 from .draft import DraftConfig, draft_model_config
 from .measure import Check, ablation_point, bench_point, build_result, check_point, code_result, greedy_check, timeline
@@ -56,6 +56,9 @@ from .roofline import read_ceiling
 # plain greedy decoding, then its accepted tokens/s): these presets, this many tokens
 DECODE_PRESETS = ("small", "shard8")
 DECODE_TOKENS = 64
+# With the batched steps (full runs, or `batches`): B requests a step, each its own tree of 16 / B
+# tokens, and each the whole 16-token tree in a row group of its own (decode --full-trees)
+DECODE_BATCHES = (4, 8)
 
 # Other implementations timed beside mega and chain at every timed point of the stage (the torch
 # baselines have items of their own): name -> fn(h, preset, n_tokens, ctx, ceiling, constants=...)
@@ -183,6 +186,10 @@ class Stage:
                 out.append(item(f"{p} greedy", partial(self._greedy, p), "greedy", (g,)))
             if p in DECODE_PRESETS and self.points(p):
                 out.append(item(f"{p} speculative decode", partial(self._decode, p), "decode", (g,)))
+                for b in DECODE_BATCHES if self.batch_points(p) else ():
+                    out.append(item(f"{p} speculative decode B={b}", partial(self._decode, p, b), "decode", (g,)))
+                    out.append(item(f"{p} speculative decode B={b} full trees", partial(self._decode, p, b, True),
+                                    "decode", (g,)))
             for t, c in self.points(p):
                 for mode in ("chain", "mega"):
                     out.append(item(f"{p} T={t} ctx={c} {mode}", partial(self._time, p, t, c, mode), f"time/{p}",
@@ -246,12 +253,15 @@ class Stage:
             self._plans[(p, t, union)] = plan_for(p, self.constants, self.h.info.sm_count, **kw)
         return self._plans[(p, t, union)]
 
-    def draft_plan(self, p: str) -> Plan:
-        """The drafter's build for preset p (megakernel/draft.py: a config of the target's family)."""
-        if (p, "draft") not in self._plans:
+    def draft_plan(self, p: str, groups: int = 1) -> Plan:
+        """The drafter's build for preset p (megakernel/draft.py: a config of the target's family);
+        groups > 1: row groups of one request's draft rows each (decode's full trees)."""
+        if (p, "draft", groups) not in self._plans:
             dcfg = draft_model_config(get_preset(p), DraftConfig(agree=speculative.agreement("study", p)))
-            self._plans[(p, "draft")] = plan_for(dcfg, self.constants, self.h.info.sm_count, tokens=dcfg.max_tree - 1)
-        return self._plans[(p, "draft")]
+            kw = {"row_groups": groups} if groups > 1 else {}
+            self._plans[(p, "draft", groups)] = plan_for(dcfg, self.constants, self.h.info.sm_count,
+                                                         tokens=dcfg.max_tree - 1, **kw)
+        return self._plans[(p, "draft", groups)]
 
     def plans_needed(self) -> list[Plan]:
         """Every build the items will ask for (the compile item's list)."""
@@ -264,6 +274,8 @@ class Stage:
                     if b * t > get_preset(p).max_tree]
             if p in DECODE_PRESETS and self.points(p):
                 out.append(self.draft_plan(p))
+                for b in DECODE_BATCHES if self.batch_points(p) else ():
+                    out += [self.plan(p, b * get_preset(p).max_tree), self.draft_plan(p, b)]
             if not self.points(p):
                 continue
             t = self.points(p)[-1][0]
@@ -319,25 +331,28 @@ class Stage:
         self.notes.append(f"{p}: greedy decoding over {n} steps equals the reference's tokens")
         self.log(f"  greedy {p}: {n} steps equal")
 
-    def _decode(self, p: str) -> None:
-        """A speculative decode of DECODE_TOKENS tokens (mega mode, the named 'study' acceptance),
-        checked token for token against plain greedy decoding before its rate counts."""
+    def _decode(self, p: str, batch: int = 1, full: bool = False) -> None:
+        """A speculative decode of DECODE_TOKENS tokens per request (mega mode, the named 'study'
+        acceptance), checked token for token against plain greedy decoding before its rate counts:
+        `batch` requests a step, each a tree of 16 / B tokens, or with `full` each the whole tree in
+        a row group of its own (the batch curve's build of B x 16 rows, and the drafter's of B groups)."""
         w = weights_for(p)
         agree = speculative.agreement("study", p)
-        pair = SpecPair(w, self.plan(p, w.cfg.max_tree), self.draft_plan(p), [KVCache(w.cfg, device="cuda")],
-                        agree=agree, backend="gpu")
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, w.cfg.vocab, (8,), generator=g).tolist()]
+        groups = batch if full else 1
+        pair = SpecPair(w, self.plan(p, w.cfg.max_tree * groups), self.draft_plan(p, groups),
+                        [KVCache(w.cfg, device="cuda") for _ in range(batch)], batch=batch, agree=agree, backend="gpu")
+        prompts = prompts_for(w.cfg, batch, 8, 0)
         out = decode(pair, prompts, DECODE_TOKENS, "mega", check=True)
         if not out.check.ok:
-            raise CorrectnessError(f"{p}: speculative decoding differs from plain greedy: {out.check.problems[:3]}")
-        r = decode_result(out, preset=p, batch=1, mode="mega", agree=agree, acceptance="study",
+            raise CorrectnessError(f"{p} B={batch}{' full trees' if full else ''}: speculative decoding differs from "
+                                   f"plain greedy: {out.check.problems[:3]}")
+        r = decode_result(out, preset=p, batch=batch, mode="mega", agree=agree, acceptance="study",
                           acceptance_source=speculative.agreement_source("study", p), prompt_len=8, n=DECODE_TOKENS,
                           env=constants_env(None, self.constants), emulated=False,
-                          launches=pair.part_launches("mega"))
+                          launches=pair.part_launches("mega"), row_groups=groups)
         self.results.append(r)
-        self.log(f"  decode {p}: {r.derived['accepted_tokens_per_s'].value:.0f} accepted tok/s at "
-                 f"{r.derived['mean_acceptance'].value:.2f} tokens a step, equal to plain greedy")
+        self.log(f"  decode {p} B={batch} T={pair.T}: {r.derived['accepted_tokens_per_s'].value:.0f} accepted tok/s "
+                 f"at {r.derived['mean_acceptance'].value:.2f} tokens a step per request, equal to plain greedy")
 
     def _time(self, p: str, t: int, ctx: int, mode: str) -> None:
         s = bench_point(self.h, p, t, ctx, self.plan(p, t), mode, self.ceiling)

@@ -67,10 +67,13 @@ def test_full_adds_the_ablation_timelines_and_long_contexts(gpu_wiring, tmp_path
     # the batched steps (plans.BATCH_FULL; T = 16 at B = 2, 4, 8 in row groups, also over the union
     # of their routing), chain and mega, then the peer at the same B, --full only
     grid = ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4), (2, 16), (4, 16), (8, 16))
-    assert [n for n in mk if " B=" in n and n.startswith("shard8")] == [
+    assert [n for n in mk if " B=" in n and n.startswith("shard8") and "decode" not in n] == [
         f"shard8 B={b} T={t} ctx=2048 {m}" for b, t in grid
         for m in ("chain", "mega") + (("mega_union",) if b * t > 16 else ())] + [
         f"shard8 B={b} T={t} ctx=2048 peer" for b, t in grid]
+    # the batched speculative decodes, trees of 16 / B and full trees, --full only
+    assert [n for n in mk if n.startswith("shard8 speculative decode")] == ["shard8 speculative decode"] + [
+        f"shard8 speculative decode B={b}{t}" for b in (4, 8) for t in ("", " full trees")]
     assert not [n for n in _names(pipeline.items(_args(), tmp_path, gpu=True), "megakernel") if " B=" in n]
 
 
@@ -324,8 +327,10 @@ def fake_gpu_work(monkeypatch):
 
     monkeypatch.setattr(mp, "BATCH_PEERS", {"peer": peer_batch})
     monkeypatch.setattr(mp, "greedy_check", lambda p, plan: calls.append(("greedy", p)) or 64)
-    monkeypatch.setattr(mp.Stage, "_decode", lambda self, p: calls.append(("decode", p)))
-    monkeypatch.setattr(mp.Stage, "draft_plan", lambda self, p: ("plan", f"{p} drafter", ()))
+    monkeypatch.setattr(mp.Stage, "_decode", lambda self, p, batch=1, full=False: calls.append(
+        ("decode", p) if batch == 1 else ("decode", p, batch, full)))
+    monkeypatch.setattr(mp.Stage, "draft_plan", lambda self, p, groups=1: (
+        "plan", f"{p} drafter", (("row_groups", groups),) if groups > 1 else ()))
     monkeypatch.setattr(mp, "build_result", lambda plans, budget: Result("megakernel.build", env(), ()))
     monkeypatch.setattr(mp, "code_budget", lambda c=None: 96 * 1024)
     # the code per op beside the build, as on a machine with nvdisasm (the H200 has one; CI may not)
@@ -397,6 +402,9 @@ def test_full_stage_compiles_and_runs_the_ablation_and_timelines(fake_gpu_work):
         it.fn()
     impls = [c[4] for c in calls if c[0] == "time" and c[3] == 4096 and c[2] == 16]
     assert impls[:2] == ["chain", "mega"] and len(impls) == 2 + len(ablation_names())
+    # the batched speculative decodes: trees of 16 / B, and full trees (a row group per request)
+    assert [c for c in calls if c[0] == "decode"] == [("decode", "small")] + [
+        ("decode", "small", b, full) for b in (4, 8) for full in (False, True)]
     # the batched steps on the build of their B x T rows, with their own speed-ups and the peer's note
     batched = [c[1:6] for c in calls if c[0] == "time_batch"]
     grid = ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4), (2, 16), (4, 16), (8, 16))
@@ -419,6 +427,7 @@ def test_full_stage_compiles_and_runs_the_ablation_and_timelines(fake_gpu_work):
     assert any("the peer at the same B" in n for n in step.notes)
     compiled = [c[1] for c in calls if c[0] == "compile"]
     assert len(compiled) > len(ablation_names())  # every variant's build, before any is timed
+    assert {("plan", "small drafter", (("row_groups", b),)) for b in (4, 8)} <= set(compiled)  # full trees' drafters
     assert [r.benchmark for r in st.results] == ["megakernel.build", "megakernel.step"]  # no timeline for small
 
 
