@@ -497,6 +497,9 @@ def _decode(a) -> int:
         if a.full_trees and (a.batch < 2 or a.ranks > 1):
             raise ConfigError(f"--full-trees: a row group per request, for --batch 2..{MAX_ROW_GROUPS} on one rank "
                               f"(got --batch {a.batch}, --ranks {a.ranks})")
+        if a.union_experts and not a.full_trees:
+            raise ConfigError("--union-experts: the row groups' experts over the union of their routing, with "
+                              "--full-trees only")
         if a.full_trees and a.batch > MAX_ROW_GROUPS:
             raise ConfigError(f"--batch {a.batch}: full trees take at most {MAX_ROW_GROUPS} requests (a row group each)")
         if not a.full_trees and a.batch not in BATCHES:
@@ -526,7 +529,8 @@ def _decode(a) -> int:
         print(f"{a.ranks} tensor-parallel ranks of the verifier: {where_why}; the drafter runs once, unsharded")
     dcfg = draft_model_config(cfg, DraftConfig(agree=agree))
     tp = dict(tp_ranks=a.ranks, launch_ranks=a.ranks) if a.ranks > 1 else {}
-    groups = {"row_groups": a.batch} if a.full_trees else {}  # request r in row group r of both engines
+    # request r in row group r of both engines
+    groups = {"row_groups": a.batch, "union_experts": a.union_experts} if a.full_trees else {}
     if emulated:
         from .plan import make_plan  # heavy: torch (megakernel.plan)
         from .weights import generate  # heavy: torch (megakernel.weights)
@@ -552,6 +556,7 @@ def _decode(a) -> int:
     prompts = prompts_for(cfg, a.batch, a.prompt_len, a.seed)
     verifier = f", the verifier {a.ranks} ranks" if a.ranks > 1 else ""
     verifier += f", a row group per request ({a.batch} groups a step)" if a.full_trees else ""
+    verifier += ", routed experts over the union of the groups' routing" if a.union_experts else ""
     print(f"{a.preset}: {a.batch} request(s) of a {pair.T}-token tree (branch depth {pair.branch_depth}), drafter "
           f"{pair.dm.cfg.n_layers} layers over {pair.T - 1} slots{verifier}, {a.mode} mode ({backend}); {a.tokens} "
           f"tokens each after a prompt of {a.prompt_len}", flush=True)
@@ -637,6 +642,8 @@ def add_decode_parser(sub) -> None:
     s.add_argument("--full-trees", action="store_true",
                    help="every request the whole 16-token tree, each in a row group of its own (--batch 2..8, one "
                         "rank): each request's steps are its B=1 steps")
+    s.add_argument("--union-experts", action="store_true",
+                   help="--full-trees: both engines' routed experts once over the union of the groups' routing")
     s.add_argument("--ranks", type=int, default=1,
                    help="the verifier as R tensor-parallel ranks (2, 4, 8 where the preset's kv heads divide; tiny: "
                         "2): R GPUs under torchrun where the node has R (one process per GPU, a drafter in each), "

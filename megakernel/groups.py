@@ -92,9 +92,8 @@ class GroupEngine:
                 raise ConfigError(f"speculative row groups: one SpecLink of one request per group and per KV cache, "
                                   f"2..{plan.row_groups} of one role (got {len(self.specs)} links of roles "
                                   f"{sorted(roles)}, {len(self.caches)} caches)")
-            if plan.union_experts or plan.profile:
-                raise ConfigError("speculative row groups run each group's experts, unprofiled (no union_experts, "
-                                  "no profile)")
+            if plan.profile:
+                raise ConfigError("speculative row groups run unprofiled (no profile)")
         kw = dict(backend=backend, program_mode=program_mode, grid=grid, emu_seed=emu_seed,
                   emu_schedule=emu_schedule, group_member=True, share=share)
         # a group's engine starts on one cache; prepare_batch gives it its requests' caches (a

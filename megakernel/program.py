@@ -428,7 +428,7 @@ def grouped(prog: Program, groups: int) -> Program:
 
     A spec program (the drafter's pass, the verify step) is grouped the same way: each group's
     seed / tree first, its accept, compact and advance in the last launch, every one on its own
-    group's state (decode.SpecPair with full trees: one request a group). Not with union_experts.
+    group's state (decode.SpecPair with full trees: one request a group).
 
     Plan.union_experts: each layer's gate/up and down projection are one instance (group 0's)
     over the union of every group's routing, after every group's top-k; each group's MoE combine
@@ -439,8 +439,6 @@ def grouped(prog: Program, groups: int) -> Program:
     if groups == 1:
         return prog
     union = prog.plan.union_experts
-    if prog.spec is not None and union:
-        raise ValueError(f"a {prog.spec} program in row groups runs each group's experts (no union_experts)")
     order: list[tuple[int, int]] = []  # (instance of prog, group)
     launches = []
     for first, n in prog.launches:

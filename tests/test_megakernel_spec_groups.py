@@ -7,7 +7,8 @@ groups.GroupEngines). Two checks on every run, from poisoned buffers:
   are bitwise those of the same request decoded at B = 1 (a plain Engine, the same tree). The
   greedy check cannot see a request verifying another request's drafts (its tokens stay right,
   its acceptance does not): this one does, and the mutation below proves it.
-tiny, mega at the random, `last` and `block` schedules and chain; 2 and 3 requests. Each run takes
+tiny, mega at the random, `last` and `block` schedules and chain; 2 and 3 requests; the union
+experts build too. Each run takes
 tens of seconds on a CPU: slow (CI runs them). The programs' structure and the refusals: fast."""
 from __future__ import annotations
 
@@ -38,15 +39,15 @@ def model():
     return cfg, generate(cfg), agree, draft_model_config(cfg, DraftConfig(agree=agree))
 
 
-def _plans(model, groups: int):
+def _plans(model, groups: int, union: bool = False):
     cfg, _, _, dcfg = model
-    kw = {"row_groups": groups} if groups > 1 else {}
+    kw = {"row_groups": groups, "union_experts": union} if groups > 1 else {}
     return make_plan(cfg, 4, spin_bound_ns=BOUND, **kw), make_plan(dcfg, 4, spin_bound_ns=BOUND, **kw)
 
 
-def _pair(model, b: int, **kw) -> SpecPair:
+def _pair(model, b: int, union: bool = False, **kw) -> SpecPair:
     cfg, w, agree, _ = model
-    plan, dplan = _plans(model, b)
+    plan, dplan = _plans(model, b, union)
     return SpecPair(w, plan, dplan, [KVCache(cfg) for _ in range(b)], batch=b, agree=agree, backend="emu", **kw)
 
 
@@ -75,9 +76,9 @@ def alone(model):
     return prompts, out
 
 
-def _run(model, alone, b: int, mode: str, schedule: str):
+def _run(model, alone, b: int, mode: str, schedule: str, union: bool = False):
     prompts, _ = alone
-    pair = _pair(model, b, emu_schedule=schedule, emu_seed=5)
+    pair = _pair(model, b, union, emu_schedule=schedule, emu_seed=5)
     assert pair.T == model[0].max_tree and isinstance(pair.target, GroupEngine)
     return pair, decode(pair, prompts[:b], N, mode, check=True, poison=True)
 
@@ -97,10 +98,13 @@ def _differences_from_alone(pair, got, alone) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("b,mode,schedule", [(2, "mega", "random"), (3, "mega", "last"), (2, "mega", "block"),
-                                             (3, "chain", "random")])
-def test_each_request_of_full_trees_decodes_as_alone_and_as_plain_greedy(model, alone, b, mode, schedule):
-    pair, out = _run(model, alone, b, mode, schedule)
+@pytest.mark.parametrize("b,mode,schedule,union", [(2, "mega", "random", False), (3, "mega", "last", False),
+                                                   (2, "mega", "block", False), (3, "chain", "random", False),
+                                                   (3, "mega", "random", True)])
+def test_each_request_of_full_trees_decodes_as_alone_and_as_plain_greedy(model, alone, b, mode, schedule, union):
+    """union: both engines' routed experts once over the union of their groups' routing
+    (Plan.union_experts): a token's expert output is the same dot products wherever its slot is."""
+    pair, out = _run(model, alone, b, mode, schedule, union)
     assert out.check.ok, out.check.problems
     assert [len(t) for t in out.read.tokens] == [N] * b
     assert _differences_from_alone(pair, out.read, alone) == []
@@ -161,15 +165,16 @@ def test_full_trees_refuse_what_they_cannot_run(model):
     mixed = [SpecLink("draft", state[0:1], (15,), seeds, top2[0]), SpecLink("verify", state[1:2], (16,), seeds, top2[1])]
     with pytest.raises(ConfigError, match="of one role"):
         GroupEngine(w, plan, [KVCache(cfg) for _ in range(2)], backend="emu", specs=mixed)
-    union = make_plan(cfg, 4, spin_bound_ns=BOUND, row_groups=2, union_experts=True)
+    profiled = make_plan(cfg, 4, spin_bound_ns=BOUND, row_groups=2, profile=True)
     links = [SpecLink("verify", state[g:g + 1], (16,), seeds, top2[g]) for g in range(2)]
-    with pytest.raises(ConfigError, match="no union_experts"):
-        GroupEngine(w, union, [KVCache(cfg) for _ in range(2)], backend="emu", specs=links)
+    with pytest.raises(ConfigError, match="unprofiled"):
+        GroupEngine(w, profiled, [KVCache(cfg) for _ in range(2)], backend="emu", specs=links)
 
 
 @pytest.mark.parametrize("argv,msg", [(["--batch", "1", "--full-trees"], "--full-trees: a row group per request"),
                                       (["--batch", "2", "--ranks", "2", "--full-trees"], "--full-trees: a row group"),
-                                      (["--batch", "9", "--full-trees"], "full trees take at most 8")])
+                                      (["--batch", "9", "--full-trees"], "full trees take at most 8"),
+                                      (["--batch", "4", "--union-experts"], "with --full-trees only")])
 def test_decode_command_refuses_full_trees_it_cannot_run(argv, msg, capsys):
     from reports.cli import main
 
