@@ -166,10 +166,16 @@ class GroupEngine:
             m.caches = [self.caches[g]]
             m._kv_blob = m._kv_table()
             m.set_spec_rows([int(ctxs[g])])
-        # every group's block, the unused ones too (prepare_batch); an unused group has no spec role
-        blobs = [m._params(False, m.spec_program if g < n else None, shared=(prog_t, self.counters), n_active=n)
-                 for g, m in enumerate(self.members)]
-        self.spec_program, self._spec_params_dev = prog, torch.cat(blobs)
+        # every group's block, the unused ones too (prepare_batch); an unused group has no spec role.
+        # Written into the same device buffer every time: a captured CUDA graph (decode.SpecPair)
+        # holds that buffer's address, and a new one would leave it replaying freed memory
+        blob = torch.cat([m._params(False, m.spec_program if g < n else None, shared=(prog_t, self.counters),
+                                    n_active=n) for g, m in enumerate(self.members)])
+        if self._spec_params_dev is None or self._spec_params_dev.shape != blob.shape:
+            self._spec_params_dev = blob
+        else:
+            self._spec_params_dev.copy_(blob)
+        self.spec_program = prog
         if self.specs[0].role == "draft":  # its pass is its step (launch_step runs it)
             self.program, self._params_dev = prog, self._spec_params_dev
             self._groups = [range(g, g + 1) for g in range(n)]

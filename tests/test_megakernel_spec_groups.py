@@ -195,3 +195,18 @@ def test_decode_command_checks_full_trees(capsys):
     out = capsys.readouterr().out
     assert "2 request(s) of a 16-token tree" in out and "a row group per request (2 groups a step)" in out
     assert "check: passed" in out and "per request: 0:" in out
+
+
+def test_a_new_spec_step_shape_keeps_the_parameter_blocks_where_the_graphs_read_them(model):
+    """SpecPair captures CUDA graphs of the spec step's launches, which hold the address of each
+    engine's parameter blocks; start() sets every run's contexts and caches afterwards. The blocks
+    must change in place: a new buffer leaves the graphs replaying freed memory (an illegal address
+    on the GPU, seen there; the emulation launches no graph, so this test holds the invariant)."""
+    pair = _pair(model, 2)
+    prompts = prompts_for(model[0], 2, 8, 0)
+    at = {e: e._spec_params_dev.data_ptr() for e in (pair.target, pair.draft)}
+    before = pair.target._spec_params_dev.clone()
+    pair.start(prompts, 8, 7)
+    assert {e: e._spec_params_dev.data_ptr() for e in (pair.target, pair.draft)} == at
+    assert pair.draft._params_dev is pair.draft._spec_params_dev
+    assert not torch.equal(before, pair.target._spec_params_dev)  # the contexts' caches, repacked in place
