@@ -210,3 +210,14 @@ def test_a_union_wait_that_cannot_complete_names_every_groups_producer(two_group
         check_batch(w, plan, caches, reqs, schedules=("random",), seed=3)
     msg = str(e.value)
     assert "row group" in msg and ("all units of every row group's" in msg or "routing of this layer" in msg), msg
+
+
+def test_a_gpu_engine_refuses_the_union_build_by_its_known_defect(tiny):
+    """The union gave NaN and mega != chain on an H100 while the emulation passes: a GPU engine
+    refuses the build by that reason (groups.UNION_GPU_DEFECT) instead of returning wrong numbers."""
+    from megakernel.config import ConfigError
+    from megakernel.groups import GroupEngine
+
+    cfg, w, _, base_plan = tiny
+    with pytest.raises(ConfigError, match="wrong results on the GPU .* refused on a GPU"):
+        GroupEngine(w, _union_plan(base_plan, 2), random_caches(cfg, 2, seed=1), backend="gpu")
