@@ -47,14 +47,16 @@ from .runtime import Engine, SpecLink, StepOut
 from .weights import ModelWeights
 
 
-# Plan.union_experts on a GPU: wrong there, right in the emulation. On an H100 (2026-12-06 02:10Z,
-# bf0dee7) its step gave NaN in every request of row groups 1..3 and mega != chain (16 + 16 + 9 + 12
-# rows on small; the in-run A/B at 8 x 16 refused it the same way), while the emulation passes the
-# same shape, fused, at 4, 16 and 132 planned SMs. Until that is found, a GPU engine refuses the build
-# by this reason (the emulation keeps running it); the GPU test asserts the refusal.
-UNION_GPU_DEFECT = ("union_experts gives wrong results on the GPU (NaN in row groups >= 1 and mega != chain on an "
-                    "H100, 2026-12-06, not reproduced in the emulation): refused on a GPU until that is found; "
-                    "run it in the emulation (backend 'emu')")
+# Plan.union_experts on a GPU: wrong there, right in the emulation. A GPU run of it gave NaN in
+# every request of row groups 1.. and mega != chain (16 + 16 + 9 + 12 rows on small; the in-run A/B
+# at 8 x 16 refused it the same way), while the emulation passes the same shapes, fused, at 4 and 16
+# blocks (the run and what was tried: reports/notes/megakernel-structure.md, "Where a step of 8 x 16
+# rows goes"). Danger: the union's bits on a GPU are unknown, so a GPU engine refuses the build by
+# this reason until the cause is found; the emulation keeps checking it, and the GPU test asserts
+# the refusal.
+UNION_GPU_DEFECT = ("union_experts gives wrong results on the GPU (NaN in row groups >= 1 and mega != chain, not "
+                    "reproduced in the emulation; reports/notes/megakernel-structure.md): refused on a GPU until "
+                    "that is found; run it in the emulation (backend 'emu')")
 
 
 def pack_groups(rows: Sequence[int], cap: int) -> list[range]:
