@@ -403,10 +403,6 @@ def _step_batch(a) -> int:
         if a.union_experts and groups == 1:
             raise ConfigError(f"--union-experts: {rows} token rows are one row group; the union is of 2 or more "
                               f"(more than {cfg.max_tree} rows)")
-        if a.union_experts and not why:
-            from .groups import UNION_GPU_DEFECT  # heavy: torch (megakernel.groups)
-
-            raise ConfigError(f"--union-experts: {UNION_GPU_DEFECT}")
     except ConfigError as e:
         print(f"step: {e}", file=sys.stderr)
         return 2
@@ -504,10 +500,6 @@ def _decode(a) -> int:
         if a.union_experts and not a.full_trees:
             raise ConfigError("--union-experts: the row groups' experts over the union of their routing, with "
                               "--full-trees only")
-        if a.union_experts and not emulated:
-            from .groups import UNION_GPU_DEFECT  # heavy: torch (megakernel.groups)
-
-            raise ConfigError(f"--union-experts: {UNION_GPU_DEFECT}")
         if a.full_trees and a.batch > MAX_ROW_GROUPS:
             raise ConfigError(f"--batch {a.batch}: full trees take at most {MAX_ROW_GROUPS} requests (a row group each)")
         if not a.full_trees and a.batch not in BATCHES:

@@ -47,18 +47,6 @@ from .runtime import Engine, SpecLink, StepOut
 from .weights import ModelWeights
 
 
-# Plan.union_experts on a GPU: wrong there, right in the emulation. A GPU run of it gave NaN in
-# every request of row groups 1.. and mega != chain (16 + 16 + 9 + 12 rows on small; the in-run A/B
-# at 8 x 16 refused it the same way), while the emulation passes the same shapes, fused, at 4 and 16
-# blocks (the run and what was tried: reports/notes/megakernel-structure.md, "Where a step of 8 x 16
-# rows goes"). Danger: the union's bits on a GPU are unknown, so a GPU engine refuses the build by
-# this reason until the cause is found; the emulation keeps checking it, and the GPU test asserts
-# the refusal.
-UNION_GPU_DEFECT = ("union_experts gives wrong results on the GPU (NaN in row groups >= 1 and mega != chain, not "
-                    "reproduced in the emulation; reports/notes/megakernel-structure.md): refused on a GPU until "
-                    "that is found; run it in the emulation (backend 'emu')")
-
-
 def pack_groups(rows: Sequence[int], cap: int) -> list[range]:
     """Consecutive requests packed greedily into groups of at most `cap` rows (a request's rows
     never split: its attention and tree are one group's). Returns each group's request range."""
@@ -95,8 +83,6 @@ class GroupEngine:
         self.caches = list(caches)
         if not self.caches or len({id(c) for c in self.caches}) != len(self.caches):
             raise ConfigError("a GroupEngine takes one distinct KV cache per request")
-        if plan.union_experts and backend == "gpu":
-            raise ConfigError(UNION_GPU_DEFECT)
         self.plan, self.cfg, self.backend = plan, weights.cfg, backend
         self.specs = list(specs) if specs is not None else None
         if self.specs is not None:

@@ -59,8 +59,6 @@ DECODE_TOKENS = 64
 # With the batched steps (full runs, or `batches`): B requests a step, each its own tree of 16 / B
 # tokens, and each the whole 16-token tree in a row group of its own (decode --full-trees)
 DECODE_BATCHES = (4, 8)
-# The batch curve's mega_union points: off while a GPU refuses the build (groups.UNION_GPU_DEFECT)
-UNION_ON_GPU = False
 
 # Other implementations timed beside mega and chain at every timed point of the stage (the torch
 # baselines have items of their own): name -> fn(h, preset, n_tokens, ctx, ceiling, constants=...)
@@ -197,9 +195,8 @@ class Stage:
                     out.append(item(f"{p} T={t} ctx={c} {mode}", partial(self._time, p, t, c, mode), f"time/{p}",
                                     (g,)))
             for b, t, c in self.batch_points(p):
-                # past max_tree rows, also row groups over the union of their routing (UNION_IMPL),
-                # while a GPU runs it right (groups.UNION_GPU_DEFECT: not now)
-                union = (UNION_IMPL,) if b * t > get_preset(p).max_tree and UNION_ON_GPU else ()
+                # past max_tree rows, also row groups over the union of their routing (UNION_IMPL)
+                union = (UNION_IMPL,) if b * t > get_preset(p).max_tree else ()
                 for mode in ("chain", "mega") + union:
                     out.append(item(f"{p} B={b} T={t} ctx={c} {mode}", partial(self._time_batch, p, b, t, c, mode),
                                     f"time/{p}", (g,)))
@@ -274,7 +271,7 @@ class Stage:
             out.append(self.plan(p))
             out += [self.plan(p, t) for t in self.tokens(p)]
             out += [self.plan(p, b * t, union=True) for b, t, _ in self.batch_points(p)
-                    if b * t > get_preset(p).max_tree and UNION_ON_GPU]
+                    if b * t > get_preset(p).max_tree]
             if p in DECODE_PRESETS and self.points(p):
                 out.append(self.draft_plan(p))
                 for b in DECODE_BATCHES if self.batch_points(p) else ():

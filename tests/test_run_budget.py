@@ -55,11 +55,8 @@ def test_default_keeps_checks_headline_timings_and_the_peer_and_leaves_the_rest_
     assert next(i for i in its if i.stage == "cross-GPU microbenchmarks").skip == "1 GPU on this node"
 
 
-def test_full_adds_the_ablation_timelines_and_long_contexts(gpu_wiring, tmp_path, monkeypatch):
-    import megakernel.pipeline as mp
+def test_full_adds_the_ablation_timelines_and_long_contexts(gpu_wiring, tmp_path):
     from megakernel.plans import ablation_names
-
-    monkeypatch.setattr(mp, "UNION_ON_GPU", True)  # the union's points where a GPU runs it right
 
     mk = _names(pipeline.items(_args(full=True), tmp_path, gpu=True), "megakernel")
     names = ablation_names()
@@ -78,10 +75,6 @@ def test_full_adds_the_ablation_timelines_and_long_contexts(gpu_wiring, tmp_path
     assert [n for n in mk if n.startswith("shard8 speculative decode")] == ["shard8 speculative decode"] + [
         f"shard8 speculative decode B={b}{t}" for b in (4, 8) for t in ("", " full trees")]
     assert not [n for n in _names(pipeline.items(_args(), tmp_path, gpu=True), "megakernel") if " B=" in n]
-    # while a GPU gives the union wrong results (groups.UNION_GPU_DEFECT), no point of it
-    monkeypatch.setattr(mp, "UNION_ON_GPU", False)
-    assert not [n for n in _names(pipeline.items(_args(full=True), tmp_path, gpu=True), "megakernel")
-                if n.endswith("mega_union")]
 
 
 def test_classes_model_runs_the_naive_baselines(gpu_wiring, tmp_path):
@@ -398,11 +391,9 @@ def test_stage_checks_before_timing_and_saves_what_it_measured(fake_gpu_work):
     assert any(n.startswith("checked small T=16 ctx=1500") for n in step.notes)
 
 
-def test_full_stage_compiles_and_runs_the_ablation_and_timelines(fake_gpu_work, monkeypatch):
-    import megakernel.pipeline as mp
+def test_full_stage_compiles_and_runs_the_ablation_and_timelines(fake_gpu_work):
     from megakernel.plans import ablation_names
 
-    monkeypatch.setattr(mp, "UNION_ON_GPU", True)  # the union's points where a GPU runs it right
     calls, h = fake_gpu_work
     st = _stage(h, quick=False, ablate=True, timeline=True, detail=True, presets=("small",))
     for it in st.items():

@@ -140,11 +140,6 @@ def test_megakernel_batched_step(device_bench, preset, B, T, ctx, mode):
 
 @pytest.mark.parametrize("preset,B,T,ctx", [pt for pt in BATCH_POINTS if pt[1] * pt[2] > 16], ids=lambda v: str(v))
 def test_megakernel_batched_step_union_experts(device_bench, preset, B, T, ctx):
-    from megakernel.groups import UNION_GPU_DEFECT  # heavy: torch (megakernel.groups)
-    from megakernel.pipeline import UNION_ON_GPU  # heavy: torch (megakernel.pipeline)
-
-    if not UNION_ON_GPU:
-        pytest.skip(UNION_GPU_DEFECT)
     device_bench(_batch_case(preset, B, T, ctx, UNION_IMPL))
 
 

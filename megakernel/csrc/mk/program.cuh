@@ -86,8 +86,8 @@ MK_DEV int n_units(const Blk& b, const Op& o) {
     case OP_ROUTER: return E / TILE_ROUTER_ROWS;
     case OP_POOL: return P / TILE_POOL_ROWS;
     case OP_TOPK: return 1;
-    case OP_EXPERT1: return ldg_cgi(routed_count(*b.p)) * EXP1_TILES;
-    case OP_EXPERT2: return ldg_cgi(routed_count(*b.p)) * EXP2_TILES;
+    case OP_EXPERT1: return ldg_cgi(routed_count(b)) * EXP1_TILES;
+    case OP_EXPERT2: return ldg_cgi(routed_count(b)) * EXP2_TILES;
     case OP_MOE_COMBINE: return P / MOE_COMBINE_COLS;
     case OP_UNPOOL: return D / TILE_UNPOOL_ROWS;
     case OP_LM_HEAD: return V / 16;
@@ -484,7 +484,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
         for (int k = 0; k < MAX_DEPS; ++k)  // constant indices: `o` stays in registers
           if (k < o.n_deps && o.dep_mode[k] == DEP_ALL) pre |= 1u << k;
       } else if (tid() == 0) {
-        b.misc[routed_slot(b, o)] = ldg_cgi(routed_count(*b.p));  // chain mode: top-k's launch has ended
+        b.misc[routed_slot(b, o)] = ldg_cgi(routed_count(b));  // chain mode: top-k's launch has ended
       }
       if (sync_compute_or(fail)) return;  // the routing is visible to every thread from here
     }
@@ -638,7 +638,7 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
       routed_layer = o.layer;
       routed_nslots = nslots;
     } else if (is_dynamic(o.kind)) {
-      nslots = ldg_cgi(routed_count(*b.p));
+      nslots = ldg_cgi(routed_count(b));
     }
     const UnitRange r = my_units(o, is_dynamic(o.kind) ? nslots * slot_tiles(o.kind) : n_units(b, o));
     // The opening pace: the ring drained while this warp waited for the routing, and every

@@ -29,9 +29,14 @@ MK_DEV int unit_slot(const Params& p, int k) {
   if constexpr (EXPERT_PARALLEL) return ldg_cgi(p.rank_slots + 1 + k);
   else return k;
 }
-// (Plan.union_experts: the union's, in group 0's block, which the union's ops run in)
-MK_DEV const int32_t* routed_count(const Params& p) {
-  return UNION_EXPERTS ? p.u_nslots : EXPERT_PARALLEL ? p.rank_slots : p.n_slots;
+// Plan.union_experts: the union's count, in group 0's block whatever group the reader is in. The
+// union's ops run in group 0, but every group's MoE combine waits for all of the union's down
+// projection units (program.cuh all_target -> n_units) while in its own group. Danger: read from the
+// reader's block, another group's count is never written (0), its combine waits for nothing, and
+// reads partials the union has not written yet wherever a block runs that group's combine units but
+// none of group 0's (more blocks than combine units).
+MK_DEV const int32_t* routed_count(const Blk& b) {
+  return UNION_EXPERTS ? b.p0->u_nslots : EXPERT_PARALLEL ? b.p->rank_slots : b.p->n_slots;
 }
 
 // Loader warp: the expert's weight base of the last slot it streamed, in registers.
