@@ -43,7 +43,7 @@ from .config import ConfigError
 from .plan import Plan
 from .program import Program, grouped
 from .reference import KVCache, Request
-from .runtime import Engine, SpecLink, StepOut
+from .runtime import Engine, SpecLink, StepOut, step_launches
 from .weights import ModelWeights
 
 
@@ -230,14 +230,9 @@ class GroupEngine:
         so the parts of one step go in order)."""
         if spec and self.spec_program is None:
             raise ConfigError("launch_step(spec=True): this engine has no spec step (GroupEngine(specs=...))")
-        prog, params = (self.spec_program, self._spec_params_dev) if spec else (self.program, self._params_dev)
-        if params is None:
-            raise ConfigError("launch_step: no step prepared (prepare_batch first)")
         lead = self.lead
-        todo = list(zip(lead.launches(mode, prog), lead.launch_pdl(mode, prog)))
-        part = range(len(todo)) if part is None else part
-        if part and (part[0] < 0 or part[-1] >= len(todo) or part.step != 1):
-            raise ValueError(f"part {part}: launches 0..{len(todo) - 1}, consecutive")
+        # this engine's grouped program and parameter blocks, the lead's launch table
+        prog, params, todo, part = step_launches(self, lead, mode, spec, part)
         if not part:
             return
         if part[0] == 0:

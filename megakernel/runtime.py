@@ -158,8 +158,9 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 def step_launches(owner, e, mode: str, spec: bool, part: range | None):
     """The prepared step's program, params blob, launches (with their PDL flags) and the part of
-    them to enqueue, for Engine.launch_step and RankEngine.launch_step (`owner` holds the prepared
-    params, `e` the engine whose launch table every rank shares). Refused: no step prepared, or a
+    them to enqueue, for Engine.launch_step, RankEngine.launch_step and GroupEngine.launch_step
+    (`owner` holds the prepared program and params, `e` the engine whose launch table every rank,
+    or every row group, shares). Refused: no step prepared, or a
     part that is not a consecutive run of the step's launches (the counters' clean and the parity
     turn assume the parts of one step go in order)."""
     prog = owner.spec_program if spec else owner.program
