@@ -39,7 +39,7 @@ GPU (`MEGABENCH_CACHE`), so the GPU's minutes go to timing. Each point runs the 
 PRESET:T:CTX:B is B requests of T tokens at CTX in one step (batch.batch_context's requests and
 forced routing), checked the same way on every request's rows and timed the same way, on the build
 for its B x T rows (past 16: row groups, plans.rows_switches), e.g. `--variant base --variant
-union:union_experts=1 --point small:16:512:8`.
+pergroup:union_experts=0 --point small:16:512:8` (the per-group ablation of row groups).
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ from .groups import GroupEngine, pack_groups
 from .plan import MAX_ROW_GROUPS, Plan
 from .plans import REL_TOL
 from .reference import KVCache, Request, Trace
-from .results_names import UNION_IMPL, step_params
+from .results_names import step_params
 from .roofline import batch_roofline
 from .routing import distinct_per_layer, expert_streams_per_layer, synthetic_routes
 from .runtime import Engine, StepOut, check_close
@@ -248,16 +248,16 @@ def batch_series_name(preset: str, batch: int, tokens: int, ctx: int, impl: str)
 
 
 def bench_batch_point(h, preset: str, batch: int, tokens: int, ctx: int, plan: Plan, mode: str, ceiling) -> Series:
-    """A batched step of `mode` ("mega", "chain", or UNION_IMPL: mega on a union_experts build)
-    replayed from a CUDA graph, checked per request against the reference before it is timed,
-    against the batch's roofline (roofline.batch_roofline: the union of routed experts, the dense
-    weights once, each request's KV reads). Past 16 rows the step runs in row groups
-    (groups.GroupEngine), which read the dense weights once per group, and the experts once per
-    group or (UNION_IMPL) once per 16 of an expert's tokens: the roofline still counts them once,
-    so its fraction shows what the groups cost."""
-    if (mode == UNION_IMPL) != plan.union_experts:
-        raise ConfigError(f"{mode}: the union experts' impl runs on a union_experts build and only there")
-    impl, mode = mode, "mega" if mode == UNION_IMPL else mode
+    """A batched step of `mode` ("mega" or "chain") replayed from a CUDA graph, checked per request
+    against the reference before it is timed, against the batch's roofline (roofline.batch_roofline:
+    the union of routed experts, the dense weights once, each request's KV reads). Past 16 rows the
+    step runs in row groups (groups.GroupEngine), which read the dense weights once per group and
+    the routed experts once per 16 of an expert's tokens over every group (Plan.union_experts; off,
+    the per-group ablation, once per group that routes to it): the roofline counts each once, so
+    its fraction shows what the groups cost."""
+    if mode not in ("mega", "chain"):
+        raise ConfigError(f"{mode!r}: a batched step runs in mode mega or chain")
+    impl = mode
     bc = batch_context(preset, batch, tokens, ctx)
     w = weights_for(preset)
     eng = engine_for(w, plan, [c.clone() for c in bc.caches0], backend="gpu")

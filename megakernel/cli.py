@@ -343,7 +343,7 @@ def _step(a) -> int:
     """`step`: with --ranks the tensor-parallel build's steps (_step_ranks), else a step of B requests."""
     if a.ranks is not None:
         extra = [f for f, v in (("--batch", a.batch), ("--tree-sizes", a.tree_sizes), ("--ctxs", a.ctxs),
-                                ("--union-experts", a.union_experts or None)) if v is not None]
+                                ("--per-group-experts", a.per_group_experts or None)) if v is not None]
         if extra:
             print(f"step: --ranks with {', '.join(extra)}: batched steps of the tensor-parallel build are not built",
                   file=sys.stderr)
@@ -400,9 +400,9 @@ def _step_batch(a) -> int:
             raise ConfigError(f"{batch} requests of {'+'.join(str(t) for t, _ in shape)} = {rows} token rows pack "
                               f"into {groups} row groups of at most {cfg.max_tree}; a build has at most "
                               f"{MAX_ROW_GROUPS}")
-        if a.union_experts and groups == 1:
-            raise ConfigError(f"--union-experts: {rows} token rows are one row group; the union is of 2 or more "
-                              f"(more than {cfg.max_tree} rows)")
+        if a.per_group_experts and groups == 1:
+            raise ConfigError(f"--per-group-experts: {rows} token rows are one row group; the ablation is of 2 or "
+                              f"more (more than {cfg.max_tree} rows)")
     except ConfigError as e:
         print(f"step: {e}", file=sys.stderr)
         return 2
@@ -415,7 +415,8 @@ def _step_batch(a) -> int:
         print(f"no GPU ({why}): {a.preset} in the host emulation (the kernel's CUDA source on CPU fibers)")
         backend, dev = "emu", "cpu"
         w = generate(cfg)
-        plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, row_groups=groups, union_experts=a.union_experts,
+        plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, row_groups=groups,
+                         union_experts=not a.per_group_experts if groups > 1 else False,
                          **prof)
     else:
         from .bench_baselines import weights_for  # heavy: torch (megakernel.bench_baselines)
@@ -424,7 +425,8 @@ def _step_batch(a) -> int:
         backend, dev = "gpu", "cuda"
         w = weights_for(a.preset)
         plan = plan_for(a.preset, **({"tokens": rows} if groups == 1 else {"row_groups": groups,
-                                                                           "union_experts": a.union_experts}), **prof)
+                                                                           "union_experts": not a.per_group_experts}),
+                        **prof)
     caches0 = random_caches(cfg, batch, a.seed, device=dev)
     reqs = make_requests(cfg, shape, a.seed)
     schedules = tuple(a.schedule or ("random", "last"))
@@ -432,7 +434,8 @@ def _step_batch(a) -> int:
     eng = engine_for(w, plan, [c.clone() for c in caches0], backend=backend, **kw)
     out = eng.step_batch(reqs, mode=a.mode)
     print(f"{a.preset}: {batch} request(s), {rows} rows" + (f" in {groups} row groups" if groups > 1 else "")
-          + (", experts over the union of their routing" if a.union_experts else "")
+          + ((", each group's own experts (ablation)" if a.per_group_experts else
+              ", experts over the union of their routing") if groups > 1 else "")
           + f", {a.mode} mode ({backend})")
     for r, (t, c) in enumerate(shape):
         print(f"  request {r}: T={t} ctx={c}: greedy tokens {out.request(r).tokens.tolist()}")
@@ -497,9 +500,9 @@ def _decode(a) -> int:
         if a.full_trees and (a.batch < 2 or a.ranks > 1):
             raise ConfigError(f"--full-trees: a row group per request, for --batch 2..{MAX_ROW_GROUPS} on one rank "
                               f"(got --batch {a.batch}, --ranks {a.ranks})")
-        if a.union_experts and not a.full_trees:
-            raise ConfigError("--union-experts: the row groups' experts over the union of their routing, with "
-                              "--full-trees only")
+        if a.per_group_experts and not a.full_trees:
+            raise ConfigError("--per-group-experts: each row group streaming its own experts (the ablation of their "
+                              "union), with --full-trees only")
         if a.full_trees and a.batch > MAX_ROW_GROUPS:
             raise ConfigError(f"--batch {a.batch}: full trees take at most {MAX_ROW_GROUPS} requests (a row group each)")
         if not a.full_trees and a.batch not in BATCHES:
@@ -530,7 +533,7 @@ def _decode(a) -> int:
     dcfg = draft_model_config(cfg, DraftConfig(agree=agree))
     tp = dict(tp_ranks=a.ranks, launch_ranks=a.ranks) if a.ranks > 1 else {}
     # request r in row group r of both engines
-    groups = {"row_groups": a.batch, "union_experts": a.union_experts} if a.full_trees else {}
+    groups = {"row_groups": a.batch, "union_experts": not a.per_group_experts} if a.full_trees else {}
     if emulated:
         from .plan import make_plan  # heavy: torch (megakernel.plan)
         from .weights import generate  # heavy: torch (megakernel.weights)
@@ -556,7 +559,9 @@ def _decode(a) -> int:
     prompts = prompts_for(cfg, a.batch, a.prompt_len, a.seed)
     verifier = f", the verifier {a.ranks} ranks" if a.ranks > 1 else ""
     verifier += f", a row group per request ({a.batch} groups a step)" if a.full_trees else ""
-    verifier += ", routed experts over the union of the groups' routing" if a.union_experts else ""
+    if a.full_trees:
+        verifier += (", each group's own routed experts (ablation)" if a.per_group_experts else
+                     ", routed experts over the union of the groups' routing")
     print(f"{a.preset}: {a.batch} request(s) of a {pair.T}-token tree (branch depth {pair.branch_depth}), drafter "
           f"{pair.dm.cfg.n_layers} layers over {pair.T - 1} slots{verifier}, {a.mode} mode ({backend}); {a.tokens} "
           f"tokens each after a prompt of {a.prompt_len}", flush=True)
@@ -642,8 +647,9 @@ def add_decode_parser(sub) -> None:
     s.add_argument("--full-trees", action="store_true",
                    help="every request the whole 16-token tree, each in a row group of its own (--batch 2..8, one "
                         "rank): each request's steps are its B=1 steps")
-    s.add_argument("--union-experts", action="store_true",
-                   help="--full-trees: both engines' routed experts once over the union of the groups' routing")
+    s.add_argument("--per-group-experts", action="store_true",
+                   help="--full-trees: the ablation whose every row group streams its own routed experts (default: "
+                        "both engines' experts once over the union of the groups' routing)")
     s.add_argument("--ranks", type=int, default=1,
                    help="the verifier as R tensor-parallel ranks (2, 4, 8 where the preset's kv heads divide; tiny: "
                         "2): R GPUs under torchrun where the node has R (one process per GPU, a drafter in each), "
@@ -985,8 +991,9 @@ def add_tools(sub) -> None:
     s.add_argument("--seed", type=int, default=0, help="the mix's, the tokens' and the caches' seed")
     s.add_argument("--mode", default="mega", choices=["mega", "chain"])
     s.add_argument("--check", action="store_true", help="reference per request, B=1 equality, mega == chain")
-    s.add_argument("--union-experts", action="store_true", help="past 16 rows: the row groups' routed experts run "
-                                                                "once over the union of their routing")
+    s.add_argument("--per-group-experts", action="store_true",
+                   help="past 16 rows: the ablation whose every row group streams its own routed experts (default: "
+                        "once over the union of their routing)")
     s.add_argument("--schedule", nargs="+", default=None, choices=["random", "last", "block"],
                    help="emulated mega schedules the check runs (the first also runs the printed step; default random "
                         "last); the host emulation only")

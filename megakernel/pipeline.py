@@ -49,7 +49,6 @@ from .plans import (BATCH_FULL, CHECK_POINTS, FULL, PRESETS, QUICK, ablation_nam
                     code_budget, constants_env, plan_for, rows_switches)
 from .precompile import _one
 from .reference import KVCache
-from .results_names import UNION_IMPL
 from .roofline import read_ceiling
 
 # The speculative decode item (draft, verify, accept and compaction on the device, checked against
@@ -195,9 +194,7 @@ class Stage:
                     out.append(item(f"{p} T={t} ctx={c} {mode}", partial(self._time, p, t, c, mode), f"time/{p}",
                                     (g,)))
             for b, t, c in self.batch_points(p):
-                # past max_tree rows, also row groups over the union of their routing (UNION_IMPL)
-                union = (UNION_IMPL,) if b * t > get_preset(p).max_tree else ()
-                for mode in ("chain", "mega") + union:
+                for mode in ("chain", "mega"):
                     out.append(item(f"{p} B={b} T={t} ctx={c} {mode}", partial(self._time_batch, p, b, t, c, mode),
                                     f"time/{p}", (g,)))
             bpts = self.baseline_points(p)
@@ -242,16 +239,14 @@ class Stage:
             self._ceiling = read_ceiling(self.h.info.name)
         return self._ceiling
 
-    def plan(self, p: str, t: int | None = None, union: bool = False) -> Plan:
+    def plan(self, p: str, t: int | None = None) -> Plan:
         """The build for max_tree tokens (t None) or the one a step of t token rows runs
-        (plan.expert1_unit_rows; past max_tree rows, row groups: plans.rows_switches; union: their
-        routed experts over the union of the groups' routing, Plan.union_experts)."""
-        if (p, t, union) not in self._plans:
+        (plan.expert1_unit_rows; past max_tree rows, row groups over the union of their routing:
+        plans.rows_switches)."""
+        if (p, t) not in self._plans:
             kw = {} if t is None else rows_switches(get_preset(p), t)
-            if union:
-                kw["union_experts"] = True
-            self._plans[(p, t, union)] = plan_for(p, self.constants, self.h.info.sm_count, **kw)
-        return self._plans[(p, t, union)]
+            self._plans[(p, t)] = plan_for(p, self.constants, self.h.info.sm_count, **kw)
+        return self._plans[(p, t)]
 
     def draft_plan(self, p: str, groups: int = 1) -> Plan:
         """The drafter's build for preset p (megakernel/draft.py: a config of the target's family);
@@ -270,8 +265,6 @@ class Stage:
         for p in self.presets:
             out.append(self.plan(p))
             out += [self.plan(p, t) for t in self.tokens(p)]
-            out += [self.plan(p, b * t, union=True) for b, t, _ in self.batch_points(p)
-                    if b * t > get_preset(p).max_tree]
             if p in DECODE_PRESETS and self.points(p):
                 out.append(self.draft_plan(p))
                 for b in DECODE_BATCHES if self.batch_points(p) else ():
@@ -360,7 +353,7 @@ class Stage:
         self._say(s)
 
     def _time_batch(self, p: str, b: int, t: int, ctx: int, mode: str) -> None:
-        s = bench_batch_point(self.h, p, b, t, ctx, self.plan(p, b * t, union=mode == UNION_IMPL), mode, self.ceiling)
+        s = bench_batch_point(self.h, p, b, t, ctx, self.plan(p, b * t), mode, self.ceiling)
         self.series.append(s)
         self._say(s)
 

@@ -321,7 +321,9 @@ class Plan:
     # groups' routing (union slots: an expert's tokens of every group, at most 16 a slot, in group
     # then row order), so an expert's weights are streamed once per 16 of its tokens in the step,
     # not once per group that routes to it. Each token's expert output is the same dot products
-    # as in its group's own slot, so the bits are too
+    # as in its group's own slot, so the bits are too. make_plan turns it on with row groups; off
+    # there (each group streaming its own experts) is an ablation, slower wherever groups share
+    # experts (reports/LEVERS.md)
     union_experts: bool = False
     # tensor parallelism (0: none). R >= 1: the model sharded over R ranks as the study shards it:
     # attention by heads (a rank's q and kv heads, its KV cache), oproj K-sharded into tp_groups
@@ -555,7 +557,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               expert1_rows: int | None = None, expert2_rows: int | None = None, layout_pad: int = 0,
               layout_gap: int = 0, fused_experts: bool = False, keep_max: int = KEEP_MAX,
               compute_registers: int = 0, launch_ranks: int = 1, tp_ranks: int = 0,
-              expert_parallel: bool = False, row_groups: int = 1, union_experts: bool = False) -> Plan:
+              expert_parallel: bool = False, row_groups: int = 1, union_experts: bool | None = None) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -568,7 +570,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     (fused_experts; tests: fewer kept units than a block runs). layout_pad: a code-layout placebo
     (Plan.layout_pad), a multiple of 16 bytes up to 64 KB; layout_gap: the same in the middle of
     the ops' code (Plan.layout_gap). compute_registers: Plan's (0 = off, or a multiple of 8 from
-    176 to 232). launch_ranks, tp_ranks, expert_parallel, row_groups, union_experts: Plan's. A TP build (tp_ranks >= 1) cuts
+    176 to 232). launch_ranks, tp_ranks, expert_parallel, row_groups: Plan's. union_experts: Plan's, None = on with
+    row groups (False there: the per-group ablation). A TP build (tp_ranks >= 1) cuts
     oproj's K into max_tp_ranks(cfg) groups and sizes its expert units for that many ranks, so that
     its tiles, and so its bits, are the same at every R."""
     cfg.validate()
@@ -578,6 +581,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         raise ValueError(f"row_groups {row_groups!r}: want 1..{MAX_ROW_GROUPS} groups of rows per step")
     if row_groups > 1 and (tp_ranks or launch_ranks > 1):
         raise ValueError(f"row_groups {row_groups}: row groups run on one rank (no tp_ranks, launch_ranks 1)")
+    if union_experts is None:
+        union_experts = row_groups > 1
     if union_experts and row_groups < 2:
         raise ValueError(f"union_experts: the union of row groups' routing needs row_groups >= 2 (got {row_groups})")
     ng = 0

@@ -40,7 +40,8 @@ BATCH_FULL = {"small": [(b, t, 512) for b, t in BATCH_GRID], "shard8": [(b, t, 2
 def rows_switches(cfg, rows: int) -> dict:
     """make_plan's switches for the build a step of `rows` token rows runs: up to max_tree rows the
     build for that many (tokens); past it row groups of max_tree rows (Plan.row_groups), as many
-    as the rows fill (requests of a tree size dividing max_tree pack into them whole)."""
+    as the rows fill (requests of a tree size dividing max_tree pack into them whole), their routed
+    experts over the union of the groups' routing (make_plan's default with row groups)."""
     if not isinstance(rows, int) or rows < 1:
         raise ConfigError(f"{rows!r} token rows: want a positive count")
     if rows <= cfg.max_tree:

@@ -26,8 +26,6 @@ def plans(n_sm: int = 132):
         rows |= {b * t for b, t, _ in BATCH_FULL.get(p, [])}  # a batched step runs the build of its B x T rows
         for t in sorted(rows):  # the build each checked / timed step of t rows runs (past 16: row groups)
             out.append(plan_for(p, None, n_sm, **rows_switches(preset(p), t)))
-            if t > preset(p).max_tree:  # and row groups over the union of their routing (batch.UNION_IMPL)
-                out.append(plan_for(p, None, n_sm, **rows_switches(preset(p), t), union_experts=True))
         if p == "tiny":
             continue
         variants = [NONE, allsw, {**allsw, "pdl": False}]

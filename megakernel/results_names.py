@@ -46,6 +46,11 @@ def step_params(preset: str, n_tokens: int, ctx: int, impl: str, distinct_expert
 TP_WAITS = "megakernel.tp_waits"
 
 
-# The impl label of a row-group step whose routed experts run over the union of the groups'
-# routing (Plan.union_experts): the megakernel in mega mode on that build (batch.bench_batch_point)
+# Impl labels of row-group steps. UNION_IMPL: results from while the union of the groups' routing
+# (Plan.union_experts) was a variant beside the per-group build; it is now the default, which
+# results name "mega". PER_GROUP_IMPL: the report's name for a mega step in row groups without the
+# union (the ablation, or a result older than the union), read from the result's metrics;
+# PER_GROUP_CHAIN the same for a chain step.
 UNION_IMPL = "mega_union"
+PER_GROUP_IMPL = "mega_per_group"
+PER_GROUP_CHAIN = "chain_per_group"

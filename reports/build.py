@@ -409,7 +409,9 @@ def section_megakernel(ctx: Context, n: int) -> list[str]:
                       "batch's roofline (the union of routed experts, the dense weights once, each request's KV "
                       "reads); the peer (megakernel.peer.BatchPeerRunner) at the B its results hold, and mega's "
                       "speed-up over the chain and the peer at the same B. Past 16 rows the megakernel runs in row "
-                      "groups of 16; mega_union runs their routed experts once over the union of their routing; "
+                      "groups of 16 whose routed experts run once over the union of the groups' routing; "
+                      "mega_per_group and chain_per_group run the ablation's build, whose every group streams its own "
+                      "experts; "
                       "'expert streams' is how many expert weight streams a layer the build makes (a model from the "
                       "routing, against the roofline's distinct experts)."), "", md_table(curve), ""]
     else:

@@ -63,7 +63,7 @@ from microbench.adopt import result_revision
 from microbench.fmt import fmt
 from microbench.results import Result, Series
 
-from megakernel.results_names import UNION_IMPL
+from megakernel.results_names import PER_GROUP_CHAIN, PER_GROUP_IMPL, UNION_IMPL
 
 PRESET_ORDER = ("shard8", "small", "tiny")
 # model.baselines' impl names before they said naive: read as the new ones, so the fastest-run rule
@@ -79,6 +79,8 @@ STUDY_VERIFY_TOKENS = 16
 IMPL_LABELS = {
     "mega": "megakernel (ours)",
     "chain": "kernel chain (ours: same ops, a launch each, CUDA graph, PDL)",
+    PER_GROUP_IMPL: "megakernel, each row group streaming its own routed experts (ablation; the default runs their union)",
+    PER_GROUP_CHAIN: "kernel chain, each row group streaming its own routed experts (the ablation's build)",
     "chain_pdl": "kernel chain with PDL (ours)",
     "chain_nopdl": "kernel chain without PDL (ours)",
     "peer": "peer: Triton fused MoE (vLLM's generic kernel style) + cuBLAS, one CUDA graph",
@@ -214,10 +216,23 @@ def step_rows(results: Sequence[Result]) -> list[StepRow]:
             if "impl" not in p or s.unit != "s" or s.timer == "static":
                 continue
             impl = LEGACY_IMPL.get(str(p["impl"]), str(p["impl"]))
+            impl = _row_group_impl(impl, s.metrics)
             rows.append(StepRow(r.benchmark, s, impl, str(p.get("preset", "?")), int(p.get("tokens", 1)),
                                 int(p.get("context", 0)), int(p.get("batch", 1)), r.env.git_sha[:7], r.env.date,
                                 _revision(r), str(p.get("routing", "forced"))))
     return rows
+
+
+def _row_group_impl(impl: str, metrics: dict) -> str:
+    """Row-group steps under what they ran: the union build (results named it UNION_IMPL while it
+    was a variant) is the megakernel's default past 16 rows, "mega"; a mega or chain step in row
+    groups without it (union_experts 0, or a result older than the union) is the per-group
+    ablation's build, so that no row compares the two builds under one name."""
+    if impl == UNION_IMPL:
+        return "mega"
+    if impl in ("mega", "chain") and int(metrics.get("row_groups", 1)) > 1 and not int(metrics.get("union_experts", 0)):
+        return PER_GROUP_IMPL if impl == "mega" else PER_GROUP_CHAIN
+    return impl
 
 
 def _revision(r: Result) -> tuple:
@@ -331,9 +346,9 @@ def batch_curve(rows: Sequence[StepRow]) -> list[dict]:
     (preset, context) and step shape (T = 1 at B = 1, 2, 4, 8; B x T = 16 rows at B = 1, 2, 4), the
     megakernel's, its chain's and the peer's (megakernel.peer at B requests a step) step time (and T = 16
     at B = 2, 4, 8: 32..128 rows, which the megakernel and its chain run in row groups of 16, the
-    "row groups" column; results older than row groups hold the peer's alone there; mega_union:
-    the megakernel in row groups whose routed experts run over the union of their routing, against
-    mega's B = 1 row),
+    "row groups" column, their routed experts over the union of the groups' routing; results older
+    than row groups hold the peer's alone there; PER_GROUP_IMPL / PER_GROUP_CHAIN: the ablation
+    whose every group streams its own experts, against mega's / the chain's B = 1 row),
     tokens processed per second (B x T a step), the fraction of the batch's roofline, the routed
     experts' weight streams a layer that the build makes (a model from the routing: row groups
     stream each group's experts, the union an expert once per 16 of its tokens; blank in results
@@ -341,7 +356,7 @@ def batch_curve(rows: Sequence[StepRow]) -> list[dict]:
     the same implementation at B = 1, and mega's speed-up over the chain and the peer at the same B
     (where results hold both). An implementation appears at the B its results hold (a shape's row of
     an implementation with no batched row is left out). Forced routing only."""
-    rs = [r for r in rows if r.routing == "forced" and r.impl in ("mega", "chain", "peer", UNION_IMPL)]
+    rs = [r for r in rows if r.routing == "forced" and r.impl in ("mega", "chain", "peer", PER_GROUP_IMPL, PER_GROUP_CHAIN)]
 
     def shapes(r: StepRow) -> list[str]:
         # T = 16 at B = 1 is the base of two curves: T = 16 trees at B = 2, 4, 8, and 16 rows split
@@ -364,7 +379,9 @@ def batch_curve(rows: Sequence[StepRow]) -> list[dict]:
         if max(g) == 1:
             continue
         mega = groups.get((*key[:3], "mega"), {})
-        base = g.get(1) or (mega.get(1) if key[3] == UNION_IMPL else None)  # the union has no B = 1: mega's
+        # the ablation's builds have no B = 1 row: mega's and the chain's
+        plain = {PER_GROUP_IMPL: "mega", PER_GROUP_CHAIN: "chain"}.get(key[3])
+        base = g.get(1) or (groups.get((*key[:3], plain), {}).get(1) if plain else None)
         for b in sorted(g):
             r = g[b]
             frac = r.roofline_fraction

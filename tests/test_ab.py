@@ -226,8 +226,8 @@ def test_layout_placebos_give_each_variant_a_verdict_that_survives_saving(tmp_pa
 def test_a_batched_point_checks_and_times_every_request_of_the_step(tmp_path):
     """PRESET:T:CTX:B: B requests in one step on the build for their B x T rows (past 16: row
     groups), checked (mega == chain bitwise, twice; the reference on every row) and timed like a
-    single request's point; here the per-group build against union experts on the emulation, a
-    pure speed change (same bits). Saved and read back with its B."""
+    single request's point; here the union build (the default) against the per-group ablation on
+    the emulation, a pure speed change (same bits). Saved and read back with its B."""
     from megakernel.batch import make_requests, random_caches
     from megakernel.plans import rows_switches
     from megakernel.reference import step_batch
@@ -248,20 +248,20 @@ def test_a_batched_point_checks_and_times_every_request_of_the_step(tmp_path):
     def timer():
         def time_one(name, eng):
             calls.append((name, type(eng).__name__))
-            return (0.8 if name == "union" else 1.0) * 1e-3
+            return (1.25 if name == "pergroup" else 1.0) * 1e-3
         return time_one
 
     plan_of = lambda p, v, rows: make_plan(cfg, 4, spin_bound_ns=3_000_000_000,  # noqa: E731
                                            **{**rows_switches(cfg, rows), **v.switch_dict})
-    variants = [ab.Variant("base"), ab.parse_variant("union:union_experts=true")]
+    variants = [ab.Variant("base"), ab.parse_variant("pergroup:union_experts=false")]
     (r,) = ab.run_ab([("tiny", 16, 20, 2)], variants, rounds=2, backend="emu", batch_context=batch_context,
                      timer=timer, plan_of=plan_of, log=lambda s: None)
     assert r.batch == 2 and r.label == "tiny T=16 ctx=20 B=2"
-    assert calls == [(n, "GroupEngine") for n in ("base", "union", "union", "base")]  # alternating rounds
-    assert r.checks["union"].same_as_first and r.change("union") == pytest.approx(-0.2)
-    assert "| tiny T=16 ctx=20 B=2 | union" in ab.table([r])
+    assert calls == [(n, "GroupEngine") for n in ("base", "pergroup", "pergroup", "base")]  # alternating rounds
+    assert r.checks["pergroup"].same_as_first and r.change("pergroup") == pytest.approx(0.25)
+    assert "| tiny T=16 ctx=20 B=2 | pergroup" in ab.table([r])
     back = load(ab.to_result([r], variants, timer="host").save(tmp_path))
-    assert back.series_named("tiny/B2/T16/ctx20/union").params["B"] == 2
-    assert "change_tiny_B2_T16_ctx20_union" in back.derived
+    assert back.series_named("tiny/B2/T16/ctx20/pergroup").params["B"] == 2
+    assert "change_tiny_B2_T16_ctx20_pergroup" in back.derived
     assert ab.table(ab.from_result(back)) == ab.table([r])
 

@@ -290,8 +290,9 @@ def test_report_draws_the_batch_curve_from_results_and_says_when_it_has_none(tmp
 
     from reports import megakernel as mk
 
-    def row(impl, b, t, step, groups=None, streams=None):
-        m = {**({"row_groups": groups} if groups else {}), **({"expert_streams_per_layer": streams} if streams else {})}
+    def row(impl, b, t, step, groups=None, streams=None, union=None):
+        m = {**({"row_groups": groups} if groups else {}), **({"expert_streams_per_layer": streams} if streams else {}),
+             **({"union_experts": union} if union is not None else {})}
         return series(f"shard8/B{b}/T{t}/ctx2048/{impl}", step, params={"impl": impl, "preset": "shard8", "tokens": t,
                                                                           "context": 2048, "batch": b},
                       bound=Bound("time", 1e-3, "s", "roofline"), metrics=m or None)
@@ -326,18 +327,30 @@ def test_report_draws_the_batch_curve_from_results_and_says_when_it_has_none(tmp
     assert got[("T=16", 2, "peer")]["step vs B=1"] == "x1.50" and got[("T=16", 2, "peer")]["mega speed-up"] == ""
     assert ("B x T = 16", 1, "mega") in got and ("B x T = 16", 4, "mega") in got
     # the megakernel at 32 rows in row groups: its column names them, mega's speed-up over the peer
-    grouped = t16 + [row("mega", 2, 16, 7.5e-3, groups=2)]
+    grouped = t16 + [row("mega", 2, 16, 7.5e-3, groups=2, union=1)]
     got = {(c["shape"], c["B"], c["impl"]): c for c in mk.batch_curve(mk.step_rows([Result("megakernel.step", env(),
                                                                                          tuple(grouped))]))}
     assert got[("T=16", 2, "mega")]["row groups"] == "2" and got[("T=16", 1, "mega")]["row groups"] == "1"
     assert got[("T=16", 2, "peer")]["row groups"] == "" and got[("T=16", 2, "peer")]["mega speed-up"] == "x1.20"
-    # row groups over the union of their routing: a row of its own, against mega's B = 1 row
-    union = grouped + [row("mega_union", 2, 16, 5e-3, groups=2, streams=43.3)]
+    # a mega step in row groups without the union (union_experts 0, or a result older than it) is the
+    # per-group ablation: a row of its own, against mega's B = 1 row; a result that named the union
+    # build mega_union (while it was a variant) is mega's
+    abl = t16 + [row("mega", 2, 16, 1e-2, groups=2, streams=60.0, union=0),
+                 row("mega_union", 2, 16, 5e-3, groups=2, streams=43.3)]
     got = {(c["shape"], c["B"], c["impl"]): c for c in mk.batch_curve(mk.step_rows([Result("megakernel.step", env(),
-                                                                                         tuple(union))]))}
-    assert got[("T=16", 2, "mega_union")]["step vs B=1"] == "x1.25"
-    assert got[("T=16", 2, "mega_union")]["mega speed-up"] == "x0.67"
-    assert got[("T=16", 2, "mega_union")]["expert streams"] == "43.3" and got[("T=16", 2, "mega")]["expert streams"] == ""
+                                                                                         tuple(abl))]))}
+    assert {k[2] for k in got if k[:2] == ("T=16", 2)} == {"mega", "mega_per_group", "peer"}
+    assert got[("T=16", 2, "mega_per_group")]["step vs B=1"] == "x2.50"
+    assert got[("T=16", 2, "mega_per_group")]["mega speed-up"] == "x2.00"
+    assert got[("T=16", 2, "mega")]["expert streams"] == "43.3"
+    assert got[("T=16", 2, "mega_per_group")]["expert streams"] == "60.0"
+    # before the union (no union_experts metric) mega and chain in row groups were the per-group
+    # build: named so, the chain against its own B = 1 row
+    older = t16 + [row("mega", 2, 16, 1e-2, groups=2), row("chain", 1, 16, 5e-3), row("chain", 2, 16, 2e-2, groups=2)]
+    got = {(c["shape"], c["B"], c["impl"]): c for c in mk.batch_curve(mk.step_rows([Result("megakernel.step", env(),
+                                                                                         tuple(older))]))}
+    assert {k[2] for k in got if k[:2] == ("T=16", 2)} == {"mega_per_group", "chain_per_group", "peer"}
+    assert got[("T=16", 2, "chain_per_group")]["step vs B=1"] == "x4.00"
 
 
 def test_bench_cases_time_the_full_runs_batch_grid():

@@ -32,8 +32,10 @@ SHAPES = {"2x16": ((16, 5), (16, 40)), "mixed": ((16, 5), (9, 40), (12, 0)),
 
 
 def _grouped_plan(plan, groups):
+    # the per-group build (union_experts off, the ablation): every op once per group, the structure
+    # the default union build keeps for all but the routed experts (tests/test_megakernel_union.py)
     return make_plan(plan.cfg, plan.n_sm, spin_bound_ns=plan.spin_bound_ns, ring_stage_bytes=plan.ring_stage_bytes,
-                     fused_experts=plan.fused_experts, row_groups=groups)
+                     fused_experts=plan.fused_experts, row_groups=groups, union_experts=False)
 
 
 def test_pack_groups_keeps_requests_whole_and_in_order():

@@ -51,13 +51,12 @@ def test_plan_refuses_what_does_not_fit():
 @pytest.mark.slow
 @pytest.mark.parametrize("name,tokens,built", [("small", 16, "make_plan"), ("shard8", 16, "make_plan"),
                                                ("small", 16, "plan_for"), ("shard8", 16, "plan_for"),
-                                               ("shard8", 1, "plan_for"), ("shard8", 16, "row_groups"),
-                                               ("shard8", 16, "union")])
+                                               ("shard8", 1, "plan_for"), ("shard8", 16, "row_groups")])
 def test_preset_kernels_compile_for_sm90a_without_spills(name, tokens, built):
     """make_plan's defaults, and the builds the H200 runs: plan_for from the committed tuned
     constants (the ring they give, the fused expert unit, the kept units), per tree size, and with
-    8 row groups (the batch of 8 requests of 16 rows), also with their experts over the union of
-    their routing (Plan.union_experts). The
+    8 row groups (the batch of 8 requests of 16 rows; their experts over the union of their routing,
+    Plan.union_experts, make_plan's default with row groups). The
     kernel-metrics gate compiles only the tiny default build (csrc/megakernel.cu on its own), which
     cannot fuse, so these are where a spill in a production build shows on the CPU."""
     from microbench.compiler import compile_cuda
@@ -65,9 +64,8 @@ def test_preset_kernels_compile_for_sm90a_without_spills(name, tokens, built):
     from megakernel.build import MB_INC
     from megakernel.plans import plan_for
 
-    if built in ("plan_for", "row_groups", "union"):  # row groups: 8 of them, B = 8 requests of 16 rows
-        kw = {"row_groups": 8} if built == "row_groups" else {"row_groups": 8, "union_experts": True} \
-            if built == "union" else {}
+    if built in ("plan_for", "row_groups"):  # row groups: 8 of them, B = 8 requests of 16 rows
+        kw = {"row_groups": 8} if built == "row_groups" else {}
         plan = plan_for(name, n_sm=132, tokens=tokens, **kw)
         assert plan.fused_experts and plan.keep_units > 0 and plan.ring_fill > 0
     else:

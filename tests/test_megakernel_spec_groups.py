@@ -39,13 +39,13 @@ def model():
     return cfg, generate(cfg), agree, draft_model_config(cfg, DraftConfig(agree=agree))
 
 
-def _plans(model, groups: int, union: bool = False):
+def _plans(model, groups: int, union: bool = True):
     cfg, _, _, dcfg = model
     kw = {"row_groups": groups, "union_experts": union} if groups > 1 else {}
     return make_plan(cfg, 4, spin_bound_ns=BOUND, **kw), make_plan(dcfg, 4, spin_bound_ns=BOUND, **kw)
 
 
-def _pair(model, b: int, union: bool = False, grid: int = 4, **kw) -> SpecPair:
+def _pair(model, b: int, union: bool = True, grid: int = 8, **kw) -> SpecPair:
     """The plans are for 4 SMs (their tiles, so the bits, those of the B = 1 runs); `grid` blocks run them."""
     cfg, w, agree, _ = model
     plan, dplan = _plans(model, b, union)
@@ -78,7 +78,7 @@ def alone(model):
     return prompts, out
 
 
-def _run(model, alone, b: int, mode: str, schedule: str, union: bool = False):
+def _run(model, alone, b: int, mode: str, schedule: str, union: bool = True):
     prompts, _ = alone
     # the union on 8 blocks: more than tiny's MoE combine units, so some block runs another
     # group's combine units and none of group 0's (the union's wait for its slot count shows there)
@@ -102,13 +102,13 @@ def _differences_from_alone(pair, got, alone) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("b,mode,schedule,union", [(2, "mega", "random", False), (3, "mega", "last", False),
-                                                   (2, "mega", "block", False), (3, "chain", "random", False),
-                                                   (3, "mega", "random", True)])
+@pytest.mark.parametrize("b,mode,schedule,union", [(2, "mega", "random", True), (3, "mega", "last", True),
+                                                   (2, "mega", "block", True), (3, "chain", "random", True),
+                                                   (3, "mega", "random", False)])
 def test_each_request_of_full_trees_decodes_as_alone_and_as_plain_greedy(model, alone, b, mode, schedule, union):
-    """union: both engines' routed experts once over the union of their groups' routing
-    (Plan.union_experts), on 8 blocks: a token's expert output is the same dot products wherever
-    its slot is."""
+    """union (the default with row groups): both engines' routed experts once over the union of
+    their groups' routing (Plan.union_experts), on 8 blocks: a token's expert output is the same
+    dot products wherever its slot is; without it, the per-group ablation."""
     pair, out = _run(model, alone, b, mode, schedule, union)
     assert out.check.ok, out.check.problems
     assert [len(t) for t in out.read.tokens] == [N] * b
@@ -179,7 +179,7 @@ def test_full_trees_refuse_what_they_cannot_run(model):
 @pytest.mark.parametrize("argv,msg", [(["--batch", "1", "--full-trees"], "--full-trees: a row group per request"),
                                       (["--batch", "2", "--ranks", "2", "--full-trees"], "--full-trees: a row group"),
                                       (["--batch", "9", "--full-trees"], "full trees take at most 8"),
-                                      (["--batch", "4", "--union-experts"], "with --full-trees only")])
+                                      (["--batch", "4", "--per-group-experts"], "with --full-trees only")])
 def test_decode_command_refuses_full_trees_it_cannot_run(argv, msg, capsys):
     from reports.cli import main
 
@@ -199,6 +199,7 @@ def test_decode_command_checks_full_trees(capsys):
     assert main(["decode", "--preset", "tiny", "--batch", "2", "--full-trees", "--tokens", "16", "--check"]) == 0
     out = capsys.readouterr().out
     assert "2 request(s) of a 16-token tree" in out and "a row group per request (2 groups a step)" in out
+    assert "routed experts over the union of the groups' routing" in out
     assert "check: passed" in out and "per request: 0:" in out
 
 

@@ -26,10 +26,13 @@ def _union_plan(plan, groups, n_sm=None):
                      ring_stage_bytes=plan.ring_stage_bytes, row_groups=groups, union_experts=True)
 
 
-def test_union_experts_need_row_groups(tiny):
+def test_union_experts_need_row_groups_and_are_their_default(tiny):
     cfg = tiny[0]
     with pytest.raises(ValueError, match="row_groups >= 2"):
         make_plan(cfg, 4, union_experts=True)
+    # row groups run the union unless the per-group ablation is asked for; one group has none
+    assert make_plan(cfg, 4, row_groups=2).union_experts and not make_plan(cfg, 4).union_experts
+    assert not make_plan(cfg, 4, row_groups=2, union_experts=False).union_experts
     plan = _union_plan(tiny[3], 4)
     # 4 groups x 16 rows x top-2 picks over 8 experts: at most 128 / 16 + 8 slots of 16 tokens
     assert (cfg.n_experts, cfg.top_k) == (8, 2) and plan.max_uslots == 16
@@ -157,19 +160,20 @@ def test_union_fused_checks_catch_partials_in_group_0s_rows(fusable, tmp_path):
     assert not bad.ok and not all(bad.alone), bad.lines()
 
 
-def test_mk_step_union_experts_option(capsys):
-    """`megabench mk step --union-experts`: past 16 rows the union build's step (the emulation
-    without a GPU); at 16 rows or fewer, or with --ranks, refused by name (exit 2)."""
+def test_mk_step_runs_the_union_past_16_rows_and_the_ablation_by_name(capsys):
+    """`megabench mk step`: past 16 rows the union build's step (the emulation without a GPU);
+    `--per-group-experts` (the ablation) at 16 rows or fewer, or with --ranks, refused by name
+    (exit 2)."""
     from megakernel import cli
     from microbench.device import no_gpu_reason
 
-    assert cli.main(["step", "--batch", "2", "--tree-sizes", "4,4", "--union-experts"]) == 2
+    assert cli.main(["step", "--batch", "2", "--tree-sizes", "4,4", "--per-group-experts"]) == 2
     assert "8 token rows are one row group" in capsys.readouterr().err
-    assert cli.main(["step", "--ranks", "2", "--union-experts"]) == 2
-    assert "--ranks with --union-experts" in capsys.readouterr().err
+    assert cli.main(["step", "--ranks", "2", "--per-group-experts"]) == 2
+    assert "--ranks with --per-group-experts" in capsys.readouterr().err
     if not no_gpu_reason():
         pytest.skip("a GPU is present: the command runs there, not in the emulation")
-    assert cli.main(["step", "--batch", "2", "--tree-sizes", "16,9", "--ctxs", "5,40", "--union-experts"]) == 0
+    assert cli.main(["step", "--batch", "2", "--tree-sizes", "16,9", "--ctxs", "5,40"]) == 0
     assert "25 rows in 2 row groups, experts over the union of their routing" in capsys.readouterr().out
 
 

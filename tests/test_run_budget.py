@@ -64,12 +64,11 @@ def test_full_adds_the_ablation_timelines_and_long_contexts(gpu_wiring, tmp_path
     assert [n for n in mk if " ablation " in n] == [f"{p} ablation {v}" for p in ("small", "shard8") for v in names]
     assert "shard8 timeline" in mk and "shard8 timeline detail" in mk
     assert {"shard8 T=16 ctx=8192 mega", "shard8 T=16 ctx=8192 eager", "small T=1 ctx=4096 compile"} <= set(mk)
-    # the batched steps (plans.BATCH_FULL; T = 16 at B = 2, 4, 8 in row groups, also over the union
-    # of their routing), chain and mega, then the peer at the same B, --full only
+    # the batched steps (plans.BATCH_FULL; T = 16 at B = 2, 4, 8 in row groups, their experts over
+    # the union of their routing), chain and mega, then the peer at the same B, --full only
     grid = ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4), (2, 16), (4, 16), (8, 16))
     assert [n for n in mk if " B=" in n and n.startswith("shard8") and "decode" not in n] == [
-        f"shard8 B={b} T={t} ctx=2048 {m}" for b, t in grid
-        for m in ("chain", "mega") + (("mega_union",) if b * t > 16 else ())] + [
+        f"shard8 B={b} T={t} ctx=2048 {m}" for b, t in grid for m in ("chain", "mega")] + [
         f"shard8 B={b} T={t} ctx=2048 peer" for b, t in grid]
     # the batched speculative decodes, trees of 16 / B and full trees, --full only
     assert [n for n in mk if n.startswith("shard8 speculative decode")] == ["shard8 speculative decode"] + [
@@ -408,14 +407,12 @@ def test_full_stage_compiles_and_runs_the_ablation_and_timelines(fake_gpu_work):
     # the batched steps on the build of their B x T rows, with their own speed-ups and the peer's note
     batched = [c[1:6] for c in calls if c[0] == "time_batch"]
     grid = ((2, 1), (4, 1), (8, 1), (2, 8), (4, 4), (2, 16), (4, 16), (8, 16))
-    assert batched == [("small", b, t, 512, m) for b, t in grid
-                       for m in ("chain", "mega") + (("mega_union",) if b * t > 16 else ())]
-    # up to 16 rows the build for B x T of them; past 16 row groups of 16 (plans.rows_switches), and
-    # mega_union their build over the union of the groups' routing
+    assert batched == [("small", b, t, 512, m) for b, t in grid for m in ("chain", "mega")]
+    # up to 16 rows the build for B x T of them; past 16 row groups of 16 (plans.rows_switches: their
+    # experts over the union of the groups' routing, make_plan's default with row groups)
     assert all(c[6] == ("plan", "small", (("tokens", c[2] * c[3]),)) for c in calls
                if c[0] == "time_batch" and c[2] * c[3] <= 16)
-    assert all(c[6] == ("plan", "small", (("row_groups", c[2] * c[3] // 16), ("tokens", 16))
-                        + ((("union_experts", True),) if c[5] == "mega_union" else ())) for c in calls
+    assert all(c[6] == ("plan", "small", (("row_groups", c[2] * c[3] // 16), ("tokens", 16))) for c in calls
                if c[0] == "time_batch" and c[2] * c[3] > 16)
     step = next(r for r in st.results if r.benchmark == "megakernel.step")
     assert step.derived["speedup_vs_chain/small/B4/T1/ctx512/mega"].value == pytest.approx(2.0)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from megakernel.results_names import UNION_IMPL  # light: no torch at collection
 
 pytestmark = pytest.mark.gpu
 POINTS = [("small", 1, 512), ("small", 16, 512), ("shard8", 1, 2048), ("shard8", 16, 2048)]
@@ -63,23 +62,21 @@ def _batch_case(preset, B, T, ctx, mode):
     def prepare(h):
         bc = batch_context(preset, B, T, ctx)
         w = weights_for(preset)
-        # the build for B x T rows (past 16: row groups, a GroupEngine)
-        # mega_union: row groups whose routed experts run over the union of their routing
-        plan = plan_for(preset, **rows_switches(get_preset(preset), B * T), **(
-            {"union_experts": True} if mode == UNION_IMPL else {}))
-        kmode = "mega" if mode == UNION_IMPL else mode
+        # the build for B x T rows (past 16: row groups, a GroupEngine, their experts over the union)
+        plan = plan_for(preset, **rows_switches(get_preset(preset), B * T))
         eng = engine_for(w, plan, [c.clone() for c in bc.caches0], backend="gpu")
-        out = eng.step_batch(bc.requests, mode=kmode, routes=bc.routes)
+        out = eng.step_batch(bc.requests, mode=mode, routes=bc.routes)
         for r in range(B):  # each request against the reference before anything is timed
             lo, hi = out.row0[r], out.row0[r + 1]
             check_close(out.request(r).logits, bc.ref_logits[lo:hi], f"{preset} B={B}/{mode} request {r}", rel=REL_TOL)
-        g, per = graph_of(eng, kmode)
+        g, per = graph_of(eng, mode)
         rf = batch_roofline(w.cfg, bc.shape, bc.distinct)
         prepared = Prepared(launch=g.replay, bound=Bound("time", rf.seconds, "s", f"roofline of one step of {B} "
                                                          f"requests: experts the union, dense once, each request's "
                                                          f"KV ({rf.source})"),
                             metrics={"steps_per_round": per, "roofline_s_per_step": rf.seconds,
-                                     "tokens_per_step": B * T, "requests": B, "row_groups": plan.row_groups})
+                                     "tokens_per_step": B * T, "requests": B, "row_groups": plan.row_groups,
+                                     "union_experts": int(plan.union_experts)})
         prepared._engine = eng  # keep the engine (and its buffers) alive while the graph is replayed
         return prepared
 
@@ -136,11 +133,6 @@ def test_megakernel_step(device_bench, preset, T, ctx, mode):
 @pytest.mark.parametrize("preset,B,T,ctx", BATCH_POINTS, ids=lambda v: str(v))
 def test_megakernel_batched_step(device_bench, preset, B, T, ctx, mode):
     device_bench(_batch_case(preset, B, T, ctx, mode))
-
-
-@pytest.mark.parametrize("preset,B,T,ctx", [pt for pt in BATCH_POINTS if pt[1] * pt[2] > 16], ids=lambda v: str(v))
-def test_megakernel_batched_step_union_experts(device_bench, preset, B, T, ctx):
-    device_bench(_batch_case(preset, B, T, ctx, UNION_IMPL))
 
 
 @pytest.mark.parametrize("preset,B,T,ctx", BATCH_POINTS, ids=lambda v: str(v))

@@ -55,10 +55,11 @@ def test_every_technique_keeps_the_bits_on_the_gpu():
                                                 ("small", ((1, 3000), (1, 0), (1, 1500), (1, 700), (2, 5000), (2, 100)),
                                                  False),
                                                 ("small", ((8, 1200), (8, 40)), False),
-                                                # past 16 rows: row groups (groups.GroupEngine), and
-                                                # their experts over the union of their routing
-                                                ("small", ((16, 1200), (16, 40), (9, 3000), (12, 0)), False),
-                                                ("small", ((16, 1200), (16, 40), (9, 3000), (12, 0)), True)])
+                                                # past 16 rows: row groups (groups.GroupEngine), their
+                                                # experts over the union of their routing, and the
+                                                # per-group ablation
+                                                ("small", ((16, 1200), (16, 40), (9, 3000), (12, 0)), True),
+                                                ("small", ((16, 1200), (16, 40), (9, 3000), (12, 0)), False)])
 def test_batched_requests_are_bitwise_their_own_b1_steps_on_the_gpu(preset, shape, union):
     from megakernel.batch import check_batch, make_requests, random_caches
     from megakernel.bench_baselines import weights_for
