@@ -26,6 +26,8 @@ file stays as it was.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import re
 import shutil
@@ -150,10 +152,15 @@ class Catalog:
 
     def step_sources(self) -> list[Result]:
         """What the step rows come from: the newest result of every benchmark, and the earlier
-        megakernel.peer runs (a run of some points only, e.g. `--points small:16:512`, must not
-        hide the rows an earlier full run has: megakernel.with_fastest_baselines keeps the newest
+        megakernel.peer runs and the peer's rows of earlier megakernel.step runs (a run of some
+        points only, e.g. `--points small:16:512`, or one without the peer, MEGABENCH_PEER=0, must
+        not hide the rows an earlier run has: megakernel.with_fastest_baselines keeps the newest
         row per implementation and configuration, its date and commit shown)."""
         older = [r for _, r in self.runs.get("megakernel.peer", [])[:-1]]
+        for _, r in self.runs.get("megakernel.step", [])[:-1]:
+            peer = tuple(s for s in r.series if s.params.get("impl") == "peer")
+            if peer:
+                older.append(dataclasses.replace(r, series=peer, derived={}))
         return self.latest_all() + older
 
     def of_class(self, cls: str) -> list[tuple[Path, Result]]:

@@ -8,7 +8,9 @@ when one of these reasons holds (a file may have several; all are printed):
             the gate's newest-run baselines read
   report    a run the report shows although a newer one exists: each torch baseline's fastest
             committed run at a configuration the latest results have
-            (reports/megakernel.py fastest_baselines)
+            (reports/megakernel.py fastest_baselines), and the run holding the newest peer row
+            at each configuration (a later run without the peer does not hide it:
+            reports/build.py step_sources)
   note      a markdown note in the results folder (`*.md`: results notes, ncu stall summaries):
             notes are never pruned
   named     a file something names by file name or stem: any text file of the repository outside
@@ -245,6 +247,20 @@ def plan(root: Path | None = None, repo: Path | None = None) -> Plan:
                     why = f"report (fastest {b.impl} run at {mk.config_label(b.config)})"
                     if why not in e.reasons:
                         e.reasons.append(why)
+
+        # the newest peer row per configuration, wherever it is (build.py step_sources)
+        peer: dict[tuple, tuple] = {}
+        for e in entries.values():
+            if not (e.result and e.result["gpu"] == gpu and e.result["benchmark"] in ("megakernel.step",
+                                                                                    "megakernel.peer")):
+                continue
+            for row in mk.step_rows([Result.from_json(e.result["doc"], str(e.path))]):
+                if row.impl == "peer" and (row.config not in peer or (row.date, e.path.name) > peer[row.config][0]):
+                    peer[row.config] = ((row.date, e.path.name), e)
+        for config, (_, e) in peer.items():
+            why = f"report (newest peer row at {mk.config_label(config)})"
+            if not any(r.startswith("report (newest peer row") for r in e.reasons):
+                e.reasons.append(why)
 
     for e in entries.values():
         if e.path.name.endswith(".md"):

@@ -128,6 +128,32 @@ def test_report_keeps_each_baselines_fastest_run(tmp_path):
     assert not _reasons(plan, slow) and _reasons(plan, new)[0].startswith("newest model.baselines")
 
 
+def test_a_run_without_the_peer_keeps_the_run_holding_its_newest_rows(tmp_path):
+    """A later megakernel.step run without the peer (MEGABENCH_PEER=0) does not hide the peer's
+    rows of an earlier run: the report shows them (build.step_sources), so retention keeps that run;
+    an older run whose peer rows are not the newest is pruned."""
+    from reports.build import Catalog
+    from reports import megakernel as mk
+
+    root = tmp_path / "repo" / "reports" / "results"
+
+    def step(impl, v, seed):
+        return series(f"small/T16/ctx512/{impl}", v, params={"impl": impl, "preset": "small", "tokens": 16,
+                                                            "context": 512}, seed=seed)
+
+    old = _save(Result("megakernel.step", env(date="2026-11-27T00:00:00Z", sha="a000001"),
+                       (step("mega", 1.3e-3, 1), step("peer", 1.6e-3, 2))), root)
+    mid = _save(Result("megakernel.step", env(date="2026-11-28T00:00:00Z", sha="a000002"),
+                       (step("mega", 1.2e-3, 3), step("peer", 1.5e-3, 4))), root)
+    new = _save(Result("megakernel.step", env(date="2026-11-29T00:00:00Z", sha="a000003"), (step("mega", 1.1e-3, 5),)),
+                root)
+    plan = retention.plan(root, tmp_path / "repo")
+    assert _reasons(plan, mid) == ["report (newest peer row at small T=16 ctx=512)"]
+    assert not _reasons(plan, old) and _reasons(plan, new)[0].startswith("newest megakernel.step")
+    rows = mk.step_rows(Catalog.load(root).step_sources())
+    assert {(r.impl, r.commit) for r in rows} >= {("mega", "a000003"), ("peer", "a000002")}
+
+
 def test_cli_dry_run_then_prune(repo, capsys):
     repo, root, p, _ = repo
     before = _files(root)
