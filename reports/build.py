@@ -27,7 +27,6 @@ file stays as it was.
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import re
 import shutil

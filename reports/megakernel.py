@@ -79,7 +79,8 @@ STUDY_VERIFY_TOKENS = 16
 IMPL_LABELS = {
     "mega": "megakernel (ours)",
     "chain": "kernel chain (ours: same ops, a launch each, CUDA graph, PDL)",
-    PER_GROUP_IMPL: "megakernel, each row group streaming its own routed experts (ablation; the default runs their union)",
+    PER_GROUP_IMPL: "megakernel, each row group streaming its own routed experts (ablation; the default runs "
+                    "their union)",
     PER_GROUP_CHAIN: "kernel chain, each row group streaming its own routed experts (the ablation's build)",
     "chain_pdl": "kernel chain with PDL (ours)",
     "chain_nopdl": "kernel chain without PDL (ours)",
@@ -356,7 +357,8 @@ def batch_curve(rows: Sequence[StepRow]) -> list[dict]:
     the same implementation at B = 1, and mega's speed-up over the chain and the peer at the same B
     (where results hold both). An implementation appears at the B its results hold (a shape's row of
     an implementation with no batched row is left out). Forced routing only."""
-    rs = [r for r in rows if r.routing == "forced" and r.impl in ("mega", "chain", "peer", PER_GROUP_IMPL, PER_GROUP_CHAIN)]
+    rs = [r for r in rows
+          if r.routing == "forced" and r.impl in ("mega", "chain", "peer", PER_GROUP_IMPL, PER_GROUP_CHAIN)]
 
     def shapes(r: StepRow) -> list[str]:
         # T = 16 at B = 1 is the base of two curves: T = 16 trees at B = 2, 4, 8, and 16 rows split
