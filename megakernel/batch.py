@@ -146,7 +146,7 @@ def check_batch(w: ModelWeights, plan: Plan, caches0: Sequence[KVCache], request
     alone = []
     for r, q in enumerate(reqs):
         c = caches0[r].clone()
-        alone.append((engine([c], pl=replace(plan, row_groups=1, dense_tiles=1)).step_batch([q], mode="mega"), c))
+        alone.append((engine([c], pl=replace(plan, row_groups=1)).step_batch([q], mode="mega"), c))
     # the batch: chain, then mega per schedule
     runs = {}
     for name, mode, sched in [("chain", "chain", "random")] + [(s, "mega", s) for s in

@@ -48,8 +48,6 @@ def program_constants() -> str:
         f"WHAT_LOADER_ROUTE = {program.WHAT_LOADER_ROUTE}, WHAT_LOADER_GATE = {program.WHAT_LOADER_GATE}, "
         f"WHAT_SENTINEL = {program.WHAT_SENTINEL}, WHAT_NORM_ROWS = {program.WHAT_NORM_ROWS}, "
         f"WHAT_LOADER_PACE = {program.WHAT_LOADER_PACE};",
-        f"constexpr int TILE_LEAD = {program.TILE_LEAD}, TILE_FOLLOW = {program.TILE_FOLLOW}, "
-        f"TILE_SHIFT = {program.TILE_SHIFT};",
         f"constexpr uint32_t WHAT_AR = {program.WHAT_AR}, WHAT_GATHER_ACT = {program.WHAT_GATHER_ACT}, "
         f"WHAT_GATHER_Y = {program.WHAT_GATHER_Y};",
         "}  // namespace mk",

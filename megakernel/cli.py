@@ -403,9 +403,6 @@ def _step_batch(a) -> int:
         if a.per_group_experts and groups == 1:
             raise ConfigError(f"--per-group-experts: {rows} token rows are one row group; the ablation is of 2 or "
                               f"more (more than {cfg.max_tree} rows)")
-        if a.dense_tiles not in (1, 2, 4) or (a.dense_tiles > 1 and a.dense_tiles > groups):
-            raise ConfigError(f"--dense-tiles {a.dense_tiles}: runs of 2 or 4 row groups (1: off), at most the step's "
-                              f"{groups} group(s) of {rows} token rows")
     except ConfigError as e:
         print(f"step: {e}", file=sys.stderr)
         return 2
@@ -419,7 +416,7 @@ def _step_batch(a) -> int:
         backend, dev = "emu", "cpu"
         w = generate(cfg)
         plan = make_plan(cfg, 4, spin_bound_ns=3_000_000_000, row_groups=groups,
-                         union_experts=not a.per_group_experts if groups > 1 else False, dense_tiles=a.dense_tiles,
+                         union_experts=not a.per_group_experts if groups > 1 else False,
                          **prof)
     else:
         from .bench_baselines import weights_for  # heavy: torch (megakernel.bench_baselines)
@@ -428,8 +425,7 @@ def _step_batch(a) -> int:
         backend, dev = "gpu", "cuda"
         w = weights_for(a.preset)
         plan = plan_for(a.preset, **({"tokens": rows} if groups == 1 else {"row_groups": groups,
-                                                                           "union_experts": not a.per_group_experts,
-                                                                           "dense_tiles": a.dense_tiles}),
+                                                                           "union_experts": not a.per_group_experts}),
                         **prof)
     caches0 = random_caches(cfg, batch, a.seed, device=dev)
     reqs = make_requests(cfg, shape, a.seed)
@@ -440,7 +436,6 @@ def _step_batch(a) -> int:
     print(f"{a.preset}: {batch} request(s), {rows} rows" + (f" in {groups} row groups" if groups > 1 else "")
           + ((", each group's own experts (ablation)" if a.per_group_experts else
               ", experts over the union of their routing") if groups > 1 else "")
-          + (f", dense projections in runs of {a.dense_tiles} groups" if a.dense_tiles > 1 else "")
           + f", {a.mode} mode ({backend})")
     for r, (t, c) in enumerate(shape):
         print(f"  request {r}: T={t} ctx={c}: greedy tokens {out.request(r).tokens.tolist()}")
@@ -508,9 +503,6 @@ def _decode(a) -> int:
         if a.per_group_experts and not a.full_trees:
             raise ConfigError("--per-group-experts: each row group streaming its own experts (the ablation of their "
                               "union), with --full-trees only")
-        if a.dense_tiles != 1 and not (a.full_trees and a.dense_tiles in (2, 4) and a.dense_tiles <= a.batch):
-            raise ConfigError(f"--dense-tiles {a.dense_tiles}: runs of 2 or 4 requests' row groups, with --full-trees "
-                              f"and at most --batch ({a.batch})")
         if a.full_trees and a.batch > MAX_ROW_GROUPS:
             raise ConfigError(f"--batch {a.batch}: full trees take at most {MAX_ROW_GROUPS} requests (a row group each)")
         if not a.full_trees and a.batch not in BATCHES:
@@ -541,8 +533,7 @@ def _decode(a) -> int:
     dcfg = draft_model_config(cfg, DraftConfig(agree=agree))
     tp = dict(tp_ranks=a.ranks, launch_ranks=a.ranks) if a.ranks > 1 else {}
     # request r in row group r of both engines
-    groups = ({"row_groups": a.batch, "union_experts": not a.per_group_experts, "dense_tiles": a.dense_tiles}
-              if a.full_trees else {})
+    groups = {"row_groups": a.batch, "union_experts": not a.per_group_experts} if a.full_trees else {}
     if emulated:
         from .plan import make_plan  # heavy: torch (megakernel.plan)
         from .weights import generate  # heavy: torch (megakernel.weights)
@@ -571,7 +562,6 @@ def _decode(a) -> int:
     if a.full_trees:
         verifier += (", each group's own routed experts (ablation)" if a.per_group_experts else
                      ", routed experts over the union of the groups' routing")
-        verifier += f", dense projections in runs of {a.dense_tiles} groups" if a.dense_tiles > 1 else ""
     print(f"{a.preset}: {a.batch} request(s) of a {pair.T}-token tree (branch depth {pair.branch_depth}), drafter "
           f"{pair.dm.cfg.n_layers} layers over {pair.T - 1} slots{verifier}, {a.mode} mode ({backend}); {a.tokens} "
           f"tokens each after a prompt of {a.prompt_len}", flush=True)
@@ -604,7 +594,7 @@ def _decode(a) -> int:
     res = decode_result(out, preset=a.preset, batch=a.batch, mode=a.mode, agree=agree, acceptance=name,
                         acceptance_source=source, prompt_len=a.prompt_len, n=a.tokens, env=env, emulated=not pair.gpu,
                         launches=pair.part_launches(a.mode), ranks=a.ranks, where=where, where_why=where_why,
-                        row_groups=a.batch if a.full_trees else 1, dense_tiles=a.dense_tiles)
+                        row_groups=a.batch if a.full_trees else 1)
     print("saved", res.save())
     if a.json:
         print("wrote", write_text(Path(a.json), json.dumps(res.to_json(), indent=1) + "\n"))
@@ -660,9 +650,6 @@ def add_decode_parser(sub) -> None:
     s.add_argument("--per-group-experts", action="store_true",
                    help="--full-trees: the ablation whose every row group streams its own routed experts (default: "
                         "both engines' experts once over the union of the groups' routing)")
-    s.add_argument("--dense-tiles", type=int, default=1,
-                   help="--full-trees: both engines' dense projections in runs of 2 or 4 row groups, each weight chunk "
-                        "streamed once per run (Plan.dense_tiles; default 1, off)")
     s.add_argument("--ranks", type=int, default=1,
                    help="the verifier as R tensor-parallel ranks (2, 4, 8 where the preset's kv heads divide; tiny: "
                         "2): R GPUs under torchrun where the node has R (one process per GPU, a drafter in each), "
@@ -1007,9 +994,6 @@ def add_tools(sub) -> None:
     s.add_argument("--per-group-experts", action="store_true",
                    help="past 16 rows: the ablation whose every row group streams its own routed experts (default: "
                         "once over the union of their routing)")
-    s.add_argument("--dense-tiles", type=int, default=1,
-                   help="past 16 rows: the dense projections in runs of 2 or 4 row groups, each weight chunk streamed "
-                        "once per run (Plan.dense_tiles; default 1, off)")
     s.add_argument("--schedule", nargs="+", default=None, choices=["random", "last", "block"],
                    help="emulated mega schedules the check runs (the first also runs the printed step; default random "
                         "last); the host emulation only")

@@ -967,7 +967,7 @@ def summary_lines(out: DecodeOutcome, *, emulated: bool) -> list[str]:
 def to_result(out: DecodeOutcome, *, preset: str, batch: int, mode: str, agree: float, acceptance: str,
               acceptance_source: str, prompt_len: int, n: int, env: Env, emulated: bool,
               launches: tuple[int, int, int], ranks: int = 1, where: str | None = None,
-              where_why: str | None = None, row_groups: int = 1, dense_tiles: int = 1) -> Result:
+              where_why: str | None = None, row_groups: int = 1) -> Result:
     """The run as a typed `megakernel.decode` result: one series of step wall times with the
     acceptance (histogram, per-depth rates), the split and the check in its metrics; derived the
     accepted tokens/s and the mean acceptance. The report draws GPU runs only (emulated ones are
@@ -975,8 +975,7 @@ def to_result(out: DecodeOutcome, *, preset: str, batch: int, mode: str, agree: 
     its series .../R{ranks}); `where`: where it ran (params: "emu", "gpu" (at R > 1 the ranks
     sharing one GPU's SMs) or "torchrun" (one process per GPU); default by `emulated`), `where_why`
     the sentence that says so (notes); `row_groups`: full trees, a row group per request (params;
-    1: every request's tree in one step of max_tree rows); `dense_tiles`: the row groups' dense
-    projections in runs of that many (Plan.dense_tiles; params, and a series name's /tiles{n})."""
+    1: every request's tree in one step of max_tree rows)."""
     where = where or ("emu" if emulated else "gpu")
     if where not in ("emu", "gpu", "torchrun"):
         raise ConfigError(f"where {where!r}: emu, gpu or torchrun")
@@ -985,13 +984,11 @@ def to_result(out: DecodeOutcome, *, preset: str, batch: int, mode: str, agree: 
     rate = committed / st.seconds if st.seconds > 0 else 0.0
     med = {p: float(np.median([getattr(s, p) for s in st.steps])) for p in (*PARTS, "gaps")}
     t = len(out.read.hist[0]) - 1
-    name = (f"{preset}/B{batch}/T{t}/{mode}/agree{agree:g}" + (f"/R{ranks}" if ranks > 1 else "")
-            + (f"/tiles{dense_tiles}" if dense_tiles > 1 else ""))
+    name = f"{preset}/B{batch}/T{t}/{mode}/agree{agree:g}" + (f"/R{ranks}" if ranks > 1 else "")
     check = "not run" if out.check is None else ("passed" if out.check.ok else "FAILED")
     params = {"preset": preset, "batch": batch, "tree_tokens": t, "branch_depth": rep.branch_depth, "mode": mode,
               "agree": agree, "acceptance": acceptance, "prompt_len": prompt_len, "tokens": n,
-              "backend": "emu" if emulated else "gpu", "ranks": ranks, "where": where, "row_groups": row_groups,
-              "dense_tiles": dense_tiles}
+              "backend": "emu" if emulated else "gpu", "ranks": ranks, "where": where, "row_groups": row_groups}
     metrics = {"accepted_tokens_per_s": rate, "accepted_tokens": committed, "steps": len(st.steps),
                "rounds": list(st.rounds), "accepted_tokens_per_step": rep.mean, "histogram": list(rep.histogram),
                "depth_rates": [x if x == x else None for x in rep.depth_rates], "follow_rate": rep.follow_rate,

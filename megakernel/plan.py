@@ -32,9 +32,6 @@ OP = {k: i for i, k in enumerate(OP_KINDS)}
 # consumers wait for every active group's units, program.cuh all_target)
 UNION_OPS = ("expert1", "expert2")
 UNION_SHARED = ("topk", "pool")
-# Plan.dense_tiles (program.grouped): the bf16 projections whose instances of dense_tiles
-# consecutive row groups run as one, each weight chunk meeting every group's token tile
-DENSE_TILED = ("qkv", "oproj", "router", "pool", "unpool", "lm_head")
 WARPS = 8  # compute warps per block (one mma m16 row tile of tokens each)
 LOADER_WARPS = 1  # the weight-streaming warp (ring producer)
 THREADS = 32 * (WARPS + LOADER_WARPS)  # the default block; Plan.threads is the plan's
@@ -328,13 +325,6 @@ class Plan:
     # there (each group streaming its own experts) is an ablation, slower wherever groups share
     # experts (reports/LEVERS.md)
     union_experts: bool = False
-    # row groups: the dense projections (DENSE_TILED) of each run of this many consecutive groups
-    # are one set of units, each unit's weight chunks streamed once and multiplied by every group
-    # of the run, its own 16-row token tile in its own region of abuf (ABUF_REGION bytes each). Every
-    # group's sums are the dot products, in the k order, of its own step, so the bits are too. The
-    # run's leader instance computes all of them; the others (followers) only publish their units
-    # on the same blocks (program.grouped). Groups past the last whole run go one by one. 1: off
-    dense_tiles: int = 1
     # tensor parallelism (0: none). R >= 1: the model sharded over R ranks as the study shards it:
     # attention by heads (a rank's q and kv heads, its KV cache), oproj K-sharded into tp_groups
     # fixed groups whose fp32 partials every rank sums in group order (the attention all-reduce),
@@ -452,29 +442,13 @@ class Plan:
         of norm_k columns and abuf's pad (gemm.cuh XG_ROW, xg_at; runtime's xg buffer)."""
         return self.norm_k + ROW_PAD // 2
 
-    def tile_kp(self, name: str) -> int:
-        """dense_tiles: columns of oproj's or unpool's operand staged at a time in a group's region
-        (oproj.cuh OPROJ_TKP, unpool.cuh UNPOOL_TKP): all of K where it is no wider than the normed
-        panel, else panels of the normed panel's width (at least one chunk). Whole chunks walked in
-        the same k order: the bits of the whole operand."""
-        k = {"oproj": self.rcfg.attn_width, "unpool": self.cfg.d_pool}[name]
-        if self.dense_tiles == 1:
-            return k
-        return min(k, max(self.norm_k, self.tiles[name].kc))
-
-    @property
-    def abuf_region(self) -> int:
-        """dense_tiles: one group's region of abuf, 16 token rows of the widest dense operand staged
-        at once (the normed panel, oproj's and unpool's panels), padded."""
-        return 16 * (max(self.norm_k, self.tile_kp("oproj"), self.tile_kp("unpool")) * 2 + ROW_PAD)
-
     @property
     def abuf_bytes(self) -> int:
         """Activation operand: 16 token rows x the widest K staged at once, padded (attention
-        reuses it); with dense_tiles a region of the dense operands per group of a run."""
+        reuses it)."""
         c = self.cfg
         kmax = max(self.norm_k, self.rcfg.attn_width, c.d_pool, c.d_expert)
-        return max(16 * (kmax * 2 + ROW_PAD), self.attn_smem_bytes, self.dense_tiles * self.abuf_region)
+        return max(16 * (kmax * 2 + ROW_PAD), self.attn_smem_bytes)
 
     @property
     def attn_round_keys(self) -> int:
@@ -516,8 +490,7 @@ class Plan:
         static_assert fails the build if this differs from its layout."""
         c = self.cfg
         rtag = MISC_SCRATCH + c.max_tree * c.top_k + 2 * ((c.n_experts + 31) // 32) + c.n_experts  # MISC_RTAG
-        nt = self.dense_tiles  # RNORM[16 x nt], then the regions past 0's two tags (block.cuh MISC_TTAG)
-        pslot = (rtag + 1 + 16 * nt + 2 * (nt - 1) + 1) & ~1  # MISC_PSLOT, 8-byte aligned
+        pslot = (rtag + 1 + 16 + 1) & ~1  # MISC_PSLOT: past RTAG and RNORM[16], 8-byte aligned
         # PSLOT, PWIN, PWAIT, KEEP, then the step's shape: STEP, ROW_REQ, SPLITS, SPAN
         # (row groups: a copy of the step's shape per group, then two routed-count copies per group)
         area = STEP_INTS + (c.max_tree + 3) // 4 + B_MAX + 2
@@ -565,8 +538,6 @@ def _fill_ring(p: Plan, smem_limit: int, norm_panel: int | None) -> Plan:
     best = None
     for kp in cands:
         q = replace(p, norm_panel=kp)
-        if q.smem_bytes > smem_limit and kp != cands[-1]:
-            continue  # (dense_tiles' regions) a wider panel that does not fit even its own stages
         extra = 0  # a stage adds 16 bytes of mbarriers to misc_bytes too
         while q.ring_stages + extra < RING_FILL_MAX and (q.ring_stages + extra + 1) * q.stage_bytes <= RING_FILL_BYTES \
                 and replace(q, ring_stages=q.ring_stages + extra + 1).smem_bytes <= smem_limit:
@@ -575,19 +546,6 @@ def _fill_ring(p: Plan, smem_limit: int, norm_panel: int | None) -> Plan:
         if best is None or q.ring_stages > best.ring_stages:
             best = q
     return best
-
-
-def _tiles_panel(p: Plan, smem_limit: int) -> Plan:
-    """dense_tiles: the normed operand in the widest panel (d_model, halved while it stays whole
-    chunks of every NORM_OPS tile) with which the plan fits; the plan unpaneled where none does
-    (make_plan then refuses it by its sizes)."""
-    kc, k = max(p.tiles[n].kc for n in NORM_OPS), p.cfg.d_model
-    while k >= kc and k % kc == 0 and p.cfg.d_model % k == 0:
-        q = replace(p, norm_panel=0 if k == p.cfg.d_model else k)
-        if q.smem_bytes <= smem_limit:
-            return q
-        k //= 2
-    return p
 
 
 def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_bytes: int = 16384,
@@ -599,8 +557,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               expert1_rows: int | None = None, expert2_rows: int | None = None, layout_pad: int = 0,
               layout_gap: int = 0, fused_experts: bool = False, keep_max: int = KEEP_MAX,
               compute_registers: int = 0, launch_ranks: int = 1, tp_ranks: int = 0,
-              expert_parallel: bool = False, row_groups: int = 1, union_experts: bool | None = None,
-              dense_tiles: int = 1) -> Plan:
+              expert_parallel: bool = False, row_groups: int = 1, union_experts: bool | None = None) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -614,9 +571,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     (Plan.layout_pad), a multiple of 16 bytes up to 64 KB; layout_gap: the same in the middle of
     the ops' code (Plan.layout_gap). compute_registers: Plan's (0 = off, or a multiple of 8 from
     176 to 232). launch_ranks, tp_ranks, expert_parallel, row_groups: Plan's. union_experts: Plan's, None = on with
-    row groups (False there: the per-group ablation). dense_tiles: Plan's (1 = off; 2 or 4 row groups,
-    at most row_groups), with the widest normed panel whose regions fit (unless norm_panel or
-    fill_ring chooses). A TP build (tp_ranks >= 1) cuts
+    row groups (False there: the per-group ablation). A TP build (tp_ranks >= 1) cuts
     oproj's K into max_tp_ranks(cfg) groups and sizes its expert units for that many ranks, so that
     its tiles, and so its bits, are the same at every R."""
     cfg.validate()
@@ -630,11 +585,6 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
         union_experts = row_groups > 1
     if union_experts and row_groups < 2:
         raise ValueError(f"union_experts: the union of row groups' routing needs row_groups >= 2 (got {row_groups})")
-    if dense_tiles not in (1, 2, 4) or isinstance(dense_tiles, bool):
-        raise ValueError(f"dense_tiles {dense_tiles!r}: want 1 (off), 2 or 4 row groups' token tiles per dense unit")
-    if dense_tiles > row_groups:
-        raise ValueError(f"dense_tiles {dense_tiles}: runs of {dense_tiles} row groups need row_groups >= {dense_tiles} "
-                         f"(got {row_groups})")
     ng = 0
     if tp_ranks or expert_parallel:
         why = tp_problem(cfg, tp_ranks) if isinstance(tp_ranks, int) and tp_ranks >= 1 else \
@@ -699,28 +649,19 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              fp4_rotated=fp4_rotated, tiles=tiles, layout_pad=layout_pad, layout_gap=layout_gap,
              fused_experts=fused_experts, compute_registers=compute_registers, launch_ranks=launch_ranks,
              tp_ranks=tp_ranks, tp_groups=ng, expert_parallel=expert_parallel, row_groups=row_groups,
-             union_experts=union_experts, dense_tiles=dense_tiles)
-    if dense_tiles > 1 and norm_panel is None and not fill_ring:
-        # the widest normed panel whose regions fit: one region per group of a run
-        p = _tiles_panel(p, smem_limit)
+             union_experts=union_experts)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
                              f"{', '.join(f'{n} {tiles[n].kc}' for n in NORM_OPS)} columns")
         p = _fill_ring(p, smem_limit, norm_panel) if fill_ring else replace(p, norm_panel=norm_panel)
-    for name in ("oproj", "unpool") if dense_tiles > 1 else ():
-        t, kp = tiles[name], p.tile_kp(name)
-        if t.k % kp or kp % t.kc or (32 * WARPS) % (kp // 8):  # gemm.cuh stage_rows: whole rows a round
-            raise ValueError(f"dense_tiles: {name}'s operand panel of {kp} columns must divide its K {t.k} in "
-                             f"whole {t.kc}-column chunks, its 16-byte pieces the {32 * WARPS} compute threads")
     if fused_experts:  # what the ring left: kept gate/up activations (Plan.keep_units)
         p = replace(p, keep_units=min(keep_max, max(0, (smem_limit - p.smem_bytes) // p.keep_unit_bytes)))
     if p.smem_bytes > smem_limit:
         raise KernelDoesNotFitError(
             f"megakernel for {cfg.name} needs {p.smem_bytes} B of shared memory per block (activations "
-            f"{p.abuf_bytes}{f' for {p.dense_tiles} dense token tiles' if p.dense_tiles > 1 else ''}, ring "
-            f"{p.ring_stages} x {p.stage_bytes}, reduction {p.red_bytes}); the device allows {smem_limit}. Use "
-            f"fewer/smaller ring stages{' or fewer dense_tiles' if p.dense_tiles > 1 else ''}.")
+            f"{p.abuf_bytes}, ring {p.ring_stages} x {p.stage_bytes}, reduction {p.red_bytes}); the device "
+            f"allows {smem_limit}. Use fewer/smaller ring stages.")
     f_sh, p_sh = p.expert_rows
     for name, t in tiles.items():
         n = {"qkv": p.rcfg.qkv_rows, "oproj": c.d_model, "router": c.n_experts, "pool": c.d_pool, "unpool": c.d_model,
@@ -779,10 +720,6 @@ def render(plan: Plan) -> str:
         f"constexpr int RANKS_PER_LAUNCH = {plan.launch_ranks};",
         f"constexpr int GROUPS = {plan.row_groups};  // row groups of a step (Plan.row_groups)",
         f"constexpr bool UNION_EXPERTS = {'true' if plan.union_experts else 'false'};  // Plan.union_experts",
-        f"constexpr int DENSE_TILES = {plan.dense_tiles};  // row groups' token tiles per dense unit (Plan.dense_tiles)",
-        f"constexpr int ABUF_REGION = {plan.abuf_region};  // a group's region of abuf (dense_tiles)",
-        f"constexpr int OPROJ_TKP = {plan.tile_kp('oproj')}, UNPOOL_TKP = {plan.tile_kp('unpool')};  "
-        "// dense_tiles: their operands' columns staged at a time",
         f"constexpr int MAX_USLOTS = {max(plan.max_uslots, 1)};  // union slots (Plan.max_uslots; 1 without)",
         f"constexpr int TP = {plan.tp_ranks}, TP_GROUPS = {plan.tp_groups or 1};",
         f"constexpr bool EXPERT_PARALLEL = {'true' if plan.expert_parallel else 'false'};",

@@ -60,7 +60,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .config import ModelConfig
-from .plan import DENSE_TILED, MOE_COMBINE_COLS, OP, OP_KINDS, SPEC_KINDS, UNION_OPS, UNION_SHARED, Plan
+from .plan import MOE_COMBINE_COLS, OP, OP_KINDS, SPEC_KINDS, UNION_OPS, UNION_SHARED, Plan
 
 OPINST_INTS = 16
 MAX_DEPS = 3
@@ -86,12 +86,6 @@ MAX_TP_OPS = 4096
 # consumer <- producer edges on which the consumer polls sentinel slots (plan.sentinel_route: top-k
 # <- router; TP: the all-reduce <- oproj, and each gather's readers <- its producers)
 SENTINEL_EDGES = (("topk", "router"), ("attn_reduce", "oproj"), ("expert2", "expert1"))
-# Plan.dense_tiles (grouped): an instance's part in a run of row groups' dense instances, kept above
-# the group in the record's last int (program.cuh op_role). The leader runs every unit for each
-# group of the run; a follower (the run's other groups, right after it) runs none, only publishes
-# the units the leader ran for its group, on the same blocks
-TILE_LEAD, TILE_FOLLOW = 1, 2
-TILE_SHIFT = 8
 
 
 @dataclass(frozen=True)
@@ -113,7 +107,6 @@ class OpInst:
     assign: int
     signal: int = 3  # which counters some consumer waits for: SIGNAL_TOTAL | SIGNAL_GROUPS (0: none is bumped)
     group: int = 0  # row groups (grouped): whose rows and parameter block the instance runs
-    tile: int = 0  # Plan.dense_tiles (grouped): TILE_LEAD, TILE_FOLLOW or 0 (runs alone)
 
     def encode(self) -> list[int]:
         row = [OP[self.kind], self.layer, self.counter, self.group_base, self.n_groups, self.rot, self.assign,
@@ -123,7 +116,7 @@ class OpInst:
             row += [d.producer, d.mode]
         row += [0] * (2 * (MAX_DEPS - len(self.deps)))
         assert len(row) == OPREC_DEPS + 2 * MAX_DEPS  # the signal's int (program.cuh load_op)
-        row += [int(self.signal), int(self.group) | int(self.tile) << TILE_SHIFT]  # program.cuh op_group, op_role
+        row += [int(self.signal), int(self.group)]  # the group: program.cuh op_group
         row += [0] * (OPINST_INTS - len(row))
         return row
 
@@ -440,12 +433,7 @@ def grouped(prog: Program, groups: int) -> Program:
     Plan.union_experts: each layer's gate/up and down projection are one instance (group 0's)
     over the union of every group's routing, after every group's top-k; each group's MoE combine
     waits for it. Every group's top-k and pooler bump group 0's counters (one counter each,
-    plan.UNION_SHARED): the union's units wait for all of them at once (program.cuh all_target).
-
-    Plan.dense_tiles NT: the DENSE_TILED instances of groups kNT..kNT+NT-1 (whole runs; groups past
-    the last run go alone) take the run's first group's rotation, so that unit u of each lies on one
-    block; the first (TILE_LEAD) computes unit u for every group of the run after waiting for each
-    group's dependencies, the others (TILE_FOLLOW) only publish it, right after on the same block."""
+    plan.UNION_SHARED): the union's units wait for all of them at once (program.cuh all_target)."""
     if not isinstance(groups, int) or not 1 <= groups <= prog.plan.row_groups:
         raise ValueError(f"{groups!r} row groups: the plan's build takes 1..{prog.plan.row_groups}")
     if groups == 1:
@@ -472,17 +460,13 @@ def grouped(prog: Program, groups: int) -> Program:
     def producer(d: Dep, g: int) -> int:  # a union op is group 0's only instance
         return at[(d.producer, 0 if union and prog.ops[d.producer].kind in UNION_OPS else g)]
 
-    nt = prog.plan.dense_tiles
     ops = []
     for k, (i, g) in enumerate(order):
         o = prog.ops[i]
         gc = 0 if union and o.kind in UNION_SHARED else g  # whose counters it bumps
-        lead = g - g % nt  # the first group of g's run of dense token tiles
-        tiled = nt > 1 and o.kind in DENSE_TILED and lead + nt <= groups
         ops.append(replace(o, index=k, group=g, deps=tuple(Dep(producer(d, g), d.mode) for d in o.deps),
-                           rot=(o.rot + (lead if tiled else g) * prog.plan.n_sm // groups) % prog.plan.n_sm,
-                           counter=o.counter + gc * nc, group_base=o.group_base + gc * nc if o.n_groups else -1,
-                           tile=(TILE_LEAD if g == lead else TILE_FOLLOW) if tiled else 0))
+                           rot=(o.rot + g * prog.plan.n_sm // groups) % prog.plan.n_sm,
+                           counter=o.counter + gc * nc, group_base=o.group_base + gc * nc if o.n_groups else -1))
     out = Program(prog.plan, tuple(ops), tuple(launches), nc * groups, prog.mode, prog.spec, groups)
     check(out)
     return out
@@ -538,14 +522,3 @@ def check(prog: Program) -> None:
             if d.mode == DEP_GROUP:
                 needed_group(prog.plan, o.kind, p.kind, o.layer, 0, 1, 0)  # raises if no rule
                 assert p.n_groups > 0
-        if o.tile:  # a run of dense token tiles (grouped): the leader waits for every member's dependencies
-            nt = prog.plan.dense_tiles
-            lead = o.index - (o.group % nt)
-            run = prog.ops[lead:lead + nt]
-            assert o.kind in DENSE_TILED and len(run) == nt and run[0].tile == TILE_LEAD and all(
-                r.tile == TILE_FOLLOW for r in run[1:]), f"{o.kind}(L{o.layer}) g{o.group}: not in a whole run"
-            assert all((r.kind, r.layer, r.rot, r.assign, r.group) == (o.kind, o.layer, o.rot, o.assign,
-                                                                     run[0].group + k) for k, r in enumerate(run)), \
-                f"{o.kind}(L{o.layer}): a run's instances differ in op, blocks or groups"
-            assert all(d.mode == DEP_ALL and d.producer < lead for d in o.deps), \
-                f"{o.kind}(L{o.layer}) g{o.group}: a tiled instance waits for whole producers before its run"

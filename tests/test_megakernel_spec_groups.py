@@ -39,16 +39,16 @@ def model():
     return cfg, generate(cfg), agree, draft_model_config(cfg, DraftConfig(agree=agree))
 
 
-def _plans(model, groups: int, union: bool = True, tiles: int = 1):
+def _plans(model, groups: int, union: bool = True):
     cfg, _, _, dcfg = model
-    kw = {"row_groups": groups, "union_experts": union, "dense_tiles": tiles} if groups > 1 else {}
+    kw = {"row_groups": groups, "union_experts": union} if groups > 1 else {}
     return make_plan(cfg, 4, spin_bound_ns=BOUND, **kw), make_plan(dcfg, 4, spin_bound_ns=BOUND, **kw)
 
 
-def _pair(model, b: int, union: bool = True, grid: int = 8, tiles: int = 1, **kw) -> SpecPair:
+def _pair(model, b: int, union: bool = True, grid: int = 8, **kw) -> SpecPair:
     """The plans are for 4 SMs (their tiles, so the bits, those of the B = 1 runs); `grid` blocks run them."""
     cfg, w, agree, _ = model
-    plan, dplan = _plans(model, b, union, tiles)
+    plan, dplan = _plans(model, b, union)
     return SpecPair(w, plan, dplan, [KVCache(cfg) for _ in range(b)], batch=b, agree=agree, backend="emu",
                     grid=grid, **kw)
 
@@ -78,11 +78,11 @@ def alone(model):
     return prompts, out
 
 
-def _run(model, alone, b: int, mode: str, schedule: str, union: bool = True, tiles: int = 1):
+def _run(model, alone, b: int, mode: str, schedule: str, union: bool = True):
     prompts, _ = alone
     # the union on 8 blocks: more than tiny's MoE combine units, so some block runs another
     # group's combine units and none of group 0's (the union's wait for its slot count shows there)
-    pair = _pair(model, b, union, 8 if union else 4, tiles, emu_schedule=schedule, emu_seed=5)
+    pair = _pair(model, b, union, 8 if union else 4, emu_schedule=schedule, emu_seed=5)
     assert pair.T == model[0].max_tree and isinstance(pair.target, GroupEngine)
     return pair, decode(pair, prompts[:b], N, mode, check=True, poison=True)
 
@@ -102,16 +102,14 @@ def _differences_from_alone(pair, got, alone) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("b,mode,schedule,union,tiles", [(2, "mega", "random", True, 1), (3, "mega", "last", True, 1),
-                                                         (2, "mega", "block", True, 1), (3, "chain", "random", True, 1),
-                                                         (3, "mega", "random", False, 1), (3, "mega", "random", True, 2)])
-def test_each_request_of_full_trees_decodes_as_alone_and_as_plain_greedy(model, alone, b, mode, schedule, union,
-                                                                          tiles):
+@pytest.mark.parametrize("b,mode,schedule,union", [(2, "mega", "random", True), (3, "mega", "last", True),
+                                                   (2, "mega", "block", True), (3, "chain", "random", True),
+                                                   (3, "mega", "random", False)])
+def test_each_request_of_full_trees_decodes_as_alone_and_as_plain_greedy(model, alone, b, mode, schedule, union):
     """union (the default with row groups): both engines' routed experts once over the union of
     their groups' routing (Plan.union_experts), on 8 blocks: a token's expert output is the same
-    dot products wherever its slot is; without it, the per-group ablation. tiles: both engines'
-    dense projections of groups 0 and 1 as one run (Plan.dense_tiles), group 2 alone."""
-    pair, out = _run(model, alone, b, mode, schedule, union, tiles)
+    dot products wherever its slot is; without it, the per-group ablation."""
+    pair, out = _run(model, alone, b, mode, schedule, union)
     assert out.check.ok, out.check.problems
     assert [len(t) for t in out.read.tokens] == [N] * b
     assert _differences_from_alone(pair, out.read, alone) == []

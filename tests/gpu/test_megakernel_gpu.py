@@ -51,16 +51,16 @@ def test_every_technique_keeps_the_bits_on_the_gpu():
 # B requests in one step on the GPU (megakernel.batch.check_batch): each request bitwise its own B=1
 # step (on the GPU this also rests on an mma's result for a token not depending on its column in
 # the tile), mega == chain, each within the reference's bound; mixed contexts, past the window too
-@pytest.mark.parametrize("preset,shape,union,tiles", [
-    ("tiny", ((4, 3), (1, 0), (6, 64), (5, 20)), False, 1),
-    ("small", ((1, 3000), (1, 0), (1, 1500), (1, 700), (2, 5000), (2, 100)), False, 1),
-    ("small", ((8, 1200), (8, 40)), False, 1),
-    # past 16 rows: row groups (groups.GroupEngine), their experts over the union of their routing,
-    # the per-group ablation, and the dense projections of groups 0 and 1 as one run (Plan.dense_tiles)
-    ("small", ((16, 1200), (16, 40), (9, 3000), (12, 0)), True, 1),
-    ("small", ((16, 1200), (16, 40), (9, 3000), (12, 0)), False, 1),
-    ("small", ((16, 1200), (16, 40), (9, 3000), (12, 0)), True, 2)])
-def test_batched_requests_are_bitwise_their_own_b1_steps_on_the_gpu(preset, shape, union, tiles):
+@pytest.mark.parametrize("preset,shape,union", [("tiny", ((4, 3), (1, 0), (6, 64), (5, 20)), False),
+                                                ("small", ((1, 3000), (1, 0), (1, 1500), (1, 700), (2, 5000), (2, 100)),
+                                                 False),
+                                                ("small", ((8, 1200), (8, 40)), False),
+                                                # past 16 rows: row groups (groups.GroupEngine), their
+                                                # experts over the union of their routing, and the
+                                                # per-group ablation
+                                                ("small", ((16, 1200), (16, 40), (9, 3000), (12, 0)), True),
+                                                ("small", ((16, 1200), (16, 40), (9, 3000), (12, 0)), False)])
+def test_batched_requests_are_bitwise_their_own_b1_steps_on_the_gpu(preset, shape, union):
     from megakernel.batch import check_batch, make_requests, random_caches
     from megakernel.bench_baselines import weights_for
     from megakernel.groups import groups_needed
@@ -69,7 +69,7 @@ def test_batched_requests_are_bitwise_their_own_b1_steps_on_the_gpu(preset, shap
     w = weights_for(preset)
     rows = [t for t, _ in shape]
     kw = {"tokens": sum(rows)} if sum(rows) <= w.cfg.max_tree else {"row_groups": groups_needed(w.cfg.max_tree, rows),
-                                                                    "union_experts": union, "dense_tiles": tiles}
+                                                                    "union_experts": union}
     res = check_batch(w, plan_for(preset, **kw), random_caches(w.cfg, len(shape), device="cuda"),
                       make_requests(w.cfg, shape), backend="gpu")
     assert res.ok, res.lines()

@@ -37,14 +37,9 @@ constexpr int MISC_PROF = 48;     // [10] the profiler's state (megakernel.cu; 8
 static_assert(MISC_SCRATCH == MISC_PROF + 10, "top-k scratch (rendered from plan.py) starts past the profiler's state");
 // top-k scratch: selections [T_MAX*TOPK], slot prefix [E/32], expert bitmap [E/32], token masks [E]
 constexpr int MISC_RTAG = MISC_SCRATCH + T_MAX * TOPK + 2 * ((E + 31) / 32) + E;  // tag of the norm's factors
-// [16 x DENSE_TILES] float: the staged norm's rsqrt(mean(x^2) + eps) per token row, per abuf region
-constexpr int MISC_RNORM = MISC_RTAG + 1;
-// Plan.dense_tiles: regions 1.. of abuf's operand tag and norm factors' tag, [DENSE_TILES - 1] each
-// (region 0's are MISC_TAG and MISC_RTAG). Valid within one tiled op only (program.cuh resets them
-// as it starts one): between tiled ops other ops write over the regions
-constexpr int MISC_TTAG = MISC_RNORM + 16 * DENSE_TILES;
+constexpr int MISC_RNORM = MISC_RTAG + 1;  // [16] float: the staged norm's rsqrt(mean(x^2) + eps) per token row
 // the profiler's deferred op stamps (program.cuh ProfSlot): PROF_OPS (rendered) slots of 8 ints, 8-byte aligned
-constexpr int MISC_PSLOT = (MISC_TTAG + 2 * (DENSE_TILES - 1) + 1) & ~1;
+constexpr int MISC_PSLOT = (MISC_RNORM + 16 + 1) & ~1;
 constexpr int MISC_PWIN = MISC_PSLOT + 8 * PROF_OPS;  // the first op of the slots' current window
 // [2] an op's own "wait end" instant, where its wait is inside the op (top-k's sentinel poll)
 constexpr int MISC_PWAIT = MISC_PWIN + 2;
@@ -65,8 +60,6 @@ constexpr int STEP_AREA = MISC_SPAN + 2 - MISC_STEP;
 constexpr int MISC_GROUTED = MISC_STEP + GROUPS * STEP_AREA;
 constexpr int MISC_INTS = MISC_GROUTED + (GROUPS > 1 ? 2 * GROUPS : 0);
 static_assert(GROUPS >= 1 && (GROUPS == 1 || RANKS_PER_LAUNCH == 1), "row groups run on one rank");
-static_assert(DENSE_TILES == 1 || (DENSE_TILES <= GROUPS && DENSE_TILES * ABUF_REGION <= ABUF_BYTES &&
-                                   ABUF_REGION % 16 == 0), "dense token tiles: whole regions of abuf, one per group of a run");
 static_assert(MAX_SPLITS < (1 << 16), "a request's splits fit 16 bits");
 static_assert(KEEP_UNITS <= KEEP_MAX && KEEP_BYTES % 16 == 0, "kept units: their tags fit MISC_KEEP; aligned buffers");
 
@@ -87,7 +80,6 @@ struct Blk {
   int rows_, nreq_;
   int gofs;  // row groups: the current group's step area in misc, past MISC_STEP (0 without groups)
   int group;  // row groups: the current group (-1 before the first op)
-  int tile;   // dense_tiles: the abuf region (and norm factors) staging and epilogues use; -1 outside tiled ops
   int parity, wait;
   unsigned chunk;  // consumer's position in the chunk sequence
   unsigned xuse;   // compute threads: phases of xbar waited for
@@ -113,7 +105,6 @@ MK_DEV Blk make_blk(const Params* p, int parity, int wait) {
   b.rows_ = b.nreq_ = STEP_UNREAD;
   b.gofs = 0;
   b.group = -1;
-  b.tile = -1;
   b.parity = parity;
   b.wait = wait;
   b.chunk = 0;
@@ -221,43 +212,6 @@ MK_DEV void enter_group(Blk& b, int g, bool compute) {
     b.rows_ = b.misc[b.gofs + MISC_STEP + STEP_ROWS];
     b.nreq_ = b.misc[b.gofs + MISC_STEP + STEP_N_REQ];
   }
-}
-
-// Plan.dense_tiles: thread-local, every compute thread: group g's parameter block and step area
-// as enter_group gives them, and abuf region `tile` (-1: none, abuf itself), without forgetting
-// anything staged. A tiled op views each group of its run in turn (tiles_each); b.group stays the
-// op's, so the group's own next op still forgets what the run staged.
-MK_DEV void view_group(Blk& b, int g, int tile) {
-  if constexpr (DENSE_TILES > 1) {
-    b.p = b.p0 + g;
-    b.gofs = g * STEP_AREA;
-    b.rows_ = b.misc[b.gofs + MISC_STEP + STEP_ROWS];
-    b.nreq_ = b.misc[b.gofs + MISC_STEP + STEP_N_REQ];
-    b.tile = tile;
-  }
-}
-// The operand's bytes, its tag and its norm factors' tag and values in the current region (abuf's
-// own, MISC_TAG, MISC_RTAG and the first 16 factors outside tiled ops: the same code without tiles)
-MK_DEV unsigned char* abuf_at(const Blk& b) {
-  if constexpr (DENSE_TILES > 1)
-    if (b.tile > 0) return b.abuf + b.tile * ABUF_REGION;
-  return b.abuf;
-}
-MK_DEV int* abuf_tag(const Blk& b) {
-  if constexpr (DENSE_TILES > 1)
-    if (b.tile > 0) return b.misc + MISC_TTAG + b.tile - 1;
-  return b.misc + MISC_TAG;
-}
-MK_DEV int* rnorm_tag(const Blk& b) {
-  if constexpr (DENSE_TILES > 1)
-    if (b.tile > 0) return b.misc + MISC_TTAG + DENSE_TILES - 1 + b.tile - 1;
-  return b.misc + MISC_RTAG;
-}
-MK_DEV float* rnorm_at(const Blk& b) {
-  float* r = reinterpret_cast<float*>(b.misc + MISC_RNORM);
-  if constexpr (DENSE_TILES > 1)
-    if (b.tile > 0) return r + 16 * b.tile;
-  return r;
 }
 
 MK_DEV unsigned char* stage_of(const Blk& b, unsigned c) { return b.ring + (c % RING_STAGES) * STAGE_BYTES; }

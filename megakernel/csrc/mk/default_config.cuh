@@ -41,9 +41,6 @@ constexpr int COMPUTE_THREADS = 256;
 constexpr int RANKS_PER_LAUNCH = 1;
 constexpr int GROUPS = 1;  // row groups of a step (Plan.row_groups)
 constexpr bool UNION_EXPERTS = false;  // Plan.union_experts
-constexpr int DENSE_TILES = 1;  // row groups' token tiles per dense unit (Plan.dense_tiles)
-constexpr int ABUF_REGION = 8448;  // a group's region of abuf (dense_tiles)
-constexpr int OPROJ_TKP = 256, UNPOOL_TKP = 64;  // dense_tiles: their operands' columns staged at a time
 constexpr int MAX_USLOTS = 1;  // union slots (Plan.max_uslots; 1 without)
 constexpr int TP = 0, TP_GROUPS = 1;
 constexpr bool EXPERT_PARALLEL = false;
@@ -231,7 +228,6 @@ constexpr int DEP_ALL = 0, DEP_GROUP = 1, DEP_SENTINEL = 2, DEP_LOCAL = 3;
 constexpr int ASSIGN_STRIDED = 0, ASSIGN_CONTIG = 1;
 constexpr int SIGNAL_TOTAL = 1, SIGNAL_GROUPS = 2;
 constexpr uint32_t WHAT_RING_FULL = 8, WHAT_RING_EMPTY = 9, WHAT_LOADER_ROUTE = 10, WHAT_LOADER_GATE = 11, WHAT_SENTINEL = 12, WHAT_NORM_ROWS = 13, WHAT_LOADER_PACE = 14;
-constexpr int TILE_LEAD = 1, TILE_FOLLOW = 2, TILE_SHIFT = 8;
 constexpr uint32_t WHAT_AR = 5, WHAT_GATHER_ACT = 6, WHAT_GATHER_Y = 7;
 }  // namespace mk
 namespace mk {

@@ -92,9 +92,8 @@ MK_DEV void stage_normed(Blk& b, int which, const float* ssp, int tag, int panel
   static_assert(2 * WARPS == 16, "a warp computes the factors of token rows w and w + 8");
   constexpr int NG4 = K / 32;  // float4 of a row's K/8 partial sums
   constexpr int NS = (NG4 + 31) / 32;
-  if (*abuf_tag(b) == tag + panel) return;
+  if (b.misc[MISC_TAG] == tag + panel) return;
   detail_stamp(b, MK_EV_STAGE_BEGIN, 0);
-  unsigned char* const abuf = abuf_at(b);  // the current region's (dense_tiles), else abuf
   if (tid() == 0) {
     // xg came from other blocks' generic stores (acquired by this thread's dependency wait), and
     // abuf was last read through the generic proxy (ordered by the barrier before this call):
@@ -102,14 +101,14 @@ MK_DEV void stage_normed(Blk& b, int which, const float* ssp, int tag, int panel
     fence_proxy_async();
     const unsigned bytes = static_cast<unsigned>(step_rows(b) * a_stride<KP>());
     mbar_expect_tx(b.xbar, bytes);
-    bulk_copy_keep(abuf, xg_at(*b.p, which, 0, panel * KP), bytes, b.xbar);
+    bulk_copy_keep(b.abuf, xg_at(*b.p, which, 0, panel * KP), bytes, b.xbar);
   }
   for (int i = tid(); i < (16 - step_rows(b)) * (KP / 8); i += COMPUTE_THREADS) {  // rows the copies leave out
     const int r = step_rows(b) + i / (KP / 8), k8 = i % (KP / 8);
-    *reinterpret_cast<uint4*>(abuf + r * a_stride<KP>() + 16 * k8) = uint4{0u, 0u, 0u, 0u};
+    *reinterpret_cast<uint4*>(b.abuf + r * a_stride<KP>() + 16 * k8) = uint4{0u, 0u, 0u, 0u};
   }
-  if (*rnorm_tag(b) != tag) {  // the norm factors, under the copies (an earlier panel kept them)
-    float* rn = rnorm_at(b);
+  if (b.misc[MISC_RTAG] != tag) {  // the norm factors, under the copies (an earlier panel kept them)
+    float* rn = reinterpret_cast<float*>(b.misc + MISC_RNORM);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int t = warp() + WARPS * h;
@@ -132,12 +131,12 @@ MK_DEV void stage_normed(Blk& b, int which, const float* ssp, int tag, int panel
   sync_compute();
   detail_stamp(b, MK_EV_STAGE_END, 0);
   if (tid() == 0) {
-    *abuf_tag(b) = tag + panel;
-    *rnorm_tag(b) = tag;
+    b.misc[MISC_TAG] = tag + panel;
+    b.misc[MISC_RTAG] = tag;
   }
 }
 // The staged norm's factor of token row t (stage_normed), for the consumer's fp32 result.
-MK_DEV float norm_factor(const Blk& b, int t) { return rnorm_at(b)[t]; }
+MK_DEV float norm_factor(const Blk& b, int t) { return reinterpret_cast<const float*>(b.misc + MISC_RNORM)[t]; }
 
 // Rows of another block's bf16 output (read at L2): `src(r)` is row r's address, r < nrows; rows
 // >= nrows are zero, except for PERM, where they are not written at all: they only feed token
@@ -178,7 +177,7 @@ MK_DEV void stage_rows(Blk& b, int nrows, RowPtr src) {
       const int r = r0 + RPR * (i0 + i);
       // PERM: rows past the slot's are not written; else r >= 16 only when 16 rows are < one round
       if (PERM ? r >= nrows : (PER % COMPUTE_THREADS != 0 && r >= 16)) continue;
-      unsigned char* row = abuf_at(b) + r * a_stride<K>();
+      unsigned char* row = b.abuf + r * a_stride<K>();
       if (PERM) {  // (e0,e1)(e2,e3)(e4,e5)(e6,e7) -> (e0,e4)(e1,e5)(e2,e6)(e3,e7), scattered
         const uint32_t wd[4] = {(v[i].x & 0xffffu) | (v[i].z << 16), (v[i].x >> 16) | (v[i].z & 0xffff0000u),
                                 (v[i].y & 0xffffu) | (v[i].w << 16), (v[i].y >> 16) | (v[i].w & 0xffff0000u)};
@@ -196,22 +195,9 @@ MK_DEV void stage_rows(Blk& b, int nrows, RowPtr src) {
 
 template <int K>
 MK_DEV void stage_plain(Blk& b, const uint16_t* src, int tag) {
-  if (*abuf_tag(b) == tag) return;
+  if (b.misc[MISC_TAG] == tag) return;
   stage_rows<K, false>(b, step_rows(b), [src](int r) { return src + r * K; });
-  if (tid() == 0) *abuf_tag(b) = tag;
-}
-
-// Columns panel * KP ..+KP of stage_plain's rows (K wide) into the current region's row layout of
-// a panel (row stride a_stride<KP>; Plan.dense_tiles' oproj and unpool, gemm_bf16_tiles' restage).
-// The region holds one panel at a time: its tag is tag + panel, so the panels must stay clear of
-// a tag's slot bits (layers.cuh tag_of: the plain operands' slot is 0).
-template <int K, int KP>
-MK_DEV void stage_plain_panel(Blk& b, const uint16_t* src, int tag, int panel) {
-  static_assert(K % KP == 0 && KP % 8 == 0 && K / KP <= (1 << 12), "panels of 16-byte pieces, within tag_of's slot bits");
-  if (*abuf_tag(b) == tag + panel) return;
-  const uint16_t* cols = src + panel * KP;
-  stage_rows<KP, false>(b, step_rows(b), [cols](int r) { return cols + r * K; });
-  if (tid() == 0) *abuf_tag(b) = tag + panel;
+  if (tid() == 0) b.misc[MISC_TAG] = tag;
 }
 
 // Expert operand: `nrows` rows gathered from src, row i at src + rows[i] * K with the row indices
@@ -355,113 +341,6 @@ MK_DEV Bf16Acc gemm_bf16(Blk& b, uint32_t what, Restage restage = {}) {
   static_assert(K % KC == 0 && KC % 16 == 0, "bf16 tile shape");
   static_assert(K % KP == 0 && KP % KC == 0, "panels of whole chunks");
   return gemm_bf16_at(b, bf16_shape<ROWS, KC, K, KP, REV>(), what, restage);
-}
-
-// ---------------------------------------------------------------- consumer: bf16, dense token tiles
-// Plan.dense_tiles: gemm_bf16_at over the NT = DENSE_TILES row groups of a run at once, group n's
-// 16 token rows staged in region n of abuf (tiles_each). Each k-step's weight fragment is loaded
-// once and multiplied by every group's token fragments. Group n's accumulators get the mmas, in the
-// order, that gemm_bf16_at gives its step alone: the same warp's k-steps, the same two parity
-// chains, summed the same way. Token tile 1 is multiplied wherever a group of the run has more
-// than 8 rows (`two`); in a group of fewer its columns are the group's zero rows past its own, which
-// no epilogue reads. So each group's sums are bitwise those of its own step, and the weights
-// cross shared memory once per run instead of once per group.
-struct Bf16Tiles {
-  Bf16Acc t[DENSE_TILES];
-};
-// f(n) for each group n of the run that g0 leads, in its view (view_group: its parameter block,
-// step area and region), then back to g0's view with no region. Every compute thread calls.
-template <typename F>
-MK_DEV void tiles_each(Blk& b, int g0, F f) {
-#pragma unroll
-  for (int n = 0; n < DENSE_TILES; ++n) {
-    view_group(b, g0 + n, n);
-    f(n);
-  }
-  view_group(b, g0, -1);
-}
-// Whether a group of the run has more than 8 token rows (gemm_bf16_tiles' `two`)
-MK_DEV bool tiles_two(Blk& b, int g0) {
-  bool two = false;
-  tiles_each(b, g0, [&](int) { two |= step_rows(b) > 8; });
-  return two;
-}
-template <typename Restage>
-MK_DEV Bf16Tiles gemm_bf16_tiles_at(Blk& b, const Bf16Shape s, const bool two, uint32_t what, Restage restage) {
-  constexpr int NT = DENSE_TILES;
-  const int WPT = WARPS >> s.lt, KSTEPS = s.kc / 16, RS = s.kc * 2 + ROW_PAD;
-  const int w = warp(), ks = w >> s.lt;
-  // the lanes' ldmatrix rows as in gemm_bf16_at; group n's token rows at + n * ABUF_REGION
-  const int ar = s.r8 ? (lane() & 7) : (lane() & 15), ah = s.r8 ? ((lane() >> 3) & 1) : (lane() >> 4);
-  const int aofs = ((w & ((1 << s.lt) - 1)) * 16 + ar) * RS + ah * 16;
-  const SAddr brow = saddr(b.abuf + ((lane() & 7) + 8 * (lane() >> 4)) * s.as + ((lane() >> 3) & 1) * 16);
-  float acc[2][NT][2][4] = {};  // [k-step parity][group][token tile]
-  auto steps = [&](const SAddr wa, const SAddr bb, const bool tw) {
-    auto step = [&](int j, float (&d)[NT][2][4]) {
-      uint32_t a[4];
-      if (s.r8) {
-        uint32_t a2[2];
-        ldsm_x2(a2, wa + j * 32);
-        a[0] = a2[0], a[1] = 0u, a[2] = a2[1], a[3] = 0u;
-      } else {
-        ldsm_x4(a, wa + j * 32);
-      }
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        uint32_t bt[4];
-        const SAddr bn = bb + n * ABUF_REGION + j * 32;
-        if (tw) ldsm_x4(bt, bn);
-        else ldsm_x2(bt, bn);
-        const uint32_t b0[2] = {bt[0], bt[1]};
-        mma(d[n][0], a, b0);
-        if (tw) {
-          const uint32_t b1[2] = {bt[2], bt[3]};
-          mma(d[n][1], a, b1);
-        }
-      }
-    };
-MK_COLD_LOOP
-    for (int j = ks; j < KSTEPS; j += 2 * WPT) {
-      step(j, acc[0]);
-      if (KSTEPS % (2 * WPT) == 0 || j + WPT < KSTEPS) step(j + WPT, acc[1]);
-    }
-  };
-  int pc = s.rev ? s.cpp - 1 : 0, panel = s.rev ? s.nch / s.cpp - 1 : 0;
-MK_COLD_LOOP
-  for (int i = 0; i < s.nch; ++i) {
-    if (pc == (s.rev ? s.cpp - 1 : 0)) {
-      if (i > 0) sync_compute();  // every warp is done with the previous panel
-      restage(panel);
-    }
-    const unsigned char* st = ring_consume(b, what);
-    const SAddr bb = brow + pc * s.kc * 2;
-    if (two) steps(saddr(st + aofs), bb, true);
-    else steps(saddr(st + aofs), bb, false);
-    ring_release(b);
-    if (s.rev) {
-      if (--pc < 0) pc = s.cpp - 1, --panel;
-    } else if (++pc == s.cpp) {
-      pc = 0, ++panel;
-    }
-  }
-  Bf16Tiles r;
-#pragma unroll
-  for (int g = 0; g < NT; ++g)
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) r.t[g].c[n][i] = acc[0][g][n][i] + acc[1][g][n][i];
-  return r;
-}
-// `restage(panel)` stages that panel of every group's operand (tiles_each); the unpaneled plain
-// operands (oproj, unpool) are staged before and pass NoRestage.
-template <int ROWS, int KC, int K, int KP = K, bool REV = false, typename Restage = NoRestage>
-MK_DEV Bf16Tiles gemm_bf16_tiles(Blk& b, bool two, uint32_t what, Restage restage = {}) {
-  static_assert((ROWS == 8 || ROWS % 16 == 0) && WARPS % bf16_row_tiles<ROWS>() == 0,
-                "bf16 row tiles: 8 rows, or whole 16-row tiles");
-  static_assert(K % KC == 0 && KC % 16 == 0 && K % KP == 0 && KP % KC == 0, "bf16 tile shape, panels of whole chunks");
-  static_assert(16 * a_stride<KP>() <= ABUF_REGION, "a group's operand (panel) fits its region of abuf");
-  return gemm_bf16_tiles_at(b, bf16_shape<ROWS, KC, K, KP, REV>(), two, what, restage);
 }
 
 // ---------------------------------------------------------------- consumer: NVFP4 weights

@@ -61,14 +61,7 @@ MK_DEV Op load_op(const Params& p, int i) {
 // Row groups: whose rows op instance i runs (program.py OpInst.group; the record's last int). Not a
 // field of Op: a build without groups keeps the record it had (its copy in MISC_OP is a store per op)
 MK_DEV int op_group(const Params& p, int i) {
-  if constexpr (GROUPS > 1) return p.program[i * OPINST_INTS + OPREC_DEPS + 2 * MAX_DEPS + 1] & ((1 << TILE_SHIFT) - 1);
-  return 0;
-}
-// Plan.dense_tiles: instance i's part in a run of row groups' dense instances (program.py
-// OpInst.tile): TILE_LEAD, TILE_FOLLOW or 0. Read from the record where used, not held across the
-// units (a constant 0 without dense tiles)
-MK_DEV int op_role(const Params& p, int i) {
-  if constexpr (DENSE_TILES > 1) return p.program[i * OPINST_INTS + OPREC_DEPS + 2 * MAX_DEPS + 1] >> TILE_SHIFT;
+  if constexpr (GROUPS > 1) return p.program[i * OPINST_INTS + OPREC_DEPS + 2 * MAX_DEPS + 1];
   return 0;
 }
 
@@ -364,44 +357,6 @@ MK_DEV void run_unit(Blk& b, int i, const Op& o, int u) {
   }
 }
 
-// Plan.dense_tiles: unit u of a run's leader, for every group of the run (b.group and the next
-// DENSE_TILES - 1; the followers publish theirs)
-MK_DEV void run_tiled(Blk& b, int i, const Op& o, int u) {
-  const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_FULL;
-  switch (o.kind) {
-    case OP_QKV: run_qkv_tiles(b, o.layer, u, b.group, what); break;
-    case OP_OPROJ: run_oproj_tiles(b, o.layer, u, b.group, what); break;
-    case OP_ROUTER: run_router_tiles(b, o.layer, u, b.group, what); break;
-    case OP_POOL: run_pool_tiles(b, o.layer, u, b.group, what); break;
-    case OP_UNPOOL: run_unpool_tiles(b, o.layer, u, b.group, what); break;
-    case OP_LM_HEAD: run_lm_head_tiles(b, o.layer, u, b.group, what); break;
-  }
-}
-// Thread 0, at a run leader's first unit (its dependencies are all "all" ones: program.py check):
-// the run's other groups' dependencies, each in its group's view (a producer's unit count may be
-// its group's: attn_combine's rows). Every producer precedes the leader, so no wait is circular.
-MK_DEV bool wait_run(Blk& b, int i, int u) {
-  const int g0 = b.group;
-  bool ok = true;
-  for (int n = 1; n < DENSE_TILES && ok; ++n) {
-    view_group(b, g0 + n, -1);
-    const Op f = load_op(*b.p, i + n);
-#pragma unroll
-    for (int d = 0; d < MAX_DEPS; ++d)
-      if (ok && d < f.n_deps) ok = wait_dep(b, i + n, f, d, u, static_cast<uint32_t>((i + n) * 16 + d));
-  }
-  view_group(b, g0, -1);
-  return ok;
-}
-// Thread 0, as a run's leader starts (before its first unit's barrier): nothing is staged in any
-// region. Between two tiled ops other ops write over abuf, and region n of the last run held
-// another group's operand than region n of this one.
-MK_DEV void tiles_forget(Blk& b) {
-  b.misc[MISC_TAG] = -1;
-  b.misc[MISC_RTAG] = -1;
-  for (int k = 0; k < 2 * (DENSE_TILES - 1); ++k) b.misc[MISC_TTAG + k] = -1;
-}
-
 MK_DEV bool load_unit(const Blk& b, int i, const Op& o, int u, unsigned& c, LoaderSlot& ls) {
   const uint32_t what = static_cast<uint32_t>(i * 16) + WHAT_RING_EMPTY;
   if constexpr (TP > 0) {
@@ -547,8 +502,6 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
       dc = DepCache{pre, {-1, -1, -1}};
       pd = Pending{0u, -1, 0u, 0u};
       o0 = o;
-      if constexpr (DENSE_TILES > 1)
-        if (op_role(*b.p, i) == TILE_LEAD) tiles_forget(b);
       // TP: the end of this block's first poll of other ranks' data (mk/tp.cuh xwait_end), 0: none yet
       if constexpr (TP > 0 && PROFILE) *reinterpret_cast<uint64_t*>(b.misc + MISC_PWAIT) = 0;
     }
@@ -578,9 +531,6 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
         // the register copy of the op: o0 is published only by the barrier below
         if (is_dynamic(o.kind) && warp() == 1) slot_fetch(b, o.kind, o.layer, u);
         if (b.wait && tid() == 0) fail = !wait_unit(b, i, o0, u, dc);
-        // a run's leader: every group's dependencies (a follower's own waits are met by then)
-        if constexpr (DENSE_TILES > 1)
-          if (b.wait && tid() == 0 && !fail && first_unit && op_role(*b.p, i) == TILE_LEAD) fail = !wait_run(b, i, u);
         if (first_unit) {
           if (tid() == 0) {
             if (PROF_DEFER) {
@@ -596,16 +546,7 @@ MK_DEV void compute_loop(Blk& b, int first, int nops, mb::prof::Profiler& prof, 
       }
       if (open_stamp) detail_stamp(b, MK_EV_UNIT_OPEN_END, static_cast<uint32_t>(u));
       sched_unit(i, u, total);  // the emulation's adversarial schedule (nothing on the GPU)
-      if constexpr (DENSE_TILES > 1) {
-        // a follower runs nothing: its leader's unit u, on this block just before, wrote its
-        // group's outputs, which its signal (after the barrier below) publishes. Danger: that
-        // holds only while the run shares one rotation (program.py check)
-        const int role = op_role(*b.p, i);
-        if (role == TILE_LEAD) run_tiled(b, i, o0, u);
-        else if (role != TILE_FOLLOW) run_unit(b, i, o0, u);
-      } else {
-        run_unit(b, i, o0, u);
-      }
+      run_unit(b, i, o0, u);
       detail_stamp(b, MK_EV_UNIT_CLOSE_BEGIN, static_cast<uint32_t>(u));
       if (sync_compute_or(b.failed)) return;
       if (b.wait && tid() == 0 && o0.signal) signal_unit(b, o0, u, pd);
@@ -676,7 +617,6 @@ MK_DEV void loader_loop(Blk& b, int first, int nops) {
   for (int i = first; i < first + nops; ++i) {
     const Op o = load_op(*b.p, i);
     if (!has_weights(o.kind)) continue;
-    if (op_role(*b.p, i) == TILE_FOLLOW) continue;  // its leader's units streamed the weights once
     if constexpr (GROUPS > 1) {  // the group's routing: its slot records, and a fused pair's count
       const int g = op_group(*b.p, i);
       if (g != b.group) {

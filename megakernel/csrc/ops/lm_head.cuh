@@ -12,14 +12,12 @@ MK_DEV bool load_lm_head(const Blk& b, int layer, int unit, unsigned& c, uint32_
   return produce_bf16<16, TILE_LM_HEAD_KC, D>(b, b.p->lm_head, unit, c, what);
 }
 
-// The normed operand's panel (called by the GEMM before each panel's first chunk)
-MK_DEV void lm_head_stage(Blk& b, int layer, int panel, uint32_t what) {
-  stage_normed(b, 0, ss_part(*b.p, 0), tag_of(TAG_FINAL_NORM, layer, 0), panel, what);
-}
-
-MK_DEV void lm_head_end(Blk& b, int unit, const Bf16Acc& acc) {
+MK_DEV void run_lm_head(Blk& b, int layer, int unit, uint32_t what) {
   const Params& p = *b.p;
-  gemm_stash<16>(b, acc);
+  auto stage = [&](int panel) {
+    stage_normed(b, 0, ss_part(p, 0), tag_of(TAG_FINAL_NORM, layer, 0), panel, what);
+  };  // called by the GEMM before each panel's first chunk
+  gemm_stash<16>(b, gemm_bf16<16, TILE_LM_HEAD_KC, D, NORM_KP>(b, what, stage));
 MK_COLD_LOOP
   for (int i = tid(); i < 16 * 16; i += COMPUTE_THREADS) {
     const int t = i / 16, n = i % 16;
@@ -47,20 +45,6 @@ MK_COLD_LOOP
     p.amax_val2[unit * T_MAX + t] = second;
     p.amax_idx2[unit * T_MAX + t] = si;
   }
-}
-
-MK_DEV void run_lm_head(Blk& b, int layer, int unit, uint32_t what) {
-  auto stage = [&](int panel) { lm_head_stage(b, layer, panel, what); };
-  lm_head_end(b, unit, gemm_bf16<16, TILE_LM_HEAD_KC, D, NORM_KP>(b, what, stage));
-}
-// Plan.dense_tiles: unit `unit` for each group of the run g0 leads (gemm_bf16_tiles)
-MK_DEV void run_lm_head_tiles(Blk& b, int layer, int unit, int g0, uint32_t what) {
-  auto stage = [&](int panel) { tiles_each(b, g0, [&](int) { lm_head_stage(b, layer, panel, what); }); };
-  const Bf16Tiles acc = gemm_bf16_tiles<16, TILE_LM_HEAD_KC, D, NORM_KP>(b, tiles_two(b, g0), what, stage);
-  tiles_each(b, g0, [&](int n) {
-    if (n > 0) sync_compute();  // the previous group's epilogue is done with red
-    lm_head_end(b, unit, acc.t[n]);
-  });
 }
 
 }  // namespace mk

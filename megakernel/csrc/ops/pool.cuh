@@ -31,14 +31,5 @@ MK_DEV void run_pool(Blk& b, int layer, int unit, uint32_t what) {
   auto stage = [&](int panel) { ffn_stage(b, layer, panel, what); };  // before each panel's first chunk
   pool_end(b, unit, gemm_bf16<TILE_POOL_ROWS, TILE_POOL_KC, D, NORM_KP>(b, what, stage));
 }
-// Plan.dense_tiles: unit `unit` for each group of the run g0 leads (gemm_bf16_tiles)
-MK_DEV void run_pool_tiles(Blk& b, int layer, int unit, int g0, uint32_t what) {
-  auto stage = [&](int panel) { tiles_each(b, g0, [&](int) { ffn_stage(b, layer, panel, what); }); };
-  const Bf16Tiles acc = gemm_bf16_tiles<TILE_POOL_ROWS, TILE_POOL_KC, D, NORM_KP>(b, tiles_two(b, g0), what, stage);
-  tiles_each(b, g0, [&](int n) {
-    if (n > 0) sync_compute();  // the previous group's epilogue is done with red
-    pool_end(b, unit, acc.t[n]);
-  });
-}
 
 }  // namespace mk

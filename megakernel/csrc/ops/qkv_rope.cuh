@@ -83,16 +83,5 @@ MK_DEV void run_qkv(Blk& b, int layer, int unit, uint32_t what) {
   auto stage = [&](int panel) { qkv_stage(b, layer, panel, what); };
   qkv_end(b, layer, q, gemm_bf16<TILE_QKV_ROWS, TILE_QKV_KC, D, NORM_KP>(b, what, stage));
 }
-// Plan.dense_tiles: unit `unit` for each group of the run g0 leads (gemm_bf16_tiles)
-MK_DEV void run_qkv_tiles(Blk& b, int layer, int unit, int g0, uint32_t what) {
-  QkvRope q[DENSE_TILES];
-  tiles_each(b, g0, [&](int n) { q[n] = qkv_begin(b, unit); });
-  auto stage = [&](int panel) { tiles_each(b, g0, [&](int) { qkv_stage(b, layer, panel, what); }); };
-  const Bf16Tiles acc = gemm_bf16_tiles<TILE_QKV_ROWS, TILE_QKV_KC, D, NORM_KP>(b, tiles_two(b, g0), what, stage);
-  tiles_each(b, g0, [&](int n) {
-    if (n > 0) sync_compute();  // the previous group's epilogue is done with red
-    qkv_end(b, layer, q[n], acc.t[n]);
-  });
-}
 
 }  // namespace mk

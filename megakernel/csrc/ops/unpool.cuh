@@ -24,20 +24,5 @@ MK_DEV void run_unpool(Blk& b, int layer, int unit, uint32_t what) {
   unpool_stage(b, layer);
   gemm_residual_add<TILE_UNPOOL_ROWS, TILE_UNPOOL_KC, P>(b, unit, 0, unpool_gain(*b.p, layer), what);
 }
-// Plan.dense_tiles: unit `unit` for each group of the run g0 leads (gemm_bf16_tiles)
-MK_DEV void run_unpool_tiles(Blk& b, int layer, int unit, int g0, uint32_t what) {
-  constexpr int R = TILE_UNPOOL_ROWS;
-  Residual<R> r[DENSE_TILES];
-  tiles_each(b, g0, [&](int n) { r[n] = residual_begin<R>(b, unit, unpool_gain(*b.p, layer)); });
-  // each group's z in its region, UNPOOL_TKP columns at a time (Plan.tile_kp)
-  auto stage = [&](int panel) {
-    tiles_each(b, g0, [&](int) { stage_plain_panel<P, UNPOOL_TKP>(b, b.p->z, tag_of(TAG_Z, layer, 0), panel); });
-  };
-  const Bf16Tiles acc = gemm_bf16_tiles<R, TILE_UNPOOL_KC, P, UNPOOL_TKP>(b, tiles_two(b, g0), what, stage);
-  tiles_each(b, g0, [&](int n) {
-    if (n > 0) sync_compute();  // the previous group's epilogue is done with red
-    residual_end<R>(b, r[n], unit, 0, acc.t[n]);
-  });
-}
 
 }  // namespace mk
