@@ -23,11 +23,14 @@ CONSTANTS = FIXTURES / "constants"  # a copy of reports/constants at revision 4 
 
 @pytest.fixture
 def cdir(tmp_path, monkeypatch):
-    """A copy of the fixture constants folder, made the constants folder."""
+    """A copy of the fixture constants folder, made the constants folder; the build's choice of
+    revision is the one without a GPU (plans.tuned) whatever GPU the host has: the fixture holds an
+    H200's constants only, and on a host with another GPU tuned() rightly refuses them."""
     d = tmp_path / "constants"
     shutil.copytree(CONSTANTS, d)
     monkeypatch.setenv("MEGABENCH_CONSTANTS_DIR", str(d))
     monkeypatch.delenv("MEGABENCH_CONSTANTS", raising=False)
+    monkeypatch.setattr("megakernel.plans.gpu_count", lambda: 0)
     return d
 
 
