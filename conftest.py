@@ -161,10 +161,14 @@ def device_bench(benchmark, harness, request):
     then each round is one blocked, event-timed sample; the round's duration is device seconds.
     extra_info records the timer, the bound and the achieved fraction.
     """
+    from microbench.errors import GpuTooSmallError
     from microbench.harness import DeviceClock, sample_once
 
     def run(case, rounds: int | None = None):
-        prepared = case.prepare(harness)
+        try:
+            prepared = case.prepare(harness)
+        except GpuTooSmallError as e:  # a model no run fits on this GPU (shard8 on 80 GB): not a failure
+            pytest.skip(f"{case.name}: {e}")
         clock = DeviceClock()
         if not hasattr(benchmark, "_timer"):
             raise RuntimeError("pytest-benchmark internals changed: BenchmarkFixture._timer missing "

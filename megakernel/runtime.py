@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from microbench.clocks.profiler import ProfileBuffer, ProfileLayout, Timeline
-from microbench.errors import CorrectnessError, DeviceMemoryError, SpinTimeoutError
+from microbench.errors import CorrectnessError, DeviceMemoryError, GpuTooSmallError, SpinTimeoutError
 from microbench.launch import LaunchSpec, launch
 from microbench.sync.sentinel import BF16 as BF16_SLOT, F32 as F32_SLOT
 from microbench.watchdog import Watchdog
@@ -51,7 +51,7 @@ from .program import (WHAT_AR, WHAT_GATHER_ACT, WHAT_GATHER_Y, WHAT_LOADER_GATE,
                       WHAT_NORM_ROWS, WHAT_RING_EMPTY, WHAT_RING_FULL, WHAT_SENTINEL, UNION_SHARED, Program,
                       build as build_program)
 from .reference import KVCache, Request
-from .weights import BF16, ModelWeights
+from .weights import BF16, ModelWeights, weight_bytes
 
 
 def _as_i32(word: int) -> int:
@@ -179,15 +179,20 @@ def step_launches(owner, e, mode: str, spec: bool, part: range | None):
 COPY_HEADROOM = 2 << 30
 
 
-def check_copies_fit(need: int, free: int, total: int, gpu: str, model: str) -> None:
+def check_copies_fit(need: int, free: int, total: int, gpu: str, model: str, resident: int = 0) -> None:
     """Raise DeviceMemoryError, naming the model, the bytes and the GPU, when the tiled weight copies
-    an engine is about to allocate (need) do not fit the free memory (free) with COPY_HEADROOM."""
+    an engine is about to allocate (need) do not fit the free memory (free) with COPY_HEADROOM;
+    GpuTooSmallError where they would not fit even a GPU holding nothing but the model's own
+    weights (resident bytes): no run of this model fits this GPU, a GPU test's reason to skip."""
     if need + COPY_HEADROOM <= free:
         return
-    raise DeviceMemoryError(
+    never = need + COPY_HEADROOM + resident > total
+    raise (GpuTooSmallError if never else DeviceMemoryError)(
         f"{model}: the megakernel's tiled weight copies need {need / 2**30:.1f} GiB (+ {COPY_HEADROOM >> 30} GiB "
-        f"headroom) of GPU memory, {gpu} has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB. "
-        f"Run this model on a GPU with more memory, or a smaller preset")
+        f"headroom) of GPU memory, {gpu} has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB"
+        + (f", and the model's weights take {resident / 2**30:.1f} GiB of it: it cannot run on this GPU"
+           if never else "")
+        + ". Run this model on a GPU with more memory, or a smaller preset")
 
 
 class Engine:
@@ -260,7 +265,7 @@ class Engine:
             free, total = torch.cuda.mem_get_info(self.dev)
             pool = torch.cuda.memory_reserved(self.dev) - torch.cuda.memory_allocated(self.dev)
             check_copies_fit(self.copies_needed(), free + pool, total, torch.cuda.get_device_name(self.dev),
-                             self.cfg.name)
+                             self.cfg.name, resident=weight_bytes(self.w))
         self._layers_blob = self._layer_ptrs()
         self._kv_blob = self._kv_table()
         self.wd = link.watchdog if link else Watchdog(plan.spin_bound_ns, device=self.dev)

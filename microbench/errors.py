@@ -26,6 +26,11 @@ class DeviceMemoryError(MegabenchError):
     """What a run would allocate does not fit the GPU's free memory (named before allocating it)."""
 
 
+class GpuTooSmallError(DeviceMemoryError):
+    """What a run needs exceeds the GPU's total memory less the model's own weights: it can never
+    run on this GPU, whatever else is freed (a GPU test skips on it, naming the bytes)."""
+
+
 class ResultsFileError(MegabenchError):
     """A results or constants file is malformed, of an unknown/future schema, or incompatible."""
 

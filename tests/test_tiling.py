@@ -148,7 +148,7 @@ def test_an_engine_counts_the_copies_it_allocates_and_refuses_what_does_not_fit(
     """runtime.Engine.copies_needed is what _layer_ptrs allocates (tiling.copy_bytes, exact, 0 for
     copies the cache holds), and check_copies_fit names model, bytes and GPU before allocating
     (otherwise shard8 on an 80 GB card fails deep inside the tiling with an allocator trace)."""
-    from microbench.errors import DeviceMemoryError
+    from microbench.errors import DeviceMemoryError, GpuTooSmallError
 
     from megakernel import runtime
     from megakernel.plans import plan_for
@@ -167,6 +167,13 @@ def test_an_engine_counts_the_copies_it_allocates_and_refuses_what_does_not_fit(
     runtime.check_copies_fit(need, need + runtime.COPY_HEADROOM, 80 << 30, "GPU", "tiny")
     with pytest.raises(DeviceMemoryError, match=r"shard8: .* need 56\.0 GiB .* NVIDIA H100 80GB HBM3 has 20\.0 GiB free"):
         runtime.check_copies_fit(56 << 30, 20 << 30, 80 << 30, "NVIDIA H100 80GB HBM3", "shard8")
+    # short of free memory only (something else holds it): an error, never a skip
+    with pytest.raises(DeviceMemoryError) as short:
+        runtime.check_copies_fit(56 << 30, 20 << 30, 140 << 30, "NVIDIA H200", "shard8", resident=57 << 30)
+    assert not isinstance(short.value, GpuTooSmallError) and "cannot run on this GPU" not in str(short.value)
+    # beyond the GPU's total less the model's own weights: no run fits this GPU (GPU tests skip on it)
+    with pytest.raises(GpuTooSmallError, match=r"weights take 57\.0 GiB of it: it cannot run on this GPU"):
+        runtime.check_copies_fit(56 << 30, 20 << 30, 80 << 30, "NVIDIA H100 80GB HBM3", "shard8", resident=57 << 30)
 
 
 @pytest.fixture
