@@ -257,7 +257,6 @@ def bench_batch_point(h, preset: str, batch: int, tokens: int, ctx: int, plan: P
     its fraction shows what the groups cost."""
     if mode not in ("mega", "chain"):
         raise ConfigError(f"{mode!r}: a batched step runs in mode mega or chain")
-    impl = mode
     bc = batch_context(preset, batch, tokens, ctx)
     w = weights_for(preset)
     eng = engine_for(w, plan, [c.clone() for c in bc.caches0], backend="gpu")
@@ -274,8 +273,8 @@ def bench_batch_point(h, preset: str, batch: int, tokens: int, ctx: int, plan: P
     bound = Bound("time", rf.seconds, "s", f"roofline of {batch} requests: {rf.bytes.total} B (experts: the union "
                   f"over the batch, dense weights once, each request's KV) / {rf.read_ceiling:.3e} B/s ({rf.source})")
     return Series.from_samples(
-        batch_series_name(preset, batch, tokens, ctx, impl), samples, timer="cuda_event", unit="s",
-        params=step_params(preset, tokens, ctx, impl, int(round(float(np.mean(bc.distinct)))), batch=batch,
+        batch_series_name(preset, batch, tokens, ctx, mode), samples, timer="cuda_event", unit="s",
+        params=step_params(preset, tokens, ctx, mode, int(round(float(np.mean(bc.distinct)))), batch=batch,
                            launch="cuda_graph"),
         bound=bound, clocks=t.clocks, warnings=t.warnings,
         metrics={"launches_per_step": kc.kernels_per_step, "bytes_per_step": rf.bytes.total, "roofline_s": rf.seconds,

@@ -46,11 +46,11 @@ def step_params(preset: str, n_tokens: int, ctx: int, impl: str, distinct_expert
 TP_WAITS = "megakernel.tp_waits"
 
 
-# Impl labels of row-group steps. UNION_IMPL: results from while the union of the groups' routing
-# (Plan.union_experts) was a variant beside the per-group build; it is now the default, which
-# results name "mega". PER_GROUP_IMPL: the report's name for a mega step in row groups without the
-# union (the ablation, or a result older than the union), read from the result's metrics;
-# PER_GROUP_CHAIN the same for a chain step.
+# Impl labels of row-group steps. UNION_IMPL: the label some committed results give the union
+# build (Plan.union_experts), the default that results name "mega"; the report reads it as "mega".
+# PER_GROUP_IMPL: the report's name for a mega step in row groups without the union (the ablation,
+# or a result of a build without it), read from the result's metrics; PER_GROUP_CHAIN the same for
+# a chain step.
 UNION_IMPL = "mega_union"
 PER_GROUP_IMPL = "mega_per_group"
 PER_GROUP_CHAIN = "chain_per_group"
