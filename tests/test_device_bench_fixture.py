@@ -97,3 +97,51 @@ def test_benchmark_json_is_credited_to_megabench_git_sha(pytester, monkeypatch):
     assert "1 passed" in r.stdout.str(), r.stdout.str()[-2000:]
     ci = json.loads((pytester.path / "out.json").read_text())["commit_info"]
     assert ci["id"] == sha and ci["credited_by"] == "MEGABENCH_GIT_SHA"
+
+
+TOO_SMALL = """
+import pytest
+from microbench.errors import DeviceMemoryError, GpuTooSmallError
+
+
+@pytest.fixture(scope="module")
+def huge():
+    raise GpuTooSmallError("needs 150.0 GiB; this GPU has 79.1 GiB")
+
+
+def test_model_never_fits(device_bench):
+    class Case:
+        name = "shard8-stand-in"
+
+        def prepare(self, harness):
+            raise GpuTooSmallError("needs 150.0 GiB; this GPU has 79.1 GiB")
+
+    device_bench(Case())
+
+
+def test_fixture_never_fits(huge):
+    pass
+
+
+def test_plain_test_never_fits():
+    raise GpuTooSmallError("needs 150.0 GiB; this GPU has 79.1 GiB")
+
+
+def test_memory_merely_short():
+    raise DeviceMemoryError("needs 20.0 GiB; 3.0 GiB free")
+"""
+
+
+def test_a_model_too_big_for_the_gpu_skips_and_short_memory_fails(pytester, monkeypatch):
+    """GpuTooSmallError skips a case, a fixture's test and a plain test, naming the bytes; a
+    DeviceMemoryError (free memory short) still fails."""
+    for k in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID", "PYTEST_ADDOPTS"):
+        monkeypatch.delenv(k, raising=False)
+    shutil.copy(REPO_ROOT / "conftest.py", pytester.path / "conftest.py")
+    (pytester.path / "test_small.py").write_text(
+        "import pytest\n\n@pytest.fixture\ndef harness():\n    return None\n" + TOO_SMALL)
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--benchmark-disable",
+                                      "-rs", "test_small.py")
+    out = r.stdout.str()
+    assert "3 skipped" in out and "1 failed" in out, out[-3000:]
+    assert out.count("needs 150.0 GiB; this GPU has 79.1 GiB") >= 3 and "3.0 GiB free" in out
