@@ -158,3 +158,18 @@ def test_combine_checks_catch_a_mutated_kernel(tiny, tmp_path, name):
     with ab.kernel_tree(mutated_csrc(tmp_path, "ops/attn_combine.cuh", *MUTATIONS[name])):
         b = _step(w, many, shape, "random")
     assert not (torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+
+
+def test_mk_step_takes_combine_rows_and_refuses_a_wrong_count(capsys):
+    """`megabench mk step --combine-rows 4` checks a batch of 13 rows in the emulation (exit 0);
+    a count that is neither 1 nor one row per slice is refused by name (exit 2)."""
+    from megakernel import cli
+    from microbench.device import no_gpu_reason
+
+    if not no_gpu_reason():
+        pytest.skip("a GPU is present: the command runs there, not in the emulation")
+    assert cli.main(["step", "--tree-sizes", "1,8,4", "--ctxs", "17,0,100", "--combine-rows", "4", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "check: passed" in out and out.count("bitwise its own B=1 step") == 3
+    assert cli.main(["step", "--combine-rows", "2"]) == 2
+    assert "--combine-rows 2: want 1 or 4 (tiny: a slice of head_dim 64" in capsys.readouterr().err
