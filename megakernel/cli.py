@@ -370,7 +370,7 @@ _GPU_SCHEDULES = ("--schedule picks the host emulation's schedule, and this run 
 def _step_batch(a) -> int:
     from .batch import check_batch, engine_for, make_requests, mix, random_caches  # heavy: torch (megakernel.batch)
     from .groups import groups_needed  # heavy: torch (megakernel.groups)
-    from .plan import MAX_ROW_GROUPS, WARPS, make_plan  # heavy: torch (megakernel.plan)
+    from .plan import MAX_ROW_GROUPS, make_plan  # heavy: torch (megakernel.plan)
     from .spans import op_time_by_group  # heavy: torch (megakernel.spans)
 
     why = _tiny_without_gpu("step", a.preset)
@@ -403,17 +403,12 @@ def _step_batch(a) -> int:
         if a.per_group_experts and groups == 1:
             raise ConfigError(f"--per-group-experts: {rows} token rows are one row group; the ablation is of 2 or "
                               f"more (more than {cfg.max_tree} rows)")
-        if a.combine_rows not in (None, 1, 32 * WARPS // cfg.head_dim):
-            raise ConfigError(f"--combine-rows {a.combine_rows}: want 1 or {32 * WARPS // cfg.head_dim} ({cfg.name}: a "
-                              f"slice of head_dim {cfg.head_dim} of the {32 * WARPS} compute threads per row)")
     except ConfigError as e:
         print(f"step: {e}", file=sys.stderr)
         return 2
     # the profiled build (same op code, same bits): a block records its units of every group's
     # instances, so its records per launch grow with the groups
     prof = {"profile": True, "profile_cap": 128 * groups} if a.profile else {}
-    if a.combine_rows is not None:
-        prof["combine_rows"] = a.combine_rows
     if why:
         from .weights import generate  # heavy: torch (megakernel.weights)
 
@@ -999,8 +994,6 @@ def add_tools(sub) -> None:
     s.add_argument("--per-group-experts", action="store_true",
                    help="past 16 rows: the ablation whose every row group streams its own routed experts (default: "
                         "once over the union of their routing)")
-    s.add_argument("--combine-rows", type=int, default=None,
-                   help="rows of an attention-combine unit (Plan.combine_rows: 1, the default, or 32 * 8 / head_dim)")
     s.add_argument("--schedule", nargs="+", default=None, choices=["random", "last", "block"],
                    help="emulated mega schedules the check runs (the first also runs the printed step; default random "
                         "last); the host emulation only")

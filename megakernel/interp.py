@@ -147,13 +147,8 @@ class Interpreter:
             b["att_ml"][kvh, part, row, 1] = p.sum(dim=1)
 
     def _attn_combine(self, layer, u):
-        cr = self.plan.combine_rows  # a unit: one q head x cr rows
-        h, tu = divmod(u, -(-self.T // cr))
-        for t in range(tu * cr, min(self.T, tu * cr + cr)):
-            self._attn_combine_row(layer, h, t)
-
-    def _attn_combine_row(self, layer, h, t):
         c, b = self.cfg, self.buf
+        h, t = divmod(u, self.T)
         kvh, j = divmod(h, c.group)
         q = self.row_req[t]  # the row's request: its own splits' partials
         n = splits(c, self.plan, layer, self.ctxs[q], self.tree_sizes[q]) * self.plan.attn_key_groups

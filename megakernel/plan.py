@@ -289,11 +289,6 @@ class Plan:
     # projection's staged layout, so that its unit of the same index stages nothing (make_plan:
     # as many as the spare shared memory holds, up to KEEP_MAX)
     keep_units: int = 0
-    # attention's combine unit merges one q head's partials for this many consecutive rows: 1, or
-    # 32 * WARPS / head_dim (a slice of head_dim threads per row; csrc/ops/attn_combine.cuh). Fewer
-    # units, each with the same round trips; a one-row unit's slices split its parts instead.
-    # Same bits either way (the parts' chunks are the row's own)
-    combine_rows: int = 1
     profile_cap: int = 64  # profiler records per block per launch
     # the profiler also stamps inside units (staging, ring waits: profile_events.DETAIL_PHASES);
     # several stamps per weight chunk, so more overhead than the op phases alone
@@ -562,8 +557,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               expert1_rows: int | None = None, expert2_rows: int | None = None, layout_pad: int = 0,
               layout_gap: int = 0, fused_experts: bool = False, keep_max: int = KEEP_MAX,
               compute_registers: int = 0, launch_ranks: int = 1, tp_ranks: int = 0,
-              expert_parallel: bool = False, row_groups: int = 1, union_experts: bool | None = None,
-              combine_rows: int = 1) -> Plan:
+              expert_parallel: bool = False, row_groups: int = 1, union_experts: bool | None = None) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -577,7 +571,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     (Plan.layout_pad), a multiple of 16 bytes up to 64 KB; layout_gap: the same in the middle of
     the ops' code (Plan.layout_gap). compute_registers: Plan's (0 = off, or a multiple of 8 from
     176 to 232). launch_ranks, tp_ranks, expert_parallel, row_groups: Plan's. union_experts: Plan's, None = on with
-    row groups (False there: the per-group ablation). combine_rows: Plan's. A TP build (tp_ranks >= 1) cuts
+    row groups (False there: the per-group ablation). A TP build (tp_ranks >= 1) cuts
     oproj's K into max_tp_ranks(cfg) groups and sizes its expert units for that many ranks, so that
     its tiles, and so its bits, are the same at every R."""
     cfg.validate()
@@ -615,9 +609,6 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     for name, v in (("layout_pad", layout_pad), ("layout_gap", layout_gap)):
         if not (isinstance(v, int) and 0 <= v <= 65536 and v % 16 == 0):
             raise ValueError(f"{name} {v!r}: want a multiple of 16 bytes from 0 to 65536 (one 16-byte instruction each)")
-    if combine_rows not in (1, 32 * WARPS // cfg.head_dim):
-        raise ValueError(f"combine_rows {combine_rows!r}: want 1 or {32 * WARPS // cfg.head_dim} (a slice of "
-                         f"head_dim {cfg.head_dim} of the {32 * WARPS} compute threads per row)")
     c = cfg
     budget = ring_stage_bytes
     rr = residual_unit_rows or residual_rows(c, n_sm, budget)
@@ -658,7 +649,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              fp4_rotated=fp4_rotated, tiles=tiles, layout_pad=layout_pad, layout_gap=layout_gap,
              fused_experts=fused_experts, compute_registers=compute_registers, launch_ranks=launch_ranks,
              tp_ranks=tp_ranks, tp_groups=ng, expert_parallel=expert_parallel, row_groups=row_groups,
-             union_experts=union_experts, combine_rows=combine_rows)
+             union_experts=union_experts)
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -782,7 +773,6 @@ def render(plan: Plan) -> str:
         f"constexpr int PROF_OPS = {PROF_OPS}, MISC_SCRATCH = {MISC_SCRATCH};  // block.cuh's MISC layout",
         f"constexpr unsigned long long GLOBAL_MASK = {sum(1 << g for g in c.global_layers)}ull;  // bit l: layer l is global",
         f"constexpr int PARTS = {plan.attn_parts};  // attention partials per kv head (MAX_SPLITS x WARPS / G)",
-        f"constexpr int COMBINE_ROWS = {plan.combine_rows};  // rows of an attn_combine unit (Plan.combine_rows)",
         "}  // namespace mk",
     ]
     return "\n".join(lines) + "\n"

@@ -8,7 +8,7 @@ Units and groups (the same rules are written in csrc/mk/program.cuh; tests cross
   qkv          QKV_ROWS/16                   kv head its rows feed (HKV groups)
   attn         HKV * S, S = sum over the    kv head (HKV groups)
                requests of splits(layer, ctx_r, T_r)
-  attn_combine HQ * ceil(T/Rc)               -   (a q head x Rc rows, plan.combine_rows)
+  attn_combine HQ * T                       -
   oproj        D/Rr         router E/8      pool P/Rp         topk 1
   expert1      count * F/(R1/2) (dynamic)   slot (MAX_SLOTS groups)
   expert2      count * P/R2 (dynamic)       -   (Plan.fused_experts: count * F/(R1/2), expert1's)
@@ -174,7 +174,7 @@ def n_units(plan: Plan, kind: str, layer: int, t, ctx, count: int) -> int:
         "compact": c.n_layers * c.n_kv_heads * len(reqs), "advance": 1,
         "embed": rows,
         "qkv": c.qkv_rows // plan.tiles["qkv"].rows,
-        "attn_combine": c.n_heads * -(-rows // plan.combine_rows),
+        "attn_combine": c.n_heads * rows,
         # TP: a unit per (K group of the rank, feature tile): the group's fp32 partial
         "oproj": tp_groups_of_rank(plan) * c.d_model // plan.tiles["oproj"].rows,
         "attn_reduce": c.d_model // plan.tiles["oproj"].rows,
@@ -226,8 +226,8 @@ def needed_group(plan: Plan, consumer: str, producer: str, layer: int, unit: int
     c = plan.cfg
     if consumer == "attn" and producer == "qkv":  # by kv head
         return unit // attn_span(plan, layer, t, ctx)
-    if consumer == "attn_combine" and producer == "attn":  # by kv head (unit: q head x combine_rows rows)
-        return (unit // -(-sum(n for n, _ in requests(t, ctx)) // plan.combine_rows)) // c.group
+    if consumer == "attn_combine" and producer == "attn":  # by kv head (unit: q head x row)
+        return (unit // sum(n for n, _ in requests(t, ctx))) // c.group
     if consumer == "expert2" and producer == "expert1":
         return unit // (plan.expert_rows[1] // plan.tiles["expert2"].rows)
     raise ValueError(f"no group dependency rule {consumer} <- {producer}")

@@ -116,7 +116,6 @@ constexpr int MISC_BYTES = 1376;  // mbarriers + MISC ints (Plan.misc_bytes)
 constexpr int PROF_OPS = 16, MISC_SCRATCH = 58;  // block.cuh's MISC layout
 constexpr unsigned long long GLOBAL_MASK = 4ull;  // bit l: layer l is global
 constexpr int PARTS = 20;  // attention partials per kv head (MAX_SPLITS x WARPS / G)
-constexpr int COMBINE_ROWS = 1;  // rows of an attn_combine unit (Plan.combine_rows)
 }  // namespace mk
 namespace mk {
 constexpr int B_MAX = 16;  // requests of one step (abi.py)

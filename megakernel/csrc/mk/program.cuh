@@ -81,7 +81,7 @@ MK_DEV int n_units(const Blk& b, const Op& o) {
     case OP_EMBED: return step_rows(b);
     case OP_QKV: return QKV_ROWS / TILE_QKV_ROWS;
     case OP_ATTN: return HKV * attn_span(b, o.layer);
-    case OP_ATTN_COMBINE: return HQ * cdiv(step_rows(b), COMBINE_ROWS);
+    case OP_ATTN_COMBINE: return HQ * step_rows(b);
     case OP_OPROJ: return D / TILE_OPROJ_ROWS;
     case OP_ROUTER: return E / TILE_ROUTER_ROWS;
     case OP_POOL: return P / TILE_POOL_ROWS;
@@ -124,7 +124,7 @@ MK_DEV int group_size(const Blk& b, const Op& o) {
 // the group of producer `pr` that unit u of consumer `o` needs
 MK_DEV int needed_group(const Blk& b, const Op& o, const Op& pr, int u) {
   if (o.kind == OP_ATTN) return u / attn_span(b, o.layer);       // <- qkv, by kv head
-  if (o.kind == OP_ATTN_COMBINE) return (u / cdiv(step_rows(b), COMBINE_ROWS)) / G;  // <- attn, by kv head
+  if (o.kind == OP_ATTN_COMBINE) return (u / step_rows(b)) / G;  // <- attn, by kv head
   if (o.kind == OP_EXPERT2) return u / EXP2_TILES;                 // <- expert1, by slot
   return 0;
 }
