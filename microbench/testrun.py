@@ -8,7 +8,8 @@ The result records the date, the commit the run is credited to (Env: git sha, di
 result; MEGABENCH_GIT_SHA / MEGABENCH_SOURCE_TREE on a copy), the machine (GPU or none, Python,
 the host compiler g++ that builds the emulation, glibc, OS, CPU count), the counts passed /
 failed / skipped / errors / xfailed / xpassed / deselected, the duration (host clock, one sample)
-and the first failing tests. Its series say `gate_direction: none`: a test run's wall time is
+and the failing tests, each with the first line of what failed it (the exception's message,
+cut to WHY_CHARS: a GPU session brings back no traceback). Its series say `gate_direction: none`: a test run's wall time is
 not a kernel's performance and the gate lists it as not gated.
 
 Counting is pytest's own: this module is also a pytest plugin, loaded in the child with
@@ -41,6 +42,8 @@ BENCHMARK = "tests.run"
 COUNTS = ("passed", "failed", "skipped", "errors", "xfailed", "xpassed", "deselected")
 README_COMMAND = ("-m", "pytest", "-q")  # the README's test command, after the interpreter
 SLOWEST = 15  # the slowest tests a result names, with their seconds
+WHY_CHARS = 400  # of a failure's message, kept in the result (the first line, cut)
+WHY_KEPT = 60  # failures whose messages a result keeps (every failing test is still counted and named)
 TIME_LIMIT_EXIT = 124  # as timeout(1)
 
 
@@ -74,10 +77,22 @@ def pytest_runtest_logstart(nodeid, location):
     _emit(event="start", nodeid=nodeid)
 
 
+def _why(report) -> str:
+    """The first line of a failed report's exception message (pytest's reprcrash; under xdist the
+    controller's copy keeps it), else the last line of its text, at most WHY_CHARS."""
+    crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+    text = getattr(crash, "message", None) or str(getattr(report, "longrepr", "") or "").strip().splitlines()[-1:]
+    text = text if isinstance(text, str) else (text[0] if text else "")
+    return (text.strip().splitlines() or [""])[0][:WHY_CHARS]
+
+
 def pytest_runtest_logreport(report):
-    _emit(event="report", nodeid=report.nodeid, when=report.when, outcome=report.outcome,
-          xfail=hasattr(report, "wasxfail"), duration=round(float(getattr(report, "duration", 0.0) or 0.0), 4),
-          gpu="gpu" in getattr(report, "keywords", {}))
+    rec = dict(event="report", nodeid=report.nodeid, when=report.when, outcome=report.outcome,
+               xfail=hasattr(report, "wasxfail"), duration=round(float(getattr(report, "duration", 0.0) or 0.0), 4),
+               gpu="gpu" in getattr(report, "keywords", {}))
+    if report.failed:
+        rec["why"] = _why(report)
+    _emit(**rec)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -98,6 +113,7 @@ def count(lines) -> dict:
     skip in any phase a skip, an expected failure xfailed, an unexpected pass xpassed."""
     c: Counter = Counter({k: 0 for k in COUNTS})
     failed, last, finished, open_tests = [], None, False, {}
+    why: list[list[str]] = []  # [test, the first line of its failure]
     took: Counter = Counter()  # nodeid -> setup + call + teardown seconds
     gpu_ids: set[str] = set()
     for line in lines:
@@ -125,6 +141,8 @@ def count(lines) -> dict:
                 key = "failed" if when == "call" else "errors"
                 c[key] += 1
                 failed.append(r["nodeid"] + ("" if when == "call" else f" ({when})"))
+                if len(why) < WHY_KEPT:
+                    why.append([failed[-1], r.get("why", "")])
             elif out == "skipped":
                 c["xfailed" if xf else "skipped"] += 1
             elif when == "call":
@@ -132,7 +150,7 @@ def count(lines) -> dict:
         elif ev == "finish":
             finished = True
     crashed_in = last if (last is not None and open_tests.get(last)) else None
-    return {**{k: c[k] for k in COUNTS}, "failed_tests": failed, "running_when_stopped": crashed_in,
+    return {**{k: c[k] for k in COUNTS}, "failed_tests": failed, "failed_why": why, "running_when_stopped": crashed_in,
             "finished": finished, "slowest": [[n, round(t, 2)] for n, t in took.most_common(SLOWEST)],
             "test_seconds": round(sum(took.values()), 1),
             "gpu_test_seconds": round(sum(t for n, t in took.items() if n in gpu_ids), 1)}
@@ -213,7 +231,7 @@ def to_result(counts: dict, exit_code: int, duration_s: float, cmd: list[str], s
                # seconds inside tests (setup + call + teardown) summed over workers; the GPU tests run
                # one after another in one worker (conftest.py), so theirs is a floor on the wall time
                "test_seconds": counts.get("test_seconds"), "gpu_test_seconds": counts.get("gpu_test_seconds"),
-               "slowest": counts.get("slowest", [])}
+               "slowest": counts.get("slowest", []), "failed_why": counts.get("failed_why", [])}
     s = Series.from_samples("pytest/duration", [duration_s], timer="host", unit="s", params=params, metrics=metrics)
     rule = "pytest's own reports, counted by the microbench.testrun plugin in pytest's terminal categories"
     derived = {k: Derived(float(counts[k]), "count", rule) for k in COUNTS}

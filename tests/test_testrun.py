@@ -74,6 +74,10 @@ def test_counts_come_from_pytest_and_a_failure_is_a_nonzero_exit(tmp_path, monke
     assert s.params["command"].startswith("python -m pytest -q")
     assert saved.env.git_sha and saved.env.date  # the commit and date, as every result records them
     assert any("test_sample.py::test_fail" in n and "test_setup_error (setup)" in n for n in saved.notes)
+    # each failure's first line comes back with it (a GPU session returns no traceback)
+    why = {k.split("/")[-1]: v for k, v in m["failed_why"]}
+    assert why["test_sample.py::test_fail"].startswith("assert 1 == 2")
+    assert why["test_sample.py::test_setup_error (setup)"] == "RuntimeError: fixture broke"
     assert find("tests.run", res) == [path]
 
 
@@ -107,6 +111,7 @@ def test_xdist_workers_are_counted_once(tmp_path, monkeypatch):
     rc, r, _, _ = _run(tmp_path, monkeypatch, body, extra=("-n", "2"))
     m = r.series[0].metrics
     assert rc == 1 and m["passed"] == 6 and m["failed"] == 1
+    assert m["failed_why"] == [["sample/test_sample.py::test_bad", "assert 0"]]  # the worker's message, through xdist
 
 
 def test_cli_refuses_a_missing_results_folder_before_running(tmp_path, capsys, monkeypatch):
