@@ -7,6 +7,8 @@
   one step: a case whose launch covers several steps (metrics `steps_per_round`, the megakernel's
   2-step CUDA graph) advances the clock by the time per step (extra_info `time_per: step`).
   Committed baselines for `--benchmark-compare`: microbench/bench_storage.py.
+- On a GPU with no tuned constants of its own (no adoption, no constants file: an H100 here), the
+  run builds with the documented defaults (MEGABENCH_CONSTANTS=defaults) and its header says so.
 - A test or case whose model cannot fit this GPU at all (GpuTooSmallError) skips, naming the
   bytes; free memory merely short stays a failure.
 - Results written during tests go to a temporary folder unless MEGABENCH_RESULTS is set, so a
@@ -27,14 +29,45 @@ def pytest_addoption(parser):
                 help="pytest-benchmark rounds per device-timed case (default 15 quick / 50 full)")
 
 
+def defaults_without_constants() -> str | None:
+    """Where a GPU is present with no tuned constants of its own and MEGABENCH_CONSTANTS is unset,
+    set MEGABENCH_CONSTANTS=defaults (the build's documented defaults) and return the line that
+    says so; else None. Danger: without it every test that builds a plan fails on such a GPU with
+    NoConstantsFileError, which the build rightly raises outside tests (constants never cross GPU
+    models); a malformed constants file still fails by name."""
+    if os.environ.get("MEGABENCH_CONSTANTS"):
+        return None
+    import warnings
+
+    from megakernel import plans
+    from microbench.tune import NoConstantsFileError
+
+    if not plans.gpu_count():
+        return None
+    try:
+        with warnings.catch_warnings():  # "no adoption, the current file": the tests' concern, not this
+            warnings.simplefilter("ignore")
+            plans.tuned()
+    except NoConstantsFileError:
+        os.environ["MEGABENCH_CONSTANTS"] = "defaults"
+        return (f"megabench: no tuned constants for {plans.device_info().name}: the tests build with the documented "
+                "defaults (MEGABENCH_CONSTANTS=defaults; `megabench run` tunes this GPU's)")
+    return None
+
+
 def pytest_configure(config):
     if config.getoption("--megabench-full"):
         os.environ["MEGABENCH_FULL"] = "1"
+    config._megabench_constants_note = defaults_without_constants()
     # The CPU-side work in tests is many tiny tensor ops: intra-op threads only add OpenMP
     # wake-ups (seen: a 16x128 matmul taking 47 ms with 2 threads on a busy 2-core machine).
     import torch
 
     torch.set_num_threads(int(os.environ.get("MEGABENCH_TORCH_THREADS", "1")))
+
+
+def pytest_report_header(config):
+    return getattr(config, "_megabench_constants_note", None)
 
 
 def _gpus() -> tuple[int, str | None]:

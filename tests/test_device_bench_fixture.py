@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from microbench.results import REPO_ROOT
 
 pytest_plugins = ["pytester"]
@@ -145,3 +147,37 @@ def test_a_model_too_big_for_the_gpu_skips_and_short_memory_fails(pytester, monk
     out = r.stdout.str()
     assert "3 skipped" in out and "1 failed" in out, out[-3000:]
     assert out.count("needs 150.0 GiB; this GPU has 79.1 GiB") >= 3 and "3.0 GiB free" in out
+
+
+def _conftest():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("megabench_root_conftest", REPO_ROOT / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("gpu,expect", [("NVIDIA H100 80GB HBM3", "defaults"), ("NVIDIA H200", None), (None, None)])
+def test_a_gpu_without_constants_runs_the_tests_on_the_defaults(tmp_path, monkeypatch, gpu, expect):
+    """conftest.defaults_without_constants: a GPU with no constants of its own (the folder holds an
+    H200's only) gets MEGABENCH_CONSTANTS=defaults and a header line naming it; the H200 keeps its
+    constants, a machine without a GPU its own rule, and a value already set is never replaced."""
+    import os
+    import types
+
+    from megabench_synth import FIXTURES
+
+    d = tmp_path / "constants"
+    shutil.copytree(FIXTURES / "constants", d)
+    monkeypatch.setenv("MEGABENCH_CONSTANTS_DIR", str(d))
+    monkeypatch.delenv("MEGABENCH_CONSTANTS", raising=False)
+    monkeypatch.setattr("megakernel.plans.gpu_count", lambda: int(gpu is not None))
+    monkeypatch.setattr("megakernel.plans.device_info", lambda: types.SimpleNamespace(name=gpu))
+    note = _conftest().defaults_without_constants()
+    assert os.environ.get("MEGABENCH_CONSTANTS") == expect
+    assert (note is not None) == (expect is not None)
+    if note:
+        assert f"no tuned constants for {gpu}" in note and "MEGABENCH_CONSTANTS=defaults" in note
+    monkeypatch.setenv("MEGABENCH_CONSTANTS", "some-revision.json")
+    assert _conftest().defaults_without_constants() is None and os.environ["MEGABENCH_CONSTANTS"] == "some-revision.json"

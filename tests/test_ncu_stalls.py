@@ -273,6 +273,7 @@ def test_cli_rebuilds_the_profiled_build_for_its_tree_size(sample, monkeypatch, 
     # the plan from the constants a build without a GPU reads (plans.tuned), whatever GPU the host
     # has: on one without a constants file of its own (an H100 here) the build rightly refuses
     monkeypatch.setattr("megakernel.plans.gpu_count", lambda: 0)
+    monkeypatch.delenv("MEGABENCH_CONSTANTS", raising=False)  # the test run's defaults on such a GPU (conftest.py)
     monkeypatch.setattr(megakernel.build, "build_gpu", lambda plan: built.append(plan) or types.SimpleNamespace(
         module=types.SimpleNamespace(cubin=b"")))
     monkeypatch.setattr(microbench.sass, "cubin_instruction_chains",
