@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -136,6 +137,25 @@ def _too_small_skips(item):
 
 pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_too_small_skips)  # module-scoped fixtures too
 pytest_runtest_call = pytest.hookimpl(wrapper=True)(_too_small_skips)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test that raised, drop the exception pytest keeps for post-mortem debugging
+    (sys.last_value / last_traceback / last_exc) and return the GPU memory its frames held. Danger:
+    those frames keep the test's tensors alive until the next failure, so one test that ran the
+    GPU out of memory would fail the tests after it the same way."""
+    if getattr(sys, "last_value", None) is None and getattr(sys, "last_exc", None) is None:
+        return
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    if hasattr(sys, "last_exc"):
+        sys.last_exc = None
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):

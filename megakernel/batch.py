@@ -25,6 +25,7 @@ and attention one launch per request; no tile limit; checked per request against
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -203,17 +204,27 @@ class BatchContext:
     ref_caches: list[KVCache]  # each request's cache after that reference step (the peer's KV check)
 
 
-_CONTEXTS: dict = {}
+# The newest batch contexts, least recently used first. Bound: MAX_CONTEXTS of them. Danger: each
+# holds two KV caches per request on the GPU (shard8: 0.5 GB each, 8 GB at B = 8), and a run over
+# the batch curve's points would otherwise keep every point's beside the weights (60 GB at shard8)
+# until its GPU ran out of memory.
+_CONTEXTS: OrderedDict = OrderedDict()
+MAX_CONTEXTS = 2
 
 
 def batch_context(preset: str, batch: int, tokens: int, ctx: int, seed: int = 0,
                   max_rows: int | None = None) -> BatchContext:
     """B requests of T tokens at context ctx with the study-like synthetic routing of a T-token step
     each (bench_baselines.study_like_distinct; independent requests, so the batch's union is up to B
-    times a request's experts), random caches, and the reference's logits. Cached per process.
+    times a request's experts), random caches, and the reference's logits. Cached per process, the
+    MAX_CONTEXTS most recently used.
     max_rows: as mix's (the peer's points past the megakernel's 16 rows pass B x T)."""
     key = (preset, batch, tokens, ctx, seed)
-    if key not in _CONTEXTS:
+    if key in _CONTEXTS:
+        _CONTEXTS.move_to_end(key)
+    else:
+        while len(_CONTEXTS) >= MAX_CONTEXTS:  # the oldest goes before this one takes its memory
+            _CONTEXTS.popitem(last=False)
         w = weights_for(preset)
         cfg = w.cfg
         shape = tuple(mix(cfg, batch, seed, tokens, ctx, max_rows))

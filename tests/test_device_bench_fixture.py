@@ -181,3 +181,41 @@ def test_a_gpu_without_constants_runs_the_tests_on_the_defaults(tmp_path, monkey
         assert f"no tuned constants for {gpu}" in note and "MEGABENCH_CONSTANTS=defaults" in note
     monkeypatch.setenv("MEGABENCH_CONSTANTS", "some-revision.json")
     assert _conftest().defaults_without_constants() is None and os.environ["MEGABENCH_CONSTANTS"] == "some-revision.json"
+
+
+HELD = """
+import gc
+import weakref
+
+gc.disable()  # only an explicit collection frees a cycle: the test cannot pass by a timely automatic one
+REF = []
+
+
+class Big:  # an engine, say: its tensors in a reference cycle, as closures and graphs make them
+    def __init__(self):
+        self.me = self
+
+
+def test_fails_holding_memory():
+    big = Big()
+    REF.append(weakref.ref(big))
+    raise MemoryError("out of memory, as CUDA says")
+
+
+def test_after_it():
+    assert REF and REF[0]() is None, "the failed test's objects are still alive"
+"""
+
+
+def test_a_failed_test_does_not_hold_its_memory_for_the_next(pytester, monkeypatch):
+    """conftest.pytest_runtest_teardown: after a failure, the exception pytest keeps (sys.last_*)
+    is dropped and the garbage collected at once, so the failed test's objects, in reference
+    cycles too, are gone before the next test allocates (pytest alone drops the exception when the
+    next test's call starts, and leaves cycles to a later automatic collection)."""
+    for k in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID", "PYTEST_ADDOPTS"):
+        monkeypatch.delenv(k, raising=False)
+    shutil.copy(REPO_ROOT / "conftest.py", pytester.path / "conftest.py")
+    (pytester.path / "test_held.py").write_text(HELD)
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--benchmark-disable", "test_held.py")
+    out = r.stdout.str()
+    assert "1 failed, 1 passed" in out and "out of memory, as CUDA says" in out, out[-3000:]

@@ -254,3 +254,22 @@ def test_peer_batch_point_takes_rows_past_the_megakernels_16(dry, monkeypatch):
     cfg = config.preset("micro")
     with pytest.raises(config.ConfigError, match=f"at most {8 * cfg.max_tree}"):
         mix(cfg, 9, tokens=cfg.max_tree, ctx=12)
+
+
+def test_batch_contexts_keep_only_the_newest(dry):
+    """batch.batch_context caches the MAX_CONTEXTS most recently used points: a hit moves its point
+    to the newest, a new point evicts the oldest first (each holds two KV caches per request on the
+    GPU; a batch curve keeping every point's beside shard8's weights ran an 80 GB card out of memory)."""
+    from megakernel import batch
+    from megakernel.batch import batch_context
+
+    batch.release()
+    assert batch.MAX_CONTEXTS == 2
+    a = batch_context("micro", 2, 4, 12)
+    b = batch_context("micro", 1, 4, 12)
+    assert batch_context("micro", 2, 4, 12) is a  # a hit: a is now the newest, b the oldest
+    c = batch_context("micro", 2, 2, 12)
+    assert list(batch._CONTEXTS.values()) == [a, c]
+    assert batch_context("micro", 1, 4, 12) is not b  # b was evicted: rebuilt, a evicted in turn
+    assert len(batch._CONTEXTS) == 2 and batch_context("micro", 2, 2, 12) is c
+    batch.release()
