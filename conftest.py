@@ -35,12 +35,14 @@ def defaults_without_constants() -> str | None:
     set MEGABENCH_CONSTANTS=defaults (the build's documented defaults) and return the line that
     says so; else None. Danger: without it every test that builds a plan fails on such a GPU with
     NoConstantsFileError, which the build rightly raises outside tests (constants never cross GPU
-    models); a malformed constants file still fails by name."""
+    models). A malformed constants file is named in the header and left to fail each test that
+    builds, by name, not the whole run here."""
     if os.environ.get("MEGABENCH_CONSTANTS"):
         return None
     import warnings
 
     from megakernel import plans
+    from microbench.errors import MegabenchError
     from microbench.tune import NoConstantsFileError
 
     if not plans.gpu_count():
@@ -53,6 +55,8 @@ def defaults_without_constants() -> str | None:
         os.environ["MEGABENCH_CONSTANTS"] = "defaults"
         return (f"megabench: no tuned constants for {plans.device_info().name}: the tests build with the documented "
                 "defaults (MEGABENCH_CONSTANTS=defaults; `megabench run` tunes this GPU's)")
+    except MegabenchError as e:  # a malformed file: each test that builds fails naming it, not the whole run here
+        return f"megabench: this GPU's tuned constants do not load: {e}"
     return None
 
 

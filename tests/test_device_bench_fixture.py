@@ -183,6 +183,24 @@ def test_a_gpu_without_constants_runs_the_tests_on_the_defaults(tmp_path, monkey
     assert _conftest().defaults_without_constants() is None and os.environ["MEGABENCH_CONSTANTS"] == "some-revision.json"
 
 
+def test_a_malformed_constants_file_is_named_not_replaced_by_the_defaults(tmp_path, monkeypatch):
+    import os
+    import types
+
+    from megabench_synth import FIXTURES
+
+    d = tmp_path / "constants"
+    shutil.copytree(FIXTURES / "constants", d)
+    (d / "nvidia-h100-80gb-hbm3.json").write_text("{not json")
+    monkeypatch.setenv("MEGABENCH_CONSTANTS_DIR", str(d))
+    monkeypatch.delenv("MEGABENCH_CONSTANTS", raising=False)
+    monkeypatch.setattr("megakernel.plans.gpu_count", lambda: 1)
+    monkeypatch.setattr("megakernel.plans.device_info", lambda: types.SimpleNamespace(name="NVIDIA H100 80GB HBM3"))
+    note = _conftest().defaults_without_constants()
+    assert "MEGABENCH_CONSTANTS" not in os.environ
+    assert note.startswith("megabench: this GPU's tuned constants do not load:") and "nvidia-h100-80gb-hbm3.json" in note
+
+
 HELD = """
 import gc
 import weakref
