@@ -146,9 +146,10 @@ pytest_runtest_call = pytest.hookimpl(wrapper=True)(_too_small_skips)
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     """After a test that raised, drop the exception pytest keeps for post-mortem debugging
-    (sys.last_value / last_traceback / last_exc) and return the GPU memory its frames held. Danger:
-    those frames keep the test's tensors alive until the next failure, so one test that ran the
-    GPU out of memory would fail the tests after it the same way."""
+    (sys.last_value / last_traceback / last_exc), collect, and return the GPU memory its frames
+    held. Danger: pytest drops it only when the next test's call begins, after that test's setup
+    (module fixtures) has allocated, and tensors in reference cycles live on until a later
+    collection; one test that ran the GPU out of memory could fail the tests after it."""
     if getattr(sys, "last_value", None) is None and getattr(sys, "last_exc", None) is None:
         return
     sys.last_type = sys.last_value = sys.last_traceback = None

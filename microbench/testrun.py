@@ -8,9 +8,9 @@ The result records the date, the commit the run is credited to (Env: git sha, di
 result; MEGABENCH_GIT_SHA / MEGABENCH_SOURCE_TREE on a copy), the machine (GPU or none, Python,
 the host compiler g++ that builds the emulation, glibc, OS, CPU count), the counts passed /
 failed / skipped / errors / xfailed / xpassed / deselected, the duration (host clock, one sample)
-and the failing tests, each with the first line of what failed it (the exception's message,
-cut to WHY_CHARS: a GPU session brings back no traceback). Its series say `gate_direction: none`: a test run's wall time is
-not a kernel's performance and the gate lists it as not gated.
+and the failing tests, each with the first line of what failed it (the exception's message, cut
+to WHY_CHARS: a GPU session brings back no traceback). Its series say `gate_direction: none`: a
+test run's wall time is not a kernel's performance and the gate lists it as not gated.
 
 Counting is pytest's own: this module is also a pytest plugin, loaded in the child with
 `-p microbench.testrun`. Its hooks append one JSON line per test report (and per collection
@@ -81,9 +81,11 @@ def _why(report) -> str:
     """The first line of a failed report's exception message (pytest's reprcrash; under xdist the
     controller's copy keeps it), else the last line of its text, at most WHY_CHARS."""
     crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
-    text = getattr(crash, "message", None) or str(getattr(report, "longrepr", "") or "").strip().splitlines()[-1:]
-    text = text if isinstance(text, str) else (text[0] if text else "")
-    return (text.strip().splitlines() or [""])[0][:WHY_CHARS]
+    if getattr(crash, "message", None):
+        lines = crash.message.strip().splitlines()
+        return (lines[0] if lines else "")[:WHY_CHARS]
+    lines = str(getattr(report, "longrepr", "") or "").strip().splitlines()
+    return (lines[-1] if lines else "")[:WHY_CHARS]
 
 
 def pytest_runtest_logreport(report):
