@@ -7,7 +7,7 @@
   one step: a case whose launch covers several steps (metrics `steps_per_round`, the megakernel's
   2-step CUDA graph) advances the clock by the time per step (extra_info `time_per: step`).
   Committed baselines for `--benchmark-compare`: microbench/bench_storage.py.
-- On a GPU with no tuned constants of its own (no adoption, no constants file: an H100 here), the
+- On a GPU with no tuned constants of its own (no adoption, no constants file), the
   run builds with the documented defaults (MEGABENCH_CONSTANTS=defaults) and its header says so.
 - A test or case whose model cannot fit this GPU at all (GpuTooSmallError) skips, naming the
   bytes; free memory merely short stays a failure.

@@ -68,15 +68,21 @@ def test_a_failing_check_still_fails(device_bench):
 '''
 
 
-def test_device_bench_with_pytest_benchmark_off_runs_the_case_as_a_test(pytester, monkeypatch):
+def _run_with_conftest(pytester, monkeypatch, name: str, body: str, *args: str) -> str:
+    """`body` as test file `name` beside a copy of the repository's conftest.py, run in a child
+    pytest (no xdist, no cache) with `args`; its stdout. The parent's xdist variables are cleared:
+    the child would otherwise take itself for a worker."""
     for k in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID", "PYTEST_ADDOPTS"):
         monkeypatch.delenv(k, raising=False)
     shutil.copy(REPO_ROOT / "conftest.py", pytester.path / "conftest.py")
-    (pytester.path / "test_case.py").write_text(
-        "import pytest\n\n@pytest.fixture\ndef harness():\n    return 'no GPU needed'\n" + CASE)
-    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--benchmark-disable",
-                                      "test_case.py")
-    out = r.stdout.str()
+    (pytester.path / name).write_text(body)
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", *args, name).stdout.str()
+
+
+def test_device_bench_with_pytest_benchmark_off_runs_the_case_as_a_test(pytester, monkeypatch):
+    out = _run_with_conftest(pytester, monkeypatch, "test_case.py",
+                             "import pytest\n\n@pytest.fixture\ndef harness():\n    return 'no GPU needed'\n" + CASE,
+                             "--benchmark-disable")
     assert "1 passed" in out and "2 failed" in out and "wrong result" in out, out[-3000:]
     assert "gave up waiting for the ping flag" in out
     assert "'NoneType' object has no attribute 'stats'" not in out
@@ -87,16 +93,12 @@ def test_benchmark_json_is_credited_to_megabench_git_sha(pytester, monkeypatch):
     commit_info names the commit MEGABENCH_GIT_SHA credits the run to, as the result files do."""
     import json
 
-    for k in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID", "PYTEST_ADDOPTS"):
-        monkeypatch.delenv(k, raising=False)
     sha = "ab" * 20
     monkeypatch.setenv("MEGABENCH_GIT_SHA", sha)
     monkeypatch.delenv("MEGABENCH_SOURCE_TREE", raising=False)
-    shutil.copy(REPO_ROOT / "conftest.py", pytester.path / "conftest.py")
-    (pytester.path / "test_b.py").write_text("def test_b(benchmark):\n    benchmark(lambda: None)\n")
-    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--benchmark-only",
-                                      "--benchmark-json=out.json", "test_b.py")
-    assert "1 passed" in r.stdout.str(), r.stdout.str()[-2000:]
+    out = _run_with_conftest(pytester, monkeypatch, "test_b.py", "def test_b(benchmark):\n    benchmark(lambda: None)\n",
+                             "--benchmark-only", "--benchmark-json=out.json")
+    assert "1 passed" in out, out[-2000:]
     ci = json.loads((pytester.path / "out.json").read_text())["commit_info"]
     assert ci["id"] == sha and ci["credited_by"] == "MEGABENCH_GIT_SHA"
 
@@ -137,14 +139,9 @@ def test_memory_merely_short():
 def test_a_model_too_big_for_the_gpu_skips_and_short_memory_fails(pytester, monkeypatch):
     """GpuTooSmallError skips a case, a fixture's test and a plain test, naming the bytes; a
     DeviceMemoryError (free memory short) still fails."""
-    for k in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID", "PYTEST_ADDOPTS"):
-        monkeypatch.delenv(k, raising=False)
-    shutil.copy(REPO_ROOT / "conftest.py", pytester.path / "conftest.py")
-    (pytester.path / "test_small.py").write_text(
-        "import pytest\n\n@pytest.fixture\ndef harness():\n    return None\n" + TOO_SMALL)
-    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--benchmark-disable",
-                                      "-rs", "test_small.py")
-    out = r.stdout.str()
+    out = _run_with_conftest(pytester, monkeypatch, "test_small.py",
+                             "import pytest\n\n@pytest.fixture\ndef harness():\n    return None\n" + TOO_SMALL,
+                             "--benchmark-disable", "-rs")
     assert "3 skipped" in out and "1 failed" in out, out[-3000:]
     assert out.count("needs 150.0 GiB; this GPU has 79.1 GiB") >= 3 and "3.0 GiB free" in out
 
@@ -230,10 +227,5 @@ def test_a_failed_test_does_not_hold_its_memory_for_the_next(pytester, monkeypat
     is dropped and the garbage collected at once, so the failed test's objects, in reference
     cycles too, are gone before the next test allocates (pytest alone drops the exception when the
     next test's call starts, and leaves cycles to a later automatic collection)."""
-    for k in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID", "PYTEST_ADDOPTS"):
-        monkeypatch.delenv(k, raising=False)
-    shutil.copy(REPO_ROOT / "conftest.py", pytester.path / "conftest.py")
-    (pytester.path / "test_held.py").write_text(HELD)
-    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--benchmark-disable", "test_held.py")
-    out = r.stdout.str()
+    out = _run_with_conftest(pytester, monkeypatch, "test_held.py", HELD, "--benchmark-disable")
     assert "1 failed, 1 passed" in out and "out of memory, as CUDA says" in out, out[-3000:]

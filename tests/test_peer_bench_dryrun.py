@@ -259,7 +259,7 @@ def test_peer_batch_point_takes_rows_past_the_megakernels_16(dry, monkeypatch):
 def test_batch_contexts_keep_only_the_newest(dry):
     """batch.batch_context caches the MAX_CONTEXTS most recently used points: a hit moves its point
     to the newest, a new point evicts the oldest first (each holds two KV caches per request on the
-    GPU; a batch curve keeping every point's beside shard8's weights ran an 80 GB card out of memory)."""
+    GPU; a batch curve keeping every point's beside shard8's weights would outgrow an 80 GB card)."""
     from megakernel import batch
     from megakernel.batch import batch_context
 
