@@ -595,7 +595,7 @@ def _decode(a) -> int:
                         acceptance_source=source, prompt_len=a.prompt_len, n=a.tokens, env=env, emulated=not pair.gpu,
                         launches=pair.part_launches(a.mode), ranks=a.ranks, where=where, where_why=where_why,
                         row_groups=a.batch if a.full_trees else 1)
-    print("saved", res.save())
+    print("not saved (--no-save)" if a.no_save else f"saved {res.save()}")
     if a.json:
         print("wrote", write_text(Path(a.json), json.dumps(res.to_json(), indent=1) + "\n"))
     return 1 if out.check is not None and not out.check.ok else 0
@@ -626,7 +626,7 @@ def _decode_torchrun(a, name: str, agree: float, source: str) -> int:
         for p in s["problems"]:
             print(f"  MISMATCH: {p}")
         print("check: " + ("passed" if s["check"] == "passed" else f"FAILED ({len(s['problems'])} mismatches)"))
-    print("saved", res.save())
+    print("not saved (--no-save)" if a.no_save else f"saved {res.save()}")
     if a.json:
         print("wrote", write_text(Path(a.json), json.dumps(res.to_json(), indent=1) + "\n"))
     return 1 if s["check"] == "FAILED" else 0
@@ -668,6 +668,9 @@ def add_decode_parser(sub) -> None:
                    help="the host emulation's schedule for mega launches (default random; the emulation only); rank: "
                         "one rank of the verifier's starved (--ranks R)")
     s.add_argument("--json", default=None, metavar="PATH", help="also write the typed result (megakernel.decode) here")
+    s.add_argument("--no-save", action="store_true",
+                   help="write no result to the results folder: for runs whose timings are not the kernel's (under "
+                        "compute-sanitizer, a profiler)")
     s.set_defaults(fn=_decode)
 
 

@@ -404,6 +404,23 @@ def test_decode_command_refuses_bad_input(argv, msg, capsys):
     assert msg in capsys.readouterr().err
 
 
+def test_decode_no_save_writes_no_result(monkeypatch, tmp_path, capsys):
+    """`decode --no-save` (the sanitizer's runs: their timings are not the kernel's) runs and reports,
+    and never reaches Result.save; --json still writes the file it names."""
+    from microbench.results import Result
+
+    from reports.cli import main
+
+    def refuse(self, root=None):
+        raise AssertionError(f"decode --no-save saved a {self.benchmark} result")
+
+    monkeypatch.setattr(Result, "save", refuse)
+    out_json = tmp_path / "d.json"
+    assert main(["decode", "--preset", "tiny", "--tokens", "4", "--no-save", "--json", str(out_json)]) == 0
+    assert "not saved (--no-save)" in capsys.readouterr().out
+    assert out_json.is_file() and '"megakernel.decode"' in out_json.read_text()
+
+
 def test_the_named_acceptance_says_where_it_comes_from():
     assert "6.95" in speculative.agreement_source("study", "tiny")
     assert "6.92" in speculative.agreement_source("study", "small")
