@@ -1,8 +1,8 @@
-"""`python -m microbench.testrun [--results DIR] [--time-limit S] [-- PYTEST ARGS]` (also `megabench
-test-run`): run the README's test command, `python -m pytest -q` plus the given args, and save what
-it gave as a small typed result, `tests.run`, under <results>/tests/ (default $MEGABENCH_RESULTS
-or reports/results). The exit code is pytest's (a child killed by signal N: 128 + N; stopped at
-the time limit: 124).
+"""`python -m microbench.testrun [--results DIR] [--time-limit S] [--log LOG | --resume LOG]
+[-- PYTEST ARGS]` (also `megabench test-run`): run the README's test command, `python -m pytest
+-q` plus the given args, and save what it gave as a small typed result, `tests.run`, under
+<results>/tests/ (default $MEGABENCH_RESULTS or reports/results). The exit code is pytest's (a
+child killed by signal N: 128 + N; stopped at the time limit: 124).
 
 The result records the date, the commit the run is credited to (Env: git sha, dirty, as every
 result; MEGABENCH_GIT_SHA / MEGABENCH_SOURCE_TREE on a copy), the machine (GPU or none, Python,
@@ -18,6 +18,12 @@ error, deselection, test start and session end) to the file named by $MEGABENCH_
 flushed at once, so the counts up to a crash survive it and the test that was running is named
 (an interpreter abort, as the fortified glibc caused on the H200, ends pytest before its summary).
 Under pytest-xdist only the controller writes (it receives every worker's reports).
+
+A run stopped at its time limit can be finished by another (`--resume LOG`, where the first kept
+its log with `--log LOG`): the same command at the same commit on the same GPU, it runs only the
+tests that no earlier part finished (a test with its teardown reported), appends to the same log,
+and its result counts every part: each test once, in the part that finished it. A resumed part
+refuses a log of another command, commit or GPU, and a log whose run finished.
 """
 from __future__ import annotations
 
@@ -33,10 +39,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .errors import MegabenchError, OutputError
+import pytest
+
+from .errors import MegabenchError, OutputError, ResultsFileError
 from .results import REPO_ROOT, Derived, Env, Result, Series
 
 LOG_ENV = "MEGABENCH_TESTRUN_LOG"
+DONE_ENV = "MEGABENCH_TESTRUN_DONE"  # a file of the tests an earlier part finished: not collected again
 PLUGIN = "microbench.testrun"  # this module, as `-p` names it in the child
 BENCHMARK = "tests.run"
 COUNTS = ("passed", "failed", "skipped", "errors", "xfailed", "xpassed", "deselected")
@@ -69,8 +78,37 @@ def pytest_collectreport(report):
         _emit(event="collect_error", nodeid=report.nodeid)
 
 
+_resuming = False  # set while this plugin deselects an earlier part's tests: not counted as deselected
+
+
 def pytest_deselected(items):
-    _emit(event="deselected", n=len(items))
+    if not _resuming:
+        _emit(event="deselected", n=len(items))
+
+
+def base_id(nodeid: str) -> str:
+    """A test's id without the `@group` that xdist's loadgroup appends (the reports carry it; the
+    collection may not yet)."""
+    head, at, tail = nodeid.rpartition("@")
+    return head if at and tail and not any(c in tail for c in "[]:/") else nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    global _resuming
+    path = os.environ.get(DONE_ENV)
+    if not path:
+        return
+    done = set(Path(path).read_text(encoding="utf-8").splitlines())
+    gone = [it for it in items if base_id(it.nodeid) in done]
+    if gone:
+        items[:] = [it for it in items if base_id(it.nodeid) not in done]
+        _resuming = True
+        try:
+            config.hook.pytest_deselected(items=gone)  # pytest's summary shows them as deselected
+        finally:
+            _resuming = False
+        _emit(event="resumed", n=len(gone))
 
 
 def pytest_runtest_logstart(nodeid, location):
@@ -158,6 +196,92 @@ def count(lines) -> dict:
             "gpu_test_seconds": round(sum(t for n, t in took.items() if n in gpu_ids), 1)}
 
 
+# ------------------------------------------------------------------------- parts (a resumed run)
+def parts(lines) -> list[tuple[dict, list[str]]]:
+    """The log's parts: (its `part` record, its lines), in order. Lines before the first part
+    record (a log written by an older version) belong to no part and are refused by `resume_plan`."""
+    out: list[tuple[dict, list[str]]] = []
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            r = None
+        if isinstance(r, dict) and r.get("event") == "part":
+            out.append((r, []))
+        elif out:
+            out[-1][1].append(line)
+    return out
+
+
+def finished_in(lines) -> set[str]:
+    """The tests whose teardown a part reported: finished there, whatever their outcome."""
+    done = set()
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if r.get("event") == "report" and r.get("when") == "teardown":
+            done.add(r["nodeid"])
+    return done
+
+
+def earlier_reports(log_parts) -> tuple[list[str], set[str]]:
+    """What the earlier parts count: each part's report lines of the tests it finished (a test
+    stopped mid-way in one part and run again in a later one is counted in the later part only),
+    and the ids of every finished test."""
+    kept, done = [], set()
+    for _, lines in log_parts:
+        fin = finished_in(lines)
+        for line in lines:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if r.get("event") == "report" and r["nodeid"] in fin:
+                kept.append(line)
+        done |= fin
+    return kept, done
+
+
+def _part_seconds(lines) -> float:
+    """A part's wall seconds, from its `part_end` record (0 for a part whose runner died first)."""
+    for line in reversed(lines):
+        if '"event": "part_end"' in line:
+            try:
+                return float(json.loads(line).get("seconds") or 0.0)
+            except (json.JSONDecodeError, TypeError, ValueError):
+                return 0.0
+    return 0.0
+
+
+def part_record(args: list[str], env) -> dict:
+    return {"event": "part", "args": list(args), "git_sha": env.git_sha, "git_dirty": bool(env.git_dirty),
+            "gpu": env.gpu, "date": env.date}
+
+
+def resume_plan(log_path: Path, args: list[str], env) -> tuple[list[tuple[dict, list[str]]], set[str]]:
+    """Check that `log_path` is a stopped run of this command, commit and GPU; its parts and the
+    tests they finished. Raises naming what does not match."""
+    if not log_path.is_file():
+        raise OutputError(f"--resume {log_path}: no such file" if not log_path.exists()
+                          else f"--resume {log_path}: not a file")
+    log_parts = parts(log_path.read_text(encoding="utf-8", errors="replace").splitlines())
+    if not log_parts:
+        raise ResultsFileError(f"--resume {log_path}: not a test-run log (no part record; write one with --log)")
+    first, want = log_parts[0][0], part_record(args, env)
+    for key, what in (("args", "pytest arguments"), ("git_sha", "commit"), ("git_dirty", "uncommitted changes"),
+                      ("gpu", "GPU")):
+        if first.get(key) != want[key]:
+            raise ResultsFileError(f"--resume {log_path}: its run had {what} {first.get(key)!r}, this one "
+                                   f"{want[key]!r}: a resumed run must be the same command at the same commit on "
+                                   "the same GPU")
+    for _, lines in log_parts:
+        if any('"event": "finish"' in line for line in lines):
+            raise ResultsFileError(f"--resume {log_path}: that run finished; nothing is left to run")
+    return log_parts, earlier_reports(log_parts)[1]
+
+
 # ------------------------------------------------------------------------- the machine
 def _first_line(cmd: list[str]) -> str | None:
     try:
@@ -186,11 +310,14 @@ def machine() -> dict[str, object]:
 
 # ------------------------------------------------------------------------- run + result
 def run_pytest(args: list[str], log_path: Path, time_limit_s: float | None = None,
-               python: str = sys.executable) -> tuple[int, float, bool, list[str]]:
+               python: str = sys.executable, done_path: Path | None = None) -> tuple[int, float, bool, list[str]]:
     """The README's test command with `args`, this module as a plugin; (exit code, seconds,
-    stopped at the time limit, the command)."""
+    stopped at the time limit, the command). `done_path`: a file of test ids not to run."""
     cmd = [python, *README_COMMAND, "-p", PLUGIN, *args]
     env = {**os.environ, LOG_ENV: str(log_path)}
+    env.pop(DONE_ENV, None)
+    if done_path is not None:
+        env[DONE_ENV] = str(done_path)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])  # the plugin imports from the checkout
     t0 = time.monotonic()
@@ -223,8 +350,9 @@ def run_pytest(args: list[str], log_path: Path, time_limit_s: float | None = Non
 
 
 def to_result(counts: dict, exit_code: int, duration_s: float, cmd: list[str], stopped: bool,
-              time_limit_s: float | None = None):
-    env = Env.capture()
+              time_limit_s: float | None = None, part_seconds: list[float] | None = None, env=None):
+    """`duration_s` is the whole command's: the sum of `part_seconds` where it ran in parts."""
+    env = env or Env.capture()
     m = machine()
     shown = " ".join(["python", *cmd[1:]])
     params = {"command": shown, "gpu": env.gpu, **m}
@@ -233,7 +361,8 @@ def to_result(counts: dict, exit_code: int, duration_s: float, cmd: list[str], s
                # seconds inside tests (setup + call + teardown) summed over workers; the GPU tests run
                # one after another in one worker (conftest.py), so theirs is a floor on the wall time
                "test_seconds": counts.get("test_seconds"), "gpu_test_seconds": counts.get("gpu_test_seconds"),
-               "slowest": counts.get("slowest", []), "failed_why": counts.get("failed_why", [])}
+               "slowest": counts.get("slowest", []), "failed_why": counts.get("failed_why", []),
+               "parts": len(part_seconds or [duration_s]), "part_seconds": [round(x, 1) for x in part_seconds or [duration_s]]}
     s = Series.from_samples("pytest/duration", [duration_s], timer="host", unit="s", params=params, metrics=metrics)
     rule = "pytest's own reports, counted by the microbench.testrun plugin in pytest's terminal categories"
     derived = {k: Derived(float(counts[k]), "count", rule) for k in COUNTS}
@@ -241,6 +370,9 @@ def to_result(counts: dict, exit_code: int, duration_s: float, cmd: list[str], s
                                    f"{TIME_LIMIT_EXIT}: stopped at the time limit)")
     notes = [f"command: {shown}", f"machine: GPU {env.gpu or 'none'}, Python {m['python']}, g++ {m['gxx']}, "
                                   f"{m['libc']}, {m['os']}, {m['cpus']} CPUs"]
+    if part_seconds and len(part_seconds) > 1:
+        notes.append(f"run in {len(part_seconds)} parts ({', '.join(f'{x:.0f}' for x in part_seconds)} s), the later "
+                     "ones resumed from the earlier ones' log: each test counted once, in the part that finished it")
     if stopped:
         notes.append(f"stopped at the time limit of {time_limit_s:g} s; counts are those reported until then")
     elif not counts["finished"]:
@@ -263,17 +395,47 @@ def summary_line(counts: dict, exit_code: int, duration_s: float) -> str:
 
 
 def run_tests(args: list[str], results: Path | None = None, time_limit_s: float | None = None,
-             save: bool = True, log=print) -> tuple[int, object, Path | None]:
-    """Run, count, save. Returns (exit code, the Result, the saved file or None)."""
+             save: bool = True, log=print, keep_log: Path | None = None,
+             resume: Path | None = None) -> tuple[int, object, Path | None]:
+    """Run, count, save. Returns (exit code, the Result, the saved file or None). `keep_log`: write
+    the reports log there (a new file) for a later `resume`; `resume`: finish the stopped run whose
+    log that is, appending to it."""
     if results is not None and not Path(results).is_dir():  # a typo: refused before an hour of tests
         raise OutputError(f"results folder {results} does not exist" if not Path(results).exists()
                           else f"results folder {results} is not a folder")
+    if keep_log is not None and resume is not None:
+        raise OutputError("--log and --resume: a resumed run appends to the log it resumes")
+    if keep_log is not None and (Path(keep_log).exists() or not Path(keep_log).parent.is_dir()):
+        raise OutputError(f"--log {keep_log}: already exists (a log is never overwritten; --resume continues it)"
+                          if Path(keep_log).exists() else f"--log {keep_log}: folder {Path(keep_log).parent} does not exist")
+    env = Env.capture()
+    earlier, done, part_s = [], set(), []
+    if resume is not None:
+        log_parts, done = resume_plan(Path(resume), args, env)
+        earlier = earlier_reports(log_parts)[0]
+        part_s = [_part_seconds(lines) for _, lines in log_parts]
     with tempfile.TemporaryDirectory(prefix="megabench-testrun-") as d:
-        lp = Path(d) / "reports.jsonl"
-        lp.touch()
-        rc, dur, stopped, cmd = run_pytest(args, lp, time_limit_s)
-        counts = count(lp.read_text(encoding="utf-8", errors="replace").splitlines())
-    res = to_result(counts, rc, dur, cmd, stopped, time_limit_s)
+        lp = Path(resume or keep_log or Path(d) / "reports.jsonl")
+        with open(lp, "a", encoding="utf-8") as f:
+            f.write(json.dumps(part_record(args, env)) + "\n")
+        start = lp.stat().st_size
+        done_path = None
+        if done:
+            done_path = Path(d) / "done.txt"
+            done_path.write_text("".join(base_id(n) + "\n" for n in sorted(done)), encoding="utf-8")
+        rc, dur, stopped, cmd = run_pytest(args, lp, time_limit_s, done_path=done_path)
+        with open(lp, "rb") as f:
+            f.seek(start)
+            mine = f.read().decode("utf-8", errors="replace").splitlines()
+        with open(lp, "a", encoding="utf-8") as f:  # the part's own seconds, for the next part's total
+            f.write(json.dumps({"event": "part_end", "seconds": round(dur, 3), "exit": rc}) + "\n")
+        counts = count([*earlier, *mine])
+    part_s.append(dur)
+    if rc == 5 and done and not counts["failed"] and not counts["errors"]:
+        rc = 0  # pytest's "no tests collected": every test had finished in an earlier part
+    if rc == 0 and (counts["failed"] or counts["errors"]):
+        rc = 1  # an earlier part's failure fails the whole command
+    res = to_result(counts, rc, sum(part_s), cmd, stopped, time_limit_s, part_seconds=part_s, env=env)
     path = res.save(results) if save else None
     log(summary_line(counts, rc, dur) + (f"; saved {path}" if path else ""))
     for n in res.notes[2:]:
@@ -287,7 +449,13 @@ def _add_args(p) -> None:
                    help="results root (default $MEGABENCH_RESULTS or reports/results); must exist")
     p.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="stop pytest after S seconds and still save what it reported (exit 124)")
-    p.add_argument("--no-save", action="store_true", help="count and print, write nothing")
+    p.add_argument("--no-save", action="store_true", help="count and print, write no result")
+    p.add_argument("--log", type=Path, default=None, metavar="LOG",
+                   help="keep the run's reports log in LOG (a new file): a run stopped at its time limit can be "
+                        "finished later with --resume LOG")
+    p.add_argument("--resume", type=Path, default=None, metavar="LOG",
+                   help="finish the stopped run whose log is LOG: the same command, commit and GPU, only the tests "
+                        "no earlier part finished; appends to LOG; the result counts every part")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER,
                    help="after `--`: arguments appended to `python -m pytest -q`")
 
@@ -301,7 +469,7 @@ def add_parser(sub) -> None:
 
 def _cmd(a) -> int:
     args = a.pytest_args[1:] if a.pytest_args[:1] == ["--"] else a.pytest_args
-    rc, _, _ = run_tests(args, a.results, a.time_limit, save=not a.no_save)
+    rc, _, _ = run_tests(args, a.results, a.time_limit, save=not a.no_save, keep_log=a.log, resume=a.resume)
     return rc
 
 

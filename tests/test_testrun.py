@@ -8,9 +8,11 @@ import textwrap
 
 import pytest
 
-from reports.cli import main
+from microbench import testrun
+from microbench.errors import OutputError, ResultsFileError
 from microbench.results import find, load
 from microbench.testrun import COUNTS, count, run_tests
+from reports.cli import main
 
 SAMPLE = '''
 import os, time
@@ -157,3 +159,124 @@ def test_the_slowest_tests_and_the_gpu_tests_time_are_recorded(tmp_path, monkeyp
     assert rc == 0 and names[:2] == ["test_slow_gpu", "test_slow_cpu"]
     assert 0.6 <= m["gpu_test_seconds"] < 5 and m["test_seconds"] >= 0.9
     assert any(n.startswith("GPU tests") and "test_slow_gpu" in n for n in r.notes)
+
+
+# ------------------------------------------------------------------------- a run in parts
+# each test appends its name to a file as it starts: which part ran it shows there
+PARTS_SAMPLE = '''
+import os, time
+
+RAN = os.environ["SAMPLE_RAN"]
+
+def _ran(name):
+    with open(RAN, "a") as f:
+        f.write(name + "\\n")
+
+def test_a():
+    _ran("a")
+
+def test_b():
+    _ran("b")
+    assert 0, "b is broken"
+
+def test_slow():
+    _ran("slow")
+    if not os.path.exists(os.environ["SAMPLE_FAST"]):
+        time.sleep(60)
+
+def test_z():
+    _ran("z")
+'''
+
+
+def _parts_setup(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ran, fast = tmp_path / "ran.txt", tmp_path / "fast"
+    monkeypatch.setenv("SAMPLE_RAN", str(ran))
+    monkeypatch.setenv("SAMPLE_FAST", str(fast))
+    res = tmp_path / "res"
+    res.mkdir()
+    args = [str(_sample(tmp_path / "sample", PARTS_SAMPLE)), "-p", "no:cacheprovider"]
+    return args, res, ran, fast
+
+
+def test_a_stopped_run_is_finished_by_a_resumed_part_counting_each_test_once(tmp_path, monkeypatch):
+    """Part 1 stops at its limit inside test_slow; part 2 (--resume) runs test_slow and test_z
+    only, and its result counts all four tests once: a, b (failed, in part 1), slow, z."""
+    args, res, ran, fast = _parts_setup(tmp_path, monkeypatch)
+    log = tmp_path / "reports.jsonl"
+    rc1, r1, _ = run_tests(args, res, time_limit_s=5, log=lambda *_: None, keep_log=log)
+    m1 = r1.series[0].metrics
+    assert rc1 == 124 and m1["passed"] == 1 and m1["failed"] == 1 and m1["parts"] == 1
+    assert ran.read_text().split() == ["a", "b", "slow"]
+    fast.touch()
+    rc2, r2, path = run_tests(args, res, log=lambda *_: None, resume=log)
+    m2 = r2.series[0].metrics
+    assert ran.read_text().split() == ["a", "b", "slow", "slow", "z"]  # a and b were not run again
+    assert {k: m2[k] for k in COUNTS} == {"passed": 3, "failed": 1, "skipped": 0, "errors": 0, "xfailed": 0,
+                                          "xpassed": 0, "deselected": 0}
+    assert rc2 == 1 and m2["finished"] and m2["parts"] == 2  # part 1's failure fails the whole command
+    assert m2["failed_why"] == [["sample/test_sample.py::test_b", "AssertionError: b is broken"]]
+    assert abs(r2.series[0].samples[0] - sum(m2["part_seconds"])) < 0.2 and m2["part_seconds"][0] >= 5
+    assert any("run in 2 parts" in n for n in r2.notes) and path.is_file()
+    # the log now holds a finished run: nothing is left to resume
+    with pytest.raises(ResultsFileError, match="that run finished"):
+        run_tests(args, res, log=lambda *_: None, resume=log)
+
+
+def test_a_resumed_part_of_another_command_commit_or_gpu_is_refused(tmp_path, monkeypatch):
+    args, res, ran, fast = _parts_setup(tmp_path, monkeypatch)
+    log = tmp_path / "reports.jsonl"
+    run_tests(args, res, time_limit_s=5, log=lambda *_: None, keep_log=log)
+    before = ran.read_text()
+    with pytest.raises(ResultsFileError, match="pytest arguments"):
+        run_tests([*args, "-k", "test_z"], res, log=lambda *_: None, resume=log)
+    head, *rest = log.read_text().splitlines(keepends=True)
+    for key, value, what in (("git_sha", "0" * 40, "commit"), ("gpu", "NVIDIA H200", "GPU")):
+        forged = tmp_path / f"forged-{key}.jsonl"
+        forged.write_text(json.dumps({**json.loads(head), key: value}) + "\n" + "".join(rest))
+        with pytest.raises(ResultsFileError, match=what):
+            run_tests(args, res, log=lambda *_: None, resume=forged)
+    assert ran.read_text() == before  # refused before running anything
+    with pytest.raises(OutputError, match="already exists"):
+        run_tests(args, res, log=lambda *_: None, keep_log=log)  # a log is never overwritten
+    with pytest.raises(OutputError, match="no such file"):
+        run_tests(args, res, log=lambda *_: None, resume=tmp_path / "typo.jsonl")
+    (tmp_path / "plain.jsonl").write_text('{"event": "start", "nodeid": "x"}\n')
+    with pytest.raises(ResultsFileError, match="not a test-run log"):
+        run_tests(args, res, log=lambda *_: None, resume=tmp_path / "plain.jsonl")
+
+
+def test_parts_count_a_test_in_the_part_that_finished_it():
+    """A test stopped mid-way in part 1 (its call reported, no teardown) and run again in part 2
+    counts once; part 1's finished tests count from part 1."""
+    rep = lambda n, when, out="passed": json.dumps({"event": "report", "nodeid": n, "when": when, "outcome": out,
+                                                    "xfail": False, "duration": 0.1})
+    part = lambda: json.dumps({"event": "part", "args": [], "git_sha": "x", "git_dirty": False, "gpu": None})
+    p1 = [part(), rep("a", "setup"), rep("a", "call"), rep("a", "teardown"), rep("s", "setup"), rep("s", "call")]
+    p2 = [part(), rep("s", "setup"), rep("s", "call"), rep("s", "teardown")]
+    log_parts = testrun.parts([*p1, *p2])
+    kept, done = testrun.earlier_reports(log_parts[:1])
+    assert done == {"a"} and len(kept) == 3
+    c = count([*kept, *log_parts[1][1]])
+    assert c["passed"] == 2
+    assert testrun.base_id("t.py::test_x[a]@gpu") == "t.py::test_x[a]"
+    assert testrun.base_id("t.py::test_x[a@b]") == "t.py::test_x[a@b]"
+
+
+def test_a_resumed_part_under_xdist_runs_only_what_is_left(tmp_path, monkeypatch):
+    """Under xdist (the README's command on a many-core machine) the workers collect: each leaves
+    out the tests an earlier part finished."""
+    pytest.importorskip("xdist")
+    args, res, ran, fast = _parts_setup(tmp_path, monkeypatch)
+    args = [*args, "-n", "2"]
+    log = tmp_path / "reports.jsonl"
+    rc1, r1, _ = run_tests(args, res, time_limit_s=8, log=lambda *_: None, keep_log=log)
+    assert rc1 == 124 and "slow" in ran.read_text().split()
+    first = ran.read_text().split()
+    fast.touch()
+    rc2, r2, _ = run_tests(args, res, log=lambda *_: None, resume=log)
+    m2 = r2.series[0].metrics
+    again = ran.read_text().split()[len(first):]
+    assert "slow" in again and not set(again) & (set(first) - {"slow"})  # nothing finished in part 1 ran again
+    assert (m2["passed"], m2["failed"], m2["parts"], rc2) == (3, 1, 2, 1)
