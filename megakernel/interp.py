@@ -114,7 +114,7 @@ class Interpreter:
         allseq = list(range(ctx - nc, ctx + nt))  # the cached keys it sees, then the new ones
         per = -(-len(allseq) // ns)
         seqs = allseq[split * per:(split + 1) * per]
-        kg = self.plan.attn_key_groups
+        kg = self.plan.attn_partials_per_split
         mine = [j * 16 + t for j in range(c.group) for t in range(t0, t0 + nt)]  # the request's rows only
         b["att_ml"][kvh, split * kg:(split + 1) * kg, mine, 1] = 0.0  # other key groups: empty partials
         b["att_ml"][kvh, split * kg:(split + 1) * kg, mine, 0] = float("-inf")
@@ -151,7 +151,7 @@ class Interpreter:
         h, t = divmod(u, self.T)
         kvh, j = divmod(h, c.group)
         q = self.row_req[t]  # the row's request: its own splits' partials
-        n = splits(c, self.plan, layer, self.ctxs[q], self.tree_sizes[q]) * self.plan.attn_key_groups
+        n = splits(c, self.plan, layer, self.ctxs[q], self.tree_sizes[q]) * self.plan.attn_partials_per_split
         ml = b["att_ml"][kvh, :n, j * 16 + t]
         o = b["att_o"][kvh, :n, j * 16 + t]
         ok = ml[:, 1] > 0

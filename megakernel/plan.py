@@ -289,6 +289,12 @@ class Plan:
     # projection's staged layout, so that its unit of the same index stages nothing (make_plan:
     # as many as the spare shared memory holds, up to KEEP_MAX)
     keep_units: int = 0
+    # attention: the key groups of a block (attn_key_groups warps per q head, each scoring its
+    # share of every staged round) merge their (O, m, l) in shared memory, in key-group order,
+    # before the block writes, so a split writes one partial instead of attn_key_groups and the
+    # combine loads that many fewer. The merge is inside the unit: a request's bits still depend
+    # on its own context alone, at every B and in both modes. Off: one partial per key group
+    merge_key_groups: bool = False
     profile_cap: int = 64  # profiler records per block per launch
     # the profiler also stamps inside units (staging, ring waits: profile_events.DETAIL_PHASES);
     # several stamps per weight chunk, so more overhead than the op phases alone
@@ -423,9 +429,15 @@ class Plan:
         return WARPS // self.cfg.group
 
     @property
+    def attn_partials_per_split(self) -> int:
+        """Partials a split writes (attention.cuh ATT_PPS): one where the key groups merge in the
+        block (merge_key_groups), else one per key group."""
+        return 1 if self.merge_key_groups else self.attn_key_groups
+
+    @property
     def attn_parts(self) -> int:
-        """Attention partials per kv head (PARTS): splits x key groups."""
-        return self.max_splits * self.attn_key_groups
+        """Attention partials per kv head (PARTS): splits x partials per split."""
+        return self.max_splits * self.attn_partials_per_split
 
     @property
     def stage_bytes(self) -> int:
@@ -557,7 +569,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
               expert1_rows: int | None = None, expert2_rows: int | None = None, layout_pad: int = 0,
               layout_gap: int = 0, fused_experts: bool = False, keep_max: int = KEEP_MAX,
               compute_registers: int = 0, launch_ranks: int = 1, tp_ranks: int = 0,
-              expert_parallel: bool = False, row_groups: int = 1, union_experts: bool | None = None) -> Plan:
+              expert_parallel: bool = False, row_groups: int = 1, union_experts: bool | None = None,
+              merge_key_groups: bool = False) -> Plan:
     """fill_ring: add ring stages of the tuned size in the shared memory left free (the tuned ring
     is the smallest that streams at full rate with nothing else to do; the megakernel's consumers
     also compute, so deeper helps), staging the normed operand in panels where that frees a
@@ -571,7 +584,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     (Plan.layout_pad), a multiple of 16 bytes up to 64 KB; layout_gap: the same in the middle of
     the ops' code (Plan.layout_gap). compute_registers: Plan's (0 = off, or a multiple of 8 from
     176 to 232). launch_ranks, tp_ranks, expert_parallel, row_groups: Plan's. union_experts: Plan's, None = on with
-    row groups (False there: the per-group ablation). A TP build (tp_ranks >= 1) cuts
+    row groups (False there: the per-group ablation). merge_key_groups: Plan's. A TP build (tp_ranks >= 1) cuts
     oproj's K into max_tp_ranks(cfg) groups and sizes its expert units for that many ranks, so that
     its tiles, and so its bits, are the same at every R."""
     cfg.validate()
@@ -609,6 +622,8 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
     for name, v in (("layout_pad", layout_pad), ("layout_gap", layout_gap)):
         if not (isinstance(v, int) and 0 <= v <= 65536 and v % 16 == 0):
             raise ValueError(f"{name} {v!r}: want a multiple of 16 bytes from 0 to 65536 (one 16-byte instruction each)")
+    if merge_key_groups not in (0, 1):  # True / False too
+        raise ValueError(f"merge_key_groups {merge_key_groups!r}: want 0 or 1 (off / on)")
     c = cfg
     budget = ring_stage_bytes
     rr = residual_unit_rows or residual_rows(c, n_sm, budget)
@@ -649,7 +664,7 @@ def make_plan(cfg: ModelConfig, n_sm: int, *, ring_stages: int = 4, ring_stage_b
              fp4_rotated=fp4_rotated, tiles=tiles, layout_pad=layout_pad, layout_gap=layout_gap,
              fused_experts=fused_experts, compute_registers=compute_registers, launch_ranks=launch_ranks,
              tp_ranks=tp_ranks, tp_groups=ng, expert_parallel=expert_parallel, row_groups=row_groups,
-             union_experts=union_experts)
+             union_experts=union_experts, merge_key_groups=bool(merge_key_groups))
     if fill_ring or norm_panel is not None:
         if norm_panel and (c.d_model % norm_panel or any(norm_panel % tiles[n].kc for n in NORM_OPS)):
             raise ValueError(f"norm_panel {norm_panel}: must divide d_model {c.d_model} in whole chunks of "
@@ -772,7 +787,8 @@ def render(plan: Plan) -> str:
         f"constexpr int MISC_BYTES = {plan.misc_bytes};  // mbarriers + MISC ints (Plan.misc_bytes)",
         f"constexpr int PROF_OPS = {PROF_OPS}, MISC_SCRATCH = {MISC_SCRATCH};  // block.cuh's MISC layout",
         f"constexpr unsigned long long GLOBAL_MASK = {sum(1 << g for g in c.global_layers)}ull;  // bit l: layer l is global",
-        f"constexpr int PARTS = {plan.attn_parts};  // attention partials per kv head (MAX_SPLITS x WARPS / G)",
+        f"constexpr int PARTS = {plan.attn_parts};  // attention partials per kv head (MAX_SPLITS x ATT_PPS)",
+        f"constexpr int ATT_PPS = {plan.attn_partials_per_split};  // partials a split writes (Plan.merge_key_groups)",
         "}  // namespace mk",
     ]
     return "\n".join(lines) + "\n"

@@ -115,7 +115,8 @@ constexpr int KEEP_UNITS = 0, KEEP_BYTES = 0, KEEP_MAX = 16;  // fused: kept gat
 constexpr int MISC_BYTES = 1376;  // mbarriers + MISC ints (Plan.misc_bytes)
 constexpr int PROF_OPS = 16, MISC_SCRATCH = 58;  // block.cuh's MISC layout
 constexpr unsigned long long GLOBAL_MASK = 4ull;  // bit l: layer l is global
-constexpr int PARTS = 20;  // attention partials per kv head (MAX_SPLITS x WARPS / G)
+constexpr int PARTS = 20;  // attention partials per kv head (MAX_SPLITS x ATT_PPS)
+constexpr int ATT_PPS = 4;  // partials a split writes (Plan.merge_key_groups)
 }  // namespace mk
 namespace mk {
 constexpr int B_MAX = 16;  // requests of one step (abi.py)

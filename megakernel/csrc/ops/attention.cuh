@@ -9,8 +9,9 @@
 // one q head over all rows; a unit scores its request's rows only (the others masked, and not
 // written: att_o rows of different requests are disjoint).
 // Warp w takes head j = w % G and key group kg = w / G (WARPS/G groups split
-// each staged block of ATT_KB keys); each (split, key group) writes an unnormalised partial (O, running max m, sum l) that
-// attn_combine merges in fixed order. Masks: a cached key at sequence s is visible to token t
+// each staged block of ATT_KB keys); each (split, key group) holds an unnormalised partial (O, running max m, sum l).
+// ATT_PPS = ATT_KG: each is written, and attn_combine merges them in fixed order. ATT_PPS = 1
+// (Plan.merge_key_groups): the block merges them first, in key-group order, and writes one per split. Masks: a cached key at sequence s is visible to token t
 // in a sliding layer iff s >= ctx + depth(t) - W + 1 (global: always); new key i iff i is an
 // ancestor of t or t itself. Scores and softmax in fp32 (scale 1/sqrt(hd)); P is rounded to bf16
 // for the tensor-core P*V product (FlashAttention-2 practice).
@@ -22,7 +23,8 @@ namespace mk {
 
 // keys staged per round: ATT_KB (plan.attn_round_keys, 32 where that gives each key group 16)
 constexpr int ATT_KG = WARPS / G;           // key groups per block
-static_assert(PARTS == MAX_SPLITS * ATT_KG, "PARTS (plan.attn_parts) counts a partial per split and key group");
+static_assert(ATT_PPS == 1 || ATT_PPS == ATT_KG, "a split writes one partial, or one per key group");
+static_assert(PARTS == MAX_SPLITS * ATT_PPS, "PARTS (plan.attn_parts) counts the partials every split writes");
 constexpr int ATT_KPW = ATT_KB / ATT_KG;    // keys per warp per round
 constexpr int ATT_KSUB = ATT_KPW < 32 ? ATT_KPW : 32;  // keys per online-softmax update (register budget)
 constexpr int ATT_QS = HD * 2 + ROW_PAD;    // smem row strides (bytes)
@@ -30,6 +32,19 @@ constexpr int ATT_KS = HD * 2 + ROW_PAD;
 static_assert(HD % 16 == 0, "P*V loads two 8-wide d tiles per ldmatrix");
 static_assert(ATT_KPW % 16 == 0 && ATT_KPW % ATT_KSUB == 0, "each warp scores whole k16 blocks of keys (G >= 2 with 8 warps)");
 static_assert(G * 16 * ATT_QS + 2 * ATT_KB * ATT_KS <= ABUF_BYTES, "attention tiles fit abuf");
+
+// The key groups' merge (ATT_PPS = 1) in abuf: every group's (m, l) of its G heads x 16 rows, then
+// groups 1.. ATT_KG-1's scaled O, ATT_MCH 8-column tiles at a time (the most that fit: a chunk
+// costs two barriers)
+constexpr int ATT_ML_BYTES = ATT_KG * G * 16 * 2 * 4;
+__host__ __device__ constexpr int att_merge_chunk() {
+  int n = HD / 8;
+  while (n > 1 && ATT_ML_BYTES + (ATT_KG - 1) * G * 16 * 8 * n * 4 > ABUF_BYTES) n /= 2;
+  return n;
+}
+constexpr int ATT_MCH = att_merge_chunk();
+static_assert(ATT_PPS == ATT_KG || ((HD / 8) % ATT_MCH == 0 &&
+              ATT_ML_BYTES + (ATT_KG - 1) * G * 16 * 8 * ATT_MCH * 4 <= ABUF_BYTES), "the key groups' merge fits abuf");
 
 // Unit -> (kv head, request, split): a kv head's units are the requests' splits in request order
 // (attn_span; a request's splits are those of its own ctx and rows: req_splits).
@@ -233,8 +248,77 @@ MK_COLD_LOOP
     }  // sub-block
   }
 
-  // partial result of (split, key group): unnormalised O, running max, running sum
-  const int part = split * ATT_KG + kg;
+  if constexpr (ATT_PPS == 1 && ATT_KG > 1) {
+    // merge the key groups' partials of each (head j, row): M = max of their m, each scaled by
+    // a_k = exp(m_k - M), O = ((a_0 O_0 + a_1 O_1) + a_2 O_2) + ..., l likewise, in key-group
+    // order. Every warp computes the same (M, a_k, l) from the shared (m, l); group 0 sums the O
+    // and writes. A group with nothing visible has m = -inf, l = 0 and O = 0: a_k = 0.
+    float* msh = reinterpret_cast<float*>(b.abuf);            // [ATT_KG][G][16][2]
+    float* osh = msh + ATT_KG * G * 16 * 2;                     // [ATT_KG - 1][G][16][ATT_MCH * 8]
+    sync_compute();  // every warp is done with the Q, K and V tiles that abuf held
+    if (t4 == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float* e = msh + ((kg * G + j) * 16 + g + 8 * h) * 2;
+        e[0] = m[h];
+        e[1] = l[h];
+      }
+    }
+    sync_compute();
+    float a_mine[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float* e = msh + (j * 16 + g + 8 * h) * 2;  // key group k's entry: e + k * G * 32
+      float mm = neg_inf();
+#pragma unroll
+      for (int k = 0; k < ATT_KG; ++k) mm = fmax_(mm, e[k * G * 32]);
+      const float muse = mm == neg_inf() ? 0.f : mm;
+      float ls = 0.f;
+#pragma unroll
+      for (int k = 0; k < ATT_KG; ++k) {
+        const float a = fexp(e[k * G * 32] - muse);
+        ls += e[k * G * 32 + 1] * a;
+        if (k == kg) a_mine[h] = a;
+      }
+      m[h] = mm;
+      l[h] = ls;
+    }
+    constexpr int CW = ATT_MCH * 8;  // columns of a chunk
+#pragma unroll
+    for (int c0 = 0; c0 < HD / 8; c0 += ATT_MCH) {
+      if (kg > 0) {
+#pragma unroll
+        for (int dn = c0; dn < c0 + ATT_MCH; ++dn)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<float2*>(osh + (((kg - 1) * G + j) * 16 + g + 8 * h) * CW + (dn - c0) * 8 + 2 * t4) =
+                float2{o[dn][2 * h] * a_mine[h], o[dn][2 * h + 1] * a_mine[h]};
+      }
+      sync_compute();
+      if (kg == 0) {
+#pragma unroll
+        for (int dn = c0; dn < c0 + ATT_MCH; ++dn)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float s0 = o[dn][2 * h] * a_mine[h], s1 = o[dn][2 * h + 1] * a_mine[h];
+#pragma unroll
+            for (int k = 1; k < ATT_KG; ++k) {
+              const float2 v = *reinterpret_cast<const float2*>(
+                  osh + (((k - 1) * G + j) * 16 + g + 8 * h) * CW + (dn - c0) * 8 + 2 * t4);
+              s0 += v.x;
+              s1 += v.y;
+            }
+            o[dn][2 * h] = s0;
+            o[dn][2 * h + 1] = s1;
+          }
+      }
+      sync_compute();  // the chunk's scratch is read before the next chunk overwrites it
+    }
+    if (kg > 0) return;  // group 0 writes the split's one partial
+  }
+
+  // partial result of (split, key group), or of the split (merged): unnormalised O, running max, running sum
+  const int part = ATT_PPS == ATT_KG ? split * ATT_KG + kg : split;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int t = g + 8 * h;

@@ -1,5 +1,5 @@
 // attn_combine: merge the attention partials of one (q head, token) in fixed order. Unit = one
-// q head x one row of the step; the row's request's partials (its splits x ATT_KG, numbered as
+// q head x one row of the step; the row's request's partials (its splits x ATT_PPS, numbered as
 // when it runs alone). o = sum_p exp(m_p - M) O_p / sum_p exp(m_p - M) l_p, parts with no visible
 // key (l = 0) skipped; written as bf16 into att_out[t][head*HD + d].
 #pragma once
@@ -12,7 +12,7 @@ MK_DEV void run_attn_combine(Blk& b, int layer, int unit) {
   const Params& p = *b.p;
   const int rows = step_rows(b), h = unit / rows, t = unit % rows;
   const int kvh = h / G, j = h % G, r = row_req(b, t);
-  const int nparts = req_splits(b, layer, r) * ATT_KG;
+  const int nparts = req_splits(b, layer, r) * ATT_PPS;
   const size_t row0 = static_cast<size_t>(kvh) * PARTS * (G * 16) + j * 16 + t;
   // All compute threads: NSL slices of the parts, each summed by HD threads (one per d), then the
   // slices added in slice order. A thread's first NB partial rows of O are loaded before anything
