@@ -39,8 +39,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import pytest
-
 from .errors import MegabenchError, OutputError, ResultsFileError
 from .results import REPO_ROOT, Derived, Env, Result, Series
 
@@ -93,7 +91,6 @@ def base_id(nodeid: str) -> str:
     return head if at and tail and not any(c in tail for c in "[]:/") else nodeid
 
 
-@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     global _resuming
     path = os.environ.get(DONE_ENV)
