@@ -1,10 +1,13 @@
 """Attention's key groups merged inside the block (Plan.merge_key_groups): each split writes one
 partial, the block having merged its key groups' (O, m, l) in key-group order, and the combine
-reads that many fewer. tiny has four key groups a block. A merged build must pass the batch check
+reads that many fewer. tiny has four key groups a block (two of them see a 32-key split's keys);
+tiny with four q heads a kv head has two, both scoring, as small has. A merged build must pass the batch check
 (each request bitwise its own B=1 step, mega bitwise chain at the random and adversarial
 schedules, each request within the reference's bound) from poisoned buffers. Mutations (a key group left out of the sum, the barrier before group 0
 reads the others' O dropped, the scales taken from the wrong group) must fail it."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from megakernel import ab
 from megakernel.batch import check_batch, engine_for, make_requests, random_caches
 from megakernel.config import preset
 from megakernel.plan import make_plan
+from megakernel.weights import generate
 
 from megakernel_cases import mutated_csrc, tiny  # noqa: F401 (fixture)
 
@@ -24,11 +28,23 @@ def _plan(cfg, **kw):
     return make_plan(cfg, 4, spin_bound_ns=3_000_000_000, **kw)
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_merged_key_groups_pass_the_batch_check(tiny, name):
-    cfg, w = tiny[0], tiny[1]
+@pytest.fixture(scope="module")
+def tiny_g4():
+    """tiny with 8 q heads over its 2 kv heads: 4 a kv head, so 2 key groups a block (small's)."""
+    cfg = dataclasses.replace(preset("tiny"), n_heads=8)
+    return cfg, generate(cfg)
+
+
+def _model(request, which):
+    return request.getfixturevalue(which)[:2]
+
+
+@pytest.mark.parametrize("which,name", [("tiny", "3"), ("tiny", "4"), ("tiny_g4", "4")])
+def test_merged_key_groups_pass_the_batch_check(request, which, name):
+    cfg, w = _model(request, which)
     plan = _plan(cfg, merge_key_groups=True)
-    assert plan.attn_key_groups == 4 and plan.attn_parts * 4 == _plan(cfg).attn_parts
+    kg = plan.attn_key_groups
+    assert kg == {"tiny": 4, "tiny_g4": 2}[which] and plan.attn_parts * kg == _plan(cfg).attn_parts
     shape = SHAPES[name]
     res = check_batch(w, plan, random_caches(cfg, len(shape), seed=5), make_requests(cfg, shape, seed=5),
                       schedules=("random", "last", "block"), grid=plan.n_sm, seed=5)
@@ -67,9 +83,9 @@ MUTATIONS = {
 }
 
 
-@pytest.mark.parametrize("name", list(MUTATIONS))
-def test_merge_mutations_fail_the_batch_check(tiny, tmp_path, name):
-    cfg, w = tiny[0], tiny[1]
+@pytest.mark.parametrize("which,name", [("tiny", n) for n in MUTATIONS] + [("tiny_g4", n) for n in MUTATIONS])
+def test_merge_mutations_fail_the_batch_check(request, tmp_path, which, name):
+    cfg, w = _model(request, which)
     plan = _plan(cfg, merge_key_groups=True)
     shape = SHAPES["3"]
     with ab.kernel_tree(mutated_csrc(tmp_path, *MUTATIONS[name])):
