@@ -343,7 +343,8 @@ def _step(a) -> int:
     """`step`: with --ranks the tensor-parallel build's steps (_step_ranks), else a step of B requests."""
     if a.ranks is not None:
         extra = [f for f, v in (("--batch", a.batch), ("--tree-sizes", a.tree_sizes), ("--ctxs", a.ctxs),
-                                ("--per-group-experts", a.per_group_experts or None)) if v is not None]
+                                ("--per-group-experts", a.per_group_experts or None),
+                                ("--merge-key-groups", a.merge_key_groups or None)) if v is not None]
         if extra:
             print(f"step: --ranks with {', '.join(extra)}: batched steps of the tensor-parallel build are not built",
                   file=sys.stderr)
@@ -409,6 +410,8 @@ def _step_batch(a) -> int:
     # the profiled build (same op code, same bits): a block records its units of every group's
     # instances, so its records per launch grow with the groups
     prof = {"profile": True, "profile_cap": 128 * groups} if a.profile else {}
+    if a.merge_key_groups:
+        prof["merge_key_groups"] = True  # another build (one partial a split): other bits, checked the same way
     if why:
         from .weights import generate  # heavy: torch (megakernel.weights)
 
@@ -436,6 +439,7 @@ def _step_batch(a) -> int:
     print(f"{a.preset}: {batch} request(s), {rows} rows" + (f" in {groups} row groups" if groups > 1 else "")
           + ((", each group's own experts (ablation)" if a.per_group_experts else
               ", experts over the union of their routing") if groups > 1 else "")
+          + (", attention's key groups merged in the block" if plan.merge_key_groups else "")
           + f", {a.mode} mode ({backend})")
     for r, (t, c) in enumerate(shape):
         print(f"  request {r}: T={t} ctx={c}: greedy tokens {out.request(r).tokens.tolist()}")
@@ -997,6 +1001,9 @@ def add_tools(sub) -> None:
     s.add_argument("--per-group-experts", action="store_true",
                    help="past 16 rows: the ablation whose every row group streams its own routed experts (default: "
                         "once over the union of their routing)")
+    s.add_argument("--merge-key-groups", action="store_true",
+                   help="the build whose attention blocks merge their key groups' partials, one a split "
+                        "(Plan.merge_key_groups; off by default until measured)")
     s.add_argument("--schedule", nargs="+", default=None, choices=["random", "last", "block"],
                    help="emulated mega schedules the check runs (the first also runs the printed step; default random "
                         "last); the host emulation only")

@@ -111,3 +111,18 @@ def test_the_interpreter_reads_one_partial_a_split(tiny):
     outs = [Interpreter(w, build(_plan(cfg, merge_key_groups=m)), random_caches(cfg, len(shape), seed=4))
             .run_batch(reqs, order="program") for m in (False, True)]
     assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
+
+
+def test_mk_step_checks_the_merged_build(capsys):
+    """`mk step --merge-key-groups --check` (the build a GPU session profiles and checks) runs the
+    merged build through the batch check; the tensor-parallel steps refuse the switch by name."""
+    from megakernel import cli
+    from microbench.device import no_gpu_reason
+
+    if not no_gpu_reason():
+        pytest.skip("a GPU is present: tiny runs there, not in the emulation")
+    assert cli.main(["step", "--preset", "tiny", "--batch", "2", "--merge-key-groups", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "attention's key groups merged in the block" in out and "check: passed" in out
+    assert cli.main(["step", "--ranks", "2", "--merge-key-groups"]) == 2
+    assert "--merge-key-groups" in capsys.readouterr().err
