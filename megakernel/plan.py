@@ -425,7 +425,8 @@ class Plan:
 
     @property
     def attn_key_groups(self) -> int:
-        """Warps of an attention block per q head (attention.cuh ATT_KG); each writes a partial."""
+        """Warps of an attention block per q head (attention.cuh ATT_KG); each holds a partial of
+        its split (written, or merged in the block: attn_partials_per_split)."""
         return WARPS // self.cfg.group
 
     @property

@@ -8,12 +8,12 @@
 // Query rows are r = j*16 + t: q head kvh*G + j, row t of the step, so each m16 tile of rows is
 // one q head over all rows; a unit scores its request's rows only (the others masked, and not
 // written: att_o rows of different requests are disjoint).
-// Warp w takes head j = w % G and key group kg = w / G (WARPS/G groups split
-// each staged block of ATT_KB keys); each (split, key group) holds an unnormalised partial (O, running max m, sum l).
+// Warp w takes head j = w % G and key group kg = w / G (WARPS/G groups split each staged block of
+// ATT_KB keys); each (split, key group) holds an unnormalised partial (O, running max m, sum l).
 // ATT_PPS = ATT_KG: each is written, and attn_combine merges them in fixed order. ATT_PPS = 1
-// (Plan.merge_key_groups): the block merges them first, in key-group order, and writes one per split. Masks: a cached key at sequence s is visible to token t
-// in a sliding layer iff s >= ctx + depth(t) - W + 1 (global: always); new key i iff i is an
-// ancestor of t or t itself. Scores and softmax in fp32 (scale 1/sqrt(hd)); P is rounded to bf16
+// (Plan.merge_key_groups): the block merges them first, in key-group order, and writes one per
+// split. Masks: a cached key at sequence s is visible to token t in a sliding layer iff
+// s >= ctx + depth(t) - W + 1 (global: always); new key i iff i is an ancestor of t or t itself. Scores and softmax in fp32 (scale 1/sqrt(hd)); P is rounded to bf16
 // for the tensor-core P*V product (FlashAttention-2 practice).
 #pragma once
 #include "mk/gemm.cuh"
@@ -317,7 +317,7 @@ MK_COLD_LOOP
     if (kg > 0) return;  // group 0 writes the split's one partial
   }
 
-  // partial result of (split, key group), or of the split (merged): unnormalised O, running max, running sum
+  // the partial of (split, key group), or of the split (merged): unnormalised O, running max, running sum
   const int part = ATT_PPS == ATT_KG ? split * ATT_KG + kg : split;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
