@@ -194,16 +194,22 @@ def count(lines) -> dict:
 
 
 # ------------------------------------------------------------------------- parts (a resumed run)
+def _record(line: str) -> dict:
+    """One log line's record; {} for a line cut off by a crash."""
+    try:
+        r = json.loads(line)
+    except json.JSONDecodeError:
+        return {}
+    return r if isinstance(r, dict) else {}
+
+
 def parts(lines) -> list[tuple[dict, list[str]]]:
     """The log's parts: (its `part` record, its lines), in order. Lines before the first part
     record (a log written by an older version) belong to no part and are refused by `resume_plan`."""
     out: list[tuple[dict, list[str]]] = []
     for line in lines:
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            r = None
-        if isinstance(r, dict) and r.get("event") == "part":
+        r = _record(line)
+        if r.get("event") == "part":
             out.append((r, []))
         elif out:
             out[-1][1].append(line)
@@ -212,15 +218,7 @@ def parts(lines) -> list[tuple[dict, list[str]]]:
 
 def finished_in(lines) -> set[str]:
     """The tests whose teardown a part reported: finished there, whatever their outcome."""
-    done = set()
-    for line in lines:
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if r.get("event") == "report" and r.get("when") == "teardown":
-            done.add(r["nodeid"])
-    return done
+    return {r["nodeid"] for r in map(_record, lines) if r.get("event") == "report" and r.get("when") == "teardown"}
 
 
 def earlier_reports(log_parts) -> tuple[list[str], set[str]]:
@@ -230,26 +228,18 @@ def earlier_reports(log_parts) -> tuple[list[str], set[str]]:
     kept, done = [], set()
     for _, lines in log_parts:
         fin = finished_in(lines)
-        for line in lines:
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if r.get("event") == "report" and r["nodeid"] in fin:
-                kept.append(line)
+        kept += [line for line in lines if (r := _record(line)).get("event") == "report" and r["nodeid"] in fin]
         done |= fin
     return kept, done
 
 
 def _part_seconds(lines) -> float:
     """A part's wall seconds, from its `part_end` record (0 for a part whose runner died first)."""
-    for line in reversed(lines):
-        if '"event": "part_end"' in line:
-            try:
-                return float(json.loads(line).get("seconds") or 0.0)
-            except (json.JSONDecodeError, TypeError, ValueError):
-                return 0.0
-    return 0.0
+    ends = [r for r in map(_record, lines) if r.get("event") == "part_end"]
+    try:
+        return float(ends[-1].get("seconds") or 0.0) if ends else 0.0
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def part_record(args: list[str], env) -> dict:
@@ -257,9 +247,9 @@ def part_record(args: list[str], env) -> dict:
             "gpu": env.gpu, "date": env.date}
 
 
-def resume_plan(log_path: Path, args: list[str], env) -> tuple[list[tuple[dict, list[str]]], set[str]]:
-    """Check that `log_path` is a stopped run of this command, commit and GPU; its parts and the
-    tests they finished. Raises naming what does not match."""
+def resume_plan(log_path: Path, args: list[str], env) -> list[tuple[dict, list[str]]]:
+    """Check that `log_path` is a stopped run of this command, commit and GPU; its parts. Raises
+    naming what does not match."""
     if not log_path.is_file():
         raise OutputError(f"--resume {log_path}: no such file" if not log_path.exists()
                           else f"--resume {log_path}: not a file")
@@ -273,10 +263,9 @@ def resume_plan(log_path: Path, args: list[str], env) -> tuple[list[tuple[dict, 
             raise ResultsFileError(f"--resume {log_path}: its run had {what} {first.get(key)!r}, this one "
                                    f"{want[key]!r}: a resumed run must be the same command at the same commit on "
                                    "the same GPU")
-    for _, lines in log_parts:
-        if any('"event": "finish"' in line for line in lines):
-            raise ResultsFileError(f"--resume {log_path}: that run finished; nothing is left to run")
-    return log_parts, earlier_reports(log_parts)[1]
+    if any(_record(line).get("event") == "finish" for _, lines in log_parts for line in lines):
+        raise ResultsFileError(f"--resume {log_path}: that run finished; nothing is left to run")
+    return log_parts
 
 
 # ------------------------------------------------------------------------- the machine
@@ -408,8 +397,8 @@ def run_tests(args: list[str], results: Path | None = None, time_limit_s: float 
     env = Env.capture()
     earlier, done, part_s = [], set(), []
     if resume is not None:
-        log_parts, done = resume_plan(Path(resume), args, env)
-        earlier = earlier_reports(log_parts)[0]
+        log_parts = resume_plan(Path(resume), args, env)
+        earlier, done = earlier_reports(log_parts)
         part_s = [_part_seconds(lines) for _, lines in log_parts]
     with tempfile.TemporaryDirectory(prefix="megabench-testrun-") as d:
         lp = Path(resume or keep_log or Path(d) / "reports.jsonl")
